@@ -1,0 +1,245 @@
+/* libddp common layer: status codes, errors, logging, allocator, environment, clocks,
+ * counter-based RNG and fp16/bf16 conversion.
+ *
+ * Every other layer builds on this header. Nothing here blocks; everything here is
+ * thread-safe unless a comment says otherwise. */
+#ifndef DDP_COMMON_H
+#define DDP_COMMON_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define DDP_API __attribute__((visibility("default")))
+#define DDP_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define DDP_API
+#define DDP_PRINTF(f, a)
+#endif
+
+/* ---------------------------------------------------------------- status codes ---- */
+
+/* One list generates the enum, ddp_status_name() and ddp_status_str(), so the three
+ * cannot drift apart. REMOTE, TIMEOUT, DESYNC and ABORTED leave a process group failed:
+ * re-create it (docs/errors.md). */
+#define DDP_STATUS_MAP(XX)                                                              \
+  XX(OK, "success")                                                                     \
+  XX(INVALID_ARGUMENT, "invalid argument")                                              \
+  XX(INVALID_USAGE, "invalid usage")                                                    \
+  XX(INVALID_DATA, "invalid or corrupt data")                                           \
+  XX(NO_MEMORY, "out of memory")                                                        \
+  XX(SYSTEM, "system call failed")                                                      \
+  XX(REMOTE, "remote peer failed")                                                      \
+  XX(TIMEOUT, "timed out")                                                              \
+  XX(DESYNC, "collectives out of sync across ranks")                                    \
+  XX(UNSUPPORTED, "unsupported operation")                                              \
+  XX(NOT_FOUND, "not found")                                                            \
+  XX(ABORTED, "aborted")                                                                \
+  XX(INTERNAL, "internal error")
+
+typedef enum ddp_status {
+#define DDP_STATUS_ENUM_(name, text) DDP_##name,
+  DDP_STATUS_MAP(DDP_STATUS_ENUM_)
+#undef DDP_STATUS_ENUM_
+  DDP_STATUS_COUNT_
+} ddp_status_t;
+
+/* DDP_OK is spelled DDP_OK; error codes are DDP_ERR_*. */
+#define DDP_ERR_INVALID_ARGUMENT DDP_INVALID_ARGUMENT
+#define DDP_ERR_INVALID_USAGE DDP_INVALID_USAGE
+#define DDP_ERR_INVALID_DATA DDP_INVALID_DATA
+#define DDP_ERR_NO_MEMORY DDP_NO_MEMORY
+#define DDP_ERR_SYSTEM DDP_SYSTEM
+#define DDP_ERR_REMOTE DDP_REMOTE
+#define DDP_ERR_TIMEOUT DDP_TIMEOUT
+#define DDP_ERR_DESYNC DDP_DESYNC
+#define DDP_ERR_UNSUPPORTED DDP_UNSUPPORTED
+#define DDP_ERR_NOT_FOUND DDP_NOT_FOUND
+#define DDP_ERR_ABORTED DDP_ABORTED
+#define DDP_ERR_INTERNAL DDP_INTERNAL
+
+/* "DDP_ERR_TIMEOUT"-style name, or "DDP_ERR_UNKNOWN" for a value outside the list. */
+DDP_API const char *ddp_status_name(ddp_status_t s);
+/* Generic human text ("timed out"). The specific message lives on the handle. */
+DDP_API const char *ddp_status_str(ddp_status_t s);
+
+/* ---------------------------------------------------------------- errors ---------- */
+
+#define DDP_ERROR_MSG_MAX 512
+
+/* The last error of one handle (or of one call that has no handle yet, such as an open).
+ * Handles embed one; functions without a handle take an optional ddp_error_t * (NULL is
+ * allowed and means "log only"). The message names what a user needs: the rank, the peer,
+ * the syscall and errno, the collective, the file offset, the parameter. */
+typedef struct ddp_error {
+  ddp_status_t status;
+  char msg[DDP_ERROR_MSG_MAX];
+} ddp_error_t;
+
+/* ---------------------------------------------------------------- logging --------- */
+
+typedef enum ddp_log_level {
+  DDP_LOG_ERROR = 0, /* always printed */
+  DDP_LOG_WARN = 1,  /* always printed (PyTorch prints warnings at OFF too) */
+  DDP_LOG_INFO = 2,  /* DDP_DEBUG=INFO or DETAIL */
+  DDP_LOG_DETAIL = 3 /* DDP_DEBUG=DETAIL */
+} ddp_log_level_t;
+
+/* The debug level from DDP_DEBUG, else TORCH_DISTRIBUTED_DEBUG: OFF (default) -> WARN,
+ * INFO -> INFO, DETAIL -> DETAIL. Read from the environment at each call. */
+DDP_API ddp_log_level_t ddp_log_level_from_env(void);
+
+/* A log sink receives finished lines ("[rank3] libddp WARN: ..." without newline).
+ * The default sink writes to stderr. The sink is process-wide, like libuv's allocator;
+ * set it before creating handles. NULL restores the default. */
+typedef void (*ddp_log_sink_fn)(void *user, ddp_log_level_t level, const char *line);
+DDP_API void ddp_set_log_sink(ddp_log_sink_fn fn, void *user);
+
+/* ---------------------------------------------------------------- allocator ------- */
+
+/* A replaceable allocator (process-wide, like uv_replace_allocator). Set it before any
+ * handle exists and restore it after the last is destroyed. All four must be non-NULL. */
+typedef struct ddp_allocator {
+  void *(*malloc_fn)(void *user, size_t size);
+  void *(*calloc_fn)(void *user, size_t n, size_t size);
+  void *(*realloc_fn)(void *user, void *ptr, size_t size);
+  void (*free_fn)(void *user, void *ptr);
+  void *user;
+} ddp_allocator_t;
+
+/* NULL restores the libc allocator. */
+DDP_API void ddp_set_allocator(const ddp_allocator_t *a);
+
+/* Counters kept by the library's allocation wrappers, whatever the allocator. They let a
+ * test prove that a hot path (a training step, a collective) allocates nothing. */
+typedef struct ddp_alloc_stats {
+  uint64_t allocs; /* successful malloc/calloc/realloc(NULL, n) calls */
+  uint64_t frees;  /* free calls on non-NULL pointers */
+} ddp_alloc_stats_t;
+DDP_API void ddp_alloc_stats(ddp_alloc_stats_t *out);
+
+/* Memory for callers that hand buffers to the library and back (64-byte aligned). */
+DDP_API void *ddp_malloc(size_t size);
+DDP_API void ddp_free(void *ptr);
+
+/* ---------------------------------------------------------------- environment ----- */
+
+/* Every environment variable libddp reads, in one list (docs/environment.md mirrors it;
+ * a test checks the two agree). X(id, name, default, description). */
+#define DDP_ENV_MAP(X)                                                                    \
+  X(DEBUG, "DDP_DEBUG", "OFF", "Log level: OFF (errors and warnings), INFO or DETAIL.")    \
+  X(TORCH_DEBUG, "TORCH_DISTRIBUTED_DEBUG", "OFF",                                        \
+    "Read when DDP_DEBUG is unset; same values, as in PyTorch.")                          \
+  X(BLAS_THREADS, "DDP_BLAS_THREADS", "1",                                                \
+    "OpenBLAS threads per rank; set explicitly at first use of the BLAS wrapper.")        \
+  X(TIMEOUT, "DDP_TIMEOUT", "1800",                                                       \
+    "Default collective and rendezvous timeout in seconds (HF's ddp_timeout).")           \
+  X(ALGORITHM, "DDP_ALGORITHM", "auto",                                                   \
+    "Collective algorithm: auto (the size table), canonical, ring or small.")             \
+  X(RANK, "RANK", "", "Global rank (torchrun, ddprun).")                                  \
+  X(LOCAL_RANK, "LOCAL_RANK", "", "Rank on this host (torchrun, ddprun).")                \
+  X(WORLD_SIZE, "WORLD_SIZE", "", "Number of ranks (torchrun, ddprun).")                  \
+  X(LOCAL_WORLD_SIZE, "LOCAL_WORLD_SIZE", "", "Ranks on this host (torchrun, ddprun).")   \
+  X(MASTER_ADDR, "MASTER_ADDR", "127.0.0.1", "Host of the TCP store (torchrun, ddprun).")  \
+  X(MASTER_PORT, "MASTER_PORT", "29500", "Port of the TCP store (torchrun, ddprun).")     \
+  X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.") \
+  X(BACKEND, "DDP_BACKEND", "", "Backend for ddp_pg_create_from_env: threads, shm, tcp, gloo, mpi, nccl.") \
+  X(OMPI_RANK, "OMPI_COMM_WORLD_RANK", "", "Rank under Open MPI's mpirun.")              \
+  X(OMPI_SIZE, "OMPI_COMM_WORLD_SIZE", "", "World size under Open MPI's mpirun.")         \
+  X(OMPI_LOCAL_RANK, "OMPI_COMM_WORLD_LOCAL_RANK", "", "Local rank under Open MPI.")      \
+  X(SLURM_PROCID, "SLURM_PROCID", "", "Rank under Slurm's srun.")                         \
+  X(SLURM_NTASKS, "SLURM_NTASKS", "", "World size under Slurm's srun.")                   \
+  X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.")
+
+typedef enum ddp_env_id {
+#define DDP_ENV_ENUM_(id, name, def, doc) DDP_ENV_##id,
+  DDP_ENV_MAP(DDP_ENV_ENUM_)
+#undef DDP_ENV_ENUM_
+  DDP_ENV_COUNT_
+} ddp_env_id_t;
+
+/* The variable's value, or its default when unset or empty (never NULL). */
+DDP_API const char *ddp_env_get(ddp_env_id_t id);
+/* True when the variable is set to a non-empty value. */
+DDP_API bool ddp_env_is_set(ddp_env_id_t id);
+/* Parses the value (or default) as an integer in [lo, hi]. A malformed or out-of-range value
+ * is DDP_ERR_INVALID_ARGUMENT with a message naming the variable, its value and the range. */
+DDP_API ddp_status_t ddp_env_int(ddp_env_id_t id, int64_t lo, int64_t hi, int64_t *out,
+                                 ddp_error_t *err);
+/* Name, default and description, for docs and --help. */
+DDP_API const char *ddp_env_name(ddp_env_id_t id);
+DDP_API const char *ddp_env_default(ddp_env_id_t id);
+DDP_API const char *ddp_env_doc(ddp_env_id_t id);
+
+/* ---------------------------------------------------------------- clock ----------- */
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+DDP_API int64_t ddp_now_ns(void);
+/* now + ms, saturating; ms < 0 means "no deadline" (INT64_MAX). */
+DDP_API int64_t ddp_deadline_after_ms(int64_t ms);
+/* Milliseconds left until deadline, clamped to [0, INT32_MAX] (for poll()). */
+DDP_API int ddp_ms_until(int64_t deadline_ns);
+
+/* ---------------------------------------------------------------- RNG ------------- */
+
+/* Philox4x32-10 (Salmon et al., SC'11): a counter-based generator. Output block i of a
+ * stream is a pure function of (seed, stream, i), so draws do not depend on thread timing
+ * or on which rank asks first (determinism contract D4). Use one stream per purpose, e.g.
+ * ddp_rng_stream(DDP_RNG_DROPOUT, rank, step). */
+typedef struct ddp_rng {
+  uint64_t seed;
+  uint64_t stream;
+  uint64_t counter; /* next 128-bit block to generate */
+  uint32_t buf[4];  /* current block */
+  int used;         /* words of buf consumed; 4 = empty */
+  int has_spare;    /* Box-Muller keeps its second normal */
+  float spare;
+} ddp_rng_t;
+
+typedef enum ddp_rng_purpose {
+  DDP_RNG_INIT = 1,
+  DDP_RNG_SHUFFLE = 2,
+  DDP_RNG_DROPOUT = 3,
+  DDP_RNG_POWERSGD = 4,
+  DDP_RNG_DATA = 5,
+  DDP_RNG_TEST = 6
+} ddp_rng_purpose_t;
+
+/* Packs (purpose, rank, step) into one stream id: 8 bits purpose, 24 bits rank, 32 step. */
+DDP_API uint64_t ddp_rng_stream(ddp_rng_purpose_t purpose, uint32_t rank, uint64_t step);
+/* The raw block function: out = Philox4x32-10(key = seed, counter = (ctr, stream)). */
+DDP_API void ddp_philox4x32_10(uint64_t seed, uint64_t stream, uint64_t ctr, uint32_t out[4]);
+DDP_API void ddp_rng_init(ddp_rng_t *r, uint64_t seed, uint64_t stream);
+/* Positions the stream at block `counter` (discarding buffered words). */
+DDP_API void ddp_rng_seek(ddp_rng_t *r, uint64_t counter);
+DDP_API uint32_t ddp_rng_u32(ddp_rng_t *r);
+/* Uniform float in [0, 1): 24 random bits times 2^-24. */
+DDP_API float ddp_rng_uniform(ddp_rng_t *r);
+/* Uniform double in [0, 1): 53 random bits. */
+DDP_API double ddp_rng_uniform_f64(ddp_rng_t *r);
+/* Standard normal (Box-Muller on two uniforms in (0, 1]). */
+DDP_API float ddp_rng_normal(ddp_rng_t *r);
+
+/* ---------------------------------------------------------------- fp16 / bf16 ----- */
+
+/* IEEE binary16 and bfloat16 stored as raw bits. Narrowing rounds to nearest, ties to even;
+ * NaN stays NaN (quiet, sign and top payload bits kept), ±Inf and signed zero are exact,
+ * subnormals are produced and consumed exactly. Widening is exact. */
+typedef uint16_t ddp_f16_t;
+typedef uint16_t ddp_bf16_t;
+
+DDP_API ddp_f16_t ddp_f32_to_f16(float f);
+DDP_API float ddp_f16_to_f32(ddp_f16_t h);
+DDP_API ddp_bf16_t ddp_f32_to_bf16(float f);
+DDP_API float ddp_bf16_to_f32(ddp_bf16_t h);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_COMMON_H */

@@ -1,0 +1,88 @@
+/* libddp store layer: rendezvous key-value stores (in-memory, file, TCP) and prefix views.
+ *
+ * A store is how ranks find each other before a process group exists: rank 0 publishes an
+ * address or a segment name, the others wait for it. Semantics follow c10d's Store:
+ * values are byte strings; add() keeps a decimal int64 counter; wait() blocks until every
+ * key exists or the deadline passes. Every blocking call is bounded by the store's timeout
+ * (or the one given) and returns DDP_ERR_TIMEOUT naming the missing keys. All calls are
+ * thread-safe on one handle. ddp_store_cancel() from any thread makes blocked and later
+ * calls return DDP_ERR_ABORTED. */
+#ifndef DDP_STORE_H
+#define DDP_STORE_H
+
+#include "ddp/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ddp_store ddp_store_t;
+
+/* Maximum key and value sizes accepted by every store kind (the TCP store enforces them on
+ * the wire: a larger length closes that connection). */
+#define DDP_STORE_MAX_KEY 4096
+#define DDP_STORE_MAX_VALUE (64u << 20)
+
+typedef struct ddp_store_options {
+  size_t struct_size;      /* sizeof(ddp_store_options_t) */
+  int64_t timeout_ms;      /* default for every blocking call; <0 = DDP_TIMEOUT env (1800 s) */
+  const char *job_token;   /* TCP: presented at connect; NULL = DDP_JOB_TOKEN env, "" = none */
+  int rank;                /* for log prefixes and messages; -1 unknown */
+} ddp_store_options_t;
+
+#define DDP_STORE_OPTIONS_INIT {sizeof(ddp_store_options_t), -1, NULL, -1}
+
+/* In-process store shared by threads: create one, pass the same handle to every thread. */
+DDP_API ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out);
+/* A directory on a (possibly shared) filesystem; one file per key, atomic renames. */
+DDP_API ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_options_t *opts,
+                                           ddp_store_t **out);
+/* TCP: when is_server, listens on host:port (port 0 = ephemeral; see ddp_store_port) and
+ * serves from a background thread, and this handle is also a client of it. Clients retry
+ * connecting with backoff until the timeout. */
+DDP_API ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,
+                                          const ddp_store_options_t *opts, ddp_store_t **out);
+/* A view whose keys are prefixed with "<prefix>/" (sub-groups). It holds a reference to
+ * base, which must outlive it. */
+DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix,
+                                             ddp_store_t **out);
+/* NULL is a no-op. */
+DDP_API void ddp_store_destroy(ddp_store_t *s);
+
+DDP_API ddp_status_t ddp_store_set(ddp_store_t *s, const char *key, const void *value,
+                                   size_t len);
+/* Waits (up to the store timeout) for key, then returns a copy: *value is allocated with
+ * ddp_malloc and freed by the caller with ddp_free. */
+DDP_API ddp_status_t ddp_store_get(ddp_store_t *s, const char *key, void **value, size_t *len);
+/* Atomically adds delta to the int64 counter at key (missing = 0) and returns the result. */
+DDP_API ddp_status_t ddp_store_add(ddp_store_t *s, const char *key, int64_t delta,
+                                   int64_t *result);
+/* Waits until all keys exist. timeout_ms < 0 uses the store's timeout. */
+DDP_API ddp_status_t ddp_store_wait(ddp_store_t *s, const char *const *keys, size_t nkeys,
+                                    int64_t timeout_ms);
+/* *all_exist = every key exists now (no wait). */
+DDP_API ddp_status_t ddp_store_check(ddp_store_t *s, const char *const *keys, size_t nkeys,
+                                     bool *all_exist);
+/* If the current value equals expected (a missing key equals an empty expected with
+ * expected_len 0), sets desired. *actual (ddp_malloc'ed, caller frees) is the value after
+ * the call, as in c10d's compareSet. */
+DDP_API ddp_status_t ddp_store_compare_set(ddp_store_t *s, const char *key, const void *expected,
+                                           size_t expected_len, const void *desired,
+                                           size_t desired_len, void **actual,
+                                           size_t *actual_len);
+/* *deleted = the key existed. */
+DDP_API ddp_status_t ddp_store_delete(ddp_store_t *s, const char *key, bool *deleted);
+DDP_API ddp_status_t ddp_store_num_keys(ddp_store_t *s, int64_t *n);
+/* Unblocks every waiting call (DDP_ERR_ABORTED); later calls fail the same way. */
+DDP_API void ddp_store_cancel(ddp_store_t *s);
+DDP_API int64_t ddp_store_timeout_ms(const ddp_store_t *s);
+/* TCP server: the bound port (useful with port 0); -1 otherwise. */
+DDP_API int ddp_store_port(const ddp_store_t *s);
+/* The message of the last failed call on this handle (thread-local to the handle's last
+ * writer; read it from the thread that saw the failure). */
+DDP_API const char *ddp_store_last_error(const ddp_store_t *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_STORE_H */

@@ -1,0 +1,96 @@
+/* libddp tensor layer: dtypes, dense contiguous tensors, views into flat buffers, and the
+ * BLAS wrapper (the only code in libddp that calls OpenBLAS).
+ *
+ * A ddp_tensor_t is a small value struct (llm.c style): it is either owning (its data came
+ * from ddp_tensor_alloc and ddp_tensor_free releases it) or a view (data points into memory
+ * someone else owns: a flat parameter buffer, a bucket, an mmap'ed file). Tensors are
+ * always contiguous, row-major. */
+#ifndef DDP_TENSOR_H
+#define DDP_TENSOR_H
+
+#include "ddp/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DDP_MAX_DIMS 8
+
+/* X(id, safetensors name, element size) */
+#define DDP_DTYPE_MAP(X) \
+  X(F32, "F32", 4)       \
+  X(F64, "F64", 8)       \
+  X(F16, "F16", 2)       \
+  X(BF16, "BF16", 2)     \
+  X(I32, "I32", 4)       \
+  X(I64, "I64", 8)       \
+  X(U8, "U8", 1)         \
+  X(BOOL, "BOOL", 1)
+
+typedef enum ddp_dtype {
+#define DDP_DTYPE_ENUM_(id, name, size) DDP_##id,
+  DDP_DTYPE_MAP(DDP_DTYPE_ENUM_)
+#undef DDP_DTYPE_ENUM_
+  DDP_DTYPE_COUNT_
+} ddp_dtype_t;
+
+/* Element size in bytes; 0 for a value outside the list. */
+DDP_API size_t ddp_dtype_size(ddp_dtype_t dt);
+/* The safetensors spelling ("F32", "BF16", ...); "?" outside the list. */
+DDP_API const char *ddp_dtype_name(ddp_dtype_t dt);
+/* Parses a safetensors dtype name. DDP_ERR_NOT_FOUND for an unknown one. */
+DDP_API ddp_status_t ddp_dtype_from_name(const char *name, ddp_dtype_t *out);
+DDP_API bool ddp_dtype_valid(int dt);
+
+typedef struct ddp_tensor {
+  ddp_dtype_t dtype;
+  int ndim;                      /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */
+  int64_t shape[DDP_MAX_DIMS];
+  int64_t numel;
+  void *data;                    /* 64-byte aligned when owning */
+  bool owns;                     /* true: ddp_tensor_free releases data */
+} ddp_tensor_t;
+
+/* Element count of a shape, with overflow and negative-dimension checks: DDP_ERR_INVALID_ARGUMENT
+ * when a dim is negative, ndim is out of range, or numel * elem_size would exceed INT64_MAX. */
+DDP_API ddp_status_t ddp_shape_numel(int ndim, const int64_t *shape, size_t elem_size,
+                                     int64_t *numel);
+
+/* Owning tensor, zero-filled. On failure *t is zeroed. */
+DDP_API ddp_status_t ddp_tensor_alloc(ddp_tensor_t *t, ddp_dtype_t dt, int ndim,
+                                      const int64_t *shape);
+/* Releases owned data (no-op for views and zeroed structs) and zeroes *t. */
+DDP_API void ddp_tensor_free(ddp_tensor_t *t);
+/* A view of caller memory; nothing is copied or freed. */
+DDP_API ddp_status_t ddp_tensor_view(ddp_tensor_t *t, ddp_dtype_t dt, int ndim,
+                                     const int64_t *shape, void *data);
+/* A view of `base` starting at element `offset` with the given shape. DDP_ERR_INVALID_ARGUMENT
+ * when the slice runs past base's end or the dtypes differ in size. */
+DDP_API ddp_status_t ddp_tensor_slice(const ddp_tensor_t *base, int64_t offset, int ndim,
+                                      const int64_t *shape, ddp_tensor_t *out);
+DDP_API size_t ddp_tensor_nbytes(const ddp_tensor_t *t);
+DDP_API bool ddp_tensor_same_shape(const ddp_tensor_t *a, const ddp_tensor_t *b);
+/* Copies src into dst, converting dtype (floating <-> floating, integer <-> integer, and
+ * across with C's conversion rules; narrowing to f16/bf16 rounds to nearest even).
+ * Shapes must have equal numel. */
+DDP_API ddp_status_t ddp_tensor_copy(ddp_tensor_t *dst, const ddp_tensor_t *src);
+/* "f32[64, 784]" into buf. */
+DDP_API const char *ddp_tensor_describe(const ddp_tensor_t *t, char *buf, size_t len);
+
+/* ---------------------------------------------------------------- BLAS ------------ */
+
+/* Row-major C = alpha * op(A) @ op(B) + beta * C with op(X) = X or X^T.
+ * op(A) is M x K, op(B) is K x N, C is M x N; lda/ldb/ldc are row strides in elements.
+ * dt is DDP_F32 (sgemm) or DDP_F64 (dgemm). */
+DDP_API ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                              int64_t k, double alpha, const void *a, int64_t lda,
+                              const void *b, int64_t ldb, double beta, void *c, int64_t ldc);
+/* OpenBLAS threads for this process. The first BLAS call sets DDP_BLAS_THREADS (default 1:
+ * one thread per rank, so ranks do not oversubscribe the cores). */
+DDP_API void ddp_blas_set_threads(int n);
+DDP_API int ddp_blas_get_threads(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_TENSOR_H */

@@ -1,0 +1,65 @@
+/* Private helpers of the common layer, shared by every layer of libddp: contracts, error
+ * propagation, allocation wrappers and the logger. Not installed. */
+#ifndef DDP_SRC_COMMON_H
+#define DDP_SRC_COMMON_H
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "ddp/common.h"
+#include "ddp_config.h"
+
+/* Programmer misuse (NULL handle, wrong magic, impossible state) is a contract failure:
+ * it aborts with file, line and the expression. Peer, OS and data failures are statuses. */
+#define DDP_REQUIRE(expr)                                                         \
+  do {                                                                            \
+    if (!(expr)) ddp__contract_failed(__FILE__, __LINE__, #expr);                 \
+  } while (0)
+
+#define DDP_CHECK(call)                   \
+  do {                                    \
+    ddp_status_t ddp_check_st_ = (call);  \
+    if (ddp_check_st_ != DDP_OK) return ddp_check_st_; \
+  } while (0)
+
+#define DDP_CHECK_GOTO(call, st, label) \
+  do {                                  \
+    (st) = (call);                      \
+    if ((st) != DDP_OK) goto label;     \
+  } while (0)
+
+#define DDP_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define DDP_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define DDP_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+_Noreturn void ddp__contract_failed(const char *file, int line, const char *expr);
+
+/* Allocation through the replaceable allocator, counted in ddp_alloc_stats. */
+void *ddp__malloc(size_t size);
+void *ddp__calloc(size_t n, size_t size);
+void *ddp__realloc(void *ptr, size_t size);
+void ddp__free(void *ptr);
+char *ddp__strdup(const char *s);
+/* 64-byte aligned blocks; free with ddp__aligned_free only. */
+void *ddp__aligned_alloc(size_t size);
+void ddp__aligned_free(void *ptr);
+
+/* Logging. rank < 0 prints no rank prefix. */
+bool ddp__log_enabled(ddp_log_level_t level);
+void ddp__log(int rank, ddp_log_level_t level, const char *fmt, ...) DDP_PRINTF(3, 4);
+void ddp__vlog(int rank, ddp_log_level_t level, const char *fmt, va_list ap);
+
+/* Records an error where it starts: fills err (when non-NULL), logs it once at ERROR level
+ * with the rank prefix, and returns st so that callers can write
+ *   return ddp__error(err, rank, DDP_ERR_INVALID_DATA, "header length %llu past EOF", n); */
+ddp_status_t ddp__error(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt, ...)
+    DDP_PRINTF(4, 5);
+ddp_status_t ddp__verror(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt,
+                         va_list ap);
+/* Same, but does not log (for errors a caller expects and handles, such as a lookup miss
+ * or a probe). */
+ddp_status_t ddp__error_quiet(ddp_error_t *err, ddp_status_t st, const char *fmt, ...)
+    DDP_PRINTF(3, 4);
+void ddp__error_clear(ddp_error_t *err);
+
+#endif /* DDP_SRC_COMMON_H */

@@ -1,0 +1,99 @@
+/* The test harness: spawns W ranks as threads or forked processes under a watchdog.
+ * Ranks never assert (CMocka's assertions longjmp, which is lost in a thread or a child);
+ * they return a status, a message and values, and the parent asserts on the results.
+ *
+ * Every rank's report lives in one MAP_SHARED|MAP_ANONYMOUS region, so forked children
+ * write it directly. A rank that runs past the timeout is reported as hung: in fork mode
+ * it is killed (SIGKILL) and the test goes on; in thread mode it cannot be killed, so the
+ * harness prints what it knows and ends the test process with a failure. Either way the
+ * test fails within its timeout and never hangs CI. */
+#ifndef DDP_TEST_HARNESS_H
+#define DDP_TEST_HARNESS_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ddp/common.h"
+
+typedef enum ddp_test_mode { DDP_TEST_THREADS = 0, DDP_TEST_FORK = 1 } ddp_test_mode_t;
+
+/* Special statuses recorded by the harness itself (beyond ddp_status_t's range). */
+#define DDP_TEST_HUNG 1001    /* ran past the timeout */
+#define DDP_TEST_CRASHED 1002 /* fork mode: died by a signal or exited without reporting */
+
+/* What one rank reported. */
+typedef struct ddp_test_result {
+  int status;          /* the rank function's return value, or DDP_TEST_HUNG/CRASHED */
+  int term_signal;     /* fork mode: the signal that ended the child, else 0 */
+  int exit_code;       /* fork mode: the child's exit code */
+  bool reported;       /* the rank function returned */
+  double elapsed_ms;   /* wall time from spawn to the rank's return */
+  char msg[1024];      /* free text (ddp_test_say), typically a ddp_error_t message */
+  size_t nvalues;      /* bytes of values written (ddp_test_put) */
+  unsigned char *values; /* points into the shared region; valid until results_free */
+} ddp_test_result_t;
+
+typedef struct ddp_test_rank ddp_test_rank_t;
+
+/* Runs in each rank. Returns 0 (DDP_OK) or a ddp_status_t. */
+typedef int (*ddp_test_fn)(ddp_test_rank_t *r, void *arg);
+
+typedef struct ddp_test_opts {
+  int world;              /* 1..64 */
+  ddp_test_mode_t mode;
+  int timeout_ms;         /* watchdog per spawn; default 20000 */
+  size_t value_bytes;     /* per-rank value area; default 64 KiB */
+  /* Fault injection from the parent (fork mode only): send kill_signal to kill_rank
+   * kill_after_ms after the spawn. kill_rank < 0 disables it. */
+  int kill_rank;
+  int kill_after_ms;
+  int kill_signal;
+} ddp_test_opts_t;
+
+#define DDP_TEST_OPTS_INIT {1, DDP_TEST_THREADS, 20000, 65536, -1, 0, 9}
+
+typedef struct ddp_test_results ddp_test_results_t;
+
+/* Spawns, waits for every rank (or the watchdog) and returns the reports. Never NULL. */
+ddp_test_results_t *ddp_test_spawn(const ddp_test_opts_t *opts, ddp_test_fn fn, void *arg);
+const ddp_test_result_t *ddp_test_result(const ddp_test_results_t *res, int rank);
+int ddp_test_world(const ddp_test_results_t *res);
+void ddp_test_results_free(ddp_test_results_t *res);
+
+/* Inside a rank. */
+int ddp_test_rank(const ddp_test_rank_t *r);
+int ddp_test_world_size(const ddp_test_rank_t *r);
+ddp_test_mode_t ddp_test_mode(const ddp_test_rank_t *r);
+/* A per-spawn scratch directory (mkdtemp, removed with the results), for file stores and
+ * for ranks to exchange files. Same path on every rank. */
+const char *ddp_test_dir(const ddp_test_rank_t *r);
+/* Process ids of all ranks (fork mode; in thread mode all equal getpid()). */
+pid_t ddp_test_pid(const ddp_test_rank_t *r, int rank);
+/* Sets the rank's message (printf-style; later calls replace it). */
+void ddp_test_say(ddp_test_rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Appends bytes to the rank's value area. Returns false when the area is full. */
+bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n);
+
+/* Parent-side CMocka helpers: fail (printing every rank's status and message) unless each
+ * rank returned `expected`. */
+void ddp_test_expect_all(const ddp_test_results_t *res, int expected);
+#define ddp_test_expect_ok(res) ddp_test_expect_all((res), 0)
+
+/* Allocator routing. cmocka's test_malloc is not thread-safe: use it only around
+ * single-threaded code; the counting allocator is thread-safe and lets a test assert that
+ * every allocation was freed (live == 0) or that a code path allocated nothing. */
+void ddp_test_use_cmocka_allocator(void);
+void ddp_test_use_default_allocator(void);
+/* allocs - frees since process start, from ddp_alloc_stats. */
+int64_t ddp_test_live_allocs(void);
+
+/* The /usr/bin/python3 that has Debian's torch; tests that need it skip (exit 77 or
+ * cmocka skip) when it is absent. Returns NULL when not found. */
+const char *ddp_test_python(void);
+/* Directory of the source tree's tools/ (from the DDP_SOURCE_ROOT env set by meson). */
+const char *ddp_test_source_root(void);
+
+#endif /* DDP_TEST_HARNESS_H */
