@@ -6,5 +6,10 @@
 #include "ddp/common.h"
 #include "ddp/tensor.h"
 #include "ddp/io.h"
+#include "ddp/store.h"
+#include "ddp/pg.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+#include "ddp/data.h"
 
 #endif /* DDP_H */

@@ -5,8 +5,10 @@
  * values are byte strings; add() keeps a decimal int64 counter; wait() blocks until every
  * key exists or the deadline passes. Every blocking call is bounded by the store's timeout
  * (or the one given) and returns DDP_ERR_TIMEOUT naming the missing keys. All calls are
- * thread-safe on one handle. ddp_store_cancel() from any thread makes blocked and later
- * calls return DDP_ERR_ABORTED. */
+ * thread-safe on one handle; a handle must not be used across fork() (a child creates its
+ * own). ddp_store_cancel() from any thread makes blocked and later calls return
+ * DDP_ERR_ABORTED. A failed create's message is ddp_store_last_error(NULL) in that thread.
+ * docs/rendezvous.md describes the kinds, the timeouts, the token and the wire format. */
 #ifndef DDP_STORE_H
 #define DDP_STORE_H
 
@@ -22,6 +24,10 @@ typedef struct ddp_store ddp_store_t;
  * the wire: a larger length closes that connection). */
 #define DDP_STORE_MAX_KEY 4096
 #define DDP_STORE_MAX_VALUE (64u << 20)
+/* Most keys one wait() or check() may name. */
+#define DDP_STORE_MAX_WAIT_KEYS 1024
+/* Most nested prefix views over one store. */
+#define DDP_STORE_MAX_DEPTH 8
 
 typedef struct ddp_store_options {
   size_t struct_size;      /* sizeof(ddp_store_options_t) */
@@ -34,19 +40,24 @@ typedef struct ddp_store_options {
 
 /* In-process store shared by threads: create one, pass the same handle to every thread. */
 DDP_API ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out);
-/* A directory on a (possibly shared) filesystem; one file per key, atomic renames. */
+/* A directory on a (possibly shared) filesystem, created (one level) when missing; one file
+ * per key, atomic renames. The store never removes the directory. */
 DDP_API ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_options_t *opts,
                                            ddp_store_t **out);
 /* TCP: when is_server, listens on host:port (port 0 = ephemeral; see ddp_store_port) and
  * serves from a background thread, and this handle is also a client of it. Clients retry
- * connecting with backoff until the timeout. */
+ * connecting with backoff until the timeout. host NULL means MASTER_ADDR (clients) or every
+ * IPv4 interface (server); port -1 means MASTER_PORT. The job token is checked on every
+ * connection: a server and its clients must hold equal tokens ("" equals only ""); a
+ * rejected client gets DDP_ERR_INVALID_USAGE saying so. Wire format: docs/rendezvous.md. */
 DDP_API ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,
                                           const ddp_store_options_t *opts, ddp_store_t **out);
 /* A view whose keys are prefixed with "<prefix>/" (sub-groups). It holds a reference to
  * base, which must outlive it. */
 DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix,
                                              ddp_store_t **out);
-/* NULL is a no-op. */
+/* NULL is a no-op. No call may be in flight on the handle (cancel, then join the callers).
+ * Destroying a TCP server stops serving every client. */
 DDP_API void ddp_store_destroy(ddp_store_t *s);
 
 DDP_API ddp_status_t ddp_store_set(ddp_store_t *s, const char *key, const void *value,
@@ -65,21 +76,26 @@ DDP_API ddp_status_t ddp_store_check(ddp_store_t *s, const char *const *keys, si
                                      bool *all_exist);
 /* If the current value equals expected (a missing key equals an empty expected with
  * expected_len 0), sets desired. *actual (ddp_malloc'ed, caller frees) is the value after
- * the call, as in c10d's compareSet. */
+ * the call, as in c10d's compareSet; a key that stays missing gives an empty *actual. */
 DDP_API ddp_status_t ddp_store_compare_set(ddp_store_t *s, const char *key, const void *expected,
                                            size_t expected_len, const void *desired,
                                            size_t desired_len, void **actual,
                                            size_t *actual_len);
 /* *deleted = the key existed. */
 DDP_API ddp_status_t ddp_store_delete(ddp_store_t *s, const char *key, bool *deleted);
+/* Keys in the whole underlying store (a prefix view does not filter, as in c10d). */
 DDP_API ddp_status_t ddp_store_num_keys(ddp_store_t *s, int64_t *n);
-/* Unblocks every waiting call (DDP_ERR_ABORTED); later calls fail the same way. */
+/* Unblocks every waiting call made through this handle or a prefix view over it
+ * (DDP_ERR_ABORTED); later calls through them fail the same way. Cancelling a view leaves
+ * its base usable. Safe from any thread while other calls block. */
 DDP_API void ddp_store_cancel(ddp_store_t *s);
 DDP_API int64_t ddp_store_timeout_ms(const ddp_store_t *s);
 /* TCP server: the bound port (useful with port 0); -1 otherwise. */
 DDP_API int ddp_store_port(const ddp_store_t *s);
-/* The message of the last failed call on this handle (thread-local to the handle's last
- * writer; read it from the thread that saw the failure). */
+/* The message of the last failed call on this handle made by the calling thread (or, when
+ * this thread has none, the handle's latest). Owned by the handle; "" when none.
+ * s == NULL: the message of this thread's last failed ddp_store_create_* call (creation
+ * has no handle to hold it), valid until that thread's next failed create. */
 DDP_API const char *ddp_store_last_error(const ddp_store_t *s);
 
 #ifdef __cplusplus

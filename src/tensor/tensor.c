@@ -1,6 +1,7 @@
 /* Dense contiguous tensors: dtype table, shape arithmetic with overflow checks, owning
  * tensors and views, and dtype conversion. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -148,6 +149,35 @@ static bool is_float(ddp_dtype_t dt) {
   return dt == DDP_F32 || dt == DDP_F64 || dt == DDP_F16 || dt == DDP_BF16;
 }
 
+/* Narrowing to f16/bf16 must round once, from the exact value. Rounding a double (or an
+ * int64) to float first and then to f16 rounds twice and can be wrong: 1 + 2^-11 + 2^-40
+ * becomes the float 1 + 2^-11, a tie that then rounds down to 1, while the nearest f16 is
+ * 1 + 2^-10. The cure is round-to-odd for the first step (Boldo and Melquiond): truncate
+ * to float and set the last bit when anything was cut off. Float keeps at least two more
+ * bits than f16 or bf16 everywhere in their ranges (subnormals included), so the second,
+ * ordinary rounding then gives the correctly rounded result. */
+static float f64_to_f32_odd(double d) {
+  float f = (float)d;
+  if (isnan(d) || (double)f == d) return f;
+  if (fabs((double)f) > fabs(d)) f = nextafterf(f, 0.0f); /* truncate toward zero */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u |= 1u; /* sticky: inexact */
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* The same for an integer: keep the top 24 significant bits, OR-ing the rest into the
+ * last one; the scaling by a power of two is exact. */
+static float i64_to_f32_odd(int64_t v) {
+  uint64_t a = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+  if (a < (1u << 24)) return v < 0 ? -(float)a : (float)a;
+  int shift = 64 - 24 - __builtin_clzll(a);
+  uint64_t kept = (a >> shift) | ((a & ((UINT64_C(1) << shift) - 1)) != 0);
+  float f = ldexpf((float)kept, shift);
+  return v < 0 ? -f : f;
+}
+
 ddp_status_t ddp_tensor_copy(ddp_tensor_t *dst, const ddp_tensor_t *src) {
   DDP_REQUIRE(dst && src);
   if (dst->numel != src->numel) return DDP_ERR_INVALID_ARGUMENT;
@@ -156,19 +186,25 @@ ddp_status_t ddp_tensor_copy(ddp_tensor_t *dst, const ddp_tensor_t *src) {
     return DDP_OK;
   }
   void *q = dst->data;
+  bool fsrc = is_float(src->dtype);
   for (int64_t i = 0; i < src->numel; i++) {
-    /* Float sources go through double (exact for f16/bf16/f32); a direct f32 -> f16 path
-     * therefore rounds once, from the exact value. */
-    double f = is_float(src->dtype) ? load_f(src, i) : (double)load_i(src, i);
+    /* Float sources are read as double (exact for f16/bf16/f32/f64), integer sources as
+     * int64 (exact); each destination then converts from that exact value once. */
+    double f = fsrc ? load_f(src, i) : 0.0;
+    int64_t n = fsrc ? 0 : load_i(src, i);
     switch (dst->dtype) {
-      case DDP_F32: ((float *)q)[i] = (float)f; break;
-      case DDP_F64: ((double *)q)[i] = is_float(src->dtype) ? f : (double)load_i(src, i); break;
-      case DDP_F16: ((uint16_t *)q)[i] = ddp_f32_to_f16((float)f); break;
-      case DDP_BF16: ((uint16_t *)q)[i] = ddp_f32_to_bf16((float)f); break;
-      case DDP_I32: ((int32_t *)q)[i] = (int32_t)(is_float(src->dtype) ? f : load_i(src, i)); break;
-      case DDP_I64: ((int64_t *)q)[i] = is_float(src->dtype) ? (int64_t)f : load_i(src, i); break;
-      case DDP_U8: ((uint8_t *)q)[i] = (uint8_t)(is_float(src->dtype) ? f : load_i(src, i)); break;
-      case DDP_BOOL: ((uint8_t *)q)[i] = f != 0; break;
+      case DDP_F32: ((float *)q)[i] = fsrc ? (float)f : (float)n; break;
+      case DDP_F64: ((double *)q)[i] = fsrc ? f : (double)n; break;
+      case DDP_F16:
+        ((uint16_t *)q)[i] = ddp_f32_to_f16(fsrc ? f64_to_f32_odd(f) : i64_to_f32_odd(n));
+        break;
+      case DDP_BF16:
+        ((uint16_t *)q)[i] = ddp_f32_to_bf16(fsrc ? f64_to_f32_odd(f) : i64_to_f32_odd(n));
+        break;
+      case DDP_I32: ((int32_t *)q)[i] = fsrc ? (int32_t)f : (int32_t)n; break;
+      case DDP_I64: ((int64_t *)q)[i] = fsrc ? (int64_t)f : n; break;
+      case DDP_U8: ((uint8_t *)q)[i] = fsrc ? (uint8_t)f : (uint8_t)n; break;
+      case DDP_BOOL: ((uint8_t *)q)[i] = fsrc ? f != 0 : n != 0; break;
       default: return DDP_ERR_INVALID_ARGUMENT;
     }
   }

@@ -93,7 +93,11 @@ int64_t ddp_test_live_allocs(void);
 /* The /usr/bin/python3 that has Debian's torch; tests that need it skip (exit 77 or
  * cmocka skip) when it is absent. Returns NULL when not found. */
 const char *ddp_test_python(void);
-/* Directory of the source tree's tools/ (from the DDP_SOURCE_ROOT env set by meson). */
+/* The source tree's root directory (from the DDP_SOURCE_ROOT env that meson sets for
+ * tests, else the path compiled into the harness). NULL when neither is known. */
 const char *ddp_test_source_root(void);
+
+/* "DDP_TEST_HUNG", "DDP_TEST_CRASHED", or ddp_status_name() of a status, for messages. */
+const char *ddp_test_status_name(int status);
 
 #endif /* DDP_TEST_HARNESS_H */

@@ -1,0 +1,104 @@
+/* libddp backend interface (for backend authors only): a versioned table of functions.
+ *
+ * A backend is a transport, not a set of algorithms. The collective algorithms live once in
+ * src/algo and drive a backend through one of two families of primitives:
+ *
+ *  - shared: every rank maps a common control block and per-rank staging areas, and can
+ *    read buffers that peers publish (threads: any pointer; shm: pointers inside the
+ *    segment). The backend supplies the memory, a liveness probe and pointer translation;
+ *    the algorithms do their own synchronisation inside the control block with atomics and
+ *    futexes.
+ *  - link: the backend moves bytes between pairs of ranks. xfer() runs a batch of sends and
+ *    receives (at most one of each per peer) concurrently and returns when all are done,
+ *    the deadline passes, a peer fails, or the group is aborted.
+ *
+ * Tables are static consts in src/backend/registry.c. A NULL member means "unsupported"
+ * (DDP_ERR_UNSUPPORTED). Contracts of every member are next to it. abi_version must equal
+ * DDP_BACKEND_ABI_VERSION; a table with another version is refused at create. */
+#ifndef DDP_BACKEND_H
+#define DDP_BACKEND_H
+
+#include "ddp/common.h"
+#include "ddp/store.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DDP_BACKEND_ABI_VERSION 1u
+
+typedef enum ddp_backend_family { DDP_BACKEND_SHARED = 1, DDP_BACKEND_LINK = 2 } ddp_backend_family_t;
+
+/* What a backend is created with (copied from the group's options). */
+typedef struct ddp_backend_init {
+  size_t struct_size;
+  int rank;
+  int size;
+  ddp_store_t *store;       /* rendezvous; may be NULL only for the threads backend */
+  int64_t timeout_ms;       /* create must return by now + timeout */
+  const char *job_token;    /* "" = none */
+  size_t staging_bytes;     /* shared family: per-rank staging area wanted */
+  size_t ctl_bytes;         /* shared family: control block size the algorithms need */
+  size_t heap_bytes;        /* shm: per-rank area for ddp_pg_alloc */
+} ddp_backend_init_t;
+
+/* Shared-family memory, valid from create to destroy. */
+typedef struct ddp_backend_shared {
+  void *ctl;                 /* ctl_bytes, zero at create, mapped by every rank */
+  unsigned char **staging;   /* staging[r]: rank r's staging area as mapped here */
+  size_t staging_bytes;
+  /* A handle for p (n bytes) that peers can turn back into a pointer, or UINT64_MAX when
+   * peers cannot read that memory (then the algorithms copy through staging). */
+  uint64_t (*to_handle)(void *state, const void *p, size_t n);
+  /* The local pointer for a handle published by a peer. */
+  void *(*from_handle)(void *state, uint64_t h);
+  /* Liveness of `peer`, or of every peer when peer < 0: DDP_OK, or DDP_ERR_REMOTE with a
+   * message naming the dead rank. Called from slow waits, so it may cost a system call.
+   * Waits name only the peers they depend on: a rank that finished its work and left is
+   * not a failure for a point-to-point wait on someone else. NULL = peers cannot die alone
+   * (threads). */
+  ddp_status_t (*check_peers)(void *state, int peer, ddp_error_t *err);
+} ddp_backend_shared_t;
+
+/* One transfer of a link batch. */
+typedef struct ddp_xfer {
+  int peer;
+  bool is_send;
+  void *buf;     /* const for sends */
+  size_t bytes;
+  size_t done;   /* progress, owned by the backend during xfer() */
+} ddp_xfer_t;
+
+typedef struct ddp_backend_ops {
+  uint32_t abi_version;
+  const char *name;
+  ddp_backend_family_t family;
+  /* Joins the group; blocks until all ranks are connected or the timeout passes. */
+  ddp_status_t (*create)(const ddp_backend_init_t *init, void **state, ddp_error_t *err);
+  /* Frees everything; no call is running. */
+  void (*destroy)(void *state);
+  /* From any thread: wakes every blocked primitive (which returns DDP_ERR_ABORTED) and makes
+   * peers fail fast. Idempotent. */
+  void (*abort)(void *state);
+  /* Communication memory (shm: inside the segment). NULL members = ddp_malloc. */
+  void *(*mem_alloc)(void *state, size_t bytes);
+  void (*mem_free)(void *state, void *p);
+  /* Shared family: the memory description. */
+  const ddp_backend_shared_t *(*shared)(void *state);
+  /* Link family: runs the batch; all-or-error. The first failure names the peer. */
+  ddp_status_t (*xfer)(void *state, ddp_xfer_t *ops, size_t nops, int64_t deadline_ns,
+                       ddp_error_t *err);
+  /* Link family: tells peers this rank has failed (they see DDP_ERR_REMOTE at once rather
+   * than at their timeout). Data already sent is still delivered. */
+  void (*fail)(void *state);
+} ddp_backend_ops_t;
+
+/* The registered backend of that name ("gloo" is an alias of "tcp"), or NULL. */
+DDP_API const ddp_backend_ops_t *ddp_backend_find(const char *name);
+/* Comma-separated list of registered names, for error messages. */
+DDP_API const char *ddp_backend_names(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_BACKEND_H */

@@ -1,0 +1,300 @@
+/* libddp nn layer: define-by-run autograd, operations, modules, models and model files.
+ *
+ * Three objects:
+ *  - ddp_model_t owns parameters and buffers. All parameters of one dtype live in ONE flat
+ *    buffer (llm.c style), gradients in one flat gradient buffer of the same layout; each
+ *    ddp_param_t holds views into both. Names are PyTorch state_dict names ("0.weight",
+ *    "layers.1.bias"); registration order is PyTorch's parameters() order.
+ *  - ddp_ctx_t is one thread's autograd context: an arena for activations and temporaries,
+ *    the tape of recorded operations, grad mode and the dropout RNG key. ddp_ctx_reset()
+ *    releases everything a step created but keeps the memory, so a steady-state training step
+ *    allocates nothing.
+ *  - ddp_var_t is a value on the tape (an activation, an input, or a parameter's leaf). Vars
+ *    live in the context's arena and are valid until the next ddp_ctx_reset().
+ *
+ * Backward walks the tape in reverse and accumulates into ddp_param_t.grad (+=, like
+ * PyTorch's AccumulateGrad with zero_grad(set_to_none=False)). The moment a parameter's
+ * gradient for this backward is final, its gradient-ready hook fires: this is where DDP
+ * hooks in. Not thread-safe per object: one context per thread. */
+#ifndef DDP_NN_H
+#define DDP_NN_H
+
+#include "ddp/io.h"
+#include "ddp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ddp_ctx ddp_ctx_t;
+typedef struct ddp_model ddp_model_t;
+typedef struct ddp_module ddp_module_t;
+typedef struct ddp_node ddp_node_t;
+typedef struct ddp_param ddp_param_t;
+
+/* Called when p's gradient for the running backward is final (p->grad holds it, already
+ * accumulated). fire is 1 for the first call in this outermost backward, 2 for a second
+ * call (a reentrant checkpoint recomputing a segment that uses p), and so on. */
+typedef void (*ddp_grad_ready_fn)(void *user, ddp_param_t *p, int fire);
+
+struct ddp_param {
+  const char *name;        /* state_dict name, owned by the model */
+  size_t index;            /* registration order = PyTorch parameters() order */
+  ddp_tensor_t value;      /* view into the model's flat parameter buffer for value.dtype */
+  ddp_tensor_t grad;       /* view into the flat gradient buffer; see ddp_param_set_grad_data */
+  int64_t offset;          /* element offset of value (and of grad) in its dtype's flat buffer */
+  bool requires_grad;      /* false: frozen, never receives a gradient, never fires */
+  ddp_grad_ready_fn hook;  /* NULL: none */
+  void *hook_user;
+  /* Private bookkeeping of the autograd engine. */
+  void *grad_home_;       /* the flat gradient buffer's view, restored by set_grad_data(NULL) */
+  struct ddp_var *leaf_;
+  uint64_t leaf_gen_;
+  uint64_t fire_bwd_;
+  int fires_;
+};
+
+typedef struct ddp_var {
+  ddp_tensor_t value;
+  ddp_tensor_t grad;     /* data NULL until a gradient flows here during backward */
+  bool requires_grad;
+  ddp_node_t *creator;   /* the op that produced it; NULL for leaves */
+  ddp_param_t *param;    /* set on a parameter's leaf */
+  /* Private bookkeeping of the autograd engine. */
+  int32_t pending_;
+  uint64_t stamp_;
+} ddp_var_t;
+
+/* A buffer (BatchNorm running_mean/running_var/num_batches_tracked): state without grads. */
+typedef struct ddp_buffer {
+  const char *name;
+  size_t index;
+  ddp_tensor_t value;    /* owned by the model */
+} ddp_buffer_t;
+
+/* ---------------------------------------------------------------- context --------- */
+
+DDP_API ddp_status_t ddp_ctx_create(ddp_ctx_t **out);
+DDP_API void ddp_ctx_destroy(ddp_ctx_t *ctx);
+/* Ends a step: every var, node and temporary of the context is released (memory is kept
+ * and reused). Parameters' gradients are untouched. */
+DDP_API void ddp_ctx_reset(ddp_ctx_t *ctx);
+/* Grad mode (default on). Returns the previous mode, like torch.set_grad_enabled. */
+DDP_API bool ddp_ctx_set_grad_enabled(ddp_ctx_t *ctx, bool enabled);
+DDP_API bool ddp_ctx_grad_enabled(const ddp_ctx_t *ctx);
+/* Dropout draws come from ddp_rng stream (DDP_RNG_DROPOUT, rank, step) under seed; each
+ * dropout call in a step takes the next disjoint range of the stream. */
+DDP_API void ddp_ctx_set_rng(ddp_ctx_t *ctx, uint64_t seed, uint32_t rank, uint64_t step);
+/* Bytes the arena holds (its capacity), for tests and statistics. */
+DDP_API size_t ddp_ctx_arena_bytes(const ddp_ctx_t *ctx);
+/* Last error of the context (op shape mismatches and the like). */
+DDP_API const ddp_error_t *ddp_ctx_last_error(const ddp_ctx_t *ctx);
+
+/* A new var in the arena: zero-filled, or a copy of data (numel elements of dt). Inputs
+ * and targets enter the tape this way; requires_grad makes the var a leaf that receives a
+ * gradient (tests use it for input gradients). */
+DDP_API ddp_status_t ddp_var_new(ddp_ctx_t *ctx, ddp_dtype_t dt, int ndim, const int64_t *shape,
+                                 const void *data, bool requires_grad, ddp_var_t **out);
+/* The leaf var of a parameter for this step (one per parameter per step; a checkpoint's
+ * recompute gets fresh ones). NULL when the arena is exhausted. One context at a time may
+ * use a model: the cache lives in the parameter. */
+DDP_API ddp_var_t *ddp_param_var(ddp_ctx_t *ctx, ddp_param_t *p);
+
+/* Backward from a scalar loss (seed gradient 1). */
+DDP_API ddp_status_t ddp_backward(ddp_ctx_t *ctx, ddp_var_t *loss);
+/* Backward from several roots with given gradients (grads[i] matches roots[i]'s shape and
+ * dtype; NULL means ones). */
+DDP_API ddp_status_t ddp_backward_multi(ddp_ctx_t *ctx, size_t n, ddp_var_t *const *roots,
+                                        const ddp_tensor_t *grads);
+
+/* Queues fn(user) to run once when the running (outermost) backward has processed every
+ * node, after the last gradient-ready hook, like PyTorch's Engine.queue_callback (DDP's
+ * finalize_backward and static_graph's delayed allreduce run there). Call it from a hook or
+ * before ddp_backward; the queue is emptied after each backward. A callback's error ends the
+ * backward with that status. At most DDP_CTX_MAX_CALLBACKS per backward
+ * (DDP_ERR_INVALID_USAGE beyond). */
+#define DDP_CTX_MAX_CALLBACKS 16
+typedef ddp_status_t (*ddp_backward_callback_fn)(void *user);
+DDP_API ddp_status_t ddp_ctx_queue_callback(ddp_ctx_t *ctx, ddp_backward_callback_fn fn,
+                                            void *user);
+/* True while a backward (or a checkpoint's inner backward) is running. */
+DDP_API bool ddp_ctx_in_backward(const ddp_ctx_t *ctx);
+
+/* The parameters reachable from outputs through the tape (PyTorch's graph search for
+ * find_unused_parameters). visit is called once per reachable parameter that requires grad,
+ * in no particular order. Parameters used only inside a checkpointed segment are not
+ * reachable (their forward ran without grad), as in PyTorch's reentrant checkpoint. */
+DDP_API void ddp_graph_visit_params(ddp_ctx_t *ctx, size_t n, ddp_var_t *const *outputs,
+                                    void (*visit)(void *user, ddp_param_t *p), void *user);
+
+/* Activation checkpointing with PyTorch's reentrant semantics (use_reentrant=True).
+ * Forward runs fn in no-grad mode; the output requires grad when an input does. Backward
+ * recomputes fn with grad (same dropout draws), runs an inner backward from the recomputed
+ * output, which fires the hooks of the parameters fn uses (fire count > 1 for one also used
+ * outside), and passes the input gradients on. */
+typedef ddp_status_t (*ddp_segment_fn)(void *user, ddp_ctx_t *ctx, size_t nin,
+                                       ddp_var_t *const *in, ddp_var_t **out);
+DDP_API ddp_status_t ddp_checkpoint(ddp_ctx_t *ctx, ddp_segment_fn fn, void *user, size_t nin,
+                                    ddp_var_t *const *in, ddp_var_t **out);
+
+/* ---------------------------------------------------------------- operations ------ */
+/* Every op takes float inputs of one dtype (F32 or F64; ids are I64), checks shapes
+ * (DDP_ERR_INVALID_ARGUMENT with a message on the context) and records itself on the tape
+ * when grad mode is on and an input requires grad. */
+
+/* y = x @ w^T + b; x [..., in], w [out, in], b [out] or NULL. */
+DDP_API ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
+                                ddp_var_t **y);
+/* y = a @ b; a [m, k], b [k, n]. */
+DDP_API ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
+/* Elementwise, same shapes. */
+DDP_API ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
+DDP_API ddp_status_t ddp_mul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
+/* y = x + b broadcast over the last dim; b [x.shape[-1]]. */
+DDP_API ddp_status_t ddp_bias_add(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *b, ddp_var_t **y);
+
+typedef enum ddp_act {
+  DDP_ACT_RELU = 0,
+  DDP_ACT_GELU = 1,      /* erf form (approximate='none') */
+  DDP_ACT_GELU_TANH = 2, /* approximate='tanh' */
+  DDP_ACT_TANH = 3,
+  DDP_ACT_SIGMOID = 4
+} ddp_act_t;
+DDP_API ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t act, ddp_var_t *x, ddp_var_t **y);
+DDP_API ddp_status_t ddp_relu(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+
+/* Over the last dim. */
+DDP_API ddp_status_t ddp_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+DDP_API ddp_status_t ddp_log_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+/* Inverted dropout: kept elements are scaled by 1/(1-p). Identity when !training or p == 0;
+ * p == 1 gives zeros. */
+DDP_API ddp_status_t ddp_dropout(ddp_ctx_t *c, ddp_var_t *x, double p, bool training,
+                                 ddp_var_t **y);
+/* Over the last dim; w, b [x.shape[-1]] or NULL. */
+DDP_API ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
+                                    double eps, ddp_var_t **y);
+/* x [N, C]. training: normalise with the batch's biased variance and update the running
+ * stats (running = (1 - momentum) * running + momentum * batch, the variance unbiased,
+ * num_batches_tracked += 1); else normalise with the running stats. Running tensors may be
+ * NULL (track_running_stats=False). */
+DDP_API ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
+                                    ddp_tensor_t *running_mean, ddp_tensor_t *running_var,
+                                    ddp_tensor_t *num_batches_tracked, bool training,
+                                    double momentum, double eps, ddp_var_t **y);
+/* ids I64 of any shape, weight [V, D]; y = ids.shape + [D]. Out-of-range ids are an error. */
+DDP_API ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *weight,
+                                   ddp_var_t **y);
+/* Same numel; one dim may be -1. */
+DDP_API ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape,
+                                 ddp_var_t **y);
+/* Concatenates n vars along dim (all other dims equal). */
+DDP_API ddp_status_t ddp_concat(ddp_ctx_t *c, size_t n, ddp_var_t *const *xs, int dim,
+                                ddp_var_t **y);
+/* Full reductions to a scalar. */
+DDP_API ddp_status_t ddp_sum(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+DDP_API ddp_status_t ddp_mean(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+/* mean((a - b)^2). */
+DDP_API ddp_status_t ddp_mse_loss(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
+/* logits [N, C], targets I64 [N]; mean over targets != ignore_index (PyTorch: -100).
+ * All targets ignored gives NaN, as in PyTorch. */
+DDP_API ddp_status_t ddp_cross_entropy(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *targets,
+                                       int64_t ignore_index, ddp_var_t **y);
+
+/* ---------------------------------------------------------------- models ---------- */
+
+DDP_API ddp_status_t ddp_model_create(ddp_model_t **out);
+DDP_API void ddp_model_destroy(ddp_model_t *m);
+
+/* Building: register parameters and buffers (before ddp_model_finalize), then finalize,
+ * which lays out the flat buffers in registration order and points the views. Names must be
+ * unique (DDP_ERR_INVALID_ARGUMENT). Values start at zero. */
+DDP_API ddp_status_t ddp_model_add_param(ddp_model_t *m, const char *name, ddp_dtype_t dt,
+                                         int ndim, const int64_t *shape, bool requires_grad,
+                                         size_t *index);
+DDP_API ddp_status_t ddp_model_add_buffer(ddp_model_t *m, const char *name, ddp_dtype_t dt,
+                                          int ndim, const int64_t *shape, size_t *index);
+DDP_API ddp_status_t ddp_model_finalize(ddp_model_t *m);
+DDP_API bool ddp_model_finalized(const ddp_model_t *m);
+
+DDP_API size_t ddp_model_num_params(const ddp_model_t *m);
+DDP_API ddp_param_t *ddp_model_param(ddp_model_t *m, size_t i);
+DDP_API ddp_param_t *ddp_model_find_param(ddp_model_t *m, const char *name);
+DDP_API size_t ddp_model_num_buffers(const ddp_model_t *m);
+DDP_API ddp_buffer_t *ddp_model_buffer(ddp_model_t *m, size_t i);
+DDP_API ddp_buffer_t *ddp_model_find_buffer(ddp_model_t *m, const char *name);
+/* The flat buffers of one dtype (numel 0 / NULL when the model has none of it). */
+DDP_API ddp_tensor_t ddp_model_flat_params(ddp_model_t *m, ddp_dtype_t dt);
+DDP_API ddp_tensor_t ddp_model_flat_grads(ddp_model_t *m, ddp_dtype_t dt);
+/* Points p->grad at data (numel elements of p's dtype), e.g. into a DDP bucket; NULL
+ * restores the view into the model's flat gradient buffer. The caller keeps data alive. */
+DDP_API void ddp_param_set_grad_data(ddp_param_t *p, void *data);
+DDP_API void ddp_param_set_hook(ddp_param_t *p, ddp_grad_ready_fn fn, void *user);
+/* Sets the same hook on every parameter. */
+DDP_API void ddp_model_set_hook(ddp_model_t *m, ddp_grad_ready_fn fn, void *user);
+/* Zero-fills every parameter's gradient (wherever it points). */
+DDP_API void ddp_model_zero_grad(ddp_model_t *m);
+
+/* Modules. Each constructor registers its parameters and buffers under the prefix (the
+ * module's state_dict path, "" for a root module) and returns a module owned by the model.
+ * Call them in PyTorch's __init__ order so that parameters() orders match. */
+DDP_API ddp_status_t ddp_module_linear(ddp_model_t *m, const char *prefix, int64_t in,
+                                       int64_t out, bool bias, ddp_dtype_t dt,
+                                       ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_layer_norm(ddp_model_t *m, const char *prefix, int64_t dim,
+                                           double eps, ddp_dtype_t dt, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_batch_norm(ddp_model_t *m, const char *prefix, int64_t dim,
+                                           double eps, double momentum, ddp_dtype_t dt,
+                                           ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_embedding(ddp_model_t *m, const char *prefix, int64_t num,
+                                          int64_t dim, ddp_dtype_t dt, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_dropout(ddp_model_t *m, double p, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_activation(ddp_model_t *m, ddp_act_t act, ddp_module_t **mod);
+/* x [N, ...] -> [N, prod(...)] (nn.Flatten). */
+DDP_API ddp_status_t ddp_module_flatten(ddp_model_t *m, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_sequential(ddp_model_t *m, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_append(ddp_module_t *seq, ddp_module_t *child);
+/* y = x + body(x). */
+DDP_API ddp_status_t ddp_module_residual(ddp_model_t *m, ddp_module_t *body,
+                                         ddp_module_t **mod);
+/* y = body(x) when bit `flag` of the forward's flags is set, else y = x (a layer used only
+ * for some batches: the unused-parameter case). */
+DDP_API ddp_status_t ddp_module_branch(ddp_model_t *m, ddp_module_t *body, unsigned flag,
+                                       ddp_module_t **mod);
+/* Runs body as one reentrant activation-checkpointing segment (ddp_checkpoint). */
+DDP_API ddp_status_t ddp_module_checkpointed(ddp_model_t *m, ddp_module_t *body,
+                                             ddp_module_t **mod);
+
+DDP_API void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root);
+/* train(true) / eval(false): dropout and batch norm read it. Default: training. */
+DDP_API void ddp_model_train(ddp_model_t *m, bool training);
+DDP_API ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *ctx, ddp_var_t *x,
+                                        uint64_t flags, ddp_var_t **y);
+DDP_API ddp_status_t ddp_model_forward(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *x,
+                                       uint64_t flags, ddp_var_t **y);
+
+/* PyTorch's default initialisation of every module, drawn from ddp_rng stream
+ * (DDP_RNG_INIT, 0, 0) under seed in registration order: Linear weight and bias
+ * U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a = sqrt(5)); LayerNorm and
+ * BatchNorm weight 1, bias 0; Embedding N(0, 1); running_var 1, others 0. */
+DDP_API ddp_status_t ddp_model_init(ddp_model_t *m, uint64_t seed);
+
+/* state_dict order (PyTorch's): per module its parameters, then its buffers, then the
+ * children's, which is registration order here. */
+DDP_API ddp_status_t ddp_model_save(ddp_model_t *m, const char *path, ddp_error_t *err);
+/* Loads by name. Shape mismatch is always an error ("size mismatch for 0.weight: ...");
+ * floating dtypes convert, float <-> integer is an error. With strict, missing and
+ * unexpected keys are an error listing both, worded like PyTorch's; without strict they are
+ * reported in the counts only. Nothing is modified unless the whole load succeeds. */
+DDP_API ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool strict,
+                                    size_t *n_missing, size_t *n_unexpected, ddp_error_t *err);
+
+/* Builds a model from a JSON description (docs/nn.md): a top-level Sequential. */
+DDP_API ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out,
+                                         ddp_error_t *err);
+DDP_API ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out,
+                                              ddp_error_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_NN_H */

@@ -1,0 +1,169 @@
+/* libddp process-group layer: groups of ranks, asynchronous collectives, work handles.
+ *
+ * A process group (ddp_pg_t) is W ranks that run the same sequence of collectives. Every
+ * collective is asynchronous: the call checks its arguments, queues the operation and
+ * returns a ddp_work_t at once; the group's progress thread runs queued operations one at a
+ * time in issue order. Caller buffers belong to the library from the call until the work
+ * completes (ddp_work_wait/ddp_work_test says so); reading or writing them before that is a
+ * data race.
+ *
+ * Determinism (docs/backends.md): with the default algorithm every reduction folds the
+ * ranks' contributions in rank order, ((x0 + x1) + x2) + ..., in the element's dtype (fp16
+ * and bf16 add in fp32 and round after every addition), so results are bitwise identical on
+ * every backend and for every segment size. algorithm=ring trades that for gloo's ring.
+ *
+ * Failures: every wait has a deadline (the group's timeout). A dead peer, a timeout, a
+ * mismatched collective (DESYNC) or an abort fails the group: the failing call and every
+ * pending and later call return DDP_ERR_REMOTE / TIMEOUT / DESYNC / ABORTED with a message
+ * (ddp_pg_last_error, ddp_work_error) naming the collective and the ranks at fault. A failed
+ * group cannot recover: destroy it and create a new one (docs/errors.md).
+ *
+ * Thread safety: issuing calls on one group from several threads is allowed (they are
+ * ordered by issue), but ranks must issue the same sequence. ddp_pg_abort may be called
+ * from any thread at any time. */
+#ifndef DDP_PG_H
+#define DDP_PG_H
+
+#include "ddp/common.h"
+#include "ddp/store.h"
+#include "ddp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ddp_pg ddp_pg_t;
+typedef struct ddp_work ddp_work_t;
+
+/* Largest world a group accepts. */
+#define DDP_PG_MAX_WORLD 256
+
+typedef enum ddp_redop {
+  DDP_SUM = 0,
+  DDP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
+  DDP_MIN = 2,
+  DDP_MAX = 3,
+  DDP_PRODUCT = 4
+} ddp_redop_t;
+
+typedef enum ddp_algorithm {
+  DDP_ALGO_AUTO = 0,      /* the size table: small below a threshold, canonical above */
+  DDP_ALGO_CANONICAL = 1, /* owner folds its slice in rank order, then all-gather (D2) */
+  DDP_ALGO_RING = 2,      /* gloo-style segmented ring (D1 only; tcp backend) */
+  DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
+} ddp_algorithm_t;
+
+typedef struct ddp_pg_options {
+  size_t struct_size;        /* sizeof(ddp_pg_options_t) */
+  const char *backend;       /* "threads", "shm", "tcp" ("gloo" = tcp); NULL = DDP_BACKEND env */
+  int rank;                  /* 0..world-1 */
+  int world;                 /* 1..DDP_PG_MAX_WORLD */
+  ddp_store_t *store;        /* rendezvous; borrowed, must outlive create (not the group) */
+  int64_t timeout_ms;        /* every wait; <0 = DDP_TIMEOUT env (default 1800 s) */
+  ddp_algorithm_t algorithm; /* AUTO = DDP_ALGORITHM env, else the size table */
+  size_t segment_bytes;      /* pipelining segment of ring/canonical; 0 = 1 MiB */
+  const char *job_token;     /* tcp: presented on every peer connection; NULL = DDP_JOB_TOKEN */
+  size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = 256 MiB (sparse) */
+} ddp_pg_options_t;
+
+#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0}
+
+/* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
+ * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).
+ * err (optional) receives the message on failure. Options are copied. */
+DDP_API ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_error_t *err);
+
+/* Creates a group from a launcher's environment: RANK/WORLD_SIZE (torchrun, ddprun), else
+ * OMPI_COMM_WORLD_RANK/SIZE (mpirun), else SLURM_PROCID/NTASKS (srun); MASTER_ADDR and
+ * MASTER_PORT locate the TCP store, served by rank 0; DDP_BACKEND picks the backend (default
+ * tcp). The group owns that store. opts may be NULL; its rank, world and store are ignored. */
+DDP_API ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out,
+                                            ddp_error_t *err);
+
+/* Waits for queued work to finish (each bounded by the timeout), stops the progress thread
+ * and frees everything. Work handles not yet freed stay valid until ddp_work_free. NULL is a
+ * no-op. */
+DDP_API void ddp_pg_destroy(ddp_pg_t *pg);
+
+/* Fails the group now from any thread: running and queued work end with DDP_ERR_ABORTED,
+ * blocked waits return, peers are told (they see DDP_ERR_REMOTE quickly). Idempotent. */
+DDP_API void ddp_pg_abort(ddp_pg_t *pg);
+
+DDP_API int ddp_pg_rank(const ddp_pg_t *pg);
+DDP_API int ddp_pg_size(const ddp_pg_t *pg);
+DDP_API const char *ddp_pg_backend_name(const ddp_pg_t *pg);
+/* The message of the group's first failure, or of the last argument error; "" if none. */
+DDP_API const char *ddp_pg_last_error(const ddp_pg_t *pg);
+/* DDP_OK while the group is usable, else the status that failed it. */
+DDP_API ddp_status_t ddp_pg_status(const ddp_pg_t *pg);
+
+/* Communication buffers: 64-byte aligned. On shm they live in the shared segment, so
+ * collectives on them read peers' data in place with no copy; elsewhere ordinary memory.
+ * NULL when out of memory (or out of the shm heap). Free with ddp_pg_free on the same group
+ * before destroying it. */
+DDP_API void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes);
+DDP_API void ddp_pg_free(ddp_pg_t *pg, void *ptr);
+
+/* ---- collectives. Counts are in elements. send == recv means in place. Every rank must
+ * issue the same collectives in the same order with the same count, dtype, op and root. ---- */
+
+/* recv[i] = op over ranks of send[i]. */
+DDP_API ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                                   ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work);
+/* buf of count elements from root to every rank. */
+DDP_API ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt,
+                                   int root, ddp_work_t **work);
+/* recv (W*count elements) = concatenation of every rank's send (count elements). In place
+ * when send == recv + rank*count. */
+DDP_API ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                                   ddp_dtype_t dt, ddp_work_t **work);
+/* recv (count elements) = op over ranks of send[rank*count .. (rank+1)*count) (send has
+ * W*count elements). In place when recv == send + rank*count. */
+DDP_API ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                                        ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work);
+/* recv block j (count elements) = rank j's send block rank. send and recv hold W*count
+ * elements and must not overlap. */
+DDP_API ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                                  ddp_dtype_t dt, ddp_work_t **work);
+DDP_API ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work);
+/* Point to point. A send completes once the receiver has taken the data. The pair must
+ * agree on count and dtype (else DESYNC on both). */
+DDP_API ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt,
+                              int peer, ddp_work_t **work);
+DDP_API ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
+                              ddp_work_t **work);
+
+/* ---- work handles ---- */
+
+/* Waits until the work completes or timeout_ms passes (<0 = the group's timeout plus a
+ * second; the work itself always ends by its own deadline). Returns the work's status, or
+ * DDP_ERR_TIMEOUT if it is still running when this wait gives up (the work stays valid). */
+DDP_API ddp_status_t ddp_work_wait(ddp_work_t *work, int64_t timeout_ms);
+/* *done = the work has completed; never blocks. */
+DDP_API ddp_status_t ddp_work_test(ddp_work_t *work, bool *done);
+/* DDP_ERR_INVALID_USAGE ("in progress") while running, else the final status. Note that
+ * INVALID_USAGE is never a final status of queued work. */
+DDP_API ddp_status_t ddp_work_status(const ddp_work_t *work);
+/* The work's failure message ("" when it succeeded or is running). */
+DDP_API const char *ddp_work_error(const ddp_work_t *work);
+/* Frees the handle; if the work is still running, the handle is released when it ends (the
+ * buffers stay in use until then). NULL is a no-op. */
+DDP_API void ddp_work_free(ddp_work_t *work);
+/* Convenience: wait with the default timeout, then free. */
+DDP_API ddp_status_t ddp_work_wait_free(ddp_work_t *work);
+
+/* Runs fn(rank, arg) on `world` threads, each with its own group on the threads backend
+ * (opts may be NULL; its backend, rank, world and store are filled in). The groups are
+ * created before fn runs and destroyed after it returns. Returns the first non-OK status
+ * of a rank, or of group creation. */
+typedef ddp_status_t (*ddp_thread_fn)(ddp_pg_t *pg, void *arg);
+DDP_API ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
+                                       void *arg);
+
+DDP_API const char *ddp_redop_name(ddp_redop_t op);
+DDP_API const char *ddp_algorithm_name(ddp_algorithm_t a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_PG_H */

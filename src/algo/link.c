@@ -1,0 +1,262 @@
+/* Collectives for the link family (tcp): the backend moves bytes between pairs of ranks,
+ * one batch of concurrent sends and receives at a time (ddp_backend_ops_t.xfer).
+ *
+ * Every collective starts with an all-to-all of 32-byte fingerprints, so every rank sees
+ * every other rank's (seq, op, dtype, count, root, algorithm) before any payload moves and
+ * all ranks reach the same DESYNC verdict. Payload sizes then follow from the agreed
+ * fingerprint, so the byte streams never lose their framing. */
+#include <stdio.h>
+#include <string.h>
+
+#include "algo/algo.h"
+
+#define MAXW DDP_PG_MAX_WORLD
+
+static ddp_status_t xfer(ddp__comm_t *c, ddp_xfer_t *ops, size_t n, ddp_error_t *err) {
+  if (n == 0) return DDP_OK;
+  return c->ops->xfer(c->state, ops, n, c->deadline_ns, err);
+}
+
+/* Adds a transfer unless it is empty (both ends compute the same sizes). */
+static void add(ddp_xfer_t *ops, size_t *n, int peer, bool is_send, const void *buf, size_t bytes) {
+  if (bytes == 0) return;
+  ops[*n] = (ddp_xfer_t){peer, is_send, (void *)buf, bytes, 0};
+  (*n)++;
+}
+
+static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  ddp__fp_t fps[MAXW];
+  ddp_xfer_t ops[2 * MAXW];
+  size_t n = 0;
+  for (int j = 0; j < c->size; j++) {
+    if (j == c->rank) continue;
+    add(ops, &n, j, true, &op->fp, sizeof op->fp);
+    add(ops, &n, j, false, &fps[j], sizeof fps[j]);
+  }
+  DDP_CHECK(xfer(c, ops, n, err));
+  for (int j = 0; j < c->size; j++) {
+    if (j == c->rank || ddp__fp_equal(&fps[j], &op->fp)) continue;
+    char a[160], b[160];
+    ddp__fp_str(&op->fp, a, sizeof a);
+    ddp__fp_str(&fps[j], b, sizeof b);
+    return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                            "mismatched collectives: rank %d runs %s, but rank %d runs %s",
+                            c->rank, a, j, b);
+  }
+  return DDP_OK;
+}
+
+/* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
+ * range [lo_r, lo_r + len_r) of a vector of which every rank holds a contribution at
+ * in_j + base_j (base_j = the offset of that range in rank j's input). The ranges are
+ * walked in segments of `seg` elements: in step s every rank sends segment s of each
+ * peer's range to that peer and receives segment s of its own range from every peer into
+ * per-source scratch, all at once; then it folds the W contributions in rank order into
+ * out. Scratch is W segments, whatever the message size. */
+static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const unsigned char *in,
+                                 const size_t *src_off, const size_t *len, unsigned char *out,
+                                 ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
+  int W = c->size, r = c->rank;
+  for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
+  ddp_xfer_t ops[2 * MAXW];
+  const void *srcs[MAXW];
+  for (size_t s = 0; s * seg < maxlen; s++) {
+    size_t n = 0, b = s * seg;
+    size_t mine = len[r] > b ? DDP_MIN(seg, len[r] - b) : 0;
+    for (int j = 0; j < W; j++) {
+      if (j == r) continue;
+      size_t theirs = len[j] > b ? DDP_MIN(seg, len[j] - b) : 0;
+      add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
+      add(ops, &n, j, false, c->scratch + (size_t)j * seg * es, mine * es);
+    }
+    DDP_CHECK(xfer(c, ops, n, err));
+    for (int j = 0; j < W; j++)
+      srcs[j] = j == r ? in + (src_off[r] + b) * es : c->scratch + (size_t)j * seg * es;
+    ddp__reduce_fold(op->dt, op->op, W, srcs, out + b * es, mine, c->tmp, W);
+  }
+  return DDP_OK;
+}
+
+/* Canonical allreduce: reduce_owned over the balanced partition, then an all-gather in
+ * which every owner sends its finished slice to every peer, received straight into the
+ * output. */
+static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count, lo[MAXW] = {0}, len[MAXW] = {0};
+  int W = c->size, r = c->rank;
+  unsigned char *out = op->recv;
+  for (int j = 0; j < W; j++) ddp__part(n, W, j, &lo[j], &len[j]);
+  DDP_CHECK(reduce_owned(c, op, op->send, lo, len, out + lo[r] * es, err));
+  ddp_xfer_t ops[2 * MAXW];
+  size_t k = 0;
+  for (int j = 0; j < W; j++) {
+    if (j == r) continue;
+    add(ops, &k, j, true, out + lo[r] * es, len[r] * es);
+    add(ops, &k, j, false, out + lo[j] * es, len[j] * es);
+  }
+  return xfer(c, ops, k, err);
+}
+
+/* Small allreduce: every rank sends its whole vector to every peer and folds all W in rank
+ * order itself. One round of messages instead of two; W times the bytes, so only below
+ * the size table's threshold. */
+static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t bytes = op->count * ddp_dtype_size(op->dt);
+  int W = c->size, r = c->rank;
+  ddp_xfer_t ops[2 * MAXW];
+  const void *srcs[MAXW];
+  size_t k = 0;
+  for (int j = 0; j < W; j++) {
+    srcs[j] = j == r ? op->send : c->scratch + (size_t)j * bytes;
+    if (j == r) continue;
+    add(ops, &k, j, true, op->send, bytes);
+    add(ops, &k, j, false, c->scratch + (size_t)j * bytes, bytes);
+  }
+  DDP_CHECK(xfer(c, ops, k, err));
+  ddp__reduce_fold(op->dt, op->op, W, srcs, op->recv, op->count, c->tmp, W);
+  return DDP_OK;
+}
+
+/* gloo-style ring (D1, not D2). The vector is cut into W chunks; each step moves one chunk
+ * per rank to the right neighbour while receiving another from the left, cut into segments
+ * of `seg` elements so that scratch stays one segment. Reduce-scatter: in step i rank r
+ * sends chunk (r - i) mod W and adds the received chunk (r - i - 1) mod W into its output;
+ * after W-1 steps rank r holds the total of chunk (r + 1) mod W. All-gather: the totals
+ * travel W-1 more steps and are copied, not added. Every element is summed along one chain
+ * starting at a rank that depends on its chunk, so the bits depend on W and count. */
+static ddp_status_t allreduce_ring(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count, seg = c->segment_bytes / es;
+  int W = c->size, r = c->rank, right = (r + 1) % W, left = (r + W - 1) % W;
+  unsigned char *out = op->recv;
+  if (op->send != out) memcpy(out, op->send, n * es);
+  for (int phase = 0; phase < 2; phase++) {
+    for (int i = 0; i < W - 1; i++) {
+      int sc = phase == 0 ? ((r - i) % W + W) % W : ((r + 1 - i) % W + W) % W;
+      int rc = phase == 0 ? ((r - i - 1) % W + W) % W : ((r - i) % W + W) % W;
+      size_t slo, slen, rlo, rlen;
+      ddp__part(n, W, sc, &slo, &slen);
+      ddp__part(n, W, rc, &rlo, &rlen);
+      for (size_t b = 0; b < DDP_MAX(slen, rlen); b += seg) {
+        size_t sm = slen > b ? DDP_MIN(seg, slen - b) : 0;
+        size_t rm = rlen > b ? DDP_MIN(seg, rlen - b) : 0;
+        unsigned char *dst = phase == 0 ? c->scratch : out + (rlo + b) * es;
+        ddp_xfer_t ops[2];
+        size_t k = 0;
+        add(ops, &k, right, true, out + (slo + b) * es, sm * es);
+        add(ops, &k, left, false, dst, rm * es);
+        DDP_CHECK(xfer(c, ops, k, err));
+        if (phase == 0) ddp__reduce_acc(op->dt, op->op, out + (rlo + b) * es, c->scratch, rm);
+      }
+    }
+  }
+  if (op->op == DDP_AVG) ddp__reduce_avg(op->dt, out, n, W);
+  return DDP_OK;
+}
+
+/* Broadcast: the root sends the whole buffer to every peer at once (its uplink carries
+ * (W-1)·S, which is fine for the W <= 16 this backend targets); peers receive in place. */
+static ddp_status_t broadcast(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t bytes = op->count * ddp_dtype_size(op->dt);
+  ddp_xfer_t ops[MAXW];
+  size_t k = 0;
+  if (c->rank == op->root) {
+    for (int j = 0; j < c->size; j++)
+      if (j != op->root) add(ops, &k, j, true, op->recv, bytes);
+  } else {
+    add(ops, &k, op->root, false, op->recv, bytes);
+  }
+  return xfer(c, ops, k, err);
+}
+
+/* Allgather: every rank places its block, then sends it to every peer while receiving
+ * theirs straight into their blocks of the output (one concurrent batch). */
+static ddp_status_t allgather(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t bytes = op->count * ddp_dtype_size(op->dt);
+  unsigned char *out = op->recv;
+  int r = c->rank;
+  if (op->send != out + r * bytes) memmove(out + r * bytes, op->send, bytes);
+  ddp_xfer_t ops[2 * MAXW];
+  size_t k = 0;
+  for (int j = 0; j < c->size; j++) {
+    if (j == r) continue;
+    add(ops, &k, j, true, out + r * bytes, bytes);
+    add(ops, &k, j, false, out + j * bytes, bytes);
+  }
+  return xfer(c, ops, k, err);
+}
+
+/* Reduce-scatter: reduce_owned where rank j's range is block j of every input. */
+static ddp_status_t reduce_scatter(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t off[MAXW], len[MAXW];
+  for (int j = 0; j < c->size; j++) {
+    off[j] = (size_t)j * op->count;
+    len[j] = op->count;
+  }
+  return reduce_owned(c, op, op->send, off, len, op->recv, err);
+}
+
+/* Alltoall: block j of the input goes to rank j, block j of the output comes from rank j;
+ * the own block is copied locally. One concurrent batch. */
+static ddp_status_t alltoall(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t bytes = op->count * ddp_dtype_size(op->dt);
+  const unsigned char *in = op->send;
+  unsigned char *out = op->recv;
+  int r = c->rank;
+  memcpy(out + r * bytes, in + r * bytes, bytes);
+  ddp_xfer_t ops[2 * MAXW];
+  size_t k = 0;
+  for (int j = 0; j < c->size; j++) {
+    if (j == r) continue;
+    add(ops, &k, j, true, in + j * bytes, bytes);
+    add(ops, &k, j, false, out + j * bytes, bytes);
+  }
+  return xfer(c, ops, k, err);
+}
+
+/* Point to point: the pair swaps fingerprints first (both ends then agree on DESYNC), and
+ * only then the payload moves. */
+static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  ddp__fp_t theirs;
+  int peer = op->root;
+  bool sender = op->kind == DDP__SEND;
+  ddp_xfer_t ops[2] = {{peer, true, (void *)&op->fp, sizeof op->fp, 0},
+                       {peer, false, &theirs, sizeof theirs, 0}};
+  DDP_CHECK(c->ops->xfer(c->state, ops, 2, c->deadline_ns, err));
+  if (!ddp__fp_equal(&theirs, &op->fp)) {
+    char a[160], b[160];
+    ddp__fp_str(&op->fp, a, sizeof a);
+    ddp__fp_str(&theirs, b, sizeof b);
+    return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                            "mismatched point-to-point: rank %d %s %s, but rank %d %s %s",
+                            c->rank, sender ? "sends" : "expects", a, peer,
+                            sender ? "expects" : "sends", b);
+  }
+  size_t bytes = op->count * ddp_dtype_size(op->dt), k = 0;
+  add(ops, &k, peer, sender, sender ? op->send : op->recv, bytes);
+  return xfer(c, ops, k, err);
+}
+
+ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  ddp__coll_t o = *op;
+  if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
+  if (c->size > 1) DDP_CHECK(check_fps(c, &o, err));
+  if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
+  size_t es = ddp_dtype_size(o.dt);
+  if (c->size == 1) {
+    if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
+    return DDP_OK;
+  }
+  switch (o.kind) {
+    case DDP__ALLREDUCE:
+      if (o.algo == DDP_ALGO_RING) return allreduce_ring(c, &o, err);
+      if (o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)
+        return allreduce_small(c, &o, err);
+      return allreduce_canonical(c, &o, err);
+    case DDP__BROADCAST: return broadcast(c, &o, err);
+    case DDP__ALLGATHER: return allgather(c, &o, err);
+    case DDP__REDUCE_SCATTER: return reduce_scatter(c, &o, err);
+    case DDP__ALLTOALL: return alltoall(c, &o, err);
+    default: break;
+  }
+  return ddp__error_quiet(err, DDP_ERR_INTERNAL, "unknown operation kind %d", (int)o.kind);
+}

@@ -1,0 +1,181 @@
+/* Reduction kernels and fingerprint helpers shared by every algorithm.
+ *
+ * The kernels are element-wise: lane i of the result depends only on lane i of the inputs,
+ * so any blocking, chunking or vectorisation gives the same bits. fp16 and bf16 widen to
+ * fp32, operate, and round back to the storage type after every single operation, which is
+ * what gloo and NCCL do per step; the left fold in ddp__reduce_fold therefore rounds W-1
+ * times per element, in rank order, on every backend. Integer sums and products wrap
+ * (computed on unsigned types, so they are defined behaviour). Float MIN/MAX propagate
+ * NaN. AVG is the sum divided by the world size (never multiplied by 1/W). */
+#include <math.h>
+#include <string.h>
+
+#include "algo/algo.h"
+
+#define FMIN_(a, b) (isnan(b) ? (b) : ((b) < (a) ? (b) : (a)))
+#define FMAX_(a, b) (isnan(b) ? (b) : ((b) > (a) ? (b) : (a)))
+#define IMIN_(a, b) ((b) < (a) ? (b) : (a))
+#define IMAX_(a, b) ((b) > (a) ? (b) : (a))
+
+#define ACC_NATIVE_(T, U, MN, MX)                                                  \
+  static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) {              \
+    switch (op) {                                                                 \
+      case DDP_SUM:                                                               \
+      case DDP_AVG:                                                               \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);            \
+        break;                                                                    \
+      case DDP_PRODUCT:                                                           \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);            \
+        break;                                                                    \
+      case DDP_MIN:                                                               \
+        for (size_t i = 0; i < n; i++)                                            \
+          d[i] = MN(d[i], s[i]);                                                \
+        break;                                                                    \
+      case DDP_MAX:                                                               \
+        for (size_t i = 0; i < n; i++)                                            \
+          d[i] = MX(d[i], s[i]);                                                \
+        break;                                                                    \
+    }                                                                             \
+  }
+
+ACC_NATIVE_(float, float, FMIN_, FMAX_)
+ACC_NATIVE_(double, double, FMIN_, FMAX_)
+ACC_NATIVE_(int32_t, uint32_t, IMIN_, IMAX_)
+ACC_NATIVE_(int64_t, uint64_t, IMIN_, IMAX_)
+ACC_NATIVE_(uint8_t, uint32_t, IMIN_, IMAX_)
+
+typedef float (*widen_fn)(uint16_t);
+typedef uint16_t (*narrow_fn)(float);
+
+static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n, widen_fn w,
+                     narrow_fn nr) {
+  for (size_t i = 0; i < n; i++) {
+    float a = w(d[i]), b = w(s[i]), r;
+    switch (op) {
+      case DDP_PRODUCT: r = a * b; break;
+      case DDP_MIN: r = FMIN_(a, b); break;
+      case DDP_MAX: r = FMAX_(a, b); break;
+      default: r = a + b; break;
+    }
+    d[i] = nr(r);
+  }
+}
+
+void ddp__reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+  switch (dt) {
+    case DDP_F32: acc_float(op, dst, src, n); break;
+    case DDP_F64: acc_double(op, dst, src, n); break;
+    case DDP_I32: acc_int32_t(op, dst, src, n); break;
+    case DDP_I64: acc_int64_t(op, dst, src, n); break;
+    case DDP_U8: acc_uint8_t(op, dst, src, n); break;
+    case DDP_F16: acc_half(op, dst, src, n, ddp_f16_to_f32, ddp_f32_to_f16); break;
+    case DDP_BF16: acc_half(op, dst, src, n, ddp_bf16_to_f32, ddp_f32_to_bf16); break;
+    default: DDP_REQUIRE(!"dtype validated by src/pg");
+  }
+}
+
+void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
+  switch (dt) {
+    case DDP_F32: {
+      float *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = d[i] / (float)world;
+      break;
+    }
+    case DDP_F64: {
+      double *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = d[i] / (double)world;
+      break;
+    }
+    case DDP_I32: {
+      int32_t *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = d[i] / world;
+      break;
+    }
+    case DDP_I64: {
+      int64_t *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = d[i] / world;
+      break;
+    }
+    case DDP_U8: {
+      uint8_t *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = (uint8_t)(d[i] / world);
+      break;
+    }
+    case DDP_F16: {
+      uint16_t *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = ddp_f32_to_f16(ddp_f16_to_f32(d[i]) / (float)world);
+      break;
+    }
+    case DDP_BF16: {
+      uint16_t *d = dst;
+      for (size_t i = 0; i < n; i++) d[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(d[i]) / (float)world);
+      break;
+    }
+    default: DDP_REQUIRE(!"dtype validated by src/pg");
+  }
+}
+
+void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
+                      void *dst, size_t n, unsigned char *tmp, int world) {
+  size_t es = ddp_dtype_size(dt), blk = DDP__TMP_BYTES / es;
+  for (size_t off = 0; off < n; off += blk) {
+    size_t m = DDP_MIN(blk, n - off);
+    memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
+    for (int j = 1; j < nsrc; j++)
+      ddp__reduce_acc(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
+    if (op == DDP_AVG) ddp__reduce_avg(dt, tmp, m, world);
+    memcpy((unsigned char *)dst + off * es, tmp, m * es);
+  }
+}
+
+const char *ddp__kind_name(ddp__kind_t k) {
+  switch (k) {
+    case DDP__ALLREDUCE: return "allreduce";
+    case DDP__BROADCAST: return "broadcast";
+    case DDP__ALLGATHER: return "allgather";
+    case DDP__REDUCE_SCATTER: return "reduce_scatter";
+    case DDP__ALLTOALL: return "alltoall";
+    case DDP__BARRIER: return "barrier";
+    case DDP__SEND: return "send/recv";
+    case DDP__RECV: return "recv";
+  }
+  return "?";
+}
+
+void ddp__fp_str(const ddp__fp_t *fp, char *buf, size_t n) {
+  const char *kind = ddp__kind_name((ddp__kind_t)fp->kind);
+  const char *dt = ddp_dtype_name((ddp_dtype_t)fp->dtype);
+  char seg[48] = "";
+  if (fp->segment) snprintf(seg, sizeof seg, ", segment %llu", (unsigned long long)fp->segment);
+  switch (fp->kind) {
+    case DDP__ALLREDUCE:
+      snprintf(buf, n, "%s #%llu (%s, %s, count %llu, %s%s)", kind, (unsigned long long)fp->seq,
+               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count,
+               ddp_algorithm_name((ddp_algorithm_t)fp->algo), seg);
+      break;
+    case DDP__REDUCE_SCATTER:
+      snprintf(buf, n, "%s #%llu (%s, %s, count %llu%s)", kind, (unsigned long long)fp->seq,
+               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count, seg);
+      break;
+    case DDP__BROADCAST:
+      snprintf(buf, n, "%s #%llu (%s, count %llu, root %d)", kind, (unsigned long long)fp->seq,
+               dt, (unsigned long long)fp->count, (int)fp->root);
+      break;
+    case DDP__SEND:
+      snprintf(buf, n, "%s #%llu of the pair (%s, count %llu, from rank %d)", kind,
+               (unsigned long long)fp->seq, dt, (unsigned long long)fp->count, (int)fp->root);
+      break;
+    case DDP__BARRIER:
+      snprintf(buf, n, "%s #%llu", kind, (unsigned long long)fp->seq);
+      break;
+    default:
+      snprintf(buf, n, "%s #%llu (%s, count %llu)", kind, (unsigned long long)fp->seq, dt,
+               (unsigned long long)fp->count);
+  }
+}
+
+bool ddp__fp_equal(const ddp__fp_t *a, const ddp__fp_t *b) {
+  return a->seq == b->seq && a->count == b->count && a->kind == b->kind && a->op == b->op &&
+         a->dtype == b->dtype && a->root == b->root && a->algo == b->algo &&
+         a->segment == b->segment;
+}

@@ -1,0 +1,451 @@
+/* Collectives for the shared-memory family (threads, shm): every rank maps one control
+ * block and can read the buffers its peers publish.
+ *
+ * Synchronisation. The control block holds one slot per rank (a barrier counter, the
+ * fingerprint and the buffer handles of the running collective), one cell per ordered pair
+ * of ranks for point-to-point, and a failure record. Every change is a store to a word owned
+ * by one writer, followed by a bump of one group-wide event word; a waiter spins briefly
+ * (spinning loses badly on an oversubscribed 2-vCPU host, spec §0.10) and then sleeps on
+ * the event word with a futex in slices of 10 ms. Between slices it checks the failure
+ * record, the abort flag, its deadline and the liveness of peers, so a dead peer is noticed
+ * within tens of milliseconds and nothing waits past the deadline. The first rank to fail
+ * writes the failure record, which makes every other rank's waits fail at once.
+ *
+ * Fingerprints and handles of collective number s live at index s & 1 of each slot. A rank
+ * can run at most one collective ahead of the slowest (every collective starts with a
+ * barrier), so it never overwrites what a slower peer is still reading.
+ *
+ * Data. When every rank's buffers are readable by all (threads always; shm for buffers from
+ * ddp_pg_alloc) the collectives read peers' buffers in place ("direct"). Otherwise they copy
+ * through each rank's staging area in chunks. Both modes reduce every element with the same
+ * rank-order fold, so they give the same bits. */
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "algo/algo.h"
+
+#define SPINS 200
+#define SLICE_NS (10 * 1000000LL)
+#define P2P_DESYNC (1ull << 63)
+
+typedef struct ctl_hdr {
+  _Atomic uint32_t event;
+  char pad0[60];
+  _Atomic uint32_t waiters;
+  char pad1[60];
+  _Atomic int32_t failed_by; /* 0 = none, else rank + 1 of the first failing rank */
+  _Atomic uint32_t failed;   /* its status, stored after msg */
+  char msg[DDP_ERROR_MSG_MAX];
+} __attribute__((aligned(64))) ctl_hdr_t;
+
+typedef struct rank_slot {
+  _Atomic uint64_t barrier; /* barriers this rank has entered */
+  int32_t pid;
+  int32_t pad;
+  uint64_t h[2][2];         /* [seq & 1][in, out] published handles */
+  ddp__fp_t fp[2];          /* [seq & 1] */
+} __attribute__((aligned(64))) rank_slot_t;
+
+typedef struct pair_cell {
+  _Atomic uint64_t posted; /* chunks the sender has put in its staging area */
+  _Atomic uint64_t acked;  /* chunks the receiver has taken; bit 63 = fingerprint mismatch */
+  uint64_t bytes;          /* size of the posted chunk */
+  uint64_t pad;
+  ddp__fp_t fp;            /* sender's fingerprint (first chunk) */
+  ddp__fp_t rfp;           /* receiver's fingerprint, on mismatch */
+} __attribute__((aligned(64))) pair_cell_t;
+
+static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
+
+size_t ddp__shared_ctl_bytes(int size) {
+  return hdr_bytes() + (size_t)size * sizeof(rank_slot_t) +
+         (size_t)size * (size_t)size * sizeof(pair_cell_t);
+}
+
+static ctl_hdr_t *hdr(ddp__comm_t *c) { return (ctl_hdr_t *)c->sh->ctl; }
+static rank_slot_t *slot(ddp__comm_t *c, int r) {
+  return (rank_slot_t *)((char *)c->sh->ctl + hdr_bytes()) + r;
+}
+static pair_cell_t *cell(ddp__comm_t *c, int from, int to) {
+  return (pair_cell_t *)((char *)c->sh->ctl + hdr_bytes() + (size_t)c->size * sizeof(rank_slot_t)) +
+         (size_t)from * (size_t)c->size + (size_t)to;
+}
+
+void ddp__shared_ctl_init(void *ctl, int size) {
+  memset(ctl, 0, ddp__shared_ctl_bytes(size));
+}
+
+void ddp__shared_attach(ddp__comm_t *c, int pid) { slot(c, c->rank)->pid = pid; }
+
+static void wake(ddp__comm_t *c) {
+  ctl_hdr_t *h = hdr(c);
+  atomic_fetch_add(&h->event, 1);
+  if (atomic_load(&h->waiters) > 0)
+    syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg) {
+  ctl_hdr_t *h = hdr(c);
+  int32_t none = 0;
+  if (atomic_compare_exchange_strong(&h->failed_by, &none, c->rank + 1)) {
+    snprintf(h->msg, sizeof h->msg, "%s", msg);
+    atomic_store(&h->failed, (uint32_t)st);
+  }
+  wake(c);
+}
+
+/* DDP_OK while nobody has failed the group. */
+static ddp_status_t check_failed(ddp__comm_t *c, ddp_error_t *err) {
+  if (atomic_load(&c->aborted))
+    return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", c->rank);
+  ctl_hdr_t *h = hdr(c);
+  uint32_t st = atomic_load(&h->failed);
+  if (st == 0) return DDP_OK;
+  int by = atomic_load(&h->failed_by) - 1;
+  if (by == c->rank) return ddp__error_quiet(err, (ddp_status_t)st, "%s", h->msg);
+  return ddp__error_quiet(err, DDP_ERR_REMOTE, "rank %d failed the group: %s", by, h->msg);
+}
+
+typedef bool (*pred_fn)(ddp__comm_t *c, const void *arg);
+/* Appends "who we are waiting for" to buf. */
+typedef void (*describe_fn)(ddp__comm_t *c, const void *arg, char *buf, size_t n);
+
+/* Waits until pred holds, the group fails, a peer dies (`peer`, or any when < 0; in a
+ * barrier a peer cannot leave before everyone has arrived, so any exit is a failure) or
+ * the deadline passes. */
+static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, describe_fn desc,
+                             int peer, ddp_error_t *err) {
+  ctl_hdr_t *h = hdr(c);
+  for (int i = 0; i < SPINS; i++) {
+    if (pred(c, arg)) return DDP_OK;
+    __builtin_ia32_pause();
+  }
+  int64_t start = ddp_now_ns(), last_check = start;
+  for (;;) {
+    uint32_t ev = atomic_load(&h->event);
+    if (pred(c, arg)) return DDP_OK;
+    DDP_CHECK(check_failed(c, err));
+    int64_t now = ddp_now_ns();
+    if (c->sh->check_peers && now - last_check >= SLICE_NS) {
+      last_check = now;
+      ddp_status_t st = c->sh->check_peers(c->state, peer, err);
+      if (st != DDP_OK) {
+        ddp__shared_poison(c, st, err->msg);
+        return st;
+      }
+    }
+    if (now >= c->deadline_ns) {
+      char who[256] = "";
+      desc(c, arg, who, sizeof who);
+      ddp__error_quiet(err, DDP_ERR_TIMEOUT, "timed out after %lld ms %s",
+                       (long long)((now - start) / 1000000), who);
+      ddp__shared_poison(c, DDP_ERR_TIMEOUT, err->msg);
+      return DDP_ERR_TIMEOUT;
+    }
+    int64_t left = DDP_MIN(c->deadline_ns - now, SLICE_NS);
+    struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+    atomic_fetch_add(&h->waiters, 1);
+    syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAIT, ev, &ts, NULL, 0);
+    atomic_fetch_sub(&h->waiters, 1);
+  }
+}
+
+/* ---- barrier ---- */
+
+static bool barrier_done(ddp__comm_t *c, const void *arg) {
+  for (int j = 0; j < c->size; j++)
+    if (atomic_load(&slot(c, j)->barrier) < c->barriers) return false;
+  return true;
+}
+
+static void barrier_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
+  size_t o = (size_t)snprintf(buf, n, "in a barrier waiting for");
+  const char *sep = " ";
+  for (int j = 0; j < c->size && o < n; j++)
+    if (atomic_load(&slot(c, j)->barrier) < c->barriers) {
+      o += (size_t)snprintf(buf + o, n - o, "%srank %d (pid %d)", sep, j, (int)slot(c, j)->pid);
+      sep = ", ";
+    }
+}
+
+static ddp_status_t barrier(ddp__comm_t *c, ddp_error_t *err) {
+  c->barriers++;
+  atomic_store(&slot(c, c->rank)->barrier, c->barriers);
+  wake(c);
+  return wait_for(c, barrier_done, NULL, barrier_desc, -1, err);
+}
+
+/* ---- collectives ---- */
+
+/* Publishes this rank's fingerprint and buffers, waits for everyone, and compares the
+ * fingerprints (every rank sees the same set, so every rank reaches the same verdict).
+ * *direct = every rank's buffers are readable by all. */
+static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in, size_t in_bytes,
+                          const void *out, size_t out_bytes, bool *direct, ddp_error_t *err) {
+  int par = (int)(op->fp.seq & 1);
+  rank_slot_t *me = slot(c, c->rank);
+  me->fp[par] = op->fp;
+  me->h[par][0] = in_bytes ? c->sh->to_handle(c->state, in, in_bytes) : 0;
+  me->h[par][1] = out_bytes ? c->sh->to_handle(c->state, out, out_bytes) : 0;
+  DDP_CHECK(barrier(c, err));
+  *direct = true;
+  for (int j = 0; j < c->size; j++) {
+    rank_slot_t *s = slot(c, j);
+    if (!ddp__fp_equal(&s->fp[par], &op->fp)) {
+      char a[160], b[160];
+      ddp__fp_str(&op->fp, a, sizeof a);
+      ddp__fp_str(&s->fp[par], b, sizeof b);
+      return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                              "mismatched collectives: rank %d runs %s, but rank %d runs %s",
+                              c->rank, a, j, b);
+    }
+    if (s->h[par][0] == UINT64_MAX || s->h[par][1] == UINT64_MAX) *direct = false;
+  }
+  return DDP_OK;
+}
+
+static const unsigned char *peer_in(ddp__comm_t *c, const ddp__coll_t *op, int j) {
+  return c->sh->from_handle(c->state, slot(c, j)->h[op->fp.seq & 1][0]);
+}
+static const unsigned char *peer_out(ddp__comm_t *c, const ddp__coll_t *op, int j) {
+  return c->sh->from_handle(c->state, slot(c, j)->h[op->fp.seq & 1][1]);
+}
+
+/* Allreduce. Direct, canonical: rank r folds slice r of every rank's input in rank order
+ * into its own output (nobody else reads that slice of its buffers), a barrier, then every
+ * rank copies the other slices from their owners' outputs, and a last barrier keeps
+ * buffers alive until every copy is done. Direct, small: every rank folds the whole vector
+ * into private scratch; after one barrier nobody reads inputs any more and each copies its
+ * result out (two barriers instead of three). Staging: the canonical scheme per chunk of
+ * the staging area, with each owner writing its folded slice back into its own staging. */
+static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count, lo, len;
+  int W = c->size, r = c->rank;
+  const unsigned char *in = op->send;
+  unsigned char *out = op->recv;
+  const void *srcs[DDP_PG_MAX_WORLD];
+  bool direct;
+  DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
+  if (n == 0) return DDP_OK;
+  if (direct && op->algo == DDP_ALGO_SMALL && n * es <= c->scratch_bytes) {
+    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j);
+    ddp__reduce_fold(op->dt, op->op, W, srcs, c->scratch, n, c->tmp, W);
+    DDP_CHECK(barrier(c, err));
+    memcpy(out, c->scratch, n * es);
+    return DDP_OK;
+  }
+  if (direct) {
+    ddp__part(n, W, r, &lo, &len);
+    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j) + lo * es;
+    ddp__reduce_fold(op->dt, op->op, W, srcs, out + lo * es, len, c->tmp, W);
+    DDP_CHECK(barrier(c, err));
+    for (int j = 0; j < W; j++) {
+      if (j == r) continue;
+      ddp__part(n, W, j, &lo, &len);
+      memcpy(out + lo * es, peer_out(c, op, j) + lo * es, len * es);
+    }
+    return barrier(c, err);
+  }
+  size_t chunk = c->sh->staging_bytes / es;
+  unsigned char *const *stg = c->sh->staging;
+  for (size_t b = 0; b < n; b += chunk) {
+    size_t m = DDP_MIN(chunk, n - b);
+    memcpy(stg[r], in + b * es, m * es);
+    DDP_CHECK(barrier(c, err));
+    ddp__part(m, W, r, &lo, &len);
+    for (int j = 0; j < W; j++) srcs[j] = stg[j] + lo * es;
+    ddp__reduce_fold(op->dt, op->op, W, srcs, stg[r] + lo * es, len, c->tmp, W);
+    DDP_CHECK(barrier(c, err));
+    for (int j = 0; j < W; j++) {
+      ddp__part(m, W, j, &lo, &len);
+      memcpy(out + (b + lo) * es, stg[j] + lo * es, len * es);
+    }
+    DDP_CHECK(barrier(c, err));
+  }
+  return DDP_OK;
+}
+
+/* Broadcast: peers copy from the root's buffer (direct) or from its staging, per chunk. */
+static ddp_status_t broadcast(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count;
+  int root = op->root;
+  unsigned char *buf = op->recv;
+  bool direct;
+  DDP_CHECK(begin(c, op, buf, n * es, NULL, 0, &direct, err));
+  if (n == 0) return DDP_OK;
+  if (direct) {
+    if (c->rank != root) memcpy(buf, peer_in(c, op, root), n * es);
+    return barrier(c, err);
+  }
+  size_t chunk = c->sh->staging_bytes / es;
+  for (size_t b = 0; b < n; b += chunk) {
+    size_t m = DDP_MIN(chunk, n - b);
+    if (c->rank == root) memcpy(c->sh->staging[root], buf + b * es, m * es);
+    DDP_CHECK(barrier(c, err));
+    if (c->rank != root) memcpy(buf + b * es, c->sh->staging[root], m * es);
+    DDP_CHECK(barrier(c, err));
+  }
+  return DDP_OK;
+}
+
+/* Allgather: block j of the output comes from rank j's input. */
+static ddp_status_t allgather(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count;
+  int W = c->size, r = c->rank;
+  const unsigned char *in = op->send;
+  unsigned char *out = op->recv;
+  bool direct;
+  DDP_CHECK(begin(c, op, in, n * es, out, W * n * es, &direct, err));
+  if (n == 0) return DDP_OK;
+  if (direct) {
+    for (int j = 0; j < W; j++) {
+      const unsigned char *src = j == r ? in : peer_in(c, op, j);
+      if (src != out + j * n * es) memmove(out + j * n * es, src, n * es);
+    }
+    return barrier(c, err);
+  }
+  size_t chunk = c->sh->staging_bytes / es;
+  for (size_t b = 0; b < n; b += chunk) {
+    size_t m = DDP_MIN(chunk, n - b);
+    memcpy(c->sh->staging[r], in + b * es, m * es);
+    DDP_CHECK(barrier(c, err));
+    for (int j = 0; j < W; j++) memcpy(out + (j * n + b) * es, c->sh->staging[j], m * es);
+    DDP_CHECK(barrier(c, err));
+  }
+  return DDP_OK;
+}
+
+/* Reduce-scatter and alltoall share a shape: rank r needs block r of every rank's input.
+ * Reduce-scatter folds those blocks in rank order; alltoall places them side by side.
+ * Staging carries, per chunk, the chunk of every block of the owner's input. */
+static ddp_status_t blocks(ddp__comm_t *c, const ddp__coll_t *op, bool reduce, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), n = op->count;
+  int W = c->size, r = c->rank;
+  const unsigned char *in = op->send;
+  unsigned char *out = op->recv;
+  const void *srcs[DDP_PG_MAX_WORLD];
+  bool direct;
+  DDP_CHECK(begin(c, op, in, W * n * es, out, reduce ? n * es : W * n * es, &direct, err));
+  if (n == 0) return DDP_OK;
+  if (direct) {
+    for (int j = 0; j < W; j++) srcs[j] = (j == r ? in : peer_in(c, op, j)) + (size_t)r * n * es;
+    if (reduce) {
+      ddp__reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
+    } else {
+      for (int j = 0; j < W; j++) memcpy(out + j * n * es, srcs[j], n * es);
+    }
+    return barrier(c, err);
+  }
+  size_t chunk = c->sh->staging_bytes / ((size_t)W * es);
+  unsigned char *const *stg = c->sh->staging;
+  for (size_t b = 0; b < n; b += chunk) {
+    size_t m = DDP_MIN(chunk, n - b);
+    for (int k = 0; k < W; k++) memcpy(stg[r] + k * m * es, in + (k * n + b) * es, m * es);
+    DDP_CHECK(barrier(c, err));
+    for (int j = 0; j < W; j++) srcs[j] = stg[j] + (size_t)r * m * es;
+    if (reduce) {
+      ddp__reduce_fold(op->dt, op->op, W, srcs, out + b * es, m, c->tmp, W);
+    } else {
+      for (int j = 0; j < W; j++) memcpy(out + (j * n + b) * es, srcs[j], m * es);
+    }
+    DDP_CHECK(barrier(c, err));
+  }
+  return DDP_OK;
+}
+
+/* ---- point to point ----
+ * The sender copies a chunk into its staging area, records its size (and, with the first
+ * chunk, its fingerprint) in the pair's cell and bumps `posted`; the receiver copies it out
+ * and bumps `acked`, which frees the staging area for the next chunk. A receiver whose
+ * fingerprint differs marks `acked` with the mismatch bit and leaves its own fingerprint,
+ * so both ends report DESYNC. */
+
+typedef struct p2p_wait {
+  pair_cell_t *cell;
+  uint64_t want;
+  int peer;
+  bool sender;
+} p2p_wait_t;
+
+static bool p2p_ready(ddp__comm_t *c, const void *arg) {
+  const p2p_wait_t *w = arg;
+  return (w->sender ? atomic_load(&w->cell->acked) & ~P2P_DESYNC
+                    : atomic_load(&w->cell->posted)) >= w->want;
+}
+
+static void p2p_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
+  const p2p_wait_t *w = arg;
+  snprintf(buf, n, "waiting for rank %d (pid %d) to %s chunk %llu", w->peer,
+           (int)slot(c, w->peer)->pid, w->sender ? "take" : "post",
+           (unsigned long long)w->want);
+}
+
+static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), bytes = op->count * es, C = c->sh->staging_bytes;
+  int peer = op->root;
+  bool sender = op->kind == DDP__SEND;
+  p2p_wait_t w = {sender ? cell(c, c->rank, peer) : cell(c, peer, c->rank), 0, peer, sender};
+  size_t off = 0;
+  do {
+    size_t m = DDP_MIN(C, bytes - off);
+    if (sender) {
+      memcpy(c->sh->staging[c->rank], (const unsigned char *)op->send + off, m);
+      w.cell->bytes = m;
+      if (off == 0) w.cell->fp = op->fp;
+      w.want = ++c->p2p_tx[peer];
+      atomic_store(&w.cell->posted, w.want);
+      wake(c);
+      DDP_CHECK(wait_for(c, p2p_ready, &w, p2p_desc, peer, err));
+      if (atomic_load(&w.cell->acked) & P2P_DESYNC) {
+        char a[160], b[160];
+        ddp__fp_str(&op->fp, a, sizeof a);
+        ddp__fp_str(&w.cell->rfp, b, sizeof b);
+        return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                                "mismatched point-to-point: rank %d sends %s, but rank %d "
+                                "expects %s", c->rank, a, peer, b);
+      }
+    } else {
+      w.want = ++c->p2p_rx[peer];
+      DDP_CHECK(wait_for(c, p2p_ready, &w, p2p_desc, peer, err));
+      if ((off == 0 && !ddp__fp_equal(&w.cell->fp, &op->fp)) || w.cell->bytes != m) {
+        char a[160], b[160];
+        ddp__fp_str(&op->fp, a, sizeof a);
+        ddp__fp_str(&w.cell->fp, b, sizeof b);
+        w.cell->rfp = op->fp;
+        atomic_store(&w.cell->acked, w.want | P2P_DESYNC);
+        wake(c);
+        return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                                "mismatched point-to-point: rank %d expects %s, but rank %d "
+                                "sends %s", c->rank, a, peer, b);
+      }
+      memcpy((unsigned char *)op->recv + off, c->sh->staging[peer], m);
+      atomic_store(&w.cell->acked, w.want);
+      wake(c);
+    }
+    off += m;
+  } while (off < bytes);
+  return DDP_OK;
+}
+
+ddp_status_t ddp__run_shared(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  DDP_CHECK(check_failed(c, err));
+  switch (op->kind) {
+    case DDP__ALLREDUCE: return allreduce(c, op, err);
+    case DDP__BROADCAST: return broadcast(c, op, err);
+    case DDP__ALLGATHER: return allgather(c, op, err);
+    case DDP__REDUCE_SCATTER: return blocks(c, op, true, err);
+    case DDP__ALLTOALL: return blocks(c, op, false, err);
+    case DDP__BARRIER: {
+      bool direct;
+      return begin(c, op, NULL, 0, NULL, 0, &direct, err);
+    }
+    case DDP__SEND:
+    case DDP__RECV: return p2p(c, op, err);
+  }
+  return ddp__error_quiet(err, DDP_ERR_INTERNAL, "unknown operation kind %d", (int)op->kind);
+}

@@ -1,0 +1,456 @@
+/* The tcp backend: ranks anywhere, one full-duplex TCP connection per pair of ranks.
+ *
+ * Setup. Every rank listens on an ephemeral port and publishes "host port" in the store.
+ * Rank i connects to every rank j < i and accepts one connection from every rank j > i;
+ * dependencies only point down, so the mesh cannot deadlock. The connecting side sends a
+ * hello (magic, rank, world, job token); the accepting side checks every field, answers
+ * with a verdict, and drops bad connections (a wrong token is logged and the slot keeps
+ * waiting for the real peer). Sockets are non-blocking with TCP_NODELAY, and with large
+ * socket buffers where the host allows them (otherwise the kernel's autotuning stays on).
+ *
+ * Data. xfer() runs a batch of sends and receives (at most one of each per peer) at once:
+ * it writes and reads whatever each socket accepts, handles partial transfers and EINTR,
+ * and polls all pending sockets plus an abort eventfd until everything is done, so sends
+ * and receives to all peers proceed concurrently and the algorithms' segments pipeline
+ * through the socket buffers. A read of 0 bytes (FIN) or a reset names the peer rank and
+ * address; the deadline names every peer still pending with its byte counts.
+ *
+ * Failure. fail() half-closes every connection (SHUT_WR): data already written still
+ * arrives, then peers read end-of-file and fail at once instead of at their timeout.
+ * abort() also wakes a blocked xfer through the eventfd. */
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "algo/algo.h"
+#include "backend/backends.h"
+
+#define HELLO_MAGIC 0x64647074u /* "ddpt" */
+#define TOKEN_MAX 256
+#define ADDR_MAX 320
+
+typedef struct hello {
+  uint32_t magic;
+  int32_t rank;
+  int32_t world;
+  uint32_t token_len;
+  char token[TOKEN_MAX];
+} hello_t;
+
+typedef struct verdict {
+  uint32_t magic;
+  uint32_t code; /* 0 accepted, 1 wrong token, 2 wrong world or rank */
+} verdict_t;
+
+typedef struct tcp_state {
+  int rank;
+  int size;
+  int *fds;                /* per peer; -1 for self */
+  char (*addr)[ADDR_MAX];  /* "host:port" of each peer, for messages */
+  int efd;                 /* abort eventfd */
+  atomic_bool failed;
+} tcp_state_t;
+
+static void tune(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  FILE *f = fopen("/proc/sys/net/core/wmem_max", "r");
+  long max = 0;
+  if (f) {
+    if (fscanf(f, "%ld", &max) != 1) max = 0;
+    fclose(f);
+  }
+  if (max >= (1 << 20)) {
+    int sz = (int)DDP_MIN(max, 8L << 20);
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+  }
+}
+
+static void nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+/* Moves all n bytes before the deadline (setup only). */
+static ddp_status_t io_all(int fd, void *buf, size_t n, bool is_send, int64_t deadline,
+                           int efd) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = is_send ? send(fd, (char *)buf + done, n - done, MSG_NOSIGNAL)
+                        : recv(fd, (char *)buf + done, n - done, 0);
+    if (r > 0) {
+      done += (size_t)r;
+      continue;
+    }
+    if (r == 0) return DDP_ERR_REMOTE;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return DDP_ERR_REMOTE;
+    struct pollfd p = {fd, is_send ? POLLOUT : POLLIN, 0};
+    int ms = ddp_ms_until(deadline);
+    if (ms <= 0) return DDP_ERR_TIMEOUT;
+    poll(&p, 1, DDP_MIN(ms, 100));
+  }
+  return DDP_OK;
+}
+
+static int connect_to(const char *host, const char *port, int64_t deadline, int *last_errno) {
+  while (ddp_now_ns() < deadline) {
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    int gai = getaddrinfo(host, port, &hints, &res);
+    if (gai != 0) {
+      *last_errno = EHOSTUNREACH;
+      usleep(50000);
+      continue;
+    }
+    for (struct addrinfo *a = res; a; a = a->ai_next) {
+      int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      nonblock(fd);
+      tune(fd);
+      int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        struct pollfd p = {fd, POLLOUT, 0};
+        int ms = ddp_ms_until(deadline);
+        if (poll(&p, 1, DDP_MIN(ms, 2000)) == 1) {
+          int e = 0;
+          socklen_t el = sizeof e;
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &el);
+          rc = e ? -1 : 0;
+          errno = e ? e : ETIMEDOUT;
+        } else {
+          rc = -1;
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0) {
+        freeaddrinfo(res);
+        return fd;
+      }
+      *last_errno = errno;
+      close(fd);
+    }
+    freeaddrinfo(res);
+    usleep(50000);
+  }
+  return -1;
+}
+
+static void tcp_destroy(void *state) {
+  tcp_state_t *s = state;
+  if (!s) return;
+  if (s->fds)
+    for (int j = 0; j < s->size; j++)
+      if (s->fds[j] >= 0) close(s->fds[j]);
+  if (s->efd >= 0) close(s->efd);
+  ddp__free(s->fds);
+  ddp__free(s->addr);
+  ddp__free(s);
+}
+
+static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_error_t *err) {
+  int rank = in->rank, W = in->size, lfd = -1;
+  if (!in->store)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "rank %d: the tcp backend needs a store for rendezvous", rank);
+  size_t tlen = strlen(in->job_token ? in->job_token : "");
+  if (tlen > TOKEN_MAX)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "job token longer than %d bytes",
+                      TOKEN_MAX);
+  int64_t deadline = ddp_deadline_after_ms(in->timeout_ms);
+  tcp_state_t *s = ddp__calloc(1, sizeof *s);
+  if (!s) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp backend state");
+  s->rank = rank;
+  s->size = W;
+  s->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  s->fds = ddp__malloc((size_t)W * sizeof *s->fds);
+  s->addr = ddp__calloc((size_t)W, sizeof *s->addr);
+  ddp_status_t st = DDP_OK;
+  if (!s->fds || !s->addr || s->efd < 0) {
+    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp backend state");
+    goto fail;
+  }
+  for (int j = 0; j < W; j++) s->fds[j] = -1;
+
+  /* Listen on an ephemeral port of every interface and publish "host port". */
+  lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in6 a6 = {0};
+  a6.sin6_family = AF_INET6;
+  a6.sin6_addr = in6addr_any;
+  int zero = 0, one = 1;
+  if (lfd >= 0) setsockopt(lfd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+  if (lfd < 0 || bind(lfd, (struct sockaddr *)&a6, sizeof a6) != 0) {
+    if (lfd >= 0) close(lfd);
+    lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a4 = {0};
+    a4.sin_family = AF_INET;
+    a4.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a4, sizeof a4) != 0) {
+      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: socket/bind: %s (errno %d)", rank,
+                      strerror(errno), errno);
+      goto fail;
+    }
+  }
+  setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (listen(lfd, W + 8) != 0) {
+    st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: listen: %s (errno %d)", rank,
+                    strerror(errno), errno);
+    goto fail;
+  }
+  nonblock(lfd);
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(lfd, (struct sockaddr *)&ss, &sl);
+  int port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                      : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  char host[256] = "127.0.0.1", me[ADDR_MAX], key[64];
+  if (gethostname(host, sizeof host) == 0) {
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    if (getaddrinfo(host, NULL, &hints, &res) != 0) snprintf(host, sizeof host, "127.0.0.1");
+    if (res) freeaddrinfo(res);
+  }
+  snprintf(me, sizeof me, "%s %d", host, port);
+  snprintf(key, sizeof key, "tcp/addr/%d", rank);
+  st = ddp_store_set(in->store, key, me, strlen(me) + 1);
+  if (st != DDP_OK) {
+    st = ddp__error(err, rank, st, "rank %d: publishing the tcp address: %s", rank,
+                    ddp_store_last_error(in->store));
+    goto fail;
+  }
+
+  /* Connect down. */
+  hello_t h = {HELLO_MAGIC, rank, W, (uint32_t)tlen, {0}};
+  memcpy(h.token, in->job_token ? in->job_token : "", tlen);
+  for (int j = 0; j < rank; j++) {
+    snprintf(key, sizeof key, "tcp/addr/%d", j);
+    const char *k = key;
+    int64_t left = (deadline - ddp_now_ns()) / 1000000;
+    if (ddp_store_wait(in->store, &k, 1, left > 0 ? left : 0) != DDP_OK) {
+      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                      "rank %d: timed out after %lld ms waiting for rank %d to join the tcp "
+                      "group (it never published its address)", rank,
+                      (long long)in->timeout_ms, j);
+      goto fail;
+    }
+    void *v = NULL;
+    size_t n = 0;
+    char peer[ADDR_MAX] = "", ph[256] = "", pp[16] = "";
+    if (ddp_store_get(in->store, key, &v, &n) == DDP_OK && n > 0 && n <= sizeof peer)
+      memcpy(peer, v, n);
+    ddp_free(v);
+    peer[sizeof peer - 1] = '\0';
+    if (sscanf(peer, "%255s %15s", ph, pp) != 2) {
+      st = ddp__error(err, rank, DDP_ERR_INVALID_DATA, "rank %d: bad address \"%s\" of rank %d",
+                      rank, peer, j);
+      goto fail;
+    }
+    snprintf(s->addr[j], ADDR_MAX, "%s:%s", ph, pp);
+    int e = 0;
+    int fd = connect_to(ph, pp, deadline, &e);
+    if (fd < 0) {
+      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                      "rank %d: could not connect to rank %d at %s within %lld ms: %s (errno %d)",
+                      rank, j, s->addr[j], (long long)in->timeout_ms, strerror(e), e);
+      goto fail;
+    }
+    s->fds[j] = fd;
+    verdict_t vd = {0, 0};
+    if (io_all(fd, &h, sizeof h, true, deadline, -1) != DDP_OK ||
+        io_all(fd, &vd, sizeof vd, false, deadline, -1) != DDP_OK || vd.magic != HELLO_MAGIC) {
+      st = ddp__error(err, rank, DDP_ERR_REMOTE,
+                      "rank %d: handshake with rank %d at %s failed (no answer before the "
+                      "deadline, or the connection was closed)", rank, j, s->addr[j]);
+      goto fail;
+    }
+    if (vd.code != 0) {
+      st = ddp__error(err, rank, vd.code == 1 ? DDP_ERR_INVALID_ARGUMENT : DDP_ERR_INVALID_USAGE,
+                      "rank %d: rank %d at %s refused the connection: %s", rank, j, s->addr[j],
+                      vd.code == 1 ? "wrong job token (DDP_JOB_TOKEN differs)"
+                                   : "its world size differs");
+      goto fail;
+    }
+  }
+
+  /* Accept from above. */
+  for (int got = 0; got < W - 1 - rank;) {
+    struct pollfd p = {lfd, POLLIN, 0};
+    int ms = ddp_ms_until(deadline);
+    if (ms <= 0) {
+      char missing[256] = "";
+      size_t o = 0;
+      for (int j = rank + 1; j < W && o < sizeof missing; j++)
+        if (s->fds[j] < 0) o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", j);
+      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                      "rank %d: timed out after %lld ms waiting for rank(s)%s to connect", rank,
+                      (long long)in->timeout_ms, missing);
+      goto fail;
+    }
+    if (poll(&p, 1, DDP_MIN(ms, 100)) <= 0) continue;
+    struct sockaddr_storage pa;
+    socklen_t pl = sizeof pa;
+    int fd = accept4(lfd, (struct sockaddr *)&pa, &pl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    tune(fd);
+    char ph[128] = "?", pp[16] = "?";
+    getnameinfo((struct sockaddr *)&pa, pl, ph, sizeof ph, pp, sizeof pp,
+                NI_NUMERICHOST | NI_NUMERICSERV);
+    hello_t ph_ = {0};
+    int64_t hd = DDP_MIN(deadline, ddp_deadline_after_ms(5000));
+    verdict_t vd = {HELLO_MAGIC, 0};
+    if (io_all(fd, &ph_, sizeof ph_, false, hd, -1) != DDP_OK || ph_.magic != HELLO_MAGIC) {
+      ddp__log(rank, DDP_LOG_WARN, "dropped a connection from %s:%s: no valid hello", ph, pp);
+      close(fd);
+      continue;
+    }
+    if (ph_.token_len != tlen || memcmp(ph_.token, h.token, tlen) != 0) {
+      vd.code = 1;
+    } else if (ph_.world != W || ph_.rank <= rank || ph_.rank >= W || s->fds[ph_.rank] >= 0) {
+      vd.code = 2;
+    }
+    io_all(fd, &vd, sizeof vd, true, hd, -1);
+    if (vd.code != 0) {
+      ddp__log(rank, DDP_LOG_WARN, "refused a connection from %s:%s claiming rank %d: %s", ph,
+               pp, (int)ph_.rank, vd.code == 1 ? "wrong job token" : "bad rank or world size");
+      close(fd);
+      continue;
+    }
+    s->fds[ph_.rank] = fd;
+    snprintf(s->addr[ph_.rank], ADDR_MAX, "%s:%s", ph, pp);
+    got++;
+  }
+  close(lfd);
+  lfd = -1;
+  int64_t left = (deadline - ddp_now_ns()) / 1000000;
+  st = ddp__backend_join(in->store, "tcp", rank, W, left > 0 ? left : 0, NULL, err);
+  if (st != DDP_OK) goto fail;
+  *out = s;
+  return DDP_OK;
+fail:
+  if (lfd >= 0) close(lfd);
+  tcp_destroy(s);
+  return st;
+}
+
+/* Lists the other peers whose connections are closed too ("" if none). When a rank dies,
+ * the neighbour that notices first fails and closes its own connections, so a third rank
+ * may read that neighbour's end-of-file first; the dead rank's closed connection is then
+ * already visible here and the message can name it. */
+static void also_closed(tcp_state_t *s, int except, char *buf, size_t n) {
+  size_t o = 0;
+  buf[0] = '\0';
+  for (int j = 0; j < s->size && o < n; j++) {
+    if (j == s->rank || j == except || s->fds[j] < 0) continue;
+    struct pollfd p = {s->fds[j], POLLRDHUP, 0};
+    if (poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+      o += (size_t)snprintf(buf + o, n - o, "%srank %d", o ? ", " : " (connections also closed by ",
+                            j);
+  }
+  if (o && o < n) snprintf(buf + o, n - o, ")");
+}
+
+static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, int64_t deadline,
+                             ddp_error_t *err) {
+  tcp_state_t *s = state;
+  struct pollfd pfd[2 * DDP_PG_MAX_WORLD + 1];
+  size_t map[2 * DDP_PG_MAX_WORLD];
+  int64_t start = ddp_now_ns();
+  for (size_t i = 0; i < n; i++) ops[i].done = 0;
+  for (;;) {
+    size_t pending = 0;
+    for (size_t i = 0; i < n; i++) {
+      ddp_xfer_t *o = &ops[i];
+      int fd = s->fds[o->peer];
+      while (o->done < o->bytes) {
+        ssize_t r = o->is_send
+                        ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
+                               MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : recv(fd, (char *)o->buf + o->done, o->bytes - o->done, MSG_DONTWAIT);
+        if (r > 0) {
+          o->done += (size_t)r;
+          continue;
+        }
+        char others[160];
+        if (r == 0 && !o->is_send) {
+          also_closed(s, o->peer, others, sizeof others);
+          return ddp__error_quiet(err, DDP_ERR_REMOTE,
+                                  "rank %d (%s) closed the connection after %zu of %zu bytes: "
+                                  "it exited, failed or aborted%s", o->peer, s->addr[o->peer],
+                                  o->done, o->bytes, others);
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (atomic_load(&s->failed))
+          return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d",
+                                  s->rank);
+        int e = errno;
+        also_closed(s, o->peer, others, sizeof others);
+        return ddp__error_quiet(err, DDP_ERR_REMOTE, "%s rank %d (%s): %s (errno %d)%s",
+                                o->is_send ? "send to" : "recv from", o->peer, s->addr[o->peer],
+                                strerror(e), e, others);
+      }
+      if (o->done < o->bytes) {
+        pfd[pending] = (struct pollfd){fd, (short)(o->is_send ? POLLOUT : POLLIN), 0};
+        map[pending++] = i;
+      }
+    }
+    if (pending == 0) return DDP_OK;
+    uint64_t ev;
+    if (read(s->efd, &ev, sizeof ev) == (ssize_t)sizeof ev) {
+      uint64_t one = 1;
+      if (write(s->efd, &one, sizeof one) < 0) { /* stays readable either way */ }
+      return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
+    }
+    int64_t now = ddp_now_ns();
+    if (now >= deadline) {
+      char who[384];
+      size_t o = 0;
+      who[0] = '\0';
+      for (size_t k = 0; k < pending && o < sizeof who; k++) {
+        ddp_xfer_t *x = &ops[map[k]];
+        o += (size_t)snprintf(who + o, sizeof who - o, "%srank %d (%zu of %zu bytes)",
+                              k ? ", " : "", x->peer, x->done, x->bytes);
+      }
+      return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
+                              "timed out after %lld ms waiting for %s",
+                              (long long)((now - start) / 1000000), who);
+    }
+    pfd[pending] = (struct pollfd){s->efd, POLLIN, 0};
+    poll(pfd, (nfds_t)pending + 1, DDP_MIN(ddp_ms_until(deadline), 1000));
+  }
+}
+
+static void tcp_fail(void *state) {
+  tcp_state_t *s = state;
+  for (int j = 0; j < s->size; j++)
+    if (s->fds[j] >= 0) shutdown(s->fds[j], SHUT_WR);
+}
+
+static void tcp_abort(void *state) {
+  tcp_state_t *s = state;
+  atomic_store(&s->failed, true);
+  uint64_t one = 1;
+  if (write(s->efd, &one, sizeof one) < 0) { /* already signalled */ }
+  tcp_fail(s);
+}
+
+const ddp_backend_ops_t ddp__backend_tcp = {
+    .abi_version = DDP_BACKEND_ABI_VERSION,
+    .name = "tcp",
+    .family = DDP_BACKEND_LINK,
+    .create = tcp_create,
+    .destroy = tcp_destroy,
+    .abort = tcp_abort,
+    .mem_alloc = NULL,
+    .mem_free = NULL,
+    .shared = NULL,
+    .xfer = tcp_xfer,
+    .fail = tcp_fail,
+};

@@ -1,0 +1,215 @@
+/* Model files: a JSON description of a Sequential model (schema in docs/nn.md), built into
+ * a ddp_model_t with PyTorch's state_dict names. */
+#include <cjson/cJSON.h>
+#include <string.h>
+
+#include "nn/nn_internal.h"
+
+typedef struct build {
+  ddp_model_t *m;
+  ddp_dtype_t dt;
+  ddp_error_t *err;
+  int depth;
+} build_t;
+
+#define MAX_DEPTH 16
+#define NAME_LEN 512
+
+static ddp_status_t bad(build_t *b, const char *path, const char *what) {
+  return ddp__error(b->err, -1, DDP_ERR_INVALID_DATA, "model json: %s: %s", path, what);
+}
+
+/* Reads a required positive integer field. */
+static ddp_status_t get_int(build_t *b, const cJSON *o, const char *path, const char *key,
+                            int64_t *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsNumber(v) || v->valuedouble < 1 || v->valuedouble > 1e12 ||
+      v->valuedouble != (double)(int64_t)v->valuedouble) {
+    char w[96];
+    snprintf(w, sizeof w, "field \"%s\" must be a positive integer", key);
+    return bad(b, path, w);
+  }
+  *out = (int64_t)v->valuedouble;
+  return DDP_OK;
+}
+
+static double get_num(const cJSON *o, const char *key, double def) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsNumber(v) ? v->valuedouble : def;
+}
+
+static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
+                              const char *path, ddp_module_t **out);
+
+static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
+                                const char *path, ddp_module_t **mod) {
+  if (!cJSON_IsObject(l)) return bad(b, path, "a layer must be an object");
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(l, "type");
+  if (!cJSON_IsString(t)) return bad(b, path, "missing string field \"type\"");
+  const char *ty = t->valuestring;
+  size_t p0 = ddp_model_num_params(b->m);
+  ddp_status_t st;
+  int64_t a, c;
+  if (!strcmp(ty, "linear")) {
+    DDP_CHECK(get_int(b, l, path, "in", &a));
+    DDP_CHECK(get_int(b, l, path, "out", &c));
+    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(l, "bias");
+    st = ddp_module_linear(b->m, prefix, a, c, bias ? cJSON_IsTrue(bias) : true, b->dt, mod);
+  } else if (!strcmp(ty, "relu")) {
+    st = ddp_module_activation(b->m, DDP_ACT_RELU, mod);
+  } else if (!strcmp(ty, "gelu")) {
+    const cJSON *ap = cJSON_GetObjectItemCaseSensitive(l, "approximate");
+    bool th = cJSON_IsString(ap) && !strcmp(ap->valuestring, "tanh");
+    if (ap && !th && !(cJSON_IsString(ap) && !strcmp(ap->valuestring, "none")))
+      return bad(b, path, "\"approximate\" must be \"none\" or \"tanh\"");
+    st = ddp_module_activation(b->m, th ? DDP_ACT_GELU_TANH : DDP_ACT_GELU, mod);
+  } else if (!strcmp(ty, "tanh")) {
+    st = ddp_module_activation(b->m, DDP_ACT_TANH, mod);
+  } else if (!strcmp(ty, "sigmoid")) {
+    st = ddp_module_activation(b->m, DDP_ACT_SIGMOID, mod);
+  } else if (!strcmp(ty, "dropout")) {
+    st = ddp_module_dropout(b->m, get_num(l, "p", 0.5), mod);
+  } else if (!strcmp(ty, "layernorm")) {
+    DDP_CHECK(get_int(b, l, path, "dim", &a));
+    st = ddp_module_layer_norm(b->m, prefix, a, get_num(l, "eps", 1e-5), b->dt, mod);
+  } else if (!strcmp(ty, "batchnorm")) {
+    DDP_CHECK(get_int(b, l, path, "dim", &a));
+    st = ddp_module_batch_norm(b->m, prefix, a, get_num(l, "eps", 1e-5),
+                               get_num(l, "momentum", 0.1), b->dt, mod);
+  } else if (!strcmp(ty, "embedding")) {
+    DDP_CHECK(get_int(b, l, path, "num", &a));
+    DDP_CHECK(get_int(b, l, path, "dim", &c));
+    st = ddp_module_embedding(b->m, prefix, a, c, b->dt, mod);
+  } else if (!strcmp(ty, "flatten")) {
+    st = ddp_module_flatten(b->m, mod);
+  } else if (!strcmp(ty, "residual") || !strcmp(ty, "branch") || !strcmp(ty, "checkpoint")) {
+    const cJSON *sub = cJSON_GetObjectItemCaseSensitive(l, "layers");
+    if (!cJSON_IsArray(sub)) return bad(b, path, "missing array field \"layers\"");
+    if (b->depth >= MAX_DEPTH) return bad(b, path, "nesting too deep");
+    char pre[NAME_LEN], pth[NAME_LEN];
+    int k1 = snprintf(pre, sizeof pre, "%s%sbody", prefix, *prefix ? "." : "");
+    int k2 = snprintf(pth, sizeof pth, "%s.layers", path);
+    if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
+      return bad(b, path, "names nest too deep");
+    ddp_module_t *body;
+    b->depth++;
+    st = build_seq(b, sub, pre, pth, &body);
+    b->depth--;
+    if (st != DDP_OK) return st;
+    if (!strcmp(ty, "residual")) {
+      st = ddp_module_residual(b->m, body, mod);
+    } else if (!strcmp(ty, "checkpoint")) {
+      st = ddp_module_checkpointed(b->m, body, mod);
+    } else {
+      double f = get_num(l, "flag", 0);
+      if (f < 0 || f > 63 || f != (double)(int)f) return bad(b, path, "\"flag\" must be 0..63");
+      st = ddp_module_branch(b->m, body, (unsigned)f, mod);
+    }
+  } else {
+    char w[256];
+    snprintf(w, sizeof w, "unknown layer type \"%.80s\" (linear, relu, gelu, tanh, sigmoid, "
+             "dropout, layernorm, batchnorm, embedding, flatten, residual, branch, checkpoint)", ty);
+    return bad(b, path, w);
+  }
+  if (st != DDP_OK) return ddp__error(b->err, -1, st, "model json: %s: cannot build the layer", path);
+  /* "frozen": true turns requires_grad off for the parameters this layer registered. */
+  const cJSON *fz = cJSON_GetObjectItemCaseSensitive(l, "frozen");
+  if (cJSON_IsTrue(fz))
+    for (size_t i = p0; i < ddp_model_num_params(b->m); i++)
+      ddp_model_param(b->m, i)->requires_grad = false;
+  return DDP_OK;
+}
+
+static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
+                              const char *path, ddp_module_t **out) {
+  DDP_CHECK(ddp_module_sequential(b->m, out));
+  int i = 0;
+  const cJSON *l;
+  cJSON_ArrayForEach(l, layers) {
+    char pre[NAME_LEN], pth[NAME_LEN];
+    int k1 = snprintf(pre, sizeof pre, "%s%s%d", prefix, *prefix ? "." : "", i);
+    int k2 = snprintf(pth, sizeof pth, "%s[%d]", path, i);
+    if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
+      return bad(b, path, "names nest too deep");
+    ddp_module_t *mod;
+    DDP_CHECK(build_layer(b, l, pre, pth, &mod));
+    DDP_CHECK(ddp_module_append(*out, mod));
+    i++;
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(json && out);
+  *out = NULL;
+  cJSON *root = cJSON_Parse(json);
+  if (!root) {
+    const char *at = cJSON_GetErrorPtr();
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: parse error near \"%.40s\"",
+                      at ? at : "");
+  }
+  build_t b = {NULL, DDP_F32, err, 0};
+  ddp_status_t st = DDP_OK;
+  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(root, "dtype");
+  const cJSON *layers = cJSON_GetObjectItemCaseSensitive(root, "layers");
+  if (dt && cJSON_IsString(dt) && !strcmp(dt->valuestring, "f64")) {
+    b.dt = DDP_F64;
+  } else if (dt && !(cJSON_IsString(dt) && !strcmp(dt->valuestring, "f32"))) {
+    st = bad(&b, "dtype", "must be \"f32\" or \"f64\"");
+    goto done;
+  }
+  if (!cJSON_IsArray(layers)) {
+    st = bad(&b, "layers", "missing array field \"layers\"");
+    goto done;
+  }
+  /* "prefix": "layers" names everything "layers.0.weight", ... (a wrapper module whose
+   * attribute holds the Sequential; dots nest further). */
+  const cJSON *pre = cJSON_GetObjectItemCaseSensitive(root, "prefix");
+  if (pre && (!cJSON_IsString(pre) || strlen(pre->valuestring) > 200 ||
+              pre->valuestring[0] == '.' || strstr(pre->valuestring, "..") ||
+              (*pre->valuestring && pre->valuestring[strlen(pre->valuestring) - 1] == '.'))) {
+    st = bad(&b, "prefix", "must be a dotted module path such as \"layers\" or \"model.body\"");
+    goto done;
+  }
+  DDP_CHECK_GOTO(ddp_model_create(&b.m), st, done);
+  ddp_module_t *seq;
+  DDP_CHECK_GOTO(build_seq(&b, layers, pre ? pre->valuestring : "", "layers", &seq), st, done);
+  DDP_CHECK_GOTO(ddp_model_finalize(b.m), st, done);
+  ddp_model_set_root(b.m, seq);
+done:
+  cJSON_Delete(root);
+  if (st != DDP_OK) {
+    ddp_model_destroy(b.m);
+    return st;
+  }
+  *out = b.m;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(path && out);
+  *out = NULL;
+  FILE *f = fopen(path, "rb");
+  if (!f) return ddp__error(err, -1, DDP_ERR_NOT_FOUND, "model json: cannot open %s", path);
+  if (fseek(f, 0, SEEK_END) != 0) {
+    fclose(f);
+    return ddp__error(err, -1, DDP_ERR_SYSTEM, "model json: cannot seek %s", path);
+  }
+  long n = ftell(f);
+  rewind(f);
+  if (n < 0 || n > (1 << 24)) {
+    fclose(f);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: %s is too large", path);
+  }
+  char *buf = ddp__malloc((size_t)n + 1);
+  if (!buf) {
+    fclose(f);
+    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "model json: out of memory");
+  }
+  size_t got = fread(buf, 1, (size_t)n, f);
+  fclose(f);
+  buf[got] = 0;
+  ddp_status_t st = ddp_model_from_json(buf, out, err);
+  ddp__free(buf);
+  return st;
+}

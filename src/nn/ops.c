@@ -1,0 +1,979 @@
+/* Operations on the tape: forward kernels, and backward kernels that accumulate (+=) into
+ * their inputs' gradients. Float kernels are written once for float and double through
+ * DISPATCH, which binds T to the element type. Transcendentals are evaluated in double and
+ * rounded to T. Matrix products go through ddp_gemm (the tensor layer owns BLAS). */
+#include <math.h>
+#include <string.h>
+
+#include "nn/nn_internal.h"
+
+#define DISPATCH(dt, ...)          \
+  do {                             \
+    if ((dt) == DDP_F32) {         \
+      typedef float T;             \
+      __VA_ARGS__                  \
+    } else {                       \
+      typedef double T;            \
+      __VA_ARGS__                  \
+    }                              \
+  } while (0)
+
+#define OOM(c, op) ddp__ctx_error((c), DDP_ERR_NO_MEMORY, "%s: arena exhausted", (op))
+
+static bool is_float(ddp_dtype_t dt) { return dt == DDP_F32 || dt == DDP_F64; }
+
+static ddp_status_t check_float(ddp_ctx_t *c, const char *op, const ddp_var_t *v) {
+  DDP_REQUIRE(v);
+  if (!is_float(v->value.dtype))
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: expected F32 or F64, got %s", op,
+                          ddp_dtype_name(v->value.dtype));
+  return DDP_OK;
+}
+
+static ddp_status_t check_same(ddp_ctx_t *c, const char *op, const ddp_var_t *a,
+                               const ddp_var_t *b) {
+  DDP_CHECK(check_float(c, op, a));
+  DDP_CHECK(check_float(c, op, b));
+  if (a->value.dtype != b->value.dtype || !ddp_tensor_same_shape(&a->value, &b->value)) {
+    char sa[128], sb[128];
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: operands differ: %s vs %s", op,
+                          ddp_tensor_describe(&a->value, sa, sizeof sa),
+                          ddp_tensor_describe(&b->value, sb, sizeof sb));
+  }
+  return DDP_OK;
+}
+
+static int64_t last_dim(const ddp_var_t *v) {
+  return v->value.ndim ? v->value.shape[v->value.ndim - 1] : 1;
+}
+
+/* Output var shaped like x (or with the given shape) and, when needed, its node. */
+static ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_fn bw, ddp_dtype_t dt,
+                             int ndim, const int64_t *shape, size_t nin, ddp_var_t *const *ins,
+                             ddp_var_t **y, ddp_node_t **node) {
+  ddp_var_t *v = ddp__var_alloc(c, dt, ndim, shape);
+  if (!v) return OOM(c, op);
+  *node = NULL;
+  if (ddp__needs_grad(c, nin, ins)) {
+    *node = ddp__node_new(c, op, bw, v, nin, ins);
+    if (!*node) return OOM(c, op);
+  }
+  *y = v;
+  return DDP_OK;
+}
+
+static ddp_status_t gemm(ddp_ctx_t *c, const char *op, ddp_dtype_t dt, bool ta, bool tb,
+                         int64_t m, int64_t n, int64_t k, const void *a, int64_t lda,
+                         const void *b, int64_t ldb, double beta, void *cc, int64_t ldc) {
+  if (m == 0 || n == 0) return DDP_OK;
+  ddp_status_t st = ddp_gemm(dt, ta, tb, m, n, k, 1.0, a, lda, b, ldb, beta, cc, ldc);
+  if (st != DDP_OK) return ddp__ctx_error(c, st, "%s: gemm %lldx%lldx%lld failed", op,
+                                          (long long)m, (long long)n, (long long)k);
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- linear, matmul -- */
+
+static ddp_status_t bw_linear(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->nin > 2 ? n->ins[2] : NULL;
+  ddp_dtype_t dt = x->value.dtype;
+  int64_t in = w->value.shape[1], out = w->value.shape[0];
+  int64_t rows = in ? x->value.numel / in : 0;
+  const void *gy = n->out->grad.data;
+  if (x->requires_grad) {
+    void *gx = ddp__grad(c, x);
+    if (!gx) return OOM(c, n->name);
+    DDP_CHECK(gemm(c, n->name, dt, false, false, rows, in, out, gy, out, w->value.data, in, 1.0,
+                   gx, in));
+  }
+  if (w->requires_grad) {
+    void *gw = ddp__grad(c, w);
+    if (!gw) return OOM(c, n->name);
+    DDP_CHECK(gemm(c, n->name, dt, true, false, out, in, rows, gy, out, x->value.data, in, 1.0,
+                   gw, in));
+  }
+  if (b && b->requires_grad) {
+    void *gb = ddp__grad(c, b);
+    if (!gb) return OOM(c, n->name);
+    DISPATCH(dt, {
+      T *g = gb;
+      const T *d = gy;
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < out; j++) g[j] += d[r * out + j];
+    });
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && w && y);
+  const char *op = "linear";
+  DDP_CHECK(check_float(c, op, x));
+  DDP_CHECK(check_float(c, op, w));
+  ddp_dtype_t dt = x->value.dtype;
+  if (w->value.ndim != 2 || w->value.dtype != dt || x->value.ndim < 1 ||
+      last_dim(x) != w->value.shape[1] ||
+      (b && (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[0]))) {
+    char sx[128], sw[128];
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "linear: mat1 and mat2 shapes cannot be multiplied: x %s, weight %s%s",
+                          ddp_tensor_describe(&x->value, sx, sizeof sx),
+                          ddp_tensor_describe(&w->value, sw, sizeof sw),
+                          b ? " (or the bias does not match the weight)" : "");
+  }
+  int64_t in = w->value.shape[1], out = w->value.shape[0];
+  int64_t rows = in ? x->value.numel / in : 0;
+  int64_t shape[DDP_MAX_DIMS];
+  memcpy(shape, x->value.shape, sizeof shape);
+  shape[x->value.ndim - 1] = out;
+  ddp_var_t *ins[3] = {x, w, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, op, bw_linear, dt, x->value.ndim, shape, b ? 3 : 2, ins, y, &n));
+  if (n) n->fire_reverse = true;
+  void *yd = (*y)->value.data;
+  if (b) {
+    DISPATCH(dt, {
+      T *o = yd;
+      const T *bb = b->value.data;
+      for (int64_t r = 0; r < rows; r++) memcpy(o + r * out, bb, (size_t)out * sizeof(T));
+    });
+  }
+  if (in == 0) return DDP_OK;
+  return gemm(c, op, dt, false, true, rows, out, in, x->value.data, in, w->value.data, in,
+              b ? 1.0 : 0.0, yd, out);
+}
+
+static ddp_status_t bw_matmul(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *a = n->ins[0], *b = n->ins[1];
+  ddp_dtype_t dt = a->value.dtype;
+  int64_t m = a->value.shape[0], k = a->value.shape[1], nn = b->value.shape[1];
+  const void *gy = n->out->grad.data;
+  if (a->requires_grad) {
+    void *ga = ddp__grad(c, a);
+    if (!ga) return OOM(c, n->name);
+    DDP_CHECK(gemm(c, n->name, dt, false, true, m, k, nn, gy, nn, b->value.data, nn, 1.0, ga, k));
+  }
+  if (b->requires_grad) {
+    void *gb = ddp__grad(c, b);
+    if (!gb) return OOM(c, n->name);
+    DDP_CHECK(gemm(c, n->name, dt, true, false, k, nn, m, a->value.data, k, gy, nn, 1.0, gb, nn));
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && a && b && y);
+  DDP_CHECK(check_float(c, "matmul", a));
+  DDP_CHECK(check_float(c, "matmul", b));
+  if (a->value.ndim != 2 || b->value.ndim != 2 || a->value.dtype != b->value.dtype ||
+      a->value.shape[1] != b->value.shape[0]) {
+    char sa[128], sb[128];
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "matmul: shapes cannot be multiplied: %s @ %s",
+                          ddp_tensor_describe(&a->value, sa, sizeof sa),
+                          ddp_tensor_describe(&b->value, sb, sizeof sb));
+  }
+  int64_t shape[2] = {a->value.shape[0], b->value.shape[1]};
+  ddp_var_t *ins[2] = {a, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "matmul", bw_matmul, a->value.dtype, 2, shape, 2, ins, y, &n));
+  if (a->value.shape[1] == 0) return DDP_OK;
+  return gemm(c, "matmul", a->value.dtype, false, false, shape[0], shape[1], a->value.shape[1],
+              a->value.data, a->value.shape[1], b->value.data, shape[1], 0.0, (*y)->value.data,
+              shape[1]);
+}
+
+/* ---------------------------------------------------------------- add, mul, bias -- */
+
+static ddp_status_t bw_add(ddp_ctx_t *c, ddp_node_t *n) {
+  for (size_t i = 0; i < 2; i++) {
+    ddp_var_t *v = n->ins[i];
+    if (!v->requires_grad) continue;
+    void *g = ddp__grad(c, v);
+    if (!g) return OOM(c, n->name);
+    DISPATCH(v->value.dtype, {
+      T *d = g;
+      const T *s = n->out->grad.data;
+      for (int64_t k = 0; k < v->value.numel; k++) d[k] += s[k];
+    });
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && a && b && y);
+  DDP_CHECK(check_same(c, "add", a, b));
+  ddp_var_t *ins[2] = {a, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
+  DISPATCH(a->value.dtype, {
+    T *o = (*y)->value.data;
+    const T *x0 = a->value.data, *x1 = b->value.data;
+    for (int64_t k = 0; k < a->value.numel; k++) o[k] = x0[k] + x1[k];
+  });
+  return DDP_OK;
+}
+
+static ddp_status_t bw_mul(ddp_ctx_t *c, ddp_node_t *n) {
+  for (size_t i = 0; i < 2; i++) {
+    ddp_var_t *v = n->ins[i], *other = n->ins[1 - i];
+    if (!v->requires_grad) continue;
+    void *g = ddp__grad(c, v);
+    if (!g) return OOM(c, n->name);
+    DISPATCH(v->value.dtype, {
+      T *d = g;
+      const T *s = n->out->grad.data, *o = other->value.data;
+      for (int64_t k = 0; k < v->value.numel; k++) d[k] += s[k] * o[k];
+    });
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_mul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && a && b && y);
+  DDP_CHECK(check_same(c, "mul", a, b));
+  ddp_var_t *ins[2] = {a, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "mul", bw_mul, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
+  DISPATCH(a->value.dtype, {
+    T *o = (*y)->value.data;
+    const T *x0 = a->value.data, *x1 = b->value.data;
+    for (int64_t k = 0; k < a->value.numel; k++) o[k] = x0[k] * x1[k];
+  });
+  return DDP_OK;
+}
+
+static ddp_status_t bw_bias_add(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0], *b = n->ins[1];
+  int64_t d = b->value.numel, rows = d ? x->value.numel / d : 0;
+  if (x->requires_grad) {
+    void *g = ddp__grad(c, x);
+    if (!g) return OOM(c, n->name);
+    DISPATCH(x->value.dtype, {
+      T *gx = g;
+      const T *s = n->out->grad.data;
+      for (int64_t k = 0; k < x->value.numel; k++) gx[k] += s[k];
+    });
+  }
+  if (b->requires_grad) {
+    void *g = ddp__grad(c, b);
+    if (!g) return OOM(c, n->name);
+    DISPATCH(x->value.dtype, {
+      T *gb = g;
+      const T *s = n->out->grad.data;
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < d; j++) gb[j] += s[r * d + j];
+    });
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_bias_add(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && b && y);
+  DDP_CHECK(check_float(c, "bias_add", x));
+  DDP_CHECK(check_float(c, "bias_add", b));
+  if (b->value.ndim != 1 || x->value.ndim < 1 || b->value.shape[0] != last_dim(x) ||
+      b->value.dtype != x->value.dtype)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "bias_add: bias of %lld elements for a last dim of %lld",
+                          (long long)b->value.numel, (long long)last_dim(x));
+  ddp_var_t *ins[2] = {x, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "bias_add", bw_bias_add, x->value.dtype, x->value.ndim, x->value.shape,
+                     2, ins, y, &n));
+  int64_t d = b->value.numel, rows = d ? x->value.numel / d : 0;
+  DISPATCH(x->value.dtype, {
+    T *o = (*y)->value.data;
+    const T *xx = x->value.data, *bb = b->value.data;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t j = 0; j < d; j++) o[r * d + j] = xx[r * d + j] + bb[j];
+  });
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- activations ----- */
+
+#define GELU_K0 0.7978845608028654  /* sqrt(2 / pi) */
+#define GELU_K1 0.044715
+#define INV_SQRT2 0.7071067811865476
+#define INV_SQRT_2PI 0.3989422804014327
+
+static double act_fwd(ddp_act_t a, double x) {
+  switch (a) {
+    case DDP_ACT_RELU: return x > 0 ? x : 0;
+    case DDP_ACT_GELU: return 0.5 * x * (1.0 + erf(x * INV_SQRT2));
+    case DDP_ACT_GELU_TANH: return 0.5 * x * (1.0 + tanh(GELU_K0 * (x + GELU_K1 * x * x * x)));
+    case DDP_ACT_TANH: return tanh(x);
+    case DDP_ACT_SIGMOID: return 1.0 / (1.0 + exp(-x));
+  }
+  return x;
+}
+
+/* dy/dx from the input x and the output y. */
+static double act_bwd(ddp_act_t a, double x, double y) {
+  switch (a) {
+    case DDP_ACT_RELU: return x > 0 ? 1 : 0;
+    case DDP_ACT_GELU:
+      return 0.5 * (1.0 + erf(x * INV_SQRT2)) + x * INV_SQRT_2PI * exp(-0.5 * x * x);
+    case DDP_ACT_GELU_TANH: {
+      double t = tanh(GELU_K0 * (x + GELU_K1 * x * x * x));
+      return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K0 * (1.0 + 3.0 * GELU_K1 * x * x);
+    }
+    case DDP_ACT_TANH: return 1.0 - y * y;
+    case DDP_ACT_SIGMOID: return y * (1.0 - y);
+  }
+  return 1;
+}
+
+static ddp_status_t bw_act(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0];
+  ddp_act_t a = (ddp_act_t)n->i0;
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    const T *gy = n->out->grad.data, *xx = x->value.data, *yy = n->out->value.data;
+    if (a == DDP_ACT_RELU) {
+      for (int64_t k = 0; k < x->value.numel; k++)
+        if (xx[k] > 0) gx[k] += gy[k];
+    } else {
+      for (int64_t k = 0; k < x->value.numel; k++)
+        gx[k] += (T)(gy[k] * act_bwd(a, xx[k], yy[k]));
+    }
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t a, ddp_var_t *x, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  DDP_REQUIRE(a >= DDP_ACT_RELU && a <= DDP_ACT_SIGMOID);
+  DDP_CHECK(check_float(c, "activation", x));
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "activation", bw_act, x->value.dtype, x->value.ndim, x->value.shape, 1,
+                     &x, y, &n));
+  if (n) n->i0 = a;
+  DISPATCH(x->value.dtype, {
+    T *o = (*y)->value.data;
+    const T *xx = x->value.data;
+    if (a == DDP_ACT_RELU) {
+      for (int64_t k = 0; k < x->value.numel; k++) o[k] = xx[k] > 0 ? xx[k] : 0;
+    } else {
+      for (int64_t k = 0; k < x->value.numel; k++) o[k] = (T)act_fwd(a, xx[k]);
+    }
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_relu(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
+  return ddp_activation(c, DDP_ACT_RELU, x, y);
+}
+
+/* ---------------------------------------------------------------- softmax --------- */
+
+/* Row-wise (last dim) softmax or log-softmax with the max subtracted first. */
+static void softmax_rows(ddp_dtype_t dt, const void *x, void *y, int64_t rows, int64_t d, bool log_) {
+  DISPATCH(dt, {
+    const T *xx = x;
+    T *yy = y;
+    for (int64_t r = 0; r < rows; r++) {
+      const T *xr = xx + r * d;
+      T *yr = yy + r * d;
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < d; j++) mx = xr[j] > mx ? xr[j] : mx;
+      double s = 0;
+      for (int64_t j = 0; j < d; j++) s += exp((double)xr[j] - mx);
+      if (log_) {
+        double ls = log(s);
+        for (int64_t j = 0; j < d; j++) yr[j] = (T)((double)xr[j] - mx - ls);
+      } else {
+        for (int64_t j = 0; j < d; j++) yr[j] = (T)(exp((double)xr[j] - mx) / s);
+      }
+    }
+  });
+}
+
+static ddp_status_t bw_softmax(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0];
+  bool log_ = n->i0 != 0;
+  int64_t d = last_dim(x), rows = d ? x->value.numel / d : 0;
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    const T *gy = n->out->grad.data, *yy = n->out->value.data;
+    for (int64_t r = 0; r < rows; r++) {
+      const T *gr = gy + r * d, *yr = yy + r * d;
+      T *xr = gx + r * d;
+      double s = 0;
+      if (log_) {
+        for (int64_t j = 0; j < d; j++) s += gr[j];
+        for (int64_t j = 0; j < d; j++) xr[j] += (T)(gr[j] - exp((double)yr[j]) * s);
+      } else {
+        for (int64_t j = 0; j < d; j++) s += (double)gr[j] * yr[j];
+        for (int64_t j = 0; j < d; j++) xr[j] += (T)(yr[j] * (gr[j] - s));
+      }
+    }
+  });
+  return DDP_OK;
+}
+
+static ddp_status_t softmax_op(ddp_ctx_t *c, ddp_var_t *x, bool log_, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  const char *op = log_ ? "log_softmax" : "softmax";
+  DDP_CHECK(check_float(c, op, x));
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, op, bw_softmax, x->value.dtype, x->value.ndim, x->value.shape, 1, &x, y, &n));
+  if (n) n->i0 = log_;
+  int64_t d = last_dim(x);
+  softmax_rows(x->value.dtype, x->value.data, (*y)->value.data, d ? x->value.numel / d : 0, d, log_);
+  return DDP_OK;
+}
+
+ddp_status_t ddp_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return softmax_op(c, x, false, y); }
+ddp_status_t ddp_log_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return softmax_op(c, x, true, y); }
+
+/* ---------------------------------------------------------------- dropout --------- */
+
+static ddp_status_t bw_dropout(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0];
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    const T *gy = n->out->grad.data, *m = n->saved;
+    for (int64_t k = 0; k < x->value.numel; k++) gx[k] += gy[k] * m[k];
+  });
+  return DDP_OK;
+}
+
+/* Each dropout call of a step owns 2^32 Philox blocks of the step's stream, starting at
+ * block (call index << 32), so its mask depends only on (seed, rank, step, call index). */
+ddp_status_t ddp_dropout(ddp_ctx_t *c, ddp_var_t *x, double p, bool training, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  DDP_CHECK(check_float(c, "dropout", x));
+  if (!(p >= 0 && p <= 1))
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "dropout probability has to be between 0 and 1, but got %g", p);
+  if (!training || p == 0) {
+    *y = x;
+    return DDP_OK;
+  }
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "dropout", bw_dropout, x->value.dtype, x->value.ndim, x->value.shape, 1,
+                     &x, y, &n));
+  void *mask = ddp__arena_alloc(c, (size_t)x->value.numel * ddp_dtype_size(x->value.dtype));
+  if (!mask) return OOM(c, "dropout");
+  ddp_rng_t r;
+  ddp_rng_init(&r, c->rng_seed, ddp_rng_stream(DDP_RNG_DROPOUT, c->rng_rank, c->rng_step));
+  ddp_rng_seek(&r, c->dropout_ctr++ << 32);
+  double keep = 1.0 - p;
+  DISPATCH(x->value.dtype, {
+    T *m = mask, *o = (*y)->value.data;
+    const T *xx = x->value.data;
+    T scale = keep > 0 ? (T)(1.0 / keep) : 0;
+    for (int64_t k = 0; k < x->value.numel; k++) {
+      m[k] = ddp_rng_uniform_f64(&r) < keep ? scale : 0;
+      o[k] = xx[k] * m[k];
+    }
+  });
+  if (n) n->saved = mask;
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- normalisation --- */
+
+/* Shared backward of layer norm (groups = rows, over the last dim) and batch norm in
+ * training (groups = channels, over the batch): with xhat = (x - mean) * rstd and
+ * dxhat = gy * w, dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)). The
+ * element j of group g sits at x[g * gs + j * es]. */
+static void norm_backward(ddp_dtype_t dt, const void *x, const void *gy, const void *w,
+                          const double *mean, const double *rstd, void *gx, void *gw, void *gb,
+                          int64_t groups, int64_t len, int64_t gs, int64_t es, bool w_per_elem) {
+  DISPATCH(dt, {
+    const T *xx = x, *g = gy, *ww = w;
+    T *dx = gx, *dw = gw, *db = gb;
+    for (int64_t q = 0; q < groups; q++) {
+      double s1 = 0, s2 = 0;
+      for (int64_t j = 0; j < len; j++) {
+        int64_t k = q * gs + j * es;
+        double xh = ((double)xx[k] - mean[q]) * rstd[q];
+        double wj = ww ? (double)ww[w_per_elem ? j : q] : 1.0;
+        double dxh = (double)g[k] * wj;
+        s1 += dxh;
+        s2 += dxh * xh;
+        if (dw) dw[w_per_elem ? j : q] += (T)((double)g[k] * xh);
+        if (db) db[w_per_elem ? j : q] += g[k];
+      }
+      if (!dx) continue;
+      s1 /= (double)len;
+      s2 /= (double)len;
+      for (int64_t j = 0; j < len; j++) {
+        int64_t k = q * gs + j * es;
+        double xh = ((double)xx[k] - mean[q]) * rstd[q];
+        double wj = ww ? (double)ww[w_per_elem ? j : q] : 1.0;
+        dx[k] += (T)(rstd[q] * ((double)g[k] * wj - s1 - xh * s2));
+      }
+    }
+  });
+}
+
+static ddp_status_t bw_layer_norm(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->ins[2];
+  int64_t d = last_dim(x), rows = d ? x->value.numel / d : 0;
+  void *gx = NULL, *gw = NULL, *gb = NULL;
+  if (x->requires_grad && !(gx = ddp__grad(c, x))) return OOM(c, n->name);
+  if (w && w->requires_grad && !(gw = ddp__grad(c, w))) return OOM(c, n->name);
+  if (b && b->requires_grad && !(gb = ddp__grad(c, b))) return OOM(c, n->name);
+  const double *st = n->saved;
+  norm_backward(x->value.dtype, x->value.data, n->out->grad.data, w ? w->value.data : NULL, st,
+                st + rows, gx, gw, gb, rows, d, d, 1, true);
+  return DDP_OK;
+}
+
+ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, double eps,
+                            ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  DDP_CHECK(check_float(c, "layer_norm", x));
+  int64_t d = last_dim(x), rows = d ? x->value.numel / d : 0;
+  if (x->value.ndim < 1 || (w && (w->value.numel != d || w->value.dtype != x->value.dtype)) ||
+      (b && (b->value.numel != d || b->value.dtype != x->value.dtype)))
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "layer_norm: weight/bias must have %lld elements of %s", (long long)d,
+                          ddp_dtype_name(x->value.dtype));
+  ddp_var_t *ins[3] = {x, w, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "layer_norm", bw_layer_norm, x->value.dtype, x->value.ndim,
+                     x->value.shape, 3, ins, y, &n));
+  double *st = ddp__arena_alloc(c, (size_t)(2 * rows + 1) * sizeof(double));
+  if (!st) return OOM(c, "layer_norm");
+  DISPATCH(x->value.dtype, {
+    const T *xx = x->value.data;
+    const T *ww = w ? w->value.data : NULL, *bb = b ? b->value.data : NULL;
+    T *o = (*y)->value.data;
+    for (int64_t r = 0; r < rows; r++) {
+      const T *xr = xx + r * d;
+      double m = 0, v = 0;
+      for (int64_t j = 0; j < d; j++) m += xr[j];
+      m /= (double)d;
+      for (int64_t j = 0; j < d; j++) v += ((double)xr[j] - m) * ((double)xr[j] - m);
+      v /= (double)d;
+      double rs = 1.0 / sqrt(v + eps);
+      st[r] = m;
+      st[rows + r] = rs;
+      for (int64_t j = 0; j < d; j++) {
+        double h = ((double)xr[j] - m) * rs;
+        if (ww) h *= (double)ww[j];
+        if (bb) h += (double)bb[j];
+        o[r * d + j] = (T)h;
+      }
+    }
+  });
+  if (n) n->saved = st;
+  return DDP_OK;
+}
+
+static ddp_status_t bw_batch_norm(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->ins[2];
+  int64_t N = x->value.shape[0], C = x->value.shape[1];
+  void *gx = NULL, *gw = NULL, *gb = NULL;
+  if (x->requires_grad && !(gx = ddp__grad(c, x))) return OOM(c, n->name);
+  if (w && w->requires_grad && !(gw = ddp__grad(c, w))) return OOM(c, n->name);
+  if (b && b->requires_grad && !(gb = ddp__grad(c, b))) return OOM(c, n->name);
+  const double *st = n->saved;
+  if (n->i0) { /* training: statistics depend on x */
+    norm_backward(x->value.dtype, x->value.data, n->out->grad.data, w ? w->value.data : NULL, st,
+                  st + C, gx, gw, gb, C, N, 1, C, false);
+    return DDP_OK;
+  }
+  /* eval: y = (x - rm) * rstd * w + b, an affine map of x */
+  DISPATCH(x->value.dtype, {
+    const T *xx = x->value.data, *g = n->out->grad.data, *ww = w ? w->value.data : NULL;
+    T *dx = gx, *dw = gw, *db = gb;
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t j = 0; j < C; j++) {
+        int64_t k = i * C + j;
+        double xh = ((double)xx[k] - st[j]) * st[C + j];
+        if (dx) dx[k] += (T)((double)g[k] * st[C + j] * (ww ? (double)ww[j] : 1.0));
+        if (dw) dw[j] += (T)((double)g[k] * xh);
+        if (db) db[j] += g[k];
+      }
+  });
+  return DDP_OK;
+}
+
+static double tensor_get(const ddp_tensor_t *t, int64_t i) {
+  return t->dtype == DDP_F32 ? ((const float *)t->data)[i] : ((const double *)t->data)[i];
+}
+
+static void tensor_set(ddp_tensor_t *t, int64_t i, double v) {
+  if (t->dtype == DDP_F32)
+    ((float *)t->data)[i] = (float)v;
+  else
+    ((double *)t->data)[i] = v;
+}
+
+ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
+                            ddp_tensor_t *rmean, ddp_tensor_t *rvar, ddp_tensor_t *nbt,
+                            bool training, double momentum, double eps, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  DDP_CHECK(check_float(c, "batch_norm", x));
+  if (x->value.ndim != 2)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "batch_norm: expected 2D input [N, C] (got %dD input)", x->value.ndim);
+  int64_t N = x->value.shape[0], C = x->value.shape[1];
+  ddp_dtype_t dt = x->value.dtype;
+  if ((w && (w->value.numel != C || w->value.dtype != dt)) ||
+      (b && (b->value.numel != C || b->value.dtype != dt)) ||
+      (rmean && (rmean->numel != C || !is_float(rmean->dtype))) ||
+      (rvar && (rvar->numel != C || !is_float(rvar->dtype))) ||
+      (nbt && (nbt->numel != 1 || nbt->dtype != DDP_I64)))
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "batch_norm: weight, bias and running stats must have %lld elements",
+                          (long long)C);
+  bool use_batch = training || !rmean || !rvar;
+  if (use_batch && N <= 1)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "batch_norm: Expected more than 1 value per channel when training, "
+                          "got input size [%lld, %lld]", (long long)N, (long long)C);
+  ddp_var_t *ins[3] = {x, w, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "batch_norm", bw_batch_norm, dt, 2, x->value.shape, 3, ins, y, &n));
+  double *st = ddp__arena_alloc(c, (size_t)(2 * C + 1) * sizeof(double));
+  if (!st) return OOM(c, "batch_norm");
+  DISPATCH(dt, {
+    const T *xx = x->value.data;
+    for (int64_t j = 0; j < C; j++) {
+      double m, v;
+      if (use_batch) {
+        m = 0;
+        v = 0;
+        for (int64_t i = 0; i < N; i++) m += xx[i * C + j];
+        m /= (double)N;
+        for (int64_t i = 0; i < N; i++) v += ((double)xx[i * C + j] - m) * ((double)xx[i * C + j] - m);
+        if (training && rmean && rvar) {
+          double unb = v / (double)(N - 1);
+          tensor_set(rmean, j, (1.0 - momentum) * tensor_get(rmean, j) + momentum * m);
+          tensor_set(rvar, j, (1.0 - momentum) * tensor_get(rvar, j) + momentum * unb);
+        }
+        v /= (double)N;
+      } else {
+        m = tensor_get(rmean, j);
+        v = tensor_get(rvar, j);
+      }
+      st[j] = m;
+      st[C + j] = 1.0 / sqrt(v + eps);
+    }
+    const T *ww = w ? w->value.data : NULL, *bb = b ? b->value.data : NULL;
+    T *o = (*y)->value.data;
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t j = 0; j < C; j++) {
+        double h = ((double)xx[i * C + j] - st[j]) * st[C + j];
+        if (ww) h *= (double)ww[j];
+        if (bb) h += (double)bb[j];
+        o[i * C + j] = (T)h;
+      }
+  });
+  if (training && nbt) ((int64_t *)nbt->data)[0] += 1;
+  if (n) {
+    n->saved = st;
+    n->i0 = use_batch;
+  }
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- embedding ------- */
+
+static ddp_status_t bw_embedding(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *ids = n->ins[0], *w = n->ins[1];
+  int64_t D = w->value.shape[1];
+  void *g = ddp__grad(c, w);
+  if (!g) return OOM(c, n->name);
+  const int64_t *id = ids->value.data;
+  DISPATCH(w->value.dtype, {
+    T *gw = g;
+    const T *gy = n->out->grad.data;
+    for (int64_t i = 0; i < ids->value.numel; i++)
+      for (int64_t j = 0; j < D; j++) gw[id[i] * D + j] += gy[i * D + j];
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, ddp_var_t **y) {
+  DDP_REQUIRE(c && ids && w && y);
+  DDP_CHECK(check_float(c, "embedding", w));
+  if (ids->value.dtype != DDP_I64 || w->value.ndim != 2 || ids->value.ndim >= DDP_MAX_DIMS)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "embedding: expected I64 ids and a 2D weight (got %s ids)",
+                          ddp_dtype_name(ids->value.dtype));
+  int64_t V = w->value.shape[0], D = w->value.shape[1];
+  const int64_t *id = ids->value.data;
+  for (int64_t i = 0; i < ids->value.numel; i++)
+    if (id[i] < 0 || id[i] >= V)
+      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                            "embedding: index out of range in self (id %lld at %lld, "
+                            "num_embeddings %lld)", (long long)id[i], (long long)i, (long long)V);
+  int64_t shape[DDP_MAX_DIMS];
+  memcpy(shape, ids->value.shape, sizeof shape);
+  shape[ids->value.ndim] = D;
+  ddp_var_t *ins[2] = {ids, w};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "embedding", bw_embedding, w->value.dtype, ids->value.ndim + 1, shape, 2,
+                     ins, y, &n));
+  size_t row = (size_t)D * ddp_dtype_size(w->value.dtype);
+  for (int64_t i = 0; i < ids->value.numel; i++)
+    memcpy((char *)(*y)->value.data + i * row, (const char *)w->value.data + id[i] * row, row);
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- reshape, concat - */
+
+static ddp_status_t bw_copy_through(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0];
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    const T *gy = n->out->grad.data;
+    for (int64_t k = 0; k < x->value.numel; k++) gx[k] += gy[k];
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y && (ndim == 0 || shape));
+  if (ndim < 0 || ndim > DDP_MAX_DIMS)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: ndim %d", ndim);
+  int64_t sh[DDP_MAX_DIMS];
+  int infer = -1;
+  int64_t known = 1;
+  for (int i = 0; i < ndim; i++) {
+    sh[i] = shape[i];
+    if (shape[i] == -1 && infer < 0) {
+      infer = i;
+    } else if (shape[i] < 0) {
+      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: invalid dim %lld", (long long)shape[i]);
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (infer >= 0) sh[infer] = known ? x->value.numel / known : 0;
+  int64_t numel = 1;
+  for (int i = 0; i < ndim; i++) numel *= sh[i];
+  if (numel != x->value.numel) {
+    char s[128];
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "reshape: shape is invalid for input %s (%lld elements requested)",
+                          ddp_tensor_describe(&x->value, s, sizeof s), (long long)numel);
+  }
+  ddp_var_t *v = ddp__arena_zalloc(c, sizeof *v);
+  if (!v) return OOM(c, "reshape");
+  ddp_tensor_view(&v->value, x->value.dtype, ndim, sh, x->value.data);
+  if (is_float(x->value.dtype) && ddp__needs_grad(c, 1, &x)) {
+    if (!ddp__node_new(c, "reshape", bw_copy_through, v, 1, &x)) return OOM(c, "reshape");
+  }
+  *y = v;
+  return DDP_OK;
+}
+
+/* The output is outer blocks, each the concatenation of every input's block of
+ * shape[dim] * inner elements. */
+static ddp_status_t bw_concat(ddp_ctx_t *c, ddp_node_t *n) {
+  int dim = (int)n->i0;
+  const ddp_tensor_t *yv = &n->out->value;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; i++) outer *= yv->shape[i];
+  for (int i = dim + 1; i < yv->ndim; i++) inner *= yv->shape[i];
+  size_t es = ddp_dtype_size(yv->dtype);
+  int64_t yrow = yv->shape[dim] * inner, off = 0;
+  for (size_t k = 0; k < n->nin; k++) {
+    ddp_var_t *x = n->ins[k];
+    int64_t blk = x->value.shape[dim] * inner;
+    if (x->requires_grad) {
+      void *g = ddp__grad(c, x);
+      if (!g) return OOM(c, n->name);
+      DISPATCH(yv->dtype, {
+        T *gx = g;
+        const T *gy = n->out->grad.data;
+        for (int64_t o = 0; o < outer; o++)
+          for (int64_t j = 0; j < blk; j++) gx[o * blk + j] += gy[o * yrow + off + j];
+      });
+    }
+    off += blk;
+  }
+  (void)es;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_concat(ddp_ctx_t *c, size_t nx, ddp_var_t *const *xs, int dim, ddp_var_t **y) {
+  DDP_REQUIRE(c && xs && y && nx > 0);
+  const ddp_tensor_t *x0 = &xs[0]->value;
+  DDP_CHECK(check_float(c, "concat", xs[0]));
+  if (dim < 0) dim += x0->ndim;
+  if (dim < 0 || dim >= x0->ndim)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "concat: dim %d out of range for %dD", dim, x0->ndim);
+  int64_t shape[DDP_MAX_DIMS];
+  memcpy(shape, x0->shape, sizeof shape);
+  shape[dim] = 0;
+  for (size_t k = 0; k < nx; k++) {
+    const ddp_tensor_t *t = &xs[k]->value;
+    bool ok = t->dtype == x0->dtype && t->ndim == x0->ndim;
+    for (int i = 0; ok && i < t->ndim; i++) ok = i == dim || t->shape[i] == x0->shape[i];
+    if (!ok)
+      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                            "concat: sizes of tensors must match except in dimension %d "
+                            "(tensor %zu differs)", dim, k);
+    shape[dim] += t->shape[dim];
+  }
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "concat", bw_concat, x0->dtype, x0->ndim, shape, nx, xs, y, &n));
+  if (n) n->i0 = dim;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; i++) outer *= shape[i];
+  for (int i = dim + 1; i < x0->ndim; i++) inner *= shape[i];
+  size_t es = ddp_dtype_size(x0->dtype);
+  int64_t yrow = shape[dim] * inner, off = 0;
+  for (size_t k = 0; k < nx; k++) {
+    int64_t blk = xs[k]->value.shape[dim] * inner;
+    for (int64_t o = 0; o < outer; o++)
+      memcpy((char *)(*y)->value.data + (size_t)(o * yrow + off) * es,
+             (const char *)xs[k]->value.data + (size_t)(o * blk) * es, (size_t)blk * es);
+    off += blk;
+  }
+  return DDP_OK;
+}
+
+/* ---------------------------------------------------------------- reductions ------ */
+
+/* i0 = 1 for mean. */
+static ddp_status_t bw_reduce(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0];
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    T s = ((const T *)n->out->grad.data)[0];
+    if (n->i0) s = (T)(s / (T)x->value.numel);
+    for (int64_t k = 0; k < x->value.numel; k++) gx[k] += s;
+  });
+  return DDP_OK;
+}
+
+static ddp_status_t reduce_op(ddp_ctx_t *c, ddp_var_t *x, bool mean, ddp_var_t **y) {
+  DDP_REQUIRE(c && x && y);
+  const char *op = mean ? "mean" : "sum";
+  DDP_CHECK(check_float(c, op, x));
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, op, bw_reduce, x->value.dtype, 0, NULL, 1, &x, y, &n));
+  if (n) n->i0 = mean;
+  DISPATCH(x->value.dtype, {
+    const T *xx = x->value.data;
+    double s = 0;
+    for (int64_t k = 0; k < x->value.numel; k++) s += xx[k];
+    if (mean) s /= (double)x->value.numel;
+    ((T *)(*y)->value.data)[0] = (T)s;
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_sum(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return reduce_op(c, x, false, y); }
+ddp_status_t ddp_mean(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return reduce_op(c, x, true, y); }
+
+/* ---------------------------------------------------------------- losses ---------- */
+
+static ddp_status_t bw_mse(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *a = n->ins[0], *b = n->ins[1];
+  void *ga = NULL, *gb = NULL;
+  if (a->requires_grad && !(ga = ddp__grad(c, a))) return OOM(c, n->name);
+  if (b->requires_grad && !(gb = ddp__grad(c, b))) return OOM(c, n->name);
+  DISPATCH(a->value.dtype, {
+    const T *aa = a->value.data, *bb = b->value.data;
+    T s = ((const T *)n->out->grad.data)[0];
+    T scale = (T)(2.0 / (double)a->value.numel) * s;
+    T *da = ga, *db = gb;
+    for (int64_t k = 0; k < a->value.numel; k++) {
+      T d = (aa[k] - bb[k]) * scale;
+      if (da) da[k] += d;
+      if (db) db[k] -= d;
+    }
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_mse_loss(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
+  DDP_REQUIRE(c && a && b && y);
+  DDP_CHECK(check_same(c, "mse_loss", a, b));
+  ddp_var_t *ins[2] = {a, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "mse_loss", bw_mse, a->value.dtype, 0, NULL, 2, ins, y, &n));
+  DISPATCH(a->value.dtype, {
+    const T *aa = a->value.data, *bb = b->value.data;
+    double s = 0;
+    for (int64_t k = 0; k < a->value.numel; k++) {
+      double d = (double)aa[k] - (double)bb[k];
+      s += d * d;
+    }
+    ((T *)(*y)->value.data)[0] = (T)(s / (double)a->value.numel);
+  });
+  return DDP_OK;
+}
+
+/* saved = softmax probabilities [N, C]; a0 = number of counted targets. */
+static ddp_status_t bw_cross_entropy(ddp_ctx_t *c, ddp_node_t *n) {
+  ddp_var_t *x = n->ins[0], *t = n->ins[1];
+  int64_t N = x->value.shape[0], C = x->value.shape[1];
+  void *g = ddp__grad(c, x);
+  if (!g) return OOM(c, n->name);
+  const int64_t *tt = t->value.data;
+  DISPATCH(x->value.dtype, {
+    T *gx = g;
+    const T *p = n->saved;
+    T s = (T)(((const T *)n->out->grad.data)[0] / (T)n->a0);
+    for (int64_t i = 0; i < N; i++) {
+      if (tt[i] == n->i0) continue;
+      for (int64_t j = 0; j < C; j++) gx[i * C + j] += (p[i * C + j] - (j == tt[i] ? 1 : 0)) * s;
+    }
+  });
+  return DDP_OK;
+}
+
+ddp_status_t ddp_cross_entropy(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *t, int64_t ignore_index,
+                               ddp_var_t **y) {
+  DDP_REQUIRE(c && x && t && y);
+  DDP_CHECK(check_float(c, "cross_entropy", x));
+  if (x->value.ndim != 2 || t->value.dtype != DDP_I64 || t->value.ndim != 1 ||
+      t->value.shape[0] != x->value.shape[0])
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "cross_entropy: expected logits [N, C] and I64 targets [N]");
+  int64_t N = x->value.shape[0], C = x->value.shape[1];
+  const int64_t *tt = t->value.data;
+  int64_t count = 0;
+  for (int64_t i = 0; i < N; i++) {
+    if (tt[i] == ignore_index) continue;
+    if (tt[i] < 0 || tt[i] >= C)
+      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                            "cross_entropy: Target %lld is out of bounds (row %lld, %lld classes)",
+                            (long long)tt[i], (long long)i, (long long)C);
+    count++;
+  }
+  ddp_var_t *ins[2] = {x, t};
+  ddp_node_t *n;
+  DDP_CHECK(make_out(c, "cross_entropy", bw_cross_entropy, x->value.dtype, 0, NULL, 2, ins, y, &n));
+  void *lsm = ddp__arena_alloc(c, (size_t)(N * C) * ddp_dtype_size(x->value.dtype) + 1);
+  if (!lsm) return OOM(c, "cross_entropy");
+  softmax_rows(x->value.dtype, x->value.data, lsm, N, C, true);
+  DISPATCH(x->value.dtype, {
+    T *l = lsm;
+    double s = 0;
+    for (int64_t i = 0; i < N; i++)
+      if (tt[i] != ignore_index) s -= l[i * C + tt[i]];
+    ((T *)(*y)->value.data)[0] = (T)(s / (double)count);
+    /* The backward wants probabilities: exponentiate in place. */
+    for (int64_t k = 0; k < N * C; k++) l[k] = (T)exp((double)l[k]);
+  });
+  if (n) {
+    n->saved = lsm;
+    n->a0 = (double)count;
+    n->i0 = ignore_index;
+  }
+  return DDP_OK;
+}

@@ -1,0 +1,746 @@
+/* The process-group API: argument checks in one place (the NCCL way), the per-group queue
+ * and progress thread, work handles, failure state, and group creation from options, from
+ * a launcher's environment, or for a set of threads.
+ *
+ * Life of a collective: the entry point validates its arguments, stamps the collective with
+ * the group's next sequence number (its fingerprint: seq, kind, op, dtype, count, root,
+ * algorithm), and queues it. The progress thread runs queued work one at a time in issue
+ * order with a deadline of now + timeout, through the algorithms of the backend's family
+ * (src/algo). The first failure fails the group: its message names the collective and the
+ * rank(s) at fault; queued and later work fails with the same status without running. */
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "algo/algo.h"
+#include "ddp/pg.h"
+
+#define PG_MAGIC 0x70677270u
+#define WORK_MAGIC 0x776f726bu
+#define SMALL_SHARED (16u * 1024u)
+#define SMALL_LINK (32u * 1024u)
+
+struct ddp_work {
+  uint32_t magic;
+  ddp_pg_t *pg;
+  ddp__coll_t coll;
+  atomic_int done;
+  atomic_int refs; /* the caller's handle + the queue */
+  ddp_status_t status;
+  ddp_error_t err;
+  struct ddp_work *next;
+};
+
+struct ddp_pg {
+  uint32_t magic;
+  int rank;
+  int size;
+  const ddp_backend_ops_t *ops;
+  void *state;
+  ddp__comm_t comm;        /* owned by the progress thread */
+  ddp_algorithm_t algo;    /* requested (AUTO = size table) */
+  size_t small_max;        /* AUTO: allreduce at or below this many bytes uses SMALL */
+  int64_t timeout_ms;
+  pthread_mutex_t mu;      /* guards everything below */
+  pthread_cond_t cv_queue; /* work queued or stop */
+  pthread_cond_t cv_done;  /* some work completed (CLOCK_MONOTONIC) */
+  ddp_work_t *head, *tail;
+  bool stop;
+  pthread_t thread;
+  ddp_status_t failed;     /* first failure of the group */
+  ddp_error_t fail_err;
+  ddp_error_t arg_err;     /* last argument error */
+  uint64_t seq;            /* collectives issued */
+  uint64_t *p2p_send_seq;  /* per peer */
+  uint64_t *p2p_recv_seq;
+  ddp_store_t *owned_store; /* ddp_pg_create_from_env */
+};
+
+const char *ddp_redop_name(ddp_redop_t op) {
+  switch (op) {
+    case DDP_SUM: return "SUM";
+    case DDP_AVG: return "AVG";
+    case DDP_MIN: return "MIN";
+    case DDP_MAX: return "MAX";
+    case DDP_PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+const char *ddp_algorithm_name(ddp_algorithm_t a) {
+  switch (a) {
+    case DDP_ALGO_AUTO: return "auto";
+    case DDP_ALGO_CANONICAL: return "canonical";
+    case DDP_ALGO_RING: return "ring";
+    case DDP_ALGO_SMALL: return "small";
+  }
+  return "?";
+}
+
+static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_error_t *err) {
+  static const ddp_algorithm_t all[] = {DDP_ALGO_AUTO, DDP_ALGO_CANONICAL, DDP_ALGO_RING,
+                                        DDP_ALGO_SMALL};
+  for (size_t i = 0; i < DDP_ARRAY_LEN(all); i++) {
+    if (strcasecmp(s, ddp_algorithm_name(all[i])) == 0) {
+      *out = all[i];
+      return DDP_OK;
+    }
+  }
+  return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                    "DDP_ALGORITHM=\"%s\" is not one of auto, canonical, ring, small", s);
+}
+
+/* ---------------------------------------------------------------- progress thread -- */
+
+static void work_release(ddp_work_t *w) {
+  if (atomic_fetch_sub(&w->refs, 1) == 1) {
+    w->magic = 0;
+    ddp__free(w);
+  }
+}
+
+static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
+  char name[192];
+  ddp__fp_str(&w->coll.fp, name, sizeof name);
+  pthread_mutex_lock(&pg->mu);
+  ddp_status_t failed = pg->failed;
+  pthread_mutex_unlock(&pg->mu);
+  if (failed != DDP_OK) {
+    w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
+                                 pg->rank, name, pg->fail_err.msg);
+    return;
+  }
+  ddp_error_t detail = {DDP_OK, ""};
+  pg->comm.deadline_ns = ddp_deadline_after_ms(pg->timeout_ms);
+  ddp_status_t st = pg->ops->family == DDP_BACKEND_SHARED
+                        ? ddp__run_shared(&pg->comm, &w->coll, &detail)
+                        : ddp__run_link(&pg->comm, &w->coll, &detail);
+  if (st == DDP_OK) {
+    w->status = DDP_OK;
+    return;
+  }
+  if (atomic_load(&pg->comm.aborted) && st != DDP_ERR_DESYNC) st = DDP_ERR_ABORTED;
+  w->status = ddp__error(&w->err, pg->rank, st, "rank %d: %s on backend %s: %s", pg->rank, name,
+                         pg->ops->name, detail.msg);
+  if (pg->ops->family == DDP_BACKEND_LINK && pg->ops->fail) pg->ops->fail(pg->state);
+  pthread_mutex_lock(&pg->mu);
+  if (pg->failed == DDP_OK) {
+    pg->failed = st;
+    pg->fail_err = w->err;
+  }
+  pthread_mutex_unlock(&pg->mu);
+}
+
+static void *progress_main(void *arg) {
+  ddp_pg_t *pg = arg;
+  pthread_mutex_lock(&pg->mu);
+  for (;;) {
+    while (!pg->head && !pg->stop) pthread_cond_wait(&pg->cv_queue, &pg->mu);
+    ddp_work_t *w = pg->head;
+    if (!w) break;
+    pg->head = w->next;
+    if (!pg->head) pg->tail = NULL;
+    pthread_mutex_unlock(&pg->mu);
+    run_one(pg, w);
+    pthread_mutex_lock(&pg->mu);
+    atomic_store(&w->done, 1);
+    pthread_cond_broadcast(&pg->cv_done);
+    pthread_mutex_unlock(&pg->mu);
+    work_release(w);
+    pthread_mutex_lock(&pg->mu);
+  }
+  pthread_mutex_unlock(&pg->mu);
+  return NULL;
+}
+
+/* ---------------------------------------------------------------- create / destroy -- */
+
+static void pg_free(ddp_pg_t *pg) {
+  if (pg->state) pg->ops->destroy(pg->state);
+  ddp__free(pg->comm.scratch);
+  ddp__free(pg->comm.tmp);
+  ddp__free(pg->comm.p2p_tx);
+  ddp__free(pg->comm.p2p_rx);
+  ddp__free(pg->p2p_send_seq);
+  ddp__free(pg->p2p_recv_seq);
+  pthread_mutex_destroy(&pg->mu);
+  pthread_cond_destroy(&pg->cv_queue);
+  pthread_cond_destroy(&pg->cv_done);
+  ddp_store_destroy(pg->owned_store);
+  pg->magic = 0;
+  ddp__free(pg);
+}
+
+ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(opts_in && out);
+  DDP_REQUIRE(opts_in->struct_size >= offsetof(ddp_pg_options_t, job_token));
+  *out = NULL;
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  memcpy(&o, opts_in, DDP_MIN(opts_in->struct_size, sizeof o));
+  o.struct_size = sizeof o;
+  int rank = o.rank;
+  if (o.world < 1 || o.world > DDP_PG_MAX_WORLD)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]",
+                      o.world, DDP_PG_MAX_WORLD);
+  if (rank < 0 || rank >= o.world)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "rank %d is not in [0, %d)", rank,
+                      o.world);
+  const char *bname = o.backend ? o.backend : ddp_env_get(DDP_ENV_BACKEND);
+  if (!bname[0]) bname = "threads";
+  const ddp_backend_ops_t *ops = ddp_backend_find(bname);
+  if (!ops)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "unknown backend \"%s\"; the choices are %s", bname, ddp_backend_names());
+  if (ops->abi_version != DDP_BACKEND_ABI_VERSION)
+    return ddp__error(err, rank, DDP_ERR_UNSUPPORTED,
+                      "backend %s has ABI version %u, this library needs %u", ops->name,
+                      ops->abi_version, DDP_BACKEND_ABI_VERSION);
+  if (o.timeout_ms < 0) {
+    int64_t s;
+    DDP_CHECK(ddp_env_int(DDP_ENV_TIMEOUT, 0, INT64_MAX / 1000, &s, err));
+    o.timeout_ms = s * 1000;
+  }
+  if (o.algorithm == DDP_ALGO_AUTO) DDP_CHECK(parse_algorithm(ddp_env_get(DDP_ENV_ALGORITHM), &o.algorithm, err));
+  if (o.algorithm > DDP_ALGO_SMALL)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "algorithm %d is not a ddp_algorithm_t",
+                      (int)o.algorithm);
+  if (o.segment_bytes == 0) o.segment_bytes = 1u << 20;
+  o.segment_bytes = DDP_MAX((o.segment_bytes + 63) & ~(size_t)63, 64u);
+  const char *token = o.job_token ? o.job_token : ddp_env_get(DDP_ENV_JOB_TOKEN);
+
+  ddp_pg_t *pg = ddp__calloc(1, sizeof *pg);
+  if (!pg) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group");
+  pg->magic = PG_MAGIC;
+  pg->rank = rank;
+  pg->size = o.world;
+  pg->ops = ops;
+  pg->algo = o.algorithm;
+  pg->timeout_ms = o.timeout_ms;
+  pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
+  pthread_mutex_init(&pg->mu, NULL);
+  pthread_cond_init(&pg->cv_queue, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&pg->cv_done, &ca);
+  pthread_condattr_destroy(&ca);
+
+  ddp__comm_t *c = &pg->comm;
+  c->rank = rank;
+  c->size = o.world;
+  c->ops = ops;
+  c->segment_bytes = o.segment_bytes;
+  atomic_init(&c->aborted, false);
+  c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
+                         ? SMALL_SHARED
+                         : (size_t)o.world * DDP_MAX(o.segment_bytes, (size_t)SMALL_LINK);
+  c->scratch = ddp__malloc(c->scratch_bytes);
+  c->tmp = ddp__malloc(DDP__TMP_BYTES);
+  c->p2p_tx = ddp__calloc((size_t)o.world, sizeof(uint64_t));
+  c->p2p_rx = ddp__calloc((size_t)o.world, sizeof(uint64_t));
+  pg->p2p_send_seq = ddp__calloc((size_t)o.world, sizeof(uint64_t));
+  pg->p2p_recv_seq = ddp__calloc((size_t)o.world, sizeof(uint64_t));
+  ddp_status_t st = DDP_OK;
+  if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq ||
+      !pg->p2p_recv_seq) {
+    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
+    goto fail;
+  }
+
+  /* shm staging: the segment size when the caller set one (tests reach the chunked path
+   * with small messages), else 4 MiB per rank. */
+  size_t staging = opts_in->segment_bytes ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world)
+                                          : (4u << 20);
+  ddp_backend_init_t init = {sizeof init, rank, o.world, o.store, o.timeout_ms, token, staging,
+                             ddp__shared_ctl_bytes(o.world), o.shm_heap_bytes};
+  if (!init.heap_bytes) init.heap_bytes = 256u << 20;
+  /* Each group gets its own key space: the k-th group a rank creates on a store uses the
+   * prefix "ddp_pg/<k>", so re-creating a group after a failure (docs/errors.md) never reads
+   * the previous group's rendezvous keys. Ranks create groups in the same order, so they
+   * agree on k without talking. */
+  ddp_store_t *view = NULL;
+  if (o.store) {
+    char key[64];
+    int64_t k = 0;
+    snprintf(key, sizeof key, "ddp_pg/created/%d", rank);
+    st = ddp_store_add(o.store, key, 1, &k);
+    if (st == DDP_OK) {
+      snprintf(key, sizeof key, "ddp_pg/%lld", (long long)k);
+      st = ddp_store_create_prefix(o.store, key, &view);
+    }
+    if (st != DDP_OK) {
+      st = ddp__error(err, rank, st, "rank %d: store: %s", rank, ddp_store_last_error(o.store));
+      goto fail;
+    }
+    init.store = view;
+  }
+  st = ops->create(&init, &pg->state, err);
+  ddp_store_destroy(view);
+  if (st != DDP_OK) goto fail;
+  c->state = pg->state;
+  if (ops->family == DDP_BACKEND_SHARED) {
+    c->sh = ops->shared(pg->state);
+    ddp__shared_attach(c, (int)getpid());
+  }
+  if (pthread_create(&pg->thread, NULL, progress_main, pg) != 0) {
+    st = ddp__error(err, rank, DDP_ERR_SYSTEM, "pthread_create of the progress thread failed");
+    goto fail;
+  }
+  if (rank == 0 && ddp__log_enabled(DDP_LOG_INFO)) {
+    if (pg->algo == DDP_ALGO_AUTO)
+      ddp__log(rank, DDP_LOG_INFO,
+               "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: "
+               "small up to %zu bytes, canonical above (DDP_ALGORITHM=auto)",
+               ops->name, o.world, (long long)o.timeout_ms, pg->small_max);
+    else
+      ddp__log(rank, DDP_LOG_INFO,
+               "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: %s "
+               "for every size%s",
+               ops->name, o.world, (long long)o.timeout_ms, ddp_algorithm_name(pg->algo),
+               pg->algo == DDP_ALGO_RING && ops->family == DDP_BACKEND_SHARED
+                   ? " (ring is a link algorithm: shared-memory backends run canonical)"
+                   : "");
+  }
+  *out = pg;
+  return DDP_OK;
+fail:
+  pg_free(pg);
+  return st;
+}
+
+void ddp_pg_destroy(ddp_pg_t *pg) {
+  if (!pg) return;
+  DDP_REQUIRE(pg->magic == PG_MAGIC);
+  pthread_mutex_lock(&pg->mu);
+  pg->stop = true;
+  pthread_cond_signal(&pg->cv_queue);
+  pthread_mutex_unlock(&pg->mu);
+  pthread_join(pg->thread, NULL);
+  pg_free(pg);
+}
+
+void ddp_pg_abort(ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  if (atomic_exchange(&pg->comm.aborted, true)) return;
+  char msg[96];
+  snprintf(msg, sizeof msg, "rank %d aborted the group", pg->rank);
+  pthread_mutex_lock(&pg->mu);
+  if (pg->failed == DDP_OK) {
+    pg->failed = DDP_ERR_ABORTED;
+    ddp__error_quiet(&pg->fail_err, DDP_ERR_ABORTED, "%s (ddp_pg_abort)", msg);
+  }
+  pthread_mutex_unlock(&pg->mu);
+  if (pg->ops->family == DDP_BACKEND_SHARED) ddp__shared_poison(&pg->comm, DDP_ERR_ABORTED, msg);
+  if (pg->ops->abort) pg->ops->abort(pg->state);
+}
+
+int ddp_pg_rank(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return pg->rank;
+}
+
+int ddp_pg_size(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return pg->size;
+}
+
+const char *ddp_pg_backend_name(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return pg->ops->name;
+}
+
+const char *ddp_pg_last_error(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  ddp_pg_t *m = (ddp_pg_t *)pg;
+  pthread_mutex_lock(&m->mu);
+  const char *msg = m->failed != DDP_OK ? m->fail_err.msg : m->arg_err.msg;
+  pthread_mutex_unlock(&m->mu);
+  return msg;
+}
+
+ddp_status_t ddp_pg_status(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  ddp_pg_t *m = (ddp_pg_t *)pg;
+  pthread_mutex_lock(&m->mu);
+  ddp_status_t st = m->failed;
+  pthread_mutex_unlock(&m->mu);
+  return st;
+}
+
+void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  if (pg->ops->mem_alloc) return pg->ops->mem_alloc(pg->state, bytes);
+  return ddp__aligned_alloc(bytes ? bytes : 1);
+}
+
+void ddp_pg_free(ddp_pg_t *pg, void *ptr) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  if (!ptr) return;
+  if (pg->ops->mem_free) {
+    pg->ops->mem_free(pg->state, ptr);
+  } else {
+    ddp__aligned_free(ptr);
+  }
+}
+
+/* ---------------------------------------------------------------- entry points ----- */
+
+static bool dtype_ok(ddp_dtype_t dt) {
+  return dt == DDP_F32 || dt == DDP_F64 || dt == DDP_F16 || dt == DDP_BF16 || dt == DDP_I32 ||
+         dt == DDP_I64 || dt == DDP_U8;
+}
+
+static bool overlap(const void *a, size_t na, const void *b, size_t nb) {
+  const char *x = a, *y = b;
+  return na && nb && x < y + nb && y < x + na;
+}
+
+static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, ...)
+    DDP_PRINTF(3, 4);
+static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, ...) {
+  char detail[384];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&pg->mu);
+  ddp_status_t st = ddp__error(&pg->arg_err, pg->rank, DDP_ERR_INVALID_ARGUMENT,
+                               "rank %d: %s: %s", pg->rank, what, detail);
+  pthread_mutex_unlock(&pg->mu);
+  return st;
+}
+
+/* Checks what every kind shares, stamps the fingerprint and queues. */
+static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
+  *out = NULL;
+  const char *what = ddp__kind_name(c->kind);
+  if (c->kind != DDP__BARRIER) {
+    if (!dtype_ok(c->dt))
+      return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);
+    if (c->count > (SIZE_MAX / 8) / (size_t)pg->size)
+      return arg_error(pg, what, "count %zu is too large", c->count);
+  }
+  if ((c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER) &&
+      ((unsigned)c->op > DDP_PRODUCT))
+    return arg_error(pg, what, "reduction op %d is not a ddp_redop_t", (int)c->op);
+  if (c->count > 0 && c->kind != DDP__BARRIER && (!c->recv && c->kind != DDP__SEND))
+    return arg_error(pg, what, "the output buffer is NULL with count %zu", c->count);
+  if (c->count > 0 && (c->kind == DDP__SEND || c->kind == DDP__ALLREDUCE ||
+                       c->kind == DDP__ALLGATHER || c->kind == DDP__REDUCE_SCATTER ||
+                       c->kind == DDP__ALLTOALL) && !c->send)
+    return arg_error(pg, what, "the input buffer is NULL with count %zu", c->count);
+  size_t es = ddp_dtype_size(c->dt), W = (size_t)pg->size, n = c->count;
+  switch (c->kind) {
+    case DDP__BROADCAST:
+      if (c->root < 0 || c->root >= pg->size)
+        return arg_error(pg, what, "root %d is not in [0, %d)", c->root, pg->size);
+      break;
+    case DDP__SEND:
+    case DDP__RECV:
+      if (c->root < 0 || c->root >= pg->size || c->root == pg->rank)
+        return arg_error(pg, what, "peer %d is not another rank of [0, %d)", c->root, pg->size);
+      break;
+    case DDP__ALLREDUCE:
+      if (c->send != c->recv && overlap(c->send, n * es, c->recv, n * es))
+        return arg_error(pg, what, "input and output overlap without being the same buffer");
+      break;
+    case DDP__ALLGATHER:
+      if (c->send != (char *)c->recv + pg->rank * n * es &&
+          overlap(c->send, n * es, c->recv, W * n * es))
+        return arg_error(pg, what, "input overlaps the output other than at block %d", pg->rank);
+      break;
+    case DDP__REDUCE_SCATTER:
+      if (c->recv != (const char *)c->send + pg->rank * n * es &&
+          overlap(c->send, W * n * es, c->recv, n * es))
+        return arg_error(pg, what, "output overlaps the input other than at block %d", pg->rank);
+      break;
+    case DDP__ALLTOALL:
+      if (overlap(c->send, W * n * es, c->recv, W * n * es))
+        return arg_error(pg, what, "input and output overlap");
+      break;
+    default: break;
+  }
+  bool link = pg->ops->family == DDP_BACKEND_LINK;
+  if (c->kind == DDP__ALLREDUCE) {
+    ddp_algorithm_t a = pg->algo;
+    if (a == DDP_ALGO_AUTO) a = n * es <= pg->small_max ? DDP_ALGO_SMALL : DDP_ALGO_CANONICAL;
+    if (a == DDP_ALGO_RING && !link) a = DDP_ALGO_CANONICAL;
+    /* small needs the whole vector (link: W of them) in scratch */
+    if (a == DDP_ALGO_SMALL && n * es > pg->comm.scratch_bytes / (link ? W : 1))
+      a = DDP_ALGO_CANONICAL;
+    c->algo = a;
+  } else {
+    c->algo = DDP_ALGO_CANONICAL;
+  }
+  ddp_work_t *w = ddp__calloc(1, sizeof *w);
+  if (!w) return arg_error(pg, what, "out of memory for the work handle");
+  w->magic = WORK_MAGIC;
+  w->pg = pg;
+  atomic_init(&w->refs, 2);
+  atomic_init(&w->done, 0);
+  pthread_mutex_lock(&pg->mu);
+  if (pg->failed != DDP_OK) {
+    ddp_status_t st = pg->failed;
+    pthread_mutex_unlock(&pg->mu);
+    ddp__free(w);
+    return st;
+  }
+  ddp__fp_t *fp = &c->fp;
+  memset(fp, 0, sizeof *fp);
+  fp->kind = (uint8_t)(c->kind == DDP__RECV ? DDP__SEND : c->kind);
+  fp->count = c->count;
+  fp->dtype = (uint8_t)(c->kind == DDP__BARRIER ? 0 : c->dt);
+  fp->op = (uint8_t)(c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER ? c->op : 0);
+  fp->algo = (uint8_t)(c->kind == DDP__ALLREDUCE ? c->algo : 0);
+  fp->root = -1;
+  if (link && (c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER))
+    fp->segment = pg->comm.segment_bytes;
+  if (c->kind == DDP__BROADCAST) fp->root = c->root;
+  if (c->kind == DDP__SEND) {
+    fp->root = pg->rank;
+    fp->seq = pg->p2p_send_seq[c->root]++;
+  } else if (c->kind == DDP__RECV) {
+    fp->root = c->root;
+    fp->seq = pg->p2p_recv_seq[c->root]++;
+  } else {
+    fp->seq = pg->seq++;
+  }
+  w->coll = *c;
+  if (pg->tail) {
+    pg->tail->next = w;
+  } else {
+    pg->head = w;
+  }
+  pg->tail = w;
+  pthread_cond_signal(&pg->cv_queue);
+  pthread_mutex_unlock(&pg->mu);
+  if (ddp__log_enabled(DDP_LOG_DETAIL)) {
+    char name[192];
+    ddp__fp_str(fp, name, sizeof name);
+    ddp__log(pg->rank, DDP_LOG_DETAIL, "queued %s, algorithm %s", name,
+             ddp_algorithm_name(c->algo));
+  }
+  *out = w;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                           ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__ALLREDUCE, .send = send, .recv = recv, .count = count,
+                   .dt = dt, .op = op, .root = -1};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
+                           ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
+                   .root = root};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                           ddp_dtype_t dt, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__ALLGATHER, .send = send, .recv = recv, .count = count, .dt = dt,
+                   .root = -1};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                                ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__REDUCE_SCATTER, .send = send, .recv = recv, .count = count,
+                   .dt = dt, .op = op, .root = -1};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count,
+                          ddp_dtype_t dt, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt,
+                   .root = -1};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__BARRIER, .dt = DDP_U8, .root = -1};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt, int peer,
+                      ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__SEND, .send = buf, .count = count, .dt = dt, .root = peer};
+  return submit(pg, &c, work);
+}
+
+ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
+                      ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP__RECV, .recv = buf, .count = count, .dt = dt, .root = peer};
+  return submit(pg, &c, work);
+}
+
+/* ---------------------------------------------------------------- work handles ----- */
+
+ddp_status_t ddp_work_wait(ddp_work_t *w, int64_t timeout_ms) {
+  DDP_REQUIRE(w && w->magic == WORK_MAGIC);
+  if (atomic_load(&w->done)) return w->status;
+  ddp_pg_t *pg = w->pg;
+  int64_t deadline = ddp_deadline_after_ms(timeout_ms < 0 ? pg->timeout_ms + 1000 : timeout_ms);
+  struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
+  pthread_mutex_lock(&pg->mu);
+  while (!atomic_load(&w->done)) {
+    if (pthread_cond_timedwait(&pg->cv_done, &pg->mu, &ts) != 0 && ddp_now_ns() >= deadline) break;
+  }
+  pthread_mutex_unlock(&pg->mu);
+  return atomic_load(&w->done) ? w->status : DDP_ERR_TIMEOUT;
+}
+
+ddp_status_t ddp_work_test(ddp_work_t *w, bool *done) {
+  DDP_REQUIRE(w && w->magic == WORK_MAGIC && done);
+  *done = atomic_load(&w->done) != 0;
+  return *done ? w->status : DDP_OK;
+}
+
+ddp_status_t ddp_work_status(const ddp_work_t *w) {
+  DDP_REQUIRE(w && w->magic == WORK_MAGIC);
+  return atomic_load(&((ddp_work_t *)w)->done) ? w->status : DDP_ERR_INVALID_USAGE;
+}
+
+const char *ddp_work_error(const ddp_work_t *w) {
+  DDP_REQUIRE(w && w->magic == WORK_MAGIC);
+  return atomic_load(&((ddp_work_t *)w)->done) ? w->err.msg : "";
+}
+
+void ddp_work_free(ddp_work_t *w) {
+  if (!w) return;
+  DDP_REQUIRE(w->magic == WORK_MAGIC);
+  work_release(w);
+}
+
+ddp_status_t ddp_work_wait_free(ddp_work_t *w) {
+  ddp_status_t st = ddp_work_wait(w, -1);
+  ddp_work_free(w);
+  return st;
+}
+
+/* ---------------------------------------------------------------- from env / threads */
+
+static bool env_rank_world(ddp_env_id_t r, ddp_env_id_t w, int *rank, int *world,
+                           ddp_status_t *st, ddp_error_t *err) {
+  if (!ddp_env_is_set(r) || !ddp_env_is_set(w)) return false;
+  int64_t a, b;
+  *st = ddp_env_int(w, 1, DDP_PG_MAX_WORLD, &b, err);
+  if (*st == DDP_OK) *st = ddp_env_int(r, 0, b - 1, &a, err);
+  *rank = (int)a;
+  *world = (int)b;
+  return true;
+}
+
+ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out,
+                                    ddp_error_t *err) {
+  DDP_REQUIRE(out);
+  *out = NULL;
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  if (opts) memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
+  o.struct_size = sizeof o;
+  ddp_status_t st = DDP_OK;
+  if (!env_rank_world(DDP_ENV_RANK, DDP_ENV_WORLD_SIZE, &o.rank, &o.world, &st, err) &&
+      !env_rank_world(DDP_ENV_OMPI_RANK, DDP_ENV_OMPI_SIZE, &o.rank, &o.world, &st, err) &&
+      !env_rank_world(DDP_ENV_SLURM_PROCID, DDP_ENV_SLURM_NTASKS, &o.rank, &o.world, &st, err))
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "no launcher environment: set RANK and WORLD_SIZE (torchrun, ddprun), or "
+                      "run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_*)");
+  DDP_CHECK(st);
+  if (!o.backend) o.backend = ddp_env_is_set(DDP_ENV_BACKEND) ? ddp_env_get(DDP_ENV_BACKEND) : "tcp";
+  if (strcmp(o.backend, "threads") == 0)
+    return ddp__error(err, o.rank, DDP_ERR_INVALID_ARGUMENT,
+                      "backend threads needs all ranks in one process: use ddp_spawn_threads");
+  int64_t port;
+  DDP_CHECK(ddp_env_int(DDP_ENV_MASTER_PORT, 1, 65535, &port, err));
+  if (o.timeout_ms < 0) {
+    int64_t s;
+    DDP_CHECK(ddp_env_int(DDP_ENV_TIMEOUT, 0, INT64_MAX / 1000, &s, err));
+    o.timeout_ms = s * 1000;
+  }
+  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+  so.timeout_ms = o.timeout_ms;
+  so.job_token = o.job_token;
+  so.rank = o.rank;
+  ddp_store_t *store = NULL;
+  st = ddp_store_create_tcp(ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, o.rank == 0, &so, &store);
+  if (st != DDP_OK)
+    return ddp__error(err, o.rank, st, "rank %d: TCP store at %s:%d: %s", o.rank,
+                      ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, ddp_store_last_error(store));
+  o.store = store;
+  st = ddp_pg_create(&o, out, err);
+  if (st != DDP_OK) {
+    ddp_store_destroy(store);
+    return st;
+  }
+  (*out)->owned_store = store;
+  return DDP_OK;
+}
+
+typedef struct spawn_arg {
+  int rank;
+  ddp_pg_options_t opts;
+  ddp_thread_fn fn;
+  void *arg;
+  ddp_status_t st;
+} spawn_arg_t;
+
+static void *spawn_main(void *p) {
+  spawn_arg_t *a = p;
+  ddp_pg_t *pg = NULL;
+  a->opts.rank = a->rank;
+  a->st = ddp_pg_create(&a->opts, &pg, NULL);
+  if (a->st == DDP_OK) {
+    a->st = a->fn(pg, a->arg);
+    ddp_pg_destroy(pg);
+  }
+  return NULL;
+}
+
+ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
+                               void *arg) {
+  DDP_REQUIRE(fn);
+  if (world < 1 || world > DDP_PG_MAX_WORLD)
+    return ddp__error(NULL, -1, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]",
+                      world, DDP_PG_MAX_WORLD);
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  if (opts) memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
+  o.struct_size = sizeof o;
+  o.backend = "threads";
+  o.world = world;
+  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+  so.timeout_ms = o.timeout_ms;
+  ddp_store_t *store = NULL;
+  ddp_status_t st = ddp_store_create_memory(&so, &store);
+  if (st != DDP_OK) return st;
+  o.store = store;
+  spawn_arg_t *args = ddp__calloc((size_t)world, sizeof *args);
+  pthread_t *th = ddp__calloc((size_t)world, sizeof *th);
+  if (!args || !th) {
+    st = ddp__error(NULL, -1, DDP_ERR_NO_MEMORY, "ddp_spawn_threads");
+    goto out;
+  }
+  int started = 0;
+  for (; started < world; started++) {
+    args[started] = (spawn_arg_t){started, o, fn, arg, DDP_OK};
+    if (pthread_create(&th[started], NULL, spawn_main, &args[started]) != 0) {
+      st = ddp__error(NULL, -1, DDP_ERR_SYSTEM, "pthread_create for rank %d failed", started);
+      ddp_store_cancel(store);
+      break;
+    }
+  }
+  for (int i = 0; i < started; i++) {
+    pthread_join(th[i], NULL);
+    if (st == DDP_OK) st = args[i].st;
+  }
+out:
+  ddp__free(args);
+  ddp__free(th);
+  ddp_store_destroy(store);
+  return st;
+}

@@ -1,0 +1,620 @@
+/* Collectives on every backend (suite coll).
+ *
+ * Matrix: backend (threads, shm, tcp) x world {1,2,3,4,7,8} x count {0, 1, W-1, W+1, 1000,
+ * 65539} x dtype, for allreduce (SUM, AVG, MIN, MAX, PRODUCT; in place and out of place),
+ * broadcast, allgather, reduce_scatter, alltoall, barrier and send/recv. The data are small
+ * integers whose sums and products are exact in every dtype, so each rank computes the exact
+ * expected value independently (a closed formula over the ranks) and reports mismatches;
+ * the parent asserts. Forked worlds use fewer dtypes to stay quick on two cores.
+ *
+ * Determinism (D2): random fp32/fp16/bf16 data give allreduce results bitwise equal to a
+ * serial rank-order fold computed in the test (fp16/bf16 rounded after each addition), on
+ * every backend, through the direct and the staged shm paths, at several segment sizes;
+ * and the hashes of the results agree across backends. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ddp/pg.h"
+#include "ddp/store.h"
+#include "harness.h"
+
+#define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+typedef struct cfg {
+  const char *backend;
+  ddp_test_mode_t mode;
+  int world;
+  const ddp_dtype_t *dtypes;
+  int ndtypes;
+  ddp_algorithm_t algo;
+  size_t segment_bytes;
+  bool pg_alloc;          /* use ddp_pg_alloc buffers (shm: direct, zero copy) */
+  ddp_store_t *store;     /* thread mode: shared in-process store */
+} cfg_t;
+
+static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
+                                         DDP_I32, DDP_I64, DDP_U8};
+static const ddp_dtype_t fork_dtypes[] = {DDP_F32, DDP_BF16, DDP_I64, DDP_U8};
+
+/* ---- element access as double (exact for the small integers used here) ---- */
+
+static void set_el(ddp_dtype_t dt, void *p, size_t i, double v) {
+  switch (dt) {
+    case DDP_F32: ((float *)p)[i] = (float)v; break;
+    case DDP_F64: ((double *)p)[i] = v; break;
+    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16((float)v); break;
+    case DDP_BF16: ((uint16_t *)p)[i] = ddp_f32_to_bf16((float)v); break;
+    case DDP_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case DDP_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case DDP_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    default: break;
+  }
+}
+
+static double get_el(ddp_dtype_t dt, const void *p, size_t i) {
+  switch (dt) {
+    case DDP_F32: return ((const float *)p)[i];
+    case DDP_F64: return ((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
+    case DDP_BF16: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DDP_I32: return ((const int32_t *)p)[i];
+    case DDP_I64: return (double)((const int64_t *)p)[i];
+    case DDP_U8: return ((const uint8_t *)p)[i];
+    default: return 0;
+  }
+}
+
+/* The library's AVG: the exact sum divided by W in the dtype. */
+static double avg_of(ddp_dtype_t dt, double sum, int W) {
+  switch (dt) {
+    case DDP_F32: return (float)sum / (float)W;
+    case DDP_F64: return sum / W;
+    case DDP_F16: return ddp_f16_to_f32(ddp_f32_to_f16((float)sum / (float)W));
+    case DDP_BF16: return ddp_bf16_to_f32(ddp_f32_to_bf16((float)sum / (float)W));
+    default: return (double)((int64_t)sum / W);
+  }
+}
+
+/* Contributions: exact in every dtype (sums <= 7*36 = 252, products <= 8). */
+static double val_sum(int r, size_t i) { return (double)((r + 1) * (int)(i % 7 + 1)); }
+static double val_prod(int r, size_t i) { return (i + (size_t)r) % 3 == 0 ? 2 : 1; }
+static double val_mm(int r, size_t i) { return (double)((r * 3 + (int)(i % 11)) % 11); }
+
+typedef struct ctx {
+  ddp_test_rank_t *tr;
+  ddp_pg_t *pg;
+  const cfg_t *cfg;
+  int r, W;
+  long bad;
+  char first[256];
+} ctx_t;
+
+static void *buf_alloc(ctx_t *c, size_t bytes) {
+  return c->cfg->pg_alloc ? ddp_pg_alloc(c->pg, bytes) : ddp_malloc(bytes ? bytes : 1);
+}
+static void buf_free(ctx_t *c, void *p) {
+  if (c->cfg->pg_alloc) {
+    ddp_pg_free(c->pg, p);
+  } else {
+    ddp_free(p);
+  }
+}
+
+static void mismatch(ctx_t *c, const char *what, ddp_dtype_t dt, size_t n, size_t i, double got,
+                     double want) {
+  if (c->bad++ == 0)
+    snprintf(c->first, sizeof c->first, "%s %s count %zu: [%zu] = %g, expected %g", what,
+             ddp_dtype_name(dt), n, i, got, want);
+}
+
+static ddp_status_t run(ctx_t *c, ddp_status_t st, ddp_work_t **wp, const char *what) {
+  ddp_work_t *w = *wp;
+  if (st != DDP_OK) {
+    ddp_test_say(c->tr, "%s: issue failed: %s", what, ddp_pg_last_error(c->pg));
+    return st;
+  }
+  st = ddp_work_wait(w, -1);
+  if (st != DDP_OK) ddp_test_say(c->tr, "%s: %s", what, ddp_work_error(w));
+  ddp_work_free(w);
+  return st;
+}
+
+static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
+  static const ddp_redop_t ops[] = {DDP_SUM, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT};
+  size_t es = ddp_dtype_size(dt);
+  unsigned char *in = buf_alloc(c, n * es), *out = buf_alloc(c, n * es);
+  ddp_status_t st = DDP_OK;
+  for (size_t k = 0; k < ARRAY_LEN(ops) && st == DDP_OK; k++) {
+    ddp_redop_t op = ops[k];
+    bool inplace = (k % 2) == 0;
+    for (size_t i = 0; i < n; i++) {
+      double v = op == DDP_PRODUCT ? val_prod(c->r, i)
+                 : (op == DDP_MIN || op == DDP_MAX) ? val_mm(c->r, i)
+                                                    : val_sum(c->r, i);
+      set_el(dt, in, i, v);
+    }
+    ddp_work_t *w = NULL;
+    st = run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
+    if (st != DDP_OK) break;
+    const unsigned char *res = inplace ? in : out;
+    for (size_t i = 0; i < n; i++) {
+      double want = 0, s = 0, p = 1, mn = 1e9, mx = -1e9;
+      for (int j = 0; j < c->W; j++) {
+        s += val_sum(j, i);
+        p *= val_prod(j, i);
+        mn = val_mm(j, i) < mn ? val_mm(j, i) : mn;
+        mx = val_mm(j, i) > mx ? val_mm(j, i) : mx;
+      }
+      switch (op) {
+        case DDP_SUM: want = s; break;
+        case DDP_AVG: want = avg_of(dt, s, c->W); break;
+        case DDP_MIN: want = mn; break;
+        case DDP_MAX: want = mx; break;
+        case DDP_PRODUCT: want = p; break;
+      }
+      double got = get_el(dt, res, i);
+      if (got != want) {
+        char what[48];
+        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
+        mismatch(c, what, dt, n, i, got, want);
+        break;
+      }
+    }
+  }
+  buf_free(c, in);
+  buf_free(c, out);
+  return st;
+}
+
+static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
+  size_t es = ddp_dtype_size(dt), W = (size_t)c->W;
+  int r = c->r;
+  unsigned char *a = buf_alloc(c, W * n * es), *b = buf_alloc(c, W * n * es);
+  ddp_work_t *w = NULL;
+  ddp_status_t st;
+  /* broadcast from a root that moves with n */
+  int root = (int)(n % W);
+  for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+  st = run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
+  for (size_t i = 0; st == DDP_OK && i < n; i++)
+    if (get_el(dt, a, i) != val_sum(root, i)) {
+      mismatch(c, "broadcast", dt, n, i, get_el(dt, a, i), val_sum(root, i));
+      break;
+    }
+  /* allgather, out of place and in place (send = recv + r*n) */
+  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
+    unsigned char *send = inplace ? b + (size_t)r * n * es : a;
+    for (size_t i = 0; i < n; i++) set_el(dt, send, i, val_sum(r, i));
+    st = run(c, ddp_allgather(c->pg, send, b, n, dt, &w), &w, "allgather");
+    for (size_t j = 0; st == DDP_OK && j < W; j++)
+      for (size_t i = 0; i < n; i++)
+        if (get_el(dt, b, j * n + i) != val_sum((int)j, i)) {
+          mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
+                   get_el(dt, b, j * n + i), val_sum((int)j, i));
+          j = W;
+          break;
+        }
+  }
+  /* reduce_scatter SUM: block k of rank j's input holds val_sum(j, k*n + i) */
+  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
+    for (size_t i = 0; i < W * n; i++) set_el(dt, a, i, val_sum(r, i));
+    unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
+    st = run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
+    for (size_t i = 0; st == DDP_OK && i < n; i++) {
+      double s = 0;
+      for (int j = 0; j < c->W; j++) s += val_sum(j, (size_t)r * n + i);
+      if (get_el(dt, recv, i) != s) {
+        mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
+                 get_el(dt, recv, i), s);
+        break;
+      }
+    }
+  }
+  /* alltoall: rank j's block k = val(j, k) pattern; we get block j = rank j's block r */
+  if (st == DDP_OK) {
+    for (size_t k = 0; k < W; k++)
+      for (size_t i = 0; i < n; i++) set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
+    st = run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
+    for (size_t j = 0; st == DDP_OK && j < W; j++)
+      for (size_t i = 0; i < n; i++) {
+        double want = (double)(((int)j * 7 + r + (int)i) % 100);
+        if (get_el(dt, b, j * n + i) != want) {
+          mismatch(c, "alltoall", dt, n, j * n + i, get_el(dt, b, j * n + i), want);
+          j = W;
+          break;
+        }
+      }
+  }
+  if (st == DDP_OK) st = run(c, ddp_barrier(c->pg, &w), &w, "barrier");
+  /* send/recv around the ring; odd ranks receive first so the ring cannot deadlock */
+  if (st == DDP_OK && W > 1) {
+    int to = (r + 1) % c->W, from = (r + c->W - 1) % c->W;
+    for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+    for (int step = 0; step < 2 && st == DDP_OK; step++) {
+      bool do_send = (r % 2 == 0) == (step == 0);
+      st = do_send ? run(c, ddp_send(c->pg, a, n, dt, to, &w), &w, "send")
+                   : run(c, ddp_recv(c->pg, b, n, dt, from, &w), &w, "recv");
+    }
+    for (size_t i = 0; st == DDP_OK && i < n; i++)
+      if (get_el(dt, b, i) != val_sum(from, i)) {
+        mismatch(c, "send/recv", dt, n, i, get_el(dt, b, i), val_sum(from, i));
+        break;
+      }
+  }
+  buf_free(c, a);
+  buf_free(c, b);
+  return st;
+}
+
+static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t **store,
+                            ddp_pg_t **pg, int64_t timeout_ms) {
+  int r = ddp_test_rank(tr);
+  *store = NULL;
+  ddp_store_t *s = cfg->store;
+  if (cfg->mode == DDP_TEST_FORK) {
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = timeout_ms;
+    so.rank = r;
+    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store);
+    if (st != DDP_OK) {
+      ddp_test_say(tr, "file store: %s", ddp_store_last_error(*store));
+      return st;
+    }
+    s = *store;
+  }
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = cfg->backend;
+  o.rank = r;
+  o.world = ddp_test_world_size(tr);
+  o.store = s;
+  o.timeout_ms = timeout_ms;
+  o.algorithm = cfg->algo;
+  o.segment_bytes = cfg->segment_bytes;
+  o.shm_heap_bytes = 16u << 20;
+  ddp_error_t err = {0};
+  ddp_status_t st = ddp_pg_create(&o, pg, &err);
+  if (st != DDP_OK) ddp_test_say(tr, "create: %s", err.msg);
+  return st;
+}
+
+static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
+  const cfg_t *cfg = arg;
+  ddp_store_t *store = NULL;
+  ctx_t c = {tr, NULL, cfg, ddp_test_rank(tr), ddp_test_world_size(tr), 0, ""};
+  ddp_status_t st = make_pg(tr, cfg, &store, &c.pg, 20000);
+  if (st != DDP_OK) {
+    ddp_store_destroy(store);
+    return st;
+  }
+  size_t W = (size_t)c.W;
+  size_t counts[] = {0, 1, W - 1, W + 1, 1000, 65539};
+  for (size_t k = 0; k < ARRAY_LEN(counts) && st == DDP_OK; k++)
+    for (int d = 0; d < cfg->ndtypes && st == DDP_OK; d++) {
+      st = check_allreduce(&c, cfg->dtypes[d], counts[k]);
+      if (st == DDP_OK) st = check_others(&c, cfg->dtypes[d], counts[k]);
+    }
+  ddp_pg_destroy(c.pg);
+  ddp_store_destroy(store);
+  if (st != DDP_OK) return st;
+  if (c.bad) {
+    ddp_test_say(tr, "%ld mismatches; first: %s", c.bad, c.first);
+    return DDP_ERR_INTERNAL;
+  }
+  return DDP_OK;
+}
+
+static void run_matrix(const char *backend, ddp_test_mode_t mode, const int *worlds, int nworlds,
+                       bool pg_alloc, size_t segment) {
+  for (int k = 0; k < nworlds; k++) {
+    cfg_t cfg = {backend, mode, worlds[k], mode == DDP_TEST_THREADS ? all_dtypes : fork_dtypes,
+                 mode == DDP_TEST_THREADS ? 7 : 4, DDP_ALGO_AUTO, segment, pg_alloc, NULL};
+    if (mode == DDP_TEST_THREADS) {
+      ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+      so.timeout_ms = 20000;
+      assert_int_equal(ddp_store_create_memory(&so, &cfg.store), DDP_OK);
+    }
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = worlds[k];
+    o.mode = mode;
+    o.timeout_ms = 60000;
+    ddp_test_results_t *res = ddp_test_spawn(&o, matrix_rank, &cfg);
+    ddp_test_expect_ok(res);
+    ddp_test_results_free(res);
+    ddp_store_destroy(cfg.store);
+  }
+}
+
+static const int worlds_all[] = {1, 2, 3, 4, 7, 8};
+
+static void test_threads_matrix(void **state) {
+  run_matrix("threads", DDP_TEST_THREADS, worlds_all, 6, false, 0);
+}
+
+static void test_shm_matrix_staged(void **state) {
+  /* ordinary buffers: copied through staging areas of 4 KiB, so large counts take many
+   * chunks */
+  run_matrix("shm", DDP_TEST_FORK, worlds_all, 6, false, 4096);
+}
+
+static void test_shm_matrix_direct(void **state) {
+  /* buffers from ddp_pg_alloc: peers read them in place */
+  static const int w[] = {2, 3, 8};
+  run_matrix("shm", DDP_TEST_FORK, w, 3, true, 0);
+}
+
+static void test_tcp_matrix(void **state) {
+  run_matrix("tcp", DDP_TEST_FORK, worlds_all, 6, false, 0);
+}
+
+static void test_tcp_ring_small_segments(void **state) {
+  static const int w[] = {2, 3, 5};
+  for (int k = 0; k < 3; k++) {
+    cfg_t cfg = {"tcp", DDP_TEST_FORK, w[k], fork_dtypes, 4, DDP_ALGO_RING, 1024, false, NULL};
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = w[k];
+    o.mode = DDP_TEST_FORK;
+    o.timeout_ms = 60000;
+    ddp_test_results_t *res = ddp_test_spawn(&o, matrix_rank, &cfg);
+    ddp_test_expect_ok(res);
+    ddp_test_results_free(res);
+  }
+}
+
+/* ---- D2: bitwise rank-order fold on random data ---- */
+
+#define D2_COUNTS 3
+static const size_t d2_counts[D2_COUNTS] = {1000, 65539, 3};
+static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
+
+static void d2_fill(ddp_dtype_t dt, void *p, size_t n, int rank, int salt) {
+  ddp_rng_t g;
+  ddp_rng_init(&g, 1234 + (uint64_t)salt, ddp_rng_stream(DDP_RNG_TEST, (uint32_t)rank, 0));
+  for (size_t i = 0; i < n; i++) {
+    float v = (ddp_rng_uniform(&g) - 0.5f) * 8.0f * (1.0f + (float)(i % 5));
+    switch (dt) {
+      case DDP_F32: ((float *)p)[i] = v; break;
+      case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
+      default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    }
+  }
+}
+
+/* The reference: ((x0 + x1) + x2) + ..., rounding fp16/bf16 after each addition. */
+static void d2_reference(ddp_dtype_t dt, void *acc, size_t n, int W, int salt) {
+  size_t es = ddp_dtype_size(dt);
+  unsigned char *x = ddp_malloc(n * es + 1);
+  d2_fill(dt, acc, n, 0, salt);
+  for (int j = 1; j < W; j++) {
+    d2_fill(dt, x, n, j, salt);
+    for (size_t i = 0; i < n; i++) {
+      if (dt == DDP_F32) {
+        ((float *)acc)[i] = ((float *)acc)[i] + ((float *)x)[i];
+      } else if (dt == DDP_F16) {
+        uint16_t *a = acc, *b = (uint16_t *)x;
+        a[i] = ddp_f32_to_f16(ddp_f16_to_f32(a[i]) + ddp_f16_to_f32(b[i]));
+      } else {
+        uint16_t *a = acc, *b = (uint16_t *)x;
+        a[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(a[i]) + ddp_bf16_to_f32(b[i]));
+      }
+    }
+  }
+  ddp_free(x);
+}
+
+static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+static int d2_rank(ddp_test_rank_t *tr, void *arg) {
+  const cfg_t *cfg = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = make_pg(tr, cfg, &store, &pg, 20000);
+  if (st != DDP_OK) {
+    ddp_store_destroy(store);
+    return st;
+  }
+  ctx_t c = {tr, pg, cfg, ddp_test_rank(tr), ddp_test_world_size(tr), 0, ""};
+  uint64_t h = 1469598103934665603ull;
+  for (int d = 0; d < 3 && st == DDP_OK; d++)
+    for (int k = 0; k < D2_COUNTS && st == DDP_OK; k++) {
+      ddp_dtype_t dt = d2_dtypes[d];
+      size_t n = d2_counts[k], es = ddp_dtype_size(dt);
+      unsigned char *buf = buf_alloc(&c, n * es), *ref = ddp_malloc(n * es);
+      d2_fill(dt, buf, n, c.r, k);
+      ddp_work_t *w = NULL;
+      st = run(&c, ddp_allreduce(pg, buf, buf, n, dt, DDP_SUM, &w), &w, "allreduce");
+      d2_reference(dt, ref, n, c.W, k);
+      if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
+        size_t i = 0;
+        while (memcmp((char *)buf + i * es, (char *)ref + i * es, es) == 0) i++;
+        mismatch(&c, "D2 allreduce", dt, n, i, get_el(dt, buf, i), get_el(dt, ref, i));
+      }
+      h = fnv(buf, n * es, h);
+      buf_free(&c, buf);
+      ddp_free(ref);
+    }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  ddp_test_put(tr, &h, sizeof h);
+  if (st != DDP_OK) return st;
+  if (c.bad) {
+    ddp_test_say(tr, "%ld bitwise mismatches against the rank-order fold; first: %s", c.bad,
+                 c.first);
+    return DDP_ERR_INTERNAL;
+  }
+  return DDP_OK;
+}
+
+static uint64_t run_d2(const char *backend, ddp_test_mode_t mode, int world, bool pg_alloc,
+                       size_t segment, ddp_algorithm_t algo) {
+  cfg_t cfg = {backend, mode, world, NULL, 0, algo, segment, pg_alloc, NULL};
+  if (mode == DDP_TEST_THREADS) {
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = 20000;
+    assert_int_equal(ddp_store_create_memory(&so, &cfg.store), DDP_OK);
+  }
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = world;
+  o.mode = mode;
+  o.timeout_ms = 60000;
+  ddp_test_results_t *res = ddp_test_spawn(&o, d2_rank, &cfg);
+  ddp_test_expect_ok(res);
+  uint64_t h0 = 0;
+  for (int r = 0; r < world; r++) {
+    const ddp_test_result_t *x = ddp_test_result(res, r);
+    assert_int_equal(x->nvalues, sizeof(uint64_t));
+    uint64_t h;
+    memcpy(&h, x->values, sizeof h);
+    if (r == 0) h0 = h;
+    assert_true(h == h0); /* every rank holds the same bits */
+  }
+  ddp_test_results_free(res);
+  ddp_store_destroy(cfg.store);
+  return h0;
+}
+
+static void test_d2_across_backends(void **state) {
+  for (int world = 3; world <= 4; world++) {
+    uint64_t h = run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_AUTO);
+    assert_true(run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_CANONICAL) == h);
+    assert_true(run_d2("shm", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_AUTO) == h);
+    assert_true(run_d2("shm", DDP_TEST_FORK, world, true, 0, DDP_ALGO_AUTO) == h);
+    assert_true(run_d2("tcp", DDP_TEST_FORK, world, false, 0, DDP_ALGO_AUTO) == h);
+    assert_true(run_d2("tcp", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_CANONICAL) == h);
+    assert_true(run_d2("tcp", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_SMALL) == h);
+  }
+}
+
+
+/* ---- API: spawn_threads, argument checks, work handles, create_from_env, no leaks ---- */
+
+static ddp_status_t spawn_fn(ddp_pg_t *pg, void *arg) {
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  int64_t x = r + 1;
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allreduce(pg, &x, &x, 1, DDP_I64, DDP_SUM, &w);
+  if (st == DDP_OK) st = ddp_work_wait_free(w);
+  if (st == DDP_OK && x != (int64_t)W * (W + 1) / 2) st = DDP_ERR_INTERNAL;
+  /* argument errors: returned at once, the group stays usable */
+  float f[4] = {0};
+  if (ddp_allreduce(pg, f, f, 4, DDP_BOOL, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_allreduce(pg, f, f, 4, DDP_F32, (ddp_redop_t)9, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_broadcast(pg, f, 4, DDP_F32, W, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_send(pg, f, 4, DDP_F32, r, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_allreduce(pg, f, f + 1, 2, DDP_F32, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_allreduce(pg, NULL, NULL, 4, DDP_F32, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      strstr(ddp_pg_last_error(pg), "allreduce") == NULL)
+    st = DDP_ERR_INTERNAL;
+  if (st == DDP_OK && ddp_pg_status(pg) != DDP_OK) st = DDP_ERR_INTERNAL;
+  /* work handles: test/status while queued behind a barrier, free before completion */
+  ddp_work_t *b = NULL, *a = NULL;
+  if (st == DDP_OK) st = ddp_barrier(pg, &b);
+  if (st == DDP_OK) st = ddp_allreduce(pg, f, f, 4, DDP_F32, DDP_MAX, &a);
+  if (st == DDP_OK) {
+    ddp_work_free(b); /* released when it ends */
+    bool done = false;
+    ddp_work_test(a, &done);
+    if (!done && ddp_work_status(a) != DDP_ERR_INVALID_USAGE) st = DDP_ERR_INTERNAL;
+    if (ddp_work_wait(a, 10000) != DDP_OK || ddp_work_status(a) != DDP_OK) st = DDP_ERR_INTERNAL;
+    ddp_work_test(a, &done);
+    if (!done) st = DDP_ERR_INTERNAL;
+    ddp_work_free(a);
+  }
+  return st;
+}
+
+static void test_spawn_threads_and_arguments(void **state) {
+  int64_t live = ddp_test_live_allocs();
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.timeout_ms = 10000;
+  for (int W = 1; W <= 4; W++) assert_int_equal(ddp_spawn_threads(W, &o, spawn_fn, NULL), DDP_OK);
+  /* every allocation of the groups, works and stores was returned */
+  assert_int_equal(ddp_test_live_allocs(), live);
+  /* a bad backend name lists the choices */
+  ddp_pg_options_t bad = DDP_PG_OPTIONS_INIT;
+  bad.backend = "xccl";
+  ddp_pg_t *pg = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_pg_create(&bad, &pg, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "shm"));
+  bad.backend = "gloo";
+  bad.world = 0;
+  assert_int_equal(ddp_pg_create(&bad, &pg, &err), DDP_ERR_INVALID_ARGUMENT);
+}
+
+typedef struct env_arg {
+  const char *backend;
+  int port;
+} env_arg_t;
+
+static int env_rank(ddp_test_rank_t *tr, void *arg) {
+  const env_arg_t *a = arg;
+  char v[32];
+  snprintf(v, sizeof v, "%d", ddp_test_rank(tr));
+  setenv("RANK", v, 1);
+  snprintf(v, sizeof v, "%d", ddp_test_world_size(tr));
+  setenv("WORLD_SIZE", v, 1);
+  snprintf(v, sizeof v, "%d", a->port);
+  setenv("MASTER_PORT", v, 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("DDP_BACKEND", a->backend, 1);
+  setenv("DDP_TIMEOUT", "20", 1);
+  ddp_pg_t *pg = NULL;
+  ddp_error_t err = {0};
+  ddp_status_t st = ddp_pg_create_from_env(NULL, &pg, &err);
+  if (st != DDP_OK) {
+    ddp_test_say(tr, "%s", err.msg);
+    return st;
+  }
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  double x = r;
+  ddp_work_t *w = NULL;
+  st = ddp_allreduce(pg, &x, &x, 1, DDP_F64, DDP_SUM, &w);
+  if (st == DDP_OK) st = ddp_work_wait_free(w);
+  if (st == DDP_OK && (x != W * (W - 1) / 2.0 || strcmp(ddp_pg_backend_name(pg), a->backend)))
+    st = DDP_ERR_INTERNAL;
+  ddp_pg_destroy(pg);
+  return st;
+}
+
+static void test_create_from_env(void **state) {
+  static const char *backends[] = {"tcp", "shm"};
+  for (int b = 0; b < 2; b++) {
+    /* an ephemeral port for the store server (rank 0) */
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    ddp_store_t *probe = NULL;
+    assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &so, &probe), DDP_OK);
+    env_arg_t a = {backends[b], ddp_store_port(probe)};
+    ddp_store_destroy(probe);
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = 3;
+    o.mode = DDP_TEST_FORK;
+    o.timeout_ms = 30000;
+    ddp_test_results_t *res = ddp_test_spawn(&o, env_rank, &a);
+    ddp_test_expect_ok(res);
+    ddp_test_results_free(res);
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_threads_matrix),
+      cmocka_unit_test(test_shm_matrix_staged),
+      cmocka_unit_test(test_shm_matrix_direct),
+      cmocka_unit_test(test_tcp_matrix),
+      cmocka_unit_test(test_tcp_ring_small_segments),
+      cmocka_unit_test(test_d2_across_backends),
+      cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_create_from_env),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,186 @@
+#!/bin/bash
+# bench_peers.sh: libddp's all-reduce beside Open MPI's and PyTorch gloo's, on this machine,
+# in one go, on the same sizes, with the same data, barrier and timing (docs/benchmarks.md).
+#
+#   tools/bench_peers.sh [-B BUILD_DIR] [-o OUT_DIR] [-- SWEEP_ARGS...]
+#
+# Runs, in order:
+#   1. ddp-bench: backends threads, shm, tcp; algorithms auto, canonical, ring, small; the
+#      reference lines (memcpy, TCP loopback); CSV and plot;
+#   2. peer_mpi_allreduce under mpirun -np 2 with Open MPI's default transport (vader);
+#   3. the same with --mca btl self,tcp;
+#   4. tools/peer_gloo_allreduce.py: 2 processes of /usr/bin/python3 with torch's gloo on lo;
+# then prints two side-by-side tables (p50 latency and busbw per size per implementation)
+# and the acceptance ratios of the issue. SWEEP_ARGS (default: the programs' own defaults,
+# 4 B to 256 MiB) go to all four, so they measure the same points: -b -e -f -n --min-iters
+# --budget --warmup. A step whose program is missing is skipped with a note.
+# Exit status: 0 when every step ran and no element was wrong, 1 otherwise, 2 usage.
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+build="$repo/build"
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -B) [ $# -ge 2 ] || { echo "bench_peers.sh: -B needs a directory" >&2; exit 2; }
+        build=$2; shift 2 ;;
+    -o) [ $# -ge 2 ] || { echo "bench_peers.sh: -o needs a directory" >&2; exit 2; }
+        out=$2; shift 2 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --) shift; break ;;
+    *) echo "bench_peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+sweep=("$@")
+bench="$build/tools/ddp-bench"
+mpi_peer="$build/tools/peer_mpi_allreduce"
+[ -x "$bench" ] || { echo "bench_peers.sh: $bench not found; build first (ninja -C $build)" >&2; exit 2; }
+[ -n "$out" ] || out=$(mktemp -d /tmp/bench-peers.XXXXXX)
+mkdir -p "$out" || exit 2
+failed=0
+
+echo "# bench_peers: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+echo "# libddp git $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown);" \
+     "$(nproc) CPUs; $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
+echo "# sweep arguments: ${sweep[*]:-(defaults)}; outputs in $out"
+start=$(date +%s)
+
+step() { # name, then the command; output goes to the terminal and to $out/<name>.txt
+  local name=$1; shift
+  echo
+  echo "## $name: $*"
+  local t0=$(date +%s)
+  timeout -k 10 900 "$@" 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "## $name: exit $rc, $(( $(date +%s) - t0 )) s"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+step ddp "$bench" -w 2 --backends threads,shm,tcp --algos auto,canonical,ring,small \
+  --csv "$out/ddp.csv" --plot "$out/busbw.png" "${sweep[@]}"
+
+if [ -x "$mpi_peer" ] && command -v mpirun >/dev/null; then
+  mpirun_=(mpirun --allow-run-as-root --oversubscribe -np 2)
+  step ompi-vader "${mpirun_[@]}" "$mpi_peer" --label ompi-vader --csv "$out/ompi_vader.csv" "${sweep[@]}"
+  step ompi-tcp "${mpirun_[@]}" --mca btl self,tcp "$mpi_peer" --label ompi-tcp \
+    --csv "$out/ompi_tcp.csv" "${sweep[@]}"
+else
+  echo "## Open MPI: skipped ($mpi_peer or mpirun missing: the build found no MPI)"
+fi
+
+if /usr/bin/python3 -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; then
+  step gloo env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+    /usr/bin/python3 "$here/peer_gloo_allreduce.py" --world 2 --csv "$out/gloo.csv" "${sweep[@]}"
+else
+  echo "## gloo: skipped (/usr/bin/python3 has no torch with gloo)"
+fi
+
+echo
+echo "## total $(( $(date +%s) - start )) s"
+/usr/bin/python3 - "$out" <<'PY' || failed=1
+import csv, math, os, sys
+
+out = sys.argv[1]
+rows, calib = {}, {}
+for name in ("ddp.csv", "ompi_vader.csv", "ompi_tcp.csv", "gloo.csv"):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        continue
+    for r in csv.DictReader(open(path)):
+        if r["kind"] == "calibration":
+            calib[(r["backend"], r["algorithm"])] = r
+            continue
+        if r["place"] != "in":
+            continue
+        impl = r["backend"] if r["algorithm"] in ("auto", "default") else \
+            "%s-%s" % (r["backend"], r["algorithm"])
+        rows[(impl, int(r["bytes"]))] = r
+
+def size_str(b):
+    for u, s in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if b >= u and b % u == 0:
+            return "%d%s" % (b // u, s)
+    return str(b)
+
+impls = [i for i in ("threads", "shm", "tcp", "tcp-ring", "ompi-vader", "ompi-tcp", "gloo")
+         if any(k[0] == i for k in rows)]
+sizes = sorted({k[1] for k in rows})
+wrong = sum(int(r["wrong"]) for r in rows.values())
+
+def table(title, field, fmt):
+    print("\n%s (threads/shm/tcp = libddp's default algorithm, auto; tcp-ring = algorithm ring)"
+          % title)
+    print("%8s" % "size" + "".join("%12s" % i for i in impls))
+    for s in sizes:
+        cells = []
+        for i in impls:
+            r = rows.get((i, s))
+            cells.append("%12s" % (fmt % float(r[field]) if r else "-"))
+        print("%8s" % size_str(s) + "".join(cells))
+
+table("p50 latency (us)", "p50_us", "%.1f")
+table("busbw (GB/s)", "busbw_gbs", "%.3f")
+
+def get(impl, size, field):
+    r = rows.get((impl, size))
+    return float(r[field]) if r else None
+
+def show(label, a, b, goal, ok):
+    if a is None or b is None or b == 0:
+        print("  %-58s  n/a (not measured)" % label)
+        return
+    x = a / b
+    verdict = "PASS" if ok(x) else "FAIL"
+    print("  %-58s %8.2fx   goal %-6s %s" % (label, x, goal, verdict))
+
+M64, K4 = 64 << 20, 4096
+print("\nAcceptance ratios (2 ranks, f32 sum, in place)")
+show("shm busbw at 64M / Open MPI vader busbw", get("shm", M64, "busbw_gbs"),
+     get("ompi-vader", M64, "busbw_gbs"), ">= 2", lambda x: x >= 2)
+show("shm p50 at 4K / Open MPI vader p50", get("shm", K4, "p50_us"),
+     get("ompi-vader", K4, "p50_us"), "<= 1.5", lambda x: x <= 1.5)
+show("tcp busbw at 64M / gloo busbw", get("tcp", M64, "busbw_gbs"), get("gloo", M64, "busbw_gbs"),
+     ">= 1.3", lambda x: x >= 1.3)
+show("tcp-ring busbw at 64M / gloo busbw", get("tcp-ring", M64, "busbw_gbs"),
+     get("gloo", M64, "busbw_gbs"), ">= 1.3", lambda x: x >= 1.3)
+show("tcp p50 at 4K / Open MPI tcp p50", get("tcp", K4, "p50_us"), get("ompi-tcp", K4, "p50_us"),
+     "<= 1", lambda x: x <= 1)
+lb = calib.get(("tcp_loopback", "bandwidth"))
+lbw = float(lb["busbw_gbs"]) if lb else None
+for impl in ("tcp", "tcp-ring"):
+    bw = get(impl, M64, "busbw_gbs")
+    if bw is not None and lbw:
+        print("  %-58s %8.2f    (1 connection loopback %.3f GB/s)"
+              % ("2 x %s busbw at 64M / loopback bandwidth" % impl, 2 * bw / lbw, lbw))
+    else:
+        print("  %-58s  n/a" % ("2 x %s busbw at 64M / loopback bandwidth" % impl))
+
+print("\ncanonical vs ring, busbw ratio canonical/ring at >= 1M (> 1: canonical faster)")
+for be in ("threads", "shm", "tcp"):
+    pairs = [(s, get("%s-canonical" % be, s, "busbw_gbs"), get("%s-ring" % be, s, "busbw_gbs"))
+             for s in sizes if s >= (1 << 20)]
+    pairs = [(s, c, r) for s, c, r in pairs if c and r]
+    if not pairs:
+        note = "no ring on the shared-memory backends (the group runs canonical)" \
+            if be != "tcp" else "not measured"
+        print("  %-8s %s" % (be, note))
+        continue
+    ratios = [c / r for _, c, r in pairs]
+    geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    print("  %-8s %s; geometric mean %.2f" % (
+        be, " ".join("%s %.2f" % (size_str(s), x) for (s, _, _), x in zip(pairs, ratios)), geo))
+
+if calib:
+    def cv(k, f):
+        r = calib.get(k)
+        return float(r[f]) if r and r[f] else 0.0
+    print("\nReference lines (same run): memcpy %.2f GB/s (1 thread), %.2f GB/s (2 threads); "
+          "TCP loopback %.3f GB/s; RTT p50 %.1f us" % (
+              cv(("memcpy", "1thread"), "busbw_gbs"), cv(("memcpy", "2threads"), "busbw_gbs"),
+              cv(("tcp_loopback", "bandwidth"), "busbw_gbs"), cv(("tcp_loopback", "rtt"), "p50_us")))
+print("wrong elements over all implementations: %d" % wrong)
+sys.exit(1 if wrong else 0)
+PY
+echo "# files: $out (ddp.csv, busbw.png, ompi_*.csv, gloo.csv, *.txt)"
+exit $failed

@@ -1,0 +1,65 @@
+#!/usr/bin/python3
+"""PyTorch oracle for tests/test_data.c. Run with Debian's /usr/bin/python3 (torch 1.13).
+Exit status 77: torch (or, for `digits`, scikit-learn) is not available; the test skips.
+
+  data_oracle.py sampler IN OUT
+      IN lines "sampler N W SHUFFLE DROP_LAST SEED EPOCH" or "perm N SEED".
+      For a sampler line OUT gets one line per rank r = 0..W-1: the indices of
+      torch.utils.data.DistributedSampler(range(N), W, r, shuffle, seed, drop_last) after
+      set_epoch(EPOCH). For a perm line: torch.randperm(N, generator=Generator().manual_seed(SEED)).
+  data_oracle.py digits OUT
+      scikit-learn's load_digits(): one line per sample "LABEL PIXEL_SUM" (raw 0..16 pixels).
+"""
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def sampler_mode(inp, outp):
+    try:
+        import torch
+        from torch.utils.data.distributed import DistributedSampler
+    except Exception:
+        sys.exit(77)
+    with open(inp) as f, open(outp, "w") as out:
+        for line in f:
+            tok = line.split()
+            if not tok:
+                continue
+            if tok[0] == "perm":
+                n, seed = int(tok[1]), int(tok[2])
+                g = torch.Generator()
+                g.manual_seed(seed)
+                out.write(" ".join(str(i) for i in torch.randperm(n, generator=g).tolist()) + "\n")
+                continue
+            n, w, shuffle, drop_last, seed, epoch = (int(t) for t in tok[1:7])
+            for r in range(w):
+                s = DistributedSampler(list(range(n)), num_replicas=w, rank=r,
+                                       shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last))
+                s.set_epoch(epoch)
+                idx = list(iter(s))
+                assert len(idx) == len(s)
+                out.write(("%d" % len(idx)) + "".join(" %d" % i for i in idx) + "\n")
+
+
+def digits_mode(outp):
+    try:
+        from sklearn.datasets import load_digits
+    except Exception:
+        sys.exit(77)
+    d = load_digits()
+    with open(outp, "w") as out:
+        for x, y in zip(d.data, d.target):
+            out.write("%d %d\n" % (int(y), int(round(float(x.sum())))))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "sampler":
+        sampler_mode(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "digits":
+        digits_mode(sys.argv[2])
+    else:
+        sys.stderr.write(__doc__)
+        sys.exit(2)

@@ -1,0 +1,35 @@
+# Sourced by tools/test.sh and tools/quickstart.sh: installs the Debian packages a step needs,
+# only those missing, non-interactively. A second run finds everything and does no apt work.
+# Usage: ddp_ensure_packages pkg...
+
+ddp_ensure_packages() {
+  local missing=() p
+  for p in "$@"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+      missing+=("$p")
+    fi
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "libddp: installing missing Debian packages: ${missing[*]}" >&2
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+# What building libddp needs.
+DDP_BUILD_PACKAGES=(gcc libc6-dev meson ninja-build pkg-config libopenblas-dev libcjson-dev
+                    libcmocka-dev libopenmpi-dev openmpi-bin)
+# What the tests need on top: the PyTorch oracle, sklearn's digits, gnuplot for plots.
+DDP_TEST_PACKAGES=(python3 python3-torch python3-numpy python3-sklearn gnuplot-nox)
+
+# Configures (once) and builds a build directory. Extra args go to `meson setup`.
+ddp_build() {
+  local dir=$1
+  shift
+  if [ ! -f "$dir/build.ninja" ]; then
+    meson setup "$dir" "$@"
+  fi
+  meson compile -C "$dir"
+}
