@@ -537,6 +537,7 @@ static void test_spawn_threads_and_arguments(void **state) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.timeout_ms = 10000;
   for (int W = 1; W <= 4; W++) assert_int_equal(ddp_spawn_threads(W, &o, spawn_fn, NULL), DDP_OK);
+  assert_int_equal(ddp_spawn_threads(3, NULL, spawn_fn, NULL), DDP_OK);
   /* every allocation of the groups, works and stores was returned */
   assert_int_equal(ddp_test_live_allocs(), live);
   /* a bad backend name lists the choices */

@@ -152,10 +152,10 @@ DDP_API void ddp_work_free(ddp_work_t *work);
 /* Convenience: wait with the default timeout, then free. */
 DDP_API ddp_status_t ddp_work_wait_free(ddp_work_t *work);
 
-/* Runs fn(rank, arg) on `world` threads, each with its own group on the threads backend
- * (opts may be NULL; its backend, rank, world and store are filled in). The groups are
- * created before fn runs and destroyed after it returns. Returns the first non-OK status
- * of a rank, or of group creation. */
+/* Runs fn(pg, arg) on `world` threads, each with its own group on the threads backend over
+ * a fresh in-memory store. opts may be NULL (defaults); its backend, rank, world and store
+ * are ignored. The groups are created before fn runs and destroyed after it returns.
+ * Returns the first non-OK status of a rank (or of group creation). */
 typedef ddp_status_t (*ddp_thread_fn)(ddp_pg_t *pg, void *arg);
 DDP_API ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
                                        void *arg);
