@@ -11,5 +11,7 @@
 #include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/data.h"
+#include "ddp/reducer.h"
+#include "ddp/train.h"
 
 #endif /* DDP_H */

@@ -10,7 +10,11 @@
  * Determinism (D2): random fp32/fp16/bf16 data give allreduce results bitwise equal to a
  * serial rank-order fold computed in the test (fp16/bf16 rounded after each addition), on
  * every backend, through the direct and the staged shm paths, at several segment sizes;
- * and the hashes of the results agree across backends. */
+ * and the hashes of the results agree across backends.
+ *
+ * API: ddp_spawn_threads, argument errors (returned at once, group still usable), work
+ * handle states, ddp_pg_create_from_env under torchrun-style variables (tcp, shm), the
+ * DDP_ALGORITHM override and the INFO line of the size table, and no leaked allocations. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -606,6 +610,43 @@ static void test_create_from_env(void **state) {
   }
 }
 
+/* ---- the algorithm table: env override and the INFO log line ---- */
+
+typedef struct log_capture {
+  char lines[8][512];
+  int n;
+} log_capture_t;
+
+static void capture_sink(void *user, ddp_log_level_t level, const char *line) {
+  log_capture_t *c = user;
+  if (c->n < 8) snprintf(c->lines[c->n++], sizeof c->lines[0], "%s", line);
+}
+
+static ddp_status_t noop_fn(ddp_pg_t *pg, void *arg) { return DDP_OK; }
+
+static bool captured(const log_capture_t *c, const char *needle) {
+  for (int i = 0; i < c->n; i++)
+    if (strstr(c->lines[i], needle)) return true;
+  return false;
+}
+
+static void test_algorithm_table_env(void **state) {
+  log_capture_t cap = {0};
+  ddp_set_log_sink(capture_sink, &cap);
+  setenv("DDP_DEBUG", "INFO", 1);
+  assert_int_equal(ddp_spawn_threads(2, NULL, noop_fn, NULL), DDP_OK);
+  assert_true(captured(&cap, "small up to 16384 bytes, canonical above (DDP_ALGORITHM=auto)"));
+  cap.n = 0;
+  setenv("DDP_ALGORITHM", "ring", 1);
+  assert_int_equal(ddp_spawn_threads(2, NULL, noop_fn, NULL), DDP_OK);
+  assert_true(captured(&cap, "ring for every size (ring is a link algorithm"));
+  setenv("DDP_ALGORITHM", "fastest", 1);
+  assert_int_equal(ddp_spawn_threads(2, NULL, noop_fn, NULL), DDP_ERR_INVALID_ARGUMENT);
+  unsetenv("DDP_ALGORITHM");
+  unsetenv("DDP_DEBUG");
+  ddp_set_log_sink(NULL, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_threads_matrix),
@@ -616,6 +657,7 @@ int main(void) {
       cmocka_unit_test(test_d2_across_backends),
       cmocka_unit_test(test_spawn_threads_and_arguments),
       cmocka_unit_test(test_create_from_env),
+      cmocka_unit_test(test_algorithm_table_env),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

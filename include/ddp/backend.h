@@ -27,6 +27,30 @@ extern "C" {
 
 #define DDP_BACKEND_ABI_VERSION 1u
 
+/* The vocabulary of collectives, shared by the algorithm layer and the process-group API
+ * (include/ddp/pg.h). */
+
+/* Largest world a group accepts. */
+#define DDP_PG_MAX_WORLD 256
+
+typedef enum ddp_redop {
+  DDP_SUM = 0,
+  DDP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
+  DDP_MIN = 2,
+  DDP_MAX = 3,
+  DDP_PRODUCT = 4
+} ddp_redop_t;
+
+typedef enum ddp_algorithm {
+  DDP_ALGO_AUTO = 0,      /* the size table: small below a threshold, canonical above */
+  DDP_ALGO_CANONICAL = 1, /* owner folds its slice in rank order, then all-gather (D2) */
+  DDP_ALGO_RING = 2,      /* gloo-style segmented ring (D1 only; tcp backend) */
+  DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
+} ddp_algorithm_t;
+
+DDP_API const char *ddp_redop_name(ddp_redop_t op);
+DDP_API const char *ddp_algorithm_name(ddp_algorithm_t a);
+
 typedef enum ddp_backend_family { DDP_BACKEND_SHARED = 1, DDP_BACKEND_LINK = 2 } ddp_backend_family_t;
 
 /* What a backend is created with (copied from the group's options). */

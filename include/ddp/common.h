@@ -155,7 +155,9 @@ DDP_API void ddp_free(void *ptr);
   X(OMPI_LOCAL_RANK, "OMPI_COMM_WORLD_LOCAL_RANK", "", "Local rank under Open MPI.")      \
   X(SLURM_PROCID, "SLURM_PROCID", "", "Rank under Slurm's srun.")                         \
   X(SLURM_NTASKS, "SLURM_NTASKS", "", "World size under Slurm's srun.")                   \
-  X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.")
+  X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.") \
+  X(TRAIN_SAVE_PAUSE_MS, "DDP_TRAIN_SAVE_PAUSE_MS", "0",                                   \
+    "Test hook: ddp_train sleeps this long between a checkpoint's files.")
 
 typedef enum ddp_env_id {
 #define DDP_ENV_ENUM_(id, name, def, doc) DDP_ENV_##id,

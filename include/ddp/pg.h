@@ -24,6 +24,7 @@
 #ifndef DDP_PG_H
 #define DDP_PG_H
 
+#include "ddp/backend.h"
 #include "ddp/common.h"
 #include "ddp/store.h"
 #include "ddp/tensor.h"
@@ -35,27 +36,10 @@ extern "C" {
 typedef struct ddp_pg ddp_pg_t;
 typedef struct ddp_work ddp_work_t;
 
-/* Largest world a group accepts. */
-#define DDP_PG_MAX_WORLD 256
-
-typedef enum ddp_redop {
-  DDP_SUM = 0,
-  DDP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
-  DDP_MIN = 2,
-  DDP_MAX = 3,
-  DDP_PRODUCT = 4
-} ddp_redop_t;
-
-typedef enum ddp_algorithm {
-  DDP_ALGO_AUTO = 0,      /* the size table: small below a threshold, canonical above */
-  DDP_ALGO_CANONICAL = 1, /* owner folds its slice in rank order, then all-gather (D2) */
-  DDP_ALGO_RING = 2,      /* gloo-style segmented ring (D1 only; tcp backend) */
-  DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
-} ddp_algorithm_t;
-
 typedef struct ddp_pg_options {
   size_t struct_size;        /* sizeof(ddp_pg_options_t) */
-  const char *backend;       /* "threads", "shm", "tcp" ("gloo" = tcp); NULL = DDP_BACKEND env */
+  const char *backend;       /* "threads", "shm", "tcp" ("gloo" = tcp); NULL = DDP_BACKEND env,
+                              * else threads */
   int rank;                  /* 0..world-1 */
   int world;                 /* 1..DDP_PG_MAX_WORLD */
   ddp_store_t *store;        /* rendezvous; borrowed, must outlive create (not the group) */
@@ -126,8 +110,10 @@ DDP_API ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *re
 DDP_API ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                                   ddp_dtype_t dt, ddp_work_t **work);
 DDP_API ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work);
-/* Point to point. A send completes once the receiver has taken the data. The pair must
- * agree on count and dtype (else DESYNC on both). */
+/* Point to point. A send completes once the receiver has posted the matching receive and
+ * the data is handed over (shared backends: copied by the receiver; tcp: written to the
+ * connection). The pair must agree on count and dtype (else DESYNC on both). Each rank runs
+ * its operations in issue order, so a ring of sends needs some ranks to receive first. */
 DDP_API ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt,
                               int peer, ddp_work_t **work);
 DDP_API ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
@@ -159,9 +145,6 @@ DDP_API ddp_status_t ddp_work_wait_free(ddp_work_t *work);
 typedef ddp_status_t (*ddp_thread_fn)(ddp_pg_t *pg, void *arg);
 DDP_API ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
                                        void *arg);
-
-DDP_API const char *ddp_redop_name(ddp_redop_t op);
-DDP_API const char *ddp_algorithm_name(ddp_algorithm_t a);
 
 #ifdef __cplusplus
 }

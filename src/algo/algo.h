@@ -10,7 +10,7 @@
 
 #include "common/common.h"
 #include "ddp/backend.h"
-#include "ddp/pg.h"
+#include "ddp/tensor.h"
 
 typedef enum ddp__kind {
   DDP__ALLREDUCE = 1,
@@ -71,13 +71,14 @@ typedef struct ddp__comm {
   uint64_t *p2p_tx;               /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;               /* shared: chunks taken from each peer */
   int64_t deadline_ns;            /* of the running operation */
+  int spins;                      /* shared: polls before sleeping on the futex */
   atomic_bool aborted;
 } ddp__comm_t;
 
 /* Control-block bytes the shared algorithms need for a world of `size`. */
 size_t ddp__shared_ctl_bytes(int size);
 /* Zero-initialised control block fixups (call once, by the creating rank, before peers map
- * it); and per-rank attach (records the pid for messages). */
+ * it); and per-rank attach (records the pid for messages, picks the spin budget). */
 void ddp__shared_ctl_init(void *ctl, int size);
 void ddp__shared_attach(ddp__comm_t *c, int pid);
 

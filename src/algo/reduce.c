@@ -118,6 +118,21 @@ void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
 void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                       void *dst, size_t n, unsigned char *tmp, int world) {
   size_t es = ddp_dtype_size(dt), blk = DDP__TMP_BYTES / es;
+  /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
+   * pass less over memory). The additions are the same, in the same order. */
+  bool direct = true;
+  for (int j = 1; j < nsrc && direct; j++) {
+    const unsigned char *s = srcs[j], *d = dst;
+    if (s < d + n * es && d < s + n * es) direct = false;
+  }
+  const unsigned char *s0 = srcs[0], *d0 = dst;
+  if (direct && s0 != d0 && s0 < d0 + n * es && d0 < s0 + n * es) direct = false;
+  if (direct) {
+    if (s0 != d0) memcpy(dst, s0, n * es);
+    for (int j = 1; j < nsrc; j++) ddp__reduce_acc(dt, op, dst, srcs[j], n);
+    if (op == DDP_AVG) ddp__reduce_avg(dt, dst, n, world);
+    return;
+  }
   for (size_t off = 0; off < n; off += blk) {
     size_t m = DDP_MIN(blk, n - off);
     memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
@@ -126,6 +141,27 @@ void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *cons
     if (op == DDP_AVG) ddp__reduce_avg(dt, tmp, m, world);
     memcpy((unsigned char *)dst + off * es, tmp, m * es);
   }
+}
+
+const char *ddp_redop_name(ddp_redop_t op) {
+  switch (op) {
+    case DDP_SUM: return "SUM";
+    case DDP_AVG: return "AVG";
+    case DDP_MIN: return "MIN";
+    case DDP_MAX: return "MAX";
+    case DDP_PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+const char *ddp_algorithm_name(ddp_algorithm_t a) {
+  switch (a) {
+    case DDP_ALGO_AUTO: return "auto";
+    case DDP_ALGO_CANONICAL: return "canonical";
+    case DDP_ALGO_RING: return "ring";
+    case DDP_ALGO_SMALL: return "small";
+  }
+  return "?";
 }
 
 const char *ddp__kind_name(ddp__kind_t k) {

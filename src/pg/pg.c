@@ -59,27 +59,6 @@ struct ddp_pg {
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
 };
 
-const char *ddp_redop_name(ddp_redop_t op) {
-  switch (op) {
-    case DDP_SUM: return "SUM";
-    case DDP_AVG: return "AVG";
-    case DDP_MIN: return "MIN";
-    case DDP_MAX: return "MAX";
-    case DDP_PRODUCT: return "PRODUCT";
-  }
-  return "?";
-}
-
-const char *ddp_algorithm_name(ddp_algorithm_t a) {
-  switch (a) {
-    case DDP_ALGO_AUTO: return "auto";
-    case DDP_ALGO_CANONICAL: return "canonical";
-    case DDP_ALGO_RING: return "ring";
-    case DDP_ALGO_SMALL: return "small";
-  }
-  return "?";
-}
-
 static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_error_t *err) {
   static const ddp_algorithm_t all[] = {DDP_ALGO_AUTO, DDP_ALGO_CANONICAL, DDP_ALGO_RING,
                                         DDP_ALGO_SMALL};
@@ -203,10 +182,12 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
     DDP_CHECK(ddp_env_int(DDP_ENV_TIMEOUT, 0, INT64_MAX / 1000, &s, err));
     o.timeout_ms = s * 1000;
   }
-  if (o.algorithm == DDP_ALGO_AUTO) DDP_CHECK(parse_algorithm(ddp_env_get(DDP_ENV_ALGORITHM), &o.algorithm, err));
+  if (o.algorithm == DDP_ALGO_AUTO)
+    DDP_CHECK(parse_algorithm(ddp_env_get(DDP_ENV_ALGORITHM), &o.algorithm, err));
   if (o.algorithm > DDP_ALGO_SMALL)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "algorithm %d is not a ddp_algorithm_t",
                       (int)o.algorithm);
+  size_t seg_requested = o.segment_bytes;
   if (o.segment_bytes == 0) o.segment_bytes = 1u << 20;
   o.segment_bytes = DDP_MAX((o.segment_bytes + 63) & ~(size_t)63, 64u);
   const char *token = o.job_token ? o.job_token : ddp_env_get(DDP_ENV_JOB_TOKEN);
@@ -252,7 +233,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
 
   /* shm staging: the segment size when the caller set one (tests reach the chunked path
    * with small messages), else 4 MiB per rank. */
-  size_t staging = opts_in->segment_bytes ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world)
+  size_t staging = seg_requested ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world)
                                           : (4u << 20);
   ddp_backend_init_t init = {sizeof init, rank, o.world, o.store, o.timeout_ms, token, staging,
                              ddp__shared_ctl_bytes(o.world), o.shm_heap_bytes};

@@ -15,6 +15,7 @@
  * 10 ms while sleeping, so a killed peer is reported by rank and pid within milliseconds,
  * instead of at the timeout. Where pidfd_open is unavailable, kill(pid, 0) is the fallback. */
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -28,8 +29,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
+#include "common/common.h"
 
 #define PAGE 4096u
 #define BLOCK_HDR 64u

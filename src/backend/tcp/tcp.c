@@ -5,8 +5,9 @@
  * dependencies only point down, so the mesh cannot deadlock. The connecting side sends a
  * hello (magic, rank, world, job token); the accepting side checks every field, answers
  * with a verdict, and drops bad connections (a wrong token is logged and the slot keeps
- * waiting for the real peer). Sockets are non-blocking with TCP_NODELAY, and with large
- * socket buffers where the host allows them (otherwise the kernel's autotuning stays on).
+ * waiting for the real peer). Sockets are non-blocking with TCP_NODELAY and keepalives, and
+ * with large socket buffers where the host allows them (otherwise the kernel's autotuning
+ * stays on).
  *
  * Data. xfer() runs a batch of sends and receives (at most one of each per peer) at once:
  * it writes and reads whatever each socket accepts, handles partial transfers and EINTR,
@@ -19,6 +20,7 @@
  * arrives, then peers read end-of-file and fail at once instead of at their timeout.
  * abort() also wakes a blocked xfer through the eventfd. */
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,8 +32,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
+#include "common/common.h"
 
 #define HELLO_MAGIC 0x64647074u /* "ddpt" */
 #define TOKEN_MAX 256
@@ -60,8 +62,14 @@ typedef struct tcp_state {
 } tcp_state_t;
 
 static void tune(int fd) {
-  int one = 1;
+  int one = 1, idle = 10, intvl = 2, cnt = 3;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  /* A peer host that vanishes without a FIN (power loss, partition) is noticed after about
+   * idle + intvl * cnt = 16 s of silence instead of at the operation timeout. */
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
   FILE *f = fopen("/proc/sys/net/core/wmem_max", "r");
   long max = 0;
   if (f) {

@@ -1,0 +1,203 @@
+/* libddp reducer layer: DistributedDataParallel over a model and a process group.
+ *
+ * A ddp_ddp_t wraps one rank's replica of a model (ddp_model_t) and a process group, and
+ * reproduces PyTorch's DistributedDataParallel (docs/ddp.md, spec/ddp-semantics.md §0-6,
+ * 10, 12): the construction-time shape check and broadcast from rank 0, gradient buckets
+ * (compute_bucket_assignment_by_size, one bucket in iteration 1, one rebuild from the ready
+ * order with rank 0's layout), bucket allreduces launched strictly in index order from the
+ * gradient-ready hooks while backward still runs, averaging by a pre-multiply with fl(1/W),
+ * the end-of-backward finalize, no_sync, broadcast_buffers, find_unused_parameters,
+ * static_graph, gradient_as_bucket_view and get_ddp_logging_data's statistics.
+ *
+ * (The wrapper is ddp_ddp_create rather than PyTorch-like "ddp_model_create" because the
+ * nn layer already names its model constructor that.)
+ *
+ * A training step:
+ *     ddp_ddp_forward(ddp, ctx, x, flags, &y);     // or pre_forward + own forward + post_forward
+ *     ... loss from y ...
+ *     ddp_ddp_backward(ddp, ctx, loss);            // buckets reduce while backward runs
+ *     ddp_optim_step(...); ddp_optim_zero_grad(...); ddp_ctx_reset(ctx);
+ *
+ * Errors PyTorch raises (shape check, "Expected to have finished reduction in the prior
+ * iteration ...", "Expected to mark a variable ready only once ...") come back as statuses
+ * from the same call as in PyTorch, with PyTorch's text in ddp_ddp_last_error(), extended
+ * with the parameter names and the rank. Not thread-safe: one thread drives one handle. */
+#ifndef DDP_REDUCER_H
+#define DDP_REDUCER_H
+
+#include "ddp/nn.h"
+#include "ddp/pg.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- bucket assignment */
+
+/* The result of compute_bucket_assignment_by_size: bucket b holds the tensor indices
+ * indices[offsets[b] .. offsets[b+1]) in the order they were added, and was built under
+ * limits[b] bytes (SIZE_MAX = no limit). Free with ddp_bucket_assignment_free. */
+typedef struct ddp_bucket_assignment {
+  size_t nbuckets;
+  size_t *offsets; /* nbuckets + 1 */
+  size_t *indices; /* offsets[nbuckets] entries */
+  size_t *limits;  /* nbuckets */
+} ddp_bucket_assignment_t;
+
+/* PyTorch's compute_bucket_assignment_by_size (spec §2.1), a pure function. Tensor i has
+ * bytes[i] bytes and group key keys[i] (its dtype; one accumulator per key);
+ * expect_sparse (NULL = none) makes a tensor a bucket of its own with no limit. Each key
+ * closes its bucket when the accumulated bytes reach its current limit, then moves on to
+ * the next limit (the last one repeats). order (NULL = 0..n-1) is the visiting order; when
+ * it is NULL the buckets are sorted by their smallest index, else kept in production
+ * order. Trailing partial buckets follow in the order their keys were first seen. */
+DDP_API ddp_status_t ddp_compute_bucket_assignment_by_size(
+    size_t n, const size_t *bytes, const int *keys, const bool *expect_sparse,
+    const size_t *limits, size_t nlimits, const size_t *order, ddp_bucket_assignment_t *out);
+DDP_API void ddp_bucket_assignment_free(ddp_bucket_assignment_t *a);
+
+/* ---------------------------------------------------------------- options --------- */
+
+/* bucket_cap_mb left at this value means PyTorch's None: 25 MiB buckets with a 1 MiB first
+ * bucket. An explicit value sets both caps (newer PyTorch; docs/ddp.md). */
+#define DDP_BUCKET_CAP_UNSET (-1.0)
+/* PyTorch's broadcast_bucket_size and default caps. */
+#define DDP_BROADCAST_BUCKET_BYTES ((size_t)250 * 1024 * 1024)
+#define DDP_DEFAULT_BUCKET_CAP_MB 25.0
+#define DDP_DEFAULT_FIRST_BUCKET_BYTES ((int64_t)1024 * 1024)
+
+typedef struct ddp_ddp_options {
+  size_t struct_size;           /* sizeof(ddp_ddp_options_t) */
+  bool broadcast_buffers;       /* true: buffers from rank 0 before each synced forward */
+  double bucket_cap_mb;         /* DDP_BUCKET_CAP_UNSET = 25 with a 1 MiB first bucket */
+  int64_t first_bucket_bytes;   /* < 0: 1 MiB when bucket_cap_mb is unset, else the cap */
+  bool find_unused_parameters;  /* false */
+  bool gradient_as_bucket_view; /* false */
+  bool static_graph;            /* false */
+  bool init_sync;               /* true: shape check and broadcast at create */
+} ddp_ddp_options_t;
+
+#define DDP_DDP_OPTIONS_INIT \
+  {sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true}
+
+typedef struct ddp_ddp ddp_ddp_t;
+
+/* Wraps a finalized model. Collective on every rank of pg (spec §1.5): allgather of the
+ * managed parameter count, broadcast of sizes and strides from rank 0 and the check against
+ * them, broadcast of every parameter (frozen ones too) and, with broadcast_buffers, every
+ * buffer from rank 0 in coalesced chunks of at most 250 MiB, at most 2 in flight. Both model
+ * and pg are borrowed and must outlive the handle; the model's grad-ready hooks belong to
+ * the handle until destroy. err (optional) receives the message on failure. */
+DDP_API ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg,
+                                    const ddp_ddp_options_t *opts, ddp_ddp_t **out,
+                                    ddp_error_t *err);
+/* Frees the buckets (waiting for any in flight), restores every gradient to the model's
+ * flat gradient buffer (copying values out of bucket views) and removes the hooks. NULL is
+ * a no-op. */
+DDP_API void ddp_ddp_destroy(ddp_ddp_t *ddp);
+
+/* The message of the last failed call ("" if none). Longer than a ddp_error_t holds. */
+DDP_API const char *ddp_ddp_last_error(const ddp_ddp_t *ddp);
+DDP_API ddp_model_t *ddp_ddp_model(ddp_ddp_t *ddp);
+
+/* ---------------------------------------------------------------- a step ---------- */
+
+/* DDP's _pre_forward (spec §3.2): with grad enabled, checks that the previous reduction
+ * finished (PyTorch's "Expected to have finished reduction ..." error), applies a pending
+ * bucket rebuild, and, when the previous forward synchronised, broadcasts the buffers from
+ * rank 0. ctx is the context the forward and backward will use. */
+DDP_API ddp_status_t ddp_ddp_pre_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx);
+/* DDP's _post_forward: with grad enabled and sync on, arms the next backward
+ * (prepare_for_backward) and, under find_unused_parameters, searches the graph from the n
+ * outputs for unused parameters. Otherwise the next backward communicates nothing. */
+DDP_API ddp_status_t ddp_ddp_post_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, size_t n,
+                                          ddp_var_t *const *outputs);
+/* pre_forward, ddp_model_forward(model, ctx, x, flags, y), post_forward. */
+DDP_API ddp_status_t ddp_ddp_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *x,
+                                     uint64_t flags, ddp_var_t **y);
+/* ddp_backward(ctx, loss), then reports an error a gradient-ready hook met (such as
+ * "marked ready twice") or the finalize's. After a synchronised backward every managed
+ * gradient holds the average over ranks (globally unused ones are left untouched). */
+DDP_API ddp_status_t ddp_ddp_backward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *loss);
+
+/* no_sync: sets require_backward_grad_sync and returns the previous value. Like PyTorch
+ * the decision is taken at forward: a forward run with sync off is followed by a backward
+ * that only accumulates locally. with ddp.no_sync(): is
+ *     bool old = ddp_ddp_set_sync(ddp, false); ... ; ddp_ddp_set_sync(ddp, old); */
+DDP_API bool ddp_ddp_set_sync(ddp_ddp_t *ddp, bool require_backward_grad_sync);
+
+/* join() for uneven inputs (spec §9.2): ddp.join(divide_by_initial_world_size,
+ * throw_on_early_termination) as a begin/end pair around the training loop:
+ *     ddp_ddp_join_begin(ddp, true, false);
+ *     for (each local batch) { forward; backward; step; }
+ *     ddp_ddp_join_end(ddp);   // this rank is out of data
+ * While join is on, each forward adds the join allreduces; join_end shadows the other
+ * ranks' iterations (buffer broadcasts, zero bucket allreduces) until every rank has
+ * joined, then broadcasts the last joiner's parameters and buffers to all. With
+ * divide_by_initial_world_size=false gradients are averaged over the ranks still training.
+ * With throw_on_early_termination every rank fails (DDP_ERR_ABORTED, PyTorch's texts) at
+ * the first iteration where one rank is out of data. Not with static_graph. */
+DDP_API ddp_status_t ddp_ddp_join_begin(ddp_ddp_t *ddp, bool divide_by_initial_world_size,
+                                        bool throw_on_early_termination);
+DDP_API ddp_status_t ddp_ddp_join_end(ddp_ddp_t *ddp);
+
+/* ---------------------------------------------------------------- layout, stats --- */
+
+/* The current bucket layout: bucket b holds the managed parameter indices
+ * params[0..*n) (reducer indices: managed parameters in registration order, frozen
+ * ones left out). Valid until the next forward. */
+DDP_API size_t ddp_ddp_num_buckets(const ddp_ddp_t *ddp);
+DDP_API const size_t *ddp_ddp_bucket_params(const ddp_ddp_t *ddp, size_t b, size_t *n);
+/* The model parameter behind managed index i. */
+DDP_API ddp_param_t *ddp_ddp_param(ddp_ddp_t *ddp, size_t i);
+DDP_API size_t ddp_ddp_num_params(const ddp_ddp_t *ddp);
+
+/* get_ddp_logging_data (spec §10.1). Arrays point into the handle and stay valid until the
+ * next forward. Times are nanoseconds, averaged over the sampled iterations (1-10, then
+ * every 100th). */
+typedef struct ddp_ddp_logging_data {
+  int world_size;
+  int rank;
+  int64_t iteration; /* synchronised forwards so far (num_iterations) */
+  const char *backend_name;
+  const char *module_name; /* "ddp_model" */
+  size_t num_parameter_tensors;
+  int64_t total_parameter_size_bytes;
+  const char *dtypes;      /* comma-separated, e.g. "F32" */
+  bool broadcast_buffers;
+  bool find_unused_parameters;
+  bool gradient_as_bucket_view;
+  bool static_graph;
+  int64_t bucket_cap_bytes;
+  int64_t first_bucket_bytes;
+  /* construction-time layout */
+  size_t num_initial_buckets;
+  const int64_t *bucket_sizes;               /* bytes per bucket */
+  const int64_t *initial_bucket_size_limits; /* INT64_MAX for "no limit" */
+  /* rebuild */
+  bool has_rebuilt_buckets;
+  size_t num_rebuilt_buckets;
+  const int64_t *rebuilt_bucket_sizes;
+  const int64_t *rebuilt_bucket_size_limits;
+  const size_t *rebuilt_per_bucket_param_offsets; /* num_rebuilt_buckets + 1 */
+  const size_t *rebuilt_per_bucket_param_indices;
+  size_t num_prev_ready_order;
+  const size_t *prev_iteration_grad_ready_order_indices;
+  /* runtime */
+  int64_t unused_parameter_size; /* bytes of parameters unused in the last synced backward */
+  int64_t avg_forward_compute_time;
+  int64_t avg_backward_compute_time;
+  int64_t avg_backward_comm_time;
+  int64_t avg_backward_compute_comm_overlap_time;
+  int64_t num_runtime_samples;
+  const char *comm_hook; /* "" = none (builtin allreduce with pre-divide) */
+  bool join_uneven_inputs;
+  bool can_set_static_graph; /* find_unused and the unused set never changed */
+} ddp_ddp_logging_data_t;
+
+DDP_API void ddp_ddp_get_logging_data(ddp_ddp_t *ddp, ddp_ddp_logging_data_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_REDUCER_H */

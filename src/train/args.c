@@ -1,0 +1,455 @@
+/* TrainingArguments by name: the field table, string and JSON setters, validation, help
+ * text and the JSON dump written into trainer_state.json.
+ *
+ * One table drives everything. Each row names a field of ddp_train_args_t (HF's name), its
+ * kind, its offset and size, its range and its help line; the setter parses by kind, so the
+ * command line, the config file and --help cannot disagree about a field. */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/common.h"
+#include "ddp/train.h"
+
+typedef enum arg_kind { K_INT, K_U64, K_FLOAT, K_BOOL, K_TRI, K_STR } arg_kind_t;
+
+typedef struct arg_field {
+  const char *name;
+  arg_kind_t kind;
+  size_t offset, size;
+  double lo, hi;     /* numeric range (inclusive) */
+  const char *def;   /* default as shown by --help */
+  const char *help;
+} arg_field_t;
+
+#define F_INT(n, lo, hi, def, help) \
+  {#n, K_INT, offsetof(ddp_train_args_t, n), sizeof(int64_t), lo, hi, def, help}
+#define F_FLT(n, lo, hi, def, help) \
+  {#n, K_FLOAT, offsetof(ddp_train_args_t, n), sizeof(double), lo, hi, def, help}
+#define F_BOOL(n, def, help) {#n, K_BOOL, offsetof(ddp_train_args_t, n), sizeof(bool), 0, 1, def, help}
+#define F_TRI(n, def, help) \
+  {#n, K_TRI, offsetof(ddp_train_args_t, n), sizeof(ddp_tristate_t), 0, 1, def, help}
+#define F_STR(n, def, help) \
+  {#n, K_STR, offsetof(ddp_train_args_t, n), sizeof(((ddp_train_args_t *)0)->n), 0, 0, def, help}
+
+static const arg_field_t fields[] = {
+    F_INT(per_device_train_batch_size, 1, 1 << 20, "8", "samples per rank per micro-batch"),
+    F_INT(per_device_eval_batch_size, 1, 1 << 20, "8", "samples per rank per eval batch"),
+    F_INT(gradient_accumulation_steps, 1, 1 << 20, "1",
+          "micro-batches per optimizer step; no gradient sync on all but the last; loss / N"),
+    F_FLT(num_train_epochs, 0, 1e9, "3.0", "epochs to train when max_steps <= 0"),
+    F_INT(max_steps, -1, 1e15, "-1", "optimizer steps to train; overrides num_train_epochs"),
+    F_BOOL(dataloader_drop_last, "false", "drop each rank's last partial batch"),
+    F_FLT(learning_rate, 0, 1e9, "5e-5", "initial (peak) learning rate"),
+    F_FLT(weight_decay, 0, 1e9, "0.0", "decoupled weight decay (adamw), L2 (adam, sgd)"),
+    F_FLT(adam_beta1, 0, 0.999999999, "0.9", "Adam beta1"),
+    F_FLT(adam_beta2, 0, 0.999999999, "0.999", "Adam beta2"),
+    F_FLT(adam_epsilon, 0, 1, "1e-8", "Adam epsilon"),
+    F_STR(optim, "adamw_torch", "optimizer: adamw_torch (= adamw), adam, sgd"),
+    F_FLT(max_grad_norm, -1e9, 1e9, "1.0", "clip the global gradient norm; <= 0 disables"),
+    F_STR(lr_scheduler_type, "linear", "linear, cosine, constant, constant_with_warmup"),
+    F_INT(warmup_steps, 0, 1e15, "0", "linear warmup steps (wins over warmup_ratio)"),
+    F_FLT(warmup_ratio, 0, 1, "0.0", "warmup as a fraction of the training steps"),
+    {"seed", K_U64, offsetof(ddp_train_args_t, seed), sizeof(uint64_t), 0, 4294967295.0, "42",
+     "seed of initial weights, shuffling and dropout"},
+    F_INT(logging_steps, 1, 1e15, "500", "log (and check replicas) every N steps"),
+    F_STR(eval_strategy, "no", "no, steps, epoch"),
+    F_INT(eval_steps, 0, 1e15, "0", "evaluate every N steps (0: logging_steps)"),
+    F_FLT(eval_split, 0, 0.9, "0.1", "held-out fraction of the data for evaluation (libddp)"),
+    F_STR(save_strategy, "steps", "steps, epoch, no"),
+    F_INT(save_steps, 1, 1e15, "500", "save a checkpoint every N steps"),
+    F_INT(save_total_limit, -1, 1e9, "-1", "keep at most N checkpoints (-1: all)"),
+    F_STR(output_dir, "trainer_output", "checkpoints, metrics.jsonl, loss.svg"),
+    F_STR(resume_from_checkpoint, "", "a checkpoint directory, or true for the latest"),
+    F_BOOL(gradient_checkpointing, "false", "enters ddp_find_unused_parameters' default only"),
+    F_BOOL(disable_tqdm, "false", "plain log lines even on a terminal"),
+    F_STR(ddp_backend, "", "gloo (= tcp), threads, shm, tcp, mpi, nccl; empty: automatic"),
+    F_TRI(ddp_find_unused_parameters, "none",
+          "none: true unless gradient_checkpointing (HF's rule)"),
+    F_INT(ddp_bucket_cap_mb, -1, 1 << 20, "-1", "DDP bucket size in MiB (-1: 25)"),
+    F_TRI(ddp_broadcast_buffers, "none", "broadcast buffers before each forward (none: true)"),
+    F_INT(ddp_timeout, 1, 1e9, "1800", "seconds any collective may wait"),
+    F_TRI(ddp_static_graph, "none", "DDP static_graph (none: false)"),
+    F_BOOL(gradient_as_bucket_view, "false", "gradients live in the DDP buckets"),
+    F_BOOL(ddp_reducer, "true",
+           "libddp: bucketed DDP reducer; false: one flat gradient allreduce after backward"),
+    F_STR(comm_hook, "no", "no, fp16, bf16, power_sgd, batched_power_sgd"),
+    F_STR(comm_wrapper, "no", "no, fp16, bf16"),
+    F_STR(comm_state_option, "", "JSON object of PowerSGD state options"),
+};
+
+size_t ddp_train_arg_count(void) { return DDP_ARRAY_LEN(fields); }
+
+void ddp_train_arg_info(size_t i, const char **name, const char **type, const char **def,
+                        const char **help) {
+  DDP_REQUIRE(i < DDP_ARRAY_LEN(fields));
+  static const char *const kinds[] = {"int", "int", "float", "bool", "Optional[bool]", "str"};
+  if (name) *name = fields[i].name;
+  if (type) *type = kinds[fields[i].kind];
+  if (def) *def = fields[i].def;
+  if (help) *help = fields[i].help;
+}
+
+/* Levenshtein distance, for "did you mean" on an unknown name. */
+static size_t edit_distance(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  if (la > 63 || lb > 63) return 99;
+  size_t row[64];
+  for (size_t j = 0; j <= lb; j++) row[j] = j;
+  for (size_t i = 1; i <= la; i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= lb; j++) {
+      size_t up = row[j];
+      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      size_t best = DDP_MIN(row[j] + 1, row[j - 1] + 1);
+      row[j] = DDP_MIN(best, diag + cost);
+      diag = up;
+    }
+  }
+  return row[lb];
+}
+
+static const arg_field_t *find_field(const char *name) {
+  for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {
+    if (!strcmp(fields[i].name, name)) return &fields[i];
+  }
+  return NULL;
+}
+
+static bool parse_bool(const char *v, bool *out) {
+  if (!strcasecmp(v, "true") || !strcmp(v, "1")) {
+    *out = true;
+    return true;
+  }
+  if (!strcasecmp(v, "false") || !strcmp(v, "0")) {
+    *out = false;
+    return true;
+  }
+  return false;
+}
+
+ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const char *value,
+                                ddp_error_t *err) {
+  DDP_REQUIRE(a && name && value);
+  const arg_field_t *f = find_field(name);
+  if (!f) {
+    const char *best = NULL;
+    size_t bd = 4;
+    for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {
+      size_t d = edit_distance(name, fields[i].name);
+      if (d < bd) {
+        bd = d;
+        best = fields[i].name;
+      }
+    }
+    return ddp__error_quiet(err, DDP_ERR_NOT_FOUND, "unknown argument \"%s\"%s%s%s", name,
+                            best ? " (did you mean \"" : "", best ? best : "",
+                            best ? "\"?)" : "");
+  }
+  char *p = (char *)a + f->offset;
+  char *end = NULL;
+  switch (f->kind) {
+    case K_INT:
+    case K_U64: {
+      errno = 0;
+      long long x = strtoll(value, &end, 10);
+      if (errno || end == value || *end || (double)x < f->lo || (double)x > f->hi) {
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "%s expects an integer in [%.0f, %.0f], got \"%s\"", name, f->lo,
+                                f->hi, value);
+      }
+      if (f->kind == K_INT) {
+        *(int64_t *)p = x;
+      } else {
+        *(uint64_t *)p = (uint64_t)x;
+      }
+      break;
+    }
+    case K_FLOAT: {
+      errno = 0;
+      double x = strtod(value, &end);
+      if (errno || end == value || *end || !isfinite(x) || x < f->lo || x > f->hi) {
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "%s expects a number in [%g, %g], got \"%s\"", name, f->lo, f->hi,
+                                value);
+      }
+      *(double *)p = x;
+      break;
+    }
+    case K_BOOL: {
+      bool b;
+      if (!parse_bool(value, &b)) {
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "%s expects true or false, got \"%s\"", name, value);
+      }
+      *(bool *)p = b;
+      break;
+    }
+    case K_TRI: {
+      bool b;
+      if (!strcasecmp(value, "none") || !strcasecmp(value, "null")) {
+        *(ddp_tristate_t *)p = DDP_UNSET;
+      } else if (parse_bool(value, &b)) {
+        *(ddp_tristate_t *)p = b ? DDP_TRUE : DDP_FALSE;
+      } else {
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "%s expects true, false or none, got \"%s\"", name, value);
+      }
+      break;
+    }
+    case K_STR:
+      if (strlen(value) >= f->size) {
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "%s: value longer than %zu bytes", name, f->size - 1);
+      }
+      memcpy(p, value, strlen(value) + 1);
+      break;
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(a && path);
+  FILE *fp = fopen(path, "rb");
+  if (!fp) {
+    return ddp__error_quiet(err, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
+                            "config file %s: open: %s (errno %d)", path, strerror(errno), errno);
+  }
+  ddp_status_t st = DDP_OK;
+  char *text = NULL;
+  cJSON *root = NULL;
+  size_t cap = 1 << 16, len = 0;
+  text = ddp__malloc(cap);
+  if (!text) {
+    st = DDP_ERR_NO_MEMORY;
+    goto out;
+  }
+  for (;;) {
+    if (len + 1 >= cap) {
+      char *t = ddp__realloc(text, cap * 2);
+      if (!t) {
+        st = DDP_ERR_NO_MEMORY;
+        goto out;
+      }
+      text = t;
+      cap *= 2;
+    }
+    size_t got = fread(text + len, 1, cap - 1 - len, fp);
+    len += got;
+    if (got == 0) break;
+  }
+  text[len] = 0;
+  root = cJSON_Parse(text);
+  if (!root || !cJSON_IsObject(root)) {
+    const char *where = cJSON_GetErrorPtr();
+    st = ddp__error_quiet(err, DDP_ERR_INVALID_DATA,
+                          "config file %s: not a JSON object (error near byte %ld)", path,
+                          where && root == NULL ? (long)(where - text) : 0L);
+    goto out;
+  }
+  const cJSON *it;
+  cJSON_ArrayForEach(it, root) {
+    char buf[64];
+    const char *v = NULL;
+    char *printed = NULL;
+    if (cJSON_IsString(it)) {
+      v = it->valuestring;
+    } else if (cJSON_IsBool(it)) {
+      v = cJSON_IsTrue(it) ? "true" : "false";
+    } else if (cJSON_IsNull(it)) {
+      v = "none";
+    } else if (cJSON_IsNumber(it)) {
+      double d = it->valuedouble;
+      if (d == floor(d) && fabs(d) < 1e15) {
+        snprintf(buf, sizeof buf, "%.0f", d);
+      } else {
+        snprintf(buf, sizeof buf, "%.17g", d);
+      }
+      v = buf;
+    } else if (cJSON_IsObject(it) && !strcmp(it->string, "comm_state_option")) {
+      printed = cJSON_PrintUnformatted(it);
+      v = printed;
+    }
+    if (!v) {
+      st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "config file %s: key \"%s\" has a value of the wrong type", path,
+                            it->string);
+      goto out;
+    }
+    ddp_error_t e = {0};
+    st = ddp_train_args_set(a, it->string, v, &e);
+    if (printed) cJSON_free(printed);
+    if (st != DDP_OK) {
+      ddp__error_quiet(err, st, "config file %s: %s", path, e.msg);
+      goto out;
+    }
+  }
+out:
+  cJSON_Delete(root);
+  ddp__free(text);
+  fclose(fp);
+  return st;
+}
+
+static bool one_of(const char *v, const char *const *choices) {
+  for (; *choices; choices++) {
+    if (!strcmp(v, *choices)) return true;
+  }
+  return false;
+}
+
+static const char *const backend_choices[] = {"gloo", "threads", "shm", "tcp", "mpi", "nccl", NULL};
+static const char *const hook_choices[] = {"no", "fp16", "bf16", "power_sgd",
+                                           "batched_power_sgd", NULL};
+static const char *const wrapper_choices[] = {"no", "fp16", "bf16", NULL};
+static const char *const powersgd_keys[] = {
+    "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+    "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed",
+    "compression_stats_logging_frequency", "batch_tensors_with_same_shape", NULL};
+
+ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
+  DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
+  static const char *const optims[] = {"adamw_torch", "adamw", "adam", "sgd", NULL};
+  static const char *const strategies[] = {"no", "steps", "epoch", NULL};
+  if (!one_of(a->optim, optims)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "optim \"%s\" is not available; the choices are adamw_torch, adamw, "
+                            "adam, sgd", a->optim);
+  }
+  ddp_lr_kind_t k;
+  ddp_error_t e = {0};
+  if (ddp_lr_kind_from_name(a->lr_scheduler_type, &k, &e) != DDP_OK) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "lr_scheduler_type: %s", e.msg);
+  }
+  if (!one_of(a->eval_strategy, strategies) || !one_of(a->save_strategy, strategies)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "eval_strategy \"%s\" / save_strategy \"%s\": the choices are no, "
+                            "steps, epoch", a->eval_strategy, a->save_strategy);
+  }
+  if (a->max_steps <= 0 && !(a->num_train_epochs > 0)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "nothing to train: max_steps is %lld and num_train_epochs %g",
+                            (long long)a->max_steps, a->num_train_epochs);
+  }
+  if (a->max_steps == 0) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "max_steps must be positive, or -1 to use num_train_epochs");
+  }
+  if (!a->output_dir[0]) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "output_dir is empty");
+  }
+  if (a->ddp_backend[0] && !one_of(a->ddp_backend, backend_choices)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "ddp_backend \"%s\" is not available in libddp; the choices are "
+                            "gloo (= tcp), threads, shm, tcp, mpi, nccl", a->ddp_backend);
+  }
+  if (a->ddp_bucket_cap_mb == 0) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "ddp_bucket_cap_mb must be positive (or -1 for the default 25)");
+  }
+  if (!one_of(a->comm_hook, hook_choices)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_hook \"%s\": the choices are no, fp16, bf16, power_sgd, "
+                            "batched_power_sgd", a->comm_hook);
+  }
+  if (!one_of(a->comm_wrapper, wrapper_choices)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_wrapper \"%s\": the choices are no, fp16, bf16",
+                            a->comm_wrapper);
+  }
+  if (a->comm_state_option[0]) {
+    cJSON *o = cJSON_Parse(a->comm_state_option);
+    ddp_status_t st = DDP_OK;
+    if (!o || !cJSON_IsObject(o)) {
+      st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_state_option must be a JSON object, got %s",
+                            a->comm_state_option);
+    } else {
+      const cJSON *it;
+      cJSON_ArrayForEach(it, o) {
+        if (!one_of(it->string, powersgd_keys)) {
+          st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                "comm_state_option: unknown PowerSGD option \"%s\"", it->string);
+          break;
+        }
+      }
+      if (st == DDP_OK && o->child && strcmp(a->comm_hook, "power_sgd") &&
+          strcmp(a->comm_hook, "batched_power_sgd")) {
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option applies only to comm_hook power_sgd or "
+                              "batched_power_sgd (comm_hook is \"%s\")", a->comm_hook);
+      }
+    }
+    cJSON_Delete(o);
+    if (st != DDP_OK) return st;
+  }
+  if (strcmp(a->comm_hook, "no") || strcmp(a->comm_wrapper, "no")) {
+    return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
+                            "comm_hook \"%s\" / comm_wrapper \"%s\": communication hooks are not "
+                            "available yet in this build of libddp; use \"no\"",
+                            a->comm_hook, a->comm_wrapper);
+  }
+  return DDP_OK;
+}
+
+const char *ddp_train_backend_name(const ddp_train_args_t *a) {
+  DDP_REQUIRE(a);
+  if (!a->ddp_backend[0]) return NULL;
+  if (!strcmp(a->ddp_backend, "gloo")) return "tcp";
+  return a->ddp_backend;
+}
+
+bool ddp_train_find_unused(const ddp_train_args_t *a) {
+  /* HF: unset means False with gradient checkpointing, True otherwise (a plain module is
+   * not a PreTrainedModel, and a PreTrainedModel without checkpointing also gets True). */
+  if (a->ddp_find_unused_parameters == DDP_UNSET) return !a->gradient_checkpointing;
+  return a->ddp_find_unused_parameters == DDP_TRUE;
+}
+
+bool ddp_train_broadcast_buffers(const ddp_train_args_t *a) {
+  return a->ddp_broadcast_buffers != DDP_FALSE;
+}
+
+bool ddp_train_static_graph(const ddp_train_args_t *a) { return a->ddp_static_graph == DDP_TRUE; }
+
+ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *a, char **out) {
+  DDP_REQUIRE(a && out);
+  *out = NULL;
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return DDP_ERR_NO_MEMORY;
+  for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {
+    const arg_field_t *f = &fields[i];
+    const char *p = (const char *)a + f->offset;
+    cJSON *v = NULL;
+    switch (f->kind) {
+      case K_INT: v = cJSON_CreateNumber((double)*(const int64_t *)p); break;
+      case K_U64: v = cJSON_CreateNumber((double)*(const uint64_t *)p); break;
+      case K_FLOAT: v = cJSON_CreateNumber(*(const double *)p); break;
+      case K_BOOL: v = cJSON_CreateBool(*(const bool *)p); break;
+      case K_TRI: {
+        ddp_tristate_t t = *(const ddp_tristate_t *)p;
+        v = t == DDP_UNSET ? cJSON_CreateNull() : cJSON_CreateBool(t == DDP_TRUE);
+        break;
+      }
+      case K_STR: v = cJSON_CreateString(p); break;
+    }
+    if (!v || !cJSON_AddItemToObject(o, f->name, v)) {
+      cJSON_Delete(v);
+      cJSON_Delete(o);
+      return DDP_ERR_NO_MEMORY;
+    }
+  }
+  char *s = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (!s) return DDP_ERR_NO_MEMORY;
+  size_t n = strlen(s) + 1;
+  *out = ddp_malloc(n);
+  if (*out) memcpy(*out, s, n);
+  cJSON_free(s);
+  return *out ? DDP_OK : DDP_ERR_NO_MEMORY;
+}

@@ -1,0 +1,183 @@
+/* Gradient synchronisation for the trainer (contract in sync.h), two implementations:
+ *
+ *  - "reducer": the DDP reducer (include/ddp/reducer.h) with the HF-named options: buckets
+ *    (ddp_bucket_cap_mb), allreduces launched from the gradient-ready hooks while backward
+ *    runs, find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers
+ *    and no_sync. The loss scale enters as a multiplication on the tape (d(c*L) = c*dL: the
+ *    same gradient a seed of c gives).
+ *  - "flat": DDP with one bucket and no overlap. After a synchronising backward the model's
+ *    flat gradient buffer (one per dtype) is all-reduced with AVG (sum in rank order, then
+ *    divided by W); after a no_sync backward nothing is communicated. Buffers are broadcast
+ *    from rank 0 before each synchronising forward. Parameters that got no gradient keep
+ *    their zeros and are averaged like the others (what find_unused_parameters=True gives).
+ *    Kept as the reference the reducer is tested against (tests/test_train.c). */
+#include "train/sync.h"
+
+#include <string.h>
+
+#include "common/common.h"
+#include "ddp/reducer.h"
+
+struct ddp__sync {
+  ddp_pg_t *pg;           /* borrowed */
+  ddp_model_t *model;     /* borrowed */
+  ddp_train_args_t args;  /* copy */
+  bool use_reducer;
+  ddp_ddp_t *ddp;         /* reducer mode, from ddp__sync_begin on */
+  bool armed;             /* flat mode: the last forward was a synchronising one */
+  int64_t syncs;          /* synchronised backwards so far */
+};
+
+static const ddp_dtype_t float_dtypes[] = {DDP_F32, DDP_F64};
+
+static ddp_status_t wait_op(ddp__sync_t *s, ddp_status_t st, ddp_work_t *w, const char *what,
+                            ddp_error_t *err) {
+  if (st == DDP_OK) st = ddp_work_wait_free(w);
+  if (st != DDP_OK) {
+    return ddp__error(err, ddp_pg_rank(s->pg), st, "gradient sync: %s: %s", what,
+                      ddp_pg_last_error(s->pg));
+  }
+  return DDP_OK;
+}
+
+static ddp_status_t reducer_error(ddp__sync_t *s, ddp_status_t st, const char *what,
+                                  ddp_error_t *err) {
+  return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP %s: %s", what,
+                    s->ddp ? ddp_ddp_last_error(s->ddp) : "");
+}
+
+ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
+                              bool use_reducer, ddp__sync_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(pg && model && args && out);
+  *out = NULL;
+  ddp__sync_t *s = ddp__calloc(1, sizeof *s);
+  if (!s) return ddp__error(err, ddp_pg_rank(pg), DDP_ERR_NO_MEMORY, "gradient sync: no memory");
+  s->pg = pg;
+  s->model = model;
+  s->args = *args;
+  s->use_reducer = use_reducer;
+  *out = s;
+  return DDP_OK;
+}
+
+void ddp__sync_destroy(ddp__sync_t *s) {
+  if (!s) return;
+  ddp_ddp_destroy(s->ddp);
+  ddp__free(s);
+}
+
+const char *ddp__sync_name(const ddp__sync_t *s) {
+  return s->use_reducer ? "reducer" : "flat-allreduce";
+}
+
+double ddp__sync_overlap_ns(ddp__sync_t *s) {
+  if (!s->ddp) return 0;
+  ddp_ddp_logging_data_t ld;
+  ddp_ddp_get_logging_data(s->ddp, &ld);
+  return (double)ld.avg_backward_compute_comm_overlap_time;
+}
+
+static ddp_status_t broadcast_buffers(ddp__sync_t *s, ddp_error_t *err) {
+  for (size_t i = 0; i < ddp_model_num_buffers(s->model); i++) {
+    ddp_buffer_t *b = ddp_model_buffer(s->model, i);
+    if (b->value.numel == 0) continue;
+    ddp_work_t *w = NULL;
+    ddp_status_t st = ddp_broadcast(s->pg, b->value.data, (size_t)b->value.numel,
+                                    b->value.dtype, 0, &w);
+    DDP_CHECK(wait_op(s, st, w, "buffer broadcast", err));
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
+  DDP_REQUIRE(s);
+  if (s->use_reducer) {
+    ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
+    o.broadcast_buffers = ddp_train_broadcast_buffers(&s->args);
+    o.bucket_cap_mb = s->args.ddp_bucket_cap_mb > 0 ? (double)s->args.ddp_bucket_cap_mb
+                                                    : DDP_BUCKET_CAP_UNSET;
+    o.find_unused_parameters = ddp_train_find_unused(&s->args);
+    o.gradient_as_bucket_view = s->args.gradient_as_bucket_view;
+    o.static_graph = ddp_train_static_graph(&s->args);
+    ddp_error_t e = {0};
+    ddp_status_t st = ddp_ddp_create(s->model, s->pg, &o, &s->ddp, &e);
+    if (st != DDP_OK) {
+      return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP create: %s", e.msg);
+    }
+    return DDP_OK;
+  }
+  for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes); i++) {
+    ddp_tensor_t p = ddp_model_flat_params(s->model, float_dtypes[i]);
+    if (p.numel == 0) continue;
+    ddp_work_t *w = NULL;
+    ddp_status_t st = ddp_broadcast(s->pg, p.data, (size_t)p.numel, p.dtype, 0, &w);
+    DDP_CHECK(wait_op(s, st, w, "initial parameter broadcast", err));
+  }
+  return broadcast_buffers(s, err);
+}
+
+ddp_status_t ddp__sync_pre_forward(ddp__sync_t *s, ddp_ctx_t *ctx, bool sync, ddp_error_t *err) {
+  DDP_REQUIRE(s && ctx);
+  if (s->ddp) {
+    ddp_ddp_set_sync(s->ddp, sync);
+    ddp_status_t st = ddp_ddp_pre_forward(s->ddp, ctx);
+    return st == DDP_OK ? DDP_OK : reducer_error(s, st, "pre-forward", err);
+  }
+  s->armed = sync;
+  if (sync && s->args.ddp_broadcast_buffers != DDP_FALSE && ddp_pg_size(s->pg) > 1) {
+    return broadcast_buffers(s, err);
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp__sync_post_forward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *y,
+                                    ddp_error_t *err) {
+  DDP_REQUIRE(s && ctx && y);
+  if (!s->ddp) return DDP_OK;
+  ddp_status_t st = ddp_ddp_post_forward(s->ddp, ctx, 1, &y);
+  return st == DDP_OK ? DDP_OK : reducer_error(s, st, "post-forward", err);
+}
+
+ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
+                                const ddp_tensor_t *scale, int64_t *comm_ns, ddp_error_t *err) {
+  DDP_REQUIRE(s && ctx && loss);
+  int rank = ddp_pg_rank(s->pg);
+  ddp_status_t st;
+  if (s->ddp) {
+    ddp_var_t *root = loss;
+    if (scale) {
+      ddp_var_t *c;
+      if ((st = ddp_var_new(ctx, scale->dtype, loss->value.ndim, loss->value.shape, scale->data,
+                            false, &c)) != DDP_OK ||
+          (st = ddp_mul(ctx, loss, c, &root)) != DDP_OK) {
+        return ddp__error(err, rank, st, "loss scaling: %s", ddp_ctx_last_error(ctx)->msg);
+      }
+    }
+    st = ddp_ddp_backward(s->ddp, ctx, root);
+    if (st != DDP_OK) return reducer_error(s, st, "backward", err);
+    /* The reducer's communication overlaps the backward; its sampled average per
+     * synchronised backward is what a step spends communicating. */
+    ddp_ddp_logging_data_t ld;
+    ddp_ddp_get_logging_data(s->ddp, &ld);
+    if (comm_ns && ld.iteration > s->syncs) *comm_ns += ld.avg_backward_comm_time;
+    s->syncs = ld.iteration;
+    return DDP_OK;
+  }
+  /* Seeding backward with `scale` gives exactly the gradient of scale * loss. */
+  st = ddp_backward_multi(ctx, 1, &loss, scale);
+  if (st != DDP_OK) {
+    return ddp__error(err, rank, st, "backward: %s", ddp_ctx_last_error(ctx)->msg);
+  }
+  if (!s->armed) return DDP_OK;
+  s->armed = false;
+  int64_t t0 = ddp_now_ns();
+  for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes); i++) {
+    ddp_tensor_t g = ddp_model_flat_grads(s->model, float_dtypes[i]);
+    if (g.numel == 0) continue;
+    ddp_work_t *w = NULL;
+    st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_AVG, &w);
+    DDP_CHECK(wait_op(s, st, w, "gradient allreduce", err));
+  }
+  if (comm_ns) *comm_ns += ddp_now_ns() - t0;
+  return DDP_OK;
+}

@@ -1,0 +1,44 @@
+/* Gradient synchronisation as the trainer sees it: one small interface between the training
+ * loop and whatever keeps the replicas' gradients equal (private to src/train).
+ *
+ * The loop calls, per optimizer step of N micro-batches, for each micro-batch k:
+ *     ddp__sync_pre_forward(s, ctx, k == N - 1);  forward -> y;
+ *     ddp__sync_post_forward(s, ctx, y);          loss from y;
+ *     ddp__sync_backward(s, ctx, loss, scale, &comm_ns);
+ * so a forward is "synchronising" (HF: outside no_sync) only for the last micro-batch of a
+ * window, and the decision is taken at forward, as in DDP. The backward computes the
+ * gradient of scale * loss (scale = 1/N, Accelerate's loss scaling; NULL = 1) and, after a
+ * synchronising forward, leaves every gradient averaged over the ranks.
+ * ddp__sync_begin() runs once before training (after a checkpoint is loaded) and makes
+ * every rank hold rank 0's parameters and buffers.
+ *
+ * Two implementations (sync.c): the DDP reducer with the HF-named options, and a flat
+ * one-bucket allreduce kept as the reference; ddp_train's ddp_reducer argument picks. */
+#ifndef DDP_TRAIN_SYNC_H
+#define DDP_TRAIN_SYNC_H
+
+#include "ddp/train.h"
+
+typedef struct ddp__sync ddp__sync_t;
+
+ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
+                              bool use_reducer, ddp__sync_t **out, ddp_error_t *err);
+void ddp__sync_destroy(ddp__sync_t *s);
+/* Rank 0's parameters and buffers to every rank (DDP's constructor broadcast; the
+ * reducer's handle is created here). */
+ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err);
+/* Before a forward: sync is false inside no_sync. */
+ddp_status_t ddp__sync_pre_forward(ddp__sync_t *s, ddp_ctx_t *ctx, bool sync, ddp_error_t *err);
+/* After the forward that produced y. */
+ddp_status_t ddp__sync_post_forward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *y,
+                                    ddp_error_t *err);
+/* Backward of scale * loss (scale: a scalar of loss's dtype, or NULL for 1), then the
+ * gradient communication; adds the nanoseconds spent communicating to *comm_ns. */
+ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
+                                const ddp_tensor_t *scale, int64_t *comm_ns, ddp_error_t *err);
+/* Which implementation runs ("reducer" or "flat-allreduce"), for logs and metrics. */
+const char *ddp__sync_name(const ddp__sync_t *s);
+/* Average backward compute/communication overlap per synchronised step (ns; 0 for flat). */
+double ddp__sync_overlap_ns(ddp__sync_t *s);
+
+#endif /* DDP_TRAIN_SYNC_H */

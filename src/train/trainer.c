@@ -1,0 +1,675 @@
+/* The training loop (contract in include/ddp/train.h, user guide in docs/train.md).
+ *
+ * Step arithmetic follows HF's Trainer. Each rank's loader yields B = len(DataLoader)
+ * micro-batches per epoch (DistributedSampler shard, per_device_train_batch_size rows);
+ * an optimizer step consumes gradient_accumulation_steps (GA) of them, so an epoch has
+ * S = B / GA steps (the B mod GA leftover micro-batches of an epoch are skipped, so every
+ * window is full), and max_steps defaults to ceil(num_train_epochs * S). Step s (0-based)
+ * belongs to epoch s / S and reads micro-batches (s mod S) * GA ... + GA - 1 of that
+ * epoch's shuffle (seed + epoch). That makes the sampler position a pure function of the
+ * step, which is what lets a resumed run replay the uninterrupted one bit for bit: the
+ * checkpoint holds the parameters, the optimizer state and the step; the LR multiplier is
+ * a function of the step; dropout draws come from (seed, rank, micro-step).
+ *
+ * One step: for each micro-batch k the forward is synchronising only when k == GA - 1
+ * (HF runs the others under no_sync); backward is seeded with 1/GA, which is the gradient
+ * of loss / GA (Accelerate's scaling); after the window the gradients are the average
+ * over ranks of the summed micro-gradients. Then clip_grad_norm (max_grad_norm > 0), set
+ * the lr from the schedule, step the optimizer, zero the gradients, and average the step's
+ * loss over ranks for logging. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/common.h"
+#include "train/sync.h"
+#include "train/train_internal.h"
+
+typedef struct trainer {
+  ddp_pg_t *pg;
+  int rank, world;
+  ddp_model_t *model;
+  const ddp_dataset_t *train, *eval;
+  const ddp_train_args_t *a;
+  ddp_train_event_fn ev;
+  void *user;
+  ddp_error_t *err;
+
+  ddp_ctx_t *ctx;
+  ddp_sampler_t *sampler;
+  ddp_loader_t *loader;
+  ddp_optim_t *opt;
+  ddp_optim_param_t *pairs;
+  ddp_tensor_t **grads;   /* for clipping */
+  size_t ntrain;          /* parameters that require grad */
+  ddp__sync_t *sync;
+  FILE *metrics;          /* rank 0 */
+  bool classify;          /* integer class labels: cross-entropy; else MSE */
+  ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
+  int64_t steps_per_epoch, max_steps, loader_epoch, loader_pos;
+  ddp_lr_schedule_t sched;
+} trainer_t;
+
+/* w is read only after st's call has run (hence the pointer: argument order is unspecified). */
+static ddp_status_t coll_wait(trainer_t *t, ddp_status_t st, ddp_work_t **w, const char *what) {
+  if (st == DDP_OK) st = ddp_work_wait_free(*w);
+  if (st != DDP_OK) {
+    return ddp__error(t->err, t->rank, st, "trainer: %s: %s", what, ddp_pg_last_error(t->pg));
+  }
+  return DDP_OK;
+}
+
+uint64_t ddp_train_param_hash(ddp_model_t *model) {
+  DDP_REQUIRE(model);
+  uint64_t h = 1469598103934665603ull;
+  static const ddp_dtype_t dts[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16};
+  for (size_t d = 0; d < DDP_ARRAY_LEN(dts); d++) {
+    ddp_tensor_t p = ddp_model_flat_params(model, dts[d]);
+    const unsigned char *b = p.data;
+    size_t n = p.numel ? ddp_tensor_nbytes(&p) : 0;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+ddp_status_t ddp__train_replica_check(ddp_pg_t *pg, ddp_model_t *model, int64_t step,
+                                      uint64_t *hash, ddp_error_t *err) {
+  int rank = ddp_pg_rank(pg), world = ddp_pg_size(pg);
+  uint64_t mine = ddp_train_param_hash(model);
+  uint64_t *all = ddp__calloc((size_t)world, sizeof *all);
+  if (!all) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "replica check: no memory");
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allgather(pg, &mine, all, 1, DDP_I64, &w);
+  if (st == DDP_OK) st = ddp_work_wait_free(w);
+  if (st != DDP_OK) {
+    st = ddp__error(err, rank, st, "replica check at step %lld: allgather: %s", (long long)step,
+                    ddp_pg_last_error(pg));
+    goto out;
+  }
+  bool same = true;
+  for (int r = 1; r < world; r++) same &= all[r] == all[0];
+  if (!same) {
+    /* Group ranks by hash, first appearance first: "ranks 0,2 hold 0x..; rank 1 holds 0x..". */
+    char msg[DDP_ERROR_MSG_MAX - 96];
+    size_t len = 0;
+    bool *done = ddp__calloc((size_t)world, sizeof *done);
+    for (int r = 0; done && r < world && len < sizeof msg; r++) {
+      if (done[r]) continue;
+      int count = 0;
+      for (int q = r; q < world; q++) count += all[q] == all[r];
+      len += (size_t)snprintf(msg + len, sizeof msg - len, "%s%s ", len ? "; " : "",
+                              count > 1 ? "ranks" : "rank");
+      bool first = true;
+      for (int q = r; q < world && len < sizeof msg; q++) {
+        if (all[q] != all[r]) continue;
+        done[q] = true;
+        len += (size_t)snprintf(msg + len, sizeof msg - len, "%s%d", first ? "" : ",", q);
+        first = false;
+      }
+      if (len < sizeof msg) {
+        len += (size_t)snprintf(msg + len, sizeof msg - len, " %s 0x%016llx",
+                                count > 1 ? "hold" : "holds", (unsigned long long)all[r]);
+      }
+    }
+    ddp__free(done);
+    st = ddp__error(err, rank, DDP_ERR_INVALID_DATA,
+                    "replica check at step %lld: the replicas' parameters diverged: %s",
+                    (long long)step, msg);
+  }
+  if (hash) *hash = mine;
+out:
+  ddp__free(all);
+  return st;
+}
+
+/* Positions the loader at micro-batch `pos` of `epoch`. */
+static ddp_status_t seek_loader(trainer_t *t, int64_t epoch, int64_t pos) {
+  if (epoch != t->loader_epoch || pos < t->loader_pos) {
+    DDP_CHECK(ddp_loader_set_epoch(t->loader, epoch, t->err));
+    t->loader_epoch = epoch;
+    t->loader_pos = 0;
+  }
+  while (t->loader_pos < pos) {
+    ddp_batch_t b;
+    bool has = false;
+    DDP_CHECK(ddp_loader_next(t->loader, &b, &has, t->err));
+    if (!has) {
+      return ddp__error(t->err, t->rank, DDP_ERR_INTERNAL, "trainer: epoch %lld ended early",
+                        (long long)epoch);
+    }
+    t->loader_pos++;
+  }
+  return DDP_OK;
+}
+
+/* loss = CE(logits, labels) or MSE(out, labels reshaped to out's shape). */
+static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t *b,
+                                 ddp_var_t **loss) {
+  ddp_var_t *y;
+  if (t->classify) {
+    DDP_CHECK(ddp_var_new(t->ctx, DDP_I64, 1, &b->size, b->labels.data, false, &y));
+    return ddp_cross_entropy(t->ctx, out, y, -100, loss);
+  }
+  if (b->labels.numel != out->value.numel) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: the model's output has %lld values per batch but the labels "
+                      "have %lld", (long long)out->value.numel, (long long)b->labels.numel);
+  }
+  ddp_tensor_t lab;
+  DDP_CHECK(ddp_tensor_alloc(&lab, out->value.dtype, out->value.ndim, out->value.shape));
+  ddp_status_t st = ddp_tensor_copy(&lab, &b->labels);
+  if (st == DDP_OK) {
+    st = ddp_var_new(t->ctx, lab.dtype, lab.ndim, lab.shape, lab.data, false, &y);
+  }
+  ddp_tensor_free(&lab);
+  DDP_CHECK(st);
+  return ddp_mse_loss(t->ctx, out, y, loss);
+}
+
+static ddp_status_t forward(trainer_t *t, const ddp_batch_t *b, ddp_var_t **out) {
+  ddp_var_t *x;
+  const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
+  DDP_CHECK(ddp_var_new(t->ctx, sp->feature_dtype, b->features.ndim, b->features.shape,
+                        b->features.data, false, &x));
+  ddp_status_t st = ddp_model_forward(t->model, t->ctx, x, 0, out);
+  if (st != DDP_OK) {
+    return ddp__error(t->err, t->rank, st, "trainer: forward: %s",
+                      ddp_ctx_last_error(t->ctx)->msg);
+  }
+  return DDP_OK;
+}
+
+static double scalar_value(const ddp_var_t *v) {
+  return v->value.dtype == DDP_F64 ? *(const double *)v->value.data
+                                   : (double)*(const float *)v->value.data;
+}
+
+/* Evaluation over the held-out set: rank r takes samples r, r + W, ... (no padding, so
+ * nothing is counted twice); sums of loss, correct predictions and counts are all-reduced
+ * in f64. */
+static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
+  *loss = *acc = NAN;
+  if (!t->eval) return DDP_OK;
+  int64_t n = ddp_dataset_length(t->eval);
+  int64_t bs = t->a->per_device_eval_batch_size;
+  double sums[3] = {0, 0, 0}; /* loss sum (per row or element), correct, rows/elements */
+  int64_t *idx = ddp__malloc((size_t)(bs > 0 ? bs : 1) * sizeof *idx);
+  ddp_tensor_t f = {0}, l = {0};
+  const ddp_sample_spec_t *sp = ddp_dataset_spec(t->eval);
+  int64_t fs[DDP_MAX_DIMS + 1], ls[DDP_MAX_DIMS + 1];
+  fs[0] = ls[0] = bs;
+  memcpy(fs + 1, sp->feature_shape, sizeof(int64_t) * (size_t)sp->feature_ndim);
+  memcpy(ls + 1, sp->label_shape, sizeof(int64_t) * (size_t)sp->label_ndim);
+  ddp_status_t st = idx ? DDP_OK : DDP_ERR_NO_MEMORY;
+  if (st == DDP_OK) st = ddp_tensor_alloc(&f, sp->feature_dtype, sp->feature_ndim + 1, fs);
+  if (st == DDP_OK) st = ddp_tensor_alloc(&l, sp->label_dtype, sp->label_ndim + 1, ls);
+  bool prev = ddp_ctx_set_grad_enabled(t->ctx, false);
+  ddp_model_train(t->model, false);
+  for (int64_t start = t->rank; st == DDP_OK && start < n;) {
+    int64_t m = 0;
+    for (; m < bs && start < n; m++, start += t->world) idx[m] = start;
+    if ((st = ddp_dataset_get_batch(t->eval, idx, m, &f, &l, t->err)) != DDP_OK) break;
+    ddp_batch_t b = {0};
+    b.features = f;
+    b.features.shape[0] = m;
+    b.features.numel = f.numel / bs * m;
+    b.labels = l;
+    b.labels.shape[0] = m;
+    b.labels.numel = l.numel / bs * m;
+    b.size = m;
+    ddp_var_t *out, *lv;
+    if ((st = forward(t, &b, &out)) != DDP_OK || (st = compute_loss(t, out, &b, &lv)) != DDP_OK) {
+      break;
+    }
+    if (t->classify) {
+      int64_t C = out->value.shape[out->value.ndim - 1];
+      const int64_t *lab = b.labels.data;
+      for (int64_t i = 0; i < m; i++) {
+        int64_t best = 0;
+        for (int64_t c = 1; c < C; c++) {
+          double vc = out->value.dtype == DDP_F64 ? ((double *)out->value.data)[i * C + c]
+                                                  : ((float *)out->value.data)[i * C + c];
+          double vb = out->value.dtype == DDP_F64 ? ((double *)out->value.data)[i * C + best]
+                                                  : ((float *)out->value.data)[i * C + best];
+          if (vc > vb) best = c;
+        }
+        sums[1] += best == lab[i];
+      }
+      sums[0] += scalar_value(lv) * (double)m;
+      sums[2] += (double)m;
+    } else {
+      sums[0] += scalar_value(lv) * (double)out->value.numel;
+      sums[2] += (double)out->value.numel;
+      sums[1] += (double)m;
+    }
+    ddp_ctx_reset(t->ctx);
+  }
+  ddp_model_train(t->model, true);
+  ddp_ctx_set_grad_enabled(t->ctx, prev);
+  ddp_tensor_free(&f);
+  ddp_tensor_free(&l);
+  ddp__free(idx);
+  ddp_ctx_reset(t->ctx);
+  DDP_CHECK(st);
+  ddp_work_t *w = NULL;
+  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, sums, sums, 3, DDP_F64, DDP_SUM, &w), &w,
+                      "eval allreduce"));
+  *loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
+  *acc = t->classify && sums[2] > 0 ? sums[1] / sums[2] : NAN;
+  return DDP_OK;
+}
+
+static void metrics_line(trainer_t *t, const char *fmt, ...) DDP_PRINTF(2, 3);
+static void metrics_line(trainer_t *t, const char *fmt, ...) {
+  if (!t->metrics) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(t->metrics, fmt, ap);
+  va_end(ap);
+  fputc('\n', t->metrics);
+  fflush(t->metrics);
+}
+
+/* JSON numbers cannot be NaN or Inf; those become null. */
+static const char *num(char *buf, size_t cap, double v) {
+  if (!isfinite(v)) return "null";
+  snprintf(buf, cap, "%.9g", v);
+  return buf;
+}
+
+static ddp_status_t setup(trainer_t *t) {
+  const ddp_train_args_t *a = t->a;
+  const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
+  t->classify = (sp->label_dtype == DDP_I64 || sp->label_dtype == DDP_I32) && sp->label_ndim == 0;
+  if (sp->label_dtype == DDP_I32) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: class labels must be i64 (torch's long), the dataset has i32");
+  }
+  DDP_CHECK(ddp_ctx_create(&t->ctx));
+
+  size_t np = ddp_model_num_params(t->model);
+  t->pairs = ddp__calloc(np ? np : 1, sizeof *t->pairs);
+  t->grads = ddp__calloc(np ? np : 1, sizeof *t->grads);
+  if (!t->pairs || !t->grads) return DDP_ERR_NO_MEMORY;
+  for (size_t i = 0; i < np; i++) {
+    ddp_param_t *p = ddp_model_param(t->model, i);
+    if (!p->requires_grad) continue;
+    t->pairs[t->ntrain].param = &p->value;
+    t->pairs[t->ntrain].grad = &p->grad;
+    t->grads[t->ntrain] = &p->grad;
+    t->ntrain++;
+  }
+  if (t->ntrain == 0) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: the model has no trainable parameter");
+  }
+  ddp_optim_options_t oo;
+  if (!strcmp(a->optim, "sgd")) {
+    oo = (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
+  } else if (!strcmp(a->optim, "adam")) {
+    oo = (ddp_optim_options_t)DDP_ADAM_OPTIONS_INIT;
+  } else {
+    oo = (ddp_optim_options_t)DDP_ADAMW_OPTIONS_INIT;
+  }
+  oo.lr = a->learning_rate;
+  oo.weight_decay = a->weight_decay;
+  oo.beta1 = a->adam_beta1;
+  oo.beta2 = a->adam_beta2;
+  oo.eps = a->adam_epsilon;
+  DDP_CHECK(ddp_optim_create(&oo, t->pairs, t->ntrain, &t->opt, t->err));
+
+  ddp_sampler_options_t so = DDP_SAMPLER_OPTIONS_INIT;
+  so.dataset_len = ddp_dataset_length(t->train);
+  so.num_replicas = t->world;
+  so.rank = t->rank;
+  so.seed = a->seed;
+  DDP_CHECK(ddp_sampler_create(&so, &t->sampler, t->err));
+  ddp_loader_options_t lo = DDP_LOADER_OPTIONS_INIT;
+  lo.batch_size = a->per_device_train_batch_size;
+  lo.drop_last = a->dataloader_drop_last;
+  DDP_CHECK(ddp_loader_create(t->train, t->sampler, &lo, &t->loader, t->err));
+  t->loader_epoch = -1;
+
+  int64_t nb = ddp_loader_num_batches(t->loader);
+  t->steps_per_epoch = nb / a->gradient_accumulation_steps;
+  if (t->steps_per_epoch < 1) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: an epoch has %lld micro-batches per rank (%lld samples, %d "
+                      "ranks, batch %lld), fewer than gradient_accumulation_steps %lld",
+                      (long long)nb, (long long)so.dataset_len, t->world,
+                      (long long)lo.batch_size, (long long)a->gradient_accumulation_steps);
+  }
+  t->max_steps = a->max_steps > 0
+                     ? a->max_steps
+                     : (int64_t)ceil(a->num_train_epochs * (double)t->steps_per_epoch);
+  if (t->max_steps < 1) t->max_steps = 1;
+
+  ddp_lr_kind_t kind;
+  DDP_CHECK(ddp_lr_kind_from_name(a->lr_scheduler_type, &kind, t->err));
+  t->sched = (ddp_lr_schedule_t)DDP_LR_SCHEDULE_INIT;
+  t->sched.kind = kind;
+  t->sched.num_training_steps = t->max_steps;
+  t->sched.num_warmup_steps = a->warmup_steps > 0
+                                  ? a->warmup_steps
+                                  : (int64_t)ceil((double)t->max_steps * a->warmup_ratio);
+  DDP_CHECK(ddp_lr_schedule_check(&t->sched, t->err));
+
+  ddp_dtype_t ldt = ddp_model_flat_params(t->model, DDP_F32).numel ? DDP_F32 : DDP_F64;
+  DDP_CHECK(ddp_tensor_alloc(&t->seed_grad, ldt, 0, NULL));
+  double inv = 1.0 / (double)a->gradient_accumulation_steps;
+  if (ldt == DDP_F32) {
+    *(float *)t->seed_grad.data = (float)inv;
+  } else {
+    *(double *)t->seed_grad.data = inv;
+  }
+  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer, &t->sync, t->err));
+  return DDP_OK;
+}
+
+/* The trainer_state.json of a checkpoint at `step`. */
+static ddp_status_t state_json(trainer_t *t, int64_t step, char **out) {
+  char *args = NULL;
+  DDP_CHECK(ddp_train_args_to_json(t->a, &args));
+  int64_t epoch = step / t->steps_per_epoch;
+  int64_t pos = (step % t->steps_per_epoch) * t->a->gradient_accumulation_steps;
+  size_t cap = strlen(args) + 1024;
+  char *s = ddp__malloc(cap);
+  if (s) {
+    snprintf(s, cap,
+             "{\"global_step\": %lld, \"max_steps\": %lld, \"epoch\": %.6f, \"world_size\": %d,"
+             " \"steps_per_epoch\": %lld, \"sampler\": {\"kind\": \"DistributedSampler\", "
+             "\"seed\": %llu, \"epoch\": %lld, \"batches_consumed\": %lld, \"batch_size\": "
+             "%lld}, \"rng\": {\"generator\": \"philox4x32-10\", \"seed\": %llu, "
+             "\"dropout_next_step\": %lld}, \"sync\": \"%s\", \"args\": %s}\n",
+             (long long)step, (long long)t->max_steps, (double)step / (double)t->steps_per_epoch,
+             t->world, (long long)t->steps_per_epoch, (unsigned long long)t->a->seed,
+             (long long)epoch, (long long)pos, (long long)t->a->per_device_train_batch_size,
+             (unsigned long long)t->a->seed,
+             (long long)(step * t->a->gradient_accumulation_steps), ddp__sync_name(t->sync),
+             args);
+  }
+  ddp_free(args);
+  *out = s;
+  return s ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
+/* Rank 0 writes the checkpoint; its status is broadcast so that every rank fails alike. */
+static ddp_status_t save(trainer_t *t, int64_t step, int64_t pause, ddp_train_result_t *res) {
+  int32_t code = DDP_OK;
+  char dir[DDP_TRAIN_STR_MAX] = "";
+  if (t->rank == 0) {
+    char *js = NULL;
+    code = state_json(t, step, &js);
+    if (code == DDP_OK) {
+      code = ddp__train_save(t->a->output_dir, step, t->model, t->opt, js,
+                             t->a->save_total_limit, pause, dir, sizeof dir, t->err);
+    }
+    ddp__free(js);
+  }
+  ddp_work_t *w = NULL;
+  DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
+                      "checkpoint status broadcast"));
+  if (code != DDP_OK) {
+    if (t->rank != 0) {
+      return ddp__error(t->err, t->rank, (ddp_status_t)code,
+                        "trainer: rank 0 failed to save checkpoint-%lld", (long long)step);
+    }
+    return (ddp_status_t)code;
+  }
+  if (t->rank == 0) {
+    snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", dir);
+    metrics_line(t, "{\"step\": %lld, \"checkpoint\": \"%s\"}", (long long)step, dir);
+    if (t->ev) {
+      ddp_train_event_t e = {.kind = DDP_TRAIN_EV_SAVE, .step = step, .max_steps = t->max_steps,
+                             .epoch = (double)step / (double)t->steps_per_epoch,
+                             .checkpoint = dir};
+      t->ev(t->user, &e);
+    }
+  }
+  return DDP_OK;
+}
+
+static ddp_status_t resume(trainer_t *t, int64_t *start) {
+  char dir[DDP_TRAIN_STR_MAX];
+  const char *r = t->a->resume_from_checkpoint;
+  *start = 0;
+  if (!r[0] || !strcasecmp(r, "false")) return DDP_OK;
+  if (!strcasecmp(r, "true") || !strcasecmp(r, "latest")) {
+    DDP_CHECK(ddp_train_latest_checkpoint(t->a->output_dir, dir, sizeof dir, t->err));
+  } else {
+    snprintf(dir, sizeof dir, "%s", r);
+  }
+  int world = 0;
+  int64_t step = 0;
+  DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
+  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt, NULL, t->err));
+  if (world != t->world) {
+    ddp__log(t->rank, DDP_LOG_WARN,
+             "resuming %s, written by %d ranks, with %d: the data order differs from an "
+             "uninterrupted run", dir, world, t->world);
+  }
+  if (step > t->max_steps) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: %s is at step %lld, past max_steps %lld", dir, (long long)step,
+                      (long long)t->max_steps);
+  }
+  *start = step;
+  ddp__log(t->rank, DDP_LOG_INFO, "resumed from %s at step %lld", dir, (long long)step);
+  return DDP_OK;
+}
+
+static bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
+
+ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
+                       const ddp_dataset_t *eval, const ddp_train_args_t *args,
+                       ddp_train_event_fn ev, void *user, ddp_train_result_t *result,
+                       ddp_error_t *err) {
+  DDP_REQUIRE(pg && model && train && args && result);
+  ddp_error_t local = {0};
+  trainer_t tr = {0}, *t = &tr;
+  t->pg = pg;
+  t->rank = ddp_pg_rank(pg);
+  t->world = ddp_pg_size(pg);
+  t->model = model;
+  t->train = train;
+  t->eval = eval;
+  t->a = args;
+  t->ev = t->rank == 0 ? ev : NULL;
+  t->user = user;
+  t->err = err ? err : &local;
+  memset(result, 0, sizeof *result);
+  result->eval_loss = result->eval_accuracy = NAN;
+  result->first_loss = result->last_loss = NAN;
+
+  ddp_status_t st = ddp_train_args_validate(args, t->err);
+  if (st != DDP_OK) return st;
+  const ddp_train_args_t *a = args;
+  const int64_t GA = a->gradient_accumulation_steps;
+  int64_t pause = 0;
+  if (ddp_env_is_set(DDP_ENV_TRAIN_SAVE_PAUSE_MS)) {
+    DDP_CHECK_GOTO(ddp_env_int(DDP_ENV_TRAIN_SAVE_PAUSE_MS, 0, 3600000, &pause, t->err), st, out);
+  }
+  DDP_CHECK_GOTO(setup(t), st, out);
+  int64_t start = 0;
+  DDP_CHECK_GOTO(resume(t, &start), st, out);
+  DDP_CHECK_GOTO(ddp__sync_begin(t->sync, t->err), st, out);
+  result->start_step = start;
+
+  if (t->rank == 0) {
+    char path[DDP_TRAIN_STR_MAX + 32];
+    DDP_CHECK_GOTO(ddp__train_mkdirs(a->output_dir, t->err), st, out);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", a->output_dir);
+    t->metrics = fopen(path, start > 0 ? "a" : "w");
+    if (!t->metrics) {
+      st = ddp__error(t->err, t->rank, DDP_ERR_SYSTEM, "trainer: open %s: %m", path);
+      goto out;
+    }
+  }
+
+  const int64_t eval_every = !strcmp(a->eval_strategy, "steps")
+                                 ? (a->eval_steps > 0 ? a->eval_steps : a->logging_steps)
+                                 : 0;
+  const bool eval_epoch = !strcmp(a->eval_strategy, "epoch");
+  const bool save_steps = !strcmp(a->save_strategy, "steps");
+  const bool save_epoch = !strcmp(a->save_strategy, "epoch");
+  const double samples_per_step =
+      (double)t->world * (double)a->per_device_train_batch_size * (double)GA;
+  char nb[6][32];
+
+  double win_loss = 0, win_time = 0, win_comm = 0;
+  int64_t win_n = 0;
+  int64_t t_start = ddp_now_ns(), comm_total = 0;
+  for (int64_t step = start; step < t->max_steps; step++) {
+    int64_t t0 = ddp_now_ns(), comm = 0;
+    int64_t epoch = step / t->steps_per_epoch;
+    DDP_CHECK_GOTO(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA), st, out);
+    double local_loss = 0;
+    for (int64_t k = 0; k < GA; k++) {
+      ddp_batch_t b;
+      bool has = false;
+      DDP_CHECK_GOTO(ddp_loader_next(t->loader, &b, &has, t->err), st, out);
+      if (!has) {
+        st = ddp__error(t->err, t->rank, DDP_ERR_INTERNAL, "trainer: loader ran dry");
+        goto out;
+      }
+      t->loader_pos++;
+      ddp_ctx_set_rng(t->ctx, a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
+      DDP_CHECK_GOTO(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1, t->err), st, out);
+      ddp_var_t *y, *loss;
+      DDP_CHECK_GOTO(forward(t, &b, &y), st, out);
+      DDP_CHECK_GOTO(ddp__sync_post_forward(t->sync, t->ctx, y, t->err), st, out);
+      DDP_CHECK_GOTO(compute_loss(t, y, &b, &loss), st, out);
+      local_loss += scalar_value(loss) / (double)GA;
+      st = ddp__sync_backward(t->sync, t->ctx, loss, GA > 1 ? &t->seed_grad : NULL, &comm,
+                              t->err);
+      if (st != DDP_OK) goto out;
+      ddp_ctx_reset(t->ctx);
+    }
+    double gnorm = 0;
+    DDP_CHECK_GOTO(ddp_clip_grad_norm(t->grads, t->ntrain,
+                                      a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY, 2.0,
+                                      false, &gnorm, t->err),
+                   st, out);
+    double lr = ddp_lr_at(&t->sched, a->learning_rate, step);
+    ddp_optim_set_lr(t->opt, lr);
+    DDP_CHECK_GOTO(ddp_optim_step(t->opt, t->err), st, out);
+    ddp_optim_zero_grad(t->opt, false);
+
+    ddp_work_t *w = NULL;
+    DDP_CHECK_GOTO(coll_wait(t, ddp_allreduce(pg, &local_loss, &local_loss, 1, DDP_F64, DDP_AVG,
+                                              &w), &w, "loss allreduce"),
+                   st, out);
+    const int64_t done = step + 1;
+    double dt = (double)(ddp_now_ns() - t0) * 1e-9;
+    comm_total += comm;
+    if (isnan(result->first_loss)) result->first_loss = local_loss;
+    result->last_loss = local_loss;
+    win_loss += local_loss;
+    win_time += dt;
+    win_comm += (double)comm * 1e-9;
+    win_n++;
+    double elapsed = (double)(ddp_now_ns() - t_start) * 1e-9;
+    double rate = elapsed > 0 ? (double)(done - start) / elapsed : 0;
+    if (t->ev) {
+      ddp_train_event_t e = {.kind = DDP_TRAIN_EV_STEP, .step = done, .max_steps = t->max_steps,
+                             .epoch = (double)done / (double)t->steps_per_epoch,
+                             .loss = local_loss, .grad_norm = gnorm, .lr = lr,
+                             .step_time_s = dt, .comm_time_s = (double)comm * 1e-9,
+                             .samples_per_s = rate * samples_per_step,
+                             .eta_s = rate > 0 ? (double)(t->max_steps - done) / rate : 0};
+      t->ev(t->user, &e);
+    }
+    const bool last = done == t->max_steps;
+    const bool epoch_end = done % t->steps_per_epoch == 0;
+
+    if (every(done, a->logging_steps) || last) {
+      double mean_loss = win_loss / (double)win_n;
+      double sps = win_time > 0 ? samples_per_step * (double)win_n / win_time : 0;
+      uint64_t h = 0;
+      DDP_CHECK_GOTO(ddp__train_replica_check(pg, model, done, &h, t->err), st, out);
+      result->replica_checks++;
+      metrics_line(t,
+                   "{\"step\": %lld, \"epoch\": %.4f, \"loss\": %s, \"grad_norm\": %s, \"lr\": "
+                   "%s, \"step_time_ms\": %s, \"comm_time_ms\": %s, \"overlap_ms\": %.4f, "
+                   "\"samples_per_s\": %s, \"param_hash\": \"%016llx\"}",
+                   (long long)done, (double)done / (double)t->steps_per_epoch,
+                   num(nb[0], 32, mean_loss), num(nb[1], 32, gnorm), num(nb[2], 32, lr),
+                   num(nb[3], 32, win_time / (double)win_n * 1e3),
+                   num(nb[4], 32, win_comm / (double)win_n * 1e3),
+                   ddp__sync_overlap_ns(t->sync) * 1e-6, num(nb[5], 32, sps),
+                   (unsigned long long)h);
+      if (t->ev) {
+        ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG, .step = done, .max_steps = t->max_steps,
+                               .epoch = (double)done / (double)t->steps_per_epoch,
+                               .loss = mean_loss, .grad_norm = gnorm, .lr = lr,
+                               .step_time_s = win_time / (double)win_n,
+                               .comm_time_s = win_comm / (double)win_n, .samples_per_s = sps,
+                               .eta_s = rate > 0 ? (double)(t->max_steps - done) / rate : 0};
+        t->ev(t->user, &e);
+      }
+      win_loss = win_time = win_comm = 0;
+      win_n = 0;
+    }
+    if (t->eval && (every(done, eval_every) || (eval_epoch && epoch_end))) {
+      double el, ea;
+      DDP_CHECK_GOTO(evaluate(t, &el, &ea), st, out);
+      result->eval_loss = el;
+      result->eval_accuracy = ea;
+      metrics_line(t, "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s}",
+                   (long long)done, (double)done / (double)t->steps_per_epoch,
+                   num(nb[0], 32, el), num(nb[1], 32, ea));
+      if (t->ev) {
+        ddp_train_event_t e = {.kind = DDP_TRAIN_EV_EVAL, .step = done,
+                               .max_steps = t->max_steps,
+                               .epoch = (double)done / (double)t->steps_per_epoch,
+                               .eval_loss = el, .eval_accuracy = ea};
+        t->ev(t->user, &e);
+      }
+    }
+    /* HF saves every save_steps and, with the steps strategy, at the last step. */
+    if ((save_steps && (every(done, a->save_steps) || last)) || (save_epoch && epoch_end)) {
+      DDP_CHECK_GOTO(save(t, done, pause, result), st, out);
+    }
+  }
+  result->steps = t->max_steps;
+  result->seconds = (double)(ddp_now_ns() - t_start) * 1e-9;
+  result->samples_per_s =
+      result->seconds > 0 ? samples_per_step * (double)(t->max_steps - start) / result->seconds
+                          : 0;
+  result->comm_seconds = (double)comm_total * 1e-9;
+  DDP_CHECK_GOTO(ddp__train_replica_check(pg, model, t->max_steps, &result->param_hash, t->err),
+                 st, out);
+  result->replica_checks++;
+  if (t->metrics) {
+    metrics_line(t,
+                 "{\"summary\": true, \"steps\": %lld, \"start_step\": %lld, \"world_size\": %d, "
+                 "\"first_loss\": %s, \"last_loss\": %s, \"eval_loss\": %s, \"eval_accuracy\": "
+                 "%s, \"seconds\": %.3f, \"samples_per_s\": %.1f, \"comm_seconds\": %.3f, "
+                 "\"replica_checks\": %d, \"param_hash\": \"%016llx\", \"sync\": \"%s\"}",
+                 (long long)result->steps, (long long)start, t->world,
+                 num(nb[0], 32, result->first_loss), num(nb[1], 32, result->last_loss),
+                 num(nb[2], 32, result->eval_loss), num(nb[3], 32, result->eval_accuracy),
+                 result->seconds, result->samples_per_s, result->comm_seconds,
+                 result->replica_checks, (unsigned long long)result->param_hash,
+                 ddp__sync_name(t->sync));
+    fclose(t->metrics);
+    t->metrics = NULL;
+    char mp[DDP_TRAIN_STR_MAX + 32], sp[DDP_TRAIN_STR_MAX + 32];
+    snprintf(mp, sizeof mp, "%s/metrics.jsonl", a->output_dir);
+    snprintf(sp, sizeof sp, "%s/loss.svg", a->output_dir);
+    DDP_CHECK_GOTO(ddp_train_plot_svg(mp, sp, t->err), st, out);
+  }
+
+out:
+  if (t->metrics) fclose(t->metrics);
+  ddp__sync_destroy(t->sync);
+  ddp_tensor_free(&t->seed_grad);
+  ddp_optim_destroy(t->opt);
+  ddp_loader_destroy(t->loader);
+  ddp_sampler_destroy(t->sampler);
+  ddp_ctx_destroy(t->ctx);
+  ddp__free(t->pairs);
+  ddp__free(t->grads);
+  return st;
+}

@@ -1,0 +1,726 @@
+/* Trainer: TrainingArguments parsing (HF names and defaults, both flag spellings, config
+ * files, exit status 2 for every usage error, through the built ddp-train), training that
+ * lowers the loss on the digits, the DDP oracle (W ranks x batch b = 1 rank x batch W*b;
+ * gradient accumulation 4 = batch 4x), bitwise resume, a kill -9 during a save, the metrics
+ * file, and the replica check naming diverged ranks.
+ *
+ * Ranks are threads (ddp_spawn_threads); they record what they saw in the test's arrays
+ * and only the parent asserts. */
+#include <math.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <cjson/cJSON.h>
+
+#include "ddp.h"
+#include "harness.h"
+#include "train/train_internal.h"
+
+#define MAXW 8
+
+/* An MLP for the 64-feature digits, with dropout so that resume must replay RNG counters. */
+static const char *mlp_json =
+    "{\"dtype\": \"f32\", \"layers\": ["
+    "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"dropout\", \"p\": 0.1},"
+    "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
+
+static char digits_path[4096];
+static ddp_dataset_t *digits;
+
+typedef struct run {
+  ddp_train_args_t args;
+  const char *model_json;
+  /* filled by the ranks */
+  ddp_status_t st[MAXW];
+  char msg[MAXW][DDP_ERROR_MSG_MAX];
+  uint64_t hash[MAXW];
+  ddp_train_result_t res[MAXW];
+  float *params;          /* rank 0's final flat parameters (malloc'd) */
+  int64_t nparams;
+  double loss_before, loss_after; /* rank 0: mean CE over the whole dataset */
+} run_t;
+
+/* Mean cross-entropy of the model over every digit, computed here sample by sample in
+ * double from the logits (independently of the trainer's loss code). */
+static ddp_status_t full_loss(ddp_model_t *m, double *out) {
+  ddp_ctx_t *ctx = NULL;
+  ddp_status_t st = ddp_ctx_create(&ctx);
+  if (st != DDP_OK) return st;
+  ddp_ctx_set_grad_enabled(ctx, false);
+  ddp_model_train(m, false);
+  int64_t n = ddp_dataset_length(digits), fn = 64, one = 1;
+  double total = 0;
+  float f[64];
+  int64_t lab;
+  for (int64_t i = 0; st == DDP_OK && i < n; i++) {
+    ddp_tensor_t ft, lt;
+    ddp_tensor_view(&ft, DDP_F32, 1, &fn, f);
+    ddp_tensor_view(&lt, DDP_I64, 1, &one, &lab);
+    if ((st = ddp_dataset_get(digits, i, &ft, &lt, NULL)) != DDP_OK) break;
+    int64_t shape[2] = {1, 64};
+    ddp_var_t *x, *y;
+    if ((st = ddp_var_new(ctx, DDP_F32, 2, shape, f, false, &x)) != DDP_OK ||
+        (st = ddp_model_forward(m, ctx, x, 0, &y)) != DDP_OK) {
+      break;
+    }
+    const float *z = y->value.data;
+    double mx = z[0], s = 0;
+    for (int c = 1; c < 10; c++) mx = fmax(mx, z[c]);
+    for (int c = 0; c < 10; c++) s += exp(z[c] - mx);
+    total += log(s) + mx - z[lab];
+    ddp_ctx_reset(ctx);
+  }
+  ddp_model_train(m, true);
+  ddp_ctx_destroy(ctx);
+  *out = total / (double)n;
+  return st;
+}
+
+static ddp_status_t rank_fn(ddp_pg_t *pg, void *arg) {
+  run_t *r = arg;
+  int rank = ddp_pg_rank(pg);
+  ddp_error_t err = {0};
+  ddp_model_t *m = NULL;
+  ddp_status_t st = ddp_model_from_json(r->model_json ? r->model_json : mlp_json, &m, &err);
+  /* Different initial weights per rank on purpose: the trainer must broadcast rank 0's. */
+  if (st == DDP_OK) st = ddp_model_init(m, r->args.seed + (uint64_t)rank);
+  if (st == DDP_OK && rank == 0) st = full_loss(m, &r->loss_before);
+  if (st == DDP_OK) st = ddp_train(pg, m, digits, NULL, &r->args, NULL, NULL, &r->res[rank], &err);
+  if (st == DDP_OK) {
+    r->hash[rank] = ddp_train_param_hash(m);
+    if (rank == 0) {
+      st = full_loss(m, &r->loss_after);
+      ddp_tensor_t p = ddp_model_flat_params(m, DDP_F32);
+      r->params = malloc((size_t)p.numel * sizeof(float));
+      if (r->params) memcpy(r->params, p.data, (size_t)p.numel * sizeof(float));
+      r->nparams = p.numel;
+    }
+  }
+  r->st[rank] = st;
+  snprintf(r->msg[rank], sizeof r->msg[rank], "%s", err.msg);
+  ddp_model_destroy(m);
+  return st;
+}
+
+static void run_world(run_t *r, int world) {
+  ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;
+  po.timeout_ms = 30000;
+  ddp_status_t st = ddp_spawn_threads(world, &po, rank_fn, r);
+  for (int i = 0; i < world; i++) {
+    if (r->st[i] != DDP_OK) fail_msg("rank %d: %s: %s", i, ddp_status_name(r->st[i]), r->msg[i]);
+  }
+  assert_int_equal(st, DDP_OK);
+  for (int i = 1; i < world; i++) assert_true(r->hash[i] == r->hash[0]);
+}
+
+static void make_dir(char *buf, size_t cap, const char *stem) {
+  snprintf(buf, cap, "/tmp/ddp_train_%s_XXXXXX", stem);
+  assert_non_null(mkdtemp(buf));
+}
+
+static void rm_tree(const char *dir) {
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+static run_t *new_run(const char *outdir) {
+  run_t *r = calloc(1, sizeof *r);
+  assert_non_null(r);
+  r->args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;
+  snprintf(r->args.output_dir, sizeof r->args.output_dir, "%s", outdir);
+  r->args.save_strategy[0] = 0;
+  strcpy(r->args.save_strategy, "no");
+  r->args.logging_steps = 5;
+  return r;
+}
+
+static void free_run(run_t *r) {
+  free(r->params);
+  free(r);
+}
+
+/* ||a - b|| / ||b|| */
+static double rel_diff(const float *a, const float *b, int64_t n) {
+  double d = 0, s = 0;
+  for (int64_t i = 0; i < n; i++) {
+    d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    s += (double)b[i] * b[i];
+  }
+  return sqrt(d / s);
+}
+
+/* ---------------------------------------------------------------- the tool -------- */
+
+/* Runs build/tools/ddp-train with argv (NULL-terminated) and extra env "K=V" (may be NULL);
+ * captures stdout+stderr into out. Returns the exit status (-1: killed). */
+static int run_tool(char *out, size_t cap, const char *env, const char *const *argv) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  char exe[4096], cmd[16384];
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  size_t len = (size_t)snprintf(cmd, sizeof cmd, "%s%s '%s'", env ? env : "", env ? " " : "", exe);
+  for (const char *const *a = argv; *a; a++) {
+    len += (size_t)snprintf(cmd + len, sizeof cmd - len, " '%s'", *a);
+  }
+  snprintf(cmd + len, sizeof cmd - len, " 2>&1");
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, cap - 1, p);
+  out[n] = 0;
+  int rc = pclose(p);
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static cJSON *print_args(const char *const *argv) {
+  char out[65536];
+  int rc = run_tool(out, sizeof out, NULL, argv);
+  if (rc != 0) fail_msg("ddp-train exited %d: %s", rc, out);
+  cJSON *o = cJSON_Parse(out);
+  assert_non_null(o);
+  return o;
+}
+
+static double jnum(const cJSON *o, const char *k) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+  if (!cJSON_IsNumber(v)) fail_msg("key %s is not a number", k);
+  return v->valuedouble;
+}
+
+static const char *jstr(const cJSON *o, const char *k) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+  if (!cJSON_IsString(v)) fail_msg("key %s is not a string", k);
+  return v->valuestring;
+}
+
+/* HF's defaults (transformers.TrainingArguments, spec §8.1) and the effective DDP flags. */
+static void test_defaults(void **state) {
+  ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
+  assert_int_equal(a.per_device_train_batch_size, 8);
+  assert_int_equal(a.gradient_accumulation_steps, 1);
+  assert_true(a.num_train_epochs == 3.0);
+  assert_int_equal(a.max_steps, -1);
+  assert_true(a.learning_rate == 5e-5);
+  assert_true(a.weight_decay == 0.0);
+  assert_true(a.adam_beta1 == 0.9 && a.adam_beta2 == 0.999 && a.adam_epsilon == 1e-8);
+  assert_string_equal(a.optim, "adamw_torch");
+  assert_true(a.max_grad_norm == 1.0);
+  assert_string_equal(a.lr_scheduler_type, "linear");
+  assert_int_equal(a.seed, 42);
+  assert_int_equal(a.ddp_timeout, 1800);
+  assert_int_equal(a.ddp_find_unused_parameters, DDP_UNSET);
+  assert_string_equal(a.comm_hook, "no");
+  /* HF's rule: unset find_unused is True unless gradient checkpointing is on. */
+  assert_true(ddp_train_find_unused(&a));
+  a.gradient_checkpointing = true;
+  assert_false(ddp_train_find_unused(&a));
+  assert_true(ddp_train_broadcast_buffers(&a));
+  assert_false(ddp_train_static_graph(&a));
+  assert_null(ddp_train_backend_name(&a));
+  assert_int_equal(ddp_train_args_validate(&a, NULL), DDP_OK);
+
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_train_args_set(&a, "ddp_backend", "gloo", &err), DDP_OK);
+  assert_string_equal(ddp_train_backend_name(&a), "tcp");
+  assert_int_equal(ddp_train_args_set(&a, "ddp_backend", "hccl", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "threads, shm, tcp, mpi, nccl"));
+  assert_int_equal(ddp_train_args_set(&a, "ddp_backend", "shm", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "ddp_find_unused_parameters", "false", &err), DDP_OK);
+  assert_false(ddp_train_find_unused(&a));
+  assert_int_equal(ddp_train_args_set(&a, "ddp_find_unused_parameters", "none", &err), DDP_OK);
+  assert_int_equal(a.ddp_find_unused_parameters, DDP_UNSET);
+  assert_int_equal(ddp_train_args_set(&a, "learning_rat", "1", &err), DDP_ERR_NOT_FOUND);
+  assert_non_null(strstr(err.msg, "did you mean \"learning_rate\""));
+  assert_int_equal(ddp_train_args_set(&a, "max_steps", "1.5", &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "yes", &err),
+                   DDP_ERR_INVALID_ARGUMENT);
+  /* Hooks are validated by name; a real hook is "not available yet", not ignored. */
+  assert_int_equal(ddp_train_args_set(&a, "comm_hook", "power_sgd", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_UNSUPPORTED);
+  assert_non_null(strstr(err.msg, "not available yet"));
+  assert_int_equal(ddp_train_args_set(&a, "comm_hook", "fp8", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "comm_hook", "no", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "{\"warm_start\": false}", &err),
+                   DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+}
+
+/* The tool: both spellings, a config file overridden by flags, bare booleans. */
+static void test_tool_parsing(void **state) {
+  char dir[256], cfg[512];
+  make_dir(dir, sizeof dir, "cfg");
+  snprintf(cfg, sizeof cfg, "%s/args.json", dir);
+  FILE *f = fopen(cfg, "w");
+  assert_non_null(f);
+  fprintf(f, "{\"learning_rate\": 0.25, \"max_steps\": 9, \"ddp_broadcast_buffers\": false, "
+             "\"optim\": \"sgd\", \"ddp_static_graph\": null, \"warmup_ratio\": 0.125}\n");
+  fclose(f);
+
+  const char *a1[] = {"--print_args", NULL};
+  cJSON *o = print_args(a1);
+  assert_true(jnum(o, "learning_rate") == 5e-5);
+  assert_true(jnum(o, "per_device_train_batch_size") == 8);
+  assert_string_equal(jstr(o, "optim"), "adamw_torch");
+  assert_true(jnum(o, "ddp_timeout") == 1800);
+  cJSON_Delete(o);
+
+  const char *a2[] = {"--config", cfg, "--max_steps=17", "--per_device_train_batch_size", "3",
+                      "--ddp_find_unused_parameters", "false", "--disable_tqdm",
+                      "--ddp_backend=gloo", "--print_args", NULL};
+  o = print_args(a2);
+  assert_true(jnum(o, "learning_rate") == 0.25); /* from the file */
+  assert_true(jnum(o, "warmup_ratio") == 0.125);
+  assert_true(jnum(o, "max_steps") == 17);        /* the flag wins */
+  assert_true(jnum(o, "per_device_train_batch_size") == 3);
+  assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_broadcast_buffers")));
+  assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_find_unused_parameters")));
+  assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "ddp_static_graph")));
+  assert_true(cJSON_IsTrue(cJSON_GetObjectItem(o, "disable_tqdm")));
+  assert_string_equal(jstr(o, "optim"), "sgd");
+  assert_string_equal(jstr(o, "ddp_backend"), "gloo");
+  cJSON_Delete(o);
+  rm_tree(dir);
+}
+
+/* Every usage error exits 2 with a message that names the problem. */
+static void test_tool_errors(void **state) {
+  struct {
+    const char *argv[4];
+    const char *expect;
+  } cases[] = {
+      {{"--no_such_flag", "1", NULL}, "unknown argument \"no_such_flag\""},
+      {{"--learning_rate", "fast", NULL}, "learning_rate expects a number"},
+      {{"--max_steps=2.5", NULL}, "max_steps expects an integer"},
+      {{"--disable_tqdm", "maybe", NULL}, "disable_tqdm expects true or false"},
+      {{"--config", "/nonexistent/args.json", NULL}, "No such file"},
+      {{"--data", "/nonexistent/data.safetensors", NULL}, "No such file"},
+      {{"--model", "/nonexistent/model.json", NULL}, "--model /nonexistent/model.json"},
+      {{"--ddp_backend", "xccl", NULL}, "the choices are gloo (= tcp), threads, shm, tcp"},
+      {{"--comm_hook", "fp16", NULL}, "not available yet"},
+      {{"--comm_wrapper", "int8", NULL}, "comm_wrapper \"int8\""},
+      {{"--optim", "lion", NULL}, "optim \"lion\""},
+      {{"--lr_scheduler_type", "cosine_with_restarts", NULL}, "lr_scheduler_type"},
+      {{"--ddp_backend", "shm", NULL}, "run under ddprun"},
+      {{"--threads", "0", NULL}, "--threads expects"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char out[8192];
+    int rc = run_tool(out, sizeof out, NULL, cases[i].argv);
+    if (rc != 2) fail_msg("%s: exit %d, expected 2: %s", cases[i].argv[0], rc, out);
+    if (!strstr(out, cases[i].expect)) {
+      fail_msg("%s: message lacks \"%s\": %s", cases[i].argv[0], cases[i].expect, out);
+    }
+  }
+  char out[16384];
+  const char *help[] = {"--help", NULL};
+  assert_int_equal(run_tool(out, sizeof out, NULL, help), 0);
+  assert_non_null(strstr(out, "--gradient_accumulation_steps"));
+  assert_non_null(strstr(out, "--ddp_find_unused_parameters"));
+}
+
+/* 2 and 4 thread ranks: the full-dataset loss falls well below its start. */
+static void test_loss_falls(void **state) {
+  for (int world = 2; world <= 4; world += 2) {
+    char dir[256];
+    make_dir(dir, sizeof dir, "loss");
+    run_t *r = new_run(dir);
+    strcpy(r->args.optim, "sgd");
+    r->args.learning_rate = 0.2;
+    r->args.max_steps = 300;
+    r->args.per_device_train_batch_size = 16;
+    run_world(r, world);
+    print_message("world %d: full-data loss %.4f -> %.4f\n", world, r->loss_before,
+                  r->loss_after);
+    assert_true(r->loss_after < 0.5 * r->loss_before);
+    assert_true(r->res[0].replica_checks >= 300 / 5);
+    free_run(r);
+    rm_tree(dir);
+  }
+}
+
+/* The DDP oracle: W ranks with batch b equal one rank with batch W*b (the strided
+ * DistributedSampler shards of one shuffle make the same global batch), and accumulation of
+ * 4 micro-batches of b equals one batch of 4b. SGD, no dropout. */
+static const char *mlp_nodrop =
+    "{\"dtype\": \"f32\", \"layers\": ["
+    "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
+    "{\"type\": \"tanh\"},"
+    "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
+
+static run_t *oracle_run_sync(int world, int64_t batch, int64_t ga, bool reducer) {
+  char dir[256];
+  make_dir(dir, sizeof dir, "eq");
+  run_t *r = new_run(dir);
+  r->model_json = mlp_nodrop;
+  strcpy(r->args.optim, "sgd");
+  r->args.learning_rate = 0.05;
+  r->args.max_steps = 25;
+  r->args.per_device_train_batch_size = batch;
+  r->args.gradient_accumulation_steps = ga;
+  r->args.ddp_reducer = reducer;
+  run_world(r, world);
+  rm_tree(dir);
+  return r;
+}
+
+static run_t *oracle_run(int world, int64_t batch, int64_t ga) {
+  return oracle_run_sync(world, batch, ga, true);
+}
+
+static void test_equivalence(void **state) {
+  run_t *one = oracle_run(1, 16, 1);
+  run_t *four = oracle_run(4, 4, 1);
+  run_t *acc = oracle_run(1, 4, 4);
+  run_t *two_acc = oracle_run(2, 2, 4);
+  assert_int_equal(one->nparams, four->nparams);
+  double d1 = rel_diff(four->params, one->params, one->nparams);
+  double d2 = rel_diff(acc->params, one->params, one->nparams);
+  double d3 = rel_diff(two_acc->params, one->params, one->nparams);
+  /* The runs moved the parameters (the comparison is not trivially of the initial ones). */
+  double moved = fabs(one->loss_after - one->loss_before);
+  print_message("rel diff: 4x4 vs 1x16 %.2e; GA4x4 vs 16 %.2e; 2 ranks GA4x2 vs 16 %.2e; "
+                "loss %.4f -> %.4f\n", d1, d2, d3, one->loss_before, one->loss_after);
+  assert_true(moved > 0.05);
+  assert_true(d1 <= 1e-5);
+  assert_true(d2 <= 1e-5);
+  assert_true(d3 <= 1e-5);
+  free_run(one);
+  free_run(four);
+  free_run(acc);
+  free_run(two_acc);
+}
+
+/* The trainer's two synchronisation paths, the bucketed DDP reducer and the flat one-bucket
+ * allreduce, train the same parameters (up to the reducer's pre-division by W). */
+static void test_reducer_vs_flat(void **state) {
+  run_t *a = oracle_run_sync(3, 4, 2, true);
+  run_t *b = oracle_run_sync(3, 4, 2, false);
+  double d = rel_diff(a->params, b->params, a->nparams);
+  print_message("reducer vs flat allreduce: rel diff %.2e\n", d);
+  assert_true(d <= 1e-6);
+  free_run(a);
+  free_run(b);
+}
+
+/* Resume from step 10 of 30 (AdamW state, accumulation, dropout, mid-epoch) equals the
+ * uninterrupted run bit for bit; save_total_limit keeps the newest checkpoints. */
+static void test_resume_bitwise(void **state) {
+  char da[256], db[256], ck[512];
+  make_dir(da, sizeof da, "resA");
+  make_dir(db, sizeof db, "resB");
+  run_t *a = new_run(da);
+  a->args.learning_rate = 1e-3;
+  a->args.max_steps = 30;
+  a->args.gradient_accumulation_steps = 2;
+  a->args.warmup_steps = 4;
+  strcpy(a->args.save_strategy, "steps");
+  a->args.save_steps = 10;
+  a->args.save_total_limit = 2;
+  run_world(a, 3);
+
+  /* Rotation: 10 was deleted, 20 and 30 remain. */
+  struct stat sb;
+  snprintf(ck, sizeof ck, "%s/checkpoint-10", da);
+  assert_int_not_equal(stat(ck, &sb), 0);
+  snprintf(ck, sizeof ck, "%s/checkpoint-20/optimizer.safetensors", da);
+  assert_int_equal(stat(ck, &sb), 0);
+
+  /* Resume from 20 in a fresh output directory, and from "true" (the latest) = 30. */
+  run_t *b = new_run(db);
+  b->args = a->args;
+  snprintf(b->args.output_dir, sizeof b->args.output_dir, "%s", db);
+  snprintf(b->args.resume_from_checkpoint, sizeof b->args.resume_from_checkpoint,
+           "%s/checkpoint-20", da);
+  run_world(b, 3);
+  assert_int_equal(b->res[0].start_step, 20);
+  assert_int_equal(b->nparams, a->nparams);
+  assert_memory_equal(b->params, a->params, (size_t)a->nparams * sizeof(float));
+  assert_true(b->hash[0] == a->hash[0]);
+
+  /* And from step 10 of a run that kept every checkpoint. */
+  rm_tree(db);
+  make_dir(db, sizeof db, "resC");
+  run_t *c = new_run(db);
+  c->args = a->args;
+  c->args.save_total_limit = -1;
+  snprintf(c->args.output_dir, sizeof c->args.output_dir, "%s", db);
+  c->args.max_steps = 10;
+  run_world(c, 3);
+  run_t *d = new_run(db);
+  d->args = a->args;
+  snprintf(d->args.output_dir, sizeof d->args.output_dir, "%s", db);
+  strcpy(d->args.resume_from_checkpoint, "true");
+  run_world(d, 3);
+  assert_int_equal(d->res[0].start_step, 10);
+  /* The 10-step run ended its LR schedule at 10 steps; a 30-step run's schedule differs,
+   * so this compares a resumed 30-step run whose first 10 steps used a 10-step schedule:
+   * it must NOT equal the uninterrupted one. The bitwise case is the one above. */
+  assert_true(d->hash[0] != a->hash[0]);
+  free_run(a);
+  free_run(b);
+  free_run(c);
+  free_run(d);
+  rm_tree(da);
+  rm_tree(db);
+}
+
+/* A trainer killed with SIGKILL in the middle of writing checkpoint-20 leaves
+ * checkpoint-10 complete and loadable, and a restart resumes from it. */
+static void test_kill_during_save(void **state) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  char dir[256], model[512], exe[4096], probe[512], ck[512];
+  make_dir(dir, sizeof dir, "kill");
+  snprintf(model, sizeof model, "%s/model.json", dir);
+  FILE *f = fopen(model, "w");
+  assert_non_null(f);
+  fputs(mlp_json, f);
+  fclose(f);
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    setenv("DDP_TRAIN_SAVE_PAUSE_MS", "400", 1);
+    if (!freopen("/dev/null", "w", stdout)) _exit(125);
+    execl(exe, exe, "--threads", "2", "--model", model, "--max_steps", "40", "--save_steps", "10",
+          "--logging_steps", "5", "--learning_rate", "1e-3", "--output_dir", dir,
+          (char *)NULL);
+    _exit(127);
+  }
+  /* Wait until the second save has written its model file, then kill. */
+  snprintf(probe, sizeof probe, "%s/tmp-checkpoint-20/model.safetensors", dir);
+  struct stat sb;
+  bool seen = false;
+  for (int i = 0; i < 2000 && !seen; i++) {
+    seen = stat(probe, &sb) == 0;
+    if (!seen) usleep(10000);
+  }
+  kill(pid, SIGKILL);
+  int status;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(seen);
+  assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+
+  /* checkpoint-20 does not exist; checkpoint-10 is complete and is the latest. */
+  snprintf(ck, sizeof ck, "%s/checkpoint-20", dir);
+  assert_int_not_equal(stat(ck, &sb), 0);
+  char latest[1024];
+  assert_int_equal(ddp_train_latest_checkpoint(dir, latest, sizeof latest, NULL), DDP_OK);
+  snprintf(ck, sizeof ck, "%s/checkpoint-10", dir);
+  assert_string_equal(latest, ck);
+
+  /* It loads into a fresh model and an AdamW over it. */
+  ddp_model_t *m = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_model_from_json(mlp_json, &m, &err), DDP_OK);
+  size_t np = ddp_model_num_params(m);
+  ddp_optim_param_t pairs[16];
+  assert_true(np <= 16);
+  for (size_t i = 0; i < np; i++) {
+    pairs[i].param = &ddp_model_param(m, i)->value;
+    pairs[i].grad = &ddp_model_param(m, i)->grad;
+  }
+  ddp_optim_options_t oo = DDP_ADAMW_OPTIONS_INIT;
+  ddp_optim_t *opt = NULL;
+  assert_int_equal(ddp_optim_create(&oo, pairs, np, &opt, &err), DDP_OK);
+  int64_t step = -1;
+  ddp_status_t st = ddp_train_checkpoint_load(ck, m, opt, &step, &err);
+  if (st != DDP_OK) fail_msg("checkpoint-10: %s", err.msg);
+  assert_int_equal(step, 10);
+  ddp_optim_destroy(opt);
+  ddp_model_destroy(m);
+
+  /* A restart with resume_from_checkpoint true resumes from it and completes. */
+  char out[16384];
+  const char *argv[] = {"--threads", "2", "--model", model, "--max_steps", "20",
+                        "--save_steps", "10", "--logging_steps", "5", "--learning_rate", "1e-3",
+                        "--output_dir", dir, "--resume_from_checkpoint", "true", NULL};
+  int rc = run_tool(out, sizeof out, NULL, argv);
+  if (rc != 0) fail_msg("resume exited %d: %s", rc, out);
+  assert_non_null(strstr(out, "(from step 10)"));
+  snprintf(ck, sizeof ck, "%s/checkpoint-20/trainer_state.json", dir);
+  assert_int_equal(stat(ck, &sb), 0);
+  rm_tree(dir);
+}
+
+/* metrics.jsonl: a line per logging step with the documented keys, lr following the linear
+ * schedule (recomputed here), a summary, and the SVG plot. */
+static void test_metrics(void **state) {
+  char dir[256], path[512];
+  make_dir(dir, sizeof dir, "metrics");
+  run_t *r = new_run(dir);
+  r->args.learning_rate = 2e-3;
+  r->args.max_steps = 23;
+  r->args.logging_steps = 5;
+  run_world(r, 2);
+  snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  char line[4096];
+  int64_t expect_step = 5;
+  int logs = 0, summaries = 0;
+  while (fgets(line, sizeof line, f)) {
+    cJSON *o = cJSON_Parse(line);
+    assert_non_null(o);
+    if (cJSON_GetObjectItem(o, "summary")) {
+      summaries++;
+      assert_true(jnum(o, "steps") == 23);
+      assert_true(jnum(o, "world_size") == 2);
+      assert_true(jnum(o, "replica_checks") == 6);
+    } else if (cJSON_GetObjectItem(o, "loss")) {
+      int64_t step = (int64_t)jnum(o, "step");
+      assert_int_equal(step, expect_step);
+      expect_step = expect_step + 5 > 23 ? 23 : expect_step + 5;
+      /* HF linear schedule, warmup 0: the step `s` (1-based) used lr * (N - (s-1)) / N. */
+      double lr = 2e-3 * (double)(23 - (step - 1)) / 23.0;
+      assert_true(fabs(jnum(o, "lr") - lr) <= 1e-7 * lr); /* printed with 9 digits */
+      assert_true(jnum(o, "loss") > 0 && jnum(o, "loss") < 10);
+      assert_true(jnum(o, "grad_norm") > 0);
+      assert_true(jnum(o, "step_time_ms") > 0);
+      assert_true(jnum(o, "comm_time_ms") >= 0);
+      assert_true(jnum(o, "comm_time_ms") <= jnum(o, "step_time_ms"));
+      assert_true(jnum(o, "samples_per_s") > 0);
+      assert_true(jnum(o, "overlap_ms") >= 0);
+      logs++;
+    }
+    cJSON_Delete(o);
+  }
+  fclose(f);
+  assert_int_equal(logs, 5); /* 5, 10, 15, 20, 23 */
+  assert_int_equal(summaries, 1);
+  snprintf(path, sizeof path, "%s/loss.svg", dir);
+  f = fopen(path, "r");
+  assert_non_null(f);
+  assert_non_null(fgets(line, sizeof line, f));
+  assert_true(strncmp(line, "<svg", 4) == 0);
+  fclose(f);
+  free_run(r);
+  rm_tree(dir);
+}
+
+/* The final parameter hash in a run's metrics.jsonl summary line. */
+static void summary_hash(const char *dir, char *out, size_t cap) {
+  char path[512], line[8192];
+  snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  out[0] = 0;
+  while (fgets(line, sizeof line, f)) {
+    cJSON *o = cJSON_Parse(line);
+    if (o && cJSON_GetObjectItem(o, "summary")) snprintf(out, cap, "%s", jstr(o, "param_hash"));
+    cJSON_Delete(o);
+  }
+  fclose(f);
+  assert_true(out[0] != 0);
+}
+
+/* Acceptance: ranks as processes under ddprun (shm with 4, tcp with 2) end with parameters
+ * bitwise equal to the same number of thread ranks. */
+static void test_threads_vs_processes(void **state) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  char ddprun[4096], exe[4096], port[16];
+  snprintf(ddprun, sizeof ddprun, "%s/tools/ddprun", build);
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  snprintf(port, sizeof port, "%d", 30000 + (int)(getpid() % 20000));
+  struct {
+    const char *backend, *world;
+  } cases[] = {{"shm", "4"}, {"tcp", "2"}};
+  for (size_t i = 0; i < 2; i++) {
+    char dp[256], dt[256], cmd[16384], hp[64], ht[64];
+    make_dir(dp, sizeof dp, "proc");
+    make_dir(dt, sizeof dt, "thr");
+    const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
+                         "--learning_rate 1e-3 --save_strategy no";
+    snprintf(cmd, sizeof cmd,
+             "'%s' --nproc_per_node %s --backend %s --master_port %s '%s' %s --output_dir '%s' "
+             ">/dev/null 2>&1", ddprun, cases[i].world, cases[i].backend, port, exe, common, dp);
+    int rc = system(cmd);
+    if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) fail_msg("ddprun run failed: %s", cmd);
+    snprintf(cmd, sizeof cmd, "'%s' --threads %s %s --output_dir '%s' >/dev/null 2>&1", exe,
+             cases[i].world, common, dt);
+    rc = system(cmd);
+    assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+    summary_hash(dp, hp, sizeof hp);
+    summary_hash(dt, ht, sizeof ht);
+    print_message("%s x%s: processes %s, threads %s\n", cases[i].backend, cases[i].world, hp, ht);
+    assert_string_equal(hp, ht);
+    rm_tree(dp);
+    rm_tree(dt);
+  }
+}
+
+/* The replica check: one rank's perturbed weight is an error naming the diverged rank. */
+typedef struct div_arg {
+  ddp_status_t st[3];
+  char msg[3][DDP_ERROR_MSG_MAX];
+} div_arg_t;
+
+static ddp_status_t diverge_fn(ddp_pg_t *pg, void *arg) {
+  div_arg_t *d = arg;
+  int rank = ddp_pg_rank(pg);
+  ddp_model_t *m = NULL;
+  ddp_error_t err = {0};
+  ddp_status_t st = ddp_model_from_json(mlp_json, &m, &err);
+  if (st == DDP_OK) st = ddp_model_init(m, 7);
+  if (st == DDP_OK) st = ddp__train_replica_check(pg, m, 3, NULL, &err);
+  if (st == DDP_OK && rank == 1) ((float *)ddp_model_param(m, 0)->value.data)[5] += 1e-6f;
+  if (st == DDP_OK) st = ddp__train_replica_check(pg, m, 4, NULL, &err);
+  d->st[rank] = st;
+  snprintf(d->msg[rank], sizeof d->msg[rank], "%s", err.msg);
+  ddp_model_destroy(m);
+  return DDP_OK;
+}
+
+static void test_replica_check(void **state) {
+  div_arg_t d;
+  memset(&d, 0, sizeof d);
+  ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;
+  po.timeout_ms = 30000;
+  assert_int_equal(ddp_spawn_threads(3, &po, diverge_fn, &d), DDP_OK);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(d.st[r], DDP_ERR_INVALID_DATA);
+    assert_non_null(strstr(d.msg[r], "step 4"));
+    assert_non_null(strstr(d.msg[r], "ranks 0,2 hold"));
+    assert_non_null(strstr(d.msg[r], "rank 1 holds"));
+  }
+}
+
+static int setup(void **state) {
+  const char *root = ddp_test_source_root();
+  if (!root) return -1;
+  snprintf(digits_path, sizeof digits_path, "%s/tests/data/digits.safetensors", root);
+  return ddp_dataset_from_safetensors(digits_path, NULL, NULL, &digits, NULL) == DDP_OK ? 0 : -1;
+}
+
+static int teardown(void **state) {
+  ddp_dataset_destroy(digits);
+  return 0;
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_defaults),       cmocka_unit_test(test_tool_parsing),
+      cmocka_unit_test(test_tool_errors),    cmocka_unit_test(test_loss_falls),
+      cmocka_unit_test(test_equivalence),    cmocka_unit_test(test_reducer_vs_flat),
+      cmocka_unit_test(test_resume_bitwise),
+      cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
+      cmocka_unit_test(test_replica_check),  cmocka_unit_test(test_threads_vs_processes),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,524 @@
+#!/usr/bin/python3
+"""PyTorch reference run for libddp: real torch.nn.parallel.DistributedDataParallel on a
+libddp model file, writing per-step, per-rank dumps in the layout of docs/dumps.md, which
+tools/ddp-compare compares with a libddp run (docs/compare.md).
+
+Run with Debian's interpreter (/usr/bin/python3, torch 1.13) on CPUs with gloo, or with any
+PyTorch on GPUs with --backend nccl (TF32 is switched off there: docs/compare.md says why).
+
+    torch_reference.py --model MODEL.json --dump_dir DIR [options]
+
+The script spawns --world processes on 127.0.0.1 (gloo with GLOO_SOCKET_IFNAME=lo; the parent
+serves the rendezvous store on a port the kernel picks), or,
+when started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set), runs as
+that one rank. Every rank builds the model, wraps it in DDP with the given options, and
+trains --steps optimizer steps on batches drawn through torch's DistributedSampler; after
+each step it writes DIR/rank{r}/step{NNNNNN}.safetensors. Exit status 0 on success, 2 on a
+usage error, 1 when a rank fails.
+
+Arithmetic is kept to one thread per rank (OMP_NUM_THREADS and OPENBLAS_NUM_THREADS are set
+before torch is imported; numerics.md "Running the oracle fairly"), and every worker ends
+with a barrier and os._exit(0) (numerics.md "Known oracle failures").
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+
+FORMAT = "libddp-dump-1"
+DEFAULT_DATA = os.path.join(os.path.dirname(TOOLS), "tests", "data", "digits.safetensors")
+
+
+def parse_bool(text):
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError("expected true or false, got %r" % text)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="torch_reference.py",
+        description="PyTorch DDP reference run writing libddp dumps (docs/dumps.md).")
+    p.add_argument("--model", required=True, help="libddp model file (docs/nn.md)")
+    p.add_argument("--dump_dir", required=True, help="output directory (created)")
+    p.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--steps", "--max_steps", dest="steps", type=int, default=3,
+                   help="optimizer steps (default 3)")
+    p.add_argument("--batch", "--per_device_train_batch_size", dest="batch", type=int,
+                   default=8, help="per-rank micro-batch size (default 8)")
+    p.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=0.1)
+    p.add_argument("--optim", choices=("sgd", "adamw", "adamw_torch", "adam"), default="sgd")
+    p.add_argument("--lr_scheduler_type",
+                   choices=("constant", "constant_with_warmup", "linear", "cosine"),
+                   default="constant", help="Hugging Face's schedules (default constant)")
+    p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--adam_beta1", type=float, default=0.9)
+    p.add_argument("--adam_beta2", type=float, default=0.999)
+    p.add_argument("--adam_epsilon", type=float, default=1e-8)
+    p.add_argument("--max_grad_norm", type=float, default=0.0,
+                   help="clip_grad_norm_ before the step when > 0 (default off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed for the initial weights and synthetic data")
+    p.add_argument("--init", default=None,
+                   help="safetensors state_dict to start from (loaded by name, strict)")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="safetensors dataset, or 'synthetic' (default: tests/data/digits)")
+    p.add_argument("--features", default="features", help="features tensor name")
+    p.add_argument("--labels", default="labels", help="labels tensor name")
+    p.add_argument("--synthetic_samples", type=int, default=256)
+    p.add_argument("--synthetic_classes", type=int, default=0,
+                   help="classes of the synthetic labels; 0 = regression targets")
+    p.add_argument("--loss", choices=("auto", "ce", "mse"), default="auto",
+                   help="auto: cross-entropy for integer labels, MSE otherwise")
+    p.add_argument("--shuffle", type=parse_bool, default=True, help="DistributedSampler shuffle")
+    p.add_argument("--data_seed", type=int, default=None,
+                   help="DistributedSampler seed (default: --seed, as Hugging Face)")
+    p.add_argument("--sampler_drop_last", type=parse_bool, default=False)
+    p.add_argument("--dataloader_drop_last", type=parse_bool, default=False)
+    p.add_argument("--flags", default="0",
+                   help="forward flags for branch layers: one integer, or one per rank "
+                        "separated by commas (the list is cycled)")
+    p.add_argument("--bucket_cap_mb", "--ddp_bucket_cap_mb", dest="bucket_cap_mb", type=float,
+                   default=25.0)
+    p.add_argument("--first_bucket_mb", type=float, default=None,
+                   help="dist._DEFAULT_FIRST_BUCKET_BYTES in MiB (1.13 default: 1)")
+    p.add_argument("--find_unused_parameters", "--ddp_find_unused_parameters",
+                   dest="find_unused_parameters", type=parse_bool, nargs="?", const=True,
+                   default=False)
+    p.add_argument("--broadcast_buffers", "--ddp_broadcast_buffers", dest="broadcast_buffers",
+                   type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--static_graph", "--ddp_static_graph", dest="static_graph", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument("--gradient_as_bucket_view", type=parse_bool, nargs="?", const=True,
+                   default=False)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--comm_hook", choices=("no", "fp16", "bf16", "power_sgd",
+                                           "batched_power_sgd"), default="no",
+                   help="Accelerate's DDP communication hook (default: none)")
+    p.add_argument("--comm_wrapper", choices=("no", "fp16", "bf16"), default="no",
+                   help="Accelerate's wrapper around the hook")
+    p.add_argument("--comm_state_option", default="{}",
+                   help="JSON object of PowerSGDState keyword arguments")
+    p.add_argument("--backend", "--ddp_backend", dest="backend", choices=("gloo", "nccl"),
+                   default="gloo")
+    p.add_argument("--timeout", "--ddp_timeout", dest="timeout", type=float, default=300.0,
+                   help="process-group timeout, s")
+    a = p.parse_args(argv)
+    if a.world < 1 or a.steps < 0 or a.batch < 1 or a.gradient_accumulation_steps < 1:
+        p.error("--world, --batch and --gradient_accumulation_steps must be >= 1, "
+                "--steps >= 0")
+    if a.data_seed is None:
+        a.data_seed = a.seed
+    if a.optim == "adamw_torch":
+        a.optim = "adamw"
+    try:
+        a.comm_state = json.loads(a.comm_state_option)
+        if not isinstance(a.comm_state, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        p.error("--comm_state_option must be a JSON object: %s" % e)
+    try:
+        a.flags_list = [int(f, 0) for f in a.flags.split(",")]
+    except ValueError:
+        p.error("--flags must be integers separated by commas, got %r" % a.flags)
+    return a
+
+
+def config_dict(a):
+    """Every option, as written to meta.json."""
+    d = {k: v for k, v in vars(a).items() if k not in ("flags_list", "dump_dir", "comm_state")}
+    if d["init"] is not None:
+        d["init"] = os.path.abspath(d["init"])
+    if d["data"] != "synthetic":
+        d["data"] = os.path.abspath(d["data"])
+    d["model"] = os.path.abspath(d["model"])
+    return d
+
+
+# ----------------------------------------------------------------------- worker -------
+
+def lr_factor(a, k):
+    """Hugging Face's schedules (transformers.get_scheduler) at step k, over --steps."""
+    import math
+    w, total = a.warmup_steps, a.steps
+    if a.lr_scheduler_type != "constant" and k < w:
+        return float(k) / float(max(1, w))
+    if a.lr_scheduler_type in ("constant", "constant_with_warmup"):
+        return 1.0
+    progress = float(k - w) / float(max(1, total - w))
+    if a.lr_scheduler_type == "linear":
+        return max(0.0, float(total - k) / float(max(1, total - w)))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def reducer_params(module):
+    """DDP 1.13's reducer parameter list (_build_params_for_reducer): per module in
+    named_modules() order, its own parameters requiring grad, deduplicated. Returns
+    (names, params, expect_sparse)."""
+    import torch.nn as nn
+    names, params, sparse, seen = [], [], [], set()
+    for mname, m in module.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append("%s.%s" % (mname, pname) if mname else pname)
+            params.append(p)
+            sparse.append(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and bool(m.sparse))
+    return names, params, sparse
+
+
+def csv_ints(text):
+    return [int(t) for t in str(text).replace(",", " ").split()] if text else []
+
+
+def parse_layout(text):
+    """'5 4 3 2, 1 0' (rebuilt_per_bucket_param_indices) -> [[5, 4, 3, 2], [1, 0]]."""
+    if not text:
+        return None
+    return [[int(t) for t in b.split()] for b in str(text).split(",")]
+
+
+def load_dataset(a, st):
+    """(features, labels) of a safetensors dataset, as CPU tensors."""
+    tensors, _ = st.load_torch(a.data)
+    for name in (a.features, a.labels):
+        if name not in tensors:
+            raise SystemExit("torch_reference: %s has no tensor %r (it has: %s)"
+                             % (a.data, name, ", ".join(tensors)))
+    return tensors[a.features], tensors[a.labels]
+
+
+def synthetic_dataset(a, torch, model):
+    """N samples with N(0, 1) features of the model's input width; labels are classes
+    (uniform) or N(0, 1) targets of the output width. Drawn on rank 0's generator from
+    --seed after the model's initialisation, identical on every rank."""
+    first = next(p for p in model.parameters() if p.dim() == 2)
+    out = [p for p in model.parameters() if p.dim() == 2][-1]
+    g = torch.Generator().manual_seed(a.seed + 1)
+    x = torch.randn(a.synthetic_samples, first.shape[1], generator=g)
+    if a.synthetic_classes > 0:
+        y = torch.randint(0, a.synthetic_classes, (a.synthetic_samples,), generator=g)
+    else:
+        y = torch.randn(a.synthetic_samples, out.shape[0], generator=g)
+    return x, y
+
+
+def register_hook(a, ddp, params):
+    """Accelerate's mapping (spec/ddp-semantics.md 7.9): the hook, PowerSGDState built from
+    comm_state_option for the PowerSGD variants, then the optional fp16/bf16 wrapper."""
+    if a.comm_hook == "no":
+        return
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    state = None
+    if a.comm_hook == "fp16":
+        hook = dh.fp16_compress_hook
+    elif a.comm_hook == "bf16":
+        hook = dh.bf16_compress_hook
+    else:
+        # numerics.md, "Known oracle failures": 1.13's PowerSGD on gloo deadlocks or aborts
+        # with two or more buckets. Refuse such a layout instead of hanging.
+        total = sum(p.numel() * p.element_size() for p in params)
+        limit = min(dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap)
+        if a.backend == "gloo" and total > limit:
+            raise SystemExit(
+                "torch_reference: --comm_hook %s on gloo needs one bucket (PyTorch 1.13 "
+                "deadlocks with more, numerics.md); the model has %d bytes of parameters: "
+                "pass --first_bucket_mb and --bucket_cap_mb of at least %.6f"
+                % (a.comm_hook, total, total / 1048576.0))
+        state = ps.PowerSGDState(process_group=None, **a.comm_state)
+        hook = ps.powerSGD_hook if a.comm_hook == "power_sgd" else ps.batched_powerSGD_hook
+    if a.comm_wrapper == "fp16":
+        hook = dh.fp16_compress_wrapper(hook)
+    elif a.comm_wrapper == "bf16":
+        hook = dh.bf16_compress_wrapper(hook)
+    ddp.register_comm_hook(state, hook)
+
+
+def worker(rank, world, port, a):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from datetime import timedelta
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data.distributed import DistributedSampler
+    import nn_oracle
+    import safetensors as st
+
+    # nn_oracle's import has already set one intra-op and one inter-op thread (setting the
+    # inter-op count twice is a fatal error in 1.13).
+    torch.set_num_threads(1)
+    if a.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
+    if port is not None:
+        # The parent holds the store's server on a port the kernel chose: no race for a
+        # "free" port between processes.
+        store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=a.timeout))
+        dist.init_process_group(a.backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=a.timeout))
+    else:
+        dist.init_process_group(a.backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=a.timeout))
+    if a.first_bucket_mb is not None:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(a.first_bucket_mb * 1024 * 1024)
+
+    with open(a.model) as f:
+        spec = json.load(f)
+    torch.manual_seed(a.seed)
+    model = nn_oracle.build_model(spec)
+    if a.init:
+        sd, _ = st.load_torch(a.init)
+        model.load_state_dict(sd, strict=True)
+    model.to(device)
+    model.train()
+
+    if a.data == "synthetic":
+        feats, labels = synthetic_dataset(a, torch, model)
+    else:
+        feats, labels = load_dataset(a, st)
+    n = feats.shape[0]
+    loss_kind = a.loss
+    if loss_kind == "auto":
+        loss_kind = "mse" if labels.dtype.is_floating_point else "ce"
+
+    names, params, sparse = reducer_params(model)
+    ddp = DDP(model, device_ids=[device.index] if a.backend == "nccl" else None,
+              bucket_cap_mb=a.bucket_cap_mb,
+              find_unused_parameters=a.find_unused_parameters,
+              broadcast_buffers=a.broadcast_buffers,
+              gradient_as_bucket_view=a.gradient_as_bucket_view,
+              static_graph=a.static_graph)
+
+    register_hook(a, ddp, params)
+
+    # The initial layout, recomputed exactly as 1.13's _ddp_init_helper does it, then checked
+    # against the bucket sizes the reducer itself reports.
+    if a.static_graph or not a.find_unused_parameters:
+        limits = [sys.maxsize]
+    else:
+        limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap]
+    idx, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+    initial = [list(b) for b in reversed(idx)]
+    nbytes = [p.numel() * p.element_size() for p in params]
+    init_sizes = [sum(nbytes[i] for i in b) for b in initial]
+    logged_sizes = csv_ints(ddp._get_ddp_logging_data().get("bucket_sizes"))
+    initial_verified = init_sizes == logged_sizes
+
+    opt_params = list(model.parameters())
+    if a.optim == "sgd":
+        opt = torch.optim.SGD(opt_params, lr=a.lr, momentum=a.momentum,
+                              weight_decay=a.weight_decay)
+    else:
+        cls = torch.optim.AdamW if a.optim == "adamw" else torch.optim.Adam
+        opt = cls(opt_params, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
+                  eps=a.adam_epsilon, weight_decay=a.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(a, k))
+
+    rdir = os.path.join(a.dump_dir, "rank%d" % rank)
+    os.makedirs(rdir, exist_ok=True)
+    pnames = [nm for nm, _ in model.named_parameters()]
+    bnames = [nm for nm, _ in model.named_buffers()]
+
+    def state_entries(with_grads):
+        out = []
+        if with_grads:
+            for nm, p in model.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                out.append(("grad." + nm, g.detach().cpu().clone()))
+        for nm, p in model.named_parameters():
+            out.append(("param." + nm, p.detach().cpu().clone()))
+        for nm, b in model.named_buffers():
+            out.append(("buffer." + nm, b.detach().cpu().clone()))
+        return out
+
+    st.save_torch(os.path.join(rdir, "init.safetensors"), state_entries(False),
+                  {"rank": str(rank), "producer": "torch_reference.py"})
+    if rank == 0:
+        # The broadcast weights under plain state_dict names: ddp_model_load reads this.
+        st.save_torch(os.path.join(a.dump_dir, "weights.safetensors"),
+                      [(k, v.detach().cpu()) for k, v in model.state_dict().items()])
+
+    sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank,
+                                 shuffle=a.shuffle, seed=a.data_seed,
+                                 drop_last=a.sampler_drop_last)
+    per_epoch = len(sampler)
+    nbatches = per_epoch // a.batch if a.dataloader_drop_last else -(-per_epoch // a.batch)
+    accum = a.gradient_accumulation_steps
+    steps_per_epoch = nbatches // accum
+    if steps_per_epoch == 0:
+        raise SystemExit("torch_reference: rank %d has %d micro-batches per epoch, fewer than "
+                         "gradient_accumulation_steps=%d" % (rank, nbatches, accum))
+    epoch_cache = {}
+
+    def micro_batch(k, m):
+        """Micro-batch m of step k: a DataLoader(batch_size, drop_last) over the sampler,
+        set_epoch(e) before epoch e; an epoch has nbatches // accum steps and its leftover
+        micro-batches are skipped, as in ddp-train (src/train/trainer.c)."""
+        e, j = divmod(k, steps_per_epoch)
+        j = j * accum + m
+        if e not in epoch_cache:
+            sampler.set_epoch(e)
+            epoch_cache.clear()
+            epoch_cache[e] = list(iter(sampler))
+        return epoch_cache[e][j * a.batch:(j + 1) * a.batch]
+
+    flags = a.flags_list[rank % len(a.flags_list)]
+    for k in range(a.steps):
+        xs, ys, ids, total = [], [], [], 0.0
+        for m in range(accum):
+            ind = micro_batch(k, m)
+            it = torch.tensor(ind, dtype=torch.int64)
+            x, y = feats[it], labels[it]
+            xs.append(x), ys.append(y), ids.append(it)
+            xd, yd = x.to(device), y.to(device)
+            last = m == accum - 1
+            if last:
+                out = ddp(xd, flags)
+            else:
+                with ddp.no_sync():
+                    out = ddp(xd, flags)
+            loss = F.cross_entropy(out, yd) if loss_kind == "ce" else F.mse_loss(out, yd)
+            loss = loss / accum
+            if last:
+                loss.backward()
+            else:
+                with ddp.no_sync():
+                    loss.backward()
+            total += float(loss.detach().cpu())
+        entries = [("input.x", torch.cat(xs)), ("input.y", torch.cat(ys)),
+                   ("input.index", torch.cat(ids))]
+        grads = state_entries(True)[:len(pnames)]
+        none = [nm for nm, p in model.named_parameters() if p.grad is None]
+        if a.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()  # 1.13: set_to_none=False, as libddp
+        entries += grads + state_entries(False)
+        st.save_torch(os.path.join(rdir, "step%06d.safetensors" % k), entries,
+                      {"step": str(k), "rank": str(rank), "loss": repr(total),
+                       "micro_batches": str(accum), "flags": str(flags),
+                       "grads_none": ",".join(none)})
+
+    # The logger records the statistics of the last iteration and the rebuilt layout at the
+    # next forward; calling it here gives the same record without another forward.
+    ddp.logger.set_runtime_stats_and_log()
+    ld = {k: (v if isinstance(v, (int, float)) else str(v))
+          for k, v in ddp._get_ddp_logging_data().items()}
+    rebuilt = parse_layout(ld.get("rebuilt_per_bucket_param_indices"))
+    info = {
+        "param_names": names,
+        "param_shapes": [list(p.shape) for p in params],
+        "state_param_names": pnames,
+        "buffer_names": bnames,
+        "bucket_layouts": {"initial": initial, "rebuilt": rebuilt},
+        "bucket_sizes": {"initial": init_sizes,
+                         "rebuilt": csv_ints(ld.get("rebuilt_bucket_sizes")) or None},
+        "bucket_size_limits": {"initial": limits if limits != [sys.maxsize] else None,
+                               "rebuilt": [dist._DEFAULT_FIRST_BUCKET_BYTES,
+                                           ddp.bucket_bytes_cap]},
+        "initial_layout_verified": initial_verified,
+        "grad_ready_order": csv_ints(ld.get("prev_iteration_grad_ready_order_indices")) or None,
+        "logging_data": ld,
+    }
+    with open(os.path.join(rdir, "ddp.json"), "w") as f:
+        json.dump(info, f, indent=1, sort_keys=True)
+        f.write("\n")
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_entry(rank, world, port, a):
+    try:
+        worker(rank, world, port, a)
+    except SystemExit as e:
+        sys.stderr.write("%s\n" % e)
+        sys.stderr.flush()
+        os._exit(1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def main(argv):
+    a = parse_args(argv)
+    if not os.path.isfile(a.model):
+        sys.stderr.write("torch_reference: model file %s not found\n" % a.model)
+        return 2
+    if a.data != "synthetic" and not os.path.isfile(a.data):
+        sys.stderr.write("torch_reference: dataset %s not found\n" % a.data)
+        return 2
+    with open(a.model) as f:
+        spec = json.load(f)
+    under_torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                   "MASTER_PORT"))
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else a.world
+    rank0 = int(os.environ["RANK"]) == 0 if under_torchrun else True
+    os.makedirs(a.dump_dir, exist_ok=True)
+    if rank0:
+        import torch
+        cfg = config_dict(a)
+        cfg["world"] = world
+        meta = {"format": FORMAT, "producer": "torch_reference.py",
+                "producer_version": "torch " + torch.__version__, "world_size": world,
+                "steps": a.steps, "config": cfg, "model": spec}
+        with open(os.path.join(a.dump_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.write("\n")
+    if under_torchrun:
+        spawn_entry(int(os.environ["RANK"]), world, None, a)
+        return 0  # not reached: the worker ends with os._exit
+    import torch.multiprocessing as mp
+    import torch.distributed as dist
+    from datetime import timedelta
+    ctx = mp.get_context("spawn")
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=a.timeout),
+                           wait_for_workers=False)
+    port = server.port
+    procs = [ctx.Process(target=spawn_entry, args=(r, world, port, a)) for r in range(world)]
+    for p in procs:
+        p.start()
+    # Wait for all ranks; the first failure stops the others at once instead of leaving
+    # them blocked in a collective until the process-group timeout.
+    from multiprocessing.connection import wait
+    rc, live = 0, list(procs)
+    while live:
+        wait([p.sentinel for p in live])
+        for p in [p for p in live if not p.is_alive()]:
+            live.remove(p)
+            p.join()
+            if p.exitcode != 0 and rc == 0:
+                sys.stderr.write("torch_reference: rank %d exited with status %s\n"
+                                 % (procs.index(p), p.exitcode))
+                rc = 1
+                for q in live:
+                    q.terminate()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
