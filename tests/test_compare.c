@@ -3,9 +3,10 @@
  * Without torch: dumps written here with ddp_st_write, whose differences the test plants
  * and therefore knows (ULP distances, the first element beyond tolerance, layouts), and
  * every kind of bad input. With torch (Debian's /usr/bin/python3): the reference run is
- * deterministic (two runs, byte-identical tensors), DDP leaves every rank with the same
- * averaged gradients, a planted one-element change is found at its step, rank, tensor and
- * index, and W ranks at batch b agree with one rank at batch W*b. */
+ * deterministic (two runs, byte-identical tensors) and records bucket layouts that follow
+ * spec §2.2-2.3, DDP leaves every rank with the same averaged gradients, a planted
+ * one-element change is found at its step, rank, tensor and index, and W ranks at batch b
+ * agree with one rank at batch W*b. */
 #include <errno.h>
 #include <math.h>
 #include <setjmp.h>
@@ -264,7 +265,8 @@ static void test_ulp_histogram(void **state) {
   assert_int_equal(compare("--rtol 1 --atol 1", a, b, &j), 0);
   const cJSON *t = tensor_stats(j, "param.w");
   const cJSON *h = get(t, "ulp_hist");
-  for (int i = 0; i < 6; i++) assert_int_equal((uint64_t)cJSON_GetArrayItem(h, i)->valuedouble, expect[i]);
+  for (int i = 0; i < 6; i++)
+    assert_int_equal((uint64_t)cJSON_GetArrayItem(h, i)->valuedouble, expect[i]);
   assert_true(get(t, "max_abs")->valuedouble == max_abs);
   assert_true(fabs(get(t, "max_rel")->valuedouble - max_rel) <= 1e-15);
   assert_int_equal((int)get(t, "elements")->valuedouble, 32);
@@ -421,6 +423,32 @@ static void test_reference_deterministic(void **state) {
   }
   assert_int_equal(cJSON_GetArraySize(get(j, "layouts")), 2);
   cJSON_Delete(j);
+  /* The recorded layouts follow spec §2.2-2.3 for a 4840-byte model: one bucket of every
+   * parameter in index order at construction (find_unused off), and after the rebuild one
+   * bucket (under the 1 MiB first limit) in the order the gradients became ready. */
+  {
+    char p[700];
+    snprintf(p, sizeof p, "%s/rank1/ddp.json", g_a);
+    char *text = read_text(p);
+    assert_non_null(text);
+    cJSON *d = cJSON_Parse(text);
+    free(text);
+    assert_non_null(d);
+    assert_true(cJSON_IsTrue(get(d, "initial_layout_verified")));
+    const cJSON *lay = get(d, "bucket_layouts");
+    const cJSON *ini = get(lay, "initial"), *reb = get(lay, "rebuilt");
+    const cJSON *ready = get(d, "grad_ready_order");
+    assert_int_equal(cJSON_GetArraySize(ini), 1);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetArrayItem(ini, 0)), 4);
+    for (int i = 0; i < 4; i++)
+      assert_int_equal(cJSON_GetArrayItem(cJSON_GetArrayItem(ini, 0), i)->valueint, i);
+    assert_int_equal(cJSON_GetArraySize(reb), 1);
+    assert_true(cJSON_Compare(cJSON_GetArrayItem(reb, 0), ready, true));
+    /* A linear layer's bias is ready before its weight, the last layer first. */
+    static const int order[4] = {3, 2, 1, 0};
+    for (int i = 0; i < 4; i++) assert_int_equal(cJSON_GetArrayItem(ready, i)->valueint, order[i]);
+    cJSON_Delete(d);
+  }
   for (int r = 0; r < 2; r++)
     for (int s = -1; s < 3; s++) {
       char pa[700], pb[700];

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -505,6 +506,18 @@ static void test_no_sync_accumulation(void **state) {
   print_message("no_sync accum 4, W=3: max rel err %.3g\n", e);
   assert_true(e <= 1e-5);
   free(v);
+  /* W=2: gradient_as_bucket_view accumulating in bucket memory across the rebuild gives the
+   * same bits. */
+  c.world = 2;
+  float *a = run_identical(&c, &nb);
+  c.dopts.gradient_as_bucket_view = true;
+  c.dopts.bucket_cap_mb = 0.001;
+  size_t nb2;
+  float *g = run_identical(&c, &nb2);
+  assert_int_equal(nb, nb2);
+  assert_memory_equal(a, g, nb);
+  free(a);
+  free(g);
 }
 
 /* Bitwise identity across bucket_cap_mb {0.001, 1, 25, unset}, backends threads/shm/tcp,
@@ -512,7 +525,7 @@ static void test_no_sync_accumulation(void **state) {
  * the same) and static_graph. */
 static void test_bitwise_across_configs(void **state) {
   (void)state;
-  for (int W = 2; W <= 4; W += 2) {
+  for (int W = 2; W <= 4; W++) {
     cfg_t c = base_cfg(W, M_LN, 1);
     c.steps = 8;
     size_t n0, n;
@@ -536,13 +549,29 @@ static void test_bitwise_across_configs(void **state) {
       assert_int_equal(n, n0);
       assert_memory_equal(v, base, n0);
       free(v);
+      /* find_unused_parameters: the used-map allreduce from private memory into pg memory */
+      d.dopts.find_unused_parameters = true;
+      d.dopts.bucket_cap_mb = DDP_BUCKET_CAP_UNSET;
+      d.dopts.first_bucket_bytes = 1500;
+      v = run_identical(&d, &n);
+      assert_memory_equal(v, base, n0);
+      free(v);
     }
     cfg_t d = c;
-    d.dopts.gradient_as_bucket_view = true;
-    d.dopts.bucket_cap_mb = 0.001;
-    float *v = run_identical(&d, &n);
-    assert_memory_equal(v, base, n0);
-    free(v);
+    d.kind = M_LN;
+    d.dopts.broadcast_bucket_bytes = 600; /* many construction chunks, 2 in flight */
+    float *w = run_identical(&d, &n);
+    assert_memory_equal(w, base, n0);
+    free(w);
+    float *v;
+    if (W != 3) { /* in-place division by W rounds like the multiply only for powers of 2 */
+      d = c;
+      d.dopts.gradient_as_bucket_view = true;
+      d.dopts.bucket_cap_mb = 0.001;
+      v = run_identical(&d, &n);
+      assert_memory_equal(v, base, n0);
+      free(v);
+    }
     d = c;
     d.dopts.static_graph = true;
     d.dopts.bucket_cap_mb = 0.001;
@@ -655,6 +684,16 @@ out:
   return st;
 }
 
+static atomic_int info_init, info_rebuilt;
+static void info_sink(void *user, ddp_log_level_t level, const char *line) {
+  (void)user;
+  if (level != DDP_LOG_INFO) return;
+  if (strstr(line, "Reducer initialized with bucket_bytes_cap: 26214400 first_bucket_bytes_cap: 2000"))
+    atomic_fetch_add(&info_init, 1);
+  if (strstr(line, "2 buckets rebuilt with size limits: 2000, 26214400 bytes."))
+    atomic_fetch_add(&info_rebuilt, 1);
+}
+
 static void record_order(void *user, ddp_param_t *p, int fire) {
   size_t *o = user;
   (void)fire;
@@ -678,6 +717,10 @@ static void test_bucket_layouts(void **state) {
   assert_int_equal(ddp_backward(ctx, loss), DDP_OK);
   size_t P = ddp_model_num_params(m), bytes[MAXP];
   assert_int_equal(order[0], P);
+  char os_[128] = "";
+  for (size_t i = 0; i < P; i++)
+    snprintf(os_ + strlen(os_), sizeof os_ - strlen(os_), "%s%zu", i ? ", " : "", order[1 + i]);
+  print_message("grad-ready order: %s\n", os_); /* torch 1.13 on this model: 7, 6, 5, 4, 2, 3, 1, 0 */
   for (size_t i = 0; i < P; i++) bytes[i] = (size_t)ddp_model_param(m, i)->value.numel * 4;
   ddp_ctx_destroy(ctx);
   ddp_model_destroy(m);
@@ -720,7 +763,19 @@ static void test_bucket_layouts(void **state) {
     size_t ri[MAXP], ro[MAXP + 1], rnb = 0, lim2[2] = {first, cap};
     if (!cases[t].find_unused) rnb = naive_assign(P, bytes, lim2, 2, order + 1, ri, ro);
 
+    if (t == 0) { /* DDP_DEBUG=INFO: the init and rebuild lines, once per rank */
+      atomic_store(&info_init, 0);
+      atomic_store(&info_rebuilt, 0);
+      setenv("DDP_DEBUG", "INFO", 1);
+      ddp_set_log_sink(info_sink, NULL);
+    }
     ddp_test_results_t *res = spawn(&c, layout_rank);
+    if (t == 0) {
+      ddp_set_log_sink(NULL, NULL);
+      unsetenv("DDP_DEBUG");
+      assert_int_equal(atomic_load(&info_init), 3);
+      assert_int_equal(atomic_load(&info_rebuilt), 3);
+    }
     ddp_test_expect_ok(res);
     for (int r = 0; r < 3; r++) {
       const uint64_t *v = (const uint64_t *)ddp_test_result(res, r)->values;
@@ -745,6 +800,110 @@ static void test_bucket_layouts(void **state) {
     }
     print_message("cap %g first %lld find_unused %d: %zu initial, %zu rebuilt buckets\n",
                   cases[t].cap, (long long)cases[t].first, cases[t].find_unused, enb, rnb);
+    ddp_test_results_free(res);
+  }
+}
+
+/* PyTorch 1.13's DDP on the same model (gloo, one rank; 1.13's first-bucket size patched
+ * in through dist._DEFAULT_FIRST_BUCKET_BYTES, libddp's through first_bucket_bytes): the
+ * initial bucket sizes and the rebuilt per-bucket parameter indices agree. Skips without
+ * torch. */
+static const char torch_layout_py[] =
+"import os, sys\n"
+"os.environ[\"OMP_NUM_THREADS\"] = \"1\"\n"
+"os.environ[\"OPENBLAS_NUM_THREADS\"] = \"1\"\n"
+"os.environ[\"MASTER_ADDR\"] = \"127.0.0.1\"\n"
+"os.environ[\"MASTER_PORT\"] = sys.argv[1]\n"
+"import torch, torch.distributed as dist, torch.nn as nn\n"
+"torch.set_num_threads(1)\n"
+"dist.init_process_group(\"gloo\", rank=0, world_size=1)\n"
+"for case in sys.argv[2:]:\n"
+"    fu, first, cap = case.split(\":\")\n"
+"    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first)\n"
+"    torch.manual_seed(0)\n"
+"    m = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.LayerNorm(24),\n"
+"                      nn.Sequential(nn.Linear(24, 24), nn.Tanh()), nn.Linear(24, 5))\n"
+"    d = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=float(cap),\n"
+"                                            find_unused_parameters=fu == \"1\")\n"
+"    for step in range(3):\n"
+"        loss = ((d(torch.randn(4, 12)) - torch.randn(4, 5)) ** 2).mean()\n"
+"        loss.backward()\n"
+"    ld = d._get_ddp_logging_data()\n"
+"    print(\"initial\", str(ld.get(\"bucket_sizes\")).replace(\",\", \" \"))\n"
+"    print(\"rebuilt\", str(ld.get(\"rebuilt_per_bucket_param_indices\")).replace(\" \", \".\").replace(\",.\", \"|\"))\n"
+"    sys.stdout.flush()\n"
+"dist.destroy_process_group()\n"
+"os._exit(0)\n"
+"\n"
+;
+
+static void test_bucket_layouts_vs_torch(void **state) {
+  (void)state;
+  const char *py = ddp_test_python();
+  if (!py) {
+    skip();
+    return;
+  }
+  struct {
+    bool find_unused;
+    int64_t first;
+    double cap;
+  } cases[] = {{false, 2000, 25}, {true, 1500, 0.004}, {false, 1048, 0.001}, {true, 3000, 25}};
+  char script[] = "/tmp/ddp-layout-" "XX" "XX" "XX" /* mkstemp template */;
+  int fd = mkstemp(script);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, torch_layout_py, strlen(torch_layout_py)), (ssize_t)strlen(torch_layout_py));
+  close(fd);
+  char cmd[1024];
+  int len = snprintf(cmd, sizeof cmd, "%s %s %d", py, script, 29600 + (int)(getpid() % 300));
+  for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++)
+    len += snprintf(cmd + len, sizeof cmd - (size_t)len, " %d:%lld:%g", cases[t].find_unused,
+                    (long long)cases[t].first, cases[t].cap);
+  snprintf(cmd + len, sizeof cmd - (size_t)len, " 2>/dev/null");
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  char lines[8][512];
+  int nl = 0;
+  while (nl < 8 && fgets(lines[nl], sizeof lines[nl], p)) nl++;
+  pclose(p);
+  unlink(script);
+  assert_int_equal(nl, 8);
+  for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++) {
+    cfg_t c = base_cfg(1, M_LN, 0);
+    c.dopts.find_unused_parameters = cases[t].find_unused;
+    c.dopts.first_bucket_bytes = cases[t].first;
+    c.dopts.bucket_cap_mb = cases[t].cap;
+    ddp_test_results_t *res = spawn(&c, layout_rank);
+    ddp_test_expect_ok(res);
+    const uint64_t *v = (const uint64_t *)ddp_test_result(res, 0)->values;
+    /* libddp's initial sizes and rebuilt indices in the script's format */
+    char mine_init[512] = "initial", mine_reb[512] = "rebuilt ";
+    size_t pos = 0, nb = v[pos++];
+    static const int64_t numel[] = {288, 24, 24, 24, 576, 24, 120, 5};
+    for (size_t b = 0; b < nb; b++) {
+      size_t n = v[pos++];
+      int64_t sz = 0;
+      for (size_t k = 0; k < n; k++) sz += numel[v[pos++]] * 4;
+      snprintf(mine_init + strlen(mine_init), sizeof mine_init - strlen(mine_init), " %lld", (long long)sz);
+    }
+    bool rebuilt = v[pos++];
+    size_t nr = v[pos++];
+    if (!rebuilt) snprintf(mine_reb + strlen(mine_reb), sizeof mine_reb - strlen(mine_reb), "None");
+    for (size_t b = 0; b < nr; b++) {
+      size_t n = v[pos++];
+      for (size_t k = 0; k < n; k++)
+        snprintf(mine_reb + strlen(mine_reb), sizeof mine_reb - strlen(mine_reb), "%s%llu",
+                 k ? "." : (b ? "|" : ""), (unsigned long long)v[pos++]);
+      pos += 2; /* limit, size */
+    }
+    /* torch joins sizes with ", " (made "  ") and prints "[...]"-free strings */
+    char want_init[512] = "initial";
+    for (char *tok = strtok(lines[2 * t] + 8, " \n"); tok; tok = strtok(NULL, " \n"))
+      snprintf(want_init + strlen(want_init), sizeof want_init - strlen(want_init), " %s", tok);
+    lines[2 * t + 1][strcspn(lines[2 * t + 1], "\n")] = 0;
+    print_message("torch: %s | %s\nddp:   %s | %s\n", want_init, lines[2 * t + 1], mine_init, mine_reb);
+    assert_string_equal(mine_init, want_init);
+    assert_string_equal(mine_reb, lines[2 * t + 1]);
     ddp_test_results_free(res);
   }
 }
@@ -1155,10 +1314,69 @@ static void test_join(void **state) {
   ddp_test_results_free(res);
 }
 
+/* The Chrome trace: one JSON array of complete events from every rank, with forward,
+ * backward, finalize and each bucket's allreduce, the buckets launched inside backward
+ * (before the finalize starts). */
+static void test_timeline(void **state) {
+  (void)state;
+  char path[] = "/tmp/ddp-trace-" "XX" "XX" "XX" /* mkstemp template */;
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  cfg_t c = base_cfg(2, M_LN, 0);
+  c.steps = 3;
+  c.dopts.bucket_cap_mb = 0.001;
+  c.dopts.trace_path = path;
+  size_t nb;
+  free(run_identical(&c, &nb));
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  char line[512];
+  assert_non_null(fgets(line, sizeof line, f));
+  assert_string_equal(line, "[\n");
+  /* Per rank, events come in recording order: forward, then the bucket allreduces and
+   * the finalize (recorded in the finalize), then the backward that contains them. */
+  int nfwd[2] = {0}, nbwd[2] = {0}, nfin[2] = {0}, nbk[2] = {0}, inside[2] = {0};
+  double fin_ts[2] = {0}, b0_ts[2] = {0};
+  while (fgets(line, sizeof line, f)) {
+    char name[64];
+    int pid, tid;
+    double ts, dur;
+    assert_int_equal(sscanf(line, "{\"name\":\"%63[^\"]\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
+                                  "\"ts\":%lf,\"dur\":%lf", name, &pid, &tid, &ts, &dur), 5);
+    assert_true(pid == 0 || pid == 1);
+    if (strcmp(name, "forward") == 0) nfwd[pid]++;
+    if (strcmp(name, "finalize") == 0) {
+      nfin[pid]++;
+      fin_ts[pid] = ts;
+    }
+    if (strncmp(name, "allreduce bucket", 16) == 0) {
+      assert_int_equal(tid, 1);
+      nbk[pid]++;
+      if (strcmp(name, "allreduce bucket 0") == 0) b0_ts[pid] = ts;
+    }
+    if (strcmp(name, "backward") == 0) {
+      nbwd[pid]++;
+      /* bucket 0 was launched inside this backward, before its finalize started */
+      if (ts <= b0_ts[pid] && b0_ts[pid] <= fin_ts[pid] && fin_ts[pid] <= ts + dur) inside[pid]++;
+    }
+  }
+  fclose(f);
+  unlink(path);
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(nfwd[r], 3);
+    assert_int_equal(nbwd[r], 3);
+    assert_int_equal(nfin[r], 3);
+    assert_true(nbk[r] > 3); /* 1 bucket in iteration 1, several after the rebuild */
+    assert_int_equal(inside[r], 3);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_assignment_examples),
       cmocka_unit_test(test_bucket_layouts),
+      cmocka_unit_test(test_bucket_layouts_vs_torch),
       cmocka_unit_test(test_equivalence_threads),
       cmocka_unit_test(test_no_sync_accumulation),
       cmocka_unit_test(test_bitwise_across_configs),
@@ -1166,6 +1384,7 @@ int main(void) {
       cmocka_unit_test(test_find_unused),
       cmocka_unit_test(test_broadcast_buffers),
       cmocka_unit_test(test_join),
+      cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_error_construction),
       cmocka_unit_test(test_error_unused_without_flag),
       cmocka_unit_test(test_error_marked_twice),

@@ -145,6 +145,9 @@ static run_t *new_run(const char *outdir) {
   r->args.save_strategy[0] = 0;
   strcpy(r->args.save_strategy, "no");
   r->args.logging_steps = 5;
+  /* Every test model uses all its parameters: HF's default (true) would only add PyTorch's
+   * "no unused parameters" warning per rank. test_loss_falls keeps the default. */
+  r->args.ddp_find_unused_parameters = DDP_FALSE;
   return r;
 }
 
@@ -300,7 +303,7 @@ static void test_tool_parsing(void **state) {
 /* Every usage error exits 2 with a message that names the problem. */
 static void test_tool_errors(void **state) {
   struct {
-    const char *argv[4];
+    const char *argv[5];
     const char *expect;
   } cases[] = {
       {{"--no_such_flag", "1", NULL}, "unknown argument \"no_such_flag\""},
@@ -317,6 +320,9 @@ static void test_tool_errors(void **state) {
       {{"--lr_scheduler_type", "cosine_with_restarts", NULL}, "lr_scheduler_type"},
       {{"--ddp_backend", "shm", NULL}, "run under ddprun"},
       {{"--threads", "0", NULL}, "--threads expects"},
+      {{"--logging_steps", "2.5", NULL}, "logging_steps must be a whole number"},
+      {{"--resume_from_checkpoint", "/nonexistent/checkpoint-5", NULL}, "checkpoint-5"},
+      {{"--resume_from_checkpoint", "true", "--output_dir", "/nonexistent/out"}, "/nonexistent/out"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char out[8192];
@@ -339,6 +345,7 @@ static void test_loss_falls(void **state) {
     char dir[256];
     make_dir(dir, sizeof dir, "loss");
     run_t *r = new_run(dir);
+    r->args.ddp_find_unused_parameters = DDP_UNSET;
     strcpy(r->args.optim, "sgd");
     r->args.learning_rate = 0.2;
     r->args.max_steps = 300;
@@ -362,7 +369,8 @@ static const char *mlp_nodrop =
     "{\"type\": \"tanh\"},"
     "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
 
-static run_t *oracle_run_sync(int world, int64_t batch, int64_t ga, bool reducer) {
+static run_t *oracle_run_sync(int world, int64_t batch, int64_t ga, bool reducer,
+                              ddp_tristate_t find_unused) {
   char dir[256];
   make_dir(dir, sizeof dir, "eq");
   run_t *r = new_run(dir);
@@ -373,13 +381,14 @@ static run_t *oracle_run_sync(int world, int64_t batch, int64_t ga, bool reducer
   r->args.per_device_train_batch_size = batch;
   r->args.gradient_accumulation_steps = ga;
   r->args.ddp_reducer = reducer;
+  r->args.ddp_find_unused_parameters = find_unused;
   run_world(r, world);
   rm_tree(dir);
   return r;
 }
 
 static run_t *oracle_run(int world, int64_t batch, int64_t ga) {
-  return oracle_run_sync(world, batch, ga, true);
+  return oracle_run_sync(world, batch, ga, true, DDP_FALSE);
 }
 
 static void test_equivalence(void **state) {
@@ -405,11 +414,12 @@ static void test_equivalence(void **state) {
   free_run(two_acc);
 }
 
-/* The trainer's two synchronisation paths, the bucketed DDP reducer and the flat one-bucket
- * allreduce, train the same parameters (up to the reducer's pre-division by W). */
+/* The trainer's two synchronisation paths, the bucketed DDP reducer (with HF's default
+ * find_unused_parameters, true, and accumulation) and the flat one-bucket allreduce, train
+ * the same parameters (up to the reducer's pre-division by W). */
 static void test_reducer_vs_flat(void **state) {
-  run_t *a = oracle_run_sync(3, 4, 2, true);
-  run_t *b = oracle_run_sync(3, 4, 2, false);
+  run_t *a = oracle_run_sync(3, 4, 2, true, DDP_UNSET);
+  run_t *b = oracle_run_sync(3, 4, 2, false, DDP_UNSET);
   double d = rel_diff(a->params, b->params, a->nparams);
   print_message("reducer vs flat allreduce: rel diff %.2e\n", d);
   assert_true(d <= 1e-6);
@@ -566,7 +576,7 @@ static void test_metrics(void **state) {
   run_t *r = new_run(dir);
   r->args.learning_rate = 2e-3;
   r->args.max_steps = 23;
-  r->args.logging_steps = 5;
+  r->args.logging_steps = 0.2; /* HF: a fraction of the steps, ceil(0.2 * 23) = every 5 */
   run_world(r, 2);
   snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
   FILE *f = fopen(path, "r");
@@ -646,7 +656,7 @@ static void test_threads_vs_processes(void **state) {
     make_dir(dp, sizeof dp, "proc");
     make_dir(dt, sizeof dt, "thr");
     const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
-                         "--learning_rate 1e-3 --save_strategy no";
+                         "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
     snprintf(cmd, sizeof cmd,
              "'%s' --nproc_per_node %s --backend %s --master_port %s '%s' %s --output_dir '%s' "
              ">/dev/null 2>&1", ddprun, cases[i].world, cases[i].backend, port, exe, common, dp);
@@ -663,6 +673,51 @@ static void test_threads_vs_processes(void **state) {
     rm_tree(dp);
     rm_tree(dt);
   }
+}
+
+/* PyTorch oracle: tools/torch_reference.py runs real DDP (gloo, 3 ranks) with AdamW, weight
+ * decay, accumulation 2, clipping and a linear warmup schedule; ddp-train started from the
+ * same weights with the same HF arguments dumps every step, and ddp-compare finds inputs,
+ * averaged gradients and parameters within its default tolerance (rtol 1e-5, atol 1e-7). */
+static void test_dump_vs_torch(void **state) {
+  const char *py = ddp_test_python();
+  const char *build = getenv("DDP_BUILD_ROOT"), *root = ddp_test_source_root();
+  if (!py || !build || !root) {
+    skip();
+    return;
+  }
+  char dir[256], model[512], cmd[16384];
+  make_dir(dir, sizeof dir, "dump");
+  snprintf(model, sizeof model, "%s/model.json", dir);
+  FILE *f = fopen(model, "w");
+  assert_non_null(f);
+  fputs(mlp_nodrop, f);
+  fclose(f);
+  const char *hf = "--max_grad_norm 1.0 --lr_scheduler_type linear --warmup_steps 2 --seed 3 "
+                   "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
+                   "--ddp_find_unused_parameters false";
+  snprintf(cmd, sizeof cmd,
+           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' '%s/tools/torch_reference.py' "
+           "--model '%s' --dump_dir '%s/torch' --world 3 --steps 6 --batch 4 --lr 1e-3 %s "
+           ">'%s/torch.log' 2>&1", py, root, model, dir, hf, dir);
+  int rc = system(cmd);
+  if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) {
+    rm_tree(dir);
+    skip();
+    return;
+  }
+  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) fail_msg("torch_reference.py failed: %s", cmd);
+  snprintf(cmd, sizeof cmd,
+           "'%s/tools/ddp-train' --threads 3 --model '%s' --init '%s/torch/weights.safetensors' "
+           "--max_steps 6 --per_device_train_batch_size 4 --learning_rate 1e-3 %s --dump_dir "
+           "'%s/libddp' --save_strategy no --output_dir '%s/out' >/dev/null 2>&1",
+           build, model, dir, hf, dir, dir);
+  rc = system(cmd);
+  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  snprintf(cmd, sizeof cmd, "'%s/tools/ddp-compare' '%s/torch' '%s/libddp'", build, dir, dir);
+  rc = system(cmd);
+  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  rm_tree(dir);
 }
 
 /* The replica check: one rank's perturbed weight is an error naming the diverged rank. */
@@ -721,6 +776,7 @@ int main(void) {
       cmocka_unit_test(test_resume_bitwise),
       cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
       cmocka_unit_test(test_replica_check),  cmocka_unit_test(test_threads_vs_processes),
+      cmocka_unit_test(test_dump_vs_torch),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -561,8 +561,9 @@ static void print_table(const cmp_t *c, int rc) {
   const cJSON *e;
   if (cJSON_GetArraySize(c->layouts) > 0) printf("\nbucket layouts:");
   cJSON_ArrayForEach(e, c->layouts)
-    printf(" rank %d initial %s, rebuilt %s;", cJSON_GetObjectItemCaseSensitive(e, "rank")->valueint,
-           str_or(e, "initial", "?"), str_or(e, "rebuilt", "?"));
+    printf(" rank %d initial %s, rebuilt %s;",
+           cJSON_GetObjectItemCaseSensitive(e, "rank")->valueint, str_or(e, "initial", "?"),
+           str_or(e, "rebuilt", "?"));
   if (cJSON_GetArraySize(c->layouts) > 0) printf("\n");
   if (c->layout_differs) printf("layout difference: %s\n", c->layout_msg);
   if (c->first.set) {
@@ -604,7 +605,8 @@ static void print_json(const cmp_t *c, int rc) {
       cJSON_AddStringToObject(ff, "tensor", f->tensor);
       cJSON_AddNumberToObject(ff, "index", (double)f->index);
       cJSON *co = cJSON_AddArrayToObject(ff, "coords");
-      for (int k = 0; k < f->ndim; k++) cJSON_AddItemToArray(co, cJSON_CreateNumber((double)f->coords[k]));
+      for (int k = 0; k < f->ndim; k++)
+        cJSON_AddItemToArray(co, cJSON_CreateNumber((double)f->coords[k]));
       cJSON_AddNumberToObject(ff, "a", f->a);
       cJSON_AddNumberToObject(ff, "b", f->b);
       cJSON_AddNumberToObject(ff, "abs", f->abs);
@@ -626,7 +628,8 @@ static void print_json(const cmp_t *c, int rc) {
       cJSON_AddNumberToObject(t, "max_abs", s->max_abs);
       cJSON_AddNumberToObject(t, "max_rel", s->max_rel);
       cJSON *h = cJSON_AddArrayToObject(t, "ulp_hist");
-      for (int k = 0; k < NHIST; k++) cJSON_AddItemToArray(h, cJSON_CreateNumber((double)s->hist[k]));
+      for (int k = 0; k < NHIST; k++)
+        cJSON_AddItemToArray(h, cJSON_CreateNumber((double)s->hist[k]));
       cJSON_AddNumberToObject(t, "beyond", (double)s->beyond);
     }
     if (c->loss_seen)

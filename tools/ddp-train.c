@@ -1,7 +1,8 @@
 /* ddp-train: the main job. Data-parallel training with Hugging Face's TrainingArguments
  * names, checkpoints, metrics, a progress bar and a replica check (docs/train.md).
  *
- *   ddp-train [--threads N] [--model model.json] [--data SOURCE] [--config args.json]
+ *   ddp-train [--threads N] [--model model.json] [--init weights.safetensors] [--data SOURCE]
+ *             [--config args.json]
  *             [--<training argument> VALUE | --<training argument>=VALUE] ...
  *   ddprun --nproc_per_node 4 --backend shm ddp-train --max_steps 200
  *
@@ -16,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,6 +32,8 @@ typedef struct tool {
   const char *model_path;  /* NULL: the built-in MLP */
   const char *data;        /* NULL: the shipped digits, else synthetic */
   const char *label_column;
+  bool float_labels;       /* --label_dtype f32: CSV labels are regression targets */
+  const char *init;        /* --init: initial weights (safetensors state_dict) */
   int threads;
   bool print_args;         /* --print_args: print the resolved arguments as JSON and exit */
   char *model_json;        /* what every rank builds */
@@ -56,11 +60,14 @@ static void usage(FILE *f) {
           "\n"
           "  --model FILE       model description (docs/nn.md); default: an MLP sized to the data\n"
           "  --data SOURCE      FILE.safetensors (tensors 'features' and 'labels'), FILE.csv\n"
-          "                     (column --label_column, default 'label'), a directory of MNIST\n"
+          "                     (column --label_column, default 'label'; --label_dtype i64 for\n"
+          "                     classes (default) or f32 for regression), a directory of MNIST\n"
           "                     idx files (train-images-idx3-ubyte, train-labels-idx1-ubyte),\n"
           "                     'synthetic' (10-class Gaussian mixture) or\n"
           "                     'synthetic:regression'; default: the UCI digits shipped in\n"
           "                     tests/data\n"
+          "  --init FILE        initial weights: a safetensors state_dict (PyTorch's names),\n"
+          "                     loaded by name, strictly (else: PyTorch's default init, seeded)\n"
           "  --config FILE      JSON object of training arguments (command-line flags win)\n"
           "  --threads N        in-process ranks (threads backend)\n"
           "  --print_args       print the resolved training arguments as JSON and exit\n"
@@ -70,7 +77,20 @@ static void usage(FILE *f) {
     const char *name, *type, *def, *help;
     ddp_train_arg_info(i, &name, &type, &def, &help);
     fprintf(f, "  --%-30s %-14s %-14s %s\n", name, type, def[0] ? def : "\"\"", help);
-  }
+  }  fprintf(f,
+          "\n"
+          "A custom model and data (docs/train.md, docs/nn.md):\n"
+          "  model.json: {\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 32},\n"
+          "               {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 32, \"out\": 3}]}\n"
+          "    layer types: linear, relu, gelu, tanh, sigmoid, dropout, layernorm, batchnorm,\n"
+          "    embedding, flatten, residual, branch, checkpoint\n"
+          "  data.csv:   a header row (x1,x2,x3,x4,label), then one sample per line; integer\n"
+          "              labels train a classifier (cross-entropy); with --label_dtype f32 a\n"
+          "              regressor (MSE)\n"
+          "  ddp-train --threads 4 --model model.json --data data.csv --max_steps 500 \\\n"
+          "            --learning_rate 1e-3 --logging_steps 50 --output_dir run1\n"
+          "  ddp-train --threads 4 --model model.json --data data.csv --max_steps 1000 \\\n"
+          "            --output_dir run1 --resume_from_checkpoint true     (continue run1)\n");
 }
 
 static int usage_error(const char *fmt, const char *a, const char *b) {
@@ -162,6 +182,13 @@ static int parse_args(tool_t *t, int argc, char **argv) {
       t->model_path = value;
     } else if (!strcmp(name, "data")) {
       t->data = value;
+    } else if (!strcmp(name, "init")) {
+      t->init = value;
+    } else if (!strcmp(name, "label_dtype")) {
+      if (strcmp(value, "i64") && strcmp(value, "f32")) {
+        return usage_error("--label_dtype expects i64 or f32, got \"%s\"%s", value, "");
+      }
+      t->float_labels = !strcmp(value, "f32");
     } else if (!strcmp(name, "label_column")) {
       t->label_column = value;
     } else if (!strcmp(name, "threads")) {
@@ -242,6 +269,7 @@ static int load_data(tool_t *t) {
   } else if (ends_with(src, ".csv")) {
     ddp_csv_options_t o = DDP_CSV_OPTIONS_INIT;
     if (t->label_column) o.label_column = t->label_column;
+    if (t->float_labels) o.label_dtype = DDP_F32;
     st = ddp_dataset_from_csv(src, &o, &t->all, &err);
   } else {
     st = ddp_dataset_from_safetensors(src, NULL, NULL, &t->all, &err);
@@ -320,6 +348,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
   ddp_train_result_t res;
   ddp_status_t st = ddp_model_from_json(t->model_json, &model, &err);
   if (st == DDP_OK) st = ddp_model_init(model, t->args.seed);
+  if (st == DDP_OK && t->init) st = ddp_model_load(model, t->init, true, NULL, NULL, &err);
   if (st == DDP_OK) {
     st = ddp_train(pg, model, t->train ? t->train : t->all, t->eval, &t->args, on_event, t, &res,
                    &err);
@@ -388,6 +417,20 @@ int main(int argc, char **argv) {
             backend, backend);
     return 2;
   }
+  const char *resume = t.args.resume_from_checkpoint;
+  if (resume[0] && strcasecmp(resume, "false") != 0) {
+    char dir[DDP_TRAIN_STR_MAX];
+    if (!strcasecmp(resume, "true") || !strcasecmp(resume, "latest")) {
+      if (ddp_train_latest_checkpoint(t.args.output_dir, dir, sizeof dir, &err) != DDP_OK) {
+        fprintf(stderr, "ddp-train: --resume_from_checkpoint %s: %s\n", resume, err.msg);
+        return 2;
+      }
+    } else if (!is_dir(resume)) {
+      fprintf(stderr, "ddp-train: --resume_from_checkpoint %s: no such checkpoint directory\n",
+              resume);
+      return 2;
+    }
+  }
   if ((rc = load_data(&t)) != 0) return rc;
   if (t.model_path) {
     t.model_json = read_file(t.model_path);
@@ -402,6 +445,11 @@ int main(int argc, char **argv) {
   if ((st = ddp_model_from_json(t.model_json, &probe, &err)) != DDP_OK) {
     fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path ? t.model_path : "(default)",
             err.msg);
+    return 2;
+  }
+  if (t.init && (st = ddp_model_load(probe, t.init, true, NULL, NULL, &err)) != DDP_OK) {
+    fprintf(stderr, "ddp-train: --init %s: %s\n", t.init, err.msg);
+    ddp_model_destroy(probe);
     return 2;
   }
   ddp_model_destroy(probe);

@@ -32,6 +32,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
+sys.dont_write_bytecode = True  # the source tree may be read-only; leave nothing in it
 
 FORMAT = "libddp-dump-1"
 DEFAULT_DATA = os.path.join(os.path.dirname(TOOLS), "tests", "data", "digits.safetensors")
@@ -100,7 +101,8 @@ def parse_args(argv):
                    default=False)
     p.add_argument("--broadcast_buffers", "--ddp_broadcast_buffers", dest="broadcast_buffers",
                    type=parse_bool, nargs="?", const=True, default=True)
-    p.add_argument("--static_graph", "--ddp_static_graph", dest="static_graph", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument("--static_graph", "--ddp_static_graph", dest="static_graph",
+                   type=parse_bool, nargs="?", const=True, default=False)
     p.add_argument("--gradient_as_bucket_view", type=parse_bool, nargs="?", const=True,
                    default=False)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
@@ -203,8 +205,9 @@ def load_dataset(a, st):
 
 def synthetic_dataset(a, torch, model):
     """N samples with N(0, 1) features of the model's input width; labels are classes
-    (uniform) or N(0, 1) targets of the output width. Drawn on rank 0's generator from
-    --seed after the model's initialisation, identical on every rank."""
+    (uniform) or N(0, 1) targets of the output width, from a generator seeded with
+    --seed + 1: identical on every rank. Rank 0 saves them as DIR/dataset.safetensors
+    (features, labels) so that the libddp side can load the same samples."""
     first = next(p for p in model.parameters() if p.dim() == 2)
     out = [p for p in model.parameters() if p.dim() == 2][-1]
     g = torch.Generator().manual_seed(a.seed + 1)
@@ -353,6 +356,9 @@ def worker(rank, world, port, a):
 
     st.save_torch(os.path.join(rdir, "init.safetensors"), state_entries(False),
                   {"rank": str(rank), "producer": "torch_reference.py"})
+    if rank == 0 and a.data == "synthetic":
+        st.save_torch(os.path.join(a.dump_dir, "dataset.safetensors"),
+                      [("features", feats), ("labels", labels)])
     if rank == 0:
         # The broadcast weights under plain state_dict names: ddp_model_load reads this.
         st.save_torch(os.path.join(a.dump_dir, "weights.safetensors"),

@@ -20,6 +20,7 @@
 
 #include "ddp/common.h"
 #include "ddp/store.h"
+#include "ddp/tensor.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,7 +45,8 @@ typedef enum ddp_redop {
 typedef enum ddp_algorithm {
   DDP_ALGO_AUTO = 0,      /* the size table: small below a threshold, canonical above */
   DDP_ALGO_CANONICAL = 1, /* owner folds its slice in rank order, then all-gather (D2) */
-  DDP_ALGO_RING = 2,      /* gloo-style segmented ring (D1 only; tcp backend) */
+  DDP_ALGO_RING = 2,      /* the fast mode (D1 only): gloo-style segmented ring on tcp;
+                           * MPI_Iallreduce on mpi; ncclAllReduce on nccl */
   DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
 } ddp_algorithm_t;
 
@@ -93,6 +95,22 @@ typedef struct ddp_xfer {
   size_t done;   /* progress, owned by the backend during xfer() */
 } ddp_xfer_t;
 
+/* One whole collective, for backends that run collectives with their own library (mpi's
+ * MPI_Iallreduce, nccl). kind: 1 allreduce, 2 broadcast, 3 allgather, 4 reduce_scatter,
+ * 5 alltoall, 6 barrier, 7 send, 8 recv; root = broadcast root or point-to-point peer;
+ * algo is resolved (never AUTO). Buffers and counts are those of include/ddp/pg.h, already
+ * validated. */
+typedef struct ddp_backend_coll {
+  int kind;
+  const void *send;
+  void *recv;
+  size_t count;
+  ddp_dtype_t dt;
+  ddp_redop_t op;
+  int root;
+  ddp_algorithm_t algo;
+} ddp_backend_coll_t;
+
 typedef struct ddp_backend_ops {
   uint32_t abi_version;
   const char *name;
@@ -115,6 +133,12 @@ typedef struct ddp_backend_ops {
   /* Link family: tells peers this rank has failed (they see DDP_ERR_REMOTE at once rather
    * than at their timeout). Data already sent is still delivered. */
   void (*fail)(void *state);
+  /* Optional: runs a whole collective with the backend's own implementation, on the
+   * progress thread, by deadline_ns. DDP_ERR_UNSUPPORTED means "not this one": the family's
+   * algorithms (src/algo) run it instead. A native collective skips the fingerprint check
+   * of the family algorithms unless the backend does its own. NULL = never. */
+  ddp_status_t (*run)(void *state, const ddp_backend_coll_t *c, int64_t deadline_ns,
+                      ddp_error_t *err);
 } ddp_backend_ops_t;
 
 /* The registered backend of that name ("gloo" is an alias of "tcp"), or NULL. */

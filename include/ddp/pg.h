@@ -38,8 +38,9 @@ typedef struct ddp_work ddp_work_t;
 
 typedef struct ddp_pg_options {
   size_t struct_size;        /* sizeof(ddp_pg_options_t) */
-  const char *backend;       /* "threads", "shm", "tcp" ("gloo" = tcp); NULL = DDP_BACKEND env,
-                              * else threads */
+  const char *backend;       /* "threads", "shm", "tcp" ("gloo" = tcp), and where built "mpi"
+                              * (docs/mpi.md) and "nccl" (docs/nccl.md); NULL = DDP_BACKEND
+                              * env, else threads. mpi needs no store; nccl needs one. */
   int rank;                  /* 0..world-1 */
   int world;                 /* 1..DDP_PG_MAX_WORLD */
   ddp_store_t *store;        /* rendezvous; borrowed, must outlive create (not the group) */
@@ -60,7 +61,9 @@ DDP_API ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out,
 /* Creates a group from a launcher's environment: RANK/WORLD_SIZE (torchrun, ddprun), else
  * OMPI_COMM_WORLD_RANK/SIZE (mpirun), else SLURM_PROCID/NTASKS (srun); MASTER_ADDR and
  * MASTER_PORT locate the TCP store, served by rank 0; DDP_BACKEND picks the backend (default
- * tcp). The group owns that store. opts may be NULL; its rank, world and store are ignored. */
+ * tcp, or mpi under Open MPI's mpirun when the mpi backend is built and RANK is unset). The
+ * group owns that store. The mpi backend uses no store (and so needs no MASTER_*): MPI has
+ * connected the ranks. opts may be NULL; its rank, world and store are ignored. */
 DDP_API ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out,
                                             ddp_error_t *err);
 

@@ -2,12 +2,13 @@
  *
  * A ddp_ddp_t wraps one rank's replica of a model (ddp_model_t) and a process group, and
  * reproduces PyTorch's DistributedDataParallel (docs/ddp.md, spec/ddp-semantics.md §0-6,
- * 10, 12): the construction-time shape check and broadcast from rank 0, gradient buckets
+ * 9.2, 10, 12): the construction-time shape check and broadcast from rank 0, gradient buckets
  * (compute_bucket_assignment_by_size, one bucket in iteration 1, one rebuild from the ready
  * order with rank 0's layout), bucket allreduces launched strictly in index order from the
  * gradient-ready hooks while backward still runs, averaging by a pre-multiply with fl(1/W),
  * the end-of-backward finalize, no_sync, broadcast_buffers, find_unused_parameters,
- * static_graph, gradient_as_bucket_view and get_ddp_logging_data's statistics.
+ * static_graph, gradient_as_bucket_view, join() for uneven inputs, get_ddp_logging_data's
+ * statistics and a Chrome-trace timeline.
  *
  * (The wrapper is ddp_ddp_create rather than PyTorch-like "ddp_model_create" because the
  * nn layer already names its model constructor that.)
@@ -75,10 +76,18 @@ typedef struct ddp_ddp_options {
   bool gradient_as_bucket_view; /* false */
   bool static_graph;            /* false */
   bool init_sync;               /* true: shape check and broadcast at create */
+  /* Chrome trace (chrome://tracing, Perfetto): when non-NULL, every rank records forward,
+   * backward, each bucket's allreduce and the finalize, and appends them to this file at
+   * destroy (rank 0 truncates it at create; one process per rank, pid = rank). The
+   * string is copied. */
+  const char *trace_path;
+  /* Chunk size of the parameter and buffer broadcasts; 0 = 250 MiB (PyTorch's
+   * broadcast_bucket_size). */
+  size_t broadcast_bucket_bytes;
 } ddp_ddp_options_t;
 
 #define DDP_DDP_OPTIONS_INIT \
-  {sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true}
+  {sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true, NULL, 0}
 
 typedef struct ddp_ddp ddp_ddp_t;
 
@@ -196,6 +205,166 @@ typedef struct ddp_ddp_logging_data {
 } ddp_ddp_logging_data_t;
 
 DDP_API void ddp_ddp_get_logging_data(ddp_ddp_t *ddp, ddp_ddp_logging_data_t *out);
+
+/* ---------------------------------------------------------------- comm hooks ------ */
+
+/* A communication hook replaces a bucket's built-in allreduce (spec §7.1). The reducer
+ * knows nothing about specific hooks (those live in ddp/hooks.h): it calls the registered
+ * function once per bucket, in bucket order, when the bucket is ready, and at finalize
+ * resolves the returned work, in bucket order, to a buffer of the bucket's element count,
+ * which it converts to the gradient dtype and copies into the gradients. With a hook the
+ * reducer does not divide by the world size: the hook does. Hooks are not called during
+ * no_sync steps; under join() a joined rank calls the hook with zero-filled buckets. */
+
+/* What a hook sees: PyTorch's GradBucket. Owned by the reducer, valid until the bucket's
+ * work has been resolved. buffer() holds the undivided local gradients; set_buffer
+ * replaces what buffer() returns (the element count stays). */
+typedef struct ddp_grad_bucket {
+  size_t index;                /* 0-based position in the reduction order */
+  bool is_last;                /* index == number of buckets - 1 */
+  void *buffer;                /* buffer(): numel elements of dtype */
+  size_t numel;
+  ddp_dtype_t dtype;
+  size_t nparams;
+  ddp_param_t *const *params;  /* parameters(), in bucket order */
+  const size_t *offsets;       /* element offset of parameter k's gradient in buffer */
+} ddp_grad_bucket_t;
+
+/* set_buffer(t): data (borrowed; it must live until the work resolves) becomes buffer(). */
+DDP_API void ddp_grad_bucket_set_buffer(ddp_grad_bucket_t *b, void *data, ddp_dtype_t dt);
+/* gradients()[k]: a view of params[k]->value.numel elements into the current buffer(),
+ * with the parameter's shape (params[k]->value.shape). */
+DDP_API void *ddp_grad_bucket_gradient(const ddp_grad_bucket_t *b, size_t k);
+
+/* The future a hook returns: a set of pending collectives, an optional continuation that
+ * runs once they have all completed (it may launch more collectives and set a new
+ * continuation), and the buffer the future resolves to. Collectives launched from a
+ * continuation run when the reducer resolves the work, in bucket order, identically on
+ * every rank. Not thread-safe; one owner. */
+typedef struct ddp_comm_work ddp_comm_work_t;
+typedef ddp_status_t (*ddp_comm_then_fn)(void *user, ddp_comm_work_t *w);
+
+DDP_API ddp_status_t ddp_comm_work_create(ddp_comm_work_t **out);
+/* Adds a pending collective; the comm work owns it from here (also on failure). */
+DDP_API ddp_status_t ddp_comm_work_add(ddp_comm_work_t *w, ddp_work_t *work);
+/* The continuation; replaces the previous one. */
+DDP_API void ddp_comm_work_then(ddp_comm_work_t *w, ddp_comm_then_fn fn, void *user);
+/* The result (borrowed): count elements of dt at data. */
+DDP_API void ddp_comm_work_set_result(ddp_comm_work_t *w, void *data, size_t count,
+                                      ddp_dtype_t dt);
+/* Called with user by ddp_comm_work_free (to release the hook's per-call memory). */
+DDP_API void ddp_comm_work_on_free(ddp_comm_work_t *w, void (*fn)(void *), void *user);
+/* Records a failure message for a continuation that fails (returned by _error). */
+DDP_API void ddp_comm_work_set_error(ddp_comm_work_t *w, const char *msg);
+/* Waits for the collectives (each bounded by its group's timeout), runs continuations
+ * until none is left, and returns the result. The first failure is returned. */
+DDP_API ddp_status_t ddp_comm_work_wait(ddp_comm_work_t *w, const void **data, size_t *count,
+                                        ddp_dtype_t *dt);
+DDP_API const char *ddp_comm_work_error(const ddp_comm_work_t *w);
+/* Waits for anything still in flight, calls on_free, frees. NULL is a no-op. */
+DDP_API void ddp_comm_work_free(ddp_comm_work_t *w);
+
+/* hook(state, pg, bucket) -> work. A status other than DDP_OK fails the backward. */
+typedef ddp_status_t (*ddp_comm_hook_fn)(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
+                                         ddp_comm_work_t **out);
+
+/* Communication statistics a hook reports (cumulative numel over all synchronised steps,
+ * payload bytes handed to collectives by the last step on this rank). */
+typedef struct ddp_comm_hook_stats {
+  int64_t numel_before; /* elements that would have been all-reduced without compression */
+  int64_t numel_after;  /* elements actually all-reduced instead */
+  int64_t bytes_last_step;
+} ddp_comm_hook_stats_t;
+
+typedef struct ddp_comm_hook {
+  ddp_comm_hook_fn fn;
+  void *state;
+  const char *name;                                       /* copied; logging's comm_hook */
+  void (*stats)(void *state, ddp_comm_hook_stats_t *out); /* NULL: none */
+  void (*free_state)(void *state); /* non-NULL: the DDP handle owns state once registered */
+} ddp_comm_hook_t;
+
+/* register_comm_hook: once per handle, before the first synchronised forward. Errors
+ * (DDP_ERR_INVALID_USAGE): a second call ("register_comm_hook or register_builtin_comm_hook
+ * can only be called once."), a call after training started. On failure the caller keeps
+ * state. */
+DDP_API ddp_status_t ddp_ddp_register_comm_hook(ddp_ddp_t *ddp, const ddp_comm_hook_t *hook,
+                                                ddp_error_t *err);
+
+/* Communication statistics: with a hook, what it reports; without, the bucket element
+ * counts (no compression) and their bytes. rate = before / after (PyTorch's
+ * "compression rate"), 1 without compression. */
+typedef struct ddp_ddp_comm_stats {
+  int64_t numel_before;
+  int64_t numel_after;
+  double rate;
+  int64_t bytes_last_step; /* payload bytes all-reduced by this rank in the last sync step */
+} ddp_ddp_comm_stats_t;
+DDP_API void ddp_ddp_get_comm_stats(ddp_ddp_t *ddp, ddp_ddp_comm_stats_t *out);
+
+/* ---------------------------------------------------------------- dumps ----------- */
+
+/* The per-step dump writer (docs/dumps.md, format "libddp-dump-1"): the layout
+ * tools/torch_reference.py writes, for tools/ddp-compare. One handle per rank, all ranks
+ * writing into the same directory DIR:
+ *     ddp_dump_open(DIR, rank, world, &o, &d, &err);   // rank 0 writes DIR/meta.json
+ *     ddp_dump_init(d, model, ddp);                   // after ddp_ddp_create: init.safetensors
+ *     per step: per micro-batch ddp_dump_input(d, x, y, idx); forward; backward;
+ *               ddp_dump_grads(d);                    // averaged grads, before clipping/step
+ *               optimizer step;
+ *               ddp_dump_step(d, step, loss, micro_batches, flags);  // stepNNNNNN.safetensors
+ *     ddp_dump_finish(d);                              // ddp.json; before ddp_ddp_destroy
+ *     ddp_dump_close(d);
+ * Every file is replaced atomically (a temporary file, fsync, rename). Errors are statuses
+ * with the message in ddp_dump_last_error(); a failed call leaves the handle usable. */
+typedef struct ddp_dump ddp_dump_t;
+
+typedef struct ddp_dump_options {
+  size_t struct_size;           /* sizeof(ddp_dump_options_t) */
+  int64_t steps;                /* meta.json "steps", the planned count; ddp_dump_finish
+                                   rewrites it (rank 0) when a different count was written */
+  const char *producer_version; /* meta.json "producer_version"; NULL = "libddp" */
+  const char *config_json;      /* meta.json "config": JSON object text; NULL = {} */
+  const char *model_json;       /* meta.json "model": the model file's text; NULL = {} */
+} ddp_dump_options_t;
+
+#define DDP_DUMP_OPTIONS_INIT {sizeof(ddp_dump_options_t), 0, NULL, NULL, NULL}
+
+/* Creates DIR and DIR/rank{rank} (mkdir -p) and, on rank 0, writes DIR/meta.json. The
+ * strings of opts are copied; config_json and model_json must parse as JSON objects
+ * (DDP_ERR_INVALID_ARGUMENT). err (optional) receives the message on failure. */
+DDP_API ddp_status_t ddp_dump_open(const char *dir, int rank, int world,
+                                   const ddp_dump_options_t *opts, ddp_dump_t **out,
+                                   ddp_error_t *err);
+/* Binds the model (and the reducer, NULL when there is none) and writes
+ * rank{r}/init.safetensors: every parameter as param.<name>, then every buffer as
+ * buffer.<name>. Call it after ddp_ddp_create and before the first forward: it records
+ * the construction-time bucket layout for ddp.json. Both handles are borrowed. */
+DDP_API ddp_status_t ddp_dump_init(ddp_dump_t *d, ddp_model_t *model, ddp_ddp_t *ddp);
+/* Appends one micro-batch to the step's inputs: features x [n, ...], labels y [n, ...]
+ * and the dataset indices (n entries; NULL writes -1). Every micro-batch of a dump must
+ * have the same dtypes and per-row shapes. */
+DDP_API ddp_status_t ddp_dump_input(ddp_dump_t *d, const ddp_tensor_t *x, const ddp_tensor_t *y,
+                                    const int64_t *indices);
+/* Copies every parameter's gradient (state order; frozen ones as zeros): call it after
+ * the last backward of the step, before gradient clipping and the optimizer. */
+DDP_API ddp_status_t ddp_dump_grads(ddp_dump_t *d);
+/* Writes rank{r}/step{NNNNNN}.safetensors: input.x, input.y, input.index, the gradients
+ * copied by ddp_dump_grads (required), the parameters and buffers as they are now (after
+ * the optimizer step), with metadata step, rank, loss (%.17g), micro_batches, flags and
+ * grads_none (the frozen parameters). Then clears the inputs and the gradient copy. */
+DDP_API ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_batches,
+                                   uint64_t flags);
+/* Writes rank{r}/ddp.json (only with a reducer bound): the reducer's parameter list and
+ * shapes, state parameter and buffer names, the initial layout recorded at ddp_dump_init
+ * and the rebuilt one (null when none happened), bucket sizes and limits, the last
+ * grad-ready order and the logging data under PyTorch's keys. Rank 0 rewrites meta.json
+ * when the number of steps written differs from opts->steps. Call before ddp_ddp_destroy. */
+DDP_API ddp_status_t ddp_dump_finish(ddp_dump_t *d);
+/* Frees the handle. NULL is a no-op. */
+DDP_API void ddp_dump_close(ddp_dump_t *d);
+/* The message of the last failed call ("" if none). */
+DDP_API const char *ddp_dump_last_error(const ddp_dump_t *d);
 
 #ifdef __cplusplus
 }

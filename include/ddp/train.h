@@ -62,17 +62,18 @@ typedef struct ddp_train_args {
   double warmup_ratio;        /* 0.0 */
   /* run control */
   uint64_t seed;              /* 42: initial weights, sampler shuffles, dropout */
-  int64_t logging_steps;      /* 500 */
+  double logging_steps;       /* 500; below 1: a fraction of max_steps (HF) */
   char eval_strategy[16];     /* "no" | "steps" | "epoch" */
-  int64_t eval_steps;         /* 0: logging_steps (HF) */
+  double eval_steps;          /* 0: logging_steps (HF); below 1: a fraction of max_steps */
   double eval_split;          /* libddp: held-out fraction when evaluating; 0.1 */
   char save_strategy[16];     /* "steps" | "epoch" | "no" */
-  int64_t save_steps;         /* 500 */
+  double save_steps;          /* 500; below 1: a fraction of max_steps */
   int64_t save_total_limit;   /* -1: keep every checkpoint */
   char output_dir[DDP_TRAIN_STR_MAX];             /* "trainer_output" */
   char resume_from_checkpoint[DDP_TRAIN_STR_MAX]; /* "": none; a path; "true": the latest */
   bool gradient_checkpointing; /* false; only enters ddp_find_unused_parameters' default */
   bool disable_tqdm;           /* false: progress bar when stdout is a terminal */
+  char dump_dir[DDP_TRAIN_STR_MAX]; /* libddp: per-step dumps (docs/dumps.md); "" = none */
   /* DDP */
   char ddp_backend[16];                   /* "": auto. gloo (= tcp), threads, shm, tcp, mpi, nccl */
   ddp_tristate_t ddp_find_unused_parameters; /* unset: !gradient_checkpointing (HF) */
@@ -99,7 +100,8 @@ typedef struct ddp_train_args {
     .logging_steps = 500, .eval_strategy = "no", .eval_steps = 0, .eval_split = 0.1,      \
     .save_strategy = "steps", .save_steps = 500, .save_total_limit = -1,                  \
     .output_dir = "trainer_output", .resume_from_checkpoint = "",                         \
-    .gradient_checkpointing = false, .disable_tqdm = false, .ddp_backend = "",            \
+    .gradient_checkpointing = false, .disable_tqdm = false, .dump_dir = "",              \
+    .ddp_backend = "",                                                                    \
     .ddp_find_unused_parameters = DDP_UNSET, .ddp_bucket_cap_mb = -1,                     \
     .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800,                              \
     .ddp_static_graph = DDP_UNSET, .gradient_as_bucket_view = false, .ddp_reducer = true,  \

@@ -7,6 +7,9 @@
 extern const ddp_backend_ops_t ddp__backend_threads;
 extern const ddp_backend_ops_t ddp__backend_shm;
 extern const ddp_backend_ops_t ddp__backend_tcp;
+/* Optional backends, compiled where the library was found (ddp_config.h). */
+extern const ddp_backend_ops_t ddp__backend_mpi;  /* DDP_HAVE_MPI */
+extern const ddp_backend_ops_t ddp__backend_nccl; /* DDP_HAVE_NCCL */
 
 /* Rendezvous step every backend ends its create with: publishes "<prefix>/joined/<rank>"
  * (value = the process id) and waits until all `size` ranks have, up to timeout_ms. On a

@@ -11,6 +11,12 @@ static const ddp_backend_ops_t *const registry[] = {
     &ddp__backend_threads,
     &ddp__backend_shm,
     &ddp__backend_tcp,
+#if DDP_HAVE_MPI
+    &ddp__backend_mpi,
+#endif
+#if DDP_HAVE_NCCL
+    &ddp__backend_nccl,
+#endif
 };
 
 const ddp_backend_ops_t *ddp_backend_find(const char *name) {
@@ -21,7 +27,16 @@ const ddp_backend_ops_t *ddp_backend_find(const char *name) {
   return NULL;
 }
 
-const char *ddp_backend_names(void) { return "threads, shm, tcp (alias gloo)"; }
+const char *ddp_backend_names(void) {
+  return "threads, shm, tcp (alias gloo)"
+#if DDP_HAVE_MPI
+         ", mpi"
+#endif
+#if DDP_HAVE_NCCL
+         ", nccl"
+#endif
+      ;
+}
 
 ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank, int size,
                                int64_t timeout_ms, int *pids, ddp_error_t *err) {

@@ -94,9 +94,16 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   }
   ddp_error_t detail = {DDP_OK, ""};
   pg->comm.deadline_ns = ddp_deadline_after_ms(pg->timeout_ms);
-  ddp_status_t st = pg->ops->family == DDP_BACKEND_SHARED
-                        ? ddp__run_shared(&pg->comm, &w->coll, &detail)
-                        : ddp__run_link(&pg->comm, &w->coll, &detail);
+  ddp_status_t st = DDP_ERR_UNSUPPORTED;
+  if (pg->ops->run) {
+    const ddp__coll_t *k = &w->coll;
+    ddp_backend_coll_t bc = {(int)k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root,
+                             k->algo};
+    st = pg->ops->run(pg->state, &bc, pg->comm.deadline_ns, &detail);
+  }
+  if (st == DDP_ERR_UNSUPPORTED)
+    st = pg->ops->family == DDP_BACKEND_SHARED ? ddp__run_shared(&pg->comm, &w->coll, &detail)
+                                               : ddp__run_link(&pg->comm, &w->coll, &detail);
   if (st == DDP_OK) {
     w->status = DDP_OK;
     return;
@@ -633,10 +640,22 @@ ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out
                       "no launcher environment: set RANK and WORLD_SIZE (torchrun, ddprun), or "
                       "run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_*)");
   DDP_CHECK(st);
-  if (!o.backend) o.backend = ddp_env_is_set(DDP_ENV_BACKEND) ? ddp_env_get(DDP_ENV_BACKEND) : "tcp";
+  /* Under mpirun (Open MPI's variables, no RANK) with no backend named, the mpi backend is
+   * the natural choice when it was built. */
+  bool under_mpirun = !ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_OMPI_RANK);
+  if (!o.backend)
+    o.backend = ddp_env_is_set(DDP_ENV_BACKEND) ? ddp_env_get(DDP_ENV_BACKEND)
+                : under_mpirun && ddp_backend_find("mpi") ? "mpi"
+                                                          : "tcp";
   if (strcmp(o.backend, "threads") == 0)
     return ddp__error(err, o.rank, DDP_ERR_INVALID_ARGUMENT,
                       "backend threads needs all ranks in one process: use ddp_spawn_threads");
+  /* mpi rendezvouses through MPI itself (mpirun/srun already connected the ranks): no store,
+   * so no MASTER_ADDR/MASTER_PORT is needed. */
+  if (strcmp(o.backend, "mpi") == 0) {
+    o.store = NULL;
+    return ddp_pg_create(&o, out, err);
+  }
   int64_t port;
   DDP_CHECK(ddp_env_int(DDP_ENV_MASTER_PORT, 1, 65535, &port, err));
   if (o.timeout_ms < 0) {

@@ -3,7 +3,10 @@
  * finalize and copy-back, the one-time rebuild, no_sync, buffer broadcast,
  * find_unused_parameters, static_graph and statistics. The behaviour, numbers and texts
  * follow spec/ddp-semantics.md; section numbers below refer to it. */
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -25,7 +28,21 @@ typedef struct bucket {
   void *buf;
   size_t pending; /* variables not yet ready in this backward */
   ddp_work_t *work;
+  int64_t t_launch;
+  /* with a comm hook: what the hook sees and what it returned */
+  ddp_grad_bucket_t gb;
+  ddp_param_t **gb_params;
+  ddp_comm_work_t *cwork;
 } bucket_t;
+
+/* One complete ("X") event of the Chrome trace. */
+typedef struct trace_ev {
+  const char *name;
+  int64_t ts, dur; /* ns */
+  int tid;         /* 0 compute, 1 communication */
+  int64_t bucket;  /* -1 when not a bucket */
+  int64_t bytes;
+} trace_ev_t;
 
 typedef struct layout_stats {
   size_t nb;
@@ -42,6 +59,7 @@ struct ddp_ddp {
   ddp_ddp_options_t opts;
   int rank, world;
   size_t bucket_bytes_cap, first_bucket_bytes_cap;
+  size_t bcast_bytes; /* chunk limit of the coalesced broadcasts */
 
   size_t P;               /* managed parameters */
   ddp_param_t **params;   /* managed index -> model parameter */
@@ -52,6 +70,12 @@ struct ddp_ddp {
   bucket_t *buckets;
   size_t nbuckets;
   size_t next_bucket;
+
+  bool hooks_set; /* the model's grad-ready hooks point here */
+  bool has_comm_hook; /* a registered comm hook replaces the allreduce, no pre-divide */
+  ddp_comm_hook_t comm_hook;
+  char *comm_hook_name;
+  int64_t comm_bytes_step; /* payload bytes of the last synced step without a hook */
 
   /* per backward */
   ddp_ctx_t *ctx;
@@ -112,8 +136,60 @@ struct ddp_ddp {
   int64_t sum_fwd, sum_bwd, sum_comm, sum_overlap, nsamples;
   int64_t unused_bytes;
 
+  /* timeline */
+  char *trace_path;
+  trace_ev_t *ev;
+  size_t nev, cap_ev;
+  int64_t t_pre_forward;
+
   char err[ERRBUF];
 };
+
+static void trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int tid, int64_t bucket,
+                  int64_t bytes) {
+  if (!d->trace_path) return;
+  if (d->nev == d->cap_ev) {
+    size_t nc = d->cap_ev ? 2 * d->cap_ev : 256;
+    trace_ev_t *n = ddp__realloc(d->ev, nc * sizeof *n);
+    if (!n) return; /* the timeline is best effort: a full trace loses events */
+    d->ev = n;
+    d->cap_ev = nc;
+  }
+  d->ev[d->nev++] = (trace_ev_t){name, t0, t1 - t0, tid, bucket, bytes};
+}
+
+/* Appends this rank's events as JSON array elements in one write (O_APPEND), so ranks in
+ * different processes never interleave inside an event. The array's closing bracket is
+ * optional in the trace format. */
+static void write_trace(ddp_ddp_t *d) {
+  size_t cap = 256 + d->nev * 200, len = 0;
+  char *buf = ddp__malloc(cap);
+  if (!buf) return;
+  for (size_t i = 0; i < d->nev; i++) {
+    const trace_ev_t *e = &d->ev[i];
+    char name[48];
+    if (e->bucket >= 0) snprintf(name, sizeof name, "%s %" PRId64, e->name, e->bucket);
+    else snprintf(name, sizeof name, "%s", e->name);
+    len += (size_t)snprintf(buf + len, cap - len,
+                            "{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
+                            "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"bytes\":%" PRId64 "}},\n",
+                            name, d->rank, e->tid, (double)e->ts / 1e3, (double)e->dur / 1e3,
+                            e->bytes);
+    if (len >= cap) {
+      len = cap - 1;
+      break;
+    }
+  }
+  int fd = open(d->trace_path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    ddp__log(d->rank, DDP_LOG_WARN, "DDP trace: open %s: %s", d->trace_path, strerror(errno));
+  } else {
+    if (write(fd, buf, len) != (ssize_t)len)
+      ddp__log(d->rank, DDP_LOG_WARN, "DDP trace: short write to %s", d->trace_path);
+    close(fd);
+  }
+  ddp__free(buf);
+}
 
 /* ---------------------------------------------------------------- helpers --------- */
 
@@ -279,7 +355,7 @@ static ddp_status_t sync_buffers(ddp_ddp_t *d, int root) {
     ddp_buffer_t *b = ddp_model_buffer(d->model, i);
     t[i] = (tref_t){b->value.data, ddp_tensor_nbytes(&b->value), b->value.dtype};
   }
-  ddp_status_t st = broadcast_coalesced(d, t, nb, DDP_BROADCAST_BUCKET_BYTES, root, "buffers");
+  ddp_status_t st = broadcast_coalesced(d, t, nb, d->bcast_bytes, root, "buffers");
   ddp__free(t);
   return st;
 }
@@ -292,6 +368,8 @@ static void free_buckets(ddp_ddp_t *d, bucket_t *b, size_t n) {
       ddp_work_wait(b[i].work, -1);
       ddp_work_free(b[i].work);
     }
+    ddp_comm_work_free(b[i].cwork);
+    ddp__free(b[i].gb_params);
     ddp_pg_free(d->pg, b[i].buf);
     ddp__free(b[i].vars);
     ddp__free(b[i].offsets);
@@ -399,13 +477,23 @@ static ddp_status_t init_buckets(ddp_ddp_t *d, const ddp_bucket_assignment_t *a)
 static void stats_sample_end(ddp_ddp_t *d);
 static ddp_status_t sync_module_states(ddp_ddp_t *d, int root);
 
+static ddp_status_t run_comm_hook(ddp_ddp_t *d, size_t b);
+
 /* Launching means one allreduce SUM of the whole flat buffer (no comm hook: the copy-in
- * already multiplied by 1/W). Buckets go strictly in index order (§3.5): a ready bucket
+ * already multiplied by 1/W), or a call of the registered comm hook. Buckets go strictly in index order (§3.5): a ready bucket
  * waits for every lower-indexed one. */
 static ddp_status_t launch_ready(ddp_ddp_t *d) {
   while (d->next_bucket < d->nbuckets && d->buckets[d->next_bucket].pending == 0) {
     bucket_t *b = &d->buckets[d->next_bucket];
     if (d->t_comm_start == 0) d->t_comm_start = ddp_now_ns();
+    b->t_launch = ddp_now_ns();
+    if (d->has_comm_hook) {
+      DDP_CHECK(run_comm_hook(d, d->next_bucket));
+      d->next_bucket++;
+      continue;
+    }
+    if (d->next_bucket == 0) d->comm_bytes_step = 0;
+    d->comm_bytes_step += (int64_t)(b->numel * ddp_dtype_size(b->dtype));
     ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_SUM, &b->work);
     if (st != DDP_OK)
       return fail(d, st, "[rank %d] DDP: launching the allreduce of bucket %zu failed: %s",
@@ -415,6 +503,7 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
   return DDP_OK;
 }
 
+static ddp_status_t resolve_comm_hook(ddp_ddp_t *d, size_t b, bool report);
 static ddp_status_t finalize_backward(ddp_ddp_t *d);
 static ddp_status_t finalize_cb(void *user) { return finalize_backward(user); }
 
@@ -477,6 +566,10 @@ static ddp_status_t mark_ready(ddp_ddp_t *d, size_t i) {
   size_t n = (size_t)p->value.numel;
   if (!p->grad.data) {
     memset(slot, 0, pbytes(p));
+  } else if (d->has_comm_hook) {
+    /* The hook divides (spec §7.1): the bucket holds the undivided local gradients. */
+    if (p->grad.data != slot) memcpy(slot, p->grad.data, pbytes(p));
+    if (d->opts.gradient_as_bucket_view) ddp_param_set_grad_data(p, slot);
   } else if (p->grad.data == slot) {
     /* Bucket-view path: upstream divides in place (true division). */
     if (p->value.dtype == DDP_F32) {
@@ -545,14 +638,20 @@ static ddp_status_t finalize_backward(ddp_ddp_t *d) {
   bool need_used = d->opts.find_unused_parameters || d->opts.static_graph;
   for (size_t b = 0; b < d->nbuckets; b++) {
     bucket_t *x = &d->buckets[b];
-    ddp_status_t st = x->work ? ddp_work_wait(x->work, -1) : DDP_ERR_INTERNAL;
+    ddp_status_t st = x->cwork   ? resolve_comm_hook(d, b, first == DDP_OK)
+                      : x->work ? ddp_work_wait(x->work, -1)
+                                : DDP_ERR_INTERNAL;
+    if (x->cwork && st != DDP_OK && first == DDP_OK) first = st; /* message already set */
+    trace(d, "allreduce bucket", x->t_launch, ddp_now_ns(), 1, (int64_t)b,
+          (int64_t)(x->numel * ddp_dtype_size(x->dtype)));
     if (st != DDP_OK && first == DDP_OK) {
       char names[2048] = "";
       append_names(names, sizeof names, d, x->vars, x->nvars, ", ");
       fail(d, st,
-           "[rank %d] DDP: allreduce of bucket %zu (%zu parameters: %s) failed: %s. A rank "
-           "whose loss did not use one of these parameters never launches this bucket; see "
-           "that rank's error at its next forward, or use find_unused_parameters=True.",
+           "[rank %d] DDP: allreduce of bucket %zu (%zu parameters: %s) failed: %s. If a "
+           "rank's loss did not use one of these parameters, that rank never launches this "
+           "bucket: its next forward names the parameter; find_unused_parameters=True "
+           "handles it.",
            d->rank, b, x->nvars, names,
            x->work ? (ddp_work_error(x->work)[0] ? ddp_work_error(x->work)
                                                  : ddp_pg_last_error(d->pg))
@@ -605,6 +704,7 @@ static ddp_status_t finalize_backward(ddp_ddp_t *d) {
   d->t_comm_end = ddp_now_ns();
   memcpy(d->prev_ready_order, d->ready_order, d->nready_order * sizeof(size_t));
   d->nprev_ready_order = d->nready_order;
+  trace(d, "finalize", d->t_bwd_compute_end, d->t_comm_end, 0, -1, 0);
   if (first == DDP_OK) stats_sample_end(d);
   return first;
 }
@@ -624,10 +724,12 @@ static ddp_status_t delayed_all_reduce(void *user) {
   if (st != DDP_OK) return st;
   d->used_waited = true;
   d->nunused = 0;
+  d->unused_bytes = 0;
   for (size_t i = 0; i < d->P; i++) {
     d->unused[i] = d->fire_expected[i] == 0;
     if (d->unused[i]) {
       d->unused_list[d->nunused++] = i;
+      d->unused_bytes += (int64_t)pbytes(d->params[i]);
       ddp__log(d->rank, DDP_LOG_INFO, "DDP static_graph: parameter %s (index %zu) is unused",
                d->params[i]->name, i);
     }
@@ -946,6 +1048,10 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
         for (size_t k = 0; k < x->nvars; k++) /* keep the grads, which live here */
           ddp_param_set_grad_data(d->params[x->vars[k]], NULL);
       memset(x->buf, 0, x->numel * ddp_dtype_size(x->dtype));
+      if (d->has_comm_hook) {
+        st = run_comm_hook(d, b);
+        continue;
+      }
       st = ddp_allreduce(d->pg, x->buf, x->buf, x->numel, x->dtype, DDP_SUM, &x->work);
       if (st != DDP_OK) {
         fail(d, st, "[rank %d] DDP join: bucket %zu: %s", d->rank, b, ddp_pg_last_error(d->pg));
@@ -955,7 +1061,8 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
     for (size_t b = 0; b < d->nbuckets; b++) {
       char what[64];
       snprintf(what, sizeof what, "join: shadow allreduce of bucket %zu", b);
-      ddp_status_t ws = wait_work(d, &d->buckets[b].work, what);
+      ddp_status_t ws = d->buckets[b].cwork ? resolve_comm_hook(d, b, st == DDP_OK)
+                                            : wait_work(d, &d->buckets[b].work, what);
       if (st == DDP_OK) st = ws;
     }
     if (st != DDP_OK) goto out;
@@ -983,10 +1090,13 @@ out:
 
 ddp_status_t ddp_ddp_pre_forward(ddp_ddp_t *d, ddp_ctx_t *ctx) {
   DDP_REQUIRE(d && d->magic == DDP_MAGIC && ctx);
-  if (d->hook_status != DDP_OK) return d->hook_status; /* its message stays in d->err */
+  /* A hook error was returned by that backward; like PyTorch, the unfinished reduction is
+   * what the next forward reports. */
+  d->hook_status = DDP_OK;
   d->err[0] = 0;
   bool grad = ddp_ctx_grad_enabled(ctx);
   d->ctx = ctx;
+  d->t_pre_forward = ddp_now_ns();
   if (grad && d->require_backward_grad_sync) {
     d->num_iterations++;
     d->t_fwd_start = ddp_now_ns();
@@ -1067,6 +1177,7 @@ ddp_status_t ddp_ddp_post_forward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n,
                                   ddp_var_t *const *outputs) {
   DDP_REQUIRE(d && d->magic == DDP_MAGIC && ctx);
   d->ctx = ctx;
+  trace(d, "forward", d->t_pre_forward, ddp_now_ns(), 0, -1, 0);
   if (ddp_ctx_grad_enabled(ctx) && d->require_backward_grad_sync) {
     d->require_forward_param_sync = true;
     d->t_fwd_end = ddp_now_ns();
@@ -1091,6 +1202,7 @@ ddp_status_t ddp_ddp_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, ddp_var_t *loss) {
   d->ctx = ctx;
   d->t_bwd_start = ddp_now_ns();
   ddp_status_t st = ddp_backward(ctx, loss);
+  trace(d, "backward", d->t_bwd_start, ddp_now_ns(), 0, -1, 0);
   if (d->hook_status != DDP_OK) return d->hook_status;
   if (st != DDP_OK && !d->err[0])
     fail(d, st, "[rank %d] DDP backward: %s", d->rank, ddp_ctx_last_error(ctx)->msg);
@@ -1161,7 +1273,7 @@ void ddp_ddp_get_logging_data(ddp_ddp_t *d, ddp_ddp_logging_data_t *o) {
     o->avg_backward_compute_comm_overlap_time = d->sum_overlap / d->nsamples;
   }
   o->num_runtime_samples = d->nsamples;
-  o->comm_hook = "";
+  o->comm_hook = d->comm_hook_name ? d->comm_hook_name : "";
   o->join_uneven_inputs = false;
   o->can_set_static_graph = d->opts.find_unused_parameters && !d->opts.static_graph &&
                             d->prev_unused_valid && !d->unused_changed;
@@ -1278,7 +1390,7 @@ static ddp_status_t sync_module_states(ddp_ddp_t *d, int root) {
       t[n++] = (tref_t){b->value.data, ddp_tensor_nbytes(&b->value), b->value.dtype};
     }
   ddp_status_t st =
-      broadcast_coalesced(d, t, n, DDP_BROADCAST_BUCKET_BYTES, root, "parameters and buffers");
+      broadcast_coalesced(d, t, n, d->bcast_bytes, root, "parameters and buffers");
   ddp__free(t);
   return st;
 }
@@ -1286,13 +1398,16 @@ static ddp_status_t sync_module_states(ddp_ddp_t *d, int root) {
 void ddp_ddp_destroy(ddp_ddp_t *d) {
   if (!d) return;
   DDP_REQUIRE(d->magic == DDP_MAGIC);
+  if (d->trace_path && d->nev) write_trace(d);
+  ddp__free(d->trace_path);
+  ddp__free(d->ev);
   if (d->used_work) {
     ddp_work_wait(d->used_work, -1);
     ddp_work_free(d->used_work);
   }
+  if (d->hooks_set) ddp_model_set_hook(d->model, NULL, NULL);
   for (size_t i = 0; i < d->P; i++) {
     ddp_param_t *p = d->params[i];
-    ddp_param_set_hook(p, NULL, NULL);
     if (d->buckets && p->grad.data && p->grad.data == slot_of(d, i)) {
       void *slot = p->grad.data;
       ddp_param_set_grad_data(p, NULL);
@@ -1300,6 +1415,8 @@ void ddp_ddp_destroy(ddp_ddp_t *d) {
     }
   }
   free_buckets(d, d->buckets, d->nbuckets);
+  if (d->has_comm_hook && d->comm_hook.free_state) d->comm_hook.free_state(d->comm_hook.state);
+  ddp__free(d->comm_hook_name);
   if (d->join_work) {
     ddp_work_wait(d->join_work, -1);
     ddp_work_free(d->join_work);
@@ -1359,13 +1476,29 @@ ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg, const ddp_ddp_opti
   d->world = ddp_pg_size(pg);
   d->require_backward_grad_sync = true;
   d->require_forward_param_sync = true;
+  ddp_status_t st = DDP_ERR_NO_MEMORY;
+  d->bcast_bytes = o.broadcast_bucket_bytes ? o.broadcast_bucket_bytes : DDP_BROADCAST_BUCKET_BYTES;
+  d->opts.trace_path = NULL; /* the copy below is the handle's */
+  if (o.trace_path) {
+    d->trace_path = ddp__strdup(o.trace_path);
+    if (!d->trace_path) goto fail_mem;
+    if (rank == 0) {
+      int fd = open(o.trace_path, O_WRONLY | O_TRUNC | O_CREAT | O_CLOEXEC, 0644);
+      if (fd < 0 || write(fd, "[\n", 2) != 2) {
+        if (fd >= 0) close(fd);
+        st = fail(d, DDP_ERR_SYSTEM, "[rank %d] DDP trace: open %s: %s", rank, o.trace_path,
+                  strerror(errno));
+        goto fail;
+      }
+      close(fd);
+    }
+  }
   bool unset = o.bucket_cap_mb == DDP_BUCKET_CAP_UNSET;
   double cap_mb = unset ? DDP_DEFAULT_BUCKET_CAP_MB : o.bucket_cap_mb;
   d->bucket_bytes_cap = (size_t)(int64_t)(cap_mb * 1024.0 * 1024.0);
   d->first_bucket_bytes_cap =
       o.first_bucket_bytes >= 0 ? (size_t)o.first_bucket_bytes
                                 : (unset ? (size_t)DDP_DEFAULT_FIRST_BUCKET_BYTES : d->bucket_bytes_cap);
-  ddp_status_t st = DDP_ERR_NO_MEMORY;
   size_t np = ddp_model_num_params(model);
   d->params = ddp__calloc(np + 1, sizeof *d->params);
   d->mindex = ddp__calloc(np + 1, sizeof *d->mindex);
@@ -1492,6 +1625,7 @@ ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg, const ddp_ddp_opti
     if (st != DDP_OK) goto fail;
   }
   ddp_model_set_hook(model, grad_hook, d);
+  d->hooks_set = true;
   if (ddp__log_enabled(DDP_LOG_INFO)) {
     ddp__log(rank, DDP_LOG_INFO,
              "Reducer initialized with bucket_bytes_cap: %zu first_bucket_bytes_cap: %zu",

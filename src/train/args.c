@@ -56,17 +56,18 @@ static const arg_field_t fields[] = {
     F_FLT(warmup_ratio, 0, 1, "0.0", "warmup as a fraction of the training steps"),
     {"seed", K_U64, offsetof(ddp_train_args_t, seed), sizeof(uint64_t), 0, 4294967295.0, "42",
      "seed of initial weights, shuffling and dropout"},
-    F_INT(logging_steps, 1, 1e15, "500", "log (and check replicas) every N steps"),
+    F_FLT(logging_steps, 0, 1e15, "500", "log (and check replicas) every N steps; < 1: fraction"),
     F_STR(eval_strategy, "no", "no, steps, epoch"),
-    F_INT(eval_steps, 0, 1e15, "0", "evaluate every N steps (0: logging_steps)"),
+    F_FLT(eval_steps, 0, 1e15, "0", "evaluate every N steps (0: logging_steps); < 1: fraction"),
     F_FLT(eval_split, 0, 0.9, "0.1", "held-out fraction of the data for evaluation (libddp)"),
     F_STR(save_strategy, "steps", "steps, epoch, no"),
-    F_INT(save_steps, 1, 1e15, "500", "save a checkpoint every N steps"),
+    F_FLT(save_steps, 0, 1e15, "500", "save a checkpoint every N steps; < 1: fraction"),
     F_INT(save_total_limit, -1, 1e9, "-1", "keep at most N checkpoints (-1: all)"),
     F_STR(output_dir, "trainer_output", "checkpoints, metrics.jsonl, loss.svg"),
     F_STR(resume_from_checkpoint, "", "a checkpoint directory, or true for the latest"),
     F_BOOL(gradient_checkpointing, "false", "enters ddp_find_unused_parameters' default only"),
     F_BOOL(disable_tqdm, "false", "plain log lines even on a terminal"),
+    F_STR(dump_dir, "", "write per-step dumps for ddp-compare (docs/dumps.md)"),
     F_STR(ddp_backend, "", "gloo (= tcp), threads, shm, tcp, mpi, nccl; empty: automatic"),
     F_TRI(ddp_find_unused_parameters, "none",
           "none: true unless gradient_checkpointing (HF's rule)"),
@@ -339,6 +340,22 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
   if (a->max_steps == 0) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "max_steps must be positive, or -1 to use num_train_epochs");
+  }
+  /* HF: a value below 1 is a fraction of the training steps; above 1 it must be whole. */
+  const struct {
+    const char *name;
+    double v;
+    bool zero_ok;
+  } steps[] = {{"logging_steps", a->logging_steps, false},
+               {"eval_steps", a->eval_steps, true},
+               {"save_steps", a->save_steps, false}};
+  for (size_t i = 0; i < DDP_ARRAY_LEN(steps); i++) {
+    double v = steps[i].v;
+    if ((v == 0 && !steps[i].zero_ok) || v < 0 || (v > 1 && v != floor(v))) {
+      return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "%s must be a whole number of steps, or a fraction in (0, 1) of "
+                              "the training steps; got %g", steps[i].name, v);
+    }
   }
   if (!a->output_dir[0]) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "output_dir is empty");

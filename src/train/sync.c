@@ -70,6 +70,8 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
   return s->use_reducer ? "reducer" : "flat-allreduce";
 }
 
+struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
+
 double ddp__sync_overlap_ns(ddp__sync_t *s) {
   if (!s->ddp) return 0;
   ddp_ddp_logging_data_t ld;

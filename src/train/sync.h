@@ -38,6 +38,8 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
                                 const ddp_tensor_t *scale, int64_t *comm_ns, ddp_error_t *err);
 /* Which implementation runs ("reducer" or "flat-allreduce"), for logs and metrics. */
 const char *ddp__sync_name(const ddp__sync_t *s);
+/* The reducer's handle (reducer mode, after ddp__sync_begin), else NULL. */
+struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s);
 /* Average backward compute/communication overlap per synchronised step (ns; 0 for flat). */
 double ddp__sync_overlap_ns(ddp__sync_t *s);
 

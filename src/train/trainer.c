@@ -12,8 +12,8 @@
  * a function of the step; dropout draws come from (seed, rank, micro-step).
  *
  * One step: for each micro-batch k the forward is synchronising only when k == GA - 1
- * (HF runs the others under no_sync); backward is seeded with 1/GA, which is the gradient
- * of loss / GA (Accelerate's scaling); after the window the gradients are the average
+ * (HF runs the others under no_sync); the backward computes the gradient of loss / GA
+ * (Accelerate's scaling; sync.h); after the window the gradients are the average
  * over ranks of the summed micro-gradients. Then clip_grad_norm (max_grad_norm > 0), set
  * the lr from the schedule, step the optimizer, zero the gradients, and average the step's
  * loss over ranks for logging. */
@@ -44,6 +44,7 @@ typedef struct trainer {
   ddp_tensor_t **grads;   /* for clipping */
   size_t ntrain;          /* parameters that require grad */
   ddp__sync_t *sync;
+  ddp__dump_t *dump;      /* --dump_dir; NULL when off */
   FILE *metrics;          /* rank 0 */
   bool classify;          /* integer class labels: cross-entropy; else MSE */
   ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
@@ -459,7 +460,59 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
   return DDP_OK;
 }
 
+/* meta.json of a dump: the options under torch_reference.py's names (docs/dumps.md). */
+static ddp_status_t dump_meta(trainer_t *t, int64_t steps, char **out) {
+  const ddp_train_args_t *a = t->a;
+  char *args = NULL;
+  DDP_CHECK(ddp_train_args_to_json(a, &args));
+  size_t cap = strlen(args) + 4096;
+  char *s = ddp__malloc(cap);
+  const char *be = ddp_train_backend_name(a);
+  char cap_mb[32] = "null";
+  if (a->ddp_bucket_cap_mb > 0) snprintf(cap_mb, sizeof cap_mb, "%lld", (long long)a->ddp_bucket_cap_mb);
+  if (s) {
+    snprintf(s, cap,
+             "{\"format\": \"libddp-dump-1\", \"producer\": \"libddp\", \"producer_version\": "
+             "\"libddp %s (%s)\", \"world_size\": %d, \"steps\": %lld, \"config\": {"
+             "\"world\": %d, \"steps\": %lld, \"batch\": %lld, \"lr\": %.17g, \"optim\": \"%s\", "
+             "\"lr_scheduler_type\": \"%s\", \"warmup_steps\": %lld, \"momentum\": 0, "
+             "\"weight_decay\": %.17g, \"adam_beta1\": %.17g, \"adam_beta2\": %.17g, "
+             "\"adam_epsilon\": %.17g, \"max_grad_norm\": %.17g, \"seed\": %llu, "
+             "\"loss\": \"%s\", \"shuffle\": true, \"data_seed\": %llu, "
+             "\"sampler_drop_last\": false, \"dataloader_drop_last\": %s, \"flags\": \"0\", "
+             "\"bucket_cap_mb\": %s, \"find_unused_parameters\": %s, "
+             "\"broadcast_buffers\": %s, \"static_graph\": %s, \"gradient_as_bucket_view\": %s, "
+             "\"gradient_accumulation_steps\": %lld, \"comm_hook\": \"%s\", "
+             "\"comm_wrapper\": \"%s\", \"backend\": \"%s\", \"timeout\": %lld}, "
+             "\"training_args\": %s}\n",
+             DDP_VERSION, ddp__sync_name(t->sync), t->world, (long long)steps, t->world,
+             (long long)steps, (long long)a->per_device_train_batch_size, a->learning_rate,
+             a->optim, a->lr_scheduler_type, (long long)t->sched.num_warmup_steps,
+             a->weight_decay, a->adam_beta1, a->adam_beta2, a->adam_epsilon,
+             a->max_grad_norm > 0 ? a->max_grad_norm : 0.0, (unsigned long long)a->seed,
+             t->classify ? "ce" : "mse", (unsigned long long)a->seed,
+             a->dataloader_drop_last ? "true" : "false",
+             cap_mb,
+             ddp_train_find_unused(a) ? "true" : "false",
+             ddp_train_broadcast_buffers(a) ? "true" : "false",
+             ddp_train_static_graph(a) ? "true" : "false",
+             a->gradient_as_bucket_view ? "true" : "false",
+             (long long)a->gradient_accumulation_steps, a->comm_hook, a->comm_wrapper,
+             be ? be : ddp_pg_backend_name(t->pg), (long long)a->ddp_timeout, args);
+  }
+  ddp_free(args);
+  *out = s;
+  return s ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
 static bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
+
+/* HF's *_steps: a value below 1 is that fraction of the training steps, rounded up. */
+static int64_t interval(double v, int64_t max_steps) {
+  if (v <= 0) return 0;
+  if (v < 1) return DDP_MAX((int64_t)ceil(v * (double)max_steps), 1);
+  return (int64_t)v;
+}
 
 ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
                        const ddp_dataset_t *eval, const ddp_train_args_t *args,
@@ -495,6 +548,16 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   DDP_CHECK_GOTO(resume(t, &start), st, out);
   DDP_CHECK_GOTO(ddp__sync_begin(t->sync, t->err), st, out);
   result->start_step = start;
+  if (a->dump_dir[0]) {
+    char *meta = NULL;
+    if (t->rank == 0) DDP_CHECK_GOTO(dump_meta(t, t->max_steps - start, &meta), st, out);
+    st = ddp__dump_open(a->dump_dir, model, t->rank, ddp_dataset_spec(train),
+                        a->per_device_train_batch_size * GA, meta, &t->dump, t->err);
+    ddp__free(meta);
+    if (st == DDP_OK) st = ddp__dump_init(t->dump, t->err);
+    if (st == DDP_OK) st = ddp__dump_layout_begin(t->dump, ddp__sync_reducer(t->sync));
+    if (st != DDP_OK) goto out;
+  }
 
   if (t->rank == 0) {
     char path[DDP_TRAIN_STR_MAX + 32];
@@ -507,9 +570,12 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     }
   }
 
-  const int64_t eval_every = !strcmp(a->eval_strategy, "steps")
-                                 ? (a->eval_steps > 0 ? a->eval_steps : a->logging_steps)
-                                 : 0;
+  const int64_t log_every = interval(a->logging_steps, t->max_steps);
+  const int64_t save_every = interval(a->save_steps, t->max_steps);
+  const int64_t eval_every =
+      !strcmp(a->eval_strategy, "steps")
+          ? (a->eval_steps > 0 ? interval(a->eval_steps, t->max_steps) : log_every)
+          : 0;
   const bool eval_epoch = !strcmp(a->eval_strategy, "epoch");
   const bool save_steps = !strcmp(a->save_strategy, "steps");
   const bool save_epoch = !strcmp(a->save_strategy, "epoch");
@@ -525,6 +591,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     int64_t epoch = step / t->steps_per_epoch;
     DDP_CHECK_GOTO(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA), st, out);
     double local_loss = 0;
+    if (t->dump) ddp__dump_begin_step(t->dump);
     for (int64_t k = 0; k < GA; k++) {
       ddp_batch_t b;
       bool has = false;
@@ -534,6 +601,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
         goto out;
       }
       t->loader_pos++;
+      if (t->dump) DDP_CHECK_GOTO(ddp__dump_add_batch(t->dump, &b), st, out);
       ddp_ctx_set_rng(t->ctx, a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
       DDP_CHECK_GOTO(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1, t->err), st, out);
       ddp_var_t *y, *loss;
@@ -546,6 +614,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       if (st != DDP_OK) goto out;
       ddp_ctx_reset(t->ctx);
     }
+    if (t->dump) ddp__dump_grads(t->dump);
     double gnorm = 0;
     DDP_CHECK_GOTO(ddp_clip_grad_norm(t->grads, t->ntrain,
                                       a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY, 2.0,
@@ -555,6 +624,9 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     ddp_optim_set_lr(t->opt, lr);
     DDP_CHECK_GOTO(ddp_optim_step(t->opt, t->err), st, out);
     ddp_optim_zero_grad(t->opt, false);
+    if (t->dump) {
+      DDP_CHECK_GOTO(ddp__dump_step(t->dump, step - start, local_loss, GA, t->err), st, out);
+    }
 
     ddp_work_t *w = NULL;
     DDP_CHECK_GOTO(coll_wait(t, ddp_allreduce(pg, &local_loss, &local_loss, 1, DDP_F64, DDP_AVG,
@@ -583,7 +655,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     const bool last = done == t->max_steps;
     const bool epoch_end = done % t->steps_per_epoch == 0;
 
-    if (every(done, a->logging_steps) || last) {
+    if (every(done, log_every) || last) {
       double mean_loss = win_loss / (double)win_n;
       double sps = win_time > 0 ? samples_per_step * (double)win_n / win_time : 0;
       uint64_t h = 0;
@@ -628,10 +700,11 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       }
     }
     /* HF saves every save_steps and, with the steps strategy, at the last step. */
-    if ((save_steps && (every(done, a->save_steps) || last)) || (save_epoch && epoch_end)) {
+    if ((save_steps && (every(done, save_every) || last)) || (save_epoch && epoch_end)) {
       DDP_CHECK_GOTO(save(t, done, pause, result), st, out);
     }
   }
+  if (t->dump) DDP_CHECK_GOTO(ddp__dump_finish(t->dump, ddp__sync_reducer(t->sync), t->err), st, out);
   result->steps = t->max_steps;
   result->seconds = (double)(ddp_now_ns() - t_start) * 1e-9;
   result->samples_per_s =
@@ -663,6 +736,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
 
 out:
   if (t->metrics) fclose(t->metrics);
+  ddp__dump_close(t->dump);
   ddp__sync_destroy(t->sync);
   ddp_tensor_free(&t->seed_grad);
   ddp_optim_destroy(t->opt);

@@ -1,0 +1,26 @@
+/* Internal interface of the nccl backend: CUDA and NCCL error mapping, exposed so tests can
+ * check it on machines without a GPU. */
+#ifndef DDP_SRC_NCCL_H
+#define DDP_SRC_NCCL_H
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "common/common.h"
+
+/* The status a CUDA error maps to: DDP_OK for cudaSuccess; NO_MEMORY for allocation
+ * failures; UNSUPPORTED when there is no usable device or driver; SYSTEM otherwise. */
+ddp_status_t ddp__cuda_status(cudaError_t e);
+/* The status an NCCL result maps to: DDP_OK; REMOTE for system and remote errors (a peer
+ * or the network); INVALID_ARGUMENT / INVALID_USAGE for misuse; SYSTEM for unhandled CUDA
+ * errors; INTERNAL otherwise. */
+ddp_status_t ddp__nccl_status(ncclResult_t r);
+/* Fills err with "rank R: <what>: CUDA error N (name): <cudaGetErrorString>" and returns the
+ * mapped status. */
+ddp_status_t ddp__cuda_error(ddp_error_t *err, int rank, cudaError_t e, const char *what);
+/* Fills err with "rank R: <what>: NCCL error N: <ncclGetErrorString> (<ncclGetLastError>)"
+ * and returns the mapped status; comm may be NULL. */
+ddp_status_t ddp__nccl_error(ddp_error_t *err, int rank, ncclResult_t r, ncclComm_t comm,
+                             const char *what);
+
+#endif /* DDP_SRC_NCCL_H */

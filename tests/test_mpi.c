@@ -1,0 +1,579 @@
+/* The mpi backend under a real mpirun (suite coll).
+ *
+ * Run plainly (by meson), this program is the parent: for W in {2, 3, 4} it starts
+ * `mpirun --allow-run-as-root --oversubscribe -np W <itself>` with DDP_TEST_MPI_OUT naming
+ * a fresh directory, and each MPI rank (this same program, seeing that variable) writes
+ * one result file there; only the parent asserts. Without mpirun on PATH, or without the
+ * mpi backend built, it exits 77 (skipped).
+ *
+ * What each rank checks, with exact expected values computed independently:
+ *  - ddp_pg_create_from_env with nothing but mpirun's environment (no RANK, MASTER_ADDR,
+ *    MASTER_PORT or DDP_BACKEND) picks the mpi backend, with rank and size from
+ *    OMPI_COMM_WORLD_*;
+ *  - every collective (allreduce SUM/AVG/MIN/MAX/PRODUCT in place and out of place,
+ *    broadcast, allgather, reduce_scatter, alltoall, barrier, send/recv) on every dtype and
+ *    counts {0, 1, W+1, 1000, 65539}, with small integers whose results are exact, so each
+ *    rank computes the expected value by a closed formula over the ranks;
+ *  - a second group (ddp_pg_create, backend "mpi", no store) with algorithm ring and with
+ *    a 4 KiB segment under canonical (multi-segment paths), exact data again;
+ *  - D2: random fp32/fp16/bf16 data (the generator of tests/test_collectives.c) allreduced
+ *    with the default algorithm are bitwise equal to a serial rank-order fold done in the
+ *    test; every rank reports a hash of its results;
+ *  - a collective that peers never join ends with DDP_ERR_TIMEOUT by its deadline.
+ * The parent asserts every rank passed, that all ranks' D2 hashes agree, and that they equal
+ * the hash of the same D2 run on the threads backend in this process (so mpi is bitwise
+ * equal to threads, which test_collectives ties to shm and tcp). */
+#include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ddp/backend.h"
+#include "ddp/pg.h"
+#include "harness.h"
+
+#define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define OUT_ENV "DDP_TEST_MPI_OUT"
+
+static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
+                                         DDP_I32, DDP_I64, DDP_U8};
+
+typedef struct ctx {
+  ddp_pg_t *pg;
+  int r, W;
+  long bad;
+  char first[256];
+  char fail[1024]; /* first failed call's message */
+} ctx_t;
+
+/* ---- element access as double (exact for the small integers used here) ---- */
+
+static void set_el(ddp_dtype_t dt, void *p, size_t i, double v) {
+  switch (dt) {
+    case DDP_F32: ((float *)p)[i] = (float)v; break;
+    case DDP_F64: ((double *)p)[i] = v; break;
+    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16((float)v); break;
+    case DDP_BF16: ((uint16_t *)p)[i] = ddp_f32_to_bf16((float)v); break;
+    case DDP_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case DDP_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case DDP_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    default: break;
+  }
+}
+
+static double get_el(ddp_dtype_t dt, const void *p, size_t i) {
+  switch (dt) {
+    case DDP_F32: return ((const float *)p)[i];
+    case DDP_F64: return ((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
+    case DDP_BF16: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DDP_I32: return ((const int32_t *)p)[i];
+    case DDP_I64: return (double)((const int64_t *)p)[i];
+    case DDP_U8: return ((const uint8_t *)p)[i];
+    default: return 0;
+  }
+}
+
+/* The library's AVG: the exact sum divided by W in the dtype. */
+static double avg_of(ddp_dtype_t dt, double sum, int W) {
+  switch (dt) {
+    case DDP_F32: return (float)sum / (float)W;
+    case DDP_F64: return sum / W;
+    case DDP_F16: return ddp_f16_to_f32(ddp_f32_to_f16((float)sum / (float)W));
+    case DDP_BF16: return ddp_bf16_to_f32(ddp_f32_to_bf16((float)sum / (float)W));
+    default: return (double)((int64_t)sum / W);
+  }
+}
+
+/* Contributions: exact in every dtype (sums <= 4*7*... small, products <= 16). */
+static double val_sum(int r, size_t i) { return (double)((r + 1) * (int)(i % 7 + 1)); }
+static double val_prod(int r, size_t i) { return (i + (size_t)r) % 3 == 0 ? 2 : 1; }
+static double val_mm(int r, size_t i) { return (double)((r * 3 + (int)(i % 11)) % 11); }
+
+static void mismatch(ctx_t *c, const char *what, ddp_dtype_t dt, size_t n, size_t i, double got,
+                     double want) {
+  if (c->bad++ == 0)
+    snprintf(c->first, sizeof c->first, "%s %s count %zu: [%zu] = %g, expected %g", what,
+             ddp_dtype_name(dt), n, i, got, want);
+}
+
+static ddp_status_t run(ctx_t *c, ddp_status_t st, ddp_work_t **wp, const char *what) {
+  ddp_work_t *w = *wp;
+  if (st != DDP_OK) {
+    if (!c->fail[0])
+      snprintf(c->fail, sizeof c->fail, "%s: issue failed: %s", what, ddp_pg_last_error(c->pg));
+    return st;
+  }
+  st = ddp_work_wait(w, -1);
+  if (st != DDP_OK && !c->fail[0]) snprintf(c->fail, sizeof c->fail, "%s: %s", what, ddp_work_error(w));
+  ddp_work_free(w);
+  return st;
+}
+
+static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
+  static const ddp_redop_t ops[] = {DDP_SUM, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT};
+  size_t es = ddp_dtype_size(dt);
+  unsigned char *in = ddp_malloc(n * es + 1), *out = ddp_malloc(n * es + 1);
+  ddp_status_t st = DDP_OK;
+  for (size_t k = 0; k < ARRAY_LEN(ops) && st == DDP_OK; k++) {
+    ddp_redop_t op = ops[k];
+    bool inplace = (k % 2) == 0;
+    for (size_t i = 0; i < n; i++)
+      set_el(dt, in, i, op == DDP_PRODUCT ? val_prod(c->r, i)
+                        : (op == DDP_MIN || op == DDP_MAX) ? val_mm(c->r, i) : val_sum(c->r, i));
+    ddp_work_t *w = NULL;
+    st = run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
+    if (st != DDP_OK) break;
+    const unsigned char *res = inplace ? in : out;
+    for (size_t i = 0; i < n; i++) {
+      double want = 0, s = 0, p = 1, mn = 1e9, mx = -1e9;
+      for (int j = 0; j < c->W; j++) {
+        s += val_sum(j, i);
+        p *= val_prod(j, i);
+        mn = val_mm(j, i) < mn ? val_mm(j, i) : mn;
+        mx = val_mm(j, i) > mx ? val_mm(j, i) : mx;
+      }
+      switch (op) {
+        case DDP_SUM: want = s; break;
+        case DDP_AVG: want = avg_of(dt, s, c->W); break;
+        case DDP_MIN: want = mn; break;
+        case DDP_MAX: want = mx; break;
+        case DDP_PRODUCT: want = p; break;
+      }
+      if (get_el(dt, res, i) != want) {
+        char what[48];
+        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
+        mismatch(c, what, dt, n, i, get_el(dt, res, i), want);
+        break;
+      }
+    }
+  }
+  ddp_free(in);
+  ddp_free(out);
+  return st;
+}
+
+static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
+  size_t es = ddp_dtype_size(dt), W = (size_t)c->W;
+  int r = c->r;
+  unsigned char *a = ddp_malloc(W * n * es + 1), *b = ddp_malloc(W * n * es + 1);
+  ddp_work_t *w = NULL;
+  int root = (int)(n % W);
+  for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+  ddp_status_t st = run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
+  for (size_t i = 0; st == DDP_OK && i < n; i++)
+    if (get_el(dt, a, i) != val_sum(root, i)) {
+      mismatch(c, "broadcast", dt, n, i, get_el(dt, a, i), val_sum(root, i));
+      break;
+    }
+  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
+    unsigned char *send = inplace ? b + (size_t)r * n * es : a;
+    for (size_t i = 0; i < n; i++) set_el(dt, send, i, val_sum(r, i));
+    st = run(c, ddp_allgather(c->pg, send, b, n, dt, &w), &w, "allgather");
+    for (size_t j = 0; st == DDP_OK && j < W; j++)
+      for (size_t i = 0; i < n; i++)
+        if (get_el(dt, b, j * n + i) != val_sum((int)j, i)) {
+          mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
+                   get_el(dt, b, j * n + i), val_sum((int)j, i));
+          j = W;
+          break;
+        }
+  }
+  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
+    for (size_t i = 0; i < W * n; i++) set_el(dt, a, i, val_sum(r, i));
+    unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
+    st = run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
+    for (size_t i = 0; st == DDP_OK && i < n; i++) {
+      double s = 0;
+      for (int j = 0; j < c->W; j++) s += val_sum(j, (size_t)r * n + i);
+      if (get_el(dt, recv, i) != s) {
+        mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
+                 get_el(dt, recv, i), s);
+        break;
+      }
+    }
+  }
+  if (st == DDP_OK) {
+    for (size_t k = 0; k < W; k++)
+      for (size_t i = 0; i < n; i++)
+        set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
+    st = run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
+    for (size_t j = 0; st == DDP_OK && j < W; j++)
+      for (size_t i = 0; i < n; i++) {
+        double want = (double)(((int)j * 7 + r + (int)i) % 100);
+        if (get_el(dt, b, j * n + i) != want) {
+          mismatch(c, "alltoall", dt, n, j * n + i, get_el(dt, b, j * n + i), want);
+          j = W;
+          break;
+        }
+      }
+  }
+  if (st == DDP_OK) st = run(c, ddp_barrier(c->pg, &w), &w, "barrier");
+  /* send/recv around the ring; odd ranks receive first so the ring cannot deadlock */
+  if (st == DDP_OK && W > 1) {
+    int to = (r + 1) % c->W, from = (r + c->W - 1) % c->W;
+    for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+    for (int step = 0; step < 2 && st == DDP_OK; step++) {
+      bool do_send = (r % 2 == 0) == (step == 0);
+      st = do_send ? run(c, ddp_send(c->pg, a, n, dt, to, &w), &w, "send")
+                   : run(c, ddp_recv(c->pg, b, n, dt, from, &w), &w, "recv");
+    }
+    for (size_t i = 0; st == DDP_OK && i < n; i++)
+      if (get_el(dt, b, i) != val_sum(from, i)) {
+        mismatch(c, "send/recv", dt, n, i, get_el(dt, b, i), val_sum(from, i));
+        break;
+      }
+  }
+  ddp_free(a);
+  ddp_free(b);
+  return st;
+}
+
+/* ---- D2: bitwise rank-order fold on random data (test_collectives.c's generator) ---- */
+
+static const size_t d2_counts[] = {1000, 65539, 3};
+static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
+
+static void d2_fill(ddp_dtype_t dt, void *p, size_t n, int rank, int salt) {
+  ddp_rng_t g;
+  ddp_rng_init(&g, 1234 + (uint64_t)salt, ddp_rng_stream(DDP_RNG_TEST, (uint32_t)rank, 0));
+  for (size_t i = 0; i < n; i++) {
+    float v = (ddp_rng_uniform(&g) - 0.5f) * 8.0f * (1.0f + (float)(i % 5));
+    switch (dt) {
+      case DDP_F32: ((float *)p)[i] = v; break;
+      case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
+      default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    }
+  }
+}
+
+/* The reference: ((x0 + x1) + x2) + ..., rounding fp16/bf16 after each addition. */
+static void d2_reference(ddp_dtype_t dt, void *acc, size_t n, int W, int salt) {
+  size_t es = ddp_dtype_size(dt);
+  unsigned char *x = ddp_malloc(n * es + 1);
+  d2_fill(dt, acc, n, 0, salt);
+  for (int j = 1; j < W; j++) {
+    d2_fill(dt, x, n, j, salt);
+    for (size_t i = 0; i < n; i++) {
+      if (dt == DDP_F32) {
+        ((float *)acc)[i] = ((float *)acc)[i] + ((float *)x)[i];
+      } else if (dt == DDP_F16) {
+        uint16_t *a = acc, *b = (uint16_t *)x;
+        a[i] = ddp_f32_to_f16(ddp_f16_to_f32(a[i]) + ddp_f16_to_f32(b[i]));
+      } else {
+        uint16_t *a = acc, *b = (uint16_t *)x;
+        a[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(a[i]) + ddp_bf16_to_f32(b[i]));
+      }
+    }
+  }
+  ddp_free(x);
+}
+
+static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* Allreduces the D2 data on c->pg, checks it against the serial fold, returns the hash. */
+static ddp_status_t d2_run(ctx_t *c, uint64_t *hash) {
+  uint64_t h = 1469598103934665603ull;
+  ddp_status_t st = DDP_OK;
+  for (size_t d = 0; d < ARRAY_LEN(d2_dtypes) && st == DDP_OK; d++)
+    for (size_t k = 0; k < ARRAY_LEN(d2_counts) && st == DDP_OK; k++) {
+      ddp_dtype_t dt = d2_dtypes[d];
+      size_t n = d2_counts[k], es = ddp_dtype_size(dt);
+      unsigned char *buf = ddp_malloc(n * es), *ref = ddp_malloc(n * es);
+      d2_fill(dt, buf, n, c->r, (int)k);
+      ddp_work_t *w = NULL;
+      st = run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_SUM, &w), &w, "D2 allreduce");
+      d2_reference(dt, ref, n, c->W, (int)k);
+      if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
+        size_t i = 0;
+        while (memcmp(buf + i * es, ref + i * es, es) == 0) i++;
+        mismatch(c, "D2 allreduce", dt, n, i, get_el(dt, buf, i), get_el(dt, ref, i));
+      }
+      h = fnv(buf, n * es, h);
+      ddp_free(buf);
+      ddp_free(ref);
+    }
+  *hash = h;
+  return st;
+}
+
+/* ---- one MPI rank ---- */
+
+static ddp_status_t rank_matrix(ctx_t *c, const size_t *counts, size_t ncounts,
+                                const ddp_dtype_t *dts, size_t ndts, bool others) {
+  ddp_status_t st = DDP_OK;
+  for (size_t k = 0; k < ncounts && st == DDP_OK; k++)
+    for (size_t d = 0; d < ndts && st == DDP_OK; d++) {
+      st = check_allreduce(c, dts[d], counts[k]);
+      if (st == DDP_OK && others) st = check_others(c, dts[d], counts[k]);
+    }
+  return st;
+}
+
+static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segment) {
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "mpi";
+  o.rank = c->r;
+  o.world = c->W;
+  o.timeout_ms = 30000;
+  o.algorithm = algo;
+  o.segment_bytes = segment;
+  ddp_error_t err = {0};
+  ctx_t g = {NULL, c->r, c->W, 0, "", ""};
+  ddp_status_t st = ddp_pg_create(&o, &g.pg, &err);
+  if (st != DDP_OK) {
+    snprintf(c->fail, sizeof c->fail, "ddp_pg_create(mpi, %s): %s", ddp_algorithm_name(algo),
+             err.msg);
+    return st;
+  }
+  static const size_t counts[] = {1, 1000, 65539};
+  static const ddp_dtype_t dts[] = {DDP_F32, DDP_BF16, DDP_I64};
+  st = rank_matrix(&g, counts, ARRAY_LEN(counts), dts, ARRAY_LEN(dts), segment != 0);
+  ddp_pg_destroy(g.pg);
+  if (g.bad && !c->bad) {
+    c->bad = g.bad;
+    snprintf(c->first, sizeof c->first, "%s group: %s", ddp_algorithm_name(algo), g.first);
+  }
+  if (g.fail[0] && !c->fail[0]) snprintf(c->fail, sizeof c->fail, "%s", g.fail);
+  return st;
+}
+
+/* A barrier only rank 0 issues: it must end with TIMEOUT near its 400 ms deadline. Peers
+ * meanwhile wait on a barrier of their own group, long enough for rank 0 to give up. */
+static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "mpi";
+  o.rank = c->r;
+  o.world = c->W;
+  o.timeout_ms = 400;
+  ddp_error_t err = {0};
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = ddp_pg_create(&o, &pg, &err);
+  if (st != DDP_OK) {
+    snprintf(c->fail, sizeof c->fail, "timeout group: %s", err.msg);
+    return st;
+  }
+  *elapsed_ms = 0;
+  if (c->r == 0) {
+    ddp_work_t *w = NULL;
+    int64_t t0 = ddp_now_ns();
+    st = ddp_barrier(pg, &w);
+    ddp_status_t got = st == DDP_OK ? ddp_work_wait(w, 10000) : st;
+    *elapsed_ms = (long)((ddp_now_ns() - t0) / 1000000);
+    if (got != DDP_ERR_TIMEOUT) {
+      snprintf(c->fail, sizeof c->fail, "barrier without peers returned %s (%s), not TIMEOUT",
+               ddp_status_name(got), w ? ddp_work_error(w) : "");
+      st = DDP_ERR_INTERNAL;
+    } else if (!strstr(ddp_work_error(w), "timed out")) {
+      snprintf(c->fail, sizeof c->fail, "TIMEOUT message lacks the detail: %s", ddp_work_error(w));
+      st = DDP_ERR_INTERNAL;
+    } else {
+      st = DDP_OK;
+    }
+    ddp_work_free(w);
+  }
+  ddp_pg_destroy(pg);
+  /* Line the ranks up again before the next phase, on the main group. */
+  ddp_work_t *w = NULL;
+  ddp_status_t st2 = run(c, ddp_barrier(c->pg, &w), &w, "barrier after the timeout check");
+  return st != DDP_OK ? st : st2;
+}
+
+static int rank_main(const char *outdir) {
+  ctx_t c = {NULL, -1, 0, 0, "", ""};
+  ddp_error_t err = {0};
+  uint64_t hash = 0;
+  long timeout_ms = -1;
+  ddp_status_t st = ddp_pg_create_from_env(NULL, &c.pg, &err);
+  if (st != DDP_OK) {
+    snprintf(c.fail, sizeof c.fail, "ddp_pg_create_from_env: %s", err.msg);
+  } else {
+    c.r = ddp_pg_rank(c.pg);
+    c.W = ddp_pg_size(c.pg);
+    const char *er = getenv("OMPI_COMM_WORLD_RANK");
+    if (strcmp(ddp_pg_backend_name(c.pg), "mpi") != 0 || !er || atoi(er) != c.r) {
+      snprintf(c.fail, sizeof c.fail, "from env: backend %s rank %d (OMPI_COMM_WORLD_RANK %s)",
+               ddp_pg_backend_name(c.pg), c.r, er ? er : "unset");
+      st = DDP_ERR_INTERNAL;
+    }
+    size_t W = (size_t)c.W;
+    const size_t counts[] = {0, 1, W + 1, 1000, 65539};
+    if (st == DDP_OK)
+      st = rank_matrix(&c, counts, ARRAY_LEN(counts), all_dtypes, ARRAY_LEN(all_dtypes), true);
+    if (st == DDP_OK) st = d2_run(&c, &hash);
+    if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_RING, 0);
+    if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_CANONICAL, 4096);
+    if (st == DDP_OK) st = check_timeout(&c, &timeout_ms);
+    ddp_pg_destroy(c.pg);
+  }
+  char path[4096];
+  int r = c.r >= 0 ? c.r : atoi(getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : "0");
+  snprintf(path, sizeof path, "%s/rank%d", outdir, r);
+  FILE *f = fopen(path, "w");
+  if (!f) return 3;
+  fprintf(f, "%d %ld %llu %ld\n%s\n%s\n", (int)st, c.bad, (unsigned long long)hash, timeout_ms,
+          c.first, c.fail);
+  return fclose(f) == 0 ? 0 : 3;
+}
+
+/* ---- the parent ---- */
+
+static const char *self_path;
+
+typedef struct rank_out {
+  int status;
+  long bad;
+  unsigned long long hash;
+  long timeout_ms;
+  char first[300];
+  char fail[1100];
+} rank_out_t;
+
+static bool read_out(const char *dir, int r, rank_out_t *o) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/rank%d", dir, r);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  memset(o, 0, sizeof *o);
+  bool ok = fscanf(f, "%d %ld %llu %ld\n", &o->status, &o->bad, &o->hash, &o->timeout_ms) == 4;
+  if (ok && fgets(o->first, sizeof o->first, f)) o->first[strcspn(o->first, "\n")] = '\0';
+  if (ok && fgets(o->fail, sizeof o->fail, f)) o->fail[strcspn(o->fail, "\n")] = '\0';
+  fclose(f);
+  unlink(path);
+  return ok;
+}
+
+/* Runs mpirun -np W on this program; returns its exit status (-1: killed after 50 s). */
+static int run_mpirun(int W, const char *dir) {
+  char np[16];
+  snprintf(np, sizeof np, "%d", W);
+  const char *argv[] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                        "-np", np, "-x", OUT_ENV, "-x", "DDP_TIMEOUT", self_path, NULL};
+  setenv(OUT_ENV, dir, 1);
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    execvp(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  unsetenv(OUT_ENV);
+  int64_t deadline = ddp_now_ns() + 50000000000LL;
+  int ws = 0;
+  for (;;) {
+    pid_t p = waitpid(pid, &ws, WNOHANG);
+    if (p == pid) break;
+    if (ddp_now_ns() > deadline) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &ws, 0);
+      return -1;
+    }
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+  }
+  return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+}
+
+typedef struct threads_arg {
+  uint64_t hash[8];
+} threads_arg_t;
+
+static ddp_status_t threads_d2(ddp_pg_t *pg, void *arg) {
+  threads_arg_t *a = arg;
+  ctx_t c = {pg, ddp_pg_rank(pg), ddp_pg_size(pg), 0, "", ""};
+  ddp_status_t st = d2_run(&c, &a->hash[c.r]);
+  return st == DDP_OK && c.bad ? DDP_ERR_INTERNAL : st;
+}
+
+static void test_mpi_worlds(void **state) {
+  (void)state;
+  char dir[] = "/tmp/ddp-test-mpi-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  for (int W = 2; W <= 4; W++) {
+    int64_t t0 = ddp_now_ns();
+    int rc = run_mpirun(W, dir);
+    double secs = (double)(ddp_now_ns() - t0) / 1e9;
+    uint64_t h0 = 0;
+    for (int r = 0; r < W; r++) {
+      rank_out_t o;
+      bool ok = read_out(dir, r, &o);
+      if (!ok) fail_msg("W=%d: rank %d wrote no result (mpirun exit %d)", W, r, rc);
+      if (o.status != 0 || o.bad)
+        fail_msg("W=%d rank %d: status %d, %ld mismatches (first: %s); %s", W, r, o.status, o.bad,
+                 o.first, o.fail);
+      if (r == 0) {
+        h0 = o.hash;
+        print_message("mpirun -np %d: %.2f s in all; unjoined barrier ended TIMEOUT after %ld ms "
+                      "(timeout 400 ms)\n", W, secs, o.timeout_ms);
+        assert_true(o.timeout_ms >= 390 && o.timeout_ms < 3000);
+      }
+      assert_true(o.hash == h0); /* every rank holds the same bits */
+    }
+    assert_int_equal(rc, 0);
+    /* ... and the same bits as the threads backend */
+    threads_arg_t a = {{0}};
+    assert_int_equal(ddp_spawn_threads(W, NULL, threads_d2, &a), DDP_OK);
+    for (int r = 0; r < W; r++) assert_true(a.hash[r] == h0);
+  }
+  rmdir(dir);
+}
+
+/* Names mpirun on PATH, or NULL. */
+static bool have_mpirun(void) {
+  const char *path = getenv("PATH");
+  if (!path) return false;
+  char buf[4096];
+  snprintf(buf, sizeof buf, "%s", path);
+  for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/mpirun", d);
+    if (access(p, X_OK) == 0) return true;
+  }
+  return false;
+}
+
+int main(int argc, char **argv) {
+  (void)argc;
+  const char *out = getenv(OUT_ENV);
+  if (out && out[0]) return rank_main(out);
+  if (!ddp_backend_find("mpi")) {
+    printf("skip: the mpi backend is not built (no MPI library at configure time)\n");
+    return 77;
+  }
+  if (!have_mpirun()) {
+    printf("skip: mpirun is not on PATH\n");
+    return 77;
+  }
+  static char self[4096];
+  self_path = realpath(argv[0], self) ? self : argv[0];
+  /* The ranks must see mpirun's environment only: no torchrun/ddprun variables, no backend
+   * choice (from_env must pick mpi by itself). Open MPI's own allocations are not ours to
+   * leak-check in the ranks. */
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("DDP_BACKEND");
+  unsetenv("MASTER_ADDR");
+  unsetenv("MASTER_PORT");
+  setenv("DDP_TIMEOUT", "30", 1);
+  char asan[512];
+  snprintf(asan, sizeof asan, "%s%sdetect_leaks=0", getenv("ASAN_OPTIONS") ? getenv("ASAN_OPTIONS") : "",
+           getenv("ASAN_OPTIONS") ? ":" : "");
+  setenv("ASAN_OPTIONS", asan, 1);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_mpi_worlds),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
