@@ -19,11 +19,14 @@
  *  - D2: random fp32/fp16/bf16 data (the generator of tests/test_collectives.c) allreduced
  *    with the default algorithm are bitwise equal to a serial rank-order fold done in the
  *    test; every rank reports a hash of its results;
- *  - a collective that peers never join ends with DDP_ERR_TIMEOUT by its deadline.
+ *  - a collective that peers never join ends with DDP_ERR_TIMEOUT by its deadline, and with
+ *    DDP_ERR_ABORTED soon after ddp_pg_abort from another thread;
+ *  - an allreduce whose count differs on one rank is DESYNC on every rank.
  * The parent asserts every rank passed, that all ranks' D2 hashes agree, and that they equal
  * the hash of the same D2 run on the threads backend in this process (so mpi is bitwise
  * equal to threads, which test_collectives ties to shm and tcp). */
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -393,11 +396,79 @@ static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
   return st != DDP_OK ? st : st2;
 }
 
+static void *abort_later(void *arg) {
+  struct timespec ts = {0, 200000000};
+  nanosleep(&ts, NULL);
+  ddp_pg_abort(arg);
+  return NULL;
+}
+
+/* ddp_pg_abort from another thread ends rank 0's unjoined barrier with ABORTED long before
+ * its 30 s deadline; and a collective whose count differs on one rank is DESYNC on every
+ * rank, naming both fingerprints. */
+static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "mpi";
+  o.rank = c->r;
+  o.world = c->W;
+  o.timeout_ms = 30000;
+  ddp_error_t err = {0};
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = ddp_pg_create(&o, &pg, &err);
+  if (st != DDP_OK) {
+    snprintf(c->fail, sizeof c->fail, "abort group: %s", err.msg);
+    return st;
+  }
+  /* DESYNC first, while the group is healthy */
+  float x[8] = {0};
+  ddp_work_t *w = NULL;
+  size_t n = c->r == c->W - 1 ? 7 : 6;
+  st = ddp_allreduce(pg, x, x, n, DDP_F32, DDP_SUM, &w);
+  ddp_status_t got = st == DDP_OK ? ddp_work_wait(w, 20000) : st;
+  if (got != DDP_ERR_DESYNC || !strstr(ddp_work_error(w), "mismatched collectives") ||
+      !strstr(ddp_work_error(w), "count 7") || !strstr(ddp_work_error(w), "count 6")) {
+    snprintf(c->fail, sizeof c->fail, "mismatched allreduce returned %s: %s", ddp_status_name(got),
+             w ? ddp_work_error(w) : "");
+    ddp_work_free(w);
+    ddp_pg_destroy(pg);
+    return DDP_ERR_INTERNAL;
+  }
+  ddp_work_free(w);
+  ddp_pg_destroy(pg);
+  /* abort: a fresh group, rank 0 alone in a barrier */
+  st = ddp_pg_create(&o, &pg, &err);
+  if (st != DDP_OK) {
+    snprintf(c->fail, sizeof c->fail, "abort group: %s", err.msg);
+    return st;
+  }
+  *abort_ms = 0;
+  if (c->r == 0) {
+    pthread_t t;
+    int64_t t0 = ddp_now_ns();
+    st = ddp_barrier(pg, &w);
+    pthread_create(&t, NULL, abort_later, pg);
+    got = st == DDP_OK ? ddp_work_wait(w, 20000) : st;
+    *abort_ms = (long)((ddp_now_ns() - t0) / 1000000);
+    pthread_join(t, NULL);
+    st = DDP_OK;
+    if (got != DDP_ERR_ABORTED) {
+      snprintf(c->fail, sizeof c->fail, "aborted barrier returned %s: %s", ddp_status_name(got),
+               ddp_work_error(w));
+      st = DDP_ERR_INTERNAL;
+    }
+    ddp_work_free(w);
+  }
+  ddp_pg_destroy(pg);
+  w = NULL;
+  ddp_status_t st2 = run(c, ddp_barrier(c->pg, &w), &w, "barrier after the abort check");
+  return st != DDP_OK ? st : st2;
+}
+
 static int rank_main(const char *outdir) {
   ctx_t c = {NULL, -1, 0, 0, "", ""};
   ddp_error_t err = {0};
   uint64_t hash = 0;
-  long timeout_ms = -1;
+  long timeout_ms = -1, abort_ms = -1;
   ddp_status_t st = ddp_pg_create_from_env(NULL, &c.pg, &err);
   if (st != DDP_OK) {
     snprintf(c.fail, sizeof c.fail, "ddp_pg_create_from_env: %s", err.msg);
@@ -418,6 +489,7 @@ static int rank_main(const char *outdir) {
     if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_RING, 0);
     if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_CANONICAL, 4096);
     if (st == DDP_OK) st = check_timeout(&c, &timeout_ms);
+    if (st == DDP_OK) st = check_abort_desync(&c, &abort_ms);
     ddp_pg_destroy(c.pg);
   }
   char path[4096];
@@ -425,8 +497,8 @@ static int rank_main(const char *outdir) {
   snprintf(path, sizeof path, "%s/rank%d", outdir, r);
   FILE *f = fopen(path, "w");
   if (!f) return 3;
-  fprintf(f, "%d %ld %llu %ld\n%s\n%s\n", (int)st, c.bad, (unsigned long long)hash, timeout_ms,
-          c.first, c.fail);
+  fprintf(f, "%d %ld %llu %ld %ld\n%s\n%s\n", (int)st, c.bad, (unsigned long long)hash,
+          timeout_ms, abort_ms, c.first, c.fail);
   return fclose(f) == 0 ? 0 : 3;
 }
 
@@ -439,6 +511,7 @@ typedef struct rank_out {
   long bad;
   unsigned long long hash;
   long timeout_ms;
+  long abort_ms;
   char first[300];
   char fail[1100];
 } rank_out_t;
@@ -449,7 +522,8 @@ static bool read_out(const char *dir, int r, rank_out_t *o) {
   FILE *f = fopen(path, "r");
   if (!f) return false;
   memset(o, 0, sizeof *o);
-  bool ok = fscanf(f, "%d %ld %llu %ld\n", &o->status, &o->bad, &o->hash, &o->timeout_ms) == 4;
+  bool ok = fscanf(f, "%d %ld %llu %ld %ld\n", &o->status, &o->bad, &o->hash, &o->timeout_ms,
+                   &o->abort_ms) == 5;
   if (ok && fgets(o->first, sizeof o->first, f)) o->first[strcspn(o->first, "\n")] = '\0';
   if (ok && fgets(o->fail, sizeof o->fail, f)) o->fail[strcspn(o->fail, "\n")] = '\0';
   fclose(f);
@@ -517,8 +591,10 @@ static void test_mpi_worlds(void **state) {
       if (r == 0) {
         h0 = o.hash;
         print_message("mpirun -np %d: %.2f s in all; unjoined barrier ended TIMEOUT after %ld ms "
-                      "(timeout 400 ms)\n", W, secs, o.timeout_ms);
+                      "(timeout 400 ms), ABORTED %ld ms after issue (abort at 200 ms)\n", W,
+                      secs, o.timeout_ms, o.abort_ms);
         assert_true(o.timeout_ms >= 390 && o.timeout_ms < 3000);
+        assert_true(o.abort_ms >= 190 && o.abort_ms < 3000);
       }
       assert_true(o.hash == h0); /* every rank holds the same bits */
     }

@@ -251,10 +251,21 @@ static void test_defaults(void **state) {
   assert_int_equal(ddp_train_args_set(&a, "max_steps", "1.5", &err), DDP_ERR_INVALID_ARGUMENT);
   assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "yes", &err),
                    DDP_ERR_INVALID_ARGUMENT);
-  /* Hooks are validated by name; a real hook is "not available yet", not ignored. */
+  /* Hooks are validated by name; they run inside the reducer, so the flat path refuses
+   * them instead of ignoring them. */
   assert_int_equal(ddp_train_args_set(&a, "comm_hook", "power_sgd", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "comm_state_option",
+                                      "{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 3}",
+                                      &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "{\"rank\": 2}", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "ddp_reducer", "false", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_UNSUPPORTED);
-  assert_non_null(strstr(err.msg, "not available yet"));
+  assert_non_null(strstr(err.msg, "ddp_reducer"));
+  assert_int_equal(ddp_train_args_set(&a, "ddp_reducer", "true", &err), DDP_OK);
   assert_int_equal(ddp_train_args_set(&a, "comm_hook", "fp8", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
   assert_int_equal(ddp_train_args_set(&a, "comm_hook", "no", &err), DDP_OK);
@@ -314,8 +325,9 @@ static void test_tool_errors(void **state) {
       {{"--data", "/nonexistent/data.safetensors", NULL}, "No such file"},
       {{"--model", "/nonexistent/model.json", NULL}, "--model /nonexistent/model.json"},
       {{"--ddp_backend", "xccl", NULL}, "the choices are gloo (= tcp), threads, shm, tcp"},
-      {{"--comm_hook", "fp16", NULL}, "not available yet"},
-      {{"--comm_wrapper", "int8", NULL}, "comm_wrapper \"int8\""},
+      {{"--comm_hook", "fp16", "--ddp_reducer", "false"}, "needs ddp_reducer true"},
+      {{"--comm_hook", "fp32", NULL}, "fp32"},
+      {{"--comm_hook", "fp16", "--comm_wrapper", "int8"}, "int8"},
       {{"--optim", "lion", NULL}, "optim \"lion\""},
       {{"--lr_scheduler_type", "cosine_with_restarts", NULL}, "lr_scheduler_type"},
       {{"--ddp_backend", "shm", NULL}, "run under ddprun"},
@@ -425,6 +437,40 @@ static void test_reducer_vs_flat(void **state) {
   assert_true(d <= 1e-6);
   free_run(a);
   free_run(b);
+}
+
+/* Accelerate's comm hooks through the trainer: fp16 compression stays within fp16 rounding
+ * of the exact run but is not identical to it (the hook ran); PowerSGD (rank 1, from step 2)
+ * changes the result and still trains. Replicas stay identical in both (run_world). */
+static void test_comm_hooks(void **state) {
+  run_t *exact = oracle_run_sync(2, 8, 1, true, DDP_FALSE);
+  char dir[256];
+  make_dir(dir, sizeof dir, "hook");
+  run_t *fp16 = new_run(dir);
+  fp16->args = exact->args;
+  snprintf(fp16->args.output_dir, sizeof fp16->args.output_dir, "%s", dir);
+  fp16->model_json = mlp_nodrop;
+  strcpy(fp16->args.comm_hook, "fp16");
+  run_world(fp16, 2);
+  run_t *psgd = new_run(dir);
+  psgd->args = exact->args;
+  snprintf(psgd->args.output_dir, sizeof psgd->args.output_dir, "%s", dir);
+  psgd->model_json = mlp_nodrop;
+  strcpy(psgd->args.comm_hook, "power_sgd");
+  strcpy(psgd->args.comm_state_option,
+         "{\"matrix_approximation_rank\": 1, \"start_powerSGD_iter\": 2}");
+  run_world(psgd, 2);
+  double d16 = rel_diff(fp16->params, exact->params, exact->nparams);
+  double dps = rel_diff(psgd->params, exact->params, exact->nparams);
+  print_message("fp16 hook vs exact %.2e; PowerSGD vs exact %.2e; PowerSGD loss %.4f -> %.4f\n",
+                d16, dps, psgd->loss_before, psgd->loss_after);
+  assert_true(d16 > 0 && d16 < 1e-3);
+  assert_true(dps > d16);
+  assert_true(psgd->loss_after < psgd->loss_before);
+  free_run(exact);
+  free_run(fp16);
+  free_run(psgd);
+  rm_tree(dir);
 }
 
 /* Resume from step 10 of 30 (AdamW state, accumulation, dropout, mid-epoch) equals the
@@ -578,6 +624,7 @@ static void test_metrics(void **state) {
   r->args.max_steps = 23;
   r->args.logging_steps = 0.2; /* HF: a fraction of the steps, ceil(0.2 * 23) = every 5 */
   run_world(r, 2);
+  const int64_t expect_grad_bytes = r->nparams * (int64_t)sizeof(float);
   snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
   FILE *f = fopen(path, "r");
   assert_non_null(f);
@@ -606,6 +653,9 @@ static void test_metrics(void **state) {
       assert_true(jnum(o, "comm_time_ms") <= jnum(o, "step_time_ms"));
       assert_true(jnum(o, "samples_per_s") > 0);
       assert_true(jnum(o, "overlap_ms") >= 0);
+      /* No hook: every gradient byte goes over the wire once per step, uncompressed. */
+      assert_true(jnum(o, "comm_bytes") == (double)expect_grad_bytes);
+      assert_true(jnum(o, "compression_rate") == 1.0);
       logs++;
     }
     cJSON_Delete(o);
@@ -773,6 +823,7 @@ int main(void) {
       cmocka_unit_test(test_defaults),       cmocka_unit_test(test_tool_parsing),
       cmocka_unit_test(test_tool_errors),    cmocka_unit_test(test_loss_falls),
       cmocka_unit_test(test_equivalence),    cmocka_unit_test(test_reducer_vs_flat),
+      cmocka_unit_test(test_comm_hooks),
       cmocka_unit_test(test_resume_bitwise),
       cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
       cmocka_unit_test(test_replica_check),  cmocka_unit_test(test_threads_vs_processes),

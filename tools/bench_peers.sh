@@ -44,6 +44,7 @@ echo "# bench_peers: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "# libddp git $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown);" \
      "$(nproc) CPUs; $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 echo "# sweep arguments: ${sweep[*]:-(defaults)}; outputs in $out"
+echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg) (other processes skew every figure)"
 start=$(date +%s)
 
 step() { # name, then the command; output goes to the terminal and to $out/<name>.txt
@@ -77,7 +78,7 @@ else
 fi
 
 echo
-echo "## total $(( $(date +%s) - start )) s"
+echo "## total $(( $(date +%s) - start )) s; load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
 /usr/bin/python3 - "$out" <<'PY' || failed=1
 import csv, math, os, sys
 

@@ -85,6 +85,11 @@ DDP_API const char *ddp_tensor_describe(const ddp_tensor_t *t, char *buf, size_t
 DDP_API ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int64_t n,
                               int64_t k, double alpha, const void *a, int64_t lda,
                               const void *b, int64_t ldb, double beta, void *c, int64_t ldc);
+/* Replaces the row-major rows x cols matrix a (row stride lda >= cols, rows >= cols) by
+ * the Q factor of its reduced QR decomposition: LAPACK's Householder geqrf then orgqr, as
+ * torch.linalg.qr(mode="reduced") computes it (LAPACK's sign convention). dt is DDP_F32
+ * (sgeqrf/sorgqr) or DDP_F64 (dgeqrf/dorgqr). Allocates a column-major copy. */
+DDP_API ddp_status_t ddp_qr_q(ddp_dtype_t dt, int64_t rows, int64_t cols, void *a, int64_t lda);
 /* OpenBLAS threads for this process. The first BLAS call sets DDP_BLAS_THREADS (default 1:
  * one thread per rank, so ranks do not oversubscribe the cores). */
 DDP_API void ddp_blas_set_threads(int n);

@@ -84,7 +84,7 @@ typedef struct ddp_train_args {
   bool gradient_as_bucket_view;           /* false */
   bool ddp_reducer; /* libddp: true = the bucketed DDP reducer; false = one flat allreduce */
   /* communication hooks (Accelerate's names) */
-  char comm_hook[32];                     /* "no" */
+  char comm_hook[32];                     /* "no"; needs ddp_reducer (docs/hooks.md) */
   char comm_wrapper[16];                  /* "no" */
   char comm_state_option[DDP_TRAIN_STR_MAX]; /* JSON object, "" or "{}" = none */
 } ddp_train_args_t;
@@ -123,8 +123,8 @@ DDP_API ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *p
                                               ddp_error_t *err);
 
 /* Cross-field checks: positive sizes, known optim / scheduler / strategy / backend names
- * (an unknown ddp_backend lists the choices), comm hook names; a hook other than "no" is
- * DDP_ERR_UNSUPPORTED ("not available yet"). */
+ * (an unknown ddp_backend lists the choices), comm hook names, wrapper and PowerSGD state
+ * options (ddp_hooks_validate); a hook with ddp_reducer false is DDP_ERR_UNSUPPORTED. */
 DDP_API ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err);
 
 /* libddp's backend for ddp_backend ("gloo" -> "tcp"); NULL when unset. */

@@ -76,6 +76,7 @@ struct ddp_ddp {
   ddp_comm_hook_t comm_hook;
   char *comm_hook_name;
   int64_t comm_bytes_step; /* payload bytes of the last synced step without a hook */
+  int64_t comm_numel_total; /* elements all-reduced so far without a hook */
 
   /* per backward */
   ddp_ctx_t *ctx;
@@ -494,6 +495,7 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     }
     if (d->next_bucket == 0) d->comm_bytes_step = 0;
     d->comm_bytes_step += (int64_t)(b->numel * ddp_dtype_size(b->dtype));
+    d->comm_numel_total += (int64_t)b->numel;
     ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_SUM, &b->work);
     if (st != DDP_OK)
       return fail(d, st, "[rank %d] DDP: launching the allreduce of bucket %zu failed: %s",
@@ -638,10 +640,11 @@ static ddp_status_t finalize_backward(ddp_ddp_t *d) {
   bool need_used = d->opts.find_unused_parameters || d->opts.static_graph;
   for (size_t b = 0; b < d->nbuckets; b++) {
     bucket_t *x = &d->buckets[b];
-    ddp_status_t st = x->cwork   ? resolve_comm_hook(d, b, first == DDP_OK)
+    bool hooked = x->cwork != NULL;
+    ddp_status_t st = hooked    ? resolve_comm_hook(d, b, first == DDP_OK)
                       : x->work ? ddp_work_wait(x->work, -1)
                                 : DDP_ERR_INTERNAL;
-    if (x->cwork && st != DDP_OK && first == DDP_OK) first = st; /* message already set */
+    if (hooked && st != DDP_OK && first == DDP_OK) first = st; /* message already set */
     trace(d, "allreduce bucket", x->t_launch, ddp_now_ns(), 1, (int64_t)b,
           (int64_t)(x->numel * ddp_dtype_size(x->dtype)));
     if (st != DDP_OK && first == DDP_OK) {
@@ -1235,6 +1238,15 @@ static void stats_sample_end(ddp_ddp_t *d) {
            " ns backward_compute_time=%" PRId64 " ns backward_comm_time=%" PRId64
            " ns backward_compute_comm_overlap_time=%" PRId64 " ns",
            it, fwd, bwd, comm, ov);
+  if (d->has_comm_hook) {
+    ddp_ddp_comm_stats_t cs;
+    ddp_ddp_get_comm_stats(d, &cs);
+    ddp__log(d->rank, DDP_LOG_INFO,
+             "DDP iteration %" PRId64 ": comm hook %s: numel before compression %" PRId64
+             ", after %" PRId64 ", rate %g, %" PRId64 " bytes all-reduced this step",
+             it, d->comm_hook_name, cs.numel_before, cs.numel_after, cs.rate,
+             cs.bytes_last_step);
+  }
 }
 
 void ddp_ddp_get_logging_data(ddp_ddp_t *d, ddp_ddp_logging_data_t *o) {
@@ -1648,4 +1660,280 @@ fail:
   copy_err(err, d, st);
   ddp_ddp_destroy(d);
   return st;
+}
+
+/* ---------------------------------------------------------------- comm hooks ------ */
+
+/* The future behind a hook's result. Collectives added to it are waited for in the order
+ * they were added; then the continuation runs (it may add collectives and set another
+ * continuation, which runs after those); the work resolves when no continuation is left. */
+struct ddp_comm_work {
+  ddp_work_t **works;
+  size_t n, cap;
+  ddp_comm_then_fn then;
+  void *then_user;
+  void *data;
+  size_t count;
+  ddp_dtype_t dt;
+  bool has_result;
+  void (*on_free)(void *);
+  void *free_user;
+  ddp_status_t status;
+  char err[1024];
+};
+
+ddp_status_t ddp_comm_work_create(ddp_comm_work_t **out) {
+  DDP_REQUIRE(out);
+  *out = ddp__calloc(1, sizeof **out);
+  return *out ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
+ddp_status_t ddp_comm_work_add(ddp_comm_work_t *w, ddp_work_t *work) {
+  DDP_REQUIRE(w && work);
+  if (w->n == w->cap) {
+    size_t cap = w->cap ? 2 * w->cap : 4;
+    ddp_work_t **nw = ddp__malloc(cap * sizeof *nw);
+    if (!nw) {
+      ddp_work_wait(work, -1);
+      ddp_work_free(work);
+      return DDP_ERR_NO_MEMORY;
+    }
+    if (w->n) memcpy(nw, w->works, w->n * sizeof *nw);
+    ddp__free(w->works);
+    w->works = nw;
+    w->cap = cap;
+  }
+  w->works[w->n++] = work;
+  return DDP_OK;
+}
+
+void ddp_comm_work_then(ddp_comm_work_t *w, ddp_comm_then_fn fn, void *user) {
+  DDP_REQUIRE(w);
+  w->then = fn;
+  w->then_user = user;
+}
+
+void ddp_comm_work_set_result(ddp_comm_work_t *w, void *data, size_t count, ddp_dtype_t dt) {
+  DDP_REQUIRE(w);
+  w->data = data;
+  w->count = count;
+  w->dt = dt;
+  w->has_result = true;
+}
+
+void ddp_comm_work_on_free(ddp_comm_work_t *w, void (*fn)(void *), void *user) {
+  DDP_REQUIRE(w);
+  w->on_free = fn;
+  w->free_user = user;
+}
+
+void ddp_comm_work_set_error(ddp_comm_work_t *w, const char *msg) {
+  DDP_REQUIRE(w && msg);
+  snprintf(w->err, sizeof w->err, "%s", msg);
+}
+
+const char *ddp_comm_work_error(const ddp_comm_work_t *w) {
+  DDP_REQUIRE(w);
+  return w->err;
+}
+
+static void drain_works(ddp_comm_work_t *w) {
+  for (size_t i = 0; i < w->n; i++) {
+    ddp_status_t st = ddp_work_wait(w->works[i], -1);
+    if (st != DDP_OK && w->status == DDP_OK) {
+      w->status = st;
+      const char *e = ddp_work_error(w->works[i]);
+      snprintf(w->err, sizeof w->err, "collective %zu of the hook failed: %s", i,
+               e[0] ? e : ddp_status_str(st));
+    }
+    ddp_work_free(w->works[i]);
+  }
+  w->n = 0;
+}
+
+ddp_status_t ddp_comm_work_wait(ddp_comm_work_t *w, const void **data, size_t *count,
+                                ddp_dtype_t *dt) {
+  DDP_REQUIRE(w);
+  for (;;) {
+    drain_works(w);
+    if (w->status != DDP_OK || !w->then) break;
+    ddp_comm_then_fn fn = w->then;
+    w->then = NULL;
+    ddp_status_t st = fn(w->then_user, w);
+    if (st != DDP_OK) {
+      drain_works(w);
+      w->status = st;
+      if (!w->err[0]) snprintf(w->err, sizeof w->err, "the hook's continuation failed: %s",
+                               ddp_status_str(st));
+      break;
+    }
+  }
+  if (w->status == DDP_OK && !w->has_result) {
+    w->status = DDP_ERR_INVALID_USAGE;
+    snprintf(w->err, sizeof w->err, "the comm hook's work resolved to no tensor");
+  }
+  if (data) *data = w->data;
+  if (count) *count = w->count;
+  if (dt) *dt = w->dt;
+  return w->status;
+}
+
+void ddp_comm_work_free(ddp_comm_work_t *w) {
+  if (!w) return;
+  drain_works(w);
+  if (w->on_free) w->on_free(w->free_user);
+  ddp__free(w->works);
+  ddp__free(w);
+}
+
+void ddp_grad_bucket_set_buffer(ddp_grad_bucket_t *b, void *data, ddp_dtype_t dt) {
+  DDP_REQUIRE(b && (data || b->numel == 0));
+  b->buffer = data;
+  b->dtype = dt;
+}
+
+void *ddp_grad_bucket_gradient(const ddp_grad_bucket_t *b, size_t k) {
+  DDP_REQUIRE(b && k < b->nparams);
+  return (char *)b->buffer + b->offsets[k] * ddp_dtype_size(b->dtype);
+}
+
+static double load_elem(const void *p, ddp_dtype_t dt, size_t i) {
+  switch (dt) {
+    case DDP_F64: return ((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
+    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+/* Calls the hook on bucket b with a fresh GradBucket over its flat buffer. */
+static ddp_status_t run_comm_hook(ddp_ddp_t *d, size_t b) {
+  bucket_t *x = &d->buckets[b];
+  if (!x->gb_params) {
+    x->gb_params = ddp__calloc(x->nvars, sizeof *x->gb_params);
+    if (!x->gb_params) return fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: out of memory", d->rank);
+    for (size_t k = 0; k < x->nvars; k++) x->gb_params[k] = d->params[x->vars[k]];
+  }
+  x->gb = (ddp_grad_bucket_t){.index = b,
+                              .is_last = b + 1 == d->nbuckets,
+                              .buffer = x->buf,
+                              .numel = x->numel,
+                              .dtype = x->dtype,
+                              .nparams = x->nvars,
+                              .params = x->gb_params,
+                              .offsets = x->offsets};
+  ddp_comm_work_t *w = NULL;
+  ddp_status_t st = d->comm_hook.fn(d->comm_hook.state, d->pg, &x->gb, &w);
+  if (st != DDP_OK) {
+    char msg[1024];
+    const char *pe = ddp_pg_status(d->pg) != DDP_OK ? ddp_pg_last_error(d->pg) : "";
+    snprintf(msg, sizeof msg, "%s", w && ddp_comm_work_error(w)[0] ? ddp_comm_work_error(w)
+                                    : pe[0]                      ? pe
+                                                                 : ddp_status_str(st));
+    ddp_comm_work_free(w);
+    return fail(d, st, "[rank %d] DDP: comm hook %s failed on bucket %zu: %s", d->rank,
+                d->comm_hook_name, b, msg);
+  }
+  if (!w)
+    return fail(d, DDP_ERR_INVALID_USAGE, "[rank %d] DDP: comm hook %s returned no work for bucket %zu",
+                d->rank, d->comm_hook_name, b);
+  x->cwork = w;
+  return DDP_OK;
+}
+
+/* Resolves bucket b's hook work and converts its result into the bucket's flat buffer in
+ * the gradient dtype (the copy-back then proceeds as without a hook). */
+static ddp_status_t resolve_comm_hook(ddp_ddp_t *d, size_t b, bool report) {
+  bucket_t *x = &d->buckets[b];
+  const void *data = NULL;
+  size_t cnt = 0;
+  ddp_dtype_t dt = x->dtype;
+  ddp_status_t st = ddp_comm_work_wait(x->cwork, &data, &cnt, &dt);
+  if (st != DDP_OK) {
+    if (report)
+      fail(d, st, "[rank %d] DDP: comm hook %s on bucket %zu failed: %s", d->rank,
+           d->comm_hook_name, b, ddp_comm_work_error(x->cwork));
+  } else if (cnt != x->numel) {
+    st = DDP_ERR_INVALID_USAGE;
+    if (report)
+      fail(d, st,
+           "[rank %d] DDP: comm hook %s resolved bucket %zu to a tensor of %zu elements, "
+           "expected %zu (the bucket's element count)",
+           d->rank, d->comm_hook_name, b, cnt, x->numel);
+  } else if (dt != DDP_F32 && dt != DDP_F64 && dt != DDP_F16 && dt != DDP_BF16) {
+    st = DDP_ERR_INVALID_USAGE;
+    if (report)
+      fail(d, st, "[rank %d] DDP: comm hook %s resolved bucket %zu to dtype %s; expected a "
+           "floating dtype", d->rank, d->comm_hook_name, b, ddp_dtype_name(dt));
+  } else if (data != x->buf || dt != x->dtype) {
+    size_t es = ddp_dtype_size(dt), n = x->numel;
+    const char *src = data, *dst = x->buf;
+    void *tmp = NULL;
+    if (dt != x->dtype && src < dst + n * ddp_dtype_size(x->dtype) && dst < src + n * es) {
+      tmp = ddp__malloc(n * es + 1);
+      if (!tmp) st = fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: out of memory", d->rank);
+      else data = memcpy(tmp, data, n * es);
+    }
+    if (st == DDP_OK) {
+      if (dt == x->dtype) memmove(x->buf, data, n * es);
+      else if (x->dtype == DDP_F64)
+        for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = load_elem(data, dt, i);
+      else
+        for (size_t i = 0; i < n; i++) ((float *)x->buf)[i] = (float)load_elem(data, dt, i);
+    }
+    ddp__free(tmp);
+  }
+  ddp_comm_work_free(x->cwork);
+  x->cwork = NULL;
+  return st;
+}
+
+ddp_status_t ddp_ddp_register_comm_hook(ddp_ddp_t *d, const ddp_comm_hook_t *hook,
+                                        ddp_error_t *err) {
+  DDP_REQUIRE(d && d->magic == DDP_MAGIC && hook && hook->fn);
+  d->err[0] = 0;
+  ddp_status_t st;
+  if (d->has_comm_hook) {
+    st = fail(d, DDP_ERR_INVALID_USAGE,
+              "register_comm_hook or register_builtin_comm_hook can only be called once. "
+              "(rank %d: %s is already registered)", d->rank, d->comm_hook_name);
+  } else if (d->num_iterations > 0 || d->require_finalize) {
+    st = fail(d, DDP_ERR_INVALID_USAGE,
+              "register_comm_hook must be called before the first backward: this DDP model "
+              "has already run %" PRId64 " synchronised iteration(s) (rank %d)",
+              d->num_iterations, d->rank);
+  } else {
+    const char *name = hook->name ? hook->name : "comm_hook";
+    size_t len = strlen(name);
+    d->comm_hook_name = ddp__malloc(len + 1);
+    if (!d->comm_hook_name) {
+      st = fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: out of memory", d->rank);
+    } else {
+      memcpy(d->comm_hook_name, name, len + 1);
+      d->comm_hook = *hook;
+      d->has_comm_hook = true;
+      ddp__log(d->rank, DDP_LOG_INFO, "DDP: registered comm hook %s", name);
+      return DDP_OK;
+    }
+  }
+  copy_err(err, d, st);
+  return st;
+}
+
+void ddp_ddp_get_comm_stats(ddp_ddp_t *d, ddp_ddp_comm_stats_t *out) {
+  DDP_REQUIRE(d && d->magic == DDP_MAGIC && out);
+  memset(out, 0, sizeof *out);
+  if (d->has_comm_hook) {
+    if (d->comm_hook.stats) {
+      ddp_comm_hook_stats_t s = {0, 0, 0};
+      d->comm_hook.stats(d->comm_hook.state, &s);
+      out->numel_before = s.numel_before;
+      out->numel_after = s.numel_after;
+      out->bytes_last_step = s.bytes_last_step;
+    }
+  } else {
+    out->numel_before = out->numel_after = d->comm_numel_total;
+    out->bytes_last_step = d->comm_bytes_step;
+  }
+  out->rate = out->numel_after > 0 ? (double)out->numel_before / (double)out->numel_after : 1.0;
 }

@@ -58,3 +58,60 @@ ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int
       return DDP_ERR_UNSUPPORTED;
   }
 }
+
+/* LAPACK's Fortran entry points, exported by libopenblas. */
+void sgeqrf_(const int *m, const int *n, float *a, const int *lda, float *tau, float *work,
+             const int *lwork, int *info);
+void sorgqr_(const int *m, const int *n, const int *k, float *a, const int *lda,
+             const float *tau, float *work, const int *lwork, int *info);
+void dgeqrf_(const int *m, const int *n, double *a, const int *lda, double *tau, double *work,
+             const int *lwork, int *info);
+void dorgqr_(const int *m, const int *n, const int *k, double *a, const int *lda,
+             const double *tau, double *work, const int *lwork, int *info);
+
+/* LAPACK is column-major: the row-major matrix is transposed into a rows x cols
+ * column-major copy, factored in place (geqrf leaves R and the Householder vectors, orgqr
+ * forms the first cols columns of Q from them), and transposed back. The workspace is
+ * sized generously (64 blocks per column) instead of by a query, which keeps one call
+ * sequence for both precisions. */
+ddp_status_t ddp_qr_q(ddp_dtype_t dt, int64_t rows, int64_t cols, void *a, int64_t lda) {
+  if (rows < 0 || cols < 0 || rows < cols || rows > INT_MAX / 2 || lda < cols ||
+      (rows > 0 && !a))
+    return DDP_ERR_INVALID_ARGUMENT;
+  if (dt != DDP_F32 && dt != DDP_F64) return DDP_ERR_UNSUPPORTED;
+  if (cols == 0) return DDP_OK;
+  pthread_once(&threads_once, threads_init);
+  size_t es = ddp_dtype_size(dt);
+  int m = (int)rows, n = (int)cols, lwork = (int)DDP_MAX(1, 64 * cols), info = 0;
+  char *cm = ddp__malloc((size_t)rows * (size_t)cols * es);
+  char *tau = ddp__malloc((size_t)cols * es);
+  char *work = ddp__malloc((size_t)lwork * es);
+  ddp_status_t st = DDP_OK;
+  if (!cm || !tau || !work) {
+    st = DDP_ERR_NO_MEMORY;
+    goto out;
+  }
+  if (dt == DDP_F32) {
+    float *x = (float *)a, *c = (float *)cm;
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t j = 0; j < cols; j++) c[j * rows + i] = x[i * lda + j];
+    sgeqrf_(&m, &n, c, &m, (float *)tau, (float *)work, &lwork, &info);
+    if (info == 0) sorgqr_(&m, &n, &n, c, &m, (float *)tau, (float *)work, &lwork, &info);
+    for (int64_t i = 0; i < rows && info == 0; i++)
+      for (int64_t j = 0; j < cols; j++) x[i * lda + j] = c[j * rows + i];
+  } else {
+    double *x = (double *)a, *c = (double *)cm;
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t j = 0; j < cols; j++) c[j * rows + i] = x[i * lda + j];
+    dgeqrf_(&m, &n, c, &m, (double *)tau, (double *)work, &lwork, &info);
+    if (info == 0) dorgqr_(&m, &n, &n, c, &m, (double *)tau, (double *)work, &lwork, &info);
+    for (int64_t i = 0; i < rows && info == 0; i++)
+      for (int64_t j = 0; j < cols; j++) x[i * lda + j] = c[j * rows + i];
+  }
+  if (info != 0) st = DDP_ERR_INTERNAL;
+out:
+  ddp__free(cm);
+  ddp__free(tau);
+  ddp__free(work);
+  return st;
+}

@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/common.h"
+#include "ddp/hooks.h"
 #include "ddp/train.h"
 
 typedef enum arg_kind { K_INT, K_U64, K_FLOAT, K_BOOL, K_TRI, K_STR } arg_kind_t;
@@ -305,14 +306,6 @@ static bool one_of(const char *v, const char *const *choices) {
 }
 
 static const char *const backend_choices[] = {"gloo", "threads", "shm", "tcp", "mpi", "nccl", NULL};
-static const char *const hook_choices[] = {"no", "fp16", "bf16", "power_sgd",
-                                           "batched_power_sgd", NULL};
-static const char *const wrapper_choices[] = {"no", "fp16", "bf16", NULL};
-static const char *const powersgd_keys[] = {
-    "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
-    "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed",
-    "compression_stats_logging_frequency", "batch_tensors_with_same_shape", NULL};
-
 ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
   DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
   static const char *const optims[] = {"adamw_torch", "adamw", "adam", "sgd", NULL};
@@ -369,47 +362,15 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "ddp_bucket_cap_mb must be positive (or -1 for the default 25)");
   }
-  if (!one_of(a->comm_hook, hook_choices)) {
-    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                            "comm_hook \"%s\": the choices are no, fp16, bf16, power_sgd, "
-                            "batched_power_sgd", a->comm_hook);
+  /* The hooks layer knows the names, the PowerSGD keys and their ranges. */
+  ddp_error_t he = {0};
+  if (ddp_hooks_validate(a->comm_hook, a->comm_wrapper, a->comm_state_option, &he) != DDP_OK) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "%s", he.msg);
   }
-  if (!one_of(a->comm_wrapper, wrapper_choices)) {
-    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                            "comm_wrapper \"%s\": the choices are no, fp16, bf16",
-                            a->comm_wrapper);
-  }
-  if (a->comm_state_option[0]) {
-    cJSON *o = cJSON_Parse(a->comm_state_option);
-    ddp_status_t st = DDP_OK;
-    if (!o || !cJSON_IsObject(o)) {
-      st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                            "comm_state_option must be a JSON object, got %s",
-                            a->comm_state_option);
-    } else {
-      const cJSON *it;
-      cJSON_ArrayForEach(it, o) {
-        if (!one_of(it->string, powersgd_keys)) {
-          st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                                "comm_state_option: unknown PowerSGD option \"%s\"", it->string);
-          break;
-        }
-      }
-      if (st == DDP_OK && o->child && strcmp(a->comm_hook, "power_sgd") &&
-          strcmp(a->comm_hook, "batched_power_sgd")) {
-        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                              "comm_state_option applies only to comm_hook power_sgd or "
-                              "batched_power_sgd (comm_hook is \"%s\")", a->comm_hook);
-      }
-    }
-    cJSON_Delete(o);
-    if (st != DDP_OK) return st;
-  }
-  if (strcmp(a->comm_hook, "no") || strcmp(a->comm_wrapper, "no")) {
+  if (!a->ddp_reducer && strcmp(a->comm_hook, "no") != 0) {
     return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
-                            "comm_hook \"%s\" / comm_wrapper \"%s\": communication hooks are not "
-                            "available yet in this build of libddp; use \"no\"",
-                            a->comm_hook, a->comm_wrapper);
+                            "comm_hook \"%s\" runs inside the DDP reducer; it needs ddp_reducer "
+                            "true (the flat allreduce path has no hooks)", a->comm_hook);
   }
   return DDP_OK;
 }

@@ -3,7 +3,8 @@
  *  - "reducer": the DDP reducer (include/ddp/reducer.h) with the HF-named options: buckets
  *    (ddp_bucket_cap_mb), allreduces launched from the gradient-ready hooks while backward
  *    runs, find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers
- *    and no_sync. The loss scale enters as a multiplication on the tape (d(c*L) = c*dL: the
+ *    and no_sync, with Accelerate's comm_hook / comm_wrapper / comm_state_option registered
+ *    through the hooks layer. The loss scale enters as a multiplication on the tape (d(c*L) = c*dL: the
  *    same gradient a seed of c gives).
  *  - "flat": DDP with one bucket and no overlap. After a synchronising backward the model's
  *    flat gradient buffer (one per dtype) is all-reduced with AVG (sum in rank order, then
@@ -16,6 +17,7 @@
 #include <string.h>
 
 #include "common/common.h"
+#include "ddp/hooks.h"
 #include "ddp/reducer.h"
 
 struct ddp__sync {
@@ -72,6 +74,22 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
 
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
 
+void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate) {
+  *bytes = 0;
+  *rate = 1.0;
+  if (s->ddp) {
+    ddp_ddp_comm_stats_t cs;
+    ddp_ddp_get_comm_stats(s->ddp, &cs);
+    *bytes = cs.bytes_last_step;
+    *rate = cs.rate;
+    return;
+  }
+  for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes); i++) {
+    ddp_tensor_t g = ddp_model_flat_grads(s->model, float_dtypes[i]);
+    if (g.numel) *bytes += (int64_t)ddp_tensor_nbytes(&g);
+  }
+}
+
 double ddp__sync_overlap_ns(ddp__sync_t *s) {
   if (!s->ddp) return 0;
   ddp_ddp_logging_data_t ld;
@@ -105,6 +123,12 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     ddp_status_t st = ddp_ddp_create(s->model, s->pg, &o, &s->ddp, &e);
     if (st != DDP_OK) {
       return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP create: %s", e.msg);
+    }
+    /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing). */
+    st = ddp_hooks_configure(s->ddp, s->args.comm_hook, s->args.comm_wrapper,
+                             s->args.comm_state_option, &e);
+    if (st != DDP_OK) {
+      return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP comm hook: %s", e.msg);
     }
     return DDP_OK;
   }

@@ -40,6 +40,9 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
 const char *ddp__sync_name(const ddp__sync_t *s);
 /* The reducer's handle (reducer mode, after ddp__sync_begin), else NULL. */
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s);
+/* Payload bytes this rank all-reduced in the last synchronised step and the compression
+ * rate of the comm hook (1 without compression). */
+void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate);
 /* Average backward compute/communication overlap per synchronised step (ns; 0 for flat). */
 double ddp__sync_overlap_ns(ddp__sync_t *s);
 

@@ -31,27 +31,4 @@ ddp_status_t ddp__train_write_atomic(const char *path, const char *text, size_t 
 /* mkdir -p. */
 ddp_status_t ddp__train_mkdirs(const char *path, ddp_error_t *err);
 
-/* Per-step dumps (dump.c, docs/dumps.md). open creates DIR/rank{r}/ (and DIR/meta.json on
- * rank 0 from meta_json); rows_per_step bounds the rows of one step's inputs. */
-typedef struct ddp__dump ddp__dump_t;
-ddp_status_t ddp__dump_open(const char *root, ddp_model_t *model, int rank,
-                            const ddp_sample_spec_t *spec, int64_t rows_per_step,
-                            const char *meta_json, ddp__dump_t **out, ddp_error_t *err);
-void ddp__dump_close(ddp__dump_t *d);
-ddp_status_t ddp__dump_init(ddp__dump_t *d, ddp_error_t *err);
-void ddp__dump_begin_step(ddp__dump_t *d);
-ddp_status_t ddp__dump_add_batch(ddp__dump_t *d, const ddp_batch_t *b);
-/* Snapshot of the gradients as they are now (averaged, before clipping). */
-void ddp__dump_grads(ddp__dump_t *d);
-/* step{NNNNNN}.safetensors: inputs, the snapshot, parameters and buffers now. */
-ddp_status_t ddp__dump_step(ddp__dump_t *d, int64_t step, double loss, int64_t micro,
-                            ddp_error_t *err);
-
-/* ddp.json (reducer mode only; ddp may be NULL, then nothing is written): layout_begin
- * records the construction-time buckets right after the reducer is created; finish writes
- * the parameter lists, both layouts, the ready order and the logging data at the end. */
-struct ddp_ddp;
-ddp_status_t ddp__dump_layout_begin(ddp__dump_t *d, struct ddp_ddp *ddp);
-ddp_status_t ddp__dump_finish(ddp__dump_t *d, struct ddp_ddp *ddp, ddp_error_t *err);
-
 #endif /* DDP_TRAIN_INTERNAL_H */

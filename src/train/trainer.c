@@ -23,6 +23,8 @@
 #include <string.h>
 
 #include "common/common.h"
+#include "ddp/reducer.h"
+#include "ddp_config.h"
 #include "train/sync.h"
 #include "train/train_internal.h"
 
@@ -44,7 +46,7 @@ typedef struct trainer {
   ddp_tensor_t **grads;   /* for clipping */
   size_t ntrain;          /* parameters that require grad */
   ddp__sync_t *sync;
-  ddp__dump_t *dump;      /* --dump_dir; NULL when off */
+  ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
   FILE *metrics;          /* rank 0 */
   bool classify;          /* integer class labels: cross-entropy; else MSE */
   ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
@@ -455,13 +457,20 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
                       "trainer: %s is at step %lld, past max_steps %lld", dir, (long long)step,
                       (long long)t->max_steps);
   }
+  if (strstr(t->a->comm_hook, "power_sgd")) {
+    ddp__log(t->rank, DDP_LOG_WARN,
+             "resuming %s with comm_hook %s: the PowerSGD state (error feedback, warm-start "
+             "factors, iteration) is not part of a checkpoint and starts afresh", dir,
+             t->a->comm_hook);
+  }
   *start = step;
   ddp__log(t->rank, DDP_LOG_INFO, "resumed from %s at step %lld", dir, (long long)step);
   return DDP_OK;
 }
 
-/* meta.json of a dump: the options under torch_reference.py's names (docs/dumps.md). */
-static ddp_status_t dump_meta(trainer_t *t, int64_t steps, char **out) {
+/* The "config" object of a dump's meta.json: the options under torch_reference.py's names
+ * (docs/dumps.md), plus every training argument under "training_args". */
+static ddp_status_t dump_config(trainer_t *t, char **out) {
   const ddp_train_args_t *a = t->a;
   char *args = NULL;
   DDP_CHECK(ddp_train_args_to_json(a, &args));
@@ -469,12 +478,12 @@ static ddp_status_t dump_meta(trainer_t *t, int64_t steps, char **out) {
   char *s = ddp__malloc(cap);
   const char *be = ddp_train_backend_name(a);
   char cap_mb[32] = "null";
-  if (a->ddp_bucket_cap_mb > 0) snprintf(cap_mb, sizeof cap_mb, "%lld", (long long)a->ddp_bucket_cap_mb);
+  if (a->ddp_bucket_cap_mb > 0) {
+    snprintf(cap_mb, sizeof cap_mb, "%lld", (long long)a->ddp_bucket_cap_mb);
+  }
   if (s) {
     snprintf(s, cap,
-             "{\"format\": \"libddp-dump-1\", \"producer\": \"libddp\", \"producer_version\": "
-             "\"libddp %s (%s)\", \"world_size\": %d, \"steps\": %lld, \"config\": {"
-             "\"world\": %d, \"steps\": %lld, \"batch\": %lld, \"lr\": %.17g, \"optim\": \"%s\", "
+             "{\"world\": %d, \"steps\": %lld, \"batch\": %lld, \"lr\": %.17g, \"optim\": \"%s\", "
              "\"lr_scheduler_type\": \"%s\", \"warmup_steps\": %lld, \"momentum\": 0, "
              "\"weight_decay\": %.17g, \"adam_beta1\": %.17g, \"adam_beta2\": %.17g, "
              "\"adam_epsilon\": %.17g, \"max_grad_norm\": %.17g, \"seed\": %llu, "
@@ -483,26 +492,32 @@ static ddp_status_t dump_meta(trainer_t *t, int64_t steps, char **out) {
              "\"bucket_cap_mb\": %s, \"find_unused_parameters\": %s, "
              "\"broadcast_buffers\": %s, \"static_graph\": %s, \"gradient_as_bucket_view\": %s, "
              "\"gradient_accumulation_steps\": %lld, \"comm_hook\": \"%s\", "
-             "\"comm_wrapper\": \"%s\", \"backend\": \"%s\", \"timeout\": %lld}, "
-             "\"training_args\": %s}\n",
-             DDP_VERSION, ddp__sync_name(t->sync), t->world, (long long)steps, t->world,
-             (long long)steps, (long long)a->per_device_train_batch_size, a->learning_rate,
-             a->optim, a->lr_scheduler_type, (long long)t->sched.num_warmup_steps,
-             a->weight_decay, a->adam_beta1, a->adam_beta2, a->adam_epsilon,
-             a->max_grad_norm > 0 ? a->max_grad_norm : 0.0, (unsigned long long)a->seed,
-             t->classify ? "ce" : "mse", (unsigned long long)a->seed,
-             a->dataloader_drop_last ? "true" : "false",
-             cap_mb,
+             "\"comm_wrapper\": \"%s\", \"backend\": \"%s\", \"timeout\": %lld, "
+             "\"sync\": \"%s\", \"training_args\": %s}",
+             t->world, (long long)(t->max_steps), (long long)a->per_device_train_batch_size,
+             a->learning_rate, a->optim, a->lr_scheduler_type,
+             (long long)t->sched.num_warmup_steps, a->weight_decay, a->adam_beta1,
+             a->adam_beta2, a->adam_epsilon, a->max_grad_norm > 0 ? a->max_grad_norm : 0.0,
+             (unsigned long long)a->seed, t->classify ? "ce" : "mse",
+             (unsigned long long)a->seed, a->dataloader_drop_last ? "true" : "false", cap_mb,
              ddp_train_find_unused(a) ? "true" : "false",
              ddp_train_broadcast_buffers(a) ? "true" : "false",
              ddp_train_static_graph(a) ? "true" : "false",
              a->gradient_as_bucket_view ? "true" : "false",
              (long long)a->gradient_accumulation_steps, a->comm_hook, a->comm_wrapper,
-             be ? be : ddp_pg_backend_name(t->pg), (long long)a->ddp_timeout, args);
+             be ? be : ddp_pg_backend_name(t->pg), (long long)a->ddp_timeout,
+             ddp__sync_name(t->sync), args);
   }
   ddp_free(args);
   *out = s;
   return s ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
+/* A dump call's status, with the writer's message. */
+static ddp_status_t dump_check(trainer_t *t, ddp_status_t st) {
+  if (st == DDP_OK) return DDP_OK;
+  return ddp__error(t->err, t->rank, st, "trainer: dump_dir %s: %s", t->a->dump_dir,
+                    t->dump ? ddp_dump_last_error(t->dump) : "");
 }
 
 static bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
@@ -549,14 +564,17 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   DDP_CHECK_GOTO(ddp__sync_begin(t->sync, t->err), st, out);
   result->start_step = start;
   if (a->dump_dir[0]) {
-    char *meta = NULL;
-    if (t->rank == 0) DDP_CHECK_GOTO(dump_meta(t, t->max_steps - start, &meta), st, out);
-    st = ddp__dump_open(a->dump_dir, model, t->rank, ddp_dataset_spec(train),
-                        a->per_device_train_batch_size * GA, meta, &t->dump, t->err);
-    ddp__free(meta);
-    if (st == DDP_OK) st = ddp__dump_init(t->dump, t->err);
-    if (st == DDP_OK) st = ddp__dump_layout_begin(t->dump, ddp__sync_reducer(t->sync));
+    char *config = NULL;
+    DDP_CHECK_GOTO(dump_config(t, &config), st, out);
+    ddp_dump_options_t o = DDP_DUMP_OPTIONS_INIT;
+    o.steps = t->max_steps - start;
+    o.producer_version = "libddp " DDP_VERSION;
+    o.config_json = config;
+    st = ddp_dump_open(a->dump_dir, t->rank, t->world, &o, &t->dump, t->err);
+    ddp__free(config);
     if (st != DDP_OK) goto out;
+    DDP_CHECK_GOTO(dump_check(t, ddp_dump_init(t->dump, model, ddp__sync_reducer(t->sync))), st,
+                   out);
   }
 
   if (t->rank == 0) {
@@ -591,7 +609,6 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     int64_t epoch = step / t->steps_per_epoch;
     DDP_CHECK_GOTO(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA), st, out);
     double local_loss = 0;
-    if (t->dump) ddp__dump_begin_step(t->dump);
     for (int64_t k = 0; k < GA; k++) {
       ddp_batch_t b;
       bool has = false;
@@ -601,7 +618,10 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
         goto out;
       }
       t->loader_pos++;
-      if (t->dump) DDP_CHECK_GOTO(ddp__dump_add_batch(t->dump, &b), st, out);
+      if (t->dump) {
+        DDP_CHECK_GOTO(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)),
+                       st, out);
+      }
       ddp_ctx_set_rng(t->ctx, a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
       DDP_CHECK_GOTO(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1, t->err), st, out);
       ddp_var_t *y, *loss;
@@ -614,7 +634,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       if (st != DDP_OK) goto out;
       ddp_ctx_reset(t->ctx);
     }
-    if (t->dump) ddp__dump_grads(t->dump);
+    if (t->dump) DDP_CHECK_GOTO(dump_check(t, ddp_dump_grads(t->dump)), st, out);
     double gnorm = 0;
     DDP_CHECK_GOTO(ddp_clip_grad_norm(t->grads, t->ntrain,
                                       a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY, 2.0,
@@ -625,7 +645,8 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     DDP_CHECK_GOTO(ddp_optim_step(t->opt, t->err), st, out);
     ddp_optim_zero_grad(t->opt, false);
     if (t->dump) {
-      DDP_CHECK_GOTO(ddp__dump_step(t->dump, step - start, local_loss, GA, t->err), st, out);
+      DDP_CHECK_GOTO(
+          dump_check(t, ddp_dump_step(t->dump, step - start, local_loss, (int)GA, 0)), st, out);
     }
 
     ddp_work_t *w = NULL;
@@ -659,17 +680,22 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       double mean_loss = win_loss / (double)win_n;
       double sps = win_time > 0 ? samples_per_step * (double)win_n / win_time : 0;
       uint64_t h = 0;
+      int64_t comm_bytes = 0;
+      double comm_rate = 1.0;
+      ddp__sync_comm_stats(t->sync, &comm_bytes, &comm_rate);
       DDP_CHECK_GOTO(ddp__train_replica_check(pg, model, done, &h, t->err), st, out);
       result->replica_checks++;
       metrics_line(t,
                    "{\"step\": %lld, \"epoch\": %.4f, \"loss\": %s, \"grad_norm\": %s, \"lr\": "
                    "%s, \"step_time_ms\": %s, \"comm_time_ms\": %s, \"overlap_ms\": %.4f, "
+                   "\"comm_bytes\": %lld, \"compression_rate\": %.4f, "
                    "\"samples_per_s\": %s, \"param_hash\": \"%016llx\"}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
                    num(nb[0], 32, mean_loss), num(nb[1], 32, gnorm), num(nb[2], 32, lr),
                    num(nb[3], 32, win_time / (double)win_n * 1e3),
                    num(nb[4], 32, win_comm / (double)win_n * 1e3),
-                   ddp__sync_overlap_ns(t->sync) * 1e-6, num(nb[5], 32, sps),
+                   ddp__sync_overlap_ns(t->sync) * 1e-6, (long long)comm_bytes, comm_rate,
+                   num(nb[5], 32, sps),
                    (unsigned long long)h);
       if (t->ev) {
         ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG, .step = done, .max_steps = t->max_steps,
@@ -704,7 +730,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       DDP_CHECK_GOTO(save(t, done, pause, result), st, out);
     }
   }
-  if (t->dump) DDP_CHECK_GOTO(ddp__dump_finish(t->dump, ddp__sync_reducer(t->sync), t->err), st, out);
+  if (t->dump) DDP_CHECK_GOTO(dump_check(t, ddp_dump_finish(t->dump)), st, out);
   result->steps = t->max_steps;
   result->seconds = (double)(ddp_now_ns() - t_start) * 1e-9;
   result->samples_per_s =
@@ -736,7 +762,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
 
 out:
   if (t->metrics) fclose(t->metrics);
-  ddp__dump_close(t->dump);
+  ddp_dump_close(t->dump);
   ddp__sync_destroy(t->sync);
   ddp_tensor_free(&t->seed_grad);
   ddp_optim_destroy(t->opt);

@@ -3,13 +3,15 @@
  * memory, TCP, InfiniBand through UCX) carries the group's traffic.
  *
  * Family. mpi is a link backend: xfer() posts one MPI_Isend/MPI_Irecv per transfer of the
- * batch and polls them with MPI_Testall. The collectives are therefore the link algorithms
+ * batch and polls them with MPI_Testsome. The collectives are therefore the link algorithms
  * of src/algo/link.c: canonical = an all-to-all of slices (each rank sends every peer the
  * part of its input that peer owns), a fold of the W contributions of the owned slice in
- * rank order, then an all-gather of the slices; small = every rank folds everything; ring =
- * gloo's ring. The bytes and the fold are those of the tcp backend, so canonical results are
- * bitwise equal to threads, shm and tcp (D2), for every dtype including fp16/bf16 (sent as
- * bytes, folded by our kernels, never by MPI's reduction operators).
+ * rank order, then an all-gather of the slices; small = every rank folds everything. The
+ * bytes and the fold are those of the tcp backend, so canonical results are bitwise equal to
+ * threads, shm and tcp (D2), for every dtype including fp16/bf16 (sent as bytes, folded by
+ * our kernels, never by MPI's reduction operators). The fast mode, allreduce with algorithm
+ * ring, is MPI's own MPI_Iallreduce through the table's `run` member (mpi_run) for the
+ * dtypes MPI has a type for; fp16/bf16 take link.c's gloo-style ring.
  *
  * Initialisation. MPI is process-wide. If the application has not initialised MPI, create
  * calls MPI_Init_thread asking for MPI_THREAD_MULTIPLE (the group's progress thread makes
@@ -32,11 +34,14 @@
  * given, create first waits for every rank in the store (bounded, naming missing ranks),
  * so the blocking split only starts once all ranks are there.
  *
- * Failure. MPI has no way to tell peers that a rank gave up short of MPI_Abort, so fail()
- * does nothing: peers of a failed rank end at their own deadline (TIMEOUT) unless the
- * launcher kills the job first (mpirun does when a rank exits with an error). */
+ * Failure. A failed group keeps its communicator until the process ends (see mpi_destroy:
+ * freeing it would let its stray messages reach the next group). MPI has no way to tell
+ * peers that a rank gave up short of MPI_Abort, so fail() does nothing: peers of a failed
+ * rank end at their own deadline (TIMEOUT) unless the launcher kills the job first (mpirun
+ * does when a rank exits with an error). */
 #include <limits.h>
 #include <mpi.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +65,7 @@ typedef struct mpi_state {
   int *idx;          /* MPI_Testsome's output, same capacity */
   size_t nreqs_cap;
   atomic_bool aborted;
+  bool broken; /* an operation failed: messages of this group may still be in flight */
 } mpi_state_t;
 
 static void finalize_at_exit(void) {
@@ -110,7 +116,11 @@ static ddp_status_t ensure_init(int rank, ddp_error_t *err) {
 static void mpi_destroy(void *state) {
   mpi_state_t *s = state;
   if (!s) return;
-  if (s->comm != MPI_COMM_NULL) MPI_Comm_free(&s->comm);
+  /* A failed group's communicator is kept, not freed: MPI reuses the context id of a freed
+   * communicator, and a message a peer sent on this group before it failed (a fingerprint,
+   * a segment) would then match a receive of the next group. Kept, it stays addressed to a
+   * communicator no one listens to. The cost is one communicator per failed group. */
+  if (s->comm != MPI_COMM_NULL && !s->broken) MPI_Comm_free(&s->comm);
   ddp__free(s->reqs);
   ddp__free(s->idx);
   ddp__free(s);
@@ -156,6 +166,16 @@ static ddp_status_t mpi_create(const ddp_backend_init_t *in, void **out, ddp_err
 fail:
   mpi_destroy(s);
   return st;
+}
+
+/* Between two tests of a slow wait: yield until yield_until, then sleep 50 us. */
+static void pause_poll(int64_t yield_until) {
+  if (ddp_now_ns() < yield_until) {
+    sched_yield();
+  } else {
+    struct timespec ts = {0, 50000};
+    nanosleep(&ts, NULL);
+  }
 }
 
 /* Cancels whatever is still pending and waits briefly for the cancellations to complete.
@@ -233,9 +253,11 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t 
     if (st != DDP_OK) break;
   }
   first[nops] = (int)nr;
-  /* Poll: spin briefly (latency), then sleep 50 us between tests so oversubscribed ranks
-   * leave the CPU to the peer they wait for. MPI_Testsome nulls completed requests, so on a
-   * timeout the message names exactly the transfers still pending. */
+  /* Poll: spin briefly (latency), then yield the CPU between tests for up to 2 ms (MPI's
+   * shared-memory rendezvous needs both sides to keep testing, and a yield lets an
+   * oversubscribed peer run), then sleep 50 us between tests. MPI_Testsome nulls completed
+   * requests, so on a timeout the message names exactly the transfers still pending. */
+  int64_t yield_until = ddp_now_ns() + 2000000;
   for (int polls = 0; st == DDP_OK; polls++) {
     int outcount = 0;
     int rc = MPI_Testsome((int)nr, s->reqs, &outcount, s->idx, MPI_STATUSES_IGNORE);
@@ -253,8 +275,7 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t 
       st = ddp__error_quiet(err, DDP_ERR_TIMEOUT, "rank %d: timed out; still pending: %s",
                             s->rank, pend);
     } else if (polls > 200) {
-      struct timespec ts = {0, 50000};
-      nanosleep(&ts, NULL);
+      pause_poll(yield_until);
     }
   }
   if (st != DDP_OK && nr > 0 && !cancel_all(s, nr)) {
@@ -264,6 +285,7 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t 
              err ? err->msg : ddp_status_name(st));
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
+  if (st != DDP_OK) s->broken = true;
   for (size_t k = 0; k < nops; k++) ops[k].done = st == DDP_OK ? ops[k].bytes : 0;
   if (first != first_stack) ddp__free(first);
   return st;
@@ -274,6 +296,7 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t 
  * caller's buffer, so a deadline or abort here ends the job with MPI_Abort. */
 static ddp_status_t wait_coll(mpi_state_t *s, MPI_Request *req, const char *what,
                               int64_t deadline_ns, ddp_error_t *err) {
+  int64_t yield_until = ddp_now_ns() + 2000000;
   for (int polls = 0;; polls++) {
     int flag = 0;
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
@@ -287,10 +310,7 @@ static ddp_status_t wait_coll(mpi_state_t *s, MPI_Request *req, const char *what
                ab ? "was aborted" : "timed out");
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    if (polls > 200) {
-      struct timespec ts = {0, 50000};
-      nanosleep(&ts, NULL);
-    }
+    if (polls > 200) pause_poll(yield_until);
   }
 }
 
@@ -309,9 +329,8 @@ static MPI_Datatype mpi_type(ddp_dtype_t dt) {
  * the MPI library's (D1 at best, not D2). fp16/bf16 have no MPI type and take the link
  * ring instead. Ranks first compare (kind, count, dtype, op) with an MPI_Iallgather, so a
  * mismatched collective is DESYNC on every rank rather than undefined behaviour. */
-static ddp_status_t mpi_run(void *state, const ddp_backend_coll_t *c, int64_t deadline_ns,
-                            ddp_error_t *err) {
-  mpi_state_t *s = state;
+static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int64_t deadline_ns,
+                               ddp_error_t *err) {
   if (c->kind != DDP__ALLREDUCE || c->algo != DDP_ALGO_RING) return DDP_ERR_UNSUPPORTED;
   MPI_Datatype t = mpi_type(c->dt);
   if (t == MPI_DATATYPE_NULL) return DDP_ERR_UNSUPPORTED;
@@ -345,6 +364,14 @@ static ddp_status_t mpi_run(void *state, const ddp_backend_coll_t *c, int64_t de
   }
   if (c->op == DDP_AVG) ddp__reduce_avg(c->dt, c->recv, c->count, s->size);
   return DDP_OK;
+}
+
+static ddp_status_t mpi_run(void *state, const ddp_backend_coll_t *c, int64_t deadline_ns,
+                            ddp_error_t *err) {
+  mpi_state_t *s = state;
+  ddp_status_t st = run_native(s, c, deadline_ns, err);
+  if (st != DDP_OK && st != DDP_ERR_UNSUPPORTED) s->broken = true;
+  return st;
 }
 
 static void mpi_abort(void *state) {

@@ -12,11 +12,13 @@
  *    mismatched collective is DESYNC on every rank instead of a hang.
  *  - canonical / small allreduce and reduce_scatter keep D2: rank r receives slice r of
  *    every rank's input with grouped ncclSend/ncclRecv (ncclGroupStart/End), folds the W
- *    contributions in rank order with the library's own fold (ddp__reduce_fold, on the
- *    host: the slice is copied down, folded and copied back), and allreduce then all-gathers
+ *    contributions in rank order with the ordered reduction kernel (fold.cu, the device twin
+ *    of ddp__reduce_fold with the same arithmetic; builds without nvcc copy the slice to the
+ *    host and fold it with ddp__reduce_fold itself), and allreduce then all-gathers
  *    the slices with grouped send/recv. Results are bitwise equal to threads, shm, tcp, mpi.
- *  - ring allreduce/reduce_scatter are NCCL's own ncclAllReduce/ncclReduceScatter (NCCL's
- *    ring or tree, its rounding; D1 at best): the fast mode.
+ *  - ring allreduce is NCCL's own ncclAllReduce (NCCL's ring or tree, its rounding; D1 at
+ *    best): the fast mode. reduce_scatter is always canonical (src/pg resolves algorithms
+ *    for allreduce only), and so is an integer AVG (ncclAvg is for floating point).
  *  - broadcast, allgather, alltoall (grouped send/recv), send/recv move bytes (ncclUint8);
  *    barrier is a one-element ncclAllReduce.
  * A buffer that cudaPointerGetAttributes does not report as device or managed memory is
@@ -360,8 +362,9 @@ static ddp_status_t check_fps(nccl_state_t *s, const ddp_backend_coll_t *c, int6
 
 /* Canonical order on device memory. Every rank j holds its contribution to rank r's slice at
  * in + off[r] (same offsets on every rank); rank r gathers the W contributions of its slice
- * [off[r], off[r] + len[r]) into device scratch with grouped send/recv, folds them in rank
- * order on the host with the library's fold, and writes the result to out_slice. */
+ * [off[r], off[r] + len[r]) into device scratch with grouped send/recv, then folds them in
+ * rank order into out_slice with the ordered reduction kernel (fold.cu), or, in builds
+ * without nvcc, on the host with the library's fold before uploading the result. */
 static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, const unsigned char *in,
                                  const size_t *off, const size_t *len, unsigned char *out_slice,
                                  int64_t dl, ddp_error_t *err) {
@@ -382,6 +385,11 @@ static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, c
   if (mine)
     CUDA_TRY(s, cudaMemcpyAsync(d + (size_t)r * mine, in + off[r] * es, mine,
                                 cudaMemcpyDeviceToDevice, s->stream), "cudaMemcpyAsync of the own slice");
+  if (mine && ddp__nccl_have_fold_kernel()) {
+    CUDA_TRY(s, ddp__nccl_fold_launch((int)c->dt, (int)c->op, W, d, mine, out_slice, len[r], s->stream),
+             "launch of the ordered reduction kernel");
+    return wait_stream(s, "the slice exchange and ordered fold", dl, err);
+  }
   if (mine)
     CUDA_TRY(s, cudaMemcpyAsync(s->hscr, d, (size_t)W * mine, cudaMemcpyDeviceToHost, s->stream),
              "cudaMemcpyAsync of the slices to the host");
@@ -404,9 +412,14 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
   ncclComm_t m = s->comm;
   cudaStream_t q = s->stream;
   size_t off[DDP_PG_MAX_WORLD], len[DDP_PG_MAX_WORLD];
+  /* NCCL's own allreduce is the fast mode; an integer AVG (truncating division) keeps the
+   * canonical path, since ncclAvg is defined for floating-point types. */
+  bool native = c->algo == DDP_ALGO_RING &&
+                !(c->op == DDP_AVG && c->dt != DDP_F32 && c->dt != DDP_F64 && c->dt != DDP_F16 &&
+                  c->dt != DDP_BF16);
   switch (c->kind) {
     case DDP__ALLREDUCE:
-      if (c->algo == DDP_ALGO_RING) {
+      if (native) {
         NCCL_TRY(s, ncclAllReduce(din, dout, n, nccl_type(c->dt), nccl_op(c->op), m, q),
                  "ncclAllReduce", dl);
         break;
@@ -423,12 +436,7 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP__REDUCE_SCATTER:
-      if (c->algo == DDP_ALGO_RING) {
-        NCCL_TRY(s, ncclReduceScatter(din, dout, n, nccl_type(c->dt), nccl_op(c->op), m, q),
-                 "ncclReduceScatter", dl);
-        break;
-      }
+    case DDP__REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
       for (int j = 0; j < W; j++) {
         off[j] = (size_t)j * n;
         len[j] = n;

@@ -1,0 +1,40 @@
+/* Private helpers shared by the hook implementations: element access across the floating
+ * dtypes and the one-allreduce future. */
+#ifndef DDP_HOOKS_INTERNAL_H
+#define DDP_HOOKS_INTERNAL_H
+
+#include "ddp/hooks.h"
+
+/* Element i of a f32/f64/f16/bf16 array, widened to float (f64 is rounded to float). */
+static inline float ddp__hk_load(const void *p, ddp_dtype_t dt, size_t i) {
+  switch (dt) {
+    case DDP_F64: return (float)((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
+    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+/* Stores v (rounded to nearest even) as element i of a f32/f64/f16/bf16 array. */
+static inline void ddp__hk_store(void *p, ddp_dtype_t dt, size_t i, float v) {
+  switch (dt) {
+    case DDP_F64: ((double *)p)[i] = v; break;
+    case DDP_F16: ((ddp_f16_t *)p)[i] = ddp_f32_to_f16(v); break;
+    case DDP_BF16: ((ddp_bf16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    default: ((float *)p)[i] = v; break;
+  }
+}
+
+static inline bool ddp__hk_float_dtype(ddp_dtype_t dt) {
+  return dt == DDP_F32 || dt == DDP_F64 || dt == DDP_F16 || dt == DDP_BF16;
+}
+
+/* buf[i] /= W in buf's dtype: one true division, rounded once to the dtype (f16/bf16:
+ * computed in f32 and rounded, as PyTorch's CPU kernels do). */
+void ddp__hk_divide(void *buf, size_t n, ddp_dtype_t dt, int world);
+
+/* Launches one in-place allreduce SUM of buf and returns a future that resolves to buf. */
+ddp_status_t ddp__hk_allreduce_work(ddp_pg_t *pg, void *buf, size_t n, ddp_dtype_t dt,
+                                    ddp_comm_work_t **out);
+
+#endif

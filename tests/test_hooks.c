@@ -1,0 +1,1125 @@
+/* Communication hooks (src/hooks, the reducer's hook interface): every built-in hook run on
+ * W thread ranks and compared with an independent serial computation of the whole
+ * multi-rank maths done here in one process (bitwise for allreduce, fp16/bf16 compression
+ * and the wrappers, with D2 rounding; <= 1e-6 relative for PowerSGD against an f64
+ * reference with its own Gram-Schmidt and Householder QR); PowerSGD's warm-up equal to the
+ * allreduce hook bitwise and its 3 allreduces per bucket; registration and configuration
+ * errors; and PowerSGD rank 4 training a classifier within 5% of the no-hook loss with the
+ * reported compression rate recomputed from the layer shapes. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ddp/data.h"
+#include "ddp/hooks.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+#include "ddp/pg.h"
+#include "ddp/reducer.h"
+#include "ddp/store.h"
+#include "common/common.h"
+#include "harness.h"
+
+#define MAXW 4
+#define MAXN 4096
+/* f32 against f64: 1e-6 for the first three compressed steps; warm-started rank-1 power
+ * iteration carries the f32 rounding of earlier steps, so later steps get 4e-6. */
+#define PSGD_TOL(t, start) ((t) <= (start) + 2 ? 1e-6 : 4e-6)
+
+/* ---------------------------------------------------------------- fake buckets ---- */
+
+/* A bucket of parameters with the given shapes (2-D {n, m}, or 1-D {n, 0}). */
+typedef struct layout {
+  size_t nparams;
+  int64_t shape[8][2];
+} layout_t;
+
+static size_t layout_numel(const layout_t *l) {
+  size_t n = 0;
+  for (size_t k = 0; k < l->nparams; k++) n += (size_t)(l->shape[k][0] * (l->shape[k][1] ? l->shape[k][1] : 1));
+  return n;
+}
+
+/* The local gradient of rank r at step t, element i: varied signs and magnitudes. */
+static float grad_value(int r, int t, size_t i) {
+  double v = sin(0.731 * (double)i + 1.37 * r + 0.59 * t) * (1.0 + 0.5 * cos(0.11 * (double)i));
+  if (i % 7 == 3) v *= 37.0;
+  return (float)(v / 3.0);
+}
+
+typedef enum { H_ALLREDUCE, H_FP16, H_BF16, H_WRAP16_AR, H_WRAPB16_AR, H_PSGD, H_BPSGD } hook_kind_t;
+
+typedef struct run {
+  hook_kind_t kind;
+  int world, steps;
+  layout_t layout;
+  ddp_powersgd_options_t popts;
+  float out[MAXW][8][MAXN]; /* [rank][step][element] the resolved result, widened */
+  int64_t nallreduce[MAXW];
+  int64_t iter[MAXW];
+  ddp_comm_hook_stats_t stats[MAXW];
+  ddp_status_t st[MAXW];
+} run_t;
+
+static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
+  run_t *R = arg;
+  int r = ddp_pg_rank(pg);
+  const layout_t *l = &R->layout;
+  size_t numel = layout_numel(l);
+  ddp_param_t params[8];
+  ddp_param_t *pp[8];
+  size_t offs[8], off = 0;
+  memset(params, 0, sizeof params);
+  for (size_t k = 0; k < l->nparams; k++) {
+    params[k].value.ndim = l->shape[k][1] ? 2 : 1;
+    params[k].value.shape[0] = l->shape[k][0];
+    params[k].value.shape[1] = l->shape[k][1];
+    params[k].value.numel = l->shape[k][0] * (l->shape[k][1] ? l->shape[k][1] : 1);
+    params[k].value.dtype = DDP_F32;
+    pp[k] = &params[k];
+    offs[k] = off;
+    off += (size_t)params[k].value.numel;
+  }
+  ddp_powersgd_state_t *ps = NULL;
+  ddp_hook_counters_t cnt = {0, 0, 0};
+  ddp_compress_wrapper_t wrap = {DDP_F16, ddp_allreduce_hook, &cnt};
+  ddp_status_t st = DDP_OK;
+  if (R->kind == H_PSGD || R->kind == H_BPSGD) DDP_CHECK(ddp_powersgd_state_create(&R->popts, r, &ps, NULL));
+  if (R->kind == H_WRAPB16_AR) wrap.dtype = DDP_BF16;
+  float *buf = ddp_pg_alloc(pg, numel * sizeof(float));
+  if (!buf) st = DDP_ERR_NO_MEMORY;
+  for (int t = 0; t < R->steps && st == DDP_OK; t++) {
+    for (size_t i = 0; i < numel; i++) buf[i] = grad_value(r, t, i);
+    ddp_grad_bucket_t b = {0, true, buf, numel, DDP_F32, l->nparams, pp, offs};
+    ddp_comm_work_t *w = NULL;
+    switch (R->kind) {
+      case H_ALLREDUCE: st = ddp_allreduce_hook(&cnt, pg, &b, &w); break;
+      case H_FP16: st = ddp_fp16_compress_hook(&cnt, pg, &b, &w); break;
+      case H_BF16: st = ddp_bf16_compress_hook(&cnt, pg, &b, &w); break;
+      case H_WRAP16_AR:
+      case H_WRAPB16_AR: st = ddp_compress_wrapper_hook(&wrap, pg, &b, &w); break;
+      case H_PSGD: st = ddp_powersgd_hook(ps, pg, &b, &w); break;
+      case H_BPSGD: st = ddp_batched_powersgd_hook(ps, pg, &b, &w); break;
+    }
+    if (st != DDP_OK) break;
+    const void *data;
+    size_t n;
+    ddp_dtype_t dt;
+    st = ddp_comm_work_wait(w, &data, &n, &dt);
+    if (st == DDP_OK && n != numel) st = DDP_ERR_INTERNAL;
+    for (size_t i = 0; i < numel && st == DDP_OK; i++) {
+      float v = dt == DDP_F16 ? ddp_f16_to_f32(((const ddp_f16_t *)data)[i])
+                : dt == DDP_BF16 ? ddp_bf16_to_f32(((const ddp_bf16_t *)data)[i])
+                                 : ((const float *)data)[i];
+      R->out[r][t][i] = v;
+    }
+    ddp_comm_work_free(w);
+  }
+  if (ps) {
+    R->nallreduce[r] = ddp_powersgd_num_allreduces(ps);
+    R->iter[r] = ddp_powersgd_iter(ps);
+    ddp_powersgd_stats(ps, &R->stats[r]);
+  } else {
+    ddp_hook_counters_stats(&cnt, &R->stats[r]);
+  }
+  ddp_powersgd_state_destroy(ps);
+  ddp_pg_free(pg, buf);
+  R->st[r] = st;
+  return st;
+}
+
+static void run_hook(run_t *R) {
+  assert_int_equal(ddp_spawn_threads(R->world, NULL, run_rank, R), DDP_OK);
+  for (int r = 0; r < R->world; r++) assert_int_equal(R->st[r], DDP_OK);
+}
+
+/* ---------------------------------------------------------------- serial maths ---- */
+
+static float h16(float x) { return ddp_f16_to_f32(ddp_f32_to_f16(x)); }
+static float hb16(float x) { return ddp_bf16_to_f32(ddp_f32_to_bf16(x)); }
+
+/* allreduce_hook: fl(g/W) summed in rank order in f32. */
+static float serial_allreduce(int W, int t, size_t i) {
+  float s = 0;
+  for (int r = 0; r < W; r++) {
+    float c = grad_value(r, t, i) / (float)W;
+    s = r == 0 ? c : s + c;
+  }
+  return s;
+}
+
+/* compress hook: cast, divide in low precision, rank-order sum adding in f32 and rounding
+ * to the low dtype after every addition (D2), widen. */
+static float serial_compress(int W, int t, size_t i, float (*rnd)(float)) {
+  float s = 0;
+  for (int r = 0; r < W; r++) {
+    float c = rnd(rnd(grad_value(r, t, i)) / (float)W);
+    s = r == 0 ? c : rnd(s + c);
+  }
+  return s;
+}
+
+static layout_t mixed_layout(void) {
+  layout_t l = {5, {{6, 5}, {6, 0}, {20, 16}, {16, 0}, {8, 6}}};
+  return l;
+}
+
+static void check_bitwise(run_t *R, float (*fn)(int, int, size_t, float (*)(float)),
+                          float (*rnd)(float)) {
+  size_t numel = layout_numel(&R->layout);
+  for (int t = 0; t < R->steps; t++)
+    for (size_t i = 0; i < numel; i++) {
+      float want = fn ? fn(R->world, t, i, rnd) : serial_allreduce(R->world, t, i);
+      for (int r = 0; r < R->world; r++)
+        if (memcmp(&R->out[r][t][i], &want, 4) != 0)
+          fail_msg("rank %d step %d element %zu: got %.9g want %.9g", r, t, i,
+                   (double)R->out[r][t][i], (double)want);
+    }
+}
+
+/* The default hooks and the wrappers around allreduce, bitwise, W = 1..4. */
+static void test_default_hooks_bitwise(void **state) {
+  (void)state;
+  static run_t R;
+  for (int W = 1; W <= MAXW; W++) {
+    hook_kind_t kinds[] = {H_ALLREDUCE, H_FP16, H_BF16, H_WRAP16_AR, H_WRAPB16_AR};
+    for (size_t k = 0; k < 5; k++) {
+      memset(&R, 0, sizeof R);
+      R.kind = kinds[k];
+      R.world = W;
+      R.steps = 2;
+      R.layout = mixed_layout();
+      run_hook(&R);
+      if (kinds[k] == H_ALLREDUCE) check_bitwise(&R, NULL, NULL);
+      else check_bitwise(&R, serial_compress,
+                         kinds[k] == H_FP16 || kinds[k] == H_WRAP16_AR ? h16 : hb16);
+      size_t numel = layout_numel(&R.layout);
+      size_t esz = kinds[k] == H_ALLREDUCE ? 4 : 2;
+      assert_int_equal(R.stats[0].bytes_last_step, (int64_t)(numel * esz));
+      assert_int_equal(R.stats[0].numel_before, R.stats[0].numel_after);
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- PowerSGD serial -- */
+
+typedef struct pmem {
+  double *err;
+  double *p, *q;
+  bool has;
+} pmem_t;
+
+static void ref_mgs(double *a, size_t rows, size_t cols, double eps) {
+  for (size_t i = 0; i < cols; i++) {
+    double ss = 0;
+    for (size_t k = 0; k < rows; k++) ss += a[k * cols + i] * a[k * cols + i];
+    double den = sqrt(ss) + eps;
+    for (size_t k = 0; k < rows; k++) a[k * cols + i] /= den;
+    for (size_t j = i + 1; j < cols; j++) {
+      double dot = 0;
+      for (size_t k = 0; k < rows; k++) dot += a[k * cols + i] * a[k * cols + j];
+      for (size_t k = 0; k < rows; k++) a[k * cols + j] -= dot * a[k * cols + i];
+    }
+  }
+}
+
+/* Householder QR with LAPACK's convention (beta = -sign(alpha) * norm, v(0) = 1), the
+ * matrix replaced by its first cols columns of Q. */
+static void ref_qr(double *a, size_t rows, size_t cols) {
+  double *v = calloc(rows * cols + 1, sizeof(double)), *tau = calloc(cols + 1, sizeof(double));
+  double *R = malloc(rows * cols * sizeof(double) + 8);
+  memcpy(R, a, rows * cols * sizeof(double));
+  for (size_t k = 0; k < cols; k++) {
+    double alpha = R[k * cols + k], xn = 0;
+    for (size_t i = k + 1; i < rows; i++) xn += R[i * cols + k] * R[i * cols + k];
+    if (xn == 0) {
+      tau[k] = 0;
+      v[k * cols + k] = 1;
+      continue;
+    }
+    double beta = -copysign(sqrt(alpha * alpha + xn), alpha);
+    tau[k] = (beta - alpha) / beta;
+    v[k * cols + k] = 1;
+    for (size_t i = k + 1; i < rows; i++) v[i * cols + k] = R[i * cols + k] / (alpha - beta);
+    for (size_t j = k; j < cols; j++) {
+      double d = 0;
+      for (size_t i = k; i < rows; i++) d += v[i * cols + k] * R[i * cols + j];
+      for (size_t i = k; i < rows; i++) R[i * cols + j] -= tau[k] * d * v[i * cols + k];
+    }
+  }
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) a[i * cols + j] = i == j ? 1.0 : 0.0;
+  for (size_t kk = cols; kk-- > 0;) {
+    for (size_t j = 0; j < cols; j++) {
+      double d = 0;
+      for (size_t i = kk; i < rows; i++) d += v[i * cols + kk] * a[i * cols + j];
+      for (size_t i = kk; i < rows; i++) a[i * cols + j] -= tau[kk] * d * v[i * cols + kk];
+    }
+  }
+  free(v);
+  free(tau);
+  free(R);
+}
+
+static void ref_orth(double *a, size_t rows, size_t cols, double eps) {
+  if (cols <= 2 || rows < cols) ref_mgs(a, rows, cols, eps);
+  else ref_qr(a, rows, cols);
+}
+
+/* The whole W-rank powerSGD_hook for one bucket, serially in f64: out[t][i] is the result
+ * every rank should hold after step t. Q's random start: normals of the counter-based
+ * generator keyed (random_seed, DDP_RNG_POWERSGD stream of the draw number). */
+static void serial_powersgd(const run_t *R, double out[8][MAXN]) {
+  const ddp_powersgd_options_t *o = &R->popts;
+  int W = R->world;
+  const layout_t *l = &R->layout;
+  size_t numel = layout_numel(l);
+  static double in[MAXW][MAXN], cp[MAXW][MAXN];
+  static double err[MAXW][MAXN];
+  static double Qs[MAXN], Ps[MAXN];
+  bool has_err = false, has_mem = false;
+  uint64_t draws = 0;
+  /* layout: compressed matrices grouped by shape in order of first appearance */
+  size_t off[8], n[8], m[8], rk[8], poff[8], qoff[8], order[8], nord = 0;
+  bool comp[8];
+  size_t pos = 0, np = 0, nq = 0;
+  for (size_t k = 0; k < l->nparams; k++) {
+    n[k] = (size_t)l->shape[k][0];
+    m[k] = l->shape[k][1] ? (size_t)l->shape[k][1] : 1;
+    off[k] = pos;
+    pos += n[k] * m[k];
+    size_t r = n[k] < m[k] ? n[k] : m[k];
+    if ((size_t)o->matrix_approximation_rank < r) r = (size_t)o->matrix_approximation_rank;
+    rk[k] = r;
+    comp[k] = (double)(n[k] + m[k]) * (double)r * o->min_compression_rate < (double)(n[k] * m[k]);
+  }
+  bool used[8] = {false};
+  for (size_t i = 0; i < l->nparams; i++) {
+    if (!comp[i] || used[i]) continue;
+    for (size_t j = i; j < l->nparams; j++)
+      if (comp[j] && !used[j] && n[j] == n[i] && m[j] == m[i]) {
+        used[j] = true;
+        order[nord++] = j;
+        poff[j] = np;
+        qoff[j] = nq;
+        np += n[j] * rk[j];
+        nq += m[j] * rk[j];
+      }
+  }
+  for (int t = 0; t < R->steps; t++) {
+    if (t < o->start_powerSGD_iter) {
+      for (size_t i = 0; i < numel; i++) out[t][i] = serial_allreduce(W, t, i);
+      continue;
+    }
+    for (int r = 0; r < W; r++)
+      for (size_t i = 0; i < numel; i++) {
+        in[r][i] = grad_value(r, t, i);
+        if (o->use_error_feedback && has_err) in[r][i] += err[r][i];
+        cp[r][i] = in[r][i];
+      }
+    has_err = o->use_error_feedback;
+    bool need = !o->warm_start || !has_mem;
+    if (need && o->init_q) {
+      static float qf[MAXN];
+      o->init_q(o->init_q_user, draws++, 0, qf, nq);
+      for (size_t i = 0; i < nq; i++) Qs[i] = qf[i];
+      has_mem = true;
+    } else if (need) {
+      ddp_rng_t g;
+      ddp_rng_init(&g, o->random_seed, ddp_rng_stream(DDP_RNG_POWERSGD, 0, draws++));
+      for (size_t i = 0; i < nq; i++) Qs[i] = ddp_rng_normal(&g);
+      has_mem = true;
+    }
+    for (size_t j = 0; j < nord; j++) {
+      size_t k = order[j];
+      ref_orth(Qs + qoff[k], m[k], rk[k], o->orthogonalization_epsilon);
+    }
+    /* uncompressed: exact mean */
+    for (size_t k = 0; k < l->nparams; k++) {
+      if (comp[k]) continue;
+      for (size_t i = off[k]; i < off[k] + n[k] * m[k]; i++) {
+        double s = 0;
+        for (int r = 0; r < W; r++) s += in[r][i];
+        for (int r = 0; r < W; r++) out[t][i] = s / W;
+      }
+    }
+    memset(Ps, 0, sizeof Ps);
+    for (int r = 0; r < W; r++)
+      for (size_t j = 0; j < nord; j++) {
+        size_t k = order[j];
+        for (size_t a = 0; a < n[k]; a++)
+          for (size_t c = 0; c < rk[k]; c++) {
+            double s = 0;
+            for (size_t b2 = 0; b2 < m[k]; b2++) s += in[r][off[k] + a * m[k] + b2] * Qs[qoff[k] + b2 * rk[k] + c];
+            Ps[poff[k] + a * rk[k] + c] += s;
+          }
+      }
+    for (size_t j = 0; j < nord; j++) {
+      size_t k = order[j];
+      ref_orth(Ps + poff[k], n[k], rk[k], o->orthogonalization_epsilon);
+    }
+    memset(Qs, 0, sizeof Qs);
+    for (int r = 0; r < W; r++)
+      for (size_t j = 0; j < nord; j++) {
+        size_t k = order[j];
+        for (size_t b2 = 0; b2 < m[k]; b2++)
+          for (size_t c = 0; c < rk[k]; c++) {
+            double s = 0;
+            for (size_t a = 0; a < n[k]; a++) s += in[r][off[k] + a * m[k] + b2] * Ps[poff[k] + a * rk[k] + c];
+            Qs[qoff[k] + b2 * rk[k] + c] += s;
+          }
+      }
+    for (size_t i = 0; i < nq; i++) Qs[i] /= W;
+    for (size_t j = 0; j < nord; j++) {
+      size_t k = order[j];
+      for (size_t a = 0; a < n[k]; a++)
+        for (size_t b2 = 0; b2 < m[k]; b2++) {
+          double s = 0;
+          for (size_t c = 0; c < rk[k]; c++) s += Ps[poff[k] + a * rk[k] + c] * Qs[qoff[k] + b2 * rk[k] + c];
+          out[t][off[k] + a * m[k] + b2] = s;
+        }
+    }
+    for (int r = 0; r < W; r++)
+      for (size_t i = 0; i < numel; i++) err[r][i] = cp[r][i] - out[t][i];
+    if (!o->warm_start) has_mem = false;
+  }
+}
+
+/* An injected Q start (as a parity run would inject PyTorch's). */
+static void inject_q(void *user, uint64_t draw, size_t bucket, float *q, size_t n) {
+  (void)user;
+  (void)bucket;
+  for (size_t i = 0; i < n; i++) q[i] = (float)cos(0.3 * (double)i + 1.1 * (double)draw);
+}
+
+static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t start,
+                           bool inject) {
+  static run_t R;
+  static double ref[8][MAXN];
+  memset(&R, 0, sizeof R);
+  R.kind = H_PSGD;
+  R.world = W;
+  R.steps = 6;
+  R.layout = mixed_layout();
+  ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
+  o.matrix_approximation_rank = rank;
+  o.start_powerSGD_iter = start;
+  o.warm_start = warm;
+  o.min_compression_rate = rate;
+  o.random_seed = 7;
+  if (inject) o.init_q = inject_q;
+  R.popts = o;
+  run_hook(&R);
+  serial_powersgd(&R, ref);
+  size_t numel = layout_numel(&R.layout);
+  for (int t = 0; t < R.steps; t++) {
+    double num = 0, den = 0;
+    for (int r = 0; r < W; r++)
+      for (size_t i = 0; i < numel; i++) {
+        double d = R.out[r][t][i] - ref[t][i];
+        num += d * d;
+        den += ref[t][i] * ref[t][i];
+        if (t < start) /* warm-up: the allreduce hook, bitwise */
+          assert_true(memcmp(&R.out[r][t][i], &(float){serial_allreduce(W, t, i)}, 4) == 0);
+      }
+    double rel = sqrt(num / den);
+    if (getenv("HOOKS_VERBOSE")) print_message("W=%d r=%lld warm=%d t=%d rel=%.3g\n", W, (long long)rank, warm, t, rel);
+    if (!(rel <= PSGD_TOL(t, start)))
+      fail_msg("W=%d rank=%lld warm=%d step %d: relative error %.3g", W, (long long)rank, warm,
+               t, rel);
+    /* every rank holds the same bits */
+    for (int r = 1; r < W; r++) assert_memory_equal(R.out[r][t], R.out[0][t], numel * 4);
+  }
+  for (int r = 0; r < W; r++) {
+    assert_int_equal(R.nallreduce[r], start + 3 * (R.steps - start));
+    assert_int_equal(R.iter[r], R.steps);
+  }
+}
+
+/* powerSGD_hook against the serial f64 computation: rank 1 and 2 (Gram-Schmidt) and 4
+ * (Householder QR), warm start on and off, W = 1..3. */
+static void test_powersgd_serial(void **state) {
+  (void)state;
+  for (int W = 1; W <= 3; W++) {
+    check_powersgd(W, 1, true, 2.0, 2, false);
+    check_powersgd(W, 2, false, 2.0, 2, false);
+    check_powersgd(W, 4, true, 1.0, 3, false);
+    check_powersgd(W, 4, false, 2.0, 2, false);
+    check_powersgd(W, 2, false, 2.0, 2, true);
+  }
+}
+
+/* A bucket of vectors only: nothing is compressed, P and Q are empty, still 3 allreduces;
+ * the result is the exact mean. */
+static void test_powersgd_empty_collectives(void **state) {
+  (void)state;
+  static run_t R;
+  memset(&R, 0, sizeof R);
+  R.kind = H_PSGD;
+  R.world = 3;
+  R.steps = 4;
+  R.layout = (layout_t){2, {{7, 0}, {3, 0}}};
+  ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
+  o.start_powerSGD_iter = 2;
+  R.popts = o;
+  run_hook(&R);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(R.nallreduce[r], 2 + 3 * 2);
+    assert_int_equal(R.stats[r].numel_before, R.stats[r].numel_after);
+  }
+  for (size_t i = 0; i < 10; i++) {
+    double s = 0;
+    for (int r = 0; r < 3; r++) s += (float)grad_value(r, 3, i);
+    assert_true(fabs(R.out[0][3][i] - s / 3) <= 1e-6 * (fabs(s) + 1));
+  }
+}
+
+/* batched_powerSGD_hook: 2 allreduces per bucket after warm-up, identical on every rank,
+ * reported numel L before and 2 s r after. */
+static void test_batched_powersgd(void **state) {
+  (void)state;
+  static run_t R;
+  memset(&R, 0, sizeof R);
+  R.kind = H_BPSGD;
+  R.world = 2;
+  R.steps = 4;
+  R.layout = mixed_layout();
+  ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
+  o.start_powerSGD_iter = 2;
+  o.matrix_approximation_rank = 2;
+  R.popts = o;
+  run_hook(&R);
+  size_t L = layout_numel(&R.layout), s = (size_t)ceil(sqrt((double)L));
+  assert_int_equal(R.nallreduce[0], 2 + 2 * 2);
+  assert_int_equal(R.stats[0].numel_before, (int64_t)(4 * L));
+  assert_int_equal(R.stats[0].numel_after, (int64_t)(2 * L + 2 * 2 * s * 2));
+  assert_memory_equal(R.out[0][3], R.out[1][3], L * 4);
+  /* the estimate has rank <= 2 and is close to the mean in norm (a real approximation) */
+  double num = 0, den = 0;
+  for (size_t i = 0; i < L; i++) {
+    double mean = ((double)grad_value(0, 2, i) + grad_value(1, 2, i)) / 2;
+    num += (R.out[0][2][i] - mean) * (R.out[0][2][i] - mean);
+    den += mean * mean;
+  }
+  assert_true(num < den);
+}
+
+/* PowerSGDState's own check, with PyTorch's text. */
+static void test_powersgd_state_errors(void **state) {
+  (void)state;
+  ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
+  ddp_powersgd_state_t *s = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(o.start_powerSGD_iter, 1000);
+  assert_int_equal(o.matrix_approximation_rank, 1);
+  o.start_powerSGD_iter = 1;
+  assert_int_equal(ddp_powersgd_state_create(&o, 0, &s, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "Expect `start_powerSGD_iter` > 1 if `use_error_feedback`"));
+  o.use_error_feedback = o.warm_start = false;
+  assert_int_equal(ddp_powersgd_state_create(&o, 0, &s, &err), DDP_OK);
+  ddp_powersgd_state_destroy(s);
+}
+
+/* ---------------------------------------------------------------- configuration --- */
+
+static void expect_cfg_error(const char *h, const char *w, const char *js, const char *needle) {
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_hooks_validate(h, w, js, &err), DDP_ERR_INVALID_ARGUMENT);
+  if (!strstr(err.msg, needle)) fail_msg("'%s' not in '%s'", needle, err.msg);
+}
+
+static void test_config_validation(void **state) {
+  (void)state;
+  ddp_error_t err = {0};
+  const char *ok[][3] = {{"no", "no", NULL}, {"fp16", NULL, ""}, {"bf16", "fp16", "{}"},
+                         {"power_sgd", "bf16", "{\"matrix_approximation_rank\": 4}"},
+                         {"batched_power_sgd", "fp16",
+                          "{\"start_powerSGD_iter\": 5, \"warm_start\": false, "
+                          "\"min_compression_rate\": 1.5, \"random_seed\": 3, "
+                          "\"use_error_feedback\": true, \"orthogonalization_epsilon\": 1e-8, "
+                          "\"compression_stats_logging_frequency\": 0, "
+                          "\"batch_tensors_with_same_shape\": true}"}};
+  for (size_t i = 0; i < 5; i++)
+    assert_int_equal(ddp_hooks_validate(ok[i][0], ok[i][1], ok[i][2], &err), DDP_OK);
+  expect_cfg_error("fp32", "no", NULL, "no, fp16, bf16, power_sgd, batched_power_sgd");
+  expect_cfg_error("fp16", "int8", NULL, "valid choices: no, fp16, bf16");
+  expect_cfg_error("no", "fp16", NULL, "needs a comm_hook");
+  expect_cfg_error("power_sgd", "no", "{\"rank\": 2}", "matrix_approximation_rank, start_powerSGD_iter");
+  expect_cfg_error("power_sgd", "no", "{\"matrix_approximation_rank\": 0}", "matrix_approximation_rank must be");
+  expect_cfg_error("power_sgd", "no", "{\"warm_start\": 1}", "true or false");
+  expect_cfg_error("power_sgd", "no", "[1]", "JSON object");
+  expect_cfg_error("power_sgd", "no", "{\"start_powerSGD_iter\": 1}", "Expect `start_powerSGD_iter` > 1");
+  expect_cfg_error("fp16", "no", "{\"matrix_approximation_rank\": 2}", "power_sgd or batched_power_sgd");
+}
+
+/* ---------------------------------------------------------------- DDP -------------- */
+
+#define DIM 16
+#define HID 64
+#define NCLS 4
+#define BATCH 16
+
+typedef struct train {
+  const char *hook, *wrapper, *state;
+  int world, steps;
+  float loss[MAXW];   /* mean loss of the last 10 steps on rank 0's view */
+  ddp_ddp_comm_stats_t stats[MAXW];
+  char msg[MAXW][512];
+  ddp_status_t st[MAXW];
+  int mode; /* 0 train; 1 register twice; 2 wrong-length hook; 3 register after a step */
+} train_t;
+
+static ddp_status_t build(ddp_model_t **out) {
+  ddp_model_t *m = NULL;
+  ddp_module_t *seq, *l0, *a, *l1;
+  DDP_CHECK(ddp_model_create(&m));
+  ddp_status_t st;
+  DDP_CHECK_GOTO(ddp_module_sequential(m, &seq), st, fail);
+  DDP_CHECK_GOTO(ddp_module_linear(m, "0", DIM, HID, true, DDP_F32, &l0), st, fail);
+  DDP_CHECK_GOTO(ddp_module_activation(m, DDP_ACT_RELU, &a), st, fail);
+  DDP_CHECK_GOTO(ddp_module_linear(m, "2", HID, NCLS, true, DDP_F32, &l1), st, fail);
+  DDP_CHECK_GOTO(ddp_module_append(seq, l0), st, fail);
+  DDP_CHECK_GOTO(ddp_module_append(seq, a), st, fail);
+  DDP_CHECK_GOTO(ddp_module_append(seq, l1), st, fail);
+  ddp_model_set_root(m, seq);
+  DDP_CHECK_GOTO(ddp_model_finalize(m), st, fail);
+  DDP_CHECK_GOTO(ddp_model_init(m, 5), st, fail);
+  *out = m;
+  return DDP_OK;
+fail:
+  ddp_model_destroy(m);
+  return st;
+}
+
+/* A hook that resolves to one element too few. */
+static ddp_status_t short_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
+                               ddp_comm_work_t **out) {
+  (void)state;
+  DDP_CHECK(ddp_allreduce_hook(NULL, pg, b, out));
+  ddp_comm_work_set_result(*out, b->buffer, b->numel - 1, b->dtype);
+  return DDP_OK;
+}
+
+static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
+  train_t *T = arg;
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  ddp_model_t *m = NULL;
+  ddp_ddp_t *ddp = NULL;
+  ddp_optim_t *opt = NULL;
+  ddp_ctx_t *ctx = NULL;
+  ddp_dataset_t *ds = NULL;
+  ddp_error_t err = {0};
+  ddp_tensor_t xb = {0}, yb = {0};
+  ddp_status_t st = build(&m);
+  if (st != DDP_OK) return st;
+  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
+  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_synth_mixture_t sm = {11, 4096, DIM, NCLS, 0.4f};
+  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
+  ddp_optim_param_t ps[8];
+  size_t np = 0;
+  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+    ps[np].param = &ddp_model_param(m, i)->value;
+    ps[np].grad = &ddp_model_param(m, i)->grad;
+    np++;
+  }
+  ddp_optim_options_t so = DDP_SGD_OPTIONS_INIT;
+  so.lr = 0.05;
+  so.momentum = 0.9;
+  DDP_CHECK_GOTO(ddp_optim_create(&so, ps, np, &opt, NULL), st, out);
+  if (T->mode == 2) {
+    ddp_comm_hook_t h = {short_hook, NULL, "short_hook", NULL, NULL};
+    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
+  } else {
+    st = ddp_hooks_configure(ddp, T->hook, T->wrapper, T->state, &err);
+    if (st != DDP_OK) goto out;
+  }
+  if (T->mode == 1) {
+    /* a second registration */
+    st = ddp_hooks_configure(ddp, "fp16", "no", NULL, &err);
+    snprintf(T->msg[r], sizeof T->msg[r], "%s", err.msg);
+    if (st != DDP_ERR_INVALID_USAGE) {
+      st = DDP_ERR_INTERNAL;
+      goto out;
+    }
+    st = DDP_OK;
+  }
+  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
+  double tail = 0;
+  for (int t = 0; t < T->steps; t++) {
+    int64_t idx[BATCH];
+    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
+    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
+    ddp_var_t *vx, *vy, *y, *loss;
+    DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
+    DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
+    DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
+    DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
+    if (t >= T->steps - 10) tail += *(float *)loss->value.data;
+    st = ddp_ddp_backward(ddp, ctx, loss);
+    if (st != DDP_OK) {
+      snprintf(T->msg[r], sizeof T->msg[r], "%s", ddp_ddp_last_error(ddp));
+      goto out;
+    }
+    DDP_CHECK_GOTO(ddp_optim_step(opt, NULL), st, out);
+    ddp_optim_zero_grad(opt, false);
+    ddp_ctx_reset(ctx);
+    if (T->mode == 3 && t == 0) {
+      /* training has started: too late to register */
+      ddp_status_t s2 = ddp_hooks_configure(ddp, "fp16", "no", NULL, &err);
+      snprintf(T->msg[r], sizeof T->msg[r], "%s", err.msg);
+      if (s2 != DDP_ERR_INVALID_USAGE) {
+        st = DDP_ERR_INTERNAL;
+        goto out;
+      }
+    }
+  }
+  T->loss[r] = (float)(tail / 10);
+  ddp_ddp_get_comm_stats(ddp, &T->stats[r]);
+out:
+  T->st[r] = st;
+  ddp_tensor_free(&xb);
+  ddp_tensor_free(&yb);
+  ddp_optim_destroy(opt);
+  ddp_dataset_destroy(ds);
+  ddp_ctx_destroy(ctx);
+  ddp_ddp_destroy(ddp);
+  ddp_model_destroy(m);
+  return st;
+}
+
+/* PowerSGD rank 4 with error feedback ends within 5% of the no-hook loss; the reported
+ * compression rate is recomputed from the layer shapes. */
+static void test_convergence_and_rate(void **state) {
+  (void)state;
+  static train_t base, ps;
+  memset(&base, 0, sizeof base);
+  memset(&ps, 0, sizeof ps);
+  base.hook = "no";
+  base.world = ps.world = 2;
+  base.steps = ps.steps = 150;
+  assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &base), DDP_OK);
+  ps.hook = "power_sgd";
+  ps.state = "{\"matrix_approximation_rank\": 4, \"start_powerSGD_iter\": 10}";
+  assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &ps), DDP_OK);
+  print_message("no hook loss %.5f, PowerSGD rank 4 loss %.5f, rate %.3f, bytes/step %lld vs %lld\n",
+                (double)base.loss[0], (double)ps.loss[0], ps.stats[0].rate,
+                (long long)ps.stats[0].bytes_last_step, (long long)base.stats[0].bytes_last_step);
+  assert_true(base.loss[0] < 1.0f); /* it learned something */
+  assert_true(fabs(ps.loss[0] - base.loss[0]) <= 0.05 * base.loss[0]);
+  /* Shapes: 0.weight [HID, DIM], 0.bias [HID], 2.weight [NCLS, HID], 2.bias [NCLS]; r = 4. */
+  int64_t shp[4][2] = {{HID, DIM}, {HID, 1}, {NCLS, HID}, {NCLS, 1}};
+  int64_t before = 0, after = 0, total = 0;
+  for (int k = 0; k < 4; k++) {
+    int64_t n = shp[k][0], mm = shp[k][1], rr = n < mm ? n : mm;
+    if (rr > 4) rr = 4;
+    total += n * mm;
+    before += n * mm;
+    after += (n + mm) * rr * 2 < n * mm ? (n + mm) * rr : n * mm;
+  }
+  int64_t comp_steps = ps.steps - 10;
+  assert_int_equal(ps.stats[0].numel_before, 10 * total + comp_steps * before);
+  assert_int_equal(ps.stats[0].numel_after, 10 * total + comp_steps * after);
+  double want = (double)(10 * total + comp_steps * before) / (double)(10 * total + comp_steps * after);
+  assert_true(fabs(ps.stats[0].rate - want) < 1e-12);
+  assert_true(ps.stats[0].bytes_last_step < base.stats[0].bytes_last_step);
+  assert_int_equal(base.stats[0].bytes_last_step, total * 4);
+}
+
+/* ---------------------------------------------------------------- DDP gradients --- */
+
+#define NPARAM_ELEMS (DIM * HID + HID + HID * NCLS + NCLS)
+
+typedef struct grads {
+  const char *hook, *wrapper, *state; /* configure names; NULL hook: the allreduce hook */
+  const char *backend;                /* fork mode: shm or tcp */
+  double cap_mb;
+  int steps;
+  float local[MAXW][4][NPARAM_ELEMS];
+  float synced[MAXW][4][NPARAM_ELEMS];
+  size_t nbuckets[MAXW];
+  bool join; /* ranks > 0 run one step, then join() shadows the rest */
+  ddp_status_t st[MAXW];
+} grads_t;
+
+/* Each step: the local gradient on a plain copy of the model, then the DDP gradient on the
+ * same batch (no optimizer step, so both models keep the same weights). */
+static ddp_status_t grads_core(ddp_pg_t *pg, grads_t *G, float (*local)[NPARAM_ELEMS],
+                               float (*synced)[NPARAM_ELEMS]) {
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  ddp_model_t *m = NULL, *plain = NULL;
+  ddp_ddp_t *ddp = NULL;
+  ddp_ctx_t *ctx = NULL;
+  ddp_dataset_t *ds = NULL;
+  ddp_error_t err = {0};
+  ddp_tensor_t xb = {0}, yb = {0};
+  ddp_status_t st;
+  DDP_CHECK_GOTO(build(&m), st, out);
+  DDP_CHECK_GOTO(build(&plain), st, out);
+  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  dopts.bucket_cap_mb = G->cap_mb;
+  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
+  if (G->hook) {
+    DDP_CHECK_GOTO(ddp_hooks_configure(ddp, G->hook, G->wrapper, G->state, &err), st, out);
+  } else {
+    ddp_comm_hook_t h = {ddp_allreduce_hook, NULL, "allreduce_hook", NULL, NULL};
+    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
+  }
+  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_synth_mixture_t sm = {3, 1024, DIM, NCLS, 0.4f};
+  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
+  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
+  if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_begin(ddp, true, false), st, out);
+  for (int t = 0; t < (G->join && r > 0 ? 1 : G->steps); t++) {
+    int64_t idx[BATCH];
+    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
+    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
+    for (int pass = 0; pass < 2; pass++) {
+      ddp_model_t *mm = pass == 0 ? plain : m;
+      ddp_var_t *vx, *vy, *y, *loss;
+      ddp_model_zero_grad(mm);
+      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
+      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
+      if (pass == 0) DDP_CHECK_GOTO(ddp_model_forward(plain, ctx, vx, 0, &y), st, out);
+      else DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
+      DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
+      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(ctx, loss), st, out);
+      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, ctx, loss), st, out);
+      ddp_ctx_reset(ctx);
+      float *dst = pass == 0 ? local[t] : synced[t];
+      for (size_t i = 0, pos = 0; i < ddp_model_num_params(mm); i++) {
+        ddp_param_t *p = ddp_model_param(mm, i);
+        memcpy(dst + pos, p->grad.data, (size_t)p->grad.numel * 4);
+        pos += (size_t)p->grad.numel;
+      }
+    }
+  }
+  if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_end(ddp), st, out);
+  G->nbuckets[r] = ddp_ddp_num_buckets(ddp);
+out:
+  if (st != DDP_OK) fprintf(stderr, "rank %d: %s %s\n", r, err.msg, ddp ? ddp_ddp_last_error(ddp) : "");
+  ddp_tensor_free(&xb);
+  ddp_tensor_free(&yb);
+  ddp_dataset_destroy(ds);
+  ddp_ctx_destroy(ctx);
+  ddp_ddp_destroy(ddp);
+  ddp_model_destroy(m);
+  ddp_model_destroy(plain);
+  return st;
+}
+
+static ddp_status_t grads_rank(ddp_pg_t *pg, void *arg) {
+  grads_t *G = arg;
+  int r = ddp_pg_rank(pg);
+  G->st[r] = grads_core(pg, G, G->local[r], G->synced[r]);
+  return G->st[r];
+}
+
+/* A forked rank on the shm or tcp backend: puts its synchronised gradients. */
+static int grads_fork_rank(ddp_test_rank_t *tr, void *arg) {
+  grads_t *G = arg;
+  int r = ddp_test_rank(tr);
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+  so.timeout_ms = 20000;
+  so.rank = r;
+  ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, &store);
+  if (st != DDP_OK) return st;
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = G->backend;
+  o.rank = r;
+  o.world = ddp_test_world_size(tr);
+  o.store = store;
+  o.timeout_ms = 20000;
+  o.shm_heap_bytes = 16u << 20;
+  ddp_error_t err = {0};
+  st = ddp_pg_create(&o, &pg, &err);
+  if (st == DDP_OK) {
+    st = grads_core(pg, G, G->local[0], G->synced[0]);
+    if (st == DDP_OK && !ddp_test_put(tr, G->synced[0], sizeof G->synced[0])) st = DDP_ERR_INTERNAL;
+  } else {
+    ddp_test_say(tr, "pg create: %s", err.msg);
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+/* Through the reducer, several buckets: the allreduce, fp16 and bf16 hooks give exactly the
+ * serial fold of the ranks' local gradients; PowerSGD runs with every layout and leaves
+ * identical gradients on every rank. */
+static void test_ddp_hooks_bitwise(void **state) {
+  (void)state;
+  static grads_t G;
+  const char *hooks[] = {NULL, "fp16", "bf16", "power_sgd"};
+  for (int W = 2; W <= 3; W++)
+    for (int h = 0; h < 4; h++) {
+      memset(&G, 0, sizeof G);
+      G.hook = hooks[h];
+      G.state = h == 3 ? "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 2}" : NULL;
+      G.cap_mb = 0.0002; /* 210 bytes: three buckets */
+      G.steps = 4;
+      assert_int_equal(ddp_spawn_threads(W, NULL, grads_rank, &G), DDP_OK);
+      assert_true(G.nbuckets[0] >= 3);
+      for (int t = 0; t < G.steps; t++)
+        for (size_t i = 0; i < NPARAM_ELEMS; i++) {
+          float want = 0;
+          for (int r = 0; r < W; r++) {
+            float g = G.local[r][t][i], c;
+            if (h == 0 || (h == 3 && t < 2)) {
+              c = g / (float)W;
+              want = r == 0 ? c : want + c;
+            } else if (h == 1) {
+              c = h16(h16(g) / (float)W);
+              want = r == 0 ? c : h16(want + c);
+            } else if (h == 2) {
+              c = hb16(hb16(g) / (float)W);
+              want = r == 0 ? c : hb16(want + c);
+            }
+          }
+          for (int r = 0; r < W; r++) {
+            if (h == 3 && t >= 2) {
+              assert_true(memcmp(&G.synced[r][t][i], &G.synced[0][t][i], 4) == 0);
+              continue;
+            }
+            if (memcmp(&G.synced[r][t][i], &want, 4) != 0)
+              fail_msg("hook %d W %d rank %d step %d elem %zu: %.9g vs %.9g", h, W, r, t, i,
+                       (double)G.synced[r][t][i], (double)want);
+          }
+        }
+    }
+}
+
+/* join() with the fp16 hook: the joined rank shadows with zero buckets through the hook,
+ * so the active rank gets f16(f16(g)/2) + 0. */
+static void test_join_with_hook(void **state) {
+  (void)state;
+  static grads_t G;
+  memset(&G, 0, sizeof G);
+  G.hook = "fp16";
+  G.cap_mb = 0.0002;
+  G.steps = 3;
+  G.join = true;
+  assert_int_equal(ddp_spawn_threads(2, NULL, grads_rank, &G), DDP_OK);
+  for (int t = 0; t < 3; t++)
+    for (size_t i = 0; i < NPARAM_ELEMS; i++) {
+      float c0 = h16(h16(G.local[0][t][i]) / 2.0f);
+      float want = t == 0 ? h16(c0 + h16(h16(G.local[1][t][i]) / 2.0f)) : c0;
+      if (memcmp(&G.synced[0][t][i], &want, 4) != 0)
+        fail_msg("step %d elem %zu: %.9g vs %.9g", t, i, (double)G.synced[0][t][i], (double)want);
+    }
+}
+
+/* A user hook that counts its calls and delegates to allreduce_hook. */
+typedef struct counting {
+  int calls;
+  int last_index;
+} counting_t;
+
+static ddp_status_t counting_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
+                                  ddp_comm_work_t **out) {
+  counting_t *c = state;
+  c->calls++;
+  c->last_index = (int)b->index;
+  if (ddp_grad_bucket_gradient(b, 0) != b->buffer) return DDP_ERR_INTERNAL; /* view 0 at offset 0 */
+  return ddp_allreduce_hook(NULL, pg, b, out);
+}
+
+typedef struct nosync {
+  float local[MAXW][NPARAM_ELEMS], synced[MAXW][NPARAM_ELEMS];
+  int calls[MAXW][3];
+  size_t nbuckets[MAXW];
+} nosync_t;
+
+/* Step 0 under no_sync, step 1 synchronised: the hook runs only in step 1, once per
+ * bucket, on the accumulated gradients. */
+static ddp_status_t nosync_rank(ddp_pg_t *pg, void *arg) {
+  nosync_t *N = arg;
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  ddp_model_t *m = NULL, *plain = NULL;
+  ddp_ddp_t *ddp = NULL;
+  ddp_ctx_t *ctx = NULL;
+  ddp_dataset_t *ds = NULL;
+  ddp_error_t err = {0};
+  ddp_tensor_t xb = {0}, yb = {0};
+  counting_t cnt = {0, -1};
+  ddp_status_t st;
+  DDP_CHECK_GOTO(build(&m), st, out);
+  DDP_CHECK_GOTO(build(&plain), st, out);
+  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  dopts.bucket_cap_mb = 0.0002;
+  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
+  ddp_comm_hook_t h = {counting_hook, &cnt, "counting_hook", NULL, NULL};
+  DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
+  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_synth_mixture_t sm = {9, 512, DIM, NCLS, 0.4f};
+  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
+  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
+  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
+  ddp_model_zero_grad(plain);
+  ddp_model_zero_grad(m);
+  for (int t = 0; t < 2; t++) {
+    int64_t idx[BATCH];
+    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
+    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
+    for (int pass = 0; pass < 2; pass++) {
+      ddp_var_t *vx, *vy, *y, *loss;
+      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
+      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
+      if (pass == 0) {
+        DDP_CHECK_GOTO(ddp_model_forward(plain, ctx, vx, 0, &y), st, out);
+      } else {
+        bool old = ddp_ddp_set_sync(ddp, t == 1);
+        (void)old;
+        DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
+      }
+      DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
+      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(ctx, loss), st, out);
+      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, ctx, loss), st, out);
+      ddp_ctx_reset(ctx);
+    }
+    N->calls[r][t] = cnt.calls;
+  }
+  for (int pass = 0; pass < 2; pass++) {
+    ddp_model_t *mm = pass == 0 ? plain : m;
+    float *dst = pass == 0 ? N->local[r] : N->synced[r];
+    for (size_t i = 0, pos = 0; i < ddp_model_num_params(mm); i++) {
+      ddp_param_t *p = ddp_model_param(mm, i);
+      memcpy(dst + pos, p->grad.data, (size_t)p->grad.numel * 4);
+      pos += (size_t)p->grad.numel;
+    }
+  }
+  N->nbuckets[r] = ddp_ddp_num_buckets(ddp);
+  N->calls[r][2] = cnt.last_index;
+out:
+  ddp_tensor_free(&xb);
+  ddp_tensor_free(&yb);
+  ddp_dataset_destroy(ds);
+  ddp_ctx_destroy(ctx);
+  ddp_ddp_destroy(ddp);
+  ddp_model_destroy(m);
+  ddp_model_destroy(plain);
+  return st;
+}
+
+static void test_user_hook_no_sync(void **state) {
+  (void)state;
+  static nosync_t N;
+  memset(&N, 0, sizeof N);
+  assert_int_equal(ddp_spawn_threads(3, NULL, nosync_rank, &N), DDP_OK);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(N.calls[r][0], 0);
+    assert_int_equal(N.calls[r][1], (int)N.nbuckets[r]);
+    assert_int_equal(N.calls[r][2], (int)N.nbuckets[r] - 1);
+  }
+  for (size_t i = 0; i < NPARAM_ELEMS; i++) {
+    float want = 0;
+    for (int r = 0; r < 3; r++) {
+      float c = N.local[r][i] / 3.0f;
+      want = r == 0 ? c : want + c;
+    }
+    for (int r = 0; r < 3; r++)
+      if (memcmp(&N.synced[r][i], &want, 4) != 0)
+        fail_msg("rank %d elem %zu: %.9g vs %.9g", r, i, (double)N.synced[r][i], (double)want);
+  }
+}
+
+/* Every hook and wrapper gives the same bits on the threads, shm and tcp backends. */
+static void test_backends_bitwise(void **state) {
+  (void)state;
+  static grads_t G, F;
+  const char *cfgs[][3] = {
+      {NULL, "no", NULL}, {"fp16", "no", NULL}, {"bf16", "no", NULL},
+      {"power_sgd", "no", "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 3}"},
+      {"batched_power_sgd", "no", "{\"start_powerSGD_iter\": 2}"},
+      {"power_sgd", "fp16", "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 2}"},
+      {"fp16", "bf16", NULL}};
+  const char *backends[] = {"shm", "tcp"};
+  for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) {
+    memset(&G, 0, sizeof G);
+    G.hook = cfgs[c][0];
+    G.wrapper = cfgs[c][1];
+    G.state = cfgs[c][2];
+    G.cap_mb = 0.0002;
+    G.steps = 4;
+    assert_int_equal(ddp_spawn_threads(3, NULL, grads_rank, &G), DDP_OK);
+    for (int b = 0; b < 2; b++) {
+      memcpy(&F, &G, sizeof F);
+      F.backend = backends[b];
+      ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+      o.world = 3;
+      o.mode = DDP_TEST_FORK;
+      o.timeout_ms = 30000;
+      o.value_bytes = sizeof F.synced[0] + 64;
+      ddp_test_results_t *res = ddp_test_spawn(&o, grads_fork_rank, &F);
+      for (int r = 0; r < 3; r++) {
+        const ddp_test_result_t *x = ddp_test_result(res, r);
+        if (x->status != 0) fail_msg("%s %s rank %d: %s", cfgs[c][0] ? cfgs[c][0] : "allreduce",
+                                     backends[b], r, x->msg);
+        assert_int_equal(x->nvalues, sizeof G.synced[0]);
+        if (memcmp(x->values, G.synced[r], sizeof G.synced[0]) != 0)
+          fail_msg("config %zu: %s differs from threads on rank %d", c, backends[b], r);
+      }
+      ddp_test_results_free(res);
+    }
+  }
+}
+
+/* Registering twice, and a hook whose result has the wrong length. */
+static void test_registration_errors(void **state) {
+  (void)state;
+  static train_t T;
+  memset(&T, 0, sizeof T);
+  T.hook = "fp16";
+  T.world = 2;
+  T.steps = 2;
+  T.mode = 1;
+  assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &T), DDP_OK);
+  assert_non_null(strstr(T.msg[0], "register_comm_hook or register_builtin_comm_hook can only be called once."));
+  memset(&T, 0, sizeof T);
+  T.hook = "no";
+  T.world = 2;
+  T.steps = 2;
+  T.mode = 3;
+  assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &T), DDP_OK);
+  assert_non_null(strstr(T.msg[1], "must be called before the first backward"));
+  memset(&T, 0, sizeof T);
+  T.world = 2;
+  T.steps = 1;
+  T.mode = 2;
+  assert_int_not_equal(ddp_spawn_threads(2, NULL, train_rank, &T), DDP_OK);
+  if (!strstr(T.msg[0], "expected") || !strstr(T.msg[0], "element count"))
+    fail_msg("message: %s", T.msg[0]);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_default_hooks_bitwise),
+      cmocka_unit_test(test_powersgd_serial),
+      cmocka_unit_test(test_powersgd_empty_collectives),
+      cmocka_unit_test(test_batched_powersgd),
+      cmocka_unit_test(test_powersgd_state_errors),
+      cmocka_unit_test(test_config_validation),
+      cmocka_unit_test(test_registration_errors),
+      cmocka_unit_test(test_ddp_hooks_bitwise),
+      cmocka_unit_test(test_backends_bitwise),
+      cmocka_unit_test(test_user_hook_no_sync),
+      cmocka_unit_test(test_join_with_hook),
+      cmocka_unit_test(test_convergence_and_rate),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
