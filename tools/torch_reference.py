@@ -106,9 +106,11 @@ def parse_args(argv):
     p.add_argument("--gradient_as_bucket_view", type=parse_bool, nargs="?", const=True,
                    default=False)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--comm_hook", choices=("no", "fp16", "bf16", "power_sgd",
+    p.add_argument("--comm_hook", choices=("no", "allreduce", "fp16", "bf16", "power_sgd",
                                            "batched_power_sgd"), default="no",
-                   help="Accelerate's DDP communication hook (default: none)")
+                   help="Accelerate's DDP communication hook (default: none); 'allreduce' "
+                        "(PyTorch's allreduce_hook, not in Accelerate) lets a wrapper go "
+                        "around plain allreduce")
     p.add_argument("--comm_wrapper", choices=("no", "fp16", "bf16"), default="no",
                    help="Accelerate's wrapper around the hook")
     p.add_argument("--comm_state_option", default="{}",
@@ -219,16 +221,58 @@ def synthetic_dataset(a, torch, model):
     return x, y
 
 
-def register_hook(a, ddp, params):
+def recording_randn(hook, torch, drawn):
+    """hook, with the random values it draws through torch.randn recorded: each call that
+    draws appends (bucket index, its draws concatenated, flat) to drawn. The PowerSGD hooks
+    draw their initial Q with torch.randn synchronously in the hook body (not in its
+    futures), one call per Q matrix in the order of the bucket's Q memory, and call it for
+    nothing else. functools.wraps keeps the hook's name for DDP's logging data."""
+    import functools
+
+    @functools.wraps(hook)
+    def wrapped(state, bucket):
+        orig, mine = torch.randn, []
+
+        def rec(*args, **kwargs):
+            t = orig(*args, **kwargs)
+            mine.append(t.detach().reshape(-1).clone())
+            return t
+        torch.randn = rec
+        try:
+            return hook(state, bucket)
+        finally:
+            torch.randn = orig
+            if mine:
+                drawn.append((bucket.index(), torch.cat(mine)))
+    return wrapped
+
+
+def save_q_draws(path, drawn, st):
+    """DIR/powersgd_q.safetensors: draw k (the k-th hook call that drew a random Q) as the
+    tensor "draw{k}", the concatenation of that call's Q matrices in memory order (each
+    row-major m x r, before orthogonalisation), with metadata "bucket{k}" (the bucket
+    index) and "draws" (their count). libddp injects them through
+    ddp_powersgd_options_t.init_q (docs/hooks.md)."""
+    meta = {"producer": "torch_reference.py", "draws": str(len(drawn))}
+    for k, (b, _) in enumerate(drawn):
+        meta["bucket%d" % k] = str(b)
+    st.save_torch(path, [("draw%d" % k, t) for k, (_, t) in enumerate(drawn)], meta)
+
+
+def register_hook(a, ddp, params, drawn=None):
     """Accelerate's mapping (spec/ddp-semantics.md 7.9): the hook, PowerSGDState built from
-    comm_state_option for the PowerSGD variants, then the optional fp16/bf16 wrapper."""
+    comm_state_option for the PowerSGD variants, then the optional fp16/bf16 wrapper. For
+    PowerSGD the random Q draws are recorded into drawn (recording_randn)."""
     if a.comm_hook == "no":
         return
+    import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     state = None
-    if a.comm_hook == "fp16":
+    if a.comm_hook == "allreduce":
+        hook = dh.allreduce_hook
+    elif a.comm_hook == "fp16":
         hook = dh.fp16_compress_hook
     elif a.comm_hook == "bf16":
         hook = dh.bf16_compress_hook
@@ -245,6 +289,8 @@ def register_hook(a, ddp, params):
                 % (a.comm_hook, total, total / 1048576.0))
         state = ps.PowerSGDState(process_group=None, **a.comm_state)
         hook = ps.powerSGD_hook if a.comm_hook == "power_sgd" else ps.batched_powerSGD_hook
+        if drawn is not None:
+            hook = recording_randn(hook, torch, drawn)
     if a.comm_wrapper == "fp16":
         hook = dh.fp16_compress_wrapper(hook)
     elif a.comm_wrapper == "bf16":
@@ -312,7 +358,8 @@ def worker(rank, world, port, a):
               gradient_as_bucket_view=a.gradient_as_bucket_view,
               static_graph=a.static_graph)
 
-    register_hook(a, ddp, params)
+    q_draws = []
+    register_hook(a, ddp, params, q_draws)
 
     # The initial layout, recomputed exactly as 1.13's _ddp_init_helper does it, then checked
     # against the bucket sizes the reducer itself reports.
@@ -450,6 +497,8 @@ def worker(rank, world, port, a):
     with open(os.path.join(rdir, "ddp.json"), "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
         f.write("\n")
+    if rank == 0 and a.comm_hook in ("power_sgd", "batched_power_sgd"):
+        save_q_draws(os.path.join(a.dump_dir, "powersgd_q.safetensors"), q_draws, st)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
