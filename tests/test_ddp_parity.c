@@ -8,7 +8,9 @@
  * micro-batching, loss scaling, optimizer and DDP options, writing dump B with
  * ddp_dump_*. tools/ddp-compare must find every input, gradient, parameter and buffer of
  * every step and rank within its default tolerance (rtol 1e-5, atol 1e-7), and the
- * initial and rebuilt bucket layouts in both ddp.json files must be identical.
+ * initial and rebuilt bucket layouts in both ddp.json files must be identical. The driver
+ * (both runs, the comparison, the layout checks) is tests/harness/parity.c, shared with
+ * tests/test_hooks_parity.c.
  *
  * Without torch the parity tests skip; test_dump_writer still checks the writer on its
  * own: the files and their order, metadata, ddp.json against the reducer, identical
@@ -36,13 +38,9 @@
 #include "ddp/reducer.h"
 #include "common/common.h"
 #include "harness.h"
+#include "parity.h"
 
-#define MAXW 4
-
-static char g_tmp[256];  /* this file's scratch directory */
-static char g_tool[1024]; /* ddp-compare */
-static char g_data[1024]; /* tests/data/digits.safetensors */
-static const char *g_py;  /* /usr/bin/python3 when it imports torch (checked once: ~2 s) */
+static char g_tmp[256]; /* this file's scratch directory */
 
 /* ---------------------------------------------------------------- configurations -- */
 
@@ -68,394 +66,11 @@ static const char *const BN =
     "{\"type\": \"batchnorm\", \"dim\": 32}, {\"type\": \"relu\"}, "
     "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
 
-typedef struct pcfg {
-  const char *name;
-  const char *model;
-  int world, steps, batch, accum;
-  double lr, momentum;
-  const char *flags;    /* per rank, cycled, as torch_reference.py --flags */
-  double bucket_cap_mb; /* < 0: not given */
-  bool find_unused, broadcast_buffers, static_graph, grad_as_bucket_view;
-  bool rebuilt;         /* a rebuilt layout is expected */
-} pcfg_t;
+typedef ddp_test_pcfg_t pcfg_t;
 
-/* ---------------------------------------------------------------- helpers --------- */
+static const cJSON *get(const cJSON *o, const char *key) { return ddp_test_json_get(o, key); }
 
-static void write_text(const char *path, const char *text) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
-  fclose(f);
-}
-
-static char *read_text(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *buf = malloc((size_t)n + 1);
-  assert_non_null(buf);
-  assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-  buf[n] = 0;
-  fclose(f);
-  return buf;
-}
-
-static cJSON *read_json(const char *path) {
-  char *t = read_text(path);
-  if (!t) fail_msg("cannot read %s", path);
-  cJSON *j = cJSON_Parse(t);
-  free(t);
-  if (!j) fail_msg("%s is not JSON", path);
-  return j;
-}
-
-static const cJSON *get(const cJSON *o, const char *key) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!v) fail_msg("JSON has no \"%s\"", key);
-  return v;
-}
-
-/* Runs a shell command, stdout into *out (malloc'd), stderr into g_tmp/stderr.txt. */
-static int run(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int run(char **out, const char *fmt, ...) {
-  char cmd[4096], full[4400];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(cmd, sizeof cmd, fmt, ap);
-  va_end(ap);
-  snprintf(full, sizeof full, "%s 2>%s/stderr.txt", cmd, g_tmp);
-  FILE *p = popen(full, "r");
-  assert_non_null(p);
-  size_t len = 0, cap = 1 << 16;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (cap - len < 2) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  buf[len] = 0;
-  int st = pclose(p);
-  if (out)
-    *out = buf;
-  else
-    free(buf);
-  return (st != -1 && WIFEXITED(st)) ? WEXITSTATUS(st) : -1;
-}
-
-static void print_stderr(void) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/stderr.txt", g_tmp);
-  char *t = read_text(p);
-  if (t) print_error("%s\n", t);
-  free(t);
-}
-
-/* ---------------------------------------------------------------- the libddp run -- */
-
-typedef struct job {
-  const pcfg_t *cfg;
-  const char *model_path; /* model JSON file */
-  const char *init_path;  /* weights to start from; NULL = ddp_model_init(seed 7 + rank) */
-  const char *dump_dir;
-  const char *config_json;
-  uint64_t seed;
-  const ddp_dataset_t *ds;
-  uint64_t flags[MAXW];
-  char msg[MAXW][600];
-} job_t;
-
-/* One rank of the libddp side: what torch_reference.py's worker does, step for step. */
-static ddp_status_t rank_main(ddp_pg_t *pg, void *arg) {
-  job_t *job = arg;
-  const pcfg_t *c = job->cfg;
-  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
-  char *msg = job->msg[r];
-  ddp_error_t err = {0};
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_optim_t *opt = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_sampler_t *smp = NULL;
-  ddp_loader_t *ld = NULL;
-  ddp_dump_t *d = NULL;
-  ddp_status_t st = ddp_model_from_json_file(job->model_path, &m, &err);
-  if (st != DDP_OK) {
-    snprintf(msg, 600, "model: %s", err.msg);
-    goto out;
-  }
-  st = job->init_path ? ddp_model_load(m, job->init_path, true, NULL, NULL, &err)
-                      : ddp_model_init(m, 7 + (uint64_t)r);
-  if (st != DDP_OK) {
-    snprintf(msg, 600, "weights: %s", err.msg);
-    goto out;
-  }
-  ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
-  o.find_unused_parameters = c->find_unused;
-  o.broadcast_buffers = c->broadcast_buffers;
-  o.static_graph = c->static_graph;
-  o.gradient_as_bucket_view = c->grad_as_bucket_view;
-  if (c->bucket_cap_mb >= 0) {
-    /* PyTorch 1.13 keeps the 1 MiB first bucket with an explicit cap (docs/ddp.md). */
-    o.bucket_cap_mb = c->bucket_cap_mb;
-    o.first_bucket_bytes = DDP_DEFAULT_FIRST_BUCKET_BYTES;
-  }
-  st = ddp_ddp_create(m, pg, &o, &ddp, &err);
-  if (st != DDP_OK) {
-    snprintf(msg, 600, "ddp create: %s", err.msg);
-    goto out;
-  }
-  ddp_dump_options_t dopt = DDP_DUMP_OPTIONS_INIT;
-  dopt.steps = c->steps;
-  dopt.producer_version = "libddp (test_ddp_parity)";
-  dopt.config_json = job->config_json;
-  dopt.model_json = c->model;
-  st = ddp_dump_open(job->dump_dir, r, W, &dopt, &d, &err);
-  if (st != DDP_OK) {
-    snprintf(msg, 600, "dump open: %s", err.msg);
-    goto out;
-  }
-  st = ddp_dump_init(d, m, ddp);
-  if (st != DDP_OK) {
-    snprintf(msg, 600, "dump init: %s", ddp_dump_last_error(d));
-    goto out;
-  }
-  ddp_optim_param_t ps[64];
-  size_t np = 0;
-  for (size_t i = 0; i < ddp_model_num_params(m) && np < 64; i++) {
-    ddp_param_t *p = ddp_model_param(m, i);
-    if (!p->requires_grad) continue;
-    ps[np].param = &p->value;
-    ps[np].grad = &p->grad;
-    np++;
-  }
-  ddp_optim_options_t sgd = DDP_SGD_OPTIONS_INIT;
-  sgd.lr = c->lr;
-  sgd.momentum = c->momentum;
-  DDP_CHECK_GOTO(ddp_optim_create(&sgd, ps, np, &opt, &err), st, out);
-  ddp_sampler_options_t so = DDP_SAMPLER_OPTIONS_INIT;
-  so.dataset_len = ddp_dataset_length(job->ds);
-  so.num_replicas = W;
-  so.rank = r;
-  so.shuffle = true;
-  so.seed = job->seed; /* data_seed defaults to seed, as in Hugging Face */
-  DDP_CHECK_GOTO(ddp_sampler_create(&so, &smp, &err), st, out);
-  ddp_loader_options_t lo = DDP_LOADER_OPTIONS_INIT;
-  lo.batch_size = c->batch;
-  DDP_CHECK_GOTO(ddp_loader_create(job->ds, smp, &lo, &ld, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
-  uint64_t flags = job->flags[r];
-  for (int step = 0; step < c->steps; step++) {
-    double total = 0;
-    for (int a = 0; a < c->accum; a++) {
-      ddp_batch_t b;
-      bool has = false;
-      st = ddp_loader_next(ld, &b, &has, &err);
-      if (st == DDP_OK && !has) st = DDP_ERR_INVALID_ARGUMENT; /* the test stays in epoch 0 */
-      if (st != DDP_OK) {
-        snprintf(msg, 600, "loader at step %d: %s", step, err.msg);
-        goto out;
-      }
-      DDP_CHECK_GOTO(ddp_dump_input(d, &b.features, &b.labels, b.indices), st, out);
-      bool old = ddp_ddp_set_sync(ddp, a == c->accum - 1); /* no_sync but for the last */
-      ddp_var_t *vx, *vy, *out, *loss;
-      st = ddp_var_new(ctx, b.features.dtype, b.features.ndim, b.features.shape,
-                       b.features.data, false, &vx);
-      if (st == DDP_OK)
-        st = ddp_var_new(ctx, b.labels.dtype, b.labels.ndim, b.labels.shape, b.labels.data,
-                         false, &vy);
-      if (st == DDP_OK) st = ddp_ddp_forward(ddp, ctx, vx, flags, &out);
-      if (st == DDP_OK) st = ddp_cross_entropy(ctx, out, vy, -100, &loss);
-      if (st == DDP_OK && c->accum > 1) {
-        /* Hugging Face's loss / gradient_accumulation_steps; for a power of two the
-         * product by the reciprocal is the quotient, bit for bit. */
-        float inv = 1.0f / (float)c->accum;
-        ddp_var_t *s;
-        st = ddp_var_new(ctx, DDP_F32, loss->value.ndim, loss->value.shape, &inv, false, &s);
-        if (st == DDP_OK) st = ddp_mul(ctx, loss, s, &loss);
-      }
-      if (st == DDP_OK) {
-        total += (double)*(const float *)loss->value.data;
-        st = ddp_ddp_backward(ddp, ctx, loss);
-      }
-      ddp_ddp_set_sync(ddp, old);
-      if (st != DDP_OK) {
-        snprintf(msg, 600, "step %d micro-batch %d: %s | %s", step, a, ddp_ddp_last_error(ddp),
-                 ddp_ctx_last_error(ctx)->msg);
-        goto out;
-      }
-      ddp_ctx_reset(ctx);
-    }
-    DDP_CHECK_GOTO(ddp_dump_grads(d), st, out);
-    DDP_CHECK_GOTO(ddp_optim_step(opt, &err), st, out);
-    ddp_optim_zero_grad(opt, false);
-    st = ddp_dump_step(d, step, total, c->accum, flags);
-    if (st != DDP_OK) {
-      snprintf(msg, 600, "dump step %d: %s", step, ddp_dump_last_error(d));
-      goto out;
-    }
-  }
-  st = ddp_dump_finish(d);
-  if (st != DDP_OK) snprintf(msg, 600, "dump finish: %s", ddp_dump_last_error(d));
-out:
-  if (st != DDP_OK && !msg[0]) snprintf(msg, 600, "%s: %s", ddp_status_name(st), err.msg);
-  ddp_dump_close(d);
-  ddp_ctx_destroy(ctx);
-  ddp_loader_destroy(ld);
-  ddp_sampler_destroy(smp);
-  ddp_optim_destroy(opt);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
-  return st;
-}
-
-static void parse_flags(const char *text, int world, uint64_t *out) {
-  uint64_t v[MAXW];
-  int n = 0;
-  const char *p = text;
-  while (*p && n < MAXW) {
-    char *end;
-    v[n++] = strtoull(p, &end, 0);
-    p = *end == ',' ? end + 1 : end;
-    if (end == p && *p) break;
-  }
-  assert_true(n > 0);
-  for (int r = 0; r < world; r++) out[r] = v[r % n];
-}
-
-static void run_libddp(job_t *job) {
-  ddp_dataset_t *ds = NULL;
-  ddp_error_t err = {0};
-  assert_int_equal(ddp_dataset_from_safetensors(g_data, NULL, NULL, &ds, &err), DDP_OK);
-  job->ds = ds;
-  parse_flags(job->cfg->flags ? job->cfg->flags : "0", job->cfg->world, job->flags);
-  memset(job->msg, 0, sizeof job->msg);
-  ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;
-  po.timeout_ms = 30000;
-  ddp_status_t st = ddp_spawn_threads(job->cfg->world, &po, rank_main, job);
-  ddp_dataset_destroy(ds);
-  if (st != DDP_OK) {
-    for (int r = 0; r < job->cfg->world; r++)
-      print_error("rank %d: %s\n", r, job->msg[r]);
-    fail_msg("%s: the libddp run failed: %s", job->cfg->name, ddp_status_name(st));
-  }
-}
-
-/* ---------------------------------------------------------------- parity ---------- */
-
-static bool torch_ok(void) {
-  return g_py && access(g_tool, X_OK) == 0;
-}
-
-/* torch_reference.py for cfg into dir A; libddp into B; ddp-compare; layouts. */
-static void parity(const pcfg_t *c) {
-  if (!torch_ok()) {
-    print_message("torch (under /usr/bin/python3) or ddp-compare absent: skipped\n");
-    skip();
-  }
-  char base[512], model[600], A[600], B[600], weights[700];
-  snprintf(base, sizeof base, "%s/%s", g_tmp, c->name);
-  assert_int_equal(mkdir(base, 0755), 0);
-  snprintf(model, sizeof model, "%s/model.json", base);
-  snprintf(A, sizeof A, "%s/torch", base);
-  snprintf(B, sizeof B, "%s/libddp", base);
-  snprintf(weights, sizeof weights, "%s/weights.safetensors", A);
-  write_text(model, c->model);
-  const uint64_t seed = 1234;
-  char cap[64] = "";
-  if (c->bucket_cap_mb >= 0) snprintf(cap, sizeof cap, "--bucket_cap_mb %g", c->bucket_cap_mb);
-  char *out = NULL;
-  int rc = run(&out,
-               "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-               "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
-               "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
-               "--seed %llu --shuffle true --flags %s %s --find_unused_parameters %s "
-               "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
-               "--timeout 60",
-               g_py, ddp_test_source_root(), model, A, g_data, c->world, c->steps,
-               c->batch, c->accum, c->lr, c->momentum, (unsigned long long)seed,
-               c->flags ? c->flags : "0", cap, c->find_unused ? "true" : "false",
-               c->broadcast_buffers ? "true" : "false", c->static_graph ? "true" : "false",
-               c->grad_as_bucket_view ? "true" : "false");
-  if (rc != 0) {
-    print_stderr();
-    fail_msg("%s: torch_reference.py exited %d: %s", c->name, rc, out);
-  }
-  free(out);
-
-  /* The libddp side: A's weights after the broadcast, the same options. */
-  char cfgjson[512];
-  snprintf(cfgjson, sizeof cfgjson,
-           "{\"world\": %d, \"steps\": %d, \"batch\": %d, \"lr\": %.17g, \"momentum\": %.17g, "
-           "\"optim\": \"sgd\", \"seed\": %llu, \"gradient_accumulation_steps\": %d, "
-           "\"find_unused_parameters\": %s, \"broadcast_buffers\": %s, \"static_graph\": %s}",
-           c->world, c->steps, c->batch, c->lr, c->momentum, (unsigned long long)seed, c->accum,
-           c->find_unused ? "true" : "false", c->broadcast_buffers ? "true" : "false",
-           c->static_graph ? "true" : "false");
-  job_t job = {.cfg = c, .model_path = model, .init_path = weights, .dump_dir = B,
-               .config_json = cfgjson, .seed = seed};
-  run_libddp(&job);
-
-  rc = run(&out, "%s --json '%s' '%s'", g_tool, A, B);
-  cJSON *j = cJSON_Parse(out);
-  if (!j) fail_msg("%s: ddp-compare printed no JSON (exit %d): %s", c->name, rc, out);
-  free(out);
-  double gabs = 0, grel = 0, pabs = 0, prel = 0, babs = 0, brel = 0;
-  const cJSON *t;
-  cJSON_ArrayForEach(t, get(j, "tensors")) {
-    const char *nm = get(t, "name")->valuestring;
-    double a = get(t, "max_abs")->valuedouble, r = get(t, "max_rel")->valuedouble;
-    double *pa = strncmp(nm, "grad.", 5) == 0    ? &gabs
-                 : strncmp(nm, "param.", 6) == 0 ? &pabs
-                 : strncmp(nm, "buffer.", 7) == 0 ? &babs
-                                                 : NULL;
-    if (!pa) continue;
-    double *pr = pa == &gabs ? &grel : pa == &pabs ? &prel : &brel;
-    if (a > *pa) *pa = a;
-    if (r > *pr) *pr = r;
-  }
-  print_message("%-18s W=%d steps=%d: grads max abs %.3g rel %.3g; params max abs %.3g rel "
-                "%.3g; buffers max abs %.3g rel %.3g\n",
-                c->name, c->world, c->steps, gabs, grel, pabs, prel, babs, brel);
-  if (rc != 0) {
-    char *s = cJSON_PrintUnformatted(get(j, "first_failure"));
-    print_error("%s: first failure %s; layouts differ: %s\n", c->name, s,
-                cJSON_IsTrue(get(j, "layouts_differ")) ? "yes" : "no");
-    free(s);
-  }
-  assert_int_equal(rc, 0);
-  assert_int_equal(get(j, "steps_compared")->valueint, c->steps);
-  cJSON_Delete(j);
-
-  /* Bucket layouts, read directly (ddp-compare calls null on both sides "unavailable"):
-   * initial and rebuilt identical on every rank, and a rebuild exactly when expected. */
-  for (int r = 0; r < c->world; r++) {
-    char pa[700], pb[700];
-    snprintf(pa, sizeof pa, "%s/rank%d/ddp.json", A, r);
-    snprintf(pb, sizeof pb, "%s/rank%d/ddp.json", B, r);
-    cJSON *ja = read_json(pa), *jb = read_json(pb);
-    const cJSON *la = get(ja, "bucket_layouts"), *lb = get(jb, "bucket_layouts");
-    char *sa = cJSON_PrintUnformatted(la), *sb = cJSON_PrintUnformatted(lb);
-    if (r == 0) print_message("%-18s layouts: torch %s, libddp %s\n", c->name, sa, sb);
-    if (!cJSON_Compare(la, lb, true)) fail_msg("%s rank %d: layouts differ", c->name, r);
-    free(sa);
-    free(sb);
-    assert_true(cJSON_IsArray(get(la, "initial")));
-    assert_int_equal(cJSON_IsArray(get(la, "rebuilt")), c->rebuilt);
-    assert_true(cJSON_IsTrue(get(ja, "initial_layout_verified")));
-    assert_true(cJSON_IsTrue(get(jb, "initial_layout_verified")));
-    assert_true(cJSON_Compare(get(ja, "param_names"), get(jb, "param_names"), true));
-    assert_true(cJSON_Compare(get(ja, "bucket_sizes"), get(jb, "bucket_sizes"), true));
-    cJSON_Delete(ja);
-    cJSON_Delete(jb);
-  }
-}
+static void parity(const pcfg_t *c) { ddp_test_parity(c, NULL); }
 
 static void test_parity_defaults(void **state) {
   (void)state;
@@ -565,18 +180,16 @@ static void test_dump_writer(void **state) {
   assert_int_equal(mkdir(base, 0755), 0);
   snprintf(model, sizeof model, "%s/model.json", base);
   snprintf(B, sizeof B, "%s/dump", base);
-  write_text(model, BN);
+  ddp_test_write_text(model, BN);
   const double lr = 0.25;
   pcfg_t c = {.name = "writer", .model = BN, .world = 2, .steps = 3, .batch = 6, .accum = 2,
               .lr = lr, .momentum = 0, .flags = "5", .bucket_cap_mb = -1,
               .broadcast_buffers = true};
-  job_t job = {.cfg = &c, .model_path = model, .dump_dir = B, .config_json = "{\"lr\": 0.25}",
-               .seed = 3};
-  run_libddp(&job);
+  ddp_test_parity_run_libddp(&c, model, NULL, B, "{\"lr\": 0.25}", 3, NULL);
 
   char p[800];
   snprintf(p, sizeof p, "%s/meta.json", B);
-  cJSON *meta = read_json(p);
+  cJSON *meta = ddp_test_read_json(p);
   assert_string_equal(get(meta, "format")->valuestring, "libddp-dump-1");
   assert_string_equal(get(meta, "producer")->valuestring, "libddp");
   assert_int_equal(get(meta, "world_size")->valueint, 2);
@@ -690,7 +303,7 @@ static void test_dump_writer(void **state) {
 
   /* ddp.json: the lists and the layouts as the reducer reports them. */
   snprintf(p, sizeof p, "%s/rank1/ddp.json", B);
-  cJSON *dj = read_json(p);
+  cJSON *dj = ddp_test_read_json(p);
   const cJSON *pn = get(dj, "param_names");
   assert_int_equal(cJSON_GetArraySize(pn), np);
   for (size_t i = 0; i < np; i++)
@@ -727,9 +340,10 @@ static void test_dump_writer(void **state) {
   ddp_model_destroy(m);
 
   /* A dump compares equal with itself through ddp-compare (when it is built). */
-  if (access(g_tool, X_OK) == 0) {
+  const char *tool = ddp_test_parity_compare_tool();
+  if (access(tool, X_OK) == 0) {
     char *out = NULL;
-    assert_int_equal(run(&out, "%s '%s' '%s'", g_tool, B, B), 0);
+    assert_int_equal(ddp_test_run_cmd(&out, "%s '%s' '%s'", tool, B, B), 0);
     free(out);
   }
 }
@@ -749,7 +363,7 @@ static void test_dump_errors(void **state) {
   assert_non_null(strstr(err.msg, "config_json"));
   char file[700];
   snprintf(file, sizeof file, "%s/plain", g_tmp);
-  write_text(file, "x");
+  ddp_test_write_text(file, "x");
   assert_int_equal(ddp_dump_open(file, 0, 1, NULL, &d, &err), DDP_ERR_SYSTEM);
   assert_non_null(strstr(err.msg, "mkdir"));
   assert_int_equal(ddp_dump_open(dir, 0, 1, NULL, &d, &err), DDP_OK);
@@ -775,7 +389,7 @@ static void test_dump_errors(void **state) {
   snprintf(p, sizeof p, "%s/rank0/ddp.json", dir);
   assert_int_not_equal(access(p, F_OK), 0);
   snprintf(p, sizeof p, "%s/meta.json", dir);
-  cJSON *meta = read_json(p);
+  cJSON *meta = ddp_test_read_json(p);
   assert_int_equal(get(meta, "steps")->valueint, 1);
   cJSON_Delete(meta);
 }
@@ -784,15 +398,9 @@ static void test_dump_errors(void **state) {
 
 static int setup(void **state) {
   (void)state;
-  const char *build = getenv("DDP_BUILD_ROOT");
-  snprintf(g_tool, sizeof g_tool, "%s/tools/ddp-compare", build ? build : ".");
-  const char *src = ddp_test_source_root();
-  if (!src) return 1;
-  snprintf(g_data, sizeof g_data, "%s/tests/data/digits.safetensors", src);
   snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp_parity_XXXXXX");
   if (!mkdtemp(g_tmp)) return 1;
-  g_py = ddp_test_python();
-  return 0;
+  return ddp_test_parity_init(g_tmp) ? 0 : 1;
 }
 
 static int teardown(void **state) {

@@ -560,6 +560,7 @@ static void test_resume_bitwise(void **state) {
   strcpy(a->args.save_strategy, "steps");
   a->args.save_steps = 10;
   a->args.save_total_limit = 2;
+  a->args.weight_decay = 0.01; /* two parameter groups, each with its optimizer file */
   run_world(a, 3);
 
   /* Rotation: 10 was deleted, 20 and 30 remain. */
@@ -567,6 +568,8 @@ static void test_resume_bitwise(void **state) {
   snprintf(ck, sizeof ck, "%s/checkpoint-10", da);
   assert_int_not_equal(stat(ck, &sb), 0);
   snprintf(ck, sizeof ck, "%s/checkpoint-20/optimizer.safetensors", da);
+  assert_int_equal(stat(ck, &sb), 0);
+  snprintf(ck, sizeof ck, "%s/checkpoint-20/optimizer_group1.safetensors", da);
   assert_int_equal(stat(ck, &sb), 0);
 
   /* Resume from 20 in a fresh output directory, and from "true" (the latest) = 30. */
@@ -606,6 +609,152 @@ static void test_resume_bitwise(void **state) {
   free_run(d);
   rm_tree(da);
   rm_tree(db);
+}
+
+/* PowerSGD (rank 2 from step 2: error feedback and warm-start factors in use) on 2 ranks:
+ * resuming from checkpoint-5 gives bitwise the parameters of the uninterrupted 12-step
+ * run, because every rank's hook state is in the checkpoint. Without those files the
+ * resumed run starts the state afresh and differs (the state matters to the result). */
+static void test_powersgd_resume(void **state) {
+  char da[256], db[256], ck[512], cmd[1200];
+  make_dir(da, sizeof da, "psgdA");
+  make_dir(db, sizeof db, "psgdB");
+  run_t *a = new_run(da);
+  a->model_json = mlp_nodrop;
+  a->args.learning_rate = 1e-3;
+  a->args.max_steps = 12;
+  strcpy(a->args.save_strategy, "steps");
+  a->args.save_steps = 5;
+  strcpy(a->args.comm_hook, "power_sgd");
+  strcpy(a->args.comm_state_option,
+         "{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 2}");
+  run_world(a, 2);
+  struct stat sb;
+  for (int r = 0; r < 2; r++) {
+    snprintf(ck, sizeof ck, "%s/checkpoint-5/hook_state_rank%d.safetensors", da, r);
+    assert_int_equal(stat(ck, &sb), 0);
+  }
+  /* The two ranks' error feedback differs (rank-local state). */
+  ddp_st_file_t *f0 = NULL, *f1 = NULL;
+  snprintf(ck, sizeof ck, "%s/checkpoint-5/hook_state_rank0.safetensors", da);
+  assert_int_equal(ddp_st_open(ck, DDP_ST_READ, &f0, NULL), DDP_OK);
+  snprintf(ck, sizeof ck, "%s/checkpoint-5/hook_state_rank1.safetensors", da);
+  assert_int_equal(ddp_st_open(ck, DDP_ST_READ, &f1, NULL), DDP_OK);
+  assert_string_equal(ddp_st_meta_get(f0, "iter"), "5");
+  size_t i0, i1;
+  assert_int_equal(ddp_st_find(f0, "bucket.0.error", &i0), DDP_OK);
+  assert_int_equal(ddp_st_find(f1, "bucket.0.error", &i1), DDP_OK);
+  ddp_tensor_t e0, e1;
+  assert_int_equal(ddp_st_tensor(f0, i0, &e0), DDP_OK);
+  assert_int_equal(ddp_st_tensor(f1, i1, &e1), DDP_OK);
+  assert_int_equal(e0.numel, e1.numel);
+  assert_true(memcmp(e0.data, e1.data, (size_t)e0.numel * sizeof(float)) != 0);
+  ddp_st_close(f0);
+  ddp_st_close(f1);
+
+  run_t *b = new_run(db);
+  b->args = a->args;
+  b->model_json = mlp_nodrop;
+  snprintf(b->args.output_dir, sizeof b->args.output_dir, "%s", db);
+  snprintf(b->args.resume_from_checkpoint, sizeof b->args.resume_from_checkpoint,
+           "%s/checkpoint-5", da);
+  run_world(b, 2);
+  assert_int_equal(b->res[0].start_step, 5);
+  assert_int_equal(b->nparams, a->nparams);
+  assert_memory_equal(b->params, a->params, (size_t)a->nparams * sizeof(float));
+
+  snprintf(cmd, sizeof cmd, "rm -f '%s'/checkpoint-5/hook_state_rank*.safetensors", da);
+  assert_int_equal(system(cmd), 0);
+  run_t *c = new_run(db);
+  c->args = b->args;
+  c->model_json = mlp_nodrop;
+  run_world(c, 2);
+  double d = rel_diff(c->params, a->params, a->nparams);
+  print_message("PowerSGD resume: with hook state bitwise equal; without it rel diff %.2e\n", d);
+  assert_true(d > 0);
+  free_run(a);
+  free_run(b);
+  free_run(c);
+  rm_tree(da);
+  rm_tree(db);
+}
+
+/* HF's parameter groups: with weight_decay, biases and LayerNorm parameters are not
+ * decayed, every other parameter is. One SGD step (no clipping, constant lr) with and
+ * without weight decay: the no-decay parameters end bitwise equal, the others differ by
+ * -lr * wd * p0 (p0 recomputed here from the same initialisation). The checkpoint lists
+ * the groups by name. */
+static void test_weight_decay_groups(void **state) {
+  static const char *ln_json =
+      "{\"dtype\": \"f32\", \"layers\": ["
+      "{\"type\": \"linear\", \"in\": 64, \"out\": 16},"
+      "{\"type\": \"layernorm\", \"dim\": 16},"
+      "{\"type\": \"tanh\"},"
+      "{\"type\": \"linear\", \"in\": 16, \"out\": 10}]}";
+  const double lr = 0.1, wd = 0.5;
+  char dir[256], path[512];
+  make_dir(dir, sizeof dir, "wd");
+  run_t *r[2];
+  for (int k = 0; k < 2; k++) {
+    r[k] = new_run(dir);
+    r[k]->model_json = ln_json;
+    strcpy(r[k]->args.optim, "sgd");
+    strcpy(r[k]->args.lr_scheduler_type, "constant");
+    r[k]->args.learning_rate = lr;
+    r[k]->args.max_grad_norm = 0;
+    r[k]->args.max_steps = 1;
+    r[k]->args.weight_decay = k == 0 ? wd : 0.0;
+    strcpy(r[k]->args.save_strategy, k == 0 ? "steps" : "no");
+    run_world(r[k], 1);
+  }
+  ddp_model_t *m = NULL;
+  assert_int_equal(ddp_model_from_json(ln_json, &m, NULL), DDP_OK);
+  assert_int_equal(ddp_model_init(m, r[0]->args.seed), DDP_OK);
+  const float *p0 = ddp_model_flat_params(m, DDP_F32).data;
+  cJSON *expect[2] = {cJSON_CreateArray(), cJSON_CreateArray()};
+  int decayed = 0, exempt = 0;
+  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+    const ddp_param_t *p = ddp_model_param(m, i);
+    /* Layer "1." is the LayerNorm; names with "bias" are biases. */
+    bool no_decay = strstr(p->name, "bias") || strncmp(p->name, "1.", 2) == 0;
+    cJSON_AddItemToArray(expect[no_decay], cJSON_CreateString(p->name));
+    for (int64_t j = p->offset; j < p->offset + p->value.numel; j++) {
+      double got = (double)r[0]->params[j] - r[1]->params[j];
+      if (no_decay) {
+        if (r[0]->params[j] != r[1]->params[j]) fail_msg("%s[%lld] was decayed", p->name, (long long)(j - p->offset));
+      } else {
+        double want = -lr * wd * p0[j];
+        if (fabs(got - want) > 1e-6 + 1e-3 * fabs(want))
+          fail_msg("%s[%lld]: decay %.9g, expected %.9g", p->name, (long long)(j - p->offset), got, want);
+      }
+    }
+    decayed += !no_decay;
+    exempt += no_decay;
+  }
+  assert_int_equal(decayed, 2);
+  assert_int_equal(exempt, 4);
+  /* trainer_state.json: [{"weight_decay": wd, "params": [...]}, {"weight_decay": 0, ...}]. */
+  snprintf(path, sizeof path, "%s/checkpoint-1/trainer_state.json", dir);
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  static char text[65536];
+  text[fread(text, 1, sizeof text - 1, f)] = 0;
+  fclose(f);
+  cJSON *js = cJSON_Parse(text);
+  const cJSON *groups = cJSON_GetObjectItemCaseSensitive(js, "optimizer_groups");
+  assert_int_equal(cJSON_GetArraySize(groups), 2);
+  for (int g = 0; g < 2; g++) {
+    const cJSON *gr = cJSON_GetArrayItem(groups, g);
+    assert_true(jnum(gr, "weight_decay") == (g == 0 ? wd : 0.0));
+    assert_true(cJSON_Compare(cJSON_GetObjectItemCaseSensitive(gr, "params"), expect[g], true));
+  }
+  cJSON_Delete(js);
+  cJSON_Delete(expect[0]);
+  cJSON_Delete(expect[1]);
+  ddp_model_destroy(m);
+  free_run(r[0]);
+  free_run(r[1]);
+  rm_tree(dir);
 }
 
 /* A trainer killed with SIGKILL in the middle of writing checkpoint-20 leaves
@@ -799,6 +948,130 @@ static void test_threads_vs_processes(void **state) {
   }
 }
 
+/* Plain Open MPI mpirun (OMPI_COMM_WORLD_* in the environment, no RANK) counts as a
+ * launcher: 2 processes end with the parameter hash of 2 thread ranks. Skipped without
+ * mpirun. MASTER_ADDR/PORT are set so that the run also works where the mpi backend was
+ * not built (tcp then); the MPI library's own allocations are not leak-checked (as in
+ * test_mpi). */
+static void test_mpirun(void **state) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  if (system("command -v mpirun >/dev/null 2>&1") != 0) {
+    skip();
+    return;
+  }
+  char exe[4096], dm[256], dt[256], cmd[16384], hm[64], ht[64];
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  make_dir(dm, sizeof dm, "mpi");
+  make_dir(dt, sizeof dt, "mpithr");
+  const char *common = "--max_steps 20 --logging_steps 10 --learning_rate 1e-3 "
+                       "--save_strategy no --ddp_find_unused_parameters false";
+  snprintf(cmd, sizeof cmd,
+           "env -u RANK -u WORLD_SIZE -u DDP_BACKEND MASTER_ADDR=127.0.0.1 MASTER_PORT=%d "
+           "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" "
+           "timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 '%s' %s "
+           "--output_dir '%s' >'%s/log' 2>&1",
+           30000 + (int)((getpid() + 7919) % 20000), exe, common, dm, dm);
+  int rc = system(cmd);
+  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) {
+    char log[8192] = "";
+    snprintf(cmd, sizeof cmd, "%s/log", dm);
+    FILE *f = fopen(cmd, "r");
+    if (f) {
+      log[fread(log, 1, sizeof log - 1, f)] = 0;
+      fclose(f);
+    }
+    fail_msg("mpirun ddp-train failed: %s", log);
+  }
+  snprintf(cmd, sizeof cmd, "'%s' --threads 2 %s --output_dir '%s' >/dev/null 2>&1", exe, common,
+           dt);
+  rc = system(cmd);
+  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  summary_hash(dm, hm, sizeof hm);
+  summary_hash(dt, ht, sizeof ht);
+  print_message("mpirun x2: %s, threads x2: %s\n", hm, ht);
+  assert_string_equal(hm, ht);
+  rm_tree(dm);
+  rm_tree(dt);
+}
+
+/* Runs ddp-train with args under a pseudo-terminal (util-linux script) or, pty false,
+ * with stdout a pipe; returns the exit status and the output. */
+static int run_tty(bool pty, const char *args, char *out, size_t cap) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  char cmd[8192];
+  if (pty) {
+    snprintf(cmd, sizeof cmd, "script -qec \"'%s/tools/ddp-train' %s\" /dev/null </dev/null",
+             build, args);
+  } else {
+    snprintf(cmd, sizeof cmd, "'%s/tools/ddp-train' %s </dev/null", build, args);
+  }
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, cap - 1, p);
+  out[n] = 0;
+  int rc = pclose(p);
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+/* Rank 0's output: on a terminal a bar redrawn in place ("\r\033[K[###---] step/max loss L
+ * lr LR N samples/s ETA m:ss") whose fields are checked here (the last bar: step 20 of 20,
+ * the linear schedule's last lr recomputed), with the log lines above it; with stdout a
+ * pipe, or --disable_tqdm on a terminal, plain log lines and no control sequence. */
+static void test_progress_output(void **state) {
+  if (system("command -v script >/dev/null 2>&1") != 0) {
+    skip();
+    return;
+  }
+  char dir[256], args[1024];
+  static char out[262144];
+  make_dir(dir, sizeof dir, "tty");
+  snprintf(args, sizeof args,
+           "--threads 2 --max_steps 20 --logging_steps 10 --learning_rate 1e-3 "
+           "--save_strategy no --ddp_find_unused_parameters false --output_dir %s", dir);
+  int rc = run_tty(true, args, out, sizeof out);
+  if (rc != 0) fail_msg("ddp-train under a pty exited %d: %s", rc, out);
+  int bars = 0;
+  const char *last = NULL;
+  for (const char *p = strstr(out, "\r\033[K["); p; p = strstr(p + 1, "\r\033[K[")) {
+    bars++;
+    last = p;
+  }
+  assert_true(bars >= 2);
+  const char *fields = strstr(last, "] ");
+  assert_non_null(fields);
+  long step = 0, max = 0;
+  double loss = 0, lr = 0, sps = 0;
+  int mins = -1, secs = -1;
+  int got = sscanf(fields, "] %ld/%ld loss %lf lr %lf %lf samples/s ETA %d:%d", &step, &max,
+                   &loss, &lr, &sps, &mins, &secs);
+  if (got != 7) fail_msg("bar fields not parsed (%d): %.200s", got, fields);
+  assert_int_equal(step, 20);
+  assert_int_equal(max, 20);
+  assert_true(loss > 0 && loss < 10);
+  double want_lr = 1e-3 * (20.0 - 19.0) / 20.0; /* linear decay, the step's lr (0-based 19) */
+  assert_true(fabs(lr - want_lr) <= 0.01 * want_lr); /* printed with 3 digits */
+  assert_true(sps > 0);
+  assert_true(mins == 0 && secs >= 0 && secs < 60);
+  /* The log lines are printed above the bar (cleared first). */
+  assert_non_null(strstr(out, "\r\033[Kstep     10/20"));
+
+  const char *plain_args[2] = {args, NULL};
+  char args2[1200];
+  snprintf(args2, sizeof args2, "%s --disable_tqdm", args);
+  plain_args[1] = args2;
+  for (int k = 0; k < 2; k++) {
+    rc = run_tty(k == 1, plain_args[k], out, sizeof out);
+    if (rc != 0) fail_msg("ddp-train exited %d: %s", rc, out);
+    assert_null(strstr(out, "\033["));
+    assert_null(strstr(out, "[#"));
+    assert_non_null(strstr(out, "step     10/20"));
+    assert_non_null(strstr(out, "step     20/20"));
+  }
+  rm_tree(dir);
+}
+
 /* PyTorch oracle: tools/torch_reference.py runs real DDP (gloo, 3 ranks) with AdamW, weight
  * decay, accumulation 2, clipping and a linear warmup schedule; ddp-train started from the
  * same weights with the same HF arguments dumps every step, and ddp-compare finds inputs,
@@ -815,7 +1088,12 @@ static void test_dump_vs_torch(void **state) {
   snprintf(model, sizeof model, "%s/model.json", dir);
   FILE *f = fopen(model, "w");
   assert_non_null(f);
-  fputs(mlp_nodrop, f);
+  /* Without biases (or LayerNorms) every parameter is in HF's weight-decay group, which is
+   * what torch_reference.py's single AdamW group decays. */
+  fputs("{\"dtype\": \"f32\", \"layers\": ["
+        "{\"type\": \"linear\", \"in\": 64, \"out\": 32, \"bias\": false},"
+        "{\"type\": \"tanh\"},"
+        "{\"type\": \"linear\", \"in\": 32, \"out\": 10, \"bias\": false}]}", f);
   fclose(f);
   const char *hf = "--max_grad_norm 1.0 --lr_scheduler_type linear --warmup_steps 2 --seed 3 "
                    "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
@@ -898,9 +1176,11 @@ int main(void) {
       cmocka_unit_test(test_tool_errors),    cmocka_unit_test(test_loss_falls),
       cmocka_unit_test(test_equivalence),    cmocka_unit_test(test_reducer_vs_flat),
       cmocka_unit_test(test_comm_hooks),     cmocka_unit_test(test_split_and_eval),
-      cmocka_unit_test(test_resume_bitwise),
+      cmocka_unit_test(test_resume_bitwise), cmocka_unit_test(test_powersgd_resume),
+      cmocka_unit_test(test_weight_decay_groups),
       cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
       cmocka_unit_test(test_replica_check),  cmocka_unit_test(test_threads_vs_processes),
+      cmocka_unit_test(test_mpirun),         cmocka_unit_test(test_progress_output),
       cmocka_unit_test(test_dump_vs_torch),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

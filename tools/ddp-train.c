@@ -7,8 +7,9 @@
  *   ddprun --nproc_per_node 4 --backend shm ddp-train --max_steps 200
  *
  * Ranks are threads of this process (--threads, the threads backend) or the processes a
- * launcher started (RANK/WORLD_SIZE in the environment; ddp_backend or the launcher's
- * DDP_BACKEND picks the transport). Every rank builds the model from the same JSON, loads
+ * launcher started (RANK/WORLD_SIZE from ddprun or torchrun, OMPI_COMM_WORLD_* from
+ * mpirun, SLURM_PROCID/SLURM_NTASKS from srun; ddp_backend or the launcher's DDP_BACKEND
+ * picks the transport, and plain mpirun defaults to the mpi backend when it is built). Every rank builds the model from the same JSON, loads
  * the same data, and calls ddp_train(); rank 0 prints. Exit status: 0 on success, 2 for a
  * usage error (unknown flag, bad value, missing file), 1 when training fails. */
 #include <errno.h>
@@ -400,11 +401,16 @@ int main(int argc, char **argv) {
     ddp_free(js);
     return 0;
   }
-  bool launched = ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_WORLD_SIZE);
+  /* Launched: torchrun-style RANK/WORLD_SIZE (ddprun), Open MPI's mpirun, or srun; the
+   * same variables ddp_pg_create_from_env reads. */
+  bool launched =
+      (ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_WORLD_SIZE)) ||
+      (ddp_env_is_set(DDP_ENV_OMPI_RANK) && ddp_env_is_set(DDP_ENV_OMPI_SIZE)) ||
+      (ddp_env_is_set(DDP_ENV_SLURM_PROCID) && ddp_env_is_set(DDP_ENV_SLURM_NTASKS));
   const char *backend = ddp_train_backend_name(&t.args);
   if (launched && t.threads) {
     fprintf(stderr, "ddp-train: --threads runs ranks in one process; under a launcher "
-                    "(RANK and WORLD_SIZE are set) leave it out\n");
+                    "(RANK/WORLD_SIZE, OMPI_COMM_WORLD_* or SLURM_* are set) leave it out\n");
     return 2;
   }
   if (launched && backend && !strcmp(backend, "threads")) {

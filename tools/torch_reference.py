@@ -16,6 +16,10 @@ trains --steps optimizer steps on batches drawn through torch's DistributedSampl
 each step it writes DIR/rank{r}/step{NNNNNN}.safetensors. Exit status 0 on success, 2 on a
 usage error, 1 when a rank fails.
 
+With --comm_hook power_sgd or batched_power_sgd, rank 0 also writes
+DIR/powersgd_q.safetensors, the random Q values PyTorch's hook drew (save_q_draws), which
+the libddp side injects to start from the same Q (docs/hooks.md, "PyTorch parity").
+
 Arithmetic is kept to one thread per rank (OMP_NUM_THREADS and OPENBLAS_NUM_THREADS are set
 before torch is imported; numerics.md "Running the oracle fairly"), and every worker ends
 with a barrier and os._exit(0) (numerics.md "Known oracle failures").

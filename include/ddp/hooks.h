@@ -96,6 +96,22 @@ DDP_API int64_t ddp_powersgd_num_allreduces(const ddp_powersgd_state_t *s);
 /* The stats callback: total_numel_before/after_compression and the last step's bytes. */
 DDP_API void ddp_powersgd_stats(void *state, ddp_comm_hook_stats_t *out);
 
+/* The state's rank-local contents (iteration count, random draws so far, compression
+ * counters, and per bucket the error feedback and the warm-start P/Q memories) to a
+ * safetensors file, written atomically (ddp_st_write): tensors "bucket.<b>.error",
+ * "bucket.<b>.p", "bucket.<b>.q" (f32, present when they exist), counters and the shaping
+ * options in the metadata (format "libddp-powersgd-1"). Error feedback differs per rank:
+ * each rank saves its own. */
+DDP_API ddp_status_t ddp_powersgd_state_save(const ddp_powersgd_state_t *s, const char *path,
+                                             ddp_error_t *err);
+/* Replaces s's contents with a saved state, so that the hooks continue bit for bit as the
+ * saved state would have. The state must have been created with the same
+ * matrix_approximation_rank, start_powerSGD_iter, random_seed, use_error_feedback and
+ * warm_start (else DDP_ERR_INVALID_ARGUMENT naming both); a missing file is
+ * DDP_ERR_NOT_FOUND, a malformed one DDP_ERR_INVALID_DATA. On failure s is unchanged. */
+DDP_API ddp_status_t ddp_powersgd_state_load(ddp_powersgd_state_t *s, const char *path,
+                                             ddp_error_t *err);
+
 /* powerSGD_hook(state, bucket), spec §7.6. Buckets of f32, f16 and bf16 (inside a
  * wrapper); the low-rank factors are computed in f32. Resolves to an f32 buffer. */
 DDP_API ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
@@ -121,6 +137,14 @@ DDP_API ddp_status_t ddp_hooks_validate(const char *comm_hook, const char *comm_
 DDP_API ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook,
                                          const char *comm_wrapper,
                                          const char *comm_state_option, ddp_error_t *err);
+
+/* ddp_hooks_configure that also hands back the PowerSGD state it registered (NULL for a
+ * hook without one, or comm_hook "no"), for ddp_powersgd_state_save/load. The state is
+ * owned by ddp and lives as long as it. */
+DDP_API ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
+                                               const char *comm_wrapper,
+                                               const char *comm_state_option,
+                                               ddp_powersgd_state_t **psgd, ddp_error_t *err);
 
 #ifdef __cplusplus
 }

@@ -219,6 +219,9 @@ DDP_API bool ddp_model_finalized(const ddp_model_t *m);
 DDP_API size_t ddp_model_num_params(const ddp_model_t *m);
 DDP_API ddp_param_t *ddp_model_param(ddp_model_t *m, size_t i);
 DDP_API ddp_param_t *ddp_model_find_param(ddp_model_t *m, const char *name);
+/* Whether parameter `index` is the weight or bias of a LayerNorm module (Hugging Face's
+ * Trainer exempts those from weight decay). */
+DDP_API bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index);
 DDP_API size_t ddp_model_num_buffers(const ddp_model_t *m);
 DDP_API ddp_buffer_t *ddp_model_buffer(ddp_model_t *m, size_t i);
 DDP_API ddp_buffer_t *ddp_model_find_buffer(ddp_model_t *m, const char *name);

@@ -50,7 +50,7 @@ typedef struct ddp_train_args {
   bool dataloader_drop_last;           /* false */
   /* optimizer */
   double learning_rate;  /* 5e-5 */
-  double weight_decay;   /* 0.0 */
+  double weight_decay;   /* 0.0; not applied to biases and LayerNorm parameters (HF) */
   double adam_beta1;     /* 0.9 */
   double adam_beta2;     /* 0.999 */
   double adam_epsilon;   /* 1e-8 */
@@ -212,7 +212,9 @@ DDP_API ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, siz
                                                  ddp_error_t *err);
 
 /* Checks that a checkpoint directory is complete and loadable into model (and into an
- * optimizer over it when opt is not NULL); returns its step. */
+ * optimizer when opt is not NULL: optimizer.safetensors holds parameter group 0, which is
+ * every trainable parameter unless weight_decay > 0 split them, docs/train.md); returns
+ * its step. */
 DDP_API ddp_status_t ddp_train_checkpoint_load(const char *dir, ddp_model_t *model,
                                                ddp_optim_t *opt, int64_t *step,
                                                ddp_error_t *err);

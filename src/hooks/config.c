@@ -169,7 +169,14 @@ static void bundle_free(void *state) {
 
 ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook, const char *comm_wrapper,
                                  const char *comm_state_option, ddp_error_t *err) {
+  return ddp_hooks_configure_state(ddp, comm_hook, comm_wrapper, comm_state_option, NULL, err);
+}
+
+ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
+                                       const char *comm_wrapper, const char *comm_state_option,
+                                       ddp_powersgd_state_t **psgd, ddp_error_t *err) {
   DDP_REQUIRE(ddp);
+  if (psgd) *psgd = NULL;
   int h, w;
   ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
   DDP_CHECK(check(comm_hook, comm_wrapper, comm_state_option, &h, &w, &o, err));
@@ -206,6 +213,10 @@ ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook, const ch
   }
   ddp_comm_hook_t hk = {bundle_hook, x, name, bundle_stats, bundle_free};
   ddp_status_t st = ddp_ddp_register_comm_hook(ddp, &hk, err);
-  if (st != DDP_OK) bundle_free(x);
-  return st;
+  if (st != DDP_OK) {
+    bundle_free(x);
+    return st;
+  }
+  if (psgd) *psgd = x->psgd;
+  return DDP_OK;
 }

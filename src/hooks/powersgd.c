@@ -16,9 +16,11 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
+#include "ddp/io.h"
 #include "hooks_internal.h"
 
 #define PSGD_MAGIC 0x50534744u /* "PSGD" */
@@ -29,6 +31,11 @@ typedef struct psgd_mem {
   float *p, *q; /* warm-start memories */
   size_t np, nq;
   bool has_mem;
+  /* The bucket layout error, p and q are laid out for (powerSGD_hook only): per parameter
+   * in bucket order, 4 values: ddp_param_t.index, element offset, element count, first
+   * dimension. nlay == 0: not recorded. */
+  size_t *lay;
+  size_t nlay;
 } psgd_mem_t;
 
 struct ddp_powersgd_state {
@@ -94,13 +101,20 @@ static void mem_clear(psgd_mem_t *m) {
   m->has_mem = false;
 }
 
+/* Frees everything a bucket's memory holds. */
+static void mem_free(psgd_mem_t *m) {
+  mem_clear(m);
+  ddp__free(m->error);
+  ddp__free(m->lay);
+  m->error = NULL;
+  m->lay = NULL;
+  m->nerror = m->nlay = 0;
+}
+
 void ddp_powersgd_state_destroy(ddp_powersgd_state_t *s) {
   if (!s) return;
   DDP_REQUIRE(s->magic == PSGD_MAGIC);
-  for (size_t i = 0; i < s->nmem; i++) {
-    mem_clear(&s->mem[i]);
-    ddp__free(s->mem[i].error);
-  }
+  for (size_t i = 0; i < s->nmem; i++) mem_free(&s->mem[i]);
   ddp__free(s->mem);
   s->magic = 0;
   ddp__free(s);
@@ -361,6 +375,134 @@ static ddp_status_t start_call(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_grad_b
   return DDP_OK;
 }
 
+/* P and Q offsets of a bucket layout (lay: 4 values per parameter, see psgd_mem_t):
+ * compressed tensors grouped by (n, m) in order of first appearance, as step 5 lays them
+ * out. poff[k] = qoff[k] = SIZE_MAX for a tensor left uncompressed. */
+static void factor_offsets(const ddp_powersgd_state_t *s, const size_t *lay, size_t count,
+                           size_t *poff, size_t *qoff, bool *taken) {
+  size_t np = 0, nq = 0;
+  for (size_t k = 0; k < count; k++) {
+    size_t n = lay[4 * k + 3], numel = lay[4 * k + 2], m = n ? numel / n : 0;
+    size_t r = DDP_MIN(DDP_MIN(n, m), (size_t)s->o.matrix_approximation_rank);
+    taken[k] = !((double)(n + m) * (double)r * s->o.min_compression_rate < (double)n * (double)m);
+    poff[k] = qoff[k] = SIZE_MAX;
+  }
+  for (size_t i = 0; i < count; i++) {
+    if (taken[i]) continue;
+    for (size_t j = i; j < count; j++) {
+      if (taken[j] || lay[4 * j + 3] != lay[4 * i + 3] || lay[4 * j + 2] != lay[4 * i + 2]) continue;
+      taken[j] = true;
+      size_t n = lay[4 * j + 3], m = lay[4 * j + 2] / n;
+      size_t r = DDP_MIN(DDP_MIN(n, m), (size_t)s->o.matrix_approximation_rank);
+      poff[j] = np;
+      qoff[j] = nq;
+      np += n * r;
+      nq += m * r;
+    }
+  }
+}
+
+/* Keeps a bucket's memories valid when the reducer hands the bucket over in another
+ * layout than the one they were written for, which happens after a resume: the reducer
+ * restarts with its construction-time layout for one step and then rebuilds, while the
+ * saved memories follow the rebuilt one. PowerSGD's arithmetic is per tensor (the
+ * allreduces are elementwise), so when the bucket holds the same tensors in another order
+ * the error feedback and the P/Q blocks are moved to their new places and the result is
+ * bitwise the same as in the old layout. Any other change (different tensors) drops the
+ * bucket's memories, which then restart as on a first use. */
+static ddp_status_t follow_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
+                                  const ddp_grad_bucket_t *b) {
+  size_t cnt = b->nparams;
+  size_t *lay = ddp__malloc((4 * cnt + 1) * sizeof *lay);
+  if (!lay) return DDP_ERR_NO_MEMORY;
+  for (size_t k = 0; k < cnt; k++) {
+    const ddp_param_t *p = b->params[k];
+    lay[4 * k] = p->index;
+    lay[4 * k + 1] = b->offsets[k];
+    lay[4 * k + 2] = (size_t)p->value.numel;
+    lay[4 * k + 3] = p->value.ndim > 0 ? (size_t)p->value.shape[0] : 1;
+  }
+  bool same = mem->nlay == cnt && !memcmp(mem->lay, lay, 4 * cnt * sizeof *lay);
+  if (same || (!mem->error && !mem->has_mem)) goto record;
+  /* old position of each new tensor (SIZE_MAX: not in the old layout) */
+  size_t *from = ddp__malloc((cnt + 1) * sizeof *from);
+  size_t *buf = ddp__malloc((4 * (cnt + mem->nlay) + 2) * sizeof *buf);
+  bool *taken = ddp__malloc((cnt + mem->nlay + 1) * sizeof *taken);
+  if (!from || !buf || !taken) {
+    ddp__free(from);
+    ddp__free(buf);
+    ddp__free(taken);
+    ddp__free(lay);
+    return DDP_ERR_NO_MEMORY;
+  }
+  bool permutation = mem->nlay == cnt;
+  for (size_t k = 0; permutation && k < cnt; k++) {
+    from[k] = SIZE_MAX;
+    for (size_t j = 0; j < mem->nlay; j++)
+      if (mem->lay[4 * j] == lay[4 * k] && mem->lay[4 * j + 2] == lay[4 * k + 2] &&
+          mem->lay[4 * j + 3] == lay[4 * k + 3])
+        from[k] = j;
+    permutation = from[k] != SIZE_MAX;
+  }
+  permutation = permutation && (!mem->error || mem->nerror == b->numel);
+  float *ne = NULL, *npp = NULL, *nqq = NULL;
+  if (permutation) {
+    size_t *op = buf, *oq = buf + cnt, *pp = buf + 2 * cnt, *pq = buf + 3 * cnt;
+    factor_offsets(s, mem->lay, cnt, op, oq, taken);
+    factor_offsets(s, lay, cnt, pp, pq, taken);
+    if (mem->error) ne = ddp__calloc(mem->nerror + 1, sizeof(float));
+    if (mem->has_mem) {
+      npp = ddp__calloc(mem->np + 1, sizeof(float));
+      nqq = ddp__calloc(mem->nq + 1, sizeof(float));
+    }
+    if ((mem->error && !ne) || (mem->has_mem && (!npp || !nqq))) {
+      ddp__free(ne);
+      ddp__free(npp);
+      ddp__free(nqq);
+      ddp__free(from);
+      ddp__free(buf);
+      ddp__free(taken);
+      ddp__free(lay);
+      return DDP_ERR_NO_MEMORY;
+    }
+    for (size_t k = 0; k < cnt; k++) {
+      size_t j = from[k], numel = lay[4 * k + 2], n = lay[4 * k + 3];
+      if (ne) memcpy(ne + lay[4 * k + 1], mem->error + mem->lay[4 * j + 1], numel * sizeof(float));
+      if (npp && pp[k] != SIZE_MAX) {
+        size_t r = DDP_MIN(DDP_MIN(n, numel / n), (size_t)s->o.matrix_approximation_rank);
+        memcpy(npp + pp[k], mem->p + op[j], n * r * sizeof(float));
+        memcpy(nqq + pq[k], mem->q + oq[j], numel / n * r * sizeof(float));
+      }
+    }
+    if (ne) {
+      ddp__free(mem->error);
+      mem->error = ne;
+    }
+    if (npp) {
+      ddp__free(mem->p);
+      ddp__free(mem->q);
+      mem->p = npp;
+      mem->q = nqq;
+    }
+  } else {
+    ddp__log(s->rank, DDP_LOG_WARN,
+             "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
+             "warm-start memories were built for; they restart from zero", b->index);
+    mem_clear(mem);
+    ddp__free(mem->error);
+    mem->error = NULL;
+    mem->nerror = 0;
+  }
+  ddp__free(from);
+  ddp__free(buf);
+  ddp__free(taken);
+record:
+  ddp__free(mem->lay);
+  mem->lay = lay;
+  mem->nlay = cnt;
+  return DDP_OK;
+}
+
 ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
                                ddp_comm_work_t **out) {
   ddp_powersgd_state_t *s = state;
@@ -378,6 +520,7 @@ ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
   }
   ddp_comm_work_on_free(w, call_free, c);
   c->numel = b->numel;
+  DDP_CHECK_GOTO(follow_layout(s, c->mem, b), st, fail);
   DDP_CHECK_GOTO(prepare_input(c, b, b->numel), st, fail);
 
   /* Split into matrices; decide compression per tensor (step 3). */
@@ -576,5 +719,224 @@ ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucke
   return DDP_OK;
 fail:
   ddp_comm_work_free(w);
+  return st;
+}
+
+/* ---------------------------------------------------------------- save / load ----- */
+
+/* The state file: per bucket b, "bucket.<b>.error" (the error feedback, f32 [nerror]) when
+ * it exists, and "bucket.<b>.p" / "bucket.<b>.q" (the warm-start memories, f32) when they
+ * hold values; the counters and the options that shape the state in the metadata. Every
+ * field that a later hook call reads is here, so a loaded state continues bit for bit. */
+#define PSGD_FORMAT "libddp-powersgd-1"
+_Static_assert(sizeof(size_t) == sizeof(int64_t), "layouts are stored as i64");
+#define PSGD_NMETA 13
+
+static void meta_i64(char *buf, size_t cap, int64_t v) { snprintf(buf, cap, "%" PRId64, v); }
+
+ddp_status_t ddp_powersgd_state_save(const ddp_powersgd_state_t *s, const char *path,
+                                     ddp_error_t *err) {
+  DDP_REQUIRE(s && s->magic == PSGD_MAGIC && path);
+  size_t cap = 4 * s->nmem + 1, n = 0;
+  ddp_st_entry_t *e = ddp__calloc(cap, sizeof *e);
+  ddp_tensor_t *t = ddp__calloc(cap, sizeof *t);
+  char (*names)[48] = ddp__calloc(cap, sizeof *names);
+  ddp_status_t st = DDP_OK;
+  if (!e || !t || !names) {
+    st = ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "PowerSGD state save: out of memory");
+    goto out;
+  }
+  for (size_t b = 0; b < s->nmem && st == DDP_OK; b++) {
+    const psgd_mem_t *m = &s->mem[b];
+    struct {
+      const char *what;
+      float *data;
+      size_t len;
+      bool present;
+    } parts[3] = {{"error", m->error, m->nerror, m->error != NULL},
+                  {"p", m->p, m->np, m->has_mem},
+                  {"q", m->q, m->nq, m->has_mem}};
+    for (int k = 0; k < 3 && st == DDP_OK; k++) {
+      if (!parts[k].present) continue;
+      int64_t len = (int64_t)parts[k].len;
+      snprintf(names[n], sizeof names[n], "bucket.%zu.%s", b, parts[k].what);
+      st = ddp_tensor_view(&t[n], DDP_F32, 1, &len, parts[k].data);
+      e[n].name = names[n];
+      e[n].tensor = &t[n];
+      n++;
+    }
+    if (st == DDP_OK && m->nlay) {
+      /* Stored as i64: size_t and int64_t have one size on the (LP64) platforms libddp
+       * builds for (checked below), and the values are small. */
+      int64_t shape[2] = {(int64_t)m->nlay, 4};
+      snprintf(names[n], sizeof names[n], "bucket.%zu.layout", b);
+      st = ddp_tensor_view(&t[n], DDP_I64, 2, shape, m->lay);
+      e[n].name = names[n];
+      e[n].tensor = &t[n];
+      n++;
+    }
+  }
+  if (st != DDP_OK) {
+    st = ddp__error(err, s->rank, st, "PowerSGD state save %s: bad tensor view", path);
+    goto out;
+  }
+  {
+    static const char *const keys[PSGD_NMETA] = {
+        "format", "iter", "draws", "total_numel_before_compression",
+        "total_numel_after_compression", "next_stats_report", "num_allreduces", "buckets",
+        "matrix_approximation_rank", "start_powerSGD_iter", "use_error_feedback", "warm_start",
+        "random_seed"};
+    char v[PSGD_NMETA][32];
+    snprintf(v[0], sizeof v[0], "%s", PSGD_FORMAT);
+    meta_i64(v[1], sizeof v[1], s->iter);
+    snprintf(v[2], sizeof v[2], "%" PRIu64, s->draws);
+    meta_i64(v[3], sizeof v[3], s->total_before);
+    meta_i64(v[4], sizeof v[4], s->total_after);
+    meta_i64(v[5], sizeof v[5], s->next_stats_report);
+    meta_i64(v[6], sizeof v[6], s->nallreduce);
+    meta_i64(v[7], sizeof v[7], (int64_t)s->nmem);
+    meta_i64(v[8], sizeof v[8], s->o.matrix_approximation_rank);
+    meta_i64(v[9], sizeof v[9], s->o.start_powerSGD_iter);
+    snprintf(v[10], sizeof v[10], "%s", s->o.use_error_feedback ? "true" : "false");
+    snprintf(v[11], sizeof v[11], "%s", s->o.warm_start ? "true" : "false");
+    snprintf(v[12], sizeof v[12], "%" PRIu64, s->o.random_seed);
+    const char *vals[PSGD_NMETA];
+    for (int i = 0; i < PSGD_NMETA; i++) vals[i] = v[i];
+    st = ddp_st_write(path, e, n, keys, vals, PSGD_NMETA, err);
+  }
+out:
+  ddp__free(e);
+  ddp__free(t);
+  ddp__free(names);
+  return st;
+}
+
+/* A metadata integer; false when absent or malformed. */
+static bool meta_get_i64(const ddp_st_file_t *f, const char *key, int64_t *out) {
+  const char *v = ddp_st_meta_get(f, key);
+  if (!v || !v[0]) return false;
+  char *end;
+  long long x = strtoll(v, &end, 10);
+  if (*end) return false;
+  *out = (int64_t)x;
+  return true;
+}
+
+/* Copies the f32 vector `name` (absent: *data NULL) into a fresh allocation. */
+static ddp_status_t load_vec(const ddp_st_file_t *f, const char *name, float **data,
+                             size_t *len, bool *present) {
+  size_t i;
+  *data = NULL;
+  *len = 0;
+  *present = false;
+  if (ddp_st_find(f, name, &i) != DDP_OK) return DDP_OK;
+  ddp_tensor_t v;
+  DDP_CHECK(ddp_st_tensor(f, i, &v));
+  if (v.dtype != DDP_F32 || v.ndim != 1) return DDP_ERR_INVALID_DATA;
+  *data = ddp__malloc(((size_t)v.numel + 1) * sizeof(float));
+  if (!*data) return DDP_ERR_NO_MEMORY;
+  if (v.numel) memcpy(*data, v.data, (size_t)v.numel * sizeof(float));
+  *len = (size_t)v.numel;
+  *present = true;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_powersgd_state_load(ddp_powersgd_state_t *s, const char *path,
+                                     ddp_error_t *err) {
+  DDP_REQUIRE(s && s->magic == PSGD_MAGIC && path);
+  ddp_st_file_t *f = NULL;
+  DDP_CHECK(ddp_st_open(path, DDP_ST_READ, &f, err));
+  ddp_status_t st = DDP_OK;
+  psgd_mem_t *mem = NULL;
+  size_t nmem = 0;
+  const char *fmt = ddp_st_meta_get(f, "format");
+  int64_t iter, draws, before, after, next, nall, nb, rank, start, seed;
+  if (!fmt || strcmp(fmt, PSGD_FORMAT) != 0 || !meta_get_i64(f, "iter", &iter) ||
+      !meta_get_i64(f, "draws", &draws) ||
+      !meta_get_i64(f, "total_numel_before_compression", &before) ||
+      !meta_get_i64(f, "total_numel_after_compression", &after) ||
+      !meta_get_i64(f, "next_stats_report", &next) || !meta_get_i64(f, "num_allreduces", &nall) ||
+      !meta_get_i64(f, "buckets", &nb) || nb < 0 || nb > (1 << 24) ||
+      !meta_get_i64(f, "matrix_approximation_rank", &rank) ||
+      !meta_get_i64(f, "start_powerSGD_iter", &start) || !meta_get_i64(f, "random_seed", &seed)) {
+    st = ddp__error(err, s->rank, DDP_ERR_INVALID_DATA,
+                    "PowerSGD state %s: not a %s file (missing or malformed metadata)", path,
+                    PSGD_FORMAT);
+    goto out;
+  }
+  const char *ef = ddp_st_meta_get(f, "use_error_feedback");
+  const char *ws = ddp_st_meta_get(f, "warm_start");
+  bool saved_ef = ef && !strcmp(ef, "true"), saved_ws = ws && !strcmp(ws, "true");
+  /* Options that shape the stored tensors must match; the others only steer later calls. */
+  if (rank != s->o.matrix_approximation_rank || start != s->o.start_powerSGD_iter ||
+      (uint64_t)seed != s->o.random_seed || saved_ef != s->o.use_error_feedback ||
+      saved_ws != s->o.warm_start) {
+    st = ddp__error(err, s->rank, DDP_ERR_INVALID_ARGUMENT,
+                    "PowerSGD state %s was saved with matrix_approximation_rank %" PRId64
+                    ", start_powerSGD_iter %" PRId64 ", random_seed %" PRId64
+                    ", use_error_feedback %d, warm_start %d; this state has %" PRId64 ", %" PRId64
+                    ", %" PRIu64 ", %d, %d",
+                    path, rank, start, seed, saved_ef, saved_ws, s->o.matrix_approximation_rank,
+                    s->o.start_powerSGD_iter, s->o.random_seed, s->o.use_error_feedback,
+                    s->o.warm_start);
+    goto out;
+  }
+  nmem = (size_t)nb;
+  mem = ddp__calloc(nmem + 1, sizeof *mem);
+  if (!mem) {
+    st = ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "PowerSGD state load: out of memory");
+    goto out;
+  }
+  for (size_t b = 0; b < nmem && st == DDP_OK; b++) {
+    char name[48];
+    bool has_e = false, has_p = false, has_q = false;
+    snprintf(name, sizeof name, "bucket.%zu.error", b);
+    st = load_vec(f, name, &mem[b].error, &mem[b].nerror, &has_e);
+    snprintf(name, sizeof name, "bucket.%zu.p", b);
+    if (st == DDP_OK) st = load_vec(f, name, &mem[b].p, &mem[b].np, &has_p);
+    snprintf(name, sizeof name, "bucket.%zu.q", b);
+    if (st == DDP_OK) st = load_vec(f, name, &mem[b].q, &mem[b].nq, &has_q);
+    if (st == DDP_OK && has_p != has_q) st = DDP_ERR_INVALID_DATA;
+    snprintf(name, sizeof name, "bucket.%zu.layout", b);
+    size_t li;
+    if (st == DDP_OK && ddp_st_find(f, name, &li) == DDP_OK) {
+      ddp_tensor_t v;
+      st = ddp_st_tensor(f, li, &v);
+      if (st == DDP_OK && (v.dtype != DDP_I64 || v.ndim != 2 || v.shape[1] != 4))
+        st = DDP_ERR_INVALID_DATA;
+      if (st == DDP_OK) {
+        mem[b].lay = ddp__malloc(((size_t)v.numel + 1) * sizeof(size_t));
+        if (!mem[b].lay) st = DDP_ERR_NO_MEMORY;
+      }
+      if (st == DDP_OK) {
+        memcpy(mem[b].lay, v.data, (size_t)v.numel * sizeof(size_t));
+        mem[b].nlay = (size_t)v.shape[0];
+      }
+    }
+    mem[b].has_mem = has_p && has_q;
+    if (st != DDP_OK) {
+      st = ddp__error(err, s->rank, st,
+                      "PowerSGD state %s: bucket %zu: tensors must be f32 vectors, with p and "
+                      "q present together, and the layout i64 [n, 4]", path, b);
+    }
+  }
+  if (st != DDP_OK) goto out;
+  /* Replace the state only once the whole file has been read. */
+  for (size_t i = 0; i < s->nmem; i++) mem_free(&s->mem[i]);
+  ddp__free(s->mem);
+  s->mem = mem;
+  s->nmem = nmem;
+  mem = NULL;
+  s->iter = iter;
+  s->draws = (uint64_t)draws;
+  s->total_before = before;
+  s->total_after = after;
+  s->next_stats_report = next;
+  s->nallreduce = nall;
+  s->bytes_step = 0;
+out:
+  for (size_t i = 0; mem && i < nmem; i++) mem_free(&mem[i]);
+  ddp__free(mem);
+  ddp_st_close(f);
   return st;
 }

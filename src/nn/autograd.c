@@ -2,6 +2,7 @@
  * search for unused parameters, and reentrant activation checkpointing. */
 #include <math.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "nn/nn_internal.h"
 
@@ -66,7 +67,16 @@ ddp_status_t ddp_ctx_create(ddp_ctx_t **out) {
   ddp_ctx_t *c = ddp__calloc(1, sizeof *c);
   if (!c) return DDP_ERR_NO_MEMORY;
   c->grad_enabled = true;
-  c->gen = 1;
+  /* ddp_param_var caches a parameter's leaf by generation, and that cache outlives the
+   * context that filled it. Generations therefore must not repeat across contexts either
+   * (a new context counting 1, 2, ... would find a destroyed context's leaf): each context
+   * starts at a random point of a 2^62 range, so a repeat needs two contexts' step counts
+   * to overlap there. */
+  uint64_t r = 0;
+  if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
+    r = (uint64_t)ddp_now_ns() ^ ((uint64_t)(uintptr_t)c << 17);
+  r = (r ^ (r >> 31)) * 0x9e3779b97f4a7c15ull;
+  c->gen = (r >> 2) | 1;
   *out = c;
   return DDP_OK;
 }

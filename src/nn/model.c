@@ -693,3 +693,10 @@ ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool strict, size_
   ddp_st_close(f);
   return DDP_OK;
 }
+
+bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {
+  DDP_REQUIRE(m);
+  for (const ddp_module_t *mod = m->mod_head; mod; mod = mod->next_owned)
+    if (mod->kind == MOD_LAYER_NORM && (mod->p[0] == index || mod->p[1] == index)) return true;
+  return false;
+}

@@ -196,13 +196,24 @@ static void pause_ms(int64_t ms) {
   }
 }
 
-ddp_status_t ddp__train_save(const char *output_dir, int64_t step, ddp_model_t *model,
-                             const ddp_optim_t *opt, const char *state_json, int64_t limit,
-                             int64_t pause, char *dir, size_t cap, ddp_error_t *err) {
-  char tmp[4096], fin[4096], old[4096], file[4200];
-  snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
-  snprintf(fin, sizeof fin, "%s/checkpoint-%lld", output_dir, (long long)step);
-  snprintf(old, sizeof old, "%s/old-checkpoint-%lld", output_dir, (long long)step);
+void ddp__train_optim_file(char *buf, size_t cap, const char *dir, size_t group) {
+  if (group == 0) {
+    snprintf(buf, cap, "%s/optimizer.safetensors", dir);
+  } else {
+    snprintf(buf, cap, "%s/optimizer_group%zu.safetensors", dir, group);
+  }
+}
+
+void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank) {
+  snprintf(buf, cap, "%s/hook_state_rank%d.safetensors", dir, rank);
+}
+
+ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_model_t *model,
+                                   ddp_optim_t *const *opts, size_t nopt,
+                                   const char *state_json, int64_t pause, char *tmp, size_t cap,
+                                   ddp_error_t *err) {
+  char file[4200];
+  snprintf(tmp, cap, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
   DDP_CHECK(ddp__train_mkdirs(output_dir, err));
   DDP_CHECK(remove_dir(tmp, err));
   if (mkdir(tmp, 0755) != 0) return sys_error(err, "mkdir", tmp);
@@ -210,11 +221,21 @@ ddp_status_t ddp__train_save(const char *output_dir, int64_t step, ddp_model_t *
   snprintf(file, sizeof file, "%s/model.safetensors", tmp);
   DDP_CHECK(ddp_model_save(model, file, err));
   pause_ms(pause);
-  snprintf(file, sizeof file, "%s/optimizer.safetensors", tmp);
-  DDP_CHECK(ddp_optim_save(opt, file, err));
+  for (size_t g = 0; g < nopt; g++) {
+    ddp__train_optim_file(file, sizeof file, tmp, g);
+    DDP_CHECK(ddp_optim_save(opts[g], file, err));
+  }
   pause_ms(pause);
   snprintf(file, sizeof file, "%s/trainer_state.json", tmp);
-  DDP_CHECK(ddp__train_write_atomic(file, state_json, strlen(state_json), err));
+  return ddp__train_write_atomic(file, state_json, strlen(state_json), err);
+}
+
+ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit,
+                                    char *dir, size_t cap, ddp_error_t *err) {
+  char tmp[4096], fin[4096], old[4096];
+  snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
+  snprintf(fin, sizeof fin, "%s/checkpoint-%lld", output_dir, (long long)step);
+  snprintf(old, sizeof old, "%s/old-checkpoint-%lld", output_dir, (long long)step);
   DDP_CHECK(fsync_dir(tmp, err));
 
   /* A checkpoint of the same step from an earlier run is moved aside, not overwritten in

@@ -26,6 +26,7 @@ struct ddp__sync {
   ddp_train_args_t args;  /* copy */
   bool use_reducer;
   ddp_ddp_t *ddp;         /* reducer mode, from ddp__sync_begin on */
+  ddp_powersgd_state_t *psgd; /* the PowerSGD hook's state (owned by ddp), else NULL */
   bool armed;             /* flat mode: the last forward was a synchronising one */
   int64_t syncs;          /* synchronised backwards so far */
 };
@@ -73,6 +74,8 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
 }
 
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
+
+ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) { return s->psgd; }
 
 void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate) {
   *bytes = 0;
@@ -125,8 +128,8 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
       return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP create: %s", e.msg);
     }
     /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing). */
-    st = ddp_hooks_configure(s->ddp, s->args.comm_hook, s->args.comm_wrapper,
-                             s->args.comm_state_option, &e);
+    st = ddp_hooks_configure_state(s->ddp, s->args.comm_hook, s->args.comm_wrapper,
+                                   s->args.comm_state_option, &s->psgd, &e);
     if (st != DDP_OK) {
       return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP comm hook: %s", e.msg);
     }

@@ -17,6 +17,7 @@
 #ifndef DDP_TRAIN_SYNC_H
 #define DDP_TRAIN_SYNC_H
 
+#include "ddp/hooks.h"
 #include "ddp/train.h"
 
 typedef struct ddp__sync ddp__sync_t;
@@ -40,6 +41,9 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
 const char *ddp__sync_name(const ddp__sync_t *s);
 /* The reducer's handle (reducer mode, after ddp__sync_begin), else NULL. */
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s);
+/* The PowerSGD comm hook's state (comm_hook power_sgd / batched_power_sgd, after
+ * ddp__sync_begin), else NULL; checkpoints save and restore it per rank. */
+ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s);
 /* Payload bytes this rank all-reduced in the last synchronised step and the compression
  * rate of the comm hook (1 without compression). */
 void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate);

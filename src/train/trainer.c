@@ -21,6 +21,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
 
 #include "common/common.h"
 #include "ddp/reducer.h"
@@ -41,11 +44,13 @@ typedef struct trainer {
   ddp_ctx_t *ctx;
   ddp_sampler_t *sampler;
   ddp_loader_t *loader;
-  ddp_optim_t *opt;
-  ddp_optim_param_t *pairs;
+  ddp_optim_t *opt[DDP__TRAIN_MAX_GROUPS]; /* HF's parameter groups: decay, no decay */
+  size_t nopt;
+  ddp_optim_param_t *pairs; /* group 0's parameters, then group 1's */
   ddp_tensor_t **grads;   /* for clipping */
   size_t ntrain;          /* parameters that require grad */
   ddp__sync_t *sync;
+  char resume_dir[DDP_TRAIN_STR_MAX]; /* the checkpoint being resumed, "" when none */
   ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
   FILE *metrics;          /* rank 0 */
   bool classify;          /* integer class labels: cross-entropy; else MSE */
@@ -294,19 +299,45 @@ static ddp_status_t setup(trainer_t *t) {
   size_t np = ddp_model_num_params(t->model);
   t->pairs = ddp__calloc(np ? np : 1, sizeof *t->pairs);
   t->grads = ddp__calloc(np ? np : 1, sizeof *t->grads);
-  if (!t->pairs || !t->grads) return DDP_ERR_NO_MEMORY;
+  bool *decay = ddp__calloc(np ? np : 1, sizeof *decay);
+  if (!t->pairs || !t->grads || !decay) {
+    ddp__free(decay);
+    return DDP_ERR_NO_MEMORY;
+  }
+  /* HF's Trainer.create_optimizer: weight_decay applies to get_decay_parameter_names (every
+   * parameter outside LayerNorm modules whose name does not contain "bias"), 0 to the
+   * others; group 0 holds the decayed parameters, group 1 the rest, each in model order.
+   * With weight_decay 0, or when one group would be empty, a single group in model order
+   * (the same arithmetic, and the same optimizer state names, as before grouping). */
+  size_t ndecay = 0;
   for (size_t i = 0; i < np; i++) {
     ddp_param_t *p = ddp_model_param(t->model, i);
     if (!p->requires_grad) continue;
-    t->pairs[t->ntrain].param = &p->value;
-    t->pairs[t->ntrain].grad = &p->grad;
-    t->grads[t->ntrain] = &p->grad;
-    t->ntrain++;
+    decay[i] = !strstr(p->name, "bias") && !ddp_model_param_in_layer_norm(t->model, i);
+    ndecay += decay[i];
+    t->grads[t->ntrain++] = &p->grad;
   }
   if (t->ntrain == 0) {
+    ddp__free(decay);
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
                       "trainer: the model has no trainable parameter");
   }
+  bool grouped = a->weight_decay > 0 && ndecay > 0 && ndecay < t->ntrain;
+  size_t group_size[DDP__TRAIN_MAX_GROUPS] = {t->ntrain, 0};
+  if (grouped) {
+    group_size[0] = ndecay;
+    group_size[1] = t->ntrain - ndecay;
+  }
+  for (int g = 0, k = 0; g < (grouped ? 2 : 1); g++) {
+    for (size_t i = 0; i < np; i++) {
+      ddp_param_t *p = ddp_model_param(t->model, i);
+      if (!p->requires_grad || (grouped && decay[i] != (g == 0))) continue;
+      t->pairs[k].param = &p->value;
+      t->pairs[k].grad = &p->grad;
+      k++;
+    }
+  }
+  ddp__free(decay);
   ddp_optim_options_t oo;
   if (!strcmp(a->optim, "sgd")) {
     oo = (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
@@ -316,11 +347,15 @@ static ddp_status_t setup(trainer_t *t) {
     oo = (ddp_optim_options_t)DDP_ADAMW_OPTIONS_INIT;
   }
   oo.lr = a->learning_rate;
-  oo.weight_decay = a->weight_decay;
   oo.beta1 = a->adam_beta1;
   oo.beta2 = a->adam_beta2;
   oo.eps = a->adam_epsilon;
-  DDP_CHECK(ddp_optim_create(&oo, t->pairs, t->ntrain, &t->opt, t->err));
+  t->nopt = grouped ? 2 : 1;
+  for (size_t g = 0, off = 0; g < t->nopt; g++) {
+    oo.weight_decay = g == 0 && ndecay > 0 ? a->weight_decay : 0.0;
+    DDP_CHECK(ddp_optim_create(&oo, t->pairs + off, group_size[g], &t->opt[g], t->err));
+    off += group_size[g];
+  }
 
   ddp_sampler_options_t so = DDP_SAMPLER_OPTIONS_INIT;
   so.dataset_len = ddp_dataset_length(t->train);
@@ -370,13 +405,40 @@ static ddp_status_t setup(trainer_t *t) {
   return DDP_OK;
 }
 
+/* The optimizer's parameter groups as JSON: [{"weight_decay": wd, "params": [names]}, ...]
+ * (HF's optimizer_grouped_parameters, by state_dict name). */
+static char *groups_json(trainer_t *t) {
+  cJSON *arr = cJSON_CreateArray();
+  size_t k = 0;
+  for (size_t g = 0; arr && g < t->nopt; g++) {
+    cJSON *o = cJSON_CreateObject(), *names = cJSON_CreateArray();
+    cJSON_AddItemToArray(arr, o);
+    cJSON_AddNumberToObject(o, "weight_decay", ddp_optim_options(t->opt[g])->weight_decay);
+    cJSON_AddItemToObject(o, "params", names);
+    for (size_t i = 0; i < ddp_optim_num_params(t->opt[g]); i++, k++) {
+      for (size_t j = 0; j < ddp_model_num_params(t->model); j++) {
+        ddp_param_t *p = ddp_model_param(t->model, j);
+        if (&p->value == t->pairs[k].param) cJSON_AddItemToArray(names, cJSON_CreateString(p->name));
+      }
+    }
+  }
+  char *s = arr ? cJSON_PrintUnformatted(arr) : NULL;
+  cJSON_Delete(arr);
+  return s;
+}
+
 /* The trainer_state.json of a checkpoint at `step`. */
 static ddp_status_t state_json(trainer_t *t, int64_t step, char **out) {
   char *args = NULL;
   DDP_CHECK(ddp_train_args_to_json(t->a, &args));
+  char *groups = groups_json(t);
+  if (!groups) {
+    ddp_free(args);
+    return DDP_ERR_NO_MEMORY;
+  }
   int64_t epoch = step / t->steps_per_epoch;
   int64_t pos = (step % t->steps_per_epoch) * t->a->gradient_accumulation_steps;
-  size_t cap = strlen(args) + 1024;
+  size_t cap = strlen(args) + strlen(groups) + 1024;
   char *s = ddp__malloc(cap);
   if (s) {
     snprintf(s, cap,
@@ -384,35 +446,73 @@ static ddp_status_t state_json(trainer_t *t, int64_t step, char **out) {
              " \"steps_per_epoch\": %lld, \"sampler\": {\"kind\": \"DistributedSampler\", "
              "\"seed\": %llu, \"epoch\": %lld, \"batches_consumed\": %lld, \"batch_size\": "
              "%lld}, \"rng\": {\"generator\": \"philox4x32-10\", \"seed\": %llu, "
-             "\"dropout_next_step\": %lld}, \"sync\": \"%s\", \"args\": %s}\n",
+             "\"dropout_next_step\": %lld}, \"sync\": \"%s\", \"optimizer_groups\": %s, "
+             "\"args\": %s}\n",
              (long long)step, (long long)t->max_steps, (double)step / (double)t->steps_per_epoch,
              t->world, (long long)t->steps_per_epoch, (unsigned long long)t->a->seed,
              (long long)epoch, (long long)pos, (long long)t->a->per_device_train_batch_size,
              (unsigned long long)t->a->seed,
              (long long)(step * t->a->gradient_accumulation_steps), ddp__sync_name(t->sync),
-             args);
+             groups, args);
   }
   ddp_free(args);
+  cJSON_free(groups);
   *out = s;
   return s ? DDP_OK : DDP_ERR_NO_MEMORY;
 }
 
-/* Rank 0 writes the checkpoint; its status is broadcast so that every rank fails alike. */
+/* Every rank writes its PowerSGD state (rank-local: the error feedback differs per rank)
+ * into the staged checkpoint directory; the statuses are all-gathered so that every rank
+ * fails alike, naming the first rank that failed. */
+static ddp_status_t save_hook_state(trainer_t *t, int64_t step) {
+  ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
+  if (!ps) return DDP_OK;
+  char tmp[DDP_TRAIN_STR_MAX + 64], file[DDP_TRAIN_STR_MAX + 128];
+  snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", t->a->output_dir, (long long)step);
+  ddp__train_hook_file(file, sizeof file, tmp, t->rank);
+  int32_t mine = ddp_powersgd_state_save(ps, file, t->err);
+  int32_t *all = ddp__calloc((size_t)t->world, sizeof *all);
+  if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
+  ddp_work_t *w = NULL;
+  ddp_status_t st = coll_wait(t, ddp_allgather(t->pg, &mine, all, 1, DDP_I32, &w), &w,
+                              "hook state status allgather");
+  for (int r = 0; st == DDP_OK && r < t->world; r++) {
+    if (all[r] == DDP_OK) continue;
+    st = r == t->rank ? (ddp_status_t)all[r]
+                      : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
+                                   "trainer: rank %d failed to save its PowerSGD state into "
+                                   "checkpoint-%lld", r, (long long)step);
+  }
+  ddp__free(all);
+  return st;
+}
+
+/* Rank 0 stages the checkpoint, every rank adds its comm hook state, rank 0 commits; the
+ * statuses are broadcast so that every rank fails alike. */
 static ddp_status_t save(trainer_t *t, int64_t step, int64_t pause, ddp_train_result_t *res) {
   int32_t code = DDP_OK;
-  char dir[DDP_TRAIN_STR_MAX] = "";
+  char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
   if (t->rank == 0) {
     char *js = NULL;
     code = state_json(t, step, &js);
     if (code == DDP_OK) {
-      code = ddp__train_save(t->a->output_dir, step, t->model, t->opt, js,
-                             t->a->save_total_limit, pause, dir, sizeof dir, t->err);
+      code = ddp__train_save_stage(t->a->output_dir, step, t->model, t->opt, t->nopt, js, pause,
+                                   tmp, sizeof tmp, t->err);
     }
     ddp__free(js);
   }
   ddp_work_t *w = NULL;
   DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
                       "checkpoint status broadcast"));
+  if (code == DDP_OK) {
+    DDP_CHECK(save_hook_state(t, step));
+    if (t->rank == 0) {
+      code = ddp__train_save_commit(t->a->output_dir, step, t->a->save_total_limit, dir,
+                                    sizeof dir, t->err);
+    }
+    DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
+                        "checkpoint status broadcast"));
+  }
   if (code != DDP_OK) {
     if (t->rank != 0) {
       return ddp__error(t->err, t->rank, (ddp_status_t)code,
@@ -446,7 +546,12 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
   int world = 0;
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
-  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt, NULL, t->err));
+  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt[0], NULL, t->err));
+  for (size_t g = 1; g < t->nopt; g++) {
+    char path[DDP_TRAIN_STR_MAX + 64];
+    ddp__train_optim_file(path, sizeof path, dir, g);
+    DDP_CHECK(ddp_optim_load(t->opt[g], path, t->err));
+  }
   if (world != t->world) {
     ddp__log(t->rank, DDP_LOG_WARN,
              "resuming %s, written by %d ranks, with %d: the data order differs from an "
@@ -457,15 +562,29 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
                       "trainer: %s is at step %lld, past max_steps %lld", dir, (long long)step,
                       (long long)t->max_steps);
   }
-  if (strstr(t->a->comm_hook, "power_sgd")) {
-    ddp__log(t->rank, DDP_LOG_WARN,
-             "resuming %s with comm_hook %s: the PowerSGD state (error feedback, warm-start "
-             "factors, iteration) is not part of a checkpoint and starts afresh", dir,
-             t->a->comm_hook);
-  }
+  snprintf(t->resume_dir, sizeof t->resume_dir, "%s", dir);
   *start = step;
   ddp__log(t->rank, DDP_LOG_INFO, "resumed from %s at step %lld", dir, (long long)step);
   return DDP_OK;
+}
+
+/* After the comm hook is registered: this rank's PowerSGD state from the checkpoint being
+ * resumed. A checkpoint without one (written before hook states were saved, or by fewer
+ * ranks) starts the state afresh with a warning: the run then differs from an
+ * uninterrupted one. */
+static ddp_status_t resume_hook_state(trainer_t *t) {
+  ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
+  if (!ps || !t->resume_dir[0]) return DDP_OK;
+  char file[DDP_TRAIN_STR_MAX + 64];
+  ddp__train_hook_file(file, sizeof file, t->resume_dir, t->rank);
+  if (access(file, F_OK) != 0) {
+    ddp__log(t->rank, DDP_LOG_WARN,
+             "resuming %s with comm_hook %s: %s is missing, so the PowerSGD state (error "
+             "feedback, warm-start factors, iteration) starts afresh and the run differs from "
+             "an uninterrupted one", t->resume_dir, t->a->comm_hook, file);
+    return DDP_OK;
+  }
+  return ddp_powersgd_state_load(ps, file, t->err);
 }
 
 /* The "config" object of a dump's meta.json: the options under torch_reference.py's names
@@ -562,6 +681,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   int64_t start = 0;
   DDP_CHECK_GOTO(resume(t, &start), st, out);
   DDP_CHECK_GOTO(ddp__sync_begin(t->sync, t->err), st, out);
+  DDP_CHECK_GOTO(resume_hook_state(t), st, out);
   result->start_step = start;
   if (a->dump_dir[0]) {
     char *config = NULL;
@@ -641,9 +761,11 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
                                       false, &gnorm, t->err),
                    st, out);
     double lr = ddp_lr_at(&t->sched, a->learning_rate, step);
-    ddp_optim_set_lr(t->opt, lr);
-    DDP_CHECK_GOTO(ddp_optim_step(t->opt, t->err), st, out);
-    ddp_optim_zero_grad(t->opt, false);
+    for (size_t g = 0; g < t->nopt; g++) {
+      ddp_optim_set_lr(t->opt[g], lr);
+      DDP_CHECK_GOTO(ddp_optim_step(t->opt[g], t->err), st, out);
+      ddp_optim_zero_grad(t->opt[g], false);
+    }
     if (t->dump) {
       DDP_CHECK_GOTO(
           dump_check(t, ddp_dump_step(t->dump, step - start, local_loss, (int)GA, 0)), st, out);
@@ -765,7 +887,7 @@ out:
   ddp_dump_close(t->dump);
   ddp__sync_destroy(t->sync);
   ddp_tensor_free(&t->seed_grad);
-  ddp_optim_destroy(t->opt);
+  for (size_t g = 0; g < t->nopt; g++) ddp_optim_destroy(t->opt[g]);
   ddp_loader_destroy(t->loader);
   ddp_sampler_destroy(t->sampler);
   ddp_ctx_destroy(t->ctx);

@@ -1,0 +1,87 @@
+/* PyTorch parity driver shared by tests/test_ddp_parity.c and tests/test_hooks_parity.c.
+ *
+ * ddp_test_parity() runs one configuration end to end: tools/torch_reference.py (real
+ * PyTorch 1.13 DDP over gloo, /usr/bin/python3) writes dump A; libddp then runs the same
+ * job on thread ranks in this process, from the weights A recorded after DDP's initial
+ * broadcast, with the same samples (DistributedSampler, same seed), micro-batching, loss
+ * scaling, SGD and DDP options, and writes dump B with ddp_dump_*; finally
+ * $DDP_BUILD_ROOT/tools/ddp-compare --json A B must exit 0 and both sides' bucket layouts,
+ * parameter names and bucket sizes must be identical on every rank.
+ *
+ * The parent asserts (CMocka); the rank functions only return statuses and messages. */
+#ifndef DDP_TEST_PARITY_H
+#define DDP_TEST_PARITY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/reducer.h"
+
+#define DDP_TEST_PARITY_MAXW 4
+/* torch_reference.py --seed: initial weights, synthetic data and the sampler's seed. */
+#define DDP_TEST_PARITY_SEED 1234
+
+/* Called on every rank after ddp_ddp_create and before the first step, e.g. to register a
+ * communication hook. torch_dir is dump A (files the PyTorch run left there, such as
+ * powersgd_q.safetensors). Writes a message into msg (cap bytes) on failure. */
+typedef ddp_status_t (*ddp_test_parity_setup_fn)(ddp_ddp_t *ddp, int rank, const char *torch_dir,
+                                                 void *user, char *msg, size_t cap);
+
+typedef struct ddp_test_pcfg {
+  const char *name;  /* a directory name under the scratch directory */
+  const char *model; /* model JSON (docs/nn.md) */
+  int world, steps, batch, accum;
+  double lr, momentum;
+  const char *flags;    /* per rank, cycled, as torch_reference.py --flags; NULL = "0" */
+  double bucket_cap_mb; /* < 0: not given */
+  bool find_unused, broadcast_buffers, static_graph, grad_as_bucket_view;
+  bool rebuilt;         /* a rebuilt layout is expected */
+  /* Optional: more torch_reference.py arguments (e.g. --comm_hook fp16), the libddp-side
+   * counterpart, and ddp-compare tolerances (0: its defaults, rtol 1e-5 / atol 1e-7). */
+  const char *torch_args;
+  ddp_test_parity_setup_fn setup;
+  void *setup_user;
+  double rtol, atol;
+} ddp_test_pcfg_t;
+
+/* The largest differences ddp-compare reported, over every step, rank and element. */
+typedef struct ddp_test_parity_result {
+  double grad_abs, grad_rel, param_abs, param_rel, buffer_abs, buffer_rel;
+  int64_t grad_elements, grad_bitwise; /* gradient elements compared, and those bit-equal */
+  int buckets_initial, buckets_rebuilt; /* rank 0's layouts (rebuilt: -1 when none) */
+} ddp_test_parity_result_t;
+
+/* Sets the scratch directory (created by the caller, kept for the run) and finds
+ * ddp-compare, the digits dataset and /usr/bin/python3 with torch. Returns false when the
+ * source root is unknown. */
+bool ddp_test_parity_init(const char *scratch_dir);
+/* Whether torch and ddp-compare are both available (else the parity tests skip). */
+bool ddp_test_parity_available(void);
+/* The ddp-compare executable and the digits dataset, as found by ddp_test_parity_init. */
+const char *ddp_test_parity_compare_tool(void);
+const char *ddp_test_parity_dataset(void);
+
+/* One configuration end to end (see the header comment); skips the test when
+ * !ddp_test_parity_available(). out may be NULL. */
+void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *out);
+
+/* The libddp side alone, from init_path (NULL: ddp_model_init(seed 7 + rank)), writing a
+ * dump to dump_dir; config_json goes into meta.json. Fails the test on error. */
+void ddp_test_parity_run_libddp(const ddp_test_pcfg_t *c, const char *model_path,
+                                const char *init_path, const char *dump_dir,
+                                const char *config_json, uint64_t seed, const char *torch_dir);
+
+/* Small helpers the parity tests share. write_text/read_json fail the test on error;
+ * read_text returns NULL when the file cannot be read (malloc'd otherwise). */
+void ddp_test_write_text(const char *path, const char *text);
+char *ddp_test_read_text(const char *path);
+struct cJSON *ddp_test_read_json(const char *path);
+const struct cJSON *ddp_test_json_get(const struct cJSON *o, const char *key);
+/* Runs a shell command: stdout into *out (malloc'd; NULL = discard), stderr into
+ * scratch/stderr.txt. Returns the exit status, -1 when it did not exit normally. */
+int ddp_test_run_cmd(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Prints scratch/stderr.txt (the last command's stderr) as a CMocka error message. */
+void ddp_test_print_cmd_stderr(void);
+
+#endif /* DDP_TEST_PARITY_H */
