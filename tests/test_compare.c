@@ -10,14 +10,12 @@
 #include <errno.h>
 #include <math.h>
 #include <setjmp.h>
-#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -25,6 +23,7 @@
 
 #include "ddp/io.h"
 #include "harness.h"
+#include "parity.h"
 
 static char g_tool[1024];      /* the ddp-compare executable */
 static char g_tmp[256];        /* scratch directory for this file's dumps */
@@ -33,57 +32,10 @@ static char g_a[512], g_b[512], g_single[512];
 
 /* ---------------------------------------------------------------- helpers --------- */
 
-/* Runs a shell command; its stdout goes to *out (malloc'd, may be NULL), its stderr to
- * g_tmp/stderr.txt. Returns the exit status, or -1 when it did not exit normally. */
-static int run(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int run(char **out, const char *fmt, ...) {
-  char cmd[4096], full[4400];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(cmd, sizeof cmd, fmt, ap);
-  va_end(ap);
-  snprintf(full, sizeof full, "%s 2>%s/stderr.txt", cmd, g_tmp);
-  FILE *p = popen(full, "r");
-  assert_non_null(p);
-  size_t len = 0, cap = 4096;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (cap - len < 2) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  buf[len] = 0;
-  int st = pclose(p);
-  if (out)
-    *out = buf;
-  else
-    free(buf);
-  return (st != -1 && WIFEXITED(st)) ? WEXITSTATUS(st) : -1;
-}
-
-static char *read_text(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *buf = malloc((size_t)n + 1);
-  assert_non_null(buf);
-  assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-  buf[n] = 0;
-  fclose(f);
-  return buf;
-}
-
+/* Commands run through ddp_test_run_cmd (tests/harness/parity.c), which leaves their stderr
+ * in g_tmp/stderr.txt; this reads it back and fails the test when it cannot. */
 static char *stderr_text(void) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/stderr.txt", g_tmp);
-  char *t = read_text(p);
+  char *t = ddp_test_cmd_stderr();
   assert_non_null(t);
   return t;
 }
@@ -91,7 +43,7 @@ static char *stderr_text(void) {
 /* ddp-compare --json EXTRA A B; the parsed report in *json (the caller deletes it). */
 static int compare(const char *extra, const char *a, const char *b, cJSON **json) {
   char *out = NULL;
-  int rc = run(&out, "%s --json %s '%s' '%s'", g_tool, extra ? extra : "", a, b);
+  int rc = ddp_test_run_cmd(&out, "%s --json %s '%s' '%s'", g_tool, extra ? extra : "", a, b);
   cJSON *j = cJSON_Parse(out);
   if (!j) fail_msg("ddp-compare printed no JSON (exit %d): %s", rc, out);
   free(out);
@@ -102,10 +54,20 @@ static int compare(const char *extra, const char *a, const char *b, cJSON **json
   return rc;
 }
 
-static const cJSON *get(const cJSON *o, const char *key) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!v) fail_msg("JSON report has no \"%s\"", key);
-  return v;
+static const cJSON *get(const cJSON *o, const char *key) { return ddp_test_json_get(o, key); }
+
+/* Checks the report's first_failure: step, rank, tensor, flat index and 2-D coordinates;
+ * returns it for further checks. */
+static const cJSON *expect_first_failure(const cJSON *report, int step, int rank,
+                                         const char *tensor, int index, int row, int col) {
+  const cJSON *ff = get(report, "first_failure");
+  assert_int_equal(get(ff, "step")->valueint, step);
+  assert_int_equal(get(ff, "rank")->valueint, rank);
+  assert_string_equal(get(ff, "tensor")->valuestring, tensor);
+  assert_int_equal(get(ff, "index")->valueint, index);
+  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 0)->valueint, row);
+  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 1)->valueint, col);
+  return ff;
 }
 
 static const cJSON *tensor_stats(const cJSON *report, const char *name) {
@@ -115,13 +77,6 @@ static const cJSON *tensor_stats(const cJSON *report, const char *name) {
   }
   fail_msg("no stats for tensor %s", name);
   return NULL;
-}
-
-static void write_text(const char *path, const char *text) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
-  fclose(f);
 }
 
 static void mkdir_p(const char *path) {
@@ -193,7 +148,7 @@ static void write_meta(const char *dir, int world, int steps, const char *format
            "{\"format\": \"%s\", \"producer\": \"test_compare\", \"world_size\": %d, "
            "\"steps\": %d, \"config\": {}, \"model\": {}}\n",
            format, world, steps);
-  write_text(p, text);
+  ddp_test_write_text(p, text);
 }
 
 /* rank{r}/step{s}.safetensors holding param.w (F32 [2, 4], the given values) and
@@ -274,20 +229,14 @@ static void test_ulp_histogram(void **state) {
   cJSON_Delete(j);
 
   assert_int_equal(compare(NULL, a, b, &j), 1);
-  const cJSON *ff = get(j, "first_failure");
-  assert_int_equal(get(ff, "step")->valueint, 1);
-  assert_int_equal(get(ff, "rank")->valueint, 1);
-  assert_string_equal(get(ff, "tensor")->valuestring, "param.w");
-  assert_int_equal(get(ff, "index")->valueint, 5);
-  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 0)->valueint, 1);
-  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 1)->valueint, 1);
+  const cJSON *ff = expect_first_failure(j, 1, 1, "param.w", 5, 1, 1);
   assert_int_equal(get(ff, "ulps")->valueint, 256);
   assert_int_equal((int)get(tensor_stats(j, "param.w"), "beyond")->valuedouble, 1);
   cJSON_Delete(j);
 
   /* The readable table says the same. */
   char *out = NULL;
-  assert_int_equal(run(&out, "%s '%s' '%s'", g_tool, a, b), 1);
+  assert_int_equal(ddp_test_run_cmd(&out, "%s '%s' '%s'", g_tool, a, b), 1);
   assert_non_null(strstr(out, "first difference beyond tolerance: step 1, rank 1, tensor "
                               "param.w, index 5 [1, 1]"));
   free(out);
@@ -302,19 +251,19 @@ static void test_layouts(void **state) {
   synthetic_dump(a, 1, 1);
   synthetic_dump(b, 1, 1);
   snprintf(p, sizeof p, "%s/rank0/ddp.json", a);
-  write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1], [0]]}}");
+  ddp_test_write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1], [0]]}}");
   cJSON *j;
   assert_int_equal(compare(NULL, a, b, &j), 0);  /* B has no ddp.json: unavailable */
   assert_string_equal(get(cJSON_GetArrayItem(get(j, "layouts"), 0), "rebuilt")->valuestring,
                       "unavailable");
   cJSON_Delete(j);
   snprintf(p, sizeof p, "%s/rank0/ddp.json", b);
-  write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1], [0]]}}");
+  ddp_test_write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1], [0]]}}");
   assert_int_equal(compare(NULL, a, b, &j), 0);
   assert_string_equal(get(cJSON_GetArrayItem(get(j, "layouts"), 0), "initial")->valuestring,
                       "equal");
   cJSON_Delete(j);
-  write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1, 0]]}}");
+  ddp_test_write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1, 0]]}}");
   assert_int_equal(compare(NULL, a, b, &j), 1);
   assert_true(cJSON_IsTrue(get(j, "layouts_differ")));
   assert_string_equal(get(cJSON_GetArrayItem(get(j, "layouts"), 0), "rebuilt")->valuestring,
@@ -353,7 +302,7 @@ static void test_bad_input(void **state) {
   snprintf(b, sizeof b, "%s/bad_json", g_tmp);
   synthetic_dump(b, 2, 2);
   snprintf(p, sizeof p, "%s/meta.json", b);
-  write_text(p, "{\"format\": ");
+  ddp_test_write_text(p, "{\"format\": ");
   EXPECT_BAD("is not valid JSON");
 
   snprintf(b, sizeof b, "%s/bad_world", g_tmp);
@@ -392,10 +341,10 @@ static void test_bad_input(void **state) {
 #undef EXPECT_BAD
 
   /* Usage errors are bad input too. */
-  assert_int_equal(run(NULL, "%s --rtol x '%s' '%s'", g_tool, a, a), 2);
-  assert_int_equal(run(NULL, "%s '%s'", g_tool, a), 2);
-  assert_int_equal(run(NULL, "%s --rank 5 '%s' '%s'", g_tool, a, a), 2);
-  assert_int_equal(run(NULL, "%s '%s' '%s'", g_tool, a, a), 0);
+  assert_int_equal(ddp_test_run_cmd(NULL, "%s --rtol x '%s' '%s'", g_tool, a, a), 2);
+  assert_int_equal(ddp_test_run_cmd(NULL, "%s '%s'", g_tool, a), 2);
+  assert_int_equal(ddp_test_run_cmd(NULL, "%s --rank 5 '%s' '%s'", g_tool, a, a), 2);
+  assert_int_equal(ddp_test_run_cmd(NULL, "%s '%s' '%s'", g_tool, a, a), 0);
 }
 
 /* ---------------------------------------------------------------- tests: torch ----- */
@@ -429,7 +378,7 @@ static void test_reference_deterministic(void **state) {
   {
     char p[700];
     snprintf(p, sizeof p, "%s/rank1/ddp.json", g_a);
-    char *text = read_text(p);
+    char *text = ddp_test_read_text(p);
     assert_non_null(text);
     cJSON *d = cJSON_Parse(text);
     free(text);
@@ -506,26 +455,20 @@ static void test_planted_difference(void **state) {
   char p[600], f[700];
   cJSON *j;
   snprintf(p, sizeof p, "%s/planted", g_tmp);
-  assert_int_equal(run(NULL, "rm -rf '%s' && cp -r '%s' '%s'", p, g_a, p), 0);
+  assert_int_equal(ddp_test_run_cmd(NULL, "rm -rf '%s' && cp -r '%s' '%s'", p, g_a, p), 0);
   snprintf(f, sizeof f, "%s/rank0/step000002.safetensors", p);
   plant(f, "param.0.bias", 3, big_change);
   snprintf(f, sizeof f, "%s/rank1/step000001.safetensors", p);
   plant(f, "grad.2.weight", 7, big_change);
   assert_int_equal(compare(NULL, g_a, p, &j), 1);
-  const cJSON *ff = get(j, "first_failure");
-  assert_int_equal(get(ff, "step")->valueint, 1);
-  assert_int_equal(get(ff, "rank")->valueint, 1);
-  assert_string_equal(get(ff, "tensor")->valuestring, "grad.2.weight");
-  assert_int_equal(get(ff, "index")->valueint, 7);
-  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 0)->valueint, 0);
-  assert_int_equal(cJSON_GetArrayItem(get(ff, "coords"), 1)->valueint, 7);
+  const cJSON *ff = expect_first_failure(j, 1, 1, "grad.2.weight", 7, 0, 7);
   assert_true(get(ff, "b")->valuedouble == (double)big_change((float)get(ff, "a")->valuedouble));
   assert_int_equal((int)get(tensor_stats(j, "grad.2.weight"), "beyond")->valuedouble, 1);
   assert_int_equal((int)get(tensor_stats(j, "param.0.bias"), "beyond")->valuedouble, 1);
   assert_int_equal((int)get(tensor_stats(j, "grad.0.weight"), "beyond")->valuedouble, 0);
   cJSON_Delete(j);
 
-  assert_int_equal(run(NULL, "rm -rf '%s' && cp -r '%s' '%s'", p, g_a, p), 0);
+  assert_int_equal(ddp_test_run_cmd(NULL, "rm -rf '%s' && cp -r '%s' '%s'", p, g_a, p), 0);
   snprintf(f, sizeof f, "%s/rank0/step000000.safetensors", p);
   plant(f, "param.2.weight", 11, one_ulp);
   assert_int_equal(compare(NULL, g_a, p, &j), 0);
@@ -583,11 +526,12 @@ static void test_ranks_vs_single_process(void **state) {
 
 static int reference_run(const char *dir, int world, int batch) {
   char *out = NULL;
-  int rc = run(&out,
-               "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-               "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
-               "--shuffle false --lr 0.5",
-               ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
+  int rc = ddp_test_run_cmd(
+      &out,
+      "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
+      "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
+      "--shuffle false --lr 0.5",
+      ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
   if (rc != 0) {
     char *err = stderr_text();
     print_error("torch_reference.py failed (%d): %s\n%s\n", rc, out, err);
@@ -605,14 +549,13 @@ static int setup(void **state) {
     print_error("%s not found (DDP_BUILD_ROOT unset or not built)\n", g_tool);
     return 1;
   }
-  snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp_compare_XXXXXX");
-  if (!mkdtemp(g_tmp)) return 1;
-  if (!ddp_test_source_root() || !ddp_test_python()) return 0;
+  if (!ddp_test_make_scratch(g_tmp, sizeof g_tmp, "ddp_compare")) return 1;
+  if (!ddp_test_parity_init(g_tmp) || !ddp_test_python()) return 0;
   char p[600];
   snprintf(p, sizeof p, "%s/mlp.json", g_tmp);
-  write_text(p, "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, "
-                "\"out\": 16}, {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 16, "
-                "\"out\": 10}]}\n");
+  ddp_test_write_text(p, "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": "
+                         "64, \"out\": 16}, {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": "
+                         "16, \"out\": 10}]}\n");
   snprintf(g_a, sizeof g_a, "%s/ref_a", g_tmp);
   snprintf(g_b, sizeof g_b, "%s/ref_b", g_tmp);
   snprintf(g_single, sizeof g_single, "%s/ref_single", g_tmp);
@@ -624,12 +567,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
   (void)state;
-  if (g_tmp[0]) {
-    char line[512];
-    snprintf(line, sizeof line, "rm -rf '%s'", g_tmp);
-    if (system(line) != 0) return 1;
-  }
-  return 0;
+  return ddp_test_remove_scratch(g_tmp, false);
 }
 
 int main(void) {

@@ -239,6 +239,38 @@ static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t *
   return st;
 }
 
+/* What every rank function holds: its group (and, forked, the file store under it), the
+ * model under DDP and an autograd context. */
+typedef struct rank_env {
+  ddp_store_t *store;
+  ddp_pg_t *pg;
+  ddp_model_t *m; /* built by the caller before env_open; env_close destroys it */
+  ddp_ddp_t *ddp;
+  ddp_ctx_t *ctx;
+  ddp_error_t err;
+} rank_env_t;
+
+/* Creates the group, DDP over e->m with cfg's options (saying the construction error) and
+ * the context. */
+static ddp_status_t env_open(ddp_test_rank_t *tr, const cfg_t *cfg, rank_env_t *e) {
+  DDP_CHECK(make_pg(tr, cfg, &e->store, &e->pg));
+  ddp_status_t st = ddp_ddp_create(e->m, e->pg, &cfg->dopts, &e->ddp, &e->err);
+  if (st != DDP_OK) {
+    ddp_test_say(tr, "%s", e->err.msg);
+    return st;
+  }
+  return ddp_ctx_create(&e->ctx);
+}
+
+/* Destroys whatever env_open (and the caller's model build) created. */
+static void env_close(rank_env_t *e) {
+  ddp_ctx_destroy(e->ctx);
+  ddp_ddp_destroy(e->ddp);
+  ddp_model_destroy(e->m);
+  ddp_pg_destroy(e->pg);
+  ddp_store_destroy(e->store);
+}
+
 static ddp_status_t make_optim(int kind, ddp_model_t *m, ddp_optim_t **opt) {
   ddp_optim_param_t ps[MAXP];
   size_t n = 0;
@@ -270,6 +302,19 @@ static ddp_status_t fwd_loss(ddp_ctx_t *ctx, ddp_model_t *m, ddp_ddp_t *ddp, int
   return ddp_mse_loss(ctx, out, vy, loss);
 }
 
+/* One DDP micro-step on rows [row0, row0+rows) of step's batch: forward and loss, backward
+ * with gradient synchronisation set to sync (restored afterwards), context reset. */
+static ddp_status_t micro_step(rank_env_t *e, int step, int row0, int rows, uint64_t flags,
+                               bool sync) {
+  bool old = ddp_ddp_set_sync(e->ddp, sync);
+  ddp_var_t *loss;
+  ddp_status_t st = fwd_loss(e->ctx, e->m, e->ddp, step, row0, rows, flags, &loss);
+  if (st == DDP_OK) st = ddp_ddp_backward(e->ddp, e->ctx, loss);
+  ddp_ddp_set_sync(e->ddp, old);
+  ddp_ctx_reset(e->ctx);
+  return st;
+}
+
 static bool put_params(ddp_test_rank_t *tr, ddp_model_t *m) {
   for (size_t i = 0; i < ddp_model_num_params(m); i++) {
     ddp_param_t *p = ddp_model_param(m, i);
@@ -281,24 +326,15 @@ static bool put_params(ddp_test_rank_t *tr, ddp_model_t *m) {
 static int train_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   int r = ddp_test_rank(tr), W = ddp_test_world_size(tr);
-  ddp_store_t *store = NULL;
-  ddp_pg_t *pg = NULL;
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
+  rank_env_t e = {0};
   ddp_optim_t *opt = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg);
-  if (st != DDP_OK) goto out;
   /* Every rank starts from different weights: the construction broadcast must fix that. */
-  DDP_CHECK_GOTO(build_model(cfg->kind, 42 + (uint64_t)r, &m), st, out);
-  st = ddp_ddp_create(m, pg, &cfg->dopts, &ddp, &err);
-  if (st != DDP_OK) {
-    ddp_test_say(tr, "create: %s", err.msg);
-    goto out;
-  }
+  ddp_status_t st = build_model(cfg->kind, 42 + (uint64_t)r, &e.m);
+  if (st == DDP_OK) st = env_open(tr, cfg, &e);
+  if (st != DDP_OK) goto out;
+  ddp_model_t *m = e.m;
+  ddp_ddp_t *ddp = e.ddp;
   DDP_CHECK_GOTO(make_optim(cfg->optim, m, &opt), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
   uint64_t flags = r == 0 ? cfg->flags_rank0 : cfg->flags_rank1;
   int steps = cfg->steps;
   if (cfg->join) {
@@ -307,18 +343,12 @@ static int train_rank(ddp_test_rank_t *tr, void *arg) {
   }
   for (int step = 0; step < steps; step++) {
     for (int a = 0; a < cfg->accum; a++) {
-      bool sync = a == cfg->accum - 1;
-      bool old = ddp_ddp_set_sync(ddp, sync);
-      ddp_var_t *loss;
       int row0 = (step * cfg->accum + a) * W * cfg->b + r * cfg->b;
-      st = fwd_loss(ctx, m, ddp, step * cfg->accum + a, row0, cfg->b, flags, &loss);
-      if (st == DDP_OK) st = ddp_ddp_backward(ddp, ctx, loss);
-      ddp_ddp_set_sync(ddp, old);
+      st = micro_step(&e, step * cfg->accum + a, row0, cfg->b, flags, a == cfg->accum - 1);
       if (st != DDP_OK) {
         ddp_test_say(tr, "step %d: %s", step, ddp_ddp_last_error(ddp));
         goto out;
       }
-      ddp_ctx_reset(ctx);
     }
     if (cfg->dopts.gradient_as_bucket_view && step == 0) {
       /* .grad is a view into bucket memory, not the model's flat gradient buffer. */
@@ -338,9 +368,9 @@ static int train_rank(ddp_test_rank_t *tr, void *arg) {
         ddp_test_put(tr, p->grad.data, (size_t)p->grad.numel * 4);
       }
     }
-    st = ddp_optim_step(opt, &err);
+    st = ddp_optim_step(opt, &e.err);
     if (st != DDP_OK) {
-      ddp_test_say(tr, "optim: %s", err.msg);
+      ddp_test_say(tr, "optim: %s", e.err.msg);
       goto out;
     }
     ddp_optim_zero_grad(opt, false);
@@ -354,12 +384,8 @@ static int train_rank(ddp_test_rank_t *tr, void *arg) {
   }
   if (!cfg->put_grads && !put_params(tr, m)) st = DDP_ERR_NO_MEMORY;
 out:
-  ddp_ctx_destroy(ctx);
   ddp_optim_destroy(opt);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
+  env_close(&e);
   return st;
 }
 
@@ -460,6 +486,16 @@ static float *run_identical(cfg_t *cfg, size_t *nbytes) {
   return v;
 }
 
+/* Runs cfg (run_identical) and checks that rank 0's values begin with base's n0 bytes;
+ * returns their size. */
+static size_t expect_bits(cfg_t *cfg, const float *base, size_t n0) {
+  size_t n;
+  float *v = run_identical(cfg, &n);
+  assert_memory_equal(v, base, n0);
+  free(v);
+  return n;
+}
+
 /* Max-norm relative error over the whole parameter vector. */
 static double rel_err(const float *a, const float *b, size_t n) {
   double num = 0, den = 0;
@@ -528,16 +564,13 @@ static void test_bitwise_across_configs(void **state) {
   for (int W = 2; W <= 4; W++) {
     cfg_t c = base_cfg(W, M_LN, 1);
     c.steps = 8;
-    size_t n0, n;
+    size_t n0;
     float *base = run_identical(&c, &n0);
     double caps[] = {0.001, 1, 25};
     for (size_t k = 0; k < 3; k++) {
       cfg_t d = c;
       d.dopts.bucket_cap_mb = caps[k];
-      float *v = run_identical(&d, &n);
-      assert_int_equal(n, n0);
-      assert_memory_equal(v, base, n0);
-      free(v);
+      assert_int_equal(expect_bits(&d, base, n0), n0);
     }
     const char *be[] = {"shm", "tcp"};
     for (size_t k = 0; k < 2; k++) {
@@ -545,39 +578,27 @@ static void test_bitwise_across_configs(void **state) {
       d.backend = be[k];
       d.mode = DDP_TEST_FORK;
       d.dopts.bucket_cap_mb = 0.001;
-      float *v = run_identical(&d, &n);
-      assert_int_equal(n, n0);
-      assert_memory_equal(v, base, n0);
-      free(v);
+      assert_int_equal(expect_bits(&d, base, n0), n0);
       /* find_unused_parameters: the used-map allreduce from private memory into pg memory */
       d.dopts.find_unused_parameters = true;
       d.dopts.bucket_cap_mb = DDP_BUCKET_CAP_UNSET;
       d.dopts.first_bucket_bytes = 1500;
-      v = run_identical(&d, &n);
-      assert_memory_equal(v, base, n0);
-      free(v);
+      expect_bits(&d, base, n0);
     }
     cfg_t d = c;
     d.kind = M_LN;
     d.dopts.broadcast_bucket_bytes = 600; /* many construction chunks, 2 in flight */
-    float *w = run_identical(&d, &n);
-    assert_memory_equal(w, base, n0);
-    free(w);
-    float *v;
+    expect_bits(&d, base, n0);
     if (W != 3) { /* in-place division by W rounds like the multiply only for powers of 2 */
       d = c;
       d.dopts.gradient_as_bucket_view = true;
       d.dopts.bucket_cap_mb = 0.001;
-      v = run_identical(&d, &n);
-      assert_memory_equal(v, base, n0);
-      free(v);
+      expect_bits(&d, base, n0);
     }
     d = c;
     d.dopts.static_graph = true;
     d.dopts.bucket_cap_mb = 0.001;
-    v = run_identical(&d, &n);
-    assert_memory_equal(v, base, n0);
-    free(v);
+    expect_bits(&d, base, n0);
     free(base);
   }
 }
@@ -587,7 +608,7 @@ static void test_bitwise_across_configs(void **state) {
  * find_unused_parameters (its grads untouched, never applied). */
 static void test_static_graph(void **state) {
   (void)state;
-  size_t n0, n;
+  size_t n0;
   cfg_t p = base_cfg(2, M_PLAIN, 0);
   p.steps = 6;
   float *plain = run_identical(&p, &n0);
@@ -595,10 +616,7 @@ static void test_static_graph(void **state) {
   d.steps = 6;
   d.dopts.static_graph = true;
   d.dopts.bucket_cap_mb = 0.001;
-  float *v = run_identical(&d, &n);
-  assert_int_equal(n, n0);
-  assert_memory_equal(v, plain, n0);
-  free(v);
+  assert_int_equal(expect_bits(&d, plain, n0), n0);
   free(plain);
 
   cfg_t f = base_cfg(2, M_BRANCH, 0);
@@ -610,10 +628,7 @@ static void test_static_graph(void **state) {
   s.dopts.find_unused_parameters = false;
   s.dopts.static_graph = true;
   s.dopts.bucket_cap_mb = 0.001;
-  v = run_identical(&s, &n);
-  assert_int_equal(n, n0);
-  assert_memory_equal(v, fu, n0);
-  free(v);
+  assert_int_equal(expect_bits(&s, fu, n0), n0);
   free(fu);
 }
 
@@ -622,17 +637,11 @@ static void test_static_graph(void **state) {
 static int layout_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   int r = ddp_test_rank(tr);
-  ddp_store_t *store = NULL;
-  ddp_pg_t *pg = NULL;
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg);
+  rank_env_t e = {0};
+  ddp_status_t st = build_model(cfg->kind, 7, &e.m);
+  if (st == DDP_OK) st = env_open(tr, cfg, &e);
   if (st != DDP_OK) goto out;
-  DDP_CHECK_GOTO(build_model(cfg->kind, 7, &m), st, out);
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &cfg->dopts, &ddp, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_ddp_t *ddp = e.ddp;
   /* initial layout */
   uint64_t nb = ddp_ddp_num_buckets(ddp);
   ddp_test_put(tr, &nb, 8);
@@ -646,12 +655,8 @@ static int layout_rank(ddp_test_rank_t *tr, void *arg) {
       ddp_test_put(tr, &v, 8);
     }
   }
-  for (int step = 0; step < 2; step++) {
-    ddp_var_t *loss;
-    DDP_CHECK_GOTO(fwd_loss(ctx, m, ddp, step, r * 4, 4, 1, &loss), st, out);
-    DDP_CHECK_GOTO(ddp_ddp_backward(ddp, ctx, loss), st, out);
-    ddp_ctx_reset(ctx);
-  }
+  for (int step = 0; step < 2; step++)
+    DDP_CHECK_GOTO(micro_step(&e, step, r * 4, 4, 1, true), st, out);
   ddp_ddp_logging_data_t ld;
   ddp_ddp_get_logging_data(ddp, &ld);
   uint64_t h = ld.has_rebuilt_buckets, nr = ld.num_rebuilt_buckets;
@@ -675,12 +680,7 @@ static int layout_rank(ddp_test_rank_t *tr, void *arg) {
     st = DDP_ERR_INTERNAL;
   }
 out:
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
-  if (st != DDP_OK && err.msg[0]) ddp_test_say(tr, "%s", err.msg);
+  env_close(&e);
   return st;
 }
 
@@ -929,18 +929,15 @@ typedef struct unused_res {
 static int unused_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   int r = ddp_test_rank(tr);
-  ddp_store_t *store = NULL;
-  ddp_pg_t *pg = NULL;
-  ddp_model_t *m = NULL, *plain = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg);
+  rank_env_t e = {0};
+  ddp_model_t *plain = NULL;
+  ddp_status_t st = build_model(M_BRANCH, 5, &e.m);
+  if (st == DDP_OK) st = build_model(M_BRANCH, 5, &plain);
+  if (st == DDP_OK) st = env_open(tr, cfg, &e);
   if (st != DDP_OK) goto out;
-  DDP_CHECK_GOTO(build_model(M_BRANCH, 5, &m), st, out);
-  DDP_CHECK_GOTO(build_model(M_BRANCH, 5, &plain), st, out);
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &cfg->dopts, &ddp, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_model_t *m = e.m;
+  ddp_ddp_t *ddp = e.ddp;
+  ddp_ctx_t *ctx = e.ctx;
   for (int step = 0; step < 3; step++) {
     uint64_t flags = step == 0 ? (r == 0 ? 1 : 0) : (step == 1 ? 0 : 1);
     ddp_var_t *loss;
@@ -953,9 +950,7 @@ static int unused_rank(ddp_test_rank_t *tr, void *arg) {
     ddp_param_t *bw = ddp_model_find_param(m, "3.0.weight");
     if (step == 1) /* unused on every rank: this value must survive */
       for (int64_t k = 0; k < bw->grad.numel; k++) ((float *)bw->grad.data)[k] = 7.0f;
-    DDP_CHECK_GOTO(fwd_loss(ctx, m, ddp, step, r * 4, 4, flags, &loss), st, out);
-    st = ddp_ddp_backward(ddp, ctx, loss);
-    ddp_ctx_reset(ctx);
+    st = micro_step(&e, step, r * 4, 4, flags, true);
     if (st != DDP_OK) {
       ddp_test_say(tr, "%s", ddp_ddp_last_error(ddp));
       goto out;
@@ -972,13 +967,8 @@ static int unused_rank(ddp_test_rank_t *tr, void *arg) {
     ddp_test_put(tr, &ub, 8);
   }
 out:
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
   ddp_model_destroy(plain);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
-  if (st != DDP_OK && err.msg[0]) ddp_test_say(tr, "%s", err.msg);
+  env_close(&e);
   return st;
 }
 
@@ -1045,29 +1035,20 @@ static void test_find_unused(void **state) {
 static int buffers_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   int r = ddp_test_rank(tr);
-  ddp_store_t *store = NULL;
-  ddp_pg_t *pg = NULL;
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg);
+  rank_env_t e = {0};
+  ddp_status_t st = build_model(M_BN, 3, &e.m);
+  if (st == DDP_OK) st = env_open(tr, cfg, &e);
   if (st != DDP_OK) goto out;
-  DDP_CHECK_GOTO(build_model(M_BN, 3, &m), st, out);
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &cfg->dopts, &ddp, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_model_t *m = e.m;
+  ddp_ddp_t *ddp = e.ddp;
+  ddp_ctx_t *ctx = e.ctx;
   ddp_buffer_t *rm = ddp_model_find_buffer(m, "2.running_mean");
   ddp_buffer_t *nbt = ddp_model_find_buffer(m, "2.num_batches_tracked");
   /* After create: rank 0's buffers everywhere (construction broadcast). */
   ddp_test_put(tr, rm->value.data, ddp_tensor_nbytes(&rm->value));
   /* Three synced steps, then a no_sync step, then one more pre-forward. */
   for (int step = 0; step < 4; step++) {
-    bool old = ddp_ddp_set_sync(ddp, step != 3);
-    ddp_var_t *loss;
-    st = fwd_loss(ctx, m, ddp, step, r * 4, 4, 1, &loss);
-    if (st == DDP_OK) st = ddp_ddp_backward(ddp, ctx, loss);
-    ddp_ddp_set_sync(ddp, old);
-    ddp_ctx_reset(ctx);
+    st = micro_step(&e, step, r * 4, 4, 1, step != 3);
     if (st != DDP_OK) goto out;
     /* state as the forward of the next step will see it */
     if (step == 2) {
@@ -1080,12 +1061,9 @@ static int buffers_rank(ddp_test_rank_t *tr, void *arg) {
   DDP_CHECK_GOTO(ddp_ddp_pre_forward(ddp, ctx), st, out);
   ddp_test_put(tr, rm->value.data, ddp_tensor_nbytes(&rm->value));
 out:
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
-  if (st != DDP_OK) ddp_test_say(tr, "%s", err.msg[0] ? err.msg : (ddp ? ddp_ddp_last_error(ddp) : ""));
+  if (st != DDP_OK)
+    ddp_test_say(tr, "%s", e.err.msg[0] ? e.err.msg : (e.ddp ? ddp_ddp_last_error(e.ddp) : ""));
+  env_close(&e);
   return st;
 }
 
@@ -1152,28 +1130,18 @@ static ddp_status_t build_extra(int r, int scenario, ddp_model_t **out) {
 static int error_rank(ddp_test_rank_t *tr, void *arg) {
   const err_cfg_t *ec = arg;
   int r = ddp_test_rank(tr);
-  ddp_store_t *store = NULL;
-  ddp_pg_t *pg = NULL;
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, &ec->c, &store, &pg);
-  if (st != DDP_OK) goto out;
-  DDP_CHECK_GOTO(build_extra(r, ec->scenario, &m), st, out);
-  st = ddp_ddp_create(m, pg, &ec->c.dopts, &ddp, &err);
+  rank_env_t e = {0};
+  ddp_status_t st = build_extra(r, ec->scenario, &e.m);
+  if (st == DDP_OK) st = env_open(tr, &ec->c, &e);
   if (st != DDP_OK) {
-    ddp_test_say(tr, "%s", err.msg);
-    if (ec->scenario == E_SHAPE) ddp_pg_abort(pg); /* rank 0 is in the broadcast */
+    /* rank 0 is in the broadcast */
+    if (ec->scenario == E_SHAPE && e.pg && !e.ddp) ddp_pg_abort(e.pg);
     goto out;
   }
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  ddp_ddp_t *ddp = e.ddp;
   for (int step = 0; step < 2; step++) {
     uint64_t flags = ec->scenario == E_SKIP && r == 1 ? 0 : 1;
-    ddp_var_t *loss;
-    st = fwd_loss(ctx, m, ddp, step, r * 4, 4, flags, &loss);
-    if (st == DDP_OK) st = ddp_ddp_backward(ddp, ctx, loss);
-    ddp_ctx_reset(ctx);
+    st = micro_step(&e, step, r * 4, 4, flags, true);
     if (st != DDP_OK) {
       /* The message can pass the harness's 1 KiB: the whole text goes in the values. */
       char head[32];
@@ -1185,11 +1153,7 @@ static int error_rank(ddp_test_rank_t *tr, void *arg) {
     }
   }
 out:
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
+  env_close(&e);
   return st;
 }
 

@@ -40,8 +40,6 @@
 #include "harness.h"
 #include "parity.h"
 
-static char g_tmp[256]; /* this file's scratch directory */
-
 /* ---------------------------------------------------------------- configurations -- */
 
 static const char *const MLP =
@@ -176,7 +174,7 @@ static const float *tensor_f32(ddp_st_file_t *f, const char *name, int64_t *nume
 static void test_dump_writer(void **state) {
   (void)state;
   char base[512], model[600], B[600];
-  snprintf(base, sizeof base, "%s/writer", g_tmp);
+  snprintf(base, sizeof base, "%s/writer", ddp_test_parity_scratch());
   assert_int_equal(mkdir(base, 0755), 0);
   snprintf(model, sizeof model, "%s/model.json", base);
   snprintf(B, sizeof B, "%s/dump", base);
@@ -352,7 +350,7 @@ static void test_dump_writer(void **state) {
 static void test_dump_errors(void **state) {
   (void)state;
   char dir[600];
-  snprintf(dir, sizeof dir, "%s/errors", g_tmp);
+  snprintf(dir, sizeof dir, "%s/errors", ddp_test_parity_scratch());
   ddp_dump_t *d = NULL;
   ddp_error_t err = {0};
   assert_int_equal(ddp_dump_open(dir, 2, 2, NULL, &d, &err), DDP_ERR_INVALID_ARGUMENT);
@@ -362,7 +360,7 @@ static void test_dump_errors(void **state) {
   assert_int_equal(ddp_dump_open(dir, 0, 1, &o, &d, &err), DDP_ERR_INVALID_ARGUMENT);
   assert_non_null(strstr(err.msg, "config_json"));
   char file[700];
-  snprintf(file, sizeof file, "%s/plain", g_tmp);
+  snprintf(file, sizeof file, "%s/plain", ddp_test_parity_scratch());
   ddp_test_write_text(file, "x");
   assert_int_equal(ddp_dump_open(file, 0, 1, NULL, &d, &err), DDP_ERR_SYSTEM);
   assert_non_null(strstr(err.msg, "mkdir"));
@@ -394,25 +392,6 @@ static void test_dump_errors(void **state) {
   cJSON_Delete(meta);
 }
 
-/* ---------------------------------------------------------------- setup ----------- */
-
-static int setup(void **state) {
-  (void)state;
-  snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp_parity_XXXXXX");
-  if (!mkdtemp(g_tmp)) return 1;
-  return ddp_test_parity_init(g_tmp) ? 0 : 1;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  if (g_tmp[0] && !getenv("DDP_PARITY_KEEP")) {
-    char line[512];
-    snprintf(line, sizeof line, "rm -rf '%s'", g_tmp);
-    if (system(line) != 0) return 1;
-  }
-  return 0;
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_dump_errors),
@@ -428,5 +407,5 @@ int main(void) {
       cmocka_unit_test(test_parity_grad_as_bucket_view),
       cmocka_unit_test(test_parity_defaults_w3),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return ddp_test_parity_main("ddp_parity", tests, sizeof tests / sizeof *tests);
 }

@@ -607,23 +607,84 @@ static ddp_status_t short_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
   return DDP_OK;
 }
 
+/* What the DDP rank functions below share: the model under DDP, an autograd context, a
+ * synthetic mixture data set and one batch's tensors. */
+typedef struct hrank {
+  ddp_model_t *m;
+  ddp_ddp_t *ddp;
+  ddp_ctx_t *ctx;
+  ddp_dataset_t *ds;
+  int64_t nsamples;
+  ddp_tensor_t xb, yb;
+  ddp_error_t err;
+} hrank_t;
+
+/* Builds the model with DDP over it (bucket_cap_mb cap_mb; <= 0: the default), the context,
+ * a mixture of n samples from seed and the batch tensors. h starts zeroed; hrank_close
+ * frees what was made, also after a failure. */
+static ddp_status_t hrank_open(hrank_t *h, ddp_pg_t *pg, double cap_mb, uint64_t seed,
+                               int64_t n) {
+  DDP_CHECK(build(&h->m));
+  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  if (cap_mb > 0) dopts.bucket_cap_mb = cap_mb;
+  DDP_CHECK(ddp_ddp_create(h->m, pg, &dopts, &h->ddp, &h->err));
+  DDP_CHECK(ddp_ctx_create(&h->ctx));
+  ddp_synth_mixture_t sm = {seed, n, DIM, NCLS, 0.4f};
+  DDP_CHECK(ddp_dataset_synthetic_mixture(&sm, &h->ds, &h->err));
+  h->nsamples = n;
+  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
+  DDP_CHECK(ddp_tensor_alloc(&h->xb, DDP_F32, 2, xs));
+  return ddp_tensor_alloc(&h->yb, DDP_I64, 1, ys);
+}
+
+static void hrank_close(hrank_t *h) {
+  ddp_tensor_free(&h->xb);
+  ddp_tensor_free(&h->yb);
+  ddp_dataset_destroy(h->ds);
+  ddp_ctx_destroy(h->ctx);
+  ddp_ddp_destroy(h->ddp);
+  ddp_model_destroy(h->m);
+}
+
+/* Loads rank r's share of step t's global batch (W ranks, BATCH rows each, wrapping). */
+static ddp_status_t hrank_batch(hrank_t *h, int t, int r, int W) {
+  int64_t idx[BATCH];
+  for (int i = 0; i < BATCH; i++)
+    idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % h->nsamples;
+  return ddp_dataset_get_batch(h->ds, idx, BATCH, &h->xb, &h->yb, &h->err);
+}
+
+/* The cross-entropy loss of the loaded batch, forward through DDP, or through plain (a
+ * model outside DDP) when it is not NULL. */
+static ddp_status_t hrank_loss(hrank_t *h, ddp_model_t *plain, ddp_var_t **loss) {
+  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
+  ddp_var_t *vx, *vy, *y;
+  DDP_CHECK(ddp_var_new(h->ctx, DDP_F32, 2, xs, h->xb.data, false, &vx));
+  DDP_CHECK(ddp_var_new(h->ctx, DDP_I64, 1, ys, h->yb.data, false, &vy));
+  if (plain) DDP_CHECK(ddp_model_forward(plain, h->ctx, vx, 0, &y));
+  else DDP_CHECK(ddp_ddp_forward(h->ddp, h->ctx, vx, 0, &y));
+  return ddp_cross_entropy(h->ctx, y, vy, -100, loss);
+}
+
+/* Copies every parameter's gradient of m, in order, into dst. */
+static void copy_grads(ddp_model_t *m, float *dst) {
+  for (size_t i = 0, pos = 0; i < ddp_model_num_params(m); i++) {
+    ddp_param_t *p = ddp_model_param(m, i);
+    memcpy(dst + pos, p->grad.data, (size_t)p->grad.numel * 4);
+    pos += (size_t)p->grad.numel;
+  }
+}
+
 static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   train_t *T = arg;
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
-  ddp_model_t *m = NULL;
-  ddp_ddp_t *ddp = NULL;
+  hrank_t h = {0};
   ddp_optim_t *opt = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_dataset_t *ds = NULL;
-  ddp_error_t err = {0};
-  ddp_tensor_t xb = {0}, yb = {0};
-  ddp_status_t st = build(&m);
-  if (st != DDP_OK) return st;
-  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
-  ddp_synth_mixture_t sm = {11, 4096, DIM, NCLS, 0.4f};
-  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
+  ddp_status_t st = hrank_open(&h, pg, 0, 11, 4096);
+  if (st != DDP_OK) goto out;
+  ddp_model_t *m = h.m;
+  ddp_ddp_t *ddp = h.ddp;
+  ddp_error_t *err = &h.err;
   ddp_optim_param_t ps[8];
   size_t np = 0;
   for (size_t i = 0; i < ddp_model_num_params(m); i++) {
@@ -636,48 +697,40 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   so.momentum = 0.9;
   DDP_CHECK_GOTO(ddp_optim_create(&so, ps, np, &opt, NULL), st, out);
   if (T->mode == 2) {
-    ddp_comm_hook_t h = {short_hook, NULL, "short_hook", NULL, NULL};
-    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
+    ddp_comm_hook_t sh = {short_hook, NULL, "short_hook", NULL, NULL};
+    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &sh, err), st, out);
   } else {
-    st = ddp_hooks_configure(ddp, T->hook, T->wrapper, T->state, &err);
+    st = ddp_hooks_configure(ddp, T->hook, T->wrapper, T->state, err);
     if (st != DDP_OK) goto out;
   }
   if (T->mode == 1) {
     /* a second registration */
-    st = ddp_hooks_configure(ddp, "fp16", "no", NULL, &err);
-    snprintf(T->msg[r], sizeof T->msg[r], "%s", err.msg);
+    st = ddp_hooks_configure(ddp, "fp16", "no", NULL, err);
+    snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
     if (st != DDP_ERR_INVALID_USAGE) {
       st = DDP_ERR_INTERNAL;
       goto out;
     }
     st = DDP_OK;
   }
-  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
   double tail = 0;
   for (int t = 0; t < T->steps; t++) {
-    int64_t idx[BATCH];
-    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
-    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
-    ddp_var_t *vx, *vy, *y, *loss;
-    DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
-    DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
-    DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
-    DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
+    ddp_var_t *loss;
+    DDP_CHECK_GOTO(hrank_batch(&h, t, r, W), st, out);
+    DDP_CHECK_GOTO(hrank_loss(&h, NULL, &loss), st, out);
     if (t >= T->steps - 10) tail += *(float *)loss->value.data;
-    st = ddp_ddp_backward(ddp, ctx, loss);
+    st = ddp_ddp_backward(ddp, h.ctx, loss);
     if (st != DDP_OK) {
       snprintf(T->msg[r], sizeof T->msg[r], "%s", ddp_ddp_last_error(ddp));
       goto out;
     }
     DDP_CHECK_GOTO(ddp_optim_step(opt, NULL), st, out);
     ddp_optim_zero_grad(opt, false);
-    ddp_ctx_reset(ctx);
+    ddp_ctx_reset(h.ctx);
     if (T->mode == 3 && t == 0) {
       /* training has started: too late to register */
-      ddp_status_t s2 = ddp_hooks_configure(ddp, "fp16", "no", NULL, &err);
-      snprintf(T->msg[r], sizeof T->msg[r], "%s", err.msg);
+      ddp_status_t s2 = ddp_hooks_configure(ddp, "fp16", "no", NULL, err);
+      snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
       if (s2 != DDP_ERR_INVALID_USAGE) {
         st = DDP_ERR_INTERNAL;
         goto out;
@@ -688,13 +741,8 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   ddp_ddp_get_comm_stats(ddp, &T->stats[r]);
 out:
   T->st[r] = st;
-  ddp_tensor_free(&xb);
-  ddp_tensor_free(&yb);
   ddp_optim_destroy(opt);
-  ddp_dataset_destroy(ds);
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
+  hrank_close(&h);
   return st;
 }
 
@@ -757,65 +805,38 @@ typedef struct grads {
 static ddp_status_t grads_core(ddp_pg_t *pg, grads_t *G, float (*local)[NPARAM_ELEMS],
                                float (*synced)[NPARAM_ELEMS]) {
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
-  ddp_model_t *m = NULL, *plain = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_dataset_t *ds = NULL;
-  ddp_error_t err = {0};
-  ddp_tensor_t xb = {0}, yb = {0};
+  hrank_t h = {0};
+  ddp_model_t *plain = NULL;
   ddp_status_t st;
-  DDP_CHECK_GOTO(build(&m), st, out);
+  DDP_CHECK_GOTO(hrank_open(&h, pg, G->cap_mb, 3, 1024), st, out);
   DDP_CHECK_GOTO(build(&plain), st, out);
-  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
-  dopts.bucket_cap_mb = G->cap_mb;
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
+  ddp_ddp_t *ddp = h.ddp;
   if (G->hook) {
-    DDP_CHECK_GOTO(ddp_hooks_configure(ddp, G->hook, G->wrapper, G->state, &err), st, out);
+    DDP_CHECK_GOTO(ddp_hooks_configure(ddp, G->hook, G->wrapper, G->state, &h.err), st, out);
   } else {
-    ddp_comm_hook_t h = {ddp_allreduce_hook, NULL, "allreduce_hook", NULL, NULL};
-    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
+    ddp_comm_hook_t ar = {ddp_allreduce_hook, NULL, "allreduce_hook", NULL, NULL};
+    DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &ar, &h.err), st, out);
   }
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
-  ddp_synth_mixture_t sm = {3, 1024, DIM, NCLS, 0.4f};
-  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
-  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
   if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_begin(ddp, true, false), st, out);
   for (int t = 0; t < (G->join && r > 0 ? 1 : G->steps); t++) {
-    int64_t idx[BATCH];
-    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
-    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
+    DDP_CHECK_GOTO(hrank_batch(&h, t, r, W), st, out);
     for (int pass = 0; pass < 2; pass++) {
-      ddp_model_t *mm = pass == 0 ? plain : m;
-      ddp_var_t *vx, *vy, *y, *loss;
+      ddp_model_t *mm = pass == 0 ? plain : h.m;
+      ddp_var_t *loss;
       ddp_model_zero_grad(mm);
-      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
-      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
-      if (pass == 0) DDP_CHECK_GOTO(ddp_model_forward(plain, ctx, vx, 0, &y), st, out);
-      else DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
-      DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
-      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(ctx, loss), st, out);
-      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, ctx, loss), st, out);
-      ddp_ctx_reset(ctx);
-      float *dst = pass == 0 ? local[t] : synced[t];
-      for (size_t i = 0, pos = 0; i < ddp_model_num_params(mm); i++) {
-        ddp_param_t *p = ddp_model_param(mm, i);
-        memcpy(dst + pos, p->grad.data, (size_t)p->grad.numel * 4);
-        pos += (size_t)p->grad.numel;
-      }
+      DDP_CHECK_GOTO(hrank_loss(&h, pass == 0 ? plain : NULL, &loss), st, out);
+      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
+      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
+      ddp_ctx_reset(h.ctx);
+      copy_grads(mm, pass == 0 ? local[t] : synced[t]);
     }
   }
   if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_end(ddp), st, out);
   G->nbuckets[r] = ddp_ddp_num_buckets(ddp);
 out:
-  if (st != DDP_OK) fprintf(stderr, "rank %d: %s %s\n", r, err.msg, ddp ? ddp_ddp_last_error(ddp) : "");
-  ddp_tensor_free(&xb);
-  ddp_tensor_free(&yb);
-  ddp_dataset_destroy(ds);
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
+  if (st != DDP_OK)
+    fprintf(stderr, "rank %d: %s %s\n", r, h.err.msg, h.ddp ? ddp_ddp_last_error(h.ddp) : "");
+  hrank_close(&h);
   ddp_model_destroy(plain);
   return st;
 }
@@ -949,69 +970,35 @@ typedef struct nosync {
 static ddp_status_t nosync_rank(ddp_pg_t *pg, void *arg) {
   nosync_t *N = arg;
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
-  ddp_model_t *m = NULL, *plain = NULL;
-  ddp_ddp_t *ddp = NULL;
-  ddp_ctx_t *ctx = NULL;
-  ddp_dataset_t *ds = NULL;
-  ddp_error_t err = {0};
-  ddp_tensor_t xb = {0}, yb = {0};
+  hrank_t h = {0};
+  ddp_model_t *plain = NULL;
   counting_t cnt = {0, -1};
   ddp_status_t st;
-  DDP_CHECK_GOTO(build(&m), st, out);
+  DDP_CHECK_GOTO(hrank_open(&h, pg, 0.0002, 9, 512), st, out);
   DDP_CHECK_GOTO(build(&plain), st, out);
-  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
-  dopts.bucket_cap_mb = 0.0002;
-  DDP_CHECK_GOTO(ddp_ddp_create(m, pg, &dopts, &ddp, &err), st, out);
-  ddp_comm_hook_t h = {counting_hook, &cnt, "counting_hook", NULL, NULL};
-  DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &h, &err), st, out);
-  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
-  ddp_synth_mixture_t sm = {9, 512, DIM, NCLS, 0.4f};
-  DDP_CHECK_GOTO(ddp_dataset_synthetic_mixture(&sm, &ds, &err), st, out);
-  int64_t xs[2] = {BATCH, DIM}, ys[1] = {BATCH};
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&xb, DDP_F32, 2, xs), st, out);
-  DDP_CHECK_GOTO(ddp_tensor_alloc(&yb, DDP_I64, 1, ys), st, out);
+  ddp_ddp_t *ddp = h.ddp;
+  ddp_comm_hook_t ch = {counting_hook, &cnt, "counting_hook", NULL, NULL};
+  DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &ch, &h.err), st, out);
   ddp_model_zero_grad(plain);
-  ddp_model_zero_grad(m);
+  ddp_model_zero_grad(h.m);
   for (int t = 0; t < 2; t++) {
-    int64_t idx[BATCH];
-    for (int i = 0; i < BATCH; i++) idx[i] = ((int64_t)t * W * BATCH + (int64_t)r * BATCH + i) % sm.n;
-    DDP_CHECK_GOTO(ddp_dataset_get_batch(ds, idx, BATCH, &xb, &yb, &err), st, out);
+    DDP_CHECK_GOTO(hrank_batch(&h, t, r, W), st, out);
     for (int pass = 0; pass < 2; pass++) {
-      ddp_var_t *vx, *vy, *y, *loss;
-      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_F32, 2, xs, xb.data, false, &vx), st, out);
-      DDP_CHECK_GOTO(ddp_var_new(ctx, DDP_I64, 1, ys, yb.data, false, &vy), st, out);
-      if (pass == 0) {
-        DDP_CHECK_GOTO(ddp_model_forward(plain, ctx, vx, 0, &y), st, out);
-      } else {
-        bool old = ddp_ddp_set_sync(ddp, t == 1);
-        (void)old;
-        DDP_CHECK_GOTO(ddp_ddp_forward(ddp, ctx, vx, 0, &y), st, out);
-      }
-      DDP_CHECK_GOTO(ddp_cross_entropy(ctx, y, vy, -100, &loss), st, out);
-      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(ctx, loss), st, out);
-      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, ctx, loss), st, out);
-      ddp_ctx_reset(ctx);
+      ddp_var_t *loss;
+      if (pass == 1) ddp_ddp_set_sync(ddp, t == 1);
+      DDP_CHECK_GOTO(hrank_loss(&h, pass == 0 ? plain : NULL, &loss), st, out);
+      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
+      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
+      ddp_ctx_reset(h.ctx);
     }
     N->calls[r][t] = cnt.calls;
   }
-  for (int pass = 0; pass < 2; pass++) {
-    ddp_model_t *mm = pass == 0 ? plain : m;
-    float *dst = pass == 0 ? N->local[r] : N->synced[r];
-    for (size_t i = 0, pos = 0; i < ddp_model_num_params(mm); i++) {
-      ddp_param_t *p = ddp_model_param(mm, i);
-      memcpy(dst + pos, p->grad.data, (size_t)p->grad.numel * 4);
-      pos += (size_t)p->grad.numel;
-    }
-  }
+  copy_grads(plain, N->local[r]);
+  copy_grads(h.m, N->synced[r]);
   N->nbuckets[r] = ddp_ddp_num_buckets(ddp);
   N->calls[r][2] = cnt.last_index;
 out:
-  ddp_tensor_free(&xb);
-  ddp_tensor_free(&yb);
-  ddp_dataset_destroy(ds);
-  ddp_ctx_destroy(ctx);
-  ddp_ddp_destroy(ddp);
-  ddp_model_destroy(m);
+  hrank_close(&h);
   ddp_model_destroy(plain);
   return st;
 }

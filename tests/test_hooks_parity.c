@@ -44,8 +44,6 @@
 
 #define W 2
 
-static char g_tmp[256];
-
 static const char *const MLP =
     "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32}, "
     "{\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
@@ -218,7 +216,7 @@ static ddp_status_t setup_psgd(ddp_ddp_t *ddp, int rank, const char *torch_dir, 
  * step, on: the comparison does see the injected Q. */
 static void psgd_control(ddp_test_pcfg_t *c, int rank, bool warm_start) {
   char base[512], model[600], A[600], C[600], weights[700];
-  snprintf(base, sizeof base, "%s/%s", g_tmp, c->name);
+  snprintf(base, sizeof base, "%s/%s", ddp_test_parity_scratch(), c->name);
   snprintf(model, sizeof model, "%s/model.json", base);
   snprintf(A, sizeof A, "%s/torch", base);
   snprintf(C, sizeof C, "%s/libddp_own_q", base);
@@ -296,25 +294,6 @@ static void test_powersgd_r2_cold(void **state) {
   psgd_parity(2, false);
 }
 
-/* ---------------------------------------------------------------- setup ----------- */
-
-static int setup(void **state) {
-  (void)state;
-  snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp_hooks_parity_XXXXXX");
-  if (!mkdtemp(g_tmp)) return 1;
-  return ddp_test_parity_init(g_tmp) ? 0 : 1;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  if (g_tmp[0] && !getenv("DDP_PARITY_KEEP")) {
-    char line[512];
-    snprintf(line, sizeof line, "rm -rf '%s'", g_tmp);
-    if (system(line) != 0) return 1;
-  }
-  return 0;
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_fp16_hook),
@@ -324,5 +303,5 @@ int main(void) {
       cmocka_unit_test(test_powersgd_r2_warm),
       cmocka_unit_test(test_powersgd_r2_cold),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return ddp_test_parity_main("ddp_hooks_parity", tests, sizeof tests / sizeof *tests);
 }

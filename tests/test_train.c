@@ -1,8 +1,10 @@
 /* Trainer: TrainingArguments parsing (HF names and defaults, both flag spellings, config
  * files, exit status 2 for every usage error, through the built ddp-train), training that
  * lowers the loss on the digits, the DDP oracle (W ranks x batch b = 1 rank x batch W*b;
- * gradient accumulation 4 = batch 4x), bitwise resume, a kill -9 during a save, the metrics
- * file, and the replica check naming diverged ranks.
+ * gradient accumulation 4 = batch 4x), bitwise resume (also with two optimizer groups and
+ * with PowerSGD's per-rank state), HF's weight-decay groups, a kill -9 during a save, the
+ * metrics file, the replica check naming diverged ranks, plain mpirun as a launcher, and
+ * the progress bar on a pseudo-terminal versus plain lines.
  *
  * Ranks are threads (ddp_spawn_threads); they record what they saw in the test's arrays
  * and only the parent asserts. */
@@ -614,7 +616,8 @@ static void test_resume_bitwise(void **state) {
 /* PowerSGD (rank 2 from step 2: error feedback and warm-start factors in use) on 2 ranks:
  * resuming from checkpoint-5 gives bitwise the parameters of the uninterrupted 12-step
  * run, because every rank's hook state is in the checkpoint. Without those files the
- * resumed run starts the state afresh and differs (the state matters to the result). */
+ * resumed run starts the state afresh and differs (the state matters to the result).
+ * The same holds for batched PowerSGD. */
 static void test_powersgd_resume(void **state) {
   char da[256], db[256], ck[512], cmd[1200];
   make_dir(da, sizeof da, "psgdA");
@@ -651,6 +654,26 @@ static void test_powersgd_resume(void **state) {
   assert_true(memcmp(e0.data, e1.data, (size_t)e0.numel * sizeof(float)) != 0);
   ddp_st_close(f0);
   ddp_st_close(f1);
+  /* The file loads into a state created with the same options (iteration 5 restored), is
+   * refused by one with another rank, and a missing file is DDP_ERR_NOT_FOUND. */
+  ddp_powersgd_options_t po = DDP_POWERSGD_OPTIONS_INIT;
+  po.matrix_approximation_rank = 2;
+  po.start_powerSGD_iter = 2;
+  ddp_powersgd_state_t *ps = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_powersgd_state_create(&po, 0, &ps, NULL), DDP_OK);
+  snprintf(ck, sizeof ck, "%s/checkpoint-5/hook_state_rank0.safetensors", da);
+  assert_int_equal(ddp_powersgd_state_load(ps, ck, &err), DDP_OK);
+  assert_int_equal(ddp_powersgd_iter(ps), 5);
+  ddp_powersgd_state_destroy(ps);
+  po.matrix_approximation_rank = 1;
+  assert_int_equal(ddp_powersgd_state_create(&po, 0, &ps, NULL), DDP_OK);
+  assert_int_equal(ddp_powersgd_state_load(ps, ck, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "matrix_approximation_rank 2"));
+  assert_int_equal(ddp_powersgd_iter(ps), 0);
+  snprintf(ck, sizeof ck, "%s/checkpoint-5/hook_state_rank9.safetensors", da);
+  assert_int_equal(ddp_powersgd_state_load(ps, ck, &err), DDP_ERR_NOT_FOUND);
+  ddp_powersgd_state_destroy(ps);
 
   run_t *b = new_run(db);
   b->args = a->args;
@@ -672,6 +695,30 @@ static void test_powersgd_resume(void **state) {
   double d = rel_diff(c->params, a->params, a->nparams);
   print_message("PowerSGD resume: with hook state bitwise equal; without it rel diff %.2e\n", d);
   assert_true(d > 0);
+
+  /* batched_power_sgd compresses the whole bucket as one matrix: the resumed step, run in
+   * the reducer's construction-time order, is rearranged into the saved order. */
+  rm_tree(da);
+  rm_tree(db);
+  make_dir(da, sizeof da, "bpsgdA");
+  make_dir(db, sizeof db, "bpsgdB");
+  run_t *x[2];
+  for (int k = 0; k < 2; k++) {
+    x[k] = new_run(k ? db : da);
+    x[k]->args = a->args;
+    x[k]->model_json = mlp_nodrop;
+    snprintf(x[k]->args.output_dir, sizeof x[k]->args.output_dir, "%s", k ? db : da);
+    strcpy(x[k]->args.comm_hook, "batched_power_sgd");
+    if (k) {
+      snprintf(x[k]->args.resume_from_checkpoint, sizeof x[k]->args.resume_from_checkpoint,
+               "%s/checkpoint-5", da);
+    }
+    run_world(x[k], 2);
+  }
+  assert_int_equal(x[1]->res[0].start_step, 5);
+  assert_memory_equal(x[1]->params, x[0]->params, (size_t)x[0]->nparams * sizeof(float));
+  free_run(x[0]);
+  free_run(x[1]);
   free_run(a);
   free_run(b);
   free_run(c);
@@ -721,11 +768,13 @@ static void test_weight_decay_groups(void **state) {
     for (int64_t j = p->offset; j < p->offset + p->value.numel; j++) {
       double got = (double)r[0]->params[j] - r[1]->params[j];
       if (no_decay) {
-        if (r[0]->params[j] != r[1]->params[j]) fail_msg("%s[%lld] was decayed", p->name, (long long)(j - p->offset));
+        if (r[0]->params[j] != r[1]->params[j])
+          fail_msg("%s[%lld] was decayed", p->name, (long long)(j - p->offset));
       } else {
         double want = -lr * wd * p0[j];
         if (fabs(got - want) > 1e-6 + 1e-3 * fabs(want))
-          fail_msg("%s[%lld]: decay %.9g, expected %.9g", p->name, (long long)(j - p->offset), got, want);
+          fail_msg("%s[%lld]: decay %.9g, expected %.9g", p->name, (long long)(j - p->offset),
+                   got, want);
       }
     }
     decayed += !no_decay;

@@ -9,8 +9,9 @@
  * Ranks are threads of this process (--threads, the threads backend) or the processes a
  * launcher started (RANK/WORLD_SIZE from ddprun or torchrun, OMPI_COMM_WORLD_* from
  * mpirun, SLURM_PROCID/SLURM_NTASKS from srun; ddp_backend or the launcher's DDP_BACKEND
- * picks the transport, and plain mpirun defaults to the mpi backend when it is built). Every rank builds the model from the same JSON, loads
- * the same data, and calls ddp_train(); rank 0 prints. Exit status: 0 on success, 2 for a
+ * picks the transport, and plain mpirun defaults to the mpi backend when it is built).
+ * Every rank builds the model from the same JSON, loads the same data, and calls
+ * ddp_train(); rank 0 prints. Exit status: 0 on success, 2 for a
  * usage error (unknown flag, bad value, missing file), 1 when training fails. */
 #include <errno.h>
 #include <inttypes.h>

@@ -55,8 +55,8 @@ typedef struct ddp__coll {
 /* The scratch block of the fold kernel. */
 #define DDP__TMP_BYTES (64u * 1024u)
 
-/* Per-group state of the algorithms. Owned by the group's progress thread, except `aborted`
- * (any thread). */
+/* Per-group state of the algorithms. Owned by the thread running the group's current work
+ * (the progress thread or a waiter, never two at once), except `aborted` (any thread). */
 typedef struct ddp__comm {
   int rank;
   int size;
@@ -64,6 +64,9 @@ typedef struct ddp__comm {
   void *state;
   const ddp_backend_shared_t *sh; /* shared family */
   size_t segment_bytes;           /* link family: pipelining segment */
+  bool stream;                    /* link family: xfer moves one byte stream per pair (tcp),
+                                     so one send may be read by several receives; message
+                                     backends (mpi) match each send with one receive */
   unsigned char *scratch;         /* link family: size * max(segment, small) bytes */
   size_t scratch_bytes;
   unsigned char *tmp;             /* DDP__TMP_BYTES, fold accumulator */
@@ -71,14 +74,13 @@ typedef struct ddp__comm {
   uint64_t *p2p_tx;               /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;               /* shared: chunks taken from each peer */
   int64_t deadline_ns;            /* of the running operation */
-  int spins;                      /* shared: polls before sleeping on the futex */
   atomic_bool aborted;
 } ddp__comm_t;
 
 /* Control-block bytes the shared algorithms need for a world of `size`. */
 size_t ddp__shared_ctl_bytes(int size);
 /* Zero-initialised control block fixups (call once, by the creating rank, before peers map
- * it); and per-rank attach (records the pid for messages, picks the spin budget). */
+ * it); and per-rank attach (records the pid for messages). */
 void ddp__shared_ctl_init(void *ctl, int size);
 void ddp__shared_attach(ddp__comm_t *c, int pid);
 

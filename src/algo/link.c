@@ -24,13 +24,19 @@ static void add(ddp_xfer_t *ops, size_t *n, int peer, bool is_send, const void *
   (*n)++;
 }
 
-static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+/* Sends `msg` (msg_bytes, starting with this rank's fingerprint) to every peer, receives
+ * every peer's fingerprint, and compares. A collective can append its first payload to
+ * the fingerprint in msg, so that it travels in the same segment (one network round trip
+ * fewer); receivers still read only the 32 fingerprint bytes here, so ranks that disagree
+ * on the payload size all read each other's fingerprints and all report DESYNC. */
+static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const void *msg,
+                                 size_t msg_bytes, ddp_error_t *err) {
   ddp__fp_t fps[MAXW];
   ddp_xfer_t ops[2 * MAXW];
   size_t n = 0;
   for (int j = 0; j < c->size; j++) {
     if (j == c->rank) continue;
-    add(ops, &n, j, true, &op->fp, sizeof op->fp);
+    add(ops, &n, j, true, msg, msg_bytes);
     add(ops, &n, j, false, &fps[j], sizeof fps[j]);
   }
   DDP_CHECK(xfer(c, ops, n, err));
@@ -44,6 +50,10 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
                             c->rank, a, j, b);
   }
   return DDP_OK;
+}
+
+static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  return exchange_fps(c, op, &op->fp, sizeof op->fp, err);
 }
 
 /* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
@@ -99,17 +109,25 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
 
 /* Small allreduce: every rank sends its whole vector to every peer and folds all W in rank
  * order itself. One round of messages instead of two; W times the bytes, so only below
- * the size table's threshold. */
-static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+ * the size table's threshold. On stream backends (with_fp) the vector travels in one
+ * message with the fingerprint (assembled in tmp; run_link skips the separate fingerprint
+ * round), so a small allreduce costs one network round trip. */
+static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool with_fp,
+                                    ddp_error_t *err) {
   size_t bytes = op->count * ddp_dtype_size(op->dt);
   int W = c->size, r = c->rank;
   ddp_xfer_t ops[2 * MAXW];
   const void *srcs[MAXW];
   size_t k = 0;
+  if (with_fp) {
+    memcpy(c->tmp, &op->fp, sizeof op->fp);
+    memcpy(c->tmp + sizeof op->fp, op->send, bytes);
+    DDP_CHECK(exchange_fps(c, op, c->tmp, sizeof op->fp + bytes, err));
+  }
   for (int j = 0; j < W; j++) {
     srcs[j] = j == r ? op->send : c->scratch + (size_t)j * bytes;
     if (j == r) continue;
-    add(ops, &k, j, true, op->send, bytes);
+    if (!with_fp) add(ops, &k, j, true, op->send, bytes);
     add(ops, &k, j, false, c->scratch + (size_t)j * bytes, bytes);
   }
   DDP_CHECK(xfer(c, ops, k, err));
@@ -239,9 +257,13 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
 ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   ddp__coll_t o = *op;
   if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
+  size_t es = ddp_dtype_size(o.dt);
+  if (c->stream && c->size > 1 && o.kind == DDP__ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
+      o.count > 0 && o.count * es * (size_t)c->size <= c->scratch_bytes &&
+      sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
+    return allreduce_small(c, &o, true, err);
   if (c->size > 1) DDP_CHECK(check_fps(c, &o, err));
   if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
-  size_t es = ddp_dtype_size(o.dt);
   if (c->size == 1) {
     if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
     return DDP_OK;
@@ -250,7 +272,7 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
     case DDP__ALLREDUCE:
       if (o.algo == DDP_ALGO_RING) return allreduce_ring(c, &o, err);
       if (o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)
-        return allreduce_small(c, &o, err);
+        return allreduce_small(c, &o, false, err);
       return allreduce_canonical(c, &o, err);
     case DDP__BROADCAST: return broadcast(c, &o, err);
     case DDP__ALLGATHER: return allgather(c, &o, err);

@@ -4,10 +4,10 @@
  * Synchronisation. The control block holds one slot per rank (a barrier counter, the
  * fingerprint and the buffer handles of the running collective), one cell per ordered pair
  * of ranks for point-to-point, and a failure record. Every change is a store to a word owned
- * by one writer, followed by a bump of one group-wide event word; a waiter spins a bounded
- * number of polls (long when every rank has a CPU, short when ranks outnumber CPUs, where
- * spinning loses badly, spec §0.10) and then sleeps on the event word with a futex in
- * slices of 10 ms. Between slices it checks the failure
+ * by one writer, followed by a bump of one group-wide event word; a waiter polls briefly
+ * (a fraction of a microsecond with PAUSE, then up to 50 us yielding its CPU between polls,
+ * since busy spinning loses badly when the awaited rank needs that CPU, spec §0.10) and then
+ * sleeps on the event word with a futex in slices of 10 ms. Between slices it checks the failure
  * record, the abort flag, its deadline and the liveness of peers, so a dead peer is noticed
  * within tens of milliseconds and nothing waits past the deadline. The first rank to fail
  * writes the failure record, which makes every other rank's waits fail at once.
@@ -31,12 +31,18 @@
 
 #include "algo/algo.h"
 
-/* Polls before a waiter sleeps. Measured on a 2-vCPU host (W=2, 8-byte allreduce): 2000
- * polls give a 7 us median where 200 give 50 us (the futex wake-up); with W=8 on the same
- * two CPUs spinning steals the CPU the awaited rank needs and 2000 polls double the time.
- * So ranks spin long only when every rank can have a CPU. */
-#define SPINS_DEDICATED 2000
-#define SPINS_OVERSUBSCRIBED 100
+/* How a waiter waits, in three phases timed from its start: poll with PAUSE for SPIN_NS,
+ * then poll with sched_yield until YIELD_NS, then sleep on the futex. Measured on the
+ * 2-vCPU development host shared with other jobs (W=2, 4-byte allreduce, ddp-bench p50):
+ * when the two ranks run on different CPUs a flag round trip takes about 1 us and any
+ * polling catches it; but often the other CPU is busy with another process and the awaited
+ * rank is queued on the waiter's own CPU, where every PAUSE spin only delays it (the old
+ * 2000-poll spin, about 90 us on this CPU, set a 90 us floor per barrier; a 5 us spin gives
+ * 14 us, a 0.2 us spin 4.4 us). sched_yield hands the CPU to it at once. Sleeping on the
+ * futex right away costs a wake-up per barrier (15-20 us under load). With W=4 on the same
+ * two CPUs this policy gives 16-20 us where the old short spin gave 60 us. */
+#define SPIN_NS 200
+#define YIELD_NS (50 * 1000)
 #define SLICE_NS (10 * 1000000LL)
 #define P2P_DESYNC (1ull << 63)
 
@@ -89,9 +95,6 @@ void ddp__shared_ctl_init(void *ctl, int size) {
 
 void ddp__shared_attach(ddp__comm_t *c, int pid) {
   slot(c, c->rank)->pid = pid;
-  cpu_set_t set;
-  int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  c->spins = c->size <= cpus ? SPINS_DEDICATED : SPINS_OVERSUBSCRIBED;
 }
 
 static void wake(ddp__comm_t *c) {
@@ -133,9 +136,15 @@ typedef void (*describe_fn)(ddp__comm_t *c, const void *arg, char *buf, size_t n
 static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, describe_fn desc,
                              int peer, ddp_error_t *err) {
   ctl_hdr_t *h = hdr(c);
-  for (int i = 0; i < c->spins; i++) {
+  int64_t t0 = ddp_now_ns();
+  for (unsigned i = 0;; i++) {
     if (pred(c, arg)) return DDP_OK;
+    if ((i & 7) == 7 && ddp_now_ns() - t0 >= SPIN_NS) break;
     __builtin_ia32_pause();
+  }
+  while (ddp_now_ns() - t0 < YIELD_NS) {
+    if (pred(c, arg)) return DDP_OK;
+    sched_yield();
   }
   int64_t start = ddp_now_ns(), last_check = start;
   for (;;) {

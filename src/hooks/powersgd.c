@@ -390,7 +390,8 @@ static void factor_offsets(const ddp_powersgd_state_t *s, const size_t *lay, siz
   for (size_t i = 0; i < count; i++) {
     if (taken[i]) continue;
     for (size_t j = i; j < count; j++) {
-      if (taken[j] || lay[4 * j + 3] != lay[4 * i + 3] || lay[4 * j + 2] != lay[4 * i + 2]) continue;
+      if (taken[j] || lay[4 * j + 3] != lay[4 * i + 3] || lay[4 * j + 2] != lay[4 * i + 2])
+        continue;
       taken[j] = true;
       size_t n = lay[4 * j + 3], m = lay[4 * j + 2] / n;
       size_t r = DDP_MIN(DDP_MIN(n, m), (size_t)s->o.matrix_approximation_rank);
@@ -410,18 +411,24 @@ static void factor_offsets(const ddp_powersgd_state_t *s, const size_t *lay, siz
  * the error feedback and the P/Q blocks are moved to their new places and the result is
  * bitwise the same as in the old layout. Any other change (different tensors) drops the
  * bucket's memories, which then restart as on a first use. */
-static ddp_status_t follow_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
-                                  const ddp_grad_bucket_t *b) {
-  size_t cnt = b->nparams;
-  size_t *lay = ddp__malloc((4 * cnt + 1) * sizeof *lay);
-  if (!lay) return DDP_ERR_NO_MEMORY;
-  for (size_t k = 0; k < cnt; k++) {
+static size_t *bucket_layout(const ddp_grad_bucket_t *b) {
+  size_t *lay = ddp__malloc((4 * b->nparams + 1) * sizeof *lay);
+  if (!lay) return NULL;
+  for (size_t k = 0; k < b->nparams; k++) {
     const ddp_param_t *p = b->params[k];
     lay[4 * k] = p->index;
     lay[4 * k + 1] = b->offsets[k];
     lay[4 * k + 2] = (size_t)p->value.numel;
     lay[4 * k + 3] = p->value.ndim > 0 ? (size_t)p->value.shape[0] : 1;
   }
+  return lay;
+}
+
+static ddp_status_t follow_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
+                                  const ddp_grad_bucket_t *b) {
+  size_t cnt = b->nparams;
+  size_t *lay = bucket_layout(b);
+  if (!lay) return DDP_ERR_NO_MEMORY;
   bool same = mem->nlay == cnt && !memcmp(mem->lay, lay, 4 * cnt * sizeof *lay);
   if (same || (!mem->error && !mem->has_mem)) goto record;
   /* old position of each new tensor (SIZE_MAX: not in the old layout) */
@@ -622,6 +629,12 @@ fail:
 typedef struct bpsgd_call {
   psgd_call_t c;
   size_t side, rank;
+  /* When the bucket arrives in another order than its memories' layout: per parameter,
+   * its offset now (map[3k]), in the memories' layout (map[3k+1]) and its length. */
+  size_t *map;
+  size_t nmap;
+  float *in_old; /* the bucket in the memories' layout */
+  float *out;    /* the result back in the current layout */
 } bpsgd_call_t;
 
 static ddp_status_t bpsgd_finish(void *user, ddp_comm_work_t *w) {
@@ -638,7 +651,71 @@ static ddp_status_t bpsgd_finish(void *user, ddp_comm_work_t *w) {
     for (size_t i = 0; i < s2; i++) mem->error[i] = c->cp[i] - c->in[i];
   if (!c->s->o.warm_start) mem_clear(mem);
   maybe_increase_iter(c->s, c->is_last);
+  if (k->nmap) {
+    k->out = ddp__malloc((c->numel + 1) * sizeof(float));
+    if (!k->out) return DDP_ERR_NO_MEMORY;
+    for (size_t j = 0; j < k->nmap; j++)
+      memcpy(k->out + k->map[3 * j], c->in + k->map[3 * j + 1], k->map[3 * j + 2] * sizeof(float));
+    ddp_comm_work_set_result(w, k->out, c->numel, DDP_F32);
+    return DDP_OK;
+  }
   ddp_comm_work_set_result(w, c->in, c->numel, DDP_F32);
+  return DDP_OK;
+}
+
+/* batched_powerSGD_hook compresses the bucket as one matrix, so the order of its tensors
+ * is part of the arithmetic. When the reducer hands a bucket over in another order than
+ * the one its memories were built in (the step after a resume, before the reducer's
+ * rebuild), the bucket is rearranged into the memories' order for the computation and the
+ * result rearranged back, which gives bitwise what the old order gives. A bucket with
+ * other tensors drops its memories (they restart as on first use). */
+static ddp_status_t batched_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
+                                   const ddp_grad_bucket_t *b, bpsgd_call_t *k) {
+  size_t cnt = b->nparams;
+  size_t *lay = bucket_layout(b);
+  if (!lay) return DDP_ERR_NO_MEMORY;
+  bool fresh = mem->nlay == 0 || (!mem->error && !mem->has_mem);
+  if (!fresh && mem->nlay == cnt && !memcmp(mem->lay, lay, 4 * cnt * sizeof *lay)) {
+    ddp__free(lay);
+    return DDP_OK;
+  }
+  bool perm = !fresh && mem->nlay == cnt;
+  size_t *map = perm ? ddp__malloc((3 * cnt + 1) * sizeof *map) : NULL;
+  if (perm && !map) {
+    ddp__free(lay);
+    return DDP_ERR_NO_MEMORY;
+  }
+  size_t total = 0;
+  for (size_t j = 0; perm && j < cnt; j++) {
+    perm = false;
+    for (size_t i = 0; i < cnt && !perm; i++) {
+      if (mem->lay[4 * i] != lay[4 * j] || mem->lay[4 * i + 2] != lay[4 * j + 2]) continue;
+      map[3 * j] = lay[4 * j + 1];
+      map[3 * j + 1] = mem->lay[4 * i + 1];
+      map[3 * j + 2] = lay[4 * j + 2];
+      perm = map[3 * j] + map[3 * j + 2] <= b->numel && map[3 * j + 1] + map[3 * j + 2] <= b->numel;
+    }
+    total += lay[4 * j + 2];
+  }
+  if (perm && total == b->numel) {
+    ddp__free(lay);
+    k->map = map;
+    k->nmap = cnt;
+    return DDP_OK;
+  }
+  ddp__free(map);
+  if (!fresh) {
+    ddp__log(s->rank, DDP_LOG_WARN,
+             "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
+             "warm-start memories were built for; they restart from zero", b->index);
+    mem_clear(mem);
+    ddp__free(mem->error);
+    mem->error = NULL;
+    mem->nerror = 0;
+  }
+  ddp__free(mem->lay);
+  mem->lay = lay;
+  mem->nlay = cnt;
   return DDP_OK;
 }
 
@@ -660,6 +737,9 @@ static void bcall_free(void *user) {
   psgd_call_t *c = &k->c;
   if (c->own_in) ddp__free(c->in);
   ddp__free(c->cp);
+  ddp__free(k->map);
+  ddp__free(k->in_old);
+  ddp__free(k->out);
   ddp__free(k);
 }
 
@@ -699,8 +779,22 @@ ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucke
     st = DDP_ERR_NO_MEMORY;
     goto fail;
   }
+  DDP_CHECK_GOTO(batched_layout(s, c->mem, b, k), st, fail);
+  ddp_grad_bucket_t in = *b;
+  if (k->nmap) {
+    k->in_old = ddp__malloc((b->numel + 1) * sizeof(float));
+    if (!k->in_old) {
+      st = DDP_ERR_NO_MEMORY;
+      goto fail;
+    }
+    for (size_t j = 0; j < k->nmap; j++)
+      for (size_t i = 0; i < k->map[3 * j + 2]; i++)
+        k->in_old[k->map[3 * j + 1] + i] = ddp__hk_load(b->buffer, b->dtype, k->map[3 * j] + i);
+    in.buffer = k->in_old;
+    in.dtype = DDP_F32;
+  }
   /* The padded s x s input (zeros past numel); error feedback runs on the padded length. */
-  DDP_CHECK_GOTO(prepare_input(c, b, side * side), st, fail);
+  DDP_CHECK_GOTO(prepare_input(c, &in, side * side), st, fail);
   s->total_before += (int64_t)b->numel;
   s->total_after += (int64_t)(2 * side * rank);
   maybe_log_stats(s, b->is_last);

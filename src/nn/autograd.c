@@ -2,7 +2,7 @@
  * search for unused parameters, and reentrant activation checkpointing. */
 #include <math.h>
 #include <string.h>
-#include <sys/random.h>
+#include <stdatomic.h>
 
 #include "nn/nn_internal.h"
 
@@ -61,22 +61,22 @@ void *ddp__arena_zalloc(ddp_ctx_t *c, size_t bytes) {
 
 /* ---------------------------------------------------------------- context --------- */
 
+/* ddp_param_var caches a parameter's leaf under a generation, and that cache lives in the
+ * parameter, so it outlives the context that filled it. Generations must therefore never
+ * repeat, across contexts either (a new context counting 1, 2, ... would find a destroyed
+ * context's leaf). They come from one process-wide counter: a number, not state. */
+static uint64_t next_generation(void) {
+  static _Atomic uint64_t counter = 1;
+  return atomic_fetch_add(&counter, 1);
+}
+
 ddp_status_t ddp_ctx_create(ddp_ctx_t **out) {
   DDP_REQUIRE(out);
   *out = NULL;
   ddp_ctx_t *c = ddp__calloc(1, sizeof *c);
   if (!c) return DDP_ERR_NO_MEMORY;
   c->grad_enabled = true;
-  /* ddp_param_var caches a parameter's leaf by generation, and that cache outlives the
-   * context that filled it. Generations therefore must not repeat across contexts either
-   * (a new context counting 1, 2, ... would find a destroyed context's leaf): each context
-   * starts at a random point of a 2^62 range, so a repeat needs two contexts' step counts
-   * to overlap there. */
-  uint64_t r = 0;
-  if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
-    r = (uint64_t)ddp_now_ns() ^ ((uint64_t)(uintptr_t)c << 17);
-  r = (r ^ (r >> 31)) * 0x9e3779b97f4a7c15ull;
-  c->gen = (r >> 2) | 1;
+  c->gen = next_generation();
   *out = c;
   return DDP_OK;
 }
@@ -101,7 +101,7 @@ void ddp_ctx_reset(ddp_ctx_t *c) {
   }
   c->used_total = 0;
   c->tail = NULL;
-  c->gen++;
+  c->gen = next_generation();
   c->dropout_ctr = 0;
 }
 
@@ -433,7 +433,7 @@ static ddp_status_t bw_checkpoint(ddp_ctx_t *c, ddp_node_t *n) {
   bool prev_mode = ddp_ctx_set_grad_enabled(c, true);
   uint64_t saved_ctr = c->dropout_ctr;
   c->dropout_ctr = n->seg_dropout_ctr;
-  c->gen++; /* fresh parameter leaves: the inner graph is a graph of its own */
+  c->gen = next_generation(); /* fresh parameter leaves: the inner graph is its own */
   ddp_var_t *y = NULL;
   ddp_status_t st = n->seg_fn(n->seg_user, c, n->nin, det, &y);
   c->dropout_ctr = saved_ctr;

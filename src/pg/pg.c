@@ -4,9 +4,11 @@
  *
  * Life of a collective: the entry point validates its arguments, stamps the collective with
  * the group's next sequence number (its fingerprint: seq, kind, op, dtype, count, root,
- * algorithm), and queues it. The progress thread runs queued work one at a time in issue
- * order with a deadline of now + timeout, through the algorithms of the backend's family
- * (src/algo). The first failure fails the group: its message names the collective and the
+ * algorithm), and queues it. Queued work runs one item at a time in issue order with a
+ * deadline of now + timeout, through the algorithms of the backend's family (src/algo), on
+ * the progress thread or, when the caller waits for it while nothing else runs, on the
+ * caller's own thread (ddp_work_wait; this saves two thread hand-offs per small
+ * collective). The first failure fails the group: its message names the collective and the
  * rank(s) at fault; queued and later work fails with the same status without running. */
 #include <pthread.h>
 #include <stdio.h>
@@ -16,12 +18,18 @@
 #include <unistd.h>
 
 #include "algo/algo.h"
+#include "backend/backends.h"
 #include "ddp/pg.h"
 
 #define PG_MAGIC 0x70677270u
 #define WORK_MAGIC 0x776f726bu
 #define SMALL_SHARED (16u * 1024u)
 #define SMALL_LINK (32u * 1024u)
+/* Lazy start of small work (see submit): how often the idle progress thread looks for
+ * work it was not woken for, and for how long after the last submission it keeps looking
+ * before it sleeps until woken. */
+#define LAZY_POLL_NS (1000 * 1000LL)
+#define LAZY_ACTIVE_NS (100 * 1000 * 1000LL)
 
 struct ddp_work {
   uint32_t magic;
@@ -40,7 +48,7 @@ struct ddp_pg {
   int size;
   const ddp_backend_ops_t *ops;
   void *state;
-  ddp__comm_t comm;        /* owned by the progress thread */
+  ddp__comm_t comm;        /* owned by whoever runs work (`running`) */
   ddp_algorithm_t algo;    /* requested (AUTO = size table) */
   size_t small_max;        /* AUTO: allreduce at or below this many bytes uses SMALL */
   int64_t timeout_ms;
@@ -48,6 +56,10 @@ struct ddp_pg {
   pthread_cond_t cv_queue; /* work queued or stop */
   pthread_cond_t cv_done;  /* some work completed (CLOCK_MONOTONIC) */
   ddp_work_t *head, *tail;
+  bool running;            /* a work item is being run (progress thread or a waiter) */
+  bool lazy;               /* the queue holds work the progress thread was not woken for */
+  bool deep_sleep;         /* the progress thread waits without a timeout: wake it */
+  int64_t last_submit_ns;
   bool stop;
   pthread_t thread;
   ddp_status_t failed;     /* first failure of the group */
@@ -120,23 +132,52 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   pthread_mutex_unlock(&pg->mu);
 }
 
+/* Takes the head of the queue and runs it; called with pg->mu held and pg->running false,
+ * returns with pg->mu held. Whoever runs work (the progress thread, or a thread waiting in
+ * ddp_work_wait) holds `running` for the duration, so work still runs one item at a time in
+ * issue order. When it finishes and more is queued, the progress thread is signalled in case
+ * the finisher was a waiter that now leaves. */
+static void run_head(ddp_pg_t *pg) {
+  ddp_work_t *w = pg->head;
+  pg->head = w->next;
+  if (!pg->head) pg->tail = NULL;
+  pg->running = true;
+  pg->lazy = false;
+  pthread_mutex_unlock(&pg->mu);
+  run_one(pg, w);
+  pthread_mutex_lock(&pg->mu);
+  atomic_store(&w->done, 1);
+  pg->running = false;
+  pthread_cond_broadcast(&pg->cv_done);
+  if (pg->head) pthread_cond_signal(&pg->cv_queue);
+  pthread_mutex_unlock(&pg->mu);
+  work_release(w);
+  pthread_mutex_lock(&pg->mu);
+}
+
+/* The progress thread. While the group is active (a submission in the last
+ * LAZY_ACTIVE_NS) it sleeps in slices of LAZY_POLL_NS, so work queued lazily (without a
+ * wake-up) starts within a slice even if its caller never waits for it; after that it
+ * sleeps until woken, and submit wakes it. */
 static void *progress_main(void *arg) {
   ddp_pg_t *pg = arg;
   pthread_mutex_lock(&pg->mu);
   for (;;) {
-    while (!pg->head && !pg->stop) pthread_cond_wait(&pg->cv_queue, &pg->mu);
-    ddp_work_t *w = pg->head;
-    if (!w) break;
-    pg->head = w->next;
-    if (!pg->head) pg->tail = NULL;
-    pthread_mutex_unlock(&pg->mu);
-    run_one(pg, w);
-    pthread_mutex_lock(&pg->mu);
-    atomic_store(&w->done, 1);
-    pthread_cond_broadcast(&pg->cv_done);
-    pthread_mutex_unlock(&pg->mu);
-    work_release(w);
-    pthread_mutex_lock(&pg->mu);
+    if (pg->head && !pg->running) {
+      run_head(pg);
+      continue;
+    }
+    if (pg->stop) break;
+    int64_t now = ddp_now_ns();
+    if (now - pg->last_submit_ns >= LAZY_ACTIVE_NS) {
+      pg->deep_sleep = true;
+      pthread_cond_wait(&pg->cv_queue, &pg->mu);
+      pg->deep_sleep = false;
+    } else {
+      int64_t t = now + LAZY_POLL_NS;
+      struct timespec ts = {(time_t)(t / 1000000000LL), (long)(t % 1000000000LL)};
+      pthread_cond_timedwait(&pg->cv_queue, &pg->mu, &ts);
+    }
   }
   pthread_mutex_unlock(&pg->mu);
   return NULL;
@@ -209,10 +250,10 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   pg->timeout_ms = o.timeout_ms;
   pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
   pthread_mutex_init(&pg->mu, NULL);
-  pthread_cond_init(&pg->cv_queue, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&pg->cv_queue, &ca);
   pthread_cond_init(&pg->cv_done, &ca);
   pthread_condattr_destroy(&ca);
 
@@ -221,6 +262,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   c->size = o.world;
   c->ops = ops;
   c->segment_bytes = o.segment_bytes;
+  c->stream = ops == &ddp__backend_tcp;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
                          ? SMALL_SHARED
@@ -498,13 +540,25 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
     fp->seq = pg->seq++;
   }
   w->coll = *c;
+  /* Lazy start: small work that finds the group idle is queued without waking the progress
+   * thread, because its caller usually waits for it next and then runs it itself
+   * (ddp_work_wait); the wake-up would cost a futex call here and a context switch that
+   * competes for the CPU the collective needs. If the caller does not wait, the progress
+   * thread's next poll slice starts it (progress_main). */
+  bool idle = !pg->head && !pg->running;
   if (pg->tail) {
     pg->tail->next = w;
   } else {
     pg->head = w;
   }
   pg->tail = w;
-  pthread_cond_signal(&pg->cv_queue);
+  pg->last_submit_ns = ddp_now_ns();
+  if (idle && !pg->deep_sleep && c->count * ddp_dtype_size(c->dt) <= pg->small_max) {
+    pg->lazy = true;
+  } else {
+    pg->lazy = false;
+    pthread_cond_signal(&pg->cv_queue);
+  }
   pthread_mutex_unlock(&pg->mu);
   if (ddp__log_enabled(DDP_LOG_DETAIL)) {
     char name[192];
@@ -570,13 +624,31 @@ ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int
 
 /* ---------------------------------------------------------------- work handles ----- */
 
+/* Wakes the progress thread for lazily queued work (pg->mu held): a caller that polls or
+ * waits with a short timeout expects the work to progress in the background now. */
+static void kick_lazy(ddp_pg_t *pg) {
+  if (!pg->lazy) return;
+  pg->lazy = false;
+  pthread_cond_signal(&pg->cv_queue);
+}
+
+/* A waiter whose wait may last as long as the collective's own deadline (timeout_ms < 0 or
+ * at least the group's timeout) runs the queue itself, up to and including its work, when
+ * no one else is running work: the progress thread would otherwise wake, run it and wake
+ * the waiter, two thread hand-offs that dominate a small collective's latency. Issue order,
+ * fingerprints, deadlines and abort behave exactly as on the progress thread (the same
+ * run_one). A waiter with a shorter timeout only waits, so it can return at its timeout
+ * while the collective continues in the background. */
 ddp_status_t ddp_work_wait(ddp_work_t *w, int64_t timeout_ms) {
   DDP_REQUIRE(w && w->magic == WORK_MAGIC);
   if (atomic_load(&w->done)) return w->status;
   ddp_pg_t *pg = w->pg;
   int64_t deadline = ddp_deadline_after_ms(timeout_ms < 0 ? pg->timeout_ms + 1000 : timeout_ms);
   struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
+  bool inline_ok = timeout_ms < 0 || timeout_ms >= pg->timeout_ms;
   pthread_mutex_lock(&pg->mu);
+  while (inline_ok && !atomic_load(&w->done) && !pg->running && pg->head) run_head(pg);
+  if (!atomic_load(&w->done)) kick_lazy(pg);
   while (!atomic_load(&w->done)) {
     if (pthread_cond_timedwait(&pg->cv_done, &pg->mu, &ts) != 0 && ddp_now_ns() >= deadline) break;
   }
@@ -587,6 +659,11 @@ ddp_status_t ddp_work_wait(ddp_work_t *w, int64_t timeout_ms) {
 ddp_status_t ddp_work_test(ddp_work_t *w, bool *done) {
   DDP_REQUIRE(w && w->magic == WORK_MAGIC && done);
   *done = atomic_load(&w->done) != 0;
+  if (!*done) {
+    pthread_mutex_lock(&w->pg->mu);
+    kick_lazy(w->pg);
+    pthread_mutex_unlock(&w->pg->mu);
+  }
   return *done ? w->status : DDP_OK;
 }
 

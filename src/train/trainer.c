@@ -418,7 +418,8 @@ static char *groups_json(trainer_t *t) {
     for (size_t i = 0; i < ddp_optim_num_params(t->opt[g]); i++, k++) {
       for (size_t j = 0; j < ddp_model_num_params(t->model); j++) {
         ddp_param_t *p = ddp_model_param(t->model, j);
-        if (&p->value == t->pairs[k].param) cJSON_AddItemToArray(names, cJSON_CreateString(p->name));
+        if (&p->value == t->pairs[k].param)
+          cJSON_AddItemToArray(names, cJSON_CreateString(p->name));
       }
     }
   }

@@ -1,6 +1,7 @@
 /* The PyTorch parity driver (parity.h): torch_reference.py, the same job in libddp on
  * thread ranks with the dump writer, ddp-compare, and the layout checks. Moved here from
- * tests/test_ddp_parity.c so that tests/test_hooks_parity.c runs the same libddp side. */
+ * tests/test_ddp_parity.c so that tests/test_hooks_parity.c runs the same libddp side; its
+ * file, JSON, command and scratch-directory helpers also serve tests/test_compare.c. */
 #include "parity.h"
 
 #include <math.h>
@@ -12,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -25,6 +25,7 @@
 #include "ddp/reducer.h"
 #include "common/common.h"
 #include "harness.h"
+#include "proc.h"
 
 static char g_scratch[256]; /* the caller's scratch directory */
 static char g_tool[1024];   /* ddp-compare */
@@ -34,13 +35,35 @@ static const char *g_py;    /* /usr/bin/python3 when it imports torch */
 bool ddp_test_parity_init(const char *scratch_dir) {
   const char *build = getenv("DDP_BUILD_ROOT");
   snprintf(g_tool, sizeof g_tool, "%s/tools/ddp-compare", build ? build : ".");
+  snprintf(g_scratch, sizeof g_scratch, "%s", scratch_dir);
   const char *src = ddp_test_source_root();
   if (!src) return false;
   snprintf(g_data, sizeof g_data, "%s/tests/data/digits.safetensors", src);
-  snprintf(g_scratch, sizeof g_scratch, "%s", scratch_dir);
   g_py = ddp_test_python();
   return true;
 }
+
+static const char *g_group; /* ddp_test_parity_main's name for the scratch directory */
+
+/* CMocka group setup and teardown of a parity test file: the scratch directory. */
+static int group_setup(void **state) {
+  (void)state;
+  char dir[sizeof g_scratch];
+  if (!ddp_test_make_scratch(dir, sizeof dir, g_group)) return 1;
+  return ddp_test_parity_init(dir) ? 0 : 1;
+}
+
+static int group_teardown(void **state) {
+  (void)state;
+  return ddp_test_remove_scratch(g_scratch, true);
+}
+
+int ddp_test_parity_main(const char *name, const struct CMUnitTest *tests, size_t n) {
+  g_group = name;
+  return _cmocka_run_group_tests("tests", tests, n, group_setup, group_teardown);
+}
+
+const char *ddp_test_parity_scratch(void) { return g_scratch; }
 
 bool ddp_test_parity_available(void) { return g_py && access(g_tool, X_OK) == 0; }
 const char *ddp_test_parity_compare_tool(void) { return g_tool; }
@@ -86,41 +109,37 @@ const cJSON *ddp_test_json_get(const cJSON *o, const char *key) {
 
 /* Runs a shell command, stdout into *out (malloc'd), stderr into g_scratch/stderr.txt. */
 int ddp_test_run_cmd(char **out, const char *fmt, ...) {
-  char cmd[4096], full[4400];
+  char cmd[4096], err_path[512];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(cmd, sizeof cmd, fmt, ap);
   va_end(ap);
-  snprintf(full, sizeof full, "%s 2>%s/stderr.txt", cmd, g_scratch);
-  FILE *p = popen(full, "r");
-  assert_non_null(p);
-  size_t len = 0, cap = 1 << 16;
-  char *buf = malloc(cap);
-  assert_non_null(buf);
-  size_t n;
-  while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-    len += n;
-    if (cap - len < 2) {
-      cap *= 2;
-      buf = realloc(buf, cap);
-      assert_non_null(buf);
-    }
-  }
-  buf[len] = 0;
-  int st = pclose(p);
-  if (out)
-    *out = buf;
-  else
-    free(buf);
-  return (st != -1 && WIFEXITED(st)) ? WEXITSTATUS(st) : -1;
+  snprintf(err_path, sizeof err_path, "%s/stderr.txt", g_scratch);
+  return ddp_test_proc_run(cmd, err_path, DDP_TEST_CMD_TIMEOUT_S, out);
+}
+
+char *ddp_test_cmd_stderr(void) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/stderr.txt", g_scratch);
+  return ddp_test_read_text(p);
 }
 
 void ddp_test_print_cmd_stderr(void) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/stderr.txt", g_scratch);
-  char *t = ddp_test_read_text(p);
+  char *t = ddp_test_cmd_stderr();
   if (t) print_error("%s\n", t);
   free(t);
+}
+
+bool ddp_test_make_scratch(char *dir, size_t cap, const char *name) {
+  snprintf(dir, cap, "/tmp/%s_XXXXXX", name);
+  return mkdtemp(dir) != NULL;
+}
+
+int ddp_test_remove_scratch(const char *dir, bool keep_env) {
+  if (!dir[0] || (keep_env && getenv("DDP_PARITY_KEEP"))) return 0;
+  char line[512];
+  snprintf(line, sizeof line, "rm -rf '%s'", dir);
+  return system(line) != 0 ? 1 : 0;
 }
 
 static const cJSON *get(const cJSON *o, const char *key) { return ddp_test_json_get(o, key); }

@@ -52,10 +52,18 @@ typedef struct ddp_test_parity_result {
   int buckets_initial, buckets_rebuilt; /* rank 0's layouts (rebuilt: -1 when none) */
 } ddp_test_parity_result_t;
 
-/* Sets the scratch directory (created by the caller, kept for the run) and finds
- * ddp-compare, the digits dataset and /usr/bin/python3 with torch. Returns false when the
- * source root is unknown. */
+/* Sets the scratch directory (created by the caller, kept for the run; where
+ * ddp_test_run_cmd leaves stderr) and finds ddp-compare, the digits dataset and
+ * /usr/bin/python3 with torch. Returns false when the source root is unknown (the scratch
+ * directory and ddp-compare are set all the same). */
 bool ddp_test_parity_init(const char *scratch_dir);
+/* A parity test file's main: runs tests (n of them) as one CMocka group between making the
+ * scratch directory /tmp/<name>_XXXXXX with ddp_test_parity_init and removing it (kept when
+ * DDP_PARITY_KEEP is set); returns what cmocka_run_group_tests returns. */
+struct CMUnitTest;
+int ddp_test_parity_main(const char *name, const struct CMUnitTest *tests, size_t n);
+/* The scratch directory given to ddp_test_parity_init. */
+const char *ddp_test_parity_scratch(void);
 /* Whether torch and ddp-compare are both available (else the parity tests skip). */
 bool ddp_test_parity_available(void);
 /* The ddp-compare executable and the digits dataset, as found by ddp_test_parity_init. */
@@ -78,10 +86,22 @@ void ddp_test_write_text(const char *path, const char *text);
 char *ddp_test_read_text(const char *path);
 struct cJSON *ddp_test_read_json(const char *path);
 const struct cJSON *ddp_test_json_get(const struct cJSON *o, const char *key);
-/* Runs a shell command: stdout into *out (malloc'd; NULL = discard), stderr into
- * scratch/stderr.txt. Returns the exit status, -1 when it did not exit normally. */
+/* Runs a shell command (ddp_test_proc_run, proc.h): stdout into *out (malloc'd; NULL =
+ * discard), stderr into scratch/stderr.txt, killed after DDP_TEST_CMD_TIMEOUT_S seconds
+ * (under the 120 s limit of the shortest test that runs commands). Returns the exit
+ * status, -1 when it did not exit normally. */
+#define DDP_TEST_CMD_TIMEOUT_S 110.0
 int ddp_test_run_cmd(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* scratch/stderr.txt (the last command's stderr), malloc'd; NULL when unreadable. */
+char *ddp_test_cmd_stderr(void);
 /* Prints scratch/stderr.txt (the last command's stderr) as a CMocka error message. */
 void ddp_test_print_cmd_stderr(void);
+
+/* A test file's scratch directory: makes /tmp/<name>_XXXXXX into dir (cap bytes) with
+ * mkdtemp, false on failure; removes it again (nothing when dir is empty, or when keep_env
+ * and DDP_PARITY_KEEP is set), 0 on success and 1 on failure, as a CMocka group teardown
+ * returns. */
+bool ddp_test_make_scratch(char *dir, size_t cap, const char *name);
+int ddp_test_remove_scratch(const char *dir, bool keep_env);
 
 #endif /* DDP_TEST_PARITY_H */

@@ -1,0 +1,331 @@
+/* ddp-bench-ddp: the DDP training-step benchmark of docs/benchmarks.md ("DDP steps").
+ *
+ * One rank of a W-rank job under ddprun (RANK/WORLD_SIZE/DDP_BACKEND from the launcher)
+ * trains the MLP 784-1024-1024-1024-10 with SGD through the DDP reducer (ddp_ddp_*) on a
+ * fixed random batch, and measures three phases in order:
+ *
+ *   1. throughput: `--steps` consecutive synchronised steps after `--warmup` untimed ones
+ *      (the warm-up covers iteration 1's single bucket and the rebuild). steps/s is the
+ *      step count over the wall time of the block; the per-step times give the p50.
+ *   2. exposed communication: `--pairs` pairs of (synchronised step, no_sync step), each
+ *      step started right after a barrier so that rank skew is not counted. Exposed
+ *      communication is p50(synced) - p50(no_sync): the part of the gradient reduction
+ *      that backward did not hide.
+ *   3. the allreduce alone: `--ar-iters` SUM allreduces of the whole gradient (same element
+ *      count, dtype and backend, in ddp_pg_alloc memory like the buckets), each after a
+ *      barrier; its p50 is what a step would pay with no overlap at all.
+ *
+ * A step is zero_grad, forward, cross-entropy, backward (buckets reduce while it runs),
+ * SGD step and context reset; the optimizer step is timed in both kinds of step, so the
+ * difference is communication only. Timings are rank 0's. With --hook/--wrapper/--state a
+ * communication hook is configured (ddp_hooks_configure, Accelerate's names), and the
+ * payload bytes the last synchronised step handed to collectives come from
+ * ddp_ddp_get_comm_stats. Phases 2 and 3 are skipped when their count is 0.
+ *
+ * Rank 0 prints one line "RESULT key=value ..." that tools/bench_ddp.sh parses.
+ *
+ *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
+ *       [--pairs N] [--ar-iters N] [--batch B] [--hook H] [--wrapper W] [--state JSON]
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp.h"
+
+static const char *model_json =
+    "{\"dtype\": \"f32\", \"layers\": ["
+    "{\"type\": \"linear\", \"in\": 784, \"out\": 1024}, {\"type\": \"relu\"},"
+    "{\"type\": \"linear\", \"in\": 1024, \"out\": 1024}, {\"type\": \"relu\"},"
+    "{\"type\": \"linear\", \"in\": 1024, \"out\": 1024}, {\"type\": \"relu\"},"
+    "{\"type\": \"linear\", \"in\": 1024, \"out\": 10}]}";
+
+enum { IN_DIM = 784, CLASSES = 10 };
+
+typedef struct bench_config {
+  int steps, warmup, pairs, ar_iters, batch;
+  const char *hook, *wrapper, *state;
+} bench_config_t;
+
+/* Everything one rank needs for a training step. */
+typedef struct bench_rank {
+  ddp_pg_t *pg;
+  ddp_model_t *model;
+  ddp_ddp_t *ddp;
+  ddp_ctx_t *ctx;
+  ddp_optim_t *opt;
+  ddp_optim_param_t *pairs;
+  float *x;
+  int64_t *y;
+  int64_t batch;
+} bench_rank_t;
+
+static int cmp_i64(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Median of n samples in ns (sorts them), as milliseconds. */
+static double p50_ms(int64_t *t, int n) {
+  if (n <= 0) return 0.0;
+  qsort(t, (size_t)n, sizeof *t, cmp_i64);
+  double m = n % 2 ? (double)t[n / 2] : 0.5 * (double)(t[n / 2 - 1] + t[n / 2]);
+  return m * 1e-6;
+}
+
+/* splitmix64: the synthetic batch, different on every rank. */
+static uint64_t mix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static ddp_status_t barrier(ddp_pg_t *pg) {
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_barrier(pg, &w);
+  return st == DDP_OK ? ddp_work_wait_free(w) : st;
+}
+
+/* One training step; sync selects a synchronised or a no_sync step. */
+static ddp_status_t step(bench_rank_t *r, bool sync) {
+  int64_t xs[2] = {r->batch, IN_DIM};
+  ddp_var_t *x, *t, *logits, *loss;
+  bool old = ddp_ddp_set_sync(r->ddp, sync);
+  ddp_optim_zero_grad(r->opt, false);
+  ddp_status_t st = ddp_var_new(r->ctx, DDP_F32, 2, xs, r->x, false, &x);
+  if (st == DDP_OK) st = ddp_var_new(r->ctx, DDP_I64, 1, &r->batch, r->y, false, &t);
+  if (st == DDP_OK) st = ddp_ddp_forward(r->ddp, r->ctx, x, 0, &logits);
+  if (st == DDP_OK) st = ddp_cross_entropy(r->ctx, logits, t, -100, &loss);
+  if (st == DDP_OK) st = ddp_ddp_backward(r->ddp, r->ctx, loss);
+  ddp_ddp_set_sync(r->ddp, old);
+  if (st == DDP_OK) st = ddp_optim_step(r->opt, NULL);
+  if (st != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: rank %d: step: %s: %s %s\n", ddp_pg_rank(r->pg),
+            ddp_status_name(st), ddp_ddp_last_error(r->ddp), ddp_ctx_last_error(r->ctx)->msg);
+  }
+  ddp_ctx_reset(r->ctx);
+  return st;
+}
+
+static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
+  int rank = ddp_pg_rank(r->pg);
+  ddp_error_t err = {0};
+  ddp_status_t st;
+  r->batch = cfg->batch;
+  if ((st = ddp_model_from_json(model_json, &r->model, &err)) != DDP_OK ||
+      (st = ddp_model_init(r->model, 1234 + (uint64_t)rank)) != DDP_OK ||
+      (st = ddp_ctx_create(&r->ctx)) != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: rank %d: model: %s %s\n", rank, ddp_status_name(st), err.msg);
+    return st;
+  }
+  ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
+  if ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
+      (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: rank %d: ddp: %s %s\n", rank, ddp_status_name(st), err.msg);
+    return st;
+  }
+  size_t np = ddp_model_num_params(r->model);
+  r->pairs = calloc(np, sizeof *r->pairs);
+  r->x = malloc((size_t)cfg->batch * IN_DIM * sizeof *r->x);
+  r->y = malloc((size_t)cfg->batch * sizeof *r->y);
+  if (!r->pairs || !r->x || !r->y) return DDP_ERR_NO_MEMORY;
+  for (size_t i = 0; i < np; i++) {
+    ddp_param_t *p = ddp_model_param(r->model, i);
+    r->pairs[i].param = &p->value;
+    r->pairs[i].grad = &p->grad;
+  }
+  ddp_optim_options_t oo = DDP_SGD_OPTIONS_INIT;
+  oo.lr = 0.01;
+  if ((st = ddp_optim_create(&oo, r->pairs, np, &r->opt, &err)) != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: rank %d: optim: %s %s\n", rank, ddp_status_name(st), err.msg);
+    return st;
+  }
+  uint64_t s = 99 + (uint64_t)rank;
+  for (size_t i = 0; i < (size_t)cfg->batch * IN_DIM; i++) {
+    r->x[i] = (float)((double)(mix(&s) >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  }
+  for (int i = 0; i < cfg->batch; i++) r->y[i] = (int64_t)(mix(&s) % CLASSES);
+  return DDP_OK;
+}
+
+static void teardown(bench_rank_t *r) {
+  ddp_optim_destroy(r->opt);
+  ddp_ddp_destroy(r->ddp);
+  ddp_ctx_destroy(r->ctx);
+  ddp_model_destroy(r->model);
+  free(r->pairs);
+  free(r->x);
+  free(r->y);
+}
+
+/* Phase 3: p50 of the whole-gradient allreduce alone, in ms. */
+static ddp_status_t allreduce_alone(ddp_pg_t *pg, size_t numel, int iters, double *ms) {
+  float *buf = ddp_pg_alloc(pg, numel * sizeof *buf);
+  int64_t *t = calloc((size_t)iters, sizeof *t);
+  ddp_status_t st = buf && t ? DDP_OK : DDP_ERR_NO_MEMORY;
+  for (size_t i = 0; buf && i < numel; i++) buf[i] = 1e-3f * (float)(i % 1000);
+  for (int k = -3; st == DDP_OK && k < iters; k++) {
+    ddp_work_t *w = NULL;
+    if ((st = barrier(pg)) != DDP_OK) break;
+    int64_t t0 = ddp_now_ns();
+    st = ddp_allreduce(pg, buf, buf, numel, DDP_F32, DDP_SUM, &w);
+    if (st == DDP_OK) st = ddp_work_wait_free(w);
+    if (k >= 0) t[k] = ddp_now_ns() - t0;
+  }
+  if (st == DDP_OK) *ms = p50_ms(t, iters);
+  free(t);
+  if (buf) ddp_pg_free(pg, buf);
+  return st;
+}
+
+static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
+  bench_rank_t r = {.pg = pg};
+  int rank = ddp_pg_rank(pg);
+  int nt = cfg->steps > cfg->pairs ? cfg->steps : cfg->pairs;
+  int64_t *ts = calloc((size_t)nt + 1, sizeof *ts), *tn = calloc((size_t)nt + 1, sizeof *tn);
+  ddp_status_t st = ts && tn ? setup(&r, cfg) : DDP_ERR_NO_MEMORY;
+  double steps_per_s = 0, step_p50 = 0, sync_p50 = 0, nosync_p50 = 0, ar_p50 = 0;
+  ddp_ddp_comm_stats_t cs = {0};
+
+  for (int k = 0; st == DDP_OK && k < cfg->warmup; k++) st = step(&r, true);
+  if (st == DDP_OK) st = barrier(pg);
+  /* Phase 1: consecutive synchronised steps. */
+  int64_t t0 = ddp_now_ns();
+  for (int k = 0; st == DDP_OK && k < cfg->steps; k++) {
+    int64_t a = ddp_now_ns();
+    st = step(&r, true);
+    ts[k] = ddp_now_ns() - a;
+  }
+  int64_t block = ddp_now_ns() - t0;
+  if (st == DDP_OK) {
+    ddp_ddp_get_comm_stats(r.ddp, &cs);
+    steps_per_s = cfg->steps / (block * 1e-9);
+    step_p50 = p50_ms(ts, cfg->steps);
+  }
+  /* Phase 2: barrier-aligned pairs of synchronised and no_sync steps. */
+  for (int k = 0; st == DDP_OK && k < cfg->pairs; k++) {
+    if ((st = barrier(pg)) != DDP_OK) break;
+    int64_t a = ddp_now_ns();
+    if ((st = step(&r, true)) != DDP_OK) break;
+    ts[k] = ddp_now_ns() - a;
+    if ((st = barrier(pg)) != DDP_OK) break;
+    a = ddp_now_ns();
+    st = step(&r, false);
+    tn[k] = ddp_now_ns() - a;
+  }
+  if (st == DDP_OK && cfg->pairs > 0) {
+    sync_p50 = p50_ms(ts, cfg->pairs);
+    nosync_p50 = p50_ms(tn, cfg->pairs);
+  }
+  size_t numel = 0;
+  for (size_t i = 0; r.model && i < ddp_model_num_params(r.model); i++) {
+    numel += (size_t)ddp_model_param(r.model, i)->value.numel;
+  }
+  if (st == DDP_OK && cfg->ar_iters > 0) st = allreduce_alone(pg, numel, cfg->ar_iters, &ar_p50);
+
+  if (st == DDP_OK && rank == 0) {
+    ddp_ddp_logging_data_t ld;
+    ddp_ddp_get_logging_data(r.ddp, &ld);
+    printf("RESULT backend=%s world=%d hook=%s wrapper=%s buckets=%zu grad_numel=%zu "
+           "steps=%d steps_per_s=%.3f step_p50_ms=%.3f",
+           ddp_pg_backend_name(pg), ddp_pg_size(pg), cfg->hook, cfg->wrapper,
+           ddp_ddp_num_buckets(r.ddp), numel, cfg->steps, steps_per_s, step_p50);
+    if (cfg->pairs > 0) {
+      printf(" sync_p50_ms=%.3f nosync_p50_ms=%.3f exposed_ms=%.3f", sync_p50, nosync_p50,
+             sync_p50 - nosync_p50);
+    }
+    if (cfg->ar_iters > 0) {
+      printf(" allreduce_p50_ms=%.3f", ar_p50);
+      if (cfg->pairs > 0) printf(" exposed_ratio=%.3f", (sync_p50 - nosync_p50) / ar_p50);
+    }
+    printf(" bytes_per_step=%lld numel_before=%lld numel_after=%lld rate=%.2f\n",
+           (long long)cs.bytes_last_step, (long long)cs.numel_before,
+           (long long)cs.numel_after, cs.rate);
+    fflush(stdout);
+  }
+  teardown(&r);
+  free(ts);
+  free(tn);
+  return st;
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
+          "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
+          "         [--wrapper W] [--state JSON]\n"
+          "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
+          "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
+          "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
+          "  --state a JSON object of PowerSGDState keys (docs/hooks.md).\n");
+}
+
+static int parse_count(const char *flag, const char *v, long lo, int *out) {
+  char *end;
+  errno = 0;
+  long x = strtol(v, &end, 10);
+  if (errno || end == v || *end || x < lo || x > 1000000) {
+    fprintf(stderr, "ddp-bench-ddp: %s expects an integer in [%ld, 1000000], got '%s'\n", flag,
+            lo, v);
+    return 0;
+  }
+  *out = (int)x;
+  return 1;
+}
+
+int main(int argc, char **argv) {
+  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "ddp-bench-ddp: unknown flag or missing value: %s\n", a);
+      usage(stderr);
+      return 2;
+    }
+    const char *v = argv[++i];
+    int ok = 1;
+    if (!strcmp(a, "--steps")) ok = parse_count(a, v, 1, &cfg.steps);
+    else if (!strcmp(a, "--warmup")) ok = parse_count(a, v, 2, &cfg.warmup);
+    else if (!strcmp(a, "--pairs")) ok = parse_count(a, v, 0, &cfg.pairs);
+    else if (!strcmp(a, "--ar-iters")) ok = parse_count(a, v, 0, &cfg.ar_iters);
+    else if (!strcmp(a, "--batch")) ok = parse_count(a, v, 1, &cfg.batch);
+    else if (!strcmp(a, "--hook")) cfg.hook = v;
+    else if (!strcmp(a, "--wrapper")) cfg.wrapper = v;
+    else if (!strcmp(a, "--state")) cfg.state = v;
+    else {
+      fprintf(stderr, "ddp-bench-ddp: unknown flag: %s\n", a);
+      usage(stderr);
+      return 2;
+    }
+    if (!ok) return 2;
+  }
+  ddp_error_t err = {0};
+  if (ddp_hooks_validate(cfg.hook, cfg.wrapper, cfg.state, &err) != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: %s\n", err.msg);
+    return 2;
+  }
+  if (!ddp_env_is_set(DDP_ENV_RANK) || !ddp_env_is_set(DDP_ENV_WORLD_SIZE)) {
+    fprintf(stderr, "ddp-bench-ddp: run the ranks under ddprun (RANK and WORLD_SIZE unset)\n");
+    usage(stderr);
+    return 2;
+  }
+  ddp_pg_t *pg = NULL;
+  ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;
+  po.timeout_ms = 120000;
+  ddp_status_t st = ddp_pg_create_from_env(&po, &pg, &err);
+  if (st != DDP_OK) {
+    fprintf(stderr, "ddp-bench-ddp: process group: %s: %s\n", ddp_status_name(st), err.msg);
+    return 1;
+  }
+  st = run(pg, &cfg);
+  if (st != DDP_OK) fprintf(stderr, "ddp-bench-ddp: failed: %s %s\n", ddp_status_name(st),
+                            ddp_pg_last_error(pg));
+  ddp_pg_destroy(pg);
+  return st == DDP_OK ? 0 : 1;
+}

@@ -1,0 +1,171 @@
+#!/usr/bin/python3
+"""PyTorch DDP peer of ddp-bench-ddp (docs/benchmarks.md, "DDP steps").
+
+Runs the same measurement as tools/ddp-bench-ddp.c with real PyTorch DistributedDataParallel
+over gloo: W processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), one intra-op and one inter-op
+thread each, the MLP 784-1024-1024-1024-10, SGD (lr 0.01), a fixed random batch per rank,
+cross-entropy. Phases, in order, timed on rank 0:
+
+  1. --steps consecutive synchronised steps after --warmup untimed ones: steps/s and p50;
+  2. --pairs pairs of (synchronised step, no_sync step), each after a barrier: p50 of each;
+  3. --ar-iters all_reduce calls on a float32 tensor of the gradient's element count, each
+     after a barrier: p50.
+
+A step is zero_grad, forward, loss, backward and optimizer step. Prints one line
+"RESULT key=value ..." with the keys ddp-bench-ddp uses. Run it with Debian's interpreter:
+    /usr/bin/python3 tools/peer_torch_ddp.py [--world 2] [--steps 30] ...
+"""
+import os
+
+# Before torch is imported: one BLAS/OpenMP thread per rank, gloo on the loopback device.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+
+def p50_ms(samples):
+    return statistics.median(samples) * 1e3 if samples else 0.0
+
+
+def rank_main(args):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(1234 + rank)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(99 + rank)
+    x = torch.rand(args.batch, 784, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        lossf(ddp(x), y).backward()
+        opt.step()
+
+    def nosync_step():
+        opt.zero_grad(set_to_none=False)
+        with ddp.no_sync():
+            lossf(ddp(x), y).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    ts = []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        a = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - a)
+    block = time.perf_counter() - t0
+    steps_per_s = args.steps / block
+    step_p50 = p50_ms(ts)
+
+    sync_t, nosync_t = [], []
+    for _ in range(args.pairs):
+        dist.barrier()
+        a = time.perf_counter()
+        step()
+        sync_t.append(time.perf_counter() - a)
+        dist.barrier()
+        a = time.perf_counter()
+        nosync_step()
+        nosync_t.append(time.perf_counter() - a)
+
+    numel = sum(p.numel() for p in model.parameters())
+    ar_t = []
+    if args.ar_iters > 0:
+        buf = torch.full((numel,), 1e-3)
+        for k in range(-3, args.ar_iters):
+            dist.barrier()
+            a = time.perf_counter()
+            dist.all_reduce(buf)
+            if k >= 0:
+                ar_t.append(time.perf_counter() - a)
+
+    if rank == 0:
+        fields = [f"backend=gloo world={args.world} hook=no wrapper=no grad_numel={numel}",
+                  f"steps={args.steps} steps_per_s={steps_per_s:.3f} step_p50_ms={step_p50:.3f}"]
+        if args.pairs > 0:
+            s, n = p50_ms(sync_t), p50_ms(nosync_t)
+            fields.append(f"sync_p50_ms={s:.3f} nosync_p50_ms={n:.3f} exposed_ms={s - n:.3f}")
+        if args.ar_iters > 0:
+            fields.append(f"allreduce_p50_ms={p50_ms(ar_t):.3f}")
+            if args.pairs > 0:
+                fields.append(f"exposed_ratio={(s - n) / p50_ms(ar_t):.3f}")
+        fields.append(f"torch={torch.__version__}")
+        print("RESULT " + " ".join(fields), flush=True)
+    dist.barrier()
+    # Leave without the interpreter's teardown: with gloo's threads still up it can spin
+    # for minutes after the work is done (seen with Debian's torch 1.13).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(args):
+    """Starts --world copies of this script as the ranks and waits, bounded by --timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(args.world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:],
+                                      env=env))
+    deadline = time.monotonic() + args.timeout
+    rc = 0
+    for p in procs:
+        try:
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"peer_torch_ddp: timed out after {args.timeout} s", file=sys.stderr)
+            for q in procs:
+                q.kill()
+            code = 1
+        rc = rc or code
+    return 1 if rc else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--ar-iters", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds for the whole run")
+    args = ap.parse_args()
+    if args.world < 1 or args.steps < 1 or args.warmup < 0 or args.pairs < 0 \
+            or args.ar_iters < 0 or args.batch < 1:
+        ap.error("counts must be positive (steps, batch, world) or non-negative")
+    if "RANK" not in os.environ:
+        return launch(args)
+    return rank_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
