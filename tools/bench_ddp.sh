@@ -16,7 +16,8 @@
 #   exposed communication (synced p50 - no_sync p50) / allreduce-alone p50 <= 0.25.
 # Part 2, libddp on tcp, one run per comm hook (no, fp16, bf16, power_sgd rank 1 and 4,
 # batched_power_sgd rank 1, fp16 wrapper around power_sgd rank 1; PowerSGD with
-# start_powerSGD_iter=2 so the timed steps compress): payload bytes per step and steps/s.
+# start_powerSGD_iter=2 so the timed steps compress), ROUNDS rounds, the best kept:
+# payload bytes per step and steps/s.
 # Exit status: 0 when every run finished (whatever the ratios), 1 otherwise, 2 usage.
 set -u
 
@@ -35,7 +36,7 @@ while [ $# -gt 0 ]; do
         -B) build=$2 ;; -o) out=$2 ;; -s) steps=$2 ;; -r) rounds=$2 ;; -b) batch=$2 ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench_ddp.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -156,26 +157,30 @@ hooks=("no|no|" "fp16|no|" "bf16|no|" "power_sgd|no|$psgd1" "power_sgd|no|$psgd4
        "batched_power_sgd|no|$psgd1" "power_sgd|fp16|$psgd1")
 labels=("no hook" "fp16" "bf16" "power_sgd r1" "power_sgd r4" "batched_power_sgd r1"
         "fp16 wrapper(power_sgd r1)")
-for i in "${!hooks[@]}"; do
-  IFS='|' read -r h w st <<<"${hooks[$i]}"
-  args=(--hook "$h" --wrapper "$w")
-  [ -n "$st" ] && args+=(--state "$st")
-  t0=$(date +%s)
-  run "hook$i" "$ddprun" --nproc_per_node 2 --backend tcp "$tool" "${counts[@]}" --pairs 0 \
-    --ar-iters 0 "${args[@]}"
+for r in $(seq 1 "$rounds"); do
+  for i in "${!hooks[@]}"; do
+    IFS='|' read -r h w st <<<"${hooks[$i]}"
+    args=(--hook "$h" --wrapper "$w")
+    [ -n "$st" ] && args+=(--state "$st")
+    t0=$(date +%s)
+    run "hook$i.r$r" "$ddprun" --nproc_per_node 2 --backend tcp "$tool" "${counts[@]}" \
+      --pairs 0 --ar-iters 0 "${args[@]}"
+  done
 done
 echo
-base_b=$(get "$out/hook0.res" bytes_per_step)
-base_s=$(get "$out/hook0.res" steps_per_s)
-printf '%-28s %14s %10s %9s %10s %10s\n' "hook" "bytes/step" "vs no" "rate" "steps/s" "vs no"
+for i in "${!hooks[@]}"; do res[hook$i]=$(best "hook$i"); done
+base_b=$(get "${res[hook0]:-/dev/null}" bytes_per_step)
+base_s=$(get "${res[hook0]:-/dev/null}" steps_per_s)
+printf '%-28s %14s %10s %9s %10s %10s  %s\n' "hook" "bytes/step" "vs no" "rate" "steps/s" "vs no" \
+  "rounds (steps/s)"
 for i in "${!hooks[@]}"; do
-  f="$out/hook$i.res"
+  f=${res[hook$i]:-/dev/null}
   b=$(get "$f" bytes_per_step); s=$(get "$f" steps_per_s); rt=$(get "$f" rate)
   rb=""; rs=""
   [ -n "$b" ] && [ -n "$base_b" ] && rb=$(calc "$b / $base_b")
   [ -n "$s" ] && [ -n "$base_s" ] && rs=$(calc "$s / $base_s")
-  printf '%-28s %14s %10s %9s %10s %10s\n' "${labels[$i]}" "${b:--}" "${rb:--}" "${rt:--}" \
-    "${s:--}" "${rs:--}"
+  printf '%-28s %14s %10s %9s %10s %10s  %s\n' "${labels[$i]}" "${b:--}" "${rb:--}" "${rt:--}" \
+    "${s:--}" "${rs:--}" "$(for g in "$out/hook$i".r*.res; do get "$g" steps_per_s; done | paste -sd/)"
 done
 echo
 echo "# bytes/step: payload bytes this rank handed to allreduces in one synchronised step"

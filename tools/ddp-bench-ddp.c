@@ -26,6 +26,7 @@
  *
  *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
  *       [--pairs N] [--ar-iters N] [--batch B] [--hook H] [--wrapper W] [--state JSON]
+ *       [--trace FILE] [--bucket-cap-mb MB]
  */
 #include <errno.h>
 #include <stdio.h>
@@ -45,7 +46,8 @@ enum { IN_DIM = 784, CLASSES = 10 };
 
 typedef struct bench_config {
   int steps, warmup, pairs, ar_iters, batch;
-  const char *hook, *wrapper, *state;
+  const char *hook, *wrapper, *state, *trace;
+  double bucket_cap_mb; /* DDP_BUCKET_CAP_UNSET: PyTorch's default (25, 1 MiB first) */
 } bench_config_t;
 
 /* Everything one rank needs for a training step. */
@@ -121,6 +123,8 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
     return st;
   }
   ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
+  o.trace_path = cfg->trace;
+  o.bucket_cap_mb = cfg->bucket_cap_mb;
   if ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
       (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK) {
     fprintf(stderr, "ddp-bench-ddp: rank %d: ddp: %s %s\n", rank, ddp_status_name(st), err.msg);
@@ -255,11 +259,13 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
           "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
-          "         [--wrapper W] [--state JSON]\n"
+          "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
           "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
           "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
           "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
-          "  --state a JSON object of PowerSGDState keys (docs/hooks.md).\n");
+          "  --state a JSON object of PowerSGDState keys (docs/hooks.md);\n"
+          "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
+          "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first).\n");
 }
 
 static int parse_count(const char *flag, const char *v, long lo, int *out) {
@@ -276,7 +282,7 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
 }
 
 int main(int argc, char **argv) {
-  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL};
+  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL, NULL, DDP_BUCKET_CAP_UNSET};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -298,6 +304,15 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--hook")) cfg.hook = v;
     else if (!strcmp(a, "--wrapper")) cfg.wrapper = v;
     else if (!strcmp(a, "--state")) cfg.state = v;
+    else if (!strcmp(a, "--trace")) cfg.trace = v;
+    else if (!strcmp(a, "--bucket-cap-mb")) {
+      char *end;
+      cfg.bucket_cap_mb = strtod(v, &end);
+      if (*end || !(cfg.bucket_cap_mb > 0)) {
+        fprintf(stderr, "ddp-bench-ddp: --bucket-cap-mb expects a positive number, got '%s'\n", v);
+        return 2;
+      }
+    }
     else {
       fprintf(stderr, "ddp-bench-ddp: unknown flag: %s\n", a);
       usage(stderr);
