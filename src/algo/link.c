@@ -111,7 +111,10 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
  * order itself. One round of messages instead of two; W times the bytes, so only below
  * the size table's threshold. On stream backends (with_fp) the vector travels in one
  * message with the fingerprint (assembled in tmp; run_link skips the separate fingerprint
- * round), so a small allreduce costs one network round trip. */
+ * round), so a small allreduce costs one network round trip. A peer that sent its message
+ * and then failed or aborted before completing is caught by a zero-byte probe receive
+ * (tcp: its stream ended without the goodbye of an orderly destroy), so this rank fails
+ * with it instead of completing on data from an aborted collective. */
 static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool with_fp,
                                     ddp_error_t *err) {
   size_t bytes = op->count * ddp_dtype_size(op->dt);
@@ -129,6 +132,7 @@ static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool 
     if (j == r) continue;
     if (!with_fp) add(ops, &k, j, true, op->send, bytes);
     add(ops, &k, j, false, c->scratch + (size_t)j * bytes, bytes);
+    if (with_fp) ops[k++] = (ddp_xfer_t){j, false, NULL, 0, 0};
   }
   DDP_CHECK(xfer(c, ops, k, err));
   ddp__reduce_fold(op->dt, op->op, W, srcs, op->recv, op->count, c->tmp, W);

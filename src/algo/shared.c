@@ -6,11 +6,12 @@
  * of ranks for point-to-point, and a failure record. Every change is a store to a word owned
  * by one writer, followed by a bump of one group-wide event word; a waiter polls briefly
  * (a fraction of a microsecond with PAUSE, then up to 50 us yielding its CPU between polls,
- * since busy spinning loses badly when the awaited rank needs that CPU, spec §0.10) and then
- * sleeps on the event word with a futex in slices of 10 ms. Between slices it checks the failure
- * record, the abort flag, its deadline and the liveness of peers, so a dead peer is noticed
- * within tens of milliseconds and nothing waits past the deadline. The first rank to fail
- * writes the failure record, which makes every other rank's waits fail at once.
+ * since busy spinning loses badly when the awaited rank needs that CPU, spec §0.10) and
+ * then sleeps on the event word with a futex in slices of 10 ms. Between slices it checks
+ * the failure record, the abort flag, its deadline and the liveness of peers, so a dead
+ * peer is noticed within tens of milliseconds and nothing waits past the deadline. The
+ * first rank to fail writes the failure record, which makes every other rank's waits fail
+ * at once.
  *
  * Fingerprints and handles of collective number s live at index s & 1 of each slot. A rank
  * can run at most one collective ahead of the slowest (every collective starts with a

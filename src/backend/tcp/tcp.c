@@ -13,8 +13,11 @@
  * it writes and reads whatever each socket accepts, handles partial transfers and EINTR,
  * and polls all pending sockets plus an abort eventfd (after a short window of retries that
  * yield the CPU, YIELD_NS) until everything is done, so sends and receives to all peers
- * proceed concurrently and the algorithms' segments pipeline through the socket buffers. A read of 0 bytes (FIN) or a reset names the peer rank and
- * address; the deadline names every peer still pending with its byte counts.
+ * proceed concurrently and the algorithms' segments pipeline through the socket buffers. A
+ * read of 0 bytes (FIN) or a reset names the peer rank and address; the deadline names
+ * every peer still pending with its byte counts. A receive of zero bytes is a probe: it
+ * fails if the peer's stream has ended without the goodbye byte that an orderly destroy
+ * sends before closing, i.e. if the peer failed or aborted.
  *
  * Failure. fail() half-closes every connection (SHUT_WR): data already written still
  * arrives, then peers read end-of-file and fail at once instead of at their timeout.
@@ -161,9 +164,15 @@ static int connect_to(const char *host, const char *port, int64_t deadline, int 
 static void tcp_destroy(void *state) {
   tcp_state_t *s = state;
   if (!s) return;
+  /* A goodbye byte before the FIN: peers that probe a connection (zero-byte receives in
+   * xfer) tell this orderly end from a failure, whose fail() sends the FIN alone. Nobody
+   * reads the byte; best effort (a failed connection refuses it). */
   if (s->fds)
     for (int j = 0; j < s->size; j++)
-      if (s->fds[j] >= 0) close(s->fds[j]);
+      if (s->fds[j] >= 0) {
+        if (send(s->fds[j], "", 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) { /* failed or full */ }
+        close(s->fds[j]);
+      }
   if (s->efd >= 0) close(s->efd);
   ddp__free(s->fds);
   ddp__free(s->addr);
@@ -383,6 +392,15 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, int64_t dea
     for (size_t i = 0; i < n; i++) {
       ddp_xfer_t *o = &ops[i];
       int fd = s->fds[o->peer];
+      char probe;
+      if (!o->is_send && o->bytes == 0 &&
+          recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+        char others[160];
+        also_closed(s, o->peer, others, sizeof others);
+        return ddp__error_quiet(err, DDP_ERR_REMOTE,
+                                "rank %d (%s) closed the connection: it exited, failed or "
+                                "aborted%s", o->peer, s->addr[o->peer], others);
+      }
       while (o->done < o->bytes) {
         ssize_t r = o->is_send
                         ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
