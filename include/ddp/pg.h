@@ -2,8 +2,9 @@
  *
  * A process group (ddp_pg_t) is W ranks that run the same sequence of collectives. Every
  * collective is asynchronous: the call checks its arguments, queues the operation and
- * returns a ddp_work_t at once; the group's progress thread runs queued operations one at a
- * time in issue order. Caller buffers belong to the library from the call until the work
+ * returns a ddp_work_t at once; queued operations run one at a time in issue order, on the
+ * group's progress thread, or on the caller's thread when it waits on an idle group (no
+ * thread handoff for small messages). Caller buffers belong to the library from the call until the work
  * completes (ddp_work_wait/ddp_work_test says so); reading or writing them before that is a
  * data race.
  *
