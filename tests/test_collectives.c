@@ -27,6 +27,7 @@
 #include "ddp/pg.h"
 #include "ddp/store.h"
 #include "harness.h"
+#include "colldata.h"
 
 #define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -376,46 +377,6 @@ static void test_tcp_ring_small_segments(void **state) {
 static const size_t d2_counts[D2_COUNTS] = {1000, 65539, 3};
 static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
 
-static void d2_fill(ddp_dtype_t dt, void *p, size_t n, int rank, int salt) {
-  ddp_rng_t g;
-  ddp_rng_init(&g, 1234 + (uint64_t)salt, ddp_rng_stream(DDP_RNG_TEST, (uint32_t)rank, 0));
-  for (size_t i = 0; i < n; i++) {
-    float v = (ddp_rng_uniform(&g) - 0.5f) * 8.0f * (1.0f + (float)(i % 5));
-    switch (dt) {
-      case DDP_F32: ((float *)p)[i] = v; break;
-      case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
-      default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
-    }
-  }
-}
-
-/* The reference: ((x0 + x1) + x2) + ..., rounding fp16/bf16 after each addition. */
-static void d2_reference(ddp_dtype_t dt, void *acc, size_t n, int W, int salt) {
-  size_t es = ddp_dtype_size(dt);
-  unsigned char *x = ddp_malloc(n * es + 1);
-  d2_fill(dt, acc, n, 0, salt);
-  for (int j = 1; j < W; j++) {
-    d2_fill(dt, x, n, j, salt);
-    for (size_t i = 0; i < n; i++) {
-      if (dt == DDP_F32) {
-        ((float *)acc)[i] = ((float *)acc)[i] + ((float *)x)[i];
-      } else if (dt == DDP_F16) {
-        uint16_t *a = acc, *b = (uint16_t *)x;
-        a[i] = ddp_f32_to_f16(ddp_f16_to_f32(a[i]) + ddp_f16_to_f32(b[i]));
-      } else {
-        uint16_t *a = acc, *b = (uint16_t *)x;
-        a[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(a[i]) + ddp_bf16_to_f32(b[i]));
-      }
-    }
-  }
-  ddp_free(x);
-}
-
-static uint64_t fnv(const void *p, size_t n, uint64_t h) {
-  const unsigned char *b = p;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
 
 static int d2_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
@@ -433,16 +394,16 @@ static int d2_rank(ddp_test_rank_t *tr, void *arg) {
       ddp_dtype_t dt = d2_dtypes[d];
       size_t n = d2_counts[k], es = ddp_dtype_size(dt);
       unsigned char *buf = buf_alloc(&c, n * es), *ref = ddp_malloc(n * es);
-      d2_fill(dt, buf, n, c.r, k);
+      ddp_test_d2_fill(dt, buf, n, c.r, k);
       ddp_work_t *w = NULL;
       st = run(&c, ddp_allreduce(pg, buf, buf, n, dt, DDP_SUM, &w), &w, "allreduce");
-      d2_reference(dt, ref, n, c.W, k);
+      ddp_test_d2_reference(dt, ref, n, c.W, k);
       if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
         size_t i = 0;
         while (memcmp((char *)buf + i * es, (char *)ref + i * es, es) == 0) i++;
         mismatch(&c, "D2 allreduce", dt, n, i, get_el(dt, buf, i), get_el(dt, ref, i));
       }
-      h = fnv(buf, n * es, h);
+      h = ddp_test_fnv(buf, n * es, h);
       buf_free(&c, buf);
       ddp_free(ref);
     }
