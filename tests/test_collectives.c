@@ -47,49 +47,6 @@ static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
                                          DDP_I32, DDP_I64, DDP_U8};
 static const ddp_dtype_t fork_dtypes[] = {DDP_F32, DDP_BF16, DDP_I64, DDP_U8};
 
-/* ---- element access as double (exact for the small integers used here) ---- */
-
-static void set_el(ddp_dtype_t dt, void *p, size_t i, double v) {
-  switch (dt) {
-    case DDP_F32: ((float *)p)[i] = (float)v; break;
-    case DDP_F64: ((double *)p)[i] = v; break;
-    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16((float)v); break;
-    case DDP_BF16: ((uint16_t *)p)[i] = ddp_f32_to_bf16((float)v); break;
-    case DDP_I32: ((int32_t *)p)[i] = (int32_t)v; break;
-    case DDP_I64: ((int64_t *)p)[i] = (int64_t)v; break;
-    case DDP_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
-    default: break;
-  }
-}
-
-static double get_el(ddp_dtype_t dt, const void *p, size_t i) {
-  switch (dt) {
-    case DDP_F32: return ((const float *)p)[i];
-    case DDP_F64: return ((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DDP_I32: return ((const int32_t *)p)[i];
-    case DDP_I64: return (double)((const int64_t *)p)[i];
-    case DDP_U8: return ((const uint8_t *)p)[i];
-    default: return 0;
-  }
-}
-
-/* The library's AVG: the exact sum divided by W in the dtype. */
-static double avg_of(ddp_dtype_t dt, double sum, int W) {
-  switch (dt) {
-    case DDP_F32: return (float)sum / (float)W;
-    case DDP_F64: return sum / W;
-    case DDP_F16: return ddp_f16_to_f32(ddp_f32_to_f16((float)sum / (float)W));
-    case DDP_BF16: return ddp_bf16_to_f32(ddp_f32_to_bf16((float)sum / (float)W));
-    default: return (double)((int64_t)sum / W);
-  }
-}
-
-/* Contributions: exact in every dtype (sums <= 7*36 = 252, products <= 8). */
-static double val_sum(int r, size_t i) { return (double)((r + 1) * (int)(i % 7 + 1)); }
-static double val_prod(int r, size_t i) { return (i + (size_t)r) % 3 == 0 ? 2 : 1; }
-static double val_mm(int r, size_t i) { return (double)((r * 3 + (int)(i % 11)) % 11); }
 
 typedef struct ctx {
   ddp_test_rank_t *tr;
@@ -139,10 +96,10 @@ static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
     ddp_redop_t op = ops[k];
     bool inplace = (k % 2) == 0;
     for (size_t i = 0; i < n; i++) {
-      double v = op == DDP_PRODUCT ? val_prod(c->r, i)
-                 : (op == DDP_MIN || op == DDP_MAX) ? val_mm(c->r, i)
-                                                    : val_sum(c->r, i);
-      set_el(dt, in, i, v);
+      double v = op == DDP_PRODUCT ? ddp_test_val_prod(c->r, i)
+                 : (op == DDP_MIN || op == DDP_MAX) ? ddp_test_val_mm(c->r, i)
+                                                    : ddp_test_val_sum(c->r, i);
+      ddp_test_set_el(dt, in, i, v);
     }
     ddp_work_t *w = NULL;
     st = run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
@@ -151,19 +108,19 @@ static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
     for (size_t i = 0; i < n; i++) {
       double want = 0, s = 0, p = 1, mn = 1e9, mx = -1e9;
       for (int j = 0; j < c->W; j++) {
-        s += val_sum(j, i);
-        p *= val_prod(j, i);
-        mn = val_mm(j, i) < mn ? val_mm(j, i) : mn;
-        mx = val_mm(j, i) > mx ? val_mm(j, i) : mx;
+        s += ddp_test_val_sum(j, i);
+        p *= ddp_test_val_prod(j, i);
+        mn = ddp_test_val_mm(j, i) < mn ? ddp_test_val_mm(j, i) : mn;
+        mx = ddp_test_val_mm(j, i) > mx ? ddp_test_val_mm(j, i) : mx;
       }
       switch (op) {
         case DDP_SUM: want = s; break;
-        case DDP_AVG: want = avg_of(dt, s, c->W); break;
+        case DDP_AVG: want = ddp_test_avg_of(dt, s, c->W); break;
         case DDP_MIN: want = mn; break;
         case DDP_MAX: want = mx; break;
         case DDP_PRODUCT: want = p; break;
       }
-      double got = get_el(dt, res, i);
+      double got = ddp_test_get_el(dt, res, i);
       if (got != want) {
         char what[48];
         snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
@@ -185,38 +142,38 @@ static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
   ddp_status_t st;
   /* broadcast from a root that moves with n */
   int root = (int)(n % W);
-  for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+  for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
   st = run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
   for (size_t i = 0; st == DDP_OK && i < n; i++)
-    if (get_el(dt, a, i) != val_sum(root, i)) {
-      mismatch(c, "broadcast", dt, n, i, get_el(dt, a, i), val_sum(root, i));
+    if (ddp_test_get_el(dt, a, i) != ddp_test_val_sum(root, i)) {
+      mismatch(c, "broadcast", dt, n, i, ddp_test_get_el(dt, a, i), ddp_test_val_sum(root, i));
       break;
     }
   /* allgather, out of place and in place (send = recv + r*n) */
   for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
     unsigned char *send = inplace ? b + (size_t)r * n * es : a;
-    for (size_t i = 0; i < n; i++) set_el(dt, send, i, val_sum(r, i));
+    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, send, i, ddp_test_val_sum(r, i));
     st = run(c, ddp_allgather(c->pg, send, b, n, dt, &w), &w, "allgather");
     for (size_t j = 0; st == DDP_OK && j < W; j++)
       for (size_t i = 0; i < n; i++)
-        if (get_el(dt, b, j * n + i) != val_sum((int)j, i)) {
+        if (ddp_test_get_el(dt, b, j * n + i) != ddp_test_val_sum((int)j, i)) {
           mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
-                   get_el(dt, b, j * n + i), val_sum((int)j, i));
+                   ddp_test_get_el(dt, b, j * n + i), ddp_test_val_sum((int)j, i));
           j = W;
           break;
         }
   }
-  /* reduce_scatter SUM: block k of rank j's input holds val_sum(j, k*n + i) */
+  /* reduce_scatter SUM: block k of rank j's input holds ddp_test_val_sum(j, k*n + i) */
   for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
-    for (size_t i = 0; i < W * n; i++) set_el(dt, a, i, val_sum(r, i));
+    for (size_t i = 0; i < W * n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
     unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
     st = run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
     for (size_t i = 0; st == DDP_OK && i < n; i++) {
       double s = 0;
-      for (int j = 0; j < c->W; j++) s += val_sum(j, (size_t)r * n + i);
-      if (get_el(dt, recv, i) != s) {
+      for (int j = 0; j < c->W; j++) s += ddp_test_val_sum(j, (size_t)r * n + i);
+      if (ddp_test_get_el(dt, recv, i) != s) {
         mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
-                 get_el(dt, recv, i), s);
+                 ddp_test_get_el(dt, recv, i), s);
         break;
       }
     }
@@ -224,13 +181,13 @@ static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
   /* alltoall: rank j's block k = val(j, k) pattern; we get block j = rank j's block r */
   if (st == DDP_OK) {
     for (size_t k = 0; k < W; k++)
-      for (size_t i = 0; i < n; i++) set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
+      for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
     st = run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
     for (size_t j = 0; st == DDP_OK && j < W; j++)
       for (size_t i = 0; i < n; i++) {
         double want = (double)(((int)j * 7 + r + (int)i) % 100);
-        if (get_el(dt, b, j * n + i) != want) {
-          mismatch(c, "alltoall", dt, n, j * n + i, get_el(dt, b, j * n + i), want);
+        if (ddp_test_get_el(dt, b, j * n + i) != want) {
+          mismatch(c, "alltoall", dt, n, j * n + i, ddp_test_get_el(dt, b, j * n + i), want);
           j = W;
           break;
         }
@@ -240,15 +197,15 @@ static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
   /* send/recv around the ring; odd ranks receive first so the ring cannot deadlock */
   if (st == DDP_OK && W > 1) {
     int to = (r + 1) % c->W, from = (r + c->W - 1) % c->W;
-    for (size_t i = 0; i < n; i++) set_el(dt, a, i, val_sum(r, i));
+    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
     for (int step = 0; step < 2 && st == DDP_OK; step++) {
       bool do_send = (r % 2 == 0) == (step == 0);
       st = do_send ? run(c, ddp_send(c->pg, a, n, dt, to, &w), &w, "send")
                    : run(c, ddp_recv(c->pg, b, n, dt, from, &w), &w, "recv");
     }
     for (size_t i = 0; st == DDP_OK && i < n; i++)
-      if (get_el(dt, b, i) != val_sum(from, i)) {
-        mismatch(c, "send/recv", dt, n, i, get_el(dt, b, i), val_sum(from, i));
+      if (ddp_test_get_el(dt, b, i) != ddp_test_val_sum(from, i)) {
+        mismatch(c, "send/recv", dt, n, i, ddp_test_get_el(dt, b, i), ddp_test_val_sum(from, i));
         break;
       }
   }
@@ -401,7 +358,7 @@ static int d2_rank(ddp_test_rank_t *tr, void *arg) {
       if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
         size_t i = 0;
         while (memcmp((char *)buf + i * es, (char *)ref + i * es, es) == 0) i++;
-        mismatch(&c, "D2 allreduce", dt, n, i, get_el(dt, buf, i), get_el(dt, ref, i));
+        mismatch(&c, "D2 allreduce", dt, n, i, ddp_test_get_el(dt, buf, i), ddp_test_get_el(dt, ref, i));
       }
       h = ddp_test_fnv(buf, n * es, h);
       buf_free(&c, buf);

@@ -16,4 +16,14 @@ void ddp_test_d2_reference(ddp_dtype_t dt, void *acc, size_t n, int W, int salt)
 /* FNV-1a over n bytes, continuing from h. */
 uint64_t ddp_test_fnv(const void *p, size_t n, uint64_t h);
 
+/* Element i of p as double and back (exact for the small integers the tests use). */
+void ddp_test_set_el(ddp_dtype_t dt, void *p, size_t i, double v);
+double ddp_test_get_el(ddp_dtype_t dt, const void *p, size_t i);
+/* The library's AVG: the exact sum divided by W in the dtype. */
+double ddp_test_avg_of(ddp_dtype_t dt, double sum, int W);
+/* Rank r's element i for SUM/AVG, PRODUCT and MIN/MAX checks: exact in every dtype. */
+double ddp_test_val_sum(int r, size_t i);
+double ddp_test_val_prod(int r, size_t i);
+double ddp_test_val_mm(int r, size_t i);
+
 #endif /* DDP_TEST_COLLDATA_H */
