@@ -54,6 +54,9 @@ done
 mkdir -p "$out" || exit 2
 failed=0
 export DDP_BLAS_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
+# PyTorch's matmuls go through the same OpenBLAS: give it the kernel set libddp runs
+# (libddp replaces OpenBLAS's pre-AVX2 fallback on CPUs it does not know; docs/environment.md).
+[ -n "${OPENBLAS_CORETYPE:-}" ] || export OPENBLAS_CORETYPE="$("$tool" --blas-core)"
 counts=(--steps "$steps" --warmup 5 --batch "$batch")
 
 echo "# bench_ddp: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
@@ -61,6 +64,7 @@ echo "# libddp git $(git -C "$repo" describe --always --dirty 2>/dev/null || ech
      "$(getconf _NPROCESSORS_ONLN) CPUs; $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 echo "# 2 ranks x 1 thread, MLP 784-1024-1024-1024-10, batch $batch per rank, SGD;" \
      "$steps timed steps per phase, $rounds rounds; outputs in $out"
+echo "# OpenBLAS kernels for both: $OPENBLAS_CORETYPE"
 echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg) (other processes skew every figure)"
 start=$(date +%s)
 

@@ -27,6 +27,7 @@
  *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
  *       [--pairs N] [--ar-iters N] [--batch B] [--hook H] [--wrapper W] [--state JSON]
  *       [--trace FILE] [--bucket-cap-mb MB]
+ *   ddp-bench-ddp --blas-core    (the OpenBLAS kernel set in use: ddp_blas_core)
  */
 #include <errno.h>
 #include <stdio.h>
@@ -265,7 +266,8 @@ static void usage(FILE *f) {
           "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
           "  --state a JSON object of PowerSGDState keys (docs/hooks.md);\n"
           "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
-          "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first).\n");
+          "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
+          "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
 }
 
 static int parse_count(const char *flag, const char *v, long lo, int *out) {
@@ -287,6 +289,10 @@ int main(int argc, char **argv) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
+      return 0;
+    }
+    if (!strcmp(a, "--blas-core")) { /* for tools/bench_ddp.sh: give PyTorch the same kernels */
+      printf("%s\n", ddp_blas_core());
       return 0;
     }
     if (i + 1 >= argc) {

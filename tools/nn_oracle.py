@@ -20,6 +20,12 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.dont_write_bytecode = True  # leave no __pycache__ in the source tree
+import blas_kernels  # noqa: E402
+
+blas_kernels.match_libddp()  # before torch loads OpenBLAS: libddp's GEMM kernels
+
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -22,12 +22,19 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.dont_write_bytecode = True  # leave no __pycache__ in the source tree
+import blas_kernels  # noqa: E402
+
+blas_kernels.match_libddp()  # before torch loads OpenBLAS: libddp's GEMM kernels
+
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 

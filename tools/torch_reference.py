@@ -38,6 +38,10 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 sys.dont_write_bytecode = True  # the source tree may be read-only; leave nothing in it
 
+import blas_kernels  # noqa: E402
+
+blas_kernels.match_libddp()  # before torch loads OpenBLAS: libddp's GEMM kernels
+
 FORMAT = "libddp-dump-1"
 DEFAULT_DATA = os.path.join(os.path.dirname(TOOLS), "tests", "data", "digits.safetensors")
 

@@ -138,6 +138,8 @@ DDP_API void ddp_free(void *ptr);
     "Read when DDP_DEBUG is unset; same values, as in PyTorch.")                          \
   X(BLAS_THREADS, "DDP_BLAS_THREADS", "1",                                                \
     "OpenBLAS threads per rank; set explicitly at first use of the BLAS wrapper.")        \
+  X(OPENBLAS_CORETYPE, "OPENBLAS_CORETYPE", "",                                           \
+    "OpenBLAS kernel set; when unset libddp replaces a pre-AVX2 fallback by SkylakeX or Haswell.") \
   X(TIMEOUT, "DDP_TIMEOUT", "1800",                                                       \
     "Default collective and rendezvous timeout in seconds (HF's ddp_timeout).")           \
   X(ALGORITHM, "DDP_ALGORITHM", "auto",                                                   \

@@ -94,6 +94,11 @@ DDP_API ddp_status_t ddp_qr_q(ddp_dtype_t dt, int64_t rows, int64_t cols, void *
  * one thread per rank, so ranks do not oversubscribe the cores). */
 DDP_API void ddp_blas_set_threads(int n);
 DDP_API int ddp_blas_get_threads(void);
+/* The name of the kernel set OpenBLAS runs ("SkylakeX", "Haswell", ...). When OpenBLAS
+ * does not know the CPU and falls back to kernels from before AVX2, libddp switches it at
+ * load time to the AVX-512 or AVX2 set the CPU supports, unless OPENBLAS_CORETYPE is set
+ * (docs/environment.md); every libddp process makes the same choice. */
+DDP_API const char *ddp_blas_core(void);
 
 #ifdef __cplusplus
 }

@@ -5,18 +5,73 @@
  * sets the pool to DDP_BLAS_THREADS (default 1 per rank), and ddp_blas_set_threads
  * changes it explicitly. */
 #include <cblas.h>
+#include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "common/common.h"
 #include "ddp/tensor.h"
 
 static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
 
+/* Kernel choice. A DYNAMIC_ARCH OpenBLAS (Debian's) picks its kernels from the CPU model
+ * when it loads. A model newer than the library (0.3.21 does not know family 6 model 207,
+ * Emerald Rapids, for one) falls back to the SSE3 "Prescott" kernels, about 3.5x slower
+ * for sgemm than the AVX-512 ones the CPU can run; PyTorch has the same problem when it
+ * goes through that OpenBLAS. So, once per process and before main() (one thread, no BLAS
+ * call in flight), when the user has not set OPENBLAS_CORETYPE, the library picked a core
+ * from before AVX2, and the CPU has AVX-512 (or AVX2 + FMA), OpenBLAS's own selection is
+ * run again with OPENBLAS_CORETYPE set to SkylakeX (or Haswell) and the variable is then
+ * removed. The entry points are looked up with dlsym, so a BLAS without them (a
+ * single-architecture build) is left as it is. Every process linked with libddp makes the
+ * same choice, which keeps threads, processes and launchers bitwise comparable. */
+static char blas_switched_from[24], blas_switched_to[24];
+
+#if defined(__x86_64__) && defined(__GNUC__)
+static const char *blas_better_core(const char *current) {
+  static const char *const old[] = {"Prescott", "Core2",      "Penryn",  "Dunnington",
+                                    "Nehalem",  "Atom",       "Barcelona", "Katmai",
+                                    "Coppermine", "Northwood", "Banias",  "Sandybridge"};
+  bool is_old = false;
+  for (size_t i = 0; i < DDP_ARRAY_LEN(old); i++) is_old |= !strcasecmp(current, old[i]);
+  if (!is_old) return NULL;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+    return "SkylakeX";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+  return NULL;
+}
+
+__attribute__((constructor)) static void blas_pick_kernels(void) {
+  if (ddp_env_is_set(DDP_ENV_OPENBLAS_CORETYPE)) return;
+  void (*quit)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit");
+  void (*init)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init");
+  const char *now = openblas_get_corename();
+  const char *to = now ? blas_better_core(now) : NULL;
+  if (!quit || !init || !to) return;
+  snprintf(blas_switched_from, sizeof blas_switched_from, "%s", now);
+  if (setenv("OPENBLAS_CORETYPE", to, 1) != 0) return;
+  quit();
+  init();
+  unsetenv("OPENBLAS_CORETYPE");
+  snprintf(blas_switched_to, sizeof blas_switched_to, "%s", openblas_get_corename());
+}
+#endif
+
+const char *ddp_blas_core(void) { return openblas_get_corename(); }
+
 static void threads_init(void) {
   int64_t n = 1;
   if (ddp_env_int(DDP_ENV_BLAS_THREADS, 1, 1024, &n, NULL) != DDP_OK) n = 1;
   openblas_set_num_threads((int)n);
+  if (blas_switched_from[0]) {
+    ddp__log(-1, DDP_LOG_INFO,
+             "OpenBLAS chose its %s kernels for this CPU; libddp switched them to %s (set "
+             "OPENBLAS_CORETYPE to choose yourself)", blas_switched_from, blas_switched_to);
+  }
 }
 
 void ddp_blas_set_threads(int n) {
