@@ -238,10 +238,14 @@ static const unsigned char *peer_out(ddp__comm_t *c, const ddp__coll_t *op, int 
   return c->sh->from_handle(c->state, slot(c, j)->h[op->fp.seq & 1][1]);
 }
 
-/* Allreduce. Direct, canonical: rank r folds slice r of every rank's input in rank order
- * into its own output (nobody else reads that slice of its buffers), a barrier, then every
- * rank copies the other slices from their owners' outputs, and a last barrier keeps
- * buffers alive until every copy is done. Direct, small: every rank folds the whole vector
+/* Allreduce. Direct, canonical: rank r owns slice r. It folds slice r of every rank's
+ * input in rank order, one cache-sized block at a time, into its own output, and copies
+ * each folded block, still in cache, into slice r of every other rank's output; a last
+ * barrier keeps buffers alive until every rank has written its slice everywhere. Nobody
+ * else reads or writes slice r of any buffer, so in-place buffers are safe: a block is read
+ * from every input before it is written to any output. Each rank reads n elements and
+ * writes n, where a reduce-scatter followed by an all-gather would read 2n - n/W and need
+ * a third barrier (16-27% less memory traffic, the bound for large messages). Direct, small: every rank folds the whole vector
  * into private scratch; after one barrier nobody reads inputs any more and each copies its
  * result out (two barriers instead of three). Staging: the canonical scheme per chunk of
  * the staging area, with each owner writing its folded slice back into its own staging. */
@@ -263,13 +267,15 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   }
   if (direct) {
     ddp__part(n, W, r, &lo, &len);
-    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j) + lo * es;
-    ddp__reduce_fold(op->dt, op->op, W, srcs, out + lo * es, len, c->tmp, W);
-    DDP_CHECK(barrier(c, err));
-    for (int j = 0; j < W; j++) {
-      if (j == r) continue;
-      ddp__part(n, W, j, &lo, &len);
-      memcpy(out + lo * es, peer_out(c, op, j) + lo * es, len * es);
+    size_t blk = DDP__TMP_BYTES / es;
+    unsigned char *dsts[DDP_PG_MAX_WORLD];
+    for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, op, j) + lo * es;
+    for (size_t off = 0; off < len; off += blk) {
+      size_t m = DDP_MIN(blk, len - off);
+      for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j) + (lo + off) * es;
+      ddp__reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
+      for (int j = 0; j < W; j++)
+        if (j != r) memcpy(dsts[j] + off * es, out + (lo + off) * es, m * es);
     }
     return barrier(c, err);
   }
