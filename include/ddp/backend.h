@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define DDP_BACKEND_ABI_VERSION 1u
+#define DDP_BACKEND_ABI_VERSION 2u
 
 /* The vocabulary of collectives, shared by the algorithm layer and the process-group API
  * (include/ddp/pg.h). */
@@ -95,6 +95,15 @@ typedef struct ddp_xfer {
   size_t done;   /* progress, owned by the backend during xfer() */
 } ddp_xfer_t;
 
+/* Work a link algorithm wants done while a batch waits on the network (the fold of the
+ * previous segment). xfer() calls fn(arg) at most once, when the batch first has to wait,
+ * and sets ran; when the batch never waits, the caller runs it after xfer() returns. */
+typedef struct ddp_xfer_idle {
+  void (*fn)(void *arg);
+  void *arg;
+  bool ran;
+} ddp_xfer_idle_t;
+
 /* One whole collective, for backends that run collectives with their own library (mpi's
  * MPI_Iallreduce, nccl). kind: 1 allreduce, 2 broadcast, 3 allgather, 4 reduce_scatter,
  * 5 alltoall, 6 barrier, 7 send, 8 recv; root = broadcast root or point-to-point peer;
@@ -128,8 +137,8 @@ typedef struct ddp_backend_ops {
   /* Shared family: the memory description. */
   const ddp_backend_shared_t *(*shared)(void *state);
   /* Link family: runs the batch; all-or-error. The first failure names the peer. */
-  ddp_status_t (*xfer)(void *state, ddp_xfer_t *ops, size_t nops, int64_t deadline_ns,
-                       ddp_error_t *err);
+  ddp_status_t (*xfer)(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer_idle_t *idle,
+                       int64_t deadline_ns, ddp_error_t *err);
   /* Link family: tells peers this rank has failed (they see DDP_ERR_REMOTE at once rather
    * than at their timeout). Data already sent is still delivered. */
   void (*fail)(void *state);

@@ -12,9 +12,18 @@
 
 #define MAXW DDP_PG_MAX_WORLD
 
+static ddp_status_t xfer_idle(ddp__comm_t *c, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
+                              ddp_error_t *err) {
+  ddp_status_t st = n ? c->ops->xfer(c->state, ops, n, idle, c->deadline_ns, err) : DDP_OK;
+  if (st == DDP_OK && idle && !idle->ran) {
+    idle->ran = true;
+    idle->fn(idle->arg);
+  }
+  return st;
+}
+
 static ddp_status_t xfer(ddp__comm_t *c, ddp_xfer_t *ops, size_t n, ddp_error_t *err) {
-  if (n == 0) return DDP_OK;
-  return c->ops->xfer(c->state, ops, n, c->deadline_ns, err);
+  return xfer_idle(c, ops, n, NULL, err);
 }
 
 /* Adds a transfer unless it is empty (both ends compute the same sizes). */
@@ -59,10 +68,28 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
 /* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
  * range [lo_r, lo_r + len_r) of a vector of which every rank holds a contribution at
  * in_j + base_j (base_j = the offset of that range in rank j's input). The ranges are
- * walked in segments of `seg` elements: in step s every rank sends segment s of each
- * peer's range to that peer and receives segment s of its own range from every peer into
- * per-source scratch, all at once; then it folds the W contributions in rank order into
- * out. Scratch is W segments, whatever the message size. */
+ * walked in segments of `seg` elements. Segment s moves in one batch: every rank sends
+ * segment s of each peer's range to that peer and receives segment s of its own range from
+ * every peer into per-source scratch. The fold of segment s (the W contributions in rank
+ * order into out) runs inside the batch of segment s + 1, the first time that batch waits
+ * for the network (ddp_xfer_idle_t), so the reduction of one segment overlaps the transfer
+ * of the next. Scratch is two sets of W segments, used alternately, whatever the message
+ * size. Sends and receives of a segment stay in one batch, so no rank can block on a full
+ * socket while its peer does the same. */
+typedef struct fold_job {
+  ddp__comm_t *c;
+  const ddp__coll_t *op;
+  const void *srcs[MAXW];
+  unsigned char *dst;
+  size_t n;
+} fold_job_t;
+
+static void fold_job_run(void *arg) {
+  fold_job_t *f = arg;
+  ddp__reduce_fold(f->op->dt, f->op->op, f->c->size, f->srcs, f->dst, f->n, f->c->tmp,
+                   f->c->size);
+}
+
 static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const unsigned char *in,
                                  const size_t *src_off, const size_t *len, unsigned char *out,
                                  ddp_error_t *err) {
@@ -70,20 +97,26 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
   ddp_xfer_t ops[2 * MAXW];
-  const void *srcs[MAXW];
-  for (size_t s = 0; s * seg < maxlen; s++) {
+  fold_job_t job = {.c = c, .op = op};
+  ddp_xfer_idle_t idle = {fold_job_run, &job, true};
+  /* Iteration s moves segment s (when there is one) while folding segment s - 1. */
+  for (size_t s = 0; s == 0 || (s - 1) * seg < maxlen; s++) {
     size_t n = 0, b = s * seg;
+    unsigned char *scr = c->scratch + (s & 1) * (size_t)W * seg * es;
     size_t mine = len[r] > b ? DDP_MIN(seg, len[r] - b) : 0;
-    for (int j = 0; j < W; j++) {
+    for (int j = 0; j < W && b < maxlen; j++) {
       if (j == r) continue;
       size_t theirs = len[j] > b ? DDP_MIN(seg, len[j] - b) : 0;
       add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
-      add(ops, &n, j, false, c->scratch + (size_t)j * seg * es, mine * es);
+      add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
     }
-    DDP_CHECK(xfer(c, ops, n, err));
+    idle.ran = s == 0; /* nothing to fold before the first segment */
+    DDP_CHECK(xfer_idle(c, ops, n, &idle, err));
+    if (b >= maxlen) break;
+    job.dst = out + b * es;
+    job.n = mine;
     for (int j = 0; j < W; j++)
-      srcs[j] = j == r ? in + (src_off[r] + b) * es : c->scratch + (size_t)j * seg * es;
-    ddp__reduce_fold(op->dt, op->op, W, srcs, out + b * es, mine, c->tmp, W);
+      job.srcs[j] = j == r ? in + (src_off[r] + b) * es : scr + (size_t)j * seg * es;
   }
   return DDP_OK;
 }
@@ -243,7 +276,7 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
   bool sender = op->kind == DDP__SEND;
   ddp_xfer_t ops[2] = {{peer, true, (void *)&op->fp, sizeof op->fp, 0},
                        {peer, false, &theirs, sizeof theirs, 0}};
-  DDP_CHECK(c->ops->xfer(c->state, ops, 2, c->deadline_ns, err));
+  DDP_CHECK(c->ops->xfer(c->state, ops, 2, NULL, c->deadline_ns, err));
   if (!ddp__fp_equal(&theirs, &op->fp)) {
     char a[160], b[160];
     ddp__fp_str(&op->fp, a, sizeof a);

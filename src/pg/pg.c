@@ -266,7 +266,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
                          ? SMALL_SHARED
-                         : (size_t)o.world * DDP_MAX(o.segment_bytes, (size_t)SMALL_LINK);
+                         : (size_t)o.world * DDP_MAX(2 * o.segment_bytes, (size_t)SMALL_LINK);
   c->scratch = ddp__malloc(c->scratch_bytes);
   c->tmp = ddp__malloc(DDP__TMP_BYTES);
   c->p2p_tx = ddp__calloc((size_t)o.world, sizeof(uint64_t));

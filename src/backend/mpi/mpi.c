@@ -210,8 +210,8 @@ static void pending_peers(mpi_state_t *s, const ddp_xfer_t *ops, size_t nops, co
   }
 }
 
-static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t deadline_ns,
-                             ddp_error_t *err) {
+static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer_idle_t *idle,
+                             int64_t deadline_ns, ddp_error_t *err) {
   mpi_state_t *s = state;
   if (atomic_load(&s->aborted))
     return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the group was aborted", s->rank);
@@ -267,6 +267,11 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, int64_t 
     }
     if (outcount == MPI_UNDEFINED) break; /* every request completed */
     if (outcount > 0) polls = 0;
+    if (idle && !idle->ran) { /* the caller's fold, while MPI moves this batch */
+      idle->ran = true;
+      idle->fn(idle->arg);
+      continue;
+    }
     if (atomic_load(&s->aborted)) {
       st = ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the group was aborted", s->rank);
     } else if (ddp_now_ns() >= deadline_ns) {

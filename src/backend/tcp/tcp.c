@@ -380,8 +380,8 @@ static void also_closed(tcp_state_t *s, int except, char *buf, size_t n) {
   if (o && o < n) snprintf(buf + o, n - o, ")");
 }
 
-static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, int64_t deadline,
-                             ddp_error_t *err) {
+static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
+                             int64_t deadline, ddp_error_t *err) {
   tcp_state_t *s = state;
   struct pollfd pfd[2 * DDP_PG_MAX_WORLD + 1];
   size_t map[2 * DDP_PG_MAX_WORLD];
@@ -454,6 +454,11 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, int64_t dea
       return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
                               "timed out after %lld ms waiting for %s",
                               (long long)((now - start) / 1000000), who);
+    }
+    if (idle && !idle->ran) { /* the caller's fold, while the kernel moves this batch */
+      idle->ran = true;
+      idle->fn(idle->arg);
+      continue;
     }
     if (now - start < YIELD_NS) {
       sched_yield();
