@@ -136,7 +136,9 @@ typedef struct ddp_backend_ops {
   void (*mem_free)(void *state, void *p);
   /* Shared family: the memory description. */
   const ddp_backend_shared_t *(*shared)(void *state);
-  /* Link family: runs the batch; all-or-error. The first failure names the peer. */
+  /* Link family: runs the batch; all-or-error. The first failure names the peer. Transfers
+   * with the same peer and direction complete in batch order, as one stream (tcp writes
+   * them back to back; MPI's messages between a pair do not overtake). */
   ddp_status_t (*xfer)(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer_idle_t *idle,
                        int64_t deadline_ns, ddp_error_t *err);
   /* Link family: tells peers this rank has failed (they see DDP_ERR_REMOTE at once rather

@@ -33,6 +33,21 @@ static void add(ddp_xfer_t *ops, size_t *n, int peer, bool is_send, const void *
   (*n)++;
 }
 
+/* DDP_ERR_DESYNC naming the first peer whose fingerprint (fps[j]) differs from op's. */
+static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp__fp_t *fps,
+                               ddp_error_t *err) {
+  for (int j = 0; j < c->size; j++) {
+    if (j == c->rank || ddp__fp_equal(&fps[j], &op->fp)) continue;
+    char a[160], b[160];
+    ddp__fp_str(&op->fp, a, sizeof a);
+    ddp__fp_str(&fps[j], b, sizeof b);
+    return ddp__error_quiet(err, DDP_ERR_DESYNC,
+                            "mismatched collectives: rank %d runs %s, but rank %d runs %s",
+                            c->rank, a, j, b);
+  }
+  return DDP_OK;
+}
+
 /* Sends `msg` (msg_bytes, starting with this rank's fingerprint) to every peer, receives
  * every peer's fingerprint, and compares. A collective can append its first payload to
  * the fingerprint in msg, so that it travels in the same segment (one network round trip
@@ -49,16 +64,7 @@ static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const vo
     add(ops, &n, j, false, &fps[j], sizeof fps[j]);
   }
   DDP_CHECK(xfer(c, ops, n, err));
-  for (int j = 0; j < c->size; j++) {
-    if (j == c->rank || ddp__fp_equal(&fps[j], &op->fp)) continue;
-    char a[160], b[160];
-    ddp__fp_str(&op->fp, a, sizeof a);
-    ddp__fp_str(&fps[j], b, sizeof b);
-    return ddp__error_quiet(err, DDP_ERR_DESYNC,
-                            "mismatched collectives: rank %d runs %s, but rank %d runs %s",
-                            c->rank, a, j, b);
-  }
-  return DDP_OK;
+  return verify_fps(c, op, fps, err);
 }
 
 static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
@@ -75,7 +81,18 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
  * for the network (ddp_xfer_idle_t), so the reduction of one segment overlaps the transfer
  * of the next. Scratch is two sets of W segments, used alternately, whatever the message
  * size. Sends and receives of a segment stay in one batch, so no rank can block on a full
- * socket while its peer does the same. */
+ * socket while its peer does the same.
+ *
+ * Fingerprints. The caller has not exchanged them. When the first segment sent to each
+ * peer is at most FP_PIGGYBACK bytes, it follows this rank's fingerprint on the same stream
+ * in the first batch, which receives only the peers' 32-byte fingerprints; after the
+ * verdict, the peers' first segments (already on their way) are received. So the check
+ * costs no round trip of its own. The bound keeps fingerprint and segment within what any
+ * socket buffers hold, so ranks that disagree (and stop reading after the fingerprint)
+ * never block each other's sends. Larger segments, and message backends (MPI completes a
+ * send only once the receiver has posted for it), exchange fingerprints first. */
+#define FP_PIGGYBACK (64u * 1024u)
+
 typedef struct fold_job {
   ddp__comm_t *c;
   const ddp__coll_t *op;
@@ -96,22 +113,35 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
-  ddp_xfer_t ops[2 * MAXW];
+  bool piggy = c->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
+  if (!piggy) DDP_CHECK(check_fps(c, op, err));
+  ddp_xfer_t ops[3 * MAXW];
+  ddp__fp_t fps[MAXW];
   fold_job_t job = {.c = c, .op = op};
   ddp_xfer_idle_t idle = {fold_job_run, &job, true};
   /* Iteration s moves segment s (when there is one) while folding segment s - 1. */
   for (size_t s = 0; s == 0 || (s - 1) * seg < maxlen; s++) {
     size_t n = 0, b = s * seg;
+    bool with_fp = s == 0 && piggy;
     unsigned char *scr = c->scratch + (s & 1) * (size_t)W * seg * es;
     size_t mine = len[r] > b ? DDP_MIN(seg, len[r] - b) : 0;
-    for (int j = 0; j < W && b < maxlen; j++) {
+    for (int j = 0; j < W; j++) {
       if (j == r) continue;
       size_t theirs = len[j] > b ? DDP_MIN(seg, len[j] - b) : 0;
-      add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
-      add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
+      if (with_fp) add(ops, &n, j, true, &op->fp, sizeof op->fp);
+      if (b < maxlen) add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
+      if (with_fp) add(ops, &n, j, false, &fps[j], sizeof fps[j]);
+      else if (b < maxlen) add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
     }
     idle.ran = s == 0; /* nothing to fold before the first segment */
     DDP_CHECK(xfer_idle(c, ops, n, &idle, err));
+    if (with_fp) {
+      DDP_CHECK(verify_fps(c, op, fps, err));
+      n = 0;
+      for (int j = 0; j < W && b < maxlen; j++)
+        if (j != r) add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
+      DDP_CHECK(xfer(c, ops, n, err));
+    }
     if (b >= maxlen) break;
     job.dst = out + b * es;
     job.n = mine;
@@ -299,7 +329,12 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
       o.count > 0 && o.count * es * (size_t)c->size <= c->scratch_bytes &&
       sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
     return allreduce_small(c, &o, true, err);
-  if (c->size > 1) DDP_CHECK(check_fps(c, &o, err));
+  /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
+  bool owned = o.count > 0 && c->size > 1 &&
+               ((o.kind == DDP__ALLREDUCE && o.algo != DDP_ALGO_RING &&
+                 !(o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)) ||
+                o.kind == DDP__REDUCE_SCATTER);
+  if (c->size > 1 && !owned) DDP_CHECK(check_fps(c, &o, err));
   if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
   if (c->size == 1) {
     if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);

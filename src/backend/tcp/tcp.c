@@ -9,8 +9,8 @@
  * with large socket buffers where the host allows them (otherwise the kernel's autotuning
  * stays on).
  *
- * Data. xfer() runs a batch of sends and receives (at most one of each per peer) at once:
- * it writes and reads whatever each socket accepts, handles partial transfers and EINTR,
+ * Data. xfer() runs a batch of sends and receives at once; transfers to (or from) the same
+ * peer run in batch order, one after the other on that stream. It writes and reads whatever each socket accepts, handles partial transfers and EINTR,
  * and polls all pending sockets plus an abort eventfd (after a short window of retries that
  * yield the CPU, YIELD_NS) until everything is done, so sends and receives to all peers
  * proceed concurrently and the algorithms' segments pipeline through the socket buffers. A
@@ -389,9 +389,13 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
   for (size_t i = 0; i < n; i++) ops[i].done = 0;
   for (;;) {
     size_t pending = 0;
+    /* [is_send] bit per peer: an earlier transfer on that stream is unfinished this pass. */
+    uint64_t busy[2][DDP_PG_MAX_WORLD / 64] = {{0}};
     for (size_t i = 0; i < n; i++) {
       ddp_xfer_t *o = &ops[i];
       int fd = s->fds[o->peer];
+      uint64_t *word = &busy[o->is_send][o->peer / 64], bit = 1ull << (o->peer % 64);
+      if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
       if (!o->is_send && o->bytes == 0 &&
           recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
@@ -430,6 +434,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
                                 strerror(e), e, others);
       }
       if (o->done < o->bytes) {
+        *word |= bit;
         pfd[pending] = (struct pollfd){fd, (short)(o->is_send ? POLLOUT : POLLIN), 0};
         map[pending++] = i;
       }
