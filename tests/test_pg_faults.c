@@ -11,6 +11,7 @@
  *  - ddp_pg_abort from another thread unblocks a collective at once; the peer then fails
  *    fast with REMOTE (threads, shm, tcp).
  *  - a tcp peer presenting the wrong job token is refused.
+ *  - DDP_SOCKET_IFNAME / GLOO_SOCKET_IFNAME naming no interface fails create at once.
  *  - no /dev/shm entries and no file descriptors are left behind. */
 #include <dirent.h>
 #include <pthread.h>
@@ -19,6 +20,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -63,6 +65,32 @@ static ddp_status_t make_pg(ddp_test_rank_t *tr, const fcfg_t *cfg, ddp_store_t 
   return ddp_pg_create(&o, pg, err);
 }
 
+/* make_pg; a failure is said through the harness ("create: ...") and leaves no store. */
+static ddp_status_t open_pg(ddp_test_rank_t *tr, const fcfg_t *cfg, ddp_store_t **store,
+                            ddp_pg_t **pg) {
+  ddp_error_t err = {0};
+  ddp_status_t st = make_pg(tr, cfg, store, pg, &err);
+  if (st != DDP_OK) {
+    ddp_test_say(tr, "create: %s", err.msg);
+    ddp_store_destroy(*store);
+    *store = NULL;
+  }
+  return st;
+}
+
+/* One in-place SUM allreduce of n floats, waited for; its error is said through the
+ * harness. */
+static ddp_status_t allreduce_wait(ddp_test_rank_t *tr, ddp_pg_t *pg, float *buf, size_t n) {
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &w);
+  if (st == DDP_OK) {
+    st = ddp_work_wait(w, -1);
+    ddp_test_say(tr, "%s", ddp_work_error(w));
+    ddp_work_free(w);
+  }
+  return st;
+}
+
 static ddp_store_t *memory_store(void) {
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   so.timeout_ms = 10000;
@@ -104,13 +132,8 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
   ddp_pg_t *pg;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg, &err);
-  if (st != DDP_OK) {
-    ddp_test_say(tr, "create: %s", err.msg);
-    ddp_store_destroy(store);
-    return st;
-  }
+  ddp_status_t st = open_pg(tr, cfg, &store, &pg);
+  if (st != DDP_OK) return st;
   size_t n = 65539;
   float *buf = ddp_pg_alloc(pg, n * sizeof(float));
   for (size_t i = 0; i < n; i++) buf[i] = 1.0f;
@@ -247,13 +270,8 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
   ddp_pg_t *pg;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg, &err);
-  if (st != DDP_OK) {
-    ddp_test_say(tr, "create: %s", err.msg);
-    ddp_store_destroy(store);
-    return st;
-  }
+  ddp_status_t st = open_pg(tr, cfg, &store, &pg);
+  if (st != DDP_OK) return st;
   int r = ddp_test_rank(tr);
   float buf[1001] = {0};
   ddp_work_t *w = NULL;
@@ -282,6 +300,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   /* recovery: a new group on the same store works (it does not see the old group's keys) */
   if (st == DDP_ERR_DESYNC) {
     ddp_pg_t *pg2 = NULL;
+    ddp_error_t err = {0};
     ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
     o.backend = cfg->backend;
     o.rank = r;
@@ -347,39 +366,23 @@ static int abort_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
   ddp_pg_t *pg;
-  ddp_error_t err = {0};
-  ddp_status_t st = make_pg(tr, cfg, &store, &pg, &err);
-  if (st != DDP_OK) {
-    ddp_test_say(tr, "create: %s", err.msg);
-    ddp_store_destroy(store);
-    return st;
-  }
+  ddp_status_t st = open_pg(tr, cfg, &store, &pg);
+  if (st != DDP_OK) return st;
   float buf[100] = {0};
-  ddp_work_t *w = NULL;
   double ms = 0;
   if (ddp_test_rank(tr) == 0) {
     pthread_t th;
     abort_arg_t a = {pg};
     pthread_create(&th, NULL, aborter, &a);
     int64_t t = ddp_now_ns();
-    st = ddp_allreduce(pg, buf, buf, 100, DDP_F32, DDP_SUM, &w);
-    if (st == DDP_OK) {
-      st = ddp_work_wait(w, -1);
-      ddp_test_say(tr, "%s", ddp_work_error(w));
-      ddp_work_free(w);
-    }
+    st = allreduce_wait(tr, pg, buf, 100);
     ms = (double)(ddp_now_ns() - t) / 1e6;
     pthread_join(th, NULL);
   } else {
     struct timespec ts = {0, 600 * 1000000L};
     nanosleep(&ts, NULL);
     int64_t t = ddp_now_ns();
-    st = ddp_allreduce(pg, buf, buf, 100, DDP_F32, DDP_SUM, &w);
-    if (st == DDP_OK) {
-      st = ddp_work_wait(w, -1);
-      ddp_test_say(tr, "%s", ddp_work_error(w));
-      ddp_work_free(w);
-    }
+    st = allreduce_wait(tr, pg, buf, 100);
     ms = (double)(ddp_now_ns() - t) / 1e6;
   }
   ddp_test_put(tr, &ms, sizeof ms);
@@ -433,6 +436,69 @@ static void test_tcp_job_token(void **state) {
   ddp_test_results_free(res);
 }
 
+/* One allreduce of rank + 1 over a group whose tcp addresses come from DDP_SOCKET_IFNAME or
+ * GLOO_SOCKET_IFNAME; reports the sum. */
+static int ifname_rank(ddp_test_rank_t *tr, void *arg) {
+  const fcfg_t *cfg = arg;
+  ddp_store_t *store;
+  ddp_pg_t *pg;
+  ddp_status_t st = open_pg(tr, cfg, &store, &pg);
+  if (st != DDP_OK) return st;
+  float x = (float)(ddp_test_rank(tr) + 1);
+  st = allreduce_wait(tr, pg, &x, 1);
+  ddp_test_put(tr, &x, sizeof x);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+/* DDP_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME) picks the interface whose address a tcp rank
+ * publishes: the first listed one that exists is used; a list naming no interface fails
+ * create at once on every rank, naming the variable and its value. */
+static void test_tcp_socket_ifname(void **state) {
+  (void)state;
+  static const struct {
+    const char *ddp, *gloo, *bad; /* bad: the variable a failure must name, NULL = works */
+  } cases[] = {
+      {"nosuch0,lo", NULL, NULL},
+      {"lo", "nosuch1", NULL},
+      {NULL, "lo", NULL},
+      {"nosuch0", NULL, "DDP_SOCKET_IFNAME=\"nosuch0\""},
+      {"", "nosuch1,nosuch2", "GLOO_SOCKET_IFNAME=\"nosuch1,nosuch2\""},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    if (cases[c].ddp) setenv("DDP_SOCKET_IFNAME", cases[c].ddp, 1);
+    if (cases[c].gloo) setenv("GLOO_SOCKET_IFNAME", cases[c].gloo, 1);
+    fcfg_t cfg = {"tcp", DDP_TEST_THREADS, 5000, 0, memory_store(), NULL};
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = 2;
+    o.mode = DDP_TEST_THREADS;
+    o.timeout_ms = 10000;
+    int64_t t = ddp_now_ns();
+    ddp_test_results_t *res = ddp_test_spawn(&o, ifname_rank, &cfg);
+    double ms = (double)(ddp_now_ns() - t) / 1e6;
+    unsetenv("DDP_SOCKET_IFNAME");
+    unsetenv("GLOO_SOCKET_IFNAME");
+    for (int r = 0; r < 2; r++) {
+      const ddp_test_result_t *x = ddp_test_result(res, r);
+      print_message("case %zu rank %d (%.0f ms): %s %s\n", c, r, ms,
+                    ddp_status_name(x->status), x->msg);
+      if (cases[c].bad) {
+        assert_int_equal(x->status, DDP_ERR_INVALID_ARGUMENT);
+        assert_non_null(strstr(x->msg, cases[c].bad));
+        assert_true(ms < 2000); /* at once, not at the 5 s timeout */
+      } else {
+        assert_int_equal(x->status, DDP_OK);
+        float sum;
+        memcpy(&sum, x->values, sizeof sum);
+        assert_true(sum == 3.0f);
+      }
+    }
+    ddp_test_results_free(res);
+    ddp_store_destroy(cfg.store);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_kill9_mid_allreduce),
@@ -441,6 +507,7 @@ int main(void) {
       cmocka_unit_test(test_desync),
       cmocka_unit_test(test_abort_unblocks),
       cmocka_unit_test(test_tcp_job_token),
+      cmocka_unit_test(test_tcp_socket_ifname),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

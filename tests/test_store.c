@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/socket.h>
@@ -27,6 +29,7 @@
 
 #include "ddp/store.h"
 #include "harness.h"
+#include "store/local_addr.h"
 #include "store/store_internal.h" /* the wire parser, tested directly */
 
 /* ---------------------------------------------------------------- helpers --------- */
@@ -560,6 +563,56 @@ static void test_token_from_env(void **state) {
                    DDP_ERR_INVALID_USAGE);
   assert_null(cli);
   unsetenv("DDP_JOB_TOKEN");
+  ddp_store_destroy(srv);
+}
+
+/* The address a backend publishes (ddp__store_local_addr): the local end of the
+ * connection to the server, i.e. the address that reaches it. Loopback for a server or
+ * client on 127.0.0.1 (also through a view), a host address for a client of that address,
+ * and nothing for a wildcard server's own client or for a memory store. */
+static void test_local_addr(void **state) {
+  (void)state;
+  ddp_store_options_t o = opts_ms(3000, NULL);
+  ddp_store_t *srv = NULL, *cli = NULL, *view = NULL, *mem = NULL, *any = NULL;
+  char a[80];
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &o, &srv), DDP_OK);
+  assert_true(ddp__store_local_addr(srv, a, sizeof a));
+  assert_string_equal(a, "127.0.0.1");
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+                   DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(cli, "pg0", &view), DDP_OK);
+  assert_true(ddp__store_local_addr(view, a, sizeof a));
+  assert_string_equal(a, "127.0.0.1");
+  assert_false(ddp__store_local_addr(view, a, 4)); /* does not fit */
+  assert_string_equal(a, "");
+  assert_int_equal(ddp_store_create_memory(&o, &mem), DDP_OK);
+  assert_false(ddp__store_local_addr(mem, a, sizeof a));
+  assert_int_equal(ddp_store_create_tcp(NULL, 0, true, &o, &any), DDP_OK);
+  assert_false(ddp__store_local_addr(any, a, sizeof a));
+  /* A client of the wildcard server through this host's first non-loopback IPv4 address
+   * (where there is one) learns that address. */
+  struct ifaddrs *ifs = NULL;
+  char host[INET_ADDRSTRLEN] = "";
+  if (getifaddrs(&ifs) == 0) {
+    for (struct ifaddrs *i = ifs; i && !host[0]; i = i->ifa_next)
+      if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && !(i->ifa_flags & IFF_LOOPBACK) &&
+          (i->ifa_flags & IFF_UP))
+        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, host, sizeof host);
+    freeifaddrs(ifs);
+  }
+  if (host[0]) {
+    ddp_store_t *far = NULL;
+    assert_int_equal(ddp_store_create_tcp(host, ddp_store_port(any), false, &o, &far), DDP_OK);
+    assert_true(ddp__store_local_addr(far, a, sizeof a));
+    assert_string_equal(a, host);
+    ddp_store_destroy(far);
+  } else {
+    print_message("no non-loopback IPv4 interface: host-address case not run\n");
+  }
+  ddp_store_destroy(any);
+  ddp_store_destroy(mem);
+  ddp_store_destroy(view);
+  ddp_store_destroy(cli);
   ddp_store_destroy(srv);
 }
 
@@ -1312,6 +1365,7 @@ int main(void) {
       cmocka_unit_test(test_wake_file),
       cmocka_unit_test(test_wake_tcp),
       cmocka_unit_test(test_token_from_env),
+      cmocka_unit_test(test_local_addr),
       cmocka_unit_test(test_many_keys_memory),
       cmocka_unit_test(test_many_keys_file),
       cmocka_unit_test(test_many_keys_tcp),

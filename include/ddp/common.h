@@ -151,6 +151,10 @@ DDP_API void ddp_free(void *ptr);
   X(MASTER_ADDR, "MASTER_ADDR", "127.0.0.1", "Host of the TCP store (torchrun, ddprun).")  \
   X(MASTER_PORT, "MASTER_PORT", "29500", "Port of the TCP store (torchrun, ddprun).")     \
   X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.") \
+  X(SOCKET_IFNAME, "DDP_SOCKET_IFNAME", "",                                               \
+    "tcp backend: interfaces (comma-separated) whose address a rank publishes to its peers.") \
+  X(GLOO_SOCKET_IFNAME, "GLOO_SOCKET_IFNAME", "",                                         \
+    "Read when DDP_SOCKET_IFNAME is unset; the same meaning, as in PyTorch's gloo.")      \
   X(BACKEND, "DDP_BACKEND", "", "Backend for ddp_pg_create_from_env: threads, shm, tcp, gloo, mpi, nccl.") \
   X(OMPI_RANK, "OMPI_COMM_WORLD_RANK", "", "Rank under Open MPI's mpirun.")              \
   X(OMPI_SIZE, "OMPI_COMM_WORLD_SIZE", "", "World size under Open MPI's mpirun.")         \

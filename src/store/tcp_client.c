@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "store/local_addr.h"
 #include "store/store_internal.h"
 
 /* Extra time the client waits past a server-timed deadline before giving up on the reply. */
@@ -35,6 +36,7 @@
 typedef struct tcp_store {
   char host[256];
   int port;
+  char local[80]; /* numeric local address of the first connection; "" when not meaningful */
   char *token;
   ddp__store_server_t *server;
   pthread_mutex_t mu;
@@ -554,6 +556,8 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
   }
   /* The server's own client reaches it over loopback when it listens on every interface. */
   const char *chost = host && *host ? host : (is_server ? "127.0.0.1" : ddp_env_get(DDP_ENV_MASTER_ADDR));
+  bool wildcard = (!(host && *host) && is_server) || strcmp(chost, "0.0.0.0") == 0 ||
+                  strcmp(chost, "::") == 0;
   if (strcmp(chost, "0.0.0.0") == 0) chost = "127.0.0.1";
   if (strcmp(chost, "::") == 0) chost = "::1";
   snprintf(t->host, sizeof t->host, "%s", chost);
@@ -567,9 +571,29 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
     ddp_store_destroy(s);
     return st;
   }
+  /* The address the kernel picked to reach the server, for ddp__store_local_addr. A
+   * server's own client that reaches its wildcard listener over loopback learns nothing
+   * about how other hosts reach this one. */
+  struct sockaddr_storage la;
+  socklen_t ll = sizeof la;
+  if (!wildcard && getsockname(fd, (struct sockaddr *)&la, &ll) == 0 &&
+      getnameinfo((struct sockaddr *)&la, ll, t->local, sizeof t->local, NULL, 0,
+                  NI_NUMERICHOST) != 0)
+    t->local[0] = '\0';
   give_conn(s, fd);
   *out = s;
   return DDP_OK;
+}
+
+bool ddp__store_local_addr(const ddp_store_t *s, char *buf, size_t cap) {
+  DDP_REQUIRE(s && s->magic == DDP__STORE_MAGIC && buf && cap > 0);
+  const ddp_store_t *r = s->root;
+  buf[0] = '\0';
+  if (r->ops != &ddp__store_tcp_ops || !r->impl) return false;
+  const tcp_store_t *t = r->impl;
+  if (!t->local[0] || strlen(t->local) >= cap) return false;
+  memcpy(buf, t->local, strlen(t->local) + 1);
+  return true;
 }
 
 ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,

@@ -1,6 +1,8 @@
 /* The tcp backend: ranks anywhere, one full-duplex TCP connection per pair of ranks.
  *
- * Setup. Every rank listens on an ephemeral port and publishes "host port" in the store.
+ * Setup. Every rank listens on an ephemeral port and publishes "host port" in the store;
+ * host is the address peers can reach it at (publish_host: an interface named by
+ * DDP_SOCKET_IFNAME, else the local end of the store connection, else the hostname).
  * Rank i connects to every rank j < i and accepts one connection from every rank j > i;
  * dependencies only point down, so the mesh cannot deadlock. The connecting side sends a
  * hello (magic, rank, world, job token); the accepting side checks every field, answers
@@ -25,6 +27,7 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -38,6 +41,7 @@
 
 #include "backend/backends.h"
 #include "common/common.h"
+#include "store/local_addr.h"
 
 #define HELLO_MAGIC 0x64647074u /* "ddpt" */
 #define TOKEN_MAX 256
@@ -161,6 +165,84 @@ static int connect_to(const char *host, const char *port, int64_t deadline, int 
   return -1;
 }
 
+/* The first address of one interface: IPv4, else IPv6 that is not link-local (peers
+ * could not use that without a scope). False when the interface has neither. */
+static bool iface_addr(const struct ifaddrs *all, const char *name, size_t len, char *out,
+                       size_t cap) {
+  static const int families[2] = {AF_INET, AF_INET6};
+  for (int f = 0; f < 2; f++)
+    for (const struct ifaddrs *i = all; i; i = i->ifa_next) {
+      int want = families[f];
+      if (!i->ifa_addr || i->ifa_addr->sa_family != want || strlen(i->ifa_name) != len ||
+          memcmp(i->ifa_name, name, len) != 0)
+        continue;
+      socklen_t sl = want == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
+      if (want == AF_INET6 &&
+          IN6_IS_ADDR_LINKLOCAL(&((const struct sockaddr_in6 *)i->ifa_addr)->sin6_addr))
+        continue;
+      if (getnameinfo(i->ifa_addr, sl, out, (socklen_t)cap, NULL, 0, NI_NUMERICHOST) == 0)
+        return true;
+    }
+  return false;
+}
+
+/* The address this rank publishes for its peers (host, numeric or a name), in order:
+ * 1. DDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME: the address of the first listed interface
+ *    that has one; none is an error, since the user asked for that network.
+ * 2. The local address of the store connection: the one the kernel picked to reach node 0,
+ *    so reachable from node 0's network. This is right where the hostname names another
+ *    address (containers, network namespaces, a hostname bound to 127.0.1.1), and it is
+ *    loopback exactly when the store is reached over loopback, i.e. all ranks share a host.
+ * 3. The hostname, when it resolves (memory and file stores, whose ranks share a host, and
+ *    a store server on a wildcard address, whose own connection is over loopback).
+ * 4. 127.0.0.1. */
+static ddp_status_t publish_host(ddp_store_t *store, int rank, char *host, size_t cap,
+                                 const char **why, ddp_error_t *err) {
+  ddp_env_id_t id = ddp_env_is_set(DDP_ENV_SOCKET_IFNAME) ? DDP_ENV_SOCKET_IFNAME
+                                                          : DDP_ENV_GLOO_SOCKET_IFNAME;
+  const char *names = ddp_env_get(id);
+  if (*names) {
+    struct ifaddrs *all = NULL;
+    if (getifaddrs(&all) != 0) {
+      int e = errno;
+      return ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: getifaddrs (for %s): %s (errno %d)",
+                        rank, ddp_env_name(id), strerror(e), e);
+    }
+    bool found = false;
+    for (const char *p = names; *p && !found;) {
+      size_t len = strcspn(p, ",");
+      found = len > 0 && iface_addr(all, p, len, host, cap);
+      p += len + (p[len] == ',');
+    }
+    char have[256] = "";
+    size_t o = 0;
+    for (const struct ifaddrs *i = all; !found && i && o < sizeof have; i = i->ifa_next)
+      if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET)
+        o += (size_t)snprintf(have + o, sizeof have - o, " %s", i->ifa_name);
+    freeifaddrs(all);
+    if (!found)
+      return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                        "rank %d: %s=\"%s\": no such interface with an IPv4 or global IPv6 "
+                        "address on this host (interfaces with IPv4:%s)", rank,
+                        ddp_env_name(id), names, have[0] ? have : " none");
+    *why = ddp_env_name(id);
+    return DDP_OK;
+  }
+  *why = "the local end of the store connection";
+  if (ddp__store_local_addr(store, host, cap)) return DDP_OK;
+  *why = "no address found: loopback";
+  snprintf(host, cap, "127.0.0.1");
+  char name[256];
+  struct addrinfo hints = {0}, *res = NULL;
+  hints.ai_socktype = SOCK_STREAM;
+  if (gethostname(name, sizeof name) == 0 && getaddrinfo(name, NULL, &hints, &res) == 0) {
+    snprintf(host, cap, "%s", name);
+    *why = "the hostname";
+  }
+  if (res) freeaddrinfo(res);
+  return DDP_OK;
+}
+
 static void tcp_destroy(void *state) {
   tcp_state_t *s = state;
   if (!s) return;
@@ -234,13 +316,11 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
   getsockname(lfd, (struct sockaddr *)&ss, &sl);
   int port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
                                       : ntohs(((struct sockaddr_in *)&ss)->sin_port);
-  char host[256] = "127.0.0.1", me[ADDR_MAX], key[64];
-  if (gethostname(host, sizeof host) == 0) {
-    struct addrinfo hints = {0}, *res = NULL;
-    hints.ai_socktype = SOCK_STREAM;
-    if (getaddrinfo(host, NULL, &hints, &res) != 0) snprintf(host, sizeof host, "127.0.0.1");
-    if (res) freeaddrinfo(res);
-  }
+  char host[256], me[ADDR_MAX], key[64];
+  const char *why = "";
+  st = publish_host(in->store, rank, host, sizeof host, &why, err);
+  if (st != DDP_OK) goto fail;
+  ddp__log(rank, DDP_LOG_INFO, "tcp: peers will connect to %s:%d (from %s)", host, port, why);
   snprintf(me, sizeof me, "%s %d", host, port);
   snprintf(key, sizeof key, "tcp/addr/%d", rank);
   st = ddp_store_set(in->store, key, me, strlen(me) + 1);
@@ -326,6 +406,9 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
     char ph[128] = "?", pp[16] = "?";
     getnameinfo((struct sockaddr *)&pa, pl, ph, sizeof ph, pp, sizeof pp,
                 NI_NUMERICHOST | NI_NUMERICSERV);
+    /* The dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d; messages show a.b.c.d. */
+    if (strncmp(ph, "::ffff:", 7) == 0 && strchr(ph + 7, '.'))
+      memmove(ph, ph + 7, strlen(ph + 7) + 1);
     hello_t ph_ = {0};
     int64_t hd = DDP_MIN(deadline, ddp_deadline_after_ms(5000));
     verdict_t vd = {HELLO_MAGIC, 0};
@@ -448,13 +531,14 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
     }
     int64_t now = ddp_now_ns();
     if (now >= deadline) {
-      char who[384];
+      char who[512];
       size_t o = 0;
       who[0] = '\0';
       for (size_t k = 0; k < pending && o < sizeof who; k++) {
         ddp_xfer_t *x = &ops[map[k]];
-        o += (size_t)snprintf(who + o, sizeof who - o, "%srank %d (%zu of %zu bytes)",
-                              k ? ", " : "", x->peer, x->done, x->bytes);
+        o += (size_t)snprintf(who + o, sizeof who - o, "%srank %d (%s, %s %zu of %zu bytes)",
+                              k ? ", " : "", x->peer, s->addr[x->peer],
+                              x->is_send ? "sent" : "received", x->done, x->bytes);
       }
       return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
                               "timed out after %lld ms waiting for %s",
