@@ -67,6 +67,7 @@ typedef struct bench_cfg {
   ddp_redop_t op;
   ddp_dtype_t dt;
   bool calib;
+  bool desync_cost; /* --desync-cost: the fingerprint check against a group without it */
   const char *csv, *plot;
   uint64_t sizes[MAX_SIZES];
   int nsizes;
@@ -117,6 +118,10 @@ static void print_help(void) {
       "                         gnuplot, or SVG when FILE ends in .svg or gnuplot is missing\n"
       "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
       "      --no-calib         skip the reference lines\n"
+      "      --desync-cost      measure the desync check instead of the algorithms: every\n"
+      "                         size runs on two groups of the same ranks, with and without\n"
+      "                         the fingerprint check, in alternating blocks (rows 'fp' and\n"
+      "                         'no-fp', then the cost in %%); shm and tcp only\n"
       "  -h, --help             this text\n\n"
       "Columns: time per iteration is the slowest rank's, from the call to the end of the wait,\n"
       "after a barrier; algbw = size/p50; busbw = algbw*2(W-1)/W; #wrong = elements that\n"
@@ -184,7 +189,7 @@ static int split_list(char *s, char **items, int cap, const char *flag) {
 enum {
   O_MINBYTES = 1, O_MAXBYTES, O_FACTOR, O_ITERS, O_MINITERS, O_BUDGET, O_WARMUP, O_WORLD,
   O_BACKENDS, O_ALGOS, O_OP, O_DTYPE, O_PLACE, O_SEGMENT, O_TIMEOUT, O_CSV, O_PLOT,
-  O_CALIB_BYTES, O_NO_CALIB, O_HELP
+  O_CALIB_BYTES, O_NO_CALIB, O_DESYNC_COST, O_HELP
 };
 
 static const struct {
@@ -203,6 +208,7 @@ static const struct {
     {"timeout", 0, O_TIMEOUT, true},       {"csv", 0, O_CSV, true},
     {"plot", 0, O_PLOT, true},             {"calib-bytes", 0, O_CALIB_BYTES, true},
     {"no-calib", 0, O_NO_CALIB, false},    {"help", 'h', O_HELP, false},
+    {"desync-cost", 0, O_DESYNC_COST, false},
 };
 
 static void parse_args(int argc, char **argv, bench_cfg_t *c) {
@@ -311,6 +317,7 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
           usage_error("--calib-bytes: bad size '%s' (at least 4K)", val);
         break;
       case O_NO_CALIB: c->calib = false; break;
+      case O_DESYNC_COST: c->desync_cost = true; break;
       case O_HELP: print_help(); exit(0);
     }
   }
@@ -461,10 +468,85 @@ static ddp_status_t finish(ddp_pg_t *pg, ddp_status_t st, ddp_work_t *w, const c
 
 /* The sweep on one rank of one group: every place and size, data-varying, checked every
  * iteration; rank 0 emits a row per point. */
+/* One timed iteration: fill, barrier, allreduce; *us = this rank's time of the allreduce,
+ * *wrong += elements that differ from the exact result. */
+static ddp_status_t one_iter(ddp_pg_t *pg, const rank_ctx_t *x, void *send, void *recv,
+                             size_t count, uint64_t it, double *us, int64_t *wrong) {
+  const bench_cfg_t *c = x->cfg;
+  int64_t in_mul = ddp_pg_rank(pg) + 1, out_mul = op_factor(c->op, ddp_pg_size(pg));
+  uint64_t bytes = count * ddp_dtype_size(c->dt);
+  fill(c->dt, send, count, in_mul, it);
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_barrier(pg, &w);
+  st = finish(pg, st, w, "barrier", x, 0);
+  if (st != DDP_OK) return st;
+  w = NULL;
+  int64_t t0 = ddp_now_ns();
+  st = ddp_allreduce(pg, send, recv, count, c->dt, c->op, &w);
+  if (st == DDP_OK) st = ddp_work_wait(w, -1);
+  int64_t t1 = ddp_now_ns();
+  st = finish(pg, st, w, "allreduce", x, bytes);
+  if (st != DDP_OK) return st;
+  *us = (double)(t1 - t0) / 1e3;
+  *wrong += check(c->dt, recv, count, out_mul, it);
+  return DDP_OK;
+}
+
+/* Turns the ni timed iterations of one point into a row on rank 0: the time of an
+ * iteration is its slowest rank's, #wrong is summed over ranks. */
+static ddp_status_t emit_point(ddp_pg_t *pg, const rank_ctx_t *x, const char *algo, bool in_place,
+                               uint64_t bytes, int nw, int ni, double *times, int64_t wrong) {
+  const bench_cfg_t *c = x->cfg;
+  int world = ddp_pg_size(pg);
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allreduce(pg, times, times, (size_t)ni, DDP_F64, DDP_MAX, &w);
+  st = finish(pg, st, w, "timing allreduce", x, bytes);
+  if (st != DDP_OK) return st;
+  w = NULL;
+  st = ddp_allreduce(pg, &wrong, &wrong, 1, DDP_I64, DDP_SUM, &w);
+  st = finish(pg, st, w, "#wrong allreduce", x, bytes);
+  if (st != DDP_OK || ddp_pg_rank(pg) != 0) return st;
+  qsort(times, (size_t)ni, sizeof *times, cmp_double);
+  bench_row_t r = {0};
+  snprintf(r.backend, sizeof r.backend, "%s", x->backend);
+  snprintf(r.algo, sizeof r.algo, "%s", algo);
+  snprintf(r.place, sizeof r.place, "%s", in_place ? "in" : "out");
+  snprintf(r.op, sizeof r.op, "%s", ddp_redop_name(c->op));
+  snprintf(r.dtype, sizeof r.dtype, "%s", ddp_dtype_name(c->dt));
+  r.world = world;
+  r.warmup = nw;
+  r.iters = ni;
+  r.bytes = bytes;
+  r.count = bytes / ddp_dtype_size(c->dt);
+  r.min_us = times[0];
+  r.p50_us = bench_percentile(times, ni, 50.0);
+  r.p99_us = bench_percentile(times, ni, 99.0);
+  r.max_us = times[ni - 1];
+  r.algbw = r.p50_us > 0 ? (double)bytes / (r.p50_us * 1e3) : 0.0;
+  r.busbw = r.algbw * 2.0 * (world - 1) / world;
+  r.wrong = wrong;
+  sink_emit(x->sink, &r);
+  return DDP_OK;
+}
+
+/* Settle: untimed 4-byte all-reduces for SETTLE_MS by rank 0's clock, so start-up work
+ * (page faults, threads and peers still starting) is over before the first point. */
+static ddp_status_t settle(ddp_pg_t *pg, const rank_ctx_t *x) {
+  int64_t settle_end = ddp_now_ns() + SETTLE_MS * 1000000LL;
+  ddp_status_t st = DDP_OK;
+  for (int32_t more = 1; more && st == DDP_OK;) {
+    more = ddp_pg_rank(pg) == 0 && ddp_now_ns() < settle_end;
+    ddp_work_t *w = NULL;
+    st = ddp_allreduce(pg, &more, &more, 1, DDP_I32, DDP_MAX, &w);
+    st = finish(pg, st, w, "settle allreduce", x, 4);
+  }
+  return st;
+}
+
 static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
   const rank_ctx_t *x = arg;
   const bench_cfg_t *c = x->cfg;
-  int rank = ddp_pg_rank(pg), world = ddp_pg_size(pg);
+  int rank = ddp_pg_rank(pg);
   size_t es = ddp_dtype_size(c->dt);
   uint64_t maxb = c->sizes[c->nsizes - 1];
   ddp_status_t st = DDP_OK;
@@ -477,16 +559,7 @@ static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
     st = DDP_ERR_NO_MEMORY;
     goto out;
   }
-  /* Settle: untimed 4-byte all-reduces for SETTLE_MS by rank 0's clock, so start-up work
-   * (page faults, threads and peers still starting) is over before the first point. */
-  int64_t settle_end = ddp_now_ns() + SETTLE_MS * 1000000LL;
-  for (int32_t more = 1; more && st == DDP_OK;) {
-    more = rank == 0 && ddp_now_ns() < settle_end;
-    ddp_work_t *w = NULL;
-    st = ddp_allreduce(pg, &more, &more, 1, DDP_I32, DDP_MAX, &w);
-    st = finish(pg, st, w, "settle allreduce", x, 4);
-  }
-  int64_t in_mul = rank + 1, out_mul = op_factor(c->op, world);
+  st = settle(pg, x);
   uint64_t it = 0;
   for (int place = 0; place < 2 && st == DDP_OK; place++) {
     if ((place == 0 && !c->place_in) || (place == 1 && !c->place_out)) continue;
@@ -496,58 +569,56 @@ static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
       size_t count = (size_t)(bytes / es);
       int nw = warmup_for(c, bytes), ni = iters_for(c, bytes);
       int64_t wrong = 0;
-      for (int k = 0; k < nw + ni && st == DDP_OK; k++, it++) {
-        fill(c->dt, send, count, in_mul, it);
-        ddp_work_t *w = NULL;
-        st = ddp_barrier(pg, &w);
-        st = finish(pg, st, w, "barrier", x, 0);
-        if (st != DDP_OK) break;
-        w = NULL;
-        int64_t t0 = ddp_now_ns();
-        st = ddp_allreduce(pg, send, recv, count, c->dt, c->op, &w);
-        if (st == DDP_OK) st = ddp_work_wait(w, -1);
-        int64_t t1 = ddp_now_ns();
-        st = finish(pg, st, w, "allreduce", x, bytes);
-        if (st != DDP_OK) break;
-        if (k >= nw) times[k - nw] = (double)(t1 - t0) / 1e3;
-        wrong += check(c->dt, recv, count, out_mul, it);
-      }
-      if (st != DDP_OK) break;
-      /* The collective's time in an iteration is its slowest rank's. */
-      ddp_work_t *w = NULL;
-      st = ddp_allreduce(pg, times, times, (size_t)ni, DDP_F64, DDP_MAX, &w);
-      st = finish(pg, st, w, "timing allreduce", x, bytes);
-      if (st != DDP_OK) break;
-      w = NULL;
-      st = ddp_allreduce(pg, &wrong, &wrong, 1, DDP_I64, DDP_SUM, &w);
-      st = finish(pg, st, w, "#wrong allreduce", x, bytes);
-      if (st != DDP_OK || rank != 0) continue;
-      qsort(times, (size_t)ni, sizeof *times, cmp_double);
-      bench_row_t r = {0};
-      snprintf(r.backend, sizeof r.backend, "%s", x->backend);
-      snprintf(r.algo, sizeof r.algo, "%s", x->algo);
-      snprintf(r.place, sizeof r.place, "%s", place == 0 ? "in" : "out");
-      snprintf(r.op, sizeof r.op, "%s", ddp_redop_name(c->op));
-      snprintf(r.dtype, sizeof r.dtype, "%s", ddp_dtype_name(c->dt));
-      r.world = world;
-      r.warmup = nw;
-      r.iters = ni;
-      r.bytes = bytes;
-      r.count = count;
-      r.min_us = times[0];
-      r.p50_us = bench_percentile(times, ni, 50.0);
-      r.p99_us = bench_percentile(times, ni, 99.0);
-      r.max_us = times[ni - 1];
-      r.algbw = r.p50_us > 0 ? (double)bytes / (r.p50_us * 1e3) : 0.0;
-      r.busbw = r.algbw * 2.0 * (world - 1) / world;
-      r.wrong = wrong;
-      sink_emit(x->sink, &r);
+      double warm;
+      for (int k = 0; k < nw + ni && st == DDP_OK; k++, it++)
+        st = one_iter(pg, x, send, recv, count, it, k >= nw ? &times[k - nw] : &warm, &wrong);
+      if (st == DDP_OK) st = emit_point(pg, x, x->algo, place == 0, bytes, nw, ni, times, wrong);
     }
   }
 out:
   ddp_free(times);
   if (b) ddp_pg_free(pg, b);
   if (a) ddp_pg_free(pg, a);
+  return st;
+}
+
+/* --desync-cost. pgs[0] checks fingerprints, pgs[1] is the same ranks with
+ * skip_desync_check. For each size both run the same in-place allreduce in alternating
+ * blocks of DC_BLOCK iterations, so that a change of machine load hits both alike; the
+ * rows are algorithms "fp" and "no-fp". */
+#define DC_BLOCK 10
+static ddp_status_t desync_cost_rank(ddp_pg_t *const pgs[2], const rank_ctx_t *x) {
+  const bench_cfg_t *c = x->cfg;
+  size_t es = ddp_dtype_size(c->dt);
+  uint64_t maxb = c->sizes[c->nsizes - 1];
+  int max_iters = iters_for(c, c->sizes[0]);
+  void *buf[2] = {ddp_pg_alloc(pgs[0], maxb), ddp_pg_alloc(pgs[1], maxb)};
+  double *times[2] = {ddp_malloc(sizeof(double) * (size_t)max_iters),
+                      ddp_malloc(sizeof(double) * (size_t)max_iters)};
+  ddp_status_t st = buf[0] && buf[1] && times[0] && times[1] ? DDP_OK : DDP_ERR_NO_MEMORY;
+  for (int g = 0; g < 2 && st == DDP_OK; g++) st = settle(pgs[g], x);
+  uint64_t it = 0;
+  for (int si = 0; si < c->nsizes && st == DDP_OK; si++) {
+    uint64_t bytes = c->sizes[si];
+    size_t count = (size_t)(bytes / es);
+    int nw = warmup_for(c, bytes), ni = iters_for(c, bytes);
+    int64_t wrong[2] = {0, 0};
+    double warm;
+    for (int g = 0; g < 2; g++)
+      for (int k = 0; k < nw && st == DDP_OK; k++, it++)
+        st = one_iter(pgs[g], x, buf[g], buf[g], count, it, &warm, &wrong[g]);
+    for (int k0 = 0; k0 < ni && st == DDP_OK; k0 += DC_BLOCK)
+      for (int g = 0; g < 2; g++)
+        for (int k = k0; k < ni && k < k0 + DC_BLOCK && st == DDP_OK; k++, it++)
+          st = one_iter(pgs[g], x, buf[g], buf[g], count, it, &times[g][k], &wrong[g]);
+    for (int g = 0; g < 2 && st == DDP_OK; g++)
+      st = emit_point(pgs[g], x, g == 0 ? "fp" : "no-fp", true, bytes, nw, ni, times[g],
+                      wrong[g]);
+  }
+  for (int g = 0; g < 2; g++) {
+    ddp_free(times[g]);
+    if (buf[g]) ddp_pg_free(pgs[g], buf[g]);
+  }
   return st;
 }
 
@@ -575,6 +646,30 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
 }
 
 /* One forked rank: a file store, then one group per algorithm, in order. Never returns. */
+/* One group of this rank on the store prefix `name` (owned by *view, to destroy after the
+ * group). */
+static ddp_status_t open_group(const bench_cfg_t *c, const char *backend, ddp_algorithm_t algo,
+                               ddp_store_t *store, const char *name, int rank, const char *token,
+                               bool skip_desync_check, ddp_store_t **view, ddp_pg_t **pg) {
+  ddp_status_t st = ddp_store_create_prefix(store, name, view);
+  if (st != DDP_OK) {
+    fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, name,
+            ddp_store_last_error(store));
+    return st;
+  }
+  ddp_pg_options_t o = group_options(c, backend, algo);
+  o.rank = rank;
+  o.store = *view;
+  o.job_token = token;
+  o.skip_desync_check = skip_desync_check;
+  ddp_error_t err = {0};
+  st = ddp_pg_create(&o, pg, &err);
+  if (st != DDP_OK)
+    fprintf(stderr, "ddp-bench: %s/%s rank %d: group creation: %s: %s\n", backend, name, rank,
+            ddp_status_name(st), err.msg);
+  return st;
+}
+
 static void child_main(const bench_cfg_t *c, const char *backend, const char *dir,
                        const char *token, int rank, int fd, const ddp_algorithm_t *algos,
                        int nalgos) {
@@ -592,29 +687,22 @@ static void child_main(const bench_cfg_t *c, const char *backend, const char *di
   }
   for (int k = 0; k < nalgos && st == DDP_OK; k++) {
     const char *aname = ddp_algorithm_name(algos[k]);
-    ddp_store_t *view = NULL;
-    st = ddp_store_create_prefix(store, aname, &view);
-    if (st != DDP_OK) {
-      fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, aname,
-              ddp_store_last_error(store));
-      break;
+    int ng = c->desync_cost ? 2 : 1;
+    ddp_store_t *view[2] = {NULL, NULL};
+    ddp_pg_t *pg[2] = {NULL, NULL};
+    char name[2][32];
+    for (int g = 0; g < ng && st == DDP_OK; g++) {
+      snprintf(name[g], sizeof name[g], "%s%s", aname, !c->desync_cost ? "" : g ? "/no-fp" : "/fp");
+      st = open_group(c, backend, algos[k], store, name[g], rank, token, g == 1, &view[g], &pg[g]);
     }
-    ddp_pg_options_t o = group_options(c, backend, algos[k]);
-    o.rank = rank;
-    o.store = view;
-    o.job_token = token;
-    ddp_pg_t *pg = NULL;
-    ddp_error_t err = {0};
-    st = ddp_pg_create(&o, &pg, &err);
-    if (st != DDP_OK) {
-      fprintf(stderr, "ddp-bench: %s/%s rank %d: group creation: %s: %s\n", backend, aname, rank,
-              ddp_status_name(st), err.msg);
-    } else {
+    if (st == DDP_OK) {
       rank_ctx_t x = {c, &sink, backend, aname};
-      st = bench_rank(pg, &x);
-      ddp_pg_destroy(pg);
+      st = c->desync_cost ? desync_cost_rank(pg, &x) : bench_rank(pg[0], &x);
     }
-    ddp_store_destroy(view);
+    for (int g = 0; g < ng; g++) {
+      ddp_pg_destroy(pg[g]);
+      ddp_store_destroy(view[g]);
+    }
   }
   ddp_store_destroy(store);
   if (fd >= 0) close(fd);
@@ -792,7 +880,9 @@ int main(int argc, char **argv) {
       }
       algos[na++] = cfg.algos[k];
     }
-    if (strcmp(be, "threads") == 0) {
+    if (strcmp(be, "threads") == 0 && cfg.desync_cost) {
+      printf("# threads: --desync-cost runs on shm and tcp (threads shares shm's check)\n");
+    } else if (strcmp(be, "threads") == 0) {
       for (int k = 0; k < na; k++) {
         rank_ctx_t x = {&cfg, &sink, be, ddp_algorithm_name(algos[k])};
         ddp_pg_options_t o = group_options(&cfg, be, algos[k]);
@@ -810,6 +900,13 @@ int main(int argc, char **argv) {
   int64_t wrong = 0;
   for (size_t i = 0; i < sink.n; i++) wrong += sink.rows[i].wrong;
   if (cfg.calib) bench_print_ratios(stdout, sink.rows, sink.n, &calib, REF_BYTES);
+  /* --desync-cost rows come in pairs: the group with the check, then the one without. */
+  for (size_t i = 0; cfg.desync_cost && i + 1 < sink.n; i += 2) {
+    const bench_row_t *a = &sink.rows[i], *b = &sink.rows[i + 1];
+    printf("# desync check cost: %s %llu B: p50 %.2f us with, %.2f us without: %+.2f%%\n",
+           a->backend, (unsigned long long)a->bytes, a->p50_us, b->p50_us,
+           b->p50_us > 0 ? 100.0 * (a->p50_us - b->p50_us) / b->p50_us : 0.0);
+  }
   printf("# %zu points, %lld wrong elements%s\n", sink.n, (long long)wrong,
          failed ? "; some runs FAILED (see stderr)" : "");
   if (cfg.csv && bench_write_csv(cfg.csv, sink.rows, sink.n, &calib) != 0) failed = 1;

@@ -50,9 +50,13 @@ typedef struct ddp_pg_options {
   size_t segment_bytes;      /* pipelining segment of ring/canonical; 0 = 1 MiB */
   const char *job_token;     /* tcp: presented on every peer connection; NULL = DDP_JOB_TOKEN */
   size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = 256 MiB (sparse) */
+  /* Benchmarks only (ddp-bench --desync-cost measures the check against it): collectives
+   * skip the fingerprint exchange and comparison. Mismatched collectives then hang until
+   * the timeout or return wrong data instead of DDP_ERR_DESYNC. Never set it in a job. */
+  bool skip_desync_check;
 } ddp_pg_options_t;
 
-#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0}
+#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0, false}
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).

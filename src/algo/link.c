@@ -113,8 +113,8 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
-  bool piggy = c->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
-  if (!piggy) DDP_CHECK(check_fps(c, op, err));
+  bool piggy = c->check_fp && c->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
+  if (!piggy && c->check_fp) DDP_CHECK(check_fps(c, op, err));
   ddp_xfer_t ops[3 * MAXW];
   ddp__fp_t fps[MAXW];
   fold_job_t job = {.c = c, .op = op};
@@ -325,7 +325,8 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
   ddp__coll_t o = *op;
   if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
   size_t es = ddp_dtype_size(o.dt);
-  if (c->stream && c->size > 1 && o.kind == DDP__ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
+  if (c->check_fp && c->stream && c->size > 1 && o.kind == DDP__ALLREDUCE &&
+      o.algo == DDP_ALGO_SMALL &&
       o.count > 0 && o.count * es * (size_t)c->size <= c->scratch_bytes &&
       sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
     return allreduce_small(c, &o, true, err);
@@ -334,7 +335,7 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
                ((o.kind == DDP__ALLREDUCE && o.algo != DDP_ALGO_RING &&
                  !(o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)) ||
                 o.kind == DDP__REDUCE_SCATTER);
-  if (c->size > 1 && !owned) DDP_CHECK(check_fps(c, &o, err));
+  if (c->size > 1 && !owned && c->check_fp) DDP_CHECK(check_fps(c, &o, err));
   if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
   if (c->size == 1) {
     if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);

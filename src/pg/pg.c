@@ -262,6 +262,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   c->size = o.world;
   c->ops = ops;
   c->segment_bytes = o.segment_bytes;
+  c->check_fp = !o.skip_desync_check;
   c->stream = ops == &ddp__backend_tcp;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
