@@ -71,6 +71,7 @@ typedef struct run {
   float out[MAXW][8][MAXN]; /* [rank][step][element] the resolved result, widened */
   int64_t nallreduce[MAXW];
   int64_t iter[MAXW];
+  uint64_t draws[MAXW]; /* ddp_powersgd_draws at the end */
   ddp_comm_hook_stats_t stats[MAXW];
   ddp_status_t st[MAXW];
   /* PowerSGD with snap_dir set: each rank's carried state just before step t, read back
@@ -132,7 +133,17 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
   ddp_hook_counters_t cnt = {0, 0, 0};
   ddp_compress_wrapper_t wrap = {DDP_F16, ddp_allreduce_hook, &cnt};
   ddp_status_t st = DDP_OK;
-  if (R->kind == H_PSGD || R->kind == H_BPSGD) DDP_CHECK(ddp_powersgd_state_create(&R->popts, r, &ps, NULL));
+  if (R->kind == H_PSGD || R->kind == H_BPSGD) {
+    /* An init_q goes in through the options on even ranks and through
+     * ddp_powersgd_set_init_q (what ddp-train's power_sgd_init_q uses) on odd ones; every
+     * rank must still hold the same bits. */
+    ddp_powersgd_options_t o = R->popts;
+    if (r % 2) o.init_q = NULL, o.init_q_user = NULL;
+    DDP_CHECK(ddp_powersgd_state_create(&o, r, &ps, NULL));
+    if (r % 2 && R->popts.init_q) {
+      ddp_powersgd_set_init_q(ps, R->popts.init_q, R->popts.init_q_user);
+    }
+  }
   if (R->kind == H_WRAPB16_AR) wrap.dtype = DDP_BF16;
   float *buf = ddp_pg_alloc(pg, numel * sizeof(float));
   if (!buf) st = DDP_ERR_NO_MEMORY;
@@ -167,6 +178,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
   if (ps) {
     R->nallreduce[r] = ddp_powersgd_num_allreduces(ps);
     R->iter[r] = ddp_powersgd_iter(ps);
+    R->draws[r] = ddp_powersgd_draws(ps);
     ddp_powersgd_stats(ps, &R->stats[r]);
   } else {
     ddp_hook_counters_stats(&cnt, &R->stats[r]);
@@ -572,6 +584,7 @@ static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t 
   for (int r = 0; r < W; r++) {
     assert_int_equal(R.nallreduce[r], start + 3 * (R.steps - start));
     assert_int_equal(R.iter[r], R.steps);
+    assert_int_equal(R.draws[r], P.draws); /* the reference's free run drew as often */
   }
 }
 
@@ -685,6 +698,10 @@ static void test_config_validation(void **state) {
                           "\"batch_tensors_with_same_shape\": true}"}};
   for (size_t i = 0; i < 5; i++)
     assert_int_equal(ddp_hooks_validate(ok[i][0], ok[i][1], ok[i][2], &err), DDP_OK);
+  /* allreduce: PyTorch's allreduce_hook, so that a wrapper can go around plain allreduce. */
+  assert_int_equal(ddp_hooks_validate("allreduce", "fp16", NULL, &err), DDP_OK);
+  expect_cfg_error("allreduce", "no", "{\"matrix_approximation_rank\": 2}",
+                   "power_sgd or batched_power_sgd");
   expect_cfg_error("fp32", "no", NULL, "no, fp16, bf16, power_sgd, batched_power_sgd");
   expect_cfg_error("fp16", "int8", NULL, "valid choices: no, fp16, bf16");
   expect_cfg_error("no", "fp16", NULL, "needs a comm_hook");

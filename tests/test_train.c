@@ -245,6 +245,10 @@ static void test_defaults(void **state) {
   assert_int_equal(a.ddp_timeout, 1800);
   assert_int_equal(a.ddp_find_unused_parameters, DDP_UNSET);
   assert_string_equal(a.comm_hook, "no");
+  assert_string_equal(a.optim_args, "");
+  assert_string_equal(a.forward_flags, "0");
+  assert_true(a.ddp_first_bucket_mb == -1);
+  assert_string_equal(a.power_sgd_init_q, "");
   /* HF's rule: unset find_unused is True unless gradient checkpointing is on. */
   assert_true(ddp_train_find_unused(&a));
   a.gradient_checkpointing = true;
@@ -291,6 +295,54 @@ static void test_defaults(void **state) {
   assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "{\"warm_start\": false}", &err),
                    DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+}
+
+/* forward_flags (torch_reference.py's --flags: one integer, or one per rank cycled) and
+ * optim_args (HF's "key=value,..."; SGD's momentum, dampening, nesterov). */
+static void test_flags_and_optim_args(void **state) {
+  static const struct {
+    const char *text;
+    int rank;
+    uint64_t want;
+  } ok[] = {{"0", 3, 0},     {"5", 0, 5},        {"1,0", 0, 1},      {"1,0", 1, 0},
+            {"1,0", 2, 1},   {"1,0,2", 5, 2},    {" 3 , 4 ", 1, 4},  {"0x10,7", 0, 16},
+            {"0X1f", 9, 31}, {"18446744073709551615", 0, UINT64_MAX}};
+  for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+    uint64_t v = 99;
+    if (!ddp__train_forward_flags(ok[i].text, ok[i].rank, &v) || v != ok[i].want) {
+      fail_msg("forward_flags \"%s\" rank %d: %llu, want %llu", ok[i].text, ok[i].rank,
+               (unsigned long long)v, (unsigned long long)ok[i].want);
+    }
+  }
+  static const char *const bad[] = {"", "1,", ",1", "-1", "1 2", "0x", "1.5", "a",
+                                    "18446744073709551616"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    if (ddp__train_forward_flags(bad[i], 0, NULL)) fail_msg("accepted \"%s\"", bad[i]);
+  }
+
+  ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
+  ddp_error_t err = {0};
+  strcpy(a.optim, "sgd");
+  strcpy(a.optim_args, " momentum = 0.9, dampening=0.25 ");
+  ddp_optim_options_t o = DDP_SGD_OPTIONS_INIT;
+  assert_int_equal(ddp__train_optim_args(&a, &o, &err), DDP_OK);
+  assert_true(o.momentum == 0.9 && o.dampening == 0.25 && !o.nesterov);
+  strcpy(a.optim_args, "momentum=0.5,nesterov=True");
+  o = (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
+  assert_int_equal(ddp__train_optim_args(&a, &o, &err), DDP_OK);
+  assert_true(o.momentum == 0.5 && o.nesterov);
+  strcpy(a.optim_args, "momentum");
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "not key=value"));
+  strcpy(a.optim_args, "momentum=-1");
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  strcpy(a.optim_args, "lr=0.1");
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "unknown key \"lr\" for optim sgd"));
+  strcpy(a.optim_args, "");
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
+  strcpy(a.forward_flags, "2,1,0");
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
 }
 
 /* The tool: both spellings, a config file overridden by flags, bare booleans. */
@@ -354,6 +406,14 @@ static void test_tool_errors(void **state) {
       {{"--logging_steps", "2.5", NULL}, "logging_steps must be a whole number"},
       {{"--resume_from_checkpoint", "/nonexistent/checkpoint-5", NULL}, "checkpoint-5"},
       {{"--resume_from_checkpoint", "true", "--output_dir", "/nonexistent/out"}, "/nonexistent/out"},
+      {{"--forward_flags", "1,x", NULL}, "forward_flags expects one integer"},
+      {{"--optim", "sgd", "--optim_args", "momentum=fast"}, "optim_args: momentum=fast"},
+      {{"--optim_args", "betas=0.9", NULL}, "unknown key \"betas\" for optim adamw_torch"},
+      {{"--optim", "sgd", "--optim_args", "nesterov=true"}, "Nesterov momentum requires"},
+      {{"--ddp_first_bucket_mb", "0", NULL}, "ddp_first_bucket_mb must be positive"},
+      {{"--power_sgd_init_q", "q.safetensors", NULL}, "power_sgd_init_q needs comm_hook"},
+      {{"--comm_hook", "power_sgd", "--power_sgd_init_q", "/nonexistent/q.safetensors"},
+       "--power_sgd_init_q /nonexistent/q.safetensors"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char out[8192];
@@ -1221,7 +1281,8 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_defaults),       cmocka_unit_test(test_tool_parsing),
+      cmocka_unit_test(test_defaults),       cmocka_unit_test(test_flags_and_optim_args),
+      cmocka_unit_test(test_tool_parsing),
       cmocka_unit_test(test_tool_errors),    cmocka_unit_test(test_loss_falls),
       cmocka_unit_test(test_equivalence),    cmocka_unit_test(test_reducer_vs_flat),
       cmocka_unit_test(test_comm_hooks),     cmocka_unit_test(test_split_and_eval),

@@ -92,7 +92,15 @@ static void usage(FILE *f) {
           "  ddp-train --threads 4 --model model.json --data data.csv --max_steps 500 \\\n"
           "            --learning_rate 1e-3 --logging_steps 50 --output_dir run1\n"
           "  ddp-train --threads 4 --model model.json --data data.csv --max_steps 1000 \\\n"
-          "            --output_dir run1 --resume_from_checkpoint true     (continue run1)\n");
+          "            --output_dir run1 --resume_from_checkpoint true     (continue run1)\n"
+          "\n"
+          "Against PyTorch (docs/compare.md): the same job as tools/torch_reference.py, from its\n"
+          "weights, with its defaults and names spelled out, then ddp-compare T L:\n"
+          "  ddp-train --threads 2 --model m.json --init T/weights.safetensors --optim sgd \\\n"
+          "            --optim_args momentum=0.9 --max_grad_norm 0 \\\n"
+          "            --lr_scheduler_type constant --ddp_find_unused_parameters false \\\n"
+          "            --forward_flags 1,0 --dump_dir L \\\n"
+          "            [--comm_hook power_sgd --power_sgd_init_q T/powersgd_q.safetensors]\n");
 }
 
 static int usage_error(const char *fmt, const char *a, const char *b) {
@@ -460,6 +468,20 @@ int main(int argc, char **argv) {
     return 2;
   }
   ddp_model_destroy(probe);
+  const char *q_path = t.args.power_sgd_init_q;
+  if (q_path[0]) {
+    ddp_st_file_t *qf = NULL;
+    if ((st = ddp_st_open(q_path, DDP_ST_READ, &qf, &err)) != DDP_OK ||
+        !ddp_st_meta_get(qf, "draws")) {
+      fprintf(stderr, "ddp-train: --power_sgd_init_q %s: %s\n", q_path,
+              st != DDP_OK ? err.msg
+                           : "no \"draws\" in the metadata; expected the "
+                             "powersgd_q.safetensors that tools/torch_reference.py writes");
+      ddp_st_close(qf);
+      return 2;
+    }
+    ddp_st_close(qf);
+  }
   t.tty = isatty(STDOUT_FILENO);
 
   ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;

@@ -93,6 +93,16 @@ DDP_API void ddp_powersgd_state_destroy(ddp_powersgd_state_t *s);
 DDP_API int64_t ddp_powersgd_iter(const ddp_powersgd_state_t *s);
 /* Allreduces issued by the hooks on this state since it was created. */
 DDP_API int64_t ddp_powersgd_num_allreduces(const ddp_powersgd_state_t *s);
+/* Random Q initialisations made so far: the draw number the next one gets (restored by
+ * ddp_powersgd_state_load). */
+DDP_API uint64_t ddp_powersgd_draws(const ddp_powersgd_state_t *s);
+/* Replaces the init_q callback (and its user pointer) the state was created with, for a
+ * state that ddp_hooks_configure_state built from names; NULL returns to the generator.
+ * Takes effect from the next random initialisation. */
+DDP_API void ddp_powersgd_set_init_q(ddp_powersgd_state_t *s,
+                                     void (*init_q)(void *user, uint64_t draw,
+                                                    size_t bucket_index, float *q, size_t n),
+                                     void *init_q_user);
 /* The stats callback: total_numel_before/after_compression and the last step's bytes. */
 DDP_API void ddp_powersgd_stats(void *state, ddp_comm_hook_stats_t *out);
 
@@ -125,7 +135,9 @@ DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg,
 /* ---------------------------------------------------------------- configuration --- */
 
 /* Accelerate's DistributedDataParallelKwargs comm fields. comm_hook is one of no, fp16,
- * bf16, power_sgd, batched_power_sgd; comm_wrapper one of no, fp16, bf16 (NULL = "no");
+ * bf16, power_sgd, batched_power_sgd, or allreduce (PyTorch's allreduce_hook, which
+ * Accelerate does not name: the numbers of no hook, but a wrapper can go around it);
+ * comm_wrapper one of no, fp16, bf16 (NULL = "no");
  * comm_state_option a JSON object of PowerSGDState keys (NULL or "" = {}). Unlike
  * Accelerate, unknown names, unknown keys, values of the wrong type or range, a wrapper
  * without a hook, and state options for a hook that takes none are errors

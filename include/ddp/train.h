@@ -55,6 +55,8 @@ typedef struct ddp_train_args {
   double adam_beta2;     /* 0.999 */
   double adam_epsilon;   /* 1e-8 */
   char optim[32];        /* "adamw_torch" (also "adamw", "adam", "sgd") */
+  char optim_args[DDP_TRAIN_STR_MAX]; /* "": HF's "key=value,..."; sgd takes momentum,
+                                       * dampening and nesterov (docs/train.md) */
   double max_grad_norm;  /* 1.0; <= 0 disables clipping, as in HF */
   /* schedule */
   char lr_scheduler_type[32]; /* "linear" (constant, constant_with_warmup, linear, cosine) */
@@ -74,10 +76,15 @@ typedef struct ddp_train_args {
   bool gradient_checkpointing; /* false; only enters ddp_find_unused_parameters' default */
   bool disable_tqdm;           /* false: progress bar when stdout is a terminal */
   char dump_dir[DDP_TRAIN_STR_MAX]; /* libddp: per-step dumps (docs/dumps.md); "" = none */
+  char forward_flags[DDP_TRAIN_STR_MAX]; /* libddp: "0"; the flags of branch layers
+                                          * (docs/nn.md), one integer or one per rank
+                                          * separated by commas, cycled over the ranks */
   /* DDP */
   char ddp_backend[16];                   /* "": auto. gloo (= tcp), threads, shm, tcp, mpi, nccl */
   ddp_tristate_t ddp_find_unused_parameters; /* unset: !gradient_checkpointing (HF) */
   int64_t ddp_bucket_cap_mb;              /* -1: unset (25 MiB) */
+  double ddp_first_bucket_mb; /* libddp: -1 = the reducer's rule (docs/ddp.md); > 0: the
+                               * first bucket's cap, e.g. 1 for PyTorch 1.13's layouts */
   ddp_tristate_t ddp_broadcast_buffers;   /* unset: true (torch's default) */
   int64_t ddp_timeout;                    /* 1800 seconds */
   ddp_tristate_t ddp_static_graph;        /* unset: false */
@@ -87,6 +94,9 @@ typedef struct ddp_train_args {
   char comm_hook[32];                     /* "no"; needs ddp_reducer (docs/hooks.md) */
   char comm_wrapper[16];                  /* "no" */
   char comm_state_option[DDP_TRAIN_STR_MAX]; /* JSON object, "" or "{}" = none */
+  char power_sgd_init_q[DDP_TRAIN_STR_MAX]; /* libddp: "" or torch_reference.py's
+                                             * powersgd_q.safetensors: PyTorch's random Q
+                                             * draws, used instead of libddp's generator */
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                               \
@@ -95,18 +105,19 @@ typedef struct ddp_train_args {
     .per_device_eval_batch_size = 8, .gradient_accumulation_steps = 1,                    \
     .num_train_epochs = 3.0, .max_steps = -1, .dataloader_drop_last = false,              \
     .learning_rate = 5e-5, .weight_decay = 0.0, .adam_beta1 = 0.9, .adam_beta2 = 0.999,   \
-    .adam_epsilon = 1e-8, .optim = "adamw_torch", .max_grad_norm = 1.0,                   \
+    .adam_epsilon = 1e-8, .optim = "adamw_torch", .optim_args = "", .max_grad_norm = 1.0, \
     .lr_scheduler_type = "linear", .warmup_steps = 0, .warmup_ratio = 0.0, .seed = 42,    \
     .logging_steps = 500, .eval_strategy = "no", .eval_steps = 0, .eval_split = 0.1,      \
     .save_strategy = "steps", .save_steps = 500, .save_total_limit = -1,                  \
     .output_dir = "trainer_output", .resume_from_checkpoint = "",                         \
     .gradient_checkpointing = false, .disable_tqdm = false, .dump_dir = "",              \
-    .ddp_backend = "",                                                                    \
+    .forward_flags = "0", .ddp_backend = "",                                              \
     .ddp_find_unused_parameters = DDP_UNSET, .ddp_bucket_cap_mb = -1,                     \
+    .ddp_first_bucket_mb = -1,                                                            \
     .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800,                              \
     .ddp_static_graph = DDP_UNSET, .gradient_as_bucket_view = false, .ddp_reducer = true,  \
     .comm_hook = "no",                                                                    \
-    .comm_wrapper = "no", .comm_state_option = ""                                         \
+    .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = ""                 \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"
@@ -123,8 +134,10 @@ DDP_API ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *p
                                               ddp_error_t *err);
 
 /* Cross-field checks: positive sizes, known optim / scheduler / strategy / backend names
- * (an unknown ddp_backend lists the choices), comm hook names, wrapper and PowerSGD state
- * options (ddp_hooks_validate); a hook with ddp_reducer false is DDP_ERR_UNSUPPORTED. */
+ * (an unknown ddp_backend lists the choices), optim_args keys and values for the optim,
+ * the syntax of forward_flags, comm hook names, wrapper and PowerSGD state options
+ * (ddp_hooks_validate), power_sgd_init_q only with a PowerSGD hook; a hook with
+ * ddp_reducer false is DDP_ERR_UNSUPPORTED. Files are not opened here. */
 DDP_API ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err);
 
 /* libddp's backend for ddp_backend ("gloo" -> "tcp"); NULL when unset. */

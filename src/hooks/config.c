@@ -1,5 +1,7 @@
 /* Accelerate's comm-hook configuration (spec §7.9): comm_hook, comm_wrapper and
- * comm_state_option mapped onto the built-in hooks. Accelerate checks nothing; here an
+ * comm_state_option mapped onto the built-in hooks, plus "allreduce" (PyTorch's
+ * allreduce_hook, which Accelerate does not name; torch_reference.py takes it too), so that
+ * a wrapper can go around plain allreduce. Accelerate checks nothing; here an
  * unknown name, an unknown PowerSGDState key, a value of the wrong type or range, a wrapper
  * without a hook, or state options for a hook without state are errors that list the
  * valid choices. */
@@ -12,9 +14,11 @@
 #include "common/common.h"
 #include "hooks_internal.h"
 
-static const char *const HOOKS[] = {"no", "fp16", "bf16", "power_sgd", "batched_power_sgd"};
+static const char *const HOOKS[] = {"no",        "allreduce",        "fp16", "bf16",
+                                     "power_sgd", "batched_power_sgd"};
+#define FIRST_PSGD 4 /* HOOKS from here on take a PowerSGD state */
 static const char *const WRAPPERS[] = {"no", "fp16", "bf16"};
-#define HOOKS_LIST "no, fp16, bf16, power_sgd, batched_power_sgd"
+#define HOOKS_LIST "no, fp16, bf16, power_sgd, batched_power_sgd, allreduce"
 #define WRAPPERS_LIST "no, fp16, bf16"
 #define KEYS_LIST                                                                          \
   "matrix_approximation_rank, start_powerSGD_iter, min_compression_rate, "                 \
@@ -119,13 +123,13 @@ static ddp_status_t check(const char *hook, const char *wrapper, const char *sta
     return bad(err, "comm_wrapper: unknown value '%s'; valid choices: %s", wrapper, WRAPPERS_LIST);
   if (*h == 0 && *w != 0)
     return bad(err, "comm_wrapper '%s' needs a comm_hook (one of %s); Accelerate ignores it "
-               "silently", wrapper, "fp16, bf16, power_sgd, batched_power_sgd");
+               "silently", wrapper, "fp16, bf16, power_sgd, batched_power_sgd, allreduce");
   bool nonempty;
   DDP_CHECK(parse_state(state, o, &nonempty, err));
-  if (nonempty && *h < 3)
+  if (nonempty && *h < FIRST_PSGD)
     return bad(err, "comm_state_option applies to comm_hook power_sgd or batched_power_sgd "
                "only (PowerSGDState keys), not to '%s'%s", hook, "");
-  if (*h >= 3 && (o->use_error_feedback || o->warm_start) && o->start_powerSGD_iter <= 1)
+  if (*h >= FIRST_PSGD && (o->use_error_feedback || o->warm_start) && o->start_powerSGD_iter <= 1)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
                       "`warm_start` is enabled, because PowerSGD can only be applied after "
@@ -181,15 +185,17 @@ ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
   ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
   DDP_CHECK(check(comm_hook, comm_wrapper, comm_state_option, &h, &w, &o, err));
   if (h == 0) return DDP_OK;
-  static const char *const hook_names[] = {"", "fp16_compress_hook", "bf16_compress_hook",
-                                           "powerSGD_hook", "batched_powerSGD_hook"};
-  static const ddp_comm_hook_fn fns[] = {NULL, ddp_fp16_compress_hook, ddp_bf16_compress_hook,
-                                         ddp_powersgd_hook, ddp_batched_powersgd_hook};
+  static const char *const hook_names[] = {"", "allreduce_hook", "fp16_compress_hook",
+                                           "bf16_compress_hook", "powerSGD_hook",
+                                           "batched_powerSGD_hook"};
+  static const ddp_comm_hook_fn fns[] = {NULL, ddp_allreduce_hook, ddp_fp16_compress_hook,
+                                         ddp_bf16_compress_hook, ddp_powersgd_hook,
+                                         ddp_batched_powersgd_hook};
   bundle_t *x = ddp__calloc(1, sizeof *x);
   if (!x) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "comm hook: out of memory");
   ddp_ddp_logging_data_t ld;
   ddp_ddp_get_logging_data(ddp, &ld);
-  if (h >= 3) {
+  if (h >= FIRST_PSGD) {
     ddp_status_t st = ddp_powersgd_state_create(&o, ld.rank, &x->psgd, err);
     if (st != DDP_OK) {
       ddp__free(x);

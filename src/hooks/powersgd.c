@@ -130,6 +130,20 @@ int64_t ddp_powersgd_num_allreduces(const ddp_powersgd_state_t *s) {
   return s->nallreduce;
 }
 
+uint64_t ddp_powersgd_draws(const ddp_powersgd_state_t *s) {
+  DDP_REQUIRE(s && s->magic == PSGD_MAGIC);
+  return s->draws;
+}
+
+void ddp_powersgd_set_init_q(ddp_powersgd_state_t *s,
+                             void (*init_q)(void *user, uint64_t draw, size_t bucket_index,
+                                            float *q, size_t n),
+                             void *init_q_user) {
+  DDP_REQUIRE(s && s->magic == PSGD_MAGIC);
+  s->o.init_q = init_q;
+  s->o.init_q_user = init_q_user;
+}
+
 void ddp_powersgd_stats(void *state, ddp_comm_hook_stats_t *out) {
   ddp_powersgd_state_t *s = state;
   DDP_REQUIRE(s && s->magic == PSGD_MAGIC && out);

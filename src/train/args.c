@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
@@ -15,6 +16,7 @@
 #include "common/common.h"
 #include "ddp/hooks.h"
 #include "ddp/train.h"
+#include "train/train_internal.h"
 
 typedef enum arg_kind { K_INT, K_U64, K_FLOAT, K_BOOL, K_TRI, K_STR } arg_kind_t;
 
@@ -52,6 +54,7 @@ static const arg_field_t fields[] = {
     F_FLT(adam_beta2, 0, 0.999999999, "0.999", "Adam beta2"),
     F_FLT(adam_epsilon, 0, 1, "1e-8", "Adam epsilon"),
     F_STR(optim, "adamw_torch", "optimizer: adamw_torch (= adamw), adam, sgd"),
+    F_STR(optim_args, "", "key=value,...: sgd takes momentum, dampening, nesterov"),
     F_FLT(max_grad_norm, -1e9, 1e9, "1.0", "clip the global gradient norm; <= 0 disables"),
     F_STR(lr_scheduler_type, "linear", "linear, cosine, constant, constant_with_warmup"),
     F_INT(warmup_steps, 0, 1e15, "0", "linear warmup steps (wins over warmup_ratio)"),
@@ -70,19 +73,25 @@ static const arg_field_t fields[] = {
     F_BOOL(gradient_checkpointing, "false", "enters ddp_find_unused_parameters' default only"),
     F_BOOL(disable_tqdm, "false", "plain log lines even on a terminal"),
     F_STR(dump_dir, "", "write per-step dumps for ddp-compare (docs/dumps.md)"),
+    F_STR(forward_flags, "0",
+          "libddp: branch-layer flags, one integer or a comma list cycled over the ranks"),
     F_STR(ddp_backend, "", "gloo (= tcp), threads, shm, tcp, mpi, nccl; empty: automatic"),
     F_TRI(ddp_find_unused_parameters, "none",
           "none: true unless gradient_checkpointing (HF's rule)"),
     F_INT(ddp_bucket_cap_mb, -1, 1 << 20, "-1", "DDP bucket size in MiB (-1: 25)"),
+    F_FLT(ddp_first_bucket_mb, -1, 1 << 20, "-1",
+          "libddp: first bucket's cap in MiB (-1: 1 when the cap is unset, else the cap)"),
     F_TRI(ddp_broadcast_buffers, "none", "broadcast buffers before each forward (none: true)"),
     F_INT(ddp_timeout, 1, 1e9, "1800", "seconds any collective may wait"),
     F_TRI(ddp_static_graph, "none", "DDP static_graph (none: false)"),
     F_BOOL(gradient_as_bucket_view, "false", "gradients live in the DDP buckets"),
     F_BOOL(ddp_reducer, "true",
            "libddp: bucketed DDP reducer; false: one flat gradient allreduce after backward"),
-    F_STR(comm_hook, "no", "no, fp16, bf16, power_sgd, batched_power_sgd"),
+    F_STR(comm_hook, "no", "no, fp16, bf16, power_sgd, batched_power_sgd, allreduce"),
     F_STR(comm_wrapper, "no", "no, fp16, bf16"),
     F_STR(comm_state_option, "", "JSON object of PowerSGD state options"),
+    F_STR(power_sgd_init_q, "",
+          "libddp: torch_reference.py's powersgd_q.safetensors: start PowerSGD from its Qs"),
 };
 
 size_t ddp_train_arg_count(void) { return DDP_ARRAY_LEN(fields); }
@@ -306,6 +315,88 @@ static bool one_of(const char *v, const char *const *choices) {
   return false;
 }
 
+/* One entry of forward_flags: spaces, a decimal or 0x-hex integer, spaces. Returns the
+ * character after it (',' or the end), NULL when malformed. */
+static const char *flag_entry(const char *p, uint64_t *v) {
+  while (*p == ' ') p++;
+  bool hex = p[0] == '0' && (p[1] == 'x' || p[1] == 'X');
+  if (!isxdigit((unsigned char)p[hex ? 2 : 0]) || (!hex && !isdigit((unsigned char)*p))) {
+    return NULL;
+  }
+  char *end;
+  errno = 0;
+  *v = strtoull(p, &end, hex ? 16 : 10);
+  if (errno) return NULL;
+  while (*end == ' ') end++;
+  return *end == ',' || *end == 0 ? end : NULL;
+}
+
+bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out) {
+  DDP_REQUIRE(text && rank >= 0);
+  int n = 0;
+  uint64_t v;
+  for (const char *p = text;; p++) {
+    if (!(p = flag_entry(p, &v))) return false;
+    n++;
+    if (*p == 0) break;
+  }
+  const char *p = text;
+  for (int i = 0; i < rank % n; i++) p = flag_entry(p, &v) + 1;
+  flag_entry(p, &v);
+  if (out) *out = v;
+  return true;
+}
+
+ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_t *o,
+                                   ddp_error_t *err) {
+  char buf[DDP_TRAIN_STR_MAX];
+  size_t len = 0;
+  for (const char *p = a->optim_args; *p && len + 1 < sizeof buf; p++) {
+    if (*p != ' ') buf[len++] = *p; /* HF removes every space */
+  }
+  buf[len] = 0;
+  bool sgd = !strcmp(a->optim, "sgd");
+  for (char *item = buf, *next; len && item; item = next) {
+    next = strchr(item, ',');
+    if (next) *next++ = 0;
+    char *eq = strchr(item, '=');
+    if (!eq || eq == item) {
+      return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "optim_args: \"%s\" is not key=value (optim_args is "
+                              "\"key=value,key=value\")", item);
+    }
+    *eq = 0;
+    const char *key = item, *val = eq + 1;
+    char *end = NULL;
+    double x = strtod(val, &end);
+    bool num = end != val && *end == 0 && isfinite(x);
+    bool b = false;
+    if (sgd && !strcmp(key, "momentum") && num && x >= 0) {
+      o->momentum = x;
+    } else if (sgd && !strcmp(key, "dampening") && num) {
+      o->dampening = x;
+    } else if (sgd && !strcmp(key, "nesterov") && parse_bool(val, &b)) {
+      o->nesterov = b;
+    } else if (sgd && (!strcmp(key, "momentum") || !strcmp(key, "dampening") ||
+                       !strcmp(key, "nesterov"))) {
+      return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "optim_args: %s=%s: momentum takes a number >= 0, dampening a "
+                              "number, nesterov true or false", key, val);
+    } else {
+      return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "optim_args: unknown key \"%s\" for optim %s (sgd takes "
+                              "momentum, dampening, nesterov; the others take none)", key,
+                              a->optim);
+    }
+  }
+  if (o->nesterov && (o->momentum <= 0 || o->dampening != 0)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "optim_args: Nesterov momentum requires a momentum and zero "
+                            "dampening");
+  }
+  return DDP_OK;
+}
+
 static const char *const backend_choices[] = {"gloo", "threads", "shm", "tcp", "mpi", "nccl", NULL};
 ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
   DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
@@ -363,10 +454,28 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "ddp_bucket_cap_mb must be positive (or -1 for the default 25)");
   }
+  if (a->ddp_first_bucket_mb != -1 && !(a->ddp_first_bucket_mb > 0)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "ddp_first_bucket_mb must be positive (or -1 for the reducer's "
+                            "rule), got %g", a->ddp_first_bucket_mb);
+  }
+  ddp_optim_options_t oo = DDP_SGD_OPTIONS_INIT;
+  DDP_CHECK(ddp__train_optim_args(a, &oo, err));
+  if (!ddp__train_forward_flags(a->forward_flags, 0, NULL)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "forward_flags expects one integer >= 0 (decimal or 0x hex), or "
+                            "one per rank separated by commas, got \"%s\"", a->forward_flags);
+  }
   /* The hooks layer knows the names, the PowerSGD keys and their ranges. */
   ddp_error_t he = {0};
   if (ddp_hooks_validate(a->comm_hook, a->comm_wrapper, a->comm_state_option, &he) != DDP_OK) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "%s", he.msg);
+  }
+  if (a->power_sgd_init_q[0] && strcmp(a->comm_hook, "power_sgd") != 0 &&
+      strcmp(a->comm_hook, "batched_power_sgd") != 0) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "power_sgd_init_q needs comm_hook power_sgd or batched_power_sgd "
+                            "(comm_hook is \"%s\")", a->comm_hook);
   }
   if (!a->ddp_reducer && strcmp(a->comm_hook, "no") != 0) {
     return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,

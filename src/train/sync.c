@@ -119,6 +119,9 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     o.broadcast_buffers = ddp_train_broadcast_buffers(&s->args);
     o.bucket_cap_mb = s->args.ddp_bucket_cap_mb > 0 ? (double)s->args.ddp_bucket_cap_mb
                                                     : DDP_BUCKET_CAP_UNSET;
+    if (s->args.ddp_first_bucket_mb > 0) {
+      o.first_bucket_bytes = (int64_t)(s->args.ddp_first_bucket_mb * 1024 * 1024);
+    }
     o.find_unused_parameters = ddp_train_find_unused(&s->args);
     o.gradient_as_bucket_view = s->args.gradient_as_bucket_view;
     o.static_graph = ddp_train_static_graph(&s->args);

@@ -10,6 +10,35 @@
 ddp_status_t ddp__train_replica_check(ddp_pg_t *pg, ddp_model_t *model, int64_t step,
                                       uint64_t *hash, ddp_error_t *err);
 
+/* Entry rank % n of forward_flags (n comma-separated integers >= 0, decimal or 0x hex,
+ * spaces allowed: torch_reference.py's --flags) into *out (may be NULL); false when the
+ * text is malformed. */
+bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out);
+
+/* HF's optim_args ("key=value,key=value", spaces ignored) applied to o: optim sgd takes
+ * momentum, dampening and nesterov (torch.optim.SGD's keywords); the other optimizers take
+ * no key. DDP_ERR_INVALID_ARGUMENT (not logged) names a malformed item, an unknown key or
+ * a bad value. */
+ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_t *o,
+                                   ddp_error_t *err);
+
+/* PyTorch's PowerSGD Q draws for power_sgd_init_q (init_q.c): the safetensors file
+ * tools/torch_reference.py writes, tensor "draw{k}" holding the k-th random initialisation
+ * (every Q of the bucket, concatenated), metadata "bucket{k}" its bucket index and "draws"
+ * their count. ddp__train_q_fill is a ddp_powersgd_options_t.init_q callback (user: the
+ * ddp__train_q_t); it cannot fail, so a draw that is missing or has another bucket or
+ * length is recorded, its Q filled with NaN, and reported by ddp__train_q_check.
+ * ddp__train_q_finish then requires the state to have made exactly the file's number of
+ * draws: the same job as PyTorch's makes the same draws. */
+typedef struct ddp__train_q ddp__train_q_t;
+ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
+                               ddp_error_t *err);
+void ddp__train_q_fill(void *user, uint64_t draw, size_t bucket, float *q, size_t n);
+ddp_status_t ddp__train_q_check(const ddp__train_q_t *q, ddp_error_t *err);
+ddp_status_t ddp__train_q_finish(const ddp__train_q_t *q, uint64_t draws_made,
+                                 ddp_error_t *err);
+void ddp__train_q_close(ddp__train_q_t *q);
+
 /* HF's optimizer parameter groups: at most two (weight decay, no weight decay). */
 #define DDP__TRAIN_MAX_GROUPS 2
 

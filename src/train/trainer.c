@@ -57,6 +57,8 @@ typedef struct trainer {
   ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
   int64_t steps_per_epoch, max_steps, loader_epoch, loader_pos;
   ddp_lr_schedule_t sched;
+  uint64_t flags;         /* this rank's forward_flags entry */
+  ddp__train_q_t *init_q; /* power_sgd_init_q; NULL when off */
 } trainer_t;
 
 /* w is read only after st's call has run (hence the pointer: argument order is unspecified). */
@@ -180,7 +182,7 @@ static ddp_status_t forward(trainer_t *t, const ddp_batch_t *b, ddp_var_t **out)
   const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
   DDP_CHECK(ddp_var_new(t->ctx, sp->feature_dtype, b->features.ndim, b->features.shape,
                         b->features.data, false, &x));
-  ddp_status_t st = ddp_model_forward(t->model, t->ctx, x, 0, out);
+  ddp_status_t st = ddp_model_forward(t->model, t->ctx, x, t->flags, out);
   if (st != DDP_OK) {
     return ddp__error(t->err, t->rank, st, "trainer: forward: %s",
                       ddp_ctx_last_error(t->ctx)->msg);
@@ -350,6 +352,8 @@ static ddp_status_t setup(trainer_t *t) {
   oo.beta1 = a->adam_beta1;
   oo.beta2 = a->adam_beta2;
   oo.eps = a->adam_epsilon;
+  DDP_CHECK(ddp__train_optim_args(a, &oo, t->err));
+  ddp__train_forward_flags(a->forward_flags, t->rank, &t->flags); /* validated */
   t->nopt = grouped ? 2 : 1;
   for (size_t g = 0, off = 0; g < t->nopt; g++) {
     oo.weight_decay = g == 0 && ndecay > 0 ? a->weight_decay : 0.0;
@@ -588,6 +592,20 @@ static ddp_status_t resume_hook_state(trainer_t *t) {
   return ddp_powersgd_state_load(ps, file, t->err);
 }
 
+/* power_sgd_init_q: PyTorch's Q draws replace the generator of the PowerSGD state the hook
+ * configuration made (validation has checked that comm_hook is a PowerSGD one). */
+static ddp_status_t open_init_q(trainer_t *t) {
+  if (!t->a->power_sgd_init_q[0]) return DDP_OK;
+  ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
+  if (!ps) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INTERNAL,
+                      "trainer: power_sgd_init_q without a PowerSGD state");
+  }
+  DDP_CHECK(ddp__train_q_open(t->a->power_sgd_init_q, t->rank, &t->init_q, t->err));
+  ddp_powersgd_set_init_q(ps, ddp__train_q_fill, t->init_q);
+  return DDP_OK;
+}
+
 /* The "config" object of a dump's meta.json: the options under torch_reference.py's names
  * (docs/dumps.md), plus every training argument under "training_args". */
 static ddp_status_t dump_config(trainer_t *t, char **out) {
@@ -597,29 +615,35 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
   size_t cap = strlen(args) + 4096;
   char *s = ddp__malloc(cap);
   const char *be = ddp_train_backend_name(a);
-  char cap_mb[32] = "null";
+  char cap_mb[32] = "null", first_mb[32] = "null";
   if (a->ddp_bucket_cap_mb > 0) {
     snprintf(cap_mb, sizeof cap_mb, "%lld", (long long)a->ddp_bucket_cap_mb);
+  }
+  if (a->ddp_first_bucket_mb > 0) {
+    snprintf(first_mb, sizeof first_mb, "%.17g", a->ddp_first_bucket_mb);
   }
   if (s) {
     snprintf(s, cap,
              "{\"world\": %d, \"steps\": %lld, \"batch\": %lld, \"lr\": %.17g, \"optim\": \"%s\", "
-             "\"lr_scheduler_type\": \"%s\", \"warmup_steps\": %lld, \"momentum\": 0, "
+             "\"lr_scheduler_type\": \"%s\", \"warmup_steps\": %lld, \"momentum\": %.17g, "
              "\"weight_decay\": %.17g, \"adam_beta1\": %.17g, \"adam_beta2\": %.17g, "
              "\"adam_epsilon\": %.17g, \"max_grad_norm\": %.17g, \"seed\": %llu, "
              "\"loss\": \"%s\", \"shuffle\": true, \"data_seed\": %llu, "
-             "\"sampler_drop_last\": false, \"dataloader_drop_last\": %s, \"flags\": \"0\", "
-             "\"bucket_cap_mb\": %s, \"find_unused_parameters\": %s, "
+             "\"sampler_drop_last\": false, \"dataloader_drop_last\": %s, \"flags\": \"%s\", "
+             "\"bucket_cap_mb\": %s, \"first_bucket_mb\": %s, "
+             "\"find_unused_parameters\": %s, "
              "\"broadcast_buffers\": %s, \"static_graph\": %s, \"gradient_as_bucket_view\": %s, "
              "\"gradient_accumulation_steps\": %lld, \"comm_hook\": \"%s\", "
              "\"comm_wrapper\": \"%s\", \"backend\": \"%s\", \"timeout\": %lld, "
              "\"sync\": \"%s\", \"training_args\": %s}",
              t->world, (long long)(t->max_steps), (long long)a->per_device_train_batch_size,
              a->learning_rate, a->optim, a->lr_scheduler_type,
-             (long long)t->sched.num_warmup_steps, a->weight_decay, a->adam_beta1,
+             (long long)t->sched.num_warmup_steps, ddp_optim_options(t->opt[0])->momentum,
+             a->weight_decay, a->adam_beta1,
              a->adam_beta2, a->adam_epsilon, a->max_grad_norm > 0 ? a->max_grad_norm : 0.0,
              (unsigned long long)a->seed, t->classify ? "ce" : "mse",
-             (unsigned long long)a->seed, a->dataloader_drop_last ? "true" : "false", cap_mb,
+             (unsigned long long)a->seed, a->dataloader_drop_last ? "true" : "false",
+             a->forward_flags, cap_mb, first_mb,
              ddp_train_find_unused(a) ? "true" : "false",
              ddp_train_broadcast_buffers(a) ? "true" : "false",
              ddp_train_static_graph(a) ? "true" : "false",
@@ -683,6 +707,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   DDP_CHECK_GOTO(resume(t, &start), st, out);
   DDP_CHECK_GOTO(ddp__sync_begin(t->sync, t->err), st, out);
   DDP_CHECK_GOTO(resume_hook_state(t), st, out);
+  DDP_CHECK_GOTO(open_init_q(t), st, out);
   result->start_step = start;
   if (a->dump_dir[0]) {
     char *config = NULL;
@@ -755,6 +780,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       if (st != DDP_OK) goto out;
       ddp_ctx_reset(t->ctx);
     }
+    if (t->init_q) DDP_CHECK_GOTO(ddp__train_q_check(t->init_q, t->err), st, out);
     if (t->dump) DDP_CHECK_GOTO(dump_check(t, ddp_dump_grads(t->dump)), st, out);
     double gnorm = 0;
     DDP_CHECK_GOTO(ddp_clip_grad_norm(t->grads, t->ntrain,
@@ -769,7 +795,8 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     }
     if (t->dump) {
       DDP_CHECK_GOTO(
-          dump_check(t, ddp_dump_step(t->dump, step - start, local_loss, (int)GA, 0)), st, out);
+          dump_check(t, ddp_dump_step(t->dump, step - start, local_loss, (int)GA, t->flags)),
+          st, out);
     }
 
     ddp_work_t *w = NULL;
@@ -853,6 +880,11 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       DDP_CHECK_GOTO(save(t, done, pause, result), st, out);
     }
   }
+  if (t->init_q) {
+    DDP_CHECK_GOTO(ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)),
+                                       t->err),
+                   st, out);
+  }
   if (t->dump) DDP_CHECK_GOTO(dump_check(t, ddp_dump_finish(t->dump)), st, out);
   result->steps = t->max_steps;
   result->seconds = (double)(ddp_now_ns() - t_start) * 1e-9;
@@ -887,6 +919,7 @@ out:
   if (t->metrics) fclose(t->metrics);
   ddp_dump_close(t->dump);
   ddp__sync_destroy(t->sync);
+  ddp__train_q_close(t->init_q);
   ddp_tensor_free(&t->seed_grad);
   for (size_t g = 0; g < t->nopt; g++) ddp_optim_destroy(t->opt[g]);
   ddp_loader_destroy(t->loader);

@@ -1,14 +1,18 @@
 /* PyTorch parity driver shared by tests/test_ddp_parity.c and tests/test_hooks_parity.c.
  *
- * ddp_test_parity() runs one configuration end to end: tools/torch_reference.py (real
- * PyTorch 1.13 DDP over gloo, /usr/bin/python3) writes dump A; libddp then runs the same
- * job on thread ranks in this process, from the weights A recorded after DDP's initial
- * broadcast, with the same samples (DistributedSampler, same seed), micro-batching, loss
- * scaling, SGD and DDP options, and writes dump B with ddp_dump_*; finally
- * $DDP_BUILD_ROOT/tools/ddp-compare --json A B must exit 0 and both sides' bucket layouts,
- * parameter names and bucket sizes must be identical on every rank.
+ * ddp_test_parity() runs one configuration end to end, each side as its real tool:
+ * tools/torch_reference.py (real PyTorch 1.13 DDP over gloo, /usr/bin/python3) writes dump
+ * A; $DDP_BUILD_ROOT/tools/ddp-train --threads W then runs the same job from the weights A
+ * recorded after DDP's initial broadcast, with the same samples (DistributedSampler, same
+ * seed), micro-batching, loss scaling, SGD, DDP options, forward flags and comm hook, and
+ * writes dump B (--dump_dir); finally $DDP_BUILD_ROOT/tools/ddp-compare --json A B must
+ * exit 0 and both sides' bucket layouts, parameter names and bucket sizes must be
+ * identical on every rank.
  *
- * The parent asserts (CMocka); the rank functions only return statuses and messages. */
+ * Files of configuration c, under the scratch directory: <name>/model.json, <name>/torch
+ * (dump A), <name>/libddp (dump B); ddp-train's output_dir is the dump directory + ".out".
+ *
+ * The parent asserts (CMocka); the tools are child processes. */
 #ifndef DDP_TEST_PARITY_H
 #define DDP_TEST_PARITY_H
 
@@ -16,32 +20,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ddp/reducer.h"
-
-#define DDP_TEST_PARITY_MAXW 4
-/* torch_reference.py --seed: initial weights, synthetic data and the sampler's seed. */
+/* torch_reference.py and ddp-train --seed: the sampler's seed (and initial weights, which
+ * torch_dir's weights.safetensors replaces). */
 #define DDP_TEST_PARITY_SEED 1234
-
-/* Called on every rank after ddp_ddp_create and before the first step, e.g. to register a
- * communication hook. torch_dir is dump A (files the PyTorch run left there, such as
- * powersgd_q.safetensors). Writes a message into msg (cap bytes) on failure. */
-typedef ddp_status_t (*ddp_test_parity_setup_fn)(ddp_ddp_t *ddp, int rank, const char *torch_dir,
-                                                 void *user, char *msg, size_t cap);
 
 typedef struct ddp_test_pcfg {
   const char *name;  /* a directory name under the scratch directory */
   const char *model; /* model JSON (docs/nn.md) */
   int world, steps, batch, accum;
-  double lr, momentum;
-  const char *flags;    /* per rank, cycled, as torch_reference.py --flags; NULL = "0" */
-  double bucket_cap_mb; /* < 0: not given */
+  double lr, momentum;  /* SGD; ddp-train gets --optim_args momentum=M */
+  const char *flags;    /* per rank, cycled: torch_reference.py --flags, ddp-train
+                         * --forward_flags; NULL = "0" */
+  double bucket_cap_mb; /* < 0: not given; else whole MiB, with PyTorch 1.13's 1 MiB first
+                         * bucket on the libddp side (--ddp_first_bucket_mb 1) */
   bool find_unused, broadcast_buffers, static_graph, grad_as_bucket_view;
   bool rebuilt;         /* a rebuilt layout is expected */
-  /* Optional: more torch_reference.py arguments (e.g. --comm_hook fp16), the libddp-side
-   * counterpart, and ddp-compare tolerances (0: its defaults, rtol 1e-5 / atol 1e-7). */
-  const char *torch_args;
-  ddp_test_parity_setup_fn setup;
-  void *setup_user;
+  /* Optional: arguments both tools take alike (--comm_hook, --comm_wrapper,
+   * --comm_state_option), and ddp-compare tolerances (0: its defaults, rtol 1e-5 /
+   * atol 1e-7). */
+  const char *hook_args;
+  bool inject_q; /* ddp-train --power_sgd_init_q <dump A>/powersgd_q.safetensors */
   double rtol, atol;
 } ddp_test_pcfg_t;
 
@@ -53,9 +51,9 @@ typedef struct ddp_test_parity_result {
 } ddp_test_parity_result_t;
 
 /* Sets the scratch directory (created by the caller, kept for the run; where
- * ddp_test_run_cmd leaves stderr) and finds ddp-compare, the digits dataset and
+ * ddp_test_run_cmd leaves stderr) and finds ddp-compare, ddp-train, the digits dataset and
  * /usr/bin/python3 with torch. Returns false when the source root is unknown (the scratch
- * directory and ddp-compare are set all the same). */
+ * directory and the tools are set all the same). */
 bool ddp_test_parity_init(const char *scratch_dir);
 /* A parity test file's main: runs tests (n of them) as one CMocka group between making the
  * scratch directory /tmp/<name>_XXXXXX with ddp_test_parity_init and removing it (kept when
@@ -64,7 +62,8 @@ struct CMUnitTest;
 int ddp_test_parity_main(const char *name, const struct CMUnitTest *tests, size_t n);
 /* The scratch directory given to ddp_test_parity_init. */
 const char *ddp_test_parity_scratch(void);
-/* Whether torch and ddp-compare are both available (else the parity tests skip). */
+/* Whether torch, ddp-compare and ddp-train are all available (else the parity tests
+ * skip). */
 bool ddp_test_parity_available(void);
 /* The ddp-compare executable and the digits dataset, as found by ddp_test_parity_init. */
 const char *ddp_test_parity_compare_tool(void);
@@ -74,11 +73,14 @@ const char *ddp_test_parity_dataset(void);
  * !ddp_test_parity_available(). out may be NULL. */
 void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *out);
 
-/* The libddp side alone, from init_path (NULL: ddp_model_init(seed 7 + rank)), writing a
- * dump to dump_dir; config_json goes into meta.json. Fails the test on error. */
-void ddp_test_parity_run_libddp(const ddp_test_pcfg_t *c, const char *model_path,
-                                const char *init_path, const char *dump_dir,
-                                const char *config_json, uint64_t seed, const char *torch_dir);
+/* The libddp side alone: ddp-train for c, on <name>/model.json (the caller writes it;
+ * ddp_test_parity does), from torch_dir/weights.safetensors (torch_dir NULL: ddp-train's
+ * own seeded initialisation, the same on every rank), with PyTorch's Q from torch_dir when
+ * c->inject_q, writing a dump to dump_dir; extra (may be NULL) is appended to the command
+ * line, where it overrides what came before. Returns ddp-train's exit status (its stderr
+ * is in scratch/stderr.txt). */
+int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const char *dump_dir,
+                          const char *extra);
 
 /* Small helpers the parity tests share. write_text/read_json fail the test on error;
  * read_text returns NULL when the file cannot be read (malloc'd otherwise). */
