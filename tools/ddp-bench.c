@@ -119,9 +119,9 @@ static void print_help(void) {
       "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
       "      --no-calib         skip the reference lines\n"
       "      --desync-cost      measure the desync check instead of the algorithms: every\n"
-      "                         size runs on two groups of the same ranks, with and without\n"
-      "                         the fingerprint check, in alternating blocks (rows 'fp' and\n"
-      "                         'no-fp', then the cost in %%); shm and tcp only\n"
+      "                         size alternates iterations with and without the fingerprint\n"
+      "                         check on one group (rows 'fp' and 'no-fp', and the median\n"
+      "                         paired difference in %%); shm and tcp only\n"
       "  -h, --help             this text\n\n"
       "Columns: time per iteration is the slowest rank's, from the call to the end of the wait,\n"
       "after a barrier; algbw = size/p50; busbw = algbw*2(W-1)/W; #wrong = elements that\n"
@@ -582,21 +582,30 @@ out:
   return st;
 }
 
-/* --desync-cost. pgs[0] checks fingerprints, pgs[1] is the same ranks with
- * skip_desync_check. For each size both run the same in-place allreduce in alternating
- * blocks of DC_BLOCK iterations, so that a change of machine load hits both alike; the
- * rows are algorithms "fp" and "no-fp". */
-#define DC_BLOCK 10
-static ddp_status_t desync_cost_rank(ddp_pg_t *const pgs[2], const rank_ctx_t *x) {
+/* --desync-cost. One group runs the same in-place allreduce with the fingerprint check on
+ * and off (ddp_pg_set_desync_check), alternating every iteration. On a shared 2-vCPU host
+ * the time of a small collective jumps between modes (both ranks running, or one queued
+ * behind the other) for stretches of many iterations, by far more than the check costs, and
+ * two separate groups differ by as much again (their memory, their progress threads); one
+ * group and paired iterations cancel both, so the cost is the median of the paired
+ * differences of the slowest rank's times, relative to the p50 without the check. The rows
+ * are algorithms "fp" and "no-fp". */
+static int cmp_dbl(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static ddp_status_t desync_cost_rank(ddp_pg_t *pg, const rank_ctx_t *x) {
   const bench_cfg_t *c = x->cfg;
   size_t es = ddp_dtype_size(c->dt);
   uint64_t maxb = c->sizes[c->nsizes - 1];
   int max_iters = iters_for(c, c->sizes[0]);
-  void *buf[2] = {ddp_pg_alloc(pgs[0], maxb), ddp_pg_alloc(pgs[1], maxb)};
+  void *buf = ddp_pg_alloc(pg, maxb);
   double *times[2] = {ddp_malloc(sizeof(double) * (size_t)max_iters),
                       ddp_malloc(sizeof(double) * (size_t)max_iters)};
-  ddp_status_t st = buf[0] && buf[1] && times[0] && times[1] ? DDP_OK : DDP_ERR_NO_MEMORY;
-  for (int g = 0; g < 2 && st == DDP_OK; g++) st = settle(pgs[g], x);
+  double *d = ddp_malloc(sizeof(double) * 2 * (size_t)max_iters);
+  ddp_status_t st = buf && times[0] && times[1] && d ? DDP_OK : DDP_ERR_NO_MEMORY;
+  if (st == DDP_OK) st = settle(pg, x);
   uint64_t it = 0;
   for (int si = 0; si < c->nsizes && st == DDP_OK; si++) {
     uint64_t bytes = c->sizes[si];
@@ -604,21 +613,39 @@ static ddp_status_t desync_cost_rank(ddp_pg_t *const pgs[2], const rank_ctx_t *x
     int nw = warmup_for(c, bytes), ni = iters_for(c, bytes);
     int64_t wrong[2] = {0, 0};
     double warm;
-    for (int g = 0; g < 2; g++)
-      for (int k = 0; k < nw && st == DDP_OK; k++, it++)
-        st = one_iter(pgs[g], x, buf[g], buf[g], count, it, &warm, &wrong[g]);
-    for (int k0 = 0; k0 < ni && st == DDP_OK; k0 += DC_BLOCK)
-      for (int g = 0; g < 2; g++)
-        for (int k = k0; k < ni && k < k0 + DC_BLOCK && st == DDP_OK; k++, it++)
-          st = one_iter(pgs[g], x, buf[g], buf[g], count, it, &times[g][k], &wrong[g]);
+    for (int k = 0; k < nw + ni && st == DDP_OK; k++) {
+      for (int g = 0; g < 2 && st == DDP_OK; g++, it++) {
+        ddp_pg_set_desync_check(pg, g == 0);
+        st = one_iter(pg, x, buf, buf, count, it, k >= nw ? &times[g][k - nw] : &warm, &wrong[g]);
+      }
+    }
+    ddp_pg_set_desync_check(pg, true);
+    for (int g = 0; g < 2 && st == DDP_OK; g++) {
+      ddp_work_t *w = NULL;
+      st = ddp_allreduce(pg, times[g], times[g], (size_t)ni, DDP_F64, DDP_MAX, &w);
+      st = finish(pg, st, w, "timing allreduce", x, bytes);
+    }
+    if (st == DDP_OK && ddp_pg_rank(pg) == 0) {
+      double *base = d + ni;
+      for (int k = 0; k < ni; k++) {
+        d[k] = times[0][k] - times[1][k];
+        base[k] = times[1][k];
+      }
+      qsort(d, (size_t)ni, sizeof *d, cmp_dbl);
+      qsort(base, (size_t)ni, sizeof *base, cmp_dbl);
+      double med = bench_percentile(d, ni, 50.0), p50 = bench_percentile(base, ni, 50.0);
+      printf("# desync check cost: %s %llu B: median paired difference %+.3f us on a p50 of "
+             "%.2f us without the check: %+.2f%% (%d pairs)\n",
+             x->backend, (unsigned long long)bytes, med, p50, p50 > 0 ? 100.0 * med / p50 : 0.0,
+             ni);
+      fflush(stdout);
+    }
     for (int g = 0; g < 2 && st == DDP_OK; g++)
-      st = emit_point(pgs[g], x, g == 0 ? "fp" : "no-fp", true, bytes, nw, ni, times[g],
-                      wrong[g]);
+      st = emit_point(pg, x, g == 0 ? "fp" : "no-fp", true, bytes, nw, ni, times[g], wrong[g]);
   }
-  for (int g = 0; g < 2; g++) {
-    ddp_free(times[g]);
-    if (buf[g]) ddp_pg_free(pgs[g], buf[g]);
-  }
+  ddp_free(d);
+  for (int g = 0; g < 2; g++) ddp_free(times[g]);
+  if (buf) ddp_pg_free(pg, buf);
   return st;
 }
 
@@ -650,7 +677,7 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
  * group). */
 static ddp_status_t open_group(const bench_cfg_t *c, const char *backend, ddp_algorithm_t algo,
                                ddp_store_t *store, const char *name, int rank, const char *token,
-                               bool skip_desync_check, ddp_store_t **view, ddp_pg_t **pg) {
+                               ddp_store_t **view, ddp_pg_t **pg) {
   ddp_status_t st = ddp_store_create_prefix(store, name, view);
   if (st != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, name,
@@ -661,7 +688,6 @@ static ddp_status_t open_group(const bench_cfg_t *c, const char *backend, ddp_al
   o.rank = rank;
   o.store = *view;
   o.job_token = token;
-  o.skip_desync_check = skip_desync_check;
   ddp_error_t err = {0};
   st = ddp_pg_create(&o, pg, &err);
   if (st != DDP_OK)
@@ -687,22 +713,15 @@ static void child_main(const bench_cfg_t *c, const char *backend, const char *di
   }
   for (int k = 0; k < nalgos && st == DDP_OK; k++) {
     const char *aname = ddp_algorithm_name(algos[k]);
-    int ng = c->desync_cost ? 2 : 1;
-    ddp_store_t *view[2] = {NULL, NULL};
-    ddp_pg_t *pg[2] = {NULL, NULL};
-    char name[2][32];
-    for (int g = 0; g < ng && st == DDP_OK; g++) {
-      snprintf(name[g], sizeof name[g], "%s%s", aname, !c->desync_cost ? "" : g ? "/no-fp" : "/fp");
-      st = open_group(c, backend, algos[k], store, name[g], rank, token, g == 1, &view[g], &pg[g]);
-    }
+    ddp_store_t *view = NULL;
+    ddp_pg_t *pg = NULL;
+    st = open_group(c, backend, algos[k], store, aname, rank, token, &view, &pg);
     if (st == DDP_OK) {
       rank_ctx_t x = {c, &sink, backend, aname};
-      st = c->desync_cost ? desync_cost_rank(pg, &x) : bench_rank(pg[0], &x);
+      st = c->desync_cost ? desync_cost_rank(pg, &x) : bench_rank(pg, &x);
     }
-    for (int g = 0; g < ng; g++) {
-      ddp_pg_destroy(pg[g]);
-      ddp_store_destroy(view[g]);
-    }
+    ddp_pg_destroy(pg);
+    ddp_store_destroy(view);
   }
   ddp_store_destroy(store);
   if (fd >= 0) close(fd);
@@ -900,13 +919,6 @@ int main(int argc, char **argv) {
   int64_t wrong = 0;
   for (size_t i = 0; i < sink.n; i++) wrong += sink.rows[i].wrong;
   if (cfg.calib) bench_print_ratios(stdout, sink.rows, sink.n, &calib, REF_BYTES);
-  /* --desync-cost rows come in pairs: the group with the check, then the one without. */
-  for (size_t i = 0; cfg.desync_cost && i + 1 < sink.n; i += 2) {
-    const bench_row_t *a = &sink.rows[i], *b = &sink.rows[i + 1];
-    printf("# desync check cost: %s %llu B: p50 %.2f us with, %.2f us without: %+.2f%%\n",
-           a->backend, (unsigned long long)a->bytes, a->p50_us, b->p50_us,
-           b->p50_us > 0 ? 100.0 * (a->p50_us - b->p50_us) / b->p50_us : 0.0);
-  }
   printf("# %zu points, %lld wrong elements%s\n", sink.n, (long long)wrong,
          failed ? "; some runs FAILED (see stderr)" : "");
   if (cfg.csv && bench_write_csv(cfg.csv, sink.rows, sink.n, &calib) != 0) failed = 1;

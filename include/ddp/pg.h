@@ -50,13 +50,9 @@ typedef struct ddp_pg_options {
   size_t segment_bytes;      /* pipelining segment of ring/canonical; 0 = 1 MiB */
   const char *job_token;     /* tcp: presented on every peer connection; NULL = DDP_JOB_TOKEN */
   size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = 256 MiB (sparse) */
-  /* Benchmarks only (ddp-bench --desync-cost measures the check against it): collectives
-   * skip the fingerprint exchange and comparison. Mismatched collectives then hang until
-   * the timeout or return wrong data instead of DDP_ERR_DESYNC. Never set it in a job. */
-  bool skip_desync_check;
 } ddp_pg_options_t;
 
-#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0, false}
+#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0}
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).
@@ -76,6 +72,13 @@ DDP_API ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg
  * and frees everything. Work handles not yet freed stay valid until ddp_work_free. NULL is a
  * no-op. */
 DDP_API void ddp_pg_destroy(ddp_pg_t *pg);
+
+/* Benchmarks only: ddp-bench --desync-cost times the fingerprint check by turning it off
+ * and on between collectives of one group. Off, collectives skip the fingerprint exchange
+ * and comparison, and mismatched collectives hang until the timeout or return wrong data
+ * instead of DDP_ERR_DESYNC. Call it with no work queued, on every rank at the same point
+ * of the sequence. The check is on from ddp_pg_create; never turn it off in a job. */
+DDP_API void ddp_pg_set_desync_check(ddp_pg_t *pg, bool on);
 
 /* Fails the group now from any thread: running and queued work end with DDP_ERR_ABORTED,
  * blocked waits return, peers are told (they see DDP_ERR_REMOTE quickly). Idempotent. */

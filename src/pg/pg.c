@@ -262,7 +262,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   c->size = o.world;
   c->ops = ops;
   c->segment_bytes = o.segment_bytes;
-  c->check_fp = !o.skip_desync_check;
+  c->check_fp = true;
   c->stream = ops == &ddp__backend_tcp;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
@@ -341,6 +341,8 @@ fail:
   pg_free(pg);
   return st;
 }
+
+void ddp_pg_set_desync_check(ddp_pg_t *pg, bool on) { pg->comm.check_fp = on; }
 
 void ddp_pg_destroy(ddp_pg_t *pg) {
   if (!pg) return;
