@@ -246,6 +246,12 @@ DDP_API ddp_f16_t ddp_f32_to_f16(float f);
 DDP_API float ddp_f16_to_f32(ddp_f16_t h);
 DDP_API ddp_bf16_t ddp_f32_to_bf16(float f);
 DDP_API float ddp_bf16_to_f32(ddp_bf16_t h);
+/* The same over n elements, with the same bits for every element (F16C where the CPU has
+ * it). src and dst must not overlap. */
+DDP_API void ddp_f32_to_f16_n(const float *src, ddp_f16_t *dst, size_t n);
+DDP_API void ddp_f16_to_f32_n(const ddp_f16_t *src, float *dst, size_t n);
+DDP_API void ddp_f32_to_bf16_n(const float *src, ddp_bf16_t *dst, size_t n);
+DDP_API void ddp_bf16_to_f32_n(const ddp_bf16_t *src, float *dst, size_t n);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,11 @@
 
 #include "common/common.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DDP_HAVE_F16C_PATH 1
+#endif
+
 static uint32_t f32_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
@@ -71,4 +76,73 @@ float ddp_f16_to_f32(ddp_f16_t h) {
     return bits_f32(sign | f32_bits(v));
   }
   return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+/* ---- arrays ----
+ * The same conversions over arrays, which the compression hooks and the f16/bf16
+ * reductions use. bf16 is integer work the compiler vectorizes. fp16 uses the CPU's F16C
+ * instructions where it has them (8 lanes, round to nearest even, as the scalar code):
+ * narrowing gives the scalar code's bits for every input, NaNs included; widening differs
+ * only for signalling NaNs, which the hardware quiets, so a block of 8 that holds one is
+ * widened by the scalar code instead. Without F16C everything is scalar. */
+
+void ddp_bf16_to_f32_n(const ddp_bf16_t *src, float *dst, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = bits_f32((uint32_t)src[i] << 16);
+}
+
+void ddp_f32_to_bf16_n(const float *src, ddp_bf16_t *dst, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u = f32_bits(src[i]);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = (ddp_bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : r);
+  }
+}
+
+#ifdef DDP_HAVE_F16C_PATH
+__attribute__((target("avx,f16c"))) static size_t f16_to_f32_f16c(const ddp_f16_t *src,
+                                                                   float *dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+    /* A signalling NaN: exponent all ones, quiet bit clear, payload not zero. */
+    __m128i expq = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7e00)),
+                                   _mm_set1_epi16(0x7c00));
+    __m128i zero = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x01ff)), _mm_setzero_si128());
+    if (_mm_movemask_epi8(_mm_andnot_si128(zero, expq))) {
+      for (size_t k = i; k < i + 8; k++) dst[k] = ddp_f16_to_f32(src[k]);
+    } else {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+  }
+  return i;
+}
+
+__attribute__((target("avx,f16c"))) static size_t f32_to_f16_f16c(const float *src,
+                                                                   ddp_f16_t *dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)(dst + i), h);
+  }
+  return i;
+}
+#endif
+
+void ddp_f16_to_f32_n(const ddp_f16_t *src, float *dst, size_t n) {
+  size_t i = 0;
+#ifdef DDP_HAVE_F16C_PATH
+  if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx"))
+    i = f16_to_f32_f16c(src, dst, n);
+#endif
+  for (; i < n; i++) dst[i] = ddp_f16_to_f32(src[i]);
+}
+
+void ddp_f32_to_f16_n(const float *src, ddp_f16_t *dst, size_t n) {
+  size_t i = 0;
+#ifdef DDP_HAVE_F16C_PATH
+  if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx"))
+    i = f32_to_f16_f16c(src, dst, n);
+#endif
+  for (; i < n; i++) dst[i] = ddp_f32_to_f16(src[i]);
 }

@@ -80,11 +80,27 @@ static void compress_free(void *user) {
   ddp__free(k);
 }
 
+/* f32 <-> the compressed dtype (f16 or bf16) over arrays: the same bits as the element
+ * functions, many times faster (common.h). */
+static void narrow_n(ddp_dtype_t cdt, const float *src, void *dst, size_t n) {
+  if (cdt == DDP_F16) ddp_f32_to_f16_n(src, dst, n);
+  else ddp_f32_to_bf16_n(src, dst, n);
+}
+
+static void widen_n(ddp_dtype_t cdt, const void *src, float *dst, size_t n) {
+  if (cdt == DDP_F16) ddp_f16_to_f32_n(src, dst, n);
+  else ddp_bf16_to_f32_n(src, dst, n);
+}
+
 /* Decompress: widen the reduced low-precision copy into buffer(), in place. */
 static ddp_status_t compress_done(void *user, ddp_comm_work_t *w) {
   compress_call_t *k = user;
-  for (size_t i = 0; i < k->n; i++)
-    ddp__hk_store(k->buffer, k->bdt, i, ddp__hk_load(k->c, k->cdt, i));
+  if (k->bdt == DDP_F32) {
+    widen_n(k->cdt, k->c, k->buffer, k->n);
+  } else {
+    for (size_t i = 0; i < k->n; i++)
+      ddp__hk_store(k->buffer, k->bdt, i, ddp__hk_load(k->c, k->cdt, i));
+  }
   ddp_comm_work_set_result(w, k->buffer, k->n, k->bdt);
   return DDP_OK;
 }
@@ -109,9 +125,21 @@ static ddp_status_t compress_hook(ddp_dtype_t cdt, void *state, ddp_pg_t *pg,
   /* Cast first, then divide in the low precision: two roundings, as PyTorch's
    * buffer.to(dtype).div_(world_size). */
   float world = (float)ddp_pg_size(pg);
-  for (size_t i = 0; i < k->n; i++) {
-    ddp__hk_store(k->c, cdt, i, ddp__hk_load(b->buffer, b->dtype, i));
-    ddp__hk_store(k->c, cdt, i, ddp__hk_load(k->c, cdt, i) / world);
+  if (b->dtype == DDP_F32) {
+    float tmp[1024];
+    unsigned char *c = k->c;
+    for (size_t i = 0; i < k->n; i += DDP_ARRAY_LEN(tmp)) {
+      size_t m = DDP_MIN(DDP_ARRAY_LEN(tmp), k->n - i);
+      narrow_n(cdt, (const float *)b->buffer + i, c + 2 * i, m);
+      widen_n(cdt, c + 2 * i, tmp, m);
+      for (size_t j = 0; j < m; j++) tmp[j] /= world;
+      narrow_n(cdt, tmp, c + 2 * i, m);
+    }
+  } else {
+    for (size_t i = 0; i < k->n; i++) {
+      ddp__hk_store(k->c, cdt, i, ddp__hk_load(b->buffer, b->dtype, i));
+      ddp__hk_store(k->c, cdt, i, ddp__hk_load(k->c, cdt, i) / world);
+    }
   }
   count(state, b, 2);
   ddp_comm_work_t *w = NULL;
