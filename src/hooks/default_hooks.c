@@ -92,15 +92,23 @@ static void widen_n(ddp_dtype_t cdt, const void *src, float *dst, size_t n) {
   else ddp_bf16_to_f32_n(src, dst, n);
 }
 
+void ddp__hk_convert(void *dst, ddp_dtype_t ddt, const void *src, ddp_dtype_t sdt, size_t n) {
+  bool half_s = sdt == DDP_F16 || sdt == DDP_BF16, half_d = ddt == DDP_F16 || ddt == DDP_BF16;
+  if (sdt == DDP_F32 && half_d) {
+    narrow_n(ddt, src, dst, n);
+  } else if (half_s && ddt == DDP_F32) {
+    widen_n(sdt, src, dst, n);
+  } else if (sdt == DDP_F32 && ddt == DDP_F32) { /* others round or quiet NaNs, below */
+    memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (size_t i = 0; i < n; i++) ddp__hk_store(dst, ddt, i, ddp__hk_load(src, sdt, i));
+  }
+}
+
 /* Decompress: widen the reduced low-precision copy into buffer(), in place. */
 static ddp_status_t compress_done(void *user, ddp_comm_work_t *w) {
   compress_call_t *k = user;
-  if (k->bdt == DDP_F32) {
-    widen_n(k->cdt, k->c, k->buffer, k->n);
-  } else {
-    for (size_t i = 0; i < k->n; i++)
-      ddp__hk_store(k->buffer, k->bdt, i, ddp__hk_load(k->c, k->cdt, i));
-  }
+  ddp__hk_convert(k->buffer, k->bdt, k->c, k->cdt, k->n);
   ddp_comm_work_set_result(w, k->buffer, k->n, k->bdt);
   return DDP_OK;
 }
@@ -213,7 +221,7 @@ static ddp_status_t wrap_done(void *user, ddp_comm_work_t *w) {
     if (dt == k->ldt)
       memmove(k->low, data, k->n * ddp_dtype_size(dt));
     else
-      for (size_t i = 0; i < k->n; i++) ddp__hk_store(k->low, k->ldt, i, ddp__hk_load(data, dt, i));
+      ddp__hk_convert(k->low, k->ldt, data, dt, k->n);
   }
   ddp_comm_work_set_result(w, k->low, k->n, k->ldt);
   return DDP_OK;
@@ -236,8 +244,7 @@ ddp_status_t ddp_compress_wrapper_hook(void *state, ddp_pg_t *pg, ddp_grad_bucke
     ddp__free(k);
     return DDP_ERR_NO_MEMORY;
   }
-  for (size_t i = 0; i < k->n; i++)
-    ddp__hk_store(k->low, k->ldt, i, ddp__hk_load(b->buffer, b->dtype, i));
+  ddp__hk_convert(k->low, k->ldt, b->buffer, b->dtype, k->n);
   ddp_grad_bucket_set_buffer(b, k->low, k->ldt);
   ddp_status_t st = cw->inner(cw->inner_state, pg, b, &k->inner);
   ddp_comm_work_t *w = NULL;

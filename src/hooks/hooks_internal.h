@@ -25,6 +25,11 @@ static inline void ddp__hk_store(void *p, ddp_dtype_t dt, size_t i, float v) {
   }
 }
 
+/* dst[i] = src[i] for n elements, exactly as ddp__hk_store(dst, ddt, i, ddp__hk_load(src,
+ * sdt, i)) (through float), with the f32 <-> f16/bf16 cases on the array conversions. dst
+ * and src do not overlap. */
+void ddp__hk_convert(void *dst, ddp_dtype_t ddt, const void *src, ddp_dtype_t sdt, size_t n);
+
 static inline bool ddp__hk_float_dtype(ddp_dtype_t dt) {
   return dt == DDP_F32 || dt == DDP_F64 || dt == DDP_F16 || dt == DDP_BF16;
 }

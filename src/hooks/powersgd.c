@@ -331,7 +331,7 @@ static ddp_status_t prepare_input(psgd_call_t *c, ddp_grad_bucket_t *b, size_t l
     c->in = ddp__calloc(len + 1, sizeof(float));
     if (!c->in) return DDP_ERR_NO_MEMORY;
     c->own_in = true;
-    for (size_t i = 0; i < b->numel; i++) c->in[i] = ddp__hk_load(b->buffer, b->dtype, i);
+    ddp__hk_convert(c->in, DDP_F32, b->buffer, b->dtype, b->numel);
   }
   if (!s->o.use_error_feedback) return DDP_OK;
   psgd_mem_t *mem = c->mem;
