@@ -26,7 +26,7 @@
  *
  *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
  *       [--pairs N] [--ar-iters N] [--batch B] [--hook H] [--wrapper W] [--state JSON]
- *       [--trace FILE] [--bucket-cap-mb MB]
+ *       [--trace FILE] [--bucket-cap-mb MB] [--grad-as-bucket-view]
  *   ddp-bench-ddp --blas-core    (the OpenBLAS kernel set in use: ddp_blas_core)
  */
 #include <errno.h>
@@ -49,6 +49,7 @@ typedef struct bench_config {
   int steps, warmup, pairs, ar_iters, batch;
   const char *hook, *wrapper, *state, *trace;
   double bucket_cap_mb; /* DDP_BUCKET_CAP_UNSET: PyTorch's default (25, 1 MiB first) */
+  bool grad_view;       /* gradient_as_bucket_view */
 } bench_config_t;
 
 /* Everything one rank needs for a training step. */
@@ -126,6 +127,7 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
   ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
   o.trace_path = cfg->trace;
   o.bucket_cap_mb = cfg->bucket_cap_mb;
+  o.gradient_as_bucket_view = cfg->grad_view;
   if ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
       (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK) {
     fprintf(stderr, "ddp-bench-ddp: rank %d: ddp: %s %s\n", rank, ddp_status_name(st), err.msg);
@@ -261,12 +263,14 @@ static void usage(FILE *f) {
           "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
           "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
           "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
+          "         [--grad-as-bucket-view]\n"
           "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
           "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
           "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
           "  --state a JSON object of PowerSGDState keys (docs/hooks.md);\n"
           "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
           "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
+          "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
           "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
 }
 
@@ -284,12 +288,16 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
 }
 
 int main(int argc, char **argv) {
-  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL, NULL, DDP_BUCKET_CAP_UNSET};
+  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL, NULL, DDP_BUCKET_CAP_UNSET, false};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       usage(stdout);
       return 0;
+    }
+    if (!strcmp(a, "--grad-as-bucket-view")) {
+      cfg.grad_view = true;
+      continue;
     }
     if (!strcmp(a, "--blas-core")) { /* for tools/bench_ddp.sh: give PyTorch the same kernels */
       printf("%s\n", ddp_blas_core());
