@@ -4,8 +4,10 @@
 # 8x8 digits (Hugging Face TrainingArguments names; docs/train.md). The loss goes down, the
 # throughput is printed, and the run ends with the replica check passing: every rank holds
 # bit-identical parameters. Then the same job with 4 ranks as threads of one process ends
-# with the same parameter hash, bit for bit (reductions add in rank order, D2). The older
-# ddp-demo (a hand-written data-parallel loop) still builds and runs: build/tools/ddp-demo.
+# with the same parameter hash, bit for bit (reductions add in rank order, D2). Last, where
+# python3-torch is installed, real PyTorch DDP runs the job and ddp-compare checks libddp
+# against it step by step. The older ddp-demo (a hand-written data-parallel loop) still
+# builds and runs: build/tools/ddp-demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tools/deps.sh
@@ -28,6 +30,30 @@ build/tools/ddprun --nproc_per_node 4 --backend shm --master_port 29517 \
 echo
 echo "== the same job, 4 ranks as threads: build/tools/ddp-train --threads 4 ..."
 build/tools/ddp-train --threads 4 "${args[@]}" --output_dir "$out/threads" | tail -n 3
+echo
+
+# The third use: the same job in real PyTorch DDP (gloo), then libddp from PyTorch's initial
+# weights, compared tensor by tensor (docs/compare.md). Needs Debian's python3-torch, which
+# tools/test.sh installs; skipped with a note when it is missing.
+if /usr/bin/python3 -c 'import torch' >/dev/null 2>&1; then
+  echo "== against PyTorch: tools/torch_reference.py (real DDP, gloo, 4 ranks), ddp-train from its"
+  echo "   initial weights, then ddp-compare of every step's inputs, gradients and parameters"
+  cat >"$out/model.json" <<'JSON'
+{"dtype": "f32", "layers": [{"type": "linear", "in": 64, "out": 64}, {"type": "relu"},
+                            {"type": "linear", "in": 64, "out": 10}]}
+JSON
+  common=(--seed 42 --optim sgd --max_grad_norm 0)
+  /usr/bin/python3 tools/torch_reference.py --model "$out/model.json" --dump_dir "$out/torch" \
+    --world 4 --max_steps 10 --per_device_train_batch_size 16 --learning_rate 0.05 \
+    "${common[@]}" >"$out/torch.log" 2>&1 || { cat "$out/torch.log"; exit 1; }
+  build/tools/ddp-train --threads 4 --model "$out/model.json" --init "$out/torch/weights.safetensors" \
+    --max_steps 10 --per_device_train_batch_size 16 --learning_rate 0.05 "${common[@]}" \
+    --lr_scheduler_type constant --ddp_find_unused_parameters false --save_strategy no \
+    --disable_tqdm --dump_dir "$out/libddp" --output_dir "$out/compare" >/dev/null
+  build/tools/ddp-compare "$out/torch" "$out/libddp"
+else
+  echo "== (the comparison against PyTorch DDP needs Debian's python3-torch: tools/test.sh installs it)"
+fi
 echo
 echo "Metrics: $out/processes/metrics.jsonl   loss curve: $out/processes/loss.svg"
 echo "Every flag: build/tools/ddp-train --help"
