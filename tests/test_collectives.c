@@ -48,170 +48,17 @@ static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
 static const ddp_dtype_t fork_dtypes[] = {DDP_F32, DDP_BF16, DDP_I64, DDP_U8};
 
 
+/* A rank's check state; coll first, so that say() can find tr. */
 typedef struct ctx {
+  ddp_test_coll_t coll;
   ddp_test_rank_t *tr;
-  ddp_pg_t *pg;
-  const cfg_t *cfg;
-  int r, W;
-  long bad;
-  char first[256];
 } ctx_t;
 
-static void *buf_alloc(ctx_t *c, size_t bytes) {
-  return c->cfg->pg_alloc ? ddp_pg_alloc(c->pg, bytes) : ddp_malloc(bytes ? bytes : 1);
-}
-static void buf_free(ctx_t *c, void *p) {
-  if (c->cfg->pg_alloc) {
-    ddp_pg_free(c->pg, p);
-  } else {
-    ddp_free(p);
-  }
-}
+static void say_tr(ddp_test_coll_t *c, const char *msg) { ddp_test_say(((ctx_t *)c)->tr, "%s", msg); }
 
-static void mismatch(ctx_t *c, const char *what, ddp_dtype_t dt, size_t n, size_t i, double got,
-                     double want) {
-  if (c->bad++ == 0)
-    snprintf(c->first, sizeof c->first, "%s %s count %zu: [%zu] = %g, expected %g", what,
-             ddp_dtype_name(dt), n, i, got, want);
-}
-
-static ddp_status_t run(ctx_t *c, ddp_status_t st, ddp_work_t **wp, const char *what) {
-  ddp_work_t *w = *wp;
-  if (st != DDP_OK) {
-    ddp_test_say(c->tr, "%s: issue failed: %s", what, ddp_pg_last_error(c->pg));
-    return st;
-  }
-  st = ddp_work_wait(w, -1);
-  if (st != DDP_OK) ddp_test_say(c->tr, "%s: %s", what, ddp_work_error(w));
-  ddp_work_free(w);
-  return st;
-}
-
-static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
-  static const ddp_redop_t ops[] = {DDP_SUM, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT};
-  size_t es = ddp_dtype_size(dt);
-  unsigned char *in = buf_alloc(c, n * es), *out = buf_alloc(c, n * es);
-  ddp_status_t st = DDP_OK;
-  for (size_t k = 0; k < ARRAY_LEN(ops) && st == DDP_OK; k++) {
-    ddp_redop_t op = ops[k];
-    bool inplace = (k % 2) == 0;
-    for (size_t i = 0; i < n; i++) {
-      double v = op == DDP_PRODUCT ? ddp_test_val_prod(c->r, i)
-                 : (op == DDP_MIN || op == DDP_MAX) ? ddp_test_val_mm(c->r, i)
-                                                    : ddp_test_val_sum(c->r, i);
-      ddp_test_set_el(dt, in, i, v);
-    }
-    ddp_work_t *w = NULL;
-    st = run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
-    if (st != DDP_OK) break;
-    const unsigned char *res = inplace ? in : out;
-    for (size_t i = 0; i < n; i++) {
-      double want = 0, s = 0, p = 1, mn = 1e9, mx = -1e9;
-      for (int j = 0; j < c->W; j++) {
-        s += ddp_test_val_sum(j, i);
-        p *= ddp_test_val_prod(j, i);
-        mn = ddp_test_val_mm(j, i) < mn ? ddp_test_val_mm(j, i) : mn;
-        mx = ddp_test_val_mm(j, i) > mx ? ddp_test_val_mm(j, i) : mx;
-      }
-      switch (op) {
-        case DDP_SUM: want = s; break;
-        case DDP_AVG: want = ddp_test_avg_of(dt, s, c->W); break;
-        case DDP_MIN: want = mn; break;
-        case DDP_MAX: want = mx; break;
-        case DDP_PRODUCT: want = p; break;
-      }
-      double got = ddp_test_get_el(dt, res, i);
-      if (got != want) {
-        char what[48];
-        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
-        mismatch(c, what, dt, n, i, got, want);
-        break;
-      }
-    }
-  }
-  buf_free(c, in);
-  buf_free(c, out);
-  return st;
-}
-
-static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
-  size_t es = ddp_dtype_size(dt), W = (size_t)c->W;
-  int r = c->r;
-  unsigned char *a = buf_alloc(c, W * n * es), *b = buf_alloc(c, W * n * es);
-  ddp_work_t *w = NULL;
-  ddp_status_t st;
-  /* broadcast from a root that moves with n */
-  int root = (int)(n % W);
-  for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-  st = run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
-  for (size_t i = 0; st == DDP_OK && i < n; i++)
-    if (ddp_test_get_el(dt, a, i) != ddp_test_val_sum(root, i)) {
-      mismatch(c, "broadcast", dt, n, i, ddp_test_get_el(dt, a, i), ddp_test_val_sum(root, i));
-      break;
-    }
-  /* allgather, out of place and in place (send = recv + r*n) */
-  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
-    unsigned char *send = inplace ? b + (size_t)r * n * es : a;
-    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, send, i, ddp_test_val_sum(r, i));
-    st = run(c, ddp_allgather(c->pg, send, b, n, dt, &w), &w, "allgather");
-    for (size_t j = 0; st == DDP_OK && j < W; j++)
-      for (size_t i = 0; i < n; i++)
-        if (ddp_test_get_el(dt, b, j * n + i) != ddp_test_val_sum((int)j, i)) {
-          mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
-                   ddp_test_get_el(dt, b, j * n + i), ddp_test_val_sum((int)j, i));
-          j = W;
-          break;
-        }
-  }
-  /* reduce_scatter SUM: block k of rank j's input holds ddp_test_val_sum(j, k*n + i) */
-  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
-    for (size_t i = 0; i < W * n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-    unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
-    st = run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
-    for (size_t i = 0; st == DDP_OK && i < n; i++) {
-      double s = 0;
-      for (int j = 0; j < c->W; j++) s += ddp_test_val_sum(j, (size_t)r * n + i);
-      if (ddp_test_get_el(dt, recv, i) != s) {
-        mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
-                 ddp_test_get_el(dt, recv, i), s);
-        break;
-      }
-    }
-  }
-  /* alltoall: rank j's block k = val(j, k) pattern; we get block j = rank j's block r */
-  if (st == DDP_OK) {
-    for (size_t k = 0; k < W; k++)
-      for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
-    st = run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
-    for (size_t j = 0; st == DDP_OK && j < W; j++)
-      for (size_t i = 0; i < n; i++) {
-        double want = (double)(((int)j * 7 + r + (int)i) % 100);
-        if (ddp_test_get_el(dt, b, j * n + i) != want) {
-          mismatch(c, "alltoall", dt, n, j * n + i, ddp_test_get_el(dt, b, j * n + i), want);
-          j = W;
-          break;
-        }
-      }
-  }
-  if (st == DDP_OK) st = run(c, ddp_barrier(c->pg, &w), &w, "barrier");
-  /* send/recv around the ring; odd ranks receive first so the ring cannot deadlock */
-  if (st == DDP_OK && W > 1) {
-    int to = (r + 1) % c->W, from = (r + c->W - 1) % c->W;
-    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-    for (int step = 0; step < 2 && st == DDP_OK; step++) {
-      bool do_send = (r % 2 == 0) == (step == 0);
-      st = do_send ? run(c, ddp_send(c->pg, a, n, dt, to, &w), &w, "send")
-                   : run(c, ddp_recv(c->pg, b, n, dt, from, &w), &w, "recv");
-    }
-    for (size_t i = 0; st == DDP_OK && i < n; i++)
-      if (ddp_test_get_el(dt, b, i) != ddp_test_val_sum(from, i)) {
-        mismatch(c, "send/recv", dt, n, i, ddp_test_get_el(dt, b, i), ddp_test_val_sum(from, i));
-        break;
-      }
-  }
-  buf_free(c, a);
-  buf_free(c, b);
-  return st;
+static ctx_t make_ctx(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_pg_t *pg) {
+  ctx_t c = {{pg, ddp_test_rank(tr), ddp_test_world_size(tr), cfg->pg_alloc, say_tr, 0, ""}, tr};
+  return c;
 }
 
 static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t **store,
@@ -248,24 +95,24 @@ static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t *
 static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   ddp_store_t *store = NULL;
-  ctx_t c = {tr, NULL, cfg, ddp_test_rank(tr), ddp_test_world_size(tr), 0, ""};
-  ddp_status_t st = make_pg(tr, cfg, &store, &c.pg, 20000);
+  ctx_t c = make_ctx(tr, cfg, NULL);
+  ddp_status_t st = make_pg(tr, cfg, &store, &c.coll.pg, 20000);
   if (st != DDP_OK) {
     ddp_store_destroy(store);
     return st;
   }
-  size_t W = (size_t)c.W;
+  size_t W = (size_t)c.coll.W;
   size_t counts[] = {0, 1, W - 1, W + 1, 1000, 65539};
   for (size_t k = 0; k < ARRAY_LEN(counts) && st == DDP_OK; k++)
     for (int d = 0; d < cfg->ndtypes && st == DDP_OK; d++) {
-      st = check_allreduce(&c, cfg->dtypes[d], counts[k]);
-      if (st == DDP_OK) st = check_others(&c, cfg->dtypes[d], counts[k]);
+      st = ddp_test_check_allreduce(&c.coll, cfg->dtypes[d], counts[k]);
+      if (st == DDP_OK) st = ddp_test_check_others(&c.coll, cfg->dtypes[d], counts[k]);
     }
-  ddp_pg_destroy(c.pg);
+  ddp_pg_destroy(c.coll.pg);
   ddp_store_destroy(store);
   if (st != DDP_OK) return st;
-  if (c.bad) {
-    ddp_test_say(tr, "%ld mismatches; first: %s", c.bad, c.first);
+  if (c.coll.bad) {
+    ddp_test_say(tr, "%ld mismatches; first: %s", c.coll.bad, c.coll.first);
     return DDP_ERR_INTERNAL;
   }
   return DDP_OK;
@@ -330,11 +177,6 @@ static void test_tcp_ring_small_segments(void **state) {
 
 /* ---- D2: bitwise rank-order fold on random data ---- */
 
-#define D2_COUNTS 3
-static const size_t d2_counts[D2_COUNTS] = {1000, 65539, 3};
-static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
-
-
 static int d2_rank(ddp_test_rank_t *tr, void *arg) {
   const cfg_t *cfg = arg;
   ddp_store_t *store = NULL;
@@ -344,33 +186,16 @@ static int d2_rank(ddp_test_rank_t *tr, void *arg) {
     ddp_store_destroy(store);
     return st;
   }
-  ctx_t c = {tr, pg, cfg, ddp_test_rank(tr), ddp_test_world_size(tr), 0, ""};
-  uint64_t h = 1469598103934665603ull;
-  for (int d = 0; d < 3 && st == DDP_OK; d++)
-    for (int k = 0; k < D2_COUNTS && st == DDP_OK; k++) {
-      ddp_dtype_t dt = d2_dtypes[d];
-      size_t n = d2_counts[k], es = ddp_dtype_size(dt);
-      unsigned char *buf = buf_alloc(&c, n * es), *ref = ddp_malloc(n * es);
-      ddp_test_d2_fill(dt, buf, n, c.r, k);
-      ddp_work_t *w = NULL;
-      st = run(&c, ddp_allreduce(pg, buf, buf, n, dt, DDP_SUM, &w), &w, "allreduce");
-      ddp_test_d2_reference(dt, ref, n, c.W, k);
-      if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
-        size_t i = 0;
-        while (memcmp((char *)buf + i * es, (char *)ref + i * es, es) == 0) i++;
-        mismatch(&c, "D2 allreduce", dt, n, i, ddp_test_get_el(dt, buf, i), ddp_test_get_el(dt, ref, i));
-      }
-      h = ddp_test_fnv(buf, n * es, h);
-      buf_free(&c, buf);
-      ddp_free(ref);
-    }
+  ctx_t c = make_ctx(tr, cfg, pg);
+  uint64_t h = 0;
+  st = ddp_test_d2_run(&c.coll, &h);
   ddp_pg_destroy(pg);
   ddp_store_destroy(store);
   ddp_test_put(tr, &h, sizeof h);
   if (st != DDP_OK) return st;
-  if (c.bad) {
-    ddp_test_say(tr, "%ld bitwise mismatches against the rank-order fold; first: %s", c.bad,
-                 c.first);
+  if (c.coll.bad) {
+    ddp_test_say(tr, "%ld bitwise mismatches against the rank-order fold; first: %s",
+                 c.coll.bad, c.coll.first);
     return DDP_ERR_INTERNAL;
   }
   return DDP_OK;

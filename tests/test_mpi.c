@@ -52,184 +52,20 @@
 static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
                                          DDP_I32, DDP_I64, DDP_U8};
 
+/* A rank's check state; coll first, so that say() can reach fail. */
 typedef struct ctx {
-  ddp_pg_t *pg;
-  int r, W;
-  long bad;
-  char first[256];
+  ddp_test_coll_t coll;
   char fail[1024]; /* first failed call's message */
 } ctx_t;
 
-
-static void mismatch(ctx_t *c, const char *what, ddp_dtype_t dt, size_t n, size_t i, double got,
-                     double want) {
-  if (c->bad++ == 0)
-    snprintf(c->first, sizeof c->first, "%s %s count %zu: [%zu] = %g, expected %g", what,
-             ddp_dtype_name(dt), n, i, got, want);
+static void say_first(ddp_test_coll_t *c, const char *msg) {
+  ctx_t *x = (ctx_t *)c;
+  if (!x->fail[0]) snprintf(x->fail, sizeof x->fail, "%s", msg);
 }
 
-static ddp_status_t run(ctx_t *c, ddp_status_t st, ddp_work_t **wp, const char *what) {
-  ddp_work_t *w = *wp;
-  if (st != DDP_OK) {
-    if (!c->fail[0])
-      snprintf(c->fail, sizeof c->fail, "%s: issue failed: %s", what, ddp_pg_last_error(c->pg));
-    return st;
-  }
-  st = ddp_work_wait(w, -1);
-  if (st != DDP_OK && !c->fail[0]) snprintf(c->fail, sizeof c->fail, "%s: %s", what, ddp_work_error(w));
-  ddp_work_free(w);
-  return st;
-}
-
-static ddp_status_t check_allreduce(ctx_t *c, ddp_dtype_t dt, size_t n) {
-  static const ddp_redop_t ops[] = {DDP_SUM, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT};
-  size_t es = ddp_dtype_size(dt);
-  unsigned char *in = ddp_malloc(n * es + 1), *out = ddp_malloc(n * es + 1);
-  ddp_status_t st = DDP_OK;
-  for (size_t k = 0; k < ARRAY_LEN(ops) && st == DDP_OK; k++) {
-    ddp_redop_t op = ops[k];
-    bool inplace = (k % 2) == 0;
-    for (size_t i = 0; i < n; i++)
-      ddp_test_set_el(dt, in, i, op == DDP_PRODUCT ? ddp_test_val_prod(c->r, i)
-                        : (op == DDP_MIN || op == DDP_MAX) ? ddp_test_val_mm(c->r, i) : ddp_test_val_sum(c->r, i));
-    ddp_work_t *w = NULL;
-    st = run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
-    if (st != DDP_OK) break;
-    const unsigned char *res = inplace ? in : out;
-    for (size_t i = 0; i < n; i++) {
-      double want = 0, s = 0, p = 1, mn = 1e9, mx = -1e9;
-      for (int j = 0; j < c->W; j++) {
-        s += ddp_test_val_sum(j, i);
-        p *= ddp_test_val_prod(j, i);
-        mn = ddp_test_val_mm(j, i) < mn ? ddp_test_val_mm(j, i) : mn;
-        mx = ddp_test_val_mm(j, i) > mx ? ddp_test_val_mm(j, i) : mx;
-      }
-      switch (op) {
-        case DDP_SUM: want = s; break;
-        case DDP_AVG: want = ddp_test_avg_of(dt, s, c->W); break;
-        case DDP_MIN: want = mn; break;
-        case DDP_MAX: want = mx; break;
-        case DDP_PRODUCT: want = p; break;
-      }
-      if (ddp_test_get_el(dt, res, i) != want) {
-        char what[48];
-        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
-        mismatch(c, what, dt, n, i, ddp_test_get_el(dt, res, i), want);
-        break;
-      }
-    }
-  }
-  ddp_free(in);
-  ddp_free(out);
-  return st;
-}
-
-static ddp_status_t check_others(ctx_t *c, ddp_dtype_t dt, size_t n) {
-  size_t es = ddp_dtype_size(dt), W = (size_t)c->W;
-  int r = c->r;
-  unsigned char *a = ddp_malloc(W * n * es + 1), *b = ddp_malloc(W * n * es + 1);
-  ddp_work_t *w = NULL;
-  int root = (int)(n % W);
-  for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-  ddp_status_t st = run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
-  for (size_t i = 0; st == DDP_OK && i < n; i++)
-    if (ddp_test_get_el(dt, a, i) != ddp_test_val_sum(root, i)) {
-      mismatch(c, "broadcast", dt, n, i, ddp_test_get_el(dt, a, i), ddp_test_val_sum(root, i));
-      break;
-    }
-  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
-    unsigned char *send = inplace ? b + (size_t)r * n * es : a;
-    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, send, i, ddp_test_val_sum(r, i));
-    st = run(c, ddp_allgather(c->pg, send, b, n, dt, &w), &w, "allgather");
-    for (size_t j = 0; st == DDP_OK && j < W; j++)
-      for (size_t i = 0; i < n; i++)
-        if (ddp_test_get_el(dt, b, j * n + i) != ddp_test_val_sum((int)j, i)) {
-          mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
-                   ddp_test_get_el(dt, b, j * n + i), ddp_test_val_sum((int)j, i));
-          j = W;
-          break;
-        }
-  }
-  for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
-    for (size_t i = 0; i < W * n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-    unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
-    st = run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
-    for (size_t i = 0; st == DDP_OK && i < n; i++) {
-      double s = 0;
-      for (int j = 0; j < c->W; j++) s += ddp_test_val_sum(j, (size_t)r * n + i);
-      if (ddp_test_get_el(dt, recv, i) != s) {
-        mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
-                 ddp_test_get_el(dt, recv, i), s);
-        break;
-      }
-    }
-  }
-  if (st == DDP_OK) {
-    for (size_t k = 0; k < W; k++)
-      for (size_t i = 0; i < n; i++)
-        ddp_test_set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
-    st = run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
-    for (size_t j = 0; st == DDP_OK && j < W; j++)
-      for (size_t i = 0; i < n; i++) {
-        double want = (double)(((int)j * 7 + r + (int)i) % 100);
-        if (ddp_test_get_el(dt, b, j * n + i) != want) {
-          mismatch(c, "alltoall", dt, n, j * n + i, ddp_test_get_el(dt, b, j * n + i), want);
-          j = W;
-          break;
-        }
-      }
-  }
-  if (st == DDP_OK) st = run(c, ddp_barrier(c->pg, &w), &w, "barrier");
-  /* send/recv around the ring; odd ranks receive first so the ring cannot deadlock */
-  if (st == DDP_OK && W > 1) {
-    int to = (r + 1) % c->W, from = (r + c->W - 1) % c->W;
-    for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
-    for (int step = 0; step < 2 && st == DDP_OK; step++) {
-      bool do_send = (r % 2 == 0) == (step == 0);
-      st = do_send ? run(c, ddp_send(c->pg, a, n, dt, to, &w), &w, "send")
-                   : run(c, ddp_recv(c->pg, b, n, dt, from, &w), &w, "recv");
-    }
-    for (size_t i = 0; st == DDP_OK && i < n; i++)
-      if (ddp_test_get_el(dt, b, i) != ddp_test_val_sum(from, i)) {
-        mismatch(c, "send/recv", dt, n, i, ddp_test_get_el(dt, b, i), ddp_test_val_sum(from, i));
-        break;
-      }
-  }
-  ddp_free(a);
-  ddp_free(b);
-  return st;
-}
-
-/* ---- D2: bitwise rank-order fold on random data (test_collectives.c's generator) ---- */
-
-static const size_t d2_counts[] = {1000, 65539, 3};
-static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
-
-
-/* Allreduces the D2 data on c->pg, checks it against the serial fold, returns the hash. */
-static ddp_status_t d2_run(ctx_t *c, uint64_t *hash) {
-  uint64_t h = 1469598103934665603ull;
-  ddp_status_t st = DDP_OK;
-  for (size_t d = 0; d < ARRAY_LEN(d2_dtypes) && st == DDP_OK; d++)
-    for (size_t k = 0; k < ARRAY_LEN(d2_counts) && st == DDP_OK; k++) {
-      ddp_dtype_t dt = d2_dtypes[d];
-      size_t n = d2_counts[k], es = ddp_dtype_size(dt);
-      unsigned char *buf = ddp_malloc(n * es), *ref = ddp_malloc(n * es);
-      ddp_test_d2_fill(dt, buf, n, c->r, (int)k);
-      ddp_work_t *w = NULL;
-      st = run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_SUM, &w), &w, "D2 allreduce");
-      ddp_test_d2_reference(dt, ref, n, c->W, (int)k);
-      if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
-        size_t i = 0;
-        while (memcmp(buf + i * es, ref + i * es, es) == 0) i++;
-        mismatch(c, "D2 allreduce", dt, n, i, ddp_test_get_el(dt, buf, i), ddp_test_get_el(dt, ref, i));
-      }
-      h = ddp_test_fnv(buf, n * es, h);
-      ddp_free(buf);
-      ddp_free(ref);
-    }
-  *hash = h;
-  return st;
+static ctx_t make_ctx(ddp_pg_t *pg, int r, int W) {
+  ctx_t c = {{pg, r, W, false, say_first, 0, ""}, ""};
+  return c;
 }
 
 /* ---- one MPI rank ---- */
@@ -239,8 +75,8 @@ static ddp_status_t rank_matrix(ctx_t *c, const size_t *counts, size_t ncounts,
   ddp_status_t st = DDP_OK;
   for (size_t k = 0; k < ncounts && st == DDP_OK; k++)
     for (size_t d = 0; d < ndts && st == DDP_OK; d++) {
-      st = check_allreduce(c, dts[d], counts[k]);
-      if (st == DDP_OK && others) st = check_others(c, dts[d], counts[k]);
+      st = ddp_test_check_allreduce(&c->coll, dts[d], counts[k]);
+      if (st == DDP_OK && others) st = ddp_test_check_others(&c->coll, dts[d], counts[k]);
     }
   return st;
 }
@@ -248,14 +84,14 @@ static ddp_status_t rank_matrix(ctx_t *c, const size_t *counts, size_t ncounts,
 static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segment) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = "mpi";
-  o.rank = c->r;
-  o.world = c->W;
+  o.rank = c->coll.r;
+  o.world = c->coll.W;
   o.timeout_ms = 30000;
   o.algorithm = algo;
   o.segment_bytes = segment;
   ddp_error_t err = {0};
-  ctx_t g = {NULL, c->r, c->W, 0, "", ""};
-  ddp_status_t st = ddp_pg_create(&o, &g.pg, &err);
+  ctx_t g = make_ctx(NULL, c->coll.r, c->coll.W);
+  ddp_status_t st = ddp_pg_create(&o, &g.coll.pg, &err);
   if (st != DDP_OK) {
     snprintf(c->fail, sizeof c->fail, "ddp_pg_create(mpi, %s): %s", ddp_algorithm_name(algo),
              err.msg);
@@ -264,10 +100,11 @@ static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segmen
   static const size_t counts[] = {1, 1000, 65539};
   static const ddp_dtype_t dts[] = {DDP_F32, DDP_BF16, DDP_I64};
   st = rank_matrix(&g, counts, ARRAY_LEN(counts), dts, ARRAY_LEN(dts), segment != 0);
-  ddp_pg_destroy(g.pg);
-  if (g.bad && !c->bad) {
-    c->bad = g.bad;
-    snprintf(c->first, sizeof c->first, "%s group: %s", ddp_algorithm_name(algo), g.first);
+  ddp_pg_destroy(g.coll.pg);
+  if (g.coll.bad && !c->coll.bad) {
+    c->coll.bad = g.coll.bad;
+    snprintf(c->coll.first, sizeof c->coll.first, "%s group: %.200s", ddp_algorithm_name(algo),
+             g.coll.first);
   }
   if (g.fail[0] && !c->fail[0]) snprintf(c->fail, sizeof c->fail, "%s", g.fail);
   return st;
@@ -278,8 +115,8 @@ static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segmen
 static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = "mpi";
-  o.rank = c->r;
-  o.world = c->W;
+  o.rank = c->coll.r;
+  o.world = c->coll.W;
   o.timeout_ms = 400;
   ddp_error_t err = {0};
   ddp_pg_t *pg = NULL;
@@ -289,7 +126,7 @@ static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
     return st;
   }
   *elapsed_ms = 0;
-  if (c->r == 0) {
+  if (c->coll.r == 0) {
     ddp_work_t *w = NULL;
     int64_t t0 = ddp_now_ns();
     st = ddp_barrier(pg, &w);
@@ -310,7 +147,8 @@ static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
   ddp_pg_destroy(pg);
   /* Line the ranks up again before the next phase, on the main group. */
   ddp_work_t *w = NULL;
-  ddp_status_t st2 = run(c, ddp_barrier(c->pg, &w), &w, "barrier after the timeout check");
+  ddp_status_t st2 = ddp_test_run(&c->coll, ddp_barrier(c->coll.pg, &w), &w,
+                                  "barrier after the timeout check");
   return st != DDP_OK ? st : st2;
 }
 
@@ -327,8 +165,8 @@ static void *abort_later(void *arg) {
 static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = "mpi";
-  o.rank = c->r;
-  o.world = c->W;
+  o.rank = c->coll.r;
+  o.world = c->coll.W;
   o.timeout_ms = 30000;
   ddp_error_t err = {0};
   ddp_pg_t *pg = NULL;
@@ -340,7 +178,7 @@ static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
   /* DESYNC first, while the group is healthy */
   float x[8] = {0};
   ddp_work_t *w = NULL;
-  size_t n = c->r == c->W - 1 ? 7 : 6;
+  size_t n = c->coll.r == c->coll.W - 1 ? 7 : 6;
   st = ddp_allreduce(pg, x, x, n, DDP_F32, DDP_SUM, &w);
   ddp_status_t got = st == DDP_OK ? ddp_work_wait(w, 20000) : st;
   if (got != DDP_ERR_DESYNC || !strstr(ddp_work_error(w), "mismatched collectives") ||
@@ -360,7 +198,7 @@ static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
     return st;
   }
   *abort_ms = 0;
-  if (c->r == 0) {
+  if (c->coll.r == 0) {
     pthread_t t;
     int64_t t0 = ddp_now_ns();
     st = ddp_barrier(pg, &w);
@@ -378,45 +216,46 @@ static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
   }
   ddp_pg_destroy(pg);
   w = NULL;
-  ddp_status_t st2 = run(c, ddp_barrier(c->pg, &w), &w, "barrier after the abort check");
+  ddp_status_t st2 = ddp_test_run(&c->coll, ddp_barrier(c->coll.pg, &w), &w,
+                                  "barrier after the abort check");
   return st != DDP_OK ? st : st2;
 }
 
 static int rank_main(const char *outdir) {
-  ctx_t c = {NULL, -1, 0, 0, "", ""};
+  ctx_t c = make_ctx(NULL, -1, 0);
   ddp_error_t err = {0};
   uint64_t hash = 0;
   long timeout_ms = -1, abort_ms = -1;
-  ddp_status_t st = ddp_pg_create_from_env(NULL, &c.pg, &err);
+  ddp_status_t st = ddp_pg_create_from_env(NULL, &c.coll.pg, &err);
   if (st != DDP_OK) {
     snprintf(c.fail, sizeof c.fail, "ddp_pg_create_from_env: %s", err.msg);
   } else {
-    c.r = ddp_pg_rank(c.pg);
-    c.W = ddp_pg_size(c.pg);
+    c.coll.r = ddp_pg_rank(c.coll.pg);
+    c.coll.W = ddp_pg_size(c.coll.pg);
     const char *er = getenv("OMPI_COMM_WORLD_RANK");
-    if (strcmp(ddp_pg_backend_name(c.pg), "mpi") != 0 || !er || atoi(er) != c.r) {
+    if (strcmp(ddp_pg_backend_name(c.coll.pg), "mpi") != 0 || !er || atoi(er) != c.coll.r) {
       snprintf(c.fail, sizeof c.fail, "from env: backend %s rank %d (OMPI_COMM_WORLD_RANK %s)",
-               ddp_pg_backend_name(c.pg), c.r, er ? er : "unset");
+               ddp_pg_backend_name(c.coll.pg), c.coll.r, er ? er : "unset");
       st = DDP_ERR_INTERNAL;
     }
-    size_t W = (size_t)c.W;
+    size_t W = (size_t)c.coll.W;
     const size_t counts[] = {0, 1, W + 1, 1000, 65539};
     if (st == DDP_OK)
       st = rank_matrix(&c, counts, ARRAY_LEN(counts), all_dtypes, ARRAY_LEN(all_dtypes), true);
-    if (st == DDP_OK) st = d2_run(&c, &hash);
+    if (st == DDP_OK) st = ddp_test_d2_run(&c.coll, &hash);
     if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_RING, 0);
     if (st == DDP_OK) st = explicit_group(&c, DDP_ALGO_CANONICAL, 4096);
     if (st == DDP_OK) st = check_timeout(&c, &timeout_ms);
     if (st == DDP_OK) st = check_abort_desync(&c, &abort_ms);
-    ddp_pg_destroy(c.pg);
+    ddp_pg_destroy(c.coll.pg);
   }
   char path[4096];
-  int r = c.r >= 0 ? c.r : atoi(getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : "0");
+  int r = c.coll.r >= 0 ? c.coll.r : atoi(getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : "0");
   snprintf(path, sizeof path, "%s/rank%d", outdir, r);
   FILE *f = fopen(path, "w");
   if (!f) return 3;
-  fprintf(f, "%d %ld %llu %ld %ld\n%s\n%s\n", (int)st, c.bad, (unsigned long long)hash,
-          timeout_ms, abort_ms, c.first, c.fail);
+  fprintf(f, "%d %ld %llu %ld %ld\n%s\n%s\n", (int)st, c.coll.bad, (unsigned long long)hash,
+          timeout_ms, abort_ms, c.coll.first, c.fail);
   return fclose(f) == 0 ? 0 : 3;
 }
 
@@ -485,9 +324,9 @@ typedef struct threads_arg {
 
 static ddp_status_t threads_d2(ddp_pg_t *pg, void *arg) {
   threads_arg_t *a = arg;
-  ctx_t c = {pg, ddp_pg_rank(pg), ddp_pg_size(pg), 0, "", ""};
-  ddp_status_t st = d2_run(&c, &a->hash[c.r]);
-  return st == DDP_OK && c.bad ? DDP_ERR_INTERNAL : st;
+  ctx_t c = make_ctx(pg, ddp_pg_rank(pg), ddp_pg_size(pg));
+  ddp_status_t st = ddp_test_d2_run(&c.coll, &a->hash[c.coll.r]);
+  return st == DDP_OK && c.coll.bad ? DDP_ERR_INTERNAL : st;
 }
 
 static void test_mpi_worlds(void **state) {
