@@ -101,6 +101,17 @@ static void mem_clear(psgd_mem_t *m) {
   m->has_mem = false;
 }
 
+/* The bucket's layout changed: its error feedback and warm-start factors no longer fit. */
+static void mem_restart(psgd_mem_t *m, int rank, size_t bucket) {
+  ddp__log(rank, DDP_LOG_WARN,
+           "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
+           "warm-start memories were built for; they restart from zero", bucket);
+  mem_clear(m);
+  ddp__free(m->error);
+  m->error = NULL;
+  m->nerror = 0;
+}
+
 /* Frees everything a bucket's memory holds. */
 static void mem_free(psgd_mem_t *m) {
   mem_clear(m);
@@ -506,13 +517,7 @@ static ddp_status_t follow_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
       mem->q = nqq;
     }
   } else {
-    ddp__log(s->rank, DDP_LOG_WARN,
-             "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
-             "warm-start memories were built for; they restart from zero", b->index);
-    mem_clear(mem);
-    ddp__free(mem->error);
-    mem->error = NULL;
-    mem->nerror = 0;
+    mem_restart(mem, s->rank, b->index);
   }
   ddp__free(from);
   ddp__free(buf);
@@ -719,13 +724,7 @@ static ddp_status_t batched_layout(ddp_powersgd_state_t *s, psgd_mem_t *mem,
   }
   ddp__free(map);
   if (!fresh) {
-    ddp__log(s->rank, DDP_LOG_WARN,
-             "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
-             "warm-start memories were built for; they restart from zero", b->index);
-    mem_clear(mem);
-    ddp__free(mem->error);
-    mem->error = NULL;
-    mem->nerror = 0;
+    mem_restart(mem, s->rank, b->index);
   }
   ddp__free(mem->lay);
   mem->lay = lay;
