@@ -490,10 +490,12 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
 
 /* ---------------------------------------------------------------- ddp.json -------- */
 
-static cJSON *int_array(const int64_t *v, size_t n) {
+/* A JSON array of n integers; v holds int64_t (is_size false) or size_t values. */
+static cJSON *num_array(const void *v, bool is_size, size_t n) {
   cJSON *a = cJSON_CreateArray();
   for (size_t i = 0; a && i < n; i++) {
-    cJSON *x = cJSON_CreateNumber((double)v[i]);
+    double d = is_size ? (double)((const size_t *)v)[i] : (double)((const int64_t *)v)[i];
+    cJSON *x = cJSON_CreateNumber(d);
     if (!x) {
       cJSON_Delete(a);
       return NULL;
@@ -503,18 +505,8 @@ static cJSON *int_array(const int64_t *v, size_t n) {
   return a;
 }
 
-static cJSON *size_array(const size_t *v, size_t n) {
-  cJSON *a = cJSON_CreateArray();
-  for (size_t i = 0; a && i < n; i++) {
-    cJSON *x = cJSON_CreateNumber((double)v[i]);
-    if (!x) {
-      cJSON_Delete(a);
-      return NULL;
-    }
-    cJSON_AddItemToArray(a, x);
-  }
-  return a;
-}
+static cJSON *int_array(const int64_t *v, size_t n) { return num_array(v, false, n); }
+static cJSON *size_array(const size_t *v, size_t n) { return num_array(v, true, n); }
 
 /* Appends to a growing string buffer; false when out of memory. */
 typedef struct strbuf {
