@@ -81,22 +81,26 @@ static ddp_status_t rank_matrix(ctx_t *c, const size_t *counts, size_t ncounts,
   return st;
 }
 
-static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segment) {
+/* A second mpi group of the same ranks (no store); a failure is recorded as `what`. */
+static ddp_status_t mpi_group(ctx_t *c, ddp_algorithm_t algo, size_t segment, int64_t timeout_ms,
+                              const char *what, ddp_pg_t **pg) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = "mpi";
   o.rank = c->coll.r;
   o.world = c->coll.W;
-  o.timeout_ms = 30000;
+  o.timeout_ms = timeout_ms;
   o.algorithm = algo;
   o.segment_bytes = segment;
   ddp_error_t err = {0};
+  ddp_status_t st = ddp_pg_create(&o, pg, &err);
+  if (st != DDP_OK) snprintf(c->fail, sizeof c->fail, "%s group: %s", what, err.msg);
+  return st;
+}
+
+static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segment) {
   ctx_t g = make_ctx(NULL, c->coll.r, c->coll.W);
-  ddp_status_t st = ddp_pg_create(&o, &g.coll.pg, &err);
-  if (st != DDP_OK) {
-    snprintf(c->fail, sizeof c->fail, "ddp_pg_create(mpi, %s): %s", ddp_algorithm_name(algo),
-             err.msg);
-    return st;
-  }
+  ddp_status_t st = mpi_group(c, algo, segment, 30000, ddp_algorithm_name(algo), &g.coll.pg);
+  if (st != DDP_OK) return st;
   static const size_t counts[] = {1, 1000, 65539};
   static const ddp_dtype_t dts[] = {DDP_F32, DDP_BF16, DDP_I64};
   st = rank_matrix(&g, counts, ARRAY_LEN(counts), dts, ARRAY_LEN(dts), segment != 0);
@@ -113,18 +117,9 @@ static ddp_status_t explicit_group(ctx_t *c, ddp_algorithm_t algo, size_t segmen
 /* A barrier only rank 0 issues: it must end with TIMEOUT near its 400 ms deadline. Peers
  * meanwhile wait on a barrier of their own group, long enough for rank 0 to give up. */
 static ddp_status_t check_timeout(ctx_t *c, long *elapsed_ms) {
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  o.backend = "mpi";
-  o.rank = c->coll.r;
-  o.world = c->coll.W;
-  o.timeout_ms = 400;
-  ddp_error_t err = {0};
   ddp_pg_t *pg = NULL;
-  ddp_status_t st = ddp_pg_create(&o, &pg, &err);
-  if (st != DDP_OK) {
-    snprintf(c->fail, sizeof c->fail, "timeout group: %s", err.msg);
-    return st;
-  }
+  ddp_status_t st = mpi_group(c, DDP_ALGO_AUTO, 0, 400, "timeout", &pg);
+  if (st != DDP_OK) return st;
   *elapsed_ms = 0;
   if (c->coll.r == 0) {
     ddp_work_t *w = NULL;
@@ -163,18 +158,9 @@ static void *abort_later(void *arg) {
  * its 30 s deadline; and a collective whose count differs on one rank is DESYNC on every
  * rank, naming both fingerprints. */
 static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  o.backend = "mpi";
-  o.rank = c->coll.r;
-  o.world = c->coll.W;
-  o.timeout_ms = 30000;
-  ddp_error_t err = {0};
   ddp_pg_t *pg = NULL;
-  ddp_status_t st = ddp_pg_create(&o, &pg, &err);
-  if (st != DDP_OK) {
-    snprintf(c->fail, sizeof c->fail, "abort group: %s", err.msg);
-    return st;
-  }
+  ddp_status_t st = mpi_group(c, DDP_ALGO_AUTO, 0, 30000, "desync", &pg);
+  if (st != DDP_OK) return st;
   /* DESYNC first, while the group is healthy */
   float x[8] = {0};
   ddp_work_t *w = NULL;
@@ -192,11 +178,8 @@ static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
   ddp_work_free(w);
   ddp_pg_destroy(pg);
   /* abort: a fresh group, rank 0 alone in a barrier */
-  st = ddp_pg_create(&o, &pg, &err);
-  if (st != DDP_OK) {
-    snprintf(c->fail, sizeof c->fail, "abort group: %s", err.msg);
-    return st;
-  }
+  st = mpi_group(c, DDP_ALGO_AUTO, 0, 30000, "abort", &pg);
+  if (st != DDP_OK) return st;
   *abort_ms = 0;
   if (c->coll.r == 0) {
     pthread_t t;

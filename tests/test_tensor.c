@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include <cmocka.h>
 
@@ -445,6 +446,24 @@ static int blas_first_use(ddp_test_rank_t *r, void *arg) {
   return DDP_OK;
 }
 
+/* The kernel set libddp leaves OpenBLAS running: never one from before AVX2 on a CPU with
+ * AVX2 and FMA, unless the user chose it through OPENBLAS_CORETYPE (src/tensor/blas.c). */
+static void test_blas_kernels(void **state) {
+  (void)state;
+  const char *core = ddp_blas_core();
+  assert_non_null(core);
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const char *const old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
+                                    "Atom", "Barcelona", "Katmai", "Coppermine", "Northwood",
+                                    "Banias", "Sandybridge"};
+  const char *user = getenv("OPENBLAS_CORETYPE");
+  __builtin_cpu_init();
+  if ((!user || !*user) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    for (size_t i = 0; i < sizeof old / sizeof old[0]; i++)
+      if (!strcasecmp(core, old[i])) fail_msg("OpenBLAS runs its %s kernels on an AVX2 CPU", core);
+#endif
+}
+
 static void test_blas_threads(void **state) {
   (void)state;
   char *saved = getenv("DDP_BLAS_THREADS") ? strdup(getenv("DDP_BLAS_THREADS")) : NULL;
@@ -622,6 +641,7 @@ static void test_gemm_invalid(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_blas_threads), /* first: the first BLAS use reads the env */
+      cmocka_unit_test(test_blas_kernels),
       cmocka_unit_test(test_dtype_table),
       cmocka_unit_test(test_shape_numel),
       cmocka_unit_test(test_alloc),

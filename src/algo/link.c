@@ -325,16 +325,15 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
   ddp__coll_t o = *op;
   if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
   size_t es = ddp_dtype_size(o.dt);
-  if (c->check_fp && c->stream && c->size > 1 && o.kind == DDP__ALLREDUCE &&
-      o.algo == DDP_ALGO_SMALL &&
-      o.count > 0 && o.count * es * (size_t)c->size <= c->scratch_bytes &&
+  /* Which allreduce runs: small (when it fits the scratch), ring, or canonical. */
+  bool small = o.kind == DDP__ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
+               o.count * es * (size_t)c->size <= c->scratch_bytes;
+  bool canonical = o.kind == DDP__ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
+  if (small && c->check_fp && c->stream && c->size > 1 && o.count > 0 &&
       sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
     return allreduce_small(c, &o, true, err);
   /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
-  bool owned = o.count > 0 && c->size > 1 &&
-               ((o.kind == DDP__ALLREDUCE && o.algo != DDP_ALGO_RING &&
-                 !(o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)) ||
-                o.kind == DDP__REDUCE_SCATTER);
+  bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP__REDUCE_SCATTER);
   if (c->size > 1 && !owned && c->check_fp) DDP_CHECK(check_fps(c, &o, err));
   if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
   if (c->size == 1) {
@@ -343,10 +342,8 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
   }
   switch (o.kind) {
     case DDP__ALLREDUCE:
-      if (o.algo == DDP_ALGO_RING) return allreduce_ring(c, &o, err);
-      if (o.algo == DDP_ALGO_SMALL && o.count * es * (size_t)c->size <= c->scratch_bytes)
-        return allreduce_small(c, &o, false, err);
-      return allreduce_canonical(c, &o, err);
+      if (small) return allreduce_small(c, &o, false, err);
+      return canonical ? allreduce_canonical(c, &o, err) : allreduce_ring(c, &o, err);
     case DDP__BROADCAST: return broadcast(c, &o, err);
     case DDP__ALLGATHER: return allgather(c, &o, err);
     case DDP__REDUCE_SCATTER: return reduce_scatter(c, &o, err);
