@@ -13,7 +13,10 @@
 # whole-gradient allreduce alone; per system the round with the highest steps/s is kept.
 # Prints the side-by-side table and the goals of the DDP issue with PASS/FAIL:
 #   libddp shm steps/s / PyTorch steps/s >= 1.5;  libddp tcp / PyTorch >= 1.2;
-#   exposed communication (synced p50 - no_sync p50) / allreduce-alone p50 <= 0.25.
+#   exposed communication (synced p50 - no_sync p50) / allreduce-alone p50 <= 0.25;
+# then that exposed ratio beside its lower bounds: the allreduce alone of the last bucket
+# and of the last gradient tensor to become ready (no bucketing splits a tensor), and the
+# reduction's extra CPU time per step, which nothing hides when the ranks fill every CPU.
 # Part 2, libddp on tcp, one run per comm hook (no, fp16, bf16, power_sgd rank 1 and 4,
 # batched_power_sgd rank 1, fp16 wrapper around power_sgd rank 1; PowerSGD with
 # start_powerSGD_iter=2 so the timed steps compress), ROUNDS rounds, the best kept:
@@ -36,7 +39,7 @@ while [ $# -gt 0 ]; do
         -B) build=$2 ;; -o) out=$2 ;; -s) steps=$2 ;; -r) rounds=$2 ;; -b) batch=$2 ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench_ddp.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -123,7 +126,9 @@ for s in torch shm tcp; do res[$s]=$(best "$s"); done
 echo
 printf '%-24s %14s %14s %14s\n' "" "pytorch-gloo" "libddp-shm" "libddp-tcp"
 for k in steps_per_s step_p50_ms sync_p50_ms nosync_p50_ms exposed_ms allreduce_p50_ms \
-         exposed_ratio; do
+         exposed_ratio sync_cpu_ms nosync_cpu_ms extra_cpu_ms nosync_busy cpus \
+         allreduce_last_bucket_p50_ms floor_bucket_ratio allreduce_last_tensor_p50_ms \
+         floor_tensor_ratio; do
   printf '%-24s' "$k"
   for s in torch shm tcp; do printf ' %14s' "$(get "${res[$s]:-/dev/null}" "$k")"; done
   echo
@@ -152,6 +157,24 @@ printf '%-52s %8s  goal %-7s %s\n' "libddp shm exposed comm / allreduce alone" "
   "<= 0.25" "$(verdict "$es" '<=' 0.25)"
 printf '%-52s %8s  goal %-7s %s\n' "libddp tcp exposed comm / allreduce alone" "${ec:--}" \
   "<= 0.25" "$(verdict "$ec" '<=' 0.25)"
+
+# How low the exposed part can go (ddp-bench-ddp.c's header): the last tensor's allreduce
+# follows backward under any bucketing, and with every CPU busy with a rank's compute the
+# reduction's CPU work (extra_cpu) cannot be hidden either.
+echo
+echo "## exposed communication / allreduce alone, and its lower bounds"
+printf '%-8s %9s %22s %22s %26s\n' "" "exposed" "last bucket (layout)" "last tensor (any)" \
+  "extra CPU (all CPUs busy)"
+for s in torch shm tcp; do
+  f=${res[$s]:-/dev/null}
+  ar=$(get "$f" allreduce_p50_ms); xc=$(get "$f" extra_cpu_ms)
+  cpu_bound="-"
+  [ -n "$ar" ] && [ -n "$xc" ] && cpu_bound=$(calc "$xc / $ar")
+  printf '%-8s %9s %22s %22s %26s\n' "$s" "$(get "$f" exposed_ratio)" \
+    "$(get "$f" floor_bucket_ratio)" "$(get "$f" floor_tensor_ratio)" "$cpu_bound"
+done
+echo "# extra CPU binds when the ranks fill every CPU: $(getconf _NPROCESSORS_ONLN) CPUs here," \
+     "2 ranks, nosync_busy above"
 
 echo
 echo "## part 2: comm hooks, libddp tcp"

@@ -15,6 +15,21 @@
  *      count, dtype and backend, in ddp_pg_alloc memory like the buckets), each after a
  *      barrier; its p50 is what a step would pay with no overlap at all.
  *
+ * Two more figures say how far down the exposed part could go, and why it stops there:
+ *   - CPU accounting (phase 2): the process CPU time (every thread of the rank, progress
+ *     thread included) of each synchronised and each no_sync step. extra_cpu is the p50
+ *     difference, the work the reduction adds to a step; nosync_busy is the no_sync step's
+ *     CPU time over its wall time, the share of a core that compute alone keeps busy. When
+ *     every CPU already runs a rank's compute (nosync_busy near 1 and as many ranks as
+ *     CPUs), that work has nowhere to hide, and exposed communication cannot drop below
+ *     about extra_cpu, however the reduction is scheduled.
+ *   - floors (phase 3): the allreduce alone of the last bucket to become ready and of the
+ *     last gradient tensor to become ready (the prev_iteration_grad_ready_order of the
+ *     logging data). The last bucket is ready only when backward ends, so its allreduce is
+ *     exposed on any machine; floor_bucket_ratio is its share of the whole allreduce. No
+ *     bucket layout can split a tensor, so floor_tensor_ratio, the last tensor's share, is
+ *     the least exposed ratio any bucketing reaches for this model.
+ *
  * A step is zero_grad, forward, cross-entropy, backward (buckets reduce while it runs),
  * SGD step and context reset; the optimizer step is timed in both kinds of step, so the
  * difference is communication only. Timings are rank 0's. With --hook/--wrapper/--state a
@@ -30,9 +45,11 @@
  *   ddp-bench-ddp --blas-core    (the OpenBLAS kernel set in use: ddp_blas_core)
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ddp.h"
 
@@ -84,6 +101,19 @@ static uint64_t mix(uint64_t *s) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+/* CPU time of the whole process (all its threads), ns. */
+static int64_t cpu_now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* CPUs this process may run on. */
+static int cpus_allowed(void) {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
 }
 
 static ddp_status_t barrier(ddp_pg_t *pg) {
@@ -187,13 +217,38 @@ static ddp_status_t allreduce_alone(ddp_pg_t *pg, size_t numel, int iters, doubl
   return st;
 }
 
+/* Where the last gradient became ready in the last synchronised backward: the element
+ * counts of that tensor and of the bucket that holds it (0 when unknown). */
+static void last_ready(ddp_ddp_t *ddp, size_t *tensor_numel, size_t *bucket_numel) {
+  ddp_ddp_logging_data_t ld;
+  ddp_ddp_get_logging_data(ddp, &ld);
+  *tensor_numel = *bucket_numel = 0;
+  if (ld.num_prev_ready_order == 0) return;
+  size_t last = ld.prev_iteration_grad_ready_order_indices[ld.num_prev_ready_order - 1];
+  *tensor_numel = (size_t)ddp_ddp_param(ddp, last)->value.numel;
+  for (size_t b = 0; b < ddp_ddp_num_buckets(ddp); b++) {
+    size_t n, sum = 0;
+    const size_t *idx = ddp_ddp_bucket_params(ddp, b, &n);
+    bool here = false;
+    for (size_t k = 0; k < n; k++) {
+      sum += (size_t)ddp_ddp_param(ddp, idx[k])->value.numel;
+      here |= idx[k] == last;
+    }
+    if (here) *bucket_numel = sum;
+  }
+}
+
 static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   bench_rank_t r = {.pg = pg};
   int rank = ddp_pg_rank(pg);
   int nt = cfg->steps > cfg->pairs ? cfg->steps : cfg->pairs;
   int64_t *ts = calloc((size_t)nt + 1, sizeof *ts), *tn = calloc((size_t)nt + 1, sizeof *tn);
-  ddp_status_t st = ts && tn ? setup(&r, cfg) : DDP_ERR_NO_MEMORY;
+  int64_t *cpu_s = calloc((size_t)nt + 1, sizeof *cpu_s);
+  int64_t *cpu_n = calloc((size_t)nt + 1, sizeof *cpu_n);
+  ddp_status_t st = ts && tn && cpu_s && cpu_n ? setup(&r, cfg) : DDP_ERR_NO_MEMORY;
   double steps_per_s = 0, step_p50 = 0, sync_p50 = 0, nosync_p50 = 0, ar_p50 = 0;
+  double sync_cpu = 0, nosync_cpu = 0, ar_bucket_p50 = 0, ar_tensor_p50 = 0;
+  size_t tensor_numel = 0, bucket_numel = 0;
   ddp_ddp_comm_stats_t cs = {0};
 
   for (int k = 0; st == DDP_OK && k < cfg->warmup; k++) st = step(&r, true);
@@ -214,23 +269,35 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   /* Phase 2: barrier-aligned pairs of synchronised and no_sync steps. */
   for (int k = 0; st == DDP_OK && k < cfg->pairs; k++) {
     if ((st = barrier(pg)) != DDP_OK) break;
-    int64_t a = ddp_now_ns();
+    int64_t a = ddp_now_ns(), c = cpu_now_ns();
     if ((st = step(&r, true)) != DDP_OK) break;
     ts[k] = ddp_now_ns() - a;
+    cpu_s[k] = cpu_now_ns() - c;
     if ((st = barrier(pg)) != DDP_OK) break;
     a = ddp_now_ns();
+    c = cpu_now_ns();
     st = step(&r, false);
     tn[k] = ddp_now_ns() - a;
+    cpu_n[k] = cpu_now_ns() - c;
   }
   if (st == DDP_OK && cfg->pairs > 0) {
     sync_p50 = p50_ms(ts, cfg->pairs);
     nosync_p50 = p50_ms(tn, cfg->pairs);
+    sync_cpu = p50_ms(cpu_s, cfg->pairs);
+    nosync_cpu = p50_ms(cpu_n, cfg->pairs);
   }
   size_t numel = 0;
   for (size_t i = 0; r.model && i < ddp_model_num_params(r.model); i++) {
     numel += (size_t)ddp_model_param(r.model, i)->value.numel;
   }
-  if (st == DDP_OK && cfg->ar_iters > 0) st = allreduce_alone(pg, numel, cfg->ar_iters, &ar_p50);
+  if (st == DDP_OK && cfg->ar_iters > 0) {
+    last_ready(r.ddp, &tensor_numel, &bucket_numel);
+    st = allreduce_alone(pg, numel, cfg->ar_iters, &ar_p50);
+    if (st == DDP_OK && bucket_numel > 0)
+      st = allreduce_alone(pg, bucket_numel, cfg->ar_iters, &ar_bucket_p50);
+    if (st == DDP_OK && tensor_numel > 0)
+      st = allreduce_alone(pg, tensor_numel, cfg->ar_iters, &ar_tensor_p50);
+  }
 
   if (st == DDP_OK && rank == 0) {
     ddp_ddp_logging_data_t ld;
@@ -242,10 +309,17 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
     if (cfg->pairs > 0) {
       printf(" sync_p50_ms=%.3f nosync_p50_ms=%.3f exposed_ms=%.3f", sync_p50, nosync_p50,
              sync_p50 - nosync_p50);
+      printf(" sync_cpu_ms=%.3f nosync_cpu_ms=%.3f extra_cpu_ms=%.3f nosync_busy=%.2f cpus=%d",
+             sync_cpu, nosync_cpu, sync_cpu - nosync_cpu,
+             nosync_p50 > 0 ? nosync_cpu / nosync_p50 : 0.0, cpus_allowed());
     }
     if (cfg->ar_iters > 0) {
       printf(" allreduce_p50_ms=%.3f", ar_p50);
       if (cfg->pairs > 0) printf(" exposed_ratio=%.3f", (sync_p50 - nosync_p50) / ar_p50);
+      printf(" last_bucket_numel=%zu allreduce_last_bucket_p50_ms=%.3f floor_bucket_ratio=%.3f"
+             " last_tensor_numel=%zu allreduce_last_tensor_p50_ms=%.3f floor_tensor_ratio=%.3f",
+             bucket_numel, ar_bucket_p50, ar_bucket_p50 / ar_p50, tensor_numel, ar_tensor_p50,
+             ar_tensor_p50 / ar_p50);
     }
     printf(" bytes_per_step=%lld numel_before=%lld numel_after=%lld rate=%.2f\n",
            (long long)cs.bytes_last_step, (long long)cs.numel_before,
@@ -255,6 +329,8 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   teardown(&r);
   free(ts);
   free(tn);
+  free(cpu_s);
+  free(cpu_n);
   return st;
 }
 

@@ -42,6 +42,17 @@ def p50_ms(samples):
     return statistics.median(samples) * 1e3 if samples else 0.0
 
 
+def last_ready(ld, params):
+    """Element counts of the last gradient to become ready in the last synchronised backward
+    and of the bucket that holds it, from DDP's logging data (as ddp-bench-ddp does).
+    rebuilt_per_bucket_param_indices lists each bucket's indices, buckets split by commas."""
+    last = int(ld["prev_iteration_grad_ready_order_indices"].split(",")[-1])
+    buckets = [[int(i) for i in b.split()]
+               for b in ld["rebuilt_per_bucket_param_indices"].split(",")]
+    home = next(b for b in buckets if last in b)
+    return params[last].numel(), sum(params[i].numel() for i in home)
+
+
 def rank_main(args):
     import torch
     import torch.distributed as dist
@@ -89,38 +100,56 @@ def rank_main(args):
     steps_per_s = args.steps / block
     step_p50 = p50_ms(ts)
 
-    sync_t, nosync_t = [], []
+    # process_time: CPU time of every thread of the process, gloo's included.
+    sync_t, nosync_t, sync_c, nosync_c = [], [], [], []
     for _ in range(args.pairs):
         dist.barrier()
-        a = time.perf_counter()
+        a, c = time.perf_counter(), time.process_time()
         step()
         sync_t.append(time.perf_counter() - a)
+        sync_c.append(time.process_time() - c)
         dist.barrier()
-        a = time.perf_counter()
+        a, c = time.perf_counter(), time.process_time()
         nosync_step()
         nosync_t.append(time.perf_counter() - a)
+        nosync_c.append(time.process_time() - c)
 
-    numel = sum(p.numel() for p in model.parameters())
-    ar_t = []
-    if args.ar_iters > 0:
-        buf = torch.full((numel,), 1e-3)
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    tensor_numel, bucket_numel = last_ready(ddp._get_ddp_logging_data(), params)
+
+    def allreduce_alone(n):
+        buf = torch.full((n,), 1e-3)
+        t = []
         for k in range(-3, args.ar_iters):
             dist.barrier()
             a = time.perf_counter()
             dist.all_reduce(buf)
             if k >= 0:
-                ar_t.append(time.perf_counter() - a)
+                t.append(time.perf_counter() - a)
+        return p50_ms(t)
+
+    if args.ar_iters > 0:
+        ar, ar_bucket, ar_tensor = (allreduce_alone(numel), allreduce_alone(bucket_numel),
+                                    allreduce_alone(tensor_numel))
 
     if rank == 0:
         fields = [f"backend=gloo world={args.world} hook=no wrapper=no grad_numel={numel}",
                   f"steps={args.steps} steps_per_s={steps_per_s:.3f} step_p50_ms={step_p50:.3f}"]
         if args.pairs > 0:
             s, n = p50_ms(sync_t), p50_ms(nosync_t)
+            sc, nc = p50_ms(sync_c), p50_ms(nosync_c)
             fields.append(f"sync_p50_ms={s:.3f} nosync_p50_ms={n:.3f} exposed_ms={s - n:.3f}")
+            fields.append(f"sync_cpu_ms={sc:.3f} nosync_cpu_ms={nc:.3f} extra_cpu_ms={sc - nc:.3f}"
+                          f" nosync_busy={nc / n:.2f} cpus={len(os.sched_getaffinity(0))}")
         if args.ar_iters > 0:
-            fields.append(f"allreduce_p50_ms={p50_ms(ar_t):.3f}")
+            fields.append(f"allreduce_p50_ms={ar:.3f}")
             if args.pairs > 0:
-                fields.append(f"exposed_ratio={(s - n) / p50_ms(ar_t):.3f}")
+                fields.append(f"exposed_ratio={(s - n) / ar:.3f}")
+            fields.append(f"last_bucket_numel={bucket_numel} allreduce_last_bucket_p50_ms="
+                          f"{ar_bucket:.3f} floor_bucket_ratio={ar_bucket / ar:.3f}"
+                          f" last_tensor_numel={tensor_numel} allreduce_last_tensor_p50_ms="
+                          f"{ar_tensor:.3f} floor_tensor_ratio={ar_tensor / ar:.3f}")
         fields.append(f"torch={torch.__version__}")
         print("RESULT " + " ".join(fields), flush=True)
     dist.barrier()

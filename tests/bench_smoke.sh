@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The DDP step benchmark's figures are computed, not just printed (suite bench).
+#
+#   tests/bench_smoke.sh DDPRUN DDP_BENCH_DDP SOURCE_ROOT
+#
+# Runs ddp-bench-ddp on 2 shm ranks with a few steps, and tools/peer_torch_ddp.py (PyTorch
+# DDP over gloo) where /usr/bin/python3 has torch, then checks the RESULT lines:
+#  - the gradient size is the model's (784-1024-1024-1024-10, computed here from the dims);
+#  - the last gradient to become ready is the first layer's weight, and libddp's last
+#    bucket has PyTorch's element count (both read off the logging data's ready order and
+#    bucket layout by the benchmarks);
+#  - every timing and ratio is a positive number, CPU figures included; cpus is this
+#    process's CPU count;
+#  - bad flags exit 2 with a message naming the flag.
+# Timings are not compared with goals here: speed is measured by tools/bench_ddp.sh.
+set -u -o pipefail
+ddprun=$1
+bench=$2
+src=$3
+py=/usr/bin/python3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+fail() { echo "FAIL: $*"; exit 1; }
+get() { # line key -> value
+  grep -o "[[:space:]]$2=[^[:space:]]*" <<<"$1" | head -1 | cut -d= -f2
+}
+positive() { # line key...: each value a finite number > 0
+  local line=$1 k v; shift
+  for k in "$@"; do
+    v=$(get "$line" "$k")
+    awk -v v="$v" 'BEGIN { exit !(v ~ /^[0-9.]+(e[-+]?[0-9]+)?$/ && v + 0 > 0) }' ||
+      fail "$k='$v' is not a positive number in: $line"
+  done
+}
+
+in=784; hid=1024; out=10
+grad_numel=$((in * hid + hid + 2 * (hid * hid + hid) + hid * out + out))
+first_weight=$((in * hid))
+keys=(steps_per_s sync_p50_ms nosync_p50_ms sync_cpu_ms nosync_cpu_ms nosync_busy
+      allreduce_p50_ms allreduce_last_bucket_p50_ms floor_bucket_ratio
+      allreduce_last_tensor_p50_ms floor_tensor_ratio)
+counts=(--steps 2 --warmup 2 --pairs 3 --ar-iters 2)
+
+export DDP_BLAS_THREADS=1
+timeout -k 5 120 "$ddprun" --nproc_per_node 2 --backend shm --master_port 29564 "$bench" \
+  "${counts[@]}" >"$work/ddp.txt" 2>&1 || { cat "$work/ddp.txt"; fail "ddp-bench-ddp failed"; }
+ddp=$(grep -o 'RESULT .*' "$work/ddp.txt" | head -1)
+[ -n "$ddp" ] || { cat "$work/ddp.txt"; fail "no RESULT line from ddp-bench-ddp"; }
+echo "libddp: $ddp"
+[ "$(get "$ddp" grad_numel)" = "$grad_numel" ] || fail "grad_numel is not $grad_numel"
+[ "$(get "$ddp" last_tensor_numel)" = "$first_weight" ] ||
+  fail "the last ready tensor is not the first layer's weight ($first_weight elements)"
+lb=$(get "$ddp" last_bucket_numel)
+[ -n "$lb" ] && [ "$lb" -ge "$first_weight" ] && [ "$lb" -le "$grad_numel" ] ||
+  fail "last_bucket_numel '$lb' outside [$first_weight, $grad_numel]"
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # the affinity mask's count
+[ "$(get "$ddp" cpus)" = "$cpus" ] || fail "cpus is not $cpus"
+positive "$ddp" "${keys[@]}"
+
+for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1"; do
+  # shellcheck disable=SC2086  # the flag and its value are two words
+  msg=$(RANK=0 WORLD_SIZE=1 "$bench" $bad 2>&1)
+  rc=$?
+  [ "$rc" = 2 ] || fail "'$bad' exited $rc, not 2"
+  grep -q -- "${bad%% *}" <<<"$msg" || fail "'$bad': the message does not name the flag: $msg"
+done
+
+if ! "$py" -c 'import torch' 2>/dev/null; then
+  echo "SKIP: the PyTorch part ($py without torch)"
+  exit 0
+fi
+OPENBLAS_CORETYPE=$("$bench" --blas-core) timeout -k 5 180 "$py" "$src/tools/peer_torch_ddp.py" \
+  --world 2 "${counts[@]}" >"$work/torch.txt" 2>&1 ||
+  { cat "$work/torch.txt"; fail "peer_torch_ddp.py failed"; }
+torch=$(grep -o 'RESULT .*' "$work/torch.txt" | head -1)
+[ -n "$torch" ] || { cat "$work/torch.txt"; fail "no RESULT line from peer_torch_ddp.py"; }
+echo "PyTorch: $torch"
+for k in grad_numel last_tensor_numel last_bucket_numel; do
+  [ "$(get "$torch" "$k")" = "$(get "$ddp" "$k")" ] ||
+    fail "$k: PyTorch $(get "$torch" "$k"), libddp $(get "$ddp" "$k")"
+done
+positive "$torch" "${keys[@]}"
+echo "OK"
