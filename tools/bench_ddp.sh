@@ -2,7 +2,7 @@
 # bench_ddp.sh: libddp's DDP training step beside PyTorch DDP (gloo), and the comm hooks,
 # on this machine, in one go (docs/benchmarks.md, "DDP steps").
 #
-#   tools/bench_ddp.sh [-B BUILD_DIR] [-o OUT_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH]
+#   tools/bench_ddp.sh [-B BUILD_DIR] [-o OUT_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-n RATE]
 #
 # Setup: 2 ranks as 2 processes, each with one BLAS/OpenMP thread, the MLP
 # 784-1024-1024-1024-10, SGD, batch BATCH (64) per rank, a fixed random batch.
@@ -21,6 +21,9 @@
 # batched_power_sgd rank 1, fp16 wrapper around power_sgd rank 1; PowerSGD with
 # start_powerSGD_iter=2 so the timed steps compress), ROUNDS rounds, the best kept:
 # payload bytes per step and steps/s.
+# Part 3, only with -n RATE (e.g. 4gbit; needs root): PyTorch and libddp tcp with one rank
+# in each of two network namespaces joined by a veth pair shaped to RATE, ROUNDS rounds:
+# the table and the lower bounds of part 1 for a link where the wire sets the pace.
 # Exit status: 0 when every run finished (whatever the ratios), 1 otherwise, 2 usage.
 set -u
 
@@ -31,15 +34,17 @@ out=""
 steps=30
 rounds=2
 batch=64
+rate=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    -B|-o|-s|-r|-b)
+    -B|-o|-s|-r|-b|-n)
       [ $# -ge 2 ] || { echo "bench_ddp.sh: $1 needs a value" >&2; exit 2; }
       case "$1" in
         -B) build=$2 ;; -o) out=$2 ;; -s) steps=$2 ;; -r) rounds=$2 ;; -b) batch=$2 ;;
+        -n) rate=$2 ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench_ddp.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +52,18 @@ for v in "$steps" "$rounds" "$batch"; do
   case "$v" in ''|*[!0-9]*|0) echo "bench_ddp.sh: -s, -r and -b take positive integers" >&2
                                 exit 2 ;; esac
 done
+rate_bits=""
+if [ -n "$rate" ]; then # tc's syntax, limited to Mbit/s and Gbit/s: 500mbit, 4gbit
+  case "$rate" in
+    *[0-9]mbit) rate_bits=$(( ${rate%mbit} * 1000000 )) ;;
+    *[0-9]gbit) rate_bits=$(( ${rate%gbit} * 1000000000 )) ;;
+  esac
+  case "${rate%?bit}" in ''|*[!0-9]*|0) rate_bits="" ;; esac
+  if [ -z "$rate_bits" ]; then
+    echo "bench_ddp.sh: -n takes a rate like 500mbit or 4gbit, got '$rate'" >&2
+    exit 2
+  fi
+fi
 tool="$build/tools/ddp-bench-ddp"
 ddprun="$build/tools/ddprun"
 py=/usr/bin/python3
@@ -74,7 +91,25 @@ start=$(date +%s)
 run() { # name, then the command; its RESULT line goes to $out/<name>.res
   local name=$1; shift
   timeout -k 10 300 "$@" >"$out/$name.txt" 2>&1
-  local rc=$?
+  collect "$name" $?
+}
+run_hosts() { # name, then the command run on both hosts of part 3 at once, with @R@ the
+              # host's index; host 0's output is $out/<name>.txt, host 1's <name>.h1.txt
+  local name=$1 i rc=0 r pids=()
+  shift
+  for i in 0 1; do
+    timeout -k 10 300 ip netns exec "${hosts[$i]}" "${@//@R@/$i}" \
+      >"$out/$name$([ "$i" = 1 ] && echo .h1).txt" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1; do
+    wait "${pids[$i]}"; r=$?
+    [ "$rc" -ne 0 ] || rc=$r
+  done
+  collect "$name" "$rc"
+}
+collect() { # name rc: the RESULT line of $out/<name>.txt goes to $out/<name>.res
+  local name=$1 rc=$2
   grep -o 'RESULT .*' "$out/$name.txt" | head -1 >"$out/$name.res"
   if [ "$rc" -ne 0 ] || [ ! -s "$out/$name.res" ]; then
     echo "## $name: FAILED (exit $rc); last lines of $out/$name.txt:"
@@ -121,23 +156,49 @@ best() { # system -> the .res file of its round with the highest steps/s
   echo "$bestf"
 }
 declare -A res
-for s in torch shm tcp; do res[$s]=$(best "$s"); done
-
-echo
-printf '%-24s %14s %14s %14s\n' "" "pytorch-gloo" "libddp-shm" "libddp-tcp"
-for k in steps_per_s step_p50_ms sync_p50_ms nosync_p50_ms exposed_ms allreduce_p50_ms \
-         exposed_ratio sync_cpu_ms nosync_cpu_ms extra_cpu_ms nosync_busy cpus \
-         allreduce_last_bucket_p50_ms floor_bucket_ratio allreduce_last_tensor_p50_ms \
-         floor_tensor_ratio; do
-  printf '%-24s' "$k"
-  for s in torch shm tcp; do printf ' %14s' "$(get "${res[$s]:-/dev/null}" "$k")"; done
+# The side-by-side table of the best rounds of the systems given (names of .res files).
+table() {
+  local k s f
   echo
-done
-printf '%-24s' "rounds (steps/s)"
-for s in torch shm tcp; do
-  printf ' %14s' "$(for f in "$out/$s".r*.res; do get "$f" steps_per_s; done | paste -sd/)"
-done
-echo
+  printf '%-28s' ""
+  for s in "$@"; do printf ' %20s' "$s"; done
+  echo
+  for k in steps_per_s step_p50_ms sync_p50_ms nosync_p50_ms exposed_ms allreduce_p50_ms \
+           exposed_ratio sync_cpu_ms nosync_cpu_ms extra_cpu_ms nosync_busy cpus \
+           allreduce_last_bucket_p50_ms floor_bucket_ratio allreduce_last_tensor_p50_ms \
+           floor_tensor_ratio; do
+    printf '%-28s' "$k"
+    for s in "$@"; do printf ' %20s' "$(get "${res[$s]:-/dev/null}" "$k")"; done
+    echo
+  done
+  printf '%-28s' "rounds (steps/s)"
+  for s in "$@"; do
+    printf ' %20s' "$(for f in "$out/$s".r*.res; do get "$f" steps_per_s; done | paste -sd/)"
+  done
+  echo
+}
+# How low the exposed part can go (ddp-bench-ddp.c's header): the last tensor's allreduce
+# follows backward under any bucketing, and when the ranks fill every CPU the reduction's
+# CPU work (extra_cpu) cannot be hidden either.
+floors() {
+  local s f ar xc cpu_bound
+  echo
+  echo "## exposed communication / allreduce alone, and its lower bounds"
+  printf '%-10s %9s %22s %22s %26s\n' "" "exposed" "last bucket (layout)" \
+    "last tensor (any)" "extra CPU (all CPUs busy)"
+  for s in "$@"; do
+    f=${res[$s]:-/dev/null}
+    ar=$(get "$f" allreduce_p50_ms); xc=$(get "$f" extra_cpu_ms)
+    cpu_bound="-"
+    [ -n "$ar" ] && [ -n "$xc" ] && cpu_bound=$(calc "$xc / $ar")
+    printf '%-10s %9s %22s %22s %26s\n' "$s" "$(get "$f" exposed_ratio)" \
+      "$(get "$f" floor_bucket_ratio)" "$(get "$f" floor_tensor_ratio)" "$cpu_bound"
+  done
+  echo "# extra CPU binds when the ranks fill every CPU: $(getconf _NPROCESSORS_ONLN) CPUs" \
+       "here, 2 ranks, nosync_busy above"
+}
+for s in torch shm tcp; do res[$s]=$(best "$s"); done
+table torch shm tcp
 
 tq=$(get "${res[torch]:-/dev/null}" steps_per_s)
 sq=$(get "${res[shm]:-/dev/null}" steps_per_s)
@@ -158,23 +219,7 @@ printf '%-52s %8s  goal %-7s %s\n' "libddp shm exposed comm / allreduce alone" "
 printf '%-52s %8s  goal %-7s %s\n' "libddp tcp exposed comm / allreduce alone" "${ec:--}" \
   "<= 0.25" "$(verdict "$ec" '<=' 0.25)"
 
-# How low the exposed part can go (ddp-bench-ddp.c's header): the last tensor's allreduce
-# follows backward under any bucketing, and with every CPU busy with a rank's compute the
-# reduction's CPU work (extra_cpu) cannot be hidden either.
-echo
-echo "## exposed communication / allreduce alone, and its lower bounds"
-printf '%-8s %9s %22s %22s %26s\n' "" "exposed" "last bucket (layout)" "last tensor (any)" \
-  "extra CPU (all CPUs busy)"
-for s in torch shm tcp; do
-  f=${res[$s]:-/dev/null}
-  ar=$(get "$f" allreduce_p50_ms); xc=$(get "$f" extra_cpu_ms)
-  cpu_bound="-"
-  [ -n "$ar" ] && [ -n "$xc" ] && cpu_bound=$(calc "$xc / $ar")
-  printf '%-8s %9s %22s %22s %26s\n' "$s" "$(get "$f" exposed_ratio)" \
-    "$(get "$f" floor_bucket_ratio)" "$(get "$f" floor_tensor_ratio)" "$cpu_bound"
-done
-echo "# extra CPU binds when the ranks fill every CPU: $(getconf _NPROCESSORS_ONLN) CPUs here," \
-     "2 ranks, nosync_busy above"
+floors torch shm tcp
 
 echo
 echo "## part 2: comm hooks, libddp tcp"
@@ -207,10 +252,73 @@ for i in "${!hooks[@]}"; do
   [ -n "$b" ] && [ -n "$base_b" ] && rb=$(calc "$b / $base_b")
   [ -n "$s" ] && [ -n "$base_s" ] && rs=$(calc "$s / $base_s")
   printf '%-28s %14s %10s %9s %10s %10s  %s\n' "${labels[$i]}" "${b:--}" "${rb:--}" "${rt:--}" \
-    "${s:--}" "${rs:--}" "$(for g in "$out/hook$i".r*.res; do get "$g" steps_per_s; done | paste -sd/)"
+    "${s:--}" "${rs:--}" \
+    "$(for g in "$out/hook$i".r*.res; do get "$g" steps_per_s; done | paste -sd/)"
 done
 echo
 echo "# bytes/step: payload bytes this rank handed to allreduces in one synchronised step"
 echo "# (ddp_ddp_get_comm_stats); rate: numel before / after compression, cumulative."
+
+# Part 3: two hosts, each a network namespace with one rank, joined by a veth pair whose
+# two ends tbf shapes to RATE (a burst of 1 ms at RATE, at least 64 KiB, and 50 ms of
+# queue; a longer burst lets a whole bucket through unshaped). Over such a link the wire
+# sets the allreduce's time, as between real hosts, while the CPU still pays for TCP.
+hosts=("ddpbench-$$-h0" "ddpbench-$$-h1")
+netns_cleanup() {
+  local ns pid
+  for ns in "${hosts[@]}"; do
+    ip netns list 2>/dev/null | grep -qx "$ns\( .*\)\?" || continue
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+}
+netns_setup() { # on failure: status 1 and the reason in $why
+  local i burst=$(( rate_bits / 8 / 1000 ))
+  [ "$burst" -ge 65536 ] || burst=65536
+  if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+    why="no ip or tc (iproute2)"
+    return 1
+  fi
+  why=$(ip netns add "${hosts[0]}" 2>&1) ||
+    { why="cannot create a network namespace ($why): this part needs root"; return 1; }
+  trap netns_cleanup EXIT
+  why=$( { ip netns add "${hosts[1]}" &&
+           ip link add eth0 netns "${hosts[0]}" type veth peer name eth0 \
+             netns "${hosts[1]}"; } 2>&1) || return 1
+  for i in 0 1; do
+    why=$( { ip -n "${hosts[$i]}" link set lo up &&
+             ip -n "${hosts[$i]}" addr add "10.232.0.$((i + 1))/24" dev eth0 &&
+             ip -n "${hosts[$i]}" link set eth0 up &&
+             ip netns exec "${hosts[$i]}" tc qdisc add dev eth0 root tbf rate "$rate" \
+               burst "$burst" latency 50ms; } 2>&1) || return 1
+  done
+}
+if [ -n "$rate" ]; then
+  echo
+  echo "## part 3: 2 hosts (network namespaces, 1 rank each) over a link shaped to $rate"
+  if ! netns_setup; then
+    echo "## part 3 skipped: $why"
+  else
+    export DDP_JOB_TOKEN
+    DDP_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    port=29580
+    for r in $(seq 1 "$rounds"); do
+      port=$((port + 1)); t0=$(date +%s)
+      if [ -x "$py" ]; then
+        run_hosts "torch-net.r$r" env RANK=@R@ WORLD_SIZE=2 MASTER_ADDR=10.232.0.1 \
+          MASTER_PORT="$port" GLOO_SOCKET_IFNAME=eth0 "$py" "$here/peer_torch_ddp.py" \
+          --world 2 "${counts[@]}" --pairs "$steps" --ar-iters "$steps"
+      fi
+      port=$((port + 1)); t0=$(date +%s)
+      run_hosts "tcp-net.r$r" env GLOO_SOCKET_IFNAME=eth0 "$ddprun" --nnodes 2 --node_rank @R@ \
+        --nproc_per_node 1 --master_addr 10.232.0.1 --master_port "$port" --backend tcp \
+        "$tool" "${counts[@]}" --pairs "$steps" --ar-iters "$steps"
+    done
+    for s in torch-net tcp-net; do res[$s]=$(best "$s"); done
+    table torch-net tcp-net
+    floors torch-net tcp-net
+    netns_cleanup
+  fi
+fi
 echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg); total $(( $(date +%s) - start )) s"
 exit $failed
