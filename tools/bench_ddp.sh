@@ -6,7 +6,7 @@
 #
 # Setup: 2 ranks as 2 processes, each with one BLAS/OpenMP thread, the MLP
 # 784-1024-1024-1024-10, SGD, batch BATCH (64) per rank, a fixed random batch.
-# Part 1, ROUNDS (2) rounds of, in this order: PyTorch DDP over gloo
+# Part 1, ROUNDS (3) rounds of, in this order: PyTorch DDP over gloo
 # (tools/peer_torch_ddp.py with /usr/bin/python3), libddp on shm, libddp on tcp
 # (ddp-bench-ddp under ddprun). Each run measures steps/s over STEPS (30) consecutive
 # steps, p50 of STEPS barrier-aligned synced and no_sync steps, and p50 of the
@@ -32,7 +32,7 @@ repo=$(cd "$here/.." && pwd)
 build="$repo/build"
 out=""
 steps=30
-rounds=2
+rounds=3
 batch=64
 rate=""
 while [ $# -gt 0 ]; do
