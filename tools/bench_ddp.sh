@@ -282,6 +282,7 @@ netns_setup() { # on failure: status 1 and the reason in $why
   why=$(ip netns add "${hosts[0]}" 2>&1) ||
     { why="cannot create a network namespace ($why): this part needs root"; return 1; }
   trap netns_cleanup EXIT
+  trap 'exit 130' INT TERM
   why=$( { ip netns add "${hosts[1]}" &&
            ip link add eth0 netns "${hosts[0]}" type veth peer name eth0 \
              netns "${hosts[1]}"; } 2>&1) || return 1

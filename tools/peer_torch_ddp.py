@@ -45,10 +45,14 @@ def p50_ms(samples):
 def last_ready(ld, params):
     """Element counts of the last gradient to become ready in the last synchronised backward
     and of the bucket that holds it, from DDP's logging data (as ddp-bench-ddp does).
-    rebuilt_per_bucket_param_indices lists each bucket's indices, buckets split by commas."""
-    last = int(ld["prev_iteration_grad_ready_order_indices"].split(",")[-1])
+    rebuilt_per_bucket_param_indices lists each bucket's indices, buckets split by commas.
+    (0, 0) before the first rebuild, when DDP has not recorded them yet."""
+    order = ld.get("prev_iteration_grad_ready_order_indices", "").split(",")
     buckets = [[int(i) for i in b.split()]
-               for b in ld["rebuilt_per_bucket_param_indices"].split(",")]
+               for b in ld.get("rebuilt_per_bucket_param_indices", "").split(",") if b.strip()]
+    if not order[-1].strip() or not buckets:
+        return 0, 0
+    last = int(order[-1])
     home = next(b for b in buckets if last in b)
     return params[last].numel(), sum(params[i].numel() for i in home)
 
@@ -119,6 +123,8 @@ def rank_main(args):
     tensor_numel, bucket_numel = last_ready(ddp._get_ddp_logging_data(), params)
 
     def allreduce_alone(n):
+        if n == 0:
+            return 0.0
         buf = torch.full((n,), 1e-3)
         t = []
         for k in range(-3, args.ar_iters):
