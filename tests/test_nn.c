@@ -330,6 +330,18 @@ static ddp_var_t *rand_input(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64
   return v;
 }
 
+/* Finalizes m and sets its F64 parameters to U(-0.5, 0.5) draws from seed (stream seed). */
+static void finalize_random(ddp_model_t *m, uint64_t seed) {
+  assert_int_equal(ddp_model_finalize(m), DDP_OK);
+  ddp_rng_t g;
+  ddp_rng_init(&g, seed, seed);
+  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+    ddp_param_t *p = ddp_model_param(m, i);
+    double *v = p->value.data;
+    for (int64_t k = 0; k < p->value.numel; k++) v[k] = ddp_rng_uniform_f64(&g) - 0.5;
+  }
+}
+
 static ddp_var_t *targets(ddp_ctx_t *c, int64_t n, int64_t classes) {
   ddp_var_t *t;
   assert_int_equal(ddp_var_new(c, DDP_I64, 1, &n, NULL, false, &t), DDP_OK);
@@ -413,13 +425,7 @@ static void test_hooks_tied_and_reused(void **state) {
   assert_int_equal(ddp_model_add_param(m, "emb.weight", DDP_F64, 2, es, true, &iE), DDP_OK);
   assert_int_equal(ddp_model_add_param(m, "lin.weight", DDP_F64, 2, ls, true, &iW), DDP_OK);
   assert_int_equal(ddp_model_add_param(m, "lin.bias", DDP_F64, 1, &bs, true, &iB), DDP_OK);
-  assert_int_equal(ddp_model_finalize(m), DDP_OK);
-  ddp_rng_t g;
-  ddp_rng_init(&g, 5, 5);
-  for (size_t i = 0; i < 3; i++) {
-    ddp_param_t *p = ddp_model_param(m, i);
-    for (int64_t k = 0; k < p->value.numel; k++) ((double *)p->value.data)[k] = ddp_rng_uniform_f64(&g) - 0.5;
-  }
+  finalize_random(m, 5);
   rec_t r = {0};
   ddp_model_set_hook(m, on_ready, &r);
   ddp_ctx_t *c;
@@ -581,13 +587,7 @@ static void test_hooks_checkpoint_fires_again(void **state) {
   int64_t ws[2] = {4, 4};
   assert_int_equal(ddp_model_add_param(m, "a", DDP_F64, 2, ws, true, NULL), DDP_OK);
   assert_int_equal(ddp_model_add_param(m, "w", DDP_F64, 2, ws, true, NULL), DDP_OK);
-  assert_int_equal(ddp_model_finalize(m), DDP_OK);
-  ddp_rng_t g;
-  ddp_rng_init(&g, 8, 8);
-  for (size_t i = 0; i < 2; i++) {
-    ddp_param_t *p = ddp_model_param(m, i);
-    for (int64_t k = 0; k < p->value.numel; k++) ((double *)p->value.data)[k] = ddp_rng_uniform_f64(&g) - 0.5;
-  }
+  finalize_random(m, 8);
   rec_t r = {0};
   ddp_model_set_hook(m, on_ready, &r);
   ddp_ctx_t *c;

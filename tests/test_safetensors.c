@@ -183,6 +183,8 @@ static const spec_t mixed[] = {
     {"caf\xc3\xa9.\xe2\x9c\x93", DDP_F32, 1, {2}},
 };
 
+enum { N_MIXED = sizeof mixed / sizeof mixed[0] };
+
 /* Random values of each dtype, with the special floats (infinities, NaN, signed zero,
  * subnormals, extremes) at the front. */
 static void fill(ddp_tensor_t *t, uint64_t seed) {
@@ -223,6 +225,30 @@ static void free_tensors(ddp_tensor_t *t, size_t n) {
 
 static const char *const meta_k[] = {"format", "step", "note"};
 static const char *const meta_v[] = {"pt", "42", "h\xc3\xa9llo \xe2\x9c\x93"};
+
+/* The mixed tensors, the file they were written to, and that file's bytes. */
+typedef struct mixed_file {
+  ddp_tensor_t t[N_MIXED];
+  ddp_st_entry_t e[N_MIXED];
+  char path[256];
+  unsigned char *bytes;
+  size_t len;
+} mixed_file_t;
+
+/* Makes the mixed tensors, writes them with the metadata above to name in the fixture
+ * directory, and reads the file's bytes back. */
+static void write_mixed(const fixture_t *fx, const char *name, mixed_file_t *w) {
+  make_tensors(mixed, N_MIXED, w->t, w->e);
+  path_in(fx, name, w->path, sizeof w->path);
+  assert_int_equal(ddp_st_write(w->path, w->e, N_MIXED, meta_k, meta_v, 3, NULL), DDP_OK);
+  w->bytes = read_file(w->path, &w->len);
+}
+
+/* Frees what write_mixed made. */
+static void free_mixed(mixed_file_t *w) {
+  free(w->bytes);
+  free_tensors(w->t, N_MIXED);
+}
 
 /* f holds exactly the entries, in order, with bit-identical data, aligned views, and the
  * metadata above. */
@@ -269,53 +295,39 @@ static void expect_contents(const ddp_st_file_t *f, const ddp_st_entry_t *e, siz
  * shapes, order and metadata survive; views are aligned even where offsets are not. */
 static void test_roundtrip_all_dtypes(void **state) {
   fixture_t *fx = *state;
-  enum { N = sizeof mixed / sizeof mixed[0] };
-  ddp_tensor_t t[N];
-  ddp_st_entry_t e[N];
-  make_tensors(mixed, N, t, e);
-  char path[256];
-  path_in(fx, "m.safetensors", path, sizeof path);
-  ddp_error_t err = {0};
-  assert_int_equal(ddp_st_write(path, e, N, meta_k, meta_v, 3, &err), DDP_OK);
+  mixed_file_t w;
+  write_mixed(fx, "m.safetensors", &w);
   assert_int_equal(dir_entries(fx->dir), 1); /* no temporary file left behind */
   struct stat sb;
-  assert_int_equal(stat(path, &sb), 0);
+  assert_int_equal(stat(w.path, &sb), 0);
   assert_int_equal(sb.st_mode & 0777, 0644);
 
+  ddp_error_t err = {0};
   for (int mode = 0; mode < 3; mode++) {
     ddp_st_file_t *f = NULL;
     if (mode < 2) {
-      assert_int_equal(ddp_st_open(path, mode == 0 ? DDP_ST_READ : DDP_ST_MMAP, &f, &err), DDP_OK);
+      assert_int_equal(ddp_st_open(w.path, mode == 0 ? DDP_ST_READ : DDP_ST_MMAP, &f, &err),
+                       DDP_OK);
     } else {
-      size_t len;
-      unsigned char *b = read_file(path, &len);
-      assert_int_equal(ddp_st_parse(b, len, &f, &err), DDP_OK);
-      free(b);
+      assert_int_equal(ddp_st_parse(w.bytes, w.len, &f, &err), DDP_OK);
     }
-    expect_contents(f, e, N, true);
+    expect_contents(f, w.e, N_MIXED, true);
     ddp_st_close(f);
   }
-  free_tensors(t, N);
+  free_mixed(&w);
 }
 
 /* The file's layout: header length a multiple of 8, space padding, JSON keys in the given
  * order after __metadata__, data offsets ascending in the same order, data block = the
  * tensors' bytes back to back. Checked by reading the bytes directly, not through libddp. */
 static void test_write_layout(void **state) {
-  fixture_t *fx = *state;
-  enum { N = sizeof mixed / sizeof mixed[0] };
-  ddp_tensor_t t[N];
-  ddp_st_entry_t e[N];
-  make_tensors(mixed, N, t, e);
-  char path[256];
-  path_in(fx, "layout.safetensors", path, sizeof path);
-  assert_int_equal(ddp_st_write(path, e, N, meta_k, meta_v, 3, NULL), DDP_OK);
-  size_t len;
-  unsigned char *b = read_file(path, &len);
+  mixed_file_t w;
+  write_mixed(*state, "layout.safetensors", &w);
+  const unsigned char *b = w.bytes;
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | b[i];
   assert_int_equal(hlen % 8, 0);
-  assert_true(8 + hlen <= len);
+  assert_true(8 + hlen <= w.len);
   size_t jlen = (size_t)hlen;
   while (jlen > 0 && b[8 + jlen - 1] == ' ') jlen--;
   assert_true(hlen - jlen < 8);
@@ -327,20 +339,19 @@ static void test_write_layout(void **state) {
   assert_string_equal(c->string, "__metadata__");
   size_t off = 0, k = 0;
   for (c = c->next; c; c = c->next, k++) {
-    assert_true(k < N);
-    assert_string_equal(c->string, e[k].name);
+    assert_true(k < N_MIXED);
+    assert_string_equal(c->string, w.e[k].name);
     const cJSON *o = cJSON_GetObjectItemCaseSensitive(c, "data_offsets");
-    size_t nb = ddp_tensor_nbytes(&t[k]);
+    size_t nb = ddp_tensor_nbytes(&w.t[k]);
     assert_int_equal((size_t)cJSON_GetArrayItem(o, 0)->valuedouble, off);
     assert_int_equal((size_t)cJSON_GetArrayItem(o, 1)->valuedouble, off + nb);
-    if (nb) assert_memory_equal(b + 8 + hlen + off, t[k].data, nb);
+    if (nb) assert_memory_equal(b + 8 + hlen + off, w.t[k].data, nb);
     off += nb;
   }
-  assert_int_equal(k, N);
-  assert_int_equal(8 + hlen + off, len);
+  assert_int_equal(k, N_MIXED);
+  assert_int_equal(8 + hlen + off, w.len);
   cJSON_Delete(root);
-  free(b);
-  free_tensors(t, N);
+  free_mixed(&w);
 }
 
 static void expect_file_bytes(const char *path, const char *json, size_t pad, const void *data,
@@ -724,16 +735,10 @@ static void test_corrupt_files(void **state) {
 /* Every proper prefix of a valid file is rejected as invalid data (never accepted, never
  * read past its end), and so is the file with one byte appended. */
 static void test_truncations(void **state) {
-  fixture_t *fx = *state;
-  enum { N = sizeof mixed / sizeof mixed[0] };
-  ddp_tensor_t t[N];
-  ddp_st_entry_t e[N];
-  make_tensors(mixed, N, t, e);
-  char path[256];
-  path_in(fx, "t.safetensors", path, sizeof path);
-  assert_int_equal(ddp_st_write(path, e, N, meta_k, meta_v, 3, NULL), DDP_OK);
-  size_t len;
-  unsigned char *b = read_file(path, &len);
+  mixed_file_t w;
+  write_mixed(*state, "t.safetensors", &w);
+  const unsigned char *b = w.bytes;
+  size_t len = w.len;
   /* libc's allocator here: CMocka's guard bytes would hide an over-read from ASan. */
   ddp_test_use_default_allocator();
   int64_t live = ddp_test_live_allocs();
@@ -757,8 +762,7 @@ static void test_truncations(void **state) {
   assert_int_equal(ddp_test_live_allocs(), live);
   ddp_test_use_cmocka_allocator();
   free(longer);
-  free(b);
-  free_tensors(t, N);
+  free_mixed(&w);
 }
 
 /* Opening a missing file or a directory fails with the right status, naming the path. */
@@ -882,25 +886,22 @@ static int64_t c_int(const ddp_tensor_t *t, int64_t i) {
 static void test_c_writes_python_reads(void **state) {
   fixture_t *fx = *state;
   if (!have_python()) skip();
-  enum { N = sizeof mixed / sizeof mixed[0] };
-  ddp_tensor_t t[N];
-  ddp_st_entry_t e[N];
-  make_tensors(mixed, N, t, e);
-  char path[256], out[256];
-  path_in(fx, "c.safetensors", path, sizeof path);
+  mixed_file_t w;
+  write_mixed(fx, "c.safetensors", &w);
+  const ddp_tensor_t *t = w.t;
+  char out[256];
   path_in(fx, "c.json", out, sizeof out);
-  assert_int_equal(ddp_st_write(path, e, N, meta_k, meta_v, 3, NULL), DDP_OK);
-  assert_int_equal(run_tool2("dump", path, out), 0);
+  assert_int_equal(run_tool2("dump", w.path, out), 0);
   size_t len;
   char *text = (char *)read_file(out, &len);
   cJSON *root = cJSON_Parse(text);
   assert_non_null(root);
   const cJSON *ts = cJSON_GetObjectItemCaseSensitive(root, "tensors");
-  assert_int_equal(cJSON_GetArraySize(ts), N);
+  assert_int_equal(cJSON_GetArraySize(ts), N_MIXED);
   uint64_t off = 0;
   size_t k = 0;
   for (const cJSON *o = ts->child; o; o = o->next, k++) {
-    assert_string_equal(cJSON_GetObjectItemCaseSensitive(o, "name")->valuestring, e[k].name);
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(o, "name")->valuestring, w.e[k].name);
     assert_string_equal(cJSON_GetObjectItemCaseSensitive(o, "dtype")->valuestring,
                         ddp_dtype_name(t[k].dtype));
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(o, "shape");
@@ -948,7 +949,7 @@ static void test_c_writes_python_reads(void **state) {
   assert_int_equal(k, 3);
   cJSON_Delete(root);
   free(text);
-  free_tensors(t, N);
+  free_mixed(&w);
 }
 
 /* The Python module's own checks (and its torch helpers where torch is importable). */

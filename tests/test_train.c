@@ -175,6 +175,30 @@ static void free_run(run_t *r) {
   free(r);
 }
 
+/* A run with from's arguments and model, writing to dir. */
+static run_t *like_run(const run_t *from, const char *dir) {
+  run_t *r = new_run(dir);
+  r->args = from->args;
+  snprintf(r->args.output_dir, sizeof r->args.output_dir, "%s", dir);
+  r->model_json = from->model_json;
+  return r;
+}
+
+/* A run like `from` in dir, resumed on world ranks from from's checkpoint-<step>; asserts
+ * that it started at step and ended with from's parameters bit for bit. */
+static run_t *resumed_run(const run_t *from, const char *dir, int64_t step, int world) {
+  run_t *r = like_run(from, dir);
+  size_t cap = sizeof r->args.resume_from_checkpoint;
+  int n = snprintf(r->args.resume_from_checkpoint, cap, "%s/checkpoint-%lld",
+                   from->args.output_dir, (long long)step);
+  assert_true(n > 0 && (size_t)n < cap);
+  run_world(r, world);
+  assert_int_equal(r->res[0].start_step, step);
+  assert_int_equal(r->nparams, from->nparams);
+  assert_memory_equal(r->params, from->params, (size_t)from->nparams * sizeof(float));
+  return r;
+}
+
 /* ||a - b|| / ||b|| */
 static double rel_diff(const float *a, const float *b, int64_t n) {
   double d = 0, s = 0;
@@ -186,6 +210,17 @@ static double rel_diff(const float *a, const float *b, int64_t n) {
 }
 
 /* ---------------------------------------------------------------- the tool -------- */
+
+/* Runs cmd under /bin/sh with its stdout into out (at most cap - 1 bytes, NUL-terminated);
+ * returns the exit status (-1: killed). */
+static int shell_output(const char *cmd, char *out, size_t cap) {
+  FILE *p = popen(cmd, "r");
+  assert_non_null(p);
+  size_t n = fread(out, 1, cap - 1, p);
+  out[n] = 0;
+  int rc = pclose(p);
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
 
 /* Runs build/tools/ddp-train with argv (NULL-terminated) and extra env "K=V" (may be NULL);
  * captures stdout+stderr into out. Returns the exit status (-1: killed). */
@@ -199,12 +234,7 @@ static int run_tool(char *out, size_t cap, const char *env, const char *const *a
     len += (size_t)snprintf(cmd + len, sizeof cmd - len, " '%s'", *a);
   }
   snprintf(cmd + len, sizeof cmd - len, " 2>&1");
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t n = fread(out, 1, cap - 1, p);
-  out[n] = 0;
-  int rc = pclose(p);
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return shell_output(cmd, out, cap);
 }
 
 static cJSON *print_args(const char *const *argv) {
@@ -581,16 +611,10 @@ static void test_comm_hooks(void **state) {
   run_t *exact = oracle_run_sync(2, 8, 1, true, DDP_FALSE);
   char dir[256];
   make_dir(dir, sizeof dir, "hook");
-  run_t *fp16 = new_run(dir);
-  fp16->args = exact->args;
-  snprintf(fp16->args.output_dir, sizeof fp16->args.output_dir, "%s", dir);
-  fp16->model_json = mlp_nodrop;
+  run_t *fp16 = like_run(exact, dir);
   strcpy(fp16->args.comm_hook, "fp16");
   run_world(fp16, 2);
-  run_t *psgd = new_run(dir);
-  psgd->args = exact->args;
-  snprintf(psgd->args.output_dir, sizeof psgd->args.output_dir, "%s", dir);
-  psgd->model_json = mlp_nodrop;
+  run_t *psgd = like_run(exact, dir);
   strcpy(psgd->args.comm_hook, "power_sgd");
   strcpy(psgd->args.comm_state_option,
          "{\"matrix_approximation_rank\": 1, \"start_powerSGD_iter\": 2}");
@@ -635,29 +659,17 @@ static void test_resume_bitwise(void **state) {
   assert_int_equal(stat(ck, &sb), 0);
 
   /* Resume from 20 in a fresh output directory, and from "true" (the latest) = 30. */
-  run_t *b = new_run(db);
-  b->args = a->args;
-  snprintf(b->args.output_dir, sizeof b->args.output_dir, "%s", db);
-  snprintf(b->args.resume_from_checkpoint, sizeof b->args.resume_from_checkpoint,
-           "%s/checkpoint-20", da);
-  run_world(b, 3);
-  assert_int_equal(b->res[0].start_step, 20);
-  assert_int_equal(b->nparams, a->nparams);
-  assert_memory_equal(b->params, a->params, (size_t)a->nparams * sizeof(float));
+  run_t *b = resumed_run(a, db, 20, 3);
   assert_true(b->hash[0] == a->hash[0]);
 
   /* And from step 10 of a run that kept every checkpoint. */
   rm_tree(db);
   make_dir(db, sizeof db, "resC");
-  run_t *c = new_run(db);
-  c->args = a->args;
+  run_t *c = like_run(a, db);
   c->args.save_total_limit = -1;
-  snprintf(c->args.output_dir, sizeof c->args.output_dir, "%s", db);
   c->args.max_steps = 10;
   run_world(c, 3);
-  run_t *d = new_run(db);
-  d->args = a->args;
-  snprintf(d->args.output_dir, sizeof d->args.output_dir, "%s", db);
+  run_t *d = like_run(a, db);
   strcpy(d->args.resume_from_checkpoint, "true");
   run_world(d, 3);
   assert_int_equal(d->res[0].start_step, 10);
@@ -735,22 +747,11 @@ static void test_powersgd_resume(void **state) {
   assert_int_equal(ddp_powersgd_state_load(ps, ck, &err), DDP_ERR_NOT_FOUND);
   ddp_powersgd_state_destroy(ps);
 
-  run_t *b = new_run(db);
-  b->args = a->args;
-  b->model_json = mlp_nodrop;
-  snprintf(b->args.output_dir, sizeof b->args.output_dir, "%s", db);
-  snprintf(b->args.resume_from_checkpoint, sizeof b->args.resume_from_checkpoint,
-           "%s/checkpoint-5", da);
-  run_world(b, 2);
-  assert_int_equal(b->res[0].start_step, 5);
-  assert_int_equal(b->nparams, a->nparams);
-  assert_memory_equal(b->params, a->params, (size_t)a->nparams * sizeof(float));
+  run_t *b = resumed_run(a, db, 5, 2);
 
   snprintf(cmd, sizeof cmd, "rm -f '%s'/checkpoint-5/hook_state_rank*.safetensors", da);
   assert_int_equal(system(cmd), 0);
-  run_t *c = new_run(db);
-  c->args = b->args;
-  c->model_json = mlp_nodrop;
+  run_t *c = like_run(b, db);
   run_world(c, 2);
   double d = rel_diff(c->params, a->params, a->nparams);
   print_message("PowerSGD resume: with hook state bitwise equal; without it rel diff %.2e\n", d);
@@ -762,23 +763,11 @@ static void test_powersgd_resume(void **state) {
   rm_tree(db);
   make_dir(da, sizeof da, "bpsgdA");
   make_dir(db, sizeof db, "bpsgdB");
-  run_t *x[2];
-  for (int k = 0; k < 2; k++) {
-    x[k] = new_run(k ? db : da);
-    x[k]->args = a->args;
-    x[k]->model_json = mlp_nodrop;
-    snprintf(x[k]->args.output_dir, sizeof x[k]->args.output_dir, "%s", k ? db : da);
-    strcpy(x[k]->args.comm_hook, "batched_power_sgd");
-    if (k) {
-      snprintf(x[k]->args.resume_from_checkpoint, sizeof x[k]->args.resume_from_checkpoint,
-               "%s/checkpoint-5", da);
-    }
-    run_world(x[k], 2);
-  }
-  assert_int_equal(x[1]->res[0].start_step, 5);
-  assert_memory_equal(x[1]->params, x[0]->params, (size_t)x[0]->nparams * sizeof(float));
-  free_run(x[0]);
-  free_run(x[1]);
+  run_t *x = like_run(a, da);
+  strcpy(x->args.comm_hook, "batched_power_sgd");
+  run_world(x, 2);
+  free_run(resumed_run(x, db, 5, 2));
+  free_run(x);
   free_run(a);
   free_run(b);
   free_run(c);
@@ -1021,6 +1010,25 @@ static void summary_hash(const char *dir, char *out, size_t cap) {
   assert_true(out[0] != 0);
 }
 
+/* Runs exe on `world` thread ranks with the flags `common` into a fresh directory, asserts
+ * that it ends with the parameter hash of the run in dir (what names that run), and
+ * removes both directories. */
+static void expect_thread_hash(const char *exe, const char *world, const char *common,
+                               const char *dir, const char *what) {
+  char dt[256], cmd[16384], h[64], ht[64];
+  make_dir(dt, sizeof dt, "thr");
+  snprintf(cmd, sizeof cmd, "'%s' --threads %s %s --output_dir '%s' >/dev/null 2>&1", exe, world,
+           common, dt);
+  int rc = system(cmd);
+  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  summary_hash(dir, h, sizeof h);
+  summary_hash(dt, ht, sizeof ht);
+  print_message("%s: %s, threads x%s: %s\n", what, h, world, ht);
+  assert_string_equal(h, ht);
+  rm_tree(dir);
+  rm_tree(dt);
+}
+
 /* Acceptance: ranks as processes under ddprun (shm with 4, tcp with 2) end with parameters
  * bitwise equal to the same number of thread ranks. */
 static void test_threads_vs_processes(void **state) {
@@ -1034,9 +1042,8 @@ static void test_threads_vs_processes(void **state) {
     const char *backend, *world;
   } cases[] = {{"shm", "4"}, {"tcp", "2"}};
   for (size_t i = 0; i < 2; i++) {
-    char dp[256], dt[256], cmd[16384], hp[64], ht[64];
+    char dp[256], cmd[16384], what[64];
     make_dir(dp, sizeof dp, "proc");
-    make_dir(dt, sizeof dt, "thr");
     const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
                          "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
     snprintf(cmd, sizeof cmd,
@@ -1044,16 +1051,8 @@ static void test_threads_vs_processes(void **state) {
              ">/dev/null 2>&1", ddprun, cases[i].world, cases[i].backend, port, exe, common, dp);
     int rc = system(cmd);
     if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) fail_msg("ddprun run failed: %s", cmd);
-    snprintf(cmd, sizeof cmd, "'%s' --threads %s %s --output_dir '%s' >/dev/null 2>&1", exe,
-             cases[i].world, common, dt);
-    rc = system(cmd);
-    assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
-    summary_hash(dp, hp, sizeof hp);
-    summary_hash(dt, ht, sizeof ht);
-    print_message("%s x%s: processes %s, threads %s\n", cases[i].backend, cases[i].world, hp, ht);
-    assert_string_equal(hp, ht);
-    rm_tree(dp);
-    rm_tree(dt);
+    snprintf(what, sizeof what, "%s processes x%s", cases[i].backend, cases[i].world);
+    expect_thread_hash(exe, cases[i].world, common, dp, what);
   }
 }
 
@@ -1069,10 +1068,9 @@ static void test_mpirun(void **state) {
     skip();
     return;
   }
-  char exe[4096], dm[256], dt[256], cmd[16384], hm[64], ht[64];
+  char exe[4096], dm[256], cmd[16384];
   snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
   make_dir(dm, sizeof dm, "mpi");
-  make_dir(dt, sizeof dt, "mpithr");
   const char *common = "--max_steps 20 --logging_steps 10 --learning_rate 1e-3 "
                        "--save_strategy no --ddp_find_unused_parameters false";
   snprintf(cmd, sizeof cmd,
@@ -1092,16 +1090,7 @@ static void test_mpirun(void **state) {
     }
     fail_msg("mpirun ddp-train failed: %s", log);
   }
-  snprintf(cmd, sizeof cmd, "'%s' --threads 2 %s --output_dir '%s' >/dev/null 2>&1", exe, common,
-           dt);
-  rc = system(cmd);
-  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
-  summary_hash(dm, hm, sizeof hm);
-  summary_hash(dt, ht, sizeof ht);
-  print_message("mpirun x2: %s, threads x2: %s\n", hm, ht);
-  assert_string_equal(hm, ht);
-  rm_tree(dm);
-  rm_tree(dt);
+  expect_thread_hash(exe, "2", common, dm, "mpirun x2");
 }
 
 /* Runs ddp-train with args under a pseudo-terminal (util-linux script) or, pty false,
@@ -1116,12 +1105,7 @@ static int run_tty(bool pty, const char *args, char *out, size_t cap) {
   } else {
     snprintf(cmd, sizeof cmd, "'%s/tools/ddp-train' %s </dev/null", build, args);
   }
-  FILE *p = popen(cmd, "r");
-  assert_non_null(p);
-  size_t n = fread(out, 1, cap - 1, p);
-  out[n] = 0;
-  int rc = pclose(p);
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return shell_output(cmd, out, cap);
 }
 
 /* Rank 0's output: on a terminal a bar redrawn in place ("\r\033[K[###---] step/max loss L
