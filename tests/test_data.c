@@ -20,29 +20,11 @@
 #include "ddp/io.h"
 #include "harness.h"
 
-/* Runs tools/data_oracle.py; false when torch/sklearn are unavailable (the test skips). */
-static bool run_oracle(const char *args) {
-  const char *root = ddp_test_source_root();
-  if (!root || access("/usr/bin/python3", X_OK) != 0) return false;
-  char cmd[4096];
-  snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/data_oracle.py %s",
-           root, args);
-  int rc = system(cmd);
-  if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
-  assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
-  return true;
-}
-
-/* A fresh temporary file; mkstemp's template ends in six 'X' characters. */
-static void tmp_path(char *buf, size_t len, const char *stem) {
-  int k = snprintf(buf, len, "/tmp/ddp_data_%s_", stem);
-  assert_true(k > 0 && (size_t)k + 7 <= len);
-  memset(buf + k, 'X', 6);
-  buf[k + 6] = '\0';
-  int fd = mkstemp(buf);
-  assert_true(fd >= 0);
-  close(fd);
+/* Views fb as an F32 [n] feature and *lab as an I64 scalar label, for ddp_dataset_get. */
+static void sample_views(ddp_tensor_t *f, float *fb, int64_t n, ddp_tensor_t *l, int64_t *lab) {
+  int64_t shape[1] = {n};
+  ddp_tensor_view(f, DDP_F32, 1, shape, fb);
+  ddp_tensor_view(l, DDP_I64, 0, NULL, lab);
 }
 
 static void write_file(const char *path, const void *data, size_t n) {
@@ -62,8 +44,8 @@ static void test_sampler_vs_torch(void **state) {
   static const uint64_t seeds[] = {0, 12345};
   static const int64_t perm_n[] = {0, 1, 2, 624, 625, 50000};
   char in[128], out[128];
-  tmp_path(in, sizeof in, "samp_in");
-  tmp_path(out, sizeof out, "samp_out");
+  ddp_test_tmp_file(in, sizeof in, "data", "samp_in");
+  ddp_test_tmp_file(out, sizeof out, "data", "samp_out");
   FILE *f = fopen(in, "w");
   for (size_t a = 0; a < 4; a++)
     for (int w = 1; w <= 4; w++)
@@ -78,7 +60,7 @@ static void test_sampler_vs_torch(void **state) {
   fclose(f);
   char args[512];
   snprintf(args, sizeof args, "sampler %s %s", in, out);
-  if (!run_oracle(args)) {
+  if (!ddp_test_run_tool("data_oracle.py", args)) {
     unlink(in);
     unlink(out);
     skip();
@@ -261,7 +243,7 @@ static void test_from_tensors(void **state) {
 static void test_from_safetensors(void **state) {
   (void)state;
   char path[128];
-  tmp_path(path, sizeof path, "st");
+  ddp_test_tmp_file(path, sizeof path, "data", "st");
   ddp_tensor_t x, y;
   int64_t xs[2] = {4, 3}, ys[2] = {4, 2};
   assert_int_equal(ddp_tensor_alloc(&x, DDP_F64, 2, xs), DDP_OK);
@@ -313,9 +295,7 @@ static void test_digits_fixture(void **state) {
   float fb[64];
   int64_t lab;
   ddp_tensor_t f, l;
-  int64_t s64[1] = {64};
-  ddp_tensor_view(&f, DDP_F32, 1, s64, fb);
-  ddp_tensor_view(&l, DDP_I64, 0, NULL, &lab);
+  sample_views(&f, fb, 64, &l, &lab);
   for (int i = 0; i < 1797; i++) {
     assert_int_equal(ddp_dataset_get(ds, i, &f, &l, &err), DDP_OK);
     assert_true(lab >= 0 && lab <= 9);
@@ -332,9 +312,9 @@ static void test_digits_fixture(void **state) {
   for (int c = 0; c < 10; c++) assert_true(counts[c] >= 170 && counts[c] <= 190);
   ddp_dataset_destroy(ds);
   char out[128], args[256];
-  tmp_path(out, sizeof out, "digits");
+  ddp_test_tmp_file(out, sizeof out, "data", "digits");
   snprintf(args, sizeof args, "digits %s", out);
-  if (!run_oracle(args)) {
+  if (!ddp_test_run_tool("data_oracle.py", args)) {
     unlink(out);
     free(labels);
     free(sums);
@@ -361,7 +341,7 @@ static void test_csv(void **state) {
   (void)state;
   int64_t live0 = ddp_test_live_allocs();
   char path[128];
-  tmp_path(path, sizeof path, "csv");
+  ddp_test_tmp_file(path, sizeof path, "data", "csv");
   const char *good = "a, b ,label,c\r\n1.5,2,3,-4e-1\n0,1e3,0,7\n  -2 ,3.25,9, 0.125\n\n \n";
   write_file(path, good, strlen(good));
   ddp_dataset_t *ds;
@@ -374,9 +354,7 @@ static void test_csv(void **state) {
   float fb[3];
   int64_t lb;
   ddp_tensor_t f, l;
-  int64_t s3[1] = {3};
-  ddp_tensor_view(&f, DDP_F32, 1, s3, fb);
-  ddp_tensor_view(&l, DDP_I64, 0, NULL, &lb);
+  sample_views(&f, fb, 3, &l, &lb);
   for (int i = 0; i < 3; i++) {
     assert_int_equal(ddp_dataset_get(ds, i, &f, &l, &err), DDP_OK);
     for (int k = 0; k < 3; k++) assert_true(fb[k] == want_f[i][k]);
@@ -450,8 +428,8 @@ static void test_mnist(void **state) {
   (void)state;
   int64_t live0 = ddp_test_live_allocs();
   char ip[128], lp[128];
-  tmp_path(ip, sizeof ip, "img");
-  tmp_path(lp, sizeof lp, "lab");
+  ddp_test_tmp_file(ip, sizeof ip, "data", "img");
+  ddp_test_tmp_file(lp, sizeof lp, "data", "lab");
   enum { N = 5, R = 4, C = 3 };
   unsigned char img[16 + N * R * C], lab[8 + N];
   uint32_t idims[3] = {N, R, C}, ldims[1] = {N};
@@ -617,9 +595,7 @@ static void test_synthetic_mixture(void **state) {
   float x[D];
   int64_t y;
   ddp_tensor_t f, l;
-  int64_t sd[1] = {D};
-  ddp_tensor_view(&f, DDP_F32, 1, sd, x);
-  ddp_tensor_view(&l, DDP_I64, 0, NULL, &y);
+  sample_views(&f, x, D, &l, &y);
   int count[K] = {0};
   double sum[K][D] = {{0}}, sq[K][D] = {{0}};
   int nearest_ok = 0;
@@ -654,8 +630,7 @@ static void test_synthetic_mixture(void **state) {
   float x2[D];
   int64_t y2;
   ddp_tensor_t f2, l2;
-  ddp_tensor_view(&f2, DDP_F32, 1, sd, x2);
-  ddp_tensor_view(&l2, DDP_I64, 0, NULL, &y2);
+  sample_views(&f2, x2, D, &l2, &y2);
   ddp_dataset_t *ds2;
   assert_int_equal(ddp_dataset_synthetic_mixture(&cfg, &ds2, &err), DDP_OK);
   assert_int_equal(ddp_dataset_get(ds, 1234, &f, &l, &err), DDP_OK);

@@ -210,33 +210,15 @@ typedef struct cfg {
   int join;        /* 0 off; 1 divide by initial W; 2 by active ranks; 3 throw */
 } cfg_t;
 
+/* This rank's group for cfg (see ddp_test_pg_create; a failure is said as "pg create: ..."). */
 static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t **store,
                             ddp_pg_t **pg) {
-  int r = ddp_test_rank(tr);
-  *store = NULL;
-  ddp_store_t *s = cfg->store;
-  if (cfg->mode == DDP_TEST_FORK) {
-    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-    so.timeout_ms = cfg->timeout_ms;
-    so.rank = r;
-    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store);
-    if (st != DDP_OK) {
-      ddp_test_say(tr, "file store: %s", ddp_store_last_error(*store));
-      return st;
-    }
-    s = *store;
-  }
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = cfg->backend;
-  o.rank = r;
-  o.world = ddp_test_world_size(tr);
-  o.store = s;
+  o.store = cfg->store;
   o.timeout_ms = cfg->timeout_ms;
   o.shm_heap_bytes = 16u << 20;
-  ddp_error_t err = {0};
-  ddp_status_t st = ddp_pg_create(&o, pg, &err);
-  if (st != DDP_OK) ddp_test_say(tr, "pg create: %s", err.msg);
-  return st;
+  return ddp_test_pg_create(tr, &o, "pg create", store, pg);
 }
 
 /* What every rank function holds: its group (and, forked, the file store under it), the

@@ -18,18 +18,7 @@
 #include <cmocka.h>
 
 #include "ddp/common.h"
-
-static uint32_t fbits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float bitsf(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
+#include "harness.h"
 
 /* ---------------------------------------------------------------- reference ------- */
 
@@ -109,7 +98,7 @@ static bool check_one(float f) {
   }
   if (!ok)
     print_error("float %a (0x%08x): f16 got 0x%04x want 0x%04x, bf16 got 0x%04x want 0x%04x\n",
-                (double)f, fbits(f), got, want, gotb, wantb);
+                (double)f, ddp_test_fbits(f), got, want, gotb, wantb);
   return ok;
 }
 
@@ -150,7 +139,7 @@ static void test_bf16_all_patterns_round_trip(void **state) {
   (void)state;
   for (uint32_t h = 0; h < 0x10000; h++) {
     float f = ddp_bf16_to_f32((uint16_t)h);
-    assert_int_equal(fbits(f), h << 16); /* bf16 is the top half of a float */
+    assert_int_equal(ddp_test_fbits(f), h << 16); /* bf16 is the top half of a float */
     uint16_t back = ddp_f32_to_bf16(f);
     if (bf16_is_nan((uint16_t)h)) {
       assert_true(isnan(f));
@@ -206,17 +195,17 @@ static void test_known_values(void **state) {
   assert_int_equal(ddp_f32_to_f16(INFINITY), 0x7c00);
   assert_int_equal(ddp_f32_to_f16(-INFINITY), 0xfc00);
   /* Float subnormals are far below 2^-25: signed zero. */
-  assert_int_equal(ddp_f32_to_f16(bitsf(0x00000001)), 0x0000);
-  assert_int_equal(ddp_f32_to_f16(bitsf(0x80400000)), 0x8000);
+  assert_int_equal(ddp_f32_to_f16(ddp_test_bitsf(0x00000001)), 0x0000);
+  assert_int_equal(ddp_f32_to_f16(ddp_test_bitsf(0x80400000)), 0x8000);
   uint16_t n = ddp_f32_to_f16(NAN), nn = ddp_f32_to_f16(-NAN);
   assert_true(f16_is_nan(n) && !(n & 0x8000));
   assert_true(f16_is_nan(nn) && (nn & 0x8000));
   /* A signalling float NaN whose payload sits only in the low 13 bits must not become
    * Inf. */
-  assert_true(f16_is_nan(ddp_f32_to_f16(bitsf(0x7f800001))));
-  assert_true(bf16_is_nan(ddp_f32_to_bf16(bitsf(0x7f800001))));
-  assert_true(bf16_is_nan(ddp_f32_to_bf16(bitsf(0xff800001))));
-  assert_true(ddp_f32_to_bf16(bitsf(0xff800001)) & 0x8000);
+  assert_true(f16_is_nan(ddp_f32_to_f16(ddp_test_bitsf(0x7f800001))));
+  assert_true(bf16_is_nan(ddp_f32_to_bf16(ddp_test_bitsf(0x7f800001))));
+  assert_true(bf16_is_nan(ddp_f32_to_bf16(ddp_test_bitsf(0xff800001))));
+  assert_true(ddp_f32_to_bf16(ddp_test_bitsf(0xff800001)) & 0x8000);
 
   /* bf16: at 1 the step is 2^-7; 1 + 2^-8 ties to 1, 1 + 3 * 2^-8 ties to 0x3f82. */
   assert_int_equal(ddp_f32_to_bf16(1.0f), 0x3f80);
@@ -224,16 +213,16 @@ static void test_known_values(void **state) {
   assert_int_equal(ddp_f32_to_bf16(1.0f + 0x3p-8f), 0x3f82);
   assert_int_equal(ddp_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-23f), 0x3f81);
   /* Largest finite bf16 is 0x7f7f; FLT_MAX is past the midpoint 0x7f7f8000: Inf. */
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x7f7f7fff)), 0x7f7f);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x7f7f8000)), 0x7f80);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x7f7fffff)), 0x7f80);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0xff7fffff)), 0xff80);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x7f7f7fff)), 0x7f7f);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x7f7f8000)), 0x7f80);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x7f7fffff)), 0x7f80);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0xff7fffff)), 0xff80);
   /* bf16 subnormals: the unit is the float 0x00010000; half a unit ties to 0, 1.5 units
    * tie to 2. */
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x00008000)), 0x0000);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x00008001)), 0x0001);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x00018000)), 0x0002);
-  assert_int_equal(ddp_f32_to_bf16(bitsf(0x80000001)), 0x8000);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x00008000)), 0x0000);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x00008001)), 0x0001);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x00018000)), 0x0002);
+  assert_int_equal(ddp_f32_to_bf16(ddp_test_bitsf(0x80000001)), 0x8000);
   assert_int_equal(ddp_f32_to_bf16(-0.0f), 0x8000);
   assert_int_equal(ddp_f32_to_bf16(INFINITY), 0x7f80);
   assert_int_equal(ddp_f32_to_bf16(-INFINITY), 0xff80);
@@ -281,13 +270,13 @@ static void test_random_sweep(void **state) {
   uint64_t s = 0x9e3779b97f4a7c15ull;
   for (int i = 0; i < (1 << 23); i++) {
     uint32_t u = (uint32_t)(xs_next(&s) >> 32);
-    if (!check_one(bitsf(u))) fail();
+    if (!check_one(ddp_test_bitsf(u))) fail();
   }
   for (int i = 0; i < (1 << 23); i++) {
     uint64_t r = xs_next(&s);
     uint32_t exp = 101 + (uint32_t)((r >> 40) % 44); /* 101..144 */
     uint32_t u = ((uint32_t)(r >> 63) << 31) | (exp << 23) | ((uint32_t)r & 0x7fffff);
-    if (!check_one(bitsf(u))) fail();
+    if (!check_one(ddp_test_bitsf(u))) fail();
   }
 }
 
@@ -315,14 +304,14 @@ static void test_arrays_match_elements(void **state) {
   for (int rep = 0; rep < 256; rep++) {
     for (uint32_t i = 0; i < N; i++) {
       uint32_t u = rep < 128 ? (uint32_t)(rep * N + i) * 257u : (uint32_t)(xs_next(&s) >> 32);
-      f[i] = bitsf(u);
+      f[i] = ddp_test_bitsf(u);
     }
     size_t len = N - (size_t)(rep % 8);
     ddp_f32_to_f16_n(f, h, len);
     ddp_f32_to_bf16_n(f, back, len);
     for (size_t i = 0; i < len; i++) {
       if (h[i] != ddp_f32_to_f16(f[i]) || back[i] != ddp_f32_to_bf16(f[i]))
-        fail_msg("narrowing float bits 0x%08x", fbits(f[i]));
+        fail_msg("narrowing float bits 0x%08x", ddp_test_fbits(f[i]));
     }
   }
 }

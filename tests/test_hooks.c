@@ -396,6 +396,26 @@ static void pref_seed(pref_t *P, int t) {
   for (size_t i = 0; i < R->snap_nq[0][t]; i++) P->Qs[i] = R->snap_q[0][t][i];
 }
 
+/* Adds to Y, over every rank r and compressed matrix k, M X (tr false: Y n x rk, X m x rk)
+ * or M^T X (tr true: Y m x rk, X n x rk), where M is rank r's n x m input at off[k]; X and Y
+ * are row-major at xoff[k] and yoff[k]. Each entry's sum runs over the inner index in
+ * increasing order, then adds to Y rank by rank: the order the f64 reference fixes. */
+static void pref_project(pref_t *P, bool tr, const double *X, const size_t *xoff, double *Y,
+                         const size_t *yoff) {
+  for (int r = 0; r < P->R->world; r++)
+    for (size_t j = 0; j < P->nord; j++) {
+      size_t k = P->order[j], m = P->m[k], rk = P->rk[k];
+      size_t rows = tr ? m : P->n[k], inner = tr ? P->n[k] : m;
+      for (size_t a = 0; a < rows; a++)
+        for (size_t c = 0; c < rk; c++) {
+          double s = 0;
+          for (size_t b = 0; b < inner; b++)
+            s += P->in[r][P->off[k] + (tr ? b * m + a : a * m + b)] * X[xoff[k] + b * rk + c];
+          Y[yoff[k] + a * rk + c] += s;
+        }
+    }
+}
+
 static void pref_step(pref_t *P, int t, double *out) {
   const run_t *R = P->R;
   const ddp_powersgd_options_t *o = &R->popts;
@@ -441,33 +461,13 @@ static void pref_step(pref_t *P, int t, double *out) {
     }
   }
   memset(Ps, 0, sizeof P->Ps);
-  for (int r = 0; r < W; r++)
-    for (size_t j = 0; j < nord; j++) {
-      size_t k = order[j];
-      for (size_t a = 0; a < n[k]; a++)
-        for (size_t c = 0; c < rk[k]; c++) {
-          double s = 0;
-          for (size_t b2 = 0; b2 < m[k]; b2++)
-            s += P->in[r][off[k] + a * m[k] + b2] * Qs[qoff[k] + b2 * rk[k] + c];
-          Ps[poff[k] + a * rk[k] + c] += s;
-        }
-    }
+  pref_project(P, false, Qs, qoff, Ps, poff);
   for (size_t j = 0; j < nord; j++) {
     size_t k = order[j];
     ref_orth(Ps + poff[k], n[k], rk[k], o->orthogonalization_epsilon);
   }
   memset(Qs, 0, sizeof P->Qs);
-  for (int r = 0; r < W; r++)
-    for (size_t j = 0; j < nord; j++) {
-      size_t k = order[j];
-      for (size_t b2 = 0; b2 < m[k]; b2++)
-        for (size_t c = 0; c < rk[k]; c++) {
-          double s = 0;
-          for (size_t a = 0; a < n[k]; a++)
-            s += P->in[r][off[k] + a * m[k] + b2] * Ps[poff[k] + a * rk[k] + c];
-          Qs[qoff[k] + b2 * rk[k] + c] += s;
-        }
-    }
+  pref_project(P, true, Ps, poff, Qs, qoff);
   for (size_t i = 0; i < nq; i++) Qs[i] /= W;
   for (size_t j = 0; j < nord; j++) {
     size_t k = order[j];

@@ -621,17 +621,6 @@ static void test_hooks_checkpoint_fires_again(void **state) {
 
 /* ---------------------------------------------------------------- memory ---------- */
 
-static void mlp_step(ddp_model_t *m, ddp_ctx_t *c, const float *x, const int64_t *t) {
-  int64_t xs[2] = {64, 784}, n = 64;
-  ddp_var_t *xv, *tv, *y, *loss;
-  assert_int_equal(ddp_var_new(c, DDP_F32, 2, xs, x, false, &xv), DDP_OK);
-  assert_int_equal(ddp_var_new(c, DDP_I64, 1, &n, t, false, &tv), DDP_OK);
-  assert_int_equal(ddp_model_forward(m, c, xv, 0, &y), DDP_OK);
-  assert_int_equal(ddp_cross_entropy(c, y, tv, -100, &loss), DDP_OK);
-  assert_int_equal(ddp_backward(c, loss), DDP_OK);
-  ddp_ctx_reset(c);
-}
-
 /* After the first step, forward + backward of a 784-1024-1024-10 MLP at batch 64 allocates
  * nothing (the arena is reused). */
 static void test_zero_alloc_after_first_step(void **state) {
@@ -640,16 +629,12 @@ static void test_zero_alloc_after_first_step(void **state) {
   ddp_model_t *m = mlp_model(DDP_F32, dims, 3, true);
   ddp_ctx_t *c;
   assert_int_equal(ddp_ctx_create(&c), DDP_OK);
-  float *x = malloc(64 * 784 * sizeof(float));
   int64_t t[64];
-  ddp_rng_t g;
-  ddp_rng_init(&g, 1, 1);
-  for (int i = 0; i < 64 * 784; i++) x[i] = ddp_rng_uniform(&g);
-  for (int i = 0; i < 64; i++) t[i] = i % 10;
-  mlp_step(m, c, x, t);
+  float *x = ddp_test_mlp_batch(t);
+  ddp_test_mlp_step(m, c, x, t);
   ddp_alloc_stats_t a0, a1;
   ddp_alloc_stats(&a0);
-  for (int s = 0; s < 3; s++) mlp_step(m, c, x, t);
+  for (int s = 0; s < 3; s++) ddp_test_mlp_step(m, c, x, t);
   ddp_alloc_stats(&a1);
   assert_int_equal(a1.allocs - a0.allocs, 0);
   assert_int_equal(a1.frees - a0.frees, 0);

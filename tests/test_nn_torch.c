@@ -624,24 +624,14 @@ static void test_step_time(void **state) {
   ddp_blas_set_threads(1);
   ddp_ctx_t *c;
   assert_int_equal(ddp_ctx_create(&c), DDP_OK);
-  float *x = malloc(64 * 784 * 4);
-  int64_t t[64], xs[2] = {64, 784}, n = 64;
-  ddp_rng_t g;
-  ddp_rng_init(&g, 1, 1);
-  for (int i = 0; i < 64 * 784; i++) x[i] = ddp_rng_uniform(&g);
-  for (int i = 0; i < 64; i++) t[i] = i % 10;
+  int64_t t[64];
+  float *x = ddp_test_mlp_batch(t);
   double best = 1e30, total = 0;
   const int iters = 20;
   for (int it = 0; it < iters + 3; it++) {
     int64_t t0 = ddp_now_ns();
     ddp_model_zero_grad(m);
-    ddp_var_t *xv, *tv, *y, *loss;
-    assert_int_equal(ddp_var_new(c, DDP_F32, 2, xs, x, false, &xv), DDP_OK);
-    assert_int_equal(ddp_var_new(c, DDP_I64, 1, &n, t, false, &tv), DDP_OK);
-    assert_int_equal(ddp_model_forward(m, c, xv, 0, &y), DDP_OK);
-    assert_int_equal(ddp_cross_entropy(c, y, tv, -100, &loss), DDP_OK);
-    assert_int_equal(ddp_backward(c, loss), DDP_OK);
-    ddp_ctx_reset(c);
+    ddp_test_mlp_step(m, c, x, t);
     double ms = (double)(ddp_now_ns() - t0) / 1e6;
     if (it >= 3) {
       best = ms < best ? ms : best;

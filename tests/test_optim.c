@@ -167,30 +167,19 @@ static int parse_hex(char *s, double *out, int64_t max, bool f64) {
   return (int)n;
 }
 
-/* A fresh temporary file; mkstemp's template ends in six 'X' characters. */
-static void tmp_path(char *buf, size_t len, const char *stem) {
-  int k = snprintf(buf, len, "/tmp/ddp_optim_%s_", stem);
-  assert_true(k > 0 && (size_t)k + 7 <= len);
-  memset(buf + k, 'X', 6);
-  buf[k + 6] = '\0';
-  int fd = mkstemp(buf);
-  assert_true(fd >= 0);
-  close(fd);
-}
-
-/* Runs the oracle; returns false (and the test skips) when torch is unavailable. */
-static bool run_oracle(const char *mode, const char *in, const char *out) {
-  const char *root = ddp_test_source_root();
-  if (!root || access("/usr/bin/python3", X_OK) != 0) return false;
-  char cmd[4096];
-  snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/optim_oracle.py "
-           "%s %s %s",
-           root, mode, in, out);
-  int rc = system(cmd);
-  if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
-  assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
-  return true;
+/* Runs tools/optim_oracle.py in `mode` from in to out and opens out for reading. NULL when
+ * torch is unavailable: in and out are then removed and the caller skips. */
+static FILE *run_oracle(const char *mode, const char *in, const char *out) {
+  char args[512];
+  snprintf(args, sizeof args, "%s %s %s", mode, in, out);
+  if (!ddp_test_run_tool("optim_oracle.py", args)) {
+    unlink(in);
+    unlink(out);
+    return NULL;
+  }
+  FILE *f = fopen(out, "r");
+  assert_non_null(f);
+  return f;
 }
 
 /* Runs one case in libddp; fills got[step][param][elem], lrs and norms. */
@@ -256,8 +245,8 @@ static void test_optim_vs_torch(void **state) {
   size_t ncase;
   ocase_t *cases = make_cases(&ncase);
   char in[128], out[128];
-  tmp_path(in, sizeof in, "in");
-  tmp_path(out, sizeof out, "out");
+  ddp_test_tmp_file(in, sizeof in, "optim", "in");
+  ddp_test_tmp_file(out, sizeof out, "optim", "out");
   FILE *f = fopen(in, "w");
   for (size_t c = 0; c < ncase; c++) {
     ocase_t *k = &cases[c];
@@ -286,15 +275,12 @@ static void test_optim_vs_torch(void **state) {
     fprintf(f, "end\n");
   }
   fclose(f);
-  if (!run_oracle("steps", in, out)) {
-    unlink(in);
-    unlink(out);
+  f = run_oracle("steps", in, out);
+  if (!f) {
     free(cases);
     skip();
   }
   /* Parse the oracle's answers. */
-  f = fopen(out, "r");
-  assert_non_null(f);
   char *line = NULL;
   size_t cap = 0;
   ocase_t *cur = NULL;
@@ -391,20 +377,15 @@ static void test_schedules_vs_python(void **state) {
   const int nsteps = 120;
   const double base = 3e-4;
   char in[128], out[128];
-  tmp_path(in, sizeof in, "sched_in");
-  tmp_path(out, sizeof out, "sched_out");
+  ddp_test_tmp_file(in, sizeof in, "optim", "sched_in");
+  ddp_test_tmp_file(out, sizeof out, "optim", "sched_out");
   FILE *f = fopen(in, "w");
   for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++)
     fprintf(f, "%s %d %d %.17g %d %.17g\n", sc[i].kind, sc[i].warmup, sc[i].total, sc[i].cycles,
             nsteps, base);
   fclose(f);
-  if (!run_oracle("sched", in, out)) {
-    unlink(in);
-    unlink(out);
-    skip();
-  }
-  f = fopen(out, "r");
-  assert_non_null(f);
+  f = run_oracle("sched", in, out);
+  if (!f) skip();
   char *line = NULL;
   size_t cap = 0;
   for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++) {
@@ -635,7 +616,7 @@ static void roundtrip(ddp_optim_options_t o, bool f64) {
   for (int s = 0; s < 10; s++) {
     if (s == 5) {
       char path[128];
-      tmp_path(path, sizeof path, "state");
+      ddp_test_tmp_file(path, sizeof path, "optim", "state");
       assert_int_equal(ddp_optim_save(oa, path, &err), DDP_OK);
       for (int i = 0; i < 2; i++) memcpy(pb[i].data, pa[i].data, ddp_tensor_nbytes(&pa[i]));
       assert_int_equal(ddp_optim_load(ob, path, &err), DDP_OK);

@@ -239,18 +239,6 @@ static void test_view_and_slice(void **state) {
 
 /* ---------------------------------------------------------------- conversion ------ */
 
-static uint32_t fbits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float bitsf(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 /* Narrowing f32 to f16/bf16 in a tensor copy is the scalar conversion, element by element
  * (the scalar conversions are checked exhaustively in test_half.c); widening is exact. */
 static void test_copy_f32_to_half(void **state) {
@@ -268,7 +256,7 @@ static void test_copy_f32_to_half(void **state) {
     /* Mostly fp16-range values, with ties forced in every 4th. */
     u = (u & 0x80000000u) | ((101u + (u >> 8) % 45u) << 23) | (u & 0x7fffffu);
     if (i % 4 == 0) u = (u & ~0x1fffu) | 0x1000u; /* fp16 tie in the normal range */
-    src[i] = bitsf(u);
+    src[i] = ddp_test_bitsf(u);
   }
   src[0] = 65520.0f;
   src[1] = -0.0f;
@@ -294,9 +282,10 @@ static void test_copy_f32_to_half(void **state) {
   assert_int_equal(h[0], 0x7c00);
   assert_int_equal(h[1], 0x8000);
   assert_int_equal(ddp_tensor_copy(&tback, &th), DDP_OK);
-  for (int i = 4; i < N; i++) assert_int_equal(fbits(back[i]), fbits(ddp_f16_to_f32(h[i])));
+  for (int i = 4; i < N; i++)
+    assert_int_equal(ddp_test_fbits(back[i]), ddp_test_fbits(ddp_f16_to_f32(h[i])));
   assert_int_equal(ddp_tensor_copy(&tback, &tb), DDP_OK);
-  for (int i = 4; i < N; i++) assert_int_equal(fbits(back[i]), (uint32_t)bh[i] << 16);
+  for (int i = 4; i < N; i++) assert_int_equal(ddp_test_fbits(back[i]), (uint32_t)bh[i] << 16);
   /* f16 -> bf16 goes through the exact value. */
   assert_int_equal(ddp_tensor_copy(&tb, &th), DDP_OK);
   for (int i = 4; i < N; i++) assert_int_equal(bh[i], ddp_f32_to_bf16(ddp_f16_to_f32(h[i])));
@@ -304,6 +293,16 @@ static void test_copy_f32_to_half(void **state) {
   free(h);
   free(bh);
   free(back);
+}
+
+/* Copies n elements of src (dtype sd) into dst (dtype dd) through 1-d views; the copy must
+ * succeed. */
+static void copy_1d(ddp_dtype_t dd, void *dst, ddp_dtype_t sd, void *src, int64_t n) {
+  int64_t shape[1] = {n};
+  ddp_tensor_t td, ts;
+  ddp_tensor_view(&ts, sd, 1, shape, src);
+  ddp_tensor_view(&td, dd, 1, shape, dst);
+  assert_int_equal(ddp_tensor_copy(&td, &ts), DDP_OK);
 }
 
 /* f64 and i64 sources narrow to f16/bf16/f32 with one rounding from the exact value.
@@ -317,22 +316,14 @@ static void test_copy_single_rounding(void **state) {
                  65520 - 0x1p-30, 0x1p-25 + 0x1p-60, 1e300};
   uint16_t want16[6] = {0x3c01, 0xbc01, 0x3c00, 0x7bff, 0x0001, 0x7c00};
   uint16_t h[6];
-  int64_t s6[1] = {6};
-  ddp_tensor_t td, th;
-  ddp_tensor_view(&td, DDP_F64, 1, s6, d);
-  ddp_tensor_view(&th, DDP_F16, 1, s6, h);
-  assert_int_equal(ddp_tensor_copy(&th, &td), DDP_OK);
+  copy_1d(DDP_F16, h, DDP_F64, d, 6);
   for (int i = 0; i < 6; i++) assert_int_equal(h[i], want16[i]);
 
   /* f64 -> bf16: 1 + 2^-8 is the tie between 0x3f80 and 0x3f81. */
   double db[5] = {1 + 0x1p-8 + 0x1p-40, 1 + 0x1p-8, 0x1p-134 + 0x1p-170, -1e300, 1e-300};
   uint16_t wantb[5] = {0x3f81, 0x3f80, 0x0001, 0xff80, 0x0000};
   uint16_t b[5];
-  int64_t s5[1] = {5};
-  ddp_tensor_t tdb, tb;
-  ddp_tensor_view(&tdb, DDP_F64, 1, s5, db);
-  ddp_tensor_view(&tb, DDP_BF16, 1, s5, b);
-  assert_int_equal(ddp_tensor_copy(&tb, &tdb), DDP_OK);
+  copy_1d(DDP_BF16, b, DDP_F64, db, 5);
   for (int i = 0; i < 5; i++) assert_int_equal(b[i], wantb[i]);
 
   /* i64 -> f32: 2^60 + 2^36 + 1 is just above the float tie 2^60 + 2^36 (float's step at
@@ -342,27 +333,18 @@ static void test_copy_single_rounding(void **state) {
                    -(((int64_t)1 << 60) + ((int64_t)1 << 36) + 1)};
   float fw[3] = {0x1p60f + 0x1p37f, 0x1p24f, -(0x1p60f + 0x1p37f)};
   float fo[3];
-  int64_t s3[1] = {3};
-  ddp_tensor_t ti, tf;
-  ddp_tensor_view(&ti, DDP_I64, 1, s3, iv);
-  ddp_tensor_view(&tf, DDP_F32, 1, s3, fo);
-  assert_int_equal(ddp_tensor_copy(&tf, &ti), DDP_OK);
+  copy_1d(DDP_F32, fo, DDP_I64, iv, 3);
   for (int i = 0; i < 3; i++) assert_true(fo[i] == fw[i]);
   /* i64 -> bf16: 2^30 + 2^22 + 1 is just above the bf16 tie (step 2^23 at 2^30). */
   int64_t ib[2] = {((int64_t)1 << 30) + ((int64_t)1 << 22) + 1, ((int64_t)1 << 30) + ((int64_t)1 << 22)};
   uint16_t bo[2];
-  int64_t s2[1] = {2};
-  ddp_tensor_view(&ti, DDP_I64, 1, s2, ib);
-  ddp_tensor_view(&tb, DDP_BF16, 1, s2, bo);
-  assert_int_equal(ddp_tensor_copy(&tb, &ti), DDP_OK);
+  copy_1d(DDP_BF16, bo, DDP_I64, ib, 2);
   assert_int_equal(bo[0], ddp_f32_to_bf16(0x1p30f + 0x1p23f));
   assert_int_equal(bo[1], ddp_f32_to_bf16(0x1p30f)); /* an exact tie: to even */
   /* f64 -> f32 is C's (correctly rounded) conversion. */
   double dd[2] = {1 + 0x1p-24 + 0x1p-50, 0.1}; /* just above the float tie */
   float ff[2];
-  ddp_tensor_view(&td, DDP_F64, 1, s2, dd);
-  ddp_tensor_view(&tf, DDP_F32, 1, s2, ff);
-  assert_int_equal(ddp_tensor_copy(&tf, &td), DDP_OK);
+  copy_1d(DDP_F32, ff, DDP_F64, dd, 2);
   assert_true(ff[0] == 1 + 0x1p-23f);
   assert_true(ff[1] == 0.1f);
 }

@@ -160,6 +160,28 @@ bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n) {
   return true;
 }
 
+ddp_status_t ddp_test_pg_create(ddp_test_rank_t *tr, ddp_pg_options_t *o, const char *what,
+                                ddp_store_t **store, ddp_pg_t **pg) {
+  *store = NULL;
+  o->rank = ddp_test_rank(tr);
+  o->world = ddp_test_world_size(tr);
+  if (ddp_test_mode(tr) == DDP_TEST_FORK) {
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = o->timeout_ms;
+    so.rank = o->rank;
+    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store);
+    if (st != DDP_OK) {
+      ddp_test_say(tr, "file store: %s", ddp_store_last_error(*store));
+      return st;
+    }
+    o->store = *store;
+  }
+  ddp_error_t err = {0};
+  ddp_status_t st = ddp_pg_create(o, pg, &err);
+  if (st != DDP_OK) ddp_test_say(tr, "%s: %s", what, err.msg);
+  return st;
+}
+
 /* ---------------------------------------------------------------- parent side ----- */
 
 static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
@@ -440,4 +462,61 @@ const char *ddp_test_source_root(void) {
 #else
   return NULL;
 #endif
+}
+
+bool ddp_test_run_tool(const char *script, const char *args) {
+  const char *root = ddp_test_source_root();
+  if (!root || access("/usr/bin/python3", X_OK) != 0) return false;
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd,
+           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/%s %s", root,
+           script, args);
+  int rc = system(cmd);
+  if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
+  assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  return true;
+}
+
+void ddp_test_tmp_file(char *buf, size_t len, const char *suite, const char *stem) {
+  int k = snprintf(buf, len, "/tmp/ddp_%s_%s_", suite, stem);
+  assert_true(k > 0 && (size_t)k + 7 <= len); /* room for mkstemp's six 'X' and the NUL */
+  memset(buf + k, 'X', 6);
+  buf[k + 6] = '\0';
+  int fd = mkstemp(buf);
+  assert_true(fd >= 0);
+  close(fd);
+}
+
+/* ---------------------------------------------------------------- shared pieces --- */
+
+uint32_t ddp_test_fbits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float ddp_test_bitsf(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+float *ddp_test_mlp_batch(int64_t t[64]) {
+  float *x = malloc(64 * 784 * sizeof(float));
+  ddp_rng_t g;
+  ddp_rng_init(&g, 1, 1);
+  for (int i = 0; i < 64 * 784; i++) x[i] = ddp_rng_uniform(&g);
+  for (int i = 0; i < 64; i++) t[i] = i % 10;
+  return x;
+}
+
+void ddp_test_mlp_step(ddp_model_t *m, ddp_ctx_t *c, const float *x, const int64_t *t) {
+  int64_t xs[2] = {64, 784}, n = 64;
+  ddp_var_t *xv, *tv, *y, *loss;
+  assert_int_equal(ddp_var_new(c, DDP_F32, 2, xs, x, false, &xv), DDP_OK);
+  assert_int_equal(ddp_var_new(c, DDP_I64, 1, &n, t, false, &tv), DDP_OK);
+  assert_int_equal(ddp_model_forward(m, c, xv, 0, &y), DDP_OK);
+  assert_int_equal(ddp_cross_entropy(c, y, tv, -100, &loss), DDP_OK);
+  assert_int_equal(ddp_backward(c, loss), DDP_OK);
+  ddp_ctx_reset(c);
 }

@@ -17,6 +17,9 @@
 #include <sys/types.h>
 
 #include "ddp/common.h"
+#include "ddp/nn.h"
+#include "ddp/pg.h"
+#include "ddp/store.h"
 
 typedef enum ddp_test_mode { DDP_TEST_THREADS = 0, DDP_TEST_FORK = 1 } ddp_test_mode_t;
 
@@ -76,6 +79,13 @@ pid_t ddp_test_pid(const ddp_test_rank_t *r, int rank);
 void ddp_test_say(ddp_test_rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Appends bytes to the rank's value area. Returns false when the area is full. */
 bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n);
+/* Creates the rank's group from *o, filling in o->rank, o->world and, forked, o->store: a
+ * file store in ddp_test_dir (timeout o->timeout_ms) returned in *store, which the caller
+ * destroys after the group, also on failure. In thread mode *store = NULL and o->store (the
+ * shared in-process store) is used. A failure is said as "file store: <error>" or
+ * "<what>: <error>". */
+ddp_status_t ddp_test_pg_create(ddp_test_rank_t *tr, ddp_pg_options_t *o, const char *what,
+                                ddp_store_t **store, ddp_pg_t **pg);
 
 /* Parent-side CMocka helpers: fail (printing every rank's status and message) unless each
  * rank returned `expected`. */
@@ -97,7 +107,28 @@ const char *ddp_test_python(void);
  * tests, else the path compiled into the harness). NULL when neither is known. */
 const char *ddp_test_source_root(void);
 
+/* Parent side: runs tools/<script> <args> with /usr/bin/python3 (one BLAS thread). False
+ * when the interpreter or the source root is missing or the script exits 77 (what it needs
+ * is absent: the test skips); any other failure fails the test. */
+bool ddp_test_run_tool(const char *script, const char *args);
+/* Parent side: makes a fresh empty file /tmp/ddp_<suite>_<stem>_XXXXXX (mkstemp) and writes
+ * its path into buf. */
+void ddp_test_tmp_file(char *buf, size_t len, const char *suite, const char *stem);
+
 /* "DDP_TEST_HUNG", "DDP_TEST_CRASHED", or ddp_status_name() of a status, for messages. */
 const char *ddp_test_status_name(int status);
+
+/* ---- pieces several test files share ---- */
+
+/* The bits of a float, and the float with given bits. */
+uint32_t ddp_test_fbits(float f);
+float ddp_test_bitsf(uint32_t u);
+
+/* A batch for the 784-input, 10-class MLP at batch 64: returns x (64 x 784 floats, uniform
+ * from ddp_rng_init(1, 1); the caller frees it) and sets t[i] = i % 10. */
+float *ddp_test_mlp_batch(int64_t t[64]);
+/* Parent side: one forward + backward of m (cross entropy against t) on that batch in c,
+ * then resets c. */
+void ddp_test_mlp_step(ddp_model_t *m, ddp_ctx_t *c, const float *x, const int64_t *t);
 
 #endif /* DDP_TEST_HARNESS_H */
