@@ -18,10 +18,12 @@ python3-torch (run it with /usr/bin/python3). Exit status: 0 when every element 
 """
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.dont_write_bytecode = True  # leave no __pycache__ in the source tree
+import peer_launch  # noqa: E402
 
 
 def parse_size(s):
@@ -66,32 +68,6 @@ def pct(sorted_v, p):
     n = len(sorted_v)
     k = min(n, max(1, int((p / 100.0) * n + 0.999999999)))
     return sorted_v[k - 1]
-
-
-def launch(a):
-    """Starts the ranks and waits for them, bounded by --timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(a.world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   OPENBLAS_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:],
-                                      env=env))
-    deadline = time.monotonic() + a.timeout
-    rc = 0
-    for p in procs:
-        try:
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print("peer_gloo_allreduce: timed out after %d s" % a.timeout, file=sys.stderr)
-            for q in procs:
-                q.kill()
-            code = 1
-        rc = rc or code
-    return 1 if rc else 0
 
 
 def rank_main(a):
@@ -180,7 +156,8 @@ def main():
               file=sys.stderr)
         return 2
     if "RANK" not in os.environ:
-        return launch(a)
+        return peer_launch.launch_ranks(a.world, a.timeout, {
+            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     return rank_main(a)
 
 

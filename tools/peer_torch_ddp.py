@@ -29,12 +29,11 @@ sys.dont_write_bytecode = True  # leave no __pycache__ in the source tree
 import blas_kernels  # noqa: E402
 
 blas_kernels.match_libddp()  # before torch loads OpenBLAS: libddp's GEMM kernels
+import peer_launch  # noqa: E402
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 
@@ -166,31 +165,6 @@ def rank_main(args):
     os._exit(0)
 
 
-def launch(args):
-    """Starts --world copies of this script as the ranks and waits, bounded by --timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(args.world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:],
-                                      env=env))
-    deadline = time.monotonic() + args.timeout
-    rc = 0
-    for p in procs:
-        try:
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"peer_torch_ddp: timed out after {args.timeout} s", file=sys.stderr)
-            for q in procs:
-                q.kill()
-            code = 1
-        rc = rc or code
-    return 1 if rc else 0
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
@@ -205,7 +179,7 @@ def main():
             or args.ar_iters < 0 or args.batch < 1:
         ap.error("counts must be positive (steps, batch, world) or non-negative")
     if "RANK" not in os.environ:
-        return launch(args)
+        return peer_launch.launch_ranks(args.world, args.timeout)
     return rank_main(args)
 
 
