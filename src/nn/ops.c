@@ -572,6 +572,91 @@ ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
   return DDP_OK;
 }
 
+/* f32 batch norm reproduces PyTorch 1.13's CPU kernels for a contiguous float [N, C] input
+ * on one thread (PyTorch runs an [N, C] input through its channels-last kernels), bit for bit:
+ * - statistics: s = float sum of the column in row order; mean = (float)((double)s / N);
+ *   q = float sum of fma(d, d, q) with d = x - mean in float; var = q / N in float;
+ *   invstd = (float)(1 / sqrt((double)var + eps));
+ * - running stats (m = (float)momentum, om = 1 - m in float):
+ *   mean_r = m * mean + om * mean_r in float; var_r = (float)((double)m * (q / (N - 1))
+ *   + (om * var_r)) where q / (N - 1) and om * var_r round in float;
+ * - output: alpha = invstd * w, beta = fma(-mean, alpha, b), y = fma(x, alpha, beta), where
+ *   eval mode uses mean_r and invstd = 1 / sqrtf(var_r + (float)eps), all in float;
+ * - backward: sum = float sum of dy, dotp = float sum of fma(x - mean, dy, dotp), in row
+ *   order; dw += dotp * invstd; db += sum; training: k = dotp * invstd * invstd / N and
+ *   dx += fma(-(x - mean), k, dy - sum / N) * invstd * w; eval: dx += dy * invstd * w, with
+ *   invstd = (float)(1 / sqrt((double)var_r + eps)) (the backward's double, unlike the
+ *   forward's float).
+ * The fused multiply-adds are those the AVX2 build of PyTorch contracts; fmaf is exact
+ * either way, and the FMA clone only makes it an instruction rather than a libm call. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define BN_FMA_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define BN_FMA_CLONES
+#endif
+
+/* Training statistics of x [N, C] (N > 1) into mean, invstd and q (the float sum of squared
+ * deviations), each [C]; zeroed scratch s [C]. */
+BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, double eps,
+                                       float *s, float *mean, float *invstd, float *q) {
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) s[j] += x[i * C + j];
+  for (int64_t j = 0; j < C; j++) {
+    mean[j] = (float)((double)s[j] / (double)N);
+    q[j] = 0;
+  }
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) {
+      float d = x[i * C + j] - mean[j];
+      q[j] = fmaf(d, d, q[j]);
+    }
+  for (int64_t j = 0; j < C; j++)
+    invstd[j] = (float)(1.0 / sqrt((double)(q[j] / (float)N) + eps));
+}
+
+/* y = fma(x, alpha, beta) per channel, alpha = invstd * w, beta = fma(-mean, alpha, b). */
+BN_FMA_CLONES static void bn_affine_f32(const float *x, const float *w, const float *b,
+                                        const float *mean, const float *invstd, int64_t N,
+                                        int64_t C, float *alpha, float *beta, float *y) {
+  for (int64_t j = 0; j < C; j++) {
+    alpha[j] = w ? invstd[j] * w[j] : invstd[j];
+    beta[j] = fmaf(-mean[j], alpha[j], b ? b[j] : 0.0f);
+  }
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) y[i * C + j] = fmaf(x[i * C + j], alpha[j], beta[j]);
+}
+
+/* Backward of f32 batch norm (see above); st holds mean [C] and invstd [C] as doubles;
+ * zeroed scratch sum, dotp [C]. Gradients accumulate (+=). */
+BN_FMA_CLONES static void bn_backward_f32(const float *x, const float *dy, const float *w,
+                                          const double *st, int64_t N, int64_t C, bool train,
+                                          float *sum, float *dotp, float *dx, float *dw,
+                                          float *db) {
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) {
+      float g = dy[i * C + j];
+      sum[j] += g;
+      dotp[j] = fmaf(x[i * C + j] - (float)st[j], g, dotp[j]);
+    }
+  for (int64_t j = 0; j < C; j++) {
+    if (dw) dw[j] += dotp[j] * (float)st[C + j];
+    if (db) db[j] += sum[j];
+  }
+  if (!dx) return;
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) {
+      float m = (float)st[j], is = (float)st[C + j], wj = w ? w[j] : 1.0f, g = dy[i * C + j];
+      float v;
+      if (train) {
+        float k = dotp[j] * is * is / (float)N;
+        v = fmaf(-(x[i * C + j] - m), k, g - sum[j] / (float)N) * is * wj;
+      } else {
+        v = g * is * wj;
+      }
+      dx[i * C + j] += v;
+    }
+}
+
 static ddp_status_t bw_batch_norm(ddp_ctx_t *c, ddp_node_t *n) {
   ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->ins[2];
   int64_t N = x->value.shape[0], C = x->value.shape[1];
@@ -580,24 +665,29 @@ static ddp_status_t bw_batch_norm(ddp_ctx_t *c, ddp_node_t *n) {
   if (w && w->requires_grad && !(gw = ddp__grad(c, w))) return OOM(c, n->name);
   if (b && b->requires_grad && !(gb = ddp__grad(c, b))) return OOM(c, n->name);
   const double *st = n->saved;
+  if (x->value.dtype == DDP_F32) {
+    float *acc = ddp__arena_zalloc(c, (size_t)(2 * C) * sizeof(float));
+    if (!acc) return OOM(c, n->name);
+    bn_backward_f32(x->value.data, n->out->grad.data, w ? w->value.data : NULL, st, N, C,
+                    n->i0 != 0, acc, acc + C, gx, gw, gb);
+    return DDP_OK;
+  }
   if (n->i0) { /* training: statistics depend on x */
     norm_backward(x->value.dtype, x->value.data, n->out->grad.data, w ? w->value.data : NULL, st,
                   st + C, gx, gw, gb, C, N, 1, C, false);
     return DDP_OK;
   }
-  /* eval: y = (x - rm) * rstd * w + b, an affine map of x */
-  DISPATCH(x->value.dtype, {
-    const T *xx = x->value.data, *g = n->out->grad.data, *ww = w ? w->value.data : NULL;
-    T *dx = gx, *dw = gw, *db = gb;
-    for (int64_t i = 0; i < N; i++)
-      for (int64_t j = 0; j < C; j++) {
-        int64_t k = i * C + j;
-        double xh = ((double)xx[k] - st[j]) * st[C + j];
-        if (dx) dx[k] += (T)((double)g[k] * st[C + j] * (ww ? (double)ww[j] : 1.0));
-        if (dw) dw[j] += (T)((double)g[k] * xh);
-        if (db) db[j] += g[k];
-      }
-  });
+  /* f64 eval: y = (x - rm) * rstd * w + b, an affine map of x */
+  const double *xx = x->value.data, *g = n->out->grad.data, *ww = w ? w->value.data : NULL;
+  double *dx = gx, *dw = gw, *db = gb;
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < C; j++) {
+      int64_t k = i * C + j;
+      double xh = (xx[k] - st[j]) * st[C + j];
+      if (dx) dx[k] += g[k] * st[C + j] * (ww ? ww[j] : 1.0);
+      if (dw) dw[j] += g[k] * xh;
+      if (db) db[j] += g[k];
+    }
   return DDP_OK;
 }
 
@@ -610,6 +700,40 @@ static void tensor_set(ddp_tensor_t *t, int64_t i, double v) {
     ((float *)t->data)[i] = (float)v;
   else
     ((double *)t->data)[i] = v;
+}
+
+/* f32 forward (arithmetic above bn_stats_f32): batch or running statistics, the running-stat
+ * update (update implies use_batch), y, and in st the mean and the backward's invstd. */
+static ddp_status_t bn_forward_f32(ddp_ctx_t *c, const ddp_var_t *x, const ddp_var_t *w,
+                                   const ddp_var_t *b, ddp_tensor_t *rmean, ddp_tensor_t *rvar,
+                                   bool use_batch, bool update, double momentum, double eps,
+                                   double *st, float *y) {
+  int64_t N = x->value.shape[0], C = x->value.shape[1];
+  float *f = ddp__arena_zalloc(c, (size_t)(5 * C) * sizeof(float));
+  if (!f) return OOM(c, "batch_norm");
+  float *mean = f, *invstd = f + C, *q = f + 2 * C, *s = f + 3 * C;
+  if (use_batch) bn_stats_f32(x->value.data, N, C, eps, s, mean, invstd, q);
+  if (update) {
+    const float m = (float)momentum, om = 1.0f - m;
+    for (int64_t j = 0; j < C; j++) {
+      float rm = (float)tensor_get(rmean, j), rv = (float)tensor_get(rvar, j);
+      tensor_set(rmean, j, m * mean[j] + om * rm);
+      tensor_set(rvar, j, (float)((double)m * (double)(q[j] / (float)(N - 1)) + (double)(om * rv)));
+    }
+  }
+  for (int64_t j = 0; j < C; j++) {
+    if (!use_batch) { /* the forward's invstd in float; the backward's through double */
+      float rv = (float)tensor_get(rvar, j);
+      mean[j] = (float)tensor_get(rmean, j);
+      invstd[j] = 1.0f / sqrtf(rv + (float)eps);
+      q[j] = (float)(1.0 / sqrt((double)rv + eps));
+    }
+    st[j] = mean[j];
+    st[C + j] = use_batch ? invstd[j] : q[j];
+  }
+  bn_affine_f32(x->value.data, w ? w->value.data : NULL, b ? b->value.data : NULL, mean, invstd,
+                N, C, s, f + 4 * C, y);
+  return DDP_OK;
 }
 
 ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
@@ -640,8 +764,12 @@ ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
   DDP_CHECK(make_out(c, "batch_norm", bw_batch_norm, dt, 2, x->value.shape, 3, ins, y, &n));
   double *st = ddp__arena_alloc(c, (size_t)(2 * C + 1) * sizeof(double));
   if (!st) return OOM(c, "batch_norm");
-  DISPATCH(dt, {
-    const T *xx = x->value.data;
+  bool update = training && rmean && rvar;
+  if (dt == DDP_F32) {
+    DDP_CHECK(bn_forward_f32(c, x, w, b, rmean, rvar, use_batch, update, momentum, eps, st,
+                             (*y)->value.data));
+  } else {
+    const double *xx = x->value.data;
     for (int64_t j = 0; j < C; j++) {
       double m, v;
       if (use_batch) {
@@ -649,8 +777,8 @@ ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
         v = 0;
         for (int64_t i = 0; i < N; i++) m += xx[i * C + j];
         m /= (double)N;
-        for (int64_t i = 0; i < N; i++) v += ((double)xx[i * C + j] - m) * ((double)xx[i * C + j] - m);
-        if (training && rmean && rvar) {
+        for (int64_t i = 0; i < N; i++) v += (xx[i * C + j] - m) * (xx[i * C + j] - m);
+        if (update) {
           double unb = v / (double)(N - 1);
           tensor_set(rmean, j, (1.0 - momentum) * tensor_get(rmean, j) + momentum * m);
           tensor_set(rvar, j, (1.0 - momentum) * tensor_get(rvar, j) + momentum * unb);
@@ -663,16 +791,16 @@ ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
       st[j] = m;
       st[C + j] = 1.0 / sqrt(v + eps);
     }
-    const T *ww = w ? w->value.data : NULL, *bb = b ? b->value.data : NULL;
-    T *o = (*y)->value.data;
+    const double *ww = w ? w->value.data : NULL, *bb = b ? b->value.data : NULL;
+    double *o = (*y)->value.data;
     for (int64_t i = 0; i < N; i++)
       for (int64_t j = 0; j < C; j++) {
-        double h = ((double)xx[i * C + j] - st[j]) * st[C + j];
-        if (ww) h *= (double)ww[j];
-        if (bb) h += (double)bb[j];
-        o[i * C + j] = (T)h;
+        double h = (xx[i * C + j] - st[j]) * st[C + j];
+        if (ww) h *= ww[j];
+        if (bb) h += bb[j];
+        o[i * C + j] = h;
       }
-  });
+  }
   if (training && nbt) ((int64_t *)nbt->data)[0] += 1;
   if (n) {
     n->saved = st;
