@@ -373,6 +373,19 @@ static void test_safetensors_tokens(void **state) {
   const int64_t want16[5] = {0, 1, 65535, 0x1234, 7};
   expect_ids(ids, n, want16, 5);
   ddp_tokens_free(ids);
+  /* Only "dtype" values are relabelled: a metadata value "U16" and a name with an escaped
+   * quote pass through, and a header the reader refuses is still refused. */
+  st_write_raw(p,
+               "{\"__metadata__\":{\"note\":\"U16\"},"
+               "\"tok\\\"ens\" : { \"dtype\" :\n\"U16\",\"shape\":[5],\"data_offsets\":[0,10]}}",
+               data, 10);
+  assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
+  expect_ids(ids, n, want16, 5);
+  ddp_tokens_free(ids);
+  st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,10]}}x",
+               data, 10);
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
+             "unexpected bytes after the JSON header");
   /* A U16 tensor whose bytes disagree with its shape: the reader's message, with a note. */
   st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,9]}}", data,
                9);
