@@ -227,6 +227,15 @@ static void test_parity_fractional_cap(void **state) {
   fidelity("cap_0_5", WIDE, "0", 0.9, false, 1, 0.5, FIDELITY_ARGS);
 }
 
+/* Transformers' weight-decay groups on both sides, and the data order knobs. */
+static void test_parity_data_knobs(void **state) {
+  (void)state;
+  fidelity("wd_groups_data_seed", MLP, "0", 0.9, false, 1, -1,
+           "--zero_grad_set_to_none true --weight_decay_grouping transformers "
+           "--weight_decay 1e-2 --data_seed 99");
+  fidelity("no_shuffle", MLP, "0", 0.9, false, 1, -1, FIDELITY_ARGS "--dataloader_shuffle false");
+}
+
 /* ---------------------------------------------------------------- the writer ------ */
 
 static void load_st(const char *path, ddp_st_file_t **f) {
@@ -498,6 +507,7 @@ int main(void) {
       cmocka_unit_test(test_parity_momentum_wd_all),
       cmocka_unit_test(test_parity_find_unused_all_used),
       cmocka_unit_test(test_parity_fractional_cap),
+      cmocka_unit_test(test_parity_data_knobs),
   };
   return ddp_test_parity_main("ddp_parity", tests, sizeof tests / sizeof *tests);
 }
