@@ -3,8 +3,9 @@
  *
  * A dataset is a table of functions (length, get one sample) plus a fixed per-sample
  * layout: a feature tensor shape/dtype and a label tensor shape/dtype. Built-in sources:
- * in-memory tensors, a safetensors file, CSV, MNIST idx files, and two synthetic tasks
- * drawn from the counter-based RNG. Every source validates its input fully: a corrupt or
+ * in-memory tensors, a safetensors file, CSV, MNIST idx files, two synthetic tasks
+ * drawn from the counter-based RNG, and text: token streams cut into causal-LM blocks and
+ * a text classification CSV. Every source validates its input fully: a corrupt or
  * truncated file is DDP_ERR_INVALID_DATA with a message naming the file, the offset or
  * line, and what was wrong.
  *
@@ -224,6 +225,93 @@ DDP_API int64_t ddp_loader_num_batches(const ddp_loader_t *l);
  * at the end until set_epoch). The first call after create starts epoch 0 by itself. */
 DDP_API ddp_status_t ddp_loader_next(ddp_loader_t *l, ddp_batch_t *batch, bool *has_batch,
                                      ddp_error_t *err);
+
+/* ---------------------------------------------------------------- text data ------- */
+
+/* Token streams, the byte-level tokenizer, causal-LM blocks and text classification CSV
+ * (docs/data.md, "Text data"). A token stream is a 1-D array of non-negative ids held as
+ * int64 whatever the file stored. */
+
+/* llm.c's token files (karpathy/llm.c dev/data/data_common.py): a header of 256
+ * little-endian int32 -- [0] magic, [1] version, [2] token count, the rest 0 -- then the
+ * tokens, little-endian: uint16 for GPT-2's format (magic 20240520, version 1), uint32 for
+ * its Llama 3 format (magic 20240801, version 7). */
+#define DDP_LLMC_MAGIC 20240520
+#define DDP_LLMC_VERSION 1
+#define DDP_LLMC_MAGIC_U32 20240801
+#define DDP_LLMC_VERSION_U32 7
+#define DDP_LLMC_HEADER_INTS 256
+
+/* The byte-level tokenizer's vocabulary: id = byte value. */
+#define DDP_BYTE_VOCAB_SIZE 256
+
+/* Reads a token stream. The format comes from the name's extension, or from the content
+ * when the extension is none of these:
+ *  - ".bin": llm.c's format (either magic);
+ *  - ".safetensors": a 1-D integer tensor named "tokens", or the file's only tensor, of
+ *    dtype I32, I64, U16 or U8 (the file is validated as a whole by the safetensors reader);
+ *  - ".txt": raw bytes through the byte-level tokenizer (any bytes; invalid UTF-8 is kept).
+ * Errors are DDP_ERR_INVALID_DATA naming the file and the fault: the magic (expected and
+ * found), the version, a truncated file or trailing bytes (expected and actual sizes), an
+ * empty stream, a negative id (with its position), a wrong dtype or rank; a missing file is
+ * DDP_ERR_NOT_FOUND. On success *tokens (n >= 1 entries) is the caller's, freed with
+ * ddp_tokens_free; on failure it is NULL. */
+DDP_API ddp_status_t ddp_tokens_read(const char *path, int64_t **tokens, int64_t *n,
+                                     ddp_error_t *err);
+/* Frees what ddp_tokens_read returned (NULL is a no-op). */
+DDP_API void ddp_tokens_free(int64_t *tokens);
+/* Writes llm.c's GPT-2 format (magic 20240520, version 1, uint16 tokens) atomically: a
+ * temporary file beside path, then rename. n must be in [1, 2^31 - 1] and every id in
+ * [0, 65535]; otherwise DDP_ERR_INVALID_ARGUMENT naming the count or the id's position. */
+DDP_API ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int64_t n,
+                                           ddp_error_t *err);
+
+/* Byte-level tokenizer. encode: ids[i] = (unsigned char)text[i] for i < len (ids has len
+ * entries; always DDP_OK). decode: text[i] = ids[i] for i < n and text[n] = '\0' (text has
+ * n + 1 bytes); the bytes are written as they are, valid UTF-8 or not. An id outside
+ * [0, 255] is DDP_ERR_INVALID_DATA naming its position and value (text is then untouched
+ * past the ids before it). */
+DDP_API ddp_status_t ddp_byte_encode(const char *text, size_t len, int64_t *ids);
+DDP_API ddp_status_t ddp_byte_decode(const int64_t *ids, int64_t n, char *text,
+                                     ddp_error_t *err);
+
+/* Causal-LM blocks, as Transformers' run_clm group_texts: the stream cut into
+ * n / block_size blocks of block_size tokens, the remainder dropped. Sample i: features
+ * I64 [block_size] = labels I64 [block_size] = tokens[i * block_size, (i + 1) * block_size)
+ * (the model shifts the labels). The tokens are copied. Every id of the stream must lie in
+ * [0, vocab_size): one that does not is DDP_ERR_INVALID_DATA naming its position, value and
+ * vocab_size. block_size < 2 or vocab_size < 1 is DDP_ERR_INVALID_ARGUMENT; a stream
+ * shorter than one block is DDP_ERR_INVALID_DATA. The dataset is named "lm_blocks". */
+DDP_API ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n,
+                                           int64_t block_size, int64_t vocab_size,
+                                           ddp_dataset_t **out, ddp_error_t *err);
+
+/* Text classification CSV, as Transformers' run_glue reads a CSV with a text and a label
+ * column: a header row naming the columns (other columns are ignored), then one record
+ * per sample, RFC 4180 quoting (a field in double quotes may hold the delimiter, line
+ * breaks and doubled quotes ""). Each text is byte-tokenized, truncated to max_length and
+ * padded on the right with pad_token_id. Features I64 [2, max_length]: row 0 the ids, row
+ * 1 the attention mask (1 for a text byte, 0 for padding). Labels: I64 scalars (class ids,
+ * any integer) or F32 scalars (regression) by label_dtype. Records end in \n or \r\n; a
+ * UTF-8 byte order mark is skipped; blank lines are allowed only at the end. Every error
+ * is DDP_ERR_INVALID_DATA naming the file, the 1-based line and column: an empty file, a
+ * missing column, a record of the wrong width, an empty text, a label that is not an
+ * integer (or not a number), an unterminated quote (with the line where it opened), text
+ * after a closing quote, a NUL byte, no records. The dataset is named "text_csv". */
+typedef struct ddp_text_csv_options {
+  size_t struct_size;
+  const char *text_column;  /* header name of the text; "text" */
+  const char *label_column; /* header name of the label; "label" */
+  int64_t max_length;       /* tokens per sample, >= 1; 128 (run_glue's max_seq_length) */
+  int64_t pad_token_id;     /* id written past the text; 0 */
+  ddp_dtype_t label_dtype;  /* DDP_I64 (classes) or DDP_F32 (regression); DDP_I64 */
+  char delimiter;           /* ',' (0 means ','); '\t' reads TSV */
+} ddp_text_csv_options_t;
+#define DDP_TEXT_CSV_OPTIONS_INIT \
+  {sizeof(ddp_text_csv_options_t), "text", "label", 128, 0, DDP_I64, ','}
+DDP_API ddp_status_t ddp_dataset_from_text_csv(const char *path,
+                                               const ddp_text_csv_options_t *opts,
+                                               ddp_dataset_t **out, ddp_error_t *err);
 
 #ifdef __cplusplus
 }

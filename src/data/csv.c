@@ -17,51 +17,19 @@
 
 #define FIELD_SHOW 40 /* characters of a bad field quoted in a message */
 
-/* Reads a file into a NUL-terminated heap buffer. */
+/* Reads a file into a NUL-terminated heap buffer; a NUL byte inside is refused. */
 static ddp_status_t read_all(const char *path, char **out, size_t *len, ddp_error_t *err) {
-  FILE *fp = fopen(path, "rb");
-  if (!fp)
-    return ddp__error(err, -1, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                      "csv %s: fopen: %s (errno %d)", path, strerror(errno), errno);
-  size_t cap = 1 << 16, n = 0;
-  char *buf = ddp__malloc(cap);
-  ddp_status_t st = DDP_OK;
-  if (!buf) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
+  unsigned char *buf = NULL;
+  DDP_CHECK(ddp__data_read_file("csv", path, &buf, len, err));
+  const unsigned char *nul = memchr(buf, '\0', *len);
+  if (nul) {
+    ddp__free(buf);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "csv %s: the file contains a NUL byte (at offset %zu); not a text file",
+                      path, (size_t)(nul - buf));
   }
-  for (;;) {
-    if (n + 1 >= cap) {
-      char *nb = ddp__realloc(buf, cap * 2);
-      if (!nb) {
-        st = DDP_ERR_NO_MEMORY;
-        goto out;
-      }
-      buf = nb;
-      cap *= 2;
-    }
-    size_t got = fread(buf + n, 1, cap - n - 1, fp);
-    n += got;
-    if (got == 0) break;
-  }
-  if (ferror(fp)) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "csv %s: read failed at byte %zu", path, n);
-    goto out;
-  }
-  if (memchr(buf, '\0', n)) {
-    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                    "csv %s: the file contains a NUL byte (at offset %zu); not a text file",
-                    path, (size_t)((char *)memchr(buf, '\0', n) - buf));
-    goto out;
-  }
-  buf[n] = '\0';
-  *out = buf;
-  *len = n;
-  buf = NULL;
-out:
-  ddp__free(buf);
-  fclose(fp);
-  return st;
+  *out = (char *)buf;
+  return DDP_OK;
 }
 
 /* A line [b, e) without its \r. */

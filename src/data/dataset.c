@@ -181,6 +181,8 @@ static const ddp_dataset_ops_t safetensors_ops = {DDP_DATASET_OPS_VERSION, "safe
                                                   memory_length, memory_get, memory_destroy};
 static const ddp_dataset_ops_t csv_ops = {DDP_DATASET_OPS_VERSION, "csv", memory_length,
                                           memory_get, memory_destroy};
+static const ddp_dataset_ops_t text_csv_ops = {DDP_DATASET_OPS_VERSION, "text_csv",
+                                               memory_length, memory_get, memory_destroy};
 
 ddp_status_t ddp__dataset_memory(const char *name, const ddp_sample_spec_t *spec, int64_t n,
                                  void *features, void *labels, ddp_dataset_t **out,
@@ -202,6 +204,7 @@ ddp_status_t ddp__dataset_memory(const char *name, const ddp_sample_spec_t *spec
   const ddp_dataset_ops_t *ops = &memory_ops;
   if (strcmp(name, "safetensors") == 0) ops = &safetensors_ops;
   if (strcmp(name, "csv") == 0) ops = &csv_ops;
+  if (strcmp(name, "text_csv") == 0) ops = &text_csv_ops;
   return ddp_dataset_create(ops, m, spec, out, err);
 fail:
   ddp__aligned_free(features);

@@ -2,8 +2,6 @@
  * three dimensions, 0x00000801 for u8 labels with one), big-endian u32 dimension sizes,
  * then the bytes. Both files are read whole and checked against their headers before
  * any sample is served; the images stay as bytes and are widened to F32 per sample. */
-#include <errno.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -48,38 +46,6 @@ static uint32_t be32(const unsigned char *p) {
   return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
 }
 
-/* Reads a whole file; *len is its size. */
-static ddp_status_t slurp(const char *path, unsigned char **out, size_t *len, ddp_error_t *err) {
-  FILE *fp = fopen(path, "rb");
-  if (!fp)
-    return ddp__error(err, -1, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                      "mnist %s: fopen: %s (errno %d)", path, strerror(errno), errno);
-  ddp_status_t st = DDP_OK;
-  unsigned char *buf = NULL;
-  long size;
-  if (fseek(fp, 0, SEEK_END) != 0 || (size = ftell(fp)) < 0 || fseek(fp, 0, SEEK_SET) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "mnist %s: cannot determine the file size: %s",
-                    path, strerror(errno));
-    goto out;
-  }
-  buf = ddp__malloc((size_t)size + 1);
-  if (!buf) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
-  }
-  if (fread(buf, 1, (size_t)size, fp) != (size_t)size) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "mnist %s: short read of %ld bytes", path, size);
-    goto out;
-  }
-  *out = buf;
-  *len = (size_t)size;
-  buf = NULL;
-out:
-  ddp__free(buf);
-  fclose(fp);
-  return st;
-}
-
 /* Checks an idx header: magic, and that the payload is exactly the product of the dims. */
 static ddp_status_t check_idx(const char *path, const unsigned char *b, size_t len,
                               uint32_t magic, int ndims, uint32_t *dims, ddp_error_t *err) {
@@ -122,8 +88,8 @@ ddp_status_t ddp_dataset_from_mnist(const char *images_path, const char *labels_
   mnist_ds_t *m = NULL;
   ddp_status_t st;
   uint32_t idims[3], ldims[1];
-  DDP_CHECK_GOTO(slurp(images_path, &img, &ilen, err), st, fail);
-  DDP_CHECK_GOTO(slurp(labels_path, &lab, &llen, err), st, fail);
+  DDP_CHECK_GOTO(ddp__data_read_file("mnist", images_path, &img, &ilen, err), st, fail);
+  DDP_CHECK_GOTO(ddp__data_read_file("mnist", labels_path, &lab, &llen, err), st, fail);
   DDP_CHECK_GOTO(check_idx(images_path, img, ilen, IDX_IMAGES_MAGIC, 3, idims, err), st, fail);
   DDP_CHECK_GOTO(check_idx(labels_path, lab, llen, IDX_LABELS_MAGIC, 1, ldims, err), st, fail);
   if (idims[0] != ldims[0]) {
