@@ -14,6 +14,7 @@
 """
 
 import csv
+import io
 import struct
 
 LLMC_MAGIC = 20240520
@@ -29,22 +30,33 @@ def loss_kind(spec):
     return "mse" if int(spec.get("num_labels", 2)) == 1 else "ce"
 
 
+LLMC_FORMATS = {LLMC_MAGIC: (1, "H", 2), 20240801: (7, "I", 4)}  # version, struct code, size
+
+
+def _llmc(path, data):
+    magic, version, count = struct.unpack("<3i", data[:12])
+    want, code, size = LLMC_FORMATS[magic]
+    if version != want:
+        raise SystemExit("text_data: %s: llm.c version %d, expected %d" % (path, version, want))
+    body = data[1024:]
+    if len(body) != size * count:
+        raise SystemExit("text_data: %s: expected %d bytes of tokens, found %d"
+                         % (path, size * count, len(body)))
+    return list(struct.unpack("<%d%s" % (count, code), body))
+
+
 def read_tokens(path, torch, st):
-    """The token stream of path as a list of ints."""
+    """The token stream of path as a list of ints, the format chosen as ddp_tokens_read
+    chooses it: by the extension (.bin, .safetensors, .txt), else by the content (an llm.c
+    magic, a safetensors header, else text)."""
     with open(path, "rb") as f:
-        head = f.read(1024)
-        if len(head) == 1024:
-            magic, version, count = struct.unpack("<3i", head[:12])
-            if magic == LLMC_MAGIC:
-                if version != 1:
-                    raise SystemExit("text_data: %s: llm.c version %d, expected 1"
-                                     % (path, version))
-                body = f.read()
-                if len(body) < 2 * count:
-                    raise SystemExit("text_data: %s: truncated: expected %d bytes of tokens, "
-                                     "found %d" % (path, 2 * count, len(body)))
-                return list(struct.unpack("<%dH" % count, body[:2 * count]))
-    if path.endswith(".safetensors"):
+        data = f.read()
+    low = path.lower()
+    magic = struct.unpack("<i", data[:4])[0] if len(data) >= 1024 else None
+    if low.endswith(".bin") or (not low.endswith((".safetensors", ".txt"))
+                                and magic in LLMC_FORMATS):
+        return _llmc(path, data)
+    if low.endswith(".safetensors") or (not low.endswith(".txt") and b"\0" in data[:8000]):
         tensors, _ = st.load_torch(path)
         t = tensors.get("tokens")
         if t is None and len(tensors) == 1:
@@ -52,8 +64,7 @@ def read_tokens(path, torch, st):
         if t is None:
             raise SystemExit("text_data: %s has no tensor \"tokens\"" % path)
         return [int(v) for v in t.reshape(-1).tolist()]
-    with open(path, "rb") as f:
-        return list(f.read())
+    return list(data)
 
 
 def lm_blocks(tokens, block, vocab, path):
@@ -70,8 +81,13 @@ def lm_blocks(tokens, block, vocab, path):
 
 
 def text_csv(path, max_len, pad_id):
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f))
+    # latin-1 maps every byte to one character and back: the texts' bytes exactly, as the
+    # byte tokenizer sees them, whatever their encoding.
+    with open(path, newline="", encoding="latin-1") as f:
+        text = f.read()
+    if text.startswith("\xef\xbb\xbf"):
+        text = text[3:]
+    rows = list(csv.reader(io.StringIO(text, newline="")))
     if not rows:
         raise SystemExit("text_data: %s is empty" % path)
     head = [h.strip() for h in rows[0]]
@@ -84,7 +100,7 @@ def text_csv(path, max_len, pad_id):
     for r in rows[1:]:
         if not r:
             continue
-        ids = list(r[ti].encode("utf-8"))[:max_len]
+        ids = list(r[ti].encode("latin-1"))[:max_len]
         mask = [1] * len(ids) + [0] * (max_len - len(ids))
         ids = ids + [pad_id] * (max_len - len(ids))
         feats.append([ids, mask])

@@ -12,7 +12,7 @@
 #include <cjson/cJSON.h>
 
 #ifndef DDP_TRAIN_TEXT_DATA
-#define DDP_TRAIN_TEXT_DATA "tests/data/corpus.txt"
+#define DDP_TRAIN_TEXT_DATA "tests/data/kjv_genesis_exodus.txt"
 #endif
 
 static int say(int rc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -184,6 +184,7 @@ static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = x->max_seq_length;
   o.pad_token_id = x->cfg.pad_token_id;
+  if (x->cfg.num_labels == 1) o.label_dtype = DDP_F32; /* regression: MSE */
   ddp_status_t st = ddp_dataset_from_text_csv(src, &o, all, &err);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;
@@ -225,9 +226,7 @@ ddp_status_t train_text_finish(train_text_t *x, ddp_model_t *m, const ddp_train_
       st = DDP_ERR_NO_MEMORY;
     } else {
       memcpy(x->sample, x->sample_prompt, len);
-      size_t got = 0;
-      st = ddp_byte_decode(gen, ngen, x->sample + len, (size_t)ngen, &got);
-      x->sample[len + got] = 0;
+      st = ddp_byte_decode(gen, ngen, x->sample + len, err);
     }
   }
   ddp_free(gen);
