@@ -120,7 +120,7 @@ def dataset(a, spec, torch, st):
                            int(spec.get("vocab_size", 50257)), a.data)
         x = torch.tensor(blocks, dtype=torch.int64)
         return x, x.clone()
-    feats, labels = text_csv(a.data, a.max_seq_length, int(spec.get("pad_token_id", 0)))
+    feats, labels = text_csv(a.data, a.max_seq_length, int(spec.get("pad_token_id", 0) or 0))
     x = torch.tensor(feats, dtype=torch.int64)
     if int(spec.get("num_labels", 2)) == 1:
         y = torch.tensor([float(v) for v in labels], dtype=torch.float32)

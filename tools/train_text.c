@@ -146,7 +146,7 @@ static bool ends_with(const char *s, const char *suffix) {
 /* GPT-2: a token stream cut into blocks (run_clm's group_texts). */
 static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_error_t err = {0};
-  int64_t npos = x->cfg.n_positions;
+  int64_t npos = x->cfg.gpt2.n_positions;
   if (x->block_size < 0) x->block_size = npos < 1024 ? npos : 1024;
   if (x->block_size > npos) {
     return say(1, "--block_size %lld: a sequence of %lld tokens is longer than the model's "
@@ -161,7 +161,7 @@ static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
     return say(1, "--data %s: %lld tokens, fewer than one block of --block_size %lld", src,
                (long long)n, (long long)x->block_size);
   }
-  st = ddp_dataset_lm_blocks(tok, n, x->block_size, x->cfg.vocab_size, all, &err);
+  st = ddp_dataset_lm_blocks(tok, n, x->block_size, x->cfg.gpt2.vocab_size, all, &err);
   ddp_tokens_free(tok);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;
@@ -175,7 +175,7 @@ static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
     return say(2, "--data %s: sequence classification (%s) trains on a CSV with columns "
                   "text,label", src, x->model_desc);
   }
-  int64_t maxpos = x->cfg.max_position_embeddings;
+  int64_t maxpos = x->cfg.bert.max_position_embeddings;
   if (x->max_seq_length > maxpos) {
     return say(1, "--max_seq_length %lld: a sequence of %lld tokens is longer than the "
                   "model's max_position_embeddings %lld (%s)", (long long)x->max_seq_length,
@@ -183,8 +183,8 @@ static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   }
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = x->max_seq_length;
-  o.pad_token_id = x->cfg.pad_token_id;
-  if (x->cfg.num_labels == 1) o.label_dtype = DDP_F32; /* regression: MSE */
+  o.pad_token_id = x->cfg.bert.pad_token_id >= 0 ? x->cfg.bert.pad_token_id : 0;
+  if (x->cfg.bert.num_labels == 1) o.label_dtype = DDP_F32; /* regression: MSE */
   ddp_status_t st = ddp_dataset_from_text_csv(src, &o, all, &err);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;
