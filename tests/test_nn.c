@@ -17,25 +17,9 @@
 
 #include "ddp/nn.h"
 #include "harness.h"
+#include "opcheck.h"
 
 /* ---------------------------------------------------------------- gradcheck ------- */
-
-typedef struct gin {
-  int ndim;
-  int64_t shape[4];
-  int kind;      /* 0 float, 1 ids in [0, hi), 2 ids with some -100 (ignored targets) */
-  int64_t hi;
-  bool rg;       /* requires grad */
-} gin_t;
-
-typedef ddp_status_t (*build_fn)(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **out);
-
-typedef struct gcase {
-  const char *name;
-  int nin;
-  gin_t in[4];
-  build_fn fn;
-} gcase_t;
 
 static double bn_rm[4] = {0.1, -0.2, 0.3, 0.05}, bn_rv[4] = {1.5, 0.7, 2.0, 0.9};
 
@@ -98,11 +82,11 @@ static ddp_status_t b_ckpt(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   return ddp_mul(c, h, h, o);
 }
 
-#define F(n, ...) {n, {__VA_ARGS__}, 0, 0, true}
-#define FC(n, ...) {n, {__VA_ARGS__}, 0, 0, false}
-#define IDS(hi, n, ...) {n, {__VA_ARGS__}, 1, hi, false}
+#define F(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true}
+#define FC(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false}
+#define IDS(hi, n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_IDS, hi, false}
 
-static const gcase_t gcases[] = {
+static const ddp_test_gcase_t gcases[] = {
     {"linear", 3, {F(3, 2, 3, 5), F(2, 4, 5), F(1, 4)}, b_linear},
     {"linear_nobias", 2, {F(2, 3, 5), F(2, 4, 5)}, b_linear_nb},
     {"matmul", 2, {F(2, 4, 5), F(2, 5, 3)}, b_matmul},
@@ -127,116 +111,14 @@ static const gcase_t gcases[] = {
     {"mean", 1, {F(2, 3, 4)}, b_mean},
     {"mse_loss", 2, {F(2, 3, 4), F(2, 3, 4)}, b_mse},
     {"mse_loss_const_target", 2, {F(2, 3, 4), FC(2, 3, 4)}, b_mse},
-    {"cross_entropy", 2, {F(2, 6, 5), {1, {6}, 2, 5, false}}, b_ce},
+    {"cross_entropy", 2, {F(2, 6, 5), {1, {6}, DDP_TEST_IN_TARGETS, 5, false}}, b_ce},
     {"checkpoint", 2, {F(2, 3, 4), F(2, 5, 4)}, b_ckpt},
 };
-
-typedef struct gstate {
-  const gcase_t *gc;
-  double *data[4];
-  int64_t numel[4];
-  double *r;       /* random weights of the scalar loss sum(out * r) */
-  int64_t rn;
-} gstate_t;
-
-static int64_t shape_numel(const gin_t *g) {
-  int64_t n = 1;
-  for (int i = 0; i < g->ndim; i++) n *= g->shape[i];
-  return n;
-}
-
-/* Evaluates loss = sum(op(inputs) * r) on fresh vars; with grads, also runs backward and
- * copies the inputs' gradients. */
-static double geval(ddp_ctx_t *c, gstate_t *s, double **grads) {
-  const gcase_t *gc = s->gc;
-  ddp_ctx_reset(c);
-  ddp_ctx_set_rng(c, 7, 0, 1);
-  ddp_var_t *in[4];
-  for (int i = 0; i < gc->nin; i++) {
-    const gin_t *g = &gc->in[i];
-    if (g->kind) {
-      int64_t ids[64];
-      for (int64_t k = 0; k < s->numel[i]; k++) ids[k] = (int64_t)s->data[i][k];
-      assert_int_equal(ddp_var_new(c, DDP_I64, g->ndim, g->shape, ids, false, &in[i]), DDP_OK);
-    } else {
-      assert_int_equal(ddp_var_new(c, DDP_F64, g->ndim, g->shape, s->data[i], g->rg, &in[i]), DDP_OK);
-    }
-  }
-  ddp_var_t *out, *rv, *prod, *loss;
-  ddp_status_t st = gc->fn(c, in, &out);
-  if (st != DDP_OK) fail_msg("%s: %s", gc->name, ddp_ctx_last_error(c)->msg);
-  if (!s->r) {
-    s->rn = out->value.numel;
-    s->r = malloc((size_t)s->rn * sizeof(double));
-    ddp_rng_t rng;
-    ddp_rng_init(&rng, 99, 1);
-    for (int64_t k = 0; k < s->rn; k++) s->r[k] = ddp_rng_uniform_f64(&rng) * 2 - 1;
-  }
-  assert_int_equal(ddp_var_new(c, DDP_F64, out->value.ndim, out->value.shape, s->r, false, &rv), DDP_OK);
-  assert_int_equal(ddp_mul(c, out, rv, &prod), DDP_OK);
-  assert_int_equal(ddp_sum(c, prod, &loss), DDP_OK);
-  double L = ((double *)loss->value.data)[0];
-  if (grads) {
-    assert_int_equal(ddp_backward(c, loss), DDP_OK);
-    for (int i = 0; i < gc->nin; i++) {
-      if (!gc->in[i].rg) continue;
-      assert_non_null(in[i]->grad.data);
-      memcpy(grads[i], in[i]->grad.data, (size_t)s->numel[i] * sizeof(double));
-    }
-  }
-  return L;
-}
 
 /* Every op's analytic gradient matches central differences: max|a - n| / max|n| < 1e-6. */
 static void test_gradcheck(void **state) {
   (void)state;
-  ddp_ctx_t *c;
-  assert_int_equal(ddp_ctx_create(&c), DDP_OK);
-  ddp_rng_t rng;
-  ddp_rng_init(&rng, 1234, 5);
-  for (size_t ci = 0; ci < sizeof gcases / sizeof gcases[0]; ci++) {
-    gstate_t s;
-    memset(&s, 0, sizeof s);
-    s.gc = &gcases[ci];
-    double *grads[4] = {0};
-    for (int i = 0; i < s.gc->nin; i++) {
-      const gin_t *g = &s.gc->in[i];
-      s.numel[i] = shape_numel(g);
-      s.data[i] = malloc((size_t)s.numel[i] * sizeof(double));
-      grads[i] = calloc((size_t)s.numel[i], sizeof(double));
-      for (int64_t k = 0; k < s.numel[i]; k++) {
-        if (g->kind == 1) s.data[i][k] = (double)(ddp_rng_u32(&rng) % (uint32_t)g->hi);
-        else if (g->kind == 2) s.data[i][k] = k % 3 == 1 ? -100 : (double)(ddp_rng_u32(&rng) % (uint32_t)g->hi);
-        else s.data[i][k] = ddp_rng_uniform_f64(&rng) * 2 - 1;
-      }
-    }
-    geval(c, &s, grads);
-    const double h = 1e-6;
-    for (int i = 0; i < s.gc->nin; i++) {
-      if (!s.gc->in[i].rg) continue;
-      double maxdiff = 0, maxref = 0;
-      for (int64_t k = 0; k < s.numel[i]; k++) {
-        double x0 = s.data[i][k];
-        s.data[i][k] = x0 + h;
-        double lp = geval(c, &s, NULL);
-        s.data[i][k] = x0 - h;
-        double lm = geval(c, &s, NULL);
-        s.data[i][k] = x0;
-        double num = (lp - lm) / (2 * h);
-        maxdiff = fmax(maxdiff, fabs(num - grads[i][k]));
-        maxref = fmax(maxref, fabs(num));
-      }
-      double rel = maxdiff / fmax(maxref, 1e-12);
-      if (!(rel < 1e-6)) fail_msg("%s input %d: rel err %.3g (maxdiff %.3g)", s.gc->name, i, rel, maxdiff);
-      assert_true(maxref > 0); /* the gradient is not trivially zero */
-    }
-    for (int i = 0; i < s.gc->nin; i++) {
-      free(s.data[i]);
-      free(grads[i]);
-    }
-    free(s.r);
-  }
-  ddp_ctx_destroy(c);
+  ddp_test_gradcheck(gcases, sizeof gcases / sizeof gcases[0], 1e-6);
 }
 
 /* ---------------------------------------------------------------- hooks ----------- */

@@ -19,34 +19,13 @@
 
 #include "ddp/nn.h"
 #include "harness.h"
+#include "opcheck.h"
 
 static char g_dir[256];
 static char g_oracle[512];
 
-static void write_file(const char *dir, const char *name, const void *data, size_t n) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/%s", dir, name);
-  FILE *f = fopen(p, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(data, 1, n, f), n);
-  fclose(f);
-}
-
-/* Reads exactly n bytes (fails on a size mismatch). */
-static void read_file(const char *dir, const char *name, void *data, size_t n) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/%s", dir, name);
-  FILE *f = fopen(p, "rb");
-  if (!f) fail_msg("oracle output %s missing", p);
-  size_t got = fread(data, 1, n, f);
-  char extra;
-  size_t more = fread(&extra, 1, 1, f);
-  fclose(f);
-  if (got != n || more != 0) fail_msg("%s: expected %zu bytes", p, n);
-}
-
 static void write_text(const char *dir, const char *name, const char *text) {
-  write_file(dir, name, text, strlen(text));
+  ddp_test_write_bin(dir, name, text, strlen(text));
 }
 
 static int run_oracle(const char *cmd, const char *dir) {
@@ -90,26 +69,10 @@ static int teardown(void **state) {
 
 /* ---------------------------------------------------------------- ops ------------- */
 
-typedef struct tin {
-  int ndim;
-  int64_t shape[4];
-  int kind; /* 0 float, 1 ids < hi, 2 targets with ignored entries, 3 dropout mask */
-  int64_t hi;
-  bool rg;
-} tin_t;
+#define TF(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true}
+#define TFC(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false}
 
-typedef struct tcase {
-  const char *name;
-  const char *op;
-  const char *attrs; /* JSON object text */
-  int nin;
-  tin_t in[3];
-} tcase_t;
-
-#define TF(n, ...) {n, {__VA_ARGS__}, 0, 0, true}
-#define TFC(n, ...) {n, {__VA_ARGS__}, 0, 0, false}
-
-static const tcase_t tcases[] = {
+static const ddp_test_tcase_t tcases[] = {
     {"linear", "linear", "{}", 3, {TF(3, 2, 3, 5), TF(2, 4, 5), TF(1, 4)}},
     {"linear_nobias", "linear", "{}", 2, {TF(2, 3, 5), TF(2, 4, 5)}},
     {"matmul", "matmul", "{}", 2, {TF(2, 4, 5), TF(2, 5, 3)}},
@@ -123,29 +86,28 @@ static const tcase_t tcases[] = {
     {"sigmoid", "sigmoid", "{}", 1, {TF(2, 4, 5)}},
     {"softmax", "softmax", "{}", 1, {TF(2, 3, 6)}},
     {"log_softmax", "log_softmax", "{}", 1, {TF(2, 3, 6)}},
-    {"dropout", "dropout", "{\"p\": 0.3}", 2, {TF(2, 6, 7), {2, {6, 7}, 3, 0, false}}},
+    {"dropout", "dropout", "{\"p\": 0.3}", 2, {TF(2, 6, 7), {2, {6, 7}, DDP_TEST_IN_MASK, 0, false}}},
     {"layer_norm", "layer_norm", "{\"eps\": 1e-5}", 3, {TF(2, 4, 6), TF(1, 6), TF(1, 6)}},
     {"batch_norm_train", "batch_norm", "{\"training\": true, \"momentum\": 0.1, \"eps\": 1e-5}", 3,
      {TF(2, 5, 4), TF(1, 4), TF(1, 4)}},
     {"batch_norm_eval", "batch_norm", "{\"training\": false, \"momentum\": 0.1, \"eps\": 1e-5}", 3,
      {TF(2, 5, 4), TF(1, 4), TF(1, 4)}},
-    {"embedding", "embedding", "{}", 2, {{2, {2, 3}, 1, 7, false}, TF(2, 7, 4)}},
+    {"embedding", "embedding", "{}", 2, {{2, {2, 3}, DDP_TEST_IN_IDS, 7, false}, TF(2, 7, 4)}},
     {"reshape", "reshape", "{\"shape\": [2, -1, 3]}", 1, {TF(2, 3, 4)}},
     {"concat", "concat", "{\"dim\": 1}", 3, {TF(3, 2, 1, 3), TF(3, 2, 2, 3), TF(3, 2, 3, 3)}},
     {"sum", "sum", "{}", 1, {TF(2, 3, 4)}},
     {"mean", "mean", "{}", 1, {TF(2, 3, 4)}},
     {"mse_loss", "mse_loss", "{}", 2, {TF(2, 3, 4), TF(2, 3, 4)}},
-    {"cross_entropy", "cross_entropy", "{\"ignore_index\": -100}", 2, {TF(2, 6, 5), {1, {6}, 2, 5, false}}},
+    {"cross_entropy", "cross_entropy", "{\"ignore_index\": -100}", 2,
+     {TF(2, 6, 5), {1, {6}, DDP_TEST_IN_TARGETS, 5, false}}},
 };
-#define NCASES (sizeof tcases / sizeof tcases[0])
 
-static double rm0[4] = {0.1, -0.2, 0.3, 0.05}, rv0[4] = {1.5, 0.7, 2.0, 0.9};
+static const double rm0[4] = {0.1, -0.2, 0.3, 0.05}, rv0[4] = {1.5, 0.7, 2.0, 0.9};
 
-typedef struct run_out {
-  ddp_var_t *in[3];
-  ddp_var_t *y;
+/* The batch-norm cases' running statistics, as the last run left them. */
+typedef struct bn_state {
   double rm[4], rv[4];
-} run_out_t;
+} bn_state_t;
 
 static void get_attr_num(const char *attrs, const char *key, double *v) {
   cJSON *j = cJSON_Parse(attrs);
@@ -155,78 +117,55 @@ static void get_attr_num(const char *attrs, const char *key, double *v) {
   cJSON_Delete(j);
 }
 
-/* Runs case tc in libddp with dtype dt on the given host data (f64 values, ids as values). */
-static void run_c(ddp_ctx_t *c, const tcase_t *tc, ddp_dtype_t dt, double **data, int64_t *numel,
-                  const double *gout, run_out_t *o) {
-  ddp_ctx_reset(c);
-  ddp_ctx_set_rng(c, 3, 0, 0);
-  for (int i = 0; i < tc->nin; i++) {
-    const tin_t *g = &tc->in[i];
-    if (g->kind == 1 || g->kind == 2) {
-      int64_t ids[64];
-      for (int64_t k = 0; k < numel[i]; k++) ids[k] = (int64_t)data[i][k];
-      assert_int_equal(ddp_var_new(c, DDP_I64, g->ndim, g->shape, ids, false, &o->in[i]), DDP_OK);
-    } else {
-      assert_int_equal(ddp_var_new(c, dt, g->ndim, g->shape, NULL, g->rg, &o->in[i]), DDP_OK);
-      for (int64_t k = 0; k < numel[i]; k++) {
-        if (dt == DDP_F32) ((float *)o->in[i]->value.data)[k] = (float)data[i][k];
-        else ((double *)o->in[i]->value.data)[k] = data[i][k];
-      }
-    }
-  }
-  ddp_var_t **in = o->in;
+static ddp_status_t run_op(void *user, ddp_ctx_t *c, const ddp_test_tcase_t *tc, ddp_var_t **in,
+                           ddp_var_t **y) {
+  bn_state_t *bn = user;
   const char *op = tc->op;
-  ddp_status_t st = DDP_ERR_INTERNAL;
   double p = 0, eps = 1e-5, mom = 0.1, train = 0, dim = 0;
-  if (!strcmp(op, "linear")) st = ddp_linear(c, in[0], in[1], tc->nin > 2 ? in[2] : NULL, &o->y);
-  else if (!strcmp(op, "matmul")) st = ddp_matmul(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "add")) st = ddp_add(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "mul")) st = ddp_mul(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "bias_add")) st = ddp_bias_add(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "relu")) st = ddp_activation(c, DDP_ACT_RELU, in[0], &o->y);
-  else if (!strcmp(op, "gelu")) st = ddp_activation(c, strstr(tc->attrs, "tanh") ? DDP_ACT_GELU_TANH : DDP_ACT_GELU, in[0], &o->y);
-  else if (!strcmp(op, "tanh")) st = ddp_activation(c, DDP_ACT_TANH, in[0], &o->y);
-  else if (!strcmp(op, "sigmoid")) st = ddp_activation(c, DDP_ACT_SIGMOID, in[0], &o->y);
-  else if (!strcmp(op, "softmax")) st = ddp_softmax(c, in[0], &o->y);
-  else if (!strcmp(op, "log_softmax")) st = ddp_log_softmax(c, in[0], &o->y);
-  else if (!strcmp(op, "dropout")) {
+  if (!strcmp(op, "linear")) return ddp_linear(c, in[0], in[1], tc->nin > 2 ? in[2] : NULL, y);
+  if (!strcmp(op, "matmul")) return ddp_matmul(c, in[0], in[1], y);
+  if (!strcmp(op, "add")) return ddp_add(c, in[0], in[1], y);
+  if (!strcmp(op, "mul")) return ddp_mul(c, in[0], in[1], y);
+  if (!strcmp(op, "bias_add")) return ddp_bias_add(c, in[0], in[1], y);
+  if (!strcmp(op, "relu")) return ddp_activation(c, DDP_ACT_RELU, in[0], y);
+  if (!strcmp(op, "gelu"))
+    return ddp_activation(c, strstr(tc->attrs, "tanh") ? DDP_ACT_GELU_TANH : DDP_ACT_GELU, in[0], y);
+  if (!strcmp(op, "tanh")) return ddp_activation(c, DDP_ACT_TANH, in[0], y);
+  if (!strcmp(op, "sigmoid")) return ddp_activation(c, DDP_ACT_SIGMOID, in[0], y);
+  if (!strcmp(op, "softmax")) return ddp_softmax(c, in[0], y);
+  if (!strcmp(op, "log_softmax")) return ddp_log_softmax(c, in[0], y);
+  if (!strcmp(op, "dropout")) {
     get_attr_num(tc->attrs, "p", &p);
-    st = ddp_dropout(c, in[0], p, true, &o->y);
-  } else if (!strcmp(op, "layer_norm")) st = ddp_layer_norm(c, in[0], in[1], in[2], 1e-5, &o->y);
-  else if (!strcmp(op, "batch_norm")) {
+    return ddp_dropout(c, in[0], p, true, y);
+  }
+  if (!strcmp(op, "layer_norm")) return ddp_layer_norm(c, in[0], in[1], in[2], 1e-5, y);
+  if (!strcmp(op, "batch_norm")) {
     get_attr_num(tc->attrs, "training", &train);
     get_attr_num(tc->attrs, "momentum", &mom);
     get_attr_num(tc->attrs, "eps", &eps);
     ddp_tensor_t rm, rv;
     int64_t n = 4;
-    memcpy(o->rm, rm0, sizeof rm0);
-    memcpy(o->rv, rv0, sizeof rv0);
-    ddp_tensor_view(&rm, DDP_F64, 1, &n, o->rm);
-    ddp_tensor_view(&rv, DDP_F64, 1, &n, o->rv);
-    st = ddp_batch_norm(c, in[0], in[1], in[2], &rm, &rv, NULL, train != 0, mom, eps, &o->y);
-  } else if (!strcmp(op, "embedding")) st = ddp_embedding(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "reshape")) {
-    int64_t sh[3] = {2, -1, 3};
-    st = ddp_reshape(c, in[0], 3, sh, &o->y);
-  } else if (!strcmp(op, "concat")) {
-    get_attr_num(tc->attrs, "dim", &dim);
-    st = ddp_concat(c, (size_t)tc->nin, in, (int)dim, &o->y);
-  } else if (!strcmp(op, "sum")) st = ddp_sum(c, in[0], &o->y);
-  else if (!strcmp(op, "mean")) st = ddp_mean(c, in[0], &o->y);
-  else if (!strcmp(op, "mse_loss")) st = ddp_mse_loss(c, in[0], in[1], &o->y);
-  else if (!strcmp(op, "cross_entropy")) st = ddp_cross_entropy(c, in[0], in[1], -100, &o->y);
-  if (st != DDP_OK) fail_msg("%s: %s", tc->name, ddp_ctx_last_error(c)->msg);
-  if (!gout) return;
-  ddp_tensor_t g;
-  ddp_var_t *y = o->y;
-  void *gbuf = malloc((size_t)y->value.numel * 8);
-  for (int64_t k = 0; k < y->value.numel; k++) {
-    if (dt == DDP_F32) ((float *)gbuf)[k] = (float)gout[k];
-    else ((double *)gbuf)[k] = gout[k];
+    memcpy(bn->rm, rm0, sizeof rm0);
+    memcpy(bn->rv, rv0, sizeof rv0);
+    ddp_tensor_view(&rm, DDP_F64, 1, &n, bn->rm);
+    ddp_tensor_view(&rv, DDP_F64, 1, &n, bn->rv);
+    return ddp_batch_norm(c, in[0], in[1], in[2], &rm, &rv, NULL, train != 0, mom, eps, y);
   }
-  ddp_tensor_view(&g, dt, y->value.ndim, y->value.shape, gbuf);
-  assert_int_equal(ddp_backward_multi(c, 1, &y, &g), DDP_OK);
-  free(gbuf);
+  if (!strcmp(op, "embedding")) return ddp_embedding(c, in[0], in[1], y);
+  if (!strcmp(op, "reshape")) {
+    int64_t sh[3] = {2, -1, 3};
+    return ddp_reshape(c, in[0], 3, sh, y);
+  }
+  if (!strcmp(op, "concat")) {
+    get_attr_num(tc->attrs, "dim", &dim);
+    return ddp_concat(c, (size_t)tc->nin, in, (int)dim, y);
+  }
+  if (!strcmp(op, "sum")) return ddp_sum(c, in[0], y);
+  if (!strcmp(op, "mean")) return ddp_mean(c, in[0], y);
+  if (!strcmp(op, "mse_loss")) return ddp_mse_loss(c, in[0], in[1], y);
+  if (!strcmp(op, "cross_entropy")) return ddp_cross_entropy(c, in[0], in[1], -100, y);
+  fail_msg("unknown op %s", op);
+  return DDP_ERR_INTERNAL;
 }
 
 static double val(const void *p, ddp_dtype_t dt, int64_t k) {
@@ -247,140 +186,63 @@ static double rel_err(const void *a, const void *b, ddp_dtype_t dt, int64_t n) {
   return rel_err_floor(a, b, dt, n, 1e-3);
 }
 
+/* Dropout: torch multiplies by libddp's mask, read off libddp's output. Batch norm: the
+ * running statistics go in as files. */
+static void prepare_op(void *user, ddp_ctx_t *c, const ddp_test_tcase_t *tc, ddp_dtype_t dt,
+                       double **data, const int64_t *numel, const ddp_var_t *y, const char *dir) {
+  (void)user;
+  (void)c;
+  size_t es = ddp_dtype_size(dt);
+  if (!strcmp(tc->op, "dropout")) {
+    double p = 0.3;
+    for (int64_t k = 0; k < numel[0]; k++)
+      data[1][k] = val(y->value.data, dt, k) == 0 && data[0][k] != 0 ? 0 : 1.0 / (1.0 - p);
+  }
+  if (!strcmp(tc->op, "batch_norm")) {
+    float f[4];
+    double d[4];
+    for (int k = 0; k < 4; k++) {
+      f[k] = (float)rm0[k];
+      d[k] = rm0[k];
+    }
+    ddp_test_write_bin(dir, "rm.bin", dt == DDP_F32 ? (void *)f : (void *)d, 4 * es);
+    for (int k = 0; k < 4; k++) {
+      f[k] = (float)rv0[k];
+      d[k] = rv0[k];
+    }
+    ddp_test_write_bin(dir, "rv.bin", dt == DDP_F32 ? (void *)f : (void *)d, 4 * es);
+  }
+}
+
+/* Batch norm's running statistics after the step equal torch's. */
+static void check_op(void *user, const ddp_test_tcase_t *tc, ddp_dtype_t dt, const char *dir) {
+  bn_state_t *bn = user;
+  if (strcmp(tc->op, "batch_norm") != 0) return;
+  size_t es = ddp_dtype_size(dt);
+  void *r1 = malloc(4 * es), *r2 = malloc(4 * es);
+  ddp_test_read_bin(dir, "rm_out.bin", r1, 4 * es);
+  ddp_test_read_bin(dir, "rv_out.bin", r2, 4 * es);
+  for (int k = 0; k < 4; k++) {
+    /* running stats are kept in f64 here; torch's in the case dtype */
+    double tolr = dt == DDP_F32 ? 1e-6 : 1e-14;
+    if (!(fabs(bn->rm[k] - val(r1, dt, k)) <= tolr * (1 + fabs(bn->rm[k]))))
+      fail_msg("%s running_mean[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rm[k], val(r1, dt, k));
+    if (!(fabs(bn->rv[k] - val(r2, dt, k)) <= tolr * (1 + fabs(bn->rv[k]))))
+      fail_msg("%s running_var[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rv[k], val(r2, dt, k));
+  }
+  free(r1);
+  free(r2);
+}
+
 static void ops_vs_torch(ddp_dtype_t dt, double tol) {
   NEED_TORCH();
-  ddp_ctx_t *c;
-  assert_int_equal(ddp_ctx_create(&c), DDP_OK);
   char root[300];
   snprintf(root, sizeof root, "%s/ops_%s", g_dir, dt == DDP_F32 ? "f32" : "f64");
   assert_int_equal(mkdir(root, 0700), 0);
-  const char *dts = dt == DDP_F32 ? "f32" : "f64";
-  size_t es = ddp_dtype_size(dt);
-  ddp_rng_t rng;
-  ddp_rng_init(&rng, 2024, 1);
-  static double *data[NCASES][3];
-  static int64_t numel[NCASES][3];
-  static double *gout[NCASES];
-  for (size_t ci = 0; ci < NCASES; ci++) {
-    const tcase_t *tc = &tcases[ci];
-    char dir[400];
-    snprintf(dir, sizeof dir, "%s/%02zu_%s", root, ci, tc->name);
-    assert_int_equal(mkdir(dir, 0700), 0);
-    for (int i = 0; i < tc->nin; i++) {
-      const tin_t *g = &tc->in[i];
-      numel[ci][i] = 1;
-      for (int d = 0; d < g->ndim; d++) numel[ci][i] *= g->shape[d];
-      data[ci][i] = malloc((size_t)numel[ci][i] * sizeof(double));
-      for (int64_t k = 0; k < numel[ci][i]; k++) {
-        if (g->kind == 1) data[ci][i][k] = (double)(ddp_rng_u32(&rng) % (uint32_t)g->hi);
-        else if (g->kind == 2) data[ci][i][k] = k % 3 == 1 ? -100 : (double)(ddp_rng_u32(&rng) % (uint32_t)g->hi);
-        else data[ci][i][k] = ddp_rng_uniform_f64(&rng) * 2 - 1;
-      }
-    }
-    /* Forward once to learn the output shape; the dropout mask comes from libddp's run. */
-    run_out_t o;
-    run_c(c, tc, dt, data[ci], numel[ci], NULL, &o);
-    if (!strcmp(tc->op, "dropout")) {
-      double p = 0.3;
-      for (int64_t k = 0; k < numel[ci][0]; k++)
-        data[ci][1][k] = val(o.y->value.data, dt, k) == 0 && data[ci][0][k] != 0 ? 0 : 1.0 / (1.0 - p);
-    }
-    int64_t yn = o.y->value.numel;
-    gout[ci] = malloc((size_t)yn * sizeof(double));
-    for (int64_t k = 0; k < yn; k++) gout[ci][k] = ddp_rng_uniform_f64(&rng) * 2 - 1;
-    /* case.json and inputs */
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "op", tc->op);
-    cJSON_AddStringToObject(j, "dtype", dts);
-    cJSON_AddItemToObject(j, "attrs", cJSON_Parse(tc->attrs));
-    cJSON *ins = cJSON_AddArrayToObject(j, "inputs");
-    for (int i = 0; i < tc->nin; i++) {
-      const tin_t *g = &tc->in[i];
-      bool ids = g->kind == 1 || g->kind == 2;
-      cJSON *e = cJSON_CreateObject();
-      cJSON_AddStringToObject(e, "dtype", ids ? "i64" : dts);
-      cJSON *sh = cJSON_AddArrayToObject(e, "shape");
-      for (int d = 0; d < g->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)g->shape[d]));
-      cJSON_AddBoolToObject(e, "requires_grad", g->rg);
-      cJSON_AddItemToArray(ins, e);
-      char fn[16];
-      snprintf(fn, sizeof fn, "in%d.bin", i);
-      void *buf = malloc((size_t)numel[ci][i] * 8);
-      for (int64_t k = 0; k < numel[ci][i]; k++) {
-        if (ids) ((int64_t *)buf)[k] = (int64_t)data[ci][i][k];
-        else if (dt == DDP_F32) ((float *)buf)[k] = (float)data[ci][i][k];
-        else ((double *)buf)[k] = data[ci][i][k];
-      }
-      write_file(dir, fn, buf, (size_t)numel[ci][i] * (ids ? 8 : es));
-      free(buf);
-    }
-    char *text = cJSON_Print(j);
-    write_text(dir, "case.json", text);
-    free(text);
-    cJSON_Delete(j);
-    void *gb = malloc((size_t)yn * 8);
-    for (int64_t k = 0; k < yn; k++) {
-      if (dt == DDP_F32) ((float *)gb)[k] = (float)gout[ci][k];
-      else ((double *)gb)[k] = gout[ci][k];
-    }
-    write_file(dir, "gout.bin", gb, (size_t)yn * es);
-    free(gb);
-    if (!strcmp(tc->op, "batch_norm")) {
-      float f[4];
-      double d[4];
-      for (int k = 0; k < 4; k++) {
-        f[k] = (float)rm0[k];
-        d[k] = rm0[k];
-      }
-      write_file(dir, "rm.bin", dt == DDP_F32 ? (void *)f : (void *)d, 4 * es);
-      for (int k = 0; k < 4; k++) {
-        f[k] = (float)rv0[k];
-        d[k] = rv0[k];
-      }
-      write_file(dir, "rv.bin", dt == DDP_F32 ? (void *)f : (void *)d, 4 * es);
-    }
-  }
-  assert_int_equal(run_oracle("ops", root), 0);
-  for (size_t ci = 0; ci < NCASES; ci++) {
-    const tcase_t *tc = &tcases[ci];
-    char dir[400];
-    snprintf(dir, sizeof dir, "%s/%02zu_%s", root, ci, tc->name);
-    run_out_t o;
-    run_c(c, tc, dt, data[ci], numel[ci], gout[ci], &o);
-    int64_t yn = o.y->value.numel;
-    void *ref = malloc((size_t)yn * es);
-    read_file(dir, "out.bin", ref, (size_t)yn * es);
-    double e = rel_err(o.y->value.data, ref, dt, yn);
-    if (!(e < tol)) fail_msg("%s %s forward: rel err %.3g", tc->name, ddp_dtype_name(dt), e);
-    free(ref);
-    for (int i = 0; i < tc->nin; i++) {
-      if (!tc->in[i].rg) continue;
-      char fn[16];
-      snprintf(fn, sizeof fn, "grad%d.bin", i);
-      ref = malloc((size_t)numel[ci][i] * es);
-      read_file(dir, fn, ref, (size_t)numel[ci][i] * es);
-      assert_non_null(o.in[i]->grad.data);
-      e = rel_err(o.in[i]->grad.data, ref, dt, numel[ci][i]);
-      if (!(e < tol)) fail_msg("%s %s grad of input %d: rel err %.3g", tc->name, ddp_dtype_name(dt), i, e);
-      free(ref);
-    }
-    if (!strcmp(tc->op, "batch_norm")) {
-      void *r1 = malloc(4 * es), *r2 = malloc(4 * es);
-      read_file(dir, "rm_out.bin", r1, 4 * es);
-      read_file(dir, "rv_out.bin", r2, 4 * es);
-      for (int k = 0; k < 4; k++) {
-        /* running stats are kept in f64 here; torch's in the case dtype */
-        double tolr = dt == DDP_F32 ? 1e-6 : 1e-14;
-        assert_true(fabs(o.rm[k] - val(r1, dt, k)) <= tolr * (1 + fabs(o.rm[k])));
-        assert_true(fabs(o.rv[k] - val(r2, dt, k)) <= tolr * (1 + fabs(o.rv[k])));
-      }
-      free(r1);
-      free(r2);
-    }
-    for (int i = 0; i < tc->nin; i++) free(data[ci][i]);
-    free(gout[ci]);
-  }
-  ddp_ctx_destroy(c);
+  bn_state_t bn;
+  ddp_test_torch_ops_t o = {tcases, sizeof tcases / sizeof tcases[0], run_op, prepare_op, check_op,
+                            &bn};
+  ddp_test_ops_vs_torch(&o, root, dt, tol, NULL);
 }
 
 /* Every op's forward and input gradients equal torch's in f64 (rel 1e-10). */
@@ -427,7 +289,7 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
     assert_int_equal(ddp_var_new(c, DDP_F32, 2, xs, NULL, false, &x), DDP_OK);
     for (int64_t k = 0; k < B * xdim; k++) ((float *)x->value.data)[k] = ddp_rng_uniform(&g) * 2 - 1;
   }
-  write_file(dir, "x.bin", x->value.data, ddp_tensor_nbytes(&x->value));
+  ddp_test_write_bin(dir, "x.bin", x->value.data, ddp_tensor_nbytes(&x->value));
   ddp_var_t *y, *loss, *t;
   assert_int_equal(ddp_model_forward(m, c, x, flags, &y), DDP_OK);
   int64_t ncls = y->value.shape[1];
@@ -440,7 +302,7 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
     for (int64_t k = 0; k < t->value.numel; k++) ((float *)t->value.data)[k] = ddp_rng_uniform(&g);
     assert_int_equal(ddp_mse_loss(c, y, t, &loss), DDP_OK);
   }
-  write_file(dir, "t.bin", t->value.data, ddp_tensor_nbytes(&t->value));
+  ddp_test_write_bin(dir, "t.bin", t->value.data, ddp_tensor_nbytes(&t->value));
   char run[512];
   snprintf(run, sizeof run,
            "{\"x_dtype\": \"%s\", \"x_shape\": [%lld, %lld], \"loss\": \"%s\", \"flags\": %llu, "
@@ -451,16 +313,16 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   assert_int_equal(run_oracle("model", dir), 0);
 
   float *ref = malloc((size_t)y->value.numel * 4);
-  read_file(dir, "y.bin", ref, (size_t)y->value.numel * 4);
+  ddp_test_read_bin(dir, "y.bin", ref, (size_t)y->value.numel * 4);
   double e = rel_err(y->value.data, ref, DDP_F32, y->value.numel);
   if (!(e < tol)) fail_msg("%s: output rel err %.3g", tag, e);
   float lref;
-  read_file(dir, "loss.bin", &lref, 4);
+  ddp_test_read_bin(dir, "loss.bin", &lref, 4);
   assert_true(fabs(((float *)loss->value.data)[0] - lref) <= tol * fabs(lref));
   free(ref);
   ddp_tensor_t gf = ddp_model_flat_grads(m, DDP_F32);
   ref = malloc(ddp_tensor_nbytes(&gf));
-  read_file(dir, "grads.bin", ref, ddp_tensor_nbytes(&gf));
+  ddp_test_read_bin(dir, "grads.bin", ref, ddp_tensor_nbytes(&gf));
   /* Each parameter's error is relative to the largest gradient of the model: a gradient
    * that is zero in exact arithmetic (a bias followed by BatchNorm) is rounding noise on
    * both sides. */
@@ -480,7 +342,7 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   for (size_t i = 0; i < ddp_model_num_buffers(m); i++) nb += (size_t)ddp_model_buffer(m, i)->value.numel;
   if (nb) {
     double *bref = malloc(nb * 8);
-    read_file(dir, "buffers.bin", bref, nb * 8);
+    ddp_test_read_bin(dir, "buffers.bin", bref, nb * 8);
     size_t off = 0;
     for (size_t i = 0; i < ddp_model_num_buffers(m); i++) {
       ddp_buffer_t *b = ddp_model_buffer(m, i);

@@ -214,7 +214,94 @@ def run_op(op, attrs, xs):
         return F.mse_loss(xs[0], xs[1])
     if op == "cross_entropy":
         return F.cross_entropy(xs[0], xs[1], ignore_index=attrs.get("ignore_index", -100))
+    if op in TRANSFORMER_OPS:
+        return TRANSFORMER_OPS[op](attrs, xs)
     raise ValueError("unknown op %r" % op)
+
+
+# The transformer ops of libddp (ddp_conv1d ... ddp_causal_lm_loss), written the way
+# Hugging Face Transformers' GPT-2 and BERT modules compute them.
+
+def op_conv1d(attrs, xs):
+    """Transformers' Conv1D: addmm(bias, x.view(-1, in), weight) with weight [in, out]."""
+    x, w = xs[0], xs[1]
+    size_out = x.shape[:-1] + (w.shape[1],)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(xs[2], x2, w) if len(xs) > 2 else x2 @ w
+    return y.view(size_out)
+
+
+def op_bmm(attrs, xs):
+    b = xs[1].transpose(-1, -2) if attrs.get("trans_b") else xs[1]
+    return torch.matmul(xs[0], b)
+
+
+def heads(t, n_head):
+    """[B, T, C] -> [B, n_head, T, C / n_head] (GPT-2's _split_heads)."""
+    bsz, seq, c = t.shape
+    return t.view(bsz, seq, n_head, c // n_head).permute(0, 2, 1, 3)
+
+
+def op_split_heads(attrs, xs):
+    """GPT-2's c_attn output split into q, k, v heads; returned stacked along dim 0."""
+    x = xs[0]
+    q, k, v = x.split(x.shape[-1] // 3, dim=2)
+    n = attrs["n_head"]
+    return torch.cat([heads(q, n), heads(k, n), heads(v, n)], dim=0)
+
+
+def op_merge_heads(attrs, xs):
+    """[B, H, T, D] -> [B, T, H * D] (GPT-2's _merge_heads)."""
+    x = xs[0].permute(0, 2, 1, 3).contiguous()
+    return x.view(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
+
+
+def op_attention(attrs, xs):
+    """Scaled dot-product attention as Transformers writes it: q k^T divided by sqrt(d),
+    masked positions replaced by the dtype's most negative finite value (torch.where),
+    softmax, dropout (here: multiplied by libddp's mask, given as an input), then @ v.
+    Inputs: q, k, v [B, H, T, D], then the key mask [B, T] when attrs.key_mask, then the
+    dropout mask [B, H, T, T] when attrs.dropout."""
+    q, k, v = xs[0], xs[1], xs[2]
+    rest = list(xs[3:])
+    bsz, seq = q.shape[0], q.shape[2]
+    allowed = torch.ones(seq, seq, dtype=torch.bool)
+    if attrs.get("causal"):
+        allowed = torch.tril(allowed)
+    allowed = allowed.view(1, 1, seq, seq)
+    if attrs.get("key_mask"):
+        allowed = allowed & rest.pop(0).bool().view(bsz, 1, 1, seq)
+    w = torch.matmul(q, k.transpose(-1, -2))
+    w = w / torch.full([], attrs["inv_scale"], dtype=w.dtype)
+    lowest = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype)
+    w = torch.where(allowed, w, lowest)
+    w = F.softmax(w, dim=-1)
+    if attrs.get("dropout"):
+        w = w * rest.pop(0)
+    return torch.matmul(w, v)
+
+
+def op_causal_lm_loss(attrs, xs):
+    """GPT2LMHeadModel's loss: logits [..., :-1, :] against labels [..., 1:]."""
+    logits, labels = xs
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
+                           ignore_index=attrs.get("ignore_index", -100))
+
+
+TRANSFORMER_OPS = {
+    "conv1d": op_conv1d,
+    "bmm": op_bmm,
+    "permute": lambda attrs, xs: xs[0].permute(attrs["perm"]),
+    "narrow": lambda attrs, xs: xs[0].narrow(attrs["dim"], attrs["start"], attrs["length"]),
+    "scale": lambda attrs, xs: xs[0] * attrs["s"],
+    "split_heads": op_split_heads,
+    "to_heads": lambda attrs, xs: heads(xs[0], attrs["n_head"]),
+    "merge_heads": op_merge_heads,
+    "attention": op_attention,
+    "causal_lm_loss": op_causal_lm_loss,
+}
 
 
 def cmd_ops(root):

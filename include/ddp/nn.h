@@ -147,7 +147,9 @@ DDP_API ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_va
                                 ddp_var_t **y);
 /* y = a @ b; a [m, k], b [k, n]. */
 DDP_API ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
-/* Elementwise, same shapes. */
+/* Elementwise, same shapes. ddp_add also broadcasts b when b's shape, without leading dims
+ * of size 1, equals the trailing dims of a's (a [B, T, C] + b [T, C]); b's gradient is then
+ * summed over the repeated dims. */
 DDP_API ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
 DDP_API ddp_status_t ddp_mul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y);
 /* y = x + b broadcast over the last dim; b [x.shape[-1]]. */
@@ -199,6 +201,55 @@ DDP_API ddp_status_t ddp_mse_loss(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_
  * All targets ignored gives NaN, as in PyTorch. */
 DDP_API ddp_status_t ddp_cross_entropy(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *targets,
                                        int64_t ignore_index, ddp_var_t **y);
+
+/* Transformer operations (GPT-2, BERT). Same rules as above: F32 or F64 (ids, labels and
+ * masks I64), shape errors as DDP_ERR_INVALID_ARGUMENT with a message, gradients
+ * accumulated (+=), matrix work through ddp_gemm. Outputs are new contiguous tensors. */
+
+/* y = x @ w + b with w stored [in, out] (Transformers' Conv1D); x [..., in], b [out] or
+ * NULL; y [..., out]. Parameters fire bias first, then weight (PyTorch's addmm order). */
+DDP_API ddp_status_t ddp_conv1d(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b,
+                                ddp_var_t **y);
+/* Batched matmul over equal leading dims: a [..., m, k], b [..., k, n] (or [..., n, k] when
+ * trans_b) -> [..., m, n]; one gemm per leading index. */
+DDP_API ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b,
+                             ddp_var_t **y);
+/* y = x.permute(perm) as a contiguous copy; perm has x.ndim entries, each dim once
+ * (negative entries count from the end). */
+DDP_API ddp_status_t ddp_permute(ddp_ctx_t *c, ddp_var_t *x, const int *perm, ddp_var_t **y);
+/* y = x.narrow(dim, start, length) as a contiguous copy; dim and start may be negative
+ * (counted from the end). start + length beyond the dim's size is an error. */
+DDP_API ddp_status_t ddp_narrow(ddp_ctx_t *c, ddp_var_t *x, int dim, int64_t start,
+                                int64_t length, ddp_var_t **y);
+/* y = x * s, with s rounded to x's dtype. */
+DDP_API ddp_status_t ddp_scale(ddp_ctx_t *c, ddp_var_t *x, double s, ddp_var_t **y);
+/* Fused QKV split: x [B, T, 3C] -> q, k, v each [B, n_head, T, C/n_head]: q from the first C
+ * columns, then k, then v (Transformers' GPT-2 split and _split_heads). C not divisible by
+ * n_head is an error. */
+DDP_API ddp_status_t ddp_split_heads(ddp_ctx_t *c, ddp_var_t *x, int64_t n_head, ddp_var_t **q,
+                                     ddp_var_t **k, ddp_var_t **v);
+/* One projection's heads: x [B, T, C] -> [B, n_head, T, C/n_head] (BERT's query/key/value). */
+DDP_API ddp_status_t ddp_to_heads(ddp_ctx_t *c, ddp_var_t *x, int64_t n_head, ddp_var_t **y);
+/* Heads merged back: x [B, H, T, D] -> [B, T, H*D]. */
+DDP_API ddp_status_t ddp_merge_heads(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
+/* Scaled dot-product attention, q, k, v [B, H, T, D] -> [B, H, T, D]:
+ * scores = q k^T * scale; when causal, key j > query i is masked; key_mask is NULL or I64/F32
+ * [B, T] with 1 = attend, 0 = padding (masked for every query). Masked scores take the
+ * dtype's most negative finite value (Transformers' choice; a row with every key masked
+ * gets uniform probabilities). Softmax over keys with the max subtracted (exp in double,
+ * probabilities rounded to the dtype). When training and dropout_p > 0, dropout on the
+ * probabilities drawn exactly as ddp_dropout on a [B, H, T, T] tensor (same Philox stream,
+ * takes the next dropout call of the step). Then probs @ v. Saves only the probabilities
+ * for backward. */
+DDP_API ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp_var_t *v,
+                                   ddp_var_t *key_mask, bool causal, double scale,
+                                   double dropout_p, bool training, ddp_var_t **y);
+/* Causal-LM loss as Transformers' GPT2LMHeadModel: logits [B, T, V], labels I64 [B, T];
+ * position t's logits predict labels[t + 1]; mean cross-entropy over the B*(T-1) pairs whose
+ * label is not ignore_index (-100); no counted pair gives NaN. A label outside [0, V) other
+ * than ignore_index (labels[:, 0] is never read) is "Target t is out of bounds". */
+DDP_API ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labels,
+                                        int64_t ignore_index, ddp_var_t **y);
 
 /* ---------------------------------------------------------------- models ---------- */
 

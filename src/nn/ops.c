@@ -1,207 +1,64 @@
 /* Operations on the tape: forward kernels, and backward kernels that accumulate (+=) into
  * their inputs' gradients. Float kernels are written once for float and double through
  * DISPATCH, which binds T to the element type. Transcendentals are evaluated in double and
- * rounded to T. Matrix products go through ddp_gemm (the tensor layer owns BLAS). */
+ * rounded to T. This file holds the elementwise ops, activations, softmax, dropout,
+ * normalisation, embedding, reductions and losses; matrix products are in ops_matmul.c,
+ * layout copies in ops_shape.c, attention in ops_attention.c, the causal-LM loss in
+ * ops_lm_loss.c. */
 #include <math.h>
 #include <string.h>
 
-#include "nn/nn_internal.h"
-
-#define DISPATCH(dt, ...)          \
-  do {                             \
-    if ((dt) == DDP_F32) {         \
-      typedef float T;             \
-      __VA_ARGS__                  \
-    } else {                       \
-      typedef double T;            \
-      __VA_ARGS__                  \
-    }                              \
-  } while (0)
-
-#define OOM(c, op) ddp__ctx_error((c), DDP_ERR_NO_MEMORY, "%s: arena exhausted", (op))
-
-static bool is_float(ddp_dtype_t dt) { return dt == DDP_F32 || dt == DDP_F64; }
-
-static ddp_status_t check_float(ddp_ctx_t *c, const char *op, const ddp_var_t *v) {
-  DDP_REQUIRE(v);
-  if (!is_float(v->value.dtype))
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: expected F32 or F64, got %s", op,
-                          ddp_dtype_name(v->value.dtype));
-  return DDP_OK;
-}
-
-static ddp_status_t check_same(ddp_ctx_t *c, const char *op, const ddp_var_t *a,
-                               const ddp_var_t *b) {
-  DDP_CHECK(check_float(c, op, a));
-  DDP_CHECK(check_float(c, op, b));
-  if (a->value.dtype != b->value.dtype || !ddp_tensor_same_shape(&a->value, &b->value)) {
-    char sa[128], sb[128];
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: operands differ: %s vs %s", op,
-                          ddp_tensor_describe(&a->value, sa, sizeof sa),
-                          ddp_tensor_describe(&b->value, sb, sizeof sb));
-  }
-  return DDP_OK;
-}
-
-static int64_t last_dim(const ddp_var_t *v) {
-  return v->value.ndim ? v->value.shape[v->value.ndim - 1] : 1;
-}
-
-/* Output var shaped like x (or with the given shape) and, when needed, its node. */
-static ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_fn bw, ddp_dtype_t dt,
-                             int ndim, const int64_t *shape, size_t nin, ddp_var_t *const *ins,
-                             ddp_var_t **y, ddp_node_t **node) {
-  ddp_var_t *v = ddp__var_alloc(c, dt, ndim, shape);
-  if (!v) return OOM(c, op);
-  *node = NULL;
-  if (ddp__needs_grad(c, nin, ins)) {
-    *node = ddp__node_new(c, op, bw, v, nin, ins);
-    if (!*node) return OOM(c, op);
-  }
-  *y = v;
-  return DDP_OK;
-}
-
-static ddp_status_t gemm(ddp_ctx_t *c, const char *op, ddp_dtype_t dt, bool ta, bool tb,
-                         int64_t m, int64_t n, int64_t k, const void *a, int64_t lda,
-                         const void *b, int64_t ldb, double beta, void *cc, int64_t ldc) {
-  if (m == 0 || n == 0) return DDP_OK;
-  ddp_status_t st = ddp_gemm(dt, ta, tb, m, n, k, 1.0, a, lda, b, ldb, beta, cc, ldc);
-  if (st != DDP_OK) return ddp__ctx_error(c, st, "%s: gemm %lldx%lldx%lld failed", op,
-                                          (long long)m, (long long)n, (long long)k);
-  return DDP_OK;
-}
-
-/* ---------------------------------------------------------------- linear, matmul -- */
-
-static ddp_status_t bw_linear(ddp_ctx_t *c, ddp_node_t *n) {
-  ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->nin > 2 ? n->ins[2] : NULL;
-  ddp_dtype_t dt = x->value.dtype;
-  int64_t in = w->value.shape[1], out = w->value.shape[0];
-  int64_t rows = in ? x->value.numel / in : 0;
-  const void *gy = n->out->grad.data;
-  if (x->requires_grad) {
-    void *gx = ddp__grad(c, x);
-    if (!gx) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, false, false, rows, in, out, gy, out, w->value.data, in, 1.0,
-                   gx, in));
-  }
-  if (w->requires_grad) {
-    void *gw = ddp__grad(c, w);
-    if (!gw) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, true, false, out, in, rows, gy, out, x->value.data, in, 1.0,
-                   gw, in));
-  }
-  if (b && b->requires_grad) {
-    void *gb = ddp__grad(c, b);
-    if (!gb) return OOM(c, n->name);
-    DISPATCH(dt, {
-      T *g = gb;
-      const T *d = gy;
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < out; j++) g[j] += d[r * out + j];
-    });
-  }
-  return DDP_OK;
-}
-
-ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, ddp_var_t **y) {
-  DDP_REQUIRE(c && x && w && y);
-  const char *op = "linear";
-  DDP_CHECK(check_float(c, op, x));
-  DDP_CHECK(check_float(c, op, w));
-  ddp_dtype_t dt = x->value.dtype;
-  if (w->value.ndim != 2 || w->value.dtype != dt || x->value.ndim < 1 ||
-      last_dim(x) != w->value.shape[1] ||
-      (b && (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[0]))) {
-    char sx[128], sw[128];
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                          "linear: mat1 and mat2 shapes cannot be multiplied: x %s, weight %s%s",
-                          ddp_tensor_describe(&x->value, sx, sizeof sx),
-                          ddp_tensor_describe(&w->value, sw, sizeof sw),
-                          b ? " (or the bias does not match the weight)" : "");
-  }
-  int64_t in = w->value.shape[1], out = w->value.shape[0];
-  int64_t rows = in ? x->value.numel / in : 0;
-  int64_t shape[DDP_MAX_DIMS];
-  memcpy(shape, x->value.shape, sizeof shape);
-  shape[x->value.ndim - 1] = out;
-  ddp_var_t *ins[3] = {x, w, b};
-  ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_linear, dt, x->value.ndim, shape, b ? 3 : 2, ins, y, &n));
-  if (n) n->fire_reverse = true;
-  void *yd = (*y)->value.data;
-  if (b) {
-    DISPATCH(dt, {
-      T *o = yd;
-      const T *bb = b->value.data;
-      for (int64_t r = 0; r < rows; r++) memcpy(o + r * out, bb, (size_t)out * sizeof(T));
-    });
-  }
-  if (in == 0) return DDP_OK;
-  return gemm(c, op, dt, false, true, rows, out, in, x->value.data, in, w->value.data, in,
-              b ? 1.0 : 0.0, yd, out);
-}
-
-static ddp_status_t bw_matmul(ddp_ctx_t *c, ddp_node_t *n) {
-  ddp_var_t *a = n->ins[0], *b = n->ins[1];
-  ddp_dtype_t dt = a->value.dtype;
-  int64_t m = a->value.shape[0], k = a->value.shape[1], nn = b->value.shape[1];
-  const void *gy = n->out->grad.data;
-  if (a->requires_grad) {
-    void *ga = ddp__grad(c, a);
-    if (!ga) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, false, true, m, k, nn, gy, nn, b->value.data, nn, 1.0, ga, k));
-  }
-  if (b->requires_grad) {
-    void *gb = ddp__grad(c, b);
-    if (!gb) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, true, false, k, nn, m, a->value.data, k, gy, nn, 1.0, gb, nn));
-  }
-  return DDP_OK;
-}
-
-ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
-  DDP_REQUIRE(c && a && b && y);
-  DDP_CHECK(check_float(c, "matmul", a));
-  DDP_CHECK(check_float(c, "matmul", b));
-  if (a->value.ndim != 2 || b->value.ndim != 2 || a->value.dtype != b->value.dtype ||
-      a->value.shape[1] != b->value.shape[0]) {
-    char sa[128], sb[128];
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                          "matmul: shapes cannot be multiplied: %s @ %s",
-                          ddp_tensor_describe(&a->value, sa, sizeof sa),
-                          ddp_tensor_describe(&b->value, sb, sizeof sb));
-  }
-  int64_t shape[2] = {a->value.shape[0], b->value.shape[1]};
-  ddp_var_t *ins[2] = {a, b};
-  ddp_node_t *n;
-  DDP_CHECK(make_out(c, "matmul", bw_matmul, a->value.dtype, 2, shape, 2, ins, y, &n));
-  if (a->value.shape[1] == 0) return DDP_OK;
-  return gemm(c, "matmul", a->value.dtype, false, false, shape[0], shape[1], a->value.shape[1],
-              a->value.data, a->value.shape[1], b->value.data, shape[1], 0.0, (*y)->value.data,
-              shape[1]);
-}
+#include "nn/ops_common.h"
 
 /* ---------------------------------------------------------------- add, mul, bias -- */
 
+/* b may be broadcast (fewer elements than the output): its gradient sums the output's
+ * gradient over the repeated rows, in row order. */
 static ddp_status_t bw_add(ddp_ctx_t *c, ddp_node_t *n) {
   for (size_t i = 0; i < 2; i++) {
     ddp_var_t *v = n->ins[i];
     if (!v->requires_grad) continue;
     void *g = ddp__grad(c, v);
     if (!g) return OOM(c, n->name);
+    int64_t bn = v->value.numel, rows = bn ? n->out->value.numel / bn : 0;
     DISPATCH(v->value.dtype, {
       T *d = g;
       const T *s = n->out->grad.data;
-      for (int64_t k = 0; k < v->value.numel; k++) d[k] += s[k];
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < bn; k++) d[k] += s[r * bn + k];
     });
   }
   return DDP_OK;
 }
 
+/* Whether b broadcasts against a: b's shape, without leading dims of size 1, equals the
+ * trailing dims of a's shape. */
+static bool add_broadcasts(const ddp_tensor_t *a, const ddp_tensor_t *b) {
+  int lead = 0;
+  while (lead < b->ndim && b->shape[lead] == 1) lead++;
+  if (b->ndim > a->ndim || a->dtype != b->dtype) return false;
+  for (int i = lead; i < b->ndim; i++)
+    if (b->shape[i] != a->shape[a->ndim - b->ndim + i]) return false;
+  return true;
+}
+
 ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
   DDP_REQUIRE(c && a && b && y);
+  if (!ddp_tensor_same_shape(&a->value, &b->value) && is_float(a->value.dtype) &&
+      is_float(b->value.dtype) && add_broadcasts(&a->value, &b->value)) {
+    ddp_var_t *ins[2] = {a, b};
+    ddp_node_t *n;
+    DDP_CHECK(make_out(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y,
+                       &n));
+    int64_t bn = b->value.numel, rows = bn ? a->value.numel / bn : 0;
+    DISPATCH(a->value.dtype, {
+      T *o = (*y)->value.data;
+      const T *x0 = a->value.data, *x1 = b->value.data;
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < bn; k++) o[r * bn + k] = x0[r * bn + k] + x1[k];
+    });
+    return DDP_OK;
+  }
   DDP_CHECK(check_same(c, "add", a, b));
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
@@ -722,123 +579,6 @@ ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, ddp_var_t
   size_t row = (size_t)D * ddp_dtype_size(w->value.dtype);
   for (int64_t i = 0; i < ids->value.numel; i++)
     memcpy((char *)(*y)->value.data + i * row, (const char *)w->value.data + id[i] * row, row);
-  return DDP_OK;
-}
-
-/* ---------------------------------------------------------------- reshape, concat - */
-
-static ddp_status_t bw_copy_through(ddp_ctx_t *c, ddp_node_t *n) {
-  ddp_var_t *x = n->ins[0];
-  void *g = ddp__grad(c, x);
-  if (!g) return OOM(c, n->name);
-  DISPATCH(x->value.dtype, {
-    T *gx = g;
-    const T *gy = n->out->grad.data;
-    for (int64_t k = 0; k < x->value.numel; k++) gx[k] += gy[k];
-  });
-  return DDP_OK;
-}
-
-ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape, ddp_var_t **y) {
-  DDP_REQUIRE(c && x && y && (ndim == 0 || shape));
-  if (ndim < 0 || ndim > DDP_MAX_DIMS)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: ndim %d", ndim);
-  int64_t sh[DDP_MAX_DIMS];
-  int infer = -1;
-  int64_t known = 1;
-  for (int i = 0; i < ndim; i++) {
-    sh[i] = shape[i];
-    if (shape[i] == -1 && infer < 0) {
-      infer = i;
-    } else if (shape[i] < 0) {
-      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: invalid dim %lld", (long long)shape[i]);
-    } else {
-      known *= shape[i];
-    }
-  }
-  if (infer >= 0) sh[infer] = known ? x->value.numel / known : 0;
-  int64_t numel = 1;
-  for (int i = 0; i < ndim; i++) numel *= sh[i];
-  if (numel != x->value.numel) {
-    char s[128];
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                          "reshape: shape is invalid for input %s (%lld elements requested)",
-                          ddp_tensor_describe(&x->value, s, sizeof s), (long long)numel);
-  }
-  ddp_var_t *v = ddp__arena_zalloc(c, sizeof *v);
-  if (!v) return OOM(c, "reshape");
-  ddp_tensor_view(&v->value, x->value.dtype, ndim, sh, x->value.data);
-  if (is_float(x->value.dtype) && ddp__needs_grad(c, 1, &x)) {
-    if (!ddp__node_new(c, "reshape", bw_copy_through, v, 1, &x)) return OOM(c, "reshape");
-  }
-  *y = v;
-  return DDP_OK;
-}
-
-/* The output is outer blocks, each the concatenation of every input's block of
- * shape[dim] * inner elements. */
-static ddp_status_t bw_concat(ddp_ctx_t *c, ddp_node_t *n) {
-  int dim = (int)n->i0;
-  const ddp_tensor_t *yv = &n->out->value;
-  int64_t outer = 1, inner = 1;
-  for (int i = 0; i < dim; i++) outer *= yv->shape[i];
-  for (int i = dim + 1; i < yv->ndim; i++) inner *= yv->shape[i];
-  size_t es = ddp_dtype_size(yv->dtype);
-  int64_t yrow = yv->shape[dim] * inner, off = 0;
-  for (size_t k = 0; k < n->nin; k++) {
-    ddp_var_t *x = n->ins[k];
-    int64_t blk = x->value.shape[dim] * inner;
-    if (x->requires_grad) {
-      void *g = ddp__grad(c, x);
-      if (!g) return OOM(c, n->name);
-      DISPATCH(yv->dtype, {
-        T *gx = g;
-        const T *gy = n->out->grad.data;
-        for (int64_t o = 0; o < outer; o++)
-          for (int64_t j = 0; j < blk; j++) gx[o * blk + j] += gy[o * yrow + off + j];
-      });
-    }
-    off += blk;
-  }
-  (void)es;
-  return DDP_OK;
-}
-
-ddp_status_t ddp_concat(ddp_ctx_t *c, size_t nx, ddp_var_t *const *xs, int dim, ddp_var_t **y) {
-  DDP_REQUIRE(c && xs && y && nx > 0);
-  const ddp_tensor_t *x0 = &xs[0]->value;
-  DDP_CHECK(check_float(c, "concat", xs[0]));
-  if (dim < 0) dim += x0->ndim;
-  if (dim < 0 || dim >= x0->ndim)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "concat: dim %d out of range for %dD", dim, x0->ndim);
-  int64_t shape[DDP_MAX_DIMS];
-  memcpy(shape, x0->shape, sizeof shape);
-  shape[dim] = 0;
-  for (size_t k = 0; k < nx; k++) {
-    const ddp_tensor_t *t = &xs[k]->value;
-    bool ok = t->dtype == x0->dtype && t->ndim == x0->ndim;
-    for (int i = 0; ok && i < t->ndim; i++) ok = i == dim || t->shape[i] == x0->shape[i];
-    if (!ok)
-      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                            "concat: sizes of tensors must match except in dimension %d "
-                            "(tensor %zu differs)", dim, k);
-    shape[dim] += t->shape[dim];
-  }
-  ddp_node_t *n;
-  DDP_CHECK(make_out(c, "concat", bw_concat, x0->dtype, x0->ndim, shape, nx, xs, y, &n));
-  if (n) n->i0 = dim;
-  int64_t outer = 1, inner = 1;
-  for (int i = 0; i < dim; i++) outer *= shape[i];
-  for (int i = dim + 1; i < x0->ndim; i++) inner *= shape[i];
-  size_t es = ddp_dtype_size(x0->dtype);
-  int64_t yrow = shape[dim] * inner, off = 0;
-  for (size_t k = 0; k < nx; k++) {
-    int64_t blk = xs[k]->value.shape[dim] * inner;
-    for (int64_t o = 0; o < outer; o++)
-      memcpy((char *)(*y)->value.data + (size_t)(o * yrow + off) * es,
-             (const char *)xs[k]->value.data + (size_t)(o * blk) * es, (size_t)blk * es);
-    off += blk;
-  }
   return DDP_OK;
 }
 
