@@ -17,6 +17,14 @@
  *   beyond tolerance in the order above, with its flat row-major index and coordinates.
  * - Bucket layouts (rank{r}/ddp.json "bucket_layouts" initial and rebuilt) are compared when
  *   both dumps have them; a layout that differs counts as a difference.
+ * - local_grad.<name> (each rank's gradient before communication, --dump_local_grads) is
+ *   compared when both dumps hold it and skipped otherwise. For the first step with a
+ *   difference the report says whether the local gradients already differed there or
+ *   earlier ("local gradients already differ": the compute side), or only the averaged
+ *   grad.* did ("only the averaged gradients differ": communication or a comm hook), or
+ *   neither (the optimizer step or the buffers).
+ * - grads_none (the names whose .grad was None) must be equal on both sides for every step
+ *   and rank where both files record it; a mismatch counts as a difference.
  * - Exit status: 0 when everything is within tolerance, 1 when something is not, 2 for bad
  *   input (a missing directory or file, a corrupt file, different world sizes, tensor names,
  *   dtypes or shapes), with a message naming the file and the tensor.
@@ -87,6 +95,13 @@ typedef struct cmp {
   cJSON *layouts;         /* per rank: {"rank", "initial", "rebuilt"} */
   bool layout_differs;
   char layout_msg[512];
+  /* Where differences start, per kind (INT32_MAX: none): local_grad.*, grad.*. */
+  int first_local_step, first_grad_step;
+  int first_local_rank;
+  char first_local_tensor[256];
+  bool have_local;        /* both dumps held local_grad.* somewhere */
+  int none_step, none_rank; /* the first grads_none mismatch (none_step INT32_MAX: none) */
+  char none_msg[512];
   char err[1024];         /* bad-input message */
 } cmp_t;
 
@@ -258,6 +273,12 @@ static int compare_tensor(cmp_t *c, int step, int rank, const char *name,
     if (!(rel <= emax_rel)) emax_rel = rel;
     if (!within) {
       ebeyond++;
+      if (!strncmp(name, "local_grad.", 11) && step < c->first_local_step) {
+        c->first_local_step = step;
+        c->first_local_rank = rank;
+        snprintf(c->first_local_tensor, sizeof c->first_local_tensor, "%s", name);
+      }
+      if (!strncmp(name, "grad.", 5) && step < c->first_grad_step) c->first_grad_step = step;
       if (!c->first.set) {
         first_fail_t *f = &c->first;
         f->set = true;
@@ -324,7 +345,9 @@ static int compare_files(cmp_t *c, int step, int rank, const char *pa, const cha
     ddp_tensor_t ta, tb;
     char da[64], db[64];
     if (!selected(c, name)) continue;
+    bool local = !strncmp(name, "local_grad.", 11);
     if (ddp_st_find(fb, name, &j) != DDP_OK) {
+      if (local) continue; /* local gradients are optional on either side */
       rc = bad(c, "tensor %s is in %s but not in %s", name, pa, pb);
       break;
     }
@@ -338,13 +361,23 @@ static int compare_files(cmp_t *c, int step, int rank, const char *pa, const cha
                ddp_tensor_describe(&tb, db, sizeof db), pb);
       break;
     }
+    if (local) c->have_local = true;
     rc = compare_tensor(c, step, rank, name, &ta, &tb);
   }
   for (size_t j = 0; rc == 0 && fb && j < ddp_st_count(fb); j++) {
     size_t i;
     const char *name = ddp_st_name(fb, j);
-    if (selected(c, name) && ddp_st_find(fa, name, &i) != DDP_OK)
+    if (selected(c, name) && strncmp(name, "local_grad.", 11) != 0 &&
+        ddp_st_find(fa, name, &i) != DDP_OK)
       rc = bad(c, "tensor %s is in %s but not in %s", name, pb, pa);
+  }
+  if (rc == 0 && step >= 0 && step < c->none_step) {
+    const char *na = ddp_st_meta_get(fa, "grads_none"), *nb = ddp_st_meta_get(fb, "grads_none");
+    if (na && nb && strcmp(na, nb) != 0) {
+      c->none_step = step;
+      c->none_rank = rank;
+      snprintf(c->none_msg, sizeof c->none_msg, "A \"%.200s\", B \"%.200s\"", na, nb);
+    }
   }
   if (rc == 0 && step >= 0) {
     const char *la = ddp_st_meta_get(fa, "loss"), *lb = ddp_st_meta_get(fb, "loss");
@@ -507,7 +540,33 @@ static int run(cmp_t *c) {
   if (c->o.layouts)
     for (int r = r0; r < r1; r++)
       if ((rc = compare_layouts(c, r)) != 0) return rc;
-  return (c->first.set || c->layout_differs) ? 1 : 0;
+  return (c->first.set || c->layout_differs || c->none_step != INT32_MAX) ? 1 : 0;
+}
+
+/* Where the first differing step's difference comes from (see the header comment):
+ * a stable verdict name and a sentence. NULL when nothing differs. */
+static const char *diagnosis(const cmp_t *c, char *text, size_t cap) {
+  if (!c->first.set || c->first.step < 0) return NULL;
+  int s = c->first.step;
+  if (c->first_local_step <= s) {
+    snprintf(text, cap,
+             "step %d: local gradients already differ (compute): first at step %d, rank %d, "
+             "%s", s, c->first_local_step, c->first_local_rank, c->first_local_tensor);
+    return "local_gradients_differ";
+  }
+  if (!c->have_local) {
+    snprintf(text, cap, "step %d: no local_grad.* in both dumps (--dump_local_grads) to place it",
+             s);
+    return "unknown";
+  }
+  if (c->first_grad_step == s) {
+    snprintf(text, cap,
+             "step %d: only the averaged gradients differ (communication or hook); the local "
+             "gradients agree", s);
+    return "averaged_gradients_differ";
+  }
+  snprintf(text, cap, "step %d: the gradients agree; the optimizer step or the buffers differ", s);
+  return "gradients_agree";
 }
 
 /* ------------------------------------------------------------ output ------------------ */
@@ -566,6 +625,9 @@ static void print_table(const cmp_t *c, int rc) {
            str_or(e, "rebuilt", "?"));
   if (cJSON_GetArraySize(c->layouts) > 0) printf("\n");
   if (c->layout_differs) printf("layout difference: %s\n", c->layout_msg);
+  if (c->none_step != INT32_MAX)
+    printf("\ngrads_none differs at step %d, rank %d: %s\n", c->none_step, c->none_rank,
+           c->none_msg);
   if (c->first.set) {
     const first_fail_t *f = &c->first;
     char sl[16];
@@ -575,6 +637,8 @@ static void print_table(const cmp_t *c, int rc) {
     for (int k = 0; k < f->ndim; k++) printf(k ? ", %lld" : "%lld", (long long)f->coords[k]);
     printf("]: a=%.9g b=%.9g |a-b|=%.4g rel=%.4g ulps=%llu\n", f->a, f->b, f->abs, f->rel,
            (unsigned long long)f->ulps);
+    char dt[600];
+    if (diagnosis(c, dt, sizeof dt)) printf("diagnosis: %s\n", dt);
   }
   printf("\nresult: %s\n", rc == 0 ? "within tolerance" : "BEYOND TOLERANCE");
 }
@@ -612,8 +676,24 @@ static void print_json(const cmp_t *c, int rc) {
       cJSON_AddNumberToObject(ff, "abs", f->abs);
       cJSON_AddNumberToObject(ff, "rel", f->rel);
       cJSON_AddNumberToObject(ff, "ulps", (double)f->ulps);
+      char dt[600];
+      const char *v = diagnosis(c, dt, sizeof dt);
+      if (v) {
+        cJSON *dg = cJSON_AddObjectToObject(root, "diagnosis");
+        cJSON_AddNumberToObject(dg, "step", f->step);
+        cJSON_AddStringToObject(dg, "verdict", v);
+        cJSON_AddStringToObject(dg, "text", dt);
+      }
     } else {
       cJSON_AddNullToObject(root, "first_failure");
+    }
+    if (c->none_step != INT32_MAX) {
+      cJSON *gn = cJSON_AddObjectToObject(root, "grads_none_mismatch");
+      cJSON_AddNumberToObject(gn, "step", c->none_step);
+      cJSON_AddNumberToObject(gn, "rank", c->none_rank);
+      cJSON_AddStringToObject(gn, "detail", c->none_msg);
+    } else {
+      cJSON_AddNullToObject(root, "grads_none_mismatch");
     }
     cJSON *hl = cJSON_AddArrayToObject(root, "ulp_buckets");
     for (int k = 0; k < NHIST; k++) cJSON_AddItemToArray(hl, cJSON_CreateString(hist_label[k]));
@@ -705,6 +785,7 @@ static int split_only(cmp_t *c, const char *arg) {
 int main(int argc, char **argv) {
   cmp_t c;
   memset(&c, 0, sizeof c);
+  c.first_local_step = c.first_grad_step = c.none_step = INT32_MAX;
   c.o.rtol = 1e-5;
   c.o.atol = 1e-7;
   c.o.layouts = true;

@@ -58,7 +58,7 @@ class Seq(nn.Sequential):
 
     def forward(self, x, flags=0):
         for m in self:
-            x = m(x, flags) if isinstance(m, (Seq, Residual, Branch, Checkpoint, Named)) else m(x)
+            x = m(x, flags) if isinstance(m, FLAGGED) else m(x)
         return x
 
 
@@ -95,6 +95,43 @@ class Checkpoint(nn.Module):
                                                  use_reentrant=True)
 
 
+class Add(nn.Module):
+    """The sum of its branches on the same input, left to right; a branch with a flag runs
+    (and is added) only when that bit of the flags is set (docs/nn.md, "add")."""
+
+    def __init__(self, keys, bodies, flags):
+        super().__init__()
+        self.keys, self.flags = keys, flags
+        for k, b in zip(keys, bodies):
+            self.add_module(k, b)
+
+    def forward(self, x, flags=0):
+        y = None
+        for k, f in zip(self.keys, self.flags):
+            if f is not None and not (flags >> f) & 1:
+                continue
+            h = getattr(self, k)(x, flags)
+            y = h if y is None else y + h
+        if y is None:
+            raise ValueError("add: no branch is active under forward flags %#x" % flags)
+        return y
+
+
+def child_key(spec, k):
+    """A layer's or branch's key in its parent: its "name", else its position."""
+    return spec["name"] if isinstance(spec, dict) and "name" in spec else str(k)
+
+
+def build_add(spec, dtype):
+    keys, bodies, flags = [], [], []
+    for k, br in enumerate(spec["branches"]):
+        keys.append(child_key(br, k))
+        layers = br["layers"] if isinstance(br, dict) else br
+        bodies.append(build_seq(layers, dtype))
+        flags.append(br.get("flag") if isinstance(br, dict) else None)
+    return Add(keys, bodies, flags)
+
+
 def build_layer(spec, dtype):
     t = spec["type"]
     if t == "linear":
@@ -124,6 +161,8 @@ def build_layer(spec, dtype):
         m = Branch(build_seq(spec["layers"], dtype), spec.get("flag", 0))
     elif t == "checkpoint":
         m = Checkpoint(build_seq(spec["layers"], dtype))
+    elif t == "add":
+        m = build_add(spec, dtype)
     else:
         raise ValueError("unknown layer type %r" % t)
     if spec.get("frozen"):
@@ -133,7 +172,8 @@ def build_layer(spec, dtype):
 
 
 def build_seq(layers, dtype):
-    return Seq(*[build_layer(s, dtype) for s in layers])
+    from collections import OrderedDict
+    return Seq(OrderedDict((child_key(s, k), build_layer(s, dtype)) for k, s in enumerate(layers)))
 
 
 class Named(nn.Module):
@@ -146,6 +186,10 @@ class Named(nn.Module):
 
     def forward(self, x, flags=0):
         return getattr(self, self.attr)(x, flags)
+
+
+# Modules whose forward takes the flags (resolved when a Seq runs).
+FLAGGED = (Seq, Residual, Branch, Checkpoint, Add, Named)
 
 
 def build_model(spec):

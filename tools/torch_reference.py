@@ -84,7 +84,20 @@ def parse_args(argv):
                    default="constant", help="Hugging Face's schedules (default constant)")
     p.add_argument("--warmup_steps", type=int, default=0)
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
+    p.add_argument("--optim_args", default="",
+                   help="Hugging Face's key=value,...: sgd takes momentum, dampening, nesterov "
+                        "(momentum here wins over --momentum)")
     p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--weight_decay_grouping", choices=("all", "transformers"), default="all",
+                   help="all: every parameter, as torch.optim on model.parameters() (default); "
+                        "transformers: Hugging Face's groups, no decay on biases and LayerNorm "
+                        "weights (ddp-train's default)")
+    p.add_argument("--zero_grad_set_to_none", type=parse_bool, default=False,
+                   help="optimizer.zero_grad(set_to_none=...) after each step (default false, "
+                        "1.13's; ddp-train's default is true)")
+    p.add_argument("--dump_local_grads", type=parse_bool, nargs="?", const=True, default=False,
+                   help="also write local_grad.<name>: each rank's gradient before DDP "
+                        "communicates it")
     p.add_argument("--adam_beta1", type=float, default=0.9)
     p.add_argument("--adam_beta2", type=float, default=0.999)
     p.add_argument("--adam_epsilon", type=float, default=1e-8)
@@ -108,14 +121,16 @@ def parse_args(argv):
     p.add_argument("--loss", choices=("auto", "ce", "mse", "causal_lm"), default="auto",
                    help="auto: causal_lm for GPT-2, else cross-entropy for integer labels, "
                         "MSE otherwise")
-    p.add_argument("--shuffle", type=parse_bool, default=True, help="DistributedSampler shuffle")
+    p.add_argument("--shuffle", "--dataloader_shuffle", dest="shuffle", type=parse_bool,
+                   default=True, help="DistributedSampler shuffle")
     p.add_argument("--data_seed", type=int, default=None,
                    help="DistributedSampler seed (default: --seed, as Hugging Face)")
     p.add_argument("--sampler_drop_last", type=parse_bool, default=False)
     p.add_argument("--dataloader_drop_last", type=parse_bool, default=False)
-    p.add_argument("--flags", default="0",
-                   help="forward flags for branch layers: one integer, or one per rank "
-                        "separated by commas (the list is cycled)")
+    p.add_argument("--flags", "--forward_flags", dest="flags", default="0",
+                   help="forward flags for branch layers: one entry per rank separated by "
+                        "commas (cycled over the ranks); an entry is one integer or one per "
+                        "optimizer step separated by colons (cycled over the steps), e.g. 0:1,1")
     p.add_argument("--bucket_cap_mb", "--ddp_bucket_cap_mb", dest="bucket_cap_mb", type=float,
                    default=25.0)
     p.add_argument("--first_bucket_mb", type=float, default=None,
@@ -158,10 +173,49 @@ def parse_args(argv):
     except ValueError as e:
         p.error("--comm_state_option must be a JSON object: %s" % e)
     try:
-        a.flags_list = [int(f, 0) for f in a.flags.split(",")]
+        a.flags_list = [[int(f, 0) for f in e.split(":")] for e in a.flags.split(",")]
+        if any(f < 0 for e in a.flags_list for f in e):
+            raise ValueError("negative")
     except ValueError:
-        p.error("--flags must be integers separated by commas, got %r" % a.flags)
+        p.error("--flags must be integers >= 0, per rank separated by commas and per step by "
+                "colons, got %r" % a.flags)
+    a.dampening, a.nesterov = 0.0, False
+    for item in a.optim_args.replace(" ", "").split(",") if a.optim_args.strip() else []:
+        key, _, val = item.partition("=")
+        if a.optim != "sgd" or key not in ("momentum", "dampening", "nesterov") or not val:
+            p.error("--optim_args: %r is not one of sgd's momentum=, dampening=, nesterov="
+                    % item)
+        if key == "nesterov":
+            a.nesterov = parse_bool(val)
+        else:
+            setattr(a, key, float(val))
     return a
+
+
+def flags_at(a, rank, step):
+    """The forward flags of optimizer step `step` on `rank` (the --flags schedule)."""
+    entry = a.flags_list[rank % len(a.flags_list)]
+    return entry[step % len(entry)]
+
+
+def decay_groups(model, wd, grouping):
+    """The optimizer's parameter groups: one group of every parameter ("all", as
+    torch.optim on model.parameters()), or Hugging Face's Trainer.create_optimizer groups
+    ("transformers"): parameters outside LayerNorm modules whose name has no "bias" get wd,
+    the others 0; a group that would be empty, or wd 0, gives one group."""
+    import torch.nn as nn
+    params = [p for p in model.parameters()]
+    if grouping == "all" or wd == 0:
+        return [{"params": params, "weight_decay": wd}]
+    in_ln = set()
+    for _, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm):
+            in_ln.update(id(p) for p in m.parameters(recurse=False))
+    decay = [p for n, p in model.named_parameters() if "bias" not in n and id(p) not in in_ln]
+    rest = [p for n, p in model.named_parameters() if not ("bias" not in n and id(p) not in in_ln)]
+    if not decay or not rest:
+        return [{"params": params, "weight_decay": wd if decay else 0.0}]
+    return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
 
 
 def config_dict(a):
@@ -422,13 +476,13 @@ def worker(rank, world, port, a):
     logged_sizes = csv_ints(ddp._get_ddp_logging_data().get("bucket_sizes"))
     initial_verified = init_sizes == logged_sizes
 
-    opt_params = list(model.parameters())
+    groups = decay_groups(model, a.weight_decay, a.weight_decay_grouping)
     if a.optim == "sgd":
-        opt = torch.optim.SGD(opt_params, lr=a.lr, momentum=a.momentum,
-                              weight_decay=a.weight_decay)
+        opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum, dampening=a.dampening,
+                              nesterov=a.nesterov, weight_decay=a.weight_decay)
     else:
         cls = torch.optim.AdamW if a.optim == "adamw" else torch.optim.Adam
-        opt = cls(opt_params, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
+        opt = cls(groups, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
                   eps=a.adam_epsilon, weight_decay=a.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(a, k))
 
@@ -490,8 +544,21 @@ def worker(rank, world, port, a):
             epoch_cache[e] = list(iter(sampler))
         return epoch_cache[e][j * a.batch:(j + 1) * a.batch]
 
-    flags = a.flags_list[rank % len(a.flags_list)]
+    # Each rank's own gradient before communication: a tensor hook sees every incoming
+    # gradient before AccumulateGrad (and so before DDP's hook); summed over the micro-steps
+    # as AccumulateGrad sums them.
+    local = {}
+    if a.dump_local_grads:
+        def local_hook(nm):
+            def hook(g):
+                local[nm] = g.detach().clone() if nm not in local else local[nm] + g
+            return hook
+        for nm, p in model.named_parameters():
+            if p.requires_grad:
+                p.register_hook(local_hook(nm))
     for k in range(a.steps):
+        flags = flags_at(a, rank, k)
+        local.clear()
         xs, ys, ids, total = [], [], [], 0.0
         for m in range(accum):
             ind = micro_batch(k, m)
@@ -527,12 +594,21 @@ def worker(rank, world, port, a):
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
         opt.step()
         sched.step()
-        opt.zero_grad()  # 1.13: set_to_none=False, as libddp
+        opt.zero_grad(set_to_none=a.zero_grad_set_to_none)
         entries += grads + state_entries(False)
-        st.save_torch(os.path.join(rdir, "step%06d.safetensors" % k), entries,
-                      {"step": str(k), "rank": str(rank), "loss": repr(total),
-                       "micro_batches": str(accum), "flags": str(flags),
-                       "grads_none": ",".join(none)})
+        meta = {"step": str(k), "rank": str(rank), "loss": repr(total),
+                "micro_batches": str(accum), "flags": str(flags), "grads_none": ",".join(none)}
+        if a.dump_local_grads:
+            lnone = []
+            for nm, p in model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if nm not in local:
+                    lnone.append(nm)
+                g = local.get(nm, torch.zeros_like(p))
+                entries.append(("local_grad." + nm, g.detach().cpu().clone()))
+            meta["local_grads_none"] = ",".join(lnone)
+        st.save_torch(os.path.join(rdir, "step%06d.safetensors" % k), entries, meta)
 
     # The logger records the statistics of the last iteration and the rebuilt layout at the
     # next forward; calling it here gives the same record without another forward.

@@ -13,7 +13,9 @@
  *    live in the context's arena and are valid until the next ddp_ctx_reset().
  *
  * Backward walks the tape in reverse and accumulates into ddp_param_t.grad (+=, like
- * PyTorch's AccumulateGrad with zero_grad(set_to_none=False)). The moment a parameter's
+ * PyTorch's AccumulateGrad). A gradient is either defined or None, as in PyTorch: grad.data
+ * NULL is None (its dtype and shape stay). Backward defines (as zeros, then accumulates) the
+ * gradient of every parameter it reaches; nothing else defines one. The moment a parameter's
  * gradient for this backward is final, its gradient-ready hook fires: this is where DDP
  * hooks in. Not thread-safe per object: one context per thread. */
 #ifndef DDP_NN_H
@@ -41,7 +43,8 @@ struct ddp_param {
   const char *name;        /* state_dict name, owned by the model */
   size_t index;            /* registration order = PyTorch parameters() order */
   ddp_tensor_t value;      /* view into the model's flat parameter buffer for value.dtype */
-  ddp_tensor_t grad;       /* view into the flat gradient buffer; see ddp_param_set_grad_data */
+  ddp_tensor_t grad;       /* view into the flat gradient buffer (see ddp_param_set_grad_data);
+                            * data NULL: the gradient is None (ddp_param_set_grad_none) */
   int64_t offset;          /* element offset of value (and of grad) in its dtype's flat buffer */
   bool requires_grad;      /* false: frozen, never receives a gradient, never fires */
   ddp_grad_ready_fn hook;  /* NULL: none */
@@ -280,13 +283,23 @@ DDP_API ddp_buffer_t *ddp_model_find_buffer(ddp_model_t *m, const char *name);
 DDP_API ddp_tensor_t ddp_model_flat_params(ddp_model_t *m, ddp_dtype_t dt);
 DDP_API ddp_tensor_t ddp_model_flat_grads(ddp_model_t *m, ddp_dtype_t dt);
 /* Points p->grad at data (numel elements of p's dtype), e.g. into a DDP bucket; NULL
- * restores the view into the model's flat gradient buffer. The caller keeps data alive. */
+ * restores the view into the model's flat gradient buffer (which defines a None gradient,
+ * with whatever values that storage holds). The caller keeps data alive. */
 DDP_API void ddp_param_set_grad_data(ddp_param_t *p, void *data);
+/* p.grad = None: p->grad.data becomes NULL; dtype and shape stay. The next backward that
+ * reaches p defines it again (zeros in the flat gradient buffer, then accumulation). */
+DDP_API void ddp_param_set_grad_none(ddp_param_t *p);
+/* Whether p's gradient is defined (PyTorch: p.grad is not None). */
+DDP_API bool ddp_param_grad_defined(const ddp_param_t *p);
 DDP_API void ddp_param_set_hook(ddp_param_t *p, ddp_grad_ready_fn fn, void *user);
 /* Sets the same hook on every parameter. */
 DDP_API void ddp_model_set_hook(ddp_model_t *m, ddp_grad_ready_fn fn, void *user);
-/* Zero-fills every parameter's gradient (wherever it points). */
+/* Zero-fills every defined gradient (wherever it points); None ones stay None, as
+ * module.zero_grad(set_to_none=False) does. A finalized model starts with defined zero
+ * gradients (unlike a fresh PyTorch module, whose gradients are None). */
 DDP_API void ddp_model_zero_grad(ddp_model_t *m);
+/* module.zero_grad(set_to_none=True): every gradient becomes None. */
+DDP_API void ddp_model_set_grads_none(ddp_model_t *m);
 
 /* Modules. Each constructor registers its parameters and buffers under the prefix (the
  * module's state_dict path, "" for a root module) and returns a module owned by the model.
@@ -317,6 +330,14 @@ DDP_API ddp_status_t ddp_module_branch(ddp_model_t *m, ddp_module_t *body, unsig
 /* Runs body as one reentrant activation-checkpointing segment (ddp_checkpoint). */
 DDP_API ddp_status_t ddp_module_checkpointed(ddp_model_t *m, ddp_module_t *body,
                                              ddp_module_t **mod);
+/* y = the sum of its branches' outputs on the same input, left to right
+ * (((b0(x) + b1(x)) + b2(x)) ...), the branches added with ddp_module_add_branch. A branch
+ * with flag f >= 0 runs (and is added) only when bit f of the forward's flags is set; -1
+ * always. No active branch is DDP_ERR_INVALID_ARGUMENT at forward. At most
+ * DDP_ADD_MAX_BRANCHES branches. */
+#define DDP_ADD_MAX_BRANCHES 16
+DDP_API ddp_status_t ddp_module_add(ddp_model_t *m, ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_add_branch(ddp_module_t *add, ddp_module_t *body, int flag);
 
 DDP_API void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root);
 /* train(true) / eval(false): dropout and batch norm read it. Default: training. */
@@ -342,7 +363,9 @@ DDP_API ddp_status_t ddp_model_save(ddp_model_t *m, const char *path, ddp_error_
 DDP_API ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool strict,
                                     size_t *n_missing, size_t *n_unexpected, ddp_error_t *err);
 
-/* Builds a model from a JSON description (docs/nn.md): a top-level Sequential. */
+/* Builds a model from a JSON description (docs/nn.md): a top-level Sequential whose
+ * layers may carry a "name" (the state_dict key instead of the position) and may be "add"
+ * nodes summing sub-networks. */
 DDP_API ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out,
                                          ddp_error_t *err);
 DDP_API ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out,

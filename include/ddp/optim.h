@@ -85,8 +85,10 @@ DDP_API void ddp_optim_destroy(ddp_optim_t *opt);
  * tensor's shape or dtype changed since create (the message names its index). */
 DDP_API ddp_status_t ddp_optim_step(ddp_optim_t *opt, ddp_error_t *err);
 
-/* Zero-fills every present gradient (set_to_none = false, the 1.13 default), or releases
- * each gradient with ddp_tensor_free so its data becomes NULL ("None") when true. */
+/* Zero-fills every present gradient (set_to_none = false, the 1.13 default), or makes each
+ * gradient None when true: its data becomes NULL (freed when the tensor owns it) and its
+ * dtype and shape stay, so a model's backward can define it again. A None gradient stays
+ * None either way. */
 DDP_API void ddp_optim_zero_grad(ddp_optim_t *opt, bool set_to_none);
 
 /* The learning rate of the next step (a scheduler sets it before each step). */

@@ -129,6 +129,14 @@ DDP_API ddp_status_t ddp_ddp_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *
  * gradient holds the average over ranks (globally unused ones are left untouched). */
 DDP_API ddp_status_t ddp_ddp_backward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *loss);
 
+/* Observes each managed parameter's local gradient in a synchronised backward: fn(user, p)
+ * runs when p is marked ready, before its gradient is copied into (or divided in) its
+ * bucket, so p->grad holds this rank's own accumulated gradient (data NULL: None). A
+ * locally unused parameter is observed when the unused set is marked ready. NULL removes
+ * the observer. For dumps (ddp_dump_local_grad). */
+typedef void (*ddp_local_grad_fn)(void *user, const ddp_param_t *p);
+DDP_API void ddp_ddp_set_local_grad_fn(ddp_ddp_t *ddp, ddp_local_grad_fn fn, void *user);
+
 /* no_sync: sets require_backward_grad_sync and returns the previous value. Like PyTorch
  * the decision is taken at forward: a forward run with sync off is followed by a backward
  * that only accumulates locally. with ddp.no_sync(): is
@@ -349,10 +357,19 @@ DDP_API ddp_status_t ddp_dump_input(ddp_dump_t *d, const ddp_tensor_t *x, const 
 /* Copies every parameter's gradient (state order; frozen ones as zeros): call it after
  * the last backward of the step, before gradient clipping and the optimizer. */
 DDP_API ddp_status_t ddp_dump_grads(ddp_dump_t *d);
+/* Records parameter `index`'s (state order) local gradient of this step: this rank's own
+ * gradient after backward and before any communication (grad: numel elements of the
+ * parameter's dtype, copied; NULL = None, written as zeros and listed in
+ * local_grads_none). A later call for the same index this step replaces it. The trainer
+ * calls it from the reducer's local-gradient observer (ddp_ddp_set_local_grad_fn). */
+DDP_API ddp_status_t ddp_dump_local_grad(ddp_dump_t *d, size_t index, const void *grad);
 /* Writes rank{r}/step{NNNNNN}.safetensors: input.x, input.y, input.index, the gradients
  * copied by ddp_dump_grads (required), the parameters and buffers as they are now (after
- * the optimizer step), with metadata step, rank, loss (%.17g), micro_batches, flags and
- * grads_none (the frozen parameters). Then clears the inputs and the gradient copy. */
+ * the optimizer step), then local_grad.<name> for each gradient ddp_dump_local_grad
+ * recorded this step, with metadata step, rank, loss (%.17g), micro_batches, flags,
+ * grads_none (the parameters whose gradient was None at ddp_dump_grads, frozen ones
+ * included) and, when local gradients were recorded, local_grads_none. Then clears the
+ * inputs, the gradient copy and the local gradients. */
 DDP_API ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_batches,
                                    uint64_t flags);
 /* Writes rank{r}/ddp.json (only with a reducer bound): the reducer's parameter list and

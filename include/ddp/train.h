@@ -51,6 +51,11 @@ typedef struct ddp_train_args {
   /* optimizer */
   double learning_rate;  /* 5e-5 */
   double weight_decay;   /* 0.0; not applied to biases and LayerNorm parameters (HF) */
+  char weight_decay_grouping[16]; /* libddp: "transformers" (HF's groups: no decay on
+                                   * biases and LayerNorm weights) or "all" (every
+                                   * parameter, as torch.optim on model.parameters()) */
+  bool zero_grad_set_to_none; /* libddp: true (PyTorch 2.x, Transformers): gradients become
+                               * None after each step; false: zero-filled (PyTorch 1.13) */
   double adam_beta1;     /* 0.9 */
   double adam_beta2;     /* 0.999 */
   double adam_epsilon;   /* 1e-8 */
@@ -64,6 +69,8 @@ typedef struct ddp_train_args {
   double warmup_ratio;        /* 0.0 */
   /* run control */
   uint64_t seed;              /* 42: initial weights, sampler shuffles, dropout */
+  int64_t data_seed;          /* -1 (HF's None): seed; else the sampler's seed */
+  bool dataloader_shuffle;    /* libddp: true; false: DistributedSampler(shuffle=False) */
   double logging_steps;       /* 500; below 1: a fraction of max_steps (HF) */
   char eval_strategy[16];     /* "no" | "steps" | "epoch" */
   double eval_steps;          /* 0: logging_steps (HF); below 1: a fraction of max_steps */
@@ -77,12 +84,15 @@ typedef struct ddp_train_args {
   bool disable_tqdm;           /* false: progress bar when stdout is a terminal */
   char dump_dir[DDP_TRAIN_STR_MAX]; /* libddp: per-step dumps (docs/dumps.md); "" = none */
   char forward_flags[DDP_TRAIN_STR_MAX]; /* libddp: "0"; the flags of branch layers
-                                          * (docs/nn.md), one integer or one per rank
-                                          * separated by commas, cycled over the ranks */
+                                          * (docs/nn.md): one entry per rank separated by
+                                          * commas, cycled over the ranks; an entry is one
+                                          * integer or one per step separated by colons,
+                                          * cycled over the optimizer steps ("0:1,1") */
+  bool dump_local_grads;                 /* libddp: false; dumps also hold local_grad.* */
   /* DDP */
   char ddp_backend[16];                   /* "": auto. gloo (= tcp), threads, shm, tcp, mpi, nccl */
   ddp_tristate_t ddp_find_unused_parameters; /* unset: !gradient_checkpointing (HF) */
-  int64_t ddp_bucket_cap_mb;              /* -1: unset (25 MiB) */
+  double ddp_bucket_cap_mb;               /* -1: unset (25 MiB); fractions allowed */
   double ddp_first_bucket_mb; /* libddp: -1 = the reducer's rule (docs/ddp.md); > 0: the
                                * first bucket's cap, e.g. 1 for PyTorch 1.13's layouts */
   ddp_tristate_t ddp_broadcast_buffers;   /* unset: true (torch's default) */
@@ -104,9 +114,11 @@ typedef struct ddp_train_args {
     .struct_size = sizeof(ddp_train_args_t), .per_device_train_batch_size = 8,            \
     .per_device_eval_batch_size = 8, .gradient_accumulation_steps = 1,                    \
     .num_train_epochs = 3.0, .max_steps = -1, .dataloader_drop_last = false,              \
-    .learning_rate = 5e-5, .weight_decay = 0.0, .adam_beta1 = 0.9, .adam_beta2 = 0.999,   \
+    .learning_rate = 5e-5, .weight_decay = 0.0,                   \
+    .weight_decay_grouping = "transformers", .zero_grad_set_to_none = true, .adam_beta1 = 0.9, .adam_beta2 = 0.999,   \
     .adam_epsilon = 1e-8, .optim = "adamw_torch", .optim_args = "", .max_grad_norm = 1.0, \
     .lr_scheduler_type = "linear", .warmup_steps = 0, .warmup_ratio = 0.0, .seed = 42,    \
+    .data_seed = -1, .dataloader_shuffle = true, .dump_local_grads = false,              \
     .logging_steps = 500, .eval_strategy = "no", .eval_steps = 0, .eval_split = 0.1,      \
     .save_strategy = "steps", .save_steps = 500, .save_total_limit = -1,                  \
     .output_dir = "trainer_output", .resume_from_checkpoint = "",                         \

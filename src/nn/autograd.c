@@ -318,9 +318,15 @@ static ddp_status_t run_backward(ddp_ctx_t *c, size_t nroots, ddp_var_t *const *
   for (ddp_node_t *n = c->tail; n && n != stop; n = n->prev) {
     if (n->mark != id) continue;
     if (n->out->grad.data) {
-      /* A parameter leaf used exactly once accumulates straight into param->grad. */
+      /* A parameter leaf used exactly once accumulates straight into param->grad. A None
+       * gradient that a gradient now reaches is defined first: zeros in the model's flat
+       * gradient buffer (so the values equal those of a zero-filled gradient). */
       for (size_t i = 0; i < n->nin; i++) {
         ddp_var_t *v = n->ins[i];
+        if (v && v->param && v->stamp_ == id && v->requires_grad && !v->param->grad.data) {
+          ddp_param_set_grad_data(v->param, NULL);
+          memset(v->param->grad.data, 0, ddp_tensor_nbytes(&v->param->value));
+        }
         if (v && v->param && v->stamp_ == id && v->requires_grad && !v->grad.data &&
             v->pending_ == 1 && v->param->grad.data)
           v->grad = v->param->grad;

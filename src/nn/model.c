@@ -16,7 +16,8 @@ typedef enum mod_kind {
   MOD_SEQ,
   MOD_RESIDUAL,
   MOD_BRANCH,
-  MOD_CHECKPOINT
+  MOD_CHECKPOINT,
+  MOD_ADD
 } mod_kind_t;
 
 #define NONE ((size_t)-1)
@@ -34,6 +35,7 @@ struct ddp_module {
   ddp_module_t *body;
   ddp_module_t **children;
   size_t nchildren, cap;
+  int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
 };
 
 /* A state_dict entry in registration order. */
@@ -252,6 +254,16 @@ void ddp_param_set_grad_data(ddp_param_t *p, void *data) {
   p->grad.data = data ? data : p->grad_home_;
 }
 
+void ddp_param_set_grad_none(ddp_param_t *p) {
+  DDP_REQUIRE(p && p->value.data);
+  p->grad.data = NULL;
+}
+
+bool ddp_param_grad_defined(const ddp_param_t *p) {
+  DDP_REQUIRE(p);
+  return p->grad.data != NULL;
+}
+
 void ddp_param_set_hook(ddp_param_t *p, ddp_grad_ready_fn fn, void *user) {
   DDP_REQUIRE(p);
   p->hook = fn;
@@ -266,7 +278,13 @@ void ddp_model_set_hook(ddp_model_t *m, ddp_grad_ready_fn fn, void *user) {
 void ddp_model_zero_grad(ddp_model_t *m) {
   DDP_REQUIRE(m && m->finalized);
   for (size_t i = 0; i < m->nparams; i++)
-    memset(m->params[i].grad.data, 0, ddp_tensor_nbytes(&m->params[i].value));
+    if (m->params[i].grad.data)
+      memset(m->params[i].grad.data, 0, ddp_tensor_nbytes(&m->params[i].value));
+}
+
+void ddp_model_set_grads_none(ddp_model_t *m) {
+  DDP_REQUIRE(m && m->finalized);
+  for (size_t i = 0; i < m->nparams; i++) m->params[i].grad.data = NULL;
 }
 
 /* ---------------------------------------------------------------- modules --------- */
@@ -410,6 +428,42 @@ ddp_status_t ddp_module_checkpointed(ddp_model_t *m, ddp_module_t *body, ddp_mod
   return wrap(m, MOD_CHECKPOINT, body, mod);
 }
 
+ddp_status_t ddp_module_add(ddp_model_t *m, ddp_module_t **mod) {
+  DDP_REQUIRE(m && mod);
+  return mod_new(m, MOD_ADD, mod);
+}
+
+ddp_status_t ddp_module_add_branch(ddp_module_t *add, ddp_module_t *body, int flag) {
+  DDP_REQUIRE(add && body && add->kind == MOD_ADD && body->model == add->model);
+  DDP_REQUIRE(flag >= -1 && flag < 64);
+  if (add->nchildren >= DDP_ADD_MAX_BRANCHES) return DDP_ERR_INVALID_ARGUMENT;
+  if (!grow((void **)&add->children, &add->cap, add->nchildren, sizeof *add->children))
+    return DDP_ERR_NO_MEMORY;
+  add->add_flag[add->nchildren] = (int8_t)flag;
+  add->children[add->nchildren++] = body;
+  return DDP_OK;
+}
+
+/* MOD_ADD's forward: the active branches' outputs summed left to right. */
+static ddp_status_t add_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, uint64_t flags,
+                                ddp_var_t **y) {
+  ddp_var_t *sum = NULL;
+  for (size_t k = 0; k < mod->nchildren; k++) {
+    int f = mod->add_flag[k];
+    if (f >= 0 && !(flags & ((uint64_t)1 << f))) continue;
+    ddp_var_t *h;
+    DDP_CHECK(ddp_module_forward(mod->children[k], c, x, flags, &h));
+    if (sum) DDP_CHECK(ddp_add(c, sum, h, &h));
+    sum = h;
+  }
+  if (!sum)
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "add: no branch is active under forward flags 0x%llx",
+                          (unsigned long long)flags);
+  *y = sum;
+  return DDP_OK;
+}
+
 void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root) {
   DDP_REQUIRE(m && (!root || root->model == m));
   m->root = root;
@@ -498,6 +552,8 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
       a->flags = flags;
       return ddp_checkpoint(c, seg_forward, a, 1, &x, y);
     }
+    case MOD_ADD:
+      return add_forward(mod, c, x, flags, y);
   }
   return DDP_ERR_INTERNAL;
 }

@@ -1,5 +1,6 @@
 /* Model files: a JSON description of a Sequential model (schema in docs/nn.md), built into
- * a ddp_model_t with PyTorch's state_dict names. */
+ * a ddp_model_t with PyTorch's state_dict names. A layer's "name" replaces its position in
+ * those names (nn.Sequential(OrderedDict(...))); an "add" layer sums sub-networks. */
 #include <cjson/cJSON.h>
 #include <string.h>
 
@@ -40,6 +41,84 @@ static double get_num(const cJSON *o, const char *key, double def) {
 
 static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
                               const char *path, ddp_module_t **out);
+
+/* A child's key: its "name" (non-empty, at most 64 characters, no '.', as add_module
+ * requires), else its position k. */
+static ddp_status_t child_key(build_t *b, const cJSON *o, int k, const char *path, char *key,
+                              size_t cap) {
+  const cJSON *nm = cJSON_IsObject(o) ? cJSON_GetObjectItemCaseSensitive(o, "name") : NULL;
+  if (!nm) {
+    snprintf(key, cap, "%d", k);
+    return DDP_OK;
+  }
+  if (!cJSON_IsString(nm) || !nm->valuestring[0] || strlen(nm->valuestring) > 64 ||
+      strchr(nm->valuestring, '.'))
+    return bad(b, path, "\"name\" must be a non-empty string of at most 64 characters "
+                        "without '.'");
+  for (const char *c = nm->valuestring; *c; c++)
+    if ((unsigned char)*c < 0x21 || *c == '"' || *c == '\\')
+      return bad(b, path, "\"name\" may not contain spaces, quotes or backslashes");
+  snprintf(key, cap, "%s", nm->valuestring);
+  return DDP_OK;
+}
+
+/* Keys must differ among one module's children (positions included). */
+static ddp_status_t check_keys(build_t *b, const cJSON *arr, const char *path) {
+  int n = cJSON_GetArraySize(arr);
+  for (int i = 0; i < n; i++)
+    for (int j = 0; j < i; j++) {
+      char ki[80], kj[80];
+      DDP_CHECK(child_key(b, cJSON_GetArrayItem(arr, i), i, path, ki, sizeof ki));
+      DDP_CHECK(child_key(b, cJSON_GetArrayItem(arr, j), j, path, kj, sizeof kj));
+      if (!strcmp(ki, kj)) {
+        char w[200];
+        snprintf(w, sizeof w, "entries %d and %d have the same name \"%s\"", j, i, ki);
+        return bad(b, path, w);
+      }
+    }
+  return DDP_OK;
+}
+
+/* {"type": "add", "branches": [B0, B1, ...]}: each Bk is an array of layers, or an object
+ * {"layers": [...], "name": KEY, "flag": F}; branch k's layers are named PREFIX.KEY.i. */
+static ddp_status_t build_add(build_t *b, const cJSON *l, const char *prefix, const char *path,
+                              ddp_module_t **mod) {
+  const cJSON *br = cJSON_GetObjectItemCaseSensitive(l, "branches");
+  if (!cJSON_IsArray(br) || cJSON_GetArraySize(br) < 1 ||
+      cJSON_GetArraySize(br) > DDP_ADD_MAX_BRANCHES)
+    return bad(b, path, "\"branches\" must be an array of 1 to 16 branches");
+  if (b->depth >= MAX_DEPTH) return bad(b, path, "nesting too deep");
+  DDP_CHECK(check_keys(b, br, path));
+  DDP_CHECK(ddp_module_add(b->m, mod));
+  int k = 0;
+  const cJSON *one;
+  cJSON_ArrayForEach(one, br) {
+    char key[80], pre[NAME_LEN], pth[NAME_LEN];
+    DDP_CHECK(child_key(b, one, k, path, key, sizeof key));
+    const cJSON *layers = cJSON_IsObject(one) ? cJSON_GetObjectItemCaseSensitive(one, "layers")
+                                              : one;
+    int flag = -1;
+    if (cJSON_IsObject(one) && cJSON_GetObjectItemCaseSensitive(one, "flag")) {
+      double f = get_num(one, "flag", -2);
+      if (f < 0 || f > 63 || f != (double)(int)f) return bad(b, path, "\"flag\" must be 0..63");
+      flag = (int)f;
+    }
+    int k1 = snprintf(pre, sizeof pre, "%s%s%s", prefix, *prefix ? "." : "", key);
+    int k2 = snprintf(pth, sizeof pth, "%s.branches[%d]", path, k);
+    if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
+      return bad(b, path, "names nest too deep");
+    if (!cJSON_IsArray(layers))
+      return bad(b, pth, "a branch is an array of layers or an object with \"layers\"");
+    ddp_module_t *body;
+    b->depth++;
+    ddp_status_t st = build_seq(b, layers, pre, pth, &body);
+    b->depth--;
+    DDP_CHECK(st);
+    DDP_CHECK(ddp_module_add_branch(*mod, body, flag));
+    k++;
+  }
+  return DDP_OK;
+}
 
 static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
                                 const char *path, ddp_module_t **mod) {
@@ -82,6 +161,9 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
     st = ddp_module_embedding(b->m, prefix, a, c, b->dt, mod);
   } else if (!strcmp(ty, "flatten")) {
     st = ddp_module_flatten(b->m, mod);
+  } else if (!strcmp(ty, "add")) {
+    st = build_add(b, l, prefix, path, mod);
+    if (st != DDP_OK) return st;
   } else if (!strcmp(ty, "residual") || !strcmp(ty, "branch") || !strcmp(ty, "checkpoint")) {
     const cJSON *sub = cJSON_GetObjectItemCaseSensitive(l, "layers");
     if (!cJSON_IsArray(sub)) return bad(b, path, "missing array field \"layers\"");
@@ -108,7 +190,8 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
   } else {
     char w[256];
     snprintf(w, sizeof w, "unknown layer type \"%.80s\" (linear, relu, gelu, tanh, sigmoid, "
-             "dropout, layernorm, batchnorm, embedding, flatten, residual, branch, checkpoint)", ty);
+             "dropout, layernorm, batchnorm, embedding, flatten, residual, branch, checkpoint, "
+             "add)", ty);
     return bad(b, path, w);
   }
   if (st != DDP_OK) return ddp__error(b->err, -1, st, "model json: %s: cannot build the layer", path);
@@ -123,11 +206,13 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
 static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
                               const char *path, ddp_module_t **out) {
   DDP_CHECK(ddp_module_sequential(b->m, out));
+  DDP_CHECK(check_keys(b, layers, path));
   int i = 0;
   const cJSON *l;
   cJSON_ArrayForEach(l, layers) {
-    char pre[NAME_LEN], pth[NAME_LEN];
-    int k1 = snprintf(pre, sizeof pre, "%s%s%d", prefix, *prefix ? "." : "", i);
+    char pre[NAME_LEN], pth[NAME_LEN], key[80];
+    DDP_CHECK(child_key(b, l, i, path, key, sizeof key));
+    int k1 = snprintf(pre, sizeof pre, "%s%s%s", prefix, *prefix ? "." : "", key);
     int k2 = snprintf(pth, sizeof pth, "%s[%d]", path, i);
     if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
       return bad(b, path, "names nest too deep");

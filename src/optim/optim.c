@@ -165,9 +165,15 @@ void ddp_optim_zero_grad(ddp_optim_t *opt, bool set_to_none) {
   for (size_t i = 0; i < opt->n; i++) {
     ddp_tensor_t *g = opt->params[i].grad;
     if (!g->data) continue;
-    if (set_to_none)
+    if (set_to_none) {
+      /* None keeps the tensor's dtype and shape: the caller's storage (a model's flat
+       * gradient buffer) defines it again later. Owned data is freed. */
+      ddp_tensor_t hdr = *g;
       ddp_tensor_free(g);
-    else
+      *g = hdr;
+      g->data = NULL;
+      g->owns = false;
+    } else
       memset(g->data, 0, ddp_tensor_nbytes(g));
   }
 }

@@ -58,6 +58,11 @@ struct ddp_dump {
   char **pnames, **gnames, **bnames;
   ddp_tensor_t *grads; /* the copy made by ddp_dump_grads */
   bool have_grads;
+  bool *none;          /* [np]: the gradient was None (or frozen) at ddp_dump_grads */
+  char **lnames;       /* [np]: "local_grad.<name>" */
+  ddp_tensor_t *lgrads; /* [np]: ddp_dump_local_grad's copies this step */
+  bool *lset, *lnone;  /* [np]: recorded this step; recorded as None */
+  bool have_local;
   dump_col_t x, y, idx;
   cJSON *initial; /* construction-time layout, recorded at ddp_dump_init */
   ddp_error_t err;
@@ -208,7 +213,14 @@ void ddp_dump_close(ddp_dump_t *d) {
     if (d->pnames) ddp__free(d->pnames[i]);
     if (d->gnames) ddp__free(d->gnames[i]);
     if (d->grads) ddp_tensor_free(&d->grads[i]);
+    if (d->lnames) ddp__free(d->lnames[i]);
+    if (d->lgrads) ddp_tensor_free(&d->lgrads[i]);
   }
+  ddp__free(d->none);
+  ddp__free(d->lnames);
+  ddp__free(d->lgrads);
+  ddp__free(d->lset);
+  ddp__free(d->lnone);
   for (size_t i = 0; d->bnames && i < d->nb; i++) ddp__free(d->bnames[i]);
   ddp__free(d->pnames);
   ddp__free(d->gnames);
@@ -304,12 +316,19 @@ ddp_status_t ddp_dump_init(ddp_dump_t *d, ddp_model_t *model, ddp_ddp_t *ddp) {
   d->gnames = ddp__calloc(np1, sizeof(char *));
   d->bnames = ddp__calloc(nb1, sizeof(char *));
   d->grads = ddp__calloc(np1, sizeof(ddp_tensor_t));
-  bool ok = d->pnames && d->gnames && d->bnames && d->grads;
+  d->none = ddp__calloc(np1, sizeof(bool));
+  d->lnames = ddp__calloc(np1, sizeof(char *));
+  d->lgrads = ddp__calloc(np1, sizeof(ddp_tensor_t));
+  d->lset = ddp__calloc(np1, sizeof(bool));
+  d->lnone = ddp__calloc(np1, sizeof(bool));
+  bool ok = d->pnames && d->gnames && d->bnames && d->grads && d->none && d->lnames &&
+            d->lgrads && d->lset && d->lnone;
   for (size_t i = 0; ok && i < d->np; i++) {
     const ddp_param_t *p = ddp_model_param(model, i);
     d->pnames[i] = join("param.", p->name);
     d->gnames[i] = join("grad.", p->name);
-    ok = d->pnames[i] && d->gnames[i] &&
+    d->lnames[i] = join("local_grad.", p->name);
+    ok = d->pnames[i] && d->gnames[i] && d->lnames[i] &&
          ddp_tensor_alloc(&d->grads[i], p->value.dtype, p->value.ndim, p->value.shape) ==
              DDP_OK;
   }
@@ -400,12 +419,31 @@ ddp_status_t ddp_dump_grads(ddp_dump_t *d) {
   for (size_t i = 0; i < d->np; i++) {
     const ddp_param_t *p = ddp_model_param(d->model, i);
     size_t bytes = ddp_tensor_nbytes(&d->grads[i]);
-    if (p->requires_grad && p->grad.data)
+    d->none[i] = !p->requires_grad || !p->grad.data;
+    if (!d->none[i])
       memcpy(d->grads[i].data, p->grad.data, bytes);
     else
       memset(d->grads[i].data, 0, bytes);
   }
   d->have_grads = true;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_dump_local_grad(ddp_dump_t *d, size_t index, const void *grad) {
+  DDP_REQUIRE(d && d->magic == DUMP_MAGIC && d->model && index < d->np);
+  const ddp_param_t *p = ddp_model_param(d->model, index);
+  ddp_tensor_t *t = &d->lgrads[index];
+  if (!t->data &&
+      ddp_tensor_alloc(t, p->value.dtype, p->value.ndim, p->value.shape) != DDP_OK)
+    return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY, "dump: out of memory");
+  size_t bytes = ddp_tensor_nbytes(t);
+  if (grad)
+    memcpy(t->data, grad, bytes);
+  else
+    memset(t->data, 0, bytes);
+  d->lset[index] = true;
+  d->lnone[index] = grad == NULL;
+  d->have_local = true;
   return DDP_OK;
 }
 
@@ -439,15 +477,20 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
     return ddp__error(&d->err, d->rank, DDP_ERR_INVALID_ARGUMENT,
                       "dump: step %" PRId64 " outside the six-digit file names", step);
   size_t n = 3 + 2 * d->np + d->nb;
-  ddp_st_entry_t *e = ddp__calloc(n, sizeof *e);
-  size_t none_len = 1;
+  size_t nlocal = 0;
+  for (size_t i = 0; d->have_local && i < d->np; i++) nlocal += d->lset[i];
+  ddp_st_entry_t *e = ddp__calloc(n + nlocal, sizeof *e);
+  size_t none_len = 1, lnone_len = 1;
+  for (size_t i = 0; d->have_local && i < d->np; i++)
+    if (d->lset[i] && d->lnone[i]) lnone_len += strlen(ddp_model_param(d->model, i)->name) + 1;
+  char *lnone = ddp__malloc(lnone_len);
   for (size_t i = 0; i < d->np; i++)
-    if (!ddp_model_param(d->model, i)->requires_grad)
-      none_len += strlen(ddp_model_param(d->model, i)->name) + 1;
+    if (d->none[i]) none_len += strlen(ddp_model_param(d->model, i)->name) + 1;
   char *none = ddp__malloc(none_len);
-  if (!e || !none) {
+  if (!e || !none || !lnone) {
     ddp__free(e);
     ddp__free(none);
+    ddp__free(lnone);
     return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY, "dump: out of memory");
   }
   ddp_tensor_t x = col_view(&d->x), y = col_view(&d->y), ix = col_view(&d->idx);
@@ -460,7 +503,7 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
   for (size_t i = 0; i < d->np; i++) {
     e[k++] = (ddp_st_entry_t){d->gnames[i], &d->grads[i]};
     const ddp_param_t *p = ddp_model_param(d->model, i);
-    if (!p->requires_grad) {
+    if (d->none[i]) {
       if (none[0]) strcat(none, ",");
       strcat(none, p->name);
     }
@@ -469,6 +512,15 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
     e[k++] = (ddp_st_entry_t){d->pnames[i], &ddp_model_param(d->model, i)->value};
   for (size_t i = 0; i < d->nb; i++)
     e[k++] = (ddp_st_entry_t){d->bnames[i], &ddp_model_buffer(d->model, i)->value};
+  lnone[0] = 0;
+  for (size_t i = 0; d->have_local && i < d->np; i++) {
+    if (!d->lset[i]) continue;
+    e[k++] = (ddp_st_entry_t){d->lnames[i], &d->lgrads[i]};
+    if (d->lnone[i]) {
+      if (lnone[0]) strcat(lnone, ",");
+      strcat(lnone, ddp_model_param(d->model, i)->name);
+    }
+  }
   char step_s[24], rank_s[16], loss_s[40], mb_s[16], flags_s[24], path[4200];
   snprintf(step_s, sizeof step_s, "%" PRId64, step);
   snprintf(rank_s, sizeof rank_s, "%d", d->rank);
@@ -476,14 +528,18 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
   snprintf(mb_s, sizeof mb_s, "%d", micro_batches);
   snprintf(flags_s, sizeof flags_s, "%" PRIu64, flags);
   snprintf(path, sizeof path, "%s/step%06" PRId64 ".safetensors", d->rank_dir, step);
-  const char *mk[6] = {"step", "rank", "loss", "micro_batches", "flags", "grads_none"};
-  const char *mv[6] = {step_s, rank_s, loss_s, mb_s, flags_s, none};
-  ddp_status_t st = ddp_st_write(path, e, n, mk, mv, 6, &d->err);
+  const char *mk[7] = {"step", "rank", "loss", "micro_batches", "flags", "grads_none",
+                       "local_grads_none"};
+  const char *mv[7] = {step_s, rank_s, loss_s, mb_s, flags_s, none, lnone};
+  ddp_status_t st = ddp_st_write(path, e, k, mk, mv, d->have_local ? 7 : 6, &d->err);
   ddp__free(e);
   ddp__free(none);
+  ddp__free(lnone);
   if (st != DDP_OK) return st;
   d->x.rows = d->y.rows = d->idx.rows = 0;
   d->have_grads = false;
+  d->have_local = false;
+  for (size_t i = 0; i < d->np; i++) d->lset[i] = false;
   if (step + 1 > d->written_steps) d->written_steps = step + 1;
   return DDP_OK;
 }

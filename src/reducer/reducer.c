@@ -91,6 +91,8 @@ struct ddp_ddp {
   size_t *prev_ready_order;
   size_t nprev_ready_order;
   ddp_status_t hook_status;
+  ddp_local_grad_fn local_fn; /* ddp_ddp_set_local_grad_fn; NULL: none */
+  void *local_user;
 
   /* unused parameters */
   bool *unused;          /* from the graph search (dynamic) or iteration 1 (static) */
@@ -463,9 +465,11 @@ static ddp_status_t init_buckets(ddp_ddp_t *d, const ddp_bucket_assignment_t *a)
     }
   if (d->opts.gradient_as_bucket_view)
     for (size_t i = 0; i < d->P; i++) {
+      /* A None gradient stays None (PyTorch's initialize_bucket_views). */
       ddp_param_t *p = d->params[i];
       void *slot = slot_of(d, i);
-      if (p->grad.data) memcpy(slot, p->grad.data, pbytes(p));
+      if (!p->grad.data) continue;
+      memcpy(slot, p->grad.data, pbytes(p));
       ddp_param_set_grad_data(p, slot);
     }
   free_buckets(d, old, nold);
@@ -564,6 +568,7 @@ static ddp_status_t mark_ready(ddp_ddp_t *d, size_t i) {
   d->ready[i] = true;
   d->require_finalize = true;
   ddp_param_t *p = d->params[i];
+  if (d->local_fn) d->local_fn(d->local_user, p);
   void *slot = slot_of(d, i);
   size_t n = (size_t)p->value.numel;
   if (!p->grad.data) {
@@ -1049,7 +1054,8 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
       bucket_t *x = &d->buckets[b];
       if (d->opts.gradient_as_bucket_view)
         for (size_t k = 0; k < x->nvars; k++) /* keep the grads, which live here */
-          ddp_param_set_grad_data(d->params[x->vars[k]], NULL);
+          if (d->params[x->vars[k]]->grad.data)
+            ddp_param_set_grad_data(d->params[x->vars[k]], NULL);
       memset(x->buf, 0, x->numel * ddp_dtype_size(x->dtype));
       if (d->has_comm_hook) {
         st = run_comm_hook(d, b);
@@ -1210,6 +1216,12 @@ ddp_status_t ddp_ddp_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, ddp_var_t *loss) {
   if (st != DDP_OK && !d->err[0])
     fail(d, st, "[rank %d] DDP backward: %s", d->rank, ddp_ctx_last_error(ctx)->msg);
   return st;
+}
+
+void ddp_ddp_set_local_grad_fn(ddp_ddp_t *d, ddp_local_grad_fn fn, void *user) {
+  DDP_REQUIRE(d && d->magic == DDP_MAGIC);
+  d->local_fn = fn;
+  d->local_user = user;
 }
 
 bool ddp_ddp_set_sync(ddp_ddp_t *d, bool sync) {

@@ -50,6 +50,10 @@ static const arg_field_t fields[] = {
     F_FLT(learning_rate, 0, 1e9, "5e-5", "initial (peak) learning rate"),
     F_FLT(weight_decay, 0, 1e9, "0.0",
           "decoupled (adamw) or L2 (adam, sgd) decay; biases and LayerNorms exempt (HF)"),
+    F_STR(weight_decay_grouping, "transformers",
+          "libddp: transformers (no decay on biases, LayerNorms) or all (torch.optim)"),
+    F_BOOL(zero_grad_set_to_none, "true",
+           "libddp: zero_grad(set_to_none): true gradients None, false zero-filled (1.13)"),
     F_FLT(adam_beta1, 0, 0.999999999, "0.9", "Adam beta1"),
     F_FLT(adam_beta2, 0, 0.999999999, "0.999", "Adam beta2"),
     F_FLT(adam_epsilon, 0, 1, "1e-8", "Adam epsilon"),
@@ -61,6 +65,8 @@ static const arg_field_t fields[] = {
     F_FLT(warmup_ratio, 0, 1, "0.0", "warmup as a fraction of the training steps"),
     {"seed", K_U64, offsetof(ddp_train_args_t, seed), sizeof(uint64_t), 0, 4294967295.0, "42",
      "seed of initial weights, shuffling and dropout"},
+    F_INT(data_seed, -1, 4294967295.0, "-1", "seed of the data order (HF; -1: seed)"),
+    F_BOOL(dataloader_shuffle, "true", "libddp: false: DistributedSampler(shuffle=False)"),
     F_FLT(logging_steps, 0, 1e15, "500", "log (and check replicas) every N steps; < 1: fraction"),
     F_STR(eval_strategy, "no", "no, steps, epoch"),
     F_FLT(eval_steps, 0, 1e15, "0", "evaluate every N steps (0: logging_steps); < 1: fraction"),
@@ -74,11 +80,12 @@ static const arg_field_t fields[] = {
     F_BOOL(disable_tqdm, "false", "plain log lines even on a terminal"),
     F_STR(dump_dir, "", "write per-step dumps for ddp-compare (docs/dumps.md)"),
     F_STR(forward_flags, "0",
-          "libddp: branch-layer flags, one integer or a comma list cycled over the ranks"),
+          "libddp: branch-layer flags: per rank (commas), per step (colons), e.g. 0:1,1"),
+    F_BOOL(dump_local_grads, "false", "libddp: dumps also hold each rank's local_grad.*"),
     F_STR(ddp_backend, "", "gloo (= tcp), threads, shm, tcp, mpi, nccl; empty: automatic"),
     F_TRI(ddp_find_unused_parameters, "none",
           "none: true unless gradient_checkpointing (HF's rule)"),
-    F_INT(ddp_bucket_cap_mb, -1, 1 << 20, "-1", "DDP bucket size in MiB (-1: 25)"),
+    F_FLT(ddp_bucket_cap_mb, -1, 1 << 20, "-1", "DDP bucket size in MiB (-1: 25)"),
     F_FLT(ddp_first_bucket_mb, -1, 1 << 20, "-1",
           "libddp: first bucket's cap in MiB (-1: 1 when the cap is unset, else the cap)"),
     F_TRI(ddp_broadcast_buffers, "none", "broadcast buffers before each forward (none: true)"),
@@ -315,8 +322,8 @@ static bool one_of(const char *v, const char *const *choices) {
   return false;
 }
 
-/* One entry of forward_flags: spaces, a decimal or 0x-hex integer, spaces. Returns the
- * character after it (',' or the end), NULL when malformed. */
+/* One value of forward_flags: spaces, a decimal or 0x-hex integer, spaces. Returns the
+ * character after it (',', ':' or the end), NULL when malformed. */
 static const char *flag_entry(const char *p, uint64_t *v) {
   while (*p == ' ') p++;
   bool hex = p[0] == '0' && (p[1] == 'x' || p[1] == 'X');
@@ -328,23 +335,37 @@ static const char *flag_entry(const char *p, uint64_t *v) {
   *v = strtoull(p, &end, hex ? 16 : 10);
   if (errno) return NULL;
   while (*end == ' ') end++;
-  return *end == ',' || *end == 0 ? end : NULL;
+  return *end == ',' || *end == ':' || *end == 0 ? end : NULL;
 }
 
-bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out) {
-  DDP_REQUIRE(text && rank >= 0);
-  int n = 0;
+bool ddp__train_forward_flags_at(const char *text, int rank, int64_t step, uint64_t *out) {
+  DDP_REQUIRE(text && rank >= 0 && step >= 0);
+  int n = 0; /* rank entries */
   uint64_t v;
   for (const char *p = text;; p++) {
     if (!(p = flag_entry(p, &v))) return false;
-    n++;
+    if (*p != ':') n++;
     if (*p == 0) break;
   }
   const char *p = text;
-  for (int i = 0; i < rank % n; i++) p = flag_entry(p, &v) + 1;
+  for (int i = 0; i < rank % n; p++) { /* to the start of entry rank % n */
+    p = flag_entry(p, &v);
+    if (*p == ',') i++;
+  }
+  int64_t ns = 0; /* the entry's step values */
+  for (const char *q = p;; q++) {
+    q = flag_entry(q, &v);
+    ns++;
+    if (*q != ':') break;
+  }
+  for (int64_t i = 0; i < step % ns; i++) p = flag_entry(p, &v) + 1;
   flag_entry(p, &v);
   if (out) *out = v;
   return true;
+}
+
+bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out) {
+  return ddp__train_forward_flags_at(text, rank, 0, out);
 }
 
 ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_t *o,
@@ -464,7 +485,14 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
   if (!ddp__train_forward_flags(a->forward_flags, 0, NULL)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "forward_flags expects one integer >= 0 (decimal or 0x hex), or "
-                            "one per rank separated by commas, got \"%s\"", a->forward_flags);
+                            "one per rank separated by commas, each one integer or one per "
+                            "step separated by colons, got \"%s\"", a->forward_flags);
+  }
+  if (strcmp(a->weight_decay_grouping, "transformers") != 0 &&
+      strcmp(a->weight_decay_grouping, "all") != 0) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "weight_decay_grouping \"%s\": the choices are transformers, all",
+                            a->weight_decay_grouping);
   }
   /* The hooks layer knows the names, the PowerSGD keys and their ranges. */
   ddp_error_t he = {0};

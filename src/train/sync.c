@@ -9,9 +9,10 @@
  *  - "flat": DDP with one bucket and no overlap. After a synchronising backward the model's
  *    flat gradient buffer (one per dtype) is all-reduced with AVG (sum in rank order, then
  *    divided by W); after a no_sync backward nothing is communicated. Buffers are broadcast
- *    from rank 0 before each synchronising forward. Parameters that got no gradient keep
- *    their zeros and are averaged like the others (what find_unused_parameters=True gives).
- *    Kept as the reference the reducer is tested against (tests/test_train.c). */
+ *    from rank 0 before each synchronising forward. A None gradient enters the sum as
+ *    zeros; a used-map allreduce (MAX) then leaves None exactly the gradients that are None
+ *    on every rank and defines the others, as the reducer with find_unused_parameters=True
+ *    does. Kept as the reference the reducer is tested against (tests/test_train.c). */
 #include "train/sync.h"
 
 #include <string.h>
@@ -28,6 +29,8 @@ struct ddp__sync {
   ddp_ddp_t *ddp;         /* reducer mode, from ddp__sync_begin on */
   ddp_powersgd_state_t *psgd; /* the PowerSGD hook's state (owned by ddp), else NULL */
   bool armed;             /* flat mode: the last forward was a synchronising one */
+  ddp_local_grad_fn local_fn; /* ddp__sync_set_local_grad_fn; NULL: none */
+  void *local_user;
   int64_t syncs;          /* synchronised backwards so far */
 };
 
@@ -76,6 +79,35 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
 
 ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) { return s->psgd; }
+
+void ddp__sync_set_local_grad_fn(ddp__sync_t *s, ddp_local_grad_fn fn, void *user) {
+  DDP_REQUIRE(s);
+  s->local_fn = fn;
+  s->local_user = user;
+  if (s->ddp) ddp_ddp_set_local_grad_fn(s->ddp, fn, user);
+}
+
+void ddp__train_dump_local(void *user, const ddp_param_t *p) {
+  /* Only out of memory can fail here; the step's dump then lacks this tensor and
+   * ddp-compare names it as missing. */
+  (void)ddp_dump_local_grad(user, p->index, p->grad.data);
+}
+
+/* Flat mode, before the allreduce: None gradients hold zeros in the flat buffer (and stay
+ * None), the local observer sees every gradient, and used[i] says whether parameter i's
+ * gradient is defined here. */
+static void flat_prepare(ddp__sync_t *s, int32_t *used) {
+  for (size_t i = 0; i < ddp_model_num_params(s->model); i++) {
+    ddp_param_t *p = ddp_model_param(s->model, i);
+    if (!p->requires_grad) continue;
+    if (s->local_fn) s->local_fn(s->local_user, p);
+    used[i] = p->grad.data != NULL;
+    if (used[i]) continue;
+    ddp_param_set_grad_data(p, NULL);
+    memset(p->grad.data, 0, ddp_tensor_nbytes(&p->value));
+    ddp_param_set_grad_none(p);
+  }
+}
 
 void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate) {
   *bytes = 0;
@@ -203,13 +235,28 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
   if (!s->armed) return DDP_OK;
   s->armed = false;
   int64_t t0 = ddp_now_ns();
-  for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes); i++) {
+  size_t np = ddp_model_num_params(s->model);
+  int32_t *used = ddp__calloc(np ? np : 1, sizeof *used);
+  if (!used) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "gradient sync: no memory");
+  flat_prepare(s, used);
+  for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes) && st == DDP_OK; i++) {
     ddp_tensor_t g = ddp_model_flat_grads(s->model, float_dtypes[i]);
     if (g.numel == 0) continue;
     ddp_work_t *w = NULL;
     st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_AVG, &w);
-    DDP_CHECK(wait_op(s, st, w, "gradient allreduce", err));
+    st = wait_op(s, st, w, "gradient allreduce", err);
   }
+  if (st == DDP_OK && np) {
+    ddp_work_t *w = NULL;
+    st = ddp_allreduce(s->pg, used, used, np, DDP_I32, DDP_MAX, &w);
+    st = wait_op(s, st, w, "used-parameter allreduce", err);
+  }
+  for (size_t i = 0; i < np && st == DDP_OK; i++) {
+    ddp_param_t *p = ddp_model_param(s->model, i);
+    if (p->requires_grad && used[i] && !p->grad.data) ddp_param_set_grad_data(p, NULL);
+  }
+  ddp__free(used);
+  if (st != DDP_OK) return st;
   if (comm_ns) *comm_ns += ddp_now_ns() - t0;
   return DDP_OK;
 }

@@ -18,6 +18,7 @@
 #define DDP_TRAIN_SYNC_H
 
 #include "ddp/hooks.h"
+#include "ddp/reducer.h"
 #include "ddp/train.h"
 
 typedef struct ddp__sync ddp__sync_t;
@@ -37,6 +38,13 @@ ddp_status_t ddp__sync_post_forward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *y
  * gradient communication; adds the nanoseconds spent communicating to *comm_ns. */
 ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
                                 const ddp_tensor_t *scale, int64_t *comm_ns, ddp_error_t *err);
+/* Observes each gradient of a synchronising backward before it is communicated
+ * (ddp_ddp_set_local_grad_fn's contract; flat mode: every trainable parameter, just before
+ * the allreduce). Reducer mode needs ddp__sync_begin to have run. */
+void ddp__sync_set_local_grad_fn(ddp__sync_t *s, ddp_local_grad_fn fn, void *user);
+/* A ddp_local_grad_fn that records p's gradient into the dump `user` (a ddp_dump_t):
+ * ddp_dump_local_grad(user, p->index, p->grad.data). */
+void ddp__train_dump_local(void *user, const ddp_param_t *p);
 /* Which implementation runs ("reducer" or "flat-allreduce"), for logs and metrics. */
 const char *ddp__sync_name(const ddp__sync_t *s);
 /* The reducer's handle (reducer mode, after ddp__sync_begin), else NULL. */

@@ -14,6 +14,10 @@ ddp_status_t ddp__train_replica_check(ddp_pg_t *pg, ddp_model_t *model, int64_t 
  * spaces allowed: torch_reference.py's --flags) into *out (may be NULL); false when the
  * text is malformed. */
 bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out);
+/* The flags of optimizer step `step` on `rank`: entry rank % n of the comma-separated
+ * entries, and within it value step % m of its m colon-separated values ("0:1" = 0 on
+ * even steps, 1 on odd ones). ddp__train_forward_flags is step 0. False when malformed. */
+bool ddp__train_forward_flags_at(const char *text, int rank, int64_t step, uint64_t *out);
 
 /* HF's optim_args ("key=value,key=value", spaces ignored) applied to o: optim sgd takes
  * momentum, dampening and nesterov (torch.optim.SGD's keywords); the other optimizers take

@@ -322,7 +322,8 @@ static ddp_status_t setup(trainer_t *t) {
   for (size_t i = 0; i < np; i++) {
     ddp_param_t *p = ddp_model_param(t->model, i);
     if (!p->requires_grad) continue;
-    decay[i] = !strstr(p->name, "bias") && !ddp_model_param_in_layer_norm(t->model, i);
+    decay[i] = !strcmp(a->weight_decay_grouping, "all") ||
+               (!strstr(p->name, "bias") && !ddp_model_param_in_layer_norm(t->model, i));
     ndecay += decay[i];
     t->grads[t->ntrain++] = &p->grad;
   }
@@ -372,7 +373,8 @@ static ddp_status_t setup(trainer_t *t) {
   so.dataset_len = ddp_dataset_length(t->train);
   so.num_replicas = t->world;
   so.rank = t->rank;
-  so.seed = a->seed;
+  so.seed = a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed; /* HF's data_seed */
+  so.shuffle = a->dataloader_shuffle;
   DDP_CHECK(ddp_sampler_create(&so, &t->sampler, t->err));
   ddp_loader_options_t lo = DDP_LOADER_OPTIONS_INIT;
   lo.batch_size = a->per_device_train_batch_size;
@@ -413,6 +415,7 @@ static ddp_status_t setup(trainer_t *t) {
     *(double *)t->seed_grad.data = inv;
   }
   DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer, &t->sync, t->err));
+  ddp_model_set_grads_none(t->model); /* a fresh PyTorch module's gradients are None */
   return DDP_OK;
 }
 
@@ -624,7 +627,7 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
   const char *be = ddp_train_backend_name(a);
   char cap_mb[32] = "null", first_mb[32] = "null";
   if (a->ddp_bucket_cap_mb > 0) {
-    snprintf(cap_mb, sizeof cap_mb, "%lld", (long long)a->ddp_bucket_cap_mb);
+    snprintf(cap_mb, sizeof cap_mb, "%.17g", a->ddp_bucket_cap_mb);
   }
   if (a->ddp_first_bucket_mb > 0) {
     snprintf(first_mb, sizeof first_mb, "%.17g", a->ddp_first_bucket_mb);
@@ -635,7 +638,8 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
              "\"lr_scheduler_type\": \"%s\", \"warmup_steps\": %lld, \"momentum\": %.17g, "
              "\"weight_decay\": %.17g, \"adam_beta1\": %.17g, \"adam_beta2\": %.17g, "
              "\"adam_epsilon\": %.17g, \"max_grad_norm\": %.17g, \"seed\": %llu, "
-             "\"loss\": \"%s\", \"shuffle\": true, \"data_seed\": %llu, "
+             "\"loss\": \"%s\", \"shuffle\": %s, \"data_seed\": %llu, "
+             "\"zero_grad_set_to_none\": %s, \"weight_decay_grouping\": \"%s\", "
              "\"sampler_drop_last\": false, \"dataloader_drop_last\": %s, \"flags\": \"%s\", "
              "\"bucket_cap_mb\": %s, \"first_bucket_mb\": %s, "
              "\"find_unused_parameters\": %s, "
@@ -648,9 +652,17 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
              (long long)t->sched.num_warmup_steps, ddp_optim_options(t->opt[0])->momentum,
              a->weight_decay, a->adam_beta1,
              a->adam_beta2, a->adam_epsilon, a->max_grad_norm > 0 ? a->max_grad_norm : 0.0,
+<<<<<<< HEAD
              (unsigned long long)a->seed,
              t->task == DDP_TASK_CAUSAL_LM ? "causal_lm" : t->classify ? "ce" : "mse",
              (unsigned long long)a->seed, a->dataloader_drop_last ? "true" : "false",
+=======
+             (unsigned long long)a->seed, t->classify ? "ce" : "mse",
+             a->dataloader_shuffle ? "true" : "false",
+             (unsigned long long)(a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed),
+             a->zero_grad_set_to_none ? "true" : "false", a->weight_decay_grouping,
+             a->dataloader_drop_last ? "true" : "false",
+>>>>>>> fidelity
              a->forward_flags, cap_mb, first_mb,
              ddp_train_find_unused(a) ? "true" : "false",
              ddp_train_broadcast_buffers(a) ? "true" : "false",
@@ -729,6 +741,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     if (st != DDP_OK) goto out;
     DDP_CHECK_GOTO(dump_check(t, ddp_dump_init(t->dump, model, ddp__sync_reducer(t->sync))), st,
                    out);
+    if (a->dump_local_grads) ddp__sync_set_local_grad_fn(t->sync, ddp__train_dump_local, t->dump);
   }
 
   if (t->rank == 0) {
@@ -762,6 +775,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     int64_t t0 = ddp_now_ns(), comm = 0;
     int64_t epoch = step / t->steps_per_epoch;
     DDP_CHECK_GOTO(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA), st, out);
+    ddp__train_forward_flags_at(a->forward_flags, t->rank, step, &t->flags); /* validated */
     double local_loss = 0;
     for (int64_t k = 0; k < GA; k++) {
       ddp_batch_t b;
@@ -799,7 +813,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
     for (size_t g = 0; g < t->nopt; g++) {
       ddp_optim_set_lr(t->opt[g], lr);
       DDP_CHECK_GOTO(ddp_optim_step(t->opt[g], t->err), st, out);
-      ddp_optim_zero_grad(t->opt[g], false);
+      ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
     }
     if (t->dump) {
       DDP_CHECK_GOTO(
