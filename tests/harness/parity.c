@@ -150,11 +150,10 @@ int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const
   char init[700] = "", cap[160] = "", q[700] = "";
   if (torch_dir) snprintf(init, sizeof init, "--init '%s/weights.safetensors'", torch_dir);
   if (c->bucket_cap_mb >= 0) {
-    /* ddp-train's cap is whole MiB; PyTorch 1.13 keeps the 1 MiB first bucket with an
-     * explicit cap (docs/ddp.md). */
-    assert_true(c->bucket_cap_mb == (double)(long long)c->bucket_cap_mb);
-    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %lld --ddp_first_bucket_mb %.17g",
-             (long long)c->bucket_cap_mb, c->first_bucket_mb > 0 ? c->first_bucket_mb : 1.0);
+    /* PyTorch 1.13 keeps the 1 MiB first bucket with an explicit cap (docs/ddp.md). The
+     * cap is printed as torch_reference.py's %g prints it, so both sides read one value. */
+    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %g --ddp_first_bucket_mb %.17g",
+             c->bucket_cap_mb, c->first_bucket_mb > 0 ? c->first_bucket_mb : 1.0);
   } else if (c->first_bucket_mb > 0) {
     snprintf(cap, sizeof cap, "--ddp_first_bucket_mb %.17g", c->first_bucket_mb);
   }
