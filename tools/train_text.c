@@ -207,12 +207,13 @@ ddp_status_t train_text_build(const train_text_t *x, const char *model_json, uin
 ddp_status_t train_text_finish(train_text_t *x, ddp_model_t *m, const ddp_train_args_t *a,
                                ddp_error_t *err) {
   if (!x->hf) return DDP_OK;
-  DDP_CHECK(ddp_model_save_pretrained(m, a->output_dir, err));
+  ddp_status_t st = ddp_model_save_pretrained(m, a->output_dir, err);
+  if (st != DDP_OK) return st;
   if (!x->sample_prompt || x->task != DDP_TASK_CAUSAL_LM) return DDP_OK;
   size_t len = strlen(x->sample_prompt);
   int64_t *ids = malloc((len ? len : 1) * sizeof *ids), *gen = NULL, ngen = 0;
   if (!ids) return DDP_ERR_NO_MEMORY;
-  ddp_status_t st = ddp_byte_encode(x->sample_prompt, len, ids);
+  st = ddp_byte_encode(x->sample_prompt, len, ids);
   ddp_generate_options_t o = DDP_GENERATE_OPTIONS_INIT;
   o.max_new_tokens = x->sample_max_new_tokens;
   o.top_k = x->sample_top_k;

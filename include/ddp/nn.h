@@ -371,6 +371,120 @@ DDP_API ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out,
 DDP_API ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out,
                                               ddp_error_t *err);
 
+/* ---------------------------------------------------------------- Transformers ---- */
+/* Hugging Face Transformers' GPT2LMHeadModel and BertForSequenceClassification (docs/nn.md,
+ * "Transformers"): the same parameters, state_dict names, parameters() order, forward and
+ * _init_weights distributions, built from a config.json and stored as save_pretrained does.
+ * ddp_model_forward takes I64 token ids: GPT-2 [B, T] -> logits [B, T, vocab_size]; BERT
+ * [B, T] ids, [B, 2, T] (ids, attention_mask) or [B, 3, T] (plus token_type_ids) -> logits
+ * [B, num_labels]. ddp_model_init(m, seed) draws Transformers' initialisation. */
+
+typedef enum ddp_hf_model_type {
+  DDP_HF_NONE = 0,
+  DDP_HF_GPT2 = 1, /* "gpt2": GPT2LMHeadModel */
+  DDP_HF_BERT = 2  /* "bert": BertForSequenceClassification */
+} ddp_hf_model_type_t;
+
+#define DDP_HF_NAME_MAX 32
+
+/* config.json keys of GPT-2, with Transformers' defaults. */
+typedef struct ddp_gpt2_config {
+  int64_t vocab_size;                 /* 50257 */
+  int64_t n_positions;                /* 1024: the longest sequence */
+  int64_t n_embd;                     /* 768 */
+  int64_t n_layer;                    /* 12 */
+  int64_t n_head;                     /* 12; must divide n_embd */
+  int64_t n_inner;                    /* 0 = null: 4 * n_embd */
+  char activation_function[DDP_HF_NAME_MAX]; /* "gelu_new" */
+  double resid_pdrop;                 /* 0.1 */
+  double embd_pdrop;                  /* 0.1 */
+  double attn_pdrop;                  /* 0.1 */
+  double layer_norm_epsilon;          /* 1e-5 */
+  double initializer_range;           /* 0.02 */
+  bool scale_attn_weights;            /* true: scores / sqrt(head size) */
+  bool scale_attn_by_inverse_layer_idx; /* false: also / (layer index + 1) */
+  bool reorder_and_upcast_attn;       /* false; true computes the same function */
+  bool tie_word_embeddings;           /* true: lm_head.weight is transformer.wte.weight */
+} ddp_gpt2_config_t;
+
+/* config.json keys of BERT, with Transformers' defaults. */
+typedef struct ddp_bert_config {
+  int64_t vocab_size;                 /* 30522 */
+  int64_t hidden_size;                /* 768 */
+  int64_t num_hidden_layers;          /* 12 */
+  int64_t num_attention_heads;        /* 12; must divide hidden_size */
+  int64_t intermediate_size;          /* 3072 */
+  char hidden_act[DDP_HF_NAME_MAX];   /* "gelu" (erf) */
+  double hidden_dropout_prob;         /* 0.1 */
+  double attention_probs_dropout_prob; /* 0.1 */
+  int64_t max_position_embeddings;    /* 512: the longest sequence */
+  int64_t type_vocab_size;            /* 2 */
+  double layer_norm_eps;              /* 1e-12 */
+  double initializer_range;           /* 0.02 */
+  int64_t pad_token_id;               /* 0; -1 = null (no padding row) */
+  int64_t num_labels;                 /* 2 ("num_labels", or the size of "id2label") */
+  double classifier_dropout;          /* -1 = null: hidden_dropout_prob */
+  char problem_type[DDP_HF_NAME_MAX]; /* "" = null, "regression", "single_label_classification" */
+} ddp_bert_config_t;
+
+typedef struct ddp_hf_config {
+  ddp_hf_model_type_t model_type;     /* "model_type" */
+  ddp_dtype_t torch_dtype;            /* "torch_dtype": F64 for "float64", else F32; a model
+                                       * reports its own dtype here */
+  ddp_gpt2_config_t gpt2;             /* model_type GPT2 */
+  ddp_bert_config_t bert;             /* model_type BERT */
+} ddp_hf_config_t;
+
+typedef enum ddp_model_task {
+  DDP_TASK_DEFAULT = 0,           /* loss chosen by the label dtype (the MLP files) */
+  DDP_TASK_CAUSAL_LM = 1,         /* GPT2LMHeadModel: ddp_causal_lm_loss(logits, labels) */
+  DDP_TASK_SEQ_CLASSIFICATION = 2 /* BertForSequenceClassification: CE (num_labels > 1) or
+                                   * MSE (num_labels == 1) on logits [B, num_labels] */
+} ddp_model_task_t;
+
+DDP_API ddp_model_task_t ddp_model_task(const ddp_model_t *m);
+/* The Transformers configuration of a GPT-2/BERT model (NULL for other models). */
+DDP_API const ddp_hf_config_t *ddp_model_hf_config(const ddp_model_t *m);
+/* The loss of m's task on its logits: CAUSAL_LM ddp_causal_lm_loss(logits, labels I64
+ * [B, T], -100); SEQ_CLASSIFICATION cross-entropy on I64 labels [B], or MSE on float labels
+ * [B] when num_labels == 1 (Transformers' problem_type rule); DEFAULT cross-entropy for I64
+ * labels, MSE otherwise. */
+DDP_API ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *logits,
+                                    ddp_var_t *labels, ddp_var_t **loss);
+
+/* Transformers' defaults for model_type (DDP_HF_GPT2 or DDP_HF_BERT), torch_dtype F32. */
+DDP_API void ddp_hf_config_defaults(ddp_hf_config_t *cfg, ddp_hf_model_type_t model_type);
+/* Checks a config: positive sizes, heads dividing the width, probabilities in [0, 1], a known
+ * activation. DDP_ERR_INVALID_ARGUMENT naming the key; DDP_ERR_UNSUPPORTED for valid
+ * Transformers settings libddp does not implement. */
+DDP_API ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char *path,
+                                         ddp_error_t *err);
+/* config.json text -> config (Transformers' keys and defaults; unknown keys are ignored as
+ * Transformers keeps them as plain attributes). An unknown model_type, a wrong JSON type,
+ * n_embd % n_head != 0 and the like are DDP_ERR_INVALID_ARGUMENT naming the key; settings that
+ * change the model in ways libddp does not implement are DDP_ERR_UNSUPPORTED. path only names
+ * the source in messages (may be NULL). */
+DDP_API ddp_status_t ddp_hf_config_parse(const char *json, const char *path,
+                                         ddp_hf_config_t *cfg, ddp_error_t *err);
+/* Writes config.json as save_pretrained does (sorted keys, "architectures", "model_type",
+ * "torch_dtype", BERT's id2label/label2id), atomically. */
+DDP_API ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path,
+                                         ddp_error_t *err);
+/* A finalized model (zero weights: call ddp_model_init) of dtype dt (F32 or F64). */
+DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
+                                              ddp_model_t **out, ddp_error_t *err);
+/* DIR/config.json + DIR/model.safetensors, strict by name with PyTorch's wording, except what
+ * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias and
+ * bert.embeddings.position_ids buffers are ignored, a tied lm_head.weight must only match
+ * in shape (wte's values are used), and a base-model checkpoint's keys (no "transformer." /
+ * "bert." prefix) get the prefix. Floating dtypes convert to dt. */
+DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt,
+                                               ddp_model_t **out, ddp_error_t *err);
+/* Writes DIR/config.json and DIR/model.safetensors (metadata {"format": "pt"}; the tied
+ * lm_head.weight left out), as save_pretrained does; creates DIR (and its parents). */
+DDP_API ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir,
+                                               ddp_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,7 +17,8 @@ typedef enum mod_kind {
   MOD_RESIDUAL,
   MOD_BRANCH,
   MOD_CHECKPOINT,
-  MOD_ADD
+  MOD_ADD,
+  MOD_FAMILY /* forward and init in a family's own file (nn_internal.h) */
 } mod_kind_t;
 
 #define NONE ((size_t)-1)
@@ -36,6 +37,8 @@ struct ddp_module {
   ddp_module_t **children;
   size_t nchildren, cap;
   int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
+  const ddp__family_t *family; /* MOD_FAMILY */
+  void *fstate;
 };
 
 /* A state_dict entry in registration order. */
@@ -83,6 +86,7 @@ void ddp_model_destroy(ddp_model_t *m) {
   }
   for (ddp_module_t *mod = m->mod_head; mod;) {
     ddp_module_t *next = mod->next_owned;
+    if (mod->family && mod->family->destroy) mod->family->destroy(mod->fstate);
     ddp__free(mod->children);
     ddp__free(mod);
     mod = next;
@@ -464,6 +468,26 @@ static ddp_status_t add_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
   return DDP_OK;
 }
 
+ddp_status_t ddp__module_family(ddp_model_t *m, const ddp__family_t *family, void *state,
+                                ddp_module_t **mod) {
+  DDP_REQUIRE(m && family && mod);
+  ddp_status_t st = mod_new(m, MOD_FAMILY, mod);
+  if (st != DDP_OK) {
+    if (family->destroy) family->destroy(state);
+    return st;
+  }
+  (*mod)->family = family;
+  (*mod)->fstate = state;
+  return DDP_OK;
+}
+
+const ddp__family_t *ddp__model_family(const ddp_model_t *m, void **state) {
+  DDP_REQUIRE(m);
+  if (!m->root || m->root->kind != MOD_FAMILY) return NULL;
+  if (state) *state = m->root->fstate;
+  return m->root->family;
+}
+
 void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root) {
   DDP_REQUIRE(m && (!root || root->model == m));
   m->root = root;
@@ -554,6 +578,8 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
     }
     case MOD_ADD:
       return add_forward(mod, c, x, flags, y);
+    case MOD_FAMILY:
+      return mod->family->forward(mod->fstate, c, x, m->training, y);
   }
   return DDP_ERR_INTERNAL;
 }
@@ -589,6 +615,7 @@ static void fill_const(ddp_tensor_t *t, double v) {
 
 ddp_status_t ddp_model_init(ddp_model_t *m, uint64_t seed) {
   DDP_REQUIRE(m && m->finalized);
+  if (m->root && m->root->kind == MOD_FAMILY) return m->root->family->init(m->root->fstate, seed);
   ddp_rng_t r;
   ddp_rng_init(&r, seed, ddp_rng_stream(DDP_RNG_INIT, 0, 0));
   for (ddp_module_t *mod = m->mod_head; mod; mod = mod->next_owned) {
@@ -672,82 +699,121 @@ static bool is_float_dt(ddp_dtype_t d) {
   return d == DDP_F32 || d == DDP_F64 || d == DDP_F16 || d == DDP_BF16;
 }
 
-/* Two passes: the first checks every key and collects PyTorch's error list (missing keys,
- * unexpected keys, size mismatches); the second copies, only when the first found nothing
- * fatal, so a failed load leaves the model untouched. */
+/* Appends PyTorch's size-mismatch line (or libddp's dtype-mismatch line) for checkpoint key
+ * `key` when src cannot be copied into dst. Returns whether it appended. */
+static bool mismatch(const char *key, const ddp_tensor_t *src, const ddp_tensor_t *dst, char *size,
+                     size_t len, size_t *ps) {
+  bool shape_ok = src->ndim == dst->ndim;
+  for (int d = 0; shape_ok && d < dst->ndim; d++) shape_ok = src->shape[d] == dst->shape[d];
+  if (!shape_ok) {
+    char a[128], b[128];
+    shape_str(src, a, sizeof a);
+    shape_str(dst, b, sizeof b);
+    app(size, len, ps,
+        "\n\tsize mismatch for %s: copying a param with shape %s from checkpoint, the shape "
+        "in current model is %s.", key, a, b);
+    return true;
+  }
+  if (is_float_dt(src->dtype) != is_float_dt(dst->dtype)) {
+    app(size, len, ps, "\n\tdtype mismatch for %s: checkpoint has %s, model has %s.", key,
+        ddp_dtype_name(src->dtype), ddp_dtype_name(dst->dtype));
+    return true;
+  }
+  return false;
+}
+
+static size_t find_entry(const ddp_model_t *m, const char *name) {
+  for (size_t j = 0; j < m->nentries; j++)
+    if (!strcmp(entry_name(m, &m->entries[j]), name)) return j;
+  return NONE;
+}
+
 ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool strict, size_t *n_missing,
                             size_t *n_unexpected, ddp_error_t *err) {
+  return ddp__model_load_mapped(m, path, strict, NULL, NULL, n_missing, n_unexpected, err);
+}
+
+/* Two passes: the first checks every key and collects PyTorch's error list (missing keys,
+ * unexpected keys, size mismatches); the second copies, only when the first found nothing
+ * fatal, so a failed load leaves the model untouched. src[j] is the checkpoint tensor that
+ * fills entry j (NONE: missing), hit[i] the entry checkpoint key i maps to (NONE: skipped or
+ * unexpected). */
+ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool strict,
+                                    ddp__load_key_fn map, void *user, size_t *n_missing,
+                                    size_t *n_unexpected, ddp_error_t *err) {
   DDP_REQUIRE(m && m->finalized && path);
   ddp_st_file_t *f = NULL;
   DDP_CHECK(ddp_st_open(path, DDP_ST_READ, &f, err));
+  size_t nkeys = ddp_st_count(f);
+  size_t *src = ddp__malloc((m->nentries + nkeys + 1) * sizeof *src), *hit = src + m->nentries;
+  if (!src) {
+    ddp_st_close(f);
+    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "load_state_dict: out of memory");
+  }
   char msg[DDP_ERROR_MSG_MAX * 4];
   char miss[DDP_ERROR_MSG_MAX], unexp[DDP_ERROR_MSG_MAX], size[DDP_ERROR_MSG_MAX * 2];
   size_t pm = 0, pu = 0, ps = 0, nmiss = 0, nunexp = 0, nsize = 0;
   miss[0] = unexp[0] = size[0] = 0;
-  for (size_t i = 0; i < m->nentries; i++) {
-    const char *name = entry_name(m, &m->entries[i]);
-    ddp_tensor_t *dst = entry_tensor(m, &m->entries[i]);
-    size_t idx;
-    if (ddp_st_find(f, name, &idx) != DDP_OK) {
-      app(miss, sizeof miss, &pm, "%s\"%s\"", nmiss ? ", " : "", name);
+  ddp_status_t st = DDP_OK;
+  for (size_t j = 0; j < m->nentries; j++) src[j] = NONE;
+  for (size_t i = 0; i < nkeys; i++) {
+    const char *key = ddp_st_name(f, i);
+    char buf[NAME_MAX_];
+    const char *name = map ? map(user, key, buf, sizeof buf) : key;
+    hit[i] = name ? find_entry(m, name) : NONE;
+    if (name && hit[i] == NONE) {
+      app(unexp, sizeof unexp, &pu, "%s\"%s\"", nunexp ? ", " : "", key);
+      nunexp++;
+    } else if (name && (src[hit[i]] == NONE || !strcmp(key, name))) {
+      src[hit[i]] = i;
+    }
+  }
+  for (size_t i = 0; i < m->nentries + nkeys; i++) {
+    /* Entries in state_dict order, then the keys that only duplicate another. */
+    bool entry = i < m->nentries;
+    size_t j = entry ? i : hit[i - m->nentries], k = entry ? src[i] : i - m->nentries;
+    if (entry && k == NONE) {
+      app(miss, sizeof miss, &pm, "%s\"%s\"", nmiss ? ", " : "", entry_name(m, &m->entries[i]));
       nmiss++;
       continue;
     }
-    ddp_tensor_t src;
-    ddp_status_t st = ddp_st_tensor(f, idx, &src);
+    if (!entry && (j == NONE || src[j] == k)) continue;
+    ddp_tensor_t t;
+    st = ddp_st_tensor(f, k, &t);
     if (st != DDP_OK) {
-      ddp_st_close(f);
-      return ddp__error(err, -1, st, "load_state_dict: cannot read '%s' from %s", name, path);
+      st = ddp__error(err, -1, st, "load_state_dict: cannot read '%s' from %s", ddp_st_name(f, k),
+                      path);
+      goto out;
     }
-    bool shape_ok = src.ndim == dst->ndim;
-    for (int d = 0; shape_ok && d < dst->ndim; d++) shape_ok = src.shape[d] == dst->shape[d];
-    if (!shape_ok) {
-      char a[128], b[128];
-      shape_str(&src, a, sizeof a);
-      shape_str(dst, b, sizeof b);
-      app(size, sizeof size, &ps,
-          "\n\tsize mismatch for %s: copying a param with shape %s from checkpoint, the shape "
-          "in current model is %s.", name, a, b);
+    if (mismatch(ddp_st_name(f, k), &t, entry_tensor(m, &m->entries[j]), size, sizeof size, &ps))
       nsize++;
-    } else if (is_float_dt(src.dtype) != is_float_dt(dst->dtype)) {
-      app(size, sizeof size, &ps, "\n\tdtype mismatch for %s: checkpoint has %s, model has %s.",
-          name, ddp_dtype_name(src.dtype), ddp_dtype_name(dst->dtype));
-      nsize++;
-    }
-  }
-  for (size_t i = 0; i < ddp_st_count(f); i++) {
-    const char *name = ddp_st_name(f, i);
-    if (!ddp_model_find_param(m, name) && !ddp_model_find_buffer(m, name)) {
-      app(unexp, sizeof unexp, &pu, "%s\"%s\"", nunexp ? ", " : "", name);
-      nunexp++;
-    }
   }
   if (n_missing) *n_missing = nmiss;
   if (n_unexpected) *n_unexpected = nunexp;
-  bool fatal = nsize > 0 || (strict && (nmiss || nunexp));
-  if (fatal) {
+  if (nsize > 0 || (strict && (nmiss || nunexp))) {
     size_t pos = 0;
     app(msg, sizeof msg, &pos, "Error(s) in loading state_dict from %s:", path);
     if (strict && nmiss) app(msg, sizeof msg, &pos, "\n\tMissing key(s) in state_dict: %s. ", miss);
     if (strict && nunexp) app(msg, sizeof msg, &pos, "\n\tUnexpected key(s) in state_dict: %s. ", unexp);
     if (nsize) app(msg, sizeof msg, &pos, "%s", size);
-    ddp_st_close(f);
-    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "%s", msg);
+    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA, "%s", msg);
+    goto out;
   }
-  for (size_t i = 0; i < m->nentries; i++) {
-    size_t idx;
-    if (ddp_st_find(f, entry_name(m, &m->entries[i]), &idx) != DDP_OK) continue;
-    ddp_tensor_t src;
-    ddp_status_t st = ddp_st_tensor(f, idx, &src);
-    if (st == DDP_OK) st = ddp_tensor_copy(entry_tensor(m, &m->entries[i]), &src);
+  for (size_t j = 0; j < m->nentries; j++) {
+    if (src[j] == NONE) continue;
+    ddp_tensor_t t;
+    st = ddp_st_tensor(f, src[j], &t);
+    if (st == DDP_OK) st = ddp_tensor_copy(entry_tensor(m, &m->entries[j]), &t);
     if (st != DDP_OK) {
-      ddp_st_close(f);
-      return ddp__error(err, -1, st, "load_state_dict: copying '%s' failed",
-                        entry_name(m, &m->entries[i]));
+      st = ddp__error(err, -1, st, "load_state_dict: copying '%s' failed",
+                      entry_name(m, &m->entries[j]));
+      goto out;
     }
   }
+out:
+  ddp__free(src);
   ddp_st_close(f);
-  return DDP_OK;
+  return st;
 }
 
 bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {

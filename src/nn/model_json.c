@@ -233,6 +233,11 @@ ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: parse error near \"%.40s\"",
                       at ? at : "");
   }
+  if (cJSON_GetObjectItemCaseSensitive(root, "model_type")) {
+    /* A Transformers config.json: GPT-2 or BERT (docs/nn.md, "Transformers"). */
+    cJSON_Delete(root);
+    return ddp__model_from_hf_json(json, out, err);
+  }
   build_t b = {NULL, DDP_F32, err, 0};
   ddp_status_t st = DDP_OK;
   const cJSON *dt = cJSON_GetObjectItemCaseSensitive(root, "dtype");

@@ -74,4 +74,57 @@ void *ddp__grad(ddp_ctx_t *c, ddp_var_t *v);
 ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...)
     DDP_PRINTF(3, 4);
 
+/* ---- module families implemented outside model.c (the Transformers models) ---- */
+
+/* A family module is a model's root whose forward and initialisation live in their own
+ * file (gpt2.c, bert.c). Its state begins with the model's ddp_hf_config_t. The model owns
+ * the state and frees it with destroy. */
+typedef struct ddp__family {
+  const char *name;
+  ddp_model_task_t task;
+  ddp_status_t (*forward)(void *state, ddp_ctx_t *c, ddp_var_t *x, bool training, ddp_var_t **y);
+  ddp_status_t (*init)(void *state, uint64_t seed);
+  void (*destroy)(void *state);
+} ddp__family_t;
+
+/* A family module holding state (owned by m from this call on, also when it fails). */
+ddp_status_t ddp__module_family(ddp_model_t *m, const ddp__family_t *family, void *state,
+                                ddp_module_t **mod);
+/* The family of m's root and its state; NULL when the root is not a family module. */
+const ddp__family_t *ddp__model_family(const ddp_model_t *m, void **state);
+
+/* Maps a checkpoint key to the model's name for it (writing into buf when it renames):
+ * returns the name, or NULL to skip the key (a buffer the model does not keep). */
+typedef const char *(*ddp__load_key_fn)(void *user, const char *key, char *buf, size_t len);
+/* ddp_model_load with every checkpoint key passed through map first (NULL: names as they
+ * are). When two keys map to one name, the key spelled like the name gives the values and
+ * the other is only checked for shape (a tied weight saved under both names). */
+ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool strict,
+                                    ddp__load_key_fn map, void *user, size_t *n_missing,
+                                    size_t *n_unexpected, ddp_error_t *err);
+
+/* Transformers' families (gpt2.c, bert.c, hf_config.c, pretrained.c). */
+bool ddp__hf_activation(const char *name, ddp_act_t *act);
+ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
+                             ddp_error_t *err);
+ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
+                             ddp_error_t *err);
+/* ddp_model_from_json's branch for a Transformers config.json (a "model_type" key): the
+ * model in the config's torch_dtype, zero weights. */
+ddp_status_t ddp__model_from_hf_json(const char *json, ddp_model_t **out, ddp_error_t *err);
+/* What Transformers' _init_weights does to one parameter. */
+typedef enum ddp__init_role {
+  DDP__INIT_NORMAL = 0, /* N(0, initializer_range): Linear/Conv1D weights, embeddings */
+  DDP__INIT_PROJ,       /* N(0, initializer_range / sqrt(2 n_layer)): GPT-2's c_proj weights */
+  DDP__INIT_ONE,        /* LayerNorm weights */
+  DDP__INIT_ZERO        /* biases */
+} ddp__init_role_t;
+/* Initialises m's parameters in registration order by role[i] (one byte each), drawing from
+ * Philox stream (seed, DDP_RNG_INIT, 0, 0); then zeroes row pad_row of parameter pad_param
+ * (BERT's padding_idx) unless pad_param is (size_t)-1. */
+void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double proj_std,
+                  size_t pad_param, int64_t pad_row, uint64_t seed);
+/* The leaf var of parameter i of m in c (an error on the context when the arena is full). */
+ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v);
+
 #endif /* DDP_NN_INTERNAL_H */

@@ -652,17 +652,12 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
              (long long)t->sched.num_warmup_steps, ddp_optim_options(t->opt[0])->momentum,
              a->weight_decay, a->adam_beta1,
              a->adam_beta2, a->adam_epsilon, a->max_grad_norm > 0 ? a->max_grad_norm : 0.0,
-<<<<<<< HEAD
              (unsigned long long)a->seed,
              t->task == DDP_TASK_CAUSAL_LM ? "causal_lm" : t->classify ? "ce" : "mse",
-             (unsigned long long)a->seed, a->dataloader_drop_last ? "true" : "false",
-=======
-             (unsigned long long)a->seed, t->classify ? "ce" : "mse",
              a->dataloader_shuffle ? "true" : "false",
              (unsigned long long)(a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed),
              a->zero_grad_set_to_none ? "true" : "false", a->weight_decay_grouping,
              a->dataloader_drop_last ? "true" : "false",
->>>>>>> fidelity
              a->forward_flags, cap_mb, first_mb,
              ddp_train_find_unused(a) ? "true" : "false",
              ddp_train_broadcast_buffers(a) ? "true" : "false",

@@ -1,0 +1,492 @@
+/* Transformers' config.json for GPT-2 and BERT: defaults, parsing with errors that name the
+ * key, validation, and writing as save_pretrained does. The keys and defaults are those of
+ * Transformers' GPT2Config and BertConfig (docs/nn.md, "Transformers"). */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/nn_internal.h"
+
+/* Activations libddp has, by Transformers' ACT2FN names. */
+static const struct {
+  const char *name;
+  ddp_act_t act;
+} acts[] = {
+    {"gelu", DDP_ACT_GELU},       {"gelu_python", DDP_ACT_GELU},
+    {"gelu_new", DDP_ACT_GELU_TANH}, {"gelu_pytorch_tanh", DDP_ACT_GELU_TANH},
+    {"relu", DDP_ACT_RELU},       {"tanh", DDP_ACT_TANH},
+    {"sigmoid", DDP_ACT_SIGMOID},
+};
+#define ACT_LIST "gelu, gelu_python, gelu_new, gelu_pytorch_tanh, relu, tanh, sigmoid"
+
+bool ddp__hf_activation(const char *name, ddp_act_t *act) {
+  for (size_t i = 0; i < DDP_ARRAY_LEN(acts); i++)
+    if (!strcmp(acts[i].name, name)) {
+      *act = acts[i].act;
+      return true;
+    }
+  return false;
+}
+
+void ddp_hf_config_defaults(ddp_hf_config_t *cfg, ddp_hf_model_type_t model_type) {
+  DDP_REQUIRE(cfg && (model_type == DDP_HF_GPT2 || model_type == DDP_HF_BERT));
+  memset(cfg, 0, sizeof *cfg);
+  cfg->model_type = model_type;
+  cfg->torch_dtype = DDP_F32;
+  ddp_gpt2_config_t *g = &cfg->gpt2;
+  g->vocab_size = 50257;
+  g->n_positions = 1024;
+  g->n_embd = 768;
+  g->n_layer = 12;
+  g->n_head = 12;
+  g->n_inner = 0;
+  snprintf(g->activation_function, sizeof g->activation_function, "gelu_new");
+  g->resid_pdrop = g->embd_pdrop = g->attn_pdrop = 0.1;
+  g->layer_norm_epsilon = 1e-5;
+  g->initializer_range = 0.02;
+  g->scale_attn_weights = true;
+  g->tie_word_embeddings = true;
+  ddp_bert_config_t *b = &cfg->bert;
+  b->vocab_size = 30522;
+  b->hidden_size = 768;
+  b->num_hidden_layers = 12;
+  b->num_attention_heads = 12;
+  b->intermediate_size = 3072;
+  snprintf(b->hidden_act, sizeof b->hidden_act, "gelu");
+  b->hidden_dropout_prob = b->attention_probs_dropout_prob = 0.1;
+  b->max_position_embeddings = 512;
+  b->type_vocab_size = 2;
+  b->layer_norm_eps = 1e-12;
+  b->initializer_range = 0.02;
+  b->pad_token_id = 0;
+  b->num_labels = 2;
+  b->classifier_dropout = -1;
+}
+
+/* ---------------------------------------------------------------- checks ---------- */
+
+static const char *src_name(const char *path) { return path ? path : "config.json"; }
+
+static ddp_status_t bad_key(ddp_error_t *err, ddp_status_t st, const char *path, const char *key,
+                            const char *what) {
+  return ddp__error(err, -1, st, "%s: \"%s\" %s", src_name(path), key, what);
+}
+
+static ddp_status_t need_pos(const char *path, const char *key, int64_t v, ddp_error_t *err) {
+  if (v >= 1) return DDP_OK;
+  char w[96];
+  snprintf(w, sizeof w, "must be a positive integer (got %lld)", (long long)v);
+  return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
+}
+
+static ddp_status_t need_prob(const char *path, const char *key, double v, ddp_error_t *err) {
+  if (v >= 0 && v <= 1) return DDP_OK;
+  char w[96];
+  snprintf(w, sizeof w, "must be a probability in [0, 1] (got %g)", v);
+  return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
+}
+
+static ddp_status_t need_nonneg(const char *path, const char *key, double v, bool strict_pos,
+                                ddp_error_t *err) {
+  if (isfinite(v) && (strict_pos ? v > 0 : v >= 0)) return DDP_OK;
+  char w[96];
+  snprintf(w, sizeof w, "must be a %s number (got %g)", strict_pos ? "positive" : "non-negative", v);
+  return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
+}
+
+static ddp_status_t need_act(const char *path, const char *key, const char *name, ddp_error_t *err) {
+  ddp_act_t a;
+  if (ddp__hf_activation(name, &a)) return DDP_OK;
+  char w[256];
+  snprintf(w, sizeof w, "is \"%.40s\": libddp has no such activation (supported: " ACT_LIST ")",
+           name);
+  return bad_key(err, DDP_ERR_UNSUPPORTED, path, key, w);
+}
+
+static ddp_status_t need_heads(const char *path, const char *wkey, int64_t width,
+                               const char *hkey, int64_t heads, ddp_error_t *err) {
+  if (width % heads == 0) return DDP_OK;
+  return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                    "%s: \"%s\" (%lld) must be divisible by \"%s\" (%lld)", src_name(path), wkey,
+                    (long long)width, hkey, (long long)heads);
+}
+
+static ddp_status_t check_gpt2(const ddp_gpt2_config_t *g, const char *path, ddp_error_t *err) {
+  DDP_CHECK(need_pos(path, "vocab_size", g->vocab_size, err));
+  DDP_CHECK(need_pos(path, "n_positions", g->n_positions, err));
+  DDP_CHECK(need_pos(path, "n_embd", g->n_embd, err));
+  DDP_CHECK(need_pos(path, "n_layer", g->n_layer, err));
+  DDP_CHECK(need_pos(path, "n_head", g->n_head, err));
+  if (g->n_inner) DDP_CHECK(need_pos(path, "n_inner", g->n_inner, err));
+  DDP_CHECK(need_heads(path, "n_embd", g->n_embd, "n_head", g->n_head, err));
+  DDP_CHECK(need_act(path, "activation_function", g->activation_function, err));
+  DDP_CHECK(need_prob(path, "resid_pdrop", g->resid_pdrop, err));
+  DDP_CHECK(need_prob(path, "embd_pdrop", g->embd_pdrop, err));
+  DDP_CHECK(need_prob(path, "attn_pdrop", g->attn_pdrop, err));
+  DDP_CHECK(need_nonneg(path, "layer_norm_epsilon", g->layer_norm_epsilon, true, err));
+  DDP_CHECK(need_nonneg(path, "initializer_range", g->initializer_range, false, err));
+  return DDP_OK;
+}
+
+static ddp_status_t check_bert(const ddp_bert_config_t *b, const char *path, ddp_error_t *err) {
+  DDP_CHECK(need_pos(path, "vocab_size", b->vocab_size, err));
+  DDP_CHECK(need_pos(path, "hidden_size", b->hidden_size, err));
+  DDP_CHECK(need_pos(path, "num_hidden_layers", b->num_hidden_layers, err));
+  DDP_CHECK(need_pos(path, "num_attention_heads", b->num_attention_heads, err));
+  DDP_CHECK(need_pos(path, "intermediate_size", b->intermediate_size, err));
+  DDP_CHECK(need_pos(path, "max_position_embeddings", b->max_position_embeddings, err));
+  DDP_CHECK(need_pos(path, "type_vocab_size", b->type_vocab_size, err));
+  DDP_CHECK(need_pos(path, "num_labels", b->num_labels, err));
+  DDP_CHECK(need_heads(path, "hidden_size", b->hidden_size, "num_attention_heads",
+                       b->num_attention_heads, err));
+  DDP_CHECK(need_act(path, "hidden_act", b->hidden_act, err));
+  DDP_CHECK(need_prob(path, "hidden_dropout_prob", b->hidden_dropout_prob, err));
+  DDP_CHECK(need_prob(path, "attention_probs_dropout_prob", b->attention_probs_dropout_prob, err));
+  if (b->classifier_dropout != -1)
+    DDP_CHECK(need_prob(path, "classifier_dropout", b->classifier_dropout, err));
+  DDP_CHECK(need_nonneg(path, "layer_norm_eps", b->layer_norm_eps, true, err));
+  DDP_CHECK(need_nonneg(path, "initializer_range", b->initializer_range, false, err));
+  if (b->pad_token_id < -1 || b->pad_token_id >= b->vocab_size) {
+    char w[128];
+    snprintf(w, sizeof w, "(%lld) must be null or an id below vocab_size (%lld)",
+             (long long)b->pad_token_id, (long long)b->vocab_size);
+    return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "pad_token_id", w);
+  }
+  const char *pt = b->problem_type;
+  if (*pt && strcmp(pt, "regression") && strcmp(pt, "single_label_classification")) {
+    char w[160];
+    snprintf(w, sizeof w, "is \"%.40s\": libddp supports null, \"regression\" and "
+             "\"single_label_classification\"", pt);
+    return bad_key(err, DDP_ERR_UNSUPPORTED, path, "problem_type", w);
+  }
+  if (!strcmp(pt, "regression") && b->num_labels != 1)
+    return bad_key(err, DDP_ERR_UNSUPPORTED, path, "problem_type",
+                   "is \"regression\" with num_labels != 1 (libddp's MSE head has one output)");
+  return DDP_OK;
+}
+
+ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(cfg);
+  if (cfg->torch_dtype != DDP_F32 && cfg->torch_dtype != DDP_F64)
+    return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "torch_dtype",
+                   "must be float32 or float64");
+  if (cfg->model_type == DDP_HF_GPT2) return check_gpt2(&cfg->gpt2, path, err);
+  if (cfg->model_type == DDP_HF_BERT) return check_bert(&cfg->bert, path, err);
+  return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type",
+                 "is not set (supported: gpt2, bert)");
+}
+
+/* ---------------------------------------------------------------- parse ----------- */
+
+typedef struct parse {
+  const cJSON *root;
+  const char *path;
+  ddp_error_t *err;
+} parse_t;
+
+static const char *json_type(const cJSON *v) {
+  if (cJSON_IsNull(v)) return "null";
+  if (cJSON_IsBool(v)) return "a boolean";
+  if (cJSON_IsNumber(v)) return "a number";
+  if (cJSON_IsString(v)) return "a string";
+  if (cJSON_IsArray(v)) return "an array";
+  return "an object";
+}
+
+static ddp_status_t wrong_type(parse_t *p, const char *key, const cJSON *v, const char *want) {
+  char w[128];
+  snprintf(w, sizeof w, "must be %s (got %s)", want, json_type(v));
+  return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, w);
+}
+
+/* The value of key, or NULL when absent. */
+static const cJSON *item(parse_t *p, const char *key) {
+  return cJSON_GetObjectItemCaseSensitive(p->root, key);
+}
+
+/* An integer key; null is allowed (and leaves *out at null_value) when nullable. */
+static ddp_status_t get_int(parse_t *p, const char *key, bool nullable, int64_t null_value,
+                            int64_t *out) {
+  const cJSON *v = item(p, key);
+  if (!v) return DDP_OK;
+  if (nullable && cJSON_IsNull(v)) {
+    *out = null_value;
+    return DDP_OK;
+  }
+  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || fabs(v->valuedouble) > 9e15)
+    return wrong_type(p, key, v, nullable ? "an integer or null" : "an integer");
+  *out = (int64_t)v->valuedouble;
+  return DDP_OK;
+}
+
+static ddp_status_t get_num(parse_t *p, const char *key, bool nullable, double null_value,
+                            double *out) {
+  const cJSON *v = item(p, key);
+  if (!v) return DDP_OK;
+  if (nullable && cJSON_IsNull(v)) {
+    *out = null_value;
+    return DDP_OK;
+  }
+  if (!cJSON_IsNumber(v)) return wrong_type(p, key, v, nullable ? "a number or null" : "a number");
+  *out = v->valuedouble;
+  return DDP_OK;
+}
+
+static ddp_status_t get_bool(parse_t *p, const char *key, bool *out) {
+  const cJSON *v = item(p, key);
+  if (!v) return DDP_OK;
+  if (!cJSON_IsBool(v)) return wrong_type(p, key, v, "true or false");
+  *out = cJSON_IsTrue(v);
+  return DDP_OK;
+}
+
+static ddp_status_t get_str(parse_t *p, const char *key, bool nullable, char *out, size_t len) {
+  const cJSON *v = item(p, key);
+  if (!v) return DDP_OK;
+  if (nullable && cJSON_IsNull(v)) {
+    out[0] = 0;
+    return DDP_OK;
+  }
+  if (!cJSON_IsString(v)) return wrong_type(p, key, v, nullable ? "a string or null" : "a string");
+  if (strlen(v->valuestring) >= len)
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, "is too long");
+  snprintf(out, len, "%s", v->valuestring);
+  return DDP_OK;
+}
+
+/* A key whose only supported value is `ok` (Transformers' default): anything else changes the
+ * architecture in a way libddp does not implement. */
+static ddp_status_t refuse_bool(parse_t *p, const char *key, const char *why) {
+  bool v = false;
+  DDP_CHECK(get_bool(p, key, &v));
+  if (!v) return DDP_OK;
+  return ddp__error(p->err, -1, DDP_ERR_UNSUPPORTED, "%s: \"%s\": true is not supported (%s)",
+                    src_name(p->path), key, why);
+}
+
+/* GPT2Config.attribute_map: the generic names Transformers accepts for GPT-2's keys. */
+static ddp_status_t gpt2_int(parse_t *p, const char *key, const char *alias, int64_t *out) {
+  if (!item(p, key) && item(p, alias)) return get_int(p, alias, false, 0, out);
+  return get_int(p, key, false, 0, out);
+}
+
+static ddp_status_t parse_gpt2(parse_t *p, ddp_gpt2_config_t *g) {
+  DDP_CHECK(get_int(p, "vocab_size", false, 0, &g->vocab_size));
+  DDP_CHECK(gpt2_int(p, "n_positions", "max_position_embeddings", &g->n_positions));
+  DDP_CHECK(gpt2_int(p, "n_embd", "hidden_size", &g->n_embd));
+  DDP_CHECK(gpt2_int(p, "n_layer", "num_hidden_layers", &g->n_layer));
+  DDP_CHECK(gpt2_int(p, "n_head", "num_attention_heads", &g->n_head));
+  DDP_CHECK(get_int(p, "n_inner", true, 0, &g->n_inner));
+  if (item(p, "n_inner") && !cJSON_IsNull(item(p, "n_inner")) && g->n_inner < 1)
+    return need_pos(p->path, "n_inner", g->n_inner, p->err);
+  DDP_CHECK(get_str(p, "activation_function", false, g->activation_function,
+                    sizeof g->activation_function));
+  DDP_CHECK(get_num(p, "resid_pdrop", false, 0, &g->resid_pdrop));
+  DDP_CHECK(get_num(p, "embd_pdrop", false, 0, &g->embd_pdrop));
+  DDP_CHECK(get_num(p, "attn_pdrop", false, 0, &g->attn_pdrop));
+  DDP_CHECK(get_num(p, "layer_norm_epsilon", false, 0, &g->layer_norm_epsilon));
+  DDP_CHECK(get_num(p, "initializer_range", false, 0, &g->initializer_range));
+  DDP_CHECK(get_bool(p, "scale_attn_weights", &g->scale_attn_weights));
+  DDP_CHECK(get_bool(p, "scale_attn_by_inverse_layer_idx", &g->scale_attn_by_inverse_layer_idx));
+  DDP_CHECK(get_bool(p, "reorder_and_upcast_attn", &g->reorder_and_upcast_attn));
+  DDP_CHECK(get_bool(p, "tie_word_embeddings", &g->tie_word_embeddings));
+  return refuse_bool(p, "add_cross_attention", "GPT-2 with cross-attention needs an encoder");
+}
+
+static ddp_status_t parse_bert(parse_t *p, ddp_bert_config_t *b) {
+  DDP_CHECK(get_int(p, "vocab_size", false, 0, &b->vocab_size));
+  DDP_CHECK(get_int(p, "hidden_size", false, 0, &b->hidden_size));
+  DDP_CHECK(get_int(p, "num_hidden_layers", false, 0, &b->num_hidden_layers));
+  DDP_CHECK(get_int(p, "num_attention_heads", false, 0, &b->num_attention_heads));
+  DDP_CHECK(get_int(p, "intermediate_size", false, 0, &b->intermediate_size));
+  DDP_CHECK(get_str(p, "hidden_act", false, b->hidden_act, sizeof b->hidden_act));
+  DDP_CHECK(get_num(p, "hidden_dropout_prob", false, 0, &b->hidden_dropout_prob));
+  DDP_CHECK(get_num(p, "attention_probs_dropout_prob", false, 0, &b->attention_probs_dropout_prob));
+  DDP_CHECK(get_int(p, "max_position_embeddings", false, 0, &b->max_position_embeddings));
+  DDP_CHECK(get_int(p, "type_vocab_size", false, 0, &b->type_vocab_size));
+  DDP_CHECK(get_num(p, "layer_norm_eps", false, 0, &b->layer_norm_eps));
+  DDP_CHECK(get_num(p, "initializer_range", false, 0, &b->initializer_range));
+  DDP_CHECK(get_int(p, "pad_token_id", true, -1, &b->pad_token_id));
+  DDP_CHECK(get_num(p, "classifier_dropout", true, -1, &b->classifier_dropout));
+  DDP_CHECK(get_str(p, "problem_type", true, b->problem_type, sizeof b->problem_type));
+  /* num_labels: the size of id2label when present (what Transformers keeps), else the
+   * "num_labels" key; both present must agree. */
+  const cJSON *ids = item(p, "id2label");
+  int64_t nl = -1;
+  DDP_CHECK(get_int(p, "num_labels", false, 0, &nl));
+  if (ids && !cJSON_IsNull(ids)) {
+    if (!cJSON_IsObject(ids)) return wrong_type(p, "id2label", ids, "an object");
+    int64_t n = cJSON_GetArraySize(ids);
+    if (nl >= 0 && item(p, "num_labels") && nl != n)
+      return ddp__error(p->err, -1, DDP_ERR_INVALID_ARGUMENT,
+                        "%s: \"num_labels\" (%lld) disagrees with the %lld entries of \"id2label\"",
+                        src_name(p->path), (long long)nl, (long long)n);
+    nl = n;
+  }
+  if (item(p, "num_labels") || (ids && !cJSON_IsNull(ids))) b->num_labels = nl;
+  const cJSON *pe = item(p, "position_embedding_type");
+  if (pe && !cJSON_IsNull(pe) && !(cJSON_IsString(pe) && !strcmp(pe->valuestring, "absolute"))) {
+    if (!cJSON_IsString(pe)) return wrong_type(p, "position_embedding_type", pe, "a string");
+    return ddp__error(p->err, -1, DDP_ERR_UNSUPPORTED,
+                      "%s: \"position_embedding_type\": \"%.40s\" is not supported (only \"absolute\")",
+                      src_name(p->path), pe->valuestring);
+  }
+  DDP_CHECK(refuse_bool(p, "is_decoder", "BERT as a decoder (causal self-attention)"));
+  return refuse_bool(p, "add_cross_attention", "BERT with cross-attention needs an encoder");
+}
+
+ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_config_t *cfg,
+                                 ddp_error_t *err) {
+  DDP_REQUIRE(json && cfg);
+  memset(cfg, 0, sizeof *cfg);
+  cJSON *root = cJSON_Parse(json);
+  if (!root) {
+    const char *at = cJSON_GetErrorPtr();
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "%s: JSON parse error near \"%.40s\"",
+                      src_name(path), at ? at : "");
+  }
+  parse_t p = {root, path, err};
+  ddp_status_t st = DDP_OK;
+  const cJSON *mt = item(&p, "model_type");
+  if (!cJSON_IsObject(root)) {
+    st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "%s: a config must be a JSON object",
+                    src_name(path));
+  } else if (!mt) {
+    st = bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type",
+                 "is missing (supported: gpt2, bert)");
+  } else if (!cJSON_IsString(mt)) {
+    st = wrong_type(&p, "model_type", mt, "a string");
+  } else if (!strcmp(mt->valuestring, "gpt2") || !strcmp(mt->valuestring, "bert")) {
+    bool gpt2 = !strcmp(mt->valuestring, "gpt2");
+    ddp_hf_config_defaults(cfg, gpt2 ? DDP_HF_GPT2 : DDP_HF_BERT);
+    st = gpt2 ? parse_gpt2(&p, &cfg->gpt2) : parse_bert(&p, &cfg->bert);
+    char dt[DDP_HF_NAME_MAX] = "";
+    if (st == DDP_OK) st = get_str(&p, "torch_dtype", true, dt, sizeof dt);
+    cfg->torch_dtype = !strcmp(dt, "float64") ? DDP_F64 : DDP_F32;
+    if (st == DDP_OK) st = ddp_hf_config_check(cfg, path, err);
+  } else {
+    char w[128];
+    snprintf(w, sizeof w, "is \"%.40s\": unknown model_type (supported: gpt2, bert)",
+             mt->valuestring);
+    st = bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type", w);
+  }
+  cJSON_Delete(root);
+  return st;
+}
+
+/* ---------------------------------------------------------------- write ----------- */
+
+static void add_num(cJSON *o, const char *key, double v) { cJSON_AddNumberToObject(o, key, v); }
+
+/* The config as save_pretrained writes it: Transformers' keys in sorted order. */
+static cJSON *to_json(const ddp_hf_config_t *cfg) {
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return NULL;
+  bool f64 = cfg->torch_dtype == DDP_F64;
+  if (cfg->model_type == DDP_HF_GPT2) {
+    const ddp_gpt2_config_t *g = &cfg->gpt2;
+    cJSON_AddStringToObject(o, "activation_function", g->activation_function);
+    cJSON *a = cJSON_AddArrayToObject(o, "architectures");
+    cJSON_AddItemToArray(a, cJSON_CreateString("GPT2LMHeadModel"));
+    add_num(o, "attn_pdrop", g->attn_pdrop);
+    add_num(o, "embd_pdrop", g->embd_pdrop);
+    add_num(o, "initializer_range", g->initializer_range);
+    add_num(o, "layer_norm_epsilon", g->layer_norm_epsilon);
+    cJSON_AddStringToObject(o, "model_type", "gpt2");
+    add_num(o, "n_embd", (double)g->n_embd);
+    add_num(o, "n_head", (double)g->n_head);
+    if (g->n_inner)
+      add_num(o, "n_inner", (double)g->n_inner);
+    else
+      cJSON_AddNullToObject(o, "n_inner");
+    add_num(o, "n_layer", (double)g->n_layer);
+    add_num(o, "n_positions", (double)g->n_positions);
+    cJSON_AddBoolToObject(o, "reorder_and_upcast_attn", g->reorder_and_upcast_attn);
+    add_num(o, "resid_pdrop", g->resid_pdrop);
+    cJSON_AddBoolToObject(o, "scale_attn_by_inverse_layer_idx", g->scale_attn_by_inverse_layer_idx);
+    cJSON_AddBoolToObject(o, "scale_attn_weights", g->scale_attn_weights);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", g->tie_word_embeddings);
+    cJSON_AddStringToObject(o, "torch_dtype", f64 ? "float64" : "float32");
+    add_num(o, "vocab_size", (double)g->vocab_size);
+    return o;
+  }
+  const ddp_bert_config_t *b = &cfg->bert;
+  cJSON *a = cJSON_AddArrayToObject(o, "architectures");
+  cJSON_AddItemToArray(a, cJSON_CreateString("BertForSequenceClassification"));
+  add_num(o, "attention_probs_dropout_prob", b->attention_probs_dropout_prob);
+  if (b->classifier_dropout == -1)
+    cJSON_AddNullToObject(o, "classifier_dropout");
+  else
+    add_num(o, "classifier_dropout", b->classifier_dropout);
+  cJSON_AddStringToObject(o, "hidden_act", b->hidden_act);
+  add_num(o, "hidden_dropout_prob", b->hidden_dropout_prob);
+  add_num(o, "hidden_size", (double)b->hidden_size);
+  cJSON *id2 = cJSON_AddObjectToObject(o, "id2label");
+  for (int64_t i = 0; id2 && i < b->num_labels; i++) {
+    char k[32], v[40];
+    snprintf(k, sizeof k, "%lld", (long long)i);
+    snprintf(v, sizeof v, "LABEL_%lld", (long long)i);
+    cJSON_AddStringToObject(id2, k, v);
+  }
+  add_num(o, "initializer_range", b->initializer_range);
+  add_num(o, "intermediate_size", (double)b->intermediate_size);
+  cJSON *l2 = cJSON_AddObjectToObject(o, "label2id");
+  for (int64_t i = 0; l2 && i < b->num_labels; i++) {
+    char k[40];
+    snprintf(k, sizeof k, "LABEL_%lld", (long long)i);
+    add_num(l2, k, (double)i);
+  }
+  add_num(o, "layer_norm_eps", b->layer_norm_eps);
+  add_num(o, "max_position_embeddings", (double)b->max_position_embeddings);
+  cJSON_AddStringToObject(o, "model_type", "bert");
+  add_num(o, "num_attention_heads", (double)b->num_attention_heads);
+  add_num(o, "num_hidden_layers", (double)b->num_hidden_layers);
+  if (b->pad_token_id >= 0)
+    add_num(o, "pad_token_id", (double)b->pad_token_id);
+  else
+    cJSON_AddNullToObject(o, "pad_token_id");
+  cJSON_AddStringToObject(o, "position_embedding_type", "absolute");
+  if (b->problem_type[0]) cJSON_AddStringToObject(o, "problem_type", b->problem_type);
+  cJSON_AddStringToObject(o, "torch_dtype", f64 ? "float64" : "float32");
+  add_num(o, "type_vocab_size", (double)b->type_vocab_size);
+  add_num(o, "vocab_size", (double)b->vocab_size);
+  return o;
+}
+
+/* text to path through a temporary file in the same directory and a rename. */
+static ddp_status_t write_atomic(const char *path, const char *text, ddp_error_t *err) {
+  char tmp[4096];
+  int k = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+  if (k < 0 || (size_t)k >= sizeof tmp)
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "config.json: path too long: %s", path);
+  FILE *f = fopen(tmp, "wb");
+  if (!f)
+    return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: open(%s): %s (errno %d)", tmp,
+                      strerror(errno), errno);
+  size_t n = strlen(text);
+  bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF && fflush(f) == 0 &&
+            fsync(fileno(f)) == 0;
+  int e = errno;
+  ok = fclose(f) == 0 && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    if (ok) e = errno;
+    unlink(tmp);
+    return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: writing %s: %s (errno %d)", path,
+                      strerror(e), e);
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(cfg && path);
+  DDP_CHECK(ddp_hf_config_check(cfg, path, err));
+  cJSON *o = to_json(cfg);
+  char *text = o ? cJSON_Print(o) : NULL;
+  cJSON_Delete(o);
+  if (!text) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "config.json: out of memory");
+  ddp_status_t st = write_atomic(path, text, err);
+  cJSON_free(text);
+  return st;
+}

@@ -1,0 +1,361 @@
+/* libddp's GPT-2 and BERT against their PyTorch twins (tools/hf_models.py under
+ * /usr/bin/python3, torch 1.13): the same weights on both sides (libddp's Transformers init
+ * written by save_pretrained and loaded by PyTorch with strict=True, or PyTorch's init loaded
+ * by libddp's from_pretrained), then one training step with dropout 0: logits, loss, every
+ * parameter's gradient, the gradient-ready hook order (PyTorch's recorded with hooks on
+ * AccumulateGrad) and the parameter names, in f32 and f64; and PyTorch's wording for the
+ * checkpoints it refuses. Skips (cmocka skip) when torch or numpy is absent. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "ddp/nn.h"
+#include "harness.h"
+#include "transformers.h"
+
+static char g_dir[256]; /* empty when torch is absent */
+static double g_worst[2]; /* largest relative error seen: [0] f32, [1] f64 */
+
+#define NEED_TORCH()                                                      \
+  do {                                                                    \
+    if (!g_dir[0]) {                                                      \
+      print_message("torch or numpy (under /usr/bin/python3) absent: skipped\n"); \
+      skip();                                                             \
+    }                                                                     \
+  } while (0)
+
+static void write_file(const char *dir, const char *name, const void *data, size_t n) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE *f = fopen(p, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, n, f), n);
+  fclose(f);
+}
+
+/* Reads exactly n bytes (fails on a size mismatch). */
+static void read_file(const char *dir, const char *name, void *data, size_t n) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE *f = fopen(p, "rb");
+  if (!f) fail_msg("oracle output %s missing", p);
+  size_t got = fread(data, 1, n, f);
+  char extra;
+  size_t more = fread(&extra, 1, 1, f);
+  fclose(f);
+  if (got != n || more != 0) fail_msg("%s: expected %zu bytes", p, n);
+}
+
+/* max|a - b| / max(max|b|, floor) over n values of dtype dt. */
+static double rel_err(const void *a, const void *b, ddp_dtype_t dt, int64_t n, double floor) {
+  double md = 0, mb = 0;
+  for (int64_t k = 0; k < n; k++) {
+    md = fmax(md, fabs(getv(a, dt, k) - getv(b, dt, k)));
+    mb = fmax(mb, fabs(getv(b, dt, k)));
+  }
+  return md / fmax(mb, floor);
+}
+
+/* The parameter names in order.json ("names": PyTorch's named_parameters()) and its hook
+ * order ("order"), compared with libddp's. */
+static void expect_names_and_order(const char *dir, ddp_model_t *m, const order_t *o) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/order.json", dir);
+  FILE *f = fopen(p, "rb");
+  assert_non_null(f);
+  static char text[1 << 16];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = 0;
+  cJSON *j = cJSON_Parse(text);
+  assert_non_null(j);
+  cJSON *names = cJSON_GetObjectItem(j, "names"), *order = cJSON_GetObjectItem(j, "order");
+  assert_int_equal(cJSON_GetArraySize(names), ddp_model_num_params(m));
+  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+    const char *tn = cJSON_GetArrayItem(names, (int)i)->valuestring;
+    if (strcmp(tn, ddp_model_param(m, i)->name))
+      fail_msg("parameter %zu: libddp %s, PyTorch %s", i, ddp_model_param(m, i)->name, tn);
+  }
+  if (cJSON_GetArraySize(order) != o->n)
+    fail_msg("%d hooks fired in PyTorch, %d in libddp", cJSON_GetArraySize(order), o->n);
+  for (int i = 0; i < o->n; i++) {
+    size_t t = (size_t)cJSON_GetArrayItem(order, i)->valuedouble;
+    if (t != o->idx[i])
+      fail_msg("hook %d: libddp fired %s, PyTorch %s", i, ddp_model_param(m, o->idx[i])->name,
+               ddp_model_param(m, t)->name);
+  }
+  cJSON_Delete(j);
+}
+
+/* Weights for one comparison, in dir/model: libddp's init saved by save_pretrained (PyTorch
+ * then loads them strictly), or PyTorch's init loaded by libddp's from_pretrained. */
+static ddp_model_t *weights(const char *dir, const char *cfg_json, ddp_dtype_t dt,
+                            bool torch_init) {
+  char mdir[512];
+  snprintf(mdir, sizeof mdir, "%s/model", dir);
+  ddp_error_t err = {0};
+  ddp_model_t *m;
+  if (!torch_init) {
+    m = model_of(cfg_json, dt);
+    assert_int_equal(ddp_model_init(m, 17), DDP_OK);
+    if (ddp_model_save_pretrained(m, mdir, &err) != DDP_OK) fail_msg("%s", err.msg);
+    return m;
+  }
+  ddp_hf_config_t cfg;
+  assert_int_equal(ddp_hf_config_parse(cfg_json, NULL, &cfg, NULL), DDP_OK);
+  cfg.torch_dtype = dt;
+  mkdirs(mdir);
+  char path[600];
+  snprintf(path, sizeof path, "%s/config.json", mdir);
+  assert_int_equal(ddp_hf_config_write(&cfg, path, NULL), DDP_OK);
+  char args[600];
+  snprintf(args, sizeof args, "init '%s' 7", mdir);
+  assert_true(ddp_test_run_tool("hf_models.py", args));
+  if (ddp_model_from_pretrained(mdir, dt, &m, &err) != DDP_OK) fail_msg("%s", err.msg);
+  return m;
+}
+
+/* One step on both sides; every value within tol (relative). */
+static void compare(const char *tag, const char *cfg_json, ddp_dtype_t dt, const batch_t *b,
+                    bool torch_init, double tol) {
+  NEED_TORCH();
+  char dir[400];
+  snprintf(dir, sizeof dir, "%s/%s", g_dir, tag);
+  assert_int_equal(mkdir(dir, 0700), 0);
+  ddp_model_t *m = weights(dir, cfg_json, dt, torch_init);
+  const char *dts = dt == DDP_F32 ? "f32" : "f64";
+  size_t es = ddp_dtype_size(dt);
+  int64_t xn = b->shape[0] * b->shape[1] * (b->nd == 3 ? b->shape[2] : 1);
+  int64_t ln = b->lshape[0] * (b->lnd == 2 ? b->lshape[1] : 1);
+  write_file(dir, "x.bin", b->x, (size_t)xn * 8);
+  write_file(dir, "labels.bin", &b->labels, (size_t)ln * 8);
+  cJSON *j = cJSON_CreateObject();
+  cJSON_AddStringToObject(j, "dtype", dts);
+  cJSON *xs = cJSON_AddArrayToObject(j, "x_shape");
+  for (int d = 0; d < b->nd; d++) cJSON_AddItemToArray(xs, cJSON_CreateNumber((double)b->shape[d]));
+  cJSON_AddStringToObject(j, "labels_dtype", b->ldt == DDP_I64 ? "i64" : "f64");
+  cJSON *ls = cJSON_AddArrayToObject(j, "labels_shape");
+  for (int d = 0; d < b->lnd; d++) cJSON_AddItemToArray(ls, cJSON_CreateNumber((double)b->lshape[d]));
+  cJSON_AddBoolToObject(j, "train", true);
+  char *run = cJSON_PrintUnformatted(j);
+  cJSON_Delete(j);
+  write_file(dir, "run.json", run, strlen(run));
+  cJSON_free(run);
+  char args[600];
+  snprintf(args, sizeof args, "step '%s'", dir);
+  assert_true(ddp_test_run_tool("hf_models.py", args));
+
+  order_t o = {{0}, 0};
+  ddp_model_set_hook(m, on_ready, &o);
+  ddp_ctx_t *c;
+  assert_int_equal(ddp_ctx_create(&c), DDP_OK);
+  ddp_var_t *logits, *loss = step(m, c, b, true, &logits);
+  void *ref = malloc((size_t)logits->value.numel * es);
+  read_file(dir, "logits.bin", ref, (size_t)logits->value.numel * es);
+  double e_logits = rel_err(logits->value.data, ref, dt, logits->value.numel, 0);
+  free(ref);
+  double lref;
+  read_file(dir, "loss.bin", &lref, es);
+  double l = getv(loss->value.data, dt, 0), lr = getv(&lref, dt, 0);
+  double e_loss = fabs(l - lr) / fabs(lr);
+  ddp_tensor_t gf = ddp_model_flat_grads(m, dt);
+  ref = malloc(ddp_tensor_nbytes(&gf));
+  read_file(dir, "grads.bin", ref, ddp_tensor_nbytes(&gf));
+  /* Each parameter relative to its own largest gradient, with a floor of 1e-3 of the model's
+   * largest: a gradient that is zero in exact arithmetic (the key bias: softmax ignores a
+   * shift of every score of a row) is rounding noise on both sides. */
+  double gmax = 0, e_grad = 0;
+  for (int64_t k = 0; k < gf.numel; k++) gmax = fmax(gmax, fabs(getv(ref, dt, k)));
+  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+    ddp_param_t *p = ddp_model_param(m, i);
+    double e = rel_err(p->grad.data, (char *)ref + (size_t)p->offset * es, dt, p->value.numel,
+                       1e-3 * gmax);
+    if (getenv("HF_VERBOSE")) print_message("  %s %.3g\n", p->name, e);
+    if (!(e <= tol)) fail_msg("%s: gradient of %s: rel err %.3g > %.g", tag, p->name, e, tol);
+    e_grad = fmax(e_grad, e);
+  }
+  free(ref);
+  print_message("%s (%s): max rel err vs PyTorch: logits %.3g, loss %.3g, gradients %.3g\n", tag,
+                dts, e_logits, e_loss, e_grad);
+  if (!(e_logits <= tol)) fail_msg("%s: logits rel err %.3g > %.g", tag, e_logits, tol);
+  if (!(e_loss <= tol)) fail_msg("%s: loss %.17g vs PyTorch %.17g", tag, l, lr);
+  double *w = &g_worst[dt == DDP_F64];
+  *w = fmax(*w, fmax(e_logits, fmax(e_loss, e_grad)));
+  expect_names_and_order(dir, m, &o);
+  ddp_ctx_destroy(c);
+  ddp_model_destroy(m);
+}
+
+#define TOL_F32 1e-5
+#define TOL_F64 1e-10
+
+/* GPT-2 (tied head) on libddp's weights. */
+static void test_gpt2_f32(void **state) {
+  (void)state;
+  batch_t b;
+  gpt2_batch(&b, 3, 16, 1);
+  compare("gpt2_f32", cfg_text(GPT2_JSON, NULL), DDP_F32, &b, false, TOL_F32);
+}
+
+static void test_gpt2_f64(void **state) {
+  (void)state;
+  batch_t b;
+  gpt2_batch(&b, 3, 16, 2);
+  compare("gpt2_f64", cfg_text(GPT2_JSON, NULL), DDP_F64, &b, false, TOL_F64);
+}
+
+/* GPT-2 on PyTorch's weights (its init, loaded by from_pretrained), with the untied head,
+ * n_inner, erf GELU and layer-index attention scaling. */
+static void test_gpt2_torch_init_untied(void **state) {
+  (void)state;
+  batch_t b;
+  gpt2_batch(&b, 2, 24, 3);
+  const char *cfg = cfg_text(GPT2_JSON, ", \"tie_word_embeddings\": false, \"n_inner\": 96, "
+                                        "\"activation_function\": \"gelu\", "
+                                        "\"scale_attn_by_inverse_layer_idx\": true");
+  compare("gpt2_untied_f64", cfg, DDP_F64, &b, true, TOL_F64);
+  compare("gpt2_untied_f32", cfg, DDP_F32, &b, true, TOL_F32);
+}
+
+/* BERT with padding ([B, 3, T]: ids, attention_mask, token_type_ids) and without ([B, T]). */
+static void test_bert_f32(void **state) {
+  (void)state;
+  batch_t b;
+  bert_batch(&b, 4, 12, 3, true, false, 4);
+  compare("bert_pad_f32", cfg_text(BERT_JSON, NULL), DDP_F32, &b, false, TOL_F32);
+  bert_batch(&b, 4, 12, 1, false, false, 5);
+  compare("bert_nopad_f32", cfg_text(BERT_JSON, NULL), DDP_F32, &b, false, TOL_F32);
+}
+
+static void test_bert_f64(void **state) {
+  (void)state;
+  batch_t b;
+  bert_batch(&b, 4, 12, 3, true, false, 6);
+  compare("bert_pad_f64", cfg_text(BERT_JSON, NULL), DDP_F64, &b, false, TOL_F64);
+  bert_batch(&b, 4, 12, 2, false, false, 7);
+  compare("bert_nopad_f64", cfg_text(BERT_JSON, NULL), DDP_F64, &b, false, TOL_F64);
+}
+
+/* BERT on PyTorch's weights; and a regression head (num_labels 1, MSE). */
+static void test_bert_torch_init_regression(void **state) {
+  (void)state;
+  batch_t b;
+  bert_batch(&b, 3, 10, 2, true, false, 8);
+  compare("bert_torch_init_f32", cfg_text(BERT_JSON, ", \"hidden_act\": \"relu\""), DDP_F32, &b,
+          true, TOL_F32);
+  bert_batch(&b, 3, 10, 3, true, true, 9);
+  const char *reg = "{\"model_type\": \"bert\", \"num_hidden_layers\": 2, \"hidden_size\": 32, "
+                    "\"num_attention_heads\": 2, \"intermediate_size\": 48, \"vocab_size\": 256, "
+                    "\"max_position_embeddings\": 16, \"num_labels\": 1, \"pad_token_id\": 0, "
+                    "\"hidden_dropout_prob\": 0, \"attention_probs_dropout_prob\": 0}";
+  compare("bert_regression_f64", reg, DDP_F64, &b, true, TOL_F64);
+}
+
+/* libddp's checkpoint directories load in PyTorch with strict=True, and a directory either
+ * side refuses is refused by both in the same words. */
+static void test_checkpoint_wording(void **state) {
+  (void)state;
+  NEED_TORCH();
+  ddp_model_t *m = model_of(cfg_text(GPT2_JSON, NULL), DDP_F32), *m2 = NULL;
+  assert_int_equal(ddp_model_init(m, 2), DDP_OK);
+  char dir[400];
+  snprintf(dir, sizeof dir, "%s/wording", g_dir);
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_model_save_pretrained(m, dir, &err), DDP_OK);
+  char args[600];
+  snprintf(args, sizeof args, "check '%s' >/dev/null", dir);
+  assert_true(ddp_test_run_tool("hf_models.py", args));
+  static float small[255 * 64];
+  int64_t s1[2] = {32, 64}, s2[2] = {255, 64};
+  ddp_tensor_t t1, t2;
+  ddp_tensor_view(&t1, DDP_F32, 2, s1, small);
+  ddp_tensor_view(&t2, DDP_F32, 2, s2, small);
+  ddp_st_entry_t wpe = {"transformer.wpe.weight", &t1}, lm = {"lm_head.weight", &t2};
+  ddp_st_entry_t extra = {"transformer.h.2.ln_1.weight", &ddp_model_param(m, 2)->value};
+  struct {
+    const char *drop;
+    const ddp_st_entry_t *add;
+    const char *want;
+  } cases[] = {
+      {"transformer.ln_f.bias", NULL, "Missing key(s) in state_dict: \"transformer.ln_f.bias\". "},
+      {"transformer.wpe.weight", &wpe,
+       "size mismatch for transformer.wpe.weight: copying a param with shape torch.Size([32, 64]) "
+       "from checkpoint, the shape in current model is torch.Size([64, 64])."},
+      {NULL, &lm,
+       "size mismatch for lm_head.weight: copying a param with shape torch.Size([255, 64]) from "
+       "checkpoint, the shape in current model is torch.Size([256, 64])."},
+      {NULL, &extra, "Unexpected key(s) in state_dict: \"transformer.h.2.ln_1.weight\". "},
+  };
+  for (size_t i = 0; i < NELEM(cases); i++) {
+    write_weights(dir, m, cases[i].drop, NULL, cases[i].add, cases[i].add ? 1 : 0);
+    assert_int_equal(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA);
+    if (!strstr(err.msg, cases[i].want)) fail_msg("libddp said \"%s\"", err.msg);
+    char cmd[1400], errpath[512];
+    snprintf(errpath, sizeof errpath, "%s/check_err.txt", g_dir);
+    snprintf(cmd, sizeof cmd,
+             "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/hf_models.py check '%s' >/dev/null "
+             "2>'%s'", ddp_test_source_root(), dir, errpath);
+    int rc = system(cmd);
+    assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 3);
+    FILE *f = fopen(errpath, "rb");
+    assert_non_null(f);
+    char text[4096];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    if (!strstr(text, cases[i].want))
+      fail_msg("PyTorch said \"%s\", expected \"%s\"", text, cases[i].want);
+  }
+  ddp_model_destroy(m);
+}
+
+/* Prints the largest relative errors of the run (the figures docs/nn.md quotes). */
+static void test_summary(void **state) {
+  (void)state;
+  NEED_TORCH();
+  print_message("largest relative error vs PyTorch: f32 %.3g (tolerance %g), f64 %.3g "
+                "(tolerance %g)\n", g_worst[0], TOL_F32, g_worst[1], TOL_F64);
+}
+
+static int setup(void **state) {
+  (void)state;
+  g_dir[0] = 0;
+  if (!ddp_test_python() || !ddp_test_source_root()) return 0;
+  if (system("/usr/bin/python3 -c 'import torch, numpy' >/dev/null 2>&1") != 0) return 0;
+  snprintf(g_dir, sizeof g_dir, "/tmp/ddp_transformers_torch_XXXXXX");
+  if (!mkdtemp(g_dir)) g_dir[0] = 0;
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  if (!g_dir[0] || getenv("HF_KEEP")) return 0;
+  char line[512];
+  snprintf(line, sizeof line, "rm -rf '%s'", g_dir);
+  return system(line) == 0 ? 0 : 1;
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_gpt2_f32),
+      cmocka_unit_test(test_gpt2_f64),
+      cmocka_unit_test(test_gpt2_torch_init_untied),
+      cmocka_unit_test(test_bert_f32),
+      cmocka_unit_test(test_bert_f64),
+      cmocka_unit_test(test_bert_torch_init_regression),
+      cmocka_unit_test(test_checkpoint_wording),
+      cmocka_unit_test(test_summary),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
