@@ -16,8 +16,20 @@
  * BERT tiny (2 layers, hidden 32, 4 heads, vocab 256) on a text,label CSV: texts at least
  * max_seq_length long (no padding), and short texts padded with attention masks.
  *
- * Tolerances: ddp-compare's defaults (rtol 1e-5, atol 1e-7) except the fp16 hook (rtol
- * 1e-3, one fp16 ULP; atol 1e-7) and PowerSGD (atol 2e-7, as test_hooks_parity says why).
+ * Tolerances: ddp-compare's defaults (rtol 1e-5, atol 1e-7) except two hooks.
+ * - fp16: a local f32 gradient a few ULPs from PyTorch's, next to an fp16 rounding
+ *   boundary, flips the rounding of its half by one fp16 ULP (as for the MLP,
+ *   test_hooks_parity), and the flip's size is an ULP of the halves, not of their sum:
+ *   2^-16 to 2^-15 for the largest entries here (wte's, about 0.02), so where the two ranks'
+ *   halves nearly cancel the relative difference is large. rtol 2e-3 (two fp16 ULPs),
+ *   atol 3.1e-5 (2^-15), and at least 99 % of the gradient elements bit-equal (measured
+ *   99.3 %) so that a hook skipping a rounding step would still fail.
+ * - PowerSGD rank 2: every tensor but one stays within 2e-7 at the first compressed step;
+ *   the tied wte [256, 64] differs by up to 3.9e-6 (1e-4 relative). Its gradient's rank-2
+ *   Gram-Schmidt orthogonalises two nearly dependent columns, which magnifies the rounding
+ *   differences of the products (libddp sums the norms in double, PyTorch in float); atol
+ *   5e-6 covers it. A skipped error feedback or a wrong Q gives differences of the size of
+ *   the gradient itself (the injected-Q control of test_hooks_parity shows it).
  * Each configuration is 3 or 4 steps of batch 4 so that the file stays within CI's time.
  * Without torch the tests skip. */
 #include <setjmp.h>
@@ -107,9 +119,11 @@ static ddp_test_pcfg_t bert_cfg(const char *name) {
 
 /* want_initial > 0: exactly that many buckets at construction; < 0: at least -want_initial.
  * want_rebuilt_min < 0: no rebuild. */
-static void run(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min) {
+static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min,
+                  ddp_test_parity_result_t *out) {
   ddp_test_parity_result_t r;
   ddp_test_parity(c, &r);
+  if (out) *out = r;
   print_message("%-22s grads max abs %.3g rel %.3g (%lld of %lld bitwise); params max abs "
                 "%.3g rel %.3g; buckets %d initial, %d rebuilt\n",
                 c->name, r.grad_abs, r.grad_rel, (long long)r.grad_bitwise,
@@ -128,6 +142,10 @@ static void run(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min
     fail_msg("%s: %d rebuilt buckets, want at least %d", c->name, r.buckets_rebuilt,
              want_rebuilt_min);
   }
+}
+
+static void run(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min) {
+  run_r(c, want_initial, want_rebuilt_min, NULL);
 }
 
 static void test_gpt2_defaults(void **state) {
@@ -168,9 +186,16 @@ static void test_gpt2_fp16(void **state) {
   (void)state;
   ddp_test_pcfg_t c = gpt2_cfg("gpt2_fp16_hook");
   c.hook_args = "--comm_hook fp16";
-  c.rtol = 1e-3;
-  c.atol = 1e-7;
-  run(&c, 1, 1);
+  c.rtol = 2e-3;
+  c.atol = 3.1e-5;
+  ddp_test_parity_result_t r;
+  run_r(&c, 1, 1, &r);
+  /* Beyond one rounding flip here and there, the arithmetic is PyTorch's: measured 99.3 %
+   * of the gradient elements bit-equal over the 4 steps. */
+  if ((double)r.grad_bitwise < 0.99 * (double)r.grad_elements) {
+    fail_msg("fp16 hook: %lld of %lld gradient elements bit-equal, want 99 %%",
+             (long long)r.grad_bitwise, (long long)r.grad_elements);
+  }
 }
 
 static void test_gpt2_powersgd(void **state) {
@@ -179,7 +204,7 @@ static void test_gpt2_powersgd(void **state) {
   c.hook_args = "--comm_hook power_sgd --comm_state_option "
                 "'{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 2}'";
   c.inject_q = true;
-  c.atol = 2e-7;
+  c.atol = 5e-6;
   c.steps = 4;
   run(&c, 1, 1);
 }
