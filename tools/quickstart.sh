@@ -35,7 +35,8 @@ echo
 
 # A GPT-2 (Transformers' GPT2LMHeadModel: its config.json keys, names and checkpoint layout)
 # learns the shipped King James Genesis and Exodus byte by byte on 2 processes, then rank 0
-# prints a greedy sample from a prompt. The final model and each checkpoint are directories
+# prints a sample from a prompt (top-k 3, seeded: a model this small, greedy, soon repeats
+# one word). The final model and each checkpoint are directories
 # that Transformers' from_pretrained loads (config.json, model.safetensors).
 echo "== a small GPT-2 on 2 ranks (ddprun, shm) on tests/data/kjv_genesis_exodus.txt"
 mkdir -p "$out/gpt2"
@@ -46,10 +47,11 @@ JSON
 SECONDS=0
 build/tools/ddprun --nproc_per_node 2 --backend shm --master_port 29518 \
   build/tools/ddp-train --model "$out/gpt2/config.json" --data tests/data/kjv_genesis_exodus.txt \
-  --block_size 64 --per_device_train_batch_size 8 --max_steps 300 --learning_rate 3e-3 \
-  --warmup_steps 20 --logging_steps 50 --eval_strategy steps --eval_steps 150 \
+  --block_size 64 --per_device_train_batch_size 8 --max_steps 450 --learning_rate 3e-3 \
+  --warmup_steps 20 --logging_steps 50 --eval_strategy steps --eval_steps 225 \
   --save_strategy no --disable_tqdm --ddp_find_unused_parameters false \
-  --sample_prompt "And God said, " --sample_max_new_tokens 80 --output_dir "$out/gpt2/run"
+  --sample_prompt "And God said, " --sample_top_k 3 --sample_max_new_tokens 100 \
+  --output_dir "$out/gpt2/run"
 echo "(GPT-2 run: ${SECONDS} s)"
 echo
 
