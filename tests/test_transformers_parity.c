@@ -41,6 +41,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <cjson/cJSON.h>
 #include <cmocka.h>
 
 #include "harness.h"
@@ -135,6 +136,25 @@ static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_m
   } else if (r.buckets_initial < -want_initial) {
     fail_msg("%s: %d initial buckets, want at least %d", c->name, r.buckets_initial,
              -want_initial);
+  }
+  /* The tied wte/lm_head is one parameter: once in the reducer's list, no lm_head. */
+  if (c->model == GPT2) {
+    char path[800];
+    snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(),
+             c->name);
+    cJSON *j = ddp_test_read_json(path);
+    const cJSON *n;
+    int wte = 0, lm = 0, total = 0;
+    cJSON_ArrayForEach(n, ddp_test_json_get(j, "param_names")) {
+      wte += strcmp(n->valuestring, "transformer.wte.weight") == 0;
+      lm += strstr(n->valuestring, "lm_head") != NULL;
+      total++;
+    }
+    cJSON_Delete(j);
+    if (wte != 1 || lm != 0 || total != 28) {
+      fail_msg("%s: %d parameters, wte %d times, lm_head %d times (want 28, 1, 0)", c->name,
+               total, wte, lm);
+    }
   }
   if (want_rebuilt_min < 0) {
     assert_int_equal(r.buckets_rebuilt, -1);
