@@ -346,7 +346,10 @@ static void on_event(void *user, const ddp_train_event_t *e) {
              e->samples_per_s, e->step_time_s * 1e3, e->comm_time_s * 1e3, eta);
       break;
     case DDP_TRAIN_EV_EVAL:
-      if (isnan(e->eval_accuracy)) {
+      if (t->text.task == DDP_TASK_CAUSAL_LM) { /* run_clm's perplexity */
+        printf("%seval  step %6" PRId64 "  eval_loss %.4f  perplexity %.2f\n",
+               bar ? "\r\033[K" : "", e->step, e->eval_loss, exp(e->eval_loss));
+      } else if (isnan(e->eval_accuracy)) {
         printf("%seval  step %6" PRId64 "  eval_loss %.4f\n", bar ? "\r\033[K" : "", e->step,
                e->eval_loss);
       } else {
