@@ -396,7 +396,26 @@ static void test_gradcheck(void **state) {
   const double *gw = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->grad.data;
   double row0 = 0;
   for (int k = 0; k < 16; k++) row0 += fabs(gw[k]);
-  assert_true(row0 == 0.0); /* pad_token_id 0 is padding_idx */
+  assert_true(row0 == 0.0); /* masked: no gradient reaches the pad positions anyway */
+  /* Attended pad ids: the loss depends on row 0 (a finite difference sees it), yet the
+   * gradient stays 0, as nn.Embedding(padding_idx=0) has it. */
+  bert_batch(&b, 3, 7, 1, false, false, 2);
+  assert_true(b.x[5] == 0);
+  ddp_ctx_t *c0;
+  assert_int_equal(ddp_ctx_create(&c0), DDP_OK);
+  ddp_model_zero_grad(m);
+  step(m, c0, &b, true, NULL);
+  row0 = 0;
+  for (int k = 0; k < 16; k++) row0 += fabs(gw[k]);
+  assert_true(row0 == 0.0);
+  double *w0 = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->value.data;
+  w0[2] += 1e-3;
+  double lp = ((double *)step(m, c0, &b, false, NULL)->value.data)[0];
+  w0[2] -= 2e-3;
+  double lm = ((double *)step(m, c0, &b, false, NULL)->value.data)[0];
+  w0[2] += 1e-3;
+  assert_true(fabs(lp - lm) > 1e-9);
+  ddp_ctx_destroy(c0);
   /* A regression head (num_labels 1): MSE on float labels. */
   ddp_model_destroy(m);
   m = model_of("{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "

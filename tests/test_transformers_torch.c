@@ -247,7 +247,8 @@ static void test_bert_f64(void **state) {
   compare("bert_nopad_f64", cfg_text(BERT_JSON, NULL), DDP_F64, &b, false, TOL_F64);
 }
 
-/* BERT on PyTorch's weights; and a regression head (num_labels 1, MSE). */
+/* BERT on PyTorch's weights; regression heads (num_labels 1, and problem_type "regression"
+ * with 2 outputs: MSE). */
 static void test_bert_torch_init_regression(void **state) {
   (void)state;
   batch_t b;
@@ -260,6 +261,16 @@ static void test_bert_torch_init_regression(void **state) {
                     "\"max_position_embeddings\": 16, \"num_labels\": 1, \"pad_token_id\": 0, "
                     "\"hidden_dropout_prob\": 0, \"attention_probs_dropout_prob\": 0}";
   compare("bert_regression_f64", reg, DDP_F64, &b, true, TOL_F64);
+  /* problem_type "regression" with two outputs: MSE against [B, 2] float labels. */
+  b.lnd = 2;
+  b.lshape[1] = 2;
+  for (int k = 0; k < 6; k++) b.labels.f[k] = 0.25 * k - 0.6;
+  const char *reg2 = "{\"model_type\": \"bert\", \"num_hidden_layers\": 2, \"hidden_size\": 32, "
+                     "\"num_attention_heads\": 2, \"intermediate_size\": 48, \"vocab_size\": 256, "
+                     "\"max_position_embeddings\": 16, \"id2label\": {\"0\": \"x\", \"1\": \"y\"}, "
+                     "\"problem_type\": \"regression\", \"hidden_dropout_prob\": 0, "
+                     "\"attention_probs_dropout_prob\": 0}";
+  compare("bert_regression2_f32", reg2, DDP_F32, &b, false, TOL_F32);
 }
 
 /* libddp's checkpoint directories load in PyTorch with strict=True, and a directory either

@@ -485,13 +485,21 @@ def forward_ddp_layout(model, x):
 
 def compute_loss(model, logits, labels):
     """GPT-2: logits [..., :-1, :] against labels [..., 1:], mean cross-entropy over labels
-    != -100. BERT: MSE for num_labels == 1, else cross-entropy."""
+    != -100. BERT: MSE for num_labels == 1 or problem_type "regression", else cross-entropy."""
     if model.config.model_type == "gpt2":
         v = logits.size(-1)
         return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, v),
                                labels[..., 1:].contiguous().view(-1), ignore_index=-100)
-    if model.num_labels == 1:
-        return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+    # Transformers' problem_type rule: regression for num_labels 1 (or when the config says
+    # so), single-label classification for integer labels; multi-label (BCE) is not modelled.
+    pt = model.config.problem_type
+    if pt is None:
+        pt = "regression" if model.num_labels == 1 else "single_label_classification"
+    if pt == "regression":
+        labels = labels.to(logits.dtype)
+        if model.num_labels == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze())
+        return F.mse_loss(logits, labels)
     return F.cross_entropy(logits.view(-1, model.num_labels), labels.view(-1))
 
 

@@ -446,8 +446,9 @@ DDP_API ddp_model_task_t ddp_model_task(const ddp_model_t *m);
 /* The Transformers configuration of a GPT-2/BERT model (NULL for other models). */
 DDP_API const ddp_hf_config_t *ddp_model_hf_config(const ddp_model_t *m);
 /* The loss of m's task on its logits: CAUSAL_LM ddp_causal_lm_loss(logits, labels I64
- * [B, T], -100); SEQ_CLASSIFICATION cross-entropy on I64 labels [B], or MSE on float labels
- * [B] when num_labels == 1 (Transformers' problem_type rule); DEFAULT cross-entropy for I64
+ * [B, T], -100); SEQ_CLASSIFICATION cross-entropy on I64 labels [B], or, for a regression
+ * head (num_labels == 1 or problem_type "regression"), MSE on float labels with as many
+ * values as the logits (Transformers' problem_type rule); DEFAULT cross-entropy for I64
  * labels, MSE otherwise. */
 DDP_API ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *logits,
                                     ddp_var_t *labels, ddp_var_t **loss);

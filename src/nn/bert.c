@@ -312,16 +312,14 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   DDP_CHECK(add_ln(&bd, nm(&bd, -1, "bert.embeddings.LayerNorm"), &b->emb_ln));
   for (int64_t i = 0; i < cfg->num_hidden_layers; i++) {
     layer_t *L = &b->layer[i];
-#define NAME(leaf) nm(&bd, i, leaf)
-    DDP_CHECK(add_linear(&bd, NAME("attention.self.query"), C, C, &L->query));
-    DDP_CHECK(add_linear(&bd, NAME("attention.self.key"), C, C, &L->key));
-    DDP_CHECK(add_linear(&bd, NAME("attention.self.value"), C, C, &L->value));
-    DDP_CHECK(add_linear(&bd, NAME("attention.output.dense"), C, C, &L->attn_dense));
-    DDP_CHECK(add_ln(&bd, NAME("attention.output.LayerNorm"), &L->attn_ln));
-    DDP_CHECK(add_linear(&bd, NAME("intermediate.dense"), C, I, &L->inter));
-    DDP_CHECK(add_linear(&bd, NAME("output.dense"), I, C, &L->out_dense));
-    DDP_CHECK(add_ln(&bd, NAME("output.LayerNorm"), &L->out_ln));
-#undef NAME
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.query"), C, C, &L->query));
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.key"), C, C, &L->key));
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.value"), C, C, &L->value));
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.output.dense"), C, C, &L->attn_dense));
+    DDP_CHECK(add_ln(&bd, nm(&bd, i, "attention.output.LayerNorm"), &L->attn_ln));
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "intermediate.dense"), C, I, &L->inter));
+    DDP_CHECK(add_linear(&bd, nm(&bd, i, "output.dense"), I, C, &L->out_dense));
+    DDP_CHECK(add_ln(&bd, nm(&bd, i, "output.LayerNorm"), &L->out_ln));
   }
   DDP_CHECK(add_linear(&bd, nm(&bd, -1, "bert.pooler.dense"), C, C, &b->pooler));
   DDP_CHECK(add_linear(&bd, nm(&bd, -1, "classifier"), C, cfg->num_labels, &b->classifier));

@@ -144,8 +144,8 @@ static void roles(builder_t *b, size_t k, ddp__init_role_t r0, ddp__init_role_t 
   if (k == 2) b->g->role[n - 1] = (unsigned char)r1;
 }
 
-static ddp_status_t fail(builder_t *b, ddp_status_t st) {
-  return ddp__error(b->err, -1, st, "gpt2: cannot register %s", b->name);
+static ddp_status_t fail(builder_t *b, const char *what, ddp_status_t st) {
+  return ddp__error(b->err, -1, st, "gpt2: cannot register %s", what);
 }
 
 /* "transformer.h.<i>.<leaf>" in b->name. */
@@ -159,7 +159,7 @@ static ddp_status_t add_ln(builder_t *b, const char *prefix, size_t *idx) {
   *idx = ddp_model_num_params(b->g->m);
   ddp_status_t st = ddp_module_layer_norm(b->g->m, prefix, b->g->hf.gpt2.n_embd,
                                           b->g->hf.gpt2.layer_norm_epsilon, b->dt, &mod);
-  if (st != DDP_OK) return fail(b, st);
+  if (st != DDP_OK) return fail(b, prefix, st);
   roles(b, 2, DDP__INIT_ONE, DDP__INIT_ZERO);
   return DDP_OK;
 }
@@ -173,7 +173,7 @@ static ddp_status_t add_conv1d(builder_t *b, const char *prefix, int64_t nx, int
   ddp_status_t st = ddp_model_add_param(b->g->m, n, b->dt, 2, ws, true, w);
   snprintf(n, sizeof n, "%s.bias", prefix);
   if (st == DDP_OK) st = ddp_model_add_param(b->g->m, n, b->dt, 1, &nf, true, bias);
-  if (st != DDP_OK) return fail(b, st);
+  if (st != DDP_OK) return fail(b, prefix, st);
   roles(b, 2, wrole, DDP__INIT_ZERO);
   return DDP_OK;
 }
@@ -182,7 +182,7 @@ static ddp_status_t add_embedding(builder_t *b, const char *prefix, int64_t num,
   ddp_module_t *mod;
   *idx = ddp_model_num_params(b->g->m);
   ddp_status_t st = ddp_module_embedding(b->g->m, prefix, num, b->g->hf.gpt2.n_embd, b->dt, &mod);
-  if (st != DDP_OK) return fail(b, st);
+  if (st != DDP_OK) return fail(b, prefix, st);
   roles(b, 1, DDP__INIT_NORMAL, DDP__INIT_NORMAL);
   return DDP_OK;
 }
@@ -228,9 +228,8 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   if (!cfg->tie_word_embeddings) {
     ddp_module_t *mod;
     g->lm_head = ddp_model_num_params(m);
-    snprintf(b.name, sizeof b.name, "lm_head");
     ddp_status_t st = ddp_module_linear(m, "lm_head", C, cfg->vocab_size, false, dt, &mod);
-    if (st != DDP_OK) return fail(&b, st);
+    if (st != DDP_OK) return fail(&b, "lm_head", st);
     roles(&b, 1, DDP__INIT_NORMAL, DDP__INIT_NORMAL);
   }
   DDP_REQUIRE(ddp_model_num_params(m) == nparams);

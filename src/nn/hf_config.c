@@ -161,9 +161,6 @@ static ddp_status_t check_bert(const ddp_bert_config_t *b, const char *path, ddp
              "\"single_label_classification\"", pt);
     return bad_key(err, DDP_ERR_UNSUPPORTED, path, "problem_type", w);
   }
-  if (!strcmp(pt, "regression") && b->num_labels != 1)
-    return bad_key(err, DDP_ERR_UNSUPPORTED, path, "problem_type",
-                   "is \"regression\" with num_labels != 1 (libddp's MSE head has one output)");
   return DDP_OK;
 }
 

@@ -91,16 +91,17 @@ ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *c, ddp_var_t *logits, ddp
                               "loss: float labels with num_labels = %lld would be Transformers' "
                               "multi_label_classification (BCE), which libddp does not have; "
                               "give I64 class labels", (long long)hf->bert.num_labels);
+      /* Regression: MSE of logits.squeeze() against labels.squeeze() (num_labels 1: [B]),
+       * or of logits [B, num_labels] against labels of that shape. */
       if (labels->value.numel != logits->value.numel)
         return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                              "loss: regression labels must be [B] (%lld values) for logits [B, 1]",
-                              (long long)logits->value.numel);
-      ddp_var_t *flat, *t;
-      int64_t n = logits->value.numel;
-      DDP_CHECK(ddp_reshape(c, logits, 1, &n, &flat));
+                              "loss: regression labels must have %lld values (logits %lld x %lld)",
+                              (long long)logits->value.numel, (long long)logits->value.shape[0],
+                              (long long)hf->bert.num_labels);
+      ddp_var_t *t;
       DDP_CHECK(float_labels(c, logits, labels, &t));
-      if (t->value.ndim != 1) DDP_CHECK(ddp_reshape(c, t, 1, &n, &t));
-      return ddp_mse_loss(c, flat, t, loss);
+      DDP_CHECK(ddp_reshape(c, t, logits->value.ndim, logits->value.shape, &t));
+      return ddp_mse_loss(c, logits, t, loss);
     }
     case DDP_TASK_DEFAULT:
       break;

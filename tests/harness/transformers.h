@@ -46,7 +46,8 @@ static inline ddp_model_t *model_of(const char *json, ddp_dtype_t dt) {
 
 /* Token batches. GPT-2: ids [B, T] in [0, 256), labels a copy with every 5th -100. BERT:
  * rows 1 ([B, T] ids), 2 (+ attention_mask) or 3 (+ token_type_ids); with pad, row b keeps
- * T - 2 b tokens and the rest are pad_token_id (0) with mask 0; labels (b² + 1) % 3 (I64) or, for a
+ * T - 2 b tokens and the rest are pad_token_id (0) with mask 0 (without pad, every 7th
+ * token from the 6th is pad_token_id, attended); labels (b² + 1) % 3 (I64) or, for a
  * regression head, floats. */
 typedef struct batch {
   int nd;
@@ -95,6 +96,7 @@ static inline void bert_batch(batch_t *b, int64_t B, int64_t T, int rows, bool p
     for (int64_t t = 0; t < T; t++) {
       int64_t *row = b->x + i * (rows == 1 ? 1 : rows) * T;
       row[t] = t < len ? 1 + ddp_rng_u32(&r) % 255 : 0;
+      if (!pad && t % 7 == 5) row[t] = 0; /* attended pad ids: padding_idx shows */
       if (rows > 1) row[T + t] = t < len;
       if (rows > 2) row[2 * T + t] = t >= len / 2 && t < len;
     }
