@@ -9,6 +9,11 @@ Exit status 77: torch (or, for `digits`, scikit-learn) is not available; the tes
       set_epoch(EPOCH). For a perm line: torch.randperm(N, generator=Generator().manual_seed(SEED)).
   data_oracle.py digits OUT
       scikit-learn's load_digits(): one line per sample "LABEL PIXEL_SUM" (raw 0..16 pixels).
+  data_oracle.py llmc IN OUT
+      Reads IN, an llm.c GPT-2 token file, with numpy as llm.c's loader lays it out (256
+      int32 header: magic 20240520, version 1, count, zeros; then uint16 tokens), checks the
+      header, and writes the tokens reversed to OUT the way llm.c's write_datafile does.
+      Needs only numpy (exit 77 without it).
 """
 import os
 import sys
@@ -55,9 +60,29 @@ def digits_mode(outp):
             out.write("%d %d\n" % (int(y), int(round(float(x.sum())))))
 
 
+def llmc_mode(inp, outp):
+    try:
+        import numpy as np
+    except Exception:
+        sys.exit(77)
+    with open(inp, "rb") as f:
+        header = np.frombuffer(f.read(256 * 4), dtype="<i4")
+        toks = np.frombuffer(f.read(), dtype="<u2")
+    assert header[0] == 20240520 and header[1] == 1, header[:3]
+    assert header[2] == len(toks), (header[2], len(toks))
+    assert not header[3:].any(), "reserved header ints are not zero"
+    out_header = np.zeros(256, dtype="<i4")
+    out_header[0], out_header[1], out_header[2] = 20240520, 1, len(toks)
+    with open(outp, "wb") as f:
+        f.write(out_header.tobytes())
+        f.write(np.ascontiguousarray(toks[::-1]).astype("<u2").tobytes())
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "sampler":
         sampler_mode(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "llmc":
+        llmc_mode(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 3 and sys.argv[1] == "digits":
         digits_mode(sys.argv[2])
     else:

@@ -269,8 +269,8 @@ DDP_API ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *toke
 /* Byte-level tokenizer. encode: ids[i] = (unsigned char)text[i] for i < len (ids has len
  * entries; always DDP_OK). decode: text[i] = ids[i] for i < n and text[n] = '\0' (text has
  * n + 1 bytes); the bytes are written as they are, valid UTF-8 or not. An id outside
- * [0, 255] is DDP_ERR_INVALID_DATA naming its position and value (text is then untouched
- * past the ids before it). */
+ * [0, 255] is DDP_ERR_INVALID_DATA naming its position and value (the bytes of the ids
+ * before it are written, nothing else). */
 DDP_API ddp_status_t ddp_byte_encode(const char *text, size_t len, int64_t *ids);
 DDP_API ddp_status_t ddp_byte_decode(const int64_t *ids, int64_t n, char *text,
                                      ddp_error_t *err);

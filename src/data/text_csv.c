@@ -233,9 +233,9 @@ static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtyp
   }
   if (!fault) fault = dt == DDP_I64 ? "label is not an integer" : "label is not a finite number";
   return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                    "text csv %s: line %lld column %lld ('%s'): %s: '%.*s'", s->path,
+                    "text csv %s: line %lld column %lld ('%s'): %s%s%.*s%s", s->path,
                     (long long)f->line, (long long)c->label + 1, c->label_name, fault,
-                    (int)DDP_MIN(len, FIELD_SHOW), b);
+                    len ? ": '" : "", (int)DDP_MIN(len, FIELD_SHOW), b, len ? "'" : "");
 }
 
 /* Output buffers of the second walk (NULL in the first). */

@@ -208,54 +208,45 @@ static ddp_status_t st_failed(const char *path, ddp_status_t st, const ddp_error
 }
 
 /* safetensors defines U16, but libddp's dtype list does not hold it and its reader refuses
- * such a file as UNSUPPORTED. So a header that names U16 tensors is printed again with
- * them relabelled F16 (the same element size: offsets and the data block are unchanged)
- * and the new image goes through the reader, which still validates the whole layout.
- * *img is NULL when the header has no U16 tensor or cannot be read (then the original
- * bytes go to the reader, which reports the fault). *hdr keeps the original header. */
-static ddp_status_t relabel_u16(const unsigned char *b, size_t len, cJSON **hdr,
-                                unsigned char **img, size_t *img_len) {
-  *hdr = NULL;
-  *img = NULL;
-  *img_len = 0;
-  if (len < 8) return DDP_OK;
-  uint64_t hlen = le64(b);
-  if (hlen > len - 8) return DDP_OK;
-  *hdr = cJSON_ParseWithLength((const char *)b + 8, (size_t)hlen);
-  if (!*hdr || !cJSON_IsObject(*hdr)) return DDP_OK;
-  cJSON *copy = cJSON_Duplicate(*hdr, true);
-  if (!copy) return DDP_ERR_NO_MEMORY;
-  bool any = false;
-  cJSON *e;
-  cJSON_ArrayForEach(e, copy) {
-    cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
-    if (cJSON_IsString(dt) && strcmp(dt->valuestring, "U16") == 0) {
-      cJSON *f16 = cJSON_CreateString("F16");
-      if (!f16 || !cJSON_ReplaceItemInObjectCaseSensitive(e, "dtype", f16)) {
-        cJSON_Delete(f16);
-        cJSON_Delete(copy);
-        return DDP_ERR_NO_MEMORY;
-      }
-      any = true;
+ * such a file as UNSUPPORTED. So in a copy of the file every "dtype": "U16" of the header
+ * is rewritten "F16" in place (the same element size, the same header length: offsets,
+ * data and every other header byte are unchanged) and the copy goes through the reader,
+ * which still validates the whole layout; the token tensor's bits are then read as uint16.
+ * The scan walks the header's JSON strings (skipping escapes) and rewrites a "U16" string
+ * that is the value of a "dtype" key. Returns how many it rewrote. */
+static size_t relabel_u16(unsigned char *h, size_t n) {
+  size_t count = 0, i = 0;
+  while (i < n) {
+    if (h[i++] != '"') continue;
+    size_t b = i;
+    while (i < n && h[i] != '"') i += h[i] == '\\' ? 2 : 1;
+    if (i >= n) break;
+    size_t e = i++;
+    if (e - b != 5 || memcmp(h + b, "dtype", 5) != 0) continue;
+    size_t j = i;
+    while (j < n && (h[j] == ' ' || h[j] == '\t' || h[j] == '\n' || h[j] == '\r')) j++;
+    if (j >= n || h[j] != ':') continue;
+    j++;
+    while (j < n && (h[j] == ' ' || h[j] == '\t' || h[j] == '\n' || h[j] == '\r')) j++;
+    if (n - j >= 5 && memcmp(h + j, "\"U16\"", 5) == 0) {
+      h[j + 1] = 'F';
+      count++;
+      i = j + 5;
     }
   }
-  char *json = any ? cJSON_PrintUnformatted(copy) : NULL;
-  cJSON_Delete(copy);
-  if (!any) return DDP_OK;
-  if (!json) return DDP_ERR_NO_MEMORY;
-  size_t jlen = strlen(json), data = len - 8 - (size_t)hlen;
-  unsigned char *out = ddp__malloc(8 + jlen + data);
-  if (!out) {
-    cJSON_free(json);
-    return DDP_ERR_NO_MEMORY;
-  }
-  for (int i = 0; i < 8; i++) out[i] = (unsigned char)((uint64_t)jlen >> (8 * i));
-  memcpy(out + 8, json, jlen);
-  memcpy(out + 8 + jlen, b + 8 + hlen, data);
-  cJSON_free(json);
-  *img = out;
-  *img_len = 8 + jlen + data;
-  return DDP_OK;
+  return count;
+}
+
+/* Whether tensor `name` is declared U16 in the original header (valid JSON: the relabelled
+ * copy, which differs only in those letters, passed the reader). */
+static bool declared_u16(const unsigned char *b, const char *name) {
+  uint64_t hlen = le64(b);
+  cJSON *hdr = cJSON_ParseWithLength((const char *)b + 8, (size_t)hlen);
+  const cJSON *e = hdr ? cJSON_GetObjectItemCaseSensitive(hdr, name) : NULL;
+  const cJSON *dt = e ? cJSON_GetObjectItemCaseSensitive(e, "dtype") : NULL;
+  bool u16 = cJSON_IsString(dt) && strcmp(dt->valuestring, "U16") == 0;
+  cJSON_Delete(hdr);
+  return u16;
 }
 
 static void shape_str(const ddp_tensor_t *t, char *buf, size_t cap) {
@@ -266,8 +257,8 @@ static void shape_str(const ddp_tensor_t *t, char *buf, size_t cap) {
 }
 
 /* Picks and converts the token tensor of a parsed file. */
-static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const cJSON *hdr,
-                            int64_t **tokens, int64_t *n, ddp_error_t *err) {
+static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const unsigned char *b,
+                            bool relabelled, int64_t **tokens, int64_t *n, ddp_error_t *err) {
   size_t idx = 0, count = ddp_st_count(f);
   if (ddp_st_find(f, ST_TENSOR_NAME, &idx) != DDP_OK) {
     if (count != 1)
@@ -281,9 +272,7 @@ static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const cJSO
   const char *name = ddp_st_name(f, idx);
   ddp_tensor_t v;
   DDP_CHECK(ddp_st_tensor(f, idx, &v));
-  const cJSON *entry = hdr ? cJSON_GetObjectItemCaseSensitive(hdr, name) : NULL;
-  const cJSON *dt = entry ? cJSON_GetObjectItemCaseSensitive(entry, "dtype") : NULL;
-  bool u16 = v.dtype == DDP_F16 && cJSON_IsString(dt) && strcmp(dt->valuestring, "U16") == 0;
+  bool u16 = relabelled && v.dtype == DDP_F16 && declared_u16(b, name);
   if (!u16 && v.dtype != DDP_I32 && v.dtype != DDP_I64 && v.dtype != DDP_U8)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "tokens %s: safetensors: tensor '%s' has dtype %s; token ids must be "
@@ -331,26 +320,25 @@ static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const cJSO
 static ddp_status_t tokens_from_safetensors(const char *path, const unsigned char *b,
                                             size_t len, int64_t **tokens, int64_t *n,
                                             ddp_error_t *err) {
-  cJSON *hdr = NULL;
   unsigned char *img = NULL;
-  size_t img_len = 0;
+  if (len >= 8 && le64(b) <= len - 8 && memmem(b + 8, (size_t)le64(b), "U16", 3)) {
+    img = ddp__malloc(len);
+    if (!img) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %zu bytes", path, len);
+    memcpy(img, b, len);
+    if (relabel_u16(img + 8, (size_t)le64(b)) == 0) {
+      ddp__free(img);
+      img = NULL;
+    }
+  }
   ddp_st_file_t *f = NULL;
   ddp_error_t inner = {0};
-  ddp_status_t st = relabel_u16(b, len, &hdr, &img, &img_len);
-  if (st != DDP_OK) {
-    st = ddp__error(err, -1, st, "tokens %s: safetensors: relabelling U16 tensors", path);
-    goto out;
-  }
-  st = img ? ddp_st_parse(img, img_len, &f, &inner) : ddp_st_parse(b, len, &f, &inner);
-  if (st != DDP_OK) {
+  ddp_status_t st = ddp_st_parse(img ? img : b, len, &f, &inner);
+  if (st == DDP_OK)
+    st = st_take(path, f, b, img != NULL, tokens, n, err);
+  else
     st = st_failed(path, st, &inner, img != NULL, err);
-    goto out;
-  }
-  st = st_take(path, f, hdr, tokens, n, err);
-out:
   ddp_st_close(f);
   ddp__free(img);
-  cJSON_Delete(hdr);
   return st;
 }
 
