@@ -439,6 +439,67 @@ static void test_set_to_none_false_bitwise(void **state) {
   }
 }
 
+/* The knobs by name: fractional ddp_bucket_cap_mb, weight_decay_grouping's choices,
+ * data_seed -1 = seed; and in a run: dataloader_shuffle false reads each rank's shard in
+ * index order (rank r: r, r + W, ...), data_seed alone decides the order (two runs with
+ * other seeds but one data_seed read the same indices). */
+static void test_knobs(void **state) {
+  (void)state;
+  ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
+  ddp_error_t err = {0};
+  assert_int_equal(a.data_seed, -1);
+  assert_true(a.zero_grad_set_to_none && a.dataloader_shuffle);
+  assert_string_equal(a.weight_decay_grouping, "transformers");
+  assert_int_equal(ddp_train_args_set(&a, "ddp_bucket_cap_mb", "0.25", &err), DDP_OK);
+  assert_true(a.ddp_bucket_cap_mb == 0.25);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "weight_decay_grouping", "bias", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "transformers, all"));
+  assert_int_equal(ddp_train_args_set(&a, "data_seed", "-2", &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "forward_flags", "0:1,2:", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_set(&a, "weight_decay_grouping", "all", &err), DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "colons"));
+  if (access(tool("ddp-train"), X_OK) != 0) skip();
+  write_models();
+  char launch[64];
+  snprintf(launch, sizeof launch, "'%s' --threads 2", tool("ddp-train"));
+  const struct {
+    const char *name, *extra;
+  } runs[] = {{"noshuffle", "--dataloader_shuffle false"},
+              {"ds_a", "--data_seed 99 --seed 1"},
+              {"ds_b", "--data_seed 99 --seed 2"},
+              {"ds_c", "--seed 99"}};
+  for (size_t k = 0; k < 4; k++) {
+    char dir[600], extra[256];
+    snprintf(dir, sizeof dir, "%s/knob_%s", ddp_test_parity_scratch(), runs[k].name);
+    snprintf(extra, sizeof extra, "--max_steps 2 %s", runs[k].extra);
+    free(train(launch, g_mlp, dir, extra));
+  }
+  for (int r = 0; r < 2; r++)
+    for (int s = 0; s < 2; s++) {
+      char p[4][800];
+      ddp_st_file_t *f[4];
+      for (int k = 0; k < 4; k++) {
+        snprintf(p[k], sizeof p[k], "%s/knob_%s/rank%d/step%06d.safetensors",
+                 ddp_test_parity_scratch(), runs[k].name, r, s);
+        f[k] = st_open(p[k]);
+      }
+      ddp_tensor_t ix = st_get(f[0], "input.index");
+      for (int64_t i = 0; i < ix.numel; i++) {
+        int64_t want = (s * 8 + i) * 2 + r, got = ((const int64_t *)ix.data)[i];
+        if (got != want) fail_msg("no shuffle: rank %d step %d row %lld: index %lld, want %lld",
+                                  r, s, (long long)i, (long long)got, (long long)want);
+      }
+      if (!same_bytes(f[1], f[2], "input.index"))
+        fail_msg("rank %d step %d: data_seed 99 gave two orders", r, s);
+      if (!same_bytes(f[1], f[3], "input.index"))
+        fail_msg("rank %d step %d: data_seed 99 differs from seed 99 with data_seed unset", r, s);
+      for (int k = 0; k < 4; k++) ddp_st_close(f[k]);
+    }
+}
+
 /* ---------------------------------------------------------------- ddp-compare ----- */
 
 /* Rewrites file `path` with tensors whose name starts with one of the prefixes (NULL-ended)
@@ -534,6 +595,7 @@ int main(void) {
       cmocka_unit_test(test_never_used_backends),
       cmocka_unit_test(test_adam_step_counts),
       cmocka_unit_test(test_set_to_none_false_bitwise),
+      cmocka_unit_test(test_knobs),
       cmocka_unit_test(test_compare_diagnosis),
   };
   return ddp_test_parity_main("ddp_fidelity", tests, sizeof tests / sizeof tests[0]);

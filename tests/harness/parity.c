@@ -150,9 +150,8 @@ int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const
   char init[700] = "", cap[160] = "", q[700] = "";
   if (torch_dir) snprintf(init, sizeof init, "--init '%s/weights.safetensors'", torch_dir);
   if (c->bucket_cap_mb >= 0) {
-    /* PyTorch 1.13 keeps the 1 MiB first bucket with an explicit cap (docs/ddp.md). The
-     * cap is printed as torch_reference.py's %g prints it, so both sides read one value. */
-    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %g --ddp_first_bucket_mb %.17g",
+    /* PyTorch 1.13 keeps the 1 MiB first bucket with an explicit cap (docs/ddp.md). */
+    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %.17g --ddp_first_bucket_mb %.17g",
              c->bucket_cap_mb, c->first_bucket_mb > 0 ? c->first_bucket_mb : 1.0);
   } else if (c->first_bucket_mb > 0) {
     snprintf(cap, sizeof cap, "--ddp_first_bucket_mb %.17g", c->first_bucket_mb);
@@ -195,7 +194,7 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
   snprintf(B, sizeof B, "%s/libddp", base);
   ddp_test_write_text(model, c->model);
   char cap[128] = "";
-  if (c->bucket_cap_mb >= 0) snprintf(cap, sizeof cap, "--bucket_cap_mb %g", c->bucket_cap_mb);
+  if (c->bucket_cap_mb >= 0) snprintf(cap, sizeof cap, "--bucket_cap_mb %.17g", c->bucket_cap_mb);
   if (c->first_bucket_mb > 0) {
     snprintf(cap + strlen(cap), sizeof cap - strlen(cap), " --first_bucket_mb %.17g",
              c->first_bucket_mb);

@@ -31,8 +31,9 @@ typedef struct ddp_test_pcfg {
   double lr, momentum;  /* SGD; ddp-train gets --optim_args momentum=M */
   const char *flags;    /* per rank, cycled: torch_reference.py --flags, ddp-train
                          * --forward_flags; NULL = "0" */
-  double bucket_cap_mb; /* < 0: not given; else whole MiB, with PyTorch 1.13's 1 MiB first
-                         * bucket on the libddp side (--ddp_first_bucket_mb 1) */
+  double bucket_cap_mb; /* < 0: not given; else MiB (fractions allowed), with PyTorch
+                         * 1.13's 1 MiB first bucket on the libddp side
+                         * (--ddp_first_bucket_mb 1) */
   bool find_unused, broadcast_buffers, static_graph, grad_as_bucket_view;
   bool rebuilt;         /* a rebuilt layout is expected */
   /* Optional: arguments both tools take alike (--comm_hook, --comm_wrapper,
