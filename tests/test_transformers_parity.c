@@ -10,9 +10,10 @@
  * GPT-2 tiny (n_layer 2, n_embd 64, n_head 4, vocab 256, n_positions 64, dropout 0) on a
  * byte-tokenized text in blocks of 32 tokens: defaults; a 64 KiB first bucket and a
  * 128 KiB cap (one bucket at construction, several after the rebuild; and several at
- * construction under find_unused_parameters); gradient accumulation 4; the fp16 hook; PowerSGD rank 2
- * with PyTorch's Q injected (the model's 0.5 MB fit PyTorch 1.13's 1 MiB first bucket, so
- * PyTorch runs it with one bucket, as spec/numerics.md requires on gloo); world size 3.
+ * construction under find_unused_parameters); gradient accumulation 4; the fp16 hook;
+ * PowerSGD rank 2 with PyTorch's Q injected (the model's 0.5 MB fit PyTorch 1.13's 1 MiB
+ * first bucket, so PyTorch runs it with one bucket, as spec/numerics.md requires on gloo);
+ * world size 3.
  * BERT tiny (2 layers, hidden 32, 4 heads, vocab 256) on a text,label CSV: texts at least
  * max_seq_length long (no padding), and short texts padded with attention masks.
  *
@@ -31,8 +32,8 @@
  *   (sigma1 / sigma2 = 35), so Gram-Schmidt's second column is a small residual, and the
  *   second direction is nearly degenerate (sigma2 and sigma3 3 % apart); both magnify the
  *   rounding differences of the products (libddp sums the norms in double, PyTorch in
- *   float). atol 5e-6 covers it. A skipped error feedback or a wrong Q gives differences of the size of
- *   the gradient itself (the injected-Q control of test_hooks_parity shows it).
+ *   float). atol 5e-6 covers it. A skipped error feedback or a wrong Q gives differences of
+ *   the size of the gradient itself (the injected-Q control of test_hooks_parity shows it).
  * Each configuration is 3 or 4 steps of batch 4 so that the file stays within CI's time.
  * Without torch the tests skip. */
 #include <setjmp.h>

@@ -881,7 +881,8 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       DDP_CHECK_GOTO(evaluate(t, &el, &ea), st, out);
       result->eval_loss = el;
       result->eval_accuracy = ea;
-      metrics_line(t, "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s%s}",
+      metrics_line(t,
+                   "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s%s}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
                    num(nb[0], 32, el), num(nb[1], 32, ea),
                    ddp__train_lm_perplexity(nb[2], 32, t->task == DDP_TASK_CAUSAL_LM, el));
