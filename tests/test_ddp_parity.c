@@ -196,6 +196,15 @@ static void test_parity_aux_odd_steps(void **state) {
   fidelity("aux_odd_steps", AUX, "0:1", 0.9, true, 1, -1, FIDELITY_ARGS "--weight_decay 1e-2");
 }
 
+/* PyTorch 1.13's zero_grad(set_to_none=False) on both sides: the aux gradient is None at
+ * step 0 only, then zero-filled and left untouched (zeros) by DDP on even steps, so weight
+ * decay and momentum act on it there. */
+static void test_parity_aux_odd_steps_zero_fill(void **state) {
+  (void)state;
+  fidelity("aux_odd_zero_fill", AUX, "0:1", 0.9, true, 1, -1,
+           FIDELITY_ARGS "--weight_decay 1e-2 --zero_grad_set_to_none false");
+}
+
 static void test_parity_aux_odd_steps_adam(void **state) {
   (void)state;
   /* Adam's first steps move each element by about lr whatever its gradient's size, so a
@@ -502,6 +511,7 @@ int main(void) {
       cmocka_unit_test(test_parity_aux_never_used_wd),
       cmocka_unit_test(test_parity_aux_never_used_adamw_wd),
       cmocka_unit_test(test_parity_aux_odd_steps),
+      cmocka_unit_test(test_parity_aux_odd_steps_zero_fill),
       cmocka_unit_test(test_parity_aux_odd_steps_adam),
       cmocka_unit_test(test_parity_aux_odd_ranks),
       cmocka_unit_test(test_parity_momentum_wd_all),

@@ -67,8 +67,9 @@ static ddp_status_t check_keys(build_t *b, const cJSON *arr, const char *path) {
   int n = cJSON_GetArraySize(arr);
   for (int i = 0; i < n; i++)
     for (int j = 0; j < i; j++) {
-      char ki[80], kj[80];
-      DDP_CHECK(child_key(b, cJSON_GetArrayItem(arr, i), i, path, ki, sizeof ki));
+      char ki[80], kj[80], pi[NAME_LEN];
+      snprintf(pi, sizeof pi, "%s[%d]", path, i);
+      DDP_CHECK(child_key(b, cJSON_GetArrayItem(arr, i), i, pi, ki, sizeof ki));
       DDP_CHECK(child_key(b, cJSON_GetArrayItem(arr, j), j, path, kj, sizeof kj));
       if (!strcmp(ki, kj)) {
         char w[200];
@@ -211,9 +212,10 @@ static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefi
   const cJSON *l;
   cJSON_ArrayForEach(l, layers) {
     char pre[NAME_LEN], pth[NAME_LEN], key[80];
-    DDP_CHECK(child_key(b, l, i, path, key, sizeof key));
-    int k1 = snprintf(pre, sizeof pre, "%s%s%s", prefix, *prefix ? "." : "", key);
     int k2 = snprintf(pth, sizeof pth, "%s[%d]", path, i);
+    if (k2 < 0 || (size_t)k2 >= sizeof pth) return bad(b, path, "names nest too deep");
+    DDP_CHECK(child_key(b, l, i, pth, key, sizeof key));
+    int k1 = snprintf(pre, sizeof pre, "%s%s%s", prefix, *prefix ? "." : "", key);
     if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
       return bad(b, path, "names nest too deep");
     ddp_module_t *mod;
