@@ -27,6 +27,7 @@
 
 #include "ddp.h"
 #include "harness.h"
+#include "proc.h"
 #include "train/train_internal.h"
 
 #define MAXW 8
@@ -1037,7 +1038,7 @@ static void test_threads_vs_processes(void **state) {
   char ddprun[4096], exe[4096], port[16];
   snprintf(ddprun, sizeof ddprun, "%s/tools/ddprun", build);
   snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
-  snprintf(port, sizeof port, "%d", 30000 + (int)(getpid() % 20000));
+  snprintf(port, sizeof port, "%d", ddp_test_free_port()); /* from the kernel */
   struct {
     const char *backend, *world;
   } cases[] = {{"shm", "4"}, {"tcp", "2"}};

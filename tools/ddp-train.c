@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "ddp.h"
+#include "train_text.h"
 
 #ifndef DDP_TRAIN_DATA
 #define DDP_TRAIN_DATA "tests/data/digits.safetensors"
@@ -48,6 +49,7 @@ typedef struct tool {
   char errmsg[DDP_ERROR_MSG_MAX];
   int world;
   const char *backend;
+  train_text_t text;       /* Transformers models and text data (train_text.c) */
 } tool_t;
 
 static void usage(FILE *f) {
@@ -72,7 +74,9 @@ static void usage(FILE *f) {
           "                     loaded by name, strictly (else: PyTorch's default init, seeded)\n"
           "  --config FILE      JSON object of training arguments (command-line flags win)\n"
           "  --threads N        in-process ranks (threads backend)\n"
-          "  --print_args       print the resolved training arguments as JSON and exit\n"
+          "  --print_args       print the resolved training arguments as JSON and exit\n");
+  train_text_usage(f);
+  fprintf(f,
           "\n"
           "Training arguments (Hugging Face TrainingArguments names and defaults):\n");
   for (size_t i = 0; i < ddp_train_arg_count(); i++) {
@@ -147,6 +151,7 @@ static bool is_bool_field(const char *name) {
 
 static int parse_args(tool_t *t, int argc, char **argv) {
   ddp_error_t err = {0};
+  int rc = 0;
   /* The config file first, so that flags given on the command line override it. */
   for (int i = 1; i < argc; i++) {
     const char *v = NULL;
@@ -209,6 +214,8 @@ static int parse_args(tool_t *t, int argc, char **argv) {
         return usage_error("--threads expects an integer in [1, 256], got \"%s\"%s", value, "");
       }
       t->threads = (int)n;
+    } else if (train_text_flag(&t->text, name, value, &rc)) {
+      if (rc) return rc;
     } else if (ddp_train_args_set(&t->args, name, value, &err) != DDP_OK) {
       return usage_error("%s%s", err.msg, "");
     }
@@ -264,8 +271,12 @@ static int load_data(tool_t *t) {
   ddp_error_t err = {0};
   ddp_status_t st;
   const char *src = t->data;
-  if (!src) src = access(DDP_TRAIN_DATA, R_OK) == 0 ? DDP_TRAIN_DATA : "synthetic";
-  if (!strcmp(src, "synthetic") || !strcmp(src, "synthetic:mixture")) {
+  if (!src && !t->text.hf) src = access(DDP_TRAIN_DATA, R_OK) == 0 ? DDP_TRAIN_DATA : "synthetic";
+  if (t->text.hf) { /* GPT-2 or BERT: token files and text CSVs (train_text.c) */
+    int rc = train_text_load_data(&t->text, &src, &t->all);
+    if (rc) return rc;
+    st = DDP_OK;
+  } else if (!strcmp(src, "synthetic") || !strcmp(src, "synthetic:mixture")) {
     ddp_synth_mixture_t c = {t->args.seed, 4096, 32, 10, 1.0f};
     st = ddp_dataset_synthetic_mixture(&c, &t->all, &err);
   } else if (!strcmp(src, "synthetic:regression")) {
@@ -335,7 +346,10 @@ static void on_event(void *user, const ddp_train_event_t *e) {
              e->samples_per_s, e->step_time_s * 1e3, e->comm_time_s * 1e3, eta);
       break;
     case DDP_TRAIN_EV_EVAL:
-      if (isnan(e->eval_accuracy)) {
+      if (t->text.task == DDP_TASK_CAUSAL_LM) { /* run_clm's perplexity */
+        printf("%seval  step %6" PRId64 "  eval_loss %.4f  perplexity %.2f\n",
+               bar ? "\r\033[K" : "", e->step, e->eval_loss, exp(e->eval_loss));
+      } else if (isnan(e->eval_accuracy)) {
         printf("%seval  step %6" PRId64 "  eval_loss %.4f\n", bar ? "\r\033[K" : "", e->step,
                e->eval_loss);
       } else {
@@ -356,13 +370,13 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
   ddp_error_t err = {0};
   ddp_model_t *model = NULL;
   ddp_train_result_t res;
-  ddp_status_t st = ddp_model_from_json(t->model_json, &model, &err);
-  if (st == DDP_OK) st = ddp_model_init(model, t->args.seed);
+  ddp_status_t st = train_text_build(&t->text, t->model_json, t->args.seed, &model, &err);
   if (st == DDP_OK && t->init) st = ddp_model_load(model, t->init, true, NULL, NULL, &err);
   if (st == DDP_OK) {
     st = ddp_train(pg, model, t->train ? t->train : t->all, t->eval, &t->args, on_event, t, &res,
                    &err);
   }
+  if (st == DDP_OK && rank == 0) st = train_text_finish(&t->text, model, &t->args, &err);
   if (rank == 0) {
     t->status = st;
     snprintf(t->errmsg, sizeof t->errmsg, "%s", err.msg);
@@ -395,6 +409,7 @@ static void summary(const tool_t *t) {
 int main(int argc, char **argv) {
   static tool_t t;
   t.args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;
+  t.text = (train_text_t)TRAIN_TEXT_INIT;
   int rc = parse_args(&t, argc, argv);
   if (rc) return rc;
   ddp_error_t err = {0};
@@ -446,6 +461,7 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  if ((rc = train_text_probe(&t.text, t.model_path)) != 0) return rc;
   if ((rc = load_data(&t)) != 0) return rc;
   if (t.model_path) {
     t.model_json = read_file(t.model_path);
@@ -453,12 +469,13 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path, strerror(errno));
       return 2;
     }
-  } else if (build_default_model(&t)) {
+  } else if (!t.text.name_or_path && build_default_model(&t)) {
     return 1;
   }
   ddp_model_t *probe = NULL;
-  if ((st = ddp_model_from_json(t.model_json, &probe, &err)) != DDP_OK) {
-    fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path ? t.model_path : "(default)",
+  if ((st = train_text_build(&t.text, t.model_json, t.args.seed, &probe, &err)) != DDP_OK) {
+    fprintf(stderr, "ddp-train: --model %s: %s\n",
+            t.model_path ? t.model_path : t.text.name_or_path ? t.text.name_or_path : "(default)",
             err.msg);
     return 2;
   }
@@ -519,11 +536,13 @@ int main(int argc, char **argv) {
               ddp_status_name(t.status != DDP_OK ? t.status : st), t.errmsg);
     } else {
       summary(&t);
+      train_text_summary(&t.text, &t.args, &t.result);
     }
   }
   ddp_dataset_destroy(t.train);
   ddp_dataset_destroy(t.eval);
   ddp_dataset_destroy(t.all);
   free(t.model_json);
+  train_text_free(&t.text);
   return st == DDP_OK ? 0 : 1;
 }

@@ -6,7 +6,8 @@
 # bit-identical parameters. Then the same job with 4 ranks as threads of one process ends
 # with the same parameter hash, bit for bit (reductions add in rank order, D2). Last, where
 # python3-torch is installed, real PyTorch DDP runs the job and ddp-compare checks libddp
-# against it step by step. The older ddp-demo (a hand-written data-parallel loop) still
+# against it step by step. In between, a small GPT-2 learns the shipped English text on 2
+# shm processes and prints a sample. The older ddp-demo (a hand-written data-parallel loop) still
 # builds and runs: build/tools/ddp-demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,28 @@ build/tools/ddprun --nproc_per_node 4 --backend shm --master_port 29517 \
 echo
 echo "== the same job, 4 ranks as threads: build/tools/ddp-train --threads 4 ..."
 build/tools/ddp-train --threads 4 "${args[@]}" --output_dir "$out/threads" | tail -n 3
+echo
+
+# A GPT-2 (Transformers' GPT2LMHeadModel: its config.json keys, names and checkpoint layout)
+# learns the shipped King James Genesis and Exodus byte by byte on 2 processes, then rank 0
+# prints a sample from a prompt (top-k 3, seeded: a model this small, greedy, soon repeats
+# one word). The final model and each checkpoint are directories
+# that Transformers' from_pretrained loads (config.json, model.safetensors).
+echo "== a small GPT-2 on 2 ranks (ddprun, shm) on tests/data/kjv_genesis_exodus.txt"
+mkdir -p "$out/gpt2"
+cat >"$out/gpt2/config.json" <<'JSON'
+{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
+ "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+JSON
+SECONDS=0
+build/tools/ddprun --nproc_per_node 2 --backend shm --master_port 29518 \
+  build/tools/ddp-train --model "$out/gpt2/config.json" --data tests/data/kjv_genesis_exodus.txt \
+  --block_size 64 --per_device_train_batch_size 8 --max_steps 450 --learning_rate 3e-3 \
+  --warmup_steps 20 --logging_steps 50 --eval_strategy steps --eval_steps 225 \
+  --save_strategy no --disable_tqdm --ddp_find_unused_parameters false \
+  --sample_prompt "And God said, " --sample_top_k 3 --sample_max_new_tokens 100 \
+  --output_dir "$out/gpt2/run"
+echo "(GPT-2 run: ${SECONDS} s)"
 echo
 
 # The third use: the same job in real PyTorch DDP (gloo), then libddp from PyTorch's initial

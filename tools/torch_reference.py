@@ -7,6 +7,17 @@ Run with Debian's interpreter (/usr/bin/python3, torch 1.13) on CPUs with gloo, 
 PyTorch on GPUs with --backend nccl (TF32 is switched off there: docs/compare.md says why).
 
     torch_reference.py --model MODEL.json --dump_dir DIR [options]
+    torch_reference.py --model gpt2-config.json --data corpus.txt --block_size 64 ...
+    torch_reference.py --model bert-config.json --data texts.csv --max_seq_length 32 ...
+
+A model file with a top-level "model_type" is a Transformers config.json: the model is then
+tools/hf_models.py's GPT2LMHeadModel or BertForSequenceClassification (Transformers' names
+and semantics), trained on text data prepared exactly as ddp-train prepares it: for GPT-2 a
+token stream (a UTF-8 text through the byte tokenizer, llm.c's .bin, or a safetensors
+"tokens" tensor) cut into --block_size blocks (labels = the block; the model shifts), for
+BERT a text,label CSV byte-tokenized, truncated and padded to --max_seq_length with an
+attention mask. Rank 0 then also writes DIR/pretrained/ (config.json and model.safetensors
+as save_pretrained writes them, the tied lm_head left out) holding the broadcast weights.
 
 The script spawns --world processes on 127.0.0.1 (gloo with GLOO_SOCKET_IFNAME=lo; the parent
 serves the rendezvous store on a port the kernel picks), or,
@@ -98,13 +109,18 @@ def parse_args(argv):
                    help="safetensors state_dict to start from (loaded by name, strict)")
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="safetensors dataset, or 'synthetic' (default: tests/data/digits)")
+    p.add_argument("--block_size", type=int, default=None,
+                   help="GPT-2: tokens per block (default min(1024, n_positions), run_clm)")
+    p.add_argument("--max_seq_length", type=int, default=128,
+                   help="BERT: CSV texts truncated and padded to this many tokens (run_glue)")
     p.add_argument("--features", default="features", help="features tensor name")
     p.add_argument("--labels", default="labels", help="labels tensor name")
     p.add_argument("--synthetic_samples", type=int, default=256)
     p.add_argument("--synthetic_classes", type=int, default=0,
                    help="classes of the synthetic labels; 0 = regression targets")
-    p.add_argument("--loss", choices=("auto", "ce", "mse"), default="auto",
-                   help="auto: cross-entropy for integer labels, MSE otherwise")
+    p.add_argument("--loss", choices=("auto", "ce", "mse", "causal_lm"), default="auto",
+                   help="auto: causal_lm for GPT-2, else cross-entropy for integer labels, "
+                        "MSE otherwise")
     p.add_argument("--shuffle", "--dataloader_shuffle", dest="shuffle", type=parse_bool,
                    default=True, help="DistributedSampler shuffle")
     p.add_argument("--data_seed", type=int, default=None,
@@ -360,6 +376,16 @@ def register_hook(a, ddp, params, drawn=None):
     ddp.register_comm_hook(state, hook)
 
 
+def hf_forward(ddp, model, x):
+    """A Transformers oracle module through DDP, on a batch in ddp_model_forward's layout
+    (GPT-2: ids [B, T]; BERT: [B, T], [B, 2, T] with the attention mask, [B, 3, T])."""
+    import hf_models
+    ids, mask, types = hf_models.split_ddp_layout(model, x)
+    if model.config.model_type == "gpt2":
+        return ddp(ids)
+    return ddp(ids, mask, types)
+
+
 def worker(rank, world, port, a):
     import torch
     import torch.distributed as dist
@@ -369,6 +395,7 @@ def worker(rank, world, port, a):
     from torch.utils.data.distributed import DistributedSampler
     import nn_oracle
     import safetensors as st
+    import text_data
 
     # nn_oracle's import has already set one intra-op and one inter-op thread (setting the
     # inter-op count twice is a fatal error in 1.13).
@@ -396,20 +423,33 @@ def worker(rank, world, port, a):
     with open(a.model) as f:
         spec = json.load(f)
     torch.manual_seed(a.seed)
-    model = nn_oracle.build_model(spec)
+    hf = text_data.is_hf_config(spec)
+    if hf:
+        import hf_models
+        model = hf_models.build(hf_models.load_config(spec))
+        hf_models.init_weights(model)
+    else:
+        model = nn_oracle.build_model(spec)
     if a.init:
         sd, _ = st.load_torch(a.init)
-        model.load_state_dict(sd, strict=True)
+        if hf:
+            hf_models.load_state(model, sd)  # tied lm_head, ignored buffers: as Transformers
+        else:
+            model.load_state_dict(sd, strict=True)
     model.to(device)
     model.train()
 
-    if a.data == "synthetic":
+    if hf:
+        feats, labels = text_data.dataset(a, spec, torch, st)
+    elif a.data == "synthetic":
         feats, labels = synthetic_dataset(a, torch, model)
     else:
         feats, labels = load_dataset(a, st)
     n = feats.shape[0]
     loss_kind = a.loss
-    if loss_kind == "auto":
+    if loss_kind == "auto" and hf:
+        loss_kind = text_data.loss_kind(spec)
+    elif loss_kind == "auto":
         loss_kind = "mse" if labels.dtype.is_floating_point else "ce"
 
     names, params, sparse = reducer_params(model)
@@ -449,7 +489,10 @@ def worker(rank, world, port, a):
     rdir = os.path.join(a.dump_dir, "rank%d" % rank)
     os.makedirs(rdir, exist_ok=True)
     pnames = [nm for nm, _ in model.named_parameters()]
-    bnames = [nm for nm, _ in model.named_buffers()]
+    # Buffers that are part of the state (a non-persistent one, like GPT-2's causal mask in
+    # Transformers, is neither saved nor compared).
+    persistent = set(model.state_dict().keys())
+    bnames = [nm for nm, _ in model.named_buffers() if nm in persistent]
 
     def state_entries(with_grads):
         out = []
@@ -460,7 +503,8 @@ def worker(rank, world, port, a):
         for nm, p in model.named_parameters():
             out.append(("param." + nm, p.detach().cpu().clone()))
         for nm, b in model.named_buffers():
-            out.append(("buffer." + nm, b.detach().cpu().clone()))
+            if nm in persistent:
+                out.append(("buffer." + nm, b.detach().cpu().clone()))
         return out
 
     st.save_torch(os.path.join(rdir, "init.safetensors"), state_entries(False),
@@ -471,7 +515,10 @@ def worker(rank, world, port, a):
     if rank == 0:
         # The broadcast weights under plain state_dict names: ddp_model_load reads this.
         st.save_torch(os.path.join(a.dump_dir, "weights.safetensors"),
-                      [(k, v.detach().cpu()) for k, v in model.state_dict().items()])
+                      [(k, v.detach().cpu()) for k, v in
+                       (hf_models.state_for_save(model) if hf else model.state_dict()).items()])
+        if hf:
+            hf_models.save_pretrained(model, os.path.join(a.dump_dir, "pretrained"))
 
     sampler = DistributedSampler(list(range(n)), num_replicas=world, rank=rank,
                                  shuffle=a.shuffle, seed=a.data_seed,
@@ -520,12 +567,18 @@ def worker(rank, world, port, a):
             xs.append(x), ys.append(y), ids.append(it)
             xd, yd = x.to(device), y.to(device)
             last = m == accum - 1
+            fwd = (lambda: hf_forward(ddp, model, xd)) if hf else (lambda: ddp(xd, flags))
             if last:
-                out = ddp(xd, flags)
+                out = fwd()
             else:
                 with ddp.no_sync():
-                    out = ddp(xd, flags)
-            loss = F.cross_entropy(out, yd) if loss_kind == "ce" else F.mse_loss(out, yd)
+                    out = fwd()
+            if hf and a.loss == "auto":
+                loss = hf_models.compute_loss(model, out, yd)
+            elif loss_kind == "ce":
+                loss = F.cross_entropy(out, yd)
+            else:
+                loss = F.mse_loss(out, yd.reshape(out.shape))
             loss = loss / accum
             if last:
                 loss.backward()

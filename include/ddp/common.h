@@ -216,7 +216,8 @@ typedef enum ddp_rng_purpose {
   DDP_RNG_DROPOUT = 3,
   DDP_RNG_POWERSGD = 4,
   DDP_RNG_DATA = 5,
-  DDP_RNG_TEST = 6
+  DDP_RNG_TEST = 6,
+  DDP_RNG_SAMPLE = 7 /* ddp_generate's top-k draws */
 } ddp_rng_purpose_t;
 
 /* Packs (purpose, rank, step) into one stream id: 8 bits purpose, 24 bits rank, 32 step. */

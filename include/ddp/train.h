@@ -251,6 +251,34 @@ DDP_API ddp_status_t ddp_train_plot_svg(const char *metrics_path, const char *sv
 /* Hash of the model's parameters (every dtype's flat buffer, FNV-1a over the bytes). */
 DDP_API uint64_t ddp_train_param_hash(ddp_model_t *model);
 
+/* ---------------------------------------------------------------- generation ------ */
+
+/* Options of ddp_generate. Start from DDP_GENERATE_OPTIONS_INIT. */
+typedef struct ddp_generate_options {
+  size_t struct_size;
+  int64_t max_new_tokens; /* 64: tokens appended to the prompt */
+  int64_t top_k;          /* 0: greedy (argmax); k > 0: a draw among the k likeliest */
+  uint64_t seed;          /* top-k's draws: Philox stream (DDP_RNG_SAMPLE, 0, 0) */
+  int64_t context;        /* tokens the model sees, the latest ones; 0: its n_positions */
+} ddp_generate_options_t;
+
+#define DDP_GENERATE_OPTIONS_INIT                                                         \
+  {                                                                                       \
+    .struct_size = sizeof(ddp_generate_options_t), .max_new_tokens = 64, .top_k = 0,      \
+    .seed = 42, .context = 0                                                              \
+  }
+
+/* Continues prompt (n >= 1 token ids) with o->max_new_tokens tokens from a causal language
+ * model (GPT-2: ids [1, T] in, logits [1, T, V] out), one forward per token over the last
+ * `context` tokens, with gradients off and the model in evaluation mode (it is left in
+ * training mode). *out (ddp_free) receives only the new tokens, *nout their count. Greedy
+ * or seeded top-k: the same seed gives the same tokens everywhere. Errors: an empty
+ * prompt or negative option (DDP_ERR_INVALID_ARGUMENT), a model that is not a causal LM,
+ * and the forward's errors (an id beyond the vocabulary), with the forward's message. */
+DDP_API ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
+                                  const ddp_generate_options_t *o, int64_t **out,
+                                  int64_t *nout, ddp_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif

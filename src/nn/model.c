@@ -17,8 +17,8 @@ typedef enum mod_kind {
   MOD_RESIDUAL,
   MOD_BRANCH,
   MOD_CHECKPOINT,
-  MOD_FAMILY, /* forward and init in a family's own file (nn_internal.h) */
-  MOD_ADD
+  MOD_ADD,
+  MOD_FAMILY /* forward and init in a family's own file (nn_internal.h) */
 } mod_kind_t;
 
 #define NONE ((size_t)-1)
@@ -36,9 +36,9 @@ struct ddp_module {
   ddp_module_t *body;
   ddp_module_t **children;
   size_t nchildren, cap;
+  int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
   const ddp__family_t *family; /* MOD_FAMILY */
   void *fstate;
-  int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
 };
 
 /* A state_dict entry in registration order. */
@@ -432,26 +432,6 @@ ddp_status_t ddp_module_checkpointed(ddp_model_t *m, ddp_module_t *body, ddp_mod
   return wrap(m, MOD_CHECKPOINT, body, mod);
 }
 
-ddp_status_t ddp__module_family(ddp_model_t *m, const ddp__family_t *family, void *state,
-                                ddp_module_t **mod) {
-  DDP_REQUIRE(m && family && mod);
-  ddp_status_t st = mod_new(m, MOD_FAMILY, mod);
-  if (st != DDP_OK) {
-    if (family->destroy) family->destroy(state);
-    return st;
-  }
-  (*mod)->family = family;
-  (*mod)->fstate = state;
-  return DDP_OK;
-}
-
-const ddp__family_t *ddp__model_family(const ddp_model_t *m, void **state) {
-  DDP_REQUIRE(m);
-  if (!m->root || m->root->kind != MOD_FAMILY) return NULL;
-  if (state) *state = m->root->fstate;
-  return m->root->family;
-}
-
 ddp_status_t ddp_module_add(ddp_model_t *m, ddp_module_t **mod) {
   DDP_REQUIRE(m && mod);
   return mod_new(m, MOD_ADD, mod);
@@ -486,6 +466,26 @@ static ddp_status_t add_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
                           (unsigned long long)flags);
   *y = sum;
   return DDP_OK;
+}
+
+ddp_status_t ddp__module_family(ddp_model_t *m, const ddp__family_t *family, void *state,
+                                ddp_module_t **mod) {
+  DDP_REQUIRE(m && family && mod);
+  ddp_status_t st = mod_new(m, MOD_FAMILY, mod);
+  if (st != DDP_OK) {
+    if (family->destroy) family->destroy(state);
+    return st;
+  }
+  (*mod)->family = family;
+  (*mod)->fstate = state;
+  return DDP_OK;
+}
+
+const ddp__family_t *ddp__model_family(const ddp_model_t *m, void **state) {
+  DDP_REQUIRE(m);
+  if (!m->root || m->root->kind != MOD_FAMILY) return NULL;
+  if (state) *state = m->root->fstate;
+  return m->root->family;
 }
 
 void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root) {
@@ -576,10 +576,10 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
       a->flags = flags;
       return ddp_checkpoint(c, seg_forward, a, 1, &x, y);
     }
-    case MOD_FAMILY:
-      return mod->family->forward(mod->fstate, c, x, m->training, y);
     case MOD_ADD:
       return add_forward(mod, c, x, flags, y);
+    case MOD_FAMILY:
+      return mod->family->forward(mod->fstate, c, x, m->training, y);
   }
   return DDP_ERR_INTERNAL;
 }

@@ -219,7 +219,13 @@ ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_mod
   if (mkdir(tmp, 0755) != 0) return sys_error(err, "mkdir", tmp);
 
   snprintf(file, sizeof file, "%s/model.safetensors", tmp);
-  DDP_CHECK(ddp_model_save(model, file, err));
+  if (ddp_model_hf_config(model)) {
+    /* A Transformers model: save_pretrained's layout (config.json, model.safetensors
+     * without the tied lm_head), so that from_pretrained loads the checkpoint. */
+    DDP_CHECK(ddp_model_save_pretrained(model, tmp, err));
+  } else {
+    DDP_CHECK(ddp_model_save(model, file, err));
+  }
   pause_ms(pause);
   for (size_t g = 0; g < nopt; g++) {
     ddp__train_optim_file(file, sizeof file, tmp, g);

@@ -78,4 +78,14 @@ ddp_status_t ddp__train_write_atomic(const char *path, const char *text, size_t 
 /* mkdir -p. */
 ddp_status_t ddp__train_mkdirs(const char *path, ddp_error_t *err);
 
+/* Causal language models (lm.c): the loss of logits [B, T, V] against labels I64 [B, T]
+ * (position t predicts labels[t + 1], -100 ignored: ddp_causal_lm_loss), and the number of
+ * labels it averages over (those of positions 1..T-1 that are not -100). */
+ddp_status_t ddp__train_lm_loss(ddp_ctx_t *ctx, ddp_var_t *logits, const ddp_tensor_t *labels,
+                                ddp_var_t **loss);
+int64_t ddp__train_lm_targets(const ddp_tensor_t *labels);
+/* The metrics.jsonl member `, "perplexity": exp(eval_loss)` (null when not finite) written
+ * into buf, when lm; else "". run_clm's perplexity. */
+const char *ddp__train_lm_perplexity(char *buf, size_t cap, bool lm, double eval_loss);
+
 #endif /* DDP_TRAIN_INTERNAL_H */

@@ -54,6 +54,7 @@ typedef struct trainer {
   ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
   FILE *metrics;          /* rank 0 */
   bool classify;          /* integer class labels: cross-entropy; else MSE */
+  ddp_model_task_t task;  /* DDP_TASK_CAUSAL_LM: ddp_causal_lm_loss (lm.c) */
   ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
   int64_t steps_per_epoch, max_steps, loader_epoch, loader_pos;
   ddp_lr_schedule_t sched;
@@ -157,6 +158,7 @@ static ddp_status_t seek_loader(trainer_t *t, int64_t epoch, int64_t pos) {
 static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t *b,
                                  ddp_var_t **loss) {
   ddp_var_t *y;
+  if (t->task == DDP_TASK_CAUSAL_LM) return ddp__train_lm_loss(t->ctx, out, &b->labels, loss);
   if (t->classify) {
     DDP_CHECK(ddp_var_new(t->ctx, DDP_I64, 1, &b->size, b->labels.data, false, &y));
     return ddp_cross_entropy(t->ctx, out, y, -100, loss);
@@ -232,7 +234,11 @@ static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
     if ((st = forward(t, &b, &out)) != DDP_OK || (st = compute_loss(t, out, &b, &lv)) != DDP_OK) {
       break;
     }
-    if (t->classify) {
+    if (t->task == DDP_TASK_CAUSAL_LM) { /* weighted by predicted tokens (lm.c) */
+      double k = (double)ddp__train_lm_targets(&b.labels);
+      sums[0] += scalar_value(lv) * k;
+      sums[2] += k;
+    } else if (t->classify) {
       int64_t C = out->value.shape[out->value.ndim - 1];
       const int64_t *lab = b.labels.data;
       for (int64_t i = 0; i < m; i++) {
@@ -292,6 +298,7 @@ static ddp_status_t setup(trainer_t *t) {
   const ddp_train_args_t *a = t->a;
   const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
   t->classify = (sp->label_dtype == DDP_I64 || sp->label_dtype == DDP_I32) && sp->label_ndim == 0;
+  t->task = ddp_model_task(t->model);
   if (sp->label_dtype == DDP_I32) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
                       "trainer: class labels must be i64 (torch's long), the dataset has i32");
@@ -645,7 +652,8 @@ static ddp_status_t dump_config(trainer_t *t, char **out) {
              (long long)t->sched.num_warmup_steps, ddp_optim_options(t->opt[0])->momentum,
              a->weight_decay, a->adam_beta1,
              a->adam_beta2, a->adam_epsilon, a->max_grad_norm > 0 ? a->max_grad_norm : 0.0,
-             (unsigned long long)a->seed, t->classify ? "ce" : "mse",
+             (unsigned long long)a->seed,
+             t->task == DDP_TASK_CAUSAL_LM ? "causal_lm" : t->classify ? "ce" : "mse",
              a->dataloader_shuffle ? "true" : "false",
              (unsigned long long)(a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed),
              a->zero_grad_set_to_none ? "true" : "false", a->weight_decay_grouping,
@@ -873,9 +881,11 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       DDP_CHECK_GOTO(evaluate(t, &el, &ea), st, out);
       result->eval_loss = el;
       result->eval_accuracy = ea;
-      metrics_line(t, "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s}",
+      metrics_line(t,
+                   "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s%s}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
-                   num(nb[0], 32, el), num(nb[1], 32, ea));
+                   num(nb[0], 32, el), num(nb[1], 32, ea),
+                   ddp__train_lm_perplexity(nb[2], 32, t->task == DDP_TASK_CAUSAL_LM, el));
       if (t->ev) {
         ddp_train_event_t e = {.kind = DDP_TRAIN_EV_EVAL, .step = done,
                                .max_steps = t->max_steps,
@@ -909,13 +919,15 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
                  "{\"summary\": true, \"steps\": %lld, \"start_step\": %lld, \"world_size\": %d, "
                  "\"first_loss\": %s, \"last_loss\": %s, \"eval_loss\": %s, \"eval_accuracy\": "
                  "%s, \"seconds\": %.3f, \"samples_per_s\": %.1f, \"comm_seconds\": %.3f, "
-                 "\"replica_checks\": %d, \"param_hash\": \"%016llx\", \"sync\": \"%s\"}",
+                 "\"replica_checks\": %d, \"param_hash\": \"%016llx\", \"sync\": \"%s\"%s}",
                  (long long)result->steps, (long long)start, t->world,
                  num(nb[0], 32, result->first_loss), num(nb[1], 32, result->last_loss),
                  num(nb[2], 32, result->eval_loss), num(nb[3], 32, result->eval_accuracy),
                  result->seconds, result->samples_per_s, result->comm_seconds,
                  result->replica_checks, (unsigned long long)result->param_hash,
-                 ddp__sync_name(t->sync));
+                 ddp__sync_name(t->sync),
+                 ddp__train_lm_perplexity(nb[4], 32, t->task == DDP_TASK_CAUSAL_LM,
+                                          result->eval_loss));
     fclose(t->metrics);
     t->metrics = NULL;
     char mp[DDP_TRAIN_STR_MAX + 32], sp[DDP_TRAIN_STR_MAX + 32];

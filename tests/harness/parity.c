@@ -147,12 +147,14 @@ static const char *tf(bool b) { return b ? "true" : "false"; }
 
 int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const char *dump_dir,
                           const char *extra) {
-  char init[700] = "", cap[96] = "", q[700] = "";
+  char init[700] = "", cap[160] = "", q[700] = "";
   if (torch_dir) snprintf(init, sizeof init, "--init '%s/weights.safetensors'", torch_dir);
   if (c->bucket_cap_mb >= 0) {
     /* PyTorch 1.13 keeps the 1 MiB first bucket with an explicit cap (docs/ddp.md). */
-    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %.17g --ddp_first_bucket_mb 1",
-             c->bucket_cap_mb);
+    snprintf(cap, sizeof cap, "--ddp_bucket_cap_mb %.17g --ddp_first_bucket_mb %.17g",
+             c->bucket_cap_mb, c->first_bucket_mb > 0 ? c->first_bucket_mb : 1.0);
+  } else if (c->first_bucket_mb > 0) {
+    snprintf(cap, sizeof cap, "--ddp_first_bucket_mb %.17g", c->first_bucket_mb);
   }
   if (c->inject_q) {
     assert_non_null(torch_dir);
@@ -168,11 +170,13 @@ int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const
       "--optim_args momentum=%.17g --max_grad_norm 0 --lr_scheduler_type constant --seed %d "
       "--forward_flags '%s' %s --ddp_find_unused_parameters %s --ddp_broadcast_buffers %s "
       "--ddp_static_graph %s --gradient_as_bucket_view %s --ddp_timeout 60 "
-      "--save_strategy no --disable_tqdm --output_dir '%s.out' --dump_dir '%s' %s %s %s",
-      g_train, c->world, g_scratch, c->name, init, g_data, c->steps, c->batch, c->accum, c->lr,
+      "--save_strategy no --disable_tqdm --output_dir '%s.out' --dump_dir '%s' %s %s %s %s",
+      g_train, c->world, g_scratch, c->name, init, c->data ? c->data : g_data, c->steps,
+      c->batch, c->accum, c->lr,
       c->momentum, DDP_TEST_PARITY_SEED, c->flags ? c->flags : "0", cap, tf(c->find_unused),
       tf(c->broadcast_buffers), tf(c->static_graph), tf(c->grad_as_bucket_view), dump_dir,
-      dump_dir, c->hook_args ? c->hook_args : "", q, extra ? extra : "");
+      dump_dir, c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "", q,
+      extra ? extra : "");
 }
 
 /* ---------------------------------------------------------------- parity ---------- */
@@ -189,8 +193,12 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
   snprintf(A, sizeof A, "%s/torch", base);
   snprintf(B, sizeof B, "%s/libddp", base);
   ddp_test_write_text(model, c->model);
-  char cap[64] = "";
+  char cap[128] = "";
   if (c->bucket_cap_mb >= 0) snprintf(cap, sizeof cap, "--bucket_cap_mb %.17g", c->bucket_cap_mb);
+  if (c->first_bucket_mb > 0) {
+    snprintf(cap + strlen(cap), sizeof cap - strlen(cap), " --first_bucket_mb %.17g",
+             c->first_bucket_mb);
+  }
   char *out = NULL;
   int rc = ddp_test_run_cmd(&out,
                "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
@@ -198,12 +206,13 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
                "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
                "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
                "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
-               "--timeout 60 %s",
-               g_py, ddp_test_source_root(), model, A, g_data, c->world, c->steps,
+               "--timeout 60 %s %s",
+               g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world,
+               c->steps,
                c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED,
                c->flags ? c->flags : "0", cap, tf(c->find_unused), tf(c->broadcast_buffers),
                tf(c->static_graph), tf(c->grad_as_bucket_view),
-               c->hook_args ? c->hook_args : "");
+               c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "");
   if (rc != 0) {
     ddp_test_print_cmd_stderr();
     fail_msg("%s: torch_reference.py exited %d: %s", c->name, rc, out);

@@ -42,6 +42,14 @@ typedef struct ddp_test_pcfg {
   const char *hook_args;
   bool inject_q; /* ddp-train --power_sgd_init_q <dump A>/powersgd_q.safetensors */
   double rtol, atol;
+  /* Optional, for Transformers models (model: a config.json): the dataset both tools read
+   * (NULL: the digits), arguments both take alike (--block_size 32, --max_seq_length 16),
+   * and the first bucket's cap in MiB on both sides (> 0: torch_reference.py
+   * --first_bucket_mb, ddp-train --ddp_first_bucket_mb; else 1 MiB with an explicit cap,
+   * PyTorch 1.13's default). */
+  const char *data;
+  const char *data_args;
+  double first_bucket_mb;
 } ddp_test_pcfg_t;
 
 /* The largest differences ddp-compare reported, over every step, rank and element. */

@@ -19,6 +19,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -86,4 +89,20 @@ int ddp_test_proc_run(const char *cmd, const char *stderr_path, double timeout_s
   else
     free(buf);
   return (!timed_out && WIFEXITED(st)) ? WEXITSTATUS(st) : -1;
+}
+
+int ddp_test_free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) fail_msg("socket: %s", strerror(errno));
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t sl = sizeof sa;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+      getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
+    int e = errno;
+    close(fd);
+    fail_msg("bind/getsockname on 127.0.0.1:0: %s", strerror(e));
+  }
+  close(fd);
+  return ntohs(sa.sin_port);
 }

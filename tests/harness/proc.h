@@ -11,4 +11,10 @@
  * message). Failing to start it fails the test. */
 int ddp_test_proc_run(const char *cmd, const char *stderr_path, double timeout_s, char **out);
 
+/* A TCP port on 127.0.0.1 that the kernel handed out as free: a socket is bound to port 0,
+ * the port read back with getsockname, and the socket closed. Another process may take it
+ * before the caller binds it, so a caller that passes it on (ddprun --master_port) retries
+ * with a fresh port when its run fails to bind. Fails the test when no socket can be made. */
+int ddp_test_free_port(void);
+
 #endif /* DDP_TEST_PROC_H */
