@@ -219,6 +219,12 @@ static void test_standalone_together(void **state) {
   assert_true(port[0] > 0 && port[1] > 0 && port[0] != port[1]);
 }
 
+static int count_fd_none(const char *out) {
+  int n = 0;
+  for (const char *p = out; (p = strstr(p, "fd=none")) != NULL; p++) n++;
+  return n;
+}
+
 /* --master_port 0 and --rdzv_endpoint HOST:PORT reach every rank as MASTER_ADDR and
  * MASTER_PORT; malformed endpoints and contradictions are usage errors. */
 static void test_port_flags(void **state) {
@@ -245,6 +251,17 @@ static void test_port_flags(void **state) {
   snprintf(want, sizeof want, "[rank0]: at=127.0.0.1:%d", port);
   expect(out, want);
   free(out);
+
+  /* Rank 0, and only rank 0, inherits the reserved socket; --no_reserve_port leaves it out. */
+  for (int k = 0; k < 2; k++) {
+    snprintf(cmd, sizeof cmd, "'%s' --standalone --nproc_per_node 2 %s sh -c "
+             "'echo \"fd=${DDP_STORE_LISTEN_FD:-none}\"'", g_ddprun, k ? "--no_reserve_port" : "");
+    assert_int_equal(run(cmd, 30, &out), 0);
+    if (k == 0 && (strstr(out, "[rank0]: fd=none") || !strstr(out, "[rank1]: fd=none")))
+      fail_msg("rank 0 should hold the socket, rank 1 not:\n%s", out);
+    if (k == 1 && count_fd_none(out) != 2) fail_msg("--no_reserve_port:\n%s", out);
+    free(out);
+  }
 
   static const char *const bad[][2] = {
       {"--rdzv_endpoint :5", "expected HOST[:PORT]"},
