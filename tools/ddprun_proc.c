@@ -233,6 +233,7 @@ static void begin_stop(launcher_t *L, int sig) {
 /* Looks at every running rank without reaping it (WNOWAIT), so a rank's pid stays ours
  * until the end. The first failure seen before any interrupt is the job's failure. */
 static void check_ranks(launcher_t *L) {
+  int pick = -1; /* the failure this pass names: a rank killed by a signal, else the first */
   for (int i = 0; i < L->nranks; i++) {
     rank_proc_t *r = &L->ranks[i];
     if (r->state != RANK_RUNNING) continue;
@@ -243,18 +244,23 @@ static void check_ranks(launcher_t *L) {
     r->state = RANK_EXITED;
     r->how = si.si_code;
     r->status = si.si_status;
-    if (rank_failed(r) && L->first_failed < 0 && L->interrupt_sig == 0 && !L->launch_failed) {
-      L->first_failed = i;
-      L->failed_ns = now_ns();
-      char what[96];
-      describe_exit(r, what, sizeof what);
-      int running = 0;
-      for (int j = 0; j < L->nranks; j++) running += L->ranks[j].state == RANK_RUNNING;
-      if (running > 0)
-        say("rank %d (pid %d) %s; stopping the %d other running rank(s)", r->rank, (int)r->pid,
-            what, running);
-      begin_stop(L, SIGTERM);
-    }
+    /* Ranks seen to fail at the same instant: one killed by a signal is the likelier cause
+     * (its peers then fail on the lost connection), so it is named before a non-zero exit. */
+    if (rank_failed(r) && (pick < 0 || (L->ranks[pick].how == CLD_EXITED && r->how != CLD_EXITED)))
+      pick = i;
+  }
+  if (pick >= 0 && L->first_failed < 0 && L->interrupt_sig == 0 && !L->launch_failed) {
+    rank_proc_t *r = &L->ranks[pick];
+    L->first_failed = pick;
+    L->failed_ns = now_ns();
+    char what[96];
+    describe_exit(r, what, sizeof what);
+    int running = 0;
+    for (int j = 0; j < L->nranks; j++) running += L->ranks[j].state == RANK_RUNNING;
+    if (running > 0)
+      say("rank %d (pid %d) %s; stopping the %d other running rank(s)", r->rank, (int)r->pid,
+          what, running);
+    begin_stop(L, SIGTERM);
   }
 }
 
