@@ -87,8 +87,18 @@ static void reference_hash(int world, const char *flags, char *h, size_t cap) {
   rm_tree(dir);
 }
 
+/* cmocka's messages are cut at a few KiB: a long output goes to stderr whole. */
+static void fail_with_output(const char *what, const char *out) {
+  fprintf(stderr, "---- output ----\n%s\n---- end of output ----\n", out);
+  fail_msg("%s (the whole output is above)", what);
+}
+
 static void expect(const char *out, const char *needle) {
-  if (!strstr(out, needle)) fail_msg("expected \"%s\" in the output:\n%s", needle, out);
+  if (!strstr(out, needle)) {
+    char what[256];
+    snprintf(what, sizeof what, "expected \"%s\" in the output", needle);
+    fail_with_output(what, out);
+  }
 }
 
 /* ---------------------------------------------------------------- kill -9 --------- */
@@ -128,7 +138,7 @@ static void kill_and_restart(const char *backend) {
   expect(out, "attempt 1 of 2 (TORCHELASTIC_RESTART_COUNT=0)");
   const char *a1 = strstr(out, "attempt 1 of 2");
   if (!strstr(a1, "rank 1 (pid ") || !strstr(a1, "failed first: killed by signal 9 (SIGKILL)"))
-    fail_msg("the report does not name rank 1 killed by SIGKILL:\n%s", out);
+    fail_with_output("the report does not name rank 1 killed by SIGKILL", out);
   expect(out, "attempt 2 of 2 (TORCHELASTIC_RESTART_COUNT=1)");
   expect(out, "every rank exited 0");
   expect(out, "1 restart(s) used of --max_restarts 1; exit status 0 (attempt 2's)");

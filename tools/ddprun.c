@@ -337,18 +337,34 @@ typedef struct attempt {
   int code;          /* its exit status */
 } attempt_t;
 
+/* The rank to blame for the attempt. The first failure seen can be a peer that exited on
+ * the lost connection a moment before the killed rank became waitable: a process closes its
+ * sockets while it is torn down, before its exit is reported, and under load a tcp peer can
+ * exit in that window. A rank that ended by a signal ddprun did not send (SIGTERM to stop the
+ * others, SIGKILL once the grace period ran out) is then the likelier cause, and is named. */
+static int culprit(const launcher_t *L) {
+  int f = L->first_failed;
+  if (L->ranks[f].how != CLD_EXITED) return f;
+  for (int i = 0; i < L->nranks; i++) {
+    const rank_proc_t *r = &L->ranks[i];
+    if (i == f || r->state == RANK_RUNNING || r->how == CLD_EXITED) continue;
+    if (r->status != SIGTERM && !(L->killed && r->status == SIGKILL)) return i;
+  }
+  return f;
+}
+
 /* The outcome of the attempt just finished, and its exit status. */
 static attempt_t outcome(const launcher_t *L) {
   attempt_t a = {.rank = -1};
   int64_t end = L->first_failed >= 0 ? L->failed_ns : now_ns();
   a.seconds = (double)(end - L->start_ns) / 1e9;
   if (L->first_failed >= 0) {
-    const rank_proc_t *f = &L->ranks[L->first_failed];
+    int c = culprit(L);
+    const rank_proc_t *f = &L->ranks[c];
     a.rank = f->rank;
     a.pid = (int)f->pid;
     describe_exit(f, a.what, sizeof a.what);
-    for (int i = 0; i < L->nranks; i++)
-      a.others += i != L->first_failed && rank_failed(&L->ranks[i]);
+    for (int i = 0; i < L->nranks; i++) a.others += i != c && rank_failed(&L->ranks[i]);
     a.killed = L->killed;
     a.code = f->how == CLD_EXITED ? f->status : 128 + f->status;
   } else if (L->interrupt_sig) {
