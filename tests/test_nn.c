@@ -869,9 +869,9 @@ static void test_model_json_fields(void **state) {
       {"{\"type\": \"dropout\", \"p\": 1.5}", "layers[1]: field \"p\" must be a number in [0, 1]"},
       {"{\"type\": \"dropout\", \"p\": null}", "field \"p\" must be a number in [0, 1], got null"},
       {"{\"type\": \"branch\", \"flag\": \"1\", \"layers\": []}",
-       "layers[1]: field \"flag\" must be a number in [0, 63], got \"1\""},
+       "layers[1]: field \"flag\" must be 0..63 (an integer), got \"1\""},
       {"{\"type\": \"branch\", \"flag\": 1.5, \"layers\": []}",
-       "field \"flag\" must be an integer 0..63"},
+       "field \"flag\" must be 0..63 (an integer), got 1.5"},
       {"{\"type\": \"residual\", \"layers\": [{\"type\": \"batchnorm\", \"dim\": 2, \"eps\": -2}]}",
        "layers[1].layers[0]: field \"eps\" must be a number > 0"},
   };

@@ -78,11 +78,12 @@ static ddp_status_t get_real(build_t *b, const cJSON *o, const char *path, const
 
 /* An optional forward-flag bit "flag": an integer 0..63; absent is def. */
 static ddp_status_t get_flag(build_t *b, const cJSON *o, const char *path, int def, int *out) {
-  double f;
-  DDP_CHECK(get_real(b, o, path, "flag", def, 0, false, 63, &f));
-  if (f != (double)(int)f) {
-    return bad_field(b, path, "flag", "an integer 0..63",
-                     cJSON_GetObjectItemCaseSensitive(o, "flag"));
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "flag");
+  *out = def;
+  if (!v) return DDP_OK;
+  double f = cJSON_IsNumber(v) ? v->valuedouble : -1;
+  if (f < 0 || f > 63 || f != (double)(int)f) {
+    return bad_field(b, path, "flag", "0..63 (an integer)", v);
   }
   *out = (int)f;
   return DDP_OK;
