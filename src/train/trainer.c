@@ -670,6 +670,9 @@ static ddp_status_t dump_check(trainer_t *t, ddp_status_t st) {
                     t->dump ? ddp_dump_last_error(t->dump) : "");
 }
 
+/* A metrics.jsonl number (null when not finite) in the loop's scratch buffer nb[i]. */
+#define NUM(i, v) ddp__metrics_num(nb[i], sizeof nb[i], (v))
+
 static bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
 
 /* HF's *_steps: a value below 1 is that fraction of the training steps, rounded up. */
@@ -843,11 +846,11 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
                    "\"comm_bytes\": %lld, \"compression_rate\": %.4f, "
                    "\"samples_per_s\": %s, \"param_hash\": \"%016llx\"}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
-                   ddp__metrics_num(nb[0], 32, mean_loss), ddp__metrics_num(nb[1], 32, gnorm), ddp__metrics_num(nb[2], 32, lr),
-                   ddp__metrics_num(nb[3], 32, win_time / (double)win_n * 1e3),
-                   ddp__metrics_num(nb[4], 32, win_comm / (double)win_n * 1e3),
+                   NUM(0, mean_loss), NUM(1, gnorm), NUM(2, lr),
+                   NUM(3, win_time / (double)win_n * 1e3),
+                   NUM(4, win_comm / (double)win_n * 1e3),
                    ddp__sync_overlap_ns(t->sync) * 1e-6, (long long)comm_bytes, comm_rate,
-                   ddp__metrics_num(nb[5], 32, sps),
+                   NUM(5, sps),
                    (unsigned long long)h);
       if (st != DDP_OK) goto out;
       if (t->ev) {
@@ -870,7 +873,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       st = ddp__metrics_line(t->metrics, t->err,
                    "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s%s}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
-                   ddp__metrics_num(nb[0], 32, el), ddp__metrics_num(nb[1], 32, ea),
+                   NUM(0, el), NUM(1, ea),
                    ddp__train_lm_perplexity(nb[2], 32, t->task == DDP_TASK_CAUSAL_LM, el));
       if (st != DDP_OK) goto out;
       if (t->ev) {
@@ -908,8 +911,8 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
                  "%s, \"seconds\": %.3f, \"samples_per_s\": %.1f, \"comm_seconds\": %.3f, "
                  "\"replica_checks\": %d, \"param_hash\": \"%016llx\", \"sync\": \"%s\"%s}",
                  (long long)result->steps, (long long)start, t->world,
-                 ddp__metrics_num(nb[0], 32, result->first_loss), ddp__metrics_num(nb[1], 32, result->last_loss),
-                 ddp__metrics_num(nb[2], 32, result->eval_loss), ddp__metrics_num(nb[3], 32, result->eval_accuracy),
+                 NUM(0, result->first_loss), NUM(1, result->last_loss),
+                 NUM(2, result->eval_loss), NUM(3, result->eval_accuracy),
                  result->seconds, result->samples_per_s, result->comm_seconds,
                  result->replica_checks, (unsigned long long)result->param_hash,
                  ddp__sync_name(t->sync),
