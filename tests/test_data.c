@@ -275,6 +275,86 @@ static void test_from_safetensors(void **state) {
   ddp_tensor_free(&y);
 }
 
+/* NaN and infinities in a safetensors data file, written so or made by a bit flip in the
+ * payload (an exponent bit of a float32 close to 2 turns it into infinity), are refused
+ * at load, naming the file, the tensor, the element and its sample. */
+static void test_safetensors_nonfinite(void **state) {
+  (void)state;
+  char path[128];
+  ddp_test_tmp_file(path, sizeof path, "data", "stnf");
+  ddp_tensor_t x, y;
+  int64_t xs[2] = {5, 4}, ys[1] = {5};
+  assert_int_equal(ddp_tensor_alloc(&x, DDP_F32, 2, xs), DDP_OK);
+  assert_int_equal(ddp_tensor_alloc(&y, DDP_F32, 1, ys), DDP_OK);
+  static const struct {
+    ddp_dtype_t dt;
+    int tensor; /* 0 features, 1 labels */
+    int64_t elem;
+    double v;
+    const char *needle;
+  } cases[] = {
+      {DDP_F32, 0, 9, NAN, "tensor 'features' element 9 (sample 2, index [2, 1]) is NaN"},
+      {DDP_F32, 0, 19, INFINITY, "element 19 (sample 4, index [4, 3]) is infinite"},
+      {DDP_F32, 1, 3, -INFINITY, "tensor 'labels' element 3 (sample 3, index [3]) is infinite"},
+      {DDP_F64, 0, 0, NAN, "tensor 'features' element 0 (sample 0, index [0, 0]) is NaN"},
+  };
+  ddp_error_t err = {0};
+  ddp_dataset_t *ds = NULL;
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    ddp_tensor_t xc;
+    assert_int_equal(ddp_tensor_alloc(&xc, cases[c].dt, 2, xs), DDP_OK);
+    for (int i = 0; i < 20; i++) {
+      if (cases[c].dt == DDP_F32) ((float *)xc.data)[i] = 1.5f + (float)i;
+      if (cases[c].dt == DDP_F64) ((double *)xc.data)[i] = 1.5 + i;
+    }
+    for (int i = 0; i < 5; i++) ((float *)y.data)[i] = (float)i;
+    if (cases[c].tensor == 1) {
+      ((float *)y.data)[cases[c].elem] = (float)cases[c].v;
+    } else if (cases[c].dt == DDP_F32) {
+      ((float *)xc.data)[cases[c].elem] = (float)cases[c].v;
+    } else {
+      ((double *)xc.data)[cases[c].elem] = cases[c].v;
+    }
+    ddp_st_entry_t e[2] = {{"features", &xc}, {"labels", &y}};
+    assert_int_equal(ddp_st_write(path, e, 2, NULL, NULL, 0, &err), DDP_OK);
+    ddp_tensor_free(&xc);
+    memset(&err, 0, sizeof err);
+    assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err),
+                     DDP_ERR_INVALID_DATA);
+    assert_null(ds);
+    if (!strstr(err.msg, cases[c].needle) || !strstr(err.msg, path))
+      fail_msg("case %zu: message '%s' lacks '%s' or the path", c, err.msg, cases[c].needle);
+  }
+  /* A clean file loads; the same file with one bit flipped in the payload does not. */
+  for (int i = 0; i < 20; i++) ((float *)x.data)[i] = 1.75f;
+  for (int i = 0; i < 5; i++) ((float *)y.data)[i] = (float)i;
+  ddp_st_entry_t e[2] = {{"features", &x}, {"labels", &y}};
+  assert_int_equal(ddp_st_write(path, e, 2, NULL, NULL, 0, &err), DDP_OK);
+  assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err), DDP_OK);
+  ddp_dataset_destroy(ds);
+  FILE *f = fopen(path, "r+b");
+  assert_non_null(f);
+  uint64_t hlen = 0;
+  assert_int_equal(fread(&hlen, 8, 1, f), 1);
+  /* The first tensor in the payload is "features" (names are sorted); element 6's bit 30,
+   * the top exponent bit of 1.75f (0x3fe00000), gives 0x7fe00000: NaN. */
+  long at = (long)(8 + hlen + 6 * 4 + 3);
+  assert_int_equal(fseek(f, at, SEEK_SET), 0);
+  int byte = fgetc(f);
+  assert_int_equal(byte, 0x3f);
+  assert_int_equal(fseek(f, at, SEEK_SET), 0);
+  fputc(byte ^ 0x40, f);
+  fclose(f);
+  memset(&err, 0, sizeof err);
+  assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err),
+                   DDP_ERR_INVALID_DATA);
+  if (!strstr(err.msg, "tensor 'features' element 6 (sample 1, index [1, 2]) is NaN"))
+    fail_msg("bit flip: message '%s'", err.msg);
+  unlink(path);
+  ddp_tensor_free(&x);
+  ddp_tensor_free(&y);
+}
+
 /* The shipped digits file: 1797 samples, F32 [64] in [0, 1] with multiples of 1/16, I64
  * labels 0..9; and equal to scikit-learn's load_digits (labels and pixel sums). */
 static void test_digits_fixture(void **state) {
@@ -394,6 +474,12 @@ static void test_csv(void **state) {
       {"a,label\n1e999x,2\n", "not a number"},
       {"label,label\n1,2\n", "appears twice"},
       {"a,label\nnan,1\n", "not a number"},
+      /* Values that parse but cannot train: infinities and float32 overflow. */
+      {"a,label\n1,0\ninf,1\n", "line 3 column 1 ('a'): 'inf' is not a finite number"},
+      {"a,label\n1,0\n-Infinity,1\n", "line 3 column 1 ('a'): '-Infinity' is not a finite"},
+      {"a,b,label\n1,1e999,0\n", "line 2 column 2 ('b'): '1e999' is not a finite number"},
+      {"a,b,label\n1,2,0\n3,-1e39,1\n", "line 3 column 2 ('b'): '-1e39' is outside float32"},
+      {"a,label\n1,1e39\n", "line 2 column 2 ('label'): '1e39' is outside float32"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     write_file(path, bad[i].text, strlen(bad[i].text));
@@ -751,6 +837,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_sampler_vs_torch),     cmocka_unit_test(test_sampler_properties),
       cmocka_unit_test(test_from_tensors),         cmocka_unit_test(test_from_safetensors),
+      cmocka_unit_test(test_safetensors_nonfinite),
       cmocka_unit_test(test_digits_fixture),       cmocka_unit_test(test_csv),
       cmocka_unit_test(test_mnist),                cmocka_unit_test(test_synthetic_regression),
       cmocka_unit_test(test_synthetic_mixture),    cmocka_unit_test(test_loader),

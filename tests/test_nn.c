@@ -843,6 +843,66 @@ static void test_dropout_mask(void **state) {
   ddp_ctx_destroy(c);
 }
 
+/* Model-file fields of the wrong JSON type or out of range are refused with the JSON path
+ * and the field, instead of being silently replaced by a default. */
+static void test_model_json_fields(void **state) {
+  (void)state;
+  static const struct {
+    const char *layer;
+    const char *needle;
+  } cases[] = {
+      {"{\"type\": \"linear\", \"in\": 2, \"out\": 2, \"bias\": \"yes\"}",
+       "layers[1]: field \"bias\" must be true or false, got \"yes\""},
+      {"{\"type\": \"linear\", \"in\": 2, \"out\": 2, \"bias\": 0}",
+       "layers[1]: field \"bias\" must be true or false, got 0"},
+      {"{\"type\": \"linear\", \"in\": 2, \"out\": 2, \"frozen\": \"true\"}",
+       "layers[1]: field \"frozen\" must be true or false"},
+      {"{\"type\": \"layernorm\", \"dim\": 2, \"eps\": -1}",
+       "layers[1]: field \"eps\" must be a number > 0, got -1"},
+      {"{\"type\": \"layernorm\", \"dim\": 2, \"eps\": 0}", "field \"eps\" must be a number > 0"},
+      {"{\"type\": \"batchnorm\", \"dim\": 2, \"eps\": \"1e-5\"}",
+       "layers[1]: field \"eps\" must be a number > 0, got \"1e-5\""},
+      {"{\"type\": \"batchnorm\", \"dim\": 2, \"momentum\": 5}",
+       "layers[1]: field \"momentum\" must be a number in [0, 1], got 5"},
+      {"{\"type\": \"batchnorm\", \"dim\": 2, \"momentum\": -0.1}",
+       "field \"momentum\" must be a number in [0, 1]"},
+      {"{\"type\": \"dropout\", \"p\": 1.5}", "layers[1]: field \"p\" must be a number in [0, 1]"},
+      {"{\"type\": \"dropout\", \"p\": null}", "field \"p\" must be a number in [0, 1], got null"},
+      {"{\"type\": \"branch\", \"flag\": \"1\", \"layers\": []}",
+       "layers[1]: field \"flag\" must be 0..63 (an integer), got \"1\""},
+      {"{\"type\": \"branch\", \"flag\": 1.5, \"layers\": []}",
+       "field \"flag\" must be 0..63 (an integer), got 1.5"},
+      {"{\"type\": \"residual\", \"layers\": [{\"type\": \"batchnorm\", \"dim\": 2, \"eps\": -2}]}",
+       "layers[1].layers[0]: field \"eps\" must be a number > 0"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char json[512];
+    snprintf(json, sizeof json,
+             "{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}, %s]}", cases[i].layer);
+    ddp_model_t *m = NULL;
+    ddp_error_t err = {0};
+    ddp_status_t st = ddp_model_from_json(json, &m, &err);
+    if (st != DDP_ERR_INVALID_DATA || m || !strstr(err.msg, cases[i].needle))
+      fail_msg("case %zu: status %s, message '%s', expected '%s'", i, ddp_status_name(st),
+               err.msg, cases[i].needle);
+  }
+  /* The same fields with valid values still build, and bias false drops the bias. */
+  ddp_model_t *m = NULL;
+  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": "
+                                       "2, \"bias\": false}, {\"type\": \"batchnorm\", \"dim\": 2, "
+                                       "\"eps\": 1e-3, \"momentum\": 1}, {\"type\": \"dropout\", "
+                                       "\"p\": 0}]}", &m, NULL), DDP_OK);
+  assert_int_equal(ddp_model_num_params(m), 3); /* weight, bn weight, bn bias */
+  ddp_model_destroy(m);
+  /* A model too large to allocate says so, with its size. */
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 100000, "
+                                       "\"out\": 100000000000}]}", &m, &err), DDP_ERR_NO_MEMORY);
+  assert_null(m);
+  if (!strstr(err.msg, "cannot allocate the parameters") || !strstr(err.msg, "GB"))
+    fail_msg("huge model: message '%s'", err.msg);
+}
+
 /* Shape errors are statuses with a message naming both shapes, never aborts. */
 static void test_shape_errors(void **state) {
   (void)state;
@@ -999,6 +1059,7 @@ int main(void) {
       cmocka_unit_test(test_no_grad),
       cmocka_unit_test(test_dropout_mask),
       cmocka_unit_test(test_shape_errors),
+      cmocka_unit_test(test_model_json_fields),
       cmocka_unit_test(test_threads_independent),
       cmocka_unit_test(test_model_gradcheck),
   };

@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@
 #include <unistd.h>
 
 #include "ddp.h"
+#include "train_checks.h"
 #include "train_text.h"
 
 #ifndef DDP_TRAIN_DATA
@@ -47,6 +49,10 @@ typedef struct tool {
   ddp_train_result_t result;
   ddp_status_t status;
   char errmsg[DDP_ERROR_MSG_MAX];
+  /* the first rank that failed (-1: none) and its reason, for the summary line */
+  _Atomic int failed_rank;
+  ddp_status_t failed_status;
+  char failed_msg[DDP_ERROR_MSG_MAX];
   int world;
   const char *backend;
   train_text_t text;       /* Transformers models and text data (train_text.c) */
@@ -223,29 +229,26 @@ static int parse_args(tool_t *t, int argc, char **argv) {
   return 0;
 }
 
-/* The default model: an MLP from the features to the classes (or regression outputs). */
+/* The default model: an MLP from the features to the classes (max label + 1, labels
+ * checked by train_check_labels) or the regression outputs. */
 static int build_default_model(tool_t *t) {
   const ddp_sample_spec_t *sp = ddp_dataset_spec(t->all);
   int64_t in = ddp_dataset_feature_numel(t->all), out;
+  int rc = train_check_default_features(t->data, t->all);
+  if (rc) return rc;
   if (sp->label_dtype == DDP_I64 && sp->label_ndim == 0) {
-    int64_t n = ddp_dataset_length(t->all), maxc = 0;
-    float *f = malloc((size_t)in * sizeof(float) + 8);
-    for (int64_t i = 0; f && i < n; i++) {
-      int64_t lab = 0, one = 1;
-      ddp_tensor_t ft, lt;
-      ddp_tensor_view(&ft, sp->feature_dtype, 1, &in, f);
-      ddp_tensor_view(&lt, DDP_I64, 1, &one, &lab);
-      if (ddp_dataset_get(t->all, i, &ft, &lt, NULL) != DDP_OK) break;
-      if (lab > maxc) maxc = lab;
-    }
-    free(f);
-    out = maxc + 1;
+    int64_t maxc = 0;
+    if ((rc = train_check_labels(t->data, t->all, -1, &maxc)) != 0) return rc;
+    out = (maxc > 0 ? maxc : 0) + 1;
   } else {
     out = ddp_dataset_label_numel(t->all);
   }
   const char *dt = sp->feature_dtype == DDP_F64 ? "f64" : "f32";
   t->model_json = malloc(1024);
-  if (!t->model_json) return 1;
+  if (!t->model_json) {
+    fprintf(stderr, "ddp-train: --model (default): no memory for the model description\n");
+    return 1;
+  }
   snprintf(t->model_json, 1024,
            "{\"dtype\": \"%s\", \"layers\": [%s"
            "{\"type\": \"linear\", \"in\": %" PRId64 ", \"out\": 128},"
@@ -296,14 +299,14 @@ static int load_data(tool_t *t) {
     st = ddp_dataset_from_safetensors(src, NULL, NULL, &t->all, &err);
   }
   if (st != DDP_OK) {
-    fprintf(stderr, "ddp-train: --data %s: %s\n", src, err.msg[0] ? err.msg : ddp_status_str(st));
+    fprintf(stderr, "ddp-train: --data %s: %s\n", src, train_why(st, &err));
     return 2;
   }
   t->data = src;
   if (strcmp(t->args.eval_strategy, "no") != 0 && t->args.eval_split > 0) {
     st = ddp_train_split(t->all, t->args.eval_split, t->args.seed, &t->train, &t->eval, &err);
     if (st != DDP_OK) {
-      fprintf(stderr, "ddp-train: eval split: %s\n", err.msg);
+      fprintf(stderr, "ddp-train: eval split: %s\n", train_why(st, &err));
       return 2;
     }
   }
@@ -377,12 +380,18 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
                    &err);
   }
   if (st == DDP_OK && rank == 0) st = train_text_finish(&t->text, model, &t->args, &err);
+  int none = -1;
+  if (st != DDP_OK && atomic_compare_exchange_strong(&t->failed_rank, &none, rank)) {
+    t->failed_status = st; /* read after the ranks are joined */
+    snprintf(t->failed_msg, sizeof t->failed_msg, "%s", train_why(st, &err));
+  }
   if (rank == 0) {
     t->status = st;
-    snprintf(t->errmsg, sizeof t->errmsg, "%s", err.msg);
+    snprintf(t->errmsg, sizeof t->errmsg, "%s", train_why(st, &err));
     if (st == DDP_OK) t->result = res;
   } else if (st != DDP_OK && !t->threads) {
-    fprintf(stderr, "ddp-train: rank %d: %s: %s\n", rank, ddp_status_name(st), err.msg);
+    fprintf(stderr, "ddp-train: rank %d: %s: %s\n", rank, ddp_status_name(st),
+            train_why(st, &err));
   }
   ddp_model_destroy(model);
   return st;
@@ -411,6 +420,7 @@ int main(int argc, char **argv) {
   t.args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;
   t.text = (train_text_t)TRAIN_TEXT_INIT;
   t.args.ddp_timeout = 0; /* 0 after parsing: not given; then DDP_TIMEOUT, else the default */
+  atomic_init(&t.failed_rank, -1);
   int rc = parse_args(&t, argc, argv);
   if (rc) return rc;
   if (t.args.ddp_timeout == 0) {
@@ -425,7 +435,7 @@ int main(int argc, char **argv) {
   ddp_error_t err = {0};
   ddp_status_t st = ddp_train_args_validate(&t.args, &err);
   if (st != DDP_OK) {
-    fprintf(stderr, "ddp-train: %s\n", err.msg);
+    fprintf(stderr, "ddp-train: %s\n", train_why(st, &err));
     return 2;
   }
   if (t.print_args) {
@@ -461,8 +471,10 @@ int main(int argc, char **argv) {
   if (resume[0] && strcasecmp(resume, "false") != 0) {
     char dir[DDP_TRAIN_STR_MAX];
     if (!strcasecmp(resume, "true") || !strcasecmp(resume, "latest")) {
-      if (ddp_train_latest_checkpoint(t.args.output_dir, dir, sizeof dir, &err) != DDP_OK) {
-        fprintf(stderr, "ddp-train: --resume_from_checkpoint %s: %s\n", resume, err.msg);
+      if ((st = ddp_train_latest_checkpoint(t.args.output_dir, dir, sizeof dir, &err)) !=
+          DDP_OK) {
+        fprintf(stderr, "ddp-train: --resume_from_checkpoint %s: %s\n", resume,
+                train_why(st, &err));
         return 2;
       }
     } else if (!is_dir(resume)) {
@@ -479,20 +491,31 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path, strerror(errno));
       return 2;
     }
-  } else if (!t.text.name_or_path && build_default_model(&t)) {
-    return 1;
+  } else if (!t.text.name_or_path && (rc = build_default_model(&t)) != 0) {
+    return rc;
   }
+  const char *model_desc =
+      t.model_path ? t.model_path : t.text.name_or_path ? t.text.name_or_path : "(default)";
   ddp_model_t *probe = NULL;
   if ((st = train_text_build(&t.text, t.model_json, t.args.seed, &probe, &err)) != DDP_OK) {
-    fprintf(stderr, "ddp-train: --model %s: %s\n",
-            t.model_path ? t.model_path : t.text.name_or_path ? t.text.name_or_path : "(default)",
-            err.msg);
+    fprintf(stderr, "ddp-train: --model %s: %s\n", model_desc, train_why(st, &err));
     return 2;
   }
   if (t.init && (st = ddp_model_load(probe, t.init, true, NULL, NULL, &err)) != DDP_OK) {
-    fprintf(stderr, "ddp-train: --init %s: %s\n", t.init, err.msg);
+    fprintf(stderr, "ddp-train: --init %s: %s\n", t.init, train_why(st, &err));
     ddp_model_destroy(probe);
     return 2;
+  }
+  /* A given model's class labels against its outputs, before any rank starts. */
+  const ddp_sample_spec_t *dsp = ddp_dataset_spec(t.all);
+  if (t.model_path && !t.text.hf && dsp->label_dtype == DDP_I64 && dsp->label_ndim == 0) {
+    int64_t classes = -1, maxl;
+    rc = train_model_outputs(model_desc, t.data, probe, t.all, &classes);
+    if (!rc && classes > 0) rc = train_check_labels(t.data, t.all, classes, &maxl);
+    if (rc) {
+      ddp_model_destroy(probe);
+      return rc;
+    }
   }
   ddp_model_destroy(probe);
   const char *q_path = t.args.power_sgd_init_q;
@@ -501,7 +524,7 @@ int main(int argc, char **argv) {
     if ((st = ddp_st_open(q_path, DDP_ST_READ, &qf, &err)) != DDP_OK ||
         !ddp_st_meta_get(qf, "draws")) {
       fprintf(stderr, "ddp-train: --power_sgd_init_q %s: %s\n", q_path,
-              st != DDP_OK ? err.msg
+              st != DDP_OK ? train_why(st, &err)
                            : "no \"draws\" in the metadata; expected the "
                              "powersgd_q.safetensors that tools/torch_reference.py writes");
       ddp_st_close(qf);
@@ -518,7 +541,8 @@ int main(int argc, char **argv) {
     ddp_pg_t *pg = NULL;
     po.backend = backend;
     if ((st = ddp_pg_create_from_env(&po, &pg, &err)) != DDP_OK) {
-      fprintf(stderr, "ddp-train: process group: %s: %s\n", ddp_status_name(st), err.msg);
+      fprintf(stderr, "ddp-train: process group: %s: %s\n", ddp_status_name(st),
+              train_why(st, &err));
       return 1;
     }
     t.world = ddp_pg_size(pg);
@@ -541,9 +565,18 @@ int main(int argc, char **argv) {
   }
   if (root) {
     if (st != DDP_OK || t.status != DDP_OK) {
+      /* Rank 0's reason; with thread ranks, also the first failing rank's when another. */
+      int first = atomic_load(&t.failed_rank);
       if (t.tty) printf("\n");
-      fprintf(stderr, "ddp-train: training failed: %s: %s\n",
-              ddp_status_name(t.status != DDP_OK ? t.status : st), t.errmsg);
+      if (t.status != DDP_OK) {
+        fprintf(stderr, "ddp-train: training failed: %s: %s\n", ddp_status_name(t.status),
+                t.errmsg);
+      }
+      if (first > 0 || t.status == DDP_OK) {
+        fprintf(stderr, "ddp-train: training failed: rank %d: %s: %s\n", first < 0 ? 0 : first,
+                ddp_status_name(first < 0 ? st : t.failed_status),
+                first < 0 ? ddp_status_str(st) : t.failed_msg);
+      }
     } else {
       summary(&t);
       train_text_summary(&t.text, &t.args, &t.result);

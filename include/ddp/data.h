@@ -81,7 +81,9 @@ DDP_API ddp_status_t ddp_dataset_from_tensors(const ddp_tensor_t *features,
                                               ddp_error_t *err);
 
 /* A safetensors file holding a features tensor [N, ...] and a labels tensor [N, ...]
- * under the given names (NULL means "features" and "labels"). The data are copied. */
+ * under the given names (NULL means "features" and "labels"). The data are copied. A NaN or
+ * an infinity in a floating tensor is DDP_ERR_INVALID_DATA naming the file, the tensor, the
+ * element and its sample. */
 DDP_API ddp_status_t ddp_dataset_from_safetensors(const char *path, const char *feature_name,
                                                   const char *label_name, ddp_dataset_t **out,
                                                   ddp_error_t *err);
@@ -90,8 +92,9 @@ DDP_API ddp_status_t ddp_dataset_from_safetensors(const char *path, const char *
  * (',' when 0). The label column is named by label_column (a header name), and its values
  * become labels of label_dtype: DDP_I64 for classes (must be integers) or DDP_F32 for
  * regression. All other columns are F32 features. Blank lines at the end are ignored; a
- * ragged row, an empty or non-numeric field, or a missing label column is
- * DDP_ERR_INVALID_DATA naming the line and column. */
+ * ragged row, an empty or non-numeric field, NaN, an infinity ("inf", "1e999"), a value
+ * outside float32's range ("1e39"), or a missing label column is DDP_ERR_INVALID_DATA
+ * naming the line and column. */
 typedef struct ddp_csv_options {
   size_t struct_size;
   const char *label_column;

@@ -4,9 +4,11 @@
  * The whole file is read into memory and parsed in two passes: the first counts the data
  * lines and checks every row's width, the second converts the fields, so the result
  * buffers are allocated once at their final size. Lines end in \n or \r\n; fields may be
- * surrounded by spaces; header names may be double-quoted. Every failure names the file,
- * the 1-based line and column, and the offending text. */
+ * surrounded by spaces; header names may be double-quoted. NaN, infinities and values
+ * outside float32's range are refused. Every failure names the file, the 1-based line and
+ * column, and the offending text. */
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,6 +111,15 @@ static ddp_status_t parse_number(span_t f, const char *path, int64_t lineno, int
     errno = 0;
     double v = strtod(tmp, &end);
     if (*end == '\0' && end != tmp && !isnan(v)) {
+      /* Infinities ("inf", or a magnitude past double's range such as 1e999) and values
+       * past float32's range, which every column becomes, would train to NaN. */
+      if (!isfinite(v) || fabs(v) > FLT_MAX) {
+        return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                          "csv %s: line %lld column %lld ('%s'): '%s' is %s", path,
+                          (long long)lineno, (long long)col + 1, colname, tmp,
+                          isfinite(v) ? "outside float32's range (largest 3.4028235e+38)"
+                                      : "not a finite number");
+      }
       *out = v;
       return DDP_OK;
     }

@@ -41,6 +41,12 @@ ddp_status_t ddp__text_csv_parse(const char *path, const char *text, size_t len,
                                  const ddp_text_csv_options_t *opts, ddp_dataset_t **out,
                                  ddp_error_t *err);
 
+/* DDP_ERR_INVALID_DATA at the first NaN or infinity of a floating tensor (F32, F64, F16,
+ * BF16), naming path, the tensor `name`, the element's flat index, its sample (index along
+ * dimension 0) and its full index; other dtypes pass (finite.c). */
+ddp_status_t ddp__data_check_finite(const ddp_tensor_t *t, const char *path, const char *name,
+                                    ddp_error_t *err);
+
 /* The ops of the in-memory source and of the synthetic ones, to recognise them. */
 extern const ddp_dataset_ops_t ddp__synth_regression_ops;
 extern const ddp_dataset_ops_t ddp__synth_mixture_ops;

@@ -277,6 +277,8 @@ ddp_status_t ddp_dataset_from_safetensors(const char *path, const char *feature_
   }
   DDP_CHECK_GOTO(ddp_st_tensor(f, fi, &ft), st, out);
   DDP_CHECK_GOTO(ddp_st_tensor(f, li, &lt), st, out);
+  DDP_CHECK_GOTO(ddp__data_check_finite(&ft, path, feature_name, err), st, out);
+  DDP_CHECK_GOTO(ddp__data_check_finite(&lt, path, label_name, err), st, out);
   st = from_tensors("safetensors", &ft, &lt, path, out, err);
 out:
   ddp_st_close(f);

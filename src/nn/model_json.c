@@ -2,6 +2,7 @@
  * a ddp_model_t with PyTorch's state_dict names. A layer's "name" replaces its position in
  * those names (nn.Sequential(OrderedDict(...))); an "add" layer sums sub-networks. */
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <string.h>
 
 #include "nn/nn_internal.h"
@@ -34,9 +35,58 @@ static ddp_status_t get_int(build_t *b, const cJSON *o, const char *path, const 
   return DDP_OK;
 }
 
-static double get_num(const cJSON *o, const char *key, double def) {
+/* "field \"key\" must be <what>, got <the value as JSON>". */
+static ddp_status_t bad_field(build_t *b, const char *path, const char *key, const char *what,
+                              const cJSON *v) {
+  char *js = cJSON_PrintUnformatted(v);
+  char w[256];
+  snprintf(w, sizeof w, "field \"%s\" must be %s, got %.60s", key, what, js ? js : "?");
+  cJSON_free(js);
+  return bad(b, path, w);
+}
+
+/* An optional boolean field: absent is def; any other JSON type is an error. */
+static ddp_status_t get_bool(build_t *b, const cJSON *o, const char *path, const char *key,
+                             bool def, bool *out) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  return cJSON_IsNumber(v) ? v->valuedouble : def;
+  *out = def;
+  if (!v) return DDP_OK;
+  if (!cJSON_IsBool(v)) return bad_field(b, path, key, "true or false", v);
+  *out = cJSON_IsTrue(v);
+  return DDP_OK;
+}
+
+/* An optional finite number field in [lo, hi] (lo excluded when lo_open): absent is def. */
+static ddp_status_t get_real(build_t *b, const cJSON *o, const char *path, const char *key,
+                             double def, double lo, bool lo_open, double hi, double *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  *out = def;
+  if (!v) return DDP_OK;
+  double x = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+  if (!isfinite(x) || x < lo || (lo_open && x == lo) || x > hi) {
+    char what[96];
+    if (isinf(hi)) {
+      snprintf(what, sizeof what, "a number %s %g", lo_open ? ">" : ">=", lo);
+    } else {
+      snprintf(what, sizeof what, "a number in %s%g, %g]", lo_open ? "(" : "[", lo, hi);
+    }
+    return bad_field(b, path, key, what, v);
+  }
+  *out = x;
+  return DDP_OK;
+}
+
+/* An optional forward-flag bit "flag": an integer 0..63; absent is def. */
+static ddp_status_t get_flag(build_t *b, const cJSON *o, const char *path, int def, int *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "flag");
+  *out = def;
+  if (!v) return DDP_OK;
+  double f = cJSON_IsNumber(v) ? v->valuedouble : -1;
+  if (f < 0 || f > 63 || f != (double)(int)f) {
+    return bad_field(b, path, "flag", "0..63 (an integer)", v);
+  }
+  *out = (int)f;
+  return DDP_OK;
 }
 
 static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
@@ -99,11 +149,7 @@ static ddp_status_t build_add(build_t *b, const cJSON *l, const char *prefix, co
     const cJSON *layers = cJSON_IsObject(one) ? cJSON_GetObjectItemCaseSensitive(one, "layers")
                                               : one;
     int flag = -1;
-    if (cJSON_IsObject(one) && cJSON_GetObjectItemCaseSensitive(one, "flag")) {
-      double f = get_num(one, "flag", -2);
-      if (f < 0 || f > 63 || f != (double)(int)f) return bad(b, path, "\"flag\" must be 0..63");
-      flag = (int)f;
-    }
+    if (cJSON_IsObject(one)) DDP_CHECK(get_flag(b, one, path, -1, &flag));
     int k1 = snprintf(pre, sizeof pre, "%s%s%s", prefix, *prefix ? "." : "", key);
     int k2 = snprintf(pth, sizeof pth, "%s.branches[%d]", path, k);
     if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pre || (size_t)k2 >= sizeof pth)
@@ -133,8 +179,9 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
   if (!strcmp(ty, "linear")) {
     DDP_CHECK(get_int(b, l, path, "in", &a));
     DDP_CHECK(get_int(b, l, path, "out", &c));
-    const cJSON *bias = cJSON_GetObjectItemCaseSensitive(l, "bias");
-    st = ddp_module_linear(b->m, prefix, a, c, bias ? cJSON_IsTrue(bias) : true, b->dt, mod);
+    bool bias;
+    DDP_CHECK(get_bool(b, l, path, "bias", true, &bias));
+    st = ddp_module_linear(b->m, prefix, a, c, bias, b->dt, mod);
   } else if (!strcmp(ty, "relu")) {
     st = ddp_module_activation(b->m, DDP_ACT_RELU, mod);
   } else if (!strcmp(ty, "gelu")) {
@@ -148,14 +195,20 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
   } else if (!strcmp(ty, "sigmoid")) {
     st = ddp_module_activation(b->m, DDP_ACT_SIGMOID, mod);
   } else if (!strcmp(ty, "dropout")) {
-    st = ddp_module_dropout(b->m, get_num(l, "p", 0.5), mod);
+    double p;
+    DDP_CHECK(get_real(b, l, path, "p", 0.5, 0, false, 1, &p));
+    st = ddp_module_dropout(b->m, p, mod);
   } else if (!strcmp(ty, "layernorm")) {
+    double eps;
     DDP_CHECK(get_int(b, l, path, "dim", &a));
-    st = ddp_module_layer_norm(b->m, prefix, a, get_num(l, "eps", 1e-5), b->dt, mod);
+    DDP_CHECK(get_real(b, l, path, "eps", 1e-5, 0, true, INFINITY, &eps));
+    st = ddp_module_layer_norm(b->m, prefix, a, eps, b->dt, mod);
   } else if (!strcmp(ty, "batchnorm")) {
+    double eps, mom;
     DDP_CHECK(get_int(b, l, path, "dim", &a));
-    st = ddp_module_batch_norm(b->m, prefix, a, get_num(l, "eps", 1e-5),
-                               get_num(l, "momentum", 0.1), b->dt, mod);
+    DDP_CHECK(get_real(b, l, path, "eps", 1e-5, 0, true, INFINITY, &eps));
+    DDP_CHECK(get_real(b, l, path, "momentum", 0.1, 0, false, 1, &mom));
+    st = ddp_module_batch_norm(b->m, prefix, a, eps, mom, b->dt, mod);
   } else if (!strcmp(ty, "embedding")) {
     DDP_CHECK(get_int(b, l, path, "num", &a));
     DDP_CHECK(get_int(b, l, path, "dim", &c));
@@ -184,8 +237,8 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
     } else if (!strcmp(ty, "checkpoint")) {
       st = ddp_module_checkpointed(b->m, body, mod);
     } else {
-      double f = get_num(l, "flag", 0);
-      if (f < 0 || f > 63 || f != (double)(int)f) return bad(b, path, "\"flag\" must be 0..63");
+      int f;
+      DDP_CHECK(get_flag(b, l, path, 0, &f));
       st = ddp_module_branch(b->m, body, (unsigned)f, mod);
     }
   } else {
@@ -195,10 +248,14 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
              "add)", ty);
     return bad(b, path, w);
   }
-  if (st != DDP_OK) return ddp__error(b->err, -1, st, "model json: %s: cannot build the layer", path);
+  if (st != DDP_OK) {
+    return ddp__error(b->err, -1, st, "model json: %s: cannot build the layer: %s", path,
+                      ddp_status_str(st));
+  }
   /* "frozen": true turns requires_grad off for the parameters this layer registered. */
-  const cJSON *fz = cJSON_GetObjectItemCaseSensitive(l, "frozen");
-  if (cJSON_IsTrue(fz))
+  bool frozen;
+  DDP_CHECK(get_bool(b, l, path, "frozen", false, &frozen));
+  if (frozen)
     for (size_t i = p0; i < ddp_model_num_params(b->m); i++)
       ddp_model_param(b->m, i)->requires_grad = false;
   return DDP_OK;
@@ -266,7 +323,17 @@ ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_
   DDP_CHECK_GOTO(ddp_model_create(&b.m), st, done);
   ddp_module_t *seq;
   DDP_CHECK_GOTO(build_seq(&b, layers, pre ? pre->valuestring : "", "layers", &seq), st, done);
-  DDP_CHECK_GOTO(ddp_model_finalize(b.m), st, done);
+  if ((st = ddp_model_finalize(b.m)) != DDP_OK) {
+    double bytes = 0; /* values and gradients */
+    for (size_t i = 0; i < ddp_model_num_params(b.m); i++) {
+      const ddp_tensor_t *v = &ddp_model_param(b.m, i)->value;
+      bytes += 2.0 * (double)v->numel * (double)ddp_dtype_size(v->dtype);
+    }
+    st = ddp__error(err, -1, st, "model json: cannot allocate the parameters and their "
+                    "gradients (%zu tensors, %.3g GB): %s", ddp_model_num_params(b.m),
+                    bytes * 1e-9, ddp_status_str(st));
+    goto done;
+  }
   ddp_model_set_root(b.m, seq);
 done:
   cJSON_Delete(root);

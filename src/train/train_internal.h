@@ -107,4 +107,18 @@ int64_t ddp__train_lm_targets(const ddp_tensor_t *labels);
  * into buf, when lm; else "". run_clm's perplexity. */
 const char *ddp__train_lm_perplexity(char *buf, size_t cap, bool lm, double eval_loss);
 
+/* metrics.jsonl (metrics.c), rank 0's. Open: start 0 truncates the file; start S > 0 (a
+ * resume from checkpoint-S) first cuts it to the lines of steps <= S (atomically), then
+ * appends. Line: printf-style, one whole line per write(2), '\n' added; m NULL is a no-op
+ * (the other ranks); a failed write is DDP_ERR_SYSTEM naming the file and errno, and the
+ * file keeps only whole lines. Close: NULL err ignores close's error. */
+typedef struct ddp__metrics ddp__metrics_t;
+ddp_status_t ddp__metrics_open(const char *output_dir, int64_t start, ddp__metrics_t **out,
+                               ddp_error_t *err);
+ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *fmt, ...)
+    DDP_PRINTF(3, 4);
+ddp_status_t ddp__metrics_close(ddp__metrics_t *m, ddp_error_t *err);
+/* JSON numbers cannot be NaN or Inf: "null" for those, else v as %.9g in buf. */
+const char *ddp__metrics_num(char *buf, size_t cap, double v);
+
 #endif /* DDP_TRAIN_INTERNAL_H */

@@ -52,7 +52,7 @@ typedef struct trainer {
   ddp__sync_t *sync;
   char resume_dir[DDP_TRAIN_STR_MAX]; /* the checkpoint being resumed, "" when none */
   ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
-  FILE *metrics;          /* rank 0 */
+  ddp__metrics_t *metrics; /* rank 0 (metrics.c) */
   bool classify;          /* integer class labels: cross-entropy; else MSE */
   ddp_model_task_t task;  /* DDP_TASK_CAUSAL_LM: ddp_causal_lm_loss (lm.c) */
   ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
@@ -154,14 +154,22 @@ static ddp_status_t seek_loader(trainer_t *t, int64_t epoch, int64_t pos) {
   return DDP_OK;
 }
 
+/* An op's failure with the message it left on the context. */
+static ddp_status_t op_error(trainer_t *t, ddp_status_t st, const char *what) {
+  if (st == DDP_OK) return st;
+  return ddp__error(t->err, t->rank, st, "trainer: %s: %s", what, ddp_ctx_last_error(t->ctx)->msg);
+}
+
 /* loss = CE(logits, labels) or MSE(out, labels reshaped to out's shape). */
 static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t *b,
                                  ddp_var_t **loss) {
   ddp_var_t *y;
-  if (t->task == DDP_TASK_CAUSAL_LM) return ddp__train_lm_loss(t->ctx, out, &b->labels, loss);
+  if (t->task == DDP_TASK_CAUSAL_LM) {
+    return op_error(t, ddp__train_lm_loss(t->ctx, out, &b->labels, loss), "loss");
+  }
   if (t->classify) {
     DDP_CHECK(ddp_var_new(t->ctx, DDP_I64, 1, &b->size, b->labels.data, false, &y));
-    return ddp_cross_entropy(t->ctx, out, y, -100, loss);
+    return op_error(t, ddp_cross_entropy(t->ctx, out, y, -100, loss), "loss");
   }
   if (b->labels.numel != out->value.numel) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
@@ -176,7 +184,7 @@ static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t
   }
   ddp_tensor_free(&lab);
   DDP_CHECK(st);
-  return ddp_mse_loss(t->ctx, out, y, loss);
+  return op_error(t, ddp_mse_loss(t->ctx, out, y, loss), "loss");
 }
 
 static ddp_status_t forward(trainer_t *t, const ddp_batch_t *b, ddp_var_t **out) {
@@ -274,24 +282,6 @@ static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
   *loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
   *acc = t->classify && sums[2] > 0 ? sums[1] / sums[2] : NAN;
   return DDP_OK;
-}
-
-static void metrics_line(trainer_t *t, const char *fmt, ...) DDP_PRINTF(2, 3);
-static void metrics_line(trainer_t *t, const char *fmt, ...) {
-  if (!t->metrics) return;
-  va_list ap;
-  va_start(ap, fmt);
-  vfprintf(t->metrics, fmt, ap);
-  va_end(ap);
-  fputc('\n', t->metrics);
-  fflush(t->metrics);
-}
-
-/* JSON numbers cannot be NaN or Inf; those become null. */
-static const char *num(char *buf, size_t cap, double v) {
-  if (!isfinite(v)) return "null";
-  snprintf(buf, cap, "%.9g", v);
-  return buf;
 }
 
 static ddp_status_t setup(trainer_t *t) {
@@ -537,7 +527,8 @@ static ddp_status_t save(trainer_t *t, int64_t step, int64_t pause, ddp_train_re
   }
   if (t->rank == 0) {
     snprintf(res->last_checkpoint, sizeof res->last_checkpoint, "%s", dir);
-    metrics_line(t, "{\"step\": %lld, \"checkpoint\": \"%s\"}", (long long)step, dir);
+    DDP_CHECK(ddp__metrics_line(t->metrics, t->err, "{\"step\": %lld, \"checkpoint\": \"%s\"}",
+                                (long long)step, dir));
     if (t->ev) {
       ddp_train_event_t e = {.kind = DDP_TRAIN_EV_SAVE, .step = step, .max_steps = t->max_steps,
                              .epoch = (double)step / (double)t->steps_per_epoch,
@@ -675,6 +666,9 @@ static ddp_status_t dump_check(trainer_t *t, ddp_status_t st) {
                     t->dump ? ddp_dump_last_error(t->dump) : "");
 }
 
+/* A metrics.jsonl number (null when not finite) in the loop's scratch buffer nb[i]. */
+#define NUM(i, v) ddp__metrics_num(nb[i], sizeof nb[i], (v))
+
 static bool every(int64_t step, int64_t n) { return n > 0 && step % n == 0; }
 
 /* HF's *_steps: a value below 1 is that fraction of the training steps, rounded up. */
@@ -736,14 +730,8 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   }
 
   if (t->rank == 0) {
-    char path[DDP_TRAIN_STR_MAX + 32];
     DDP_CHECK_GOTO(ddp__train_mkdirs(a->output_dir, t->err), st, out);
-    snprintf(path, sizeof path, "%s/metrics.jsonl", a->output_dir);
-    t->metrics = fopen(path, start > 0 ? "a" : "w");
-    if (!t->metrics) {
-      st = ddp__error(t->err, t->rank, DDP_ERR_SYSTEM, "trainer: open %s: %m", path);
-      goto out;
-    }
+    DDP_CHECK_GOTO(ddp__metrics_open(a->output_dir, start, &t->metrics, t->err), st, out);
   }
 
   const int64_t log_every = interval(a->logging_steps, t->max_steps);
@@ -848,18 +836,19 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       ddp__sync_comm_stats(t->sync, &comm_bytes, &comm_rate);
       DDP_CHECK_GOTO(ddp__train_replica_check(pg, model, done, &h, t->err), st, out);
       result->replica_checks++;
-      metrics_line(t,
+      st = ddp__metrics_line(t->metrics, t->err,
                    "{\"step\": %lld, \"epoch\": %.4f, \"loss\": %s, \"grad_norm\": %s, \"lr\": "
                    "%s, \"step_time_ms\": %s, \"comm_time_ms\": %s, \"overlap_ms\": %.4f, "
                    "\"comm_bytes\": %lld, \"compression_rate\": %.4f, "
                    "\"samples_per_s\": %s, \"param_hash\": \"%016llx\"}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
-                   num(nb[0], 32, mean_loss), num(nb[1], 32, gnorm), num(nb[2], 32, lr),
-                   num(nb[3], 32, win_time / (double)win_n * 1e3),
-                   num(nb[4], 32, win_comm / (double)win_n * 1e3),
+                   NUM(0, mean_loss), NUM(1, gnorm), NUM(2, lr),
+                   NUM(3, win_time / (double)win_n * 1e3),
+                   NUM(4, win_comm / (double)win_n * 1e3),
                    ddp__sync_overlap_ns(t->sync) * 1e-6, (long long)comm_bytes, comm_rate,
-                   num(nb[5], 32, sps),
+                   NUM(5, sps),
                    (unsigned long long)h);
+      if (st != DDP_OK) goto out;
       if (t->ev) {
         ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG, .step = done, .max_steps = t->max_steps,
                                .epoch = (double)done / (double)t->steps_per_epoch,
@@ -877,11 +866,12 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
       DDP_CHECK_GOTO(evaluate(t, &el, &ea), st, out);
       result->eval_loss = el;
       result->eval_accuracy = ea;
-      metrics_line(t,
+      st = ddp__metrics_line(t->metrics, t->err,
                    "{\"step\": %lld, \"epoch\": %.4f, \"eval_loss\": %s, \"eval_accuracy\": %s%s}",
                    (long long)done, (double)done / (double)t->steps_per_epoch,
-                   num(nb[0], 32, el), num(nb[1], 32, ea),
+                   NUM(0, el), NUM(1, ea),
                    ddp__train_lm_perplexity(nb[2], 32, t->task == DDP_TASK_CAUSAL_LM, el));
+      if (st != DDP_OK) goto out;
       if (t->ev) {
         ddp_train_event_t e = {.kind = DDP_TRAIN_EV_EVAL, .step = done,
                                .max_steps = t->max_steps,
@@ -911,21 +901,22 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
                  st, out);
   result->replica_checks++;
   if (t->metrics) {
-    metrics_line(t,
+    st = ddp__metrics_line(t->metrics, t->err,
                  "{\"summary\": true, \"steps\": %lld, \"start_step\": %lld, \"world_size\": %d, "
                  "\"first_loss\": %s, \"last_loss\": %s, \"eval_loss\": %s, \"eval_accuracy\": "
                  "%s, \"seconds\": %.3f, \"samples_per_s\": %.1f, \"comm_seconds\": %.3f, "
                  "\"replica_checks\": %d, \"param_hash\": \"%016llx\", \"sync\": \"%s\"%s}",
                  (long long)result->steps, (long long)start, t->world,
-                 num(nb[0], 32, result->first_loss), num(nb[1], 32, result->last_loss),
-                 num(nb[2], 32, result->eval_loss), num(nb[3], 32, result->eval_accuracy),
+                 NUM(0, result->first_loss), NUM(1, result->last_loss),
+                 NUM(2, result->eval_loss), NUM(3, result->eval_accuracy),
                  result->seconds, result->samples_per_s, result->comm_seconds,
                  result->replica_checks, (unsigned long long)result->param_hash,
                  ddp__sync_name(t->sync),
                  ddp__train_lm_perplexity(nb[4], 32, t->task == DDP_TASK_CAUSAL_LM,
                                           result->eval_loss));
-    fclose(t->metrics);
+    if (st == DDP_OK) st = ddp__metrics_close(t->metrics, t->err);
     t->metrics = NULL;
+    if (st != DDP_OK) goto out;
     char mp[DDP_TRAIN_STR_MAX + 32], sp[DDP_TRAIN_STR_MAX + 32];
     snprintf(mp, sizeof mp, "%s/metrics.jsonl", a->output_dir);
     snprintf(sp, sizeof sp, "%s/loss.svg", a->output_dir);
@@ -933,7 +924,7 @@ ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *tr
   }
 
 out:
-  if (t->metrics) fclose(t->metrics);
+  ddp__metrics_close(t->metrics, NULL);
   ddp_dump_close(t->dump);
   ddp__sync_destroy(t->sync);
   ddp__train_q_close(t->init_q);
