@@ -12,8 +12,12 @@
  *    fast with REMOTE (threads, shm, tcp).
  *  - a tcp peer presenting the wrong job token is refused.
  *  - DDP_SOCKET_IFNAME / GLOO_SOCKET_IFNAME naming no interface fails create at once.
- *  - no /dev/shm entries and no file descriptors are left behind. */
+ *  - no /dev/shm entries and no file descriptors are left behind: the leak checks count only
+ *    the segments this test's groups made (by the creator's pid in the name), so another
+ *    job's segments (one is made on purpose during the checks) never change the verdict. */
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -100,9 +104,13 @@ static ddp_store_t *memory_store(void) {
   return s;
 }
 
-static int count_shm_entries(void) {
+/* The /dev/shm entries of segments that a group whose rank 0 ran in process `pid` created
+ * (the shm backend names them /ddp-<uid>-<pid of rank 0>-<random>). Only these: other jobs
+ * of the same user (a second copy of the suite) create and remove their own entries at any
+ * time. */
+static int count_shm_entries(int pid) {
   char prefix[64];
-  snprintf(prefix, sizeof prefix, "ddp-%u-", (unsigned)getuid());
+  snprintf(prefix, sizeof prefix, "ddp-%u-%d-", (unsigned)getuid(), pid);
   DIR *d = opendir("/dev/shm");
   if (!d) return 0;
   int n = 0;
@@ -126,6 +134,7 @@ static int count_fds(void) {
 typedef struct report {
   int64_t t_fail;
   int64_t t_issue;
+  int64_t pid; /* the rank's process (rank 0's names the shm segment) */
 } report_t;
 
 /* Allreduce in a loop until something fails (or 15 s pass). */
@@ -138,7 +147,7 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   size_t n = 65539;
   float *buf = ddp_pg_alloc(pg, n * sizeof(float));
   for (size_t i = 0; i < n; i++) buf[i] = 1.0f;
-  report_t rep = {0, 0};
+  report_t rep = {0, 0, (int64_t)getpid()};
   int64_t end = ddp_now_ns() + 15000000000LL;
   while (ddp_now_ns() < end) {
     ddp_work_t *w = NULL;
@@ -161,9 +170,20 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   return st;
 }
 
+/* Another job of the same user (a second copy of the suite) making a segment while this test
+ * runs: the leak checks must not count it. Returns its name for foreign_shm_remove. */
+static void foreign_shm_create(char *name, size_t cap) {
+  snprintf(name, cap, "/ddp-%u-%d-0000000000foreign", (unsigned)getuid(), (int)getppid());
+  int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+  assert_true(fd >= 0);
+  close(fd);
+}
+
 static void test_kill9_mid_allreduce(void **state) {
   static const char *backends[] = {"shm", "tcp"};
-  int shm_before = count_shm_entries();
+  char foreign[96];
+  foreign_shm_create(foreign, sizeof foreign);
+  int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
     fcfg_t cfg = {backends[b], DDP_TEST_FORK, 20000, 0, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -188,10 +208,16 @@ static void test_kill9_mid_allreduce(void **state) {
       double ms = (double)(rep.t_fail - kill_at) / 1e6;
       print_message("%s rank %d noticed the death %.1f ms after the kill\n", backends[b], r, ms);
       assert_true(ms > 0 && ms < 1000);
+      if (b == 0 && r == 0) shm_pid = (int)rep.pid;
     }
     ddp_test_results_free(res);
   }
-  assert_int_equal(count_shm_entries(), shm_before);
+  int left = count_shm_entries(shm_pid);
+  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
+                shm_pid, left);
+  assert_true(shm_pid > 0);
+  assert_int_equal(left, 0);
+  shm_unlink(foreign);
 }
 
 static void test_sigstop_times_out(void **state) {
@@ -234,7 +260,9 @@ static int late_rank(ddp_test_rank_t *tr, void *arg) {
   int64_t t = ddp_now_ns();
   ddp_status_t st = make_pg(tr, cfg, &store, &pg, &err);
   double ms = (double)(ddp_now_ns() - t) / 1e6;
+  int64_t pid = getpid();
   ddp_test_put(tr, &ms, sizeof ms);
+  ddp_test_put(tr, &pid, sizeof pid);
   ddp_test_say(tr, "%s", err.msg);
   ddp_pg_destroy(pg);
   ddp_store_destroy(store);
@@ -243,7 +271,9 @@ static int late_rank(ddp_test_rank_t *tr, void *arg) {
 
 static void test_rank_never_joins(void **state) {
   static const char *backends[] = {"shm", "tcp"};
-  int shm_before = count_shm_entries();
+  char foreign[96];
+  foreign_shm_create(foreign, sizeof foreign);
+  int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
     fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -257,12 +287,21 @@ static void test_rank_never_joins(void **state) {
       assert_int_equal(x->status, DDP_ERR_TIMEOUT);
       assert_non_null(strstr(x->msg, "2"));
       double ms;
+      int64_t pid;
+      assert_int_equal(x->nvalues, sizeof ms + sizeof pid);
       memcpy(&ms, x->values, sizeof ms);
+      memcpy(&pid, x->values + sizeof ms, sizeof pid);
       assert_true(ms >= 1900 && ms <= 2600);
+      if (b == 0 && r == 0) shm_pid = (int)pid;
     }
     ddp_test_results_free(res);
   }
-  assert_int_equal(count_shm_entries(), shm_before);
+  int left = count_shm_entries(shm_pid);
+  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
+                shm_pid, left);
+  assert_true(shm_pid > 0);
+  assert_int_equal(left, 0);
+  shm_unlink(foreign);
 }
 
 /* variant 0: rank 1 uses count 1001; 1: rank 2 uses MAX; 2: p2p sizes differ; 3: rank 1
