@@ -62,6 +62,9 @@
  * round trip on the 2-vCPU development host (more when the ranks run on separate CPUs).
  * Yielding, unlike a bare busy poll, hands the CPU to a runnable peer on the same CPU. */
 #define YIELD_NS (50 * 1000)
+/* How long a rank that read an end-of-file without an urgent byte waits for the other
+ * connections to show who failed first (blame_of). */
+#define BLAME_GRACE_MS 200
 
 typedef struct hello {
   uint32_t magic;
@@ -492,21 +495,38 @@ static int urgent_blame(tcp_state_t *s, int peer) {
 }
 
 /* After end-of-file from `peer`: the rank that failed first. Its own urgent byte names it
- * when still readable. Otherwise the other connections already closed decide, since this
- * rank has not read them to their end: one carrying an urgent byte belongs to a rank that
- * failed because of the rank it names; one closed without any belongs to a rank that
- * exited (a dead rank's kernel closes its connections at once, before any survivor can
- * react). With neither, `peer` itself is blamed. */
+ * when still readable. Otherwise the other connections that close decide, since this rank
+ * has not read them to their end: one carrying an urgent byte belongs to a rank that failed
+ * because of the rank it names; one closed without any belongs to a rank that exited. A
+ * killed process closes its sockets one by one after its memory is torn down, so a
+ * neighbour that saw one of them close may fail (and close its own) before the dead rank's
+ * connection here shows its end: the other connections get up to BLAME_GRACE_MS to close.
+ * With none closing, `peer` itself is blamed. */
 static int blame_of(tcp_state_t *s, int peer) {
-  int b = urgent_blame(s, peer), dead = -1;
-  for (int j = 0; j < s->size && b < 0; j++) {
-    if (j == s->rank || j == peer || s->fds[j] < 0) continue;
-    struct pollfd p = {s->fds[j], POLLRDHUP, 0};
-    if (poll(&p, 1, 0) != 1 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
-    b = urgent_blame(s, j);
-    if (b < 0 && dead < 0) dead = j;
+  int b = urgent_blame(s, peer);
+  if (b >= 0) return b;
+  struct pollfd p[DDP_PG_MAX_WORLD];
+  int idx[DDP_PG_MAX_WORLD], n = 0;
+  for (int j = 0; j < s->size; j++)
+    if (j != s->rank && j != peer && s->fds[j] >= 0) {
+      p[n] = (struct pollfd){s->fds[j], POLLRDHUP, 0};
+      idx[n++] = j;
+    }
+  int64_t end = ddp_deadline_after_ms(BLAME_GRACE_MS);
+  for (int dead = -1; n > 0;) {
+    int ms = ddp_ms_until(end);
+    if (poll(p, (nfds_t)n, DDP_MAX(ms, 0)) > 0)
+      for (int i = 0; i < n; i++) {
+        if (!(p[i].revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+        b = urgent_blame(s, idx[i]);
+        if (b >= 0) return b;
+        if (dead < 0) dead = idx[i];
+        p[i].events = 0; /* seen */
+      }
+    if (dead >= 0) return dead;
+    if (ms <= 0) break;
   }
-  return b >= 0 ? b : dead >= 0 ? dead : peer;
+  return peer;
 }
 
 /* The REMOTE error for end-of-file from `peer` after done of bytes (probe: a zero-byte
