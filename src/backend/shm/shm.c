@@ -70,11 +70,12 @@ typedef struct shm_state {
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 /* Default per-rank heap: the host's physical memory (it is only address space until blocks
- * are handed out), at least 256 MiB. */
-static size_t default_heap(void) {
+ * are handed out), at least 256 MiB, and at most 32 TiB over all W ranks (a quarter of
+ * x86-64's user address space, so the mapping always fits). */
+static size_t default_heap(int W) {
   long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
   size_t phys = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
-  return DDP_MAX(phys, (size_t)256 << 20);
+  return DDP_MIN(DDP_MAX(phys, (size_t)256 << 20), ((size_t)1 << 45) / (size_t)W);
 }
 
 /* Bytes free in /dev/shm for this user, or -1 when statvfs fails. */
@@ -172,7 +173,7 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
   }
   for (int j = 0; j < W; j++) s->pidfds[j] = -1;
   size_t ctl = round_up(in->ctl_bytes, PAGE), stg = round_up(in->staging_bytes, PAGE);
-  size_t heap = round_up(in->heap_bytes ? in->heap_bytes : default_heap(), PAGE);
+  size_t heap = round_up(in->heap_bytes ? in->heap_bytes : default_heap(W), PAGE);
   s->total = ctl + (size_t)W * stg + (size_t)W * heap;
 
   if (rank == 0) {
