@@ -84,6 +84,19 @@ DDP_API void ddp_pg_set_desync_check(ddp_pg_t *pg, bool on);
  * blocked waits return, peers are told (they see DDP_ERR_REMOTE quickly). Idempotent. */
 DDP_API void ddp_pg_abort(ddp_pg_t *pg);
 
+/* Fault injection (docs/errors.md, "Fault injection"; ddp_train calls it for DDP_FAULT's
+ * step=S faults, the group itself for collective=K ones). Runs f->kind now on this rank,
+ * from the thread that issues the group's collectives, after logging "fault injection: KIND
+ * on rank R at WHERE (t=... s, CLOCK_MONOTONIC)": CRASH kills this process with SIGKILL, or
+ * on the threads backend aborts the group and returns DDP_ERR_ABORTED; HANG returns
+ * DDP_ERR_ABORTED (after aborting the group) once the group has failed or the timeout plus
+ * 1 s has passed; SLOW sleeps f->slow_ms; WRONG_SHAPE arms the next collective with a
+ * count > 0 to run with count - 1 (DESYNC on every rank); CORRUPT_BUCKET arms the next
+ * floating-point allreduce to have bits of its input flipped. Other kinds are
+ * DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
+                                         ddp_error_t *err);
+
 DDP_API int ddp_pg_rank(const ddp_pg_t *pg);
 DDP_API int ddp_pg_size(const ddp_pg_t *pg);
 DDP_API const char *ddp_pg_backend_name(const ddp_pg_t *pg);

@@ -20,6 +20,7 @@
 #include "algo/algo.h"
 #include "backend/backends.h"
 #include "ddp/pg.h"
+#include "pg/fault.h"
 
 #define PG_MAGIC 0x70677270u
 #define WORK_MAGIC 0x776f726bu
@@ -69,6 +70,7 @@ struct ddp_pg {
   uint64_t *p2p_send_seq;  /* per peer */
   uint64_t *p2p_recv_seq;
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
+  ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
 };
 
 static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_error_t *err) {
@@ -280,6 +282,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
     goto fail;
   }
+  if ((st = ddp__pg_fault_init(&pg->fault, rank, err)) != DDP_OK) goto fail;
 
   /* shm staging: the segment size when the caller set one (tests reach the chunked path
    * with small messages), else 4 MiB per rank. */
@@ -446,11 +449,36 @@ static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, .
   return st;
 }
 
+/* Fault injection (fault.h): the sequence number the collective will get, then the hook. */
+static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
+  pthread_mutex_lock(&pg->mu);
+  int64_t seq = c->kind == DDP__SEND || c->kind == DDP__RECV ? -1 : (int64_t)pg->seq;
+  pthread_mutex_unlock(&pg->mu);
+  ddp_error_t fe = {DDP_OK, ""};
+  ddp_status_t st = ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, &fe);
+  if (st != DDP_OK) {
+    pthread_mutex_lock(&pg->mu);
+    ddp__error_quiet(&pg->arg_err, st, "%s", fe.msg);
+    pthread_mutex_unlock(&pg->mu);
+  }
+  return st;
+}
+
+ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
+                                 ddp_error_t *err) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && f && where);
+  return ddp__pg_fault_fire(pg, &pg->fault, f, where, pg->timeout_ms, err);
+}
+
 /* Checks what every kind shares, stamps the fingerprint and queues. */
 static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
   *out = NULL;
   const char *what = ddp__kind_name(c->kind);
+  if (pg->fault.spec.kind || pg->fault.shape_armed || pg->fault.corrupt_armed) {
+    ddp_status_t fs = fault_hook(pg, c);
+    if (fs != DDP_OK) return fs;
+  }
   if (c->kind != DDP__BARRIER) {
     if (!dtype_ok(c->dt))
       return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);
