@@ -12,8 +12,12 @@
  *    fast with REMOTE (threads, shm, tcp).
  *  - a tcp peer presenting the wrong job token is refused.
  *  - DDP_SOCKET_IFNAME / GLOO_SOCKET_IFNAME naming no interface fails create at once.
- *  - no /dev/shm entries and no file descriptors are left behind. */
+ *  - no /dev/shm entries and no file descriptors are left behind: the leak checks count only
+ *    the segments this test's groups made (by the creator's pid in the name), so another
+ *    job's segments (one is made on purpose during the checks) never change the verdict. */
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -23,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -99,9 +104,13 @@ static ddp_store_t *memory_store(void) {
   return s;
 }
 
-static int count_shm_entries(void) {
+/* The /dev/shm entries of segments that a group whose rank 0 ran in process `pid` created
+ * (the shm backend names them /ddp-<uid>-<pid of rank 0>-<random>). Only these: other jobs
+ * of the same user (a second copy of the suite) create and remove their own entries at any
+ * time. */
+static int count_shm_entries(int pid) {
   char prefix[64];
-  snprintf(prefix, sizeof prefix, "ddp-%u-", (unsigned)getuid());
+  snprintf(prefix, sizeof prefix, "ddp-%u-%d-", (unsigned)getuid(), pid);
   DIR *d = opendir("/dev/shm");
   if (!d) return 0;
   int n = 0;
@@ -125,6 +134,7 @@ static int count_fds(void) {
 typedef struct report {
   int64_t t_fail;
   int64_t t_issue;
+  int64_t pid; /* the rank's process (rank 0's names the shm segment) */
 } report_t;
 
 /* Allreduce in a loop until something fails (or 15 s pass). */
@@ -137,7 +147,7 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   size_t n = 65539;
   float *buf = ddp_pg_alloc(pg, n * sizeof(float));
   for (size_t i = 0; i < n; i++) buf[i] = 1.0f;
-  report_t rep = {0, 0};
+  report_t rep = {0, 0, (int64_t)getpid()};
   int64_t end = ddp_now_ns() + 15000000000LL;
   while (ddp_now_ns() < end) {
     ddp_work_t *w = NULL;
@@ -160,9 +170,20 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   return st;
 }
 
+/* Another job of the same user (a second copy of the suite) making a segment while this test
+ * runs: the leak checks must not count it. Returns its name for foreign_shm_remove. */
+static void foreign_shm_create(char *name, size_t cap) {
+  snprintf(name, cap, "/ddp-%u-%d-0000000000foreign", (unsigned)getuid(), (int)getppid());
+  int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+  assert_true(fd >= 0);
+  close(fd);
+}
+
 static void test_kill9_mid_allreduce(void **state) {
   static const char *backends[] = {"shm", "tcp"};
-  int shm_before = count_shm_entries();
+  char foreign[96];
+  foreign_shm_create(foreign, sizeof foreign);
+  int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
     fcfg_t cfg = {backends[b], DDP_TEST_FORK, 20000, 0, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -187,10 +208,16 @@ static void test_kill9_mid_allreduce(void **state) {
       double ms = (double)(rep.t_fail - kill_at) / 1e6;
       print_message("%s rank %d noticed the death %.1f ms after the kill\n", backends[b], r, ms);
       assert_true(ms > 0 && ms < 1000);
+      if (b == 0 && r == 0) shm_pid = (int)rep.pid;
     }
     ddp_test_results_free(res);
   }
-  assert_int_equal(count_shm_entries(), shm_before);
+  int left = count_shm_entries(shm_pid);
+  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
+                shm_pid, left);
+  assert_true(shm_pid > 0);
+  assert_int_equal(left, 0);
+  shm_unlink(foreign);
 }
 
 static void test_sigstop_times_out(void **state) {
@@ -233,7 +260,9 @@ static int late_rank(ddp_test_rank_t *tr, void *arg) {
   int64_t t = ddp_now_ns();
   ddp_status_t st = make_pg(tr, cfg, &store, &pg, &err);
   double ms = (double)(ddp_now_ns() - t) / 1e6;
+  int64_t pid = getpid();
   ddp_test_put(tr, &ms, sizeof ms);
+  ddp_test_put(tr, &pid, sizeof pid);
   ddp_test_say(tr, "%s", err.msg);
   ddp_pg_destroy(pg);
   ddp_store_destroy(store);
@@ -242,7 +271,9 @@ static int late_rank(ddp_test_rank_t *tr, void *arg) {
 
 static void test_rank_never_joins(void **state) {
   static const char *backends[] = {"shm", "tcp"};
-  int shm_before = count_shm_entries();
+  char foreign[96];
+  foreign_shm_create(foreign, sizeof foreign);
+  int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
     fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -256,12 +287,21 @@ static void test_rank_never_joins(void **state) {
       assert_int_equal(x->status, DDP_ERR_TIMEOUT);
       assert_non_null(strstr(x->msg, "2"));
       double ms;
+      int64_t pid;
+      assert_int_equal(x->nvalues, sizeof ms + sizeof pid);
       memcpy(&ms, x->values, sizeof ms);
+      memcpy(&pid, x->values + sizeof ms, sizeof pid);
       assert_true(ms >= 1900 && ms <= 2600);
+      if (b == 0 && r == 0) shm_pid = (int)pid;
     }
     ddp_test_results_free(res);
   }
-  assert_int_equal(count_shm_entries(), shm_before);
+  int left = count_shm_entries(shm_pid);
+  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
+                shm_pid, left);
+  assert_true(shm_pid > 0);
+  assert_int_equal(left, 0);
+  shm_unlink(foreign);
 }
 
 /* variant 0: rank 1 uses count 1001; 1: rank 2 uses MAX; 2: p2p sizes differ; 3: rank 1
@@ -417,6 +457,202 @@ static void test_abort_unblocks(void **state) {
   }
 }
 
+/* ---- a rank that fails or leaves alone ends the group at once (issue 15) ---- */
+
+#define SPAWN_WORLD 4
+typedef struct spawn_fail {
+  int fail_rank;
+  ddp_status_t st[SPAWN_WORLD];
+  double ms[SPAWN_WORLD];
+  char msg[SPAWN_WORLD][DDP_ERROR_MSG_MAX];
+} spawn_fail_t;
+
+/* ddp_spawn_threads rank function: fail_rank returns an error at once (a local failure, as
+ * a bad label in its shard), the others run an allreduce that needs it. */
+static ddp_status_t failing_rank_fn(ddp_pg_t *pg, void *arg) {
+  spawn_fail_t *a = arg;
+  int r = ddp_pg_rank(pg);
+  if (r == a->fail_rank) return DDP_ERR_INVALID_DATA;
+  float buf[64] = {0};
+  int64_t t = ddp_now_ns();
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, 64, DDP_F32, DDP_SUM, &w);
+  if (st == DDP_OK) {
+    st = ddp_work_wait(w, -1);
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", ddp_work_error(w));
+    ddp_work_free(w);
+  } else {
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", ddp_pg_last_error(pg));
+  }
+  a->ms[r] = (double)(ddp_now_ns() - t) / 1e6;
+  a->st[r] = st;
+  return st;
+}
+
+/* ddp_spawn_threads: rank 2's function fails before its first collective; the other three
+ * wait in an allreduce with a 5 s timeout. They must fail within 1 s with REMOTE naming
+ * rank 2 (before: TIMEOUT after 5 s). */
+static void test_spawn_threads_failed_rank_aborts(void **state) {
+  spawn_fail_t a = {.fail_rank = 2};
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.timeout_ms = 5000;
+  ddp_status_t st = ddp_spawn_threads(SPAWN_WORLD, &o, failing_rank_fn, &a);
+  print_message("ddp_spawn_threads returned %s\n", ddp_status_name(st));
+  assert_int_not_equal(st, DDP_OK);
+  for (int r = 0; r < SPAWN_WORLD; r++) {
+    if (r == a.fail_rank) continue;
+    print_message("rank %d: %s after %.1f ms (bound 1000 ms): %s\n", r,
+                  ddp_status_name(a.st[r]), a.ms[r], a.msg[r]);
+    assert_int_equal(a.st[r], DDP_ERR_REMOTE);
+    assert_non_null(strstr(a.msg[r], "rank 2 aborted the group"));
+    assert_true(a.ms[r] < 1000);
+  }
+}
+
+/* Rank 1 destroys its group without joining the allreduce rank 0 waits in (a rank that
+ * left): rank 0 fails within 1 s with REMOTE naming rank 1, on every backend (before, on
+ * threads and shm, rank 0 waited for its 5 s timeout: a rank's ddp_pg_destroy was
+ * invisible to peers in the same process). */
+static int leaving_rank(ddp_test_rank_t *tr, void *arg) {
+  const fcfg_t *cfg = arg;
+  ddp_store_t *store;
+  ddp_pg_t *pg;
+  ddp_status_t st = open_pg(tr, cfg, &store, &pg);
+  if (st != DDP_OK) return st;
+  double ms = 0;
+  if (ddp_test_rank(tr) == 0) {
+    float buf[100] = {0};
+    int64_t t = ddp_now_ns();
+    st = allreduce_wait(tr, pg, buf, 100);
+    ms = (double)(ddp_now_ns() - t) / 1e6;
+  }
+  ddp_test_put(tr, &ms, sizeof ms);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static void test_left_rank_fails_peers(void **state) {
+  static const char *backends[] = {"threads", "shm", "tcp"};
+  for (int b = 0; b < 3; b++) {
+    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 5000, 0, memory_store(), NULL};
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = 2;
+    o.mode = DDP_TEST_THREADS;
+    o.timeout_ms = 15000;
+    ddp_test_results_t *res = ddp_test_spawn(&o, leaving_rank, &cfg);
+    const ddp_test_result_t *x0 = ddp_test_result(res, 0);
+    double ms0;
+    assert_int_equal(x0->nvalues, sizeof ms0);
+    memcpy(&ms0, x0->values, sizeof ms0);
+    print_message("%s rank 0: %s after %.1f ms (bound 1000 ms): %s\n", backends[b],
+                  ddp_status_name(x0->status), ms0, x0->msg);
+    assert_int_equal(x0->status, DDP_ERR_REMOTE);
+    assert_non_null(strstr(x0->msg, "rank 1"));
+    assert_true(ms0 < 1000);
+    assert_int_equal(ddp_test_result(res, 1)->status, DDP_OK);
+    ddp_test_results_free(res);
+    ddp_store_destroy(cfg.store);
+  }
+}
+
+/* Runs build/tools/ddp-train with argv (NULL-terminated), output (stdout + stderr) into
+ * out; returns the exit status (-1 killed) and the wall time in *ms. */
+static int run_ddp_train(const char *const *argv, char *out, size_t cap, double *ms) {
+  const char *build = getenv("DDP_BUILD_ROOT");
+  assert_non_null(build);
+  char exe[4096], log[64];
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  snprintf(log, sizeof log, "/tmp/ddp-test-pgf-%d.log", (int)getpid());
+  int64_t t = ddp_now_ns();
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    if (!freopen(log, "w", stdout) || dup2(fileno(stdout), 2) < 0) _exit(125);
+    const char *args[64] = {exe};
+    int n = 1;
+    for (; argv[n - 1] && n < 63; n++) args[n] = argv[n - 1];
+    args[n] = NULL;
+    execv(exe, (char *const *)args);
+    _exit(127);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  *ms = (double)(ddp_now_ns() - t) / 1e6;
+  FILE *f = fopen(log, "r");
+  size_t n = f ? fread(out, 1, cap - 1, f) : 0;
+  out[n] = '\0';
+  if (f) fclose(f);
+  unlink(log);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* ddp-train --threads: one rank's local failure ends every thread rank at once, naming the
+ * failing rank, instead of at --ddp_timeout (20 s here; the default is 1800 s):
+ *  - a label out of range (7 with 3 classes) in row 5 of the data, which the seeded
+ *    sampler puts in rank 2's shard: the peers quote "rank 2 aborted the group";
+ *  - an output directory under a regular file, which only rank 0 tries to create. */
+static void test_ddp_train_threads_local_failure(void **state) {
+  char dir[] = "/tmp/ddp-test-pgf-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char model[128], data[128], file[128], outdir[160], bad_out[160];
+  snprintf(model, sizeof model, "%s/model.json", dir);
+  snprintf(data, sizeof data, "%s/data.csv", dir);
+  snprintf(file, sizeof file, "%s/plain-file", dir);
+  snprintf(outdir, sizeof outdir, "%s/out", dir);
+  snprintf(bad_out, sizeof bad_out, "%s/plain-file/out", dir);
+  FILE *f = fopen(model, "w");
+  assert_non_null(f);
+  fputs("{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 3}]}\n", f);
+  fclose(f);
+  f = fopen(data, "w");
+  assert_non_null(f);
+  fputs("a,b,c,d,label\n", f);
+  for (int i = 0; i < 64; i++)
+    fprintf(f, "%d,%d,%d,%d,%d\n", i % 5, i % 7, i % 3, i % 2, i == 5 ? 7 : i % 3);
+  fclose(f);
+  f = fopen(file, "w");
+  assert_non_null(f);
+  fclose(f);
+  struct {
+    const char *what, *out, *needle, *culprit;
+  } cases[] = {{"label 7 of 3 classes in rank 2's shard", outdir, "Target 7 is out of bounds",
+                "rank 2 aborted the group"},
+               {"output_dir under a file (rank 0 only)", bad_out, "plain-file",
+                "rank 0 aborted the group: mkdir"}};
+  for (int c = 0; c < 2; c++) {
+    const char *argv[] = {"--threads", "4", "--model", model, "--data", data,
+                          "--per_device_train_batch_size", "4", "--max_steps", "8",
+                          "--logging_steps", "4", "--ddp_timeout", "20", "--disable_tqdm", "true",
+                          "--output_dir", cases[c].out, NULL};
+    static char out[1 << 18];
+    double ms;
+    int rc = run_ddp_train(argv, out, sizeof out, &ms);
+    size_t len = strlen(out);
+    print_message("%s: exit %d after %.0f ms (bound 5000 ms, timeout 20000 ms)\n",
+                  cases[c].what, rc, ms);
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"))
+      if (strstr(line, "ERROR") || strstr(line, "failed")) print_message("  %s\n", line);
+    /* strtok cut the lines: search the report again line by line */
+    const char *needles[2] = {cases[c].needle, cases[c].culprit};
+    for (int k = 0; k < 2; k++) {
+      bool found = false;
+      for (const char *p = out; p < out + len && !found; p += strlen(p) + 1)
+        found = strstr(p, needles[k]) != NULL;
+      print_message("  output names \"%s\": %s\n", needles[k], found ? "yes" : "no");
+      assert_true(found);
+    }
+    assert_int_not_equal(rc, 0);
+    assert_true(ms < 5000);
+  }
+  unlink(model);
+  unlink(data);
+  unlink(file);
+  char cmd[256];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 /* A tcp peer with the wrong job token is refused: it fails at once naming the token, and
  * the rank it tried keeps waiting for the real peer until its timeout. */
 static void test_tcp_job_token(void **state) {
@@ -506,8 +742,13 @@ int main(void) {
       cmocka_unit_test(test_rank_never_joins),
       cmocka_unit_test(test_desync),
       cmocka_unit_test(test_abort_unblocks),
+      cmocka_unit_test(test_spawn_threads_failed_rank_aborts),
+      cmocka_unit_test(test_left_rank_fails_peers),
+      cmocka_unit_test(test_ddp_train_threads_local_failure),
       cmocka_unit_test(test_tcp_job_token),
       cmocka_unit_test(test_tcp_socket_ifname),
   };
+  /* DDP_TEST_FILTER=test_left* runs only the matching tests (cmocka's glob). */
+  if (getenv("DDP_TEST_FILTER")) cmocka_set_test_filter(getenv("DDP_TEST_FILTER"));
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

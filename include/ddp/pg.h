@@ -70,7 +70,11 @@ DDP_API ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg
 
 /* Waits for queued work to finish (each bounded by the timeout), stops the progress thread
  * and frees everything. Work handles not yet freed stay valid until ddp_work_free. NULL is a
- * no-op. */
+ * no-op. Leaving is visible to the peers, as a process rank's exit is: a peer waiting in a
+ * collective or receive that still needs this rank fails at once (within about 10 ms) with
+ * DDP_ERR_REMOTE naming it ("rank 1 left the group"), on every backend; waits this rank
+ * already satisfied are unaffected. A rank that leaves because it failed should call
+ * ddp_pg_abort_reason first, so peers quote why. */
 DDP_API void ddp_pg_destroy(ddp_pg_t *pg);
 
 /* Benchmarks only: ddp-bench --desync-cost times the fingerprint check by turning it off
@@ -83,6 +87,14 @@ DDP_API void ddp_pg_set_desync_check(ddp_pg_t *pg, bool on);
 /* Fails the group now from any thread: running and queued work end with DDP_ERR_ABORTED,
  * blocked waits return, peers are told (they see DDP_ERR_REMOTE quickly). Idempotent. */
 DDP_API void ddp_pg_abort(ddp_pg_t *pg);
+/* ddp_pg_abort for a local failure of this rank (bad data, an unwritable output directory,
+ * any error outside the group): the same effect, and on the shared backends (threads, shm)
+ * peers quote the reason ("rank 1 failed the group: rank 1 aborted the group: <reason>");
+ * tcp peers see the connections closed. reason may be NULL. ddp_train calls it on every
+ * local failure and ddp_spawn_threads for a rank function that returns an error, so one
+ * rank's failure ends every rank at once in every launcher mode. Idempotent (the first
+ * reason stays). */
+DDP_API void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason);
 
 /* Fault injection (docs/errors.md, "Fault injection"; ddp_train calls it for DDP_FAULT's
  * step=S faults, the group itself for collective=K ones). Runs f->kind now on this rank,
@@ -164,8 +176,10 @@ DDP_API ddp_status_t ddp_work_wait_free(ddp_work_t *work);
 
 /* Runs fn(pg, arg) on `world` threads, each with its own group on the threads backend over
  * a fresh in-memory store. opts may be NULL (defaults); its backend, rank, world and store
- * are ignored. The groups are created before fn runs and destroyed after it returns.
- * Returns the first non-OK status of a rank (or of group creation). */
+ * are ignored. The groups are created before fn runs and destroyed after it returns; a
+ * rank whose fn returns an error aborts its group first (ddp_pg_abort_reason), so the
+ * other ranks fail at once instead of at the timeout. Returns the first non-OK status of a
+ * rank (or of group creation). */
 typedef ddp_status_t (*ddp_thread_fn)(ddp_pg_t *pg, void *arg);
 DDP_API ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
                                        void *arg);

@@ -218,7 +218,9 @@ typedef struct ddp_train_result {
  * Errors: DDP_ERR_INVALID_ARGUMENT (args, dataset/model mismatch), DDP_ERR_NOT_FOUND (a
  * checkpoint to resume from), DDP_ERR_INVALID_DATA (a corrupt checkpoint, or replicas
  * that diverged: the message names the ranks), DDP_ERR_SYSTEM (files), and the group's
- * statuses. */
+ * statuses. A failure of this rank alone (bad data, an output directory it cannot create)
+ * aborts the group (ddp_pg_abort_reason with the message), so the other ranks fail at once
+ * naming this rank instead of waiting for the timeout; the group is then unusable. */
 DDP_API ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
                                const ddp_dataset_t *eval, const ddp_train_args_t *args,
                                ddp_train_event_fn ev, void *user, ddp_train_result_t *result,

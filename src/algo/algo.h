@@ -93,6 +93,9 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
 /* From any thread: makes the running and later operations fail (ABORTED here, REMOTE on
  * peers). */
 void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg);
+/* Marks this rank as gone (its group is being destroyed; nothing runs): peers whose waits
+ * still need it fail with REMOTE naming it, as when a process rank exits. */
+void ddp__shared_leave(ddp__comm_t *c);
 
 /* Reduction kernels. acc: dst[i] = dst[i] op src[i] (AVG accumulates as SUM). fp16 and
  * bf16 compute in fp32 and round after every operation. */

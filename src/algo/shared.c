@@ -60,7 +60,7 @@ typedef struct ctl_hdr {
 typedef struct rank_slot {
   _Atomic uint64_t barrier; /* barriers this rank has entered */
   int32_t pid;
-  int32_t pad;
+  _Atomic int32_t left;     /* 1 once this rank has destroyed its group (ddp__shared_leave) */
   uint64_t h[2][2];         /* [seq & 1][in, out] published handles */
   ddp__fp_t fp[2];          /* [seq & 1] */
 } __attribute__((aligned(64))) rank_slot_t;
@@ -115,6 +115,24 @@ void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg) {
   wake(c);
 }
 
+void ddp__shared_leave(ddp__comm_t *c) {
+  atomic_store(&slot(c, c->rank)->left, 1);
+  wake(c);
+}
+
+/* DDP_OK unless `peer` (or, when peer < 0, any rank) has left the group. Called only after
+ * the wait's predicate failed, so a peer that left after doing its part of this wait (the
+ * last barrier of the group's last collective) is never blamed. */
+static ddp_status_t check_left(ddp__comm_t *c, int peer, ddp_error_t *err) {
+  for (int j = 0; j < c->size; j++) {
+    if (j == c->rank || (peer >= 0 && j != peer) || !atomic_load(&slot(c, j)->left)) continue;
+    return ddp__error_quiet(err, DDP_ERR_REMOTE,
+                            "rank %d (pid %d) left the group (ddp_pg_destroy) while this rank "
+                            "still needed it", j, (int)slot(c, j)->pid);
+  }
+  return DDP_OK;
+}
+
 /* DDP_OK while nobody has failed the group. */
 static ddp_status_t check_failed(ddp__comm_t *c, ddp_error_t *err) {
   if (atomic_load(&c->aborted))
@@ -152,6 +170,11 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
     uint32_t ev = atomic_load(&h->event);
     if (pred(c, arg)) return DDP_OK;
     DDP_CHECK(check_failed(c, err));
+    ddp_status_t gone = check_left(c, peer, err);
+    if (gone != DDP_OK) {
+      ddp__shared_poison(c, gone, err->msg);
+      return gone;
+    }
     int64_t now = ddp_now_ns();
     if (c->sh->check_peers && now - last_check >= SLICE_NS) {
       last_check = now;

@@ -29,13 +29,15 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
                                 const char *where, int64_t timeout_ms, ddp_error_t *err) {
   int rank = ddp_pg_rank(pg);
   bool threads = !strcmp(ddp_pg_backend_name(pg), "threads");
+  char why[192];
   switch (what->kind) {
     case DDP_FAULT_CRASH:
       if (!threads) ddp__fault_crash_process(what, rank, where);
       /* Thread ranks share the process: the rank fails instead, and aborts its group so
        * that the others fail at once (they see "rank R aborted the group"). */
       ddp__fault_log(what, rank, where);
-      ddp_pg_abort(pg);
+      snprintf(why, sizeof why, "fault injection: crash at %s", where);
+      ddp_pg_abort_reason(pg, why);
       return ddp__error(err, rank, DDP_ERR_ABORTED,
                         "rank %d: fault injection: crash at %s (threads backend: the rank "
                         "aborted its group)", rank, where);
@@ -48,7 +50,8 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
       while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK) sleep_ms(10);
       ddp_status_t gst = ddp_pg_status(pg);
       double ms = (double)(ddp_now_ns() - t0) * 1e-6;
-      ddp_pg_abort(pg);
+      snprintf(why, sizeof why, "fault injection: hang at %s released after %.0f ms", where, ms);
+      ddp_pg_abort_reason(pg, why);
       return ddp__error(err, rank, DDP_ERR_ABORTED,
                         "rank %d: fault injection: hang at %s released after %.0f ms (%s)", rank,
                         where, ms, gst != DDP_OK ? "the group had failed" : "timeout + 1 s");

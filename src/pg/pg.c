@@ -355,14 +355,18 @@ void ddp_pg_destroy(ddp_pg_t *pg) {
   pthread_cond_signal(&pg->cv_queue);
   pthread_mutex_unlock(&pg->mu);
   pthread_join(pg->thread, NULL);
+  if (pg->comm.sh) ddp__shared_leave(&pg->comm);
   pg_free(pg);
 }
 
-void ddp_pg_abort(ddp_pg_t *pg) {
+void ddp_pg_abort(ddp_pg_t *pg) { ddp_pg_abort_reason(pg, NULL); }
+
+void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
   if (atomic_exchange(&pg->comm.aborted, true)) return;
-  char msg[96];
-  snprintf(msg, sizeof msg, "rank %d aborted the group", pg->rank);
+  char msg[DDP_ERROR_MSG_MAX];
+  snprintf(msg, sizeof msg, "rank %d aborted the group%s%s", pg->rank,
+           reason && reason[0] ? ": " : "", reason ? reason : "");
   pthread_mutex_lock(&pg->mu);
   if (pg->failed == DDP_OK) {
     pg->failed = DDP_ERR_ABORTED;
@@ -805,6 +809,11 @@ static void *spawn_main(void *p) {
   a->st = ddp_pg_create(&a->opts, &pg, NULL);
   if (a->st == DDP_OK) {
     a->st = a->fn(pg, a->arg);
+    if (a->st != DDP_OK) {
+      char why[96];
+      snprintf(why, sizeof why, "its rank function returned %s", ddp_status_name(a->st));
+      ddp_pg_abort_reason(pg, why); /* no-op when the function aborted it already */
+    }
     ddp_pg_destroy(pg);
   }
   return NULL;

@@ -4,6 +4,12 @@
 
 #include "ddp/train.h"
 
+/* ddp_train's body (trainer.c); ddp_train (fail.c) adds the group abort on a local failure. */
+ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
+                            const ddp_dataset_t *eval, const ddp_train_args_t *args,
+                            ddp_train_event_fn ev, void *user, ddp_train_result_t *result,
+                            ddp_error_t *err);
+
 /* Every rank hashes its parameters, the hashes are all-gathered, and any difference is
  * DDP_ERR_INVALID_DATA naming the groups of ranks that agree ("ranks 0,2 hold ..., rank 1
  * holds ..."). Collective: every rank calls it at the same step. */

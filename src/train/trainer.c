@@ -690,10 +690,10 @@ static int64_t interval(double v, int64_t max_steps) {
   return (int64_t)v;
 }
 
-ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
-                       const ddp_dataset_t *eval, const ddp_train_args_t *args,
-                       ddp_train_event_fn ev, void *user, ddp_train_result_t *result,
-                       ddp_error_t *err) {
+ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_t *train,
+                            const ddp_dataset_t *eval, const ddp_train_args_t *args,
+                            ddp_train_event_fn ev, void *user, ddp_train_result_t *result,
+                            ddp_error_t *err) {
   DDP_REQUIRE(pg && model && train && args && result);
   ddp_error_t local = {0};
   trainer_t tr = {0}, *t = &tr;
