@@ -144,6 +144,16 @@ DDP_API void ddp_free(void *ptr);
     "Default collective and rendezvous timeout in seconds (HF's ddp_timeout).")           \
   X(ALGORITHM, "DDP_ALGORITHM", "auto",                                                   \
     "Collective algorithm: auto (the size table), canonical, ring or small.")             \
+  X(FR_BUFFER_SIZE, "DDP_FR_BUFFER_SIZE", "2000",                                         \
+    "Flight recorder: collectives kept per group; 0 turns it off.")                      \
+  X(TORCH_FR_BUFFER_SIZE, "TORCH_NCCL_TRACE_BUFFER_SIZE", "",                             \
+    "Read when DDP_FR_BUFFER_SIZE is unset; the same meaning, as in PyTorch.")            \
+  X(FR_DUMP_DIR, "DDP_FR_DUMP_DIR", "",                                                   \
+    "Flight recorder: directory of the dumps (fr_rank_<rank>.json).")                    \
+  X(TORCH_FR_DUMP_TEMP_FILE, "TORCH_FR_DUMP_TEMP_FILE", "",                               \
+    "Read when DDP_FR_DUMP_DIR is unset: dump to <value><rank>, as in PyTorch.")          \
+  X(TORCH_NCCL_DEBUG_INFO_TEMP_FILE, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "",               \
+    "Read when both are unset; the older PyTorch name of TORCH_FR_DUMP_TEMP_FILE.")       \
   X(RANK, "RANK", "", "Global rank (torchrun, ddprun).")                                  \
   X(LOCAL_RANK, "LOCAL_RANK", "", "Rank on this host (torchrun, ddprun).")                \
   X(WORLD_SIZE, "WORLD_SIZE", "", "Number of ranks (torchrun, ddprun).")                  \

@@ -109,6 +109,22 @@ DDP_API void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason);
 DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
                                          ddp_error_t *err);
 
+/* ---- flight recorder (docs/errors.md, "Flight recorder"): every group keeps its last
+ * DDP_FR_BUFFER_SIZE collectives (default 2000; 0 = off) and dumps them as JSON when it fails,
+ * when another rank of the job dumped, and on SIGUSR1, where DDP_FR_DUMP_DIR or PyTorch's
+ * TORCH_FR_DUMP_TEMP_FILE says. tools/ddp-fr-trace reads every rank's dump. ---- */
+
+/* The next collective issued on this group is recorded with `bucket` (a DDP bucket index, or
+ * -1) and `text` (the bucket's parameter names, comma-separated; truncated past 511 bytes).
+ * DDP calls it before each bucket's allreduce or comm hook. No-op when recording is off. */
+DDP_API void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const char *text);
+/* True when this group records its collectives. */
+DDP_API bool ddp_pg_flight_recorder_enabled(const ddp_pg_t *pg);
+/* Writes the dump now, to path (NULL = the configured location), through a temporary file and
+ * a rename. DDP_ERR_INVALID_USAGE when recording is off or no location is known. */
+DDP_API ddp_status_t ddp_pg_dump_flight_recorder(ddp_pg_t *pg, const char *path,
+                                                 ddp_error_t *err);
+
 DDP_API int ddp_pg_rank(const ddp_pg_t *pg);
 DDP_API int ddp_pg_size(const ddp_pg_t *pg);
 DDP_API const char *ddp_pg_backend_name(const ddp_pg_t *pg);

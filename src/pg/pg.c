@@ -21,6 +21,7 @@
 #include "backend/backends.h"
 #include "ddp/pg.h"
 #include "pg/fault.h"
+#include "pg/flight_recorder.h"
 
 #define PG_MAGIC 0x70677270u
 #define WORK_MAGIC 0x776f726bu
@@ -40,6 +41,7 @@ struct ddp_work {
   atomic_int refs; /* the caller's handle + the queue */
   ddp_status_t status;
   ddp_error_t err;
+  uint64_t fr_id; /* its flight-recorder entry */
   struct ddp_work *next;
 };
 
@@ -71,6 +73,7 @@ struct ddp_pg {
   uint64_t *p2p_recv_seq;
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
   ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
+  ddp__fr_t *fr;            /* flight recorder; NULL when off */
 };
 
 static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_error_t *err) {
@@ -104,11 +107,13 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   if (failed != DDP_OK) {
     w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
                                  pg->rank, name, pg->fail_err.msg);
+    ddp__fr_end(pg->fr, w->fr_id, failed);
     return;
   }
   ddp_error_t detail = {DDP_OK, ""};
   pg->comm.deadline_ns = ddp_deadline_after_ms(pg->timeout_ms);
   ddp_status_t st = DDP_ERR_UNSUPPORTED;
+  ddp__fr_start(pg->fr, w->fr_id);
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
     ddp_backend_coll_t bc = {(int)k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root,
@@ -118,6 +123,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   if (st == DDP_ERR_UNSUPPORTED)
     st = pg->ops->family == DDP_BACKEND_SHARED ? ddp__run_shared(&pg->comm, &w->coll, &detail)
                                                : ddp__run_link(&pg->comm, &w->coll, &detail);
+  ddp__fr_end(pg->fr, w->fr_id, st);
   if (st == DDP_OK) {
     w->status = DDP_OK;
     return;
@@ -127,11 +133,13 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
                          pg->ops->name, detail.msg);
   if (pg->ops->family == DDP_BACKEND_LINK && pg->ops->fail) pg->ops->fail(pg->state);
   pthread_mutex_lock(&pg->mu);
-  if (pg->failed == DDP_OK) {
+  bool first = pg->failed == DDP_OK;
+  if (first) {
     pg->failed = st;
     pg->fail_err = w->err;
   }
   pthread_mutex_unlock(&pg->mu);
+  if (first) ddp__fr_on_failure(pg->fr, st, w->err.msg); /* the dump, at the moment it fails */
 }
 
 /* Takes the head of the queue and runs it; called with pg->mu held and pg->running false,
@@ -199,6 +207,7 @@ static void pg_free(ddp_pg_t *pg) {
   pthread_cond_destroy(&pg->cv_queue);
   pthread_cond_destroy(&pg->cv_done);
   ddp_store_destroy(pg->owned_store);
+  ddp__fr_destroy(pg->fr);
   pg->magic = 0;
   ddp__free(pg);
 }
@@ -296,9 +305,9 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
    * the previous group's rendezvous keys. Ranks create groups in the same order, so they
    * agree on k without talking. */
   ddp_store_t *view = NULL;
+  int64_t k = 0;
   if (o.store) {
     char key[64];
-    int64_t k = 0;
     snprintf(key, sizeof key, "ddp_pg/created/%d", rank);
     st = ddp_store_add(o.store, key, 1, &k);
     if (st == DDP_OK) {
@@ -315,6 +324,8 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   ddp_store_destroy(view);
   if (st != DDP_OK) goto fail;
   c->state = pg->state;
+  ddp__fr_info_t fri = {rank, o.world, ops->name, k, o.timeout_ms};
+  if ((st = ddp__fr_create(&fri, &pg->fr, err)) != DDP_OK) goto fail;
   if (ops->family == DDP_BACKEND_SHARED) {
     c->sh = ops->shared(pg->state);
     ddp__shared_attach(c, (int)getpid());
@@ -368,13 +379,30 @@ void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason) {
   snprintf(msg, sizeof msg, "rank %d aborted the group%s%s", pg->rank,
            reason && reason[0] ? ": " : "", reason ? reason : "");
   pthread_mutex_lock(&pg->mu);
-  if (pg->failed == DDP_OK) {
+  bool first = pg->failed == DDP_OK;
+  if (first) {
     pg->failed = DDP_ERR_ABORTED;
     ddp__error_quiet(&pg->fail_err, DDP_ERR_ABORTED, "%s (ddp_pg_abort)", msg);
   }
   pthread_mutex_unlock(&pg->mu);
+  if (first) ddp__fr_on_failure(pg->fr, DDP_ERR_ABORTED, msg);
   if (pg->ops->family == DDP_BACKEND_SHARED) ddp__shared_poison(&pg->comm, DDP_ERR_ABORTED, msg);
   if (pg->ops->abort) pg->ops->abort(pg->state);
+}
+
+void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const char *text) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  ddp__fr_set_tag(pg->fr, bucket, text);
+}
+
+bool ddp_pg_flight_recorder_enabled(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return pg->fr != NULL;
+}
+
+ddp_status_t ddp_pg_dump_flight_recorder(ddp_pg_t *pg, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return ddp__fr_dump(pg->fr, path, "request", err);
 }
 
 int ddp_pg_rank(const ddp_pg_t *pg) {
@@ -574,6 +602,7 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   } else {
     fp->seq = pg->seq++;
   }
+  w->fr_id = ddp__fr_record(pg->fr, c);
   w->coll = *c;
   /* Lazy start: small work that finds the group idle is queued without waking the progress
    * thread, because its caller usually waits for it next and then runs it itself

@@ -492,6 +492,11 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     bucket_t *b = &d->buckets[d->next_bucket];
     if (d->t_comm_start == 0) d->t_comm_start = ddp_now_ns();
     b->t_launch = ddp_now_ns();
+    if (ddp_pg_flight_recorder_enabled(d->pg)) { /* its entry names the bucket's parameters */
+      char names[512] = "";
+      append_names(names, sizeof names, d, b->vars, b->nvars, ",");
+      ddp_pg_set_next_collective_tag(d->pg, (int64_t)d->next_bucket, names);
+    }
     if (d->has_comm_hook) {
       DDP_CHECK(run_comm_hook(d, d->next_bucket));
       d->next_bucket++;

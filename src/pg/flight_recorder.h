@@ -1,0 +1,55 @@
+/* Private interface of the flight recorder (docs/errors.md, "Flight recorder"): each group
+ * keeps a ring buffer of its last N collectives, written when a collective is queued, started
+ * and ended, and dumps it as JSON (PyTorch's flight-recorder field names where they exist)
+ * when the group fails, when another rank of the job dumped (the trigger file next to the
+ * dumps), on SIGUSR1, and on request.
+ *
+ * Locking: every call takes the recorder's own mutex for a few stores (no allocation, no
+ * system call), except the dumps, which format under it and write after releasing it. The
+ * process-wide part (the SIGUSR1 handler and the thread that serves it and polls the trigger
+ * file) exists only while a recorder with a dump location exists. */
+#ifndef DDP_SRC_PG_FLIGHT_RECORDER_H
+#define DDP_SRC_PG_FLIGHT_RECORDER_H
+
+#include "algo/algo.h"
+
+typedef struct ddp__fr ddp__fr_t;
+
+/* A group's identity in the dump. pg_id is the group's creation index on this rank (the k
+ * of its store prefix "ddp_pg/<k>"; 0 without a store). */
+typedef struct ddp__fr_info {
+  int rank;
+  int world;
+  const char *backend;
+  int64_t pg_id;
+  int64_t timeout_ms;
+} ddp__fr_info_t;
+
+/* The recorder of a new group, sized by DDP_FR_BUFFER_SIZE (else TORCH_NCCL_TRACE_BUFFER_SIZE,
+ * else 2000). *out = NULL when the size is 0 (recording off): every other call accepts NULL
+ * and does nothing. A malformed variable or no memory is an error. */
+ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_error_t *err);
+void ddp__fr_destroy(ddp__fr_t *fr);
+
+/* The next recorded collective carries this DDP bucket index and text (parameter names,
+ * comma-separated; truncated to the entry's capacity). */
+void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text);
+
+/* A collective was queued: records it (state "scheduled") and returns its record id. */
+uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c);
+/* The collective began running (state "started"). */
+void ddp__fr_start(ddp__fr_t *fr, uint64_t id);
+/* The collective ended: st == DDP_OK is state "completed"; otherwise the state stays where it
+ * was and the entry keeps the status. */
+void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st);
+
+/* The group failed (the first failure only): records it and writes the dump when a location
+ * is configured (reason "timeout", "desync", "peer_failure" or "abort"), then touches the
+ * trigger file so the job's other ranks dump too. */
+void ddp__fr_on_failure(ddp__fr_t *fr, ddp_status_t st, const char *msg);
+
+/* Writes the dump to path (NULL = the configured location; DDP_ERR_INVALID_USAGE when there is
+ * none) through a temporary file and a rename. */
+ddp_status_t ddp__fr_dump(ddp__fr_t *fr, const char *path, const char *reason, ddp_error_t *err);
+
+#endif /* DDP_SRC_PG_FLIGHT_RECORDER_H */

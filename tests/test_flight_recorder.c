@@ -1,0 +1,607 @@
+/* The flight recorder and its analyzer (docs/errors.md, "Flight recorder"), suite coll.
+ *
+ *  - the ring keeps the last N collectives with their sequence numbers, sizes, dtypes,
+ *    states and times, and wraps (DDP_FR_BUFFER_SIZE, TORCH_NCCL_TRACE_BUFFER_SIZE, 0 = off);
+ *  - a stalled rank (threads, shm, tcp; 1.5 s timeout): every rank leaves a dump, the stalled
+ *    one from the trigger file while it still stands outside the collective, and
+ *    tools/ddp-fr-trace names it and the collective number it never entered;
+ *  - a mismatched collective (desync): the analyzer names the rank whose #k differs;
+ *  - a killed rank (shm): the analyzer names the rank that left no dump;
+ *  - SIGUSR1 dumps while the job runs (a forked rank on shm; every group of a threads job),
+ *    and the job goes on;
+ *  - DDP's bucket allreduce carries the bucket index and its parameter names.
+ * Every case runs in a fresh /tmp/ddp-test-fr-* directory, removed afterwards. */
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ddp/nn.h"
+#include "ddp/pg.h"
+#include "ddp/reducer.h"
+#include "ddp/store.h"
+#include "harness.h"
+#include "proc.h"
+
+/* ---------------------------------------------------------------- helpers --------- */
+
+static void make_dir(char *buf, size_t n) {
+  snprintf(buf, n, "/tmp/ddp-test-fr-XXXXXX");
+  assert_non_null(mkdtemp(buf));
+}
+
+static void remove_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  char p[512];
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    unlink(p);
+  }
+  closedir(d);
+  rmdir(dir);
+}
+
+static cJSON *read_json(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    print_error("cannot open %s\n", path);
+    return NULL;
+  }
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *text = malloc((size_t)n + 1);
+  assert_non_null(text);
+  size_t got = fread(text, 1, (size_t)n, f);
+  fclose(f);
+  text[got] = 0;
+  cJSON *j = cJSON_Parse(text);
+  if (!j) print_error("%s does not parse as JSON\n", path);
+  free(text);
+  return j;
+}
+
+static int64_t jint(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsNumber(v)) {
+    print_error("field \"%s\" is not a number\n", key);
+    fail();
+  }
+  return (int64_t)v->valuedouble;
+}
+
+static const char *jstr(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsString(v)) {
+    print_error("field \"%s\" is not a string\n", key);
+    fail();
+  }
+  return v->valuestring;
+}
+
+#define assert_str(a, b)                                                       \
+  do {                                                                         \
+    const char *a_ = (a), *b_ = (b);                                           \
+    if (strcmp(a_, b_) != 0) {                                                 \
+      print_error("%s is \"%s\", expected \"%s\"\n", #a, a_, b_);              \
+      fail();                                                                  \
+    }                                                                          \
+  } while (0)
+
+/* Runs tools/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3. */
+static cJSON *analyze(const char *dir) {
+  const char *root = ddp_test_source_root();
+  if (access("/usr/bin/python3", X_OK) != 0 || !root) return NULL;
+  char cmd[1024], errp[600];
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/tools/ddp-fr-trace --json %s", root, dir);
+  snprintf(errp, sizeof errp, "%s/analyzer.stderr", dir);
+  char *out = NULL;
+  int rc = ddp_test_proc_run(cmd, errp, 60, &out);
+  if (rc != 0) {
+    print_error("ddp-fr-trace exited %d; stdout:\n%s\n", rc, out ? out : "");
+    free(out);
+    fail();
+  }
+  cJSON *j = cJSON_Parse(out);
+  if (!j) print_error("ddp-fr-trace --json printed no JSON:\n%s\n", out);
+  free(out);
+  assert_non_null(j);
+  printf("# ddp-fr-trace: %s\n", jstr(j, "verdict"));
+  return j;
+}
+
+/* The analyzer said `kind` at collective k with exactly these culprits. */
+static void expect_verdict(const cJSON *v, const char *kind, int64_t k, int64_t last_all,
+                           const int *culprits, int nc) {
+  assert_str(jstr(v, "kind"), kind);
+  assert_int_equal(jint(v, "collective"), k);
+  assert_int_equal(jint(v, "last_completed_by_all"), last_all);
+  const cJSON *c = cJSON_GetObjectItemCaseSensitive(v, "culprits");
+  assert_int_equal(cJSON_GetArraySize(c), nc);
+  for (int i = 0; i < nc; i++)
+    assert_int_equal((int)cJSON_GetArrayItem(c, i)->valuedouble, culprits[i]);
+}
+
+static ddp_store_t *memory_store(void) {
+  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+  so.timeout_ms = 10000;
+  ddp_store_t *s = NULL;
+  assert_int_equal(ddp_store_create_memory(&so, &s), DDP_OK);
+  return s;
+}
+
+static ddp_status_t allreduce_n(ddp_pg_t *pg, float *buf, size_t n) {
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &w);
+  return st == DDP_OK ? ddp_work_wait_free(w) : st;
+}
+
+static bool wait_file(const char *path, int ms) {
+  for (int i = 0; i < ms / 10; i++) {
+    if (access(path, F_OK) == 0) return true;
+    usleep(10000);
+  }
+  return access(path, F_OK) == 0;
+}
+
+typedef struct scen {
+  const char *backend;
+  int kind; /* 0 ring, 1 stall rank 1, 2 rank 2's #5 has count 101, 3 stream, 4 signal self */
+  int64_t timeout_ms;
+  ddp_store_t *store; /* threads */
+  const char *dir;
+} scen_t;
+
+static ddp_status_t open_group(ddp_test_rank_t *tr, const scen_t *sc, ddp_store_t **store,
+                               ddp_pg_t **pg) {
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = sc->backend;
+  o.timeout_ms = sc->timeout_ms;
+  o.shm_heap_bytes = 1u << 20;
+  o.store = sc->store;
+  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", store, pg);
+  if (st != DDP_OK) ddp_store_destroy(*store);
+  return st;
+}
+
+static int scen_rank(ddp_test_rank_t *tr, void *arg) {
+  const scen_t *sc = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t cs = open_group(tr, sc, &store, &pg);
+  if (cs != DDP_OK) return cs;
+  int r = ddp_test_rank(tr);
+  float buf[128] = {0};
+  ddp_status_t st = DDP_OK;
+  if (sc->kind == 0) { /* ring: 10 allreduces of 10..19 elements, then a dump */
+    for (int i = 0; i < 10 && st == DDP_OK; i++) st = allreduce_n(pg, buf, 10 + (size_t)i);
+    char path[512];
+    snprintf(path, sizeof path, "%s/ring_%d.json", sc->dir, r);
+    ddp_error_t err = {DDP_OK, ""};
+    if (st == DDP_OK) st = ddp_pg_dump_flight_recorder(pg, path, &err);
+    ddp_test_say(tr, "%s%s", ddp_pg_flight_recorder_enabled(pg) ? "on: " : "off: ", err.msg);
+  } else if (sc->kind == 1 || sc->kind == 2) { /* #0..#4 agree, then #5 goes wrong */
+    for (int i = 0; i < 5 && st == DDP_OK; i++) st = allreduce_n(pg, buf, 100);
+    if (st == DDP_OK) {
+      if (sc->kind == 1 && r == 1) usleep((useconds_t)(2 * sc->timeout_ms + 1000) * 1000);
+      st = allreduce_n(pg, buf, sc->kind == 2 && r == 2 ? 101 : 100);
+    }
+    ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+  } else { /* 2000 allreduces 1 ms apart (over 2 s; 3: a kill ends them); 4: rank 0
+              * signals its own process after the 4th */
+    for (int i = 0; st == DDP_OK && i < 2000; i++) {
+      st = allreduce_n(pg, buf, 100);
+      if (sc->kind == 4 && r == 0 && i == 3) kill(getpid(), SIGUSR1);
+      usleep(1000);
+    }
+    ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static ddp_test_results_t *spawn(int world, ddp_test_mode_t mode, scen_t *sc, int kill_rank,
+                                 int kill_after_ms, int sig) {
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = world;
+  o.mode = mode;
+  o.timeout_ms = 30000;
+  o.kill_rank = kill_rank;
+  o.kill_after_ms = kill_after_ms;
+  o.kill_signal = sig;
+  if (mode == DDP_TEST_THREADS) sc->store = memory_store();
+  ddp_test_results_t *res = ddp_test_spawn(&o, scen_rank, sc);
+  ddp_store_destroy(sc->store);
+  sc->store = NULL;
+  return res;
+}
+
+static void clear_env(void) {
+  unsetenv("DDP_FR_BUFFER_SIZE");
+  unsetenv("TORCH_NCCL_TRACE_BUFFER_SIZE");
+  unsetenv("DDP_FR_DUMP_DIR");
+  unsetenv("TORCH_FR_DUMP_TEMP_FILE");
+  unsetenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE");
+}
+
+/* ---------------------------------------------------------------- ring ------------ */
+
+/* The dump of rank 0 after 10 allreduces (counts 10..19) holds the last `want` of them. */
+static void check_ring(const char *dir, int want) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/ring_0.json", dir);
+  cJSON *j = read_json(path);
+  assert_non_null(j);
+  assert_int_equal(jint(j, "rank"), 0);
+  assert_int_equal(jint(j, "world_size"), 2);
+  assert_str(jstr(j, "dump_reason"), "request");
+  const cJSON *st = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(j, "pg_status"), jstr(
+          cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "pg_config"), 0), "name"));
+  assert_non_null(st);
+  assert_int_equal(jint(st, "last_enqueued_collective"), 9);
+  assert_int_equal(jint(st, "last_completed_collective"), 9);
+  const cJSON *es = cJSON_GetObjectItemCaseSensitive(j, "entries");
+  assert_int_equal(cJSON_GetArraySize(es), want);
+  for (int i = 0; i < want; i++) {
+    const cJSON *e = cJSON_GetArrayItem(es, i);
+    int64_t k = 10 - want + i;
+    assert_int_equal(jint(e, "record_id"), k);
+    assert_int_equal(jint(e, "collective_seq_id"), k);
+    assert_str(jstr(e, "profiling_name"), "threads:all_reduce");
+    assert_str(jstr(e, "state"), "completed");
+    assert_str(jstr(e, "ddp_op"), "SUM");
+    assert_str(jstr(e, "ddp_status"), "DDP_OK");
+    assert_int_equal(jint(e, "ddp_count"), 10 + k);
+    const cJSON *in = cJSON_GetObjectItemCaseSensitive(e, "input_sizes");
+    assert_int_equal((int64_t)cJSON_GetArrayItem(cJSON_GetArrayItem(in, 0), 0)->valuedouble,
+                     10 + k);
+    assert_str(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(e, "input_dtypes"), 0)
+                   ->valuestring, "Float");
+    int64_t c = jint(e, "time_created_ns"), s = jint(e, "time_discovered_started_ns"),
+            d = jint(e, "time_discovered_completed_ns");
+    if (!(c > 0 && c <= s && s <= d)) {
+      print_error("entry %d: created %lld, started %lld, completed %lld are out of order\n", i,
+                  (long long)c, (long long)s, (long long)d);
+      fail();
+    }
+  }
+  cJSON_Delete(j);
+}
+
+static void test_ring_wraps(void **state) {
+  (void)state;
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  scen_t sc = {"threads", 0, 5000, NULL, dir};
+  clear_env();
+  setenv("DDP_FR_BUFFER_SIZE", "4", 1);
+  ddp_test_results_t *res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  check_ring(dir, 4);
+  /* PyTorch's variable when libddp's is unset */
+  clear_env();
+  setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "3", 1);
+  res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  check_ring(dir, 3);
+  /* the default keeps all ten */
+  clear_env();
+  res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  check_ring(dir, 10);
+  /* 0 turns it off: nothing recorded, a dump request is refused */
+  setenv("DDP_FR_BUFFER_SIZE", "0", 1);
+  res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
+  const ddp_test_result_t *r0 = ddp_test_result(res, 0);
+  assert_int_equal(r0->status, DDP_ERR_INVALID_USAGE);
+  if (strncmp(r0->msg, "off: ", 5) != 0 || !strstr(r0->msg, "DDP_FR_BUFFER_SIZE=0")) {
+    print_error("rank 0 said \"%s\", expected off and DDP_FR_BUFFER_SIZE=0\n", r0->msg);
+    fail();
+  }
+  ddp_test_results_free(res);
+  clear_env();
+  remove_dir(dir);
+}
+
+/* ---------------------------------------------------------------- failures -------- */
+
+/* Every rank in [0, world) failed (not OK) and left fr_rank_<r>.json, except skip. */
+static void expect_dumps(const ddp_test_results_t *res, const char *dir, int world, int skip) {
+  for (int r = 0; r < world; r++) {
+    if (r == skip) continue;
+    const ddp_test_result_t *x = ddp_test_result(res, r);
+    if (x->status == DDP_OK) {
+      print_error("rank %d succeeded; every rank should have failed\n", r);
+      fail();
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/fr_rank_%d.json", dir, r);
+    if (!wait_file(path, 3000)) {
+      print_error("rank %d (%s: %s) left no dump %s\n", r, ddp_test_status_name(x->status),
+                  x->msg, path);
+      fail();
+    }
+  }
+}
+
+static void run_stall(const char *backend, ddp_test_mode_t mode) {
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  setenv("DDP_FR_DUMP_DIR", dir, 1);
+  scen_t sc = {backend, 1, 1500, NULL, dir};
+  ddp_test_results_t *res = spawn(3, mode, &sc, -1, 0, 0);
+  clear_env();
+  expect_dumps(res, dir, 3, -1);
+  ddp_test_results_free(res);
+  cJSON *v = analyze(dir);
+  if (!v) {
+    remove_dir(dir);
+    skip();
+  }
+  int culprit[] = {1};
+  expect_verdict(v, "not_entered", 5, 4, culprit, 1);
+  cJSON_Delete(v);
+  remove_dir(dir);
+}
+
+static void test_stall_threads(void **state) {
+  (void)state;
+  run_stall("threads", DDP_TEST_THREADS);
+}
+static void test_stall_shm(void **state) {
+  (void)state;
+  run_stall("shm", DDP_TEST_FORK);
+}
+static void test_stall_tcp(void **state) {
+  (void)state;
+  run_stall("tcp", DDP_TEST_FORK);
+}
+
+static void run_desync(const char *backend, ddp_test_mode_t mode) {
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  setenv("DDP_FR_DUMP_DIR", dir, 1);
+  scen_t sc = {backend, 2, 5000, NULL, dir};
+  ddp_test_results_t *res = spawn(3, mode, &sc, -1, 0, 0);
+  clear_env();
+  expect_dumps(res, dir, 3, -1);
+  for (int r = 0; r < 3; r++) assert_int_equal(ddp_test_result(res, r)->status, DDP_ERR_DESYNC);
+  ddp_test_results_free(res);
+  cJSON *v = analyze(dir);
+  if (!v) {
+    remove_dir(dir);
+    skip();
+  }
+  int culprit[] = {2};
+  expect_verdict(v, "mismatch", 5, 4, culprit, 1);
+  if (!strstr(jstr(v, "verdict"), "count 101") || !strstr(jstr(v, "verdict"), "count 100")) {
+    print_error("the verdict does not quote both counts: %s\n", jstr(v, "verdict"));
+    fail();
+  }
+  cJSON_Delete(v);
+  remove_dir(dir);
+}
+
+static void test_desync_threads(void **state) {
+  (void)state;
+  run_desync("threads", DDP_TEST_THREADS);
+}
+static void test_desync_tcp(void **state) {
+  (void)state;
+  run_desync("tcp", DDP_TEST_FORK);
+}
+
+/* kill -9 of rank 1 mid-stream: the survivors dump at the failure, the analyzer names the
+ * rank without a dump. */
+static void test_killed_rank_shm(void **state) {
+  (void)state;
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  setenv("DDP_FR_DUMP_DIR", dir, 1);
+  scen_t sc = {"shm", 3, 5000, NULL, dir};
+  ddp_test_results_t *res = spawn(3, DDP_TEST_FORK, &sc, 1, 700, SIGKILL);
+  clear_env();
+  expect_dumps(res, dir, 3, 1);
+  ddp_test_results_free(res);
+  cJSON *v = analyze(dir);
+  if (!v) {
+    remove_dir(dir);
+    skip();
+  }
+  assert_str(jstr(v, "kind"), "no_dump");
+  const cJSON *c = cJSON_GetObjectItemCaseSensitive(v, "culprits");
+  assert_int_equal(cJSON_GetArraySize(c), 1);
+  assert_int_equal((int)cJSON_GetArrayItem(c, 0)->valuedouble, 1);
+  cJSON_Delete(v);
+  remove_dir(dir);
+}
+
+/* ---------------------------------------------------------------- SIGUSR1 --------- */
+
+static void expect_signal_dump(const char *dir, int rank) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/fr_rank_%d.json", dir, rank);
+  cJSON *j = read_json(path);
+  assert_non_null(j);
+  assert_str(jstr(j, "dump_reason"), "signal");
+  int n = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "entries"));
+  if (n < 3) {
+    print_error("rank %d's signal dump has %d entries, expected at least 3\n", rank, n);
+    fail();
+  }
+  cJSON_Delete(j);
+}
+
+/* The launcher's way: SIGUSR1 to one process of a running shm job dumps that rank; the
+ * job finishes normally. */
+static void test_sigusr1_shm(void **state) {
+  (void)state;
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  setenv("DDP_FR_DUMP_DIR", dir, 1);
+  scen_t sc = {"shm", 3, 10000, NULL, dir};
+  ddp_test_results_t *res = spawn(2, DDP_TEST_FORK, &sc, 1, 1000, SIGUSR1);
+  clear_env();
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  expect_signal_dump(dir, 1);
+  char other[512];
+  snprintf(other, sizeof other, "%s/fr_rank_0.json", dir);
+  if (access(other, F_OK) == 0) {
+    print_error("rank 0 dumped though only rank 1 was signalled\n");
+    fail();
+  }
+  remove_dir(dir);
+}
+
+/* In a threads job, one SIGUSR1 dumps every rank's group of the process. */
+static void test_sigusr1_threads(void **state) {
+  (void)state;
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  setenv("DDP_FR_DUMP_DIR", dir, 1);
+  scen_t sc = {"threads", 4, 10000, NULL, dir};
+  ddp_test_results_t *res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
+  clear_env();
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  expect_signal_dump(dir, 0);
+  expect_signal_dump(dir, 1);
+  remove_dir(dir);
+}
+
+/* ---------------------------------------------------------------- DDP tags -------- */
+
+static const char *const MODEL =
+    "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 8},"
+    " {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 8, \"out\": 2}]}";
+
+static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
+  const scen_t *sc = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t cs = open_group(tr, sc, &store, &pg);
+  if (cs != DDP_OK) return cs;
+  ddp_model_t *m = NULL;
+  ddp_ddp_t *ddp = NULL;
+  ddp_ctx_t *ctx = NULL;
+  ddp_error_t err = {DDP_OK, ""};
+  ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  ddp_status_t st = ddp_model_from_json(MODEL, &m, &err);
+  if (st == DDP_OK) st = ddp_model_init(m, 7);
+  if (st == DDP_OK) st = ddp_ddp_create(m, pg, &dopts, &ddp, &err);
+  if (st == DDP_OK) st = ddp_ctx_create(&ctx);
+  if (st == DDP_OK) {
+    float x[3 * 4], y[3 * 2];
+    for (int i = 0; i < 12; i++) x[i] = (float)(i % 5) * 0.25f - 0.5f;
+    for (int i = 0; i < 6; i++) y[i] = (float)i * 0.1f;
+    int64_t xs[2] = {3, 4}, ys[2] = {3, 2};
+    ddp_var_t *vx, *vy, *out, *loss;
+    st = ddp_var_new(ctx, DDP_F32, 2, xs, x, false, &vx);
+    if (st == DDP_OK) st = ddp_var_new(ctx, DDP_F32, 2, ys, y, false, &vy);
+    if (st == DDP_OK) st = ddp_ddp_forward(ddp, ctx, vx, 0, &out);
+    if (st == DDP_OK) st = ddp_mse_loss(ctx, out, vy, &loss);
+    if (st == DDP_OK) st = ddp_ddp_backward(ddp, ctx, loss);
+  }
+  if (st == DDP_OK) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/ddp_%d.json", sc->dir, ddp_test_rank(tr));
+    st = ddp_pg_dump_flight_recorder(pg, path, &err);
+  }
+  ddp_test_say(tr, "%s", err.msg[0] ? err.msg : ddp_pg_last_error(pg));
+  ddp_ctx_destroy(ctx);
+  ddp_ddp_destroy(ddp);
+  ddp_model_destroy(m);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static void test_ddp_bucket_tags(void **state) {
+  (void)state;
+  char dir[64];
+  make_dir(dir, sizeof dir);
+  clear_env();
+  scen_t sc = {"threads", 0, 10000, NULL, dir};
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = 2;
+  sc.store = memory_store();
+  ddp_test_results_t *res = ddp_test_spawn(&o, ddp_rank, &sc);
+  ddp_store_destroy(sc.store);
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  for (int r = 0; r < 2; r++) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/ddp_%d.json", dir, r);
+    cJSON *j = read_json(path);
+    assert_non_null(j);
+    const cJSON *e, *tagged = NULL;
+    int ntagged = 0;
+    cJSON_ArrayForEach(e, cJSON_GetObjectItemCaseSensitive(j, "entries")) {
+      if (cJSON_GetObjectItemCaseSensitive(e, "ddp_bucket")) {
+        tagged = e;
+        ntagged++;
+      }
+    }
+    /* one bucket (the model is far below 1 MiB), one allreduce of its 58 elements */
+    assert_int_equal(ntagged, 1);
+    assert_int_equal(jint(tagged, "ddp_bucket"), 0);
+    assert_int_equal(jint(tagged, "ddp_count"), 4 * 8 + 8 + 8 * 2 + 2);
+    assert_str(jstr(tagged, "state"), "completed");
+    const cJSON *names = cJSON_GetObjectItemCaseSensitive(tagged, "ddp_params");
+    const char *want[] = {"2.bias", "2.weight", "0.bias", "0.weight"};
+    assert_int_equal(cJSON_GetArraySize(names), 4);
+    for (int i = 0; i < 4; i++) {
+      bool found = false;
+      const cJSON *n;
+      cJSON_ArrayForEach(n, names) found |= strcmp(n->valuestring, want[i]) == 0;
+      if (!found) {
+        char *txt = cJSON_PrintUnformatted(names);
+        print_error("rank %d: ddp_params %s lacks %s\n", r, txt, want[i]);
+        free(txt);
+        fail();
+      }
+    }
+    cJSON_Delete(j);
+  }
+  remove_dir(dir);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_ring_wraps),
+      cmocka_unit_test(test_ddp_bucket_tags),
+      cmocka_unit_test(test_stall_threads),
+      cmocka_unit_test(test_stall_shm),
+      cmocka_unit_test(test_stall_tcp),
+      cmocka_unit_test(test_desync_threads),
+      cmocka_unit_test(test_desync_tcp),
+      cmocka_unit_test(test_killed_rank_shm),
+      cmocka_unit_test(test_sigusr1_shm),
+      cmocka_unit_test(test_sigusr1_threads),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
