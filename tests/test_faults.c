@@ -41,6 +41,8 @@ typedef struct job {
   double t_fail[WORLD];    /* each rank's failure time; < 0 when it did not fail */
   char msg[WORLD][2048];   /* each rank's failure message */
   char hash[WORLD][32];    /* "every rank holds parameters X" of a successful run */
+  char fr_verdict[2048];   /* tools/ddp-fr-trace's verdict on the flight-recorder dumps */
+  int fr_culprits[WORLD + 1], fr_n; /* the ranks it names; fr_n < 0: it did not run */
   char *log;               /* every rank's stderr, concatenated */
 } job_t;
 
@@ -90,6 +92,40 @@ static void parse_log(job_t *j, const char *text) {
   }
 }
 
+/* tools/ddp-fr-trace --json on the job's dumps: its verdict and culprits. */
+static void fr_trace(job_t *j) {
+  j->fr_n = -1;
+  if (access("/usr/bin/python3", X_OK) != 0) return;
+  char cmd[1024], err[300], *out = NULL;
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s/tools/ddp-fr-trace' --json '%s/fr'",
+           ddp_test_source_root(), j->dir);
+  snprintf(err, sizeof err, "%s/fr.err", j->dir);
+  int rc = ddp_test_proc_run(cmd, err, 30, &out);
+  const char *v = out ? strstr(out, "\"verdict\": \"") : NULL;
+  if (v) {
+    v += 12;
+    size_t n = strcspn(v, "\"");
+    snprintf(j->fr_verdict, sizeof j->fr_verdict, "%.*s", (int)n, v);
+  } else {
+    snprintf(j->fr_verdict, sizeof j->fr_verdict, "(exit %d, no verdict)", rc);
+  }
+  const char *c = out ? strstr(out, "\"culprits\": [") : NULL;
+  if (c) {
+    j->fr_n = 0;
+    for (c += 13; *c && *c != ']' && j->fr_n <= WORLD;) {
+      char *end;
+      long x = strtol(c, &end, 10);
+      if (end != c) {
+        j->fr_culprits[j->fr_n++] = (int)x;
+        c = end;
+      } else {
+        c++;
+      }
+    }
+  }
+  free(out);
+}
+
 static const char *exe_path(const char *name) {
   static char buf[2][4096];
   static int k;
@@ -120,18 +156,18 @@ static job_t *run_job(const char *backend, const char *spec) {
   for (int attempt = 0; attempt < 3; attempt++) {
     if (!strcmp(backend, "threads")) {
       snprintf(cmd, sizeof cmd,
-               "'%s' --threads %d %s --output_dir '%s/o' %s%s%s >'%s/out0' 2>'%s/err0'; "
-               "echo $? >'%s/rc0'",
-               exe, WORLD, args, j->dir, spec ? "--ddp_fault '" : "", spec ? spec : "",
+               "DDP_FR_DUMP_DIR='%s/fr' '%s' --threads %d %s --output_dir '%s/o' %s%s%s "
+               ">'%s/out0' 2>'%s/err0'; echo $? >'%s/rc0'",
+               j->dir, exe, WORLD, args, j->dir, spec ? "--ddp_fault '" : "", spec ? spec : "",
                spec ? "'" : "", j->dir, j->dir, j->dir);
     } else {
       snprintf(cmd, sizeof cmd,
                "for r in 0 1 2; do (RANK=$r LOCAL_RANK=$r WORLD_SIZE=%d LOCAL_WORLD_SIZE=%d "
                "MASTER_ADDR=127.0.0.1 MASTER_PORT=%d DDP_BACKEND=%s DDP_FAULT='%s' "
-               "'%s' %s --output_dir '%s/o'$r >'%s/out'$r 2>'%s/err'$r; "
-               "echo $? >'%s/rc'$r) & done; wait",
-               WORLD, WORLD, ddp_test_free_port(), backend, spec ? spec : "", exe, args, j->dir,
-               j->dir, j->dir, j->dir);
+               "DDP_FR_DUMP_DIR='%s/fr' '%s' %s --output_dir '%s/o'$r >'%s/out'$r "
+               "2>'%s/err'$r; echo $? >'%s/rc'$r) & done; wait",
+               WORLD, WORLD, ddp_test_free_port(), backend, spec ? spec : "", j->dir, exe, args,
+               j->dir, j->dir, j->dir, j->dir);
     }
     int64_t t0 = ddp_now_ns();
     ddp_test_proc_run(cmd, sherr, 60, NULL);
@@ -166,6 +202,7 @@ static job_t *run_job(const char *backend, const char *spec) {
       free(text);
     }
   }
+  fr_trace(j);
   return j;
 }
 
@@ -186,7 +223,7 @@ static const char *const backends[] = {"threads", "shm", "tcp"};
 /* Every survivor exits 1 with a message containing `want` (per backend), failing between
  * lo_ms and hi_ms after the injection. */
 static void expect_survivors(const char *kind, const char *spec, const char *const want[3],
-                             double lo_ms, double hi_ms) {
+                             double lo_ms, double hi_ms, bool fr_names_culprit) {
   for (int b = 0; b < 3; b++) {
     job_t *j = run_job(backends[b], spec);
     bool ok = j->t_inject > 0;
@@ -208,10 +245,17 @@ static void expect_survivors(const char *kind, const char *spec, const char *con
       named |= second;
       ok &= j->rc[r] == 1 && j->t_fail[r] > 0 && named && ms >= lo_ms && ms <= hi_ms;
     }
+    /* The flight-recorder analyzer, from the dumps alone, names the same culprit. */
+    bool fr_ok = j->fr_n == 1 && j->fr_culprits[0] == CULPRIT;
+    print_message("[%s %s] ddp-fr-trace: culprits %s%d%s (%d named), expected %s: %s\n  %.500s\n",
+                  backends[b], kind, j->fr_n > 0 ? "[" : "", j->fr_n > 0 ? j->fr_culprits[0] : -1,
+                  j->fr_n > 0 ? "]" : "", j->fr_n, fr_names_culprit ? "[1]" : "none",
+                  fr_ok == fr_names_culprit ? "yes" : "NO", j->fr_verdict);
+    if (j->fr_n >= 0) ok &= fr_names_culprit ? fr_ok : j->fr_n == 0;
     if (!ok) dump_tail(j);
     job_free(j);
-    if (!ok) fail_msg("[%s %s] a survivor did not fail as expected (see above)", backends[b],
-                      kind);
+    if (!ok) fail_msg("[%s %s] a survivor or the analyzer did not blame rank 1 as expected "
+                      "(see above)", backends[b], kind);
   }
 }
 
@@ -220,7 +264,7 @@ static void test_crash(void **state) {
   /* threads: the culprit aborts its group; shm: its pidfd; tcp: its closed connection. */
   static const char *const want[3] = {"rank 1 aborted the group", "rank 1 (pid",
                                       "rank 1 ("};
-  expect_survivors("crash", "rank=1,step=3,kind=crash", want, 0, 1000);
+  expect_survivors("crash", "rank=1,step=3,kind=crash", want, 0, 1000, true);
 }
 
 static void test_hang(void **state) {
@@ -228,7 +272,7 @@ static void test_hang(void **state) {
   static const char *const want[3] = {"waiting for rank 1", "waiting for rank 1",
                                       "waiting for rank 1"};
   expect_survivors("hang", "rank=1,step=3,kind=hang", want, TIMEOUT_S * 900.0,
-                   TIMEOUT_S * 1100.0);
+                   TIMEOUT_S * 1100.0, true);
 }
 
 static void test_slow_past_timeout(void **state) {
@@ -236,30 +280,32 @@ static void test_slow_past_timeout(void **state) {
   static const char *const want[3] = {"waiting for rank 1", "waiting for rank 1",
                                       "waiting for rank 1"};
   expect_survivors("slow:3600", "rank=1,step=3,kind=slow:3600", want, TIMEOUT_S * 900.0,
-                   TIMEOUT_S * 1100.0);
+                   TIMEOUT_S * 1100.0, true);
 }
 
 static void test_skip_backward(void **state) {
   (void)state;
   static const char *const want[3] = {"but rank 1 runs allreduce", "but rank 1 runs allreduce",
                                       "but rank 1 runs allreduce"};
-  expect_survivors("skip_backward", "rank=1,step=3,kind=skip_backward", want, 0, 1000);
+  expect_survivors("skip_backward", "rank=1,step=3,kind=skip_backward", want, 0, 1000, true);
 }
 
 static void test_wrong_shape(void **state) {
   (void)state;
   static const char *const want[3] = {"but rank 1 runs allreduce", "but rank 1 runs allreduce",
                                       "but rank 1 runs allreduce"};
-  expect_survivors("wrong_shape", "rank=1,step=3,kind=wrong_shape", want, 0, 1000);
-  /* The same at a collective number instead of a step (#12: step 3's gradient bucket). */
-  expect_survivors("wrong_shape@#12", "rank=1,collective=12,kind=wrong_shape", want, 0, 1000);
+  expect_survivors("wrong_shape", "rank=1,step=3,kind=wrong_shape", want, 0, 1000, true);
+  /* The same at a collective number instead of a step: #12 is step 3's loss allreduce (count
+   * 1 issued as 0). */
+  expect_survivors("wrong_shape@#12", "rank=1,collective=12,kind=wrong_shape", want, 0, 1000,
+                   true);
 }
 
 static void test_corrupt_after(void **state) {
   (void)state;
   static const char *const want[3] = {"rank 1 holds 0x", "rank 1 holds 0x", "rank 1 holds 0x"};
   expect_survivors("corrupt_bucket:after", "rank=1,step=3,kind=corrupt_bucket:after", want, 0,
-                   1000);
+                   1000, false);
 }
 
 /* Flipped bits in rank 1's bucket before the allreduce reach every rank through the average:
