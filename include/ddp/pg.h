@@ -49,7 +49,9 @@ typedef struct ddp_pg_options {
   ddp_algorithm_t algorithm; /* AUTO = DDP_ALGORITHM env, else the size table */
   size_t segment_bytes;      /* pipelining segment of ring/canonical; 0 = 1 MiB */
   const char *job_token;     /* tcp: presented on every peer connection; NULL = DDP_JOB_TOKEN */
-  size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = 256 MiB (sparse) */
+  size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = the host's physical
+                              * memory (address space only: each block is reserved in
+                              * /dev/shm when ddp_pg_alloc hands it out) */
 } ddp_pg_options_t;
 
 #define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0}
@@ -135,8 +137,9 @@ DDP_API ddp_status_t ddp_pg_status(const ddp_pg_t *pg);
 
 /* Communication buffers: 64-byte aligned. On shm they live in the shared segment, so
  * collectives on them read peers' data in place with no copy; elsewhere ordinary memory.
- * NULL when out of memory (or out of the shm heap). Free with ddp_pg_free on the same group
- * before destroying it. */
+ * NULL when out of memory (on shm: /dev/shm cannot hold the block, or the heap has no free
+ * range), with the reason in ddp_pg_last_error (on shm it names /dev/shm, the bytes needed
+ * and the bytes free). Free with ddp_pg_free on the same group before destroying it. */
 DDP_API void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes);
 DDP_API void ddp_pg_free(ddp_pg_t *pg, void *ptr);
 

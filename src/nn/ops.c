@@ -446,7 +446,8 @@ ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
  *   forward's float).
  * The fused multiply-adds are those the AVX2 build of PyTorch contracts; fmaf is exact
  * either way, and the FMA clone only makes it an instruction rather than a libm call. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__)
 #define BN_FMA_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define BN_FMA_CLONES

@@ -299,7 +299,6 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
                                           : (4u << 20);
   ddp_backend_init_t init = {sizeof init, rank, o.world, o.store, o.timeout_ms, token, staging,
                              ddp__shared_ctl_bytes(o.world), o.shm_heap_bytes};
-  if (!init.heap_bytes) init.heap_bytes = 256u << 20;
   /* Each group gets its own key space: the k-th group a rank creates on a store uses the
    * prefix "ddp_pg/<k>", so re-creating a group after a failure (docs/errors.md) never reads
    * the previous group's rendezvous keys. Ranks create groups in the same order, so they
@@ -440,8 +439,17 @@ ddp_status_t ddp_pg_status(const ddp_pg_t *pg) {
 
 void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
-  if (pg->ops->mem_alloc) return pg->ops->mem_alloc(pg->state, bytes);
-  return ddp__aligned_alloc(bytes ? bytes : 1);
+  void *p = pg->ops->mem_alloc ? pg->ops->mem_alloc(pg->state, bytes)
+                                : ddp__aligned_alloc(bytes ? bytes : 1);
+  if (p) return p;
+  ddp_error_t why = {DDP_OK, ""};
+  if (pg->ops == &ddp__backend_shm) ddp__shm_alloc_error(pg->state, &why);
+  pthread_mutex_lock(&pg->mu);
+  ddp__error_quiet(&pg->arg_err, DDP_ERR_NO_MEMORY, "rank %d: ddp_pg_alloc of %zu bytes on "
+                   "backend %s failed: %s", pg->rank, bytes, pg->ops->name,
+                   why.msg[0] ? why.msg : "out of memory");
+  pthread_mutex_unlock(&pg->mu);
+  return NULL;
 }
 
 void ddp_pg_free(ddp_pg_t *pg, void *ptr) {

@@ -314,8 +314,8 @@ static ddp_status_t broadcast_coalesced(ddp_ddp_t *d, const tref_t *t, size_t n,
     ddp_dtype_t dt = t[a.indices[a.offsets[c]]].dtype;
     void *buf = ddp_pg_alloc(d->pg, total ? total : 1);
     if (!buf) {
-      st = fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: no memory for a %zu-byte %s chunk",
-                d->rank, total, what);
+      st = fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: no memory for a %zu-byte %s chunk: %s",
+                d->rank, total, what, ddp_pg_last_error(d->pg));
       c = a.nbuckets - 1;
       continue;
     }
@@ -449,8 +449,8 @@ static ddp_status_t init_buckets(ddp_ddp_t *d, const ddp_bucket_assignment_t *a)
     if (!x->buf) {
       free_buckets(d, nb, a->nbuckets);
       return fail(d, DDP_ERR_NO_MEMORY,
-                  "[rank %d] DDP: ddp_pg_alloc of %zu bytes for bucket %zu failed", d->rank,
-                  bytes, b);
+                  "[rank %d] DDP: bucket %zu of %zu bytes: %s", d->rank, b, bytes,
+                  ddp_pg_last_error(d->pg));
     }
     memset(x->buf, 0, bytes);
   }

@@ -11,6 +11,15 @@
  * read them through offsets, so collectives on them run in place with no copy. Other
  * buffers go through the staging areas in chunks.
  *
+ * Memory. The segment is a sparse file: only what is reserved uses memory. Rank 0 reserves
+ * the control block and the staging areas at create, and each rank reserves every heap
+ * block it hands out (posix_fallocate), so a /dev/shm too small for the job is an error
+ * naming /dev/shm, the bytes needed and the bytes free, never a SIGBUS on first touch
+ * later (tmpfs delivers SIGBUS for a page of a sparse file it cannot back). Because heap
+ * blocks cost nothing until handed out, each rank's heap is as large as the host's
+ * physical memory by default, so any model that fits in memory (and in /dev/shm) gets its
+ * buckets in the segment.
+ *
  * Liveness: every rank opens a pidfd for each peer. The shared-family waits poll them every
  * 10 ms while sleeping, so a killed peer is reported by rank and pid within milliseconds,
  * instead of at the timeout. Where pidfd_open is unavailable, kill(pid, 0) is the fallback. */
@@ -26,6 +35,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -48,14 +58,47 @@ typedef struct shm_state {
   unsigned char **staging;
   int *pids;
   int *pidfds;          /* -1 for self, or when pidfd_open is unavailable */
+  int fd;               /* the segment, kept open to reserve heap blocks */
   ddp_backend_shared_t sh;
   pthread_mutex_t heap_mu; /* guards the free list */
   size_t heap_lo, heap_hi; /* this rank's heap, as segment offsets */
   range_t *free_list;      /* sorted by offset, coalesced */
   size_t nfree, capfree;
+  ddp_error_t alloc_err;   /* why the last shm_alloc failed (heap_mu) */
 } shm_state_t;
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* Default per-rank heap: the host's physical memory (it is only address space until blocks
+ * are handed out), at least 256 MiB. */
+static size_t default_heap(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  size_t phys = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+  return DDP_MAX(phys, (size_t)256 << 20);
+}
+
+/* Bytes free in /dev/shm for this user, or -1 when statvfs fails. */
+static long long shm_free_bytes(void) {
+  struct statvfs v;
+  if (statvfs("/dev/shm", &v) != 0) return -1;
+  return (long long)v.f_bavail * (long long)v.f_frsize;
+}
+
+/* Backs [off, off + len) of the segment with memory now. On failure err (not logged) names
+ * /dev/shm, the bytes needed and the bytes free. */
+static ddp_status_t reserve(int fd, size_t off, size_t len, int rank, const char *what,
+                            ddp_error_t *err) {
+  int e;
+  do {
+    e = posix_fallocate(fd, (off_t)off, (off_t)len);
+  } while (e == EINTR);
+  if (e == 0) return DDP_OK;
+  return ddp__error_quiet(
+      err, e == ENOSPC ? DDP_ERR_NO_MEMORY : DDP_ERR_SYSTEM,
+      "rank %d: /dev/shm cannot hold %s: %zu bytes needed, %lld bytes free (posix_fallocate: "
+      "%s); enlarge /dev/shm (docker run --shm-size, or mount -o remount,size=... /dev/shm) "
+      "or use the tcp backend", rank, what, len, shm_free_bytes(), strerror(e));
+}
 
 static uint64_t to_handle(void *state, const void *p, size_t n) {
   shm_state_t *s = state;
@@ -95,6 +138,7 @@ static void shm_destroy(void *state) {
     for (int j = 0; j < s->size; j++)
       if (s->pidfds[j] >= 0) close(s->pidfds[j]);
   if (s->base) munmap(s->base, s->total);
+  if (s->fd >= 0) close(s->fd);
   ddp__free(s->pidfds);
   ddp__free(s->pids);
   ddp__free(s->staging);
@@ -111,6 +155,7 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
   shm_state_t *s = ddp__calloc(1, sizeof *s);
   if (!s) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "shm backend state");
   pthread_mutex_init(&s->heap_mu, NULL);
+  s->fd = -1;
   s->rank = rank;
   s->size = W;
   s->staging = ddp__calloc((size_t)W, sizeof *s->staging);
@@ -127,7 +172,7 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
   }
   for (int j = 0; j < W; j++) s->pidfds[j] = -1;
   size_t ctl = round_up(in->ctl_bytes, PAGE), stg = round_up(in->staging_bytes, PAGE);
-  size_t heap = round_up(in->heap_bytes, PAGE);
+  size_t heap = round_up(in->heap_bytes ? in->heap_bytes : default_heap(), PAGE);
   s->total = ctl + (size_t)W * stg + (size_t)W * heap;
 
   if (rank == 0) {
@@ -144,6 +189,12 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     if (ftruncate(fd, (off_t)s->total) != 0) {
       st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank 0: ftruncate(%s, %zu): %s (errno %d)",
                       name, s->total, strerror(errno), errno);
+      goto fail;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "the control block and %d staging areas of group %s", W, name);
+    if ((st = reserve(fd, 0, ctl + (size_t)W * stg, rank, what, err)) != DDP_OK) {
+      ddp__log(rank, DDP_LOG_ERROR, "%s: %s", ddp_status_name(st), err ? err->msg : what);
       goto fail;
     }
     st = ddp_store_set(in->store, "shm/name", name, strlen(name) + 1);
@@ -189,7 +240,7 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
                     s->total, strerror(errno), errno);
     goto fail;
   }
-  close(fd);
+  s->fd = fd;
   fd = -1;
   s->base = base;
   for (int j = 0; j < W; j++) s->staging[j] = s->base + ctl + (size_t)j * stg;
@@ -221,28 +272,49 @@ fail:
 static const ddp_backend_shared_t *shm_shared(void *state) { return &((shm_state_t *)state)->sh; }
 
 /* First-fit allocation in this rank's heap. Each block starts with a 64-byte header that
- * holds its length, so the payload stays 64-byte aligned. */
+ * holds its length, so the payload stays 64-byte aligned. The block is reserved in
+ * /dev/shm before it is handed out; when that fails (or no range fits) the reason is kept
+ * for ddp__shm_alloc_error and NULL returned. */
 static void *shm_alloc(void *state, size_t bytes) {
   shm_state_t *s = state;
   size_t need = round_up(bytes ? bytes : 1, 64) + BLOCK_HDR;
   void *p = NULL;
   pthread_mutex_lock(&s->heap_mu);
-  for (size_t i = 0; i < s->nfree; i++) {
-    range_t *r = &s->free_list[i];
-    if (r->len < need) continue;
-    size_t off = r->off;
-    r->off += need;
-    r->len -= need;
-    if (r->len == 0) {
-      memmove(r, r + 1, (s->nfree - i - 1) * sizeof *r);
-      s->nfree--;
-    }
-    memcpy(s->base + off, &need, sizeof need);
-    p = s->base + off + BLOCK_HDR;
-    break;
+  size_t i = 0;
+  while (i < s->nfree && s->free_list[i].len < need) i++;
+  if (i == s->nfree) {
+    ddp__error(&s->alloc_err, s->rank, DDP_ERR_NO_MEMORY,
+               "rank %d: no free range of %zu bytes in this rank's shm heap of %zu bytes "
+               "(shm_heap_bytes)", s->rank, need, s->heap_hi - s->heap_lo);
+    pthread_mutex_unlock(&s->heap_mu);
+    return NULL;
   }
+  range_t *r = &s->free_list[i];
+  size_t off = r->off;
+  char what[64];
+  snprintf(what, sizeof what, "a %zu-byte ddp_pg_alloc block", bytes);
+  if (reserve(s->fd, off, need, s->rank, what, &s->alloc_err) != DDP_OK) {
+    ddp__log(s->rank, DDP_LOG_ERROR, "%s", s->alloc_err.msg);
+    pthread_mutex_unlock(&s->heap_mu);
+    return NULL;
+  }
+  r->off += need;
+  r->len -= need;
+  if (r->len == 0) {
+    memmove(r, r + 1, (s->nfree - i - 1) * sizeof *r);
+    s->nfree--;
+  }
+  memcpy(s->base + off, &need, sizeof need);
+  p = s->base + off + BLOCK_HDR;
   pthread_mutex_unlock(&s->heap_mu);
   return p;
+}
+
+void ddp__shm_alloc_error(void *state, ddp_error_t *out) {
+  shm_state_t *s = state;
+  pthread_mutex_lock(&s->heap_mu);
+  *out = s->alloc_err;
+  pthread_mutex_unlock(&s->heap_mu);
 }
 
 static void shm_free(void *state, void *p) {

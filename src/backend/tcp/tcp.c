@@ -23,7 +23,17 @@
  *
  * Failure. fail() half-closes every connection (SHUT_WR): data already written still
  * arrives, then peers read end-of-file and fail at once instead of at their timeout.
- * abort() also wakes a blocked xfer through the eventfd. */
+ * abort() also wakes a blocked xfer through the eventfd.
+ *
+ * Blame. A rank that fails the group this way is alive; the culprit may be another rank
+ * (the one whose connection it saw close, or the one it timed out waiting for), and a rank
+ * that was not waiting on the culprit reads this rank's end-of-file first. So before the
+ * half-close, fail() sends one byte of TCP urgent data (MSG_OOB, outside the byte stream:
+ * the reader's ordinary receives skip it) holding the rank it blames. A reader that meets
+ * end-of-file looks for that byte: present, the peer failed because of the rank it names,
+ * and the message blames that rank first; absent, the peer itself exited (killed, crashed)
+ * or aborted, and is blamed. A dead rank's kernel sends no urgent byte, so the blame
+ * follows the chain of closures back to the rank that actually died. */
 #include <errno.h>
 #include <stdatomic.h>
 #include <fcntl.h>
@@ -73,6 +83,7 @@ typedef struct tcp_state {
   char (*addr)[ADDR_MAX];  /* "host:port" of each peer, for messages */
   int efd;                 /* abort eventfd */
   atomic_bool failed;
+  atomic_int blame;        /* the rank this rank's first failure blames; -1 = none yet */
 } tcp_state_t;
 
 static void tune(int fd) {
@@ -275,6 +286,7 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
   if (!s) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp backend state");
   s->rank = rank;
   s->size = W;
+  atomic_init(&s->blame, -1);
   s->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   s->fds = ddp__malloc((size_t)W * sizeof *s->fds);
   s->addr = ddp__calloc((size_t)W, sizeof *s->addr);
@@ -463,6 +475,59 @@ static void also_closed(tcp_state_t *s, int except, char *buf, size_t n) {
   if (o && o < n) snprintf(buf + o, n - o, ")");
 }
 
+/* Records the rank this rank's failure blames (the first one wins). */
+static void set_blame(tcp_state_t *s, int rank) {
+  int none = -1;
+  atomic_compare_exchange_strong(&s->blame, &none, rank);
+}
+
+/* The rank `peer` blamed in its urgent byte, or -1 when there is none (it sent none, or
+ * this rank's reads went past it: Linux drops an urgent byte that an ordinary receive
+ * reaches, which the receive that meets end-of-file always does). */
+static int urgent_blame(tcp_state_t *s, int peer) {
+  unsigned char b;
+  if (recv(s->fds[peer], &b, 1, MSG_OOB | MSG_DONTWAIT) == 1 && b < s->size && b != s->rank)
+    return b;
+  return -1;
+}
+
+/* After end-of-file from `peer`: the rank that failed first. Its own urgent byte names it
+ * when still readable. Otherwise the other connections already closed decide, since this
+ * rank has not read them to their end: one carrying an urgent byte belongs to a rank that
+ * failed because of the rank it names; one closed without any belongs to a rank that
+ * exited (a dead rank's kernel closes its connections at once, before any survivor can
+ * react). With neither, `peer` itself is blamed. */
+static int blame_of(tcp_state_t *s, int peer) {
+  int b = urgent_blame(s, peer), dead = -1;
+  for (int j = 0; j < s->size && b < 0; j++) {
+    if (j == s->rank || j == peer || s->fds[j] < 0) continue;
+    struct pollfd p = {s->fds[j], POLLRDHUP, 0};
+    if (poll(&p, 1, 0) != 1 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+    b = urgent_blame(s, j);
+    if (b < 0 && dead < 0) dead = j;
+  }
+  return b >= 0 ? b : dead >= 0 ? dead : peer;
+}
+
+/* The REMOTE error for end-of-file from `peer` after done of bytes (probe: a zero-byte
+ * receive), blaming the rank that actually failed first. */
+static ddp_status_t eof_error(tcp_state_t *s, int peer, size_t done, size_t bytes, bool probe,
+                              ddp_error_t *err) {
+  char others[160], at[64] = "";
+  int culprit = blame_of(s, peer);
+  set_blame(s, culprit);
+  also_closed(s, culprit == peer ? peer : culprit, others, sizeof others);
+  if (!probe) snprintf(at, sizeof at, " after %zu of %zu bytes", done, bytes);
+  if (culprit == peer)
+    return ddp__error_quiet(err, DDP_ERR_REMOTE,
+                            "rank %d (%s) closed the connection%s: it exited, failed or "
+                            "aborted%s", peer, s->addr[peer], at, others);
+  return ddp__error_quiet(err, DDP_ERR_REMOTE,
+                          "rank %d (%s) exited, failed or aborted, and rank %d (%s) failed "
+                          "the group because of it (closed its connection%s)%s", culprit,
+                          s->addr[culprit], peer, s->addr[peer], at, others);
+}
+
 static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
                              int64_t deadline, ddp_error_t *err) {
   tcp_state_t *s = state;
@@ -481,13 +546,8 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
       if (!o->is_send && o->bytes == 0 &&
-          recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
-        char others[160];
-        also_closed(s, o->peer, others, sizeof others);
-        return ddp__error_quiet(err, DDP_ERR_REMOTE,
-                                "rank %d (%s) closed the connection: it exited, failed or "
-                                "aborted%s", o->peer, s->addr[o->peer], others);
-      }
+          recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+        return eof_error(s, o->peer, 0, 0, true, err);
       while (o->done < o->bytes) {
         ssize_t r = o->is_send
                         ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
@@ -498,19 +558,14 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
           continue;
         }
         char others[160];
-        if (r == 0 && !o->is_send) {
-          also_closed(s, o->peer, others, sizeof others);
-          return ddp__error_quiet(err, DDP_ERR_REMOTE,
-                                  "rank %d (%s) closed the connection after %zu of %zu bytes: "
-                                  "it exited, failed or aborted%s", o->peer, s->addr[o->peer],
-                                  o->done, o->bytes, others);
-        }
+        if (r == 0 && !o->is_send) return eof_error(s, o->peer, o->done, o->bytes, false, err);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (atomic_load(&s->failed))
           return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d",
                                   s->rank);
         int e = errno;
+        set_blame(s, o->peer); /* a reset: the peer's socket is gone, so is the peer */
         also_closed(s, o->peer, others, sizeof others);
         return ddp__error_quiet(err, DDP_ERR_REMOTE, "%s rank %d (%s): %s (errno %d)%s",
                                 o->is_send ? "send to" : "recv from", o->peer, s->addr[o->peer],
@@ -531,6 +586,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
     }
     int64_t now = ddp_now_ns();
     if (now >= deadline) {
+      set_blame(s, ops[map[0]].peer);
       char who[512];
       size_t o = 0;
       who[0] = '\0';
@@ -560,8 +616,19 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
 
 static void tcp_fail(void *state) {
   tcp_state_t *s = state;
-  for (int j = 0; j < s->size; j++)
-    if (s->fds[j] >= 0) shutdown(s->fds[j], SHUT_WR);
+  set_blame(s, s->rank); /* no peer to blame: this rank failed (desync, abort) */
+  unsigned char b = (unsigned char)atomic_load(&s->blame);
+  for (int j = 0; j < s->size; j++) {
+    if (s->fds[j] < 0) continue;
+    /* The urgent byte, then the end-of-file. A full send buffer (the peer is not reading)
+     * gets 50 ms to drain; without the byte the peer blames this rank. */
+    const int flags = MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT;
+    if (send(s->fds[j], &b, 1, flags) < 0 && errno == EAGAIN) {
+      struct pollfd p = {s->fds[j], POLLOUT, 0};
+      if (poll(&p, 1, 50) == 1 && send(s->fds[j], &b, 1, flags) < 0) { /* blames this rank */ }
+    }
+    shutdown(s->fds[j], SHUT_WR);
+  }
 }
 
 static void tcp_abort(void *state) {
