@@ -9,10 +9,12 @@
  *  - a killed rank (shm): the analyzer names the rank that left no dump;
  *  - SIGUSR1 dumps while the job runs (a forked rank on shm; every group of a threads job),
  *    and the job goes on;
- *  - DDP's bucket allreduce carries the bucket index and its parameter names.
+ *  - DDP's bucket allreduce carries the bucket index and its parameter names;
+ *  - ddp-train --ddp_trace FILE writes every rank's Perfetto/Chrome timeline.
  * Every case runs in a fresh /tmp/ddp-test-fr-* directory, removed afterwards. */
 #include <cjson/cJSON.h>
 #include <dirent.h>
+#include <ftw.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -40,19 +42,15 @@ static void make_dir(char *buf, size_t n) {
   assert_non_null(mkdtemp(buf));
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  struct dirent *e;
-  char p[512];
-  while ((e = readdir(d))) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-    unlink(p);
-  }
-  closedir(d);
-  rmdir(dir);
+static int remove_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb;
+  (void)flag;
+  (void)ftw;
+  return remove(p);
 }
+
+/* Removes dir and everything under it. */
+static void remove_dir(const char *dir) { nftw(dir, remove_one, 16, FTW_DEPTH | FTW_PHYS); }
 
 static cJSON *read_json(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -285,8 +283,7 @@ static void check_ring(const char *dir, int want) {
 
 static void test_ring_wraps(void **state) {
   (void)state;
-  char dir[64];
-  make_dir(dir, sizeof dir);
+  const char *dir = *state;
   scen_t sc = {"threads", 0, 5000, NULL, dir};
   clear_env();
   setenv("DDP_FR_BUFFER_SIZE", "4", 1);
@@ -318,7 +315,6 @@ static void test_ring_wraps(void **state) {
   }
   ddp_test_results_free(res);
   clear_env();
-  remove_dir(dir);
 }
 
 /* ---------------------------------------------------------------- failures -------- */
@@ -342,9 +338,7 @@ static void expect_dumps(const ddp_test_results_t *res, const char *dir, int wor
   }
 }
 
-static void run_stall(const char *backend, ddp_test_mode_t mode) {
-  char dir[64];
-  make_dir(dir, sizeof dir);
+static void run_stall(const char *dir, const char *backend, ddp_test_mode_t mode) {
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
   scen_t sc = {backend, 1, 1500, NULL, dir};
@@ -354,31 +348,24 @@ static void run_stall(const char *backend, ddp_test_mode_t mode) {
   ddp_test_results_free(res);
   cJSON *v = analyze(dir);
   if (!v) {
-    remove_dir(dir);
     skip();
   }
   int culprit[] = {1};
   expect_verdict(v, "not_entered", 5, 4, culprit, 1);
   cJSON_Delete(v);
-  remove_dir(dir);
 }
 
 static void test_stall_threads(void **state) {
-  (void)state;
-  run_stall("threads", DDP_TEST_THREADS);
+  run_stall(*state, "threads", DDP_TEST_THREADS);
 }
 static void test_stall_shm(void **state) {
-  (void)state;
-  run_stall("shm", DDP_TEST_FORK);
+  run_stall(*state, "shm", DDP_TEST_FORK);
 }
 static void test_stall_tcp(void **state) {
-  (void)state;
-  run_stall("tcp", DDP_TEST_FORK);
+  run_stall(*state, "tcp", DDP_TEST_FORK);
 }
 
-static void run_desync(const char *backend, ddp_test_mode_t mode) {
-  char dir[64];
-  make_dir(dir, sizeof dir);
+static void run_desync(const char *dir, const char *backend, ddp_test_mode_t mode) {
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
   scen_t sc = {backend, 2, 5000, NULL, dir};
@@ -389,7 +376,6 @@ static void run_desync(const char *backend, ddp_test_mode_t mode) {
   ddp_test_results_free(res);
   cJSON *v = analyze(dir);
   if (!v) {
-    remove_dir(dir);
     skip();
   }
   int culprit[] = {2};
@@ -399,24 +385,20 @@ static void run_desync(const char *backend, ddp_test_mode_t mode) {
     fail();
   }
   cJSON_Delete(v);
-  remove_dir(dir);
 }
 
 static void test_desync_threads(void **state) {
-  (void)state;
-  run_desync("threads", DDP_TEST_THREADS);
+  run_desync(*state, "threads", DDP_TEST_THREADS);
 }
 static void test_desync_tcp(void **state) {
-  (void)state;
-  run_desync("tcp", DDP_TEST_FORK);
+  run_desync(*state, "tcp", DDP_TEST_FORK);
 }
 
 /* kill -9 of rank 1 mid-stream: the survivors dump at the failure, the analyzer names the
  * rank without a dump. */
 static void test_killed_rank_shm(void **state) {
   (void)state;
-  char dir[64];
-  make_dir(dir, sizeof dir);
+  const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
   scen_t sc = {"shm", 3, 5000, NULL, dir};
@@ -426,7 +408,6 @@ static void test_killed_rank_shm(void **state) {
   ddp_test_results_free(res);
   cJSON *v = analyze(dir);
   if (!v) {
-    remove_dir(dir);
     skip();
   }
   assert_str(jstr(v, "kind"), "no_dump");
@@ -434,7 +415,6 @@ static void test_killed_rank_shm(void **state) {
   assert_int_equal(cJSON_GetArraySize(c), 1);
   assert_int_equal((int)cJSON_GetArrayItem(c, 0)->valuedouble, 1);
   cJSON_Delete(v);
-  remove_dir(dir);
 }
 
 /* ---------------------------------------------------------------- SIGUSR1 --------- */
@@ -457,8 +437,7 @@ static void expect_signal_dump(const char *dir, int rank) {
  * job finishes normally. */
 static void test_sigusr1_shm(void **state) {
   (void)state;
-  char dir[64];
-  make_dir(dir, sizeof dir);
+  const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
   scen_t sc = {"shm", 3, 10000, NULL, dir};
@@ -473,14 +452,12 @@ static void test_sigusr1_shm(void **state) {
     print_error("rank 0 dumped though only rank 1 was signalled\n");
     fail();
   }
-  remove_dir(dir);
 }
 
 /* In a threads job, one SIGUSR1 dumps every rank's group of the process. */
 static void test_sigusr1_threads(void **state) {
   (void)state;
-  char dir[64];
-  make_dir(dir, sizeof dir);
+  const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
   scen_t sc = {"threads", 4, 10000, NULL, dir};
@@ -490,7 +467,6 @@ static void test_sigusr1_threads(void **state) {
   ddp_test_results_free(res);
   expect_signal_dump(dir, 0);
   expect_signal_dump(dir, 1);
-  remove_dir(dir);
 }
 
 /* ---------------------------------------------------------------- DDP tags -------- */
@@ -542,8 +518,7 @@ static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
 
 static void test_ddp_bucket_tags(void **state) {
   (void)state;
-  char dir[64];
-  make_dir(dir, sizeof dir);
+  const char *dir = *state;
   clear_env();
   scen_t sc = {"threads", 0, 10000, NULL, dir};
   ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -587,21 +562,93 @@ static void test_ddp_bucket_tags(void **state) {
     }
     cJSON_Delete(j);
   }
-  remove_dir(dir);
+}
+
+/* ---------------------------------------------------------------- ddp-train ------- */
+
+/* `ddp-train --ddp_trace FILE` writes the reducer's timeline of every rank: 2 ranks x 4
+ * steps x (forward, backward, finalize, allreduce bucket 0). With --ddp_reducer false it is
+ * refused. */
+static void test_ddp_train_trace(void **state) {
+  (void)state;
+  const char *build = getenv("DDP_BUILD_ROOT");
+  if (!build) skip();
+  const char *dir = *state;
+  char cmd[1024], errp[128], path[128];
+  snprintf(path, sizeof path, "%s/trace.json", dir);
+  snprintf(errp, sizeof errp, "%s/stderr", dir);
+  snprintf(cmd, sizeof cmd,
+           "%s/tools/ddp-train --threads 2 --max_steps 4 --logging_steps 2 --save_steps 100 "
+           "--output_dir %s/out --ddp_trace %s",
+           build, dir, path);
+  int rc = ddp_test_proc_run(cmd, errp, 100, NULL);
+  assert_int_equal(rc, 0);
+  FILE *f = fopen(path, "rb");
+  assert_non_null(f);
+  char *text = calloc(1, 1 << 20);
+  assert_non_null(text);
+  size_t n = fread(text, 1, (1 << 20) - 2, f);
+  fclose(f);
+  while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == ',')) n--; /* the open array */
+  text[n] = ']';
+  cJSON *j = cJSON_Parse(text);
+  free(text);
+  assert_non_null(j);
+  int per[2][4] = {{0}};
+  const char *names[4] = {"forward", "backward", "finalize", "allreduce bucket 0"};
+  const cJSON *e;
+  cJSON_ArrayForEach(e, j) {
+    int pid = (int)jint(e, "pid");
+    assert_true(pid == 0 || pid == 1);
+    assert_str(jstr(e, "ph"), "X");
+    for (int k = 0; k < 4; k++) per[pid][k] += strcmp(jstr(e, "name"), names[k]) == 0;
+  }
+  for (int r = 0; r < 2; r++)
+    for (int k = 0; k < 4; k++) {
+      if (per[r][k] != 4) {
+        print_error("rank %d has %d \"%s\" events, expected 4\n", r, per[r][k], names[k]);
+        fail();
+      }
+    }
+  cJSON_Delete(j);
+  snprintf(cmd, sizeof cmd,
+           "%s/tools/ddp-train --threads 2 --max_steps 2 --ddp_reducer false --output_dir "
+           "%s/out2 --ddp_trace %s",
+           build, dir, path);
+  rc = ddp_test_proc_run(cmd, errp, 100, NULL);
+  assert_int_not_equal(rc, 0);
+}
+
+/* Every case gets a fresh /tmp/ddp-test-fr-* directory as its state, removed afterwards
+ * whether it passed or failed. */
+static int setup_dir(void **state) {
+  char *dir = malloc(64);
+  if (!dir) return -1;
+  make_dir(dir, 64);
+  *state = dir;
+  return 0;
+}
+
+static int teardown_dir(void **state) {
+  clear_env();
+  remove_dir(*state);
+  free(*state);
+  return 0;
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ring_wraps),
-      cmocka_unit_test(test_ddp_bucket_tags),
-      cmocka_unit_test(test_stall_threads),
-      cmocka_unit_test(test_stall_shm),
-      cmocka_unit_test(test_stall_tcp),
-      cmocka_unit_test(test_desync_threads),
-      cmocka_unit_test(test_desync_tcp),
-      cmocka_unit_test(test_killed_rank_shm),
-      cmocka_unit_test(test_sigusr1_shm),
-      cmocka_unit_test(test_sigusr1_threads),
+      cmocka_unit_test_setup_teardown(test_ring_wraps, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_ddp_bucket_tags, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_stall_threads, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_stall_shm, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_stall_tcp, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_desync_threads, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_desync_tcp, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_killed_rank_shm, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_sigusr1_shm, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_sigusr1_threads, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_ddp_train_trace, setup_dir, teardown_dir),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -100,6 +100,8 @@ typedef struct ddp_train_args {
   ddp_tristate_t ddp_static_graph;        /* unset: false */
   bool gradient_as_bucket_view;           /* false */
   bool ddp_reducer; /* libddp: true = the bucketed DDP reducer; false = one flat allreduce */
+  char ddp_trace[DDP_TRAIN_STR_MAX]; /* libddp: "" or the Chrome/Perfetto timeline file that
+                                      * every rank's reducer writes (docs/ddp.md, Timeline) */
   /* communication hooks (Accelerate's names) */
   char comm_hook[32];                     /* "no"; needs ddp_reducer (docs/hooks.md) */
   char comm_wrapper[16];                  /* "no" */

@@ -94,6 +94,7 @@ static const arg_field_t fields[] = {
     F_BOOL(gradient_as_bucket_view, "false", "gradients live in the DDP buckets"),
     F_BOOL(ddp_reducer, "true",
            "libddp: bucketed DDP reducer; false: one flat gradient allreduce after backward"),
+    F_STR(ddp_trace, "", "libddp: write the Perfetto/Chrome timeline of every rank to FILE"),
     F_STR(comm_hook, "no", "no, fp16, bf16, power_sgd, batched_power_sgd, allreduce"),
     F_STR(comm_wrapper, "no", "no, fp16, bf16"),
     F_STR(comm_state_option, "", "JSON object of PowerSGD state options"),
@@ -479,6 +480,10 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "ddp_first_bucket_mb must be positive (or -1 for the reducer's "
                             "rule), got %g", a->ddp_first_bucket_mb);
+  }
+  if (a->ddp_trace[0] && !a->ddp_reducer) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "ddp_trace needs ddp_reducer true: the timeline is the reducer's");
   }
   ddp_optim_options_t oo = DDP_SGD_OPTIONS_INIT;
   DDP_CHECK(ddp__train_optim_args(a, &oo, err));

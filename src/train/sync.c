@@ -157,6 +157,7 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     o.find_unused_parameters = ddp_train_find_unused(&s->args);
     o.gradient_as_bucket_view = s->args.gradient_as_bucket_view;
     o.static_graph = ddp_train_static_graph(&s->args);
+    if (s->args.ddp_trace[0]) o.trace_path = s->args.ddp_trace;
     ddp_error_t e = {0};
     ddp_status_t st = ddp_ddp_create(s->model, s->pg, &o, &s->ddp, &e);
     if (st != DDP_OK) {
