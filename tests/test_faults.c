@@ -232,17 +232,10 @@ static void expect_survivors(const char *kind, const char *spec, const char *con
       if (r == CULPRIT) continue;
       double ms = (j->t_fail[r] - j->t_inject) * 1e3;
       bool named = strstr(j->msg[r], want[b]) != NULL;
-      /* tcp: a survivor that reads a live neighbour's end-of-file first (that neighbour
-       * failed because of the culprit) names it, and the culprit in "connections also
-       * closed by rank 1" (docs/errors.md, Limits). Accepted, and said. */
-      bool second = !named && !strcmp(backends[b], "tcp") &&
-                    strstr(j->msg[r], "also closed by rank 1") != NULL;
       print_message("[%s %s] rank %d: exit %d, failed %.1f ms after the injection "
                     "(expected %.0f..%.0f), names \"%s\": %s\n  %.600s\n",
                     backends[b], kind, r, j->rc[r], ms, lo_ms, hi_ms, want[b],
-                    named ? "yes" : second ? "only as \"also closed by rank 1\"" : "NO",
-                    j->msg[r]);
-      named |= second;
+                    named ? "yes" : "NO", j->msg[r]);
       ok &= j->rc[r] == 1 && j->t_fail[r] > 0 && named && ms >= lo_ms && ms <= hi_ms;
     }
     /* The flight-recorder analyzer, from the dumps alone, names the same culprit. */
