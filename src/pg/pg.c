@@ -494,14 +494,8 @@ static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
   pthread_mutex_lock(&pg->mu);
   int64_t seq = c->kind == DDP__SEND || c->kind == DDP__RECV ? -1 : (int64_t)pg->seq;
   pthread_mutex_unlock(&pg->mu);
-  ddp_error_t fe = {DDP_OK, ""};
-  ddp_status_t st = ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, &fe);
-  if (st != DDP_OK) {
-    pthread_mutex_lock(&pg->mu);
-    ddp__error_quiet(&pg->arg_err, st, "%s", fe.msg);
-    pthread_mutex_unlock(&pg->mu);
-  }
-  return st;
+  /* A failure has aborted the group, so ddp_pg_last_error quotes it. */
+  return ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, NULL);
 }
 
 ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
@@ -515,10 +509,8 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
   *out = NULL;
   const char *what = ddp__kind_name(c->kind);
-  if (pg->fault.spec.kind || pg->fault.shape_armed || pg->fault.corrupt_armed) {
-    ddp_status_t fs = fault_hook(pg, c);
-    if (fs != DDP_OK) return fs;
-  }
+  ddp_status_t fst = ddp__pg_fault_active(&pg->fault) ? fault_hook(pg, c) : DDP_OK;
+  if (fst != DDP_OK) return fst;
   if (c->kind != DDP__BARRIER) {
     if (!dtype_ok(c->dt))
       return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);
