@@ -184,8 +184,18 @@ static int scen_rank(ddp_test_rank_t *tr, void *arg) {
   int r = ddp_test_rank(tr);
   float buf[128] = {0};
   ddp_status_t st = DDP_OK;
-  if (sc->kind == 0) { /* ring: 10 allreduces of 10..19 elements, then a dump */
-    for (int i = 0; i < 10 && st == DDP_OK; i++) st = allreduce_n(pg, buf, 10 + (size_t)i);
+  if (sc->kind == 0) { /* ring: 10 allreduces of 10..19 elements, the last one tagged with
+                        * 40 names (over the 255 bytes kept), then a dump */
+    for (int i = 0; i < 10 && st == DDP_OK; i++) {
+      if (i == 9) {
+        char names[1024] = "";
+        for (int k = 0; k < 40; k++)
+          snprintf(names + strlen(names), sizeof names - strlen(names), "%slayer.%02d.weight",
+                   k ? "," : "", k);
+        ddp_pg_set_next_collective_tag(pg, 7, names);
+      }
+      st = allreduce_n(pg, buf, 10 + (size_t)i);
+    }
     char path[512];
     snprintf(path, sizeof path, "%s/ring_%d.json", sc->dir, r);
     ddp_error_t err = {DDP_OK, ""};
@@ -270,6 +280,25 @@ static void check_ring(const char *dir, int want) {
                      10 + k);
     assert_str(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(e, "input_dtypes"), 0)
                    ->valuestring, "Float");
+    const cJSON *params = cJSON_GetObjectItemCaseSensitive(e, "ddp_params");
+    if (k < 9) {
+      assert_null(cJSON_GetObjectItemCaseSensitive(e, "ddp_bucket"));
+    } else { /* whole names while they fit in 255 bytes, then "..." */
+      assert_int_equal(jint(e, "ddp_bucket"), 7);
+      int np = cJSON_GetArraySize(params);
+      if (np != 15 + 1) {
+        char *t = cJSON_PrintUnformatted(params);
+        print_error("ddp_params has %d items, expected 15 names and \"...\": %s\n", np, t);
+        free(t);
+        fail();
+      }
+      for (int q = 0; q < np - 1; q++) {
+        char want[32];
+        snprintf(want, sizeof want, "layer.%02d.weight", q);
+        assert_str(cJSON_GetArrayItem(params, q)->valuestring, want);
+      }
+      assert_str(cJSON_GetArrayItem(params, np - 1)->valuestring, "...");
+    }
     int64_t c = jint(e, "time_created_ns"), s = jint(e, "time_discovered_started_ns"),
             d = jint(e, "time_discovered_completed_ns");
     if (!(c > 0 && c <= s && s <= d)) {

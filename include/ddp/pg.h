@@ -117,7 +117,8 @@ DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, con
  * TORCH_FR_DUMP_TEMP_FILE says. tools/ddp-fr-trace reads every rank's dump. ---- */
 
 /* The next collective issued on this group is recorded with `bucket` (a DDP bucket index, or
- * -1) and `text` (the bucket's parameter names, comma-separated; truncated past 511 bytes).
+ * -1) and `text` (the bucket's parameter names, comma-separated; past 255 bytes the names
+ * that fit, then "...").
  * DDP calls it before each bucket's allreduce or comm hook. No-op when recording is off. */
 DDP_API void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const char *text);
 /* True when this group records its collectives. */

@@ -43,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FR_TAG_BYTES 512
+#define FR_TAG_BYTES 256
 #define FR_POLL_MS 100
 #define FR_MAX_ENTRIES 1000000
 
@@ -538,7 +538,15 @@ void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text) {
   if (!fr) return;
   pthread_mutex_lock(&fr->mu);
   fr->tag_bucket = bucket;
-  snprintf(fr->tag, sizeof fr->tag, "%s", text ? text : "");
+  size_t n = text ? strlen(text) : 0;
+  if (n < sizeof fr->tag) {
+    memcpy(fr->tag, text ? text : "", n + 1);
+  } else { /* whole names only, then "...": cut after the last comma that leaves room */
+    size_t cut = sizeof fr->tag - 5;
+    while (cut > 0 && text[cut] != ',') cut--;
+    memcpy(fr->tag, text, cut);
+    memcpy(fr->tag + cut, cut ? ",..." : "...", cut ? 5 : 4);
+  }
   pthread_mutex_unlock(&fr->mu);
 }
 
