@@ -80,7 +80,11 @@ static void usage(FILE *f) {
           "                     loaded by name, strictly (else: PyTorch's default init, seeded)\n"
           "  --config FILE      JSON object of training arguments (command-line flags win)\n"
           "  --threads N        in-process ranks (threads backend)\n"
-          "  --print_args       print the resolved training arguments as JSON and exit\n");
+          "  --print_args       print the resolved training arguments as JSON and exit\n"
+          "  --ddp_fault SPEC   fault injection, as DDP_FAULT (docs/errors.md): e.g.\n"
+          "                     rank=1,step=5,kind=crash; kinds crash, hang, slow:MS,\n"
+          "                     skip_backward, wrong_shape, corrupt_bucket[:after];\n"
+          "                     collective=K instead of step=S\n");
   train_text_usage(f);
   fprintf(f,
           "\n"
@@ -210,6 +214,13 @@ static int parse_args(tool_t *t, int argc, char **argv) {
         return usage_error("--label_dtype expects i64 or f32, got \"%s\"%s", value, "");
       }
       t->float_labels = !strcmp(value, "f32");
+    } else if (!strcmp(name, "ddp_fault")) {
+      /* Fault injection (docs/errors.md): checked here, then handed to the library through
+       * the one variable it reads, in this process (every rank of a launcher parses it). */
+      ddp_fault_t f;
+      if (ddp_fault_parse(value, &f, &err) != DDP_OK)
+        return usage_error("--ddp_fault \"%s\": %s", value, err.msg);
+      setenv("DDP_FAULT", value, 1);
     } else if (!strcmp(name, "label_column")) {
       t->label_column = value;
     } else if (!strcmp(name, "threads")) {
@@ -433,6 +444,11 @@ int main(int argc, char **argv) {
     t.args.ddp_timeout = s; /* ddprun --timeout S reaches the trainer through DDP_TIMEOUT */
   }
   ddp_error_t err = {0};
+  ddp_fault_t fault;
+  if (ddp_fault_from_env(&fault, &err) != DDP_OK) {
+    fprintf(stderr, "ddp-train: %s\n", err.msg);
+    return 2;
+  }
   ddp_status_t st = ddp_train_args_validate(&t.args, &err);
   if (st != DDP_OK) {
     fprintf(stderr, "ddp-train: %s\n", train_why(st, &err));

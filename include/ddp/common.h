@@ -177,7 +177,9 @@ DDP_API void ddp_free(void *ptr);
   X(SLURM_NTASKS, "SLURM_NTASKS", "", "World size under Slurm's srun.")                   \
   X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.") \
   X(TRAIN_SAVE_PAUSE_MS, "DDP_TRAIN_SAVE_PAUSE_MS", "0",                                   \
-    "Test hook: ddp_train sleeps this long between a checkpoint's files.")
+    "Test hook: ddp_train sleeps this long between a checkpoint's files.")                \
+  X(FAULT, "DDP_FAULT", "",                                                                \
+    "Fault injection: rank=R,step=S|collective=K,kind=crash|hang|slow:MS|... (docs/errors.md).")
 
 typedef enum ddp_env_id {
 #define DDP_ENV_ENUM_(id, name, def, doc) DDP_ENV_##id,
@@ -198,6 +200,43 @@ DDP_API ddp_status_t ddp_env_int(ddp_env_id_t id, int64_t lo, int64_t hi, int64_
 DDP_API const char *ddp_env_name(ddp_env_id_t id);
 DDP_API const char *ddp_env_default(ddp_env_id_t id);
 DDP_API const char *ddp_env_doc(ddp_env_id_t id);
+
+/* ---------------------------------------------------------------- fault injection - */
+
+/* Faults rehearsed on purpose (docs/errors.md, "Fault injection"): one rank misbehaves at
+ * one optimizer step of ddp_train or at one collective of its process group. */
+typedef enum ddp_fault_kind {
+  DDP_FAULT_NONE = 0,
+  DDP_FAULT_CRASH = 1,          /* process ranks: SIGKILL to itself; threads: the rank fails
+                                 * with DDP_ERR_ABORTED and aborts its group */
+  DDP_FAULT_HANG = 2,           /* stops entering collectives (until its group fails, or for
+                                 * the group's timeout plus 1 s, then fails) */
+  DDP_FAULT_SLOW = 3,           /* sleeps slow_ms before the step's first collective (or
+                                 * before collective K) */
+  DDP_FAULT_SKIP_BACKWARD = 4,  /* ddp_train only: forward without backward at the step */
+  DDP_FAULT_WRONG_SHAPE = 5,    /* the next collective with a count > 0 has count - 1 */
+  DDP_FAULT_CORRUPT_BUCKET = 6  /* bits flipped in the next floating-point allreduce's input
+                                 * (before) or, with :after, in the rank's reduced gradients */
+} ddp_fault_kind_t;
+
+typedef struct ddp_fault {
+  ddp_fault_kind_t kind; /* NONE: no fault */
+  int rank;              /* the culprit */
+  int64_t step;          /* optimizer step (0-based, ddp_train), or -1 */
+  int64_t collective;    /* collective sequence number (#K in messages), or -1 */
+  int64_t slow_ms;       /* DDP_FAULT_SLOW */
+  bool after;            /* DDP_FAULT_CORRUPT_BUCKET:after */
+} ddp_fault_t;
+
+/* Parses "rank=R,step=S,kind=K" (or collective=K instead of step; fields in any order,
+ * spaces allowed; kinds crash, hang, slow:MS, skip_backward, wrong_shape,
+ * corrupt_bucket[:before|:after]). "" is no fault. DDP_ERR_INVALID_ARGUMENT names the field
+ * and the accepted values ("DDP_FAULT field 'kind': ..."). */
+DDP_API ddp_status_t ddp_fault_parse(const char *spec, ddp_fault_t *out, ddp_error_t *err);
+/* ddp_fault_parse of DDP_FAULT (no fault when unset). */
+DDP_API ddp_status_t ddp_fault_from_env(ddp_fault_t *out, ddp_error_t *err);
+/* "crash", "hang", "slow", ... ("none"). */
+DDP_API const char *ddp_fault_kind_name(ddp_fault_kind_t k);
 
 /* ---------------------------------------------------------------- clock ----------- */
 

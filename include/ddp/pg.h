@@ -98,6 +98,19 @@ DDP_API void ddp_pg_abort(ddp_pg_t *pg);
  * reason stays). */
 DDP_API void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason);
 
+/* Fault injection (docs/errors.md, "Fault injection"; ddp_train calls it for DDP_FAULT's
+ * step=S faults, the group itself for collective=K ones). Runs f->kind now on this rank,
+ * from the thread that issues the group's collectives, after logging "fault injection: KIND
+ * on rank R at WHERE (t=... s, CLOCK_MONOTONIC)": CRASH kills this process with SIGKILL, or
+ * on the threads backend aborts the group and returns DDP_ERR_ABORTED; HANG returns
+ * DDP_ERR_ABORTED (after aborting the group) once the group has failed or the timeout plus
+ * 1 s has passed; SLOW sleeps f->slow_ms; WRONG_SHAPE arms the next collective with a
+ * count > 0 to run with count - 1 (DESYNC on every rank); CORRUPT_BUCKET arms the next
+ * floating-point allreduce to have bits of its input flipped. Other kinds are
+ * DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
+                                         ddp_error_t *err);
+
 /* ---- flight recorder (docs/errors.md, "Flight recorder"): every group keeps its last
  * DDP_FR_BUFFER_SIZE collectives (default 2000; 0 = off) and dumps them as JSON when it fails,
  * when another rank of the job dumped, and on SIGUSR1, where DDP_FR_DUMP_DIR or PyTorch's

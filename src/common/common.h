@@ -62,4 +62,16 @@ ddp_status_t ddp__error_quiet(ddp_error_t *err, ddp_status_t st, const char *fmt
     DDP_PRINTF(3, 4);
 void ddp__error_clear(ddp_error_t *err);
 
+/* Fault injection (fault.c). Logs, at WARN and so always, the line tests and users time a
+ * fault from: "fault injection: KIND on rank R at WHERE (t=SECONDS s, CLOCK_MONOTONIC)",
+ * with the moment of injection; returns that moment in ns. */
+int64_t ddp__fault_log(const ddp_fault_t *f, int rank, const char *where);
+/* A process rank's crash: logs the line above, then SIGKILL to itself (no cleanup, no
+ * message, like an OOM kill). */
+_Noreturn void ddp__fault_crash_process(const ddp_fault_t *f, int rank, const char *where);
+/* Flips the top exponent bit of element 0 of buf (count elements of es bytes, little-endian
+ * floats; nothing when count is 0), so that value changes by orders of magnitude, and the
+ * lowest bit of its last element. */
+void ddp__fault_flip_bits(void *buf, size_t count, size_t es);
+
 #endif /* DDP_SRC_COMMON_H */

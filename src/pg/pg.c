@@ -20,6 +20,7 @@
 #include "algo/algo.h"
 #include "backend/backends.h"
 #include "ddp/pg.h"
+#include "pg/fault.h"
 #include "pg/flight_recorder.h"
 
 #define PG_MAGIC 0x70677270u
@@ -71,6 +72,7 @@ struct ddp_pg {
   uint64_t *p2p_send_seq;  /* per peer */
   uint64_t *p2p_recv_seq;
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
+  ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
   ddp__fr_t *fr;            /* flight recorder; NULL when off */
 };
 
@@ -289,6 +291,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
     goto fail;
   }
+  if ((st = ddp__pg_fault_init(&pg->fault, rank, err)) != DDP_OK) goto fail;
 
   /* shm staging: the segment size when the caller set one (tests reach the chunked path
    * with small messages), else 4 MiB per rank. */
@@ -486,11 +489,28 @@ static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, .
   return st;
 }
 
+/* Fault injection (fault.h): the sequence number the collective will get, then the hook. */
+static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
+  pthread_mutex_lock(&pg->mu);
+  int64_t seq = c->kind == DDP__SEND || c->kind == DDP__RECV ? -1 : (int64_t)pg->seq;
+  pthread_mutex_unlock(&pg->mu);
+  /* A failure has aborted the group, so ddp_pg_last_error quotes it. */
+  return ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, NULL);
+}
+
+ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
+                                 ddp_error_t *err) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && f && where);
+  return ddp__pg_fault_fire(pg, &pg->fault, f, where, pg->timeout_ms, err);
+}
+
 /* Checks what every kind shares, stamps the fingerprint and queues. */
 static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
   *out = NULL;
   const char *what = ddp__kind_name(c->kind);
+  ddp_status_t fst = ddp__pg_fault_active(&pg->fault) ? fault_hook(pg, c) : DDP_OK;
+  if (fst != DDP_OK) return fst;
   if (c->kind != DDP__BARRIER) {
     if (!dtype_ok(c->dt))
       return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);

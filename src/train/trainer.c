@@ -28,6 +28,7 @@
 #include "common/common.h"
 #include "ddp/reducer.h"
 #include "ddp_config.h"
+#include "train/faults.h"
 #include "train/sync.h"
 #include "train/train_internal.h"
 
@@ -60,6 +61,7 @@ typedef struct trainer {
   ddp_lr_schedule_t sched;
   uint64_t flags;         /* this rank's forward_flags entry */
   ddp__train_q_t *init_q; /* power_sgd_init_q; NULL when off */
+  ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
 } trainer_t;
 
 /* w is read only after st's call has run (hence the pointer: argument order is unspecified). */
@@ -707,6 +709,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
   if (ddp_env_is_set(DDP_ENV_TRAIN_SAVE_PAUSE_MS)) {
     DDP_CHECK_GOTO(ddp_env_int(DDP_ENV_TRAIN_SAVE_PAUSE_MS, 0, 3600000, &pause, t->err), st, out);
   }
+  DDP_CHECK_GOTO(ddp__train_fault_init(&t->fault, t->rank, t->err), st, out);
   DDP_CHECK_GOTO(setup(t), st, out);
   int64_t start = 0;
   DDP_CHECK_GOTO(resume(t, &start), st, out);
@@ -755,6 +758,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
     int64_t epoch = step / t->steps_per_epoch;
     DDP_CHECK_GOTO(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA), st, out);
     ddp__train_forward_flags_at(a->forward_flags, t->rank, step, &t->flags); /* validated */
+    DDP_CHECK_GOTO(ddp__train_fault_step(&t->fault, pg, step, t->err), st, out);
     double local_loss = 0;
     for (int64_t k = 0; k < GA; k++) {
       ddp_batch_t b;
@@ -776,11 +780,12 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
       DDP_CHECK_GOTO(ddp__sync_post_forward(t->sync, t->ctx, y, t->err), st, out);
       DDP_CHECK_GOTO(compute_loss(t, y, &b, &loss), st, out);
       local_loss += scalar_value(loss) / (double)GA;
-      st = ddp__sync_backward(t->sync, t->ctx, loss, GA > 1 ? &t->seed_grad : NULL, &comm,
-                              t->err);
+      st = ddp__train_fault_skips(&t->fault, step, k) ? DDP_OK : ddp__sync_backward(t->sync,
+          t->ctx, loss, GA > 1 ? &t->seed_grad : NULL, &comm, t->err);
       if (st != DDP_OK) goto out;
       ddp_ctx_reset(t->ctx);
     }
+    ddp__train_fault_after_backward(&t->fault, model, step);
     if (t->init_q) DDP_CHECK_GOTO(ddp__train_q_check(t->init_q, t->err), st, out);
     if (t->dump) DDP_CHECK_GOTO(dump_check(t, ddp_dump_grads(t->dump)), st, out);
     double gnorm = 0;
@@ -924,6 +929,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
   }
 
 out:
+  ddp__train_fault_end(&t->fault, st, t->err->msg);
   ddp__metrics_close(t->metrics, NULL);
   ddp_dump_close(t->dump);
   ddp__sync_destroy(t->sync);
