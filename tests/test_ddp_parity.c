@@ -7,7 +7,8 @@
  * broadcast, the same samples (DistributedSampler with the same seed), the same
  * micro-batching, loss scaling, optimizer, forward flags and DDP options, writing dump B
  * (--dump_dir). tools/ddp-compare must find every input, gradient, parameter and buffer of
- * every step and rank within its default tolerance (rtol 1e-5, atol 1e-7), and the
+ * every step and rank within rtol 1e-6, atol 1e-7 (issue 14's bound; ddp-compare's default
+ * is rtol 1e-5), and the
  * initial and rebuilt bucket layouts in both ddp.json files must be identical. The driver
  * (both runs, the comparison, the layout checks) is tests/harness/parity.c, shared with
  * tests/test_hooks_parity.c.
@@ -81,7 +82,7 @@ static void test_parity_defaults(void **state) {
   (void)state;
   pcfg_t c = {.name = "defaults", .model = MLP, .world = 2, .steps = 6, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true};
+              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -90,7 +91,7 @@ static void test_parity_grad_as_bucket_view(void **state) {
   (void)state;
   pcfg_t c = {.name = "grad_bucket_view", .model = MLP, .world = 2, .steps = 4, .batch = 8,
               .accum = 2, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .grad_as_bucket_view = true, .rebuilt = true};
+              .broadcast_buffers = true, .grad_as_bucket_view = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -98,7 +99,7 @@ static void test_parity_defaults_w3(void **state) {
   (void)state;
   pcfg_t c = {.name = "defaults_w3", .model = MLP, .world = 3, .steps = 4, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true};
+              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -106,7 +107,7 @@ static void test_parity_bucket_cap_1(void **state) {
   (void)state;
   pcfg_t c = {.name = "bucket_cap_mb_1", .model = WIDE, .world = 2, .steps = 4, .batch = 8,
               .accum = 1, .lr = 0.05, .momentum = 0.9, .bucket_cap_mb = 1,
-              .broadcast_buffers = true, .rebuilt = true};
+              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -114,7 +115,7 @@ static void test_parity_find_unused(void **state) {
   (void)state;
   pcfg_t c = {.name = "find_unused", .model = BRANCH, .world = 2, .steps = 6, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .flags = "1,0", .bucket_cap_mb = -1,
-              .find_unused = true, .broadcast_buffers = true, .rebuilt = false};
+              .find_unused = true, .broadcast_buffers = true, .rebuilt = false, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -123,7 +124,7 @@ static void test_parity_bucket_cap_1_find_unused(void **state) {
   (void)state;
   pcfg_t c = {.name = "bucket_cap_1_unused", .model = WIDE, .world = 2, .steps = 3, .batch = 8,
               .accum = 1, .lr = 0.05, .momentum = 0.9, .bucket_cap_mb = 1,
-              .find_unused = true, .broadcast_buffers = true, .rebuilt = false};
+              .find_unused = true, .broadcast_buffers = true, .rebuilt = false, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -131,7 +132,7 @@ static void test_parity_grad_accum(void **state) {
   (void)state;
   pcfg_t c = {.name = "grad_accum_4", .model = MLP, .world = 2, .steps = 4, .batch = 8,
               .accum = 4, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true};
+              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -139,7 +140,7 @@ static void test_parity_batchnorm_broadcast(void **state) {
   (void)state;
   pcfg_t c = {.name = "batchnorm_bb_on", .model = BN, .world = 2, .steps = 6, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true};
+              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -147,7 +148,7 @@ static void test_parity_batchnorm_no_broadcast(void **state) {
   (void)state;
   pcfg_t c = {.name = "batchnorm_bb_off", .model = BN, .world = 2, .steps = 6, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = false, .rebuilt = true};
+              .broadcast_buffers = false, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
@@ -155,7 +156,7 @@ static void test_parity_static_graph(void **state) {
   (void)state;
   pcfg_t c = {.name = "static_graph", .model = MLP, .world = 2, .steps = 6, .batch = 8,
               .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .static_graph = true, .rebuilt = true};
+              .broadcast_buffers = true, .static_graph = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
   parity(&c);
 }
 
