@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "nn/ops_common.h"
+#include "nn/ops_vexp.h"
 
 /* ---------------------------------------------------------------- add, mul, bias -- */
 
@@ -182,11 +183,41 @@ static double act_bwd(ddp_act_t a, double x, double y) {
   return 1;
 }
 
+/* gelu_new in F32, the MLP activation of GPT-2 (9.4M elements per step at 124M, batch
+ * 4 x 64): with s = sigmoid(2u), u = K0 (x + K1 x^3), gelu_new(x) = 0.5 x (1 + tanh(u)) =
+ * x s, and its derivative 0.5 (1 + t) + 0.5 x (1 - t^2) K0 (1 + 3 K1 x^2) =
+ * s + 2 x s (1 - s) K0 (1 + 3 K1 x^2), where 1 - s = e s with e = exp(-2u). Written this
+ * way neither needs tanh nor subtracts nearly equal numbers (1 + t for t near -1), and the
+ * loops vectorize through ddp__vexpf. Float throughout: within a few ulps of the double
+ * evaluation, as close to it as PyTorch's own float evaluation of the same formula. */
+DDP__VEC_KERNEL static void gelu_tanh_f32(const float *x, float *y, int64_t n) {
+  const float k0 = (float)GELU_K0, k1 = (float)GELU_K1;
+  for (int64_t k = 0; k < n; k++) {
+    float xk = x[k], u = k0 * (xk + k1 * (xk * xk * xk));
+    y[k] = xk / (1.0f + ddp__vexpf(-2.0f * u));
+  }
+}
+
+DDP__VEC_KERNEL static void gelu_tanh_bwd_f32(const float *x, const float *gy, float *gx,
+                                              int64_t n) {
+  const float k0 = (float)GELU_K0, k1 = (float)GELU_K1, k3 = (float)(3.0 * GELU_K1);
+  for (int64_t k = 0; k < n; k++) {
+    float xk = x[k], x2 = xk * xk, u = k0 * (xk + k1 * (x2 * xk));
+    float e = ddp__vexpf(-2.0f * u), s = 1.0f / (1.0f + e);
+    float d = s + (2.0f * xk) * (s * (e * s)) * (k0 * (1.0f + k3 * x2));
+    gx[k] += gy[k] * d;
+  }
+}
+
 static ddp_status_t bw_act(ddp_ctx_t *c, ddp_node_t *n) {
   ddp_var_t *x = n->ins[0];
   ddp_act_t a = (ddp_act_t)n->i0;
   void *g = ddp__grad(c, x);
   if (!g) return OOM(c, n->name);
+  if (a == DDP_ACT_GELU_TANH && x->value.dtype == DDP_F32) {
+    gelu_tanh_bwd_f32(x->value.data, n->out->grad.data, g, x->value.numel);
+    return DDP_OK;
+  }
   DISPATCH(x->value.dtype, {
     T *gx = g;
     const T *gy = n->out->grad.data, *xx = x->value.data, *yy = n->out->value.data;
@@ -209,6 +240,10 @@ ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t a, ddp_var_t *x, ddp_var_t *
   DDP_CHECK(make_out(c, "activation", bw_act, x->value.dtype, x->value.ndim, x->value.shape, 1,
                      &x, y, &n));
   if (n) n->i0 = a;
+  if (a == DDP_ACT_GELU_TANH && x->value.dtype == DDP_F32) {
+    gelu_tanh_f32(x->value.data, (*y)->value.data, x->value.numel);
+    return DDP_OK;
+  }
   DISPATCH(x->value.dtype, {
     T *o = (*y)->value.data;
     const T *xx = x->value.data;
