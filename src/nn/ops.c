@@ -49,8 +49,8 @@ ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
       is_float(b->value.dtype) && add_broadcasts(&a->value, &b->value)) {
     ddp_var_t *ins[2] = {a, b};
     ddp_node_t *n;
-    DDP_CHECK(make_out(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y,
-                       &n));
+    DDP_CHECK(make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2,
+                           ins, y, &n));
     int64_t bn = b->value.numel, rows = bn ? a->value.numel / bn : 0;
     DISPATCH(a->value.dtype, {
       T *o = (*y)->value.data;
@@ -63,7 +63,8 @@ ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
   DDP_CHECK(check_same(c, "add", a, b));
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins,
+                         y, &n));
   DISPATCH(a->value.dtype, {
     T *o = (*y)->value.data;
     const T *x0 = a->value.data, *x1 = b->value.data;
@@ -92,7 +93,8 @@ ddp_status_t ddp_mul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
   DDP_CHECK(check_same(c, "mul", a, b));
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "mul", bw_mul, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "mul", bw_mul, a->value.dtype, a->value.ndim, a->value.shape, 2, ins,
+                         y, &n));
   DISPATCH(a->value.dtype, {
     T *o = (*y)->value.data;
     const T *x0 = a->value.data, *x1 = b->value.data;
@@ -137,8 +139,8 @@ ddp_status_t ddp_bias_add(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *b, ddp_var_t **
                           (long long)b->value.numel, (long long)last_dim(x));
   ddp_var_t *ins[2] = {x, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "bias_add", bw_bias_add, x->value.dtype, x->value.ndim, x->value.shape,
-                     2, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "bias_add", bw_bias_add, x->value.dtype, x->value.ndim, x->value.shape,
+                         2, ins, y, &n));
   int64_t d = b->value.numel, rows = d ? x->value.numel / d : 0;
   DISPATCH(x->value.dtype, {
     T *o = (*y)->value.data;
@@ -237,8 +239,8 @@ ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t a, ddp_var_t *x, ddp_var_t *
   DDP_REQUIRE(a >= DDP_ACT_RELU && a <= DDP_ACT_SIGMOID);
   DDP_CHECK(check_float(c, "activation", x));
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "activation", bw_act, x->value.dtype, x->value.ndim, x->value.shape, 1,
-                     &x, y, &n));
+  DDP_CHECK(make_out_raw(c, "activation", bw_act, x->value.dtype, x->value.ndim, x->value.shape, 1,
+                         &x, y, &n));
   if (n) n->i0 = a;
   if (a == DDP_ACT_GELU_TANH && x->value.dtype == DDP_F32) {
     gelu_tanh_f32(x->value.data, (*y)->value.data, x->value.numel);
@@ -314,7 +316,8 @@ static ddp_status_t softmax_op(ddp_ctx_t *c, ddp_var_t *x, bool log_, ddp_var_t 
   const char *op = log_ ? "log_softmax" : "softmax";
   DDP_CHECK(check_float(c, op, x));
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_softmax, x->value.dtype, x->value.ndim, x->value.shape, 1, &x, y, &n));
+  DDP_CHECK(make_out_raw(c, op, bw_softmax, x->value.dtype, x->value.ndim, x->value.shape, 1, &x,
+                         y, &n));
   if (n) n->i0 = log_;
   int64_t d = last_dim(x);
   softmax_rows(x->value.dtype, x->value.data, (*y)->value.data, d ? x->value.numel / d : 0, d, log_);
@@ -351,8 +354,8 @@ ddp_status_t ddp_dropout(ddp_ctx_t *c, ddp_var_t *x, double p, bool training, dd
     return DDP_OK;
   }
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "dropout", bw_dropout, x->value.dtype, x->value.ndim, x->value.shape, 1,
-                     &x, y, &n));
+  DDP_CHECK(make_out_raw(c, "dropout", bw_dropout, x->value.dtype, x->value.ndim, x->value.shape, 1,
+                         &x, y, &n));
   void *mask = ddp__arena_alloc(c, (size_t)x->value.numel * ddp_dtype_size(x->value.dtype));
   if (!mask) return OOM(c, "dropout");
   ddp_rng_t r;
@@ -434,8 +437,8 @@ ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
                           ddp_dtype_name(x->value.dtype));
   ddp_var_t *ins[3] = {x, w, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "layer_norm", bw_layer_norm, x->value.dtype, x->value.ndim,
-                     x->value.shape, 3, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "layer_norm", bw_layer_norm, x->value.dtype, x->value.ndim,
+                         x->value.shape, 3, ins, y, &n));
   double *st = ddp__arena_alloc(c, (size_t)(2 * rows + 1) * sizeof(double));
   if (!st) return OOM(c, "layer_norm");
   DISPATCH(x->value.dtype, {
@@ -609,8 +612,8 @@ ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, ddp_var_t
   shape[ids->value.ndim] = D;
   ddp_var_t *ins[2] = {ids, w};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "embedding", bw_embedding, w->value.dtype, ids->value.ndim + 1, shape, 2,
-                     ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "embedding", bw_embedding, w->value.dtype, ids->value.ndim + 1,
+                         shape, 2, ins, y, &n));
   size_t row = (size_t)D * ddp_dtype_size(w->value.dtype);
   for (int64_t i = 0; i < ids->value.numel; i++)
     memcpy((char *)(*y)->value.data + i * row, (const char *)w->value.data + id[i] * row, row);

@@ -249,7 +249,7 @@ ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp_var_t *
   size_t es = ddp_dtype_size(dt);
   ddp_var_t *ins[3] = {q, k, v};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_attention, dt, 4, sh, 3, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, op, bw_attention, dt, 4, sh, 3, ins, y, &n));
   attn_saved_t *s = ddp__arena_zalloc(c, sizeof *s);
   if (!s) return OOM(c, op);
   s->causal = causal;
