@@ -13,6 +13,21 @@
 #include "nn/ops_common.h"
 #include "nn/ops_vexp.h"
 
+/* max_j row[j] over 8 lanes (j mod 8), then across them: the same value as a sequential
+ * scan (a maximum does not depend on the order; NaNs are skipped either way), but the
+ * loop vectorizes. -INFINITY for an empty or all-NaN row. */
+DDP__VEC_KERNEL static float row_max_f32(const float *row, int64_t n) {
+  float m[8];
+  for (int l = 0; l < 8; l++) m[l] = -INFINITY;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; l++) m[l] = row[j + l] > m[l] ? row[j + l] : m[l];
+  for (; j < n; j++) m[0] = row[j] > m[0] ? row[j] : m[0];
+  float mx = m[0];
+  for (int l = 1; l < 8; l++) mx = m[l] > mx ? m[l] : mx;
+  return mx;
+}
+
 /* sum_j exp(row[j] - mx) in double; e is n floats of scratch. */
 DDP__VEC_KERNEL static double sum_exp_f32(const float *row, int64_t n, float mx, float *e) {
   for (int64_t j = 0; j < n; j++) e[j] = ddp__vexpf(row[j] - mx);
@@ -123,8 +138,7 @@ ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labe
         int64_t target = l[b * nt + t + 1];
         if (target == ignore_index) continue;
         const float *row = xx + (b * nt + t) * V;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+        float mx = row_max_f32(row, V);
         double m = (double)mx + log(sum_exp_f32(row, V, mx, e));
         lse[b * (nt - 1) + t] = m;
         total += m - (double)row[target];
