@@ -173,7 +173,8 @@ if [[ "$parts" == *a* ]]; then
   echo
   echo "best: libddp $lp ms ($(setting_of "${besta[libddp]:-x.none}") kernels," \
        "$(get "${besta[libddp]:-/dev/null}" blas_core)), PyTorch $tp ms" \
-       "($(setting_of "${besta[torch]:-x.none}") kernels, $(get "${besta[torch]:-/dev/null}" blas_core))"
+       "($(setting_of "${besta[torch]:-x.none}") kernels," \
+       "$(get "${besta[torch]:-/dev/null}" blas_core))"
   printf '%-52s %8s  goal %-7s %s\n' "libddp step p50 / PyTorch step p50 (124M)" "${rt:--}" \
     "<= 1.0" "$(verdict "$rt" '<=' 1.0)"
   printf '%-52s %8s  goal %-7s %s\n' "libddp peak RSS / PyTorch peak RSS (124M)" "${rm_:--}" \

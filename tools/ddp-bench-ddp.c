@@ -168,7 +168,8 @@ static ddp_status_t step(bench_rank_t *r, bool sync) {
   if (st == DDP_OK)
     st = r->ids ? ddp_causal_lm_loss(r->ctx, logits, t, -100, &loss)
                 : ddp_cross_entropy(r->ctx, logits, t, -100, &loss);
-  if (st == DDP_OK) st = r->ddp ? ddp_ddp_backward(r->ddp, r->ctx, loss) : ddp_backward(r->ctx, loss);
+  if (st == DDP_OK)
+    st = r->ddp ? ddp_ddp_backward(r->ddp, r->ctx, loss) : ddp_backward(r->ctx, loss);
   if (r->ddp) ddp_ddp_set_sync(r->ddp, old);
   if (st == DDP_OK) st = ddp_optim_step(r->opt, NULL);
   if (st != DDP_OK) {
@@ -381,8 +382,9 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
            (long long)cs.bytes_last_step, (long long)cs.numel_before,
            (long long)cs.numel_after, cs.rate);
     printf(" step_cpu_p50_ms=%.3f model=%s batch=%d seq=%d optim=%s blas_core=%s"
-           " peak_rss_mb=%.1f\n", step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch, cfg->model ? cfg->seq : 0,
-           cfg->adamw ? "adamw" : "sgd", ddp_blas_core(), peak_rss_mb());
+           " peak_rss_mb=%.1f\n", step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch,
+           cfg->model ? cfg->seq : 0, cfg->adamw ? "adamw" : "sgd", ddp_blas_core(),
+           peak_rss_mb());
     fflush(stdout);
   }
   teardown(&r);
