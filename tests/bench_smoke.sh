@@ -11,8 +11,12 @@
 #    bucket layout by the benchmarks);
 #  - every timing and ratio is a positive number, CPU figures included; cpus is this
 #    process's CPU count;
-#  - bad flags exit 2 with a message naming the flag.
-# Timings are not compared with goals here: speed is measured by tools/bench_ddp.sh.
+#  - bad flags exit 2 with a message naming the flag;
+#  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
+#    the parameter count is the config's, and the step time, CPU time and peak RSS are
+#    positive; the PyTorch peer (--world 1) counts the same parameters.
+# Timings are not compared with goals here: speed is measured by tools/bench_ddp.sh and
+# tools/bench_gpt2.sh.
 set -u -o pipefail
 ddprun=$1
 bench=$2
@@ -58,7 +62,7 @@ cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # the affinity mask's c
 [ "$(get "$ddp" cpus)" = "$cpus" ] || fail "cpus is not $cpus"
 positive "$ddp" "${keys[@]}"
 
-for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1"; do
+for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1" "--optim lamb"; do
   # shellcheck disable=SC2086  # the flag and its value are two words
   msg=$(RANK=0 WORLD_SIZE=1 "$bench" $bad 2>&1)
   rc=$?
@@ -66,10 +70,35 @@ for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1"; do
   grep -q -- "${bad%% *}" <<<"$msg" || fail "'$bad': the message does not name the flag: $msg"
 done
 
+# GPT-2 (tools/bench_gpt2.sh's mode), tiny: C = 64, 2 layers, vocab 256, 64 positions.
+printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64,' \
+  '"n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}' \
+  >"$work/gpt2.json"
+C=64; L=2; V=256; P=64
+# wte, wpe; per block ln_1, c_attn, c_proj, ln_2, c_fc, mlp.c_proj; ln_f (tied lm_head)
+gpt2_numel=$((V * C + P * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 4 * C * C
+                                    + 4 * C + 4 * C * C + C) + 2 * C))
+gpt2_args=(--model "$work/gpt2.json" --optim adamw --batch 2 --seq 16 --steps 2 --warmup 2)
+timeout -k 5 120 env -u RANK -u WORLD_SIZE "$bench" "${gpt2_args[@]}" >"$work/gpt2.txt" 2>&1 ||
+  { cat "$work/gpt2.txt"; fail "ddp-bench-ddp --model failed"; }
+g=$(grep -o 'RESULT .*' "$work/gpt2.txt" | head -1)
+echo "libddp GPT-2: $g"
+[ "$(get "$g" grad_numel)" = "$gpt2_numel" ] || fail "GPT-2 grad_numel is not $gpt2_numel"
+[ "$(get "$g" model)" = gpt2 ] && [ "$(get "$g" optim)" = adamw ] &&
+  [ "$(get "$g" world)" = 1 ] || fail "GPT-2 run: model/optim/world are not gpt2/adamw/1"
+positive "$g" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
+
 if ! "$py" -c 'import torch' 2>/dev/null; then
   echo "SKIP: the PyTorch part ($py without torch)"
   exit 0
 fi
+timeout -k 5 180 "$py" "$src/tools/peer_torch_ddp.py" --world 1 "${gpt2_args[@]}" \
+  >"$work/gpt2_torch.txt" 2>&1 ||
+  { cat "$work/gpt2_torch.txt"; fail "peer_torch_ddp.py --model failed"; }
+gt=$(grep -o 'RESULT .*' "$work/gpt2_torch.txt" | head -1)
+echo "PyTorch GPT-2: $gt"
+[ "$(get "$gt" grad_numel)" = "$gpt2_numel" ] || fail "PyTorch GPT-2 grad_numel is not $gpt2_numel"
+positive "$gt" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
 OPENBLAS_CORETYPE=$("$bench" --blas-core) timeout -k 5 180 "$py" "$src/tools/peer_torch_ddp.py" \
   --world 2 "${counts[@]}" >"$work/torch.txt" 2>&1 ||
   { cat "$work/torch.txt"; fail "peer_torch_ddp.py failed"; }

@@ -56,3 +56,22 @@ def match_libddp():
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable] + sys.argv)
+
+
+def core_name():
+    """The kernel set of the OpenBLAS this process has loaded (after `import torch`): the
+    library is found in /proc/self/maps and asked (openblas_get_corename); "unknown" when
+    no OpenBLAS is mapped."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "blas" in line and "/" in line}
+    except OSError:
+        return "unknown"
+    for path in sorted(paths):
+        try:
+            get = ctypes.CDLL(path).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        get.restype = ctypes.c_char_p
+        return (get() or b"unknown").decode().strip()
+    return "unknown"

@@ -37,11 +37,24 @@
  * payload bytes the last synchronised step handed to collectives come from
  * ddp_ddp_get_comm_stats. Phases 2 and 3 are skipped when their count is 0.
  *
- * Rank 0 prints one line "RESULT key=value ..." that tools/bench_ddp.sh parses.
+ * With --model FILE (a Transformers config.json; GPT-2) the model is that GPT-2 instead of
+ * the MLP: the input of a step is I64 token ids [batch, --seq] (fixed random ids, different
+ * on every rank) and the loss is the causal-LM loss on the same ids as labels
+ * (ddp_causal_lm_loss, as Transformers' GPT2LMHeadModel with labels = input_ids). --optim
+ * adamw replaces SGD by AdamW (PyTorch's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8,
+ * weight_decay 0.01). Started without a launcher (RANK and WORLD_SIZE unset), the program is
+ * one process without a process group or DDP: zero_grad, forward, loss, ddp_backward and the
+ * optimizer step, phase 1 only (tools/bench_gpt2.sh's one-thread comparison).
+ *
+ * Rank 0 prints one line "RESULT key=value ..." that tools/bench_ddp.sh and
+ * tools/bench_gpt2.sh parse; peak_rss_mb is the process's peak resident set
+ * (getrusage ru_maxrss) at the end of the run.
  *
  *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
  *       [--pairs N] [--ar-iters N] [--batch B] [--hook H] [--wrapper W] [--state JSON]
  *       [--trace FILE] [--bucket-cap-mb MB] [--grad-as-bucket-view]
+ *       [--model CONFIG.json [--seq T]] [--optim sgd|adamw]
+ *   ddp-bench-ddp --model CONFIG.json ...    (one process, no DDP)
  *   ddp-bench-ddp --blas-core    (the OpenBLAS kernel set in use: ddp_blas_core)
  */
 #include <errno.h>
@@ -49,6 +62,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "ddp.h"
@@ -63,13 +77,15 @@ static const char *model_json =
 enum { IN_DIM = 784, CLASSES = 10 };
 
 typedef struct bench_config {
-  int steps, warmup, pairs, ar_iters, batch;
+  int steps, warmup, pairs, ar_iters, batch, seq;
   const char *hook, *wrapper, *state, *trace;
+  const char *model; /* a Transformers config.json, or NULL for the MLP */
+  bool adamw;        /* AdamW instead of SGD */
   double bucket_cap_mb; /* DDP_BUCKET_CAP_UNSET: PyTorch's default (25, 1 MiB first) */
   bool grad_view;       /* gradient_as_bucket_view */
 } bench_config_t;
 
-/* Everything one rank needs for a training step. */
+/* Everything one rank needs for a training step. pg and ddp are NULL in a single process. */
 typedef struct bench_rank {
   ddp_pg_t *pg;
   ddp_model_t *model;
@@ -80,6 +96,8 @@ typedef struct bench_rank {
   float *x;
   int64_t *y;
   int64_t batch;
+  int64_t *ids; /* --model: token ids [batch, seq], also the labels */
+  int64_t seq;
 } bench_rank_t;
 
 static int cmp_i64(const void *a, const void *b) {
@@ -116,7 +134,14 @@ static int cpus_allowed(void) {
   return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
 }
 
+/* Peak resident set of this process so far, MiB. */
+static double peak_rss_mb(void) {
+  struct rusage ru;
+  return getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
+}
+
 static ddp_status_t barrier(ddp_pg_t *pg) {
+  if (!pg) return DDP_OK; /* one process */
   ddp_work_t *w = NULL;
   ddp_status_t st = ddp_barrier(pg, &w);
   return st == DDP_OK ? ddp_work_wait_free(w) : st;
@@ -124,42 +149,71 @@ static ddp_status_t barrier(ddp_pg_t *pg) {
 
 /* One training step; sync selects a synchronised or a no_sync step. */
 static ddp_status_t step(bench_rank_t *r, bool sync) {
-  int64_t xs[2] = {r->batch, IN_DIM};
   ddp_var_t *x, *t, *logits, *loss;
-  bool old = ddp_ddp_set_sync(r->ddp, sync);
+  bool old = r->ddp ? ddp_ddp_set_sync(r->ddp, sync) : true;
   ddp_optim_zero_grad(r->opt, false);
-  ddp_status_t st = ddp_var_new(r->ctx, DDP_F32, 2, xs, r->x, false, &x);
-  if (st == DDP_OK) st = ddp_var_new(r->ctx, DDP_I64, 1, &r->batch, r->y, false, &t);
-  if (st == DDP_OK) st = ddp_ddp_forward(r->ddp, r->ctx, x, 0, &logits);
-  if (st == DDP_OK) st = ddp_cross_entropy(r->ctx, logits, t, -100, &loss);
-  if (st == DDP_OK) st = ddp_ddp_backward(r->ddp, r->ctx, loss);
-  ddp_ddp_set_sync(r->ddp, old);
+  ddp_status_t st;
+  if (r->ids) { /* GPT-2: ids [B, T], labels = the same ids */
+    int64_t s[2] = {r->batch, r->seq};
+    st = ddp_var_new(r->ctx, DDP_I64, 2, s, r->ids, false, &x);
+    t = x;
+  } else {
+    int64_t xs[2] = {r->batch, IN_DIM};
+    st = ddp_var_new(r->ctx, DDP_F32, 2, xs, r->x, false, &x);
+    if (st == DDP_OK) st = ddp_var_new(r->ctx, DDP_I64, 1, &r->batch, r->y, false, &t);
+  }
+  if (st == DDP_OK)
+    st = r->ddp ? ddp_ddp_forward(r->ddp, r->ctx, x, 0, &logits)
+                : ddp_model_forward(r->model, r->ctx, x, 0, &logits);
+  if (st == DDP_OK)
+    st = r->ids ? ddp_causal_lm_loss(r->ctx, logits, t, -100, &loss)
+                : ddp_cross_entropy(r->ctx, logits, t, -100, &loss);
+  if (st == DDP_OK)
+    st = r->ddp ? ddp_ddp_backward(r->ddp, r->ctx, loss) : ddp_backward(r->ctx, loss);
+  if (r->ddp) ddp_ddp_set_sync(r->ddp, old);
   if (st == DDP_OK) st = ddp_optim_step(r->opt, NULL);
   if (st != DDP_OK) {
-    fprintf(stderr, "ddp-bench-ddp: rank %d: step: %s: %s %s\n", ddp_pg_rank(r->pg),
-            ddp_status_name(st), ddp_ddp_last_error(r->ddp), ddp_ctx_last_error(r->ctx)->msg);
+    fprintf(stderr, "ddp-bench-ddp: rank %d: step: %s: %s %s\n", r->pg ? ddp_pg_rank(r->pg) : 0,
+            ddp_status_name(st), r->ddp ? ddp_ddp_last_error(r->ddp) : "",
+            ddp_ctx_last_error(r->ctx)->msg);
   }
   ddp_ctx_reset(r->ctx);
   return st;
 }
 
 static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
-  int rank = ddp_pg_rank(r->pg);
+  int rank = r->pg ? ddp_pg_rank(r->pg) : 0;
   ddp_error_t err = {0};
   ddp_status_t st;
   r->batch = cfg->batch;
-  if ((st = ddp_model_from_json(model_json, &r->model, &err)) != DDP_OK ||
+  r->seq = cfg->seq;
+  if ((st = cfg->model ? ddp_model_from_json_file(cfg->model, &r->model, &err)
+                       : ddp_model_from_json(model_json, &r->model, &err)) != DDP_OK ||
       (st = ddp_model_init(r->model, 1234 + (uint64_t)rank)) != DDP_OK ||
       (st = ddp_ctx_create(&r->ctx)) != DDP_OK) {
     fprintf(stderr, "ddp-bench-ddp: rank %d: model: %s %s\n", rank, ddp_status_name(st), err.msg);
     return st;
   }
+  const ddp_hf_config_t *hf = ddp_model_hf_config(r->model);
+  if (cfg->model && (!hf || ddp_model_task(r->model) != DDP_TASK_CAUSAL_LM)) {
+    fprintf(stderr, "ddp-bench-ddp: %s: --model takes a GPT-2 config.json (model_type gpt2)\n",
+            cfg->model);
+    return DDP_ERR_INVALID_ARGUMENT;
+  }
+  if (cfg->model) {
+    r->ids = malloc((size_t)cfg->batch * (size_t)cfg->seq * sizeof *r->ids);
+    if (!r->ids) return DDP_ERR_NO_MEMORY;
+    uint64_t s = 77 + (uint64_t)rank;
+    for (size_t i = 0; i < (size_t)cfg->batch * (size_t)cfg->seq; i++)
+      r->ids[i] = (int64_t)(mix(&s) % (uint64_t)hf->gpt2.vocab_size);
+  }
   ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
   o.trace_path = cfg->trace;
   o.bucket_cap_mb = cfg->bucket_cap_mb;
   o.gradient_as_bucket_view = cfg->grad_view;
-  if ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
-      (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK) {
+  if (r->pg && /* one process: no DDP */
+      ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
+       (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK)) {
     fprintf(stderr, "ddp-bench-ddp: rank %d: ddp: %s %s\n", rank, ddp_status_name(st), err.msg);
     return st;
   }
@@ -175,6 +229,7 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
   }
   ddp_optim_options_t oo = DDP_SGD_OPTIONS_INIT;
   oo.lr = 0.01;
+  if (cfg->adamw) oo = (ddp_optim_options_t)DDP_ADAMW_OPTIONS_INIT;
   if ((st = ddp_optim_create(&oo, r->pairs, np, &r->opt, &err)) != DDP_OK) {
     fprintf(stderr, "ddp-bench-ddp: rank %d: optim: %s %s\n", rank, ddp_status_name(st), err.msg);
     return st;
@@ -195,6 +250,7 @@ static void teardown(bench_rank_t *r) {
   free(r->pairs);
   free(r->x);
   free(r->y);
+  free(r->ids);
 }
 
 /* Phase 3: p50 of the whole-gradient allreduce alone, in ms. */
@@ -240,14 +296,14 @@ static void last_ready(ddp_ddp_t *ddp, size_t *tensor_numel, size_t *bucket_nume
 
 static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   bench_rank_t r = {.pg = pg};
-  int rank = ddp_pg_rank(pg);
+  int rank = pg ? ddp_pg_rank(pg) : 0;
   int nt = cfg->steps > cfg->pairs ? cfg->steps : cfg->pairs;
   int64_t *ts = calloc((size_t)nt + 1, sizeof *ts), *tn = calloc((size_t)nt + 1, sizeof *tn);
   int64_t *cpu_s = calloc((size_t)nt + 1, sizeof *cpu_s);
   int64_t *cpu_n = calloc((size_t)nt + 1, sizeof *cpu_n);
   ddp_status_t st = ts && tn && cpu_s && cpu_n ? setup(&r, cfg) : DDP_ERR_NO_MEMORY;
   double steps_per_s = 0, step_p50 = 0, sync_p50 = 0, nosync_p50 = 0, ar_p50 = 0;
-  double sync_cpu = 0, nosync_cpu = 0, ar_bucket_p50 = 0, ar_tensor_p50 = 0;
+  double sync_cpu = 0, nosync_cpu = 0, ar_bucket_p50 = 0, ar_tensor_p50 = 0, step_cpu_p50 = 0;
   size_t tensor_numel = 0, bucket_numel = 0;
   ddp_ddp_comm_stats_t cs = {0};
 
@@ -256,15 +312,17 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   /* Phase 1: consecutive synchronised steps. */
   int64_t t0 = ddp_now_ns();
   for (int k = 0; st == DDP_OK && k < cfg->steps; k++) {
-    int64_t a = ddp_now_ns();
+    int64_t a = ddp_now_ns(), c = cpu_now_ns();
     st = step(&r, true);
     ts[k] = ddp_now_ns() - a;
+    cpu_s[k] = cpu_now_ns() - c;
   }
   int64_t block = ddp_now_ns() - t0;
   if (st == DDP_OK) {
-    ddp_ddp_get_comm_stats(r.ddp, &cs);
+    if (r.ddp) ddp_ddp_get_comm_stats(r.ddp, &cs);
     steps_per_s = cfg->steps / (block * 1e-9);
     step_p50 = p50_ms(ts, cfg->steps);
+    step_cpu_p50 = p50_ms(cpu_s, cfg->steps);
   }
   /* Phase 2: barrier-aligned pairs of synchronised and no_sync steps. */
   for (int k = 0; st == DDP_OK && k < cfg->pairs; k++) {
@@ -300,12 +358,11 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   }
 
   if (st == DDP_OK && rank == 0) {
-    ddp_ddp_logging_data_t ld;
-    ddp_ddp_get_logging_data(r.ddp, &ld);
     printf("RESULT backend=%s world=%d hook=%s wrapper=%s buckets=%zu grad_numel=%zu "
            "steps=%d steps_per_s=%.3f step_p50_ms=%.3f",
-           ddp_pg_backend_name(pg), ddp_pg_size(pg), cfg->hook, cfg->wrapper,
-           ddp_ddp_num_buckets(r.ddp), numel, cfg->steps, steps_per_s, step_p50);
+           pg ? ddp_pg_backend_name(pg) : "none", pg ? ddp_pg_size(pg) : 1, cfg->hook,
+           cfg->wrapper, r.ddp ? ddp_ddp_num_buckets(r.ddp) : (size_t)0, numel, cfg->steps,
+           steps_per_s, step_p50);
     if (cfg->pairs > 0) {
       printf(" sync_p50_ms=%.3f nosync_p50_ms=%.3f exposed_ms=%.3f", sync_p50, nosync_p50,
              sync_p50 - nosync_p50);
@@ -321,9 +378,13 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
              bucket_numel, ar_bucket_p50, ar_bucket_p50 / ar_p50, tensor_numel, ar_tensor_p50,
              ar_tensor_p50 / ar_p50);
     }
-    printf(" bytes_per_step=%lld numel_before=%lld numel_after=%lld rate=%.2f\n",
+    printf(" bytes_per_step=%lld numel_before=%lld numel_after=%lld rate=%.2f",
            (long long)cs.bytes_last_step, (long long)cs.numel_before,
            (long long)cs.numel_after, cs.rate);
+    printf(" step_cpu_p50_ms=%.3f model=%s batch=%d seq=%d optim=%s blas_core=%s"
+           " peak_rss_mb=%.1f\n", step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch,
+           cfg->model ? cfg->seq : 0, cfg->adamw ? "adamw" : "sgd", ddp_blas_core(),
+           peak_rss_mb());
     fflush(stdout);
   }
   teardown(&r);
@@ -339,7 +400,9 @@ static void usage(FILE *f) {
           "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
           "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
           "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
-          "         [--grad-as-bucket-view]\n"
+          "         [--grad-as-bucket-view] [--model CONFIG.json] [--seq T]\n"
+          "         [--optim sgd|adamw]\n"
+          "       ddp-bench-ddp [--model CONFIG.json] ...   (one process, no DDP)\n"
           "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
           "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
           "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
@@ -347,6 +410,10 @@ static void usage(FILE *f) {
           "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
           "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
           "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
+          "  --model: a Transformers GPT-2 config.json instead of the MLP: token ids\n"
+          "  [batch, seq] (--seq 64), causal-LM loss; --optim adamw: PyTorch's AdamW\n"
+          "  defaults instead of SGD (lr 0.01). Without ddprun (RANK, WORLD_SIZE unset):\n"
+          "  one process, no DDP, phase 1 only;\n"
           "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
 }
 
@@ -364,7 +431,8 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
 }
 
 int main(int argc, char **argv) {
-  bench_config_t cfg = {30, 5, 30, 30, 64, "no", "no", NULL, NULL, DDP_BUCKET_CAP_UNSET, false};
+  bench_config_t cfg = {30, 5, 30, 30, 64, 64, "no", "no", NULL, NULL, NULL, false,
+                        DDP_BUCKET_CAP_UNSET, false};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -391,6 +459,15 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--pairs")) ok = parse_count(a, v, 0, &cfg.pairs);
     else if (!strcmp(a, "--ar-iters")) ok = parse_count(a, v, 0, &cfg.ar_iters);
     else if (!strcmp(a, "--batch")) ok = parse_count(a, v, 1, &cfg.batch);
+    else if (!strcmp(a, "--seq")) ok = parse_count(a, v, 1, &cfg.seq);
+    else if (!strcmp(a, "--model")) cfg.model = v;
+    else if (!strcmp(a, "--optim")) {
+      if (strcmp(v, "sgd") && strcmp(v, "adamw")) {
+        fprintf(stderr, "ddp-bench-ddp: --optim expects sgd or adamw, got '%s'\n", v);
+        return 2;
+      }
+      cfg.adamw = !strcmp(v, "adamw");
+    }
     else if (!strcmp(a, "--hook")) cfg.hook = v;
     else if (!strcmp(a, "--wrapper")) cfg.wrapper = v;
     else if (!strcmp(a, "--state")) cfg.state = v;
@@ -416,7 +493,15 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (!ddp_env_is_set(DDP_ENV_RANK) || !ddp_env_is_set(DDP_ENV_WORLD_SIZE)) {
-    fprintf(stderr, "ddp-bench-ddp: run the ranks under ddprun (RANK and WORLD_SIZE unset)\n");
+    /* One process: no group, no DDP, phase 1 only. */
+    cfg.pairs = cfg.ar_iters = 0;
+    if (!strcmp(cfg.hook, "no") && !strcmp(cfg.wrapper, "no") && !cfg.trace) {
+      ddp_status_t st = run(NULL, &cfg);
+      if (st != DDP_OK) fprintf(stderr, "ddp-bench-ddp: failed: %s\n", ddp_status_name(st));
+      return st == DDP_OK ? 0 : 1;
+    }
+    fprintf(stderr, "ddp-bench-ddp: --hook, --wrapper and --trace need the ranks under ddprun "
+                    "(RANK and WORLD_SIZE unset)\n");
     usage(stderr);
     return 2;
   }

@@ -14,6 +14,13 @@ cross-entropy. Phases, in order, timed on rank 0:
 A step is zero_grad, forward, loss, backward and optimizer step. Prints one line
 "RESULT key=value ..." with the keys ddp-bench-ddp uses. Run it with Debian's interpreter:
     /usr/bin/python3 tools/peer_torch_ddp.py [--world 2] [--steps 30] ...
+
+With --model CONFIG.json (a Transformers GPT-2 config) the model is tools/hf_models.py's
+GPT2LMHeadModel with Transformers' initialisation, the input fixed random token ids
+[--batch, --seq] and the loss the causal-LM loss with labels = the ids, as ddp-bench-ddp
+--model. --optim adamw: torch.optim.AdamW with its defaults (lr 1e-3, weight_decay 0.01).
+--world 1 runs in this process without torch.distributed or DDP (phase 1 only), as
+ddp-bench-ddp without a launcher. peak_rss_mb is resource.getrusage's ru_maxrss at the end.
 """
 import os
 
@@ -33,6 +40,7 @@ import peer_launch  # noqa: E402
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -56,6 +64,29 @@ def last_ready(ld, params):
     return params[last].numel(), sum(params[i].numel() for i in home)
 
 
+def build_model(args, rank):
+    """(model, inputs, targets, loss function): the MLP, or --model's GPT-2."""
+    import torch
+    g = torch.Generator().manual_seed(99 + rank)
+    if args.model:
+        import hf_models
+        cfg = hf_models.load_config(args.model)
+        if cfg.model_type != "gpt2":
+            raise SystemExit(f"{args.model}: --model takes a GPT-2 config.json")
+        model = hf_models.build(cfg, torch.float32)
+        hf_models.init_weights(model)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        return model, ids, ids, lambda logits, y: hf_models.compute_loss(model, logits, y)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10))
+    x = torch.rand(args.batch, 784, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    return model, x, y, torch.nn.CrossEntropyLoss()
+
+
 def rank_main(args):
     import torch
     import torch.distributed as dist
@@ -63,21 +94,19 @@ def rank_main(args):
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=args.world,
-                            timeout=datetime.timedelta(seconds=120))
+    rank = int(os.environ.get("RANK", "0"))
+    single = "RANK" not in os.environ  # --world 1 in this process: no group, no DDP
+    if not single:
+        dist.init_process_group("gloo", rank=rank, world_size=args.world,
+                                timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(1234 + rank)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(784, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 10))
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(99 + rank)
-    x = torch.rand(args.batch, 784, generator=g) * 2 - 1
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-    lossf = torch.nn.CrossEntropyLoss()
+    model, x, y, lossf = build_model(args, rank)
+    model.train()
+    ddp = model if single else DDP(model)
+    if args.optim == "adamw":
+        opt = torch.optim.AdamW(ddp.parameters())
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def step():
         opt.zero_grad(set_to_none=False)
@@ -92,16 +121,28 @@ def rank_main(args):
 
     for _ in range(args.warmup):
         step()
-    dist.barrier()
-    ts = []
+    if not single:
+        dist.barrier()
+    ts, cs = [], []
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        a = time.perf_counter()
+        a, c = time.perf_counter(), time.process_time()
         step()
         ts.append(time.perf_counter() - a)
+        cs.append(time.process_time() - c)
     block = time.perf_counter() - t0
     steps_per_s = args.steps / block
     step_p50 = p50_ms(ts)
+    if single:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        print(f"RESULT backend=none world=1 hook=no wrapper=no grad_numel="
+              f"{sum(p.numel() for p in model.parameters())} steps={args.steps} "
+              f"steps_per_s={steps_per_s:.3f} step_p50_ms={step_p50:.3f} "
+              f"step_cpu_p50_ms={p50_ms(cs):.3f} model={'gpt2' if args.model else 'mlp'} "
+              f"batch={args.batch} seq={args.seq if args.model else 0} optim={args.optim} "
+              f"blas_core={blas_kernels.core_name()} peak_rss_mb={rss:.1f} "
+              f"torch={torch.__version__}", flush=True)
+        return 0
 
     # process_time: CPU time of every thread of the process, gloo's included.
     sync_t, nosync_t, sync_c, nosync_c = [], [], [], []
@@ -155,6 +196,11 @@ def rank_main(args):
                           f"{ar_bucket:.3f} floor_bucket_ratio={ar_bucket / ar:.3f}"
                           f" last_tensor_numel={tensor_numel} allreduce_last_tensor_p50_ms="
                           f"{ar_tensor:.3f} floor_tensor_ratio={ar_tensor / ar:.3f}")
+        fields.append(f"step_cpu_p50_ms={p50_ms(cs):.3f} model={'gpt2' if args.model else 'mlp'}"
+                      f" batch={args.batch} seq={args.seq if args.model else 0}"
+                      f" optim={args.optim} blas_core={blas_kernels.core_name()}"
+                      f" peak_rss_mb="
+                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0:.1f}")
         fields.append(f"torch={torch.__version__}")
         print("RESULT " + " ".join(fields), flush=True)
     dist.barrier()
@@ -173,11 +219,17 @@ def main():
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--ar-iters", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--model", help="a Transformers GPT-2 config.json instead of the MLP")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sample with --model")
+    ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--timeout", type=int, default=300, help="seconds for the whole run")
     args = ap.parse_args()
     if args.world < 1 or args.steps < 1 or args.warmup < 0 or args.pairs < 0 \
-            or args.ar_iters < 0 or args.batch < 1:
-        ap.error("counts must be positive (steps, batch, world) or non-negative")
+            or args.ar_iters < 0 or args.batch < 1 or args.seq < 1:
+        ap.error("counts must be positive (steps, batch, seq, world) or non-negative")
+    if args.world == 1 and "RANK" not in os.environ:
+        args.pairs = args.ar_iters = 0
+        return rank_main(args)
     if "RANK" not in os.environ:
         return peer_launch.launch_ranks(args.world, args.timeout)
     return rank_main(args)

@@ -145,15 +145,25 @@ ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...)
 
 /* ---------------------------------------------------------------- vars and nodes -- */
 
-ddp_var_t *ddp__var_alloc(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape) {
+static ddp_var_t *var_alloc(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
+                            bool zero) {
   int64_t numel;
   if (ddp_shape_numel(ndim, shape, ddp_dtype_size(dt), &numel) != DDP_OK) return NULL;
   ddp_var_t *v = ddp__arena_zalloc(c, sizeof *v);
   if (!v) return NULL;
-  void *data = ddp__arena_zalloc(c, (size_t)numel * ddp_dtype_size(dt));
+  size_t bytes = (size_t)numel * ddp_dtype_size(dt);
+  void *data = zero ? ddp__arena_zalloc(c, bytes) : ddp__arena_alloc(c, bytes);
   if (!data) return NULL;
   ddp_tensor_view(&v->value, dt, ndim, shape, data);
   return v;
+}
+
+ddp_var_t *ddp__var_alloc(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape) {
+  return var_alloc(c, dt, ndim, shape, true);
+}
+
+ddp_var_t *ddp__var_alloc_raw(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape) {
+  return var_alloc(c, dt, ndim, shape, false);
 }
 
 ddp_status_t ddp_var_new(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,

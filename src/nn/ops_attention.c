@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "nn/ops_common.h"
+#include "nn/ops_vexp.h"
 
 typedef struct attn_saved {
   void *probs;          /* [B, H, T, T] softmax probabilities, before dropout */
@@ -66,7 +67,25 @@ static void dropout_block(ddp_dtype_t dt, ddp_rng_t *r, double p, int64_t count,
   });
 }
 
-/* Masks and softmaxes the nt x nt scores of (b, h) in place; e is nt doubles of scratch. */
+/* One F32 row: row[j] = exp(row[j] - mx) / sum, the exponentials in a vectorized loop
+ * (ddp__vexpf) into e, their sum in double with four accumulators (a fixed order). */
+DDP__VEC_KERNEL static void softmax_row_f32(float *row, int64_t n, float mx, float *e) {
+  for (int64_t j = 0; j < n; j++) e[j] = ddp__vexpf(row[j] - mx);
+  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    a0 += e[j];
+    a1 += e[j + 1];
+    a2 += e[j + 2];
+    a3 += e[j + 3];
+  }
+  for (; j < n; j++) a0 += e[j];
+  double sum = (a0 + a1) + (a2 + a3);
+  for (j = 0; j < n; j++) row[j] = (float)((double)e[j] / sum);
+}
+
+/* Masks and softmaxes the nt x nt scores of (b, h) in place; e is nt doubles of scratch.
+ * F32 takes its exponentials from ddp__vexpf (softmax_row_f32), F64 from libm. */
 static void masked_softmax(ddp_dtype_t dt, const attn_saved_t *s, const attn_geom_t *g,
                            int64_t b, void *scores, double *e) {
   int64_t nt = g->nt;
@@ -78,6 +97,10 @@ static void masked_softmax(ddp_dtype_t dt, const attn_saved_t *s, const attn_geo
       for (int64_t j = 0; j < nt; j++) {
         if (masked(s, g, b, i, j)) row[j] = lowest;
         mx = row[j] > mx ? row[j] : mx;
+      }
+      if (dt == DDP_F32) {
+        softmax_row_f32((float *)row, nt, (float)mx, (float *)e);
+        continue;
       }
       for (int64_t j = 0; j < nt; j++) {
         e[j] = exp((double)row[j] - mx);
@@ -226,7 +249,7 @@ ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp_var_t *
   size_t es = ddp_dtype_size(dt);
   ddp_var_t *ins[3] = {q, k, v};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_attention, dt, 4, sh, 3, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, op, bw_attention, dt, 4, sh, 3, ins, y, &n));
   attn_saved_t *s = ddp__arena_zalloc(c, sizeof *s);
   if (!s) return OOM(c, op);
   s->causal = causal;

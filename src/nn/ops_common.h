@@ -47,12 +47,14 @@ static inline int64_t last_dim(const ddp_var_t *v) {
   return v->value.ndim ? v->value.shape[v->value.ndim - 1] : 1;
 }
 
-/* Output var shaped like x (or with the given shape) and, when needed, its node. */
-static inline ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
-                                    ddp_dtype_t dt, int ndim, const int64_t *shape, size_t nin,
-                                    ddp_var_t *const *ins, ddp_var_t **y, ddp_node_t **node) {
+/* Output var (zeroed) with the given shape and, when needed, its node. With raw the value
+ * storage is left unwritten: only for an op that then writes every output element. */
+static inline ddp_status_t make_out_as(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
+                                       ddp_dtype_t dt, int ndim, const int64_t *shape,
+                                       size_t nin, ddp_var_t *const *ins, bool raw,
+                                       ddp_var_t **y, ddp_node_t **node) {
   *node = NULL;
-  ddp_var_t *v = ddp__var_alloc(c, dt, ndim, shape);
+  ddp_var_t *v = raw ? ddp__var_alloc_raw(c, dt, ndim, shape) : ddp__var_alloc(c, dt, ndim, shape);
   if (!v) return OOM(c, op);
   if (ddp__needs_grad(c, nin, ins)) {
     *node = ddp__node_new(c, op, bw, v, nin, ins);
@@ -60,6 +62,20 @@ static inline ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_
   }
   *y = v;
   return DDP_OK;
+}
+
+static inline ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
+                                    ddp_dtype_t dt, int ndim, const int64_t *shape, size_t nin,
+                                    ddp_var_t *const *ins, ddp_var_t **y, ddp_node_t **node) {
+  return make_out_as(c, op, bw, dt, ndim, shape, nin, ins, false, y, node);
+}
+
+/* make_out for an op that writes every element of its output. */
+static inline ddp_status_t make_out_raw(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
+                                        ddp_dtype_t dt, int ndim, const int64_t *shape,
+                                        size_t nin, ddp_var_t *const *ins, ddp_var_t **y,
+                                        ddp_node_t **node) {
+  return make_out_as(c, op, bw, dt, ndim, shape, nin, ins, true, y, node);
 }
 
 /* C = alpha * op(A) @ op(B) + beta * C through ddp_gemm, with the op named on failure. */

@@ -62,7 +62,8 @@ ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
   shape[x->value.ndim - 1] = out;
   ddp_var_t *ins[3] = {x, w, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_linear, dt, x->value.ndim, shape, b ? 3 : 2, ins, y, &n));
+  DDP_CHECK(make_out_as(c, op, bw_linear, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0,
+                        y, &n));
   if (n) n->fire_reverse = true;
   void *yd = (*y)->value.data;
   if (b) {
@@ -110,7 +111,8 @@ ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y)
   int64_t shape[2] = {a->value.shape[0], b->value.shape[1]};
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "matmul", bw_matmul, a->value.dtype, 2, shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_as(c, "matmul", bw_matmul, a->value.dtype, 2, shape, 2, ins,
+                        a->value.shape[1] > 0, y, &n));
   if (a->value.shape[1] == 0) return DDP_OK;
   return gemm(c, "matmul", a->value.dtype, false, false, shape[0], shape[1], a->value.shape[1],
               a->value.data, a->value.shape[1], b->value.data, shape[1], 0.0, (*y)->value.data,
@@ -177,7 +179,8 @@ ddp_status_t ddp_conv1d(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
   shape[x->value.ndim - 1] = out;
   ddp_var_t *ins[3] = {x, w, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_conv1d, dt, x->value.ndim, shape, b ? 3 : 2, ins, y, &n));
+  DDP_CHECK(make_out_as(c, op, bw_conv1d, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0,
+                        y, &n));
   if (n) n->fire_reverse = true;
   void *yd = (*y)->value.data;
   if (b) {
@@ -247,7 +250,7 @@ ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b, ddp
   shape[nd - 1] = nn;
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "bmm", bw_bmm, av->dtype, nd, shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_as(c, "bmm", bw_bmm, av->dtype, nd, shape, 2, ins, k > 0, y, &n));
   if (n) n->i0 = trans_b;
   int64_t batch = 1;
   for (int i = 0; i < nd - 2; i++) batch *= av->shape[i];
@@ -282,8 +285,8 @@ ddp_status_t ddp_scale(ddp_ctx_t *c, ddp_var_t *x, double s, ddp_var_t **y) {
   DDP_REQUIRE(c && x && y);
   DDP_CHECK(check_float(c, "scale", x));
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "scale", bw_scale, x->value.dtype, x->value.ndim, x->value.shape, 1, &x,
-                     y, &n));
+  DDP_CHECK(make_out_raw(c, "scale", bw_scale, x->value.dtype, x->value.ndim, x->value.shape, 1, &x,
+                         y, &n));
   if (n) n->a0 = s;
   DISPATCH(x->value.dtype, {
     T *o = (*y)->value.data, ts = (T)s;

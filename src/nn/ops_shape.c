@@ -106,7 +106,7 @@ ddp_status_t ddp_concat(ddp_ctx_t *c, size_t nx, ddp_var_t *const *xs, int dim, 
     shape[dim] += t->shape[dim];
   }
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "concat", bw_concat, x0->dtype, x0->ndim, shape, nx, xs, y, &n));
+  DDP_CHECK(make_out_raw(c, "concat", bw_concat, x0->dtype, x0->ndim, shape, nx, xs, y, &n));
   if (n) n->i0 = dim;
   int64_t outer = 1, inner = 1;
   for (int i = 0; i < dim; i++) outer *= shape[i];
@@ -193,7 +193,7 @@ ddp_status_t ddp_permute(ddp_ctx_t *c, ddp_var_t *x, const int *perm, ddp_var_t 
   int64_t shape[DDP_MAX_DIMS], xs[DDP_MAX_DIMS];
   for (int d = 0; d < nd; d++) shape[d] = x->value.shape[p[d]];
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "permute", bw_permute, x->value.dtype, nd, shape, 1, &x, y, &n));
+  DDP_CHECK(make_out_raw(c, "permute", bw_permute, x->value.dtype, nd, shape, 1, &x, y, &n));
   if (n) {
     int *saved = ddp__arena_alloc(c, sizeof p);
     if (!saved) return OOM(c, "permute");
@@ -250,7 +250,7 @@ ddp_status_t ddp_narrow(ddp_ctx_t *c, ddp_var_t *x, int dim, int64_t start, int6
   memcpy(shape, x->value.shape, sizeof shape);
   shape[dim] = length;
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "narrow", bw_narrow, x->value.dtype, nd, shape, 1, &x, y, &n));
+  DDP_CHECK(make_out_raw(c, "narrow", bw_narrow, x->value.dtype, nd, shape, 1, &x, y, &n));
   if (n) {
     n->i0 = dim;
     n->i1 = start;
@@ -322,7 +322,7 @@ static ddp_status_t heads_from(ddp_ctx_t *c, const char *op, ddp_var_t *x, int64
                                int64_t off, int64_t C, ddp_var_t **y) {
   int64_t shape[4] = {x->value.shape[0], n_head, x->value.shape[1], C / n_head};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, op, bw_to_heads, x->value.dtype, 4, shape, 1, &x, y, &n));
+  DDP_CHECK(make_out_raw(c, op, bw_to_heads, x->value.dtype, 4, shape, 1, &x, y, &n));
   if (n) {
     n->i0 = off;
     n->i1 = n_head;
@@ -393,7 +393,7 @@ ddp_status_t ddp_merge_heads(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
   const int64_t *s = x->value.shape;
   int64_t shape[3] = {s[0], s[2], s[1] * s[3]};
   ddp_node_t *n;
-  DDP_CHECK(make_out(c, "merge_heads", bw_merge_heads, x->value.dtype, 3, shape, 1, &x, y, &n));
+  DDP_CHECK(make_out_raw(c, "merge_heads", bw_merge_heads, x->value.dtype, 3, shape, 1, &x, y, &n));
   heads_geom_t geo = {s[0], s[2], s[1], s[3], s[1] * s[3], 0};
   heads_walk(x->value.dtype, &geo, (*y)->value.data, x->value.data, HEADS_TO_FLAT);
   return DDP_OK;
