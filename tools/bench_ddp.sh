@@ -88,15 +88,13 @@ echo "# OpenBLAS kernels for both: $OPENBLAS_CORETYPE"
 echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg) (other processes skew every figure)"
 start=$(date +%s)
 
-run() { # name, then the command; its RESULT line goes to $out/<name>.res
-  local name=$1; shift
-  timeout -k 10 300 "$@" >"$out/$name.txt" 2>&1
-  collect "$name" $?
-}
+bench_timeout=300 bench_name_w=22 bench_secs_w=3
+. "$here/bench_lib.sh"
 run_hosts() { # name, then the command run on both hosts of part 3 at once, with @R@ the
               # host's index; host 0's output is $out/<name>.txt, host 1's <name>.h1.txt
-  local name=$1 i rc=0 r pids=()
+  local name=$1 i rc=0 r pids=() t0
   shift
+  t0=$(date +%s)
   for i in 0 1; do
     timeout -k 10 300 ip netns exec "${hosts[$i]}" "${@//@R@/$i}" \
       >"$out/$name$([ "$i" = 1 ] && echo .h1).txt" 2>&1 &
@@ -106,33 +104,11 @@ run_hosts() { # name, then the command run on both hosts of part 3 at once, with
     wait "${pids[$i]}"; r=$?
     [ "$rc" -ne 0 ] || rc=$r
   done
-  collect "$name" "$rc"
+  collect "$name" "$rc" "$t0"
 }
-collect() { # name rc: the RESULT line of $out/<name>.txt goes to $out/<name>.res
-  local name=$1 rc=$2
-  grep -o 'RESULT .*' "$out/$name.txt" | head -1 >"$out/$name.res"
-  if [ "$rc" -ne 0 ] || [ ! -s "$out/$name.res" ]; then
-    echo "## $name: FAILED (exit $rc); last lines of $out/$name.txt:"
-    tail -5 "$out/$name.txt" | sed 's/^/##   /'
-    failed=1
-  fi
-  printf '## %-22s %3d s  load %s\n' "$name" "$(( $(date +%s) - t0 ))" \
-    "$(cut -d' ' -f1 /proc/loadavg)"
-}
-get() { # file key -> value (empty when missing)
-  grep -o "[[:space:]]$2=[^[:space:]]*" "$1" 2>/dev/null | head -1 | cut -d= -f2
-}
-calc() { awk "BEGIN { printf \"%.3f\", $1 }" 2>/dev/null; }
-verdict() { # value op goal
-  awk -v v="$1" -v g="$3" -v op="$2" 'BEGIN {
-    if (v == "") { print "FAIL (no value)"; exit }
-    ok = (op == ">=") ? (v + 0 >= g + 0) : (v + 0 <= g + 0); print ok ? "PASS" : "FAIL" }'
-}
-
 echo
 echo "## part 1: steps/s and exposed communication"
 for r in $(seq 1 "$rounds"); do
-  t0=$(date +%s)
   if [ -x "$py" ]; then
     run "torch.r$r" "$py" "$here/peer_torch_ddp.py" --world 2 "${counts[@]}" --pairs "$steps" \
       --ar-iters "$steps"
@@ -140,21 +116,11 @@ for r in $(seq 1 "$rounds"); do
     echo "## torch: $py missing, PyTorch peer skipped"
   fi
   for be in shm tcp; do
-    t0=$(date +%s)
     run "$be.r$r" "$ddprun" --nproc_per_node 2 --backend "$be" "$tool" "${counts[@]}" \
       --pairs "$steps" --ar-iters "$steps"
   done
 done
 
-best() { # system -> the .res file of its round with the highest steps/s
-  local f bestf="" bestv=-1
-  for f in "$out/$1".r*.res; do
-    local v; v=$(get "$f" steps_per_s)
-    [ -n "$v" ] || continue
-    if awk -v a="$v" -v b="$bestv" 'BEGIN { exit !(a > b) }'; then bestf=$f; bestv=$v; fi
-  done
-  echo "$bestf"
-}
 declare -A res
 # The side-by-side table of the best rounds of the systems given (names of .res files).
 table() {
@@ -197,7 +163,7 @@ floors() {
   echo "# extra CPU binds when the ranks fill every CPU: $(getconf _NPROCESSORS_ONLN) CPUs" \
        "here, 2 ranks, nosync_busy above"
 }
-for s in torch shm tcp; do res[$s]=$(best "$s"); done
+for s in torch shm tcp; do res[$s]=$(best steps_per_s max "$out/$s".r*.res); done
 table torch shm tcp
 
 tq=$(get "${res[torch]:-/dev/null}" steps_per_s)
@@ -234,13 +200,12 @@ for r in $(seq 1 "$rounds"); do
     IFS='|' read -r h w st <<<"${hooks[$i]}"
     args=(--hook "$h" --wrapper "$w")
     [ -n "$st" ] && args+=(--state "$st")
-    t0=$(date +%s)
     run "hook$i.r$r" "$ddprun" --nproc_per_node 2 --backend tcp "$tool" "${counts[@]}" \
       --pairs 0 --ar-iters 0 "${args[@]}"
   done
 done
 echo
-for i in "${!hooks[@]}"; do res[hook$i]=$(best "hook$i"); done
+for i in "${!hooks[@]}"; do res[hook$i]=$(best steps_per_s max "$out/hook$i".r*.res); done
 base_b=$(get "${res[hook0]:-/dev/null}" bytes_per_step)
 base_s=$(get "${res[hook0]:-/dev/null}" steps_per_s)
 printf '%-28s %14s %10s %9s %10s %10s  %s\n' "hook" "bytes/step" "vs no" "rate" "steps/s" "vs no" \
@@ -304,18 +269,18 @@ if [ -n "$rate" ]; then
     DDP_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
     port=29580
     for r in $(seq 1 "$rounds"); do
-      port=$((port + 1)); t0=$(date +%s)
+      port=$((port + 1))
       if [ -x "$py" ]; then
         run_hosts "torch-net.r$r" env RANK=@R@ WORLD_SIZE=2 MASTER_ADDR=10.232.0.1 \
           MASTER_PORT="$port" GLOO_SOCKET_IFNAME=eth0 "$py" "$here/peer_torch_ddp.py" \
           --world 2 "${counts[@]}" --pairs "$steps" --ar-iters "$steps"
       fi
-      port=$((port + 1)); t0=$(date +%s)
+      port=$((port + 1))
       run_hosts "tcp-net.r$r" env GLOO_SOCKET_IFNAME=eth0 "$ddprun" --nnodes 2 --node_rank @R@ \
         --nproc_per_node 1 --master_addr 10.232.0.1 --master_port "$port" --backend tcp \
         "$tool" "${counts[@]}" --pairs "$steps" --ar-iters "$steps"
     done
-    for s in torch-net tcp-net; do res[$s]=$(best "$s"); done
+    for s in torch-net tcp-net; do res[$s]=$(best steps_per_s max "$out/$s".r*.res); done
     table torch-net tcp-net
     floors torch-net tcp-net
     netns_cleanup

@@ -95,43 +95,8 @@ echo "# kernel settings: ${settings[*]} (env: OPENBLAS_CORETYPE=${OPENBLAS_CORET
 echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg) (other processes skew every figure)"
 start=$(date +%s)
 
-run() { # name, then the command; its RESULT line goes to $out/<name>.res
-  local name=$1 t0 rc
-  shift
-  t0=$(date +%s)
-  timeout -k 10 900 "$@" >"$out/$name.txt" 2>&1
-  rc=$?
-  grep -o 'RESULT .*' "$out/$name.txt" | head -1 >"$out/$name.res"
-  if [ "$rc" -ne 0 ] || [ ! -s "$out/$name.res" ]; then
-    echo "## $name: FAILED (exit $rc); last lines of $out/$name.txt:"
-    tail -5 "$out/$name.txt" | sed 's/^/##   /'
-    failed=1
-  fi
-  printf '## %-26s %4d s  load %s\n' "$name" "$(( $(date +%s) - t0 ))" \
-    "$(cut -d' ' -f1 /proc/loadavg)"
-}
-get() { # file key -> value (empty when missing)
-  grep -o "[[:space:]]$2=[^[:space:]]*" "$1" 2>/dev/null | head -1 | cut -d= -f2
-}
-calc() { awk "BEGIN { printf \"%.3f\", $1 }" 2>/dev/null; }
-verdict() { # value op goal
-  awk -v v="$1" -v g="$3" -v op="$2" 'BEGIN {
-    if (v == "") { print "FAIL (no value)"; exit }
-    ok = (op == ">=") ? (v + 0 >= g + 0) : (v + 0 <= g + 0); print ok ? "PASS" : "FAIL" }'
-}
-best() { # key, "min" or "max", then .res files -> the file with the best value of key
-  local key=$1 how=$2 f v bestf="" bestv=""
-  shift 2
-  for f in "$@"; do
-    v=$(get "$f" "$key")
-    [ -n "$v" ] || continue
-    if [ -z "$bestv" ] || awk -v a="$v" -v b="$bestv" -v h="$how" \
-         'BEGIN { exit !((h == "min") ? (a < b) : (a > b)) }'; then
-      bestf=$f; bestv=$v
-    fi
-  done
-  echo "$bestf"
-}
+bench_timeout=900 bench_name_w=26 bench_secs_w=4
+. "$here/bench_lib.sh"
 setting_of() { basename "$1" | cut -d. -f2; } # <system>.<setting>.r<k>.res
 rounds_of() { # key system setting -> the values of every round, slash-separated
   local f
