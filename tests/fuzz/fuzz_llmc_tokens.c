@@ -6,46 +6,17 @@
  * 1024 + count * element-size bytes, and ids equal to the little-endian payload; a
  * rejected one comes with INVALID_DATA or NO_MEMORY, a message that names the input, and
  * no output. A violation aborts, which libFuzzer reports. */
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "data/data_internal.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-static void drop_log(void *user, ddp_log_level_t level, const char *line) {
-  (void)user;
-  (void)level;
-  (void)line;
-}
-
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  ddp_set_log_sink(drop_log, NULL); /* every rejected input would print a line */
-  return 0;
-}
-
-#define CHECK(cond)                                                         \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "fuzz_llmc_tokens: invariant failed: %s\n", #cond); \
-      abort();                                                              \
-    }                                                                       \
-  } while (0)
+#define FUZZ_TARGET "fuzz_llmc_tokens"
+#include "fuzz_common.h"
 
 static uint32_t le32(const uint8_t *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  /* An exact-size copy, so that ASan catches a read one byte past the end. */
-  uint8_t *copy = malloc(size ? size : 1);
-  CHECK(copy);
-  if (size) memcpy(copy, data, size);
+  uint8_t *copy = fuzz_copy(data, size);
   int64_t *ids = NULL, n = -1;
   ddp_error_t err = {0};
   ddp_status_t st = ddp__tokens_parse_llmc("fuzz.bin", copy, size, &ids, &n, &err);

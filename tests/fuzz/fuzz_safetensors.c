@@ -6,36 +6,10 @@
  * dtype; every byte of every view is readable (ASan faults otherwise); names are unique
  * (ddp_st_find returns each tensor's own index); metadata lookups agree. A rejected input
  * must come with a non-empty message. A violation aborts, which libFuzzer reports. */
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "ddp/io.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-static void drop_log(void *user, ddp_log_level_t level, const char *line) {
-  (void)user;
-  (void)level;
-  (void)line;
-}
-
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  ddp_set_log_sink(drop_log, NULL); /* every rejected input would print a line */
-  return 0;
-}
-
-#define CHECK(cond)                                                        \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "fuzz_safetensors: invariant failed: %s\n", #cond); \
-      abort();                                                             \
-    }                                                                      \
-  } while (0)
+#define FUZZ_TARGET "fuzz_safetensors"
+#include "fuzz_common.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   ddp_st_file_t *f = NULL;

@@ -7,43 +7,15 @@
  * are never empty) then zeros, whose ids are bytes under the ones and the pad id (0) under
  * the zeros; a rejected one comes with INVALID_DATA or NO_MEMORY, a message naming the
  * input, and no dataset. A violation aborts, which libFuzzer reports. */
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "data/data_internal.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-static void drop_log(void *user, ddp_log_level_t level, const char *line) {
-  (void)user;
-  (void)level;
-  (void)line;
-}
-
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  ddp_set_log_sink(drop_log, NULL);
-  return 0;
-}
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      fprintf(stderr, "fuzz_text_csv: invariant failed: %s\n", #cond); \
-      abort();                                                           \
-    }                                                                    \
-  } while (0)
+#define FUZZ_TARGET "fuzz_text_csv"
+#include "fuzz_common.h"
 
 #define L 16
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  char *copy = malloc(size ? size : 1); /* exact size: no NUL after the bytes */
-  CHECK(copy);
-  if (size) memcpy(copy, data, size);
+  char *copy = (char *)fuzz_copy(data, size);
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = L;
   ddp_dataset_t *ds = (ddp_dataset_t *)&o;
