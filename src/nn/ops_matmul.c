@@ -8,6 +8,51 @@
 
 /* ---------------------------------------------------------------- linear, matmul -- */
 
+/* The bias's gradient of linear and conv1d: gb[j] += the column sum of gy [rows, out], rows
+ * in order. */
+static ddp_status_t bias_grad(ddp_ctx_t *c, ddp_node_t *n, ddp_var_t *b, int64_t rows,
+                              int64_t out, const void *gy) {
+  void *gb = ddp__grad(c, b);
+  if (!gb) return OOM(c, n->name);
+  DISPATCH(b->value.dtype, {
+    T *g = gb;
+    const T *d = gy;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t j = 0; j < out; j++) g[j] += d[r * out + j];
+  });
+  return DDP_OK;
+}
+
+/* The forward of linear (w [out, in], trans_w) and conv1d (w [in, out]), x, w and b already
+ * checked: y [..., out] gets the bias copied into every row, then one gemm with beta 1
+ * (beta 0 without a bias). The parameters fire in reverse (bias first). */
+static ddp_status_t affine_forward(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
+                                   ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, bool trans_w,
+                                   ddp_var_t **y) {
+  ddp_dtype_t dt = x->value.dtype;
+  int64_t in = w->value.shape[trans_w ? 1 : 0], out = w->value.shape[trans_w ? 0 : 1];
+  int64_t rows = in ? x->value.numel / in : 0;
+  int64_t shape[DDP_MAX_DIMS];
+  memcpy(shape, x->value.shape, sizeof shape);
+  shape[x->value.ndim - 1] = out;
+  ddp_var_t *ins[3] = {x, w, b};
+  ddp_node_t *n;
+  DDP_CHECK(make_out_as(c, op, bw, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0, y,
+                        &n));
+  if (n) n->fire_reverse = true;
+  void *yd = (*y)->value.data;
+  if (b) {
+    DISPATCH(dt, {
+      T *o = yd;
+      const T *bb = b->value.data;
+      for (int64_t r = 0; r < rows; r++) memcpy(o + r * out, bb, (size_t)out * sizeof(T));
+    });
+  }
+  if (in == 0) return DDP_OK;
+  return gemm(c, op, dt, false, trans_w, rows, out, in, x->value.data, in, w->value.data,
+              trans_w ? in : out, b ? 1.0 : 0.0, yd, out);
+}
+
 static ddp_status_t bw_linear(ddp_ctx_t *c, ddp_node_t *n) {
   ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->nin > 2 ? n->ins[2] : NULL;
   ddp_dtype_t dt = x->value.dtype;
@@ -26,16 +71,7 @@ static ddp_status_t bw_linear(ddp_ctx_t *c, ddp_node_t *n) {
     DDP_CHECK(gemm(c, n->name, dt, true, false, out, in, rows, gy, out, x->value.data, in, 1.0,
                    gw, in));
   }
-  if (b && b->requires_grad) {
-    void *gb = ddp__grad(c, b);
-    if (!gb) return OOM(c, n->name);
-    DISPATCH(dt, {
-      T *g = gb;
-      const T *d = gy;
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < out; j++) g[j] += d[r * out + j];
-    });
-  }
+  if (b && b->requires_grad) return bias_grad(c, n, b, rows, out, gy);
   return DDP_OK;
 }
 
@@ -55,27 +91,7 @@ ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
                           ddp_tensor_describe(&w->value, sw, sizeof sw),
                           b ? " (or the bias does not match the weight)" : "");
   }
-  int64_t in = w->value.shape[1], out = w->value.shape[0];
-  int64_t rows = in ? x->value.numel / in : 0;
-  int64_t shape[DDP_MAX_DIMS];
-  memcpy(shape, x->value.shape, sizeof shape);
-  shape[x->value.ndim - 1] = out;
-  ddp_var_t *ins[3] = {x, w, b};
-  ddp_node_t *n;
-  DDP_CHECK(make_out_as(c, op, bw_linear, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0,
-                        y, &n));
-  if (n) n->fire_reverse = true;
-  void *yd = (*y)->value.data;
-  if (b) {
-    DISPATCH(dt, {
-      T *o = yd;
-      const T *bb = b->value.data;
-      for (int64_t r = 0; r < rows; r++) memcpy(o + r * out, bb, (size_t)out * sizeof(T));
-    });
-  }
-  if (in == 0) return DDP_OK;
-  return gemm(c, op, dt, false, true, rows, out, in, x->value.data, in, w->value.data, in,
-              b ? 1.0 : 0.0, yd, out);
+  return affine_forward(c, op, bw_linear, x, w, b, true, y);
 }
 
 static ddp_status_t bw_matmul(ddp_ctx_t *c, ddp_node_t *n) {
@@ -121,7 +137,7 @@ ddp_status_t ddp_matmul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y)
 
 /* ---------------------------------------------------------------- conv1d ---------- */
 
-/* The bias's gradient is the column sum of gy (rows in order), as in bw_linear. */
+/* As bw_linear, with w [in, out]. */
 static ddp_status_t bw_conv1d(ddp_ctx_t *c, ddp_node_t *n) {
   ddp_var_t *x = n->ins[0], *w = n->ins[1], *b = n->nin > 2 ? n->ins[2] : NULL;
   ddp_dtype_t dt = x->value.dtype;
@@ -140,16 +156,7 @@ static ddp_status_t bw_conv1d(ddp_ctx_t *c, ddp_node_t *n) {
     DDP_CHECK(gemm(c, n->name, dt, true, false, in, out, rows, x->value.data, in, gy, out, 1.0,
                    gw, out));
   }
-  if (b && b->requires_grad) {
-    void *gb = ddp__grad(c, b);
-    if (!gb) return OOM(c, n->name);
-    DISPATCH(dt, {
-      T *g = gb;
-      const T *d = gy;
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < out; j++) g[j] += d[r * out + j];
-    });
-  }
+  if (b && b->requires_grad) return bias_grad(c, n, b, rows, out, gy);
   return DDP_OK;
 }
 
@@ -172,27 +179,7 @@ ddp_status_t ddp_conv1d(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
                           ddp_tensor_describe(&w->value, sw, sizeof sw),
                           b ? ddp_tensor_describe(&b->value, sb, sizeof sb) : "(none)");
   }
-  int64_t in = w->value.shape[0], out = w->value.shape[1];
-  int64_t rows = in ? x->value.numel / in : 0;
-  int64_t shape[DDP_MAX_DIMS];
-  memcpy(shape, x->value.shape, sizeof shape);
-  shape[x->value.ndim - 1] = out;
-  ddp_var_t *ins[3] = {x, w, b};
-  ddp_node_t *n;
-  DDP_CHECK(make_out_as(c, op, bw_conv1d, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0,
-                        y, &n));
-  if (n) n->fire_reverse = true;
-  void *yd = (*y)->value.data;
-  if (b) {
-    DISPATCH(dt, {
-      T *o = yd;
-      const T *bb = b->value.data;
-      for (int64_t r = 0; r < rows; r++) memcpy(o + r * out, bb, (size_t)out * sizeof(T));
-    });
-  }
-  if (in == 0) return DDP_OK;
-  return gemm(c, op, dt, false, false, rows, out, in, x->value.data, in, w->value.data, out,
-              b ? 1.0 : 0.0, yd, out);
+  return affine_forward(c, op, bw_conv1d, x, w, b, false, y);
 }
 
 /* ---------------------------------------------------------------- bmm ------------- */
