@@ -67,21 +67,11 @@ static void dropout_block(ddp_dtype_t dt, ddp_rng_t *r, double p, int64_t count,
   });
 }
 
-/* One F32 row: row[j] = exp(row[j] - mx) / sum, the exponentials in a vectorized loop
- * (ddp__vexpf) into e, their sum in double with four accumulators (a fixed order). */
-DDP__VEC_KERNEL static void softmax_row_f32(float *row, int64_t n, float mx, float *e) {
-  for (int64_t j = 0; j < n; j++) e[j] = ddp__vexpf(row[j] - mx);
-  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    a0 += e[j];
-    a1 += e[j + 1];
-    a2 += e[j + 2];
-    a3 += e[j + 3];
-  }
-  for (; j < n; j++) a0 += e[j];
-  double sum = (a0 + a1) + (a2 + a3);
-  for (j = 0; j < n; j++) row[j] = (float)((double)e[j] / sum);
+/* One F32 row: row[j] = exp(row[j] - mx) / sum, the exponentials and their sum from
+ * ddp__sum_expf (e is n floats of scratch). */
+static void softmax_row_f32(float *row, int64_t n, float mx, float *e) {
+  double sum = ddp__sum_expf(row, n, mx, e);
+  for (int64_t j = 0; j < n; j++) row[j] = (float)((double)e[j] / sum);
 }
 
 /* Masks and softmaxes the nt x nt scores of (b, h) in place; e is nt doubles of scratch.

@@ -28,21 +28,6 @@ DDP__VEC_KERNEL static float row_max_f32(const float *row, int64_t n) {
   return mx;
 }
 
-/* sum_j exp(row[j] - mx) in double; e is n floats of scratch. */
-DDP__VEC_KERNEL static double sum_exp_f32(const float *row, int64_t n, float mx, float *e) {
-  for (int64_t j = 0; j < n; j++) e[j] = ddp__vexpf(row[j] - mx);
-  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    a0 += e[j];
-    a1 += e[j + 1];
-    a2 += e[j + 2];
-    a3 += e[j + 3];
-  }
-  for (; j < n; j++) a0 += e[j];
-  return (a0 + a1) + (a2 + a3);
-}
-
 /* grow[j] += (exp(row[j] - lse) - [j == target]) * s over one row. */
 DDP__VEC_KERNEL static void lm_row_grad_f32(const float *row, float *grow, int64_t n,
                                             int64_t target, double lse, float s) {
@@ -139,7 +124,7 @@ ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labe
         if (target == ignore_index) continue;
         const float *row = xx + (b * nt + t) * V;
         float mx = row_max_f32(row, V);
-        double m = (double)mx + log(sum_exp_f32(row, V, mx, e));
+        double m = (double)mx + log(ddp__sum_expf(row, V, mx, e));
         lse[b * (nt - 1) + t] = m;
         total += m - (double)row[target];
       }

@@ -63,4 +63,9 @@ static inline __attribute__((always_inline)) float ddp__vexpf(float x) {
   return x0 < -87.3f ? 0.0f : p;
 }
 
+/* sum_j exp(row[j] - mx) over one row of n floats, in double with four accumulators (a fixed
+ * order: the same bits from every caller); e[j] gets exp(row[j] - mx) by ddp__vexpf (e is n
+ * floats of scratch, row and e may not overlap). In ops_vexp.c. */
+double ddp__sum_expf(const float *row, int64_t n, float mx, float *e);
+
 #endif /* DDP_NN_OPS_VEXP_H */
