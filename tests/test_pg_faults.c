@@ -100,6 +100,25 @@ static ddp_status_t allreduce_wait(ddp_test_rank_t *tr, ddp_pg_t *pg, float *buf
   return st;
 }
 
+/* allreduce_wait, its wall time in ms into *ms. */
+static ddp_status_t timed_allreduce(ddp_test_rank_t *tr, ddp_pg_t *pg, float *buf, size_t n,
+                                    double *ms) {
+  int64_t t = ddp_now_ns();
+  ddp_status_t st = allreduce_wait(tr, pg, buf, n);
+  *ms = (double)(ddp_now_ns() - t) / 1e6;
+  return st;
+}
+
+/* The end of a rank that timed something: ms goes to the harness, the group and the store
+ * are destroyed, and st is the rank's result. */
+static int put_ms_and_close(ddp_test_rank_t *tr, ddp_pg_t *pg, ddp_store_t *store, double ms,
+                            ddp_status_t st) {
+  ddp_test_put(tr, &ms, sizeof ms);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
 static ddp_store_t *memory_store(void) {
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   so.timeout_ms = 10000;
@@ -478,21 +497,14 @@ static int abort_rank(ddp_test_rank_t *tr, void *arg) {
     pthread_t th;
     abort_arg_t a = {pg};
     pthread_create(&th, NULL, aborter, &a);
-    int64_t t = ddp_now_ns();
-    st = allreduce_wait(tr, pg, buf, 100);
-    ms = (double)(ddp_now_ns() - t) / 1e6;
+    st = timed_allreduce(tr, pg, buf, 100, &ms);
     pthread_join(th, NULL);
   } else {
     struct timespec ts = {0, 600 * 1000000L};
     nanosleep(&ts, NULL);
-    int64_t t = ddp_now_ns();
-    st = allreduce_wait(tr, pg, buf, 100);
-    ms = (double)(ddp_now_ns() - t) / 1e6;
+    st = timed_allreduce(tr, pg, buf, 100, &ms);
   }
-  ddp_test_put(tr, &ms, sizeof ms);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
-  return st;
+  return put_ms_and_close(tr, pg, store, ms, st);
 }
 
 static void test_abort_unblocks(void **state) {
@@ -586,14 +598,9 @@ static int leaving_rank(ddp_test_rank_t *tr, void *arg) {
   double ms = 0;
   if (ddp_test_rank(tr) == 0) {
     float buf[100] = {0};
-    int64_t t = ddp_now_ns();
-    st = allreduce_wait(tr, pg, buf, 100);
-    ms = (double)(ddp_now_ns() - t) / 1e6;
+    st = timed_allreduce(tr, pg, buf, 100, &ms);
   }
-  ddp_test_put(tr, &ms, sizeof ms);
-  ddp_pg_destroy(pg);
-  ddp_store_destroy(store);
-  return st;
+  return put_ms_and_close(tr, pg, store, ms, st);
 }
 
 static void test_left_rank_fails_peers(void **state) {
