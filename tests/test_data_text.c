@@ -120,6 +120,16 @@ static const char *source_path(const char *rel, char *buf, size_t cap) {
   return buf;
 }
 
+/* The shipped corpus, tests/data/kjv_genesis_exodus.txt, as byte tokens (ddp_tokens_free). */
+static void read_corpus(int64_t **tok, int64_t *n) {
+  char src[512];
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_tokens_read(source_path("tests/data/kjv_genesis_exodus.txt", src,
+                                               sizeof src),
+                                   tok, n, &err),
+                   DDP_OK);
+}
+
 /* ---------------------------------------------------------------- llm.c ----------- */
 
 /* Writer and reader agree, the bytes are llm.c's layout exactly, and numpy (reading and
@@ -272,12 +282,8 @@ static void test_llmc_errors(void **state) {
 
   /* A planted fault in a real file: the shipped corpus written as llm.c tokens, then cut
    * short by one byte, then with its magic overwritten. */
-  char src[512];
   int64_t *corpus = NULL, nc = 0;
-  assert_int_equal(ddp_tokens_read(source_path("tests/data/kjv_genesis_exodus.txt", src,
-                                               sizeof src),
-                                   &corpus, &nc, &err),
-                   DDP_OK);
+  read_corpus(&corpus, &nc);
   assert_int_equal(ddp_tokens_write_llmc(p, corpus, nc, &err), DDP_OK);
   b = read_bytes(p, &len);
   assert_int_equal(len, 1024 + 2 * (size_t)nc);
@@ -576,13 +582,9 @@ static void test_lm_blocks(void **state) {
 static void test_blocks_sampler(void **state) {
   (void)state;
   int64_t live0 = ddp_test_live_allocs();
-  char src[512];
   int64_t *tok = NULL, n = 0;
   ddp_error_t err = {0};
-  assert_int_equal(ddp_tokens_read(source_path("tests/data/kjv_genesis_exodus.txt", src,
-                                               sizeof src),
-                                   &tok, &n, &err),
-                   DDP_OK);
+  read_corpus(&tok, &n);
   const int64_t B = 64;
   ddp_dataset_t *ds;
   assert_int_equal(ddp_dataset_lm_blocks(tok, n, B, DDP_BYTE_VOCAB_SIZE, &ds, &err), DDP_OK);
@@ -875,10 +877,7 @@ static void test_shipped_text_data(void **state) {
   char src[512];
   int64_t *tok = NULL, n = 0;
   ddp_error_t err = {0};
-  assert_int_equal(ddp_tokens_read(source_path("tests/data/kjv_genesis_exodus.txt", src,
-                                               sizeof src),
-                                   &tok, &n, &err),
-                   DDP_OK);
+  read_corpus(&tok, &n);
   assert_int_equal(n, 367272);
   static const char head[] = "Genesis\n\nChapter 1\nIn the beginning God created the heaven";
   char buf[sizeof head];
