@@ -74,4 +74,15 @@ _Noreturn void ddp__fault_crash_process(const ddp_fault_t *f, int rank, const ch
  * lowest bit of its last element. */
 void ddp__fault_flip_bits(void *buf, size_t count, size_t es);
 
+/* Files written through a temporary and rename() (file.c). ddp__write_all writes len bytes
+ * to fd, retrying short writes and EINTR; false on failure (errno says why).
+ * ddp__tmp_commit finishes the temporary tmp (open as fd) as path: what is NULL when every
+ * write so far went well, else the name of the step that failed (its errno still current).
+ * It syncs and closes fd (closed in every case) and renames tmp over path; returns NULL
+ * when path now holds the file, else the failed step ("fsync", "close", "rename" or the
+ * what given) with its errno in *e, tmp removed. */
+bool ddp__write_all(int fd, const void *buf, size_t len);
+const char *ddp__tmp_commit(int fd, const char *tmp, const char *path, const char *what,
+                            int *e);
+
 #endif /* DDP_SRC_COMMON_H */

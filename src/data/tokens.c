@@ -148,14 +148,9 @@ ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int6
   ddp_status_t st = DDP_OK;
   const char *what = NULL;
   int fd = mkstemp(tmp);
-  FILE *fp = fd >= 0 ? fdopen(fd, "wb") : NULL;
-  if (!fp) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "tokens write %s: %s %s: %s (errno %d)", path,
-                    fd < 0 ? "mkstemp" : "fdopen", tmp, strerror(errno), errno);
-    if (fd >= 0) {
-      close(fd);
-      unlink(tmp);
-    }
+  if (fd < 0) {
+    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "tokens write %s: mkstemp %s: %s (errno %d)", path,
+                    tmp, strerror(errno), errno);
     ddp__free(tmp);
     return st;
   }
@@ -164,31 +159,19 @@ ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int6
   put_le32(chunk, DDP_LLMC_MAGIC);
   put_le32(chunk + 4, DDP_LLMC_VERSION);
   put_le32(chunk + 8, (uint32_t)n);
-  if (fwrite(chunk, 1, LLMC_HEADER_BYTES, fp) != LLMC_HEADER_BYTES) what = "write";
+  if (!ddp__write_all(fd, chunk, LLMC_HEADER_BYTES)) what = "write";
   for (int64_t i = 0; i < n && !what;) {
     size_t k = 0;
     for (; k < sizeof chunk / 2 && i < n; k++, i++) {
       chunk[2 * k] = (unsigned char)(tokens[i] & 0xff);
       chunk[2 * k + 1] = (unsigned char)(tokens[i] >> 8);
     }
-    if (fwrite(chunk, 2, k, fp) != k) what = "write";
+    if (!ddp__write_all(fd, chunk, 2 * k)) what = "write";
   }
-  if (!what && fflush(fp) != 0) what = "write";
-  if (!what && fsync(fileno(fp)) != 0) what = "fsync";
-  int e = errno;
-  if (fclose(fp) != 0 && !what) {
-    what = "close";
-    e = errno;
-  }
-  if (!what && rename(tmp, path) != 0) {
-    what = "rename";
-    e = errno;
-  }
-  if (what) {
-    unlink(tmp);
+  int e;
+  if ((what = ddp__tmp_commit(fd, tmp, path, what, &e)))
     st = ddp__error(err, -1, DDP_ERR_SYSTEM, "tokens write %s: %s: %s (errno %d)", path, what,
                     strerror(e), e);
-  }
   ddp__free(tmp);
   return st;
 }

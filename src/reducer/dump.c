@@ -104,33 +104,13 @@ static ddp_status_t write_atomic(ddp_dump_t *d, const char *dir, const char *nam
   if (fd < 0)
     return ddp__error(&d->err, d->rank, DDP_ERR_SYSTEM, "dump: mkstemp(%s): %s (errno %d)",
                       tmp, strerror(errno), errno);
-  size_t len = strlen(text), off = 0;
   const char *what = NULL;
-  while (off < len) {
-    ssize_t w = write(fd, text + off, len - off);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      what = "write";
-      break;
-    }
-    off += (size_t)w;
-  }
+  if (!ddp__write_all(fd, text, strlen(text))) what = "write";
   if (!what && fchmod(fd, 0644) != 0) what = "fchmod";
-  if (!what && fsync(fd) != 0) what = "fsync";
-  int e = errno;
-  if (close(fd) != 0 && !what) {
-    what = "close";
-    e = errno;
-  }
-  if (!what && rename(tmp, path) != 0) {
-    what = "rename";
-    e = errno;
-  }
-  if (what) {
-    unlink(tmp);
+  int e;
+  if ((what = ddp__tmp_commit(fd, tmp, path, what, &e)))
     return ddp__error(&d->err, d->rank, DDP_ERR_SYSTEM, "dump: %s(%s): %s (errno %d)", what,
                       path, strerror(e), e);
-  }
   int dfd = open(dir, O_RDONLY | O_DIRECTORY);
   if (dfd >= 0) {
     (void)fsync(dfd); /* durability of the rename; the file itself is already whole */
