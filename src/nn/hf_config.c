@@ -3,6 +3,7 @@
  * Transformers' GPT2Config and BertConfig (docs/nn.md, "Transformers"). */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <string.h>
 #include <unistd.h>
@@ -458,21 +459,16 @@ static ddp_status_t write_atomic(const char *path, const char *text, ddp_error_t
   int k = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
   if (k < 0 || (size_t)k >= sizeof tmp)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "config.json: path too long: %s", path);
-  FILE *f = fopen(tmp, "wb");
-  if (!f)
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0666);
+  if (fd < 0)
     return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: open(%s): %s (errno %d)", tmp,
                       strerror(errno), errno);
-  size_t n = strlen(text);
-  bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF && fflush(f) == 0 &&
-            fsync(fileno(f)) == 0;
-  int e = errno;
-  ok = fclose(f) == 0 && ok;
-  if (!ok || rename(tmp, path) != 0) {
-    if (ok) e = errno;
-    unlink(tmp);
+  const char *what = NULL;
+  if (!ddp__write_all(fd, text, strlen(text)) || !ddp__write_all(fd, "\n", 1)) what = "write";
+  int e;
+  if (ddp__tmp_commit(fd, tmp, path, what, &e))
     return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: writing %s: %s (errno %d)", path,
                       strerror(e), e);
-  }
   return DDP_OK;
 }
 
