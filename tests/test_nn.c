@@ -199,17 +199,9 @@ static ddp_model_t *mlp_model(ddp_dtype_t dt, const int64_t *dims, int nlayers, 
   return m;
 }
 
-static ddp_var_t *rand_input(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape, uint64_t seed) {
-  ddp_var_t *v;
-  assert_int_equal(ddp_var_new(c, dt, ndim, shape, NULL, false, &v), DDP_OK);
-  ddp_rng_t r;
-  ddp_rng_init(&r, seed, 3);
-  for (int64_t k = 0; k < v->value.numel; k++) {
-    double x = ddp_rng_uniform_f64(&r) * 2 - 1;
-    if (dt == DDP_F32) ((float *)v->value.data)[k] = (float)x;
-    else ((double *)v->value.data)[k] = x;
-  }
-  return v;
+static ddp_var_t *rand_input(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
+                             uint64_t seed) {
+  return ddp_test_rand_var(c, dt, ndim, shape, seed, false);
 }
 
 /* Finalizes m and sets its F64 parameters to U(-0.5, 0.5) draws from seed (stream seed). */

@@ -121,18 +121,10 @@ static void test_gradcheck(void **state) {
 
 /* ---------------------------------------------------------------- helpers --------- */
 
+/* ddp_test_rand_var under a short name (the cases below hold several on a line). */
 static ddp_var_t *rand_var(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
                            uint64_t seed, bool rg) {
-  ddp_var_t *v;
-  assert_int_equal(ddp_var_new(c, dt, ndim, shape, NULL, rg, &v), DDP_OK);
-  ddp_rng_t r;
-  ddp_rng_init(&r, seed, 3);
-  for (int64_t k = 0; k < v->value.numel; k++) {
-    double x = ddp_rng_uniform_f64(&r) * 2 - 1;
-    if (dt == DDP_F32) ((float *)v->value.data)[k] = (float)x;
-    else ((double *)v->value.data)[k] = x;
-  }
-  return v;
+  return ddp_test_rand_var(c, dt, ndim, shape, seed, rg);
 }
 
 static double at(const ddp_tensor_t *t, int64_t k) {

@@ -22,6 +22,7 @@
 
 #include "ddp/nn.h"
 #include "harness.h"
+#include "opcheck.h"
 #include "transformers.h"
 
 static char g_dir[256]; /* empty when torch is absent */
@@ -34,28 +35,6 @@ static double g_worst[2]; /* largest relative error seen: [0] f32, [1] f64 */
       skip();                                                             \
     }                                                                     \
   } while (0)
-
-static void write_file(const char *dir, const char *name, const void *data, size_t n) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/%s", dir, name);
-  FILE *f = fopen(p, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(data, 1, n, f), n);
-  fclose(f);
-}
-
-/* Reads exactly n bytes (fails on a size mismatch). */
-static void read_file(const char *dir, const char *name, void *data, size_t n) {
-  char p[512];
-  snprintf(p, sizeof p, "%s/%s", dir, name);
-  FILE *f = fopen(p, "rb");
-  if (!f) fail_msg("oracle output %s missing", p);
-  size_t got = fread(data, 1, n, f);
-  char extra;
-  size_t more = fread(&extra, 1, 1, f);
-  fclose(f);
-  if (got != n || more != 0) fail_msg("%s: expected %zu bytes", p, n);
-}
 
 /* max|a - b| / max(max|b|, floor) over n values of dtype dt. */
 static double rel_err(const void *a, const void *b, ddp_dtype_t dt, int64_t n, double floor) {
@@ -138,8 +117,8 @@ static void compare(const char *tag, const char *cfg_json, ddp_dtype_t dt, const
   size_t es = ddp_dtype_size(dt);
   int64_t xn = b->shape[0] * b->shape[1] * (b->nd == 3 ? b->shape[2] : 1);
   int64_t ln = b->lshape[0] * (b->lnd == 2 ? b->lshape[1] : 1);
-  write_file(dir, "x.bin", b->x, (size_t)xn * 8);
-  write_file(dir, "labels.bin", &b->labels, (size_t)ln * 8);
+  ddp_test_write_bin(dir, "x.bin", b->x, (size_t)xn * 8);
+  ddp_test_write_bin(dir, "labels.bin", &b->labels, (size_t)ln * 8);
   cJSON *j = cJSON_CreateObject();
   cJSON_AddStringToObject(j, "dtype", dts);
   cJSON *xs = cJSON_AddArrayToObject(j, "x_shape");
@@ -150,7 +129,7 @@ static void compare(const char *tag, const char *cfg_json, ddp_dtype_t dt, const
   cJSON_AddBoolToObject(j, "train", true);
   char *run = cJSON_PrintUnformatted(j);
   cJSON_Delete(j);
-  write_file(dir, "run.json", run, strlen(run));
+  ddp_test_write_bin(dir, "run.json", run, strlen(run));
   cJSON_free(run);
   char args[600];
   snprintf(args, sizeof args, "step '%s'", dir);
@@ -162,16 +141,16 @@ static void compare(const char *tag, const char *cfg_json, ddp_dtype_t dt, const
   assert_int_equal(ddp_ctx_create(&c), DDP_OK);
   ddp_var_t *logits, *loss = step(m, c, b, true, &logits);
   void *ref = malloc((size_t)logits->value.numel * es);
-  read_file(dir, "logits.bin", ref, (size_t)logits->value.numel * es);
+  ddp_test_read_bin(dir, "logits.bin", ref, (size_t)logits->value.numel * es);
   double e_logits = rel_err(logits->value.data, ref, dt, logits->value.numel, 0);
   free(ref);
   double lref;
-  read_file(dir, "loss.bin", &lref, es);
+  ddp_test_read_bin(dir, "loss.bin", &lref, es);
   double l = getv(loss->value.data, dt, 0), lr = getv(&lref, dt, 0);
   double e_loss = fabs(l - lr) / fabs(lr);
   ddp_tensor_t gf = ddp_model_flat_grads(m, dt);
   ref = malloc(ddp_tensor_nbytes(&gf));
-  read_file(dir, "grads.bin", ref, ddp_tensor_nbytes(&gf));
+  ddp_test_read_bin(dir, "grads.bin", ref, ddp_tensor_nbytes(&gf));
   /* Each parameter relative to its own largest gradient, with a floor of 1e-3 of the model's
    * largest: a gradient that is zero in exact arithmetic (the key bias: softmax ignores a
    * shift of every score of a row) is rounding noise on both sides. */

@@ -188,6 +188,20 @@ void ddp_test_read_bin(const char *dir, const char *name, void *data, size_t n) 
                                       more ? " and more" : "");
 }
 
+ddp_var_t *ddp_test_rand_var(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
+                             uint64_t seed, bool requires_grad) {
+  ddp_var_t *v;
+  assert_int_equal(ddp_var_new(c, dt, ndim, shape, NULL, requires_grad, &v), DDP_OK);
+  ddp_rng_t r;
+  ddp_rng_init(&r, seed, 3);
+  for (int64_t k = 0; k < v->value.numel; k++) {
+    double x = ddp_rng_uniform_f64(&r) * 2 - 1;
+    if (dt == DDP_F32) ((float *)v->value.data)[k] = (float)x;
+    else ((double *)v->value.data)[k] = x;
+  }
+  return v;
+}
+
 /* ---------------------------------------------------------------- against PyTorch -- */
 
 bool ddp_test_have_torch(void) {

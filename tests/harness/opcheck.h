@@ -108,4 +108,9 @@ void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *root, ddp_
 void ddp_test_write_bin(const char *dir, const char *name, const void *data, size_t n);
 void ddp_test_read_bin(const char *dir, const char *name, void *data, size_t n);
 
+/* A new leaf of ctx (F32 or F64, shape [ndim]) holding U(-1, 1) draws from seed (stream 3)
+ * in element order; fails the test when ddp_var_new does. */
+ddp_var_t *ddp_test_rand_var(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
+                             uint64_t seed, bool requires_grad);
+
 #endif /* DDP_TEST_OPCHECK_H */
