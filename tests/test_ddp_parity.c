@@ -63,14 +63,8 @@ static const char *const BN =
     "{\"type\": \"batchnorm\", \"dim\": 32}, {\"type\": \"relu\"}, "
     "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
 
-/* Logits plus an auxiliary head (flag bit 0), summed by an "add" node with named modules
- * (issue 14): the aux head's gradient is None wherever no rank runs it. */
-static const char *const AUX =
-    "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32, "
-    "\"name\": \"fc1\"}, {\"type\": \"relu\"}, {\"type\": \"add\", \"name\": \"heads\", "
-    "\"branches\": [{\"name\": \"logits\", \"layers\": [{\"type\": \"linear\", \"in\": 32, "
-    "\"out\": 10}]}, {\"name\": \"aux\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", "
-    "\"in\": 32, \"out\": 10}]}]}]}";
+/* Logits plus an auxiliary head (flag bit 0): parity.h's DDP_TEST_AUX_MODEL. */
+static const char *const AUX = DDP_TEST_AUX_MODEL;
 
 typedef ddp_test_pcfg_t pcfg_t;
 

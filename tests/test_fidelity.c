@@ -27,15 +27,8 @@
 #include "parity.h"
 #include "train/train_internal.h"
 
-/* An MLP with a logits head and an auxiliary head summed by an "add" node; the aux
- * branch runs only when flag bit 0 is set. Parameters: fc1.weight, fc1.bias,
- * heads.logits.0.weight, heads.logits.0.bias, heads.aux.0.weight, heads.aux.0.bias. */
-static const char *const AUX =
-    "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32, "
-    "\"name\": \"fc1\"}, {\"type\": \"relu\"}, {\"type\": \"add\", \"name\": \"heads\", "
-    "\"branches\": [{\"name\": \"logits\", \"layers\": [{\"type\": \"linear\", \"in\": 32, "
-    "\"out\": 10}]}, {\"name\": \"aux\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", "
-    "\"in\": 32, \"out\": 10}]}]}]}";
+/* The MLP with a logits head and an auxiliary head (flag bit 0): DDP_TEST_AUX_MODEL. */
+static const char *const AUX = DDP_TEST_AUX_MODEL;
 static const char *const MLP =
     "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32}, "
     "{\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";

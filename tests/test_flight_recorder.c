@@ -133,14 +133,6 @@ static void expect_verdict(const cJSON *v, const char *kind, int64_t k, int64_t 
     assert_int_equal((int)cJSON_GetArrayItem(c, i)->valuedouble, culprits[i]);
 }
 
-static ddp_store_t *memory_store(void) {
-  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-  so.timeout_ms = 10000;
-  ddp_store_t *s = NULL;
-  assert_int_equal(ddp_store_create_memory(&so, &s), DDP_OK);
-  return s;
-}
-
 static ddp_status_t allreduce_n(ddp_pg_t *pg, float *buf, size_t n) {
   ddp_work_t *w = NULL;
   ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &w);
@@ -231,7 +223,7 @@ static ddp_test_results_t *spawn(int world, ddp_test_mode_t mode, scen_t *sc, in
   o.kill_rank = kill_rank;
   o.kill_after_ms = kill_after_ms;
   o.kill_signal = sig;
-  if (mode == DDP_TEST_THREADS) sc->store = memory_store();
+  if (mode == DDP_TEST_THREADS) sc->store = ddp_test_memory_store();
   ddp_test_results_t *res = ddp_test_spawn(&o, scen_rank, sc);
   ddp_store_destroy(sc->store);
   sc->store = NULL;
@@ -552,7 +544,7 @@ static void test_ddp_bucket_tags(void **state) {
   scen_t sc = {"threads", 0, 10000, NULL, dir};
   ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
   o.world = 2;
-  sc.store = memory_store();
+  sc.store = ddp_test_memory_store();
   ddp_test_results_t *res = ddp_test_spawn(&o, ddp_rank, &sc);
   ddp_store_destroy(sc.store);
   ddp_test_expect_ok(res);

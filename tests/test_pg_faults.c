@@ -119,14 +119,6 @@ static int put_ms_and_close(ddp_test_rank_t *tr, ddp_pg_t *pg, ddp_store_t *stor
   return st;
 }
 
-static ddp_store_t *memory_store(void) {
-  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-  so.timeout_ms = 10000;
-  ddp_store_t *s = NULL;
-  assert_int_equal(ddp_store_create_memory(&so, &s), DDP_OK);
-  return s;
-}
-
 /* The /dev/shm entries of segments that a group whose rank 0 ran in process `pid` created
  * (the shm backend names them /ddp-<uid>-<pid of rank 0>-<random>). Only these: other jobs
  * of the same user (a second copy of the suite) create and remove their own entries at any
@@ -454,7 +446,7 @@ static void test_desync(void **state) {
   for (int b = 0; b < 3; b++)
     for (int v = 0; v < (b == 2 ? 4 : 3); v++) {
       fcfg_t cfg = {backends[b], b == 0 ? DDP_TEST_THREADS : DDP_TEST_FORK, 5000, v, NULL, NULL};
-      if (b == 0) cfg.store = memory_store();
+      if (b == 0) cfg.store = ddp_test_memory_store();
       ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
       o.world = v == 2 ? 2 : 3;
       o.mode = cfg.mode;
@@ -511,7 +503,7 @@ static void test_abort_unblocks(void **state) {
   static const char *backends[] = {"threads", "tcp", "shm"};
   for (int b = 0; b < 3; b++) {
     int fds_before = count_fds();
-    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 10000, 0, memory_store(), NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 10000, 0, ddp_test_memory_store(), NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;
@@ -606,7 +598,7 @@ static int leaving_rank(ddp_test_rank_t *tr, void *arg) {
 static void test_left_rank_fails_peers(void **state) {
   static const char *backends[] = {"threads", "shm", "tcp"};
   for (int b = 0; b < 3; b++) {
-    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 5000, 0, memory_store(), NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;
@@ -790,7 +782,7 @@ static void *shm_case_rank(void *p) {
 
 /* Runs `world` shm ranks as threads of this process (one memory store). */
 static void run_shm_case(shm_case_t *proto, shm_case_t *out) {
-  proto->store = memory_store();
+  proto->store = ddp_test_memory_store();
   pthread_t th[4];
   for (int r = 0; r < proto->world; r++) {
     out[r] = *proto;
@@ -966,7 +958,7 @@ static void test_tcp_socket_ifname(void **state) {
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     if (cases[c].ddp) setenv("DDP_SOCKET_IFNAME", cases[c].ddp, 1);
     if (cases[c].gloo) setenv("GLOO_SOCKET_IFNAME", cases[c].gloo, 1);
-    fcfg_t cfg = {"tcp", DDP_TEST_THREADS, 5000, 0, memory_store(), NULL};
+    fcfg_t cfg = {"tcp", DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;

@@ -160,6 +160,14 @@ bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n) {
   return true;
 }
 
+ddp_store_t *ddp_test_memory_store(void) {
+  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+  so.timeout_ms = 10000;
+  ddp_store_t *s = NULL;
+  assert_int_equal(ddp_store_create_memory(&so, &s), DDP_OK);
+  return s;
+}
+
 ddp_status_t ddp_test_pg_create(ddp_test_rank_t *tr, ddp_pg_options_t *o, const char *what,
                                 ddp_store_t **store, ddp_pg_t **pg) {
   *store = NULL;

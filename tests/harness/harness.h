@@ -87,6 +87,10 @@ bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n);
 ddp_status_t ddp_test_pg_create(ddp_test_rank_t *tr, ddp_pg_options_t *o, const char *what,
                                 ddp_store_t **store, ddp_pg_t **pg);
 
+/* A new in-memory store (timeout 10 s) for thread-mode ranks; fails the test when creation
+ * does. The caller destroys it. */
+ddp_store_t *ddp_test_memory_store(void);
+
 /* Parent-side CMocka helpers: fail (printing every rank's status and message) unless each
  * rank returned `expected`. */
 void ddp_test_expect_all(const ddp_test_results_t *res, int expected);

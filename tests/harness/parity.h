@@ -24,6 +24,17 @@
  * torch_dir's weights.safetensors replaces). */
 #define DDP_TEST_PARITY_SEED 1234
 
+/* An MLP (64 -> 32, ReLU) with a logits head and an auxiliary head summed by an "add" node
+ * with named modules; the aux branch runs only when flag bit 0 is set (issue 14: its
+ * gradient is None wherever no rank runs it). Parameters: fc1.weight, fc1.bias,
+ * heads.logits.0.weight, heads.logits.0.bias, heads.aux.0.weight, heads.aux.0.bias. */
+#define DDP_TEST_AUX_MODEL                                                                   \
+  "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32, "      \
+  "\"name\": \"fc1\"}, {\"type\": \"relu\"}, {\"type\": \"add\", \"name\": \"heads\", "     \
+  "\"branches\": [{\"name\": \"logits\", \"layers\": [{\"type\": \"linear\", \"in\": 32, " \
+  "\"out\": 10}]}, {\"name\": \"aux\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", "  \
+  "\"in\": 32, \"out\": 10}]}]}]}"
+
 typedef struct ddp_test_pcfg {
   const char *name;  /* a directory name under the scratch directory */
   const char *model; /* model JSON (docs/nn.md) */
