@@ -194,6 +194,18 @@ static void foreign_shm_create(char *name, size_t cap) {
   close(fd);
 }
 
+/* The end of a test that ran shm groups beside the foreign entry foreign_shm_create made:
+ * the shm group of rank 0 (process shm_pid) left no /dev/shm entry (the foreign one does
+ * not count), then the foreign entry is removed. */
+static void expect_no_shm_left(int shm_pid, const char *foreign) {
+  int left = count_shm_entries(shm_pid);
+  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
+                shm_pid, left);
+  assert_true(shm_pid > 0);
+  assert_int_equal(left, 0);
+  shm_unlink(foreign);
+}
+
 static void test_kill9_mid_allreduce(void **state) {
   static const char *backends[] = {"shm", "tcp"};
   char foreign[96];
@@ -227,12 +239,7 @@ static void test_kill9_mid_allreduce(void **state) {
     }
     ddp_test_results_free(res);
   }
-  int left = count_shm_entries(shm_pid);
-  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
-                shm_pid, left);
-  assert_true(shm_pid > 0);
-  assert_int_equal(left, 0);
-  shm_unlink(foreign);
+  expect_no_shm_left(shm_pid, foreign);
 }
 
 /* The rank a failure message blames: the first "rank N" after "on backend tcp: ", or -1. */
@@ -371,12 +378,7 @@ static void test_rank_never_joins(void **state) {
     }
     ddp_test_results_free(res);
   }
-  int left = count_shm_entries(shm_pid);
-  print_message("/dev/shm entries left by the shm group of rank 0 (pid %d): %d (expected 0)\n",
-                shm_pid, left);
-  assert_true(shm_pid > 0);
-  assert_int_equal(left, 0);
-  shm_unlink(foreign);
+  expect_no_shm_left(shm_pid, foreign);
 }
 
 /* variant 0: rank 1 uses count 1001; 1: rank 2 uses MAX; 2: p2p sizes differ; 3: rank 1
