@@ -1,0 +1,130 @@
+/* ddprun's parts, shared by tools/ddprun.c (options, attempts, report), ddprun_proc.c (the
+ * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store port and
+ * leftovers of a job). ddprun is single-threaded and uses only libc. */
+#ifndef DDPRUN_H
+#define DDPRUN_H
+
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+enum {
+  EXIT_LAUNCH = 1,           /* ddprun could not start the job */
+  EXIT_USAGE = 2,            /* bad command line */
+  MAX_LOCAL_RANKS = 1024,    /* two pipes each must fit the usual 4096-descriptor limit */
+  LINE_CAP = 65536,          /* a longer line is passed on in pieces of this size */
+  BATCH_LINES = 256,         /* lines per writev (two iovecs each, under IOV_MAX) */
+  DRAIN_MS = 2000,           /* after the last rank exits: wait this long for pipe EOF */
+  REAP_MS = 10000,           /* after SIGKILL: wait this long for ranks to go */
+  TOKEN_BYTES = 16
+};
+
+#define DEFAULT_MASTER_ADDR "127.0.0.1"
+#define DEFAULT_MASTER_PORT 29500
+#define DEFAULT_GRACE_MS 3000
+
+#define DEFAULT_MASTER_ADDR "127.0.0.1"
+#define DEFAULT_MASTER_PORT 29500
+#define DEFAULT_RDZV_PORT 29400 /* torchrun's port when --rdzv_endpoint names none */
+#define DEFAULT_GRACE_MS 3000
+
+typedef struct options {
+  int nproc_per_node;
+  int nnodes;
+  int node_rank;
+  const char *master_addr;
+  bool master_addr_given;
+  int master_port;       /* 0: chosen by the OS (--standalone, --master_port 0) */
+  bool master_port_given;
+  bool standalone;
+  bool port_auto;        /* the port is the OS's choice: another one will do on a restart */
+  int max_restarts;      /* restarts of the whole worker group after a failure */
+  const char *backend;   /* NULL: DDP_BACKEND is left as inherited */
+  long timeout_s;        /* 0: DDP_TIMEOUT is left as inherited */
+  int64_t grace_ms;
+  char **prog_argv;      /* NULL-terminated, points into argv */
+  char rdzv_host[256];   /* --rdzv_endpoint's host, master_addr points here when given */
+} options_t;
+
+/* ------------------------------------------------------------------ state ----------- */
+
+/* One output stream of one rank: the read end of its pipe and the bytes of a line that
+ * has not ended yet. */
+typedef struct line_stream {
+  int fd;      /* read end; -1 once closed */
+  int out_fd;  /* STDOUT_FILENO or STDERR_FILENO */
+  size_t len;  /* bytes held in buf */
+  char *buf;   /* LINE_CAP bytes */
+} line_stream_t;
+
+typedef enum rank_state {
+  RANK_RUNNING,  /* not seen to exit */
+  RANK_EXITED,   /* exit seen with WNOWAIT: still a zombie, so its pid and group id stay ours */
+  RANK_REAPED
+} rank_state_t;
+
+typedef struct rank_proc {
+  int rank;          /* global */
+  pid_t pid;         /* also its process group id */
+  rank_state_t state;
+  int how;           /* si_code: CLD_EXITED, CLD_KILLED or CLD_DUMPED */
+  int status;        /* exit code or signal */
+  char prefix[32];   /* "[rankN]: " */
+  size_t prefix_len;
+  line_stream_t out, err;
+} rank_proc_t;
+
+typedef struct launcher {
+  options_t opt;
+  char token[256];
+  rank_proc_t *ranks;
+  int nranks;          /* ranks started */
+  int first_failed;    /* index into ranks, -1 while none */
+  int interrupt_sig;   /* first SIGINT/SIGTERM ddprun received, 0 if none */
+  bool launch_failed;
+  bool stopping;       /* SIGTERM (or the forwarded signal) has been sent */
+  bool killed;         /* SIGKILL has been sent */
+  bool gave_up;        /* ranks survived SIGKILL for REAP_MS */
+  int64_t kill_deadline_ns;
+  int64_t give_up_deadline_ns;
+  int restart_count;   /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
+  int listen_fd;       /* the store's listening socket, handed to global rank 0; -1: none */
+  int64_t start_ns;    /* when this attempt started */
+  int64_t failed_ns;   /* when its first failure was seen */
+  bool out_dead[3];    /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
+  struct pollfd *pfds;      /* poll set, 2 per rank, rebuilt every wait */
+  line_stream_t **pstreams; /* the stream behind each pfds entry */
+  rank_proc_t **pranks;     /* and its rank */
+} launcher_t;
+
+/* One message = one write, so ddprun's own lines never split the ranks' lines. */
+__attribute__((format(printf, 1, 2))) void say(const char *fmt, ...);
+void write_all(int fd, const char *p, size_t n);
+const char *signal_name(int sig);
+int64_t now_ns(void);
+
+/* ddprun_proc.c */
+void describe_exit(const rank_proc_t *r, char *buf, size_t cap);
+bool rank_failed(const rank_proc_t *r);
+/* Blocks SIGCHLD, SIGINT and SIGTERM (they are taken only inside the wait) and installs the
+ * handlers; orig_mask is what children get back, wait_mask what the wait unblocks. */
+void install_signals(sigset_t *orig_mask, sigset_t *wait_mask);
+/* Starts every local rank of one attempt, supervises them until all have exited (or
+ * outlived SIGKILL), removes what they left in /dev/shm and reaps them. */
+void run_attempt(launcher_t *L, const sigset_t *orig_mask, const sigset_t *wait_mask);
+
+/* ddprun_net.c */
+/* Node 0's store port: binds master_addr:master_port (port 0: any, chosen by the OS, which
+ * is then written into o->master_port) and listens, so that the port is this job's from now
+ * on; global rank 0 inherits the socket (DDP_STORE_LISTEN_FD) and serves the store on it.
+ * Returns 0, or ddprun's exit code after saying why (a port that another job's store holds
+ * is refused here, before any rank starts). Not on other nodes: *fd = -1. */
+int reserve_port(options_t *o, int *fd);
+/* Removes the /dev/shm/ddp-<uid>-<pid>-* segments of the rank with that pid (what the shm
+ * backend's rank 0 names its segment), which a rank stopped before it unlinked leaves. */
+void remove_shm_leftovers(const rank_proc_t *r);
+
+#endif
