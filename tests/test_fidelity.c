@@ -25,7 +25,6 @@
 #include "ddp/optim.h"
 #include "harness.h"
 #include "parity.h"
-#include "proc.h"
 #include "train/train_internal.h"
 
 /* An MLP with a logits head and an auxiliary head summed by an "add" node; the aux
@@ -63,37 +62,21 @@ static void write_models(void) {
 /* ddp-train on `launch` ("--threads 2", or a ddprun prefix) with the common arguments,
  * writing dump_dir and output_dir dump_dir.out; extra last (it overrides). Fails the test
  * unless it exits 0; returns the tool's stdout (malloc'd). */
-/* launch may hold "@PORT@" (ddprun's --master_port): each attempt puts a port from the
- * kernel there, and a run that failed because another job took that port before ddprun
- * bound it is retried (three attempts). */
 static char *train(const char *launch, const char *model, const char *dump_dir,
                    const char *extra) {
-  for (int attempt = 0;; attempt++) {
-    char cmd[4096];
-    const char *at = strstr(launch, "@PORT@");
-    if (at)
-      snprintf(cmd, sizeof cmd, "%.*s%d%s", (int)(at - launch), launch, ddp_test_free_port(),
-               at + strlen("@PORT@"));
-    else
-      snprintf(cmd, sizeof cmd, "%s", launch);
-    char *out = NULL;
-    int rc = ddp_test_run_cmd(
-        &out,
-        "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s --model '%s' --data '%s' "
-        "--per_device_train_batch_size 8 --learning_rate 0.01 --lr_scheduler_type constant "
-        "--max_grad_norm 0 --seed 7 --save_strategy no --disable_tqdm --ddp_timeout 60 "
-        "--output_dir '%s.out' --dump_dir '%s' %s",
-        cmd, model, ddp_test_parity_dataset(), dump_dir, dump_dir, extra);
-    if (rc == 0) return out;
-    char *err = ddp_test_cmd_stderr();
-    bool taken = at && attempt < 2 && err && strstr(err, "Address already in use");
-    free(err);
-    if (!taken) {
-      ddp_test_print_cmd_stderr();
-      fail_msg("ddp-train (%s %s) exited %d: %s", cmd, extra, rc, out ? out : "");
-    }
-    free(out);
+  char *out = NULL;
+  int rc = ddp_test_run_cmd(
+      &out,
+      "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s --model '%s' --data '%s' "
+      "--per_device_train_batch_size 8 --learning_rate 0.01 --lr_scheduler_type constant "
+      "--max_grad_norm 0 --seed 7 --save_strategy no --disable_tqdm --ddp_timeout 60 "
+      "--output_dir '%s.out' --dump_dir '%s' %s",
+      launch, model, ddp_test_parity_dataset(), dump_dir, dump_dir, extra);
+  if (rc != 0) {
+    ddp_test_print_cmd_stderr();
+    fail_msg("ddp-train (%s %s) exited %d: %s", launch, extra, rc, out ? out : "");
   }
+  return out;
 }
 
 static ddp_st_file_t *st_open(const char *path) {
@@ -333,13 +316,13 @@ static void test_never_used_backends(void **state) {
   (void)state;
   if (access(tool("ddp-train"), X_OK) != 0) skip();
   write_models();
-  const char *port = "@PORT@"; /* a port from the kernel per run (train) */
   char shm[2048], tcp[2048], thr[64];
   snprintf(thr, sizeof thr, "'%s' --threads 2", tool("ddp-train"));
-  snprintf(shm, sizeof shm, "'%s' --nproc_per_node 2 --backend shm --master_port %s '%s'",
-           tool("ddprun"), port, tool("ddp-train"));
-  snprintf(tcp, sizeof tcp, "'%s' --nproc_per_node 2 --backend tcp --master_port %s '%s'",
-           tool("ddprun"), port, tool("ddp-train"));
+  /* --standalone: ddprun reserves the store's port from the kernel before any rank starts. */
+  snprintf(shm, sizeof shm, "'%s' --nproc_per_node 2 --backend shm --standalone '%s'",
+           tool("ddprun"), tool("ddp-train"));
+  snprintf(tcp, sizeof tcp, "'%s' --nproc_per_node 2 --backend tcp --standalone '%s'",
+           tool("ddprun"), tool("ddp-train"));
   const struct {
     const char *name, *launch, *extra;
   } cases[] = {

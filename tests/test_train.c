@@ -1082,15 +1082,11 @@ static void test_threads_vs_processes(void **state) {
     ddp_test_remove_at_exit(log);
     const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
                          "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
-    /* The store's port from the kernel; one taken before ddprun binds it is retried. */
-    int rc = -1;
-    for (int attempt = 0; attempt < 3 && rc != 0; attempt++) {
-      if (attempt > 0 && !port_was_taken(log)) break;
-      snprintf(cmd, sizeof cmd,
-               "'%s' --nproc_per_node %s --backend %s --master_port %d '%s' %s --output_dir '%s'",
-               ddprun, cases[i].world, cases[i].backend, ddp_test_free_port(), exe, common, dp);
-      rc = run_logged(cmd, log);
-    }
+    /* --standalone: ddprun reserves a port from the kernel before any rank starts. */
+    snprintf(cmd, sizeof cmd,
+             "'%s' --nproc_per_node %s --backend %s --standalone '%s' %s --output_dir '%s'",
+             ddprun, cases[i].world, cases[i].backend, exe, common, dp);
+    int rc = run_logged(cmd, log);
     if (rc != 0) fail_msg("ddprun run failed (exit %d; its output is above): %s", rc, cmd);
     unlink(log);
     snprintf(what, sizeof what, "%s processes x%s", cases[i].backend, cases[i].world);

@@ -64,7 +64,8 @@ def rank_main(args):
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=args.world,
+    dist.init_process_group("gloo", init_method=peer_launch.init_method(),
+                            rank=rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(1234 + rank)
     model = torch.nn.Sequential(
