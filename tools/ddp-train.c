@@ -410,8 +410,18 @@ int main(int argc, char **argv) {
   static tool_t t;
   t.args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;
   t.text = (train_text_t)TRAIN_TEXT_INIT;
+  t.args.ddp_timeout = 0; /* 0 after parsing: not given; then DDP_TIMEOUT, else the default */
   int rc = parse_args(&t, argc, argv);
   if (rc) return rc;
+  if (t.args.ddp_timeout == 0) {
+    int64_t s = 1800;
+    ddp_error_t terr = {0};
+    if (ddp_env_is_set(DDP_ENV_TIMEOUT) && ddp_env_int(DDP_ENV_TIMEOUT, 1, 1000000000, &s, &terr)) {
+      fprintf(stderr, "ddp-train: %s\n", terr.msg);
+      return 2;
+    }
+    t.args.ddp_timeout = s; /* ddprun --timeout S reaches the trainer through DDP_TIMEOUT */
+  }
   ddp_error_t err = {0};
   ddp_status_t st = ddp_train_args_validate(&t.args, &err);
   if (st != DDP_OK) {

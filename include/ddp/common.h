@@ -151,6 +151,10 @@ DDP_API void ddp_free(void *ptr);
   X(MASTER_ADDR, "MASTER_ADDR", "127.0.0.1", "Host of the TCP store (torchrun, ddprun).")  \
   X(MASTER_PORT, "MASTER_PORT", "29500", "Port of the TCP store (torchrun, ddprun).")     \
   X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.") \
+  X(STORE_LISTEN_FD, "DDP_STORE_LISTEN_FD", "",                                          \
+    "ddprun: the store's listening socket it reserved, inherited by global rank 0.")       \
+  X(RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT", "0",                                     \
+    "Restarts of the worker group so far (torchrun, ddprun); ddp_train resumes when > 0.") \
   X(SOCKET_IFNAME, "DDP_SOCKET_IFNAME", "",                                               \
     "tcp backend: interfaces (comma-separated) whose address a rank publishes to its peers.") \
   X(GLOO_SOCKET_IFNAME, "GLOO_SOCKET_IFNAME", "",                                         \

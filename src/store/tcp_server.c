@@ -15,6 +15,7 @@
  * accepts them, so a slow reader never stalls the others. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -544,34 +545,46 @@ static void *server_main(void *arg) {
   return NULL;
 }
 
-ddp_status_t ddp__store_server_start(const char *host, int port, const char *token, int rank,
-                                     ddp_error_t *err, ddp__store_server_t **out) {
-  ddp__store_server_t *srv = ddp__calloc(1, sizeof *srv);
-  if (!srv) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
-  srv->lfd = -1;
-  srv->stop_fd = -1;
-  srv->rank = rank;
-  srv->token = ddp__strdup(token);
-  srv->token_len = srv->token ? strlen(token) : 0;
-  srv->pfd = ddp__calloc(2, sizeof *srv->pfd);
-  srv->pcap = 2;
+/* The listening socket ddprun reserved for this job's store (DDP_STORE_LISTEN_FD, handed to
+ * global rank 0 only): used when it is a listening TCP socket bound to `port`, so the port
+ * never passes through a free state another job could take. -1 when there is none. */
+static int inherited_listener(int port) {
+  if (!ddp_env_is_set(DDP_ENV_STORE_LISTEN_FD)) return -1;
+  int64_t v;
+  if (ddp_env_int(DDP_ENV_STORE_LISTEN_FD, 0, INT32_MAX, &v, NULL) != DDP_OK) return -1;
+  int fd = (int)v, listening = 0, type = 0;
+  socklen_t n = sizeof listening, tn = sizeof type;
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || !listening ||
+      getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tn) != 0 || type != SOCK_STREAM ||
+      getsockname(fd, (struct sockaddr *)&ss, &sl) != 0 ||
+      (ss.ss_family != AF_INET && ss.ss_family != AF_INET6))
+    return -1;
+  int p = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                         : ((struct sockaddr_in *)&ss)->sin_port);
+  if (p != port) return -1;
+  fcntl(fd, F_SETFD, FD_CLOEXEC);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return fd;
+}
+
+/* Binds and listens on bind_host:port (the first address that works). */
+static ddp_status_t bind_listener(ddp__store_server_t *srv, const char *bind_host, int port,
+                                  ddp_error_t *err) {
+  int rank = srv->rank;
   ddp_status_t st = DDP_OK;
-  if (!srv->token || !srv->pfd || ddp__kv_init(&srv->kv) != DDP_OK) {
-    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
-    goto fail;
-  }
   char pstr[16];
   snprintf(pstr, sizeof pstr, "%d", port);
   struct addrinfo hints = {0}, *ai = NULL;
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  const char *bind_host = (host && *host) ? host : "0.0.0.0";
   int gai = getaddrinfo(bind_host, pstr, &hints, &ai);
   if (gai != 0) {
     st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                     "tcp store server: cannot resolve %s: %s", bind_host, gai_strerror(gai));
-    goto fail;
+    return st;
   }
   int last_errno = 0;
   const char *last_call = "socket";
@@ -602,8 +615,30 @@ ddp_status_t ddp__store_server_start(const char *host, int port, const char *tok
   if (srv->lfd < 0) {
     st = ddp__error(err, rank, DDP_ERR_SYSTEM, "tcp store server: %s(%s:%d): %s (errno %d)",
                     last_call, bind_host, port, strerror(last_errno), last_errno);
+    return st;
+  }
+  return st;
+}
+
+ddp_status_t ddp__store_server_start(const char *host, int port, const char *token, int rank,
+                                     ddp_error_t *err, ddp__store_server_t **out) {
+  ddp__store_server_t *srv = ddp__calloc(1, sizeof *srv);
+  if (!srv) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
+  srv->lfd = -1;
+  srv->stop_fd = -1;
+  srv->rank = rank;
+  srv->token = ddp__strdup(token);
+  srv->token_len = srv->token ? strlen(token) : 0;
+  srv->pfd = ddp__calloc(2, sizeof *srv->pfd);
+  srv->pcap = 2;
+  ddp_status_t st = DDP_OK;
+  if (!srv->token || !srv->pfd || ddp__kv_init(&srv->kv) != DDP_OK) {
+    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
     goto fail;
   }
+  srv->lfd = inherited_listener(port);
+  const char *bind_host = (host && *host) ? host : "0.0.0.0";
+  if (srv->lfd < 0) DDP_CHECK_GOTO(bind_listener(srv, bind_host, port, err), st, fail);
   struct sockaddr_storage ss;
   socklen_t sl = sizeof ss;
   getsockname(srv->lfd, (struct sockaddr *)&ss, &sl);

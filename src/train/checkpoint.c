@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -189,6 +190,59 @@ ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, size_t cap,
   return st;
 }
 
+ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *dir, size_t cap,
+                                   ddp_error_t *err) {
+  const char *r = a->resume_from_checkpoint;
+  dir[0] = '\0';
+  int64_t restarts = 0;
+  if (!r[0] && ddp_env_is_set(DDP_ENV_RESTART_COUNT))
+    DDP_CHECK(ddp_env_int(DDP_ENV_RESTART_COUNT, 0, INT32_MAX, &restarts, err));
+  bool latest = !strcasecmp(r, "true") || !strcasecmp(r, "latest");
+  if (!latest && !(restarts > 0)) {
+    if (r[0] && strcasecmp(r, "false") != 0) snprintf(dir, cap, "%s", r);
+    return DDP_OK;
+  }
+  int64_t *steps = NULL;
+  size_t n = 0;
+  struct stat sb;
+  if (restarts > 0 && stat(a->output_dir, &sb) != 0) n = 0; /* nothing written yet */
+  else DDP_CHECK(list_checkpoints(a->output_dir, &steps, &n, err));
+  if (n == 0) {
+    ddp__free(steps);
+    if (latest)
+      return ddp__error_quiet(err, DDP_ERR_NOT_FOUND,
+                              "no complete checkpoint-<step> directory in %s", a->output_dir);
+    if (rank == 0)
+      ddp__log(rank, DDP_LOG_WARN, "restart %lld (TORCHELASTIC_RESTART_COUNT): %s holds no "
+               "checkpoint yet, so training starts again at step 0", (long long)restarts,
+               a->output_dir);
+    return DDP_OK;
+  }
+  ddp_status_t st = DDP_ERR_INVALID_DATA;
+  char cand[4096];
+  for (size_t i = n; i-- > 0 && st != DDP_OK;) {
+    snprintf(cand, sizeof cand, "%s/checkpoint-%lld", a->output_dir, (long long)steps[i]);
+    st = ddp__train_verify_checkpoint(cand, err);
+    if (st == DDP_OK) {
+      snprintf(dir, cap, "%s", cand);
+    } else if (i > 0 && rank == 0) {
+      ddp__log(rank, DDP_LOG_WARN, "skipping %s, which fails verification (%s); trying the "
+               "next newest checkpoint", cand, err ? err->msg : ddp_status_name(st));
+    }
+  }
+  ddp__free(steps);
+  if (st == DDP_OK && restarts > 0 && rank == 0)
+    ddp__log(rank, DDP_LOG_WARN, "restart %lld (TORCHELASTIC_RESTART_COUNT): resuming from %s",
+             (long long)restarts, dir);
+  if (st != DDP_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", err ? err->msg : ddp_status_name(st));
+    return ddp__error(err, rank, st, "no checkpoint in %s verifies; the oldest fails with: %s",
+                      a->output_dir, why);
+  }
+  return DDP_OK;
+}
+
 static void pause_ms(int64_t ms) {
   if (ms <= 0) return;
   struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
@@ -242,6 +296,7 @@ ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_
   snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
   snprintf(fin, sizeof fin, "%s/checkpoint-%lld", output_dir, (long long)step);
   snprintf(old, sizeof old, "%s/old-checkpoint-%lld", output_dir, (long long)step);
+  DDP_CHECK(ddp__train_write_checksums(tmp, err)); /* every rank's files are in by now */
   DDP_CHECK(fsync_dir(tmp, err));
 
   /* A checkpoint of the same step from an earlier run is moved aside, not overwritten in
@@ -328,6 +383,7 @@ ddp_status_t ddp_train_checkpoint_load(const char *dir, ddp_model_t *model, ddp_
   DDP_REQUIRE(dir && model);
   char path[4200];
   int64_t s;
+  DDP_CHECK(ddp__train_verify_checkpoint(dir, err));
   DDP_CHECK(ddp__train_read_state(dir, &s, NULL, err));
   snprintf(path, sizeof path, "%s/model.safetensors", dir);
   DDP_CHECK(ddp_model_load(model, path, true, NULL, NULL, err));

@@ -66,6 +66,25 @@ void ddp__train_optim_file(char *buf, size_t cap, const char *dir, size_t group)
 /* dir/hook_state_rank<rank>.safetensors: one rank's PowerSGD state. */
 void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank);
 
+/* Checkpoint integrity (ckpt_integrity.c). Write: records the SHA-256 of every file in dir
+ * in dir/checksums.sha256 (sha256sum's format), atomically; called on the staged directory
+ * just before it is committed. Verify: recomputes them; a file that differs or is missing
+ * is DDP_ERR_INVALID_DATA naming the file. A directory without checksums.sha256 (older
+ * checkpoints) verifies. */
+#define DDP__TRAIN_CHECKSUMS "checksums.sha256"
+ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err);
+ddp_status_t ddp__train_verify_checkpoint(const char *dir, ddp_error_t *err);
+
+/* The checkpoint a run resumes from, into dir ("" = start at step 0), by
+ * resume_from_checkpoint: a directory (used as given; loading verifies it); "true" or
+ * "latest": the newest checkpoint in output_dir that verifies, older ones tried in turn with
+ * a warning (on rank 0) naming each one skipped and why; "false": none; "" (unset): none,
+ * unless the worker group was restarted (TORCHELASTIC_RESTART_COUNT > 0, torchrun or
+ * ddprun --max_restarts), which resumes as "true" does, or starts at step 0 when output_dir
+ * holds no checkpoint yet. */
+ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *dir, size_t cap,
+                                   ddp_error_t *err);
+
 /* Reads trainer_state.json of a checkpoint directory: global_step. */
 ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world,
                                    ddp_error_t *err);

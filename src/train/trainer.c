@@ -550,14 +550,10 @@ static ddp_status_t save(trainer_t *t, int64_t step, int64_t pause, ddp_train_re
 
 static ddp_status_t resume(trainer_t *t, int64_t *start) {
   char dir[DDP_TRAIN_STR_MAX];
-  const char *r = t->a->resume_from_checkpoint;
   *start = 0;
-  if (!r[0] || !strcasecmp(r, "false")) return DDP_OK;
-  if (!strcasecmp(r, "true") || !strcasecmp(r, "latest")) {
-    DDP_CHECK(ddp_train_latest_checkpoint(t->a->output_dir, dir, sizeof dir, t->err));
-  } else {
-    snprintf(dir, sizeof dir, "%s", r);
-  }
+  /* resume_from_checkpoint, or the newest verified checkpoint after a restart. */
+  DDP_CHECK(ddp__train_resume_dir(t->a, t->rank, dir, sizeof dir, t->err));
+  if (!dir[0]) return DDP_OK;
   int world = 0;
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
