@@ -69,6 +69,8 @@ static void print_help(void) {
       "  --rdzv_endpoint A[:P] the same as --master_addr A --master_port P [P: 29400]\n"
       "  --standalone         one node, a free port chosen by the OS\n"
       "  --max_restarts M     restart the whole group up to M times after a failure [0]\n"
+      "  --no_reserve_port    do not hold the store port for rank 0 (a rank 0 that is not\n"
+      "                       libddp binds it itself, e.g. PyTorch's TCPStore)\n"
       "  --backend B          sets DDP_BACKEND: tcp, gloo, shm or nccl\n"
       "  --timeout S          sets DDP_TIMEOUT, the collective timeout in seconds\n"
       "  --grace_period S     after a failure, seconds between SIGTERM and SIGKILL [3]\n"
@@ -148,7 +150,7 @@ static void parse_endpoint(const char *v, options_t *o) {
 
 typedef enum flag_id {
   F_NPROC, F_NNODES, F_NODE_RANK, F_MASTER_ADDR, F_MASTER_PORT, F_BACKEND, F_TIMEOUT,
-  F_GRACE, F_HELP, F_MAX_RESTARTS, F_STANDALONE, F_RDZV_ENDPOINT
+  F_GRACE, F_HELP, F_MAX_RESTARTS, F_STANDALONE, F_RDZV_ENDPOINT, F_NO_RESERVE
 } flag_id_t;
 
 static const struct {
@@ -162,6 +164,7 @@ static const struct {
     {"timeout", F_TIMEOUT, true},          {"grace_period", F_GRACE, true},
     {"help", F_HELP, false},               {"max_restarts", F_MAX_RESTARTS, true},
     {"standalone", F_STANDALONE, false},   {"rdzv_endpoint", F_RDZV_ENDPOINT, true},
+    {"no_reserve_port", F_NO_RESERVE, false},
 };
 
 /* Parses argv up to the program. Options end at the first argument that does not start
@@ -235,6 +238,7 @@ static void parse_args(int argc, char **argv, options_t *o) {
       break;
     case F_MAX_RESTARTS: o->max_restarts = (int)parse_long(name, val, 0, 1000000); break;
     case F_STANDALONE: o->standalone = true; break;
+    case F_NO_RESERVE: o->no_reserve = true; break;
     case F_RDZV_ENDPOINT: parse_endpoint(val, o); break;
     case F_BACKEND: o->backend = val; break;
     case F_TIMEOUT: o->timeout_s = parse_long(name, val, 1, INT32_MAX); break;

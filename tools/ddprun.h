@@ -40,6 +40,7 @@ typedef struct options {
   int master_port;       /* 0: chosen by the OS (--standalone, --master_port 0) */
   bool master_port_given;
   bool standalone;
+  bool no_reserve;       /* --no_reserve_port: rank 0 binds the port itself (a non-libddp store) */
   bool port_auto;        /* the port is the OS's choice: another one will do on a restart */
   int max_restarts;      /* restarts of the whole worker group after a failure */
   const char *backend;   /* NULL: DDP_BACKEND is left as inherited */

@@ -68,6 +68,10 @@ int reserve_port(options_t *o, int *fd) {
   if (s >= 0) {
     o->master_port = got;
     *fd = s;
+    if (o->no_reserve) { /* only the port number was wanted (or the check) */
+      close(s);
+      *fd = -1;
+    }
     return 0;
   }
   int e = errno;
