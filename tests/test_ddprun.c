@@ -236,8 +236,10 @@ static void check_env_lines(const run_result_t *res, const env_expect_t *e, char
 /* One node: '-' and '=' spellings, every variable, and a fresh random token per job. */
 static void test_env_single_node(void **state) {
   (void)state;
+  /* --no_reserve_port: the ranks only print their environment, so the fixed ports here
+   * (29711, the default 29500) are never bound and another job on them cannot interfere. */
   const char *args[] = {"--nproc-per-node=3", "--master_port=29711", "--backend", "gloo",
-                        "--timeout=77", "/bin/sh", "-c", PRINT_ENV, NULL};
+                        "--timeout=77", "--no_reserve_port", "/bin/sh", "-c", PRINT_ENV, NULL};
   env_expect_t e = {3, 1, 0, 29711, "127.0.0.1", "gloo", "77", NULL};
   char t1[128], t2[128];
   run_result_t res;
@@ -250,7 +252,7 @@ static void test_env_single_node(void **state) {
   assert_string_not_equal(t1, t2);
 
   /* Defaults: one rank, 127.0.0.1:29500, DDP_BACKEND and DDP_TIMEOUT left alone. */
-  const char *dflt[] = {"/bin/sh", "-c", PRINT_ENV, NULL};
+  const char *dflt[] = {"--no_reserve_port", "/bin/sh", "-c", PRINT_ENV, NULL};
   env_expect_t d = {1, 1, 0, 29500, "127.0.0.1", "unset", "unset", NULL};
   run_ddprun(dflt, NULL, &res);
   check_env_lines(&res, &d, NULL);
