@@ -14,6 +14,7 @@
 #   --pair-args "..." extra `meson test` arguments for each copy in the third phase (for
 #                     example "--suite unit --suite coll" to soak part of the suite)
 #   --no-asan         skip the ASan phase (and its build)
+#   --logdir DIR      where the results and failing rounds' logs go (default build/soak)
 #
 # During the first two phases two CPU-bound processes (shell busy loops) compete for the
 # cores, so the timed assertions see a loaded machine. A phase's
@@ -30,6 +31,7 @@ asan_runs=20
 pairs=10
 asan=1
 pair_args=""
+soak=build/soak
 # Processes (fork, ddprun, srun, mpirun, python peers), ports (TCP stores, gloo) or time
 # bounds (deadlines, "within X ms"): the tests the issue asks to soak.
 tests="test_harness test_common test_store test_ddprun test_pg_faults test_collectives
@@ -44,6 +46,7 @@ while [ $# -gt 0 ]; do
     --tests) tests=$2; shift 2 ;;
     --pair-args) pair_args=$2; shift 2 ;;
     --no-asan) asan=0; shift ;;
+    --logdir) soak=$2; shift 2 ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "soak.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -58,7 +61,6 @@ ddp_ensure_packages "${DDP_BUILD_PACKAGES[@]}" "${DDP_TEST_PACKAGES[@]}"
 ddp_build build
 [ "$asan" = 1 ] && [ "$asan_runs" -gt 0 ] &&
   ddp_build build/sanitize -Db_sanitize=address,undefined -Db_lundef=false
-soak=build/soak
 rm -rf "$soak"
 mkdir -p "$soak"
 
