@@ -54,8 +54,9 @@ done
 for v in "$runs" "$asan_runs" "$pairs"; do
   [[ $v =~ ^[0-9]+$ ]] || { echo "soak.sh: counts are whole numbers, not '$v'" >&2; exit 2; }
 done
-read -r -a test_list <<<"$tests"
-read -r -a pair_list <<<"$pair_args"
+# Word lists (the names have no spaces or wildcards).
+read -r -d '' -a test_list <<<"$tests"
+read -r -d '' -a pair_list <<<"$pair_args"
 
 ddp_ensure_packages "${DDP_BUILD_PACKAGES[@]}" "${DDP_TEST_PACKAGES[@]}"
 ddp_build build
