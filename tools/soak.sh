@@ -96,7 +96,7 @@ phase, path, bad = sys.argv[1], sys.argv[2], 0
 for line in open(path):
     if line.strip():
         t = json.loads(line)
-        print(phase, t["name"], t["result"])
+        print(phase, t["name"].split(" / ")[-1].replace(" ", "_"), t["result"])
         bad += t["result"] not in ("OK", "SKIP", "EXPECTEDFAIL")
 sys.exit(1 if bad else 0)
 PY
