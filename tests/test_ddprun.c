@@ -23,6 +23,7 @@
 #include <cmocka.h>
 
 #include "cleanup.h" /* DDP_TEST_BOUND_MS: bounds that grow with the load */
+#include "proc.h"    /* ddp_test_free_port */
 
 /* ---------------------------------------------------------------- runner ---------- */
 
@@ -80,6 +81,18 @@ static int count_of(const char *hay, const char *needle) {
 
 /* Runs ddprun with args (NULL-terminated) and collects its output, exit status and wall
  * time. ddprun is killed after RUN_TIMEOUT_MS, which fails the calling test. */
+/* True when args name the store's port or the nodes (or ask for help): run_ddprun leaves
+ * those alone. */
+static bool names_port_or_nodes(const char *const *args) {
+  for (int i = 0; args[i]; i++)
+    if (strstr(args[i], "master_port") || strstr(args[i], "master-port") ||
+        strstr(args[i], "nnodes") || strcmp(args[i], "--help") == 0)
+      return true;
+  return false;
+}
+
+/* Runs ddprun with args; a job that names no port or node runs with --standalone, since
+ * ddprun reserves the default port 29500 on this machine, which another job may hold. */
 static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_t *res) {
   static const run_opts_t none = {0};
   if (!o) o = &none;
@@ -87,6 +100,7 @@ static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_
   const char *argv[64];
   int n = 0;
   argv[n++] = ddprun_path();
+  if (!names_port_or_nodes(args)) argv[n++] = "--standalone";
   for (int i = 0; args[i]; i++) argv[n++] = args[i];
   argv[n] = NULL;
 
@@ -236,11 +250,14 @@ static void check_env_lines(const run_result_t *res, const env_expect_t *e, char
 /* One node: '-' and '=' spellings, every variable, and a fresh random token per job. */
 static void test_env_single_node(void **state) {
   (void)state;
-  /* --no_reserve_port: the ranks only print their environment, so the fixed ports here
-   * (29711, the default 29500) are never bound and another job on them cannot interfere. */
-  const char *args[] = {"--nproc-per-node=3", "--master_port=29711", "--backend", "gloo",
-                        "--timeout=77", "--no_reserve_port", "/bin/sh", "-c", PRINT_ENV, NULL};
-  env_expect_t e = {3, 1, 0, 29711, "127.0.0.1", "gloo", "77", NULL};
+  /* A port from the kernel: ddprun reserves it (binds it) before starting the ranks, so a
+   * fixed number here would fail whenever another job on this machine holds it. */
+  char port_arg[32];
+  int port = ddp_test_free_port();
+  snprintf(port_arg, sizeof port_arg, "--master_port=%d", port);
+  const char *args[] = {"--nproc-per-node=3", port_arg, "--backend", "gloo",
+                        "--timeout=77", "/bin/sh", "-c", PRINT_ENV, NULL};
+  env_expect_t e = {3, 1, 0, port, "127.0.0.1", "gloo", "77", NULL};
   char t1[128], t2[128];
   run_result_t res;
   run_ddprun(args, NULL, &res);
@@ -251,11 +268,20 @@ static void test_env_single_node(void **state) {
   run_free(&res);
   assert_string_not_equal(t1, t2);
 
-  /* Defaults: one rank, 127.0.0.1:29500, DDP_BACKEND and DDP_TIMEOUT left alone. */
-  const char *dflt[] = {"--no_reserve_port", "/bin/sh", "-c", PRINT_ENV, NULL};
-  env_expect_t d = {1, 1, 0, 29500, "127.0.0.1", "unset", "unset", NULL};
-  run_ddprun(dflt, NULL, &res);
+  /* Defaults: the port 29500 and DDP_BACKEND and DDP_TIMEOUT left alone, seen on node 1 of
+   * 2 (only node 0 reserves the port, so nothing binds 29500 here); the address 127.0.0.1,
+   * seen on a one-node run that names no address (run_ddprun adds --standalone). */
+  const char *dflt[] = {"--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1",
+                        "/bin/sh", "-c", PRINT_ENV, NULL};
+  run_opts_t o = {.env = {{"DDP_JOB_TOKEN", "defaults-token"}}};
+  env_expect_t d = {1, 2, 1, 29500, "127.0.0.1", "unset", "unset", "defaults-token"};
+  run_ddprun(dflt, &o, &res);
   check_env_lines(&res, &d, NULL);
+  run_free(&res);
+  const char *one[] = {"/bin/sh", "-c", PRINT_ENV, NULL};
+  run_ddprun(one, NULL, &res);
+  assert_int_equal(res.exit_code, 0);
+  assert_non_null(strstr(res.out, " A=127.0.0.1 "));
   run_free(&res);
 }
 
