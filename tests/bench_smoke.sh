@@ -47,7 +47,7 @@ keys=(steps_per_s sync_p50_ms nosync_p50_ms sync_cpu_ms nosync_cpu_ms nosync_bus
 counts=(--steps 2 --warmup 2 --pairs 3 --ar-iters 2)
 
 export DDP_BLAS_THREADS=1
-timeout -k 5 120 "$ddprun" --nproc_per_node 2 --backend shm --master_port 29564 "$bench" \
+timeout -k 5 120 "$ddprun" --nproc_per_node 2 --backend shm --standalone "$bench" \
   "${counts[@]}" >"$work/ddp.txt" 2>&1 || { cat "$work/ddp.txt"; fail "ddp-bench-ddp failed"; }
 ddp=$(grep -o 'RESULT .*' "$work/ddp.txt" | head -1)
 [ -n "$ddp" ] || { cat "$work/ddp.txt"; fail "no RESULT line from ddp-bench-ddp"; }

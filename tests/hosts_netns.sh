@@ -29,6 +29,12 @@ hosts=("$tag-h0" "$tag-h1" "$tag-h2")
 master=10.231.0.1
 cut_timeout=5   # --ddp_timeout of the cut run (s)
 slack=10        # allowed on top: detection, ddprun's 3 s grace period, sanitizer builds
+# ... times the load per CPU when the machine is busy (as DDP_TEST_BOUND_MS in the C tests:
+# DDP_TEST_TIME_SCALE, else the 1-minute load average or the runnable threads, over nproc).
+slack=$(awk -v s="${DDP_TEST_TIME_SCALE:-}" -v n="$(nproc)" -v b="$slack" '
+  { l = $1; split($4, r, "/"); if (r[1] - 1 > l) l = r[1] - 1 }
+  END { f = (s != "" && s + 0 >= 1) ? s + 0 : l / n; if (f < 1) f = 1; printf "%d", b * f + 0.5 }
+' /proc/loadavg)
 work=$(mktemp -d)
 
 fail() { echo "FAIL: $*"; exit 1; }

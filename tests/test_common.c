@@ -488,11 +488,11 @@ static void test_deadlines(void **state) {
   assert_true(ddp_deadline_after_ms(INT64_MAX / 1000000) == INT64_MAX);
 
   int64_t a = ref_now_ns();
-  int64_t d = ddp_deadline_after_ms(250);
+  int64_t d = ddp_deadline_after_ms(60000);
   int64_t b = ref_now_ns();
-  assert_true(d >= a + 250 * 1000000LL && d <= b + 250 * 1000000LL);
+  assert_true(d >= a + 60000 * 1000000LL && d <= b + 60000 * 1000000LL);
   int left = ddp_ms_until(d);
-  assert_true(left > 0 && left <= 250);
+  assert_true(left > 0 && left <= 60000);
 
   int64_t z = ddp_deadline_after_ms(0);
   assert_true(z >= a && z <= ref_now_ns());

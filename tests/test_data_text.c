@@ -28,7 +28,7 @@ typedef struct tmpdir {
 
 static void tmp_init(tmpdir_t *t) {
   snprintf(t->dir, sizeof t->dir, "/tmp/ddp_text_XXXXXX");
-  assert_non_null(mkdtemp(t->dir));
+  ddp_test_mkdtemp(t->dir); /* removed at exit, also on failure */
 }
 
 static const char *tmp_path(const tmpdir_t *t, const char *name, char *buf, size_t cap) {

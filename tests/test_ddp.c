@@ -794,12 +794,12 @@ static const char torch_layout_py[] =
 "import os, sys\n"
 "os.environ[\"OMP_NUM_THREADS\"] = \"1\"\n"
 "os.environ[\"OPENBLAS_NUM_THREADS\"] = \"1\"\n"
-"os.environ[\"MASTER_ADDR\"] = \"127.0.0.1\"\n"
-"os.environ[\"MASTER_PORT\"] = sys.argv[1]\n"
 "import torch, torch.distributed as dist, torch.nn as nn\n"
+"from datetime import timedelta\n"
 "torch.set_num_threads(1)\n"
-"dist.init_process_group(\"gloo\", rank=0, world_size=1)\n"
-"for case in sys.argv[2:]:\n"
+"store = dist.TCPStore(\"127.0.0.1\", 0, 1, True, timedelta(seconds=60))  # the kernel's port\n"
+"dist.init_process_group(\"gloo\", store=store, rank=0, world_size=1)\n"
+"for case in sys.argv[1:]:\n"
 "    fu, first, cap = case.split(\":\")\n"
 "    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first)\n"
 "    torch.manual_seed(0)\n"
@@ -834,14 +834,20 @@ static void test_bucket_layouts_vs_torch(void **state) {
   char script[] = "/tmp/ddp-layout-" "XX" "XX" "XX" /* mkstemp template */;
   int fd = mkstemp(script);
   assert_true(fd >= 0);
+  ddp_test_remove_at_exit(script);
   assert_int_equal(write(fd, torch_layout_py, strlen(torch_layout_py)), (ssize_t)strlen(torch_layout_py));
   close(fd);
   char cmd[1024];
-  int len = snprintf(cmd, sizeof cmd, "%s %s %d", py, script, 29600 + (int)(getpid() % 300));
+  int len = snprintf(cmd, sizeof cmd, "%s %s", py, script);
   for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++)
     len += snprintf(cmd + len, sizeof cmd - (size_t)len, " %d:%lld:%g", cases[t].find_unused,
                     (long long)cases[t].first, cases[t].cap);
-  snprintf(cmd + len, sizeof cmd - (size_t)len, " 2>/dev/null");
+  char errlog[] = "/tmp/ddp-layout-err-" "XX" "XX" "XX" /* mkstemp template */;
+  int efd = mkstemp(errlog);
+  assert_true(efd >= 0);
+  close(efd);
+  ddp_test_remove_at_exit(errlog);
+  snprintf(cmd + len, sizeof cmd - (size_t)len, " 2>%s", errlog);
   FILE *p = popen(cmd, "r");
   assert_non_null(p);
   char lines[8][512];
@@ -849,6 +855,12 @@ static void test_bucket_layouts_vs_torch(void **state) {
   while (nl < 8 && fgets(lines[nl], sizeof lines[nl], p)) nl++;
   pclose(p);
   unlink(script);
+  if (nl != 8) {
+    char c2[256];
+    snprintf(c2, sizeof c2, "cat %s >&2", errlog);
+    if (system(c2) != 0) print_error("(no stderr log)\n");
+  }
+  unlink(errlog);
   assert_int_equal(nl, 8);
   for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++) {
     cfg_t c = base_cfg(1, M_LN, 0);
@@ -1179,7 +1191,7 @@ static void test_error_construction(void **state) {
              "[1]: params[0] in this process with sizes [25, 12] appears not to match sizes of "
              "the same param in process 0.");
   assert_int_not_equal(ddp_test_result(res, 0)->status, DDP_OK);
-  assert_true(ddp_test_result(res, 0)->elapsed_ms < 10000);
+  assert_true(ddp_test_result(res, 0)->elapsed_ms < DDP_TEST_BOUND_MS(10000));
   ddp_test_results_free(res);
 }
 
@@ -1200,7 +1212,7 @@ static void test_error_unused_without_flag(void **state) {
   assert_int_not_equal(r0->status, DDP_OK);
   expect_msg(r0, "bucket 0");
   expect_msg(r0, "3.0.weight");
-  assert_true(r0->elapsed_ms < 10000);
+  assert_true(r0->elapsed_ms < DDP_TEST_BOUND_MS(10000));
   ddp_test_results_free(res);
 }
 
@@ -1267,6 +1279,7 @@ static void test_timeline(void **state) {
   (void)state;
   char path[] = "/tmp/ddp-trace-" "XX" "XX" "XX" /* mkstemp template */;
   int fd = mkstemp(path);
+  if (fd >= 0) ddp_test_remove_at_exit(path); /* also when an assertion below fails */
   assert_true(fd >= 0);
   close(fd);
   cfg_t c = base_cfg(2, M_LN, 0);

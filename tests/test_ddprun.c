@@ -22,6 +22,9 @@
 
 #include <cmocka.h>
 
+#include "cleanup.h" /* DDP_TEST_BOUND_MS: bounds that grow with the load */
+#include "proc.h"    /* ddp_test_free_port */
+
 /* ---------------------------------------------------------------- runner ---------- */
 
 #define RUN_TIMEOUT_MS 20000
@@ -78,6 +81,18 @@ static int count_of(const char *hay, const char *needle) {
 
 /* Runs ddprun with args (NULL-terminated) and collects its output, exit status and wall
  * time. ddprun is killed after RUN_TIMEOUT_MS, which fails the calling test. */
+/* True when args name the store's port or the nodes (or ask for help): run_ddprun leaves
+ * those alone. */
+static bool names_port_or_nodes(const char *const *args) {
+  for (int i = 0; args[i]; i++)
+    if (strstr(args[i], "master_port") || strstr(args[i], "master-port") ||
+        strstr(args[i], "nnodes") || strcmp(args[i], "--help") == 0)
+      return true;
+  return false;
+}
+
+/* Runs ddprun with args; a job that names no port or node runs with --standalone, since
+ * ddprun reserves the default port 29500 on this machine, which another job may hold. */
 static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_t *res) {
   static const run_opts_t none = {0};
   if (!o) o = &none;
@@ -85,6 +100,7 @@ static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_
   const char *argv[64];
   int n = 0;
   argv[n++] = ddprun_path();
+  if (!names_port_or_nodes(args)) argv[n++] = "--standalone";
   for (int i = 0; args[i]; i++) argv[n++] = args[i];
   argv[n] = NULL;
 
@@ -234,9 +250,14 @@ static void check_env_lines(const run_result_t *res, const env_expect_t *e, char
 /* One node: '-' and '=' spellings, every variable, and a fresh random token per job. */
 static void test_env_single_node(void **state) {
   (void)state;
-  const char *args[] = {"--nproc-per-node=3", "--master_port=29711", "--backend", "gloo",
+  /* A port from the kernel: ddprun reserves it (binds it) before starting the ranks, so a
+   * fixed number here would fail whenever another job on this machine holds it. */
+  char port_arg[32];
+  int port = ddp_test_free_port();
+  snprintf(port_arg, sizeof port_arg, "--master_port=%d", port);
+  const char *args[] = {"--nproc-per-node=3", port_arg, "--backend", "gloo",
                         "--timeout=77", "/bin/sh", "-c", PRINT_ENV, NULL};
-  env_expect_t e = {3, 1, 0, 29711, "127.0.0.1", "gloo", "77", NULL};
+  env_expect_t e = {3, 1, 0, port, "127.0.0.1", "gloo", "77", NULL};
   char t1[128], t2[128];
   run_result_t res;
   run_ddprun(args, NULL, &res);
@@ -247,11 +268,20 @@ static void test_env_single_node(void **state) {
   run_free(&res);
   assert_string_not_equal(t1, t2);
 
-  /* Defaults: one rank, 127.0.0.1:29500, DDP_BACKEND and DDP_TIMEOUT left alone. */
-  const char *dflt[] = {"/bin/sh", "-c", PRINT_ENV, NULL};
-  env_expect_t d = {1, 1, 0, 29500, "127.0.0.1", "unset", "unset", NULL};
-  run_ddprun(dflt, NULL, &res);
+  /* Defaults: the port 29500 and DDP_BACKEND and DDP_TIMEOUT left alone, seen on node 1 of
+   * 2 (only node 0 reserves the port, so nothing binds 29500 here); the address 127.0.0.1,
+   * seen on a one-node run that names no address (run_ddprun adds --standalone). */
+  const char *dflt[] = {"--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1",
+                        "/bin/sh", "-c", PRINT_ENV, NULL};
+  run_opts_t o = {.env = {{"DDP_JOB_TOKEN", "defaults-token"}}};
+  env_expect_t d = {1, 2, 1, 29500, "127.0.0.1", "unset", "unset", "defaults-token"};
+  run_ddprun(dflt, &o, &res);
   check_env_lines(&res, &d, NULL);
+  run_free(&res);
+  const char *one[] = {"/bin/sh", "-c", PRINT_ENV, NULL};
+  run_ddprun(one, NULL, &res);
+  assert_int_equal(res.exit_code, 0);
+  assert_non_null(strstr(res.out, " A=127.0.0.1 "));
   run_free(&res);
 }
 
@@ -373,7 +403,7 @@ static void test_exit_code_propagates(void **state) {
   assert_contains(res.err, "ddprun: rank 1 (pid ");
   assert_contains(res.err, "failed first: exited with code 3");
   assert_int_equal(count_of(res.err, "failed first"), 1);
-  assert_true(res.elapsed_ms < 5000);
+  assert_true(res.elapsed_ms < DDP_TEST_BOUND_MS(5000));
   run_free(&res);
 
   /* All ranks exit 0 -> 0, and nothing from ddprun itself. */
@@ -396,7 +426,7 @@ static void test_killed_rank_tears_down(void **state) {
   assert_int_equal(res.exit_code, 128 + SIGKILL);
   assert_contains(res.err, "ddprun: rank 1 (pid ");
   assert_contains(res.err, "failed first: killed by signal 9 (SIGKILL)");
-  assert_true(res.elapsed_ms < 5000);
+  assert_true(res.elapsed_ms < DDP_TEST_BOUND_MS(5000));
   run_free(&res);
 }
 
@@ -407,7 +437,7 @@ static void test_grace_period_then_sigkill(void **state) {
   /* mkdtemp's template: the last six characters are replaced. */
   char dir[] = "/tmp/ddprun-test-......";
   memset(dir + strlen(dir) - 6, 'X', 6);
-  assert_non_null(mkdtemp(dir));
+  ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
   const char *args[] = {"--nproc_per_node", "2", "--grace-period", "0.5", "/bin/sh", "-c",
                         "if [ $RANK = 0 ]; then trap '' TERM; touch \"$T_DIR/ready\"; sleep 30; "
                         "else while [ ! -e \"$T_DIR/ready\" ]; do sleep 0.02; done; exit 1; fi",
@@ -423,7 +453,7 @@ static void test_grace_period_then_sigkill(void **state) {
   assert_contains(res.err, "failed first: exited with code 1");
   assert_contains(res.err, "sending SIGKILL");
   assert_true(res.elapsed_ms >= 500);
-  assert_true(res.elapsed_ms < 5000);
+  assert_true(res.elapsed_ms < DDP_TEST_BOUND_MS(5000));
   run_free(&res);
 }
 
@@ -464,7 +494,7 @@ static void test_signals_forwarded(void **state) {
     assert_contains(res.err, want);
     assert_int_equal(res.exit_code, 128 + sigs[k]);
     assert_int_equal(count_of(res.err, "failed first"), 0);
-    assert_true(res.elapsed_ms < 5000);
+    assert_true(res.elapsed_ms < DDP_TEST_BOUND_MS(5000));
     run_free(&res);
   }
 }

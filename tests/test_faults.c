@@ -143,7 +143,7 @@ static job_t *run_job(const char *backend, const char *spec) {
   j->t_inject = -1;
   for (int r = 0; r < WORLD; r++) j->t_fail[r] = -1, j->rc[r] = -1;
   snprintf(j->dir, sizeof j->dir, "/tmp/ddp-test-faults-XXXXXX");
-  assert_non_null(mkdtemp(j->dir));
+  ddp_test_mkdtemp(j->dir); /* removed at exit, also on failure */
   char args[2048];
   snprintf(args, sizeof args,
            "--data '%s/tests/data/digits.safetensors' --max_steps 8 --logging_steps 4 "
@@ -349,7 +349,7 @@ static void test_bad_spec(void **state) {
       {"step=3,kind=crash", "field 'rank'"},
   };
   char dir[] = "/tmp/ddp-test-faults-XXXXXX";
-  assert_non_null(mkdtemp(dir));
+  ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
   char err[320];
   snprintf(err, sizeof err, "%s/err", dir);
   bool ok = true;

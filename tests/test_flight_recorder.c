@@ -39,7 +39,7 @@
 
 static void make_dir(char *buf, size_t n) {
   snprintf(buf, n, "/tmp/ddp-test-fr-XXXXXX");
-  assert_non_null(mkdtemp(buf));
+  ddp_test_mkdtemp(buf); /* removed at exit, also on failure */
 }
 
 static int remove_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {

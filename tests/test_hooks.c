@@ -533,7 +533,7 @@ static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t 
   if (inject) o.init_q = inject_q;
   R.popts = o;
   char dir[] = "/tmp/ddp-test-hooks-XXXXXX";
-  assert_non_null(mkdtemp(dir));
+  ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
   R.snap_dir = dir;
   run_hook(&R);
   assert_int_equal(rmdir(dir), 0);

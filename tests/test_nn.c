@@ -681,7 +681,7 @@ static void test_model_json_state_dict(void **state) {
   expect_final(m, &r);
 
   char dir[] = "/tmp/ddp_nn_XXXXXX";
-  assert_non_null(mkdtemp(dir));
+  ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
   char path[256], path2[256];
   snprintf(path, sizeof path, "%s/m.safetensors", dir);
   snprintf(path2, sizeof path2, "%s/other.safetensors", dir);

@@ -30,6 +30,7 @@
 
 #include <cmocka.h>
 
+#include "cleanup.h"
 #include "proc.h"
 
 #define TRAIN_FLAGS                                                                          \
@@ -46,7 +47,7 @@ static double now_s(void) {
 
 static void make_dir(char *buf, size_t cap, const char *stem) {
   snprintf(buf, cap, "/tmp/ddp-test-restart-%s-XXXXXX", stem);
-  assert_non_null(mkdtemp(buf));
+  ddp_test_mkdtemp(buf); /* removed at exit, also on failure */
 }
 
 static void rm_tree(const char *dir) {

@@ -148,7 +148,7 @@ static void run_world(run_t *r, int world) {
 
 static void make_dir(char *buf, size_t cap, const char *stem) {
   snprintf(buf, cap, "/tmp/ddp_train_%s_XXXXXX", stem);
-  assert_non_null(mkdtemp(buf));
+  ddp_test_mkdtemp(buf); /* removed at exit, also on failure */
 }
 
 static void rm_tree(const char *dir) {
@@ -1014,6 +1014,38 @@ static void summary_hash(const char *dir, char *out, size_t cap) {
   assert_true(out[0] != 0);
 }
 
+/* Runs `cmd >log 2>&1`; when it does not exit 0, prints the log's last 8 KiB (the reason)
+ * as a CMocka error and returns the status (-1 for a signal). */
+static int run_logged(const char *cmd, const char *log) {
+  char full[20000];
+  snprintf(full, sizeof full, "%s >'%s' 2>&1", cmd, log);
+  int rc = system(full);
+  int code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  if (code != 0) {
+    char tail[8192] = "";
+    FILE *f = fopen(log, "r");
+    if (f) {
+      if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > (long)sizeof tail - 1)
+        fseek(f, -(long)(sizeof tail - 1), SEEK_END);
+      else
+        rewind(f);
+      tail[fread(tail, 1, sizeof tail - 1, f)] = 0;
+      fclose(f);
+    }
+    print_error("exit %d: %s\n--- its output (%s) ---\n%s\n---\n", code, cmd, log, tail);
+  }
+  return code;
+}
+
+/* True when the log says a port was taken (another job bound it between our probe and the
+ * run's bind): the caller retries with a fresh port. */
+static bool port_was_taken(const char *log) {
+  char cmd[4200];
+  snprintf(cmd, sizeof cmd, "grep -q 'Address already in use' '%s'", log);
+  int rc = system(cmd);
+  return WIFEXITED(rc) && WEXITSTATUS(rc) == 0;
+}
+
 /* Runs exe on `world` thread ranks with the flags `common` into a fresh directory, asserts
  * that it ends with the parameter hash of the run in dir (what names that run), and
  * removes both directories. */
@@ -1021,10 +1053,12 @@ static void expect_thread_hash(const char *exe, const char *world, const char *c
                                const char *dir, const char *what) {
   char dt[256], cmd[16384], h[64], ht[64];
   make_dir(dt, sizeof dt, "thr");
-  snprintf(cmd, sizeof cmd, "'%s' --threads %s %s --output_dir '%s' >/dev/null 2>&1", exe, world,
-           common, dt);
-  int rc = system(cmd);
-  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  char log[300];
+  snprintf(log, sizeof log, "%s.log", dt);
+  ddp_test_remove_at_exit(log);
+  snprintf(cmd, sizeof cmd, "'%s' --threads %s %s --output_dir '%s'", exe, world, common, dt);
+  assert_int_equal(run_logged(cmd, log), 0);
+  unlink(log);
   summary_hash(dir, h, sizeof h);
   summary_hash(dt, ht, sizeof ht);
   print_message("%s: %s, threads x%s: %s\n", what, h, world, ht);
@@ -1038,23 +1072,26 @@ static void expect_thread_hash(const char *exe, const char *world, const char *c
 static void test_threads_vs_processes(void **state) {
   const char *build = getenv("DDP_BUILD_ROOT");
   assert_non_null(build);
-  char ddprun[4096], exe[4096], port[16];
+  char ddprun[4096], exe[4096];
   snprintf(ddprun, sizeof ddprun, "%s/tools/ddprun", build);
   snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
-  snprintf(port, sizeof port, "%d", ddp_test_free_port()); /* from the kernel */
   struct {
     const char *backend, *world;
   } cases[] = {{"shm", "4"}, {"tcp", "2"}};
   for (size_t i = 0; i < 2; i++) {
-    char dp[256], cmd[16384], what[64];
+    char dp[256], cmd[16384], what[64], log[300];
     make_dir(dp, sizeof dp, "proc");
+    snprintf(log, sizeof log, "%s.log", dp);
+    ddp_test_remove_at_exit(log);
     const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
                          "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
+    /* --standalone: ddprun reserves a port from the kernel before any rank starts. */
     snprintf(cmd, sizeof cmd,
-             "'%s' --nproc_per_node %s --backend %s --master_port %s '%s' %s --output_dir '%s' "
-             ">/dev/null 2>&1", ddprun, cases[i].world, cases[i].backend, port, exe, common, dp);
-    int rc = system(cmd);
-    if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) fail_msg("ddprun run failed: %s", cmd);
+             "'%s' --nproc_per_node %s --backend %s --standalone '%s' %s --output_dir '%s'",
+             ddprun, cases[i].world, cases[i].backend, exe, common, dp);
+    int rc = run_logged(cmd, log);
+    if (rc != 0) fail_msg("ddprun run failed (exit %d; its output is above): %s", rc, cmd);
+    unlink(log);
     snprintf(what, sizeof what, "%s processes x%s", cases[i].backend, cases[i].world);
     expect_thread_hash(exe, cases[i].world, common, dp, what);
   }
@@ -1077,23 +1114,22 @@ static void test_mpirun(void **state) {
   make_dir(dm, sizeof dm, "mpi");
   const char *common = "--max_steps 20 --logging_steps 10 --learning_rate 1e-3 "
                        "--save_strategy no --ddp_find_unused_parameters false";
-  snprintf(cmd, sizeof cmd,
-           "env -u RANK -u WORLD_SIZE -u DDP_BACKEND MASTER_ADDR=127.0.0.1 MASTER_PORT=%d "
-           "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" "
-           "timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 '%s' %s "
-           "--output_dir '%s' >'%s/log' 2>&1",
-           30000 + (int)((getpid() + 7919) % 20000), exe, common, dm, dm);
-  int rc = system(cmd);
-  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) {
-    char log[8192] = "";
-    snprintf(cmd, sizeof cmd, "%s/log", dm);
-    FILE *f = fopen(cmd, "r");
-    if (f) {
-      log[fread(log, 1, sizeof log - 1, f)] = 0;
-      fclose(f);
-    }
-    fail_msg("mpirun ddp-train failed: %s", log);
+  char log[300];
+  snprintf(log, sizeof log, "%s.log", dm);
+  ddp_test_remove_at_exit(log);
+  /* The store's port from the kernel; one taken before rank 0 binds it is retried. */
+  int rc = -1;
+  for (int attempt = 0; attempt < 3 && rc != 0; attempt++) {
+    if (attempt > 0 && !port_was_taken(log)) break;
+    snprintf(cmd, sizeof cmd,
+             "env -u RANK -u WORLD_SIZE -u DDP_BACKEND MASTER_ADDR=127.0.0.1 MASTER_PORT=%d "
+             "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" "
+             "timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 '%s' %s "
+             "--output_dir '%s'", ddp_test_free_port(), exe, common, dm);
+    rc = run_logged(cmd, log);
   }
+  if (rc != 0) fail_msg("mpirun ddp-train failed (exit %d; its output is above)", rc);
+  unlink(log);
   expect_thread_hash(exe, "2", common, dm, "mpirun x2");
 }
 
@@ -1205,14 +1241,19 @@ static void test_dump_vs_torch(void **state) {
     skip();
     return;
   }
-  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) fail_msg("torch_reference.py failed: %s", cmd);
+  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) {
+    snprintf(cmd, sizeof cmd, "cat '%s/torch.log' >&2", dir);
+    if (system(cmd) != 0) print_error("(no torch.log)\n");
+    fail_msg("torch_reference.py failed (its output is above)");
+  }
   snprintf(cmd, sizeof cmd,
            "'%s/tools/ddp-train' --threads 3 --model '%s' --init '%s/torch/weights.safetensors' "
            "--max_steps 6 --per_device_train_batch_size 4 --learning_rate 1e-3 %s --dump_dir "
-           "'%s/libddp' --save_strategy no --output_dir '%s/out' >/dev/null 2>&1",
+           "'%s/libddp' --save_strategy no --output_dir '%s/out'",
            build, model, dir, hf, dir, dir);
-  rc = system(cmd);
-  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  char log[700];
+  snprintf(log, sizeof log, "%s/ddp-train.log", dir);
+  assert_int_equal(run_logged(cmd, log), 0);
   snprintf(cmd, sizeof cmd, "'%s/tools/ddp-compare' '%s/torch' '%s/libddp'", build, dir, dir);
   rc = system(cmd);
   assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);

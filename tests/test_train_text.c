@@ -111,24 +111,16 @@ static void summary_hash(const char *outdir, char *h, size_t cap) {
 
 /* ---------------------------------------------------------------- determinism ----- */
 
-/* ddprun with a kernel-chosen store port; a port taken between the probe and the bind is
- * retried with a fresh one (twice at most). */
+/* ddprun --standalone: the store's port reserved from the kernel before any rank starts. */
 static void ddprun_train(const char *backend, int n, const char *outdir, const char *extra) {
-  for (int attempt = 0;; attempt++) {
-    char launcher[900];
-    snprintf(launcher, sizeof launcher,
-             "'%s' --nproc_per_node %d --backend %s --master_port %d", g_ddprun, n, backend,
-             ddp_test_free_port());
-    setup_files();
-    int rc = train(NULL, launcher, outdir, extra);
-    if (rc == 0) return;
-    char *err = ddp_test_cmd_stderr();
-    bool in_use = err && strstr(err, "Address already in use");
-    free(err);
-    if (!in_use || attempt == 2) {
-      ddp_test_print_cmd_stderr();
-      fail_msg("ddprun %s x%d exited %d", backend, n, rc);
-    }
+  char launcher[900];
+  snprintf(launcher, sizeof launcher, "'%s' --nproc_per_node %d --backend %s --standalone",
+           g_ddprun, n, backend);
+  setup_files();
+  int rc = train(NULL, launcher, outdir, extra);
+  if (rc != 0) {
+    ddp_test_print_cmd_stderr();
+    fail_msg("ddprun %s x%d exited %d", backend, n, rc);
   }
 }
 

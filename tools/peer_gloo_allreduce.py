@@ -78,7 +78,8 @@ def rank_main(a):
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=peer_launch.init_method(),
+                            rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     sizes = []
     s = a.minbytes

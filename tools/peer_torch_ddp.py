@@ -97,7 +97,8 @@ def rank_main(args):
     rank = int(os.environ.get("RANK", "0"))
     single = "RANK" not in os.environ  # --world 1 in this process: no group, no DDP
     if not single:
-        dist.init_process_group("gloo", rank=rank, world_size=args.world,
+        dist.init_process_group("gloo", init_method=peer_launch.init_method(),
+                                rank=rank, world_size=args.world,
                                 timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(1234 + rank)
     model, x, y, lossf = build_model(args, rank)

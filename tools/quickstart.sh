@@ -25,8 +25,8 @@ args=(--max_steps 200 --per_device_train_batch_size 16 --learning_rate 3e-3
       --save_steps 100 --save_total_limit 1 --disable_tqdm
       --ddp_find_unused_parameters false)
 
-echo "== 4 ranks as processes: ddprun --nproc_per_node 4 --backend shm build/tools/ddp-train ..."
-build/tools/ddprun --nproc_per_node 4 --backend shm --master_port 29517 \
+echo "== 4 ranks as processes: ddprun --nproc_per_node 4 --backend shm --standalone build/tools/ddp-train ..."
+build/tools/ddprun --nproc_per_node 4 --backend shm --standalone \
   build/tools/ddp-train "${args[@]}" --output_dir "$out/processes"
 echo
 echo "== the same job, 4 ranks as threads: build/tools/ddp-train --threads 4 ..."
@@ -45,7 +45,7 @@ cat >"$out/gpt2/config.json" <<'JSON'
  "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 JSON
 SECONDS=0
-build/tools/ddprun --nproc_per_node 2 --backend shm --master_port 29518 \
+build/tools/ddprun --nproc_per_node 2 --backend shm --standalone \
   build/tools/ddp-train --model "$out/gpt2/config.json" --data tests/data/kjv_genesis_exodus.txt \
   --block_size 64 --per_device_train_batch_size 8 --max_steps 450 --learning_rate 3e-3 \
   --warmup_steps 20 --logging_steps 50 --eval_strategy steps --eval_steps 225 \

@@ -368,6 +368,7 @@ ddp_test_results_t *ddp_test_spawn(const ddp_test_opts_t *opts, ddp_test_fn fn, 
   memset(res->dir + len, 'X', 6);
   res->dir[len + 6] = '\0';
   if (!mkdtemp(res->dir)) harness_die("mkdtemp of the scratch directory failed");
+  ddp_test_remove_at_exit(res->dir); /* also when the test fails before results_free */
 
   res->ranks = calloc((size_t)o.world, sizeof *res->ranks);
   if (!res->ranks) harness_die("out of memory");
@@ -400,7 +401,7 @@ int ddp_test_world(const ddp_test_results_t *res) { return res ? res->world : 0;
 
 void ddp_test_results_free(ddp_test_results_t *res) {
   if (!res) return;
-  remove_tree(res->dir);
+  ddp_test_remove_now(res->dir);
   munmap(res->shm, res->shm_size);
   free(res->ranks);
   free(res);
@@ -493,6 +494,7 @@ void ddp_test_tmp_file(char *buf, size_t len, const char *suite, const char *ste
   int fd = mkstemp(buf);
   assert_true(fd >= 0);
   close(fd);
+  ddp_test_remove_at_exit(buf);
 }
 
 /* ---------------------------------------------------------------- shared pieces --- */

@@ -21,6 +21,8 @@
 #include "ddp/pg.h"
 #include "ddp/store.h"
 
+#include "cleanup.h"
+
 typedef enum ddp_test_mode { DDP_TEST_THREADS = 0, DDP_TEST_FORK = 1 } ddp_test_mode_t;
 
 /* Special statuses recorded by the harness itself (beyond ddp_status_t's range). */
@@ -116,7 +118,7 @@ const char *ddp_test_source_root(void);
  * is absent: the test skips); any other failure fails the test. */
 bool ddp_test_run_tool(const char *script, const char *args);
 /* Parent side: makes a fresh empty file /tmp/ddp_<suite>_<stem>_XXXXXX (mkstemp) and writes
- * its path into buf. */
+ * its path into buf; the file is removed at exit if still there (cleanup.h). */
 void ddp_test_tmp_file(char *buf, size_t len, const char *suite, const char *stem);
 
 /* "DDP_TEST_HUNG", "DDP_TEST_CRASHED", or ddp_status_name() of a status, for messages. */

@@ -4,6 +4,8 @@
  * serve tests/test_compare.c. */
 #include "parity.h"
 
+#include "cleanup.h"
+
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -129,14 +131,15 @@ void ddp_test_print_cmd_stderr(void) {
 
 bool ddp_test_make_scratch(char *dir, size_t cap, const char *name) {
   snprintf(dir, cap, "/tmp/%s_XXXXXX", name);
-  return mkdtemp(dir) != NULL;
+  if (!mkdtemp(dir)) return false;
+  /* Removed at exit even when a test fails, unless DDP_PARITY_KEEP asks to keep it. */
+  if (!getenv("DDP_PARITY_KEEP")) ddp_test_remove_at_exit(dir);
+  return true;
 }
 
 int ddp_test_remove_scratch(const char *dir, bool keep_env) {
   if (!dir[0] || (keep_env && getenv("DDP_PARITY_KEEP"))) return 0;
-  char line[512];
-  snprintf(line, sizeof line, "rm -rf '%s'", dir);
-  return system(line) != 0 ? 1 : 0;
+  return ddp_test_remove_now(dir) ? 0 : 1;
 }
 
 static const cJSON *get(const cJSON *o, const char *key) { return ddp_test_json_get(o, key); }

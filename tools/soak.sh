@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The flakiness soak (issue 15): the tests that use processes, ports or timeouts, many times
+# in a row and under pressure, then two copies of the whole suite at once. Not part of CI
+# (hours at the full counts); run it after changing the harness, a launcher or a backend.
+#
+#   tools/soak.sh [-n N] [-m M] [-k K] [--tests "NAME..."] [--pair-args "ARGS"] [--no-asan]
+#
+#   -n N   rounds of the tests in the normal build (build/), default 50
+#   -m M   rounds of the same tests under ASan + UBSan (build/sanitize), default 20
+#   -k K   rounds of two copies of the whole suite started at the same moment (normal
+#          build, both from build/), default 10
+#   --tests "A B"     the tests of the first two phases (meson test names); default: every
+#                     test that starts processes, opens ports or asserts on time (below)
+#   --pair-args "..." extra `meson test` arguments for each copy in the third phase (for
+#                     example "--suite unit --suite coll" to soak part of the suite)
+#   --no-asan         skip the ASan phase (and its build)
+#   --logdir DIR      where the results and failing rounds' logs go (default build/soak)
+#
+# During the first two phases two CPU-bound processes (shell busy loops) compete for the
+# cores, so the timed assertions see a loaded machine. A phase's
+# round is one `meson test` of the chosen tests (two test programs at a time); each test's
+# result is read from meson's JSON log. At the end a table gives, per phase and test, the
+# runs and failures; every failing round's full log is kept under build/soak/. Exits 1
+# when any test failed or timed out, 0 otherwise.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+. tools/deps.sh
+
+runs=50
+asan_runs=20
+pairs=10
+asan=1
+pair_args=""
+soak=build/soak
+# Processes (fork, ddprun, srun, mpirun, python peers), ports (TCP stores, gloo) or time
+# bounds (deadlines, "within X ms"): the tests the issue asks to soak.
+tests="test_harness test_common test_store test_ddprun test_pg_faults test_collectives
+       test_mpi test_ddp test_hooks test_train test_fidelity test_compare test_train_text
+       ddp_demo_ddprun_shm ddp_train_ddprun_shm ddp_train_ddprun_tcp bench_smoke slurm
+       hosts_netns"
+while [ $# -gt 0 ]; do
+  case $1 in
+    -n) runs=$2; shift 2 ;;
+    -m) asan_runs=$2; shift 2 ;;
+    -k) pairs=$2; shift 2 ;;
+    --tests) tests=$2; shift 2 ;;
+    --pair-args) pair_args=$2; shift 2 ;;
+    --no-asan) asan=0; shift ;;
+    --logdir) soak=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "soak.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+for v in "$runs" "$asan_runs" "$pairs"; do
+  [[ $v =~ ^[0-9]+$ ]] || { echo "soak.sh: counts are whole numbers, not '$v'" >&2; exit 2; }
+done
+# Word lists (the names have no spaces or wildcards).
+read -r -d '' -a test_list <<<"$tests"
+read -r -d '' -a pair_list <<<"$pair_args"
+
+ddp_ensure_packages "${DDP_BUILD_PACKAGES[@]}" "${DDP_TEST_PACKAGES[@]}"
+ddp_build build
+[ "$asan" = 1 ] && [ "$asan_runs" -gt 0 ] &&
+  ddp_build build/sanitize -Db_sanitize=address,undefined -Db_lundef=false
+rm -rf "$soak"
+mkdir -p "$soak"
+
+# Results: one line "phase test result" per test run, in $soak/results.
+hogs=()
+start_hogs() {
+  local i
+  for i in 1 2; do
+    (while :; do :; done) &
+    hogs+=($!)
+  done
+}
+stop_hogs() {
+  local p
+  for p in ${hogs[@]+"${hogs[@]}"}; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  hogs=()
+}
+trap 'stop_hogs' EXIT
+trap 'exit 130' INT TERM
+
+# Appends each test's result from meson's JSON log $2 to the results as phase $1; keeps the
+# text log under $soak when something in it failed.
+collect() {
+  local phase=$1 json=$2
+  if [ ! -s "$json" ]; then
+    echo "$phase meson-test NO_LOG" >>"$soak/results"
+    return
+  fi
+  python3 - "$phase" "$json" >>"$soak/results" <<'PY' || cp "${json%.json}.txt" "$soak/"
+import json, sys
+phase, path, bad = sys.argv[1], sys.argv[2], 0
+for line in open(path):
+    if line.strip():
+        t = json.loads(line)
+        print(phase, t["name"].split(" / ")[-1].replace(" ", "_"), t["result"])
+        bad += t["result"] not in ("OK", "SKIP", "EXPECTEDFAIL")
+sys.exit(1 if bad else 0)
+PY
+}
+
+failures() { # phase prefix -> failures so far
+  awk -v p="$1" 'index($1, p) == 1 && $3 != "OK" && $3 != "SKIP" && $3 != "EXPECTEDFAIL"' \
+    "$soak/results" | wc -l
+}
+
+# One round of the chosen tests in build dir $2 as phase $1, round $3.
+round() {
+  local phase=$1 dir=$2 r=$3 base="soak-$1-$3"
+  meson test -C "$dir" --no-rebuild --num-processes 2 --logbase "$base" \
+    "${test_list[@]}" >/dev/null 2>&1
+  collect "$phase" "$dir/meson-logs/$base.json"
+  printf '%s round %d/%s (%d s): %d failure(s) so far\n' "$phase" "$r" "$4" \
+    $((SECONDS - t0)) "$(failures "$phase")"
+}
+
+t0=$SECONDS
+echo "== soak: ${#test_list[@]} tests, $runs normal + $asan_runs ASan rounds with 2 CPU hogs; $pairs paired whole-suite rounds"
+start_hogs
+for r in $(seq 1 "$runs"); do round normal build "$r" "$runs"; done
+if [ "$asan" = 1 ]; then
+  for r in $(seq 1 "$asan_runs"); do round asan build/sanitize "$r" "$asan_runs"; done
+fi
+stop_hogs
+for r in $(seq 1 "$pairs"); do
+  for c in a b; do
+    meson test -C build --no-rebuild --num-processes 2 --logbase "soak-pair$c-$r" \
+      ${pair_list[@]+"${pair_list[@]}"} >/dev/null 2>&1 &
+  done
+  wait
+  for c in a b; do collect "pair$c" "build/meson-logs/soak-pair$c-$r.json"; done
+  printf 'pairs round %d/%s (%d s): %d failure(s) so far\n' "$r" "$pairs" $((SECONDS - t0)) \
+    "$(failures pair)"
+done
+
+echo
+echo "== soak results ($(( (SECONDS - t0) / 60 )) min; rounds: normal $runs, asan $asan_runs, pairs $pairs x 2 copies)"
+touch "$soak/results"
+printf '%-7s %-28s %5s %5s %5s\n' phase test runs skip fail
+awk '
+  { k = $1 " " $2; n[k]++; if ($3 == "SKIP") s[k]++
+    else if ($3 != "OK" && $3 != "EXPECTEDFAIL") f[k]++ }
+  END { for (k in n) { split(k, a, " "); printf "%-7s %-28s %5d %5d %5d\n", a[1], a[2], n[k], s[k], f[k] } }
+' "$soak/results" | sort -k1,1 -k2,2
+fails=$(failures "")
+echo "total failures: $fails (logs of failing rounds: $soak/)"
+[ "$fails" -eq 0 ]
