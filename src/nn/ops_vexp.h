@@ -29,7 +29,9 @@
  * gelu_new and layer norm: the causal-LM loss over [4, 64, 50257] took 19.3 ms with AVX2
  * and 12.2 ms with AVX-512). */
 #if defined(__GNUC__) && !defined(__clang__)
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+/* No clones under ASan or TSan: the clones' ifunc resolvers run while the binary loads,
+ * before the sanitizer's runtime is ready (docs/building.md). */
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #define DDP__VEC_KERNEL \
   __attribute__((optimize("no-trapping-math"), target_clones("avx512f", "avx2", "default")))
 #else
