@@ -47,8 +47,8 @@ JSON
 SECONDS=0
 build/tools/ddprun --nproc_per_node 2 --backend shm --standalone \
   build/tools/ddp-train --model "$out/gpt2/config.json" --data tests/data/kjv_genesis_exodus.txt \
-  --block_size 64 --per_device_train_batch_size 8 --max_steps 450 --learning_rate 3e-3 \
-  --warmup_steps 20 --logging_steps 50 --eval_strategy steps --eval_steps 225 \
+  --block_size 64 --per_device_train_batch_size 16 --max_steps 1500 --learning_rate 3e-3 \
+  --warmup_steps 50 --logging_steps 250 --eval_strategy steps --eval_steps 750 \
   --save_strategy no --disable_tqdm --ddp_find_unused_parameters false \
   --sample_prompt "And God said, " --sample_top_k 3 --sample_max_new_tokens 100 \
   --output_dir "$out/gpt2/run"
