@@ -230,24 +230,24 @@ static ddp_status_t spawn_fn(ddp_pg_t *pg, void *arg) {
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
   int64_t x = r + 1;
   ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(pg, &x, &x, 1, DDP_I64, DDP_SUM, &w);
+  ddp_status_t st = ddp_allreduce(pg, &x, &x, 1, DDP_I64, DDP_OP_SUM, &w);
   if (st == DDP_OK) st = ddp_work_wait_free(w);
   if (st == DDP_OK && x != (int64_t)W * (W + 1) / 2) st = DDP_ERR_INTERNAL;
   /* argument errors: returned at once, the group stays usable */
   float f[4] = {0};
-  if (ddp_allreduce(pg, f, f, 4, DDP_BOOL, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+  if (ddp_allreduce(pg, f, f, 4, DDP_BOOL, DDP_OP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
       ddp_allreduce(pg, f, f, 4, DDP_F32, (ddp_redop_t)9, &w) != DDP_ERR_INVALID_ARGUMENT ||
       ddp_broadcast(pg, f, 4, DDP_F32, W, &w) != DDP_ERR_INVALID_ARGUMENT ||
       ddp_send(pg, f, 4, DDP_F32, r, &w) != DDP_ERR_INVALID_ARGUMENT ||
-      ddp_allreduce(pg, f, f + 1, 2, DDP_F32, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
-      ddp_allreduce(pg, NULL, NULL, 4, DDP_F32, DDP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_allreduce(pg, f, f + 1, 2, DDP_F32, DDP_OP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
+      ddp_allreduce(pg, NULL, NULL, 4, DDP_F32, DDP_OP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
       strstr(ddp_pg_last_error(pg), "allreduce") == NULL)
     st = DDP_ERR_INTERNAL;
   if (st == DDP_OK && ddp_pg_status(pg) != DDP_OK) st = DDP_ERR_INTERNAL;
   /* work handles: test/status while queued behind a barrier, free before completion */
   ddp_work_t *b = NULL, *a = NULL;
   if (st == DDP_OK) st = ddp_barrier(pg, &b);
-  if (st == DDP_OK) st = ddp_allreduce(pg, f, f, 4, DDP_F32, DDP_MAX, &a);
+  if (st == DDP_OK) st = ddp_allreduce(pg, f, f, 4, DDP_F32, DDP_OP_MAX, &a);
   if (st == DDP_OK) {
     ddp_work_free(b); /* released when it ends */
     bool done = false;
@@ -308,7 +308,7 @@ static int env_rank(ddp_test_rank_t *tr, void *arg) {
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
   double x = r;
   ddp_work_t *w = NULL;
-  st = ddp_allreduce(pg, &x, &x, 1, DDP_F64, DDP_SUM, &w);
+  st = ddp_allreduce(pg, &x, &x, 1, DDP_F64, DDP_OP_SUM, &w);
   if (st == DDP_OK) st = ddp_work_wait_free(w);
   if (st == DDP_OK && (x != W * (W - 1) / 2.0 || strcmp(ddp_pg_backend_name(pg), a->backend)))
     st = DDP_ERR_INTERNAL;

@@ -69,13 +69,15 @@ static void capture_sink(void *user, ddp_log_level_t level, const char *line) {
  * values outside the list have the unknown name and text. */
 static void test_status_names(void **state) {
   (void)state;
-  int n = 0;
+  int n = 1;
+  assert_int_equal(DDP_OK, 0);
+  assert_string_equal(ddp_status_name(DDP_OK), "DDP_OK");
+  assert_string_equal(ddp_status_str(DDP_OK), "success");
 #define CHECK_(name, text)                                                          \
   do {                                                                             \
-    ddp_status_t s = DDP_##name;                                                    \
+    ddp_status_t s = DDP_ERR_##name;                                                \
     assert_int_equal((int)s, n);                                                    \
-    const char *want = s == DDP_OK ? "DDP_OK" : "DDP_ERR_" #name;                   \
-    assert_string_equal(ddp_status_name(s), want);                                  \
+    assert_string_equal(ddp_status_name(s), "DDP_ERR_" #name);                      \
     assert_string_equal(ddp_status_str(s), text);                                   \
     n++;                                                                            \
   } while (0);
@@ -84,7 +86,6 @@ static void test_status_names(void **state) {
   assert_int_equal(n, DDP_STATUS_COUNT_);
   assert_string_equal(ddp_status_name(DDP_ERR_TIMEOUT), "DDP_ERR_TIMEOUT");
   assert_string_equal(ddp_status_str(DDP_ERR_TIMEOUT), "timed out");
-  assert_int_equal(DDP_ERR_DESYNC, DDP_DESYNC);
   ddp_status_t bad[] = {DDP_STATUS_COUNT_, (ddp_status_t)-1, (ddp_status_t)999};
   for (size_t i = 0; i < DDP_ARRAY_LEN(bad); i++) {
     assert_string_equal(ddp_status_name(bad[i]), "DDP_ERR_UNKNOWN");

@@ -135,7 +135,7 @@ static void expect_verdict(const cJSON *v, const char *kind, int64_t k, int64_t 
 
 static ddp_status_t allreduce_n(ddp_pg_t *pg, float *buf, size_t n) {
   ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &w);
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_OP_SUM, &w);
   return st == DDP_OK ? ddp_work_wait_free(w) : st;
 }
 

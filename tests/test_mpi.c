@@ -165,7 +165,7 @@ static ddp_status_t check_abort_desync(ctx_t *c, long *abort_ms) {
   float x[8] = {0};
   ddp_work_t *w = NULL;
   size_t n = c->coll.r == c->coll.W - 1 ? 7 : 6;
-  st = ddp_allreduce(pg, x, x, n, DDP_F32, DDP_SUM, &w);
+  st = ddp_allreduce(pg, x, x, n, DDP_F32, DDP_OP_SUM, &w);
   ddp_status_t got = st == DDP_OK ? ddp_work_wait(w, 20000) : st;
   if (got != DDP_ERR_DESYNC || !strstr(ddp_work_error(w), "mismatched collectives") ||
       !strstr(ddp_work_error(w), "count 7") || !strstr(ddp_work_error(w), "count 6")) {

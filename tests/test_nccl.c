@@ -224,7 +224,7 @@ static ddp_status_t gpu_checks(gctx_t *c) {
   for (int algo = 0; algo < 2 && st == DDP_OK; algo++) {
     for (size_t i = 0; i < n; i++) h[i] = (float)val_sum(c->r, i);
     put(c, a, h, nb);
-    st = gwait(c, ddp_allreduce(c->pg, a, a, n, DDP_F32, DDP_SUM, &w), &w, "allreduce");
+    st = gwait(c, ddp_allreduce(c->pg, a, a, n, DDP_F32, DDP_OP_SUM, &w), &w, "allreduce");
     get(c, hr, a, nb);
     if (st == DDP_OK) expect(c, "allreduce", hr, n, w_sum);
   }
@@ -245,7 +245,7 @@ static ddp_status_t gpu_checks(gctx_t *c) {
   if (st == DDP_OK) {
     for (size_t i = 0; i < W * n; i++) h[i] = (float)val_sum(c->r, i);
     put(c, a, h, W * nb);
-    st = gwait(c, ddp_reduce_scatter(c->pg, a, b, n, DDP_F32, DDP_SUM, &w), &w, "reduce_scatter");
+    st = gwait(c, ddp_reduce_scatter(c->pg, a, b, n, DDP_F32, DDP_OP_SUM, &w), &w, "reduce_scatter");
     get(c, hr, b, nb);
     if (st == DDP_OK) expect(c, "reduce_scatter", hr, n, w_rs);
   }
@@ -281,7 +281,7 @@ static ddp_status_t d2_check(gctx_t *c) {
     unsigned char *buf = ddp_malloc(n * es), *ref = ddp_malloc(n * es), *x = ddp_malloc(n * es);
     d2_fill(dt, buf, n, c->r);
     ddp_work_t *w = NULL;
-    st = gwait(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_SUM, &w), &w, "D2 allreduce");
+    st = gwait(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_OP_SUM, &w), &w, "D2 allreduce");
     d2_fill(dt, ref, n, 0);
     for (int j = 1; j < c->W; j++) {
       d2_fill(dt, x, n, j);

@@ -91,7 +91,7 @@ static ddp_status_t open_pg(ddp_test_rank_t *tr, const fcfg_t *cfg, ddp_store_t 
  * harness. */
 static ddp_status_t allreduce_wait(ddp_test_rank_t *tr, ddp_pg_t *pg, float *buf, size_t n) {
   ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &w);
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_OP_SUM, &w);
   if (st == DDP_OK) {
     st = ddp_work_wait(w, -1);
     ddp_test_say(tr, "%s", ddp_work_error(w));
@@ -167,7 +167,7 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   while (ddp_now_ns() < end) {
     ddp_work_t *w = NULL;
     rep.t_issue = ddp_now_ns();
-    st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_MAX, &w);
+    st = ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_OP_MAX, &w);
     if (st == DDP_OK) {
       st = ddp_work_wait(w, -1);
       if (st != DDP_OK) ddp_test_say(tr, "%s", ddp_work_error(w));
@@ -393,7 +393,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   float buf[1001] = {0};
   ddp_work_t *w = NULL;
   /* one good collective first, so the mismatch is not the first operation */
-  st = ddp_allreduce(pg, buf, buf, 10, DDP_F32, DDP_SUM, &w);
+  st = ddp_allreduce(pg, buf, buf, 10, DDP_F32, DDP_OP_SUM, &w);
   if (st == DDP_OK) st = ddp_work_wait_free(w);
   if (st != DDP_OK) ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
   if (st == DDP_OK && cfg->variant == 3) st = DDP_ERR_INTERNAL; /* must not pass */
@@ -402,7 +402,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
       st = r == 0 ? ddp_send(pg, buf, 10, DDP_F32, 1, &w) : ddp_recv(pg, buf, 11, DDP_F32, 0, &w);
     } else {
       size_t n = cfg->variant == 0 && r == 1 ? 1001 : 1000;
-      ddp_redop_t op = cfg->variant == 1 && r == 2 ? DDP_MAX : DDP_SUM;
+      ddp_redop_t op = cfg->variant == 1 && r == 2 ? DDP_OP_MAX : DDP_OP_SUM;
       st = ddp_allreduce(pg, buf, buf, n, DDP_F32, op, &w);
     }
     if (st == DDP_OK) {
@@ -411,7 +411,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
       ddp_work_free(w);
     }
     /* later calls fail the same way */
-    if (st != DDP_OK && ddp_allreduce(pg, buf, buf, 1, DDP_F32, DDP_SUM, &w) != st) st = DDP_ERR_INTERNAL;
+    if (st != DDP_OK && ddp_allreduce(pg, buf, buf, 1, DDP_F32, DDP_OP_SUM, &w) != st) st = DDP_ERR_INTERNAL;
   }
   ddp_pg_destroy(pg);
   /* recovery: a new group on the same store works (it does not see the old group's keys) */
@@ -427,7 +427,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
     o.shm_heap_bytes = 1u << 20;
     ddp_status_t st2 = ddp_pg_create(&o, &pg2, &err);
     float one = 1;
-    if (st2 == DDP_OK) st2 = ddp_allreduce(pg2, &one, &one, 1, DDP_F32, DDP_SUM, &w);
+    if (st2 == DDP_OK) st2 = ddp_allreduce(pg2, &one, &one, 1, DDP_F32, DDP_OP_SUM, &w);
     if (st2 == DDP_OK) st2 = ddp_work_wait_free(w);
     if (st2 == DDP_OK && one != (float)ddp_test_world_size(tr)) st2 = DDP_ERR_INTERNAL;
     if (st2 != DDP_OK) {
@@ -546,7 +546,7 @@ static ddp_status_t failing_rank_fn(ddp_pg_t *pg, void *arg) {
   float buf[64] = {0};
   int64_t t = ddp_now_ns();
   ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(pg, buf, buf, 64, DDP_F32, DDP_SUM, &w);
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, 64, DDP_F32, DDP_OP_SUM, &w);
   if (st == DDP_OK) {
     st = ddp_work_wait(w, -1);
     snprintf(a->msg[r], sizeof a->msg[r], "%s", ddp_work_error(w));
@@ -773,7 +773,7 @@ static void *shm_case_rank(void *p) {
     ddp_work_t *w = NULL;
     size_t m = c->reduce_max && c->reduce_max < keep_n ? c->reduce_max : keep_n;
     float *tail = keep + keep_n - m;
-    c->coll_st = ddp_allreduce(pg, tail, tail, m, DDP_F32, DDP_SUM, &w);
+    c->coll_st = ddp_allreduce(pg, tail, tail, m, DDP_F32, DDP_OP_SUM, &w);
     if (c->coll_st == DDP_OK) c->coll_st = ddp_work_wait_free(w);
     c->sum = keep[keep_n - 1];
     ddp_pg_free(pg, keep);

@@ -263,7 +263,7 @@ static ddp_status_t allreduce_alone(ddp_pg_t *pg, size_t numel, int iters, doubl
     ddp_work_t *w = NULL;
     if ((st = barrier(pg)) != DDP_OK) break;
     int64_t t0 = ddp_now_ns();
-    st = ddp_allreduce(pg, buf, buf, numel, DDP_F32, DDP_SUM, &w);
+    st = ddp_allreduce(pg, buf, buf, numel, DDP_F32, DDP_OP_SUM, &w);
     if (st == DDP_OK) st = ddp_work_wait_free(w);
     if (k >= 0) t[k] = ddp_now_ns() - t0;
   }

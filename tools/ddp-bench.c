@@ -215,7 +215,7 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
   *c = (bench_cfg_t){.minbytes = 4, .maxbytes = 256ull << 20, .budget = 256ull << 20,
                      .calib_bytes = 256ull << 20, .factor = 2, .iters = 200, .warmup = 5,
                      .min_iters = 5, .world = 2, .timeout_ms = 120000, .place_in = true,
-                     .op = DDP_SUM, .dt = DDP_F32, .calib = true};
+                     .op = DDP_OP_SUM, .dt = DDP_F32, .calib = true};
   static char backends_buf[256], algos_buf[256];
   snprintf(backends_buf, sizeof backends_buf, "threads,shm,tcp");
   snprintf(algos_buf, sizeof algos_buf, "auto,canonical,ring,small");
@@ -283,9 +283,9 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
       case O_BACKENDS: snprintf(backends_buf, sizeof backends_buf, "%s", val); break;
       case O_ALGOS: snprintf(algos_buf, sizeof algos_buf, "%s", val); break;
       case O_OP:
-        if (strcmp(val, "sum") == 0) c->op = DDP_SUM;
-        else if (strcmp(val, "min") == 0) c->op = DDP_MIN;
-        else if (strcmp(val, "max") == 0) c->op = DDP_MAX;
+        if (strcmp(val, "sum") == 0) c->op = DDP_OP_SUM;
+        else if (strcmp(val, "min") == 0) c->op = DDP_OP_MIN;
+        else if (strcmp(val, "max") == 0) c->op = DDP_OP_MAX;
         else usage_error("--op: '%s' is not sum, min or max", val);
         break;
       case O_DTYPE:
@@ -381,8 +381,8 @@ static int warmup_for(const bench_cfg_t *c, uint64_t bytes) {
 /* The multiplier m with expected = m * g: the op folded over the ranks' factors r+1. */
 static int64_t op_factor(ddp_redop_t op, int world) {
   switch (op) {
-    case DDP_MIN: return 1;
-    case DDP_MAX: return world;
+    case DDP_OP_MIN: return 1;
+    case DDP_OP_MAX: return world;
     default: return (int64_t)world * (world + 1) / 2;
   }
 }
@@ -499,11 +499,11 @@ static ddp_status_t emit_point(ddp_pg_t *pg, const rank_ctx_t *x, const char *al
   const bench_cfg_t *c = x->cfg;
   int world = ddp_pg_size(pg);
   ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(pg, times, times, (size_t)ni, DDP_F64, DDP_MAX, &w);
+  ddp_status_t st = ddp_allreduce(pg, times, times, (size_t)ni, DDP_F64, DDP_OP_MAX, &w);
   st = finish(pg, st, w, "timing allreduce", x, bytes);
   if (st != DDP_OK) return st;
   w = NULL;
-  st = ddp_allreduce(pg, &wrong, &wrong, 1, DDP_I64, DDP_SUM, &w);
+  st = ddp_allreduce(pg, &wrong, &wrong, 1, DDP_I64, DDP_OP_SUM, &w);
   st = finish(pg, st, w, "#wrong allreduce", x, bytes);
   if (st != DDP_OK || ddp_pg_rank(pg) != 0) return st;
   qsort(times, (size_t)ni, sizeof *times, cmp_double);
@@ -537,7 +537,7 @@ static ddp_status_t settle(ddp_pg_t *pg, const rank_ctx_t *x) {
   for (int32_t more = 1; more && st == DDP_OK;) {
     more = ddp_pg_rank(pg) == 0 && ddp_now_ns() < settle_end;
     ddp_work_t *w = NULL;
-    st = ddp_allreduce(pg, &more, &more, 1, DDP_I32, DDP_MAX, &w);
+    st = ddp_allreduce(pg, &more, &more, 1, DDP_I32, DDP_OP_MAX, &w);
     st = finish(pg, st, w, "settle allreduce", x, 4);
   }
   return st;
@@ -622,7 +622,7 @@ static ddp_status_t desync_cost_rank(ddp_pg_t *pg, const rank_ctx_t *x) {
     ddp_pg_set_desync_check(pg, true);
     for (int g = 0; g < 2 && st == DDP_OK; g++) {
       ddp_work_t *w = NULL;
-      st = ddp_allreduce(pg, times[g], times[g], (size_t)ni, DDP_F64, DDP_MAX, &w);
+      st = ddp_allreduce(pg, times[g], times[g], (size_t)ni, DDP_F64, DDP_OP_MAX, &w);
       st = finish(pg, st, w, "timing allreduce", x, bytes);
     }
     if (st == DDP_OK && ddp_pg_rank(pg) == 0) {

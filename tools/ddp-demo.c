@@ -196,7 +196,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
       goto out;
     }
     /* The whole of DDP's communication in one line: average the flat gradient buffer. */
-    if ((st = ddp_allreduce(pg, grads.data, grads.data, (size_t)grads.numel, DDP_F32, DDP_AVG,
+    if ((st = ddp_allreduce(pg, grads.data, grads.data, (size_t)grads.numel, DDP_F32, DDP_OP_AVG,
                             &work)) != DDP_OK ||
         (st = ddp_work_wait_free(work)) != DDP_OK ||
         (st = ddp_optim_step(opt, &err)) != DDP_OK) {
@@ -205,7 +205,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
     }
     float l = *(const float *)loss->value.data;
     ddp_ctx_reset(ctx);
-    if ((st = ddp_allreduce(pg, &l, &l, 1, DDP_F32, DDP_AVG, &work)) != DDP_OK ||
+    if ((st = ddp_allreduce(pg, &l, &l, 1, DDP_F32, DDP_OP_AVG, &work)) != DDP_OK ||
         (st = ddp_work_wait_free(work)) != DDP_OK) {
       goto out;
     }

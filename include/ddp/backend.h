@@ -35,11 +35,11 @@ extern "C" {
 #define DDP_PG_MAX_WORLD 256
 
 typedef enum ddp_redop {
-  DDP_SUM = 0,
-  DDP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
-  DDP_MIN = 2,
-  DDP_MAX = 3,
-  DDP_PRODUCT = 4
+  DDP_OP_SUM = 0,
+  DDP_OP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
+  DDP_OP_MIN = 2,
+  DDP_OP_MAX = 3,
+  DDP_OP_PRODUCT = 4
 } ddp_redop_t;
 
 typedef enum ddp_algorithm {

@@ -25,11 +25,11 @@ extern "C" {
 
 /* ---------------------------------------------------------------- status codes ---- */
 
-/* One list generates the enum, ddp_status_name() and ddp_status_str(), so the three
- * cannot drift apart. REMOTE, TIMEOUT, DESYNC and ABORTED leave a process group failed:
- * re-create it (docs/errors.md). */
+/* One list generates the error codes (DDP_ERR_<name>), ddp_status_name() and
+ * ddp_status_str(), so the three cannot drift apart; DDP_OK (0) is the only other value.
+ * REMOTE, TIMEOUT, DESYNC and ABORTED leave a process group failed: re-create it
+ * (docs/errors.md). */
 #define DDP_STATUS_MAP(XX)                                                              \
-  XX(OK, "success")                                                                     \
   XX(INVALID_ARGUMENT, "invalid argument")                                              \
   XX(INVALID_USAGE, "invalid usage")                                                    \
   XX(INVALID_DATA, "invalid or corrupt data")                                           \
@@ -44,25 +44,12 @@ extern "C" {
   XX(INTERNAL, "internal error")
 
 typedef enum ddp_status {
-#define DDP_STATUS_ENUM_(name, text) DDP_##name,
+  DDP_OK = 0,
+#define DDP_STATUS_ENUM_(name, text) DDP_ERR_##name,
   DDP_STATUS_MAP(DDP_STATUS_ENUM_)
 #undef DDP_STATUS_ENUM_
   DDP_STATUS_COUNT_
 } ddp_status_t;
-
-/* DDP_OK is spelled DDP_OK; error codes are DDP_ERR_*. */
-#define DDP_ERR_INVALID_ARGUMENT DDP_INVALID_ARGUMENT
-#define DDP_ERR_INVALID_USAGE DDP_INVALID_USAGE
-#define DDP_ERR_INVALID_DATA DDP_INVALID_DATA
-#define DDP_ERR_NO_MEMORY DDP_NO_MEMORY
-#define DDP_ERR_SYSTEM DDP_SYSTEM
-#define DDP_ERR_REMOTE DDP_REMOTE
-#define DDP_ERR_TIMEOUT DDP_TIMEOUT
-#define DDP_ERR_DESYNC DDP_DESYNC
-#define DDP_ERR_UNSUPPORTED DDP_UNSUPPORTED
-#define DDP_ERR_NOT_FOUND DDP_NOT_FOUND
-#define DDP_ERR_ABORTED DDP_ABORTED
-#define DDP_ERR_INTERNAL DDP_INTERNAL
 
 /* "DDP_ERR_TIMEOUT"-style name, or "DDP_ERR_UNKNOWN" for a value outside the list. */
 DDP_API const char *ddp_status_name(ddp_status_t s);

@@ -234,7 +234,7 @@ static ddp_status_t allreduce_ring(ddp__comm_t *c, const ddp__coll_t *op, ddp_er
       }
     }
   }
-  if (op->op == DDP_AVG) ddp__reduce_avg(op->dt, out, n, W);
+  if (op->op == DDP_OP_AVG) ddp__reduce_avg(op->dt, out, n, W);
   return DDP_OK;
 }
 

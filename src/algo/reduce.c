@@ -20,18 +20,18 @@
 #define ACC_NATIVE_(T, U, MN, MX)                                                  \
   static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) {              \
     switch (op) {                                                                 \
-      case DDP_SUM:                                                               \
-      case DDP_AVG:                                                               \
+      case DDP_OP_SUM:                                                               \
+      case DDP_OP_AVG:                                                               \
         for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);            \
         break;                                                                    \
-      case DDP_PRODUCT:                                                           \
+      case DDP_OP_PRODUCT:                                                           \
         for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);            \
         break;                                                                    \
-      case DDP_MIN:                                                               \
+      case DDP_OP_MIN:                                                               \
         for (size_t i = 0; i < n; i++)                                            \
           d[i] = MN(d[i], s[i]);                                                \
         break;                                                                    \
-      case DDP_MAX:                                                               \
+      case DDP_OP_MAX:                                                               \
         for (size_t i = 0; i < n; i++)                                            \
           d[i] = MX(d[i], s[i]);                                                \
         break;                                                                    \
@@ -57,13 +57,13 @@ static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n, w
     w(d + off, a, m);
     w(s + off, b, m);
     switch (op) {
-      case DDP_PRODUCT:
+      case DDP_OP_PRODUCT:
         for (size_t i = 0; i < m; i++) a[i] = a[i] * b[i];
         break;
-      case DDP_MIN:
+      case DDP_OP_MIN:
         for (size_t i = 0; i < m; i++) a[i] = FMIN_(a[i], b[i]);
         break;
-      case DDP_MAX:
+      case DDP_OP_MAX:
         for (size_t i = 0; i < m; i++) a[i] = FMAX_(a[i], b[i]);
         break;
       default:
@@ -143,7 +143,7 @@ void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *cons
   if (direct) {
     if (s0 != d0) memcpy(dst, s0, n * es);
     for (int j = 1; j < nsrc; j++) ddp__reduce_acc(dt, op, dst, srcs[j], n);
-    if (op == DDP_AVG) ddp__reduce_avg(dt, dst, n, world);
+    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, dst, n, world);
     return;
   }
   for (size_t off = 0; off < n; off += blk) {
@@ -151,18 +151,18 @@ void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *cons
     memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
     for (int j = 1; j < nsrc; j++)
       ddp__reduce_acc(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
-    if (op == DDP_AVG) ddp__reduce_avg(dt, tmp, m, world);
+    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, tmp, m, world);
     memcpy((unsigned char *)dst + off * es, tmp, m * es);
   }
 }
 
 const char *ddp_redop_name(ddp_redop_t op) {
   switch (op) {
-    case DDP_SUM: return "SUM";
-    case DDP_AVG: return "AVG";
-    case DDP_MIN: return "MIN";
-    case DDP_MAX: return "MAX";
-    case DDP_PRODUCT: return "PRODUCT";
+    case DDP_OP_SUM: return "SUM";
+    case DDP_OP_AVG: return "AVG";
+    case DDP_OP_MIN: return "MIN";
+    case DDP_OP_MAX: return "MAX";
+    case DDP_OP_PRODUCT: return "PRODUCT";
   }
   return "?";
 }

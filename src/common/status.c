@@ -9,7 +9,7 @@ const char *ddp_status_name(ddp_status_t s) {
   if (s == DDP_OK) return "DDP_OK";
   switch (s) {
 #define DDP_STATUS_NAME_(name, text) \
-  case DDP_##name: return "DDP_ERR_" #name;
+  case DDP_ERR_##name: return "DDP_ERR_" #name;
     DDP_STATUS_MAP(DDP_STATUS_NAME_)
 #undef DDP_STATUS_NAME_
     default: return "DDP_ERR_UNKNOWN";
@@ -18,8 +18,9 @@ const char *ddp_status_name(ddp_status_t s) {
 
 const char *ddp_status_str(ddp_status_t s) {
   switch (s) {
+    case DDP_OK: return "success";
 #define DDP_STATUS_TEXT_(name, text) \
-  case DDP_##name: return text;
+  case DDP_ERR_##name: return text;
     DDP_STATUS_MAP(DDP_STATUS_TEXT_)
 #undef DDP_STATUS_TEXT_
     default: return "unknown status";

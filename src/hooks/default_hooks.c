@@ -26,7 +26,7 @@ ddp_status_t ddp__hk_allreduce_work(ddp_pg_t *pg, void *buf, size_t n, ddp_dtype
   ddp_comm_work_t *w = NULL;
   ddp_work_t *pw = NULL;
   DDP_CHECK(ddp_comm_work_create(&w));
-  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, dt, DDP_SUM, &pw);
+  ddp_status_t st = ddp_allreduce(pg, buf, buf, n, dt, DDP_OP_SUM, &pw);
   if (st == DDP_OK) st = ddp_comm_work_add(w, pw);
   if (st != DDP_OK) {
     ddp_comm_work_free(w);
@@ -158,7 +158,7 @@ static ddp_status_t compress_hook(ddp_dtype_t cdt, void *state, ddp_pg_t *pg,
     return st;
   }
   ddp_comm_work_on_free(w, compress_free, k);
-  st = ddp_allreduce(pg, k->c, k->c, k->n, cdt, DDP_SUM, &pw);
+  st = ddp_allreduce(pg, k->c, k->c, k->n, cdt, DDP_OP_SUM, &pw);
   if (st == DDP_OK) st = ddp_comm_work_add(w, pw);
   if (st != DDP_OK) {
     ddp_comm_work_free(w);

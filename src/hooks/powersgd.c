@@ -198,7 +198,7 @@ static ddp_status_t launch(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_comm_work_
   ddp_work_t *pw = NULL;
   s->nallreduce++;
   s->bytes_step += (int64_t)(n * sizeof(float));
-  DDP_CHECK(ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_SUM, &pw));
+  DDP_CHECK(ddp_allreduce(pg, buf, buf, n, DDP_F32, DDP_OP_SUM, &pw));
   return ddp_comm_work_add(w, pw);
 }
 

@@ -518,7 +518,7 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
       return arg_error(pg, what, "count %zu is too large", c->count);
   }
   if ((c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER) &&
-      ((unsigned)c->op > DDP_PRODUCT))
+      ((unsigned)c->op > DDP_OP_PRODUCT))
     return arg_error(pg, what, "reduction op %d is not a ddp_redop_t", (int)c->op);
   if (c->count > 0 && c->kind != DDP__BARRIER && (!c->recv && c->kind != DDP__SEND))
     return arg_error(pg, what, "the output buffer is NULL with count %zu", c->count);

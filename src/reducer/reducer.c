@@ -505,7 +505,7 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     if (d->next_bucket == 0) d->comm_bytes_step = 0;
     d->comm_bytes_step += (int64_t)(b->numel * ddp_dtype_size(b->dtype));
     d->comm_numel_total += (int64_t)b->numel;
-    ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_SUM, &b->work);
+    ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_OP_SUM, &b->work);
     if (st != DDP_OK)
       return fail(d, st, "[rank %d] DDP: launching the allreduce of bucket %zu failed: %s",
                   d->rank, d->next_bucket, ddp_pg_last_error(d->pg));
@@ -614,7 +614,7 @@ static ddp_status_t mark_ready(ddp_ddp_t *d, size_t i) {
     if (dynamic_unused) {
       d->used_waited = false;
       ddp_status_t st = ddp_allreduce(d->pg, d->local_used, d->global_used, d->P, DDP_I32,
-                                      DDP_SUM, &d->used_work);
+                                      DDP_OP_SUM, &d->used_work);
       if (st != DDP_OK)
         return fail(d, st, "[rank %d] DDP: launching the used-parameter allreduce failed: %s",
                     d->rank, ddp_pg_last_error(d->pg));
@@ -729,7 +729,7 @@ static ddp_status_t delayed_all_reduce(void *user) {
   ddp_ddp_t *d = user;
   if (d->hook_status != DDP_OK) return d->hook_status;
   d->used_waited = false;
-  ddp_status_t st = ddp_allreduce(d->pg, d->local_used, d->global_used, d->P, DDP_I32, DDP_SUM,
+  ddp_status_t st = ddp_allreduce(d->pg, d->local_used, d->global_used, d->P, DDP_I32, DDP_OP_SUM,
                                   &d->used_work);
   if (st == DDP_OK) st = wait_work(d, &d->used_work, "allreduce of the used-parameter map");
   else
@@ -976,7 +976,7 @@ static ddp_status_t small_allreduce(ddp_ddp_t *d, int32_t v, ddp_redop_t op, con
 /* _find_common_rank: the largest rank whose condition holds (allreduce MAX). */
 static ddp_status_t find_common_rank(ddp_ddp_t *d, int rank, bool cond, int *out) {
   int32_t r;
-  DDP_CHECK(small_allreduce(d, cond ? rank : -1, DDP_MAX, "join: allreduce of the common rank", &r));
+  DDP_CHECK(small_allreduce(d, cond ? rank : -1, DDP_OP_MAX, "join: allreduce of the common rank", &r));
   if (r < 0)
     return fail(d, DDP_ERR_INTERNAL,
                 "BUG! Expected rank_cond to be true for at least one process. (rank %d)",
@@ -992,7 +992,7 @@ static ddp_status_t find_common_rank(ddp_ddp_t *d, int rank, bool cond, int *out
 static ddp_status_t join_notify(ddp_ddp_t *d) {
   if (d->join_throw) {
     int32_t out;
-    DDP_CHECK(small_allreduce(d, 0, DDP_SUM, "join: early-termination vote", &out));
+    DDP_CHECK(small_allreduce(d, 0, DDP_OP_SUM, "join: early-termination vote", &out));
     if (out > 0)
       return fail(d, DDP_ERR_ABORTED,
                   "Detected at least one rank that exhausted inputs. Throwing across all "
@@ -1001,7 +1001,7 @@ static ddp_status_t join_notify(ddp_ddp_t *d) {
   }
   if (d->join_work) DDP_CHECK(wait_work(d, &d->join_work, "join: allreduce of the not-joined count"));
   d->join_count[0] = 1;
-  ddp_status_t st = ddp_allreduce(d->pg, d->join_count, d->join_count, 1, DDP_I32, DDP_SUM,
+  ddp_status_t st = ddp_allreduce(d->pg, d->join_count, d->join_count, 1, DDP_I32, DDP_OP_SUM,
                                   &d->join_work);
   if (st != DDP_OK)
     return fail(d, st, "[rank %d] DDP join: %s", d->rank, ddp_pg_last_error(d->pg));
@@ -1033,14 +1033,14 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
   if (d->join_throw) {
     int32_t out;
     d->join_enabled = false;
-    DDP_CHECK(small_allreduce(d, 1, DDP_SUM, "join: early-termination vote", &out));
+    DDP_CHECK(small_allreduce(d, 1, DDP_OP_SUM, "join: early-termination vote", &out));
     return fail(d, DDP_ERR_ABORTED, "Rank %d exhausted all inputs.", d->rank);
   }
   bool last = true;
   ddp_status_t st = DDP_OK;
   for (;;) {
     int32_t active;
-    DDP_CHECK_GOTO(small_allreduce(d, 0, DDP_SUM, "join: allreduce of the not-joined count",
+    DDP_CHECK_GOTO(small_allreduce(d, 0, DDP_OP_SUM, "join: allreduce of the not-joined count",
                                    &active), st, out);
     if (active == 0) break;
     last = false;
@@ -1052,7 +1052,7 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
       DDP_CHECK_GOTO(sync_buffers(d, root), st, out);
     }
     int32_t sync;
-    DDP_CHECK_GOTO(small_allreduce(d, 0, DDP_SUM, "join: backward-sync flag", &sync), st, out);
+    DDP_CHECK_GOTO(small_allreduce(d, 0, DDP_OP_SUM, "join: backward-sync flag", &sync), st, out);
     d->require_forward_param_sync = sync != 0;
     if (!sync) continue;
     for (size_t b = 0; b < d->nbuckets && st == DDP_OK; b++) {
@@ -1066,7 +1066,7 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
         st = run_comm_hook(d, b);
         continue;
       }
-      st = ddp_allreduce(d->pg, x->buf, x->buf, x->numel, x->dtype, DDP_SUM, &x->work);
+      st = ddp_allreduce(d->pg, x->buf, x->buf, x->numel, x->dtype, DDP_OP_SUM, &x->work);
       if (st != DDP_OK) {
         fail(d, st, "[rank %d] DDP join: bucket %zu: %s", d->rank, b, ddp_pg_last_error(d->pg));
         break;
@@ -1082,7 +1082,7 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
     if (st != DDP_OK) goto out;
     if (d->opts.find_unused_parameters) {
       memset(d->global_used, 0, d->P * sizeof *d->global_used);
-      st = ddp_allreduce(d->pg, d->global_used, d->global_used, d->P, DDP_I32, DDP_SUM,
+      st = ddp_allreduce(d->pg, d->global_used, d->global_used, d->P, DDP_I32, DDP_OP_SUM,
                          &d->used_work);
       if (st == DDP_OK) st = wait_work(d, &d->used_work, "join: shadow used-map allreduce");
       if (st != DDP_OK) goto out;
@@ -1128,7 +1128,7 @@ ddp_status_t ddp_ddp_pre_forward(ddp_ddp_t *d, ddp_ctx_t *ctx) {
   }
   if (d->join_enabled) {
     int32_t flag;
-    DDP_CHECK(small_allreduce(d, d->require_backward_grad_sync ? 1 : 0, DDP_SUM,
+    DDP_CHECK(small_allreduce(d, d->require_backward_grad_sync ? 1 : 0, DDP_OP_SUM,
                               "join: backward-sync flag", &flag));
   }
   return DDP_OK;

@@ -244,12 +244,12 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
     ddp_tensor_t g = ddp_model_flat_grads(s->model, float_dtypes[i]);
     if (g.numel == 0) continue;
     ddp_work_t *w = NULL;
-    st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_AVG, &w);
+    st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_OP_AVG, &w);
     st = wait_op(s, st, w, "gradient allreduce", err);
   }
   if (st == DDP_OK && np) {
     ddp_work_t *w = NULL;
-    st = ddp_allreduce(s->pg, used, used, np, DDP_I32, DDP_MAX, &w);
+    st = ddp_allreduce(s->pg, used, used, np, DDP_I32, DDP_OP_MAX, &w);
     st = wait_op(s, st, w, "used-parameter allreduce", err);
   }
   for (size_t i = 0; i < np && st == DDP_OK; i++) {

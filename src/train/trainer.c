@@ -216,7 +216,7 @@ static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
   ddp_ctx_reset(t->ctx);
   DDP_CHECK(st);
   ddp_work_t *w = NULL;
-  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, sums, sums, 3, DDP_F64, DDP_SUM, &w), &w,
+  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, sums, sums, 3, DDP_F64, DDP_OP_SUM, &w), &w,
                       "eval allreduce"));
   *loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
   *acc = t->classify && sums[2] > 0 ? sums[1] / sums[2] : NAN;
@@ -743,7 +743,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
     }
 
     ddp_work_t *w = NULL;
-    DDP_CHECK_GOTO(coll_wait(t, ddp_allreduce(pg, &local_loss, &local_loss, 1, DDP_F64, DDP_AVG,
+    DDP_CHECK_GOTO(coll_wait(t, ddp_allreduce(pg, &local_loss, &local_loss, 1, DDP_F64, DDP_OP_AVG,
                                               &w), &w, "loss allreduce"),
                    st, out);
     const int64_t done = step + 1;

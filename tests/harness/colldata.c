@@ -131,7 +131,7 @@ ddp_status_t ddp_test_run(ddp_test_coll_t *c, ddp_status_t st, ddp_work_t **wp, 
 }
 
 ddp_status_t ddp_test_check_allreduce(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n) {
-  static const ddp_redop_t ops[] = {DDP_SUM, DDP_AVG, DDP_MIN, DDP_MAX, DDP_PRODUCT};
+  static const ddp_redop_t ops[] = {DDP_OP_SUM, DDP_OP_AVG, DDP_OP_MIN, DDP_OP_MAX, DDP_OP_PRODUCT};
   size_t es = ddp_dtype_size(dt);
   unsigned char *in = buf_alloc(c, n * es), *out = buf_alloc(c, n * es);
   ddp_status_t st = DDP_OK;
@@ -139,8 +139,8 @@ ddp_status_t ddp_test_check_allreduce(ddp_test_coll_t *c, ddp_dtype_t dt, size_t
     ddp_redop_t op = ops[k];
     bool inplace = (k % 2) == 0;
     for (size_t i = 0; i < n; i++) {
-      double v = op == DDP_PRODUCT ? ddp_test_val_prod(c->r, i)
-                 : (op == DDP_MIN || op == DDP_MAX) ? ddp_test_val_mm(c->r, i)
+      double v = op == DDP_OP_PRODUCT ? ddp_test_val_prod(c->r, i)
+                 : (op == DDP_OP_MIN || op == DDP_OP_MAX) ? ddp_test_val_mm(c->r, i)
                                                     : ddp_test_val_sum(c->r, i);
       ddp_test_set_el(dt, in, i, v);
     }
@@ -157,11 +157,11 @@ ddp_status_t ddp_test_check_allreduce(ddp_test_coll_t *c, ddp_dtype_t dt, size_t
         mx = ddp_test_val_mm(j, i) > mx ? ddp_test_val_mm(j, i) : mx;
       }
       switch (op) {
-        case DDP_SUM: want = s; break;
-        case DDP_AVG: want = ddp_test_avg_of(dt, s, c->W); break;
-        case DDP_MIN: want = mn; break;
-        case DDP_MAX: want = mx; break;
-        case DDP_PRODUCT: want = p; break;
+        case DDP_OP_SUM: want = s; break;
+        case DDP_OP_AVG: want = ddp_test_avg_of(dt, s, c->W); break;
+        case DDP_OP_MIN: want = mn; break;
+        case DDP_OP_MAX: want = mx; break;
+        case DDP_OP_PRODUCT: want = p; break;
       }
       double got = ddp_test_get_el(dt, res, i);
       if (got != want) {
@@ -210,7 +210,7 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
     for (size_t i = 0; i < W * n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
     unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
-    st = ddp_test_run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_SUM, &w), &w, "reduce_scatter");
+    st = ddp_test_run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_OP_SUM, &w), &w, "reduce_scatter");
     for (size_t i = 0; st == DDP_OK && i < n; i++) {
       double s = 0;
       for (int j = 0; j < c->W; j++) s += ddp_test_val_sum(j, (size_t)r * n + i);
@@ -271,7 +271,7 @@ ddp_status_t ddp_test_d2_run(ddp_test_coll_t *c, uint64_t *hash) {
       unsigned char *buf = buf_alloc(c, n * es), *ref = ddp_malloc(n * es);
       ddp_test_d2_fill(dt, buf, n, c->r, (int)k);
       ddp_work_t *w = NULL;
-      st = ddp_test_run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_SUM, &w), &w, "D2 allreduce");
+      st = ddp_test_run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_OP_SUM, &w), &w, "D2 allreduce");
       ddp_test_d2_reference(dt, ref, n, c->W, (int)k);
       if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
         size_t i = 0;

@@ -356,8 +356,8 @@ static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int6
                               (unsigned long long)c->count, j, (long long)all[4 * j],
                               (long long)all[4 * j + 3], (long long)all[4 * j + 2],
                               (long long)all[4 * j + 1]);
-  MPI_Op op = c->op == DDP_MIN ? MPI_MIN : c->op == DDP_MAX ? MPI_MAX
-              : c->op == DDP_PRODUCT ? MPI_PROD : MPI_SUM;
+  MPI_Op op = c->op == DDP_OP_MIN ? MPI_MIN : c->op == DDP_OP_MAX ? MPI_MAX
+              : c->op == DDP_OP_PRODUCT ? MPI_PROD : MPI_SUM;
   size_t es = ddp_dtype_size(c->dt);
   for (size_t off = 0; off < c->count; off += CHUNK_MAX) {
     int n = (int)DDP_MIN((size_t)CHUNK_MAX, c->count - off);
@@ -367,7 +367,7 @@ static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int6
     if (rc != MPI_SUCCESS) return mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, "MPI_Iallreduce", -1);
     DDP_CHECK(wait_coll(s, &req, "MPI_Iallreduce", deadline_ns, err));
   }
-  if (c->op == DDP_AVG) ddp__reduce_avg(c->dt, c->recv, c->count, s->size);
+  if (c->op == DDP_OP_AVG) ddp__reduce_avg(c->dt, c->recv, c->count, s->size);
   return DDP_OK;
 }
 

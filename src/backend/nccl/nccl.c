@@ -322,10 +322,10 @@ static ncclDataType_t nccl_type(ddp_dtype_t dt) {
 
 static ncclRedOp_t nccl_op(ddp_redop_t op) {
   switch (op) {
-    case DDP_AVG: return ncclAvg;
-    case DDP_MIN: return ncclMin;
-    case DDP_MAX: return ncclMax;
-    case DDP_PRODUCT: return ncclProd;
+    case DDP_OP_AVG: return ncclAvg;
+    case DDP_OP_MIN: return ncclMin;
+    case DDP_OP_MAX: return ncclMax;
+    case DDP_OP_PRODUCT: return ncclProd;
     default: return ncclSum;
   }
 }
@@ -415,7 +415,7 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
   /* NCCL's own allreduce is the fast mode; an integer AVG (truncating division) keeps the
    * canonical path, since ncclAvg is defined for floating-point types. */
   bool native = c->algo == DDP_ALGO_RING &&
-                !(c->op == DDP_AVG && c->dt != DDP_F32 && c->dt != DDP_F64 && c->dt != DDP_F16 &&
+                !(c->op == DDP_OP_AVG && c->dt != DDP_F32 && c->dt != DDP_F64 && c->dt != DDP_F16 &&
                   c->dt != DDP_BF16);
   switch (c->kind) {
     case DDP__ALLREDUCE:
