@@ -85,4 +85,12 @@ bool ddp__write_all(int fd, const void *buf, size_t len);
 const char *ddp__tmp_commit(int fd, const char *tmp, const char *path, const char *what,
                             int *e);
 
+/* Reads a caller's options struct (whose first field is size_t struct_size) into dst,
+ * which already holds the library's defaults (its ..._INIT), dst_size bytes. One policy for
+ * every options struct: src NULL keeps every default; a caller built against an older
+ * header passes a smaller struct_size and the fields past it keep their defaults; a
+ * struct_size below sizeof(size_t) or above the library's (built against a newer libddp)
+ * is a contract failure. dst->struct_size becomes dst_size. (opts.c) */
+void ddp__opts_read(void *dst, size_t dst_size, const void *src);
+
 #endif /* DDP_SRC_COMMON_H */
