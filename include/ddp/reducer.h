@@ -26,6 +26,7 @@
 #ifndef DDP_REDUCER_H
 #define DDP_REDUCER_H
 
+#include "ddp/hooks.h"
 #include "ddp/nn.h"
 #include "ddp/pg.h"
 
@@ -216,81 +217,7 @@ DDP_API void ddp_ddp_get_logging_data(ddp_ddp_t *ddp, ddp_ddp_logging_data_t *ou
 
 /* ---------------------------------------------------------------- comm hooks ------ */
 
-/* A communication hook replaces a bucket's built-in allreduce (spec §7.1). The reducer
- * knows nothing about specific hooks (those live in ddp/hooks.h): it calls the registered
- * function once per bucket, in bucket order, when the bucket is ready, and at finalize
- * resolves the returned work, in bucket order, to a buffer of the bucket's element count,
- * which it converts to the gradient dtype and copies into the gradients. With a hook the
- * reducer does not divide by the world size: the hook does. Hooks are not called during
- * no_sync steps; under join() a joined rank calls the hook with zero-filled buckets. */
-
-/* What a hook sees: PyTorch's GradBucket. Owned by the reducer, valid until the bucket's
- * work has been resolved. buffer() holds the undivided local gradients; set_buffer
- * replaces what buffer() returns (the element count stays). */
-typedef struct ddp_grad_bucket {
-  size_t index;                /* 0-based position in the reduction order */
-  bool is_last;                /* index == number of buckets - 1 */
-  void *buffer;                /* buffer(): numel elements of dtype */
-  size_t numel;
-  ddp_dtype_t dtype;
-  size_t nparams;
-  ddp_param_t *const *params;  /* parameters(), in bucket order */
-  const size_t *offsets;       /* element offset of parameter k's gradient in buffer */
-} ddp_grad_bucket_t;
-
-/* set_buffer(t): data (borrowed; it must live until the work resolves) becomes buffer(). */
-DDP_API void ddp_grad_bucket_set_buffer(ddp_grad_bucket_t *b, void *data, ddp_dtype_t dt);
-/* gradients()[k]: a view of params[k]->value.numel elements into the current buffer(),
- * with the parameter's shape (params[k]->value.shape). */
-DDP_API void *ddp_grad_bucket_gradient(const ddp_grad_bucket_t *b, size_t k);
-
-/* The future a hook returns: a set of pending collectives, an optional continuation that
- * runs once they have all completed (it may launch more collectives and set a new
- * continuation), and the buffer the future resolves to. Collectives launched from a
- * continuation run when the reducer resolves the work, in bucket order, identically on
- * every rank. Not thread-safe; one owner. */
-typedef struct ddp_comm_work ddp_comm_work_t;
-typedef ddp_status_t (*ddp_comm_then_fn)(void *user, ddp_comm_work_t *w);
-
-DDP_API ddp_status_t ddp_comm_work_create(ddp_comm_work_t **out);
-/* Adds a pending collective; the comm work owns it from here (also on failure). */
-DDP_API ddp_status_t ddp_comm_work_add(ddp_comm_work_t *w, ddp_work_t *work);
-/* The continuation; replaces the previous one. */
-DDP_API void ddp_comm_work_then(ddp_comm_work_t *w, ddp_comm_then_fn fn, void *user);
-/* The result (borrowed): count elements of dt at data. */
-DDP_API void ddp_comm_work_set_result(ddp_comm_work_t *w, void *data, size_t count,
-                                      ddp_dtype_t dt);
-/* Called with user by ddp_comm_work_free (to release the hook's per-call memory). */
-DDP_API void ddp_comm_work_on_free(ddp_comm_work_t *w, void (*fn)(void *), void *user);
-/* Records a failure message for a continuation that fails (returned by _error). */
-DDP_API void ddp_comm_work_set_error(ddp_comm_work_t *w, const char *msg);
-/* Waits for the collectives (each bounded by its group's timeout), runs continuations
- * until none is left, and returns the result. The first failure is returned. */
-DDP_API ddp_status_t ddp_comm_work_wait(ddp_comm_work_t *w, const void **data, size_t *count,
-                                        ddp_dtype_t *dt);
-DDP_API const char *ddp_comm_work_error(const ddp_comm_work_t *w);
-/* Waits for anything still in flight, calls on_free, frees. NULL is a no-op. */
-DDP_API void ddp_comm_work_free(ddp_comm_work_t *w);
-
-/* hook(state, pg, bucket) -> work. A status other than DDP_OK fails the backward. */
-typedef ddp_status_t (*ddp_comm_hook_fn)(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
-                                         ddp_comm_work_t **out);
-
-/* Communication statistics a hook reports (cumulative numel over all synchronised steps,
- * payload bytes handed to collectives by the last step on this rank). */
-typedef struct ddp_comm_hook_stats {
-  int64_t numel_before; /* elements that would have been all-reduced without compression */
-  int64_t numel_after;  /* elements actually all-reduced instead */
-  int64_t bytes_last_step;
-} ddp_comm_hook_stats_t;
-
-typedef struct ddp_comm_hook {
-  ddp_comm_hook_fn fn;
-  void *state;
-  const char *name;                                       /* copied; logging's comm_hook */
-  void (*stats)(void *state, ddp_comm_hook_stats_t *out); /* NULL: none */
-  void (*free_state)(void *state); /* non-NULL: the DDP handle owns state once registered */
-} ddp_comm_hook_t;
+/* The hook interface (GradBucket, the future, ddp_comm_hook_t) is in ddp/hooks.h. */
 
 /* register_comm_hook: once per handle, before the first synchronised forward. Errors
  * (DDP_ERR_INVALID_USAGE): a second call ("register_comm_hook or register_builtin_comm_hook
@@ -298,6 +225,21 @@ typedef struct ddp_comm_hook {
  * state. */
 DDP_API ddp_status_t ddp_ddp_register_comm_hook(ddp_ddp_t *ddp, const ddp_comm_hook_t *hook,
                                                 ddp_error_t *err);
+
+/* INTERIM (issue 16, being replaced by a factory in ddp/hooks.h): */
+/* Validates, builds the hook and its state, and registers it on ddp (which then owns the
+ * state). comm_hook "no" registers nothing. */
+DDP_API ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook,
+                                         const char *comm_wrapper,
+                                         const char *comm_state_option, ddp_error_t *err);
+
+/* ddp_hooks_configure that also hands back the PowerSGD state it registered (NULL for a
+ * hook without one, or comm_hook "no"), for ddp_powersgd_state_save/load. The state is
+ * owned by ddp and lives as long as it. */
+DDP_API ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
+                                               const char *comm_wrapper,
+                                               const char *comm_state_option,
+                                               ddp_powersgd_state_t **psgd, ddp_error_t *err);
 
 /* Communication statistics: with a hook, what it reports; without, the bucket element
  * counts (no compression) and their bytes. rate = before / after (PyTorch's
