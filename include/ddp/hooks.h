@@ -235,7 +235,8 @@ DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg,
  * comm_state_option a JSON object of PowerSGDState keys (NULL or "" = {}). Unlike
  * Accelerate, unknown names, unknown keys, values of the wrong type or range, a wrapper
  * without a hook, and state options for a hook that takes none are errors
- * (DDP_ERR_INVALID_ARGUMENT) whose message lists the valid choices. */
+ * (DDP_ERR_INVALID_ARGUMENT) whose message lists the valid choices; they are returned in
+ * err, not logged: the caller reports them (as ddp-train does its other arguments). */
 DDP_API ddp_status_t ddp_hooks_validate(const char *comm_hook, const char *comm_wrapper,
                                         const char *comm_state_option, ddp_error_t *err);
 

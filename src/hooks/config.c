@@ -4,8 +4,10 @@
  * a wrapper can go around plain allreduce. Accelerate checks nothing; here an
  * unknown name, an unknown PowerSGDState key, a value of the wrong type or range, a wrapper
  * without a hook, or state options for a hook without state are errors that list the
- * valid choices. ddp_hooks_create is the factory: it builds the hook and its state; the
- * caller registers it (this layer sits below the reducer and calls nothing of it). */
+ * valid choices, returned to the caller without logging (an invalid configuration is the
+ * caller's to report, like any other invalid argument). ddp_hooks_create is the factory:
+ * it builds the hook and its state; the caller registers it (this layer sits below the
+ * reducer and calls nothing of it). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -33,23 +35,23 @@ static int find_name(const char *s, const char *const *names, size_t n) {
 }
 
 static ddp_status_t bad(ddp_error_t *err, const char *fmt, const char *a, const char *b) {
-  return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, fmt, a, b);
+  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, fmt, a, b);
 }
 
 static ddp_status_t get_int(const cJSON *v, const char *key, int64_t lo, int64_t *out,
                             ddp_error_t *err) {
   if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < (double)lo ||
       v->valuedouble > 9.0e15)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "comm_state_option: %s must be an integer >= %lld", key, (long long)lo);
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_state_option: %s must be an integer >= %lld", key, (long long)lo);
   *out = (int64_t)v->valuedouble;
   return DDP_OK;
 }
 
 static ddp_status_t get_bool(const cJSON *v, const char *key, bool *out, ddp_error_t *err) {
   if (!cJSON_IsBool(v))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "comm_state_option: %s must be true or false", key);
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_state_option: %s must be true or false", key);
   *out = cJSON_IsTrue(v);
   return DDP_OK;
 }
@@ -81,20 +83,20 @@ static ddp_status_t parse_state(const char *json, ddp_powersgd_options_t *o, boo
       o->random_seed = (uint64_t)i;
     } else if (strcmp(k, "compression_stats_logging_frequency") == 0) {
       if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be an integer", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be an integer", k);
       else
         o->compression_stats_logging_frequency = (int64_t)v->valuedouble;
     } else if (strcmp(k, "min_compression_rate") == 0) {
       if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be a number", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be a number", k);
       else
         o->min_compression_rate = v->valuedouble;
     } else if (strcmp(k, "orthogonalization_epsilon") == 0) {
       if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0) || !isfinite(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be a number >= 0", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be a number >= 0", k);
       else
         o->orthogonalization_epsilon = v->valuedouble;
     } else if (strcmp(k, "use_error_feedback") == 0) {
@@ -131,10 +133,10 @@ static ddp_status_t check(const char *hook, const char *wrapper, const char *sta
     return bad(err, "comm_state_option applies to comm_hook power_sgd or batched_power_sgd "
                "only (PowerSGDState keys), not to '%s'%s", hook, "");
   if (*h >= FIRST_PSGD && (o->use_error_feedback || o->warm_start) && o->start_powerSGD_iter <= 1)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
-                      "`warm_start` is enabled, because PowerSGD can only be applied after "
-                      "the first two iterations in DDP.");
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
+                            "`warm_start` is enabled, because PowerSGD can only be applied after "
+                            "the first two iterations in DDP.");
   return DDP_OK;
 }
 

@@ -358,39 +358,19 @@ record:
   return DDP_OK;
 }
 
-ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
-                               ddp_comm_work_t **out) {
-  ddp_powersgd_state_t *s = state;
-  DDP_REQUIRE(s && s->magic == PSGD_MAGIC && pg && b && out);
-  *out = NULL;
-  if (b->index == 0) s->bytes_step = 0;
-  if (s->iter < s->o.start_powerSGD_iter) return ddp__psgd_warmup(s, pg, b, out);
-  psgd_call_t *c = NULL;
-  DDP_CHECK(start_call(s, pg, b, &c));
-  ddp_comm_work_t *w = NULL;
-  ddp_status_t st = ddp_comm_work_create(&w);
-  if (st != DDP_OK) {
-    call_free(c);
-    return st;
-  }
-  ddp_comm_work_on_free(w, call_free, c);
-  c->numel = b->numel;
-  DDP_CHECK_GOTO(follow_layout(s, c->mem, b), st, fail);
-  DDP_CHECK_GOTO(ddp__psgd_prepare_input(c, b, b->numel), st, fail);
-
+/* Steps 3-5 of a call: split the bucket into matrices and decide compression per tensor
+ * (counting both totals), gather the uncompressed tensors, and lay out P and Q (*np, *nq
+ * elements). */
+static ddp_status_t split_bucket(psgd_call_t *c, const ddp_grad_bucket_t *b, size_t *np,
+                                 size_t *nq) {
+  ddp_powersgd_state_t *s = c->s;
   /* Split into matrices; decide compression per tensor (step 3). */
   c->mats = ddp__calloc(b->nparams + 1, sizeof *c->mats);
   c->unc_off = ddp__calloc(b->nparams + 1, sizeof(size_t));
   c->unc_len = ddp__calloc(b->nparams + 1, sizeof(size_t));
-  if (!c->mats || !c->unc_off || !c->unc_len) {
-    st = DDP_ERR_NO_MEMORY;
-    goto fail;
-  }
+  if (!c->mats || !c->unc_off || !c->unc_len) return DDP_ERR_NO_MEMORY;
   mat_t *all = ddp__calloc(b->nparams + 1, sizeof *all);
-  if (!all) {
-    st = DDP_ERR_NO_MEMORY;
-    goto fail;
-  }
+  if (!all) return DDP_ERR_NO_MEMORY;
   size_t nall = 0;
   for (size_t k = 0; k < b->nparams; k++) {
     const ddp_param_t *p = b->params[k];
@@ -416,8 +396,7 @@ ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
   c->unc = ddp__malloc((c->nunc + 1) * sizeof(float));
   if (!c->unc) {
     ddp__free(all);
-    st = DDP_ERR_NO_MEMORY;
-    goto fail;
+    return DDP_ERR_NO_MEMORY;
   }
   for (size_t k = 0, pos = 0; k < c->nuncs; k++) {
     memcpy(c->unc + pos, c->in + c->unc_off[k], c->unc_len[k] * sizeof(float));
@@ -425,12 +404,10 @@ ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
   }
 
   /* Step 5: group by shape in order of first appearance; this order lays out P and Q. */
-  size_t np = 0, nq = 0;
   bool *taken = ddp__calloc(nall + 1, sizeof(bool));
   if (!taken) {
     ddp__free(all);
-    st = DDP_ERR_NO_MEMORY;
-    goto fail;
+    return DDP_ERR_NO_MEMORY;
   }
   for (size_t i = 0; i < nall; i++) {
     if (taken[i]) continue;
@@ -438,15 +415,39 @@ ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
       if (taken[j] || all[j].n != all[i].n || all[j].m != all[i].m) continue;
       taken[j] = true;
       mat_t x = all[j];
-      x.poff = np;
-      x.qoff = nq;
-      np += x.n * x.r;
-      nq += x.m * x.r;
+      x.poff = *np;
+      x.qoff = *nq;
+      *np += x.n * x.r;
+      *nq += x.m * x.r;
       c->mats[c->nmats++] = x;
     }
   }
   ddp__free(taken);
   ddp__free(all);
+  return DDP_OK;
+}
+
+ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
+                               ddp_comm_work_t **out) {
+  ddp_powersgd_state_t *s = state;
+  DDP_REQUIRE(s && s->magic == PSGD_MAGIC && pg && b && out);
+  *out = NULL;
+  if (b->index == 0) s->bytes_step = 0;
+  if (s->iter < s->o.start_powerSGD_iter) return ddp__psgd_warmup(s, pg, b, out);
+  psgd_call_t *c = NULL;
+  DDP_CHECK(start_call(s, pg, b, &c));
+  ddp_comm_work_t *w = NULL;
+  ddp_status_t st = ddp_comm_work_create(&w);
+  if (st != DDP_OK) {
+    call_free(c);
+    return st;
+  }
+  ddp_comm_work_on_free(w, call_free, c);
+  c->numel = b->numel;
+  DDP_CHECK_GOTO(follow_layout(s, c->mem, b), st, fail);
+  DDP_CHECK_GOTO(ddp__psgd_prepare_input(c, b, b->numel), st, fail);
+  size_t np = 0, nq = 0;
+  DDP_CHECK_GOTO(split_bucket(c, b, &np, &nq), st, fail);
   bool need_rand;
   DDP_CHECK_GOTO(ddp__psgd_prepare_memory(c, np, nq, &need_rand), st, fail);
 
