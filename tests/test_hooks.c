@@ -713,6 +713,60 @@ static void test_config_validation(void **state) {
   expect_cfg_error("fp16", "no", "{\"matrix_approximation_rank\": 2}", "power_sgd or batched_power_sgd");
 }
 
+/* The factory: "no" builds nothing; a simple hook has stats but no state to save; the
+ * PowerSGD hooks expose their state through ddp_hooks_powersgd and save / load it through
+ * the generic callbacks, in ddp_powersgd_state_save's format; a failure leaves *out zero. */
+static void test_factory(void **state) {
+  (void)state;
+  ddp_error_t err = {0};
+  ddp_comm_hook_t h;
+  memset(&h, 0xff, sizeof h);
+  assert_int_equal(ddp_hooks_create("no", NULL, NULL, 0, &h, &err), DDP_OK);
+  assert_null(h.fn);
+  assert_null(h.state);
+  assert_int_equal(ddp_hooks_create("fp16", "no", NULL, 0, &h, &err), DDP_OK);
+  assert_non_null(h.fn);
+  assert_string_equal(h.name, "fp16_compress_hook");
+  assert_non_null(h.stats);
+  assert_non_null(h.free_state);
+  assert_null(h.save_state);
+  assert_null(h.load_state);
+  assert_null(ddp_hooks_powersgd(&h));
+  h.free_state(h.state);
+  memset(&h, 0xff, sizeof h);
+  assert_int_equal(ddp_hooks_create("power_sgd", "no", "{\"start_powerSGD_iter\": 1}", 0, &h,
+                                    &err),
+                   DDP_ERR_INVALID_ARGUMENT);
+  assert_null(h.fn);
+  assert_null(h.state);
+  const char *js = "{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 3}";
+  assert_int_equal(ddp_hooks_create("batched_power_sgd", "bf16", js, 0, &h, &err), DDP_OK);
+  assert_string_equal(h.name, "bf16_compress_wrapper(batched_powerSGD_hook)");
+  ddp_powersgd_state_t *ps = ddp_hooks_powersgd(&h);
+  assert_non_null(ps);
+  assert_non_null(h.save_state);
+  assert_non_null(h.load_state);
+  /* A user hook around the same function is not the factory's: no PowerSGD state. */
+  ddp_comm_hook_t user = {.fn = ddp_powersgd_hook, .state = ps, .name = "powerSGD_hook"};
+  assert_null(ddp_hooks_powersgd(&user));
+  char dir[] = "/tmp/ddp-test-hooks-XXXXXX", path[64];
+  ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
+  snprintf(path, sizeof path, "%s/state.safetensors", dir);
+  assert_int_equal(h.save_state(h.state, path, &err), DDP_OK);
+  assert_int_equal(h.load_state(h.state, path, &err), DDP_OK);
+  assert_int_equal(ddp_powersgd_iter(ps), 0);
+  ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
+  o.matrix_approximation_rank = 2;
+  o.start_powerSGD_iter = 3;
+  ddp_powersgd_state_t *direct = NULL;
+  assert_int_equal(ddp_powersgd_state_create(&o, 0, &direct, &err), DDP_OK);
+  assert_int_equal(ddp_powersgd_state_load(direct, path, &err), DDP_OK);
+  ddp_powersgd_state_destroy(direct);
+  unlink(path);
+  assert_int_equal(h.load_state(h.state, path, &err), DDP_ERR_NOT_FOUND);
+  h.free_state(h.state);
+}
+
 /* ---------------------------------------------------------------- DDP -------------- */
 
 #define DIM 16
@@ -829,6 +883,18 @@ static void copy_grads(ddp_model_t *m, float *dst) {
   }
 }
 
+/* Accelerate's names: the factory builds the hook, the caller registers it (and frees the
+ * state when it was not registered). */
+static ddp_status_t configure(ddp_ddp_t *ddp, int rank, const char *hook, const char *wrapper,
+                              const char *state, ddp_error_t *err) {
+  ddp_comm_hook_t h;
+  DDP_CHECK(ddp_hooks_create(hook, wrapper, state, rank, &h, err));
+  if (!h.fn) return DDP_OK;
+  ddp_status_t st = ddp_ddp_register_comm_hook(ddp, &h, err);
+  if (st != DDP_OK) h.free_state(h.state);
+  return st;
+}
+
 static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   train_t *T = arg;
   int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
@@ -851,15 +917,15 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   so.momentum = 0.9;
   DDP_CHECK_GOTO(ddp_optim_create(&so, ps, np, &opt, NULL), st, out);
   if (T->mode == 2) {
-    ddp_comm_hook_t sh = {short_hook, NULL, "short_hook", NULL, NULL};
+    ddp_comm_hook_t sh = {.fn = short_hook, .name = "short_hook"};
     DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &sh, err), st, out);
   } else {
-    st = ddp_hooks_configure(ddp, T->hook, T->wrapper, T->state, err);
+    st = configure(ddp, r, T->hook, T->wrapper, T->state, err);
     if (st != DDP_OK) goto out;
   }
   if (T->mode == 1) {
     /* a second registration */
-    st = ddp_hooks_configure(ddp, "fp16", "no", NULL, err);
+    st = configure(ddp, r, "fp16", "no", NULL, err);
     snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
     if (st != DDP_ERR_INVALID_USAGE) {
       st = DDP_ERR_INTERNAL;
@@ -883,7 +949,7 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
     ddp_ctx_reset(h.ctx);
     if (T->mode == 3 && t == 0) {
       /* training has started: too late to register */
-      ddp_status_t s2 = ddp_hooks_configure(ddp, "fp16", "no", NULL, err);
+      ddp_status_t s2 = configure(ddp, r, "fp16", "no", NULL, err);
       snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
       if (s2 != DDP_ERR_INVALID_USAGE) {
         st = DDP_ERR_INTERNAL;
@@ -966,9 +1032,9 @@ static ddp_status_t grads_core(ddp_pg_t *pg, grads_t *G, float (*local)[NPARAM_E
   DDP_CHECK_GOTO(build(&plain), st, out);
   ddp_ddp_t *ddp = h.ddp;
   if (G->hook) {
-    DDP_CHECK_GOTO(ddp_hooks_configure(ddp, G->hook, G->wrapper, G->state, &h.err), st, out);
+    DDP_CHECK_GOTO(configure(ddp, r, G->hook, G->wrapper, G->state, &h.err), st, out);
   } else {
-    ddp_comm_hook_t ar = {ddp_allreduce_hook, NULL, "allreduce_hook", NULL, NULL};
+    ddp_comm_hook_t ar = {.fn = ddp_allreduce_hook, .name = "allreduce_hook"};
     DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &ar, &h.err), st, out);
   }
   if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_begin(ddp, true, false), st, out);
@@ -1131,7 +1197,7 @@ static ddp_status_t nosync_rank(ddp_pg_t *pg, void *arg) {
   DDP_CHECK_GOTO(hrank_open(&h, pg, 0.0002, 9, 512), st, out);
   DDP_CHECK_GOTO(build(&plain), st, out);
   ddp_ddp_t *ddp = h.ddp;
-  ddp_comm_hook_t ch = {counting_hook, &cnt, "counting_hook", NULL, NULL};
+  ddp_comm_hook_t ch = {.fn = counting_hook, .state = &cnt, .name = "counting_hook"};
   DDP_CHECK_GOTO(ddp_ddp_register_comm_hook(ddp, &ch, &h.err), st, out);
   ddp_model_zero_grad(plain);
   ddp_model_zero_grad(h.m);
@@ -1255,6 +1321,7 @@ int main(void) {
       cmocka_unit_test(test_batched_powersgd),
       cmocka_unit_test(test_powersgd_state_errors),
       cmocka_unit_test(test_config_validation),
+      cmocka_unit_test(test_factory),
       cmocka_unit_test(test_registration_errors),
       cmocka_unit_test(test_ddp_hooks_bitwise),
       cmocka_unit_test(test_backends_bitwise),

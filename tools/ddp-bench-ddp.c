@@ -33,7 +33,7 @@
  * A step is zero_grad, forward, cross-entropy, backward (buckets reduce while it runs),
  * SGD step and context reset; the optimizer step is timed in both kinds of step, so the
  * difference is communication only. Timings are rank 0's. With --hook/--wrapper/--state a
- * communication hook is configured (ddp_hooks_configure, Accelerate's names), and the
+ * communication hook is built (ddp_hooks_create, Accelerate's names) and registered, and the
  * payload bytes the last synchronised step handed to collectives come from
  * ddp_ddp_get_comm_stats. Phases 2 and 3 are skipped when their count is 0.
  *
@@ -211,9 +211,12 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
   o.trace_path = cfg->trace;
   o.bucket_cap_mb = cfg->bucket_cap_mb;
   o.gradient_as_bucket_view = cfg->grad_view;
+  ddp_comm_hook_t hook = {0};
   if (r->pg && /* one process: no DDP */
       ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
-       (st = ddp_hooks_configure(r->ddp, cfg->hook, cfg->wrapper, cfg->state, &err)) != DDP_OK)) {
+       (st = ddp_hooks_create(cfg->hook, cfg->wrapper, cfg->state, rank, &hook, &err)) != DDP_OK ||
+       (hook.fn && (st = ddp_ddp_register_comm_hook(r->ddp, &hook, &err)) != DDP_OK))) {
+    if (hook.fn) hook.free_state(hook.state); /* created, but not registered */
     fprintf(stderr, "ddp-bench-ddp: rank %d: ddp: %s %s\n", rank, ddp_status_name(st), err.msg);
     return st;
   }

@@ -1,11 +1,16 @@
 /* libddp hooks layer: the built-in DDP communication hooks (spec/ddp-semantics.md §7) and
  * Accelerate's comm_hook / comm_wrapper / comm_state_option configuration.
  *
- * Every hook has the reducer's signature (ddp_comm_hook_fn) and is registered with
- * ddp_ddp_register_comm_hook, or all at once with ddp_hooks_configure:
+ * Every hook has the reducer's signature (ddp_comm_hook_fn). ddp_hooks_create builds one
+ * from Accelerate's names and the caller registers it with ddp_ddp_register_comm_hook
+ * (ddp/reducer.h, the layer above; this header includes nothing of it):
  *
+ *     ddp_comm_hook_t hook;
  *     ddp_error_t err;
- *     ddp_hooks_configure(ddp, "power_sgd", "fp16", "{\"matrix_approximation_rank\": 4}", &err);
+ *     if (ddp_hooks_create("power_sgd", "fp16", "{\"matrix_approximation_rank\": 4}", rank,
+ *                          &hook, &err) == DDP_OK && hook.fn &&
+ *         ddp_ddp_register_comm_hook(ddp, &hook, &err) != DDP_OK)
+ *       hook.free_state(hook.state); // not registered: still the caller's
  *
  * The maths follow PyTorch's hooks operation by operation (docs/hooks.md): the allreduce
  * hook divides by W and then sums; the fp16/bf16 hooks cast, divide in low precision and
@@ -99,6 +104,14 @@ typedef struct ddp_comm_hook {
   const char *name;                                       /* copied; logging's comm_hook */
   void (*stats)(void *state, ddp_comm_hook_stats_t *out); /* NULL: none */
   void (*free_state)(void *state); /* non-NULL: the DDP handle owns state once registered */
+  /* A hook whose state carries over from step to step (PowerSGD's error feedback and
+   * warm-start factors) saves and restores it through these, so that a checkpoint can hold
+   * any hook's state without knowing the hook; NULL for a hook with nothing to keep.
+   * save_state writes this rank's state to path (atomically); load_state replaces the state
+   * with one saved by save_state, so that the hook continues bit for bit, and leaves it
+   * unchanged on failure (a missing file is DDP_ERR_NOT_FOUND). */
+  ddp_status_t (*save_state)(void *state, const char *path, ddp_error_t *err);
+  ddp_status_t (*load_state)(void *state, const char *path, ddp_error_t *err);
 } ddp_comm_hook_t;
 
 /* ---------------------------------------------------------------- built-in hooks -- */
@@ -178,7 +191,7 @@ DDP_API int64_t ddp_powersgd_num_allreduces(const ddp_powersgd_state_t *s);
  * ddp_powersgd_state_load). */
 DDP_API uint64_t ddp_powersgd_draws(const ddp_powersgd_state_t *s);
 /* Replaces the init_q callback (and its user pointer) the state was created with, for a
- * state that ddp_hooks_configure_state built from names; NULL returns to the generator.
+ * state that ddp_hooks_create built from names (ddp_hooks_powersgd); NULL returns to the generator.
  * Takes effect from the next random initialisation. */
 DDP_API void ddp_powersgd_set_init_q(ddp_powersgd_state_t *s,
                                      void (*init_q)(void *user, uint64_t draw,
@@ -215,7 +228,6 @@ DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg,
 
 /* ---------------------------------------------------------------- configuration --- */
 
-
 /* Accelerate's DistributedDataParallelKwargs comm fields. comm_hook is one of no, fp16,
  * bf16, power_sgd, batched_power_sgd, or allreduce (PyTorch's allreduce_hook, which
  * Accelerate does not name: the numbers of no hook, but a wrapper can go around it);
@@ -223,9 +235,27 @@ DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg,
  * comm_state_option a JSON object of PowerSGDState keys (NULL or "" = {}). Unlike
  * Accelerate, unknown names, unknown keys, values of the wrong type or range, a wrapper
  * without a hook, and state options for a hook that takes none are errors
- * (DDP_ERR_INVALID_ARGUMENT) whose message lists the valid choices. */
+ * (DDP_ERR_INVALID_ARGUMENT) whose message lists the valid choices; they are returned in
+ * err, not logged: the caller reports them (as ddp-train does its other arguments). */
 DDP_API ddp_status_t ddp_hooks_validate(const char *comm_hook, const char *comm_wrapper,
                                         const char *comm_state_option, ddp_error_t *err);
+
+/* The hook those names choose (after ddp_hooks_validate's checks), with its state: the
+ * built-in hook behind the optional wrapper, the stats callback, free_state, and for the
+ * PowerSGD hooks save_state / load_state (ddp_powersgd_state_save / _load). rank only
+ * prefixes log lines. comm_hook "no" (or NULL, "") fills *out with zeros (out->fn NULL):
+ * there is nothing to register. Otherwise the caller registers *out with
+ * ddp_ddp_register_comm_hook, which owns out->state from then on; a hook that is not
+ * registered (or whose registration failed) is released with out->free_state(out->state).
+ * out->name points into the state. On failure *out is zeros and nothing is allocated. */
+DDP_API ddp_status_t ddp_hooks_create(const char *comm_hook, const char *comm_wrapper,
+                                      const char *comm_state_option, int rank,
+                                      ddp_comm_hook_t *out, ddp_error_t *err);
+
+/* The PowerSGD state of a hook that ddp_hooks_create made for comm_hook power_sgd or
+ * batched_power_sgd (for ddp_powersgd_set_init_q and the counters); NULL for any other hook.
+ * It lives as long as hook->state. */
+DDP_API ddp_powersgd_state_t *ddp_hooks_powersgd(const ddp_comm_hook_t *hook);
 
 #ifdef __cplusplus
 }

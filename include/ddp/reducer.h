@@ -226,21 +226,6 @@ DDP_API void ddp_ddp_get_logging_data(ddp_ddp_t *ddp, ddp_ddp_logging_data_t *ou
 DDP_API ddp_status_t ddp_ddp_register_comm_hook(ddp_ddp_t *ddp, const ddp_comm_hook_t *hook,
                                                 ddp_error_t *err);
 
-/* INTERIM (issue 16, being replaced by a factory in ddp/hooks.h): */
-/* Validates, builds the hook and its state, and registers it on ddp (which then owns the
- * state). comm_hook "no" registers nothing. */
-DDP_API ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook,
-                                         const char *comm_wrapper,
-                                         const char *comm_state_option, ddp_error_t *err);
-
-/* ddp_hooks_configure that also hands back the PowerSGD state it registered (NULL for a
- * hook without one, or comm_hook "no"), for ddp_powersgd_state_save/load. The state is
- * owned by ddp and lives as long as it. */
-DDP_API ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
-                                               const char *comm_wrapper,
-                                               const char *comm_state_option,
-                                               ddp_powersgd_state_t **psgd, ddp_error_t *err);
-
 /* Communication statistics: with a hook, what it reports; without, the bucket element
  * counts (no compression) and their bytes. rate = before / after (PyTorch's
  * "compression rate"), 1 without compression. */

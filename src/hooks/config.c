@@ -4,7 +4,10 @@
  * a wrapper can go around plain allreduce. Accelerate checks nothing; here an
  * unknown name, an unknown PowerSGDState key, a value of the wrong type or range, a wrapper
  * without a hook, or state options for a hook without state are errors that list the
- * valid choices. */
+ * valid choices, returned to the caller without logging (an invalid configuration is the
+ * caller's to report, like any other invalid argument). ddp_hooks_create is the factory:
+ * it builds the hook and its state; the caller registers it (this layer sits below the
+ * reducer and calls nothing of it). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -13,7 +16,6 @@
 
 #include "common/common.h"
 #include "hooks_internal.h"
-#include "ddp/reducer.h" /* INTERIM (issue 16): the hook factory removes this upward include */
 
 static const char *const HOOKS[] = {"no",        "allreduce",        "fp16", "bf16",
                                      "power_sgd", "batched_power_sgd"};
@@ -33,23 +35,23 @@ static int find_name(const char *s, const char *const *names, size_t n) {
 }
 
 static ddp_status_t bad(ddp_error_t *err, const char *fmt, const char *a, const char *b) {
-  return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, fmt, a, b);
+  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, fmt, a, b);
 }
 
 static ddp_status_t get_int(const cJSON *v, const char *key, int64_t lo, int64_t *out,
                             ddp_error_t *err) {
   if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < (double)lo ||
       v->valuedouble > 9.0e15)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "comm_state_option: %s must be an integer >= %lld", key, (long long)lo);
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_state_option: %s must be an integer >= %lld", key, (long long)lo);
   *out = (int64_t)v->valuedouble;
   return DDP_OK;
 }
 
 static ddp_status_t get_bool(const cJSON *v, const char *key, bool *out, ddp_error_t *err) {
   if (!cJSON_IsBool(v))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "comm_state_option: %s must be true or false", key);
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "comm_state_option: %s must be true or false", key);
   *out = cJSON_IsTrue(v);
   return DDP_OK;
 }
@@ -81,20 +83,20 @@ static ddp_status_t parse_state(const char *json, ddp_powersgd_options_t *o, boo
       o->random_seed = (uint64_t)i;
     } else if (strcmp(k, "compression_stats_logging_frequency") == 0) {
       if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be an integer", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be an integer", k);
       else
         o->compression_stats_logging_frequency = (int64_t)v->valuedouble;
     } else if (strcmp(k, "min_compression_rate") == 0) {
       if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be a number", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be a number", k);
       else
         o->min_compression_rate = v->valuedouble;
     } else if (strcmp(k, "orthogonalization_epsilon") == 0) {
       if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0) || !isfinite(v->valuedouble))
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "comm_state_option: %s must be a number >= 0", k);
+        st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                              "comm_state_option: %s must be a number >= 0", k);
       else
         o->orthogonalization_epsilon = v->valuedouble;
     } else if (strcmp(k, "use_error_feedback") == 0) {
@@ -131,10 +133,10 @@ static ddp_status_t check(const char *hook, const char *wrapper, const char *sta
     return bad(err, "comm_state_option applies to comm_hook power_sgd or batched_power_sgd "
                "only (PowerSGDState keys), not to '%s'%s", hook, "");
   if (*h >= FIRST_PSGD && (o->use_error_feedback || o->warm_start) && o->start_powerSGD_iter <= 1)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
-                      "`warm_start` is enabled, because PowerSGD can only be applied after "
-                      "the first two iterations in DDP.");
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
+                            "`warm_start` is enabled, because PowerSGD can only be applied after "
+                            "the first two iterations in DDP.");
   return DDP_OK;
 }
 
@@ -145,13 +147,14 @@ ddp_status_t ddp_hooks_validate(const char *comm_hook, const char *comm_wrapper,
   return check(comm_hook, comm_wrapper, comm_state_option, &h, &w, &o, err);
 }
 
-/* The registered state: the chosen hook with its state, behind an optional wrapper. */
+/* The hook's state: the chosen hook with its state, behind an optional wrapper. */
 typedef struct bundle {
   ddp_hook_counters_t counters;
   ddp_compress_wrapper_t wrap;
   ddp_powersgd_state_t *psgd;
   ddp_comm_hook_fn fn;
   void *fn_state;
+  char name[96]; /* ddp_comm_hook_t.name */
 } bundle_t;
 
 static ddp_status_t bundle_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
@@ -172,16 +175,22 @@ static void bundle_free(void *state) {
   ddp__free(x);
 }
 
-ddp_status_t ddp_hooks_configure(ddp_ddp_t *ddp, const char *comm_hook, const char *comm_wrapper,
-                                 const char *comm_state_option, ddp_error_t *err) {
-  return ddp_hooks_configure_state(ddp, comm_hook, comm_wrapper, comm_state_option, NULL, err);
+/* save_state / load_state: only set for a bundle with a PowerSGD state. */
+static ddp_status_t bundle_save(void *state, const char *path, ddp_error_t *err) {
+  bundle_t *x = state;
+  return ddp_powersgd_state_save(x->psgd, path, err);
 }
 
-ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
-                                       const char *comm_wrapper, const char *comm_state_option,
-                                       ddp_powersgd_state_t **psgd, ddp_error_t *err) {
-  DDP_REQUIRE(ddp);
-  if (psgd) *psgd = NULL;
+static ddp_status_t bundle_load(void *state, const char *path, ddp_error_t *err) {
+  bundle_t *x = state;
+  return ddp_powersgd_state_load(x->psgd, path, err);
+}
+
+ddp_status_t ddp_hooks_create(const char *comm_hook, const char *comm_wrapper,
+                              const char *comm_state_option, int rank, ddp_comm_hook_t *out,
+                              ddp_error_t *err) {
+  DDP_REQUIRE(out);
+  memset(out, 0, sizeof *out);
   int h, w;
   ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
   DDP_CHECK(check(comm_hook, comm_wrapper, comm_state_option, &h, &w, &o, err));
@@ -193,11 +202,9 @@ ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
                                          ddp_bf16_compress_hook, ddp_powersgd_hook,
                                          ddp_batched_powersgd_hook};
   bundle_t *x = ddp__calloc(1, sizeof *x);
-  if (!x) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "comm hook: out of memory");
-  ddp_ddp_logging_data_t ld;
-  ddp_ddp_get_logging_data(ddp, &ld);
+  if (!x) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "comm hook: out of memory");
   if (h >= FIRST_PSGD) {
-    ddp_status_t st = ddp_powersgd_state_create(&o, ld.rank, &x->psgd, err);
+    ddp_status_t st = ddp_powersgd_state_create(&o, rank, &x->psgd, err);
     if (st != DDP_OK) {
       ddp__free(x);
       return st;
@@ -207,23 +214,25 @@ ddp_status_t ddp_hooks_configure_state(ddp_ddp_t *ddp, const char *comm_hook,
     x->fn_state = &x->counters;
   }
   x->fn = fns[h];
-  char name[96];
-  snprintf(name, sizeof name, "%s", hook_names[h]);
+  snprintf(x->name, sizeof x->name, "%s", hook_names[h]);
   if (w != 0) {
     x->wrap.dtype = w == 1 ? DDP_F16 : DDP_BF16;
     x->wrap.inner = fns[h];
     x->wrap.inner_state = x->fn_state;
     x->fn = ddp_compress_wrapper_hook;
     x->fn_state = &x->wrap;
-    snprintf(name, sizeof name, "%s(%s)", w == 1 ? "fp16_compress_wrapper" : "bf16_compress_wrapper",
-             hook_names[h]);
+    snprintf(x->name, sizeof x->name, "%s(%s)",
+             w == 1 ? "fp16_compress_wrapper" : "bf16_compress_wrapper", hook_names[h]);
   }
-  ddp_comm_hook_t hk = {bundle_hook, x, name, bundle_stats, bundle_free};
-  ddp_status_t st = ddp_ddp_register_comm_hook(ddp, &hk, err);
-  if (st != DDP_OK) {
-    bundle_free(x);
-    return st;
-  }
-  if (psgd) *psgd = x->psgd;
+  *out = (ddp_comm_hook_t){.fn = bundle_hook, .state = x, .name = x->name,
+                           .stats = bundle_stats, .free_state = bundle_free,
+                           .save_state = x->psgd ? bundle_save : NULL,
+                           .load_state = x->psgd ? bundle_load : NULL};
   return DDP_OK;
+}
+
+ddp_powersgd_state_t *ddp_hooks_powersgd(const ddp_comm_hook_t *hook) {
+  DDP_REQUIRE(hook);
+  if (hook->fn != bundle_hook || !hook->state) return NULL;
+  return ((const bundle_t *)hook->state)->psgd;
 }

@@ -27,7 +27,7 @@ struct ddp__sync {
   ddp_train_args_t args;  /* copy */
   bool use_reducer;
   ddp_ddp_t *ddp;         /* reducer mode, from ddp__sync_begin on */
-  ddp_powersgd_state_t *psgd; /* the PowerSGD hook's state (owned by ddp), else NULL */
+  ddp_comm_hook_t hook;   /* the registered comm hook (state owned by ddp); fn NULL: none */
   bool armed;             /* flat mode: the last forward was a synchronising one */
   ddp_local_grad_fn local_fn; /* ddp__sync_set_local_grad_fn; NULL: none */
   void *local_user;
@@ -78,7 +78,23 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
 
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
 
-ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) { return s->psgd; }
+ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) {
+  return s->hook.fn ? ddp_hooks_powersgd(&s->hook) : NULL;
+}
+
+bool ddp__sync_hook_has_state(const ddp__sync_t *s) {
+  return s->hook.fn && s->hook.save_state && s->hook.load_state;
+}
+
+ddp_status_t ddp__sync_hook_save(ddp__sync_t *s, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(ddp__sync_hook_has_state(s) && path);
+  return s->hook.save_state(s->hook.state, path, err);
+}
+
+ddp_status_t ddp__sync_hook_load(ddp__sync_t *s, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(ddp__sync_hook_has_state(s) && path);
+  return s->hook.load_state(s->hook.state, path, err);
+}
 
 void ddp__sync_set_local_grad_fn(ddp__sync_t *s, ddp_local_grad_fn fn, void *user) {
   DDP_REQUIRE(s);
@@ -163,12 +179,17 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     if (st != DDP_OK) {
       return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP create: %s", e.msg);
     }
-    /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing). */
-    st = ddp_hooks_configure_state(s->ddp, s->args.comm_hook, s->args.comm_wrapper,
-                                   s->args.comm_state_option, &s->psgd, &e);
-    if (st != DDP_OK) {
-      return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP comm hook: %s", e.msg);
+    /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
+     * The layer that failed has logged; the message is carried up quietly. */
+    ddp_comm_hook_t hook;
+    st = ddp_hooks_create(s->args.comm_hook, s->args.comm_wrapper, s->args.comm_state_option,
+                          ddp_pg_rank(s->pg), &hook, &e);
+    if (st == DDP_OK && hook.fn) {
+      st = ddp_ddp_register_comm_hook(s->ddp, &hook, &e);
+      if (st != DDP_OK) hook.free_state(hook.state); /* not registered: still ours */
     }
+    if (st != DDP_OK) return ddp__error_quiet(err, st, "DDP comm hook: %s", e.msg);
+    s->hook = hook;
     return DDP_OK;
   }
   for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes); i++) {

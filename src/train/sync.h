@@ -50,8 +50,14 @@ const char *ddp__sync_name(const ddp__sync_t *s);
 /* The reducer's handle (reducer mode, after ddp__sync_begin), else NULL. */
 struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s);
 /* The PowerSGD comm hook's state (comm_hook power_sgd / batched_power_sgd, after
- * ddp__sync_begin), else NULL; checkpoints save and restore it per rank. */
+ * ddp__sync_begin), else NULL: for power_sgd_init_q, which serves PyTorch's Q draws. */
 ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s);
+/* Whether the registered comm hook keeps state across steps (ddp_comm_hook_t.save_state /
+ * load_state; after ddp__sync_begin). Checkpoints save and restore it per rank through the
+ * two calls below, whatever the hook. */
+bool ddp__sync_hook_has_state(const ddp__sync_t *s);
+ddp_status_t ddp__sync_hook_save(ddp__sync_t *s, const char *path, ddp_error_t *err);
+ddp_status_t ddp__sync_hook_load(ddp__sync_t *s, const char *path, ddp_error_t *err);
 /* Payload bytes this rank all-reduced in the last synchronised step and the compression
  * rate of the comm hook (1 without compression). */
 void ddp__sync_comm_stats(ddp__sync_t *s, int64_t *bytes, double *rate);

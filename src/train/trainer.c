@@ -405,16 +405,15 @@ static ddp_status_t state_json(trainer_t *t, int64_t step, char **out) {
   return s ? DDP_OK : DDP_ERR_NO_MEMORY;
 }
 
-/* Every rank writes its PowerSGD state (rank-local: the error feedback differs per rank)
- * into the staged checkpoint directory; the statuses are all-gathered so that every rank
- * fails alike, naming the first rank that failed. */
+/* Every rank writes its comm hook's state, when the hook keeps one (rank-local: PowerSGD's
+ * error feedback differs per rank), into the staged checkpoint directory; the statuses are
+ * all-gathered so that every rank fails alike, naming the first rank that failed. */
 static ddp_status_t save_hook_state(trainer_t *t, int64_t step) {
-  ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
-  if (!ps) return DDP_OK;
+  if (!ddp__sync_hook_has_state(t->sync)) return DDP_OK;
   char tmp[DDP_TRAIN_STR_MAX + 64], file[DDP_TRAIN_STR_MAX + 128];
   snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", t->a->output_dir, (long long)step);
   ddp__train_hook_file(file, sizeof file, tmp, t->rank);
-  int32_t mine = ddp_powersgd_state_save(ps, file, t->err);
+  int32_t mine = ddp__sync_hook_save(t->sync, file, t->err);
   int32_t *all = ddp__calloc((size_t)t->world, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
   ddp_work_t *w = NULL;
@@ -424,7 +423,7 @@ static ddp_status_t save_hook_state(trainer_t *t, int64_t step) {
     if (all[r] == DDP_OK) continue;
     st = r == t->rank ? (ddp_status_t)all[r]
                       : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
-                                   "trainer: rank %d failed to save its PowerSGD state into "
+                                   "trainer: rank %d failed to save its comm hook state into "
                                    "checkpoint-%lld", r, (long long)step);
   }
   ddp__free(all);
@@ -509,23 +508,22 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
   return DDP_OK;
 }
 
-/* After the comm hook is registered: this rank's PowerSGD state from the checkpoint being
- * resumed. A checkpoint without one (written before hook states were saved, or by fewer
- * ranks) starts the state afresh with a warning: the run then differs from an
- * uninterrupted one. */
+/* After the comm hook is registered: this rank's hook state (when the hook keeps one) from
+ * the checkpoint being resumed. A checkpoint without one (written before hook states were
+ * saved, or by fewer ranks) starts the state afresh with a warning: the run then differs
+ * from an uninterrupted one. */
 static ddp_status_t resume_hook_state(trainer_t *t) {
-  ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
-  if (!ps || !t->resume_dir[0]) return DDP_OK;
+  if (!ddp__sync_hook_has_state(t->sync) || !t->resume_dir[0]) return DDP_OK;
   char file[DDP_TRAIN_STR_MAX + 64];
   ddp__train_hook_file(file, sizeof file, t->resume_dir, t->rank);
   if (access(file, F_OK) != 0) {
     ddp__log(t->rank, DDP_LOG_WARN,
-             "resuming %s with comm_hook %s: %s is missing, so the PowerSGD state (error "
-             "feedback, warm-start factors, iteration) starts afresh and the run differs from "
-             "an uninterrupted one", t->resume_dir, t->a->comm_hook, file);
+             "resuming %s with comm_hook %s: %s is missing, so the hook's state starts "
+             "afresh and the run differs from an uninterrupted one", t->resume_dir,
+             t->a->comm_hook, file);
     return DDP_OK;
   }
-  return ddp_powersgd_state_load(ps, file, t->err);
+  return ddp__sync_hook_load(t->sync, file, t->err);
 }
 
 /* power_sgd_init_q: PyTorch's Q draws replace the generator of the PowerSGD state the hook
