@@ -15,6 +15,8 @@
  *   stats.c      get_ddp_logging_data, comm statistics, the sampled timings and INFO lines
  *   trace.c      the Chrome-trace timeline
  *   error.c      the handle's last error, waits on works, message helpers
+ * Beside them, assign.c is the bucket rule (a pure function) and dump.c the per-step dump
+ * writer; both use only the public header.
  *
  * One thread drives a handle (reducer.h), so nothing here is locked. Section numbers (§)
  * refer to spec/ddp-semantics.md. */
