@@ -1195,12 +1195,38 @@ static void test_error_construction(void **state) {
   ddp_test_results_free(res);
 }
 
+/* ERROR lines per rank (ranks 0 and 1), and those of rank 0 that the reducer wrote. */
+static atomic_int error_lines[2], reducer_error_lines0;
+static void error_sink(void *user, ddp_log_level_t level, const char *line) {
+  (void)user;
+  if (level != DDP_LOG_ERROR) return;
+  for (int r = 0; r < 2; r++) {
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "[rank%d] libddp ERROR", r);
+    if (strncmp(line, prefix, strlen(prefix)) != 0) continue;
+    atomic_fetch_add(&error_lines[r], 1);
+    if (r == 0 && (strstr(line, "DDP:") || strstr(line, "DDP ")))
+      atomic_fetch_add(&reducer_error_lines0, 1);
+  }
+}
+
 /* A rank whose loss skips a parameter without find_unused: it fails at its next forward
  * with PyTorch's text naming the indices and names; the other rank fails within the group
- * timeout naming the bucket and the parameter. */
+ * timeout naming the bucket and the parameter. Each failure is logged once, where it
+ * starts: the group's on rank 0 (the reducer only adds the bucket to its message), the
+ * reducer's on rank 1. */
 static void test_error_unused_without_flag(void **state) {
   (void)state;
+  for (int r = 0; r < 2; r++) atomic_store(&error_lines[r], 0);
+  atomic_store(&reducer_error_lines0, 0);
+  ddp_set_log_sink(error_sink, NULL);
   ddp_test_results_t *res = run_error(E_SKIP, false, 1500);
+  ddp_set_log_sink(NULL, NULL);
+  print_message("ERROR lines: rank 0 %d (reducer %d), rank 1 %d\n", atomic_load(&error_lines[0]),
+                atomic_load(&reducer_error_lines0), atomic_load(&error_lines[1]));
+  assert_int_equal(atomic_load(&error_lines[0]), 1);
+  assert_int_equal(atomic_load(&reducer_error_lines0), 0);
+  assert_int_equal(atomic_load(&error_lines[1]), 1);
   const ddp_test_result_t *r0 = ddp_test_result(res, 0), *r1 = ddp_test_result(res, 1);
   assert_int_equal(r1->status, DDP_ERR_INVALID_USAGE);
   expect_msg(r1, "Expected to have finished reduction in the prior iteration before starting a "

@@ -106,7 +106,11 @@ DDP_API ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg,
  * a no-op. */
 DDP_API void ddp_ddp_destroy(ddp_ddp_t *ddp);
 
-/* The message of the last failed call ("" if none). Longer than a ddp_error_t holds. */
+/* The message of the last failed call ("" if none), valid until the next call on the
+ * handle. It can be longer than a ddp_error_t holds (up to 8 KiB: PyTorch's texts with
+ * parameter lists). A failure the reducer detects is also logged once at ERROR; one carried
+ * from the process group (a timeout, a peer that died), logged there, is only recorded here
+ * with the reducer's context (which bucket, its parameters). */
 DDP_API const char *ddp_ddp_last_error(const ddp_ddp_t *ddp);
 DDP_API ddp_model_t *ddp_ddp_model(ddp_ddp_t *ddp);
 

@@ -222,13 +222,12 @@ void ddp_dump_close(ddp_dump_t *d) {
 ddp_status_t ddp_dump_open(const char *dir, int rank, int world, const ddp_dump_options_t *opts,
                            ddp_dump_t **out, ddp_error_t *err) {
   DDP_REQUIRE(dir && out);
-  DDP_REQUIRE(opts == NULL || opts->struct_size >= sizeof(ddp_dump_options_t));
   *out = NULL;
   if (world < 1 || rank < 0 || rank >= world)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "dump: rank %d outside [0, %d) (world %d)", rank, world, world);
   ddp_dump_options_t o = DDP_DUMP_OPTIONS_INIT;
-  if (opts) o = *opts;
+  ddp__opts_read(&o, sizeof o, opts);
   ddp_dump_t *d = ddp__calloc(1, sizeof *d);
   if (!d) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "dump: out of memory");
   d->magic = DUMP_MAGIC;
@@ -656,25 +655,24 @@ static cJSON *shape_json(const ddp_tensor_t *t) {
   return int_array(t->shape, (size_t)t->ndim);
 }
 
-static cJSON *ddp_json(ddp_dump_t *d) {
+/* param_names and param_shapes (the reducer's parameters), state_param_names and
+ * buffer_names (the model's), in that order. */
+static bool add_names(ddp_dump_t *d, cJSON *o) {
   ddp_ddp_t *ddp = d->ddp;
-  ddp_ddp_logging_data_t ld;
-  ddp_ddp_get_logging_data(ddp, &ld);
-  cJSON *o = cJSON_CreateObject();
   cJSON *names = cJSON_CreateArray(), *shapes = cJSON_CreateArray();
   cJSON *snames = cJSON_CreateArray(), *bnames = cJSON_CreateArray();
-  bool ok = o && names && shapes && snames && bnames;
-  if (o) {
-    cJSON_AddItemToObject(o, "param_names", names);
-    cJSON_AddItemToObject(o, "param_shapes", shapes);
-    cJSON_AddItemToObject(o, "state_param_names", snames);
-    cJSON_AddItemToObject(o, "buffer_names", bnames);
-  } else {
+  bool ok = names && shapes && snames && bnames;
+  if (!ok) {
     cJSON_Delete(names);
     cJSON_Delete(shapes);
     cJSON_Delete(snames);
     cJSON_Delete(bnames);
+    return false;
   }
+  cJSON_AddItemToObject(o, "param_names", names);
+  cJSON_AddItemToObject(o, "param_shapes", shapes);
+  cJSON_AddItemToObject(o, "state_param_names", snames);
+  cJSON_AddItemToObject(o, "buffer_names", bnames);
   size_t nm = ddp_ddp_num_params(ddp);
   for (size_t i = 0; ok && i < nm; i++) {
     ddp_param_t *p = ddp_ddp_param(ddp, i);
@@ -693,63 +691,68 @@ static cJSON *ddp_json(ddp_dump_t *d) {
     ok = s != NULL;
     if (s) cJSON_AddItemToArray(bnames, s);
   }
+  return ok;
+}
 
-  /* Layouts: the initial one recorded at ddp_dump_init, the rebuilt one from the logging
-   * data (null when no rebuild happened, as PyTorch reports it). */
-  cJSON *layouts = ok ? cJSON_AddObjectToObject(o, "bucket_layouts") : NULL;
-  cJSON *sizes = ok ? cJSON_AddObjectToObject(o, "bucket_sizes") : NULL;
-  cJSON *limits = ok ? cJSON_AddObjectToObject(o, "bucket_size_limits") : NULL;
-  ok = layouts && sizes && limits;
-  cJSON *init = ok ? cJSON_Duplicate(d->initial, true) : NULL;
-  ok = ok && init;
-  if (ok) cJSON_AddItemToObject(layouts, "initial", init);
-  cJSON *reb = NULL;
-  if (ok && ld.has_rebuilt_buckets) {
-    reb = cJSON_CreateArray();
-    for (size_t b = 0; reb && b < ld.num_rebuilt_buckets; b++) {
-      size_t lo = ld.rebuilt_per_bucket_param_offsets[b];
-      size_t hi = ld.rebuilt_per_bucket_param_offsets[b + 1];
-      cJSON *arr = size_array(ld.rebuilt_per_bucket_param_indices + lo, hi - lo);
-      if (!arr) {
-        cJSON_Delete(reb);
-        reb = NULL;
-        break;
-      }
-      cJSON_AddItemToArray(reb, arr);
+/* The rebuilt layout as arrays of parameter indices, or null when no rebuild happened (as
+ * PyTorch reports it). */
+static cJSON *rebuilt_layout(const ddp_ddp_logging_data_t *ld) {
+  if (!ld->has_rebuilt_buckets) return cJSON_CreateNull();
+  cJSON *reb = cJSON_CreateArray();
+  for (size_t b = 0; reb && b < ld->num_rebuilt_buckets; b++) {
+    size_t lo = ld->rebuilt_per_bucket_param_offsets[b];
+    size_t hi = ld->rebuilt_per_bucket_param_offsets[b + 1];
+    cJSON *arr = size_array(ld->rebuilt_per_bucket_param_indices + lo, hi - lo);
+    if (!arr) {
+      cJSON_Delete(reb);
+      return NULL;
     }
-    ok = reb != NULL;
-  } else if (ok) {
-    reb = cJSON_CreateNull();
-    ok = reb != NULL;
+    cJSON_AddItemToArray(reb, arr);
   }
-  if (ok) cJSON_AddItemToObject(layouts, "rebuilt", reb);
-  cJSON *isz = ok ? int_array(ld.bucket_sizes, ld.num_initial_buckets) : NULL;
-  ok = ok && isz;
-  if (ok) cJSON_AddItemToObject(sizes, "initial", isz);
-  cJSON *rsz = !ok ? NULL
-               : ld.has_rebuilt_buckets
-                   ? int_array(ld.rebuilt_bucket_sizes, ld.num_rebuilt_buckets)
-                   : cJSON_CreateNull();
-  ok = ok && rsz;
-  if (ok) cJSON_AddItemToObject(sizes, "rebuilt", rsz);
+  return reb;
+}
 
+/* Adds item under key to o; false (item freed) when it is NULL or o is. */
+static bool add_item(cJSON *o, const char *key, cJSON *item) {
+  if (!o || !item) {
+    cJSON_Delete(item);
+    return false;
+  }
+  cJSON_AddItemToObject(o, key, item);
+  return true;
+}
+
+/* bucket_layouts, bucket_sizes and bucket_size_limits, each {initial, rebuilt}: the
+ * initial layout recorded at ddp_dump_init, the rebuilt one from the logging data. */
+static bool add_layouts(ddp_dump_t *d, const ddp_ddp_logging_data_t *ld, cJSON *o) {
+  cJSON *layouts = cJSON_AddObjectToObject(o, "bucket_layouts");
+  cJSON *sizes = layouts ? cJSON_AddObjectToObject(o, "bucket_sizes") : NULL;
+  cJSON *limits = sizes ? cJSON_AddObjectToObject(o, "bucket_size_limits") : NULL;
+  if (!limits) return false;
+  bool ok = add_item(layouts, "initial", cJSON_Duplicate(d->initial, true)) &&
+            add_item(layouts, "rebuilt", rebuilt_layout(ld)) &&
+            add_item(sizes, "initial", int_array(ld->bucket_sizes, ld->num_initial_buckets)) &&
+            add_item(sizes, "rebuilt",
+                     ld->has_rebuilt_buckets
+                         ? int_array(ld->rebuilt_bucket_sizes, ld->num_rebuilt_buckets)
+                         : cJSON_CreateNull());
+  if (!ok) return false;
   /* Limits as PyTorch's _ddp_init_helper passes them: none (one bucket per dtype) or
    * [first bucket, cap]; the rebuild always uses [first bucket, cap]. */
   bool unlimited = true;
-  for (size_t b = 0; b < ld.num_initial_buckets; b++)
-    if (ld.initial_bucket_size_limits && ld.initial_bucket_size_limits[b] != INT64_MAX)
+  for (size_t b = 0; b < ld->num_initial_buckets; b++)
+    if (ld->initial_bucket_size_limits && ld->initial_bucket_size_limits[b] != INT64_MAX)
       unlimited = false;
-  int64_t pair[2] = {ld.first_bucket_bytes, ld.bucket_cap_bytes};
-  cJSON *il = !ok ? NULL : unlimited ? cJSON_CreateNull() : int_array(pair, 2);
-  ok = ok && il;
-  if (ok) cJSON_AddItemToObject(limits, "initial", il);
-  cJSON *rl = ok ? int_array(pair, 2) : NULL;
-  ok = ok && rl;
-  if (ok) cJSON_AddItemToObject(limits, "rebuilt", rl);
+  int64_t pair[2] = {ld->first_bucket_bytes, ld->bucket_cap_bytes};
+  return add_item(limits, "initial", unlimited ? cJSON_CreateNull() : int_array(pair, 2)) &&
+         add_item(limits, "rebuilt", int_array(pair, 2));
+}
 
-  /* The recorded initial layout's bytes against the sizes the reducer reports. */
-  bool verified = ok && (size_t)cJSON_GetArraySize(d->initial) == ld.num_initial_buckets;
-  for (size_t b = 0; verified && b < ld.num_initial_buckets; b++) {
+/* The recorded initial layout's bytes against the sizes the reducer reports. */
+static bool initial_layout_verified(ddp_dump_t *d, const ddp_ddp_logging_data_t *ld) {
+  size_t nm = ddp_ddp_num_params(d->ddp);
+  bool verified = (size_t)cJSON_GetArraySize(d->initial) == ld->num_initial_buckets;
+  for (size_t b = 0; verified && b < ld->num_initial_buckets; b++) {
     int64_t bytes = 0;
     const cJSON *ix;
     cJSON_ArrayForEach(ix, cJSON_GetArrayItem(d->initial, (int)b)) {
@@ -758,22 +761,26 @@ static cJSON *ddp_json(ddp_dump_t *d) {
         verified = false;
         break;
       }
-      const ddp_tensor_t *v = &ddp_ddp_param(ddp, i)->value;
+      const ddp_tensor_t *v = &ddp_ddp_param(d->ddp, i)->value;
       bytes += v->numel * (int64_t)ddp_dtype_size(v->dtype);
     }
-    verified = verified && bytes == ld.bucket_sizes[b];
+    verified = verified && bytes == ld->bucket_sizes[b];
   }
-  ok = ok && cJSON_AddBoolToObject(o, "initial_layout_verified", verified);
-  cJSON *order = !ok ? NULL
-                 : ld.num_prev_ready_order
-                     ? size_array(ld.prev_iteration_grad_ready_order_indices,
-                                  ld.num_prev_ready_order)
-                     : cJSON_CreateNull();
-  ok = ok && order;
-  if (ok) cJSON_AddItemToObject(o, "grad_ready_order", order);
-  cJSON *lj = ok ? logging_json(&ld) : NULL;
-  ok = ok && lj;
-  if (ok) cJSON_AddItemToObject(o, "logging_data", lj);
+  return verified;
+}
+
+static cJSON *ddp_json(ddp_dump_t *d) {
+  ddp_ddp_logging_data_t ld;
+  ddp_ddp_get_logging_data(d->ddp, &ld);
+  cJSON *o = cJSON_CreateObject();
+  bool ok = o && add_names(d, o) && add_layouts(d, &ld, o);
+  ok = ok && cJSON_AddBoolToObject(o, "initial_layout_verified", initial_layout_verified(d, &ld));
+  ok = ok && add_item(o, "grad_ready_order",
+                      ld.num_prev_ready_order
+                          ? size_array(ld.prev_iteration_grad_ready_order_indices,
+                                       ld.num_prev_ready_order)
+                          : cJSON_CreateNull());
+  ok = ok && add_item(o, "logging_data", logging_json(&ld));
   if (!ok) {
     cJSON_Delete(o);
     return NULL;
