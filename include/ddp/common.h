@@ -58,7 +58,10 @@ DDP_API const char *ddp_status_str(ddp_status_t s);
 
 /* ---------------------------------------------------------------- errors ---------- */
 
-#define DDP_ERROR_MSG_MAX 512
+/* Room for PyTorch's longest texts: "Expected to mark a variable ready only once ..." is
+ * about 2 KB before the parameter's name, and the unfinished-reduction error lists every
+ * parameter that received no gradient (the reducer keeps its last error in a ddp_error_t). */
+#define DDP_ERROR_MSG_MAX 8192
 
 /* The last error of one handle (or of one call that has no handle yet, such as an open).
  * Handles embed one; functions without a handle take an optional ddp_error_t * (NULL is

@@ -126,7 +126,7 @@ static ddp_status_t queue_finalize(ddp_ddp_t *d) {
 /* ---------------------------------------------------------------- readiness ------- */
 
 static ddp_status_t marked_twice(ddp_ddp_t *d, size_t i) {
-  enum { CAP = DDP__DDP_MSG_MAX };
+  enum { CAP = DDP_ERROR_MSG_MAX };
   char buf[CAP];
   snprintf(buf, sizeof buf,
            "Expected to mark a variable ready only once. This error is caused by one of the "

@@ -11,8 +11,7 @@
  *   reducer's context does not repeat it.
  * - Once a collective has failed, the reducer issues no further one in that backward:
  *   works already in flight are drained (ddp__ddp_drain) without touching the error.
- *
- * The message buffer is larger than a ddp_error_t's (reducer_internal.h says why). */
+ */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -53,9 +52,7 @@ void ddp__ddp_error_clear(ddp_ddp_t *d) {
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err) {
   if (!err) return;
   err->status = st;
-  size_t n = DDP_MIN(strlen(d->err.msg), sizeof err->msg - 1); /* truncated: the log has it */
-  memcpy(err->msg, d->err.msg, n);
-  err->msg[n] = 0;
+  memcpy(err->msg, d->err.msg, sizeof err->msg);
 }
 
 ddp_status_t ddp__ddp_wait(ddp_ddp_t *d, ddp_work_t **w, const char *what) {

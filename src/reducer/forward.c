@@ -40,7 +40,7 @@ static size_t unfinished_text(const ddp_ddp_t *d, char *buf, size_t cap) {
  * indices and names of the parameters that received no gradient. */
 static ddp_status_t ensure_prior_reduction_finished(ddp_ddp_t *d) {
   if (!d->require_finalize) return DDP_OK;
-  enum { CAP = DDP__DDP_MSG_MAX };
+  enum { CAP = DDP_ERROR_MSG_MAX };
   size_t *idx = ddp__calloc(d->P + 1, sizeof *idx);
   size_t n = 0;
   if (!idx) return ddp__ddp_oom(d);

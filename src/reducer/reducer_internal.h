@@ -28,17 +28,9 @@
 
 #define DDP__DDP_MAGIC 0x44445052u /* "DDPR" */
 
-/* The handle's last error: a status and its message, the shape of a ddp_error_t, with room
- * for PyTorch's longest texts. "Expected to mark a variable ready only once ..." is about
- * 2 KB before the parameter's name, and the unfinished-reduction error lists every
- * parameter that received no gradient, where a ddp_error_t holds DDP_ERROR_MSG_MAX = 512
- * bytes. The err arguments of ddp_ddp_create and ddp_ddp_register_comm_hook receive the
- * first DDP_ERROR_MSG_MAX - 1 bytes (ddp__ddp_error_copy). */
-#define DDP__DDP_MSG_MAX 8192
-typedef struct ddp__ddp_error {
-  ddp_status_t status;
-  char msg[DDP__DDP_MSG_MAX];
-} ddp__ddp_error_t;
+/* The handle's last error: the same ddp_error_t as every handle (DDP_ERROR_MSG_MAX has
+ * room for PyTorch's longest texts). */
+typedef ddp_error_t ddp__ddp_error_t;
 
 /* One gradient bucket: managed parameters vars[] at element offsets[] of one flat buffer
  * from ddp_pg_alloc (so the shm backend reduces it in place). */
@@ -203,7 +195,7 @@ ddp_status_t ddp__ddp_carry(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...)
 /* ddp__ddp_fail with "[rank r] DDP: out of memory". */
 ddp_status_t ddp__ddp_oom(ddp_ddp_t *d);
 void ddp__ddp_error_clear(ddp_ddp_t *d);
-/* Copies status and message (truncated to DDP_ERROR_MSG_MAX - 1 bytes) into err (NULL:
+/* Copies the message into err (NULL:
  * nothing) with status st. */
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err);
 /* Waits for *w (NULL: nothing) and frees it. A failure is carried into the last error as
