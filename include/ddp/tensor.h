@@ -42,6 +42,19 @@ DDP_API const char *ddp_dtype_name(ddp_dtype_t dt);
 DDP_API ddp_status_t ddp_dtype_from_name(const char *name, ddp_dtype_t *out);
 DDP_API bool ddp_dtype_valid(int dt);
 
+/* Element-wise reduction ops: how the collectives (ddp/pg.h) combine the ranks'
+ * contributions, element by element, in the element's dtype. */
+typedef enum ddp_redop {
+  DDP_OP_SUM = 0,
+  DDP_OP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
+  DDP_OP_MIN = 2,
+  DDP_OP_MAX = 3,
+  DDP_OP_PRODUCT = 4
+} ddp_redop_t;
+
+/* "SUM", "AVG", "MIN", "MAX", "PRODUCT"; "?" outside the list. */
+DDP_API const char *ddp_redop_name(ddp_redop_t op);
+
 typedef struct ddp_tensor {
   ddp_dtype_t dtype;
   int ndim;                      /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */

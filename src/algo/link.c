@@ -113,7 +113,7 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
-  bool piggy = c->check_fp && c->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
+  bool piggy = c->check_fp && c->ops->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
   if (!piggy && c->check_fp) DDP_CHECK(check_fps(c, op, err));
   ddp_xfer_t ops[3 * MAXW];
   ddp__fp_t fps[MAXW];
@@ -303,7 +303,7 @@ static ddp_status_t alltoall(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t 
 static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   ddp__fp_t theirs;
   int peer = op->root;
-  bool sender = op->kind == DDP__SEND;
+  bool sender = op->kind == DDP_COLL_SEND;
   ddp_xfer_t ops[2] = {{peer, true, (void *)&op->fp, sizeof op->fp, 0},
                        {peer, false, &theirs, sizeof theirs, 0}};
   DDP_CHECK(c->ops->xfer(c->state, ops, 2, NULL, c->deadline_ns, err));
@@ -323,31 +323,31 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
 
 ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   ddp__coll_t o = *op;
-  if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
+  if (o.kind == DDP_COLL_SEND || o.kind == DDP_COLL_RECV) return p2p(c, &o, err);
   size_t es = ddp_dtype_size(o.dt);
   /* Which allreduce runs: small (when it fits the scratch), ring, or canonical. */
-  bool small = o.kind == DDP__ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
+  bool small = o.kind == DDP_COLL_ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
                o.count * es * (size_t)c->size <= c->scratch_bytes;
-  bool canonical = o.kind == DDP__ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
-  if (small && c->check_fp && c->stream && c->size > 1 && o.count > 0 &&
-      sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
+  bool canonical = o.kind == DDP_COLL_ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
+  if (small && c->check_fp && c->ops->stream && c->size > 1 && o.count > 0 &&
+      sizeof o.fp + o.count * es <= DDP__FOLD_TMP_BYTES)
     return allreduce_small(c, &o, true, err);
   /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
-  bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP__REDUCE_SCATTER);
+  bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP_COLL_REDUCE_SCATTER);
   if (c->size > 1 && !owned && c->check_fp) DDP_CHECK(check_fps(c, &o, err));
-  if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
+  if (o.count == 0 || o.kind == DDP_COLL_BARRIER) return DDP_OK;
   if (c->size == 1) {
-    if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
+    if (o.kind != DDP_COLL_BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
     return DDP_OK;
   }
   switch (o.kind) {
-    case DDP__ALLREDUCE:
+    case DDP_COLL_ALLREDUCE:
       if (small) return allreduce_small(c, &o, false, err);
       return canonical ? allreduce_canonical(c, &o, err) : allreduce_ring(c, &o, err);
-    case DDP__BROADCAST: return broadcast(c, &o, err);
-    case DDP__ALLGATHER: return allgather(c, &o, err);
-    case DDP__REDUCE_SCATTER: return reduce_scatter(c, &o, err);
-    case DDP__ALLTOALL: return alltoall(c, &o, err);
+    case DDP_COLL_BROADCAST: return broadcast(c, &o, err);
+    case DDP_COLL_ALLGATHER: return allgather(c, &o, err);
+    case DDP_COLL_REDUCE_SCATTER: return reduce_scatter(c, &o, err);
+    case DDP_COLL_ALLTOALL: return alltoall(c, &o, err);
     default: break;
   }
   return ddp__error_quiet(err, DDP_ERR_INTERNAL, "unknown operation kind %d", (int)o.kind);

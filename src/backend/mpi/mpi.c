@@ -48,9 +48,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
 #include "common/common.h"
+#include "tensor/reduce.h"
 
 /* Largest single MPI message: counts are int. Larger transfers go as several messages of
  * the same tag, which MPI delivers in order between a pair. */
@@ -336,7 +336,7 @@ static MPI_Datatype mpi_type(ddp_dtype_t dt) {
  * mismatched collective is DESYNC on every rank rather than undefined behaviour. */
 static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int64_t deadline_ns,
                                ddp_error_t *err) {
-  if (c->kind != DDP__ALLREDUCE || c->algo != DDP_ALGO_RING) return DDP_ERR_UNSUPPORTED;
+  if (c->kind != DDP_COLL_ALLREDUCE || c->algo != DDP_ALGO_RING) return DDP_ERR_UNSUPPORTED;
   MPI_Datatype t = mpi_type(c->dt);
   if (t == MPI_DATATYPE_NULL) return DDP_ERR_UNSUPPORTED;
   if (atomic_load(&s->aborted))

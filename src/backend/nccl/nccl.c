@@ -34,9 +34,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
 #include "backend/nccl/nccl.h"
+#include "tensor/reduce.h"
 
 #define FP_INTS 4
 
@@ -53,7 +53,7 @@ typedef struct nccl_state {
   size_t dscr_bytes;
   unsigned char *hscr;  /* host copy of the W slices for the fold */
   size_t hscr_bytes;
-  unsigned char *tmp;   /* DDP__TMP_BYTES for ddp__reduce_fold */
+  unsigned char *tmp;   /* DDP__FOLD_TMP_BYTES for ddp__reduce_fold */
   atomic_bool aborted;
   bool comm_dead;       /* aborted by us: no further NCCL call on comm */
 } nccl_state_t;
@@ -227,22 +227,25 @@ static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid
     ncclResult_t r = ncclGetUniqueId(uid);
     if (r != ncclSuccess) return ddp__nccl_error(err, rank, r, NULL, "ncclGetUniqueId");
     if (ddp_store_set(in->store, key, uid, sizeof *uid) != DDP_OK)
-      return ddp__error(err, rank, DDP_ERR_REMOTE, "rank 0: store set %s: %s", key,
-                        ddp_store_last_error(in->store));
+      return ddp__backend_store_failed(in->store, DDP_ERR_REMOTE, err, "rank 0: store set %s",
+                                       key);
     return DDP_OK;
   }
   const char *keys[1] = {key};
   ddp_status_t st = ddp_store_wait(in->store, keys, 1, in->timeout_ms);
   if (st != DDP_OK)
-    return ddp__error(err, rank, st, "rank %d: waiting for rank 0's NCCL unique id (%s): %s", rank,
-                      key, ddp_store_last_error(in->store));
+    return ddp__backend_store_failed(in->store, st, err,
+                                     "rank %d: waiting for rank 0's NCCL unique id (%s)", rank, key);
   void *v = NULL;
   size_t n = 0;
   st = ddp_store_get(in->store, key, &v, &n);
   if (st == DDP_OK && n == sizeof *uid) memcpy(uid, v, sizeof *uid);
   ddp_free(v);
-  if (st != DDP_OK || n != sizeof *uid)
-    return ddp__error(err, rank, st ? st : DDP_ERR_INVALID_DATA,
+  if (st != DDP_OK)
+    return ddp__backend_store_failed(in->store, st, err, "rank %d: reading the NCCL unique id",
+                                     rank);
+  if (n != sizeof *uid)
+    return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
                       "rank %d: the NCCL unique id in the store is %zu bytes, expected %zu", rank,
                       n, sizeof *uid);
   return DDP_OK;
@@ -268,7 +271,7 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   atomic_init(&s->aborted, false);
   ddp_status_t st = DDP_OK;
   char what[96];
-  s->tmp = ddp__malloc(DDP__TMP_BYTES);
+  s->tmp = ddp__malloc(DDP__FOLD_TMP_BYTES);
   if (!s->tmp) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "backend nccl scratch");
     goto fail;
@@ -351,10 +354,10 @@ static ddp_status_t check_fps(nccl_state_t *s, const ddp_backend_coll_t *c, int6
       return ddp__error_quiet(err, DDP_ERR_DESYNC,
                               "mismatched collectives: rank %d runs %s (count %llu, %s, %s), "
                               "rank %d runs %s (count %lld, dtype %lld, op %lld)",
-                              s->rank, ddp__kind_name((ddp__kind_t)c->kind),
+                              s->rank, ddp_coll_kind_name(c->kind),
                               (unsigned long long)c->count, ddp_dtype_name(c->dt),
                               ddp_redop_name(c->op), j,
-                              ddp__kind_name((ddp__kind_t)all[FP_INTS * j]),
+                              ddp_coll_kind_name((ddp_coll_kind_t)all[FP_INTS * j]),
                               (long long)all[FP_INTS * j + 1], (long long)all[FP_INTS * j + 2],
                               (long long)all[FP_INTS * j + 3]);
   return DDP_OK;
@@ -418,7 +421,7 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
                 !(c->op == DDP_OP_AVG && c->dt != DDP_F32 && c->dt != DDP_F64 && c->dt != DDP_F16 &&
                   c->dt != DDP_BF16);
   switch (c->kind) {
-    case DDP__ALLREDUCE:
+    case DDP_COLL_ALLREDUCE:
       if (native) {
         NCCL_TRY(s, ncclAllReduce(din, dout, n, nccl_type(c->dt), nccl_op(c->op), m, q),
                  "ncclAllReduce", dl);
@@ -436,20 +439,20 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP__REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
+    case DDP_COLL_REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
       for (int j = 0; j < W; j++) {
         off[j] = (size_t)j * n;
         len[j] = n;
       }
       DDP_CHECK(reduce_owned(s, c, din, off, len, dout, dl, err));
       break;
-    case DDP__BROADCAST:
+    case DDP_COLL_BROADCAST:
       NCCL_TRY(s, ncclBroadcast(din, dout, nb, ncclUint8, c->root, m, q), "ncclBroadcast", dl);
       break;
-    case DDP__ALLGATHER:
+    case DDP_COLL_ALLGATHER:
       NCCL_TRY(s, ncclAllGather(din, dout, nb, ncclUint8, m, q), "ncclAllGather", dl);
       break;
-    case DDP__ALLTOALL:
+    case DDP_COLL_ALLTOALL:
       if (nb)
         CUDA_TRY(s, cudaMemcpyAsync(dout + (size_t)r * nb, din + (size_t)r * nb, nb,
                                     cudaMemcpyDeviceToDevice, q), "cudaMemcpyAsync of the own block");
@@ -461,19 +464,19 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP__BARRIER:
+    case DDP_COLL_BARRIER:
       DDP_CHECK(dgrow(s, &s->dscr, &s->dscr_bytes, 64, err));
       NCCL_TRY(s, ncclAllReduce(s->dscr, s->dscr, 1, ncclInt32, ncclSum, m, q), "ncclAllReduce (barrier)", dl);
       break;
-    case DDP__SEND:
+    case DDP_COLL_SEND:
       if (nb) NCCL_TRY(s, ncclSend(din, nb, ncclUint8, c->root, m, q), "ncclSend", dl);
       break;
-    case DDP__RECV:
+    case DDP_COLL_RECV:
       if (nb) NCCL_TRY(s, ncclRecv(dout, nb, ncclUint8, c->root, m, q), "ncclRecv", dl);
       break;
     default: DDP_REQUIRE(!"collective kind validated by src/pg");
   }
-  return wait_stream(s, ddp__kind_name((ddp__kind_t)c->kind), dl, err);
+  return wait_stream(s, ddp_coll_kind_name(c->kind), dl, err);
 }
 
 /* Input and output sizes in bytes of a collective. */
@@ -481,12 +484,12 @@ static void io_bytes(const nccl_state_t *s, const ddp_backend_coll_t *c, size_t 
   size_t nb = c->count * ddp_dtype_size(c->dt), W = (size_t)s->size;
   *in = *out = nb;
   switch (c->kind) {
-    case DDP__ALLGATHER: *out = W * nb; break;
-    case DDP__REDUCE_SCATTER: *in = W * nb; break;
-    case DDP__ALLTOALL: *in = *out = W * nb; break;
-    case DDP__BARRIER: *in = *out = 0; break;
-    case DDP__SEND: *out = 0; break;
-    case DDP__RECV: *in = 0; break;
+    case DDP_COLL_ALLGATHER: *out = W * nb; break;
+    case DDP_COLL_REDUCE_SCATTER: *in = W * nb; break;
+    case DDP_COLL_ALLTOALL: *in = *out = W * nb; break;
+    case DDP_COLL_BARRIER: *in = *out = 0; break;
+    case DDP_COLL_SEND: *out = 0; break;
+    case DDP_COLL_RECV: *in = 0; break;
     default: break;
   }
 }
@@ -497,11 +500,11 @@ static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t d
     return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the NCCL communicator was aborted",
                             s->rank);
   CUDA_TRY(s, cudaSetDevice(s->device), "cudaSetDevice on the progress thread");
-  if (c->kind != DDP__SEND && c->kind != DDP__RECV) DDP_CHECK(check_fps(s, c, dl, err));
+  if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) DDP_CHECK(check_fps(s, c, dl, err));
   size_t inb, outb;
   io_bytes(s, c, &inb, &outb);
   /* Broadcast is in place: one buffer in both roles. */
-  const void *hin = c->kind == DDP__BROADCAST ? c->recv : c->send;
+  const void *hin = c->kind == DDP_COLL_BROADCAST ? c->recv : c->send;
   bool stage_in = inb && !is_device(hin), stage_out = outb && !is_device(c->recv);
   const unsigned char *din = hin;
   unsigned char *dout = c->recv;
@@ -513,12 +516,12 @@ static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t d
   }
   if (stage_out) {
     /* in-place shapes stay in place on the device copy */
-    if (c->kind == DDP__BROADCAST) {
+    if (c->kind == DDP_COLL_BROADCAST) {
       dout = (unsigned char *)din;
     } else {
       DDP_CHECK(dgrow(s, &s->dstage[1], &s->dstage_bytes[1], outb, err));
       dout = s->dstage[1];
-      if (c->kind == DDP__ALLREDUCE && c->send == c->recv) dout = (unsigned char *)din;
+      if (c->kind == DDP_COLL_ALLREDUCE && c->send == c->recv) dout = (unsigned char *)din;
     }
   }
   DDP_CHECK(run_device(s, c, din, dout, dl, err));

@@ -51,7 +51,6 @@
 
 #include "backend/backends.h"
 #include "common/common.h"
-#include "store/local_addr.h"
 
 #define HELLO_MAGIC 0x64647074u /* "ddpt" */
 #define TOKEN_MAX 256
@@ -243,7 +242,7 @@ static ddp_status_t publish_host(ddp_store_t *store, int rank, char *host, size_
     return DDP_OK;
   }
   *why = "the local end of the store connection";
-  if (ddp__store_local_addr(store, host, cap)) return DDP_OK;
+  if (ddp_store_local_addr(store, host, cap)) return DDP_OK;
   *why = "no address found: loopback";
   snprintf(host, cap, "127.0.0.1");
   char name[256];
@@ -340,8 +339,8 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
   snprintf(key, sizeof key, "tcp/addr/%d", rank);
   st = ddp_store_set(in->store, key, me, strlen(me) + 1);
   if (st != DDP_OK) {
-    st = ddp__error(err, rank, st, "rank %d: publishing the tcp address: %s", rank,
-                    ddp_store_last_error(in->store));
+    st = ddp__backend_store_failed(in->store, st, err, "rank %d: publishing the tcp address",
+                                   rank);
     goto fail;
   }
 
@@ -353,10 +352,10 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
     const char *k = key;
     int64_t left = (deadline - ddp_now_ns()) / 1000000;
     if (ddp_store_wait(in->store, &k, 1, left > 0 ? left : 0) != DDP_OK) {
-      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
-                      "rank %d: timed out after %lld ms waiting for rank %d to join the tcp "
-                      "group (it never published its address)", rank,
-                      (long long)in->timeout_ms, j);
+      st = ddp__error_quiet(err, DDP_ERR_TIMEOUT, /* the store has logged its wait */
+                            "rank %d: timed out after %lld ms waiting for rank %d to join the "
+                            "tcp group (it never published its address)", rank,
+                            (long long)in->timeout_ms, j);
       goto fail;
     }
     void *v = NULL;
@@ -671,4 +670,5 @@ const ddp_backend_ops_t ddp__backend_tcp = {
     .shared = NULL,
     .xfer = tcp_xfer,
     .fail = tcp_fail,
+    .stream = true,
 };

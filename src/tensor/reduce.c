@@ -1,4 +1,8 @@
-/* Reduction kernels and fingerprint helpers shared by every algorithm.
+/* Reduction kernels: the element-wise arithmetic of every reduction in the collectives,
+ * shared by the algorithms (src/algo) and the backends that reduce with their own code
+ * (mpi's AVG division, nccl's host fold). They live in the tensor layer because they are
+ * dtype arithmetic and nothing else: below the store, the backends and the algorithms, so
+ * every one of them includes tensor/reduce.h legitimately.
  *
  * The kernels are element-wise: lane i of the result depends only on lane i of the inputs,
  * so any blocking, chunking or vectorisation gives the same bits. fp16 and bf16 widen to
@@ -10,7 +14,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "algo/algo.h"
+#include "tensor/reduce.h"
 
 #define FMIN_(a, b) (isnan(b) ? (b) : ((b) < (a) ? (b) : (a)))
 #define FMAX_(a, b) (isnan(b) ? (b) : ((b) > (a) ? (b) : (a)))
@@ -130,7 +134,7 @@ void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
 
 void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                       void *dst, size_t n, unsigned char *tmp, int world) {
-  size_t es = ddp_dtype_size(dt), blk = DDP__TMP_BYTES / es;
+  size_t es = ddp_dtype_size(dt), blk = DDP__FOLD_TMP_BYTES / es;
   /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
    * pass less over memory). The additions are the same, in the same order. */
   bool direct = true;
@@ -165,66 +169,4 @@ const char *ddp_redop_name(ddp_redop_t op) {
     case DDP_OP_PRODUCT: return "PRODUCT";
   }
   return "?";
-}
-
-const char *ddp_algorithm_name(ddp_algorithm_t a) {
-  switch (a) {
-    case DDP_ALGO_AUTO: return "auto";
-    case DDP_ALGO_CANONICAL: return "canonical";
-    case DDP_ALGO_RING: return "ring";
-    case DDP_ALGO_SMALL: return "small";
-  }
-  return "?";
-}
-
-const char *ddp__kind_name(ddp__kind_t k) {
-  switch (k) {
-    case DDP__ALLREDUCE: return "allreduce";
-    case DDP__BROADCAST: return "broadcast";
-    case DDP__ALLGATHER: return "allgather";
-    case DDP__REDUCE_SCATTER: return "reduce_scatter";
-    case DDP__ALLTOALL: return "alltoall";
-    case DDP__BARRIER: return "barrier";
-    case DDP__SEND: return "send/recv";
-    case DDP__RECV: return "recv";
-  }
-  return "?";
-}
-
-void ddp__fp_str(const ddp__fp_t *fp, char *buf, size_t n) {
-  const char *kind = ddp__kind_name((ddp__kind_t)fp->kind);
-  const char *dt = ddp_dtype_name((ddp_dtype_t)fp->dtype);
-  char seg[48] = "";
-  if (fp->segment) snprintf(seg, sizeof seg, ", segment %llu", (unsigned long long)fp->segment);
-  switch (fp->kind) {
-    case DDP__ALLREDUCE:
-      snprintf(buf, n, "%s #%llu (%s, %s, count %llu, %s%s)", kind, (unsigned long long)fp->seq,
-               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count,
-               ddp_algorithm_name((ddp_algorithm_t)fp->algo), seg);
-      break;
-    case DDP__REDUCE_SCATTER:
-      snprintf(buf, n, "%s #%llu (%s, %s, count %llu%s)", kind, (unsigned long long)fp->seq,
-               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count, seg);
-      break;
-    case DDP__BROADCAST:
-      snprintf(buf, n, "%s #%llu (%s, count %llu, root %d)", kind, (unsigned long long)fp->seq,
-               dt, (unsigned long long)fp->count, (int)fp->root);
-      break;
-    case DDP__SEND:
-      snprintf(buf, n, "%s #%llu of the pair (%s, count %llu, from rank %d)", kind,
-               (unsigned long long)fp->seq, dt, (unsigned long long)fp->count, (int)fp->root);
-      break;
-    case DDP__BARRIER:
-      snprintf(buf, n, "%s #%llu", kind, (unsigned long long)fp->seq);
-      break;
-    default:
-      snprintf(buf, n, "%s #%llu (%s, count %llu)", kind, (unsigned long long)fp->seq, dt,
-               (unsigned long long)fp->count);
-  }
-}
-
-bool ddp__fp_equal(const ddp__fp_t *a, const ddp__fp_t *b) {
-  return a->seq == b->seq && a->count == b->count && a->kind == b->kind && a->op == b->op &&
-         a->dtype == b->dtype && a->root == b->root && a->algo == b->algo &&
-         a->segment == b->segment;
 }
