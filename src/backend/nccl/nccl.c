@@ -85,23 +85,20 @@ ddp_status_t ddp__nccl_status(ncclResult_t r) {
   }
 }
 
-ddp_status_t ddp__cuda_error(ddp_error_t *err, int rank, cudaError_t e, const char *what) {
-  return ddp__error(err, rank, ddp__cuda_status(e), "rank %d: %s: CUDA error %d (%s): %s", rank,
-                    what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
+ddp_status_t ddp__cuda_error(ddp_error_t *err, cudaError_t e, const char *what) {
+  return ddp__error_quiet(err, ddp__cuda_status(e), "%s: CUDA error %d (%s): %s", what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
-ddp_status_t ddp__nccl_error(ddp_error_t *err, int rank, ncclResult_t r, ncclComm_t comm,
-                             const char *what) {
+ddp_status_t ddp__nccl_error(ddp_error_t *err, ncclResult_t r, ncclComm_t comm, const char *what) {
   const char *last = ncclGetLastError(comm);
-  return ddp__error(err, rank, ddp__nccl_status(r), "rank %d: %s: NCCL error %d: %s%s%s%s", rank,
-                    what, (int)r, ncclGetErrorString(r), last && last[0] ? " (" : "",
+  return ddp__error_quiet(err, ddp__nccl_status(r), "%s: NCCL error %d: %s%s%s%s", what, (int)r, ncclGetErrorString(r), last && last[0] ? " (" : "",
                     last ? last : "", last && last[0] ? ")" : "");
 }
 
 #define CUDA_TRY(s, call, what)                                                   \
   do {                                                                            \
     cudaError_t e_ = (call);                                                      \
-    if (e_ != cudaSuccess) return ddp__cuda_error(err, (s)->rank, e_, (what));    \
+    if (e_ != cudaSuccess) return ddp__cuda_error(err, e_, (what));               \
   } while (0)
 
 /* An NCCL call on a non-blocking communicator may answer ncclInProgress: its outcome then
@@ -119,10 +116,10 @@ static ddp_status_t nccl_settle(nccl_state_t *s, ncclResult_t r, const char *wha
     bool ab = atomic_load(&s->aborted);
     ncclCommAbort(s->comm);
     s->comm_dead = true;
-    return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "rank %d: %s %s", s->rank,
-                            what, ab ? "was aborted" : "timed out (NCCL communicator aborted)");
+    return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "%s %s", what,
+                            ab ? "was aborted" : "timed out (NCCL communicator aborted)");
   }
-  return ddp__nccl_error(err, s->rank, r, s->comm, what);
+  return ddp__nccl_error(err, r, s->comm, what);
 }
 
 #define NCCL_TRY(s, call, what, dl)                                               \
@@ -138,11 +135,11 @@ static ddp_status_t wait_stream(nccl_state_t *s, const char *what, int64_t deadl
   for (int polls = 0;; polls++) {
     cudaError_t e = cudaStreamQuery(s->stream);
     if (e == cudaSuccess) return DDP_OK;
-    if (e != cudaErrorNotReady) return ddp__cuda_error(err, s->rank, e, what);
+    if (e != cudaErrorNotReady) return ddp__cuda_error(err, e, what);
     ncclResult_t ae = ncclSuccess;
     if (ncclCommGetAsyncError(s->comm, &ae) == ncclSuccess && ae != ncclSuccess &&
         ae != ncclInProgress) {
-      ddp_status_t st = ddp__nccl_error(err, s->rank, ae, s->comm, what);
+      ddp_status_t st = ddp__nccl_error(err, ae, s->comm, what);
       ncclCommAbort(s->comm);
       s->comm_dead = true;
       return st;
@@ -151,8 +148,7 @@ static ddp_status_t wait_stream(nccl_state_t *s, const char *what, int64_t deadl
     if (ab || ddp_now_ns() >= deadline_ns) {
       ncclCommAbort(s->comm);
       s->comm_dead = true;
-      return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "rank %d: %s %s",
-                              s->rank, what,
+      return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "%s %s", what,
                               ab ? "was aborted" : "timed out (NCCL communicator aborted)");
     }
     if (polls > 100) {
@@ -179,7 +175,9 @@ static ddp_status_t hgrow(nccl_state_t *s, size_t bytes, ddp_error_t *err) {
   ddp__free(s->hscr);
   s->hscr = ddp__malloc(bytes);
   s->hscr_bytes = s->hscr ? bytes : 0;
-  if (!s->hscr) return ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "rank %d: %zu bytes of host scratch", s->rank, bytes);
+  if (!s->hscr)
+    return ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "out of memory for %zu bytes of host scratch",
+                            bytes);
   return DDP_OK;
 }
 
@@ -210,6 +208,12 @@ static void nccl_destroy(void *state) {
   ddp__free(s);
 }
 
+/* A CUDA or NCCL failure of create, filled quietly into e by the helpers above: logged here,
+ * once, with this rank. (In a collective the group logs the failure instead.) */
+static ddp_status_t create_failed(ddp_error_t *err, int rank, const ddp_error_t *e) {
+  return ddp__error(err, rank, e->status, "rank %d: %s", rank, e->msg);
+}
+
 static int local_rank(int rank) {
   static const ddp_env_id_t ids[] = {DDP_ENV_LOCAL_RANK, DDP_ENV_OMPI_LOCAL_RANK,
                                      DDP_ENV_SLURM_LOCALID};
@@ -225,7 +229,11 @@ static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid
   const char *key = "nccl/uid";
   if (rank == 0) {
     ncclResult_t r = ncclGetUniqueId(uid);
-    if (r != ncclSuccess) return ddp__nccl_error(err, rank, r, NULL, "ncclGetUniqueId");
+    if (r != ncclSuccess) {
+      ddp_error_t e;
+      ddp__nccl_error(&e, r, NULL, "ncclGetUniqueId");
+      return create_failed(err, rank, &e);
+    }
     if (ddp_store_set(in->store, key, uid, sizeof *uid) != DDP_OK)
       return ddp__backend_store_failed(in->store, DDP_ERR_REMOTE, err, "rank 0: store set %s",
                                        key);
@@ -255,9 +263,12 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   int rank = in->rank, W = in->size, ndev = 0;
   *out = NULL;
   int64_t deadline = ddp_deadline_after_ms(in->timeout_ms);
+  ddp_error_t ce; /* CUDA and NCCL failures, filled quietly, then logged by create_failed */
   cudaError_t e = cudaGetDeviceCount(&ndev);
-  if (e != cudaSuccess)
-    return ddp__cuda_error(err, rank, e, "backend nccl: cudaGetDeviceCount (no usable GPU)");
+  if (e != cudaSuccess) {
+    ddp__cuda_error(&ce, e, "backend nccl: cudaGetDeviceCount (no usable GPU)");
+    return create_failed(err, rank, &ce);
+  }
   if (ndev == 0)
     return ddp__error(err, rank, DDP_ERR_UNSUPPORTED, "rank %d: backend nccl: no CUDA device", rank);
   if (!in->store)
@@ -278,11 +289,13 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   }
   snprintf(what, sizeof what, "cudaSetDevice(%d)", s->device);
   if ((e = cudaSetDevice(s->device)) != cudaSuccess) {
-    st = ddp__cuda_error(err, rank, e, what);
+    ddp__cuda_error(&ce, e, what);
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
   if ((e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-    st = ddp__cuda_error(err, rank, e, "cudaStreamCreateWithFlags");
+    ddp__cuda_error(&ce, e, "cudaStreamCreateWithFlags");
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
   s->stream_ok = true;
@@ -295,11 +308,14 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   cfg.blocking = 0;
   ncclResult_t r = ncclCommInitRankConfig(&s->comm, W, uid, rank, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {
-    st = ddp__nccl_error(err, rank, r, s->comm, "ncclCommInitRankConfig");
+    ddp__nccl_error(&ce, r, s->comm, "ncclCommInitRankConfig");
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
-  st = nccl_settle(s, r, "ncclCommInitRankConfig", deadline, err);
-  if (st != DDP_OK) goto fail;
+  if (nccl_settle(s, r, "ncclCommInitRankConfig", deadline, &ce) != DDP_OK) {
+    st = create_failed(err, rank, &ce);
+    goto fail;
+  }
   ddp__log(rank, DDP_LOG_INFO, "backend nccl: rank %d on CUDA device %d of %d, NCCL %d.%d", rank,
            s->device, ndev, NCCL_MAJOR, NCCL_MINOR);
   *out = s;
@@ -497,8 +513,7 @@ static void io_bytes(const nccl_state_t *s, const ddp_backend_coll_t *c, size_t 
 static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t dl, ddp_error_t *err) {
   nccl_state_t *s = state;
   if (atomic_load(&s->aborted) || s->comm_dead)
-    return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the NCCL communicator was aborted",
-                            s->rank);
+    return ddp__error_quiet(err, DDP_ERR_ABORTED, "the NCCL communicator was aborted");
   CUDA_TRY(s, cudaSetDevice(s->device), "cudaSetDevice on the progress thread");
   if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) DDP_CHECK(check_fps(s, c, dl, err));
   size_t inb, outb;
