@@ -289,6 +289,62 @@ static void test_spawn_threads_and_arguments(void **state) {
   assert_int_equal(ddp_pg_create(&bad, &pg, &err), DDP_ERR_INVALID_ARGUMENT);
 }
 
+/* The one list of backends (DDP_BACKEND_LIST) agrees with the registry: every built table is
+ * in it under its name, ddp_backend_find takes the list's aliases, and the names in messages
+ * come from it. The capabilities that replaced identity checks are where the layers above
+ * expect them; every table has the ABI version the library was built with. */
+static void test_backend_list(void **state) {
+  (void)state;
+  static const ddp_backend_info_t all[] = {
+#define TEST_BACKEND_(name, alias, ranks, optional) {name, alias, ranks, optional},
+      DDP_BACKEND_LIST(TEST_BACKEND_)
+#undef TEST_BACKEND_
+  };
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+    const ddp_backend_info_t *b = ddp_backend_info(all[i].name);
+    assert_non_null(b);
+    assert_string_equal(b->name, all[i].name);
+    const ddp_backend_ops_t *ops = ddp_backend_find(all[i].name);
+    if (!all[i].optional) assert_non_null(ops);
+    if (!ops) continue;
+    assert_string_equal(ops->name, all[i].name);
+    assert_int_equal(ops->abi_version, DDP_BACKEND_ABI_VERSION);
+    assert_non_null(strstr(ddp_backend_names(), all[i].name));
+    if (all[i].alias[0]) assert_ptr_equal(ddp_backend_find(all[i].alias), ops);
+  }
+  assert_string_equal(ddp_backend_info("gloo")->name, "tcp");
+  assert_int_equal(ddp_backend_info("threads")->ranks, DDP_RANKS_THREADS);
+  assert_null(ddp_backend_info("xccl"));
+  assert_null(ddp_backend_info(""));
+  assert_null(ddp_backend_find("xccl"));
+  assert_int_equal(strncmp(ddp_backend_names(), "threads, shm, tcp (alias gloo)", 30), 0);
+  assert_true(ddp_backend_find("tcp")->stream);
+  assert_false(ddp_backend_find("shm")->stream);
+  assert_non_null(ddp_backend_find("shm")->alloc_error);
+  assert_string_equal(ddp_coll_kind_name(DDP_COLL_SEND), "send/recv");
+  assert_string_equal(ddp_coll_kind_name(DDP_COLL_REDUCE_SCATTER), "reduce_scatter");
+  assert_string_equal(ddp_redop_name(DDP_OP_PRODUCT), "PRODUCT");
+}
+
+/* ddp_pg_last_error_copy: empty on a fresh group, then the argument error, copied. */
+static ddp_status_t last_error_fn(ddp_pg_t *pg, void *arg) {
+  (void)arg;
+  ddp_error_t e = {DDP_ERR_INTERNAL, "stale"};
+  ddp_pg_last_error_copy(pg, &e);
+  if (e.status != DDP_OK || e.msg[0]) return DDP_ERR_INTERNAL;
+  float f = 0;
+  ddp_work_t *w = NULL;
+  if (ddp_broadcast(pg, &f, 1, DDP_F32, 99, &w) != DDP_ERR_INVALID_ARGUMENT) return DDP_ERR_INTERNAL;
+  ddp_pg_last_error_copy(pg, &e);
+  if (e.status != DDP_ERR_INVALID_ARGUMENT || !strstr(e.msg, "root 99")) return DDP_ERR_INTERNAL;
+  return DDP_OK;
+}
+
+static void test_last_error_copy(void **state) {
+  (void)state;
+  assert_int_equal(ddp_spawn_threads(2, NULL, last_error_fn, NULL), DDP_OK);
+}
+
 typedef struct env_arg {
   const char *backend;
   int port;
@@ -389,6 +445,8 @@ int main(void) {
       cmocka_unit_test(test_tcp_ring_small_segments),
       cmocka_unit_test(test_d2_across_backends),
       cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_backend_list),
+      cmocka_unit_test(test_last_error_copy),
       cmocka_unit_test(test_create_from_env),
       cmocka_unit_test(test_algorithm_table_env),
   };

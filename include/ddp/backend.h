@@ -56,6 +56,14 @@ typedef enum ddp_algorithm {
   DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
 } ddp_algorithm_t;
 
+/* The canonical algorithm's slices: a balanced partition of n elements into parts, part j
+ * being [*lo, *lo + *len); rank j owns part j, wherever canonical runs (src/algo, nccl). */
+static inline void ddp_coll_part(size_t n, int parts, int j, size_t *lo, size_t *len) {
+  size_t q = n / (size_t)parts, r = n % (size_t)parts, jj = (size_t)j;
+  *lo = jj * q + (jj < r ? jj : r);
+  *len = q + (jj < r ? 1 : 0);
+}
+
 /* "allreduce", "broadcast", ...; SEND is "send/recv", the name of a point-to-point pair
  * (both sides of a pair fingerprint as SEND); "?" outside the list. */
 DDP_API const char *ddp_coll_kind_name(ddp_coll_kind_t k);

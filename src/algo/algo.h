@@ -3,7 +3,7 @@
  * written once per backend family (ddp/backend.h): shared.c for backends whose ranks map
  * common memory, link.c for backends that move bytes between pairs of ranks. They drive a
  * backend through its public table only, and reduce with the tensor layer's kernels
- * (tensor/reduce.h); no backend includes this header. */
+ * (ddp_reduce_* in ddp/tensor.h); no backend includes this header. */
 #ifndef DDP_SRC_ALGO_H
 #define DDP_SRC_ALGO_H
 
@@ -12,7 +12,6 @@
 #include "common/common.h"
 #include "ddp/backend.h"
 #include "ddp/tensor.h"
-#include "tensor/reduce.h"
 
 /* The fingerprint every collective carries: ranks compare them before any data moves
  * (always on). Point-to-point pairs carry kind DDP_COLL_SEND on both sides, root = sender,
@@ -54,7 +53,7 @@ typedef struct ddp__comm {
   size_t segment_bytes;           /* link family: pipelining segment */
   unsigned char *scratch;         /* link family: size * max(segment, small) bytes */
   size_t scratch_bytes;
-  unsigned char *tmp;             /* DDP__FOLD_TMP_BYTES, fold accumulator */
+  unsigned char *tmp;             /* DDP_REDUCE_TMP_BYTES, fold accumulator */
   uint64_t barriers;              /* shared: barriers this rank has entered */
   uint64_t *p2p_tx;               /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;               /* shared: chunks taken from each peer */

@@ -17,6 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
+/* pg drives the algorithms and looks backends up in the registry: both are layers below it
+ * (docs/design.md), so these private headers are downward edges. No backend includes
+ * algo.h; the backends and the algorithms meet only in ddp/backend.h. */
 #include "algo/algo.h"
 #include "backend/backends.h"
 #include "ddp/pg.h"
@@ -283,7 +286,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
                          ? SMALL_SHARED
                          : (size_t)o->world * DDP_MAX(2 * o->segment_bytes, (size_t)SMALL_LINK);
   c->scratch = ddp__malloc(c->scratch_bytes);
-  c->tmp = ddp__malloc(DDP__FOLD_TMP_BYTES);
+  c->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
   c->p2p_tx = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   c->p2p_rx = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   pg->p2p_send_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));

@@ -1,20 +1,22 @@
-/* Reduction kernels: the element-wise arithmetic of every reduction in the collectives,
- * shared by the algorithms (src/algo) and the backends that reduce with their own code
- * (mpi's AVG division, nccl's host fold). They live in the tensor layer because they are
- * dtype arithmetic and nothing else: below the store, the backends and the algorithms, so
- * every one of them includes tensor/reduce.h legitimately.
+/* Reduction kernels (ddp_reduce_* in ddp/tensor.h): the element-wise arithmetic of every
+ * reduction in the collectives, shared by the algorithms (src/algo) and the backends that
+ * reduce with their own code (mpi's AVG division, nccl's host fold). They live in the
+ * tensor layer because they are dtype arithmetic and nothing else: below the store, the
+ * backends and the algorithms, which all reach them through public headers (an
+ * out-of-tree backend that folds with them stays bitwise equal to the others).
  *
  * The kernels are element-wise: lane i of the result depends only on lane i of the inputs,
  * so any blocking, chunking or vectorisation gives the same bits. fp16 and bf16 widen to
  * fp32, operate, and round back to the storage type after every single operation, which is
- * what gloo and NCCL do per step; the left fold in ddp__reduce_fold therefore rounds W-1
+ * what gloo and NCCL do per step; the left fold in ddp_reduce_fold therefore rounds W-1
  * times per element, in rank order, on every backend. Integer sums and products wrap
  * (computed on unsigned types, so they are defined behaviour). Float MIN/MAX propagate
  * NaN. AVG is the sum divided by the world size (never multiplied by 1/W). */
 #include <math.h>
 #include <string.h>
 
-#include "tensor/reduce.h"
+#include "common/common.h"
+#include "ddp/tensor.h"
 
 #define FMIN_(a, b) (isnan(b) ? (b) : ((b) < (a) ? (b) : (a)))
 #define FMAX_(a, b) (isnan(b) ? (b) : ((b) > (a) ? (b) : (a)))
@@ -78,7 +80,7 @@ static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n, w
   }
 }
 
-void ddp__reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+static void acc_any(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
   switch (dt) {
     case DDP_F32: acc_float(op, dst, src, n); break;
     case DDP_F64: acc_double(op, dst, src, n); break;
@@ -87,11 +89,11 @@ void ddp__reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src,
     case DDP_U8: acc_uint8_t(op, dst, src, n); break;
     case DDP_F16: acc_half(op, dst, src, n, ddp_f16_to_f32_n, ddp_f32_to_f16_n); break;
     case DDP_BF16: acc_half(op, dst, src, n, ddp_bf16_to_f32_n, ddp_f32_to_bf16_n); break;
-    default: DDP_REQUIRE(!"dtype validated by src/pg");
+    default: DDP_REQUIRE(!"a reducible dtype (ddp/tensor.h)");
   }
 }
 
-void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
+static void avg_any(ddp_dtype_t dt, void *dst, size_t n, int world) {
   switch (dt) {
     case DDP_F32: {
       float *d = dst;
@@ -128,13 +130,19 @@ void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
       for (size_t i = 0; i < n; i++) d[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(d[i]) / (float)world);
       break;
     }
-    default: DDP_REQUIRE(!"dtype validated by src/pg");
+    default: DDP_REQUIRE(!"a reducible dtype (ddp/tensor.h)");
   }
 }
 
-void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
+void ddp_reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+  acc_any(dt, op, dst, src, n);
+}
+
+void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) { avg_any(dt, dst, n, world); }
+
+void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                       void *dst, size_t n, unsigned char *tmp, int world) {
-  size_t es = ddp_dtype_size(dt), blk = DDP__FOLD_TMP_BYTES / es;
+  size_t es = ddp_dtype_size(dt), blk = DDP_REDUCE_TMP_BYTES / es;
   /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
    * pass less over memory). The additions are the same, in the same order. */
   bool direct = true;
@@ -146,16 +154,16 @@ void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *cons
   if (direct && s0 != d0 && s0 < d0 + n * es && d0 < s0 + n * es) direct = false;
   if (direct) {
     if (s0 != d0) memcpy(dst, s0, n * es);
-    for (int j = 1; j < nsrc; j++) ddp__reduce_acc(dt, op, dst, srcs[j], n);
-    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, dst, n, world);
+    for (int j = 1; j < nsrc; j++) acc_any(dt, op, dst, srcs[j], n);
+    if (op == DDP_OP_AVG) avg_any(dt, dst, n, world);
     return;
   }
   for (size_t off = 0; off < n; off += blk) {
     size_t m = DDP_MIN(blk, n - off);
     memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
     for (int j = 1; j < nsrc; j++)
-      ddp__reduce_acc(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
-    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, tmp, m, world);
+      acc_any(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
+    if (op == DDP_OP_AVG) avg_any(dt, tmp, m, world);
     memcpy((unsigned char *)dst + off * es, tmp, m * es);
   }
 }

@@ -50,7 +50,6 @@
 
 #include "backend/backends.h"
 #include "common/common.h"
-#include "tensor/reduce.h"
 
 /* Largest single MPI message: counts are int. Larger transfers go as several messages of
  * the same tag, which MPI delivers in order between a pair. */
@@ -380,7 +379,7 @@ static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int6
     if (rc != MPI_SUCCESS) return mpi_run_err(err, DDP_ERR_REMOTE, rc, "MPI_Iallreduce", -1);
     DDP_CHECK(wait_coll(s, &req, "MPI_Iallreduce", deadline_ns, err));
   }
-  if (c->op == DDP_OP_AVG) ddp__reduce_avg(c->dt, c->recv, c->count, s->size);
+  if (c->op == DDP_OP_AVG) ddp_reduce_avg(c->dt, c->recv, c->count, s->size);
   return DDP_OK;
 }
 

@@ -13,8 +13,8 @@
  *  - canonical / small allreduce and reduce_scatter keep D2: rank r receives slice r of
  *    every rank's input with grouped ncclSend/ncclRecv (ncclGroupStart/End), folds the W
  *    contributions in rank order with the ordered reduction kernel (fold.cu, the device twin
- *    of ddp__reduce_fold with the same arithmetic; builds without nvcc copy the slice to the
- *    host and fold it with ddp__reduce_fold itself), and allreduce then all-gathers
+ *    of ddp_reduce_fold with the same arithmetic; builds without nvcc copy the slice to the
+ *    host and fold it with ddp_reduce_fold itself), and allreduce then all-gathers
  *    the slices with grouped send/recv. Results are bitwise equal to threads, shm, tcp, mpi.
  *  - ring allreduce is NCCL's own ncclAllReduce (NCCL's ring or tree, its rounding; D1 at
  *    best): the fast mode. reduce_scatter is always canonical (src/pg resolves algorithms
@@ -36,7 +36,6 @@
 
 #include "backend/backends.h"
 #include "backend/nccl/nccl.h"
-#include "tensor/reduce.h"
 
 #define FP_INTS 4
 
@@ -53,7 +52,7 @@ typedef struct nccl_state {
   size_t dscr_bytes;
   unsigned char *hscr;  /* host copy of the W slices for the fold */
   size_t hscr_bytes;
-  unsigned char *tmp;   /* DDP__FOLD_TMP_BYTES for ddp__reduce_fold */
+  unsigned char *tmp;   /* DDP_REDUCE_TMP_BYTES for ddp_reduce_fold */
   atomic_bool aborted;
   bool comm_dead;       /* aborted by us: no further NCCL call on comm */
 } nccl_state_t;
@@ -282,7 +281,7 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   atomic_init(&s->aborted, false);
   ddp_status_t st = DDP_OK;
   char what[96];
-  s->tmp = ddp__malloc(DDP__FOLD_TMP_BYTES);
+  s->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
   if (!s->tmp) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "backend nccl scratch");
     goto fail;
@@ -417,7 +416,7 @@ static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, c
   const void *srcs[DDP_PG_MAX_WORLD];
   for (int j = 0; j < W; j++) srcs[j] = s->hscr + (size_t)j * mine;
   /* fold into source 0's area (allowed: dst may alias a source), then upload */
-  ddp__reduce_fold(c->dt, c->op, W, srcs, s->hscr, len[r], s->tmp, W);
+  ddp_reduce_fold(c->dt, c->op, W, srcs, s->hscr, len[r], s->tmp, W);
   CUDA_TRY(s, cudaMemcpyAsync(out_slice, s->hscr, mine, cudaMemcpyHostToDevice, s->stream),
            "cudaMemcpyAsync of the folded slice");
   return wait_stream(s, "the folded slice upload", dl, err);
@@ -443,7 +442,7 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
                  "ncclAllReduce", dl);
         break;
       }
-      for (int j = 0; j < W; j++) ddp__part(n, W, j, &off[j], &len[j]);
+      for (int j = 0; j < W; j++) ddp_coll_part(n, W, j, &off[j], &len[j]);
       DDP_CHECK(reduce_owned(s, c, din, off, len, dout + off[r] * es, dl, err));
       NCCL_TRY(s, ncclGroupStart(), "ncclGroupStart", dl);
       for (int j = 0; j < W; j++) {

@@ -24,7 +24,7 @@ ddp_status_t ddp__nccl_error(ddp_error_t *err, ncclResult_t r, ncclComm_t comm, 
 
 /* The ordered reduction kernel (fold.cu, built with nvcc; fold_none.c without it): enqueues
  * dst[i] = fold in rank order over j < world of (base + j * stride_bytes)[i], then the AVG
- * division, with the host fold's exact arithmetic (ddp__reduce_fold). dtype and op are
+ * division, with the host fold's exact arithmetic (ddp_reduce_fold). dtype and op are
  * ddp_dtype_t and ddp_redop_t values. Returns the launch's error. */
 bool ddp__nccl_have_fold_kernel(void);
 cudaError_t ddp__nccl_fold_launch(int dtype, int op, int world, const void *base,
