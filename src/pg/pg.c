@@ -102,15 +102,23 @@ static void work_release(ddp_work_t *w) {
   }
 }
 
+/* msg without a leading "rank <this rank>: ", which a message quoted inside this rank's
+ * own message would otherwise repeat. */
+static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
+  char own[24];
+  int n = snprintf(own, sizeof own, "rank %d: ", pg->rank);
+  return strncmp(msg, own, (size_t)n) == 0 ? msg + n : msg;
+}
+
 static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   char name[192];
   ddp__fp_str(&w->coll.fp, name, sizeof name);
   pthread_mutex_lock(&pg->mu);
   ddp_status_t failed = pg->failed;
   pthread_mutex_unlock(&pg->mu);
-  if (failed != DDP_OK) {
+  if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
     w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
-                                 pg->rank, name, pg->fail_err.msg);
+                                 pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg));
     ddp__fr_end(pg->fr, w->fr_id, failed);
     return;
   }
