@@ -27,6 +27,14 @@
 #include "ddp/pg.h"
 #include "ddp/store.h"
 #include "harness.h"
+
+/* The group's last error, copied out under its lock (ddp_pg_last_error_copy); the message
+ * of the returned value lives to the end of the caller's full expression. */
+static ddp_error_t pg_err(const ddp_pg_t *pg) {
+  ddp_error_t e;
+  ddp_pg_last_error_copy(pg, &e);
+  return e;
+}
 #include "colldata.h"
 
 #define ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
@@ -108,7 +116,7 @@ static void run_matrix(const char *backend, ddp_test_mode_t mode, const int *wor
     if (mode == DDP_TEST_THREADS) {
       ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
       so.timeout_ms = 20000;
-      assert_int_equal(ddp_store_create_memory(&so, &cfg.store), DDP_OK);
+      assert_int_equal(ddp_store_create_memory(&so, &cfg.store, NULL), DDP_OK);
     }
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = worlds[k];
@@ -189,7 +197,7 @@ static uint64_t run_d2(const char *backend, ddp_test_mode_t mode, int world, boo
   if (mode == DDP_TEST_THREADS) {
     ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
     so.timeout_ms = 20000;
-    assert_int_equal(ddp_store_create_memory(&so, &cfg.store), DDP_OK);
+    assert_int_equal(ddp_store_create_memory(&so, &cfg.store, NULL), DDP_OK);
   }
   ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
   o.world = world;
@@ -241,7 +249,7 @@ static ddp_status_t spawn_fn(ddp_pg_t *pg, void *arg) {
       ddp_send(pg, f, 4, DDP_F32, r, &w) != DDP_ERR_INVALID_ARGUMENT ||
       ddp_allreduce(pg, f, f + 1, 2, DDP_F32, DDP_OP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
       ddp_allreduce(pg, NULL, NULL, 4, DDP_F32, DDP_OP_SUM, &w) != DDP_ERR_INVALID_ARGUMENT ||
-      strstr(ddp_pg_last_error(pg), "allreduce") == NULL)
+      strstr(pg_err(pg).msg, "allreduce") == NULL)
     st = DDP_ERR_INTERNAL;
   if (st == DDP_OK && ddp_pg_status(pg) != DDP_OK) st = DDP_ERR_INTERNAL;
   /* work handles: test/status while queued behind a barrier, free before completion */
@@ -279,6 +287,62 @@ static void test_spawn_threads_and_arguments(void **state) {
   bad.backend = "gloo";
   bad.world = 0;
   assert_int_equal(ddp_pg_create(&bad, &pg, &err), DDP_ERR_INVALID_ARGUMENT);
+}
+
+/* The one list of backends (DDP_BACKEND_LIST) agrees with the registry: every built table is
+ * in it under its name, ddp_backend_find takes the list's aliases, and the names in messages
+ * come from it. The capabilities that replaced identity checks are where the layers above
+ * expect them; every table has the ABI version the library was built with. */
+static void test_backend_list(void **state) {
+  (void)state;
+  static const ddp_backend_info_t all[] = {
+#define TEST_BACKEND_(name, alias, ranks, optional) {name, alias, ranks, optional},
+      DDP_BACKEND_LIST(TEST_BACKEND_)
+#undef TEST_BACKEND_
+  };
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+    const ddp_backend_info_t *b = ddp_backend_info(all[i].name);
+    assert_non_null(b);
+    assert_string_equal(b->name, all[i].name);
+    const ddp_backend_ops_t *ops = ddp_backend_find(all[i].name);
+    if (!all[i].optional) assert_non_null(ops);
+    if (!ops) continue;
+    assert_string_equal(ops->name, all[i].name);
+    assert_int_equal(ops->abi_version, DDP_BACKEND_ABI_VERSION);
+    assert_non_null(strstr(ddp_backend_names(), all[i].name));
+    if (all[i].alias[0]) assert_ptr_equal(ddp_backend_find(all[i].alias), ops);
+  }
+  assert_string_equal(ddp_backend_info("gloo")->name, "tcp");
+  assert_int_equal(ddp_backend_info("threads")->ranks, DDP_RANKS_THREADS);
+  assert_null(ddp_backend_info("xccl"));
+  assert_null(ddp_backend_info(""));
+  assert_null(ddp_backend_find("xccl"));
+  assert_int_equal(strncmp(ddp_backend_names(), "threads, shm, tcp (alias gloo)", 30), 0);
+  assert_true(ddp_backend_find("tcp")->stream);
+  assert_false(ddp_backend_find("shm")->stream);
+  assert_non_null(ddp_backend_find("shm")->alloc_error);
+  assert_string_equal(ddp_coll_kind_name(DDP_COLL_SEND), "send/recv");
+  assert_string_equal(ddp_coll_kind_name(DDP_COLL_REDUCE_SCATTER), "reduce_scatter");
+  assert_string_equal(ddp_redop_name(DDP_OP_PRODUCT), "PRODUCT");
+}
+
+/* ddp_pg_last_error_copy: empty on a fresh group, then the argument error, copied. */
+static ddp_status_t last_error_fn(ddp_pg_t *pg, void *arg) {
+  (void)arg;
+  ddp_error_t e = {DDP_ERR_INTERNAL, "stale"};
+  ddp_pg_last_error_copy(pg, &e);
+  if (e.status != DDP_OK || e.msg[0]) return DDP_ERR_INTERNAL;
+  float f = 0;
+  ddp_work_t *w = NULL;
+  if (ddp_broadcast(pg, &f, 1, DDP_F32, 99, &w) != DDP_ERR_INVALID_ARGUMENT) return DDP_ERR_INTERNAL;
+  ddp_pg_last_error_copy(pg, &e);
+  if (e.status != DDP_ERR_INVALID_ARGUMENT || !strstr(e.msg, "root 99")) return DDP_ERR_INTERNAL;
+  return DDP_OK;
+}
+
+static void test_last_error_copy(void **state) {
+  (void)state;
+  assert_int_equal(ddp_spawn_threads(2, NULL, last_error_fn, NULL), DDP_OK);
 }
 
 typedef struct env_arg {
@@ -322,7 +386,7 @@ static void test_create_from_env(void **state) {
     /* an ephemeral port for the store server (rank 0) */
     ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
     ddp_store_t *probe = NULL;
-    assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &so, &probe), DDP_OK);
+    assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &so, &probe, NULL), DDP_OK);
     env_arg_t a = {backends[b], ddp_store_port(probe)};
     ddp_store_destroy(probe);
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
@@ -381,6 +445,8 @@ int main(void) {
       cmocka_unit_test(test_tcp_ring_small_segments),
       cmocka_unit_test(test_d2_across_backends),
       cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_backend_list),
+      cmocka_unit_test(test_last_error_copy),
       cmocka_unit_test(test_create_from_env),
       cmocka_unit_test(test_algorithm_table_env),
   };

@@ -425,7 +425,7 @@ static ddp_test_results_t *spawn(cfg_t *cfg, ddp_test_fn fn) {
   o.value_bytes = 256 * 1024;
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   cfg->store = NULL;
-  if (cfg->mode == DDP_TEST_THREADS) assert_int_equal(ddp_store_create_memory(&so, &cfg->store), DDP_OK);
+  if (cfg->mode == DDP_TEST_THREADS) assert_int_equal(ddp_store_create_memory(&so, &cfg->store, NULL), DDP_OK);
   ddp_test_results_t *res = ddp_test_spawn(&o, fn, cfg);
   ddp_store_destroy(cfg->store);
   cfg->store = NULL;
@@ -1161,7 +1161,7 @@ static ddp_test_results_t *run_error(int scenario, bool find_unused, int64_t tim
   o.world = 2;
   o.timeout_ms = 20000;
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-  assert_int_equal(ddp_store_create_memory(&so, &ec.c.store), DDP_OK);
+  assert_int_equal(ddp_store_create_memory(&so, &ec.c.store, NULL), DDP_OK);
   ddp_test_results_t *res = ddp_test_spawn(&o, error_rank, &ec);
   ddp_store_destroy(ec.c.store);
   return res;

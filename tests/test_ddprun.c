@@ -515,7 +515,7 @@ static void test_usage_errors(void **state) {
       {{"--nproc-per-node=abc", "true"}, "--nproc_per_node: 'abc'"},
       {{"--nproc_per_node"}, "--nproc_per_node needs a value"},
       {{"--master_port", "70000", "true"}, "--master_port: '70000'"},
-      {{"--backend", "xccl", "true"}, "unknown backend 'xccl' (choices: tcp, gloo, shm, nccl)"},
+      {{"--backend", "xccl", "true"}, "unknown backend 'xccl' (choices: shm, tcp, gloo, nccl)"},
       {{"--backend", "threads", "true"}, "--backend threads"},
       {{"--nnodes", "2", "--node_rank", "2", "--master_addr", "h", "true"}, "--node_rank 2"},
       {{"--nnodes", "2", "true"}, "needs --master_addr"},

@@ -1077,7 +1077,7 @@ static int grads_fork_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   so.timeout_ms = 20000;
   so.rank = r;
-  ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, &store);
+  ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, &store, NULL);
   if (st != DDP_OK) return st;
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = G->backend;

@@ -40,6 +40,14 @@
 #include "ddp/store.h"
 #include "harness.h"
 
+/* The group's last error, copied out under its lock (ddp_pg_last_error_copy); the message
+ * of the returned value lives to the end of the caller's full expression. */
+static ddp_error_t pg_err(const ddp_pg_t *pg) {
+  ddp_error_t e;
+  ddp_pg_last_error_copy(pg, &e);
+  return e;
+}
+
 typedef struct fcfg {
   const char *backend;
   ddp_test_mode_t mode;
@@ -58,7 +66,7 @@ static ddp_status_t make_pg(ddp_test_rank_t *tr, const fcfg_t *cfg, ddp_store_t 
     ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
     so.timeout_ms = cfg->timeout_ms;
     so.rank = ddp_test_rank(tr);
-    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store);
+    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store, NULL);
     if (st != DDP_OK) return st;
     s = *store;
   }
@@ -173,7 +181,7 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
       if (st != DDP_OK) ddp_test_say(tr, "%s", ddp_work_error(w));
       ddp_work_free(w);
     } else {
-      ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+      ddp_test_say(tr, "%s", pg_err(pg).msg);
     }
     if (st != DDP_OK) break;
   }
@@ -395,7 +403,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   /* one good collective first, so the mismatch is not the first operation */
   st = ddp_allreduce(pg, buf, buf, 10, DDP_F32, DDP_OP_SUM, &w);
   if (st == DDP_OK) st = ddp_work_wait_free(w);
-  if (st != DDP_OK) ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+  if (st != DDP_OK) ddp_test_say(tr, "%s", pg_err(pg).msg);
   if (st == DDP_OK && cfg->variant == 3) st = DDP_ERR_INTERNAL; /* must not pass */
   if (st == DDP_OK) {
     if (cfg->variant == 2) {
@@ -431,7 +439,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
     if (st2 == DDP_OK) st2 = ddp_work_wait_free(w);
     if (st2 == DDP_OK && one != (float)ddp_test_world_size(tr)) st2 = DDP_ERR_INTERNAL;
     if (st2 != DDP_OK) {
-      ddp_test_say(tr, "re-created group failed: %s", pg2 ? ddp_pg_last_error(pg2) : err.msg);
+      ddp_test_say(tr, "re-created group failed: %s", pg2 ? pg_err(pg2).msg : err.msg);
       st = DDP_ERR_INTERNAL;
     }
     ddp_pg_destroy(pg2);
@@ -552,7 +560,7 @@ static ddp_status_t failing_rank_fn(ddp_pg_t *pg, void *arg) {
     snprintf(a->msg[r], sizeof a->msg[r], "%s", ddp_work_error(w));
     ddp_work_free(w);
   } else {
-    snprintf(a->msg[r], sizeof a->msg[r], "%s", ddp_pg_last_error(pg));
+    snprintf(a->msg[r], sizeof a->msg[r], "%s", pg_err(pg).msg);
   }
   a->ms[r] = (double)(ddp_now_ns() - t) / 1e6;
   a->st[r] = st;
@@ -758,7 +766,7 @@ static void *shm_case_rank(void *p) {
   for (int k = 0; k < 2 && c->alloc_bytes[k]; k++) {
     float *b = ddp_pg_alloc(pg, c->alloc_bytes[k]);
     c->granted[k] = b != NULL;
-    snprintf(c->alloc_msg[k], sizeof c->alloc_msg[k], "%s", b ? "" : ddp_pg_last_error(pg));
+    snprintf(c->alloc_msg[k], sizeof c->alloc_msg[k], "%s", b ? "" : pg_err(pg).msg);
     if (!b) continue;
     size_t n = c->alloc_bytes[k] / sizeof(float), have = n < 1024 ? n : 1024;
     for (size_t i = 0; i < have; i++) b[i] = (float)(c->rank + 1); /* SIGBUS here before */

@@ -29,7 +29,6 @@
 
 #include "ddp/store.h"
 #include "harness.h"
-#include "store/local_addr.h"
 #include "store/store_internal.h" /* the wire parser, tested directly */
 
 /* ---------------------------------------------------------------- helpers --------- */
@@ -55,6 +54,14 @@ static int count_fds(void) {
   }
   closedir(d);
   return n - 1; /* the directory stream's own fd */
+}
+
+/* The last error of handle s, copied out (ddp_store_last_error_copy) into this thread's
+ * buffer, valid until this thread's next call. */
+static const char *last_msg(const ddp_store_t *s) {
+  static _Thread_local ddp_error_t e;
+  ddp_store_last_error_copy(s, &e);
+  return e.msg;
 }
 
 /* Log capture: the store logs through the library's sink; tests read what it said. */
@@ -132,9 +139,9 @@ static ddp_store_t *make_store(enum kind k, const char *dir, int64_t timeout_ms)
   ddp_store_t *s = NULL;
   ddp_status_t st = DDP_OK;
   switch (k) {
-    case K_MEMORY: st = ddp_store_create_memory(&o, &s); break;
-    case K_FILE: st = ddp_store_create_file(dir, &o, &s); break;
-    case K_TCP: st = ddp_store_create_tcp("127.0.0.1", 0, true, &o, &s); break;
+    case K_MEMORY: st = ddp_store_create_memory(&o, &s, NULL); break;
+    case K_FILE: st = ddp_store_create_file(dir, &o, &s, NULL); break;
+    case K_TCP: st = ddp_store_create_tcp("127.0.0.1", 0, true, &o, &s, NULL); break;
   }
   assert_int_equal(st, DDP_OK);
   assert_non_null(s);
@@ -201,7 +208,7 @@ static void exercise_ops(ddp_store_t *s) {
   memset(toolong, 'k', DDP_STORE_MAX_KEY + 1);
   toolong[DDP_STORE_MAX_KEY + 1] = '\0';
   assert_int_equal(ddp_store_set(s, toolong, "v", 1), DDP_ERR_INVALID_ARGUMENT);
-  assert_non_null(strstr(ddp_store_last_error(s), "limit"));
+  assert_non_null(strstr(last_msg(s), "limit"));
   free(toolong);
   assert_int_equal(ddp_store_set(s, "big", bin, (size_t)DDP_STORE_MAX_VALUE + 1),
                    DDP_ERR_INVALID_ARGUMENT);
@@ -229,7 +236,7 @@ static void exercise_ops(ddp_store_t *s) {
   expect_get(s, "ctr", text, (size_t)tl);
   /* add on a non-integer value is an error naming the key */
   assert_int_equal(ddp_store_add(s, "bin", 1, &r), DDP_ERR_INVALID_USAGE);
-  assert_non_null(strstr(ddp_store_last_error(s), "bin"));
+  assert_non_null(strstr(last_msg(s), "bin"));
   /* overflow is refused and leaves the counter as it was */
   assert_int_equal(ddp_store_set(s, "max", "9223372036854775807", 19), DDP_OK);
   nkeys++;
@@ -316,7 +323,7 @@ static void test_second_handle_sees_keys(void **state) {
   (void)state;
   ddp_store_options_t o = opts_ms(5000, "test-token");
   ddp_store_t *srv = make_store(K_TCP, NULL, 5000), *cli = NULL;
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli, NULL),
                    DDP_OK);
   assert_int_equal(ddp_store_port(cli), -1);
   assert_int_equal(ddp_store_set(cli, "from-client", "c", 1), DDP_OK);
@@ -354,8 +361,8 @@ static int add_rank(ddp_test_rank_t *r, void *argp) {
   ddp_store_t *s = a->shared;
   ddp_status_t st = DDP_OK;
   if (!s) {
-    if (a->kind == K_FILE) st = ddp_store_create_file(a->dir, &o, &s);
-    else st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &s);
+    if (a->kind == K_FILE) st = ddp_store_create_file(a->dir, &o, &s, NULL);
+    else st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &s, NULL);
     if (st != DDP_OK) {
       ddp_test_say(r, "create failed: %s", ddp_status_name(st));
       return st;
@@ -366,7 +373,7 @@ static int add_rank(ddp_test_rank_t *r, void *argp) {
     st = ddp_store_add(s, "total", me + 1, &res);
     if (res > maxr) maxr = res;
   }
-  if (st != DDP_OK) ddp_test_say(r, "add: %s", ddp_store_last_error(s));
+  if (st != DDP_OK) ddp_test_say(r, "add: %s", last_msg(s));
   ddp_test_put(r, &maxr, sizeof maxr);
   if (!a->shared) ddp_store_destroy(s);
   return st;
@@ -460,7 +467,7 @@ static void run_timeout(enum kind k) {
   double dt = now_ms() - t0;
   assert_true(dt >= TIMEOUT_MS - 5);
   assert_true(dt <= TIMEOUT_MS + TOLERANCE_MS);
-  const char *msg = ddp_store_last_error(s);
+  const char *msg = last_msg(s);
   assert_non_null(strstr(msg, "'never-set-key'"));
   assert_null(strstr(msg, "'present'"));
   if (k == K_TCP) {
@@ -477,7 +484,7 @@ static void run_timeout(enum kind k) {
   dt = now_ms() - t0;
   assert_true(dt >= TIMEOUT_MS - 5 && dt <= TIMEOUT_MS + TOLERANCE_MS);
   assert_null(v);
-  assert_non_null(strstr(ddp_store_last_error(s), "'absent-get'"));
+  assert_non_null(strstr(last_msg(s), "'absent-get'"));
   /* the handle still works after a timeout */
   expect_get(s, "present", "p", 1);
   ddp_store_destroy(s);
@@ -514,9 +521,9 @@ static void run_wake(enum kind k) {
   ddp_store_t *other = s;
   ddp_store_options_t o = opts_ms(5000, "test-token");
   /* the setter uses a second handle where the kind has one */
-  if (k == K_FILE) assert_int_equal(ddp_store_create_file(dir, &o, &other), DDP_OK);
+  if (k == K_FILE) assert_int_equal(ddp_store_create_file(dir, &o, &other, NULL), DDP_OK);
   if (k == K_TCP) {
-    assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(s), false, &o, &other),
+    assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(s), false, &o, &other, NULL),
                      DDP_OK);
   }
   setter_arg_t a = {other, DDP_OK};
@@ -549,18 +556,18 @@ static void test_token_from_env(void **state) {
   setenv("DDP_JOB_TOKEN", "env-token-123", 1);
   ddp_store_options_t o = opts_ms(3000, NULL);
   ddp_store_t *srv = NULL, *cli = NULL;
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &o, &srv), DDP_OK);
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &o, &srv, NULL), DDP_OK);
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli, NULL),
                    DDP_OK);
   assert_int_equal(ddp_store_set(cli, "via-env", "ok", 2), DDP_OK);
   expect_get(srv, "via-env", "ok", 2);
   ddp_store_destroy(cli);
   cli = NULL;
   ddp_store_options_t wrong = opts_ms(3000, "env-token-12");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &wrong, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &wrong, &cli, NULL),
                    DDP_ERR_INVALID_USAGE);
   ddp_store_options_t empty = opts_ms(3000, "");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &empty, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &empty, &cli, NULL),
                    DDP_ERR_INVALID_USAGE);
   assert_null(cli);
   unsetenv("DDP_JOB_TOKEN");
@@ -576,20 +583,20 @@ static void test_local_addr(void **state) {
   ddp_store_options_t o = opts_ms(3000, NULL);
   ddp_store_t *srv = NULL, *cli = NULL, *view = NULL, *mem = NULL, *any = NULL;
   char a[80];
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &o, &srv), DDP_OK);
-  assert_true(ddp__store_local_addr(srv, a, sizeof a));
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", 0, true, &o, &srv, NULL), DDP_OK);
+  assert_true(ddp_store_local_addr(srv, a, sizeof a));
   assert_string_equal(a, "127.0.0.1");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli, NULL),
                    DDP_OK);
-  assert_int_equal(ddp_store_create_prefix(cli, "pg0", &view), DDP_OK);
-  assert_true(ddp__store_local_addr(view, a, sizeof a));
+  assert_int_equal(ddp_store_create_prefix(cli, "pg0", &view, NULL), DDP_OK);
+  assert_true(ddp_store_local_addr(view, a, sizeof a));
   assert_string_equal(a, "127.0.0.1");
-  assert_false(ddp__store_local_addr(view, a, 4)); /* does not fit */
+  assert_false(ddp_store_local_addr(view, a, 4)); /* does not fit */
   assert_string_equal(a, "");
-  assert_int_equal(ddp_store_create_memory(&o, &mem), DDP_OK);
-  assert_false(ddp__store_local_addr(mem, a, sizeof a));
-  assert_int_equal(ddp_store_create_tcp(NULL, 0, true, &o, &any), DDP_OK);
-  assert_false(ddp__store_local_addr(any, a, sizeof a));
+  assert_int_equal(ddp_store_create_memory(&o, &mem, NULL), DDP_OK);
+  assert_false(ddp_store_local_addr(mem, a, sizeof a));
+  assert_int_equal(ddp_store_create_tcp(NULL, 0, true, &o, &any, NULL), DDP_OK);
+  assert_false(ddp_store_local_addr(any, a, sizeof a));
   /* A client of the wildcard server through this host's first non-loopback IPv4 address
    * (where there is one) learns that address. */
   struct ifaddrs *ifs = NULL;
@@ -603,8 +610,8 @@ static void test_local_addr(void **state) {
   }
   if (host[0]) {
     ddp_store_t *far = NULL;
-    assert_int_equal(ddp_store_create_tcp(host, ddp_store_port(any), false, &o, &far), DDP_OK);
-    assert_true(ddp__store_local_addr(far, a, sizeof a));
+    assert_int_equal(ddp_store_create_tcp(host, ddp_store_port(any), false, &o, &far, NULL), DDP_OK);
+    assert_true(ddp_store_local_addr(far, a, sizeof a));
     assert_string_equal(a, host);
     ddp_store_destroy(far);
   } else {
@@ -637,8 +644,8 @@ static void run_many_keys(enum kind k) {
   assert_int_equal(ddp_store_check(s, keys, NK + 1, &all), DDP_OK);
   assert_false(all);
   assert_int_equal(ddp_store_wait(s, keys, NK + 1, 100), DDP_ERR_TIMEOUT);
-  assert_non_null(strstr(ddp_store_last_error(s), "'many-300'"));
-  assert_null(strstr(ddp_store_last_error(s), "'many-0'"));
+  assert_non_null(strstr(last_msg(s), "'many-300'"));
+  assert_null(strstr(last_msg(s), "'many-0'"));
   int64_t n = 0;
   assert_int_equal(ddp_store_num_keys(s, &n), DDP_OK);
   assert_int_equal(n, NK);
@@ -674,7 +681,7 @@ static void *blocked_get(void *p) {
   atomic_store(&a->started, 1);
   a->st = ddp_store_get(a->s, "never", &v, &n);
   a->t_end = now_ms();
-  snprintf(a->msg, sizeof a->msg, "%s", ddp_store_last_error(a->s));
+  snprintf(a->msg, sizeof a->msg, "%s", last_msg(a->s));
   ddp_free(v);
   return NULL;
 }
@@ -702,7 +709,7 @@ static void run_cancel(enum kind k) {
   ddp_store_t *s = make_store(k, dir, 20000);
   /* cancelling a view ends a get through the view and leaves the base usable */
   ddp_store_t *view = NULL;
-  assert_int_equal(ddp_store_create_prefix(s, "grp", &view), DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(s, "grp", &view, NULL), DDP_OK);
   cancel_arg_t a;
   cancel_while_blocked(view, view, &a);
   assert_int_equal(a.st, DDP_ERR_ABORTED);
@@ -712,7 +719,7 @@ static void run_cancel(enum kind k) {
   expect_get(s, "after-view-cancel", "ok", 2);
   ddp_store_destroy(view);
   /* cancelling the base ends a get through a view over it, and later calls */
-  assert_int_equal(ddp_store_create_prefix(s, "grp2", &view), DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(s, "grp2", &view, NULL), DDP_OK);
   cancel_while_blocked(view, s, &a);
   assert_int_equal(a.st, DDP_ERR_ABORTED);
   void *v = NULL;
@@ -734,7 +741,7 @@ static void test_server_gone(void **state) {
   (void)state;
   ddp_store_t *srv = make_store(K_TCP, NULL, 3000), *cli = NULL;
   ddp_store_options_t o = opts_ms(400, "test-token");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli, NULL),
                    DDP_OK);
   cancel_arg_t a;
   memset(&a, 0, sizeof a);
@@ -753,7 +760,7 @@ static void test_server_gone(void **state) {
   t0 = now_ms();
   assert_int_equal(ddp_store_set(cli, "k", "v", 1), DDP_ERR_TIMEOUT);
   assert_true(now_ms() - t0 < 400 + TOLERANCE_MS);
-  assert_non_null(strstr(ddp_store_last_error(cli), "could not connect"));
+  assert_non_null(strstr(last_msg(cli), "could not connect"));
   ddp_store_destroy(cli);
 }
 
@@ -786,7 +793,7 @@ static void test_file_lock_holder_dies(void **state) {
   assert_int_equal(ddp_store_add(s, "ctr", 1, &r), DDP_ERR_TIMEOUT);
   double dt = now_ms() - t0;
   assert_true(dt >= 195 && dt <= 200 + TOLERANCE_MS);
-  assert_non_null(strstr(ddp_store_last_error(s), ".lock"));
+  assert_non_null(strstr(last_msg(s), ".lock"));
   kill(pid, SIGKILL);
   int wst;
   assert_int_equal(waitpid(pid, &wst, 0), pid);
@@ -802,9 +809,9 @@ static void run_prefix(enum kind k) {
   const char *dir = k == K_FILE ? make_tmpdir() : NULL;
   ddp_store_t *s = make_store(k, dir, 2000);
   ddp_store_t *a = NULL, *b = NULL, *ax = NULL;
-  assert_int_equal(ddp_store_create_prefix(s, "a", &a), DDP_OK);
-  assert_int_equal(ddp_store_create_prefix(s, "b", &b), DDP_OK);
-  assert_int_equal(ddp_store_create_prefix(a, "x", &ax), DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(s, "a", &a, NULL), DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(s, "b", &b, NULL), DDP_OK);
+  assert_int_equal(ddp_store_create_prefix(a, "x", &ax, NULL), DDP_OK);
   assert_int_equal(ddp_store_set(a, "k", "in-a", 4), DDP_OK);
   assert_int_equal(ddp_store_set(b, "k", "in-b", 4), DDP_OK);
   assert_int_equal(ddp_store_set(ax, "k", "in-ax", 5), DDP_OK);
@@ -827,7 +834,7 @@ static void run_prefix(enum kind k) {
   assert_int_equal(ddp_store_check(b, oa, 1, &all), DDP_OK);
   assert_false(all);
   assert_int_equal(ddp_store_wait(b, oa, 1, 50), DDP_ERR_TIMEOUT);
-  assert_non_null(strstr(ddp_store_last_error(b), "'b/only-a'"));
+  assert_non_null(strstr(last_msg(b), "'b/only-a'"));
   bool deleted = true;
   assert_int_equal(ddp_store_delete(b, "only-a", &deleted), DDP_OK);
   assert_false(deleted);
@@ -857,7 +864,7 @@ static void *late_client(void *p) {
   late_arg_t *a = p;
   ddp_store_options_t o = opts_ms(5000, "test-token");
   double t0 = now_ms();
-  a->st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &a->s);
+  a->st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &a->s, NULL);
   a->elapsed = now_ms() - t0;
   return NULL;
 }
@@ -883,7 +890,7 @@ static void test_connect_retry(void **state) {
   sleep_ms(300);
   ddp_store_options_t o = opts_ms(5000, "test-token");
   ddp_store_t *srv = NULL;
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", a.port, true, &o, &srv), DDP_OK);
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", a.port, true, &o, &srv, NULL), DDP_OK);
   pthread_join(th, NULL);
   assert_int_equal(a.st, DDP_OK);
   assert_true(a.elapsed >= 250);
@@ -899,7 +906,8 @@ static void test_connect_retry(void **state) {
   int port = free_port();
   log_reset();
   double t0 = now_ms();
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", port, false, &quick, &none),
+  ddp_error_t cerr = {0};
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", port, false, &quick, &none, &cerr),
                    DDP_ERR_TIMEOUT);
   assert_true(now_ms() - t0 < 300 + TOLERANCE_MS);
   assert_null(none);
@@ -907,8 +915,9 @@ static void test_connect_retry(void **state) {
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
   assert_true(log_has(addr));
   assert_true(log_has("Connection refused"));
-  assert_non_null(strstr(ddp_store_last_error(NULL), addr));
-  assert_non_null(strstr(ddp_store_last_error(NULL), "attempts"));
+  assert_int_equal(cerr.status, DDP_ERR_TIMEOUT);
+  assert_non_null(strstr(cerr.msg, addr));
+  assert_non_null(strstr(cerr.msg, "attempts"));
 }
 
 /* ---------------------------------------------------------------- hostile bytes --- */
@@ -1006,7 +1015,7 @@ static void expect_serving(ddp_store_t *srv, const char *key) {
   assert_int_equal(ddp_store_set(srv, key, key, strlen(key)), DDP_OK);
   ddp_store_options_t o = opts_ms(3000, "test-token");
   ddp_store_t *cli = NULL;
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &o, &cli, NULL),
                    DDP_OK);
   expect_get(cli, key, key, strlen(key));
   ddp_store_destroy(cli);
@@ -1133,12 +1142,13 @@ static void test_hostile_bytes(void **state) {
   ddp_store_options_t bad = opts_ms(3000, "not-the-token");
   ddp_store_t *cli = NULL;
   double t0 = now_ms();
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", port, false, &bad, &cli),
+  ddp_error_t cerr = {0};
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", port, false, &bad, &cli, &cerr),
                    DDP_ERR_INVALID_USAGE);
   assert_true(now_ms() - t0 < DDP_TEST_BOUND_MS(1000));
   assert_null(cli);
   assert_true(log_has("rejected this client's job token"));
-  assert_non_null(strstr(ddp_store_last_error(NULL), "rejected this client's job token"));
+  assert_non_null(strstr(cerr.msg, "rejected this client's job token"));
   expect_serving(srv, "after-token");
 
   /* 5. half a message, then close */
@@ -1329,7 +1339,7 @@ static void test_no_leaks(void **state) {
     const char *dir = k == K_FILE ? make_tmpdir() : NULL;
     ddp_store_t *s = make_store((enum kind)k, dir, 2000);
     ddp_store_t *v = NULL;
-    assert_int_equal(ddp_store_create_prefix(s, "p", &v), DDP_OK);
+    assert_int_equal(ddp_store_create_prefix(s, "p", &v, NULL), DDP_OK);
     int64_t r;
     assert_int_equal(ddp_store_add(v, "c", 1, &r), DDP_OK);
     const char *keys[] = {"missing"};

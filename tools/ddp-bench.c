@@ -90,7 +90,29 @@ typedef struct rank_ctx {
 
 /* ---------------------------------------------------------------- usage ---------- */
 
+/* The backends ddp-bench runs: the entries of DDP_BACKEND_LIST that every build has
+ * (threads, shm, tcp; the optional mpi and nccl need mpirun or GPUs), in the list's order,
+ * joined by sep with `last` before the final one ("threads, shm or tcp"). */
+static const char *bench_backends(char *buf, size_t cap, const char *sep, const char *last) {
+  static const ddp_backend_info_t all[] = {
+#define BENCH_BACKEND_(name, alias, ranks, optional) {name, alias, ranks, optional},
+      DDP_BACKEND_LIST(BENCH_BACKEND_)
+#undef BENCH_BACKEND_
+  };
+  size_t n = 0, o = 0, k = 0;
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) n += !all[i].optional;
+  buf[0] = '\0';
+  for (size_t i = 0; i < sizeof all / sizeof all[0] && o < cap; i++) {
+    if (all[i].optional) continue;
+    o += (size_t)snprintf(buf + o, cap - o, "%s%s", k == 0 ? "" : k + 1 == n ? last : sep,
+                          all[i].name);
+    k++;
+  }
+  return buf;
+}
+
 static void print_help(void) {
+  char list[128];
   printf(
       "Usage: ddp-bench [options]\n"
       "All-reduce benchmark over libddp's backends and algorithms, nccl-tests style, with the\n"
@@ -105,7 +127,7 @@ static void print_help(void) {
       "      --warmup N         untimed iterations per point, at most (default 5; at least 1,\n"
       "                         and at most budget/(4*size))\n"
       "  -w, --world N          ranks (default 2)\n"
-      "      --backends LIST    comma-separated: threads,shm,tcp (default all three)\n"
+      "      --backends LIST    comma-separated: %s (default all three)\n"
       "      --algos LIST       auto,canonical,ring,small (default all; ring runs on tcp\n"
       "                         only: the shared-memory backends have no ring)\n"
       "  -o, --op OP            sum, min or max (default sum)\n"
@@ -126,7 +148,8 @@ static void print_help(void) {
       "Columns: time per iteration is the slowest rank's, from the call to the end of the wait,\n"
       "after a barrier; algbw = size/p50; busbw = algbw*2(W-1)/W; #wrong = elements that\n"
       "differ from the exact expected value (checked every iteration). docs/benchmarks.md.\n"
-      "Exit status: 0 all good, 1 a failure or a wrong element, 2 usage error.\n");
+      "Exit status: 0 all good, 1 a failure or a wrong element, 2 usage error.\n",
+      bench_backends(list, sizeof list, ",", ","));
 }
 
 static void usage_error(const char *fmt, const char *arg) {
@@ -217,7 +240,7 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
                      .min_iters = 5, .world = 2, .timeout_ms = 120000, .place_in = true,
                      .op = DDP_OP_SUM, .dt = DDP_F32, .calib = true};
   static char backends_buf[256], algos_buf[256];
-  snprintf(backends_buf, sizeof backends_buf, "threads,shm,tcp");
+  bench_backends(backends_buf, sizeof backends_buf, ",", ",");
   snprintf(algos_buf, sizeof algos_buf, "auto,canonical,ring,small");
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *val = NULL;
@@ -324,10 +347,14 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
   char *items[16];
   int n = split_list(backends_buf, items, 16, "--backends");
   for (int k = 0; k < n; k++) {
-    if (strcmp(items[k], "gloo") == 0) items[k] = "tcp";
-    if (strcmp(items[k], "threads") != 0 && strcmp(items[k], "shm") != 0 &&
-        strcmp(items[k], "tcp") != 0)
-      usage_error("--backends: '%s' is not threads, shm or tcp", items[k]);
+    const ddp_backend_info_t *b = ddp_backend_info(items[k]); /* "gloo" is tcp */
+    if (!b || b->optional) {
+      char list[128], fmt[192];
+      snprintf(fmt, sizeof fmt, "--backends: '%%s' is not %s",
+               bench_backends(list, sizeof list, ", ", " or "));
+      usage_error(fmt, items[k]);
+    }
+    items[k] = (char *)b->name;
     for (int j = 0; j < c->nbackends; j++)
       if (strcmp(c->backends[j], items[k]) == 0) usage_error("--backends: '%s' twice", items[k]);
     if (c->nbackends == MAX_BACKENDS) usage_error("--backends: too many ('%s')", items[k]);
@@ -453,6 +480,12 @@ static void sink_emit(bench_sink_t *s, const bench_row_t *r) {
   bench_print_row(stdout, r);
 }
 
+static ddp_error_t last_error(const ddp_pg_t *pg) {
+  ddp_error_t e;
+  ddp_pg_last_error_copy(pg, &e);
+  return e;
+}
+
 /* Waits for a collective issued with status `st` (work w) and frees it; on failure prints
  * the message of the work or of the group. */
 static ddp_status_t finish(ddp_pg_t *pg, ddp_status_t st, ddp_work_t *w, const char *what,
@@ -461,7 +494,7 @@ static ddp_status_t finish(ddp_pg_t *pg, ddp_status_t st, ddp_work_t *w, const c
   if (st != DDP_OK)
     fprintf(stderr, "ddp-bench: %s/%s rank %d: %s of %llu bytes: %s: %s\n", x->backend, x->algo,
             ddp_pg_rank(pg), what, (unsigned long long)bytes, ddp_status_name(st),
-            w ? ddp_work_error(w) : ddp_pg_last_error(pg));
+            w ? ddp_work_error(w) : last_error(pg).msg);
   ddp_work_free(w);
   return st;
 }
@@ -678,10 +711,11 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
 static ddp_status_t open_group(const bench_cfg_t *c, const char *backend, ddp_algorithm_t algo,
                                ddp_store_t *store, const char *name, int rank, const char *token,
                                ddp_store_t **view, ddp_pg_t **pg) {
-  ddp_status_t st = ddp_store_create_prefix(store, name, view);
+  ddp_error_t se = {0};
+  ddp_status_t st = ddp_store_create_prefix(store, name, view, &se);
   if (st != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, name,
-            ddp_store_last_error(store));
+            se.msg);
     return st;
   }
   ddp_pg_options_t o = group_options(c, backend, algo);
@@ -705,7 +739,7 @@ static void child_main(const bench_cfg_t *c, const char *backend, const char *di
   so.timeout_ms = c->timeout_ms;
   so.rank = rank;
   ddp_store_t *store = NULL;
-  ddp_status_t st = ddp_store_create_file(dir, &so, &store);
+  ddp_status_t st = ddp_store_create_file(dir, &so, &store, NULL);
   if (st != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s rank %d: file store in %s: %s\n", backend, rank, dir,
             ddp_status_name(st));
@@ -888,7 +922,8 @@ int main(int argc, char **argv) {
   bench_print_header_line(stdout);
   for (int bi = 0; bi < cfg.nbackends; bi++) {
     const char *be = cfg.backends[bi];
-    bool shared = strcmp(be, "tcp") != 0;
+    bool shared = ddp_backend_find(be)->family == DDP_BACKEND_SHARED;
+    bool threads = ddp_backend_info(be)->ranks == DDP_RANKS_THREADS;
     ddp_algorithm_t algos[MAX_ALGOS];
     int na = 0;
     for (int k = 0; k < cfg.nalgos; k++) {
@@ -899,9 +934,9 @@ int main(int argc, char **argv) {
       }
       algos[na++] = cfg.algos[k];
     }
-    if (strcmp(be, "threads") == 0 && cfg.desync_cost) {
+    if (threads && cfg.desync_cost) {
       printf("# threads: --desync-cost runs on shm and tcp (threads shares shm's check)\n");
-    } else if (strcmp(be, "threads") == 0) {
+    } else if (threads) {
       for (int k = 0; k < na; k++) {
         rank_ctx_t x = {&cfg, &sink, be, ddp_algorithm_name(algos[k])};
         ddp_pg_options_t o = group_options(&cfg, be, algos[k]);

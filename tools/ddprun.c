@@ -40,6 +40,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "ddp/backend.h" /* DDP_BACKEND_LIST only: ddprun links no libddp */
 #include "ddprun.h"
 
 __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...) {
@@ -54,7 +55,41 @@ __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const ch
 
 /* ------------------------------------------------------------------ options --------- */
 
+/* libddp's backends (DDP_BACKEND_LIST). Those that make sense for processes started by
+ * ddprun are the ones whose ranks are processes, of one host or of any: threads runs all
+ * ranks in one process, and mpi ranks are started by mpirun or srun. */
+static const struct {
+  const char *name, *alias;
+  ddp_backend_ranks_t ranks;
+} backends[] = {
+#define DDPRUN_BACKEND_(name, alias, ranks, optional) {name, alias, ranks},
+    DDP_BACKEND_LIST(DDPRUN_BACKEND_)
+#undef DDPRUN_BACKEND_
+};
+
+static bool launchable(ddp_backend_ranks_t r) {
+  return r == DDP_RANKS_ONE_HOST || r == DDP_RANKS_ANY_HOST;
+}
+
+/* The names --backend accepts, aliases after their backend, joined by ", " with `last`
+ * before the final one: "shm, tcp, gloo or nccl". */
+static const char *backend_choices(char *buf, size_t cap, const char *last) {
+  const char *names[2 * sizeof backends / sizeof backends[0]];
+  size_t n = 0, o = 0;
+  for (size_t i = 0; i < sizeof backends / sizeof backends[0]; i++) {
+    if (!launchable(backends[i].ranks)) continue;
+    names[n++] = backends[i].name;
+    if (backends[i].alias[0]) names[n++] = backends[i].alias;
+  }
+  buf[0] = '\0';
+  for (size_t i = 0; i < n && o < cap; i++)
+    o += (size_t)snprintf(buf + o, cap - o, "%s%s", i == 0 ? "" : i + 1 == n ? last : ", ",
+                          names[i]);
+  return buf;
+}
+
 static void print_help(void) {
+  char choices[128];
   static const char text[] =
       "usage: ddprun [options] prog [args...]\n"
       "\n"
@@ -71,7 +106,7 @@ static void print_help(void) {
       "  --max_restarts M     restart the whole group up to M times after a failure [0]\n"
       "  --no_reserve_port    do not hold the store port for rank 0 (a rank 0 that is not\n"
       "                       libddp binds it itself, e.g. PyTorch's TCPStore)\n"
-      "  --backend B          sets DDP_BACKEND: tcp, gloo, shm or nccl\n"
+      "  --backend B          sets DDP_BACKEND: %s\n"
       "  --timeout S          sets DDP_TIMEOUT, the collective timeout in seconds\n"
       "  --grace_period S     after a failure, seconds between SIGTERM and SIGKILL [3]\n"
       "  -h, --help           this text\n"
@@ -81,7 +116,12 @@ static void print_help(void) {
       "on every node. Output lines are prefixed with [rankN]. When a rank fails, the others\n"
       "are stopped; with restarts left all are started again (TORCHELASTIC_RESTART_COUNT\n"
       "counts them), else ddprun exits with the first failed rank's code (128+signal).\n";
-  write_all(STDOUT_FILENO, text, sizeof text - 1);
+  /* text holds one %s, the backend choices: written in three pieces (no printf of text) */
+  const char *at = strstr(text, "%s");
+  backend_choices(choices, sizeof choices, " or ");
+  write_all(STDOUT_FILENO, text, (size_t)(at - text));
+  write_all(STDOUT_FILENO, choices, strlen(choices));
+  write_all(STDOUT_FILENO, at + 2, strlen(at + 2));
 }
 
 static long parse_long(const char *flag, const char *s, long lo, long hi) {
@@ -102,23 +142,28 @@ static int64_t parse_seconds_ms(const char *flag, const char *s, double hi) {
   return (int64_t)(v * 1000.0 + 0.5);
 }
 
-/* Backends that make sense for processes started by ddprun. threads runs all ranks in one
- * process, and mpi ranks are started by mpirun or srun. */
+/* --backend: a launchable backend of the list (shm only with one node). */
 static void check_backend(const char *b, int nnodes) {
-  static const char *const ok[] = {"tcp", "gloo", "shm", "nccl"};
-  for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
-    if (strcmp(b, ok[i]) != 0) continue;
-    if (strcmp(b, "shm") == 0 && nnodes > 1)
-      usage_error("--backend shm works within one host; use tcp (or gloo) with --nnodes %d",
-                  nnodes);
-    return;
+  for (size_t i = 0; i < sizeof backends / sizeof backends[0]; i++) {
+    bool alias = backends[i].alias[0] && strcmp(b, backends[i].alias) == 0;
+    if (strcmp(b, backends[i].name) != 0 && !alias) continue;
+    switch (backends[i].ranks) {
+      case DDP_RANKS_ONE_HOST:
+        if (nnodes > 1)
+          usage_error("--backend %s works within one host; use tcp (or gloo) with --nnodes %d",
+                      b, nnodes);
+        return;
+      case DDP_RANKS_ANY_HOST: return;
+      case DDP_RANKS_THREADS:
+        usage_error("--backend %s runs ranks as threads of one process, not under ddprun; "
+                    "use shm or tcp", b);
+      case DDP_RANKS_MPI:
+        usage_error("--backend %s: MPI ranks are started by mpirun or srun, not by ddprun", b);
+    }
   }
-  if (strcmp(b, "threads") == 0)
-    usage_error("--backend threads runs ranks as threads of one process, not under ddprun; "
-                "use shm or tcp");
-  if (strcmp(b, "mpi") == 0)
-    usage_error("--backend mpi: MPI ranks are started by mpirun or srun, not by ddprun");
-  usage_error("--backend: unknown backend '%s' (choices: tcp, gloo, shm, nccl)", b);
+  char choices[128];
+  usage_error("--backend: unknown backend '%s' (choices: %s)", b,
+              backend_choices(choices, sizeof choices, ", "));
 }
 
 /* torchrun's HOST[:PORT] ([v6]:PORT for an IPv6 address); no port means 29400. */

@@ -26,21 +26,27 @@
 extern "C" {
 #endif
 
-#define DDP_BACKEND_ABI_VERSION 2u
+#define DDP_BACKEND_ABI_VERSION 3u
 
-/* The vocabulary of collectives, shared by the algorithm layer and the process-group API
- * (include/ddp/pg.h). */
+/* The vocabulary of collectives, shared by the algorithm layer, the backends and the
+ * process-group API (include/ddp/pg.h): kinds and algorithms here, reduction ops
+ * (ddp_redop_t) and dtypes in ddp/tensor.h. A backend author needs no other header. */
 
 /* Largest world a group accepts. */
 #define DDP_PG_MAX_WORLD 256
 
-typedef enum ddp_redop {
-  DDP_OP_SUM = 0,
-  DDP_OP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
-  DDP_OP_MIN = 2,
-  DDP_OP_MAX = 3,
-  DDP_OP_PRODUCT = 4
-} ddp_redop_t;
+/* What a collective does (include/ddp/pg.h has one entry point per kind). The values are
+ * stable: fingerprints and the flight recorder carry them. */
+typedef enum ddp_coll_kind {
+  DDP_COLL_ALLREDUCE = 1,
+  DDP_COLL_BROADCAST = 2,
+  DDP_COLL_ALLGATHER = 3,
+  DDP_COLL_REDUCE_SCATTER = 4,
+  DDP_COLL_ALLTOALL = 5,
+  DDP_COLL_BARRIER = 6,
+  DDP_COLL_SEND = 7,
+  DDP_COLL_RECV = 8
+} ddp_coll_kind_t;
 
 typedef enum ddp_algorithm {
   DDP_ALGO_AUTO = 0,      /* the size table: small below a threshold, canonical above */
@@ -50,8 +56,49 @@ typedef enum ddp_algorithm {
   DDP_ALGO_SMALL = 3      /* every rank folds everything in rank order (D2, latency-bound) */
 } ddp_algorithm_t;
 
-DDP_API const char *ddp_redop_name(ddp_redop_t op);
+/* The canonical algorithm's slices: a balanced partition of n elements into parts, part j
+ * being [*lo, *lo + *len); rank j owns part j, wherever canonical runs (src/algo, nccl). */
+static inline void ddp_coll_part(size_t n, int parts, int j, size_t *lo, size_t *len) {
+  size_t q = n / (size_t)parts, r = n % (size_t)parts, jj = (size_t)j;
+  *lo = jj * q + (jj < r ? jj : r);
+  *len = q + (jj < r ? 1 : 0);
+}
+
+/* "allreduce", "broadcast", ...; SEND is "send/recv", the name of a point-to-point pair
+ * (both sides of a pair fingerprint as SEND); "?" outside the list. */
+DDP_API const char *ddp_coll_kind_name(ddp_coll_kind_t k);
 DDP_API const char *ddp_algorithm_name(ddp_algorithm_t a);
+
+/* ---- the backends libddp knows: one list, in the registry's order. The registry
+ * (ddp_backend_find, ddp_backend_names), the launcher (ddprun --backend), ddp-bench and
+ * ddp-train read it. It is header-only, so a tool that does not link libddp (ddprun) reads
+ * the same list. ---- */
+
+/* Where a backend's ranks run, which decides who can start them. */
+typedef enum ddp_backend_ranks {
+  DDP_RANKS_THREADS = 1,  /* threads of one process (ddp_spawn_threads) */
+  DDP_RANKS_ONE_HOST = 2, /* processes of one host */
+  DDP_RANKS_ANY_HOST = 3, /* processes on any hosts */
+  DDP_RANKS_MPI = 4       /* the processes of an MPI job (mpirun, srun): MPI has connected
+                           * them, so the group needs no store */
+} ddp_backend_ranks_t;
+
+/* X(name, alias, ranks, optional). alias: a second name accepted for it ("" = none; "gloo"
+ * is Hugging Face's name for the tcp backend, DESIGN.md, Configuration). optional: built
+ * only where its library was found (ddp_backend_find says whether this build has it). */
+#define DDP_BACKEND_LIST(X)                   \
+  X("threads", "", DDP_RANKS_THREADS, false)  \
+  X("shm", "", DDP_RANKS_ONE_HOST, false)     \
+  X("tcp", "gloo", DDP_RANKS_ANY_HOST, false) \
+  X("mpi", "", DDP_RANKS_MPI, true)           \
+  X("nccl", "", DDP_RANKS_ANY_HOST, true)
+
+typedef struct ddp_backend_info {
+  const char *name;
+  const char *alias; /* "" = none */
+  ddp_backend_ranks_t ranks;
+  bool optional;
+} ddp_backend_info_t;
 
 typedef enum ddp_backend_family { DDP_BACKEND_SHARED = 1, DDP_BACKEND_LINK = 2 } ddp_backend_family_t;
 
@@ -105,12 +152,10 @@ typedef struct ddp_xfer_idle {
 } ddp_xfer_idle_t;
 
 /* One whole collective, for backends that run collectives with their own library (mpi's
- * MPI_Iallreduce, nccl). kind: 1 allreduce, 2 broadcast, 3 allgather, 4 reduce_scatter,
- * 5 alltoall, 6 barrier, 7 send, 8 recv; root = broadcast root or point-to-point peer;
- * algo is resolved (never AUTO). Buffers and counts are those of include/ddp/pg.h, already
- * validated. */
+ * MPI_Iallreduce, nccl). root = broadcast root or point-to-point peer; algo is resolved
+ * (never AUTO). Buffers and counts are those of include/ddp/pg.h, already validated. */
 typedef struct ddp_backend_coll {
-  int kind;
+  ddp_coll_kind_t kind;
   const void *send;
   void *recv;
   size_t count;
@@ -150,11 +195,26 @@ typedef struct ddp_backend_ops {
    * of the family algorithms unless the backend does its own. NULL = never. */
   ddp_status_t (*run)(void *state, const ddp_backend_coll_t *c, int64_t deadline_ns,
                       ddp_error_t *err);
+  /* Capabilities: what the layers above may rely on, stated here so that they never compare
+   * table identities. */
+  /* Link family: xfer moves one byte stream per pair of ranks (tcp), so bytes one send
+   * wrote may be read by several receives; false for message backends (mpi), which match
+   * each send with exactly one receive. */
+  bool stream;
+  /* Optional: why the last mem_alloc on this state returned NULL (shm: /dev/shm cannot hold
+   * the block, with the bytes needed and free; or the heap has no free range), for
+   * ddp_pg_last_error. NULL = plain "out of memory". */
+  void (*alloc_error)(void *state, ddp_error_t *out);
 } ddp_backend_ops_t;
 
-/* The registered backend of that name ("gloo" is an alias of "tcp"), or NULL. */
+/* The registered backend of that name or alias ("gloo" is tcp), or NULL: unknown, or an
+ * optional backend this library was built without. */
 DDP_API const ddp_backend_ops_t *ddp_backend_find(const char *name);
-/* Comma-separated list of registered names, for error messages. */
+/* The DDP_BACKEND_LIST entry of that name or alias, built in this library or not; NULL for
+ * a name the list does not have. */
+DDP_API const ddp_backend_info_t *ddp_backend_info(const char *name);
+/* Comma-separated list of the backends this library was built with, for error messages:
+ * "threads, shm, tcp (alias gloo), mpi, nccl". */
 DDP_API const char *ddp_backend_names(void);
 
 #ifdef __cplusplus

@@ -16,7 +16,7 @@
  * Failures: every wait has a deadline (the group's timeout). A dead peer, a timeout, a
  * mismatched collective (DESYNC) or an abort fails the group: the failing call and every
  * pending and later call return DDP_ERR_REMOTE / TIMEOUT / DESYNC / ABORTED with a message
- * (ddp_pg_last_error, ddp_work_error) naming the collective and the ranks at fault. A failed
+ * (ddp_pg_last_error_copy, ddp_work_error) naming the collective and the ranks at fault. A failed
  * group cannot recover: destroy it and create a new one (docs/errors.md).
  *
  * Thread safety: issuing calls on one group from several threads is allowed (they are
@@ -58,7 +58,8 @@ typedef struct ddp_pg_options {
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).
- * err (optional) receives the message on failure. Options are copied. */
+ * err (optional) receives the message on failure. Options are copied (read by struct_size: an
+ * older caller gets defaults for the fields it lacks). */
 DDP_API ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_error_t *err);
 
 /* Creates a group from a launcher's environment: RANK/WORLD_SIZE (torchrun, ddprun), else
@@ -131,7 +132,12 @@ DDP_API ddp_status_t ddp_pg_dump_flight_recorder(ddp_pg_t *pg, const char *path,
 DDP_API int ddp_pg_rank(const ddp_pg_t *pg);
 DDP_API int ddp_pg_size(const ddp_pg_t *pg);
 DDP_API const char *ddp_pg_backend_name(const ddp_pg_t *pg);
-/* The message of the group's first failure, or of the last argument error; "" if none. */
+/* Copies into *out, under the group's lock, the group's first failure, or else its last
+ * argument error (status DDP_OK and "" when there is neither). Safe from any thread. */
+DDP_API void ddp_pg_last_error_copy(const ddp_pg_t *pg, ddp_error_t *out);
+/* Deprecated: the same message without a copy, pointing into the handle, so a later
+ * argument error made by another thread may rewrite it while it is read. Use
+ * ddp_pg_last_error_copy; this stays until the remaining callers have moved. */
 DDP_API const char *ddp_pg_last_error(const ddp_pg_t *pg);
 /* DDP_OK while the group is usable, else the status that failed it. */
 DDP_API ddp_status_t ddp_pg_status(const ddp_pg_t *pg);
@@ -139,7 +145,7 @@ DDP_API ddp_status_t ddp_pg_status(const ddp_pg_t *pg);
 /* Communication buffers: 64-byte aligned. On shm they live in the shared segment, so
  * collectives on them read peers' data in place with no copy; elsewhere ordinary memory.
  * NULL when out of memory (on shm: /dev/shm cannot hold the block, or the heap has no free
- * range), with the reason in ddp_pg_last_error (on shm it names /dev/shm, the bytes needed
+ * range), with the reason in ddp_pg_last_error_copy (on shm it names /dev/shm, the bytes needed
  * and the bytes free). Free with ddp_pg_free on the same group before destroying it. */
 DDP_API void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes);
 DDP_API void ddp_pg_free(ddp_pg_t *pg, void *ptr);

@@ -7,8 +7,9 @@
  * (or the one given) and returns DDP_ERR_TIMEOUT naming the missing keys. All calls are
  * thread-safe on one handle; a handle must not be used across fork() (a child creates its
  * own). ddp_store_cancel() from any thread makes blocked and later calls return
- * DDP_ERR_ABORTED. A failed create's message is ddp_store_last_error(NULL) in that thread.
- * docs/rendezvous.md describes the kinds, the timeouts, the token and the wire format. */
+ * DDP_ERR_ABORTED. Every create takes an optional ddp_error_t *err for its failure (it has
+ * no handle yet); later failures are read with ddp_store_last_error_copy. Failures are
+ * logged once, by the store, where they happen. docs/rendezvous.md describes the kinds, the timeouts, the token and the wire format. */
 #ifndef DDP_STORE_H
 #define DDP_STORE_H
 
@@ -38,12 +39,16 @@ typedef struct ddp_store_options {
 
 #define DDP_STORE_OPTIONS_INIT {sizeof(ddp_store_options_t), -1, NULL, -1}
 
+/* Every create: opts may be NULL (defaults; read by struct_size, older callers get defaults
+ * for the fields they lack); err (optional) receives the message on failure. */
+
 /* In-process store shared by threads: create one, pass the same handle to every thread. */
-DDP_API ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out);
+DDP_API ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out,
+                                             ddp_error_t *err);
 /* A directory on a (possibly shared) filesystem, created (one level) when missing; one file
  * per key, atomic renames. The store never removes the directory. */
 DDP_API ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_options_t *opts,
-                                           ddp_store_t **out);
+                                           ddp_store_t **out, ddp_error_t *err);
 /* TCP: when is_server, listens on host:port (port 0 = ephemeral; see ddp_store_port) and
  * serves from a background thread, and this handle is also a client of it. Clients retry
  * connecting with backoff until the timeout. host NULL means MASTER_ADDR (clients) or every
@@ -51,11 +56,12 @@ DDP_API ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_opti
  * connection: a server and its clients must hold equal tokens ("" equals only ""); a
  * rejected client gets DDP_ERR_INVALID_USAGE saying so. Wire format: docs/rendezvous.md. */
 DDP_API ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,
-                                          const ddp_store_options_t *opts, ddp_store_t **out);
+                                          const ddp_store_options_t *opts, ddp_store_t **out,
+                                          ddp_error_t *err);
 /* A view whose keys are prefixed with "<prefix>/" (sub-groups). It holds a reference to
  * base, which must outlive it. */
 DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix,
-                                             ddp_store_t **out);
+                                             ddp_store_t **out, ddp_error_t *err);
 /* NULL is a no-op. No call may be in flight on the handle (cancel, then join the callers).
  * Destroying a TCP server stops serving every client. */
 DDP_API void ddp_store_destroy(ddp_store_t *s);
@@ -92,11 +98,17 @@ DDP_API void ddp_store_cancel(ddp_store_t *s);
 DDP_API int64_t ddp_store_timeout_ms(const ddp_store_t *s);
 /* TCP server: the bound port (useful with port 0); -1 otherwise. */
 DDP_API int ddp_store_port(const ddp_store_t *s);
-/* The message of the last failed call on this handle made by the calling thread (or, when
- * this thread has none, the handle's latest). Owned by the handle; "" when none.
- * s == NULL: the message of this thread's last failed ddp_store_create_* call (creation
- * has no handle to hold it), valid until that thread's next failed create. */
-DDP_API const char *ddp_store_last_error(const ddp_store_t *s);
+/* Copies into *out, under the handle's lock, the error of the last failed call on this
+ * handle made by the calling thread (or, when this thread has none, the handle's latest);
+ * status DDP_OK and "" when none. */
+DDP_API void ddp_store_last_error_copy(const ddp_store_t *s, ddp_error_t *out);
+/* The numeric local address (no port) of s's connection to its TCP store server: the
+ * address the kernel chose to reach node 0, hence one that hosts on node 0's network can
+ * reach this host at (the tcp backend publishes it to its peers). s may be a prefix view.
+ * False (buf = "") for memory and file stores, for a server created on a wildcard address
+ * (its own client then goes over loopback), and when the address does not fit in cap
+ * bytes. Thread-safe: the address is fixed at create. */
+DDP_API bool ddp_store_local_addr(const ddp_store_t *s, char *buf, size_t cap);
 
 #ifdef __cplusplus
 }

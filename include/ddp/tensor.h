@@ -42,6 +42,37 @@ DDP_API const char *ddp_dtype_name(ddp_dtype_t dt);
 DDP_API ddp_status_t ddp_dtype_from_name(const char *name, ddp_dtype_t *out);
 DDP_API bool ddp_dtype_valid(int dt);
 
+/* Element-wise reduction ops: how the collectives (ddp/pg.h) combine the ranks'
+ * contributions, element by element, in the element's dtype. */
+typedef enum ddp_redop {
+  DDP_OP_SUM = 0,
+  DDP_OP_AVG = 1, /* sum, then divided by W (integers: truncating division) */
+  DDP_OP_MIN = 2,
+  DDP_OP_MAX = 3,
+  DDP_OP_PRODUCT = 4
+} ddp_redop_t;
+
+/* "SUM", "AVG", "MIN", "MAX", "PRODUCT"; "?" outside the list. */
+DDP_API const char *ddp_redop_name(ddp_redop_t op);
+
+/* The reduction kernels: the element-wise arithmetic of every reduction in the collectives,
+ * used by the algorithms and by backends that reduce with their own code (a backend that
+ * folds with these gives results bitwise equal to every other backend's, D2). Lane i of a
+ * result depends only on lane i of the inputs. fp16 and bf16 compute in fp32 and round
+ * after every operation; integer sums and products wrap; float MIN and MAX propagate NaN;
+ * AVG is the sum divided by the world size. dt is a reducible dtype (not BOOL). */
+/* dst[i] = dst[i] op src[i] (AVG accumulates as SUM). */
+DDP_API void ddp_reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n);
+/* dst[i] /= world, for AVG after the last addition (integers: truncating division). */
+DDP_API void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world);
+/* The scratch block ddp_reduce_fold folds in. */
+#define DDP_REDUCE_TMP_BYTES (64u * 1024u)
+/* dst[i] = (((srcs[0][i] op srcs[1][i]) op srcs[2][i]) ...), the rank-order left fold over
+ * nsrc sources, then the AVG division by world. dst may alias any source: each block of
+ * DDP_REDUCE_TMP_BYTES is folded in tmp (that many bytes) before it is written. */
+DDP_API void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
+                             void *dst, size_t n, unsigned char *tmp, int world);
+
 typedef struct ddp_tensor {
   ddp_dtype_t dtype;
   int ndim;                      /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */

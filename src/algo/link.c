@@ -103,7 +103,7 @@ typedef struct fold_job {
 
 static void fold_job_run(void *arg) {
   fold_job_t *f = arg;
-  ddp__reduce_fold(f->op->dt, f->op->op, f->c->size, f->srcs, f->dst, f->n, f->c->tmp,
+  ddp_reduce_fold(f->op->dt, f->op->op, f->c->size, f->srcs, f->dst, f->n, f->c->tmp,
                    f->c->size);
 }
 
@@ -113,7 +113,7 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
-  bool piggy = c->check_fp && c->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
+  bool piggy = c->check_fp && c->ops->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
   if (!piggy && c->check_fp) DDP_CHECK(check_fps(c, op, err));
   ddp_xfer_t ops[3 * MAXW];
   ddp__fp_t fps[MAXW];
@@ -158,7 +158,7 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
   size_t es = ddp_dtype_size(op->dt), n = op->count, lo[MAXW] = {0}, len[MAXW] = {0};
   int W = c->size, r = c->rank;
   unsigned char *out = op->recv;
-  for (int j = 0; j < W; j++) ddp__part(n, W, j, &lo[j], &len[j]);
+  for (int j = 0; j < W; j++) ddp_coll_part(n, W, j, &lo[j], &len[j]);
   DDP_CHECK(reduce_owned(c, op, op->send, lo, len, out + lo[r] * es, err));
   ddp_xfer_t ops[2 * MAXW];
   size_t k = 0;
@@ -198,7 +198,7 @@ static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool 
     if (with_fp) ops[k++] = (ddp_xfer_t){j, false, NULL, 0, 0};
   }
   DDP_CHECK(xfer(c, ops, k, err));
-  ddp__reduce_fold(op->dt, op->op, W, srcs, op->recv, op->count, c->tmp, W);
+  ddp_reduce_fold(op->dt, op->op, W, srcs, op->recv, op->count, c->tmp, W);
   return DDP_OK;
 }
 
@@ -219,8 +219,8 @@ static ddp_status_t allreduce_ring(ddp__comm_t *c, const ddp__coll_t *op, ddp_er
       int sc = phase == 0 ? ((r - i) % W + W) % W : ((r + 1 - i) % W + W) % W;
       int rc = phase == 0 ? ((r - i - 1) % W + W) % W : ((r - i) % W + W) % W;
       size_t slo, slen, rlo, rlen;
-      ddp__part(n, W, sc, &slo, &slen);
-      ddp__part(n, W, rc, &rlo, &rlen);
+      ddp_coll_part(n, W, sc, &slo, &slen);
+      ddp_coll_part(n, W, rc, &rlo, &rlen);
       for (size_t b = 0; b < DDP_MAX(slen, rlen); b += seg) {
         size_t sm = slen > b ? DDP_MIN(seg, slen - b) : 0;
         size_t rm = rlen > b ? DDP_MIN(seg, rlen - b) : 0;
@@ -230,11 +230,11 @@ static ddp_status_t allreduce_ring(ddp__comm_t *c, const ddp__coll_t *op, ddp_er
         add(ops, &k, right, true, out + (slo + b) * es, sm * es);
         add(ops, &k, left, false, dst, rm * es);
         DDP_CHECK(xfer(c, ops, k, err));
-        if (phase == 0) ddp__reduce_acc(op->dt, op->op, out + (rlo + b) * es, c->scratch, rm);
+        if (phase == 0) ddp_reduce_acc(op->dt, op->op, out + (rlo + b) * es, c->scratch, rm);
       }
     }
   }
-  if (op->op == DDP_OP_AVG) ddp__reduce_avg(op->dt, out, n, W);
+  if (op->op == DDP_OP_AVG) ddp_reduce_avg(op->dt, out, n, W);
   return DDP_OK;
 }
 
@@ -303,7 +303,7 @@ static ddp_status_t alltoall(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t 
 static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   ddp__fp_t theirs;
   int peer = op->root;
-  bool sender = op->kind == DDP__SEND;
+  bool sender = op->kind == DDP_COLL_SEND;
   ddp_xfer_t ops[2] = {{peer, true, (void *)&op->fp, sizeof op->fp, 0},
                        {peer, false, &theirs, sizeof theirs, 0}};
   DDP_CHECK(c->ops->xfer(c->state, ops, 2, NULL, c->deadline_ns, err));
@@ -323,31 +323,31 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
 
 ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   ddp__coll_t o = *op;
-  if (o.kind == DDP__SEND || o.kind == DDP__RECV) return p2p(c, &o, err);
+  if (o.kind == DDP_COLL_SEND || o.kind == DDP_COLL_RECV) return p2p(c, &o, err);
   size_t es = ddp_dtype_size(o.dt);
   /* Which allreduce runs: small (when it fits the scratch), ring, or canonical. */
-  bool small = o.kind == DDP__ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
+  bool small = o.kind == DDP_COLL_ALLREDUCE && o.algo == DDP_ALGO_SMALL &&
                o.count * es * (size_t)c->size <= c->scratch_bytes;
-  bool canonical = o.kind == DDP__ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
-  if (small && c->check_fp && c->stream && c->size > 1 && o.count > 0 &&
-      sizeof o.fp + o.count * es <= DDP__TMP_BYTES)
+  bool canonical = o.kind == DDP_COLL_ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
+  if (small && c->check_fp && c->ops->stream && c->size > 1 && o.count > 0 &&
+      sizeof o.fp + o.count * es <= DDP_REDUCE_TMP_BYTES)
     return allreduce_small(c, &o, true, err);
   /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
-  bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP__REDUCE_SCATTER);
+  bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP_COLL_REDUCE_SCATTER);
   if (c->size > 1 && !owned && c->check_fp) DDP_CHECK(check_fps(c, &o, err));
-  if (o.count == 0 || o.kind == DDP__BARRIER) return DDP_OK;
+  if (o.count == 0 || o.kind == DDP_COLL_BARRIER) return DDP_OK;
   if (c->size == 1) {
-    if (o.kind != DDP__BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
+    if (o.kind != DDP_COLL_BROADCAST && o.send != o.recv) memmove(o.recv, o.send, o.count * es);
     return DDP_OK;
   }
   switch (o.kind) {
-    case DDP__ALLREDUCE:
+    case DDP_COLL_ALLREDUCE:
       if (small) return allreduce_small(c, &o, false, err);
       return canonical ? allreduce_canonical(c, &o, err) : allreduce_ring(c, &o, err);
-    case DDP__BROADCAST: return broadcast(c, &o, err);
-    case DDP__ALLGATHER: return allgather(c, &o, err);
-    case DDP__REDUCE_SCATTER: return reduce_scatter(c, &o, err);
-    case DDP__ALLTOALL: return alltoall(c, &o, err);
+    case DDP_COLL_BROADCAST: return broadcast(c, &o, err);
+    case DDP_COLL_ALLGATHER: return allgather(c, &o, err);
+    case DDP_COLL_REDUCE_SCATTER: return reduce_scatter(c, &o, err);
+    case DDP_COLL_ALLTOALL: return alltoall(c, &o, err);
     default: break;
   }
   return ddp__error_quiet(err, DDP_ERR_INTERNAL, "unknown operation kind %d", (int)o.kind);

@@ -90,10 +90,6 @@ static pair_cell_t *cell(ddp__comm_t *c, int from, int to) {
          (size_t)from * (size_t)c->size + (size_t)to;
 }
 
-void ddp__shared_ctl_init(void *ctl, int size) {
-  memset(ctl, 0, ddp__shared_ctl_bytes(size));
-}
-
 void ddp__shared_attach(ddp__comm_t *c, int pid) {
   slot(c, c->rank)->pid = pid;
 }
@@ -283,20 +279,20 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   if (n == 0) return DDP_OK;
   if (direct && op->algo == DDP_ALGO_SMALL && n * es <= c->scratch_bytes) {
     for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j);
-    ddp__reduce_fold(op->dt, op->op, W, srcs, c->scratch, n, c->tmp, W);
+    ddp_reduce_fold(op->dt, op->op, W, srcs, c->scratch, n, c->tmp, W);
     DDP_CHECK(barrier(c, err));
     memcpy(out, c->scratch, n * es);
     return DDP_OK;
   }
   if (direct) {
-    ddp__part(n, W, r, &lo, &len);
-    size_t blk = DDP__TMP_BYTES / es;
+    ddp_coll_part(n, W, r, &lo, &len);
+    size_t blk = DDP_REDUCE_TMP_BYTES / es;
     unsigned char *dsts[DDP_PG_MAX_WORLD];
     for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, op, j) + lo * es;
     for (size_t off = 0; off < len; off += blk) {
       size_t m = DDP_MIN(blk, len - off);
       for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j) + (lo + off) * es;
-      ddp__reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
+      ddp_reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
       for (int j = 0; j < W; j++)
         if (j != r) memcpy(dsts[j] + off * es, out + (lo + off) * es, m * es);
     }
@@ -308,12 +304,12 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
     size_t m = DDP_MIN(chunk, n - b);
     memcpy(stg[r], in + b * es, m * es);
     DDP_CHECK(barrier(c, err));
-    ddp__part(m, W, r, &lo, &len);
+    ddp_coll_part(m, W, r, &lo, &len);
     for (int j = 0; j < W; j++) srcs[j] = stg[j] + lo * es;
-    ddp__reduce_fold(op->dt, op->op, W, srcs, stg[r] + lo * es, len, c->tmp, W);
+    ddp_reduce_fold(op->dt, op->op, W, srcs, stg[r] + lo * es, len, c->tmp, W);
     DDP_CHECK(barrier(c, err));
     for (int j = 0; j < W; j++) {
-      ddp__part(m, W, j, &lo, &len);
+      ddp_coll_part(m, W, j, &lo, &len);
       memcpy(out + (b + lo) * es, stg[j] + lo * es, len * es);
     }
     DDP_CHECK(barrier(c, err));
@@ -386,7 +382,7 @@ static ddp_status_t blocks(ddp__comm_t *c, const ddp__coll_t *op, bool reduce, d
   if (direct) {
     for (int j = 0; j < W; j++) srcs[j] = (j == r ? in : peer_in(c, op, j)) + (size_t)r * n * es;
     if (reduce) {
-      ddp__reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
+      ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
     } else {
       for (int j = 0; j < W; j++) memcpy(out + j * n * es, srcs[j], n * es);
     }
@@ -400,7 +396,7 @@ static ddp_status_t blocks(ddp__comm_t *c, const ddp__coll_t *op, bool reduce, d
     DDP_CHECK(barrier(c, err));
     for (int j = 0; j < W; j++) srcs[j] = stg[j] + (size_t)r * m * es;
     if (reduce) {
-      ddp__reduce_fold(op->dt, op->op, W, srcs, out + b * es, m, c->tmp, W);
+      ddp_reduce_fold(op->dt, op->op, W, srcs, out + b * es, m, c->tmp, W);
     } else {
       for (int j = 0; j < W; j++) memcpy(out + (j * n + b) * es, srcs[j], m * es);
     }
@@ -439,7 +435,7 @@ static void p2p_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
 static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   size_t es = ddp_dtype_size(op->dt), bytes = op->count * es, C = c->sh->staging_bytes;
   int peer = op->root;
-  bool sender = op->kind == DDP__SEND;
+  bool sender = op->kind == DDP_COLL_SEND;
   p2p_wait_t w = {sender ? cell(c, c->rank, peer) : cell(c, peer, c->rank), 0, peer, sender};
   size_t off = 0;
   do {
@@ -486,17 +482,17 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
 ddp_status_t ddp__run_shared(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   DDP_CHECK(check_failed(c, err));
   switch (op->kind) {
-    case DDP__ALLREDUCE: return allreduce(c, op, err);
-    case DDP__BROADCAST: return broadcast(c, op, err);
-    case DDP__ALLGATHER: return allgather(c, op, err);
-    case DDP__REDUCE_SCATTER: return blocks(c, op, true, err);
-    case DDP__ALLTOALL: return blocks(c, op, false, err);
-    case DDP__BARRIER: {
+    case DDP_COLL_ALLREDUCE: return allreduce(c, op, err);
+    case DDP_COLL_BROADCAST: return broadcast(c, op, err);
+    case DDP_COLL_ALLGATHER: return allgather(c, op, err);
+    case DDP_COLL_REDUCE_SCATTER: return blocks(c, op, true, err);
+    case DDP_COLL_ALLTOALL: return blocks(c, op, false, err);
+    case DDP_COLL_BARRIER: {
       bool direct;
       return begin(c, op, NULL, 0, NULL, 0, &direct, err);
     }
-    case DDP__SEND:
-    case DDP__RECV: return p2p(c, op, err);
+    case DDP_COLL_SEND:
+    case DDP_COLL_RECV: return p2p(c, op, err);
   }
   return ddp__error_quiet(err, DDP_ERR_INTERNAL, "unknown operation kind %d", (int)op->kind);
 }

@@ -2,6 +2,7 @@
 #ifndef DDP_SRC_BACKENDS_H
 #define DDP_SRC_BACKENDS_H
 
+#include "common/common.h"
 #include "ddp/backend.h"
 
 extern const ddp_backend_ops_t ddp__backend_threads;
@@ -11,9 +12,11 @@ extern const ddp_backend_ops_t ddp__backend_tcp;
 extern const ddp_backend_ops_t ddp__backend_mpi;  /* DDP_HAVE_MPI */
 extern const ddp_backend_ops_t ddp__backend_nccl; /* DDP_HAVE_NCCL */
 
-/* shm: why the last ddp_pg_alloc on this group's heap failed (/dev/shm full: the bytes
- * needed and free; or no free range), for ddp_pg_last_error. */
-void ddp__shm_alloc_error(void *state, ddp_error_t *out);
+/* A store call of a backend's create failed with st: the store has logged it where it
+ * happened, so this only fills err (quietly) with the context fmt, ": ", and the store's
+ * message, and returns st. */
+ddp_status_t ddp__backend_store_failed(ddp_store_t *store, ddp_status_t st, ddp_error_t *err,
+                                       const char *fmt, ...) DDP_PRINTF(4, 5);
 
 /* Rendezvous step every backend ends its create with: publishes "<prefix>/joined/<rank>"
  * (value = the process id) and waits until all `size` ranks have, up to timeout_ms. On a

@@ -1,5 +1,8 @@
-/* The backend registry: static const tables, looked up by name. Hugging Face's "gloo"
- * names the tcp backend (DESIGN.md, Configuration). */
+/* The backend registry: static const tables, looked up by name, and the one list of the
+ * backends libddp knows (DDP_BACKEND_LIST in ddp/backend.h): names, aliases ("gloo" names
+ * the tcp backend, DESIGN.md, Configuration) and where each one's ranks run. */
+#include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -19,39 +22,75 @@ static const ddp_backend_ops_t *const registry[] = {
 #endif
 };
 
-const ddp_backend_ops_t *ddp_backend_find(const char *name) {
+static const ddp_backend_info_t known[] = {
+#define DDP_BACKEND_INFO_(name, alias, ranks, optional) {name, alias, ranks, optional},
+    DDP_BACKEND_LIST(DDP_BACKEND_INFO_)
+#undef DDP_BACKEND_INFO_
+};
+
+const ddp_backend_info_t *ddp_backend_info(const char *name) {
   if (!name) return NULL;
-  if (strcmp(name, "gloo") == 0) name = "tcp";
-  for (size_t i = 0; i < DDP_ARRAY_LEN(registry); i++)
-    if (strcmp(registry[i]->name, name) == 0) return registry[i];
+  for (size_t i = 0; i < DDP_ARRAY_LEN(known); i++)
+    if (strcmp(known[i].name, name) == 0 || (known[i].alias[0] && strcmp(known[i].alias, name) == 0))
+      return &known[i];
   return NULL;
 }
 
-const char *ddp_backend_names(void) {
-  return "threads, shm, tcp (alias gloo)"
-#if DDP_HAVE_MPI
-         ", mpi"
-#endif
-#if DDP_HAVE_NCCL
-         ", nccl"
-#endif
-      ;
+const ddp_backend_ops_t *ddp_backend_find(const char *name) {
+  const ddp_backend_info_t *b = ddp_backend_info(name);
+  if (!b) return NULL;
+  for (size_t i = 0; i < DDP_ARRAY_LEN(registry); i++)
+    if (strcmp(registry[i]->name, b->name) == 0) return registry[i];
+  return NULL;
 }
 
+static char names[160];
+static pthread_once_t names_once = PTHREAD_ONCE_INIT;
+
+static void names_init(void) {
+  size_t o = 0;
+  for (size_t i = 0; i < DDP_ARRAY_LEN(known) && o < sizeof names; i++) {
+    if (!ddp_backend_find(known[i].name)) continue;
+    o += (size_t)snprintf(names + o, sizeof names - o, "%s%s", o ? ", " : "", known[i].name);
+    if (known[i].alias[0] && o < sizeof names)
+      o += (size_t)snprintf(names + o, sizeof names - o, " (alias %s)", known[i].alias);
+  }
+}
+
+const char *ddp_backend_names(void) {
+  pthread_once(&names_once, names_init);
+  return names;
+}
+
+ddp_status_t ddp__backend_store_failed(ddp_store_t *store, ddp_status_t st, ddp_error_t *err,
+                                       const char *fmt, ...) {
+  char what[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  ddp_error_t se;
+  ddp_store_last_error_copy(store, &se);
+  return ddp__error_quiet(err, st, "%s: %s", what, se.msg);
+}
+
+/* On a timeout the store has logged the wait that timed out (naming the missing key); the
+ * message here names the ranks instead, without logging again. */
 ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank, int size,
                                int64_t timeout_ms, int *pids, ddp_error_t *err) {
   char key[128];
   int pid = (int)getpid();
   snprintf(key, sizeof key, "%s/joined/%d", prefix, rank);
-  if (ddp_store_set(store, key, &pid, sizeof pid) != DDP_OK)
-    return ddp__error(err, rank, DDP_ERR_REMOTE, "rank %d: store set %s: %s", rank, key,
-                      ddp_store_last_error(store));
+  ddp_status_t st = ddp_store_set(store, key, &pid, sizeof pid);
+  if (st != DDP_OK)
+    return ddp__backend_store_failed(store, DDP_ERR_REMOTE, err, "rank %d: store set %s", rank,
+                                     key);
   int64_t deadline = ddp_deadline_after_ms(timeout_ms);
   for (int j = 0; j < size; j++) {
     snprintf(key, sizeof key, "%s/joined/%d", prefix, j);
     const char *keys[1] = {key};
     int64_t left = (deadline - ddp_now_ns()) / 1000000;
-    ddp_status_t st = ddp_store_wait(store, keys, 1, left > 0 ? left : 0);
+    st = ddp_store_wait(store, keys, 1, left > 0 ? left : 0);
     if (st == DDP_ERR_TIMEOUT) {
       char missing[256];
       size_t o = 0;
@@ -63,24 +102,25 @@ ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank,
         if (ddp_store_check(store, kk, 1, &ok) == DDP_OK && !ok)
           o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", k);
       }
-      return ddp__error(err, rank, DDP_ERR_TIMEOUT,
-                        "rank %d: timed out after %lld ms waiting for rank(s)%s to join the %s "
-                        "group", rank, (long long)timeout_ms, missing, prefix);
+      return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
+                              "rank %d: timed out after %lld ms waiting for rank(s)%s to join "
+                              "the %s group", rank, (long long)timeout_ms, missing, prefix);
     }
     if (st != DDP_OK)
-      return ddp__error(err, rank, st, "rank %d: waiting for rank %d to join: %s", rank, j,
-                        ddp_store_last_error(store));
+      return ddp__backend_store_failed(store, st, err, "rank %d: waiting for rank %d to join",
+                                       rank, j);
     if (pids) {
       void *v = NULL;
       size_t n = 0;
       st = ddp_store_get(store, key, &v, &n);
-      if (st != DDP_OK || n != sizeof(int)) {
-        ddp_free(v);
-        return ddp__error(err, rank, st ? st : DDP_ERR_INVALID_DATA,
-                          "rank %d: reading %s from the store failed", rank, key);
-      }
-      memcpy(&pids[j], v, sizeof(int));
+      if (st == DDP_OK && n == sizeof(int)) memcpy(&pids[j], v, sizeof(int));
       ddp_free(v);
+      if (st != DDP_OK)
+        return ddp__backend_store_failed(store, st, err, "rank %d: reading %s from the store",
+                                         rank, key);
+      if (n != sizeof(int))
+        return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
+                          "rank %d: reading %s from the store failed", rank, key);
     }
   }
   return DDP_OK;

@@ -13,8 +13,9 @@
 ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp_error_t *err) {
   memset(f, 0, sizeof *f);
   ddp_fault_t spec;
-  ddp_status_t st = ddp_fault_from_env(&spec, err);
-  if (st != DDP_OK) return ddp__error(err, rank, st, "rank %d: %s", rank, err ? err->msg : "");
+  ddp_error_t e = {DDP_OK, ""};
+  ddp_status_t st = ddp_fault_from_env(&spec, &e); /* quiet: logged here, once */
+  if (st != DDP_OK) return ddp__error(err, rank, st, "rank %d: %s", rank, e.msg);
   if (spec.kind != DDP_FAULT_NONE && spec.rank == rank && spec.collective >= 0) f->spec = spec;
   return DDP_OK;
 }
@@ -28,7 +29,8 @@ static void sleep_ms(int64_t ms) {
 ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_fault_t *what,
                                 const char *where, int64_t timeout_ms, ddp_error_t *err) {
   int rank = ddp_pg_rank(pg);
-  bool threads = !strcmp(ddp_pg_backend_name(pg), "threads");
+  const ddp_backend_info_t *bi = ddp_backend_info(ddp_pg_backend_name(pg));
+  bool threads = bi && bi->ranks == DDP_RANKS_THREADS; /* ranks share this process */
   char why[192];
   switch (what->kind) {
     case DDP_FAULT_CRASH:
@@ -82,7 +84,7 @@ static bool float_dtype(ddp_dtype_t dt) {
 ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq, ddp__coll_t *c,
                                   int64_t timeout_ms, ddp_error_t *err) {
   int rank = ddp_pg_rank(pg);
-  const char *what = ddp__kind_name(c->kind);
+  const char *what = ddp_coll_kind_name(c->kind);
   if (f->spec.kind != DDP_FAULT_NONE && seq >= 0 && seq == f->spec.collective) {
     char where[96];
     snprintf(where, sizeof where, "%s #%" PRId64, what, seq);
@@ -96,7 +98,7 @@ ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq,
              " issued with count %zu instead of %zu", what, seq, c->count - 1, c->count);
     c->count--;
   }
-  if (f->corrupt_armed && c->kind == DDP__ALLREDUCE && float_dtype(c->dt) && c->count > 0) {
+  if (f->corrupt_armed && c->kind == DDP_COLL_ALLREDUCE && float_dtype(c->dt) && c->count > 0) {
     f->corrupt_armed = false;
     ddp__log(rank, DDP_LOG_WARN, "fault injection: corrupt_bucket: bits flipped in the input "
              "of allreduce #%" PRId64 " (%zu elements)", seq, c->count);

@@ -151,15 +151,15 @@ static const char *torch_dtype(uint8_t dt) {
 }
 
 static const char *torch_op(uint8_t kind) {
-  switch ((ddp__kind_t)kind) {
-    case DDP__ALLREDUCE: return "all_reduce";
-    case DDP__BROADCAST: return "broadcast";
-    case DDP__ALLGATHER: return "all_gather";
-    case DDP__REDUCE_SCATTER: return "reduce_scatter";
-    case DDP__ALLTOALL: return "all_to_all";
-    case DDP__BARRIER: return "barrier";
-    case DDP__SEND: return "send";
-    case DDP__RECV: return "recv";
+  switch ((ddp_coll_kind_t)kind) {
+    case DDP_COLL_ALLREDUCE: return "all_reduce";
+    case DDP_COLL_BROADCAST: return "broadcast";
+    case DDP_COLL_ALLGATHER: return "all_gather";
+    case DDP_COLL_REDUCE_SCATTER: return "reduce_scatter";
+    case DDP_COLL_ALLTOALL: return "all_to_all";
+    case DDP_COLL_BARRIER: return "barrier";
+    case DDP_COLL_SEND: return "send";
+    case DDP_COLL_RECV: return "recv";
   }
   return "?";
 }
@@ -185,7 +185,7 @@ static void add_ns_or_null(cJSON *o, const char *key, int64_t v) {
 /* [[n]] (one tensor of n elements), or [] for a barrier. */
 static cJSON *sizes(const fr_entry_t *e, uint64_t n) {
   cJSON *a = cJSON_CreateArray();
-  if (e->kind == DDP__BARRIER) return a;
+  if (e->kind == DDP_COLL_BARRIER) return a;
   cJSON *t = cJSON_CreateArray();
   char num[32];
   snprintf(num, sizeof num, "%llu", (unsigned long long)n);
@@ -196,17 +196,17 @@ static cJSON *sizes(const fr_entry_t *e, uint64_t n) {
 
 static cJSON *dtypes(const fr_entry_t *e) {
   cJSON *a = cJSON_CreateArray();
-  if (e->kind != DDP__BARRIER) cJSON_AddItemToArray(a, cJSON_CreateString(torch_dtype(e->dtype)));
+  if (e->kind != DDP_COLL_BARRIER) cJSON_AddItemToArray(a, cJSON_CreateString(torch_dtype(e->dtype)));
   return a;
 }
 
 static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *pg_name) {
   uint64_t W = (uint64_t)fr->info.world, n = e->count;
   uint64_t in = n, out = n;
-  if (e->kind == DDP__ALLGATHER) out = W * n;
-  if (e->kind == DDP__REDUCE_SCATTER) in = W * n;
-  if (e->kind == DDP__ALLTOALL) in = out = W * n;
-  bool p2p = e->kind == DDP__SEND || e->kind == DDP__RECV;
+  if (e->kind == DDP_COLL_ALLGATHER) out = W * n;
+  if (e->kind == DDP_COLL_REDUCE_SCATTER) in = W * n;
+  if (e->kind == DDP_COLL_ALLTOALL) in = out = W * n;
+  bool p2p = e->kind == DDP_COLL_SEND || e->kind == DDP_COLL_RECV;
   cJSON *o = cJSON_CreateObject();
   add_i64(o, "record_id", (int64_t)e->record_id);
   add_i64(o, "pg_id", fr->info.pg_id);
@@ -238,10 +238,10 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
   cJSON_AddBoolToObject(o, "is_p2p", p2p);
   cJSON_AddArrayToObject(o, "frames");
   /* libddp's own fields */
-  cJSON_AddStringToObject(o, "ddp_op", e->kind == DDP__ALLREDUCE || e->kind == DDP__REDUCE_SCATTER
+  cJSON_AddStringToObject(o, "ddp_op", e->kind == DDP_COLL_ALLREDUCE || e->kind == DDP_COLL_REDUCE_SCATTER
                                            ? ddp_redop_name((ddp_redop_t)e->op)
                                            : "");
-  cJSON_AddStringToObject(o, "ddp_dtype", e->kind == DDP__BARRIER
+  cJSON_AddStringToObject(o, "ddp_dtype", e->kind == DDP_COLL_BARRIER
                                               ? ""
                                               : ddp_dtype_name((ddp_dtype_t)e->dtype));
   add_i64(o, "ddp_count", (int64_t)e->count);
@@ -577,7 +577,7 @@ uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c) {
   } else {
     e->tag[0] = 0;
   }
-  if (c->kind != DDP__SEND && c->kind != DDP__RECV) fr->last_enqueued = (int64_t)c->fp.seq;
+  if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) fr->last_enqueued = (int64_t)c->fp.seq;
   fr->inflight++;
   pthread_mutex_unlock(&fr->mu);
   return id;
@@ -589,7 +589,7 @@ static fr_entry_t *entry(ddp__fr_t *fr, uint64_t id) {
   return e->record_id == id && id < fr->next_id ? e : NULL;
 }
 
-static bool is_p2p(const fr_entry_t *e) { return e->kind == DDP__SEND || e->kind == DDP__RECV; }
+static bool is_p2p(const fr_entry_t *e) { return e->kind == DDP_COLL_SEND || e->kind == DDP_COLL_RECV; }
 
 void ddp__fr_start(ddp__fr_t *fr, uint64_t id) {
   if (!fr) return;

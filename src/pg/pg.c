@@ -17,11 +17,15 @@
 #include <time.h>
 #include <unistd.h>
 
+/* pg drives the algorithms and looks backends up in the registry: both are layers below it
+ * (docs/design.md), so these private headers are downward edges. No backend includes
+ * algo.h; the backends and the algorithms meet only in ddp/backend.h. */
 #include "algo/algo.h"
 #include "backend/backends.h"
 #include "ddp/pg.h"
 #include "pg/fault.h"
 #include "pg/flight_recorder.h"
+#include "pg/pg_internal.h"
 
 #define PG_MAGIC 0x70677270u
 #define WORK_MAGIC 0x776f726bu
@@ -98,15 +102,23 @@ static void work_release(ddp_work_t *w) {
   }
 }
 
+/* msg without a leading "rank <this rank>: ", which a message quoted inside this rank's
+ * own message would otherwise repeat. */
+static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
+  char own[24];
+  int n = snprintf(own, sizeof own, "rank %d: ", pg->rank);
+  return strncmp(msg, own, (size_t)n) == 0 ? msg + n : msg;
+}
+
 static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   char name[192];
   ddp__fp_str(&w->coll.fp, name, sizeof name);
   pthread_mutex_lock(&pg->mu);
   ddp_status_t failed = pg->failed;
   pthread_mutex_unlock(&pg->mu);
-  if (failed != DDP_OK) {
+  if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
     w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
-                                 pg->rank, name, pg->fail_err.msg);
+                                 pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg));
     ddp__fr_end(pg->fr, w->fr_id, failed);
     return;
   }
@@ -116,7 +128,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   ddp__fr_start(pg->fr, w->fr_id);
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
-    ddp_backend_coll_t bc = {(int)k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root,
+    ddp_backend_coll_t bc = {k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root,
                              k->algo};
     st = pg->ops->run(pg->state, &bc, pg->comm.deadline_ns, &detail);
   }
@@ -212,53 +224,55 @@ static void pg_free(ddp_pg_t *pg) {
   ddp__free(pg);
 }
 
-ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_error_t *err) {
-  DDP_REQUIRE(opts_in && out);
-  DDP_REQUIRE(opts_in->struct_size >= offsetof(ddp_pg_options_t, job_token));
-  *out = NULL;
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  memcpy(&o, opts_in, DDP_MIN(opts_in->struct_size, sizeof o));
-  o.struct_size = sizeof o;
-  int rank = o.rank;
-  if (o.world < 1 || o.world > DDP_PG_MAX_WORLD)
+/* ddp_pg_create, step 1: the caller's options (ddp__opts_read), completed from the
+ * environment (DDP_BACKEND, DDP_TIMEOUT, DDP_ALGORITHM) and checked; *ops is the backend
+ * they name. */
+static ddp_status_t resolve_options(const ddp_pg_options_t *in, ddp_pg_options_t *o,
+                                    const ddp_backend_ops_t **ops, ddp_error_t *err) {
+  ddp__opts_read(o, sizeof *o, in);
+  int rank = o->rank;
+  if (o->world < 1 || o->world > DDP_PG_MAX_WORLD)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]",
-                      o.world, DDP_PG_MAX_WORLD);
-  if (rank < 0 || rank >= o.world)
+                      o->world, DDP_PG_MAX_WORLD);
+  if (rank < 0 || rank >= o->world)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "rank %d is not in [0, %d)", rank,
-                      o.world);
-  const char *bname = o.backend ? o.backend : ddp_env_get(DDP_ENV_BACKEND);
+                      o->world);
+  const char *bname = o->backend ? o->backend : ddp_env_get(DDP_ENV_BACKEND);
   if (!bname[0]) bname = "threads";
-  const ddp_backend_ops_t *ops = ddp_backend_find(bname);
-  if (!ops)
+  *ops = ddp_backend_find(bname);
+  if (!*ops)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "unknown backend \"%s\"; the choices are %s", bname, ddp_backend_names());
-  if (ops->abi_version != DDP_BACKEND_ABI_VERSION)
+  if ((*ops)->abi_version != DDP_BACKEND_ABI_VERSION)
     return ddp__error(err, rank, DDP_ERR_UNSUPPORTED,
-                      "backend %s has ABI version %u, this library needs %u", ops->name,
-                      ops->abi_version, DDP_BACKEND_ABI_VERSION);
-  if (o.timeout_ms < 0) {
+                      "backend %s has ABI version %u, this library needs %u", (*ops)->name,
+                      (*ops)->abi_version, DDP_BACKEND_ABI_VERSION);
+  if (o->timeout_ms < 0) {
     int64_t s;
     DDP_CHECK(ddp_env_int(DDP_ENV_TIMEOUT, 0, INT64_MAX / 1000, &s, err));
-    o.timeout_ms = s * 1000;
+    o->timeout_ms = s * 1000;
   }
-  if (o.algorithm == DDP_ALGO_AUTO)
-    DDP_CHECK(parse_algorithm(ddp_env_get(DDP_ENV_ALGORITHM), &o.algorithm, err));
-  if (o.algorithm > DDP_ALGO_SMALL)
+  if (o->algorithm == DDP_ALGO_AUTO)
+    DDP_CHECK(parse_algorithm(ddp_env_get(DDP_ENV_ALGORITHM), &o->algorithm, err));
+  if (o->algorithm > DDP_ALGO_SMALL)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "algorithm %d is not a ddp_algorithm_t",
-                      (int)o.algorithm);
-  size_t seg_requested = o.segment_bytes;
-  if (o.segment_bytes == 0) o.segment_bytes = 1u << 20;
-  o.segment_bytes = DDP_MAX((o.segment_bytes + 63) & ~(size_t)63, 64u);
-  const char *token = o.job_token ? o.job_token : ddp_env_get(DDP_ENV_JOB_TOKEN);
+                      (int)o->algorithm);
+  if (!o->job_token) o->job_token = ddp_env_get(DDP_ENV_JOB_TOKEN);
+  return DDP_OK;
+}
 
+/* Step 2: the group's memory, locks and algorithm state, before the backend exists. */
+static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *ops,
+                           ddp_pg_t **out, ddp_error_t *err) {
+  int rank = o->rank;
   ddp_pg_t *pg = ddp__calloc(1, sizeof *pg);
   if (!pg) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group");
   pg->magic = PG_MAGIC;
   pg->rank = rank;
-  pg->size = o.world;
+  pg->size = o->world;
   pg->ops = ops;
-  pg->algo = o.algorithm;
-  pg->timeout_ms = o.timeout_ms;
+  pg->algo = o->algorithm;
+  pg->timeout_ms = o->timeout_ms;
   pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
   pthread_mutex_init(&pg->mu, NULL);
   pthread_condattr_t ca;
@@ -267,92 +281,116 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts_in, ddp_pg_t **out, ddp_
   pthread_cond_init(&pg->cv_queue, &ca);
   pthread_cond_init(&pg->cv_done, &ca);
   pthread_condattr_destroy(&ca);
+  *out = pg;
 
   ddp__comm_t *c = &pg->comm;
   c->rank = rank;
-  c->size = o.world;
+  c->size = o->world;
   c->ops = ops;
-  c->segment_bytes = o.segment_bytes;
+  c->segment_bytes = o->segment_bytes;
   c->check_fp = true;
-  c->stream = ops == &ddp__backend_tcp;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
                          ? SMALL_SHARED
-                         : (size_t)o.world * DDP_MAX(2 * o.segment_bytes, (size_t)SMALL_LINK);
+                         : (size_t)o->world * DDP_MAX(2 * o->segment_bytes, (size_t)SMALL_LINK);
   c->scratch = ddp__malloc(c->scratch_bytes);
-  c->tmp = ddp__malloc(DDP__TMP_BYTES);
-  c->p2p_tx = ddp__calloc((size_t)o.world, sizeof(uint64_t));
-  c->p2p_rx = ddp__calloc((size_t)o.world, sizeof(uint64_t));
-  pg->p2p_send_seq = ddp__calloc((size_t)o.world, sizeof(uint64_t));
-  pg->p2p_recv_seq = ddp__calloc((size_t)o.world, sizeof(uint64_t));
-  ddp_status_t st = DDP_OK;
+  c->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
+  c->p2p_tx = ddp__calloc((size_t)o->world, sizeof(uint64_t));
+  c->p2p_rx = ddp__calloc((size_t)o->world, sizeof(uint64_t));
+  pg->p2p_send_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
+  pg->p2p_recv_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq ||
-      !pg->p2p_recv_seq) {
-    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
-    goto fail;
-  }
-  if ((st = ddp__pg_fault_init(&pg->fault, rank, err)) != DDP_OK) goto fail;
+      !pg->p2p_recv_seq)
+    return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
+  return ddp__pg_fault_init(&pg->fault, rank, err);
+}
 
-  /* shm staging: the segment size when the caller set one (tests reach the chunked path
-   * with small messages), else 4 MiB per rank. */
-  size_t staging = seg_requested ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world)
-                                          : (4u << 20);
-  ddp_backend_init_t init = {sizeof init, rank, o.world, o.store, o.timeout_ms, token, staging,
-                             ddp__shared_ctl_bytes(o.world), o.shm_heap_bytes};
-  /* Each group gets its own key space: the k-th group a rank creates on a store uses the
-   * prefix "ddp_pg/<k>", so re-creating a group after a failure (docs/errors.md) never reads
-   * the previous group's rendezvous keys. Ranks create groups in the same order, so they
-   * agree on k without talking. */
+/* Step 3: the backend joins the group. Each group gets its own key space: the k-th group
+ * a rank creates on a store uses the prefix "ddp_pg/<k>" (*k), so re-creating a group
+ * after a failure (docs/errors.md) never reads the previous group's rendezvous keys. Ranks
+ * create groups in the same order, so they agree on k without talking. */
+static ddp_status_t join_backend(ddp_pg_t *pg, const ddp_pg_options_t *o, size_t staging,
+                                 int64_t *k, ddp_error_t *err) {
+  int rank = pg->rank;
+  ddp_backend_init_t init = {sizeof init, rank, o->world, o->store, o->timeout_ms, o->job_token,
+                             staging, ddp__shared_ctl_bytes(o->world), o->shm_heap_bytes};
   ddp_store_t *view = NULL;
-  int64_t k = 0;
-  if (o.store) {
+  *k = 0;
+  if (o->store) {
     char key[64];
+    ddp_error_t se = {DDP_OK, ""};
     snprintf(key, sizeof key, "ddp_pg/created/%d", rank);
-    st = ddp_store_add(o.store, key, 1, &k);
-    if (st == DDP_OK) {
-      snprintf(key, sizeof key, "ddp_pg/%lld", (long long)k);
-      st = ddp_store_create_prefix(o.store, key, &view);
-    }
+    ddp_status_t st = ddp_store_add(o->store, key, 1, k);
     if (st != DDP_OK) {
-      st = ddp__error(err, rank, st, "rank %d: store: %s", rank, ddp_store_last_error(o.store));
-      goto fail;
+      ddp_store_last_error_copy(o->store, &se);
+    } else {
+      snprintf(key, sizeof key, "ddp_pg/%lld", (long long)*k);
+      st = ddp_store_create_prefix(o->store, key, &view, &se);
     }
+    /* the store has logged it */
+    if (st != DDP_OK) return ddp__error_quiet(err, st, "rank %d: store: %s", rank, se.msg);
     init.store = view;
   }
-  st = ops->create(&init, &pg->state, err);
+  ddp_status_t st = pg->ops->create(&init, &pg->state, err);
   ddp_store_destroy(view);
-  if (st != DDP_OK) goto fail;
-  c->state = pg->state;
-  ddp__fr_info_t fri = {rank, o.world, ops->name, k, o.timeout_ms};
-  if ((st = ddp__fr_create(&fri, &pg->fr, err)) != DDP_OK) goto fail;
-  if (ops->family == DDP_BACKEND_SHARED) {
-    c->sh = ops->shared(pg->state);
-    ddp__shared_attach(c, (int)getpid());
+  if (st == DDP_OK) pg->comm.state = pg->state;
+  return st;
+}
+
+/* Step 4, once the group runs: what rank 0 says about it at INFO. */
+static void log_created(const ddp_pg_t *pg) {
+  if (pg->rank != 0 || !ddp__log_enabled(DDP_LOG_INFO)) return;
+  const ddp_backend_ops_t *ops = pg->ops;
+  if (pg->algo == DDP_ALGO_AUTO)
+    ddp__log(pg->rank, DDP_LOG_INFO,
+             "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: "
+             "small up to %zu bytes, canonical above (DDP_ALGORITHM=auto)",
+             ops->name, pg->size, (long long)pg->timeout_ms, pg->small_max);
+  else
+    ddp__log(pg->rank, DDP_LOG_INFO,
+             "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: %s "
+             "for every size%s",
+             ops->name, pg->size, (long long)pg->timeout_ms, ddp_algorithm_name(pg->algo),
+             pg->algo == DDP_ALGO_RING && ops->family == DDP_BACKEND_SHARED
+                 ? " (ring is a link algorithm: shared-memory backends run canonical)"
+                 : "");
+}
+
+ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(opts && out);
+  *out = NULL;
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  const ddp_backend_ops_t *ops = NULL;
+  DDP_CHECK(resolve_options(opts, &o, &ops, err));
+  /* The pipelining segment: 1 MiB unless set, rounded up to 64 bytes. shm staging is the
+   * segment size when the caller set one (tests reach the chunked path with small
+   * messages), else 4 MiB per rank. */
+  size_t seg_requested = o.segment_bytes;
+  if (o.segment_bytes == 0) o.segment_bytes = 1u << 20;
+  o.segment_bytes = DDP_MAX((o.segment_bytes + 63) & ~(size_t)63, 64u);
+  size_t staging = seg_requested ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world) : (4u << 20);
+
+  ddp_pg_t *pg = NULL;
+  int64_t k = 0;
+  ddp_status_t st = pg_new(&o, ops, &pg, err);
+  if (st == DDP_OK) st = join_backend(pg, &o, staging, &k, err);
+  if (st == DDP_OK) {
+    ddp__fr_info_t fri = {o.rank, o.world, ops->name, k, o.timeout_ms};
+    st = ddp__fr_create(&fri, &pg->fr, err);
   }
-  if (pthread_create(&pg->thread, NULL, progress_main, pg) != 0) {
-    st = ddp__error(err, rank, DDP_ERR_SYSTEM, "pthread_create of the progress thread failed");
-    goto fail;
+  if (st == DDP_OK && ops->family == DDP_BACKEND_SHARED) {
+    pg->comm.sh = ops->shared(pg->state);
+    ddp__shared_attach(&pg->comm, (int)getpid());
   }
-  if (rank == 0 && ddp__log_enabled(DDP_LOG_INFO)) {
-    if (pg->algo == DDP_ALGO_AUTO)
-      ddp__log(rank, DDP_LOG_INFO,
-               "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: "
-               "small up to %zu bytes, canonical above (DDP_ALGORITHM=auto)",
-               ops->name, o.world, (long long)o.timeout_ms, pg->small_max);
-    else
-      ddp__log(rank, DDP_LOG_INFO,
-               "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: %s "
-               "for every size%s",
-               ops->name, o.world, (long long)o.timeout_ms, ddp_algorithm_name(pg->algo),
-               pg->algo == DDP_ALGO_RING && ops->family == DDP_BACKEND_SHARED
-                   ? " (ring is a link algorithm: shared-memory backends run canonical)"
-                   : "");
+  if (st == DDP_OK && pthread_create(&pg->thread, NULL, progress_main, pg) != 0)
+    st = ddp__error(err, o.rank, DDP_ERR_SYSTEM, "pthread_create of the progress thread failed");
+  if (st != DDP_OK) {
+    if (pg) pg_free(pg);
+    return st;
   }
+  log_created(pg);
   *out = pg;
   return DDP_OK;
-fail:
-  pg_free(pg);
-  return st;
 }
 
 void ddp_pg_set_desync_check(ddp_pg_t *pg, bool on) { pg->comm.check_fp = on; }
@@ -419,6 +457,15 @@ const char *ddp_pg_backend_name(const ddp_pg_t *pg) {
   return pg->ops->name;
 }
 
+void ddp_pg_last_error_copy(const ddp_pg_t *pg, ddp_error_t *out) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
+  ddp_pg_t *m = (ddp_pg_t *)pg; /* the lock is not part of the logical state */
+  pthread_mutex_lock(&m->mu);
+  *out = m->failed != DDP_OK ? m->fail_err : m->arg_err;
+  pthread_mutex_unlock(&m->mu);
+}
+
+/* Deprecated (ddp/pg.h): the message inside the handle, with no copy. */
 const char *ddp_pg_last_error(const ddp_pg_t *pg) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
   ddp_pg_t *m = (ddp_pg_t *)pg;
@@ -427,6 +474,8 @@ const char *ddp_pg_last_error(const ddp_pg_t *pg) {
   pthread_mutex_unlock(&m->mu);
   return msg;
 }
+
+void ddp__pg_own_store(ddp_pg_t *pg, ddp_store_t *store) { pg->owned_store = store; }
 
 ddp_status_t ddp_pg_status(const ddp_pg_t *pg) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
@@ -443,7 +492,7 @@ void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes) {
                                 : ddp__aligned_alloc(bytes ? bytes : 1);
   if (p) return p;
   ddp_error_t why = {DDP_OK, ""};
-  if (pg->ops == &ddp__backend_shm) ddp__shm_alloc_error(pg->state, &why);
+  if (pg->ops->alloc_error) pg->ops->alloc_error(pg->state, &why);
   pthread_mutex_lock(&pg->mu);
   ddp__error_quiet(&pg->arg_err, DDP_ERR_NO_MEMORY, "rank %d: ddp_pg_alloc of %zu bytes on "
                    "backend %s failed: %s", pg->rank, bytes, pg->ops->name,
@@ -492,7 +541,7 @@ static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, .
 /* Fault injection (fault.h): the sequence number the collective will get, then the hook. */
 static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
   pthread_mutex_lock(&pg->mu);
-  int64_t seq = c->kind == DDP__SEND || c->kind == DDP__RECV ? -1 : (int64_t)pg->seq;
+  int64_t seq = c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_RECV ? -1 : (int64_t)pg->seq;
   pthread_mutex_unlock(&pg->mu);
   /* A failure has aborted the group, so ddp_pg_last_error quotes it. */
   return ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, NULL);
@@ -504,71 +553,130 @@ ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char 
   return ddp__pg_fault_fire(pg, &pg->fault, f, where, pg->timeout_ms, err);
 }
 
-/* Checks what every kind shares, stamps the fingerprint and queues. */
-static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
-  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
-  *out = NULL;
-  const char *what = ddp__kind_name(c->kind);
-  ddp_status_t fst = ddp__pg_fault_active(&pg->fault) ? fault_hook(pg, c) : DDP_OK;
-  if (fst != DDP_OK) return fst;
-  if (c->kind != DDP__BARRIER) {
+/* submit, step 1: the arguments every kind shares, then those of each kind; an
+ * argument error (arg_error) names the collective. */
+static ddp_status_t check_args(ddp_pg_t *pg, const ddp__coll_t *c, const char *what) {
+  if (c->kind != DDP_COLL_BARRIER) {
     if (!dtype_ok(c->dt))
       return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);
     if (c->count > (SIZE_MAX / 8) / (size_t)pg->size)
       return arg_error(pg, what, "count %zu is too large", c->count);
   }
-  if ((c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER) &&
+  if ((c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_REDUCE_SCATTER) &&
       ((unsigned)c->op > DDP_OP_PRODUCT))
     return arg_error(pg, what, "reduction op %d is not a ddp_redop_t", (int)c->op);
-  if (c->count > 0 && c->kind != DDP__BARRIER && (!c->recv && c->kind != DDP__SEND))
+  if (c->count > 0 && c->kind != DDP_COLL_BARRIER && (!c->recv && c->kind != DDP_COLL_SEND))
     return arg_error(pg, what, "the output buffer is NULL with count %zu", c->count);
-  if (c->count > 0 && (c->kind == DDP__SEND || c->kind == DDP__ALLREDUCE ||
-                       c->kind == DDP__ALLGATHER || c->kind == DDP__REDUCE_SCATTER ||
-                       c->kind == DDP__ALLTOALL) && !c->send)
+  if (c->count > 0 && (c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_ALLREDUCE ||
+                       c->kind == DDP_COLL_ALLGATHER || c->kind == DDP_COLL_REDUCE_SCATTER ||
+                       c->kind == DDP_COLL_ALLTOALL) && !c->send)
     return arg_error(pg, what, "the input buffer is NULL with count %zu", c->count);
   size_t es = ddp_dtype_size(c->dt), W = (size_t)pg->size, n = c->count;
   switch (c->kind) {
-    case DDP__BROADCAST:
+    case DDP_COLL_BROADCAST:
       if (c->root < 0 || c->root >= pg->size)
         return arg_error(pg, what, "root %d is not in [0, %d)", c->root, pg->size);
       break;
-    case DDP__SEND:
-    case DDP__RECV:
+    case DDP_COLL_SEND:
+    case DDP_COLL_RECV:
       if (c->root < 0 || c->root >= pg->size || c->root == pg->rank)
         return arg_error(pg, what, "peer %d is not another rank of [0, %d)", c->root, pg->size);
       break;
-    case DDP__ALLREDUCE:
+    case DDP_COLL_ALLREDUCE:
       if (c->send != c->recv && overlap(c->send, n * es, c->recv, n * es))
         return arg_error(pg, what, "input and output overlap without being the same buffer");
       break;
-    case DDP__ALLGATHER:
+    case DDP_COLL_ALLGATHER:
       if (c->send != (char *)c->recv + pg->rank * n * es &&
           overlap(c->send, n * es, c->recv, W * n * es))
         return arg_error(pg, what, "input overlaps the output other than at block %d", pg->rank);
       break;
-    case DDP__REDUCE_SCATTER:
+    case DDP_COLL_REDUCE_SCATTER:
       if (c->recv != (const char *)c->send + pg->rank * n * es &&
           overlap(c->send, W * n * es, c->recv, n * es))
         return arg_error(pg, what, "output overlaps the input other than at block %d", pg->rank);
       break;
-    case DDP__ALLTOALL:
+    case DDP_COLL_ALLTOALL:
       if (overlap(c->send, W * n * es, c->recv, W * n * es))
         return arg_error(pg, what, "input and output overlap");
       break;
     default: break;
   }
+  return DDP_OK;
+}
+
+/* Step 2: the algorithm an allreduce runs (the size table for AUTO; what the family and
+ * the scratch space allow); every other kind runs canonical. */
+static ddp_algorithm_t resolve_algo(const ddp_pg_t *pg, const ddp__coll_t *c) {
+  if (c->kind != DDP_COLL_ALLREDUCE) return DDP_ALGO_CANONICAL;
   bool link = pg->ops->family == DDP_BACKEND_LINK;
-  if (c->kind == DDP__ALLREDUCE) {
-    ddp_algorithm_t a = pg->algo;
-    if (a == DDP_ALGO_AUTO) a = n * es <= pg->small_max ? DDP_ALGO_SMALL : DDP_ALGO_CANONICAL;
-    if (a == DDP_ALGO_RING && !link) a = DDP_ALGO_CANONICAL;
-    /* small needs the whole vector (link: W of them) in scratch */
-    if (a == DDP_ALGO_SMALL && n * es > pg->comm.scratch_bytes / (link ? W : 1))
-      a = DDP_ALGO_CANONICAL;
-    c->algo = a;
+  size_t bytes = c->count * ddp_dtype_size(c->dt), W = (size_t)pg->size;
+  ddp_algorithm_t a = pg->algo;
+  if (a == DDP_ALGO_AUTO) a = bytes <= pg->small_max ? DDP_ALGO_SMALL : DDP_ALGO_CANONICAL;
+  if (a == DDP_ALGO_RING && !link) a = DDP_ALGO_CANONICAL;
+  /* small needs the whole vector (link: W of them) in scratch */
+  if (a == DDP_ALGO_SMALL && bytes > pg->comm.scratch_bytes / (link ? W : 1))
+    a = DDP_ALGO_CANONICAL;
+  return a;
+}
+
+/* Step 3 (pg->mu held): the fingerprint, with the group's next sequence number (a
+ * point-to-point pair's own counter for send and recv). */
+static void stamp_fp(ddp_pg_t *pg, ddp__coll_t *c) {
+  ddp__fp_t *fp = &c->fp;
+  bool reduces = c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_REDUCE_SCATTER;
+  memset(fp, 0, sizeof *fp);
+  fp->kind = (uint8_t)(c->kind == DDP_COLL_RECV ? DDP_COLL_SEND : c->kind);
+  fp->count = c->count;
+  fp->dtype = (uint8_t)(c->kind == DDP_COLL_BARRIER ? 0 : c->dt);
+  fp->op = (uint8_t)(reduces ? c->op : 0);
+  fp->algo = (uint8_t)(c->kind == DDP_COLL_ALLREDUCE ? c->algo : 0);
+  fp->root = -1;
+  if (pg->ops->family == DDP_BACKEND_LINK && reduces) fp->segment = pg->comm.segment_bytes;
+  if (c->kind == DDP_COLL_BROADCAST) fp->root = c->root;
+  if (c->kind == DDP_COLL_SEND) {
+    fp->root = pg->rank;
+    fp->seq = pg->p2p_send_seq[c->root]++;
+  } else if (c->kind == DDP_COLL_RECV) {
+    fp->root = c->root;
+    fp->seq = pg->p2p_recv_seq[c->root]++;
   } else {
-    c->algo = DDP_ALGO_CANONICAL;
+    fp->seq = pg->seq++;
   }
+}
+
+/* Step 4 (pg->mu held): appends w to the queue. Lazy start: small work that finds the
+ * group idle is queued without waking the progress thread, because its caller usually
+ * waits for it next and then runs it itself (ddp_work_wait); the wake-up would cost a
+ * futex call here and a context switch that competes for the CPU the collective needs. If
+ * the caller does not wait, the progress thread's next poll slice starts it
+ * (progress_main). */
+static void enqueue(ddp_pg_t *pg, ddp_work_t *w) {
+  bool idle = !pg->head && !pg->running;
+  if (pg->tail) {
+    pg->tail->next = w;
+  } else {
+    pg->head = w;
+  }
+  pg->tail = w;
+  pg->last_submit_ns = ddp_now_ns();
+  if (idle && !pg->deep_sleep && w->coll.count * ddp_dtype_size(w->coll.dt) <= pg->small_max) {
+    pg->lazy = true;
+  } else {
+    pg->lazy = false;
+    pthread_cond_signal(&pg->cv_queue);
+  }
+}
+
+/* Every entry point: checks, stamps the fingerprint and queues. */
+static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
+  *out = NULL;
+  const char *what = ddp_coll_kind_name(c->kind);
+  ddp_status_t fst = ddp__pg_fault_active(&pg->fault) ? fault_hook(pg, c) : DDP_OK;
+  if (fst != DDP_OK) return fst;
+  DDP_CHECK(check_args(pg, c, what));
+  c->algo = resolve_algo(pg, c);
   ddp_work_t *w = ddp__calloc(1, sizeof *w);
   if (!w) return arg_error(pg, what, "out of memory for the work handle");
   w->magic = WORK_MAGIC;
@@ -582,51 +690,14 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
     ddp__free(w);
     return st;
   }
-  ddp__fp_t *fp = &c->fp;
-  memset(fp, 0, sizeof *fp);
-  fp->kind = (uint8_t)(c->kind == DDP__RECV ? DDP__SEND : c->kind);
-  fp->count = c->count;
-  fp->dtype = (uint8_t)(c->kind == DDP__BARRIER ? 0 : c->dt);
-  fp->op = (uint8_t)(c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER ? c->op : 0);
-  fp->algo = (uint8_t)(c->kind == DDP__ALLREDUCE ? c->algo : 0);
-  fp->root = -1;
-  if (link && (c->kind == DDP__ALLREDUCE || c->kind == DDP__REDUCE_SCATTER))
-    fp->segment = pg->comm.segment_bytes;
-  if (c->kind == DDP__BROADCAST) fp->root = c->root;
-  if (c->kind == DDP__SEND) {
-    fp->root = pg->rank;
-    fp->seq = pg->p2p_send_seq[c->root]++;
-  } else if (c->kind == DDP__RECV) {
-    fp->root = c->root;
-    fp->seq = pg->p2p_recv_seq[c->root]++;
-  } else {
-    fp->seq = pg->seq++;
-  }
+  stamp_fp(pg, c);
   w->fr_id = ddp__fr_record(pg->fr, c);
   w->coll = *c;
-  /* Lazy start: small work that finds the group idle is queued without waking the progress
-   * thread, because its caller usually waits for it next and then runs it itself
-   * (ddp_work_wait); the wake-up would cost a futex call here and a context switch that
-   * competes for the CPU the collective needs. If the caller does not wait, the progress
-   * thread's next poll slice starts it (progress_main). */
-  bool idle = !pg->head && !pg->running;
-  if (pg->tail) {
-    pg->tail->next = w;
-  } else {
-    pg->head = w;
-  }
-  pg->tail = w;
-  pg->last_submit_ns = ddp_now_ns();
-  if (idle && !pg->deep_sleep && c->count * ddp_dtype_size(c->dt) <= pg->small_max) {
-    pg->lazy = true;
-  } else {
-    pg->lazy = false;
-    pthread_cond_signal(&pg->cv_queue);
-  }
+  enqueue(pg, w);
   pthread_mutex_unlock(&pg->mu);
   if (ddp__log_enabled(DDP_LOG_DETAIL)) {
     char name[192];
-    ddp__fp_str(fp, name, sizeof name);
+    ddp__fp_str(&c->fp, name, sizeof name);
     ddp__log(pg->rank, DDP_LOG_DETAIL, "queued %s, algorithm %s", name,
              ddp_algorithm_name(c->algo));
   }
@@ -636,53 +707,53 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
 
 ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                            ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__ALLREDUCE, .send = send, .recv = recv, .count = count,
+  ddp__coll_t c = {.kind = DDP_COLL_ALLREDUCE, .send = send, .recv = recv, .count = count,
                    .dt = dt, .op = op, .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
                            ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
+  ddp__coll_t c = {.kind = DDP_COLL_BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
                    .root = root};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                            ddp_dtype_t dt, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__ALLGATHER, .send = send, .recv = recv, .count = count, .dt = dt,
+  ddp__coll_t c = {.kind = DDP_COLL_ALLGATHER, .send = send, .recv = recv, .count = count, .dt = dt,
                    .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                                 ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__REDUCE_SCATTER, .send = send, .recv = recv, .count = count,
+  ddp__coll_t c = {.kind = DDP_COLL_REDUCE_SCATTER, .send = send, .recv = recv, .count = count,
                    .dt = dt, .op = op, .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                           ddp_dtype_t dt, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt,
+  ddp__coll_t c = {.kind = DDP_COLL_ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt,
                    .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__BARRIER, .dt = DDP_U8, .root = -1};
+  ddp__coll_t c = {.kind = DDP_COLL_BARRIER, .dt = DDP_U8, .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt, int peer,
                       ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__SEND, .send = buf, .count = count, .dt = dt, .root = peer};
+  ddp__coll_t c = {.kind = DDP_COLL_SEND, .send = buf, .count = count, .dt = dt, .root = peer};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
                       ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP__RECV, .recv = buf, .count = count, .dt = dt, .root = peer};
+  ddp__coll_t c = {.kind = DDP_COLL_RECV, .recv = buf, .count = count, .dt = dt, .root = peer};
   return submit(pg, &c, work);
 }
 
@@ -750,143 +821,5 @@ void ddp_work_free(ddp_work_t *w) {
 ddp_status_t ddp_work_wait_free(ddp_work_t *w) {
   ddp_status_t st = ddp_work_wait(w, -1);
   ddp_work_free(w);
-  return st;
-}
-
-/* ---------------------------------------------------------------- from env / threads */
-
-static bool env_rank_world(ddp_env_id_t r, ddp_env_id_t w, int *rank, int *world,
-                           ddp_status_t *st, ddp_error_t *err) {
-  if (!ddp_env_is_set(r) || !ddp_env_is_set(w)) return false;
-  int64_t a, b;
-  *st = ddp_env_int(w, 1, DDP_PG_MAX_WORLD, &b, err);
-  if (*st == DDP_OK) *st = ddp_env_int(r, 0, b - 1, &a, err);
-  *rank = (int)a;
-  *world = (int)b;
-  return true;
-}
-
-ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out,
-                                    ddp_error_t *err) {
-  DDP_REQUIRE(out);
-  *out = NULL;
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  if (opts) memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
-  o.struct_size = sizeof o;
-  ddp_status_t st = DDP_OK;
-  if (!env_rank_world(DDP_ENV_RANK, DDP_ENV_WORLD_SIZE, &o.rank, &o.world, &st, err) &&
-      !env_rank_world(DDP_ENV_OMPI_RANK, DDP_ENV_OMPI_SIZE, &o.rank, &o.world, &st, err) &&
-      !env_rank_world(DDP_ENV_SLURM_PROCID, DDP_ENV_SLURM_NTASKS, &o.rank, &o.world, &st, err))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "no launcher environment: set RANK and WORLD_SIZE (torchrun, ddprun), or "
-                      "run under mpirun (OMPI_COMM_WORLD_*) or srun (SLURM_*)");
-  DDP_CHECK(st);
-  /* Under mpirun (Open MPI's variables, no RANK) with no backend named, the mpi backend is
-   * the natural choice when it was built. */
-  bool under_mpirun = !ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_OMPI_RANK);
-  if (!o.backend)
-    o.backend = ddp_env_is_set(DDP_ENV_BACKEND) ? ddp_env_get(DDP_ENV_BACKEND)
-                : under_mpirun && ddp_backend_find("mpi") ? "mpi"
-                                                          : "tcp";
-  if (strcmp(o.backend, "threads") == 0)
-    return ddp__error(err, o.rank, DDP_ERR_INVALID_ARGUMENT,
-                      "backend threads needs all ranks in one process: use ddp_spawn_threads");
-  /* mpi rendezvouses through MPI itself (mpirun/srun already connected the ranks): no store,
-   * so no MASTER_ADDR/MASTER_PORT is needed. */
-  if (strcmp(o.backend, "mpi") == 0) {
-    o.store = NULL;
-    return ddp_pg_create(&o, out, err);
-  }
-  int64_t port;
-  DDP_CHECK(ddp_env_int(DDP_ENV_MASTER_PORT, 1, 65535, &port, err));
-  if (o.timeout_ms < 0) {
-    int64_t s;
-    DDP_CHECK(ddp_env_int(DDP_ENV_TIMEOUT, 0, INT64_MAX / 1000, &s, err));
-    o.timeout_ms = s * 1000;
-  }
-  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-  so.timeout_ms = o.timeout_ms;
-  so.job_token = o.job_token;
-  so.rank = o.rank;
-  ddp_store_t *store = NULL;
-  st = ddp_store_create_tcp(ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, o.rank == 0, &so, &store);
-  if (st != DDP_OK)
-    return ddp__error(err, o.rank, st, "rank %d: TCP store at %s:%d: %s", o.rank,
-                      ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, ddp_store_last_error(store));
-  o.store = store;
-  st = ddp_pg_create(&o, out, err);
-  if (st != DDP_OK) {
-    ddp_store_destroy(store);
-    return st;
-  }
-  (*out)->owned_store = store;
-  return DDP_OK;
-}
-
-typedef struct spawn_arg {
-  int rank;
-  ddp_pg_options_t opts;
-  ddp_thread_fn fn;
-  void *arg;
-  ddp_status_t st;
-} spawn_arg_t;
-
-static void *spawn_main(void *p) {
-  spawn_arg_t *a = p;
-  ddp_pg_t *pg = NULL;
-  a->opts.rank = a->rank;
-  a->st = ddp_pg_create(&a->opts, &pg, NULL);
-  if (a->st == DDP_OK) {
-    a->st = a->fn(pg, a->arg);
-    if (a->st != DDP_OK) {
-      char why[96];
-      snprintf(why, sizeof why, "its rank function returned %s", ddp_status_name(a->st));
-      ddp_pg_abort_reason(pg, why); /* no-op when the function aborted it already */
-    }
-    ddp_pg_destroy(pg);
-  }
-  return NULL;
-}
-
-ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thread_fn fn,
-                               void *arg) {
-  DDP_REQUIRE(fn);
-  if (world < 1 || world > DDP_PG_MAX_WORLD)
-    return ddp__error(NULL, -1, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]",
-                      world, DDP_PG_MAX_WORLD);
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  if (opts) memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
-  o.struct_size = sizeof o;
-  o.backend = "threads";
-  o.world = world;
-  ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-  so.timeout_ms = o.timeout_ms;
-  ddp_store_t *store = NULL;
-  ddp_status_t st = ddp_store_create_memory(&so, &store);
-  if (st != DDP_OK) return st;
-  o.store = store;
-  spawn_arg_t *args = ddp__calloc((size_t)world, sizeof *args);
-  pthread_t *th = ddp__calloc((size_t)world, sizeof *th);
-  if (!args || !th) {
-    st = ddp__error(NULL, -1, DDP_ERR_NO_MEMORY, "ddp_spawn_threads");
-    goto out;
-  }
-  int started = 0;
-  for (; started < world; started++) {
-    args[started] = (spawn_arg_t){started, o, fn, arg, DDP_OK};
-    if (pthread_create(&th[started], NULL, spawn_main, &args[started]) != 0) {
-      st = ddp__error(NULL, -1, DDP_ERR_SYSTEM, "pthread_create for rank %d failed", started);
-      ddp_store_cancel(store);
-      break;
-    }
-  }
-  for (int i = 0; i < started; i++) {
-    pthread_join(th[i], NULL);
-    if (st == DDP_OK) st = args[i].st;
-  }
-out:
-  ddp__free(args);
-  ddp__free(th);
-  ddp_store_destroy(store);
   return st;
 }

@@ -461,7 +461,7 @@ const ddp__store_ops_t ddp__store_file_ops = {
 static ddp_status_t create_file(const char *dir, const ddp_store_options_t *opts,
                                 ddp_error_t *err, ddp_store_t **out) {
   ddp_store_t *s = NULL;
-  DDP_CHECK(ddp__store_new(opts, &ddp__store_file_ops, err, &s));
+  DDP_CHECK(ddp__store_new(opts, &ddp__store_file_ops, NULL, err, &s));
   if (dir[0] == '\0' || strlen(dir) > 3800) {
     ddp__store_free(s);
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
@@ -496,12 +496,8 @@ static ddp_status_t create_file(const char *dir, const ddp_store_options_t *opts
 }
 
 ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_options_t *opts,
-                                   ddp_store_t **out) {
+                                   ddp_store_t **out, ddp_error_t *err) {
   DDP_REQUIRE(dir != NULL && out != NULL);
   *out = NULL;
-  ddp_error_t err;
-  ddp__error_clear(&err);
-  ddp_status_t st = create_file(dir, opts, &err, out);
-  if (st != DDP_OK) ddp__store_create_failed(&err);
-  return st;
+  return create_file(dir, opts, err, out);
 }

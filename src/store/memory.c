@@ -189,7 +189,7 @@ const ddp__store_ops_t ddp__store_memory_ops = {
 static ddp_status_t create_memory(const ddp_store_options_t *opts, ddp_error_t *err,
                                   ddp_store_t **out) {
   ddp_store_t *s = NULL;
-  DDP_CHECK(ddp__store_new(opts, &ddp__store_memory_ops, err, &s));
+  DDP_CHECK(ddp__store_new(opts, &ddp__store_memory_ops, NULL, err, &s));
   mem_store_t *m = ddp__calloc(1, sizeof *m);
   if (!m || ddp__kv_init(&m->kv) != DDP_OK) {
     ddp__free(m);
@@ -207,12 +207,9 @@ static ddp_status_t create_memory(const ddp_store_options_t *opts, ddp_error_t *
   return DDP_OK;
 }
 
-ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out) {
+ddp_status_t ddp_store_create_memory(const ddp_store_options_t *opts, ddp_store_t **out,
+                                     ddp_error_t *err) {
   DDP_REQUIRE(out != NULL);
   *out = NULL;
-  ddp_error_t err;
-  ddp__error_clear(&err);
-  ddp_status_t st = create_memory(opts, &err, out);
-  if (st != DDP_OK) ddp__store_create_failed(&err);
-  return st;
+  return create_memory(opts, err, out);
 }

@@ -1,5 +1,5 @@
 /* The public store API: argument checks, prefix views, deadlines, cancellation and the
- * per-thread last error, in front of the three kinds (memory.c, file.c, tcp_client.c).
+ * last error of each handle, in front of the three kinds (memory.c, file.c, tcp_client.c).
  *
  * A view is a handle with no state of its own besides its prefix and its cancel flag: every
  * call runs on the root's table with the full key. Cancellation is per handle, and a call
@@ -20,13 +20,10 @@ static void require_valid(const ddp_store_t *s) {
 }
 
 ddp_status_t ddp__store_new(const ddp_store_options_t *opts, const ddp__store_ops_t *ops,
-                            ddp_error_t *err, ddp_store_t **out) {
+                            ddp_store_options_t *read, ddp_error_t *err, ddp_store_t **out) {
   ddp_store_options_t o = DDP_STORE_OPTIONS_INIT;
-  if (opts) {
-    DDP_REQUIRE(opts->struct_size >= sizeof(size_t));
-    memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
-    o.struct_size = sizeof o;
-  }
+  ddp__opts_read(&o, sizeof o, opts);
+  if (read) *read = o;
   int64_t timeout_ms = o.timeout_ms;
   if (timeout_ms < 0) {
     int64_t sec = 0;
@@ -115,15 +112,12 @@ static ddp_status_t create_prefix(ddp_store_t *base, const char *prefix, ddp_err
   return DDP_OK;
 }
 
-ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix, ddp_store_t **out) {
+ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix, ddp_store_t **out,
+                                     ddp_error_t *err) {
   require_valid(base);
   DDP_REQUIRE(prefix != NULL && out != NULL);
   *out = NULL;
-  ddp_error_t err;
-  ddp__error_clear(&err);
-  ddp_status_t st = create_prefix(base, prefix, &err, out);
-  if (st != DDP_OK) ddp__store_create_failed(&err);
-  return st;
+  return create_prefix(base, prefix, err, out);
 }
 
 void ddp_store_destroy(ddp_store_t *s) {
@@ -135,13 +129,9 @@ void ddp_store_destroy(ddp_store_t *s) {
 
 /* ---------------------------------------------------------------- errors ---------- */
 
-/* A failed create has no handle to keep its message, so the message is kept per thread,
- * like errno, for ddp_store_last_error(NULL). It is the only state outside a handle in
- * this layer, and no thread ever sees another's. */
-static _Thread_local ddp_error_t create_error;
-
-void ddp__store_create_failed(const ddp_error_t *err) { create_error = *err; }
-
+/* Each handle keeps the last error of up to DDP__STORE_ERR_SLOTS threads (the least
+ * recently failed slot is reused), guarded by err_lock; readers copy a slot out under that
+ * lock. A failed create has no handle: its message goes to the create's ddp_error_t *. */
 static void record_error(ddp_store_t *s, const ddp_error_t *e) {
   pthread_t self = pthread_self();
   pthread_mutex_lock(&s->err_lock);
@@ -161,27 +151,28 @@ static void record_error(ddp_store_t *s, const ddp_error_t *e) {
   pthread_mutex_unlock(&s->err_lock);
 }
 
-const char *ddp_store_last_error(const ddp_store_t *cs) {
-  if (cs == NULL) return create_error.msg;
+void ddp_store_last_error_copy(const ddp_store_t *cs, ddp_error_t *out) {
   require_valid(cs);
+  DDP_REQUIRE(out != NULL);
   ddp_store_t *s = (ddp_store_t *)cs; /* the lock is not part of the logical state */
   pthread_t self = pthread_self();
-  const char *msg = "";
-  uint64_t best = 0;
+  const ddp__store_err_slot_t *pick = NULL;
   pthread_mutex_lock(&s->err_lock);
   for (int i = 0; i < DDP__STORE_ERR_SLOTS; i++) {
-    if (!s->errs[i].stamp) continue;
-    if (pthread_equal(s->errs[i].tid, self)) {
-      msg = s->errs[i].e.msg;
+    const ddp__store_err_slot_t *e = &s->errs[i];
+    if (!e->stamp) continue;
+    if (pthread_equal(e->tid, self)) {
+      pick = e;
       break;
     }
-    if (s->errs[i].stamp > best) {
-      best = s->errs[i].stamp;
-      msg = s->errs[i].e.msg;
-    }
+    if (!pick || e->stamp > pick->stamp) pick = e;
+  }
+  if (pick) {
+    *out = pick->e;
+  } else {
+    ddp__error_clear(out);
   }
   pthread_mutex_unlock(&s->err_lock);
-  return msg;
 }
 
 /* ---------------------------------------------------------------- cancellation ---- */

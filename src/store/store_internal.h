@@ -80,13 +80,12 @@ struct ddp_store {
   void *impl;                  /* the kind's state (roots only) */
 };
 
-/* Shared construction: fills the generic fields of a root handle (magic, timeout from
- * opts or DDP_TIMEOUT, rank, cancel eventfd). */
+/* Shared construction: reads the caller's options (ddp__opts_read; *read, when not NULL,
+ * gets them) and fills the generic fields of a root handle (magic, timeout from opts or
+ * DDP_TIMEOUT, rank, cancel eventfd). */
 ddp_status_t ddp__store_new(const ddp_store_options_t *opts, const ddp__store_ops_t *ops,
-                            ddp_error_t *err, ddp_store_t **out);
+                            ddp_store_options_t *read, ddp_error_t *err, ddp_store_t **out);
 void ddp__store_free(ddp_store_t *s);
-/* Keeps the message of a failed create for ddp_store_last_error(NULL) in this thread. */
-void ddp__store_create_failed(const ddp_error_t *err);
 
 /* True once the caller or any base below it was cancelled. */
 bool ddp__store_cancelled(const ddp__store_call_t *c);

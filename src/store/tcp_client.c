@@ -24,7 +24,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "store/local_addr.h"
 #include "store/store_internal.h"
 
 /* Extra time the client waits past a server-timed deadline before giving up on the reply. */
@@ -510,7 +509,8 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
                                const ddp_store_options_t *opts, ddp_error_t *err,
                                ddp_store_t **out) {
   ddp_store_t *s = NULL;
-  DDP_CHECK(ddp__store_new(opts, &ddp__store_tcp_ops, err, &s));
+  ddp_store_options_t o;
+  DDP_CHECK(ddp__store_new(opts, &ddp__store_tcp_ops, &o, err, &s));
   int rank = s->rank;
   ddp_status_t st = DDP_OK;
   if (port == -1) {
@@ -528,10 +528,7 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
                       "ddp_store_create_tcp: port %d is not in 1..65535 (0 only for a server)",
                       port);
   }
-  const char *tok = opts && opts->struct_size > offsetof(ddp_store_options_t, job_token) &&
-                            opts->job_token
-                        ? opts->job_token
-                        : ddp_env_get(DDP_ENV_JOB_TOKEN);
+  const char *tok = o.job_token ? o.job_token : ddp_env_get(DDP_ENV_JOB_TOKEN);
   if (strlen(tok) > DDP__WIRE_MAX_TOKEN) {
     ddp__store_free(s);
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
@@ -571,7 +568,7 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
     ddp_store_destroy(s);
     return st;
   }
-  /* The address the kernel picked to reach the server, for ddp__store_local_addr. A
+  /* The address the kernel picked to reach the server, for ddp_store_local_addr. A
    * server's own client that reaches its wildcard listener over loopback learns nothing
    * about how other hosts reach this one. */
   struct sockaddr_storage la;
@@ -585,7 +582,7 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
   return DDP_OK;
 }
 
-bool ddp__store_local_addr(const ddp_store_t *s, char *buf, size_t cap) {
+bool ddp_store_local_addr(const ddp_store_t *s, char *buf, size_t cap) {
   DDP_REQUIRE(s && s->magic == DDP__STORE_MAGIC && buf && cap > 0);
   const ddp_store_t *r = s->root;
   buf[0] = '\0';
@@ -597,12 +594,9 @@ bool ddp__store_local_addr(const ddp_store_t *s, char *buf, size_t cap) {
 }
 
 ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,
-                                  const ddp_store_options_t *opts, ddp_store_t **out) {
+                                  const ddp_store_options_t *opts, ddp_store_t **out,
+                                  ddp_error_t *err) {
   DDP_REQUIRE(out != NULL);
   *out = NULL;
-  ddp_error_t err;
-  ddp__error_clear(&err);
-  ddp_status_t st = create_tcp(host, port, is_server, opts, &err, out);
-  if (st != DDP_OK) ddp__store_create_failed(&err);
-  return st;
+  return create_tcp(host, port, is_server, opts, err, out);
 }

@@ -419,7 +419,24 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
   return DDP_OK;
 }
 
-static const char *const backend_choices[] = {"gloo", "threads", "shm", "tcp", "mpi", "nccl", NULL};
+/* "gloo (= tcp), threads, shm, tcp, mpi, nccl": every name of libddp's one list of backends
+ * (DDP_BACKEND_LIST), aliases first, built in this library or not. */
+static const char *backend_choices(char *buf, size_t cap) {
+  static const ddp_backend_info_t all[] = {
+#define BACKEND_(name, alias, ranks, optional) {name, alias, ranks, optional},
+      DDP_BACKEND_LIST(BACKEND_)
+#undef BACKEND_
+  };
+  size_t o = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < DDP_ARRAY_LEN(all) && o < cap; i++)
+    if (all[i].alias[0])
+      o += (size_t)snprintf(buf + o, cap - o, "%s (= %s), ", all[i].alias, all[i].name);
+  for (size_t i = 0; i < DDP_ARRAY_LEN(all) && o < cap; i++)
+    o += (size_t)snprintf(buf + o, cap - o, "%s%s", i ? ", " : "", all[i].name);
+  return buf;
+}
+
 ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
   DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
   static const char *const optims[] = {"adamw_torch", "adamw", "adam", "sgd", NULL};
@@ -467,10 +484,11 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
   if (!a->output_dir[0]) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "output_dir is empty");
   }
-  if (a->ddp_backend[0] && !one_of(a->ddp_backend, backend_choices)) {
+  if (a->ddp_backend[0] && !ddp_backend_info(a->ddp_backend)) {
+    char choices[160];
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                            "ddp_backend \"%s\" is not available in libddp; the choices are "
-                            "gloo (= tcp), threads, shm, tcp, mpi, nccl", a->ddp_backend);
+                            "ddp_backend \"%s\" is not available in libddp; the choices are %s",
+                            a->ddp_backend, backend_choices(choices, sizeof choices));
   }
   if (a->ddp_bucket_cap_mb == 0) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
@@ -521,8 +539,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
 const char *ddp_train_backend_name(const ddp_train_args_t *a) {
   DDP_REQUIRE(a);
   if (!a->ddp_backend[0]) return NULL;
-  if (!strcmp(a->ddp_backend, "gloo")) return "tcp";
-  return a->ddp_backend;
+  const ddp_backend_info_t *b = ddp_backend_info(a->ddp_backend); /* "gloo" is tcp */
+  return b ? b->name : a->ddp_backend;
 }
 
 bool ddp_train_find_unused(const ddp_train_args_t *a) {

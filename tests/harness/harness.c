@@ -164,7 +164,7 @@ ddp_store_t *ddp_test_memory_store(void) {
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   so.timeout_ms = 10000;
   ddp_store_t *s = NULL;
-  assert_int_equal(ddp_store_create_memory(&so, &s), DDP_OK);
+  assert_int_equal(ddp_store_create_memory(&so, &s, NULL), DDP_OK);
   return s;
 }
 
@@ -177,9 +177,10 @@ ddp_status_t ddp_test_pg_create(ddp_test_rank_t *tr, ddp_pg_options_t *o, const 
     ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
     so.timeout_ms = o->timeout_ms;
     so.rank = o->rank;
-    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store);
+    ddp_error_t se = {0};
+    ddp_status_t st = ddp_store_create_file(ddp_test_dir(tr), &so, store, &se);
     if (st != DDP_OK) {
-      ddp_test_say(tr, "file store: %s", ddp_store_last_error(*store));
+      ddp_test_say(tr, "file store: %s", se.msg);
       return st;
     }
     o->store = *store;

@@ -48,7 +48,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
 #include "common/common.h"
 
@@ -75,16 +74,30 @@ static void finalize_at_exit(void) {
   if (init && !fin) MPI_Finalize();
 }
 
-static ddp_status_t mpi_err(ddp_error_t *err, int rank, ddp_status_t st, int rc, const char *what,
-                            int peer) {
-  char msg[MPI_MAX_ERROR_STRING + 1];
+static void mpi_text(int rc, char msg[MPI_MAX_ERROR_STRING + 1]) {
   int len = 0;
   if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) len = 0;
   msg[len] = '\0';
-  if (peer >= 0)
-    return ddp__error_quiet(err, st, "rank %d: %s with rank %d failed: MPI error %d: %s", rank,
-                            what, peer, rc, msg);
+}
+
+/* An MPI call of create failed: logged here, where it starts. */
+static ddp_status_t mpi_create_err(ddp_error_t *err, int rank, ddp_status_t st, int rc,
+                                   const char *what) {
+  char msg[MPI_MAX_ERROR_STRING + 1];
+  mpi_text(rc, msg);
   return ddp__error(err, rank, st, "rank %d: %s failed: MPI error %d: %s", rank, what, rc, msg);
+}
+
+/* An MPI call of a collective failed (peer < 0: not a point-to-point call): filled only,
+ * since the group logs the failed collective once, with its name and this rank. */
+static ddp_status_t mpi_run_err(ddp_error_t *err, ddp_status_t st, int rc, const char *what,
+                                int peer) {
+  char msg[MPI_MAX_ERROR_STRING + 1];
+  mpi_text(rc, msg);
+  if (peer >= 0)
+    return ddp__error_quiet(err, st, "%s with rank %d failed: MPI error %d: %s", what, peer, rc,
+                            msg);
+  return ddp__error_quiet(err, st, "%s failed: MPI error %d: %s", what, rc, msg);
 }
 
 /* Initialises MPI unless the application has; checks the thread level either way. */
@@ -98,7 +111,7 @@ static ddp_status_t ensure_init(int rank, ddp_error_t *err) {
                       "(MPI cannot be initialised again)", rank);
   if (!init) {
     int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level);
-    if (rc != MPI_SUCCESS) return mpi_err(err, rank, DDP_ERR_SYSTEM, rc, "MPI_Init_thread", -1);
+    if (rc != MPI_SUCCESS) return mpi_create_err(err, rank, DDP_ERR_SYSTEM, rc, "MPI_Init_thread");
     atexit(finalize_at_exit);
     ddp__log(rank, DDP_LOG_INFO, "backend mpi: initialised MPI, thread level %d (multiple = %d)",
              level, MPI_THREAD_MULTIPLE);
@@ -148,7 +161,7 @@ static ddp_status_t mpi_create(const ddp_backend_init_t *in, void **out, ddp_err
   ddp_status_t st = DDP_OK;
   int rc = MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &s->comm);
   if (rc != MPI_SUCCESS) {
-    st = mpi_err(err, rank, DDP_ERR_SYSTEM, rc, "MPI_Comm_split of MPI_COMM_WORLD", -1);
+    st = mpi_create_err(err, rank, DDP_ERR_SYSTEM, rc, "MPI_Comm_split of MPI_COMM_WORLD");
     goto fail;
   }
   MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN);
@@ -214,7 +227,7 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
                              int64_t deadline_ns, ddp_error_t *err) {
   mpi_state_t *s = state;
   if (atomic_load(&s->aborted))
-    return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the group was aborted", s->rank);
+    return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
   size_t need = 0;
   for (size_t k = 0; k < nops; k++) need += ops[k].bytes ? (ops[k].bytes + CHUNK_MAX - 1) / CHUNK_MAX : 1;
   if (need > s->nreqs_cap) {
@@ -224,12 +237,12 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
     s->idx = ddp__malloc(need * sizeof *s->idx);
     s->nreqs_cap = s->reqs && s->idx ? need : 0;
     if (!s->nreqs_cap)
-      return ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "rank %d: %zu MPI requests", s->rank, need);
+      return ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "out of memory for %zu MPI requests", need);
   }
   /* first[k]: index of transfer k's first request; first[nops] = total. */
   int first_stack[2 * DDP_PG_MAX_WORLD + 1];
   int *first = nops < DDP_ARRAY_LEN(first_stack) ? first_stack : ddp__malloc((nops + 1) * sizeof(int));
-  if (!first) return ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "rank %d: xfer index", s->rank);
+  if (!first) return ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "out of memory for the xfer index");
   size_t nr = 0;
   ddp_status_t st = DDP_OK;
   for (size_t k = 0; k < nops; k++) {
@@ -242,8 +255,8 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
                    ? MPI_Isend(p, cnt, MPI_BYTE, ops[k].peer, TAG, s->comm, &s->reqs[nr])
                    : MPI_Irecv(p, cnt, MPI_BYTE, ops[k].peer, TAG, s->comm, &s->reqs[nr]);
       if (rc != MPI_SUCCESS) {
-        st = mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, ops[k].is_send ? "MPI_Isend" : "MPI_Irecv",
-                     ops[k].peer);
+        st = mpi_run_err(err, DDP_ERR_REMOTE, rc, ops[k].is_send ? "MPI_Isend" : "MPI_Irecv",
+                         ops[k].peer);
         break;
       }
       nr++;
@@ -262,7 +275,7 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
     int outcount = 0;
     int rc = MPI_Testsome((int)nr, s->reqs, &outcount, s->idx, MPI_STATUSES_IGNORE);
     if (rc != MPI_SUCCESS) {
-      st = mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, "MPI_Testsome", -1);
+      st = mpi_run_err(err, DDP_ERR_REMOTE, rc, "MPI_Testsome", -1);
       break;
     }
     if (outcount == MPI_UNDEFINED) break; /* every request completed */
@@ -273,12 +286,11 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
       continue;
     }
     if (atomic_load(&s->aborted)) {
-      st = ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the group was aborted", s->rank);
+      st = ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
     } else if (ddp_now_ns() >= deadline_ns) {
       char pend[256];
       pending_peers(s, ops, nops, first, pend, sizeof pend);
-      st = ddp__error_quiet(err, DDP_ERR_TIMEOUT, "rank %d: timed out; still pending: %s",
-                            s->rank, pend);
+      st = ddp__error_quiet(err, DDP_ERR_TIMEOUT, "timed out; still pending: %s", pend);
     } else if (polls > 200) {
       pause_poll(yield_until);
     }
@@ -305,7 +317,7 @@ static ddp_status_t wait_coll(mpi_state_t *s, MPI_Request *req, const char *what
   for (int polls = 0;; polls++) {
     int flag = 0;
     int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, what, -1);
+    if (rc != MPI_SUCCESS) return mpi_run_err(err, DDP_ERR_REMOTE, rc, what, -1);
     if (flag) return DDP_OK;
     bool ab = atomic_load(&s->aborted);
     if (ab || ddp_now_ns() >= deadline_ns) {
@@ -336,16 +348,16 @@ static MPI_Datatype mpi_type(ddp_dtype_t dt) {
  * mismatched collective is DESYNC on every rank rather than undefined behaviour. */
 static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int64_t deadline_ns,
                                ddp_error_t *err) {
-  if (c->kind != DDP__ALLREDUCE || c->algo != DDP_ALGO_RING) return DDP_ERR_UNSUPPORTED;
+  if (c->kind != DDP_COLL_ALLREDUCE || c->algo != DDP_ALGO_RING) return DDP_ERR_UNSUPPORTED;
   MPI_Datatype t = mpi_type(c->dt);
   if (t == MPI_DATATYPE_NULL) return DDP_ERR_UNSUPPORTED;
   if (atomic_load(&s->aborted))
-    return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the group was aborted", s->rank);
+    return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
   int64_t mine[4] = {c->kind, (int64_t)c->count, c->dt, c->op};
   int64_t all[4 * DDP_PG_MAX_WORLD];
   MPI_Request req;
   int rc = MPI_Iallgather(mine, 4, MPI_INT64_T, all, 4, MPI_INT64_T, s->comm, &req);
-  if (rc != MPI_SUCCESS) return mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, "MPI_Iallgather", -1);
+  if (rc != MPI_SUCCESS) return mpi_run_err(err, DDP_ERR_REMOTE, rc, "MPI_Iallgather", -1);
   DDP_CHECK(wait_coll(s, &req, "MPI_Iallgather of the fingerprints", deadline_ns, err));
   for (int j = 0; j < s->size; j++)
     if (memcmp(&all[4 * j], mine, sizeof mine) != 0)
@@ -364,10 +376,10 @@ static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int6
     void *out = (unsigned char *)c->recv + off * es;
     const void *in = c->send == c->recv ? MPI_IN_PLACE : (const unsigned char *)c->send + off * es;
     rc = MPI_Iallreduce(in, out, n, t, op, s->comm, &req);
-    if (rc != MPI_SUCCESS) return mpi_err(err, s->rank, DDP_ERR_REMOTE, rc, "MPI_Iallreduce", -1);
+    if (rc != MPI_SUCCESS) return mpi_run_err(err, DDP_ERR_REMOTE, rc, "MPI_Iallreduce", -1);
     DDP_CHECK(wait_coll(s, &req, "MPI_Iallreduce", deadline_ns, err));
   }
-  if (c->op == DDP_OP_AVG) ddp__reduce_avg(c->dt, c->recv, c->count, s->size);
+  if (c->op == DDP_OP_AVG) ddp_reduce_avg(c->dt, c->recv, c->count, s->size);
   return DDP_OK;
 }
 

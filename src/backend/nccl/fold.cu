@@ -1,4 +1,4 @@
-/* The ordered reduction kernel of the nccl backend: the device twin of ddp__reduce_fold
+/* The ordered reduction kernel of the nccl backend: the device twin of ddp_reduce_fold
  * (src/algo/reduce.c), so canonical collectives keep their data on the GPU.
  *
  * Contract: dst[i] = (((src_0[i] op src_1[i]) op src_2[i]) ... op src_{W-1}[i]), then the

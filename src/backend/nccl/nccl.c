@@ -13,8 +13,8 @@
  *  - canonical / small allreduce and reduce_scatter keep D2: rank r receives slice r of
  *    every rank's input with grouped ncclSend/ncclRecv (ncclGroupStart/End), folds the W
  *    contributions in rank order with the ordered reduction kernel (fold.cu, the device twin
- *    of ddp__reduce_fold with the same arithmetic; builds without nvcc copy the slice to the
- *    host and fold it with ddp__reduce_fold itself), and allreduce then all-gathers
+ *    of ddp_reduce_fold with the same arithmetic; builds without nvcc copy the slice to the
+ *    host and fold it with ddp_reduce_fold itself), and allreduce then all-gathers
  *    the slices with grouped send/recv. Results are bitwise equal to threads, shm, tcp, mpi.
  *  - ring allreduce is NCCL's own ncclAllReduce (NCCL's ring or tree, its rounding; D1 at
  *    best): the fast mode. reduce_scatter is always canonical (src/pg resolves algorithms
@@ -34,7 +34,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
 #include "backend/nccl/nccl.h"
 
@@ -53,7 +52,7 @@ typedef struct nccl_state {
   size_t dscr_bytes;
   unsigned char *hscr;  /* host copy of the W slices for the fold */
   size_t hscr_bytes;
-  unsigned char *tmp;   /* DDP__TMP_BYTES for ddp__reduce_fold */
+  unsigned char *tmp;   /* DDP_REDUCE_TMP_BYTES for ddp_reduce_fold */
   atomic_bool aborted;
   bool comm_dead;       /* aborted by us: no further NCCL call on comm */
 } nccl_state_t;
@@ -85,23 +84,20 @@ ddp_status_t ddp__nccl_status(ncclResult_t r) {
   }
 }
 
-ddp_status_t ddp__cuda_error(ddp_error_t *err, int rank, cudaError_t e, const char *what) {
-  return ddp__error(err, rank, ddp__cuda_status(e), "rank %d: %s: CUDA error %d (%s): %s", rank,
-                    what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
+ddp_status_t ddp__cuda_error(ddp_error_t *err, cudaError_t e, const char *what) {
+  return ddp__error_quiet(err, ddp__cuda_status(e), "%s: CUDA error %d (%s): %s", what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
-ddp_status_t ddp__nccl_error(ddp_error_t *err, int rank, ncclResult_t r, ncclComm_t comm,
-                             const char *what) {
+ddp_status_t ddp__nccl_error(ddp_error_t *err, ncclResult_t r, ncclComm_t comm, const char *what) {
   const char *last = ncclGetLastError(comm);
-  return ddp__error(err, rank, ddp__nccl_status(r), "rank %d: %s: NCCL error %d: %s%s%s%s", rank,
-                    what, (int)r, ncclGetErrorString(r), last && last[0] ? " (" : "",
+  return ddp__error_quiet(err, ddp__nccl_status(r), "%s: NCCL error %d: %s%s%s%s", what, (int)r, ncclGetErrorString(r), last && last[0] ? " (" : "",
                     last ? last : "", last && last[0] ? ")" : "");
 }
 
 #define CUDA_TRY(s, call, what)                                                   \
   do {                                                                            \
     cudaError_t e_ = (call);                                                      \
-    if (e_ != cudaSuccess) return ddp__cuda_error(err, (s)->rank, e_, (what));    \
+    if (e_ != cudaSuccess) return ddp__cuda_error(err, e_, (what));               \
   } while (0)
 
 /* An NCCL call on a non-blocking communicator may answer ncclInProgress: its outcome then
@@ -119,10 +115,10 @@ static ddp_status_t nccl_settle(nccl_state_t *s, ncclResult_t r, const char *wha
     bool ab = atomic_load(&s->aborted);
     ncclCommAbort(s->comm);
     s->comm_dead = true;
-    return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "rank %d: %s %s", s->rank,
-                            what, ab ? "was aborted" : "timed out (NCCL communicator aborted)");
+    return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "%s %s", what,
+                            ab ? "was aborted" : "timed out (NCCL communicator aborted)");
   }
-  return ddp__nccl_error(err, s->rank, r, s->comm, what);
+  return ddp__nccl_error(err, r, s->comm, what);
 }
 
 #define NCCL_TRY(s, call, what, dl)                                               \
@@ -138,11 +134,11 @@ static ddp_status_t wait_stream(nccl_state_t *s, const char *what, int64_t deadl
   for (int polls = 0;; polls++) {
     cudaError_t e = cudaStreamQuery(s->stream);
     if (e == cudaSuccess) return DDP_OK;
-    if (e != cudaErrorNotReady) return ddp__cuda_error(err, s->rank, e, what);
+    if (e != cudaErrorNotReady) return ddp__cuda_error(err, e, what);
     ncclResult_t ae = ncclSuccess;
     if (ncclCommGetAsyncError(s->comm, &ae) == ncclSuccess && ae != ncclSuccess &&
         ae != ncclInProgress) {
-      ddp_status_t st = ddp__nccl_error(err, s->rank, ae, s->comm, what);
+      ddp_status_t st = ddp__nccl_error(err, ae, s->comm, what);
       ncclCommAbort(s->comm);
       s->comm_dead = true;
       return st;
@@ -151,8 +147,7 @@ static ddp_status_t wait_stream(nccl_state_t *s, const char *what, int64_t deadl
     if (ab || ddp_now_ns() >= deadline_ns) {
       ncclCommAbort(s->comm);
       s->comm_dead = true;
-      return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "rank %d: %s %s",
-                              s->rank, what,
+      return ddp__error_quiet(err, ab ? DDP_ERR_ABORTED : DDP_ERR_TIMEOUT, "%s %s", what,
                               ab ? "was aborted" : "timed out (NCCL communicator aborted)");
     }
     if (polls > 100) {
@@ -179,7 +174,9 @@ static ddp_status_t hgrow(nccl_state_t *s, size_t bytes, ddp_error_t *err) {
   ddp__free(s->hscr);
   s->hscr = ddp__malloc(bytes);
   s->hscr_bytes = s->hscr ? bytes : 0;
-  if (!s->hscr) return ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "rank %d: %zu bytes of host scratch", s->rank, bytes);
+  if (!s->hscr)
+    return ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "out of memory for %zu bytes of host scratch",
+                            bytes);
   return DDP_OK;
 }
 
@@ -210,6 +207,12 @@ static void nccl_destroy(void *state) {
   ddp__free(s);
 }
 
+/* A CUDA or NCCL failure of create, filled quietly into e by the helpers above: logged here,
+ * once, with this rank. (In a collective the group logs the failure instead.) */
+static ddp_status_t create_failed(ddp_error_t *err, int rank, const ddp_error_t *e) {
+  return ddp__error(err, rank, e->status, "rank %d: %s", rank, e->msg);
+}
+
 static int local_rank(int rank) {
   static const ddp_env_id_t ids[] = {DDP_ENV_LOCAL_RANK, DDP_ENV_OMPI_LOCAL_RANK,
                                      DDP_ENV_SLURM_LOCALID};
@@ -225,24 +228,31 @@ static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid
   const char *key = "nccl/uid";
   if (rank == 0) {
     ncclResult_t r = ncclGetUniqueId(uid);
-    if (r != ncclSuccess) return ddp__nccl_error(err, rank, r, NULL, "ncclGetUniqueId");
+    if (r != ncclSuccess) {
+      ddp_error_t e;
+      ddp__nccl_error(&e, r, NULL, "ncclGetUniqueId");
+      return create_failed(err, rank, &e);
+    }
     if (ddp_store_set(in->store, key, uid, sizeof *uid) != DDP_OK)
-      return ddp__error(err, rank, DDP_ERR_REMOTE, "rank 0: store set %s: %s", key,
-                        ddp_store_last_error(in->store));
+      return ddp__backend_store_failed(in->store, DDP_ERR_REMOTE, err, "rank 0: store set %s",
+                                       key);
     return DDP_OK;
   }
   const char *keys[1] = {key};
   ddp_status_t st = ddp_store_wait(in->store, keys, 1, in->timeout_ms);
   if (st != DDP_OK)
-    return ddp__error(err, rank, st, "rank %d: waiting for rank 0's NCCL unique id (%s): %s", rank,
-                      key, ddp_store_last_error(in->store));
+    return ddp__backend_store_failed(in->store, st, err,
+                                     "rank %d: waiting for rank 0's NCCL unique id (%s)", rank, key);
   void *v = NULL;
   size_t n = 0;
   st = ddp_store_get(in->store, key, &v, &n);
   if (st == DDP_OK && n == sizeof *uid) memcpy(uid, v, sizeof *uid);
   ddp_free(v);
-  if (st != DDP_OK || n != sizeof *uid)
-    return ddp__error(err, rank, st ? st : DDP_ERR_INVALID_DATA,
+  if (st != DDP_OK)
+    return ddp__backend_store_failed(in->store, st, err, "rank %d: reading the NCCL unique id",
+                                     rank);
+  if (n != sizeof *uid)
+    return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
                       "rank %d: the NCCL unique id in the store is %zu bytes, expected %zu", rank,
                       n, sizeof *uid);
   return DDP_OK;
@@ -252,9 +262,12 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   int rank = in->rank, W = in->size, ndev = 0;
   *out = NULL;
   int64_t deadline = ddp_deadline_after_ms(in->timeout_ms);
+  ddp_error_t ce; /* CUDA and NCCL failures, filled quietly, then logged by create_failed */
   cudaError_t e = cudaGetDeviceCount(&ndev);
-  if (e != cudaSuccess)
-    return ddp__cuda_error(err, rank, e, "backend nccl: cudaGetDeviceCount (no usable GPU)");
+  if (e != cudaSuccess) {
+    ddp__cuda_error(&ce, e, "backend nccl: cudaGetDeviceCount (no usable GPU)");
+    return create_failed(err, rank, &ce);
+  }
   if (ndev == 0)
     return ddp__error(err, rank, DDP_ERR_UNSUPPORTED, "rank %d: backend nccl: no CUDA device", rank);
   if (!in->store)
@@ -268,18 +281,20 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   atomic_init(&s->aborted, false);
   ddp_status_t st = DDP_OK;
   char what[96];
-  s->tmp = ddp__malloc(DDP__TMP_BYTES);
+  s->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
   if (!s->tmp) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "backend nccl scratch");
     goto fail;
   }
   snprintf(what, sizeof what, "cudaSetDevice(%d)", s->device);
   if ((e = cudaSetDevice(s->device)) != cudaSuccess) {
-    st = ddp__cuda_error(err, rank, e, what);
+    ddp__cuda_error(&ce, e, what);
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
   if ((e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-    st = ddp__cuda_error(err, rank, e, "cudaStreamCreateWithFlags");
+    ddp__cuda_error(&ce, e, "cudaStreamCreateWithFlags");
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
   s->stream_ok = true;
@@ -292,11 +307,14 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
   cfg.blocking = 0;
   ncclResult_t r = ncclCommInitRankConfig(&s->comm, W, uid, rank, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {
-    st = ddp__nccl_error(err, rank, r, s->comm, "ncclCommInitRankConfig");
+    ddp__nccl_error(&ce, r, s->comm, "ncclCommInitRankConfig");
+    st = create_failed(err, rank, &ce);
     goto fail;
   }
-  st = nccl_settle(s, r, "ncclCommInitRankConfig", deadline, err);
-  if (st != DDP_OK) goto fail;
+  if (nccl_settle(s, r, "ncclCommInitRankConfig", deadline, &ce) != DDP_OK) {
+    st = create_failed(err, rank, &ce);
+    goto fail;
+  }
   ddp__log(rank, DDP_LOG_INFO, "backend nccl: rank %d on CUDA device %d of %d, NCCL %d.%d", rank,
            s->device, ndev, NCCL_MAJOR, NCCL_MINOR);
   *out = s;
@@ -351,10 +369,10 @@ static ddp_status_t check_fps(nccl_state_t *s, const ddp_backend_coll_t *c, int6
       return ddp__error_quiet(err, DDP_ERR_DESYNC,
                               "mismatched collectives: rank %d runs %s (count %llu, %s, %s), "
                               "rank %d runs %s (count %lld, dtype %lld, op %lld)",
-                              s->rank, ddp__kind_name((ddp__kind_t)c->kind),
+                              s->rank, ddp_coll_kind_name(c->kind),
                               (unsigned long long)c->count, ddp_dtype_name(c->dt),
                               ddp_redop_name(c->op), j,
-                              ddp__kind_name((ddp__kind_t)all[FP_INTS * j]),
+                              ddp_coll_kind_name((ddp_coll_kind_t)all[FP_INTS * j]),
                               (long long)all[FP_INTS * j + 1], (long long)all[FP_INTS * j + 2],
                               (long long)all[FP_INTS * j + 3]);
   return DDP_OK;
@@ -398,7 +416,7 @@ static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, c
   const void *srcs[DDP_PG_MAX_WORLD];
   for (int j = 0; j < W; j++) srcs[j] = s->hscr + (size_t)j * mine;
   /* fold into source 0's area (allowed: dst may alias a source), then upload */
-  ddp__reduce_fold(c->dt, c->op, W, srcs, s->hscr, len[r], s->tmp, W);
+  ddp_reduce_fold(c->dt, c->op, W, srcs, s->hscr, len[r], s->tmp, W);
   CUDA_TRY(s, cudaMemcpyAsync(out_slice, s->hscr, mine, cudaMemcpyHostToDevice, s->stream),
            "cudaMemcpyAsync of the folded slice");
   return wait_stream(s, "the folded slice upload", dl, err);
@@ -418,13 +436,13 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
                 !(c->op == DDP_OP_AVG && c->dt != DDP_F32 && c->dt != DDP_F64 && c->dt != DDP_F16 &&
                   c->dt != DDP_BF16);
   switch (c->kind) {
-    case DDP__ALLREDUCE:
+    case DDP_COLL_ALLREDUCE:
       if (native) {
         NCCL_TRY(s, ncclAllReduce(din, dout, n, nccl_type(c->dt), nccl_op(c->op), m, q),
                  "ncclAllReduce", dl);
         break;
       }
-      for (int j = 0; j < W; j++) ddp__part(n, W, j, &off[j], &len[j]);
+      for (int j = 0; j < W; j++) ddp_coll_part(n, W, j, &off[j], &len[j]);
       DDP_CHECK(reduce_owned(s, c, din, off, len, dout + off[r] * es, dl, err));
       NCCL_TRY(s, ncclGroupStart(), "ncclGroupStart", dl);
       for (int j = 0; j < W; j++) {
@@ -436,20 +454,20 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP__REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
+    case DDP_COLL_REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
       for (int j = 0; j < W; j++) {
         off[j] = (size_t)j * n;
         len[j] = n;
       }
       DDP_CHECK(reduce_owned(s, c, din, off, len, dout, dl, err));
       break;
-    case DDP__BROADCAST:
+    case DDP_COLL_BROADCAST:
       NCCL_TRY(s, ncclBroadcast(din, dout, nb, ncclUint8, c->root, m, q), "ncclBroadcast", dl);
       break;
-    case DDP__ALLGATHER:
+    case DDP_COLL_ALLGATHER:
       NCCL_TRY(s, ncclAllGather(din, dout, nb, ncclUint8, m, q), "ncclAllGather", dl);
       break;
-    case DDP__ALLTOALL:
+    case DDP_COLL_ALLTOALL:
       if (nb)
         CUDA_TRY(s, cudaMemcpyAsync(dout + (size_t)r * nb, din + (size_t)r * nb, nb,
                                     cudaMemcpyDeviceToDevice, q), "cudaMemcpyAsync of the own block");
@@ -461,19 +479,19 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP__BARRIER:
+    case DDP_COLL_BARRIER:
       DDP_CHECK(dgrow(s, &s->dscr, &s->dscr_bytes, 64, err));
       NCCL_TRY(s, ncclAllReduce(s->dscr, s->dscr, 1, ncclInt32, ncclSum, m, q), "ncclAllReduce (barrier)", dl);
       break;
-    case DDP__SEND:
+    case DDP_COLL_SEND:
       if (nb) NCCL_TRY(s, ncclSend(din, nb, ncclUint8, c->root, m, q), "ncclSend", dl);
       break;
-    case DDP__RECV:
+    case DDP_COLL_RECV:
       if (nb) NCCL_TRY(s, ncclRecv(dout, nb, ncclUint8, c->root, m, q), "ncclRecv", dl);
       break;
     default: DDP_REQUIRE(!"collective kind validated by src/pg");
   }
-  return wait_stream(s, ddp__kind_name((ddp__kind_t)c->kind), dl, err);
+  return wait_stream(s, ddp_coll_kind_name(c->kind), dl, err);
 }
 
 /* Input and output sizes in bytes of a collective. */
@@ -481,12 +499,12 @@ static void io_bytes(const nccl_state_t *s, const ddp_backend_coll_t *c, size_t 
   size_t nb = c->count * ddp_dtype_size(c->dt), W = (size_t)s->size;
   *in = *out = nb;
   switch (c->kind) {
-    case DDP__ALLGATHER: *out = W * nb; break;
-    case DDP__REDUCE_SCATTER: *in = W * nb; break;
-    case DDP__ALLTOALL: *in = *out = W * nb; break;
-    case DDP__BARRIER: *in = *out = 0; break;
-    case DDP__SEND: *out = 0; break;
-    case DDP__RECV: *in = 0; break;
+    case DDP_COLL_ALLGATHER: *out = W * nb; break;
+    case DDP_COLL_REDUCE_SCATTER: *in = W * nb; break;
+    case DDP_COLL_ALLTOALL: *in = *out = W * nb; break;
+    case DDP_COLL_BARRIER: *in = *out = 0; break;
+    case DDP_COLL_SEND: *out = 0; break;
+    case DDP_COLL_RECV: *in = 0; break;
     default: break;
   }
 }
@@ -494,14 +512,13 @@ static void io_bytes(const nccl_state_t *s, const ddp_backend_coll_t *c, size_t 
 static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t dl, ddp_error_t *err) {
   nccl_state_t *s = state;
   if (atomic_load(&s->aborted) || s->comm_dead)
-    return ddp__error_quiet(err, DDP_ERR_ABORTED, "rank %d: the NCCL communicator was aborted",
-                            s->rank);
+    return ddp__error_quiet(err, DDP_ERR_ABORTED, "the NCCL communicator was aborted");
   CUDA_TRY(s, cudaSetDevice(s->device), "cudaSetDevice on the progress thread");
-  if (c->kind != DDP__SEND && c->kind != DDP__RECV) DDP_CHECK(check_fps(s, c, dl, err));
+  if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) DDP_CHECK(check_fps(s, c, dl, err));
   size_t inb, outb;
   io_bytes(s, c, &inb, &outb);
   /* Broadcast is in place: one buffer in both roles. */
-  const void *hin = c->kind == DDP__BROADCAST ? c->recv : c->send;
+  const void *hin = c->kind == DDP_COLL_BROADCAST ? c->recv : c->send;
   bool stage_in = inb && !is_device(hin), stage_out = outb && !is_device(c->recv);
   const unsigned char *din = hin;
   unsigned char *dout = c->recv;
@@ -513,12 +530,12 @@ static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t d
   }
   if (stage_out) {
     /* in-place shapes stay in place on the device copy */
-    if (c->kind == DDP__BROADCAST) {
+    if (c->kind == DDP_COLL_BROADCAST) {
       dout = (unsigned char *)din;
     } else {
       DDP_CHECK(dgrow(s, &s->dstage[1], &s->dstage_bytes[1], outb, err));
       dout = s->dstage[1];
-      if (c->kind == DDP__ALLREDUCE && c->send == c->recv) dout = (unsigned char *)din;
+      if (c->kind == DDP_COLL_ALLREDUCE && c->send == c->recv) dout = (unsigned char *)din;
     }
   }
   DDP_CHECK(run_device(s, c, din, dout, dl, err));

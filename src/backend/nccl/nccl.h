@@ -15,17 +15,16 @@ ddp_status_t ddp__cuda_status(cudaError_t e);
  * or the network); INVALID_ARGUMENT / INVALID_USAGE for misuse; SYSTEM for unhandled CUDA
  * errors; INTERNAL otherwise. */
 ddp_status_t ddp__nccl_status(ncclResult_t r);
-/* Fills err with "rank R: <what>: CUDA error N (name): <cudaGetErrorString>" and returns the
- * mapped status. */
-ddp_status_t ddp__cuda_error(ddp_error_t *err, int rank, cudaError_t e, const char *what);
-/* Fills err with "rank R: <what>: NCCL error N: <ncclGetErrorString> (<ncclGetLastError>)"
- * and returns the mapped status; comm may be NULL. */
-ddp_status_t ddp__nccl_error(ddp_error_t *err, int rank, ncclResult_t r, ncclComm_t comm,
-                             const char *what);
+/* Fill err (quietly: the caller logs, once) with "<what>: CUDA error N (name):
+ * <cudaGetErrorString>" or "<what>: NCCL error N: <ncclGetErrorString> (<ncclGetLastError>)"
+ * and return the mapped status; comm may be NULL. No rank prefix: a collective's failure
+ * gets it from the group, a create's from create_failed. */
+ddp_status_t ddp__cuda_error(ddp_error_t *err, cudaError_t e, const char *what);
+ddp_status_t ddp__nccl_error(ddp_error_t *err, ncclResult_t r, ncclComm_t comm, const char *what);
 
 /* The ordered reduction kernel (fold.cu, built with nvcc; fold_none.c without it): enqueues
  * dst[i] = fold in rank order over j < world of (base + j * stride_bytes)[i], then the AVG
- * division, with the host fold's exact arithmetic (ddp__reduce_fold). dtype and op are
+ * division, with the host fold's exact arithmetic (ddp_reduce_fold). dtype and op are
  * ddp_dtype_t and ddp_redop_t values. Returns the launch's error. */
 bool ddp__nccl_have_fold_kernel(void);
 cudaError_t ddp__nccl_fold_launch(int dtype, int op, int world, const void *base,

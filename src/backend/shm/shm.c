@@ -200,17 +200,16 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     }
     st = ddp_store_set(in->store, "shm/name", name, strlen(name) + 1);
     if (st != DDP_OK) {
-      st = ddp__error(err, rank, st, "rank 0: publishing the shm segment name: %s",
-                      ddp_store_last_error(in->store));
+      st = ddp__backend_store_failed(in->store, st, err, "rank 0: publishing the shm segment name");
       goto fail;
     }
   } else {
     const char *key = "shm/name";
     st = ddp_store_wait(in->store, &key, 1, in->timeout_ms);
     if (st != DDP_OK) {
-      st = ddp__error(err, rank, st,
-                      "rank %d: timed out after %lld ms waiting for rank 0 to join the shm "
-                      "group", rank, (long long)in->timeout_ms);
+      st = ddp__error_quiet(err, st, /* the store has logged its wait */
+                            "rank %d: timed out after %lld ms waiting for rank 0 to join the shm "
+                            "group", rank, (long long)in->timeout_ms);
       goto fail;
     }
     void *v = NULL;
@@ -275,7 +274,7 @@ static const ddp_backend_shared_t *shm_shared(void *state) { return &((shm_state
 /* First-fit allocation in this rank's heap. Each block starts with a 64-byte header that
  * holds its length, so the payload stays 64-byte aligned. The block is reserved in
  * /dev/shm before it is handed out; when that fails (or no range fits) the reason is kept
- * for ddp__shm_alloc_error and NULL returned. */
+ * for shm_alloc_error and NULL returned. */
 static void *shm_alloc(void *state, size_t bytes) {
   shm_state_t *s = state;
   size_t need = round_up(bytes ? bytes : 1, 64) + BLOCK_HDR;
@@ -311,7 +310,8 @@ static void *shm_alloc(void *state, size_t bytes) {
   return p;
 }
 
-void ddp__shm_alloc_error(void *state, ddp_error_t *out) {
+/* The table's alloc_error: why the last shm_alloc failed. */
+static void shm_alloc_error(void *state, ddp_error_t *out) {
   shm_state_t *s = state;
   pthread_mutex_lock(&s->heap_mu);
   *out = s->alloc_err;
@@ -368,4 +368,5 @@ const ddp_backend_ops_t ddp__backend_shm = {
     .shared = shm_shared,
     .xfer = NULL,
     .fail = NULL,
+    .alloc_error = shm_alloc_error,
 };

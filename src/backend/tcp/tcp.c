@@ -51,7 +51,6 @@
 
 #include "backend/backends.h"
 #include "common/common.h"
-#include "store/local_addr.h"
 
 #define HELLO_MAGIC 0x64647074u /* "ddpt" */
 #define TOKEN_MAX 256
@@ -243,7 +242,7 @@ static ddp_status_t publish_host(ddp_store_t *store, int rank, char *host, size_
     return DDP_OK;
   }
   *why = "the local end of the store connection";
-  if (ddp__store_local_addr(store, host, cap)) return DDP_OK;
+  if (ddp_store_local_addr(store, host, cap)) return DDP_OK;
   *why = "no address found: loopback";
   snprintf(host, cap, "127.0.0.1");
   char name[256];
@@ -275,8 +274,171 @@ static void tcp_destroy(void *state) {
   ddp__free(s);
 }
 
+/* tcp_create, step 1: a non-blocking listener on an ephemeral port of every interface
+ * (dual-stack IPv6, else IPv4); *port is the port it got. */
+static ddp_status_t listen_any(int rank, int W, int *lfd_out, int *port, ddp_error_t *err) {
+  int lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in6 a6 = {0};
+  a6.sin6_family = AF_INET6;
+  a6.sin6_addr = in6addr_any;
+  int zero = 0, one = 1;
+  if (lfd >= 0) setsockopt(lfd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+  if (lfd < 0 || bind(lfd, (struct sockaddr *)&a6, sizeof a6) != 0) {
+    if (lfd >= 0) close(lfd);
+    lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a4 = {0};
+    a4.sin_family = AF_INET;
+    a4.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a4, sizeof a4) != 0) {
+      ddp_status_t st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: socket/bind: %s (errno %d)",
+                                   rank, strerror(errno), errno);
+      if (lfd >= 0) close(lfd);
+      return st;
+    }
+  }
+  *lfd_out = lfd;
+  setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (listen(lfd, W + 8) != 0)
+    return ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: listen: %s (errno %d)", rank,
+                      strerror(errno), errno);
+  nonblock(lfd);
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(lfd, (struct sockaddr *)&ss, &sl);
+  *port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                   : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  return DDP_OK;
+}
+
+/* Step 2: "host port" under tcp/addr/<rank> in the store (publish_host picks host). */
+static ddp_status_t publish_addr(const ddp_backend_init_t *in, int port, ddp_error_t *err) {
+  int rank = in->rank;
+  char host[256], me[ADDR_MAX], key[64];
+  const char *why = "";
+  DDP_CHECK(publish_host(in->store, rank, host, sizeof host, &why, err));
+  ddp__log(rank, DDP_LOG_INFO, "tcp: peers will connect to %s:%d (from %s)", host, port, why);
+  snprintf(me, sizeof me, "%s %d", host, port);
+  snprintf(key, sizeof key, "tcp/addr/%d", rank);
+  ddp_status_t st = ddp_store_set(in->store, key, me, strlen(me) + 1);
+  if (st != DDP_OK)
+    return ddp__backend_store_failed(in->store, st, err, "rank %d: publishing the tcp address",
+                                     rank);
+  return DDP_OK;
+}
+
+/* Step 3, for each rank j below this one: its address from the store, a connection, the
+ * hello h, and j's verdict. */
+static ddp_status_t connect_down(const ddp_backend_init_t *in, tcp_state_t *s, int j,
+                                 const hello_t *h, int64_t deadline, ddp_error_t *err) {
+  int rank = in->rank;
+  char key[64];
+  snprintf(key, sizeof key, "tcp/addr/%d", j);
+  const char *k = key;
+  int64_t left = (deadline - ddp_now_ns()) / 1000000;
+  if (ddp_store_wait(in->store, &k, 1, left > 0 ? left : 0) != DDP_OK)
+    return ddp__error_quiet(err, DDP_ERR_TIMEOUT, /* the store has logged its wait */
+                            "rank %d: timed out after %lld ms waiting for rank %d to join the "
+                            "tcp group (it never published its address)", rank,
+                            (long long)in->timeout_ms, j);
+  void *v = NULL;
+  size_t n = 0;
+  char peer[ADDR_MAX] = "", ph[256] = "", pp[16] = "";
+  if (ddp_store_get(in->store, key, &v, &n) == DDP_OK && n > 0 && n <= sizeof peer)
+    memcpy(peer, v, n);
+  ddp_free(v);
+  peer[sizeof peer - 1] = '\0';
+  if (sscanf(peer, "%255s %15s", ph, pp) != 2)
+    return ddp__error(err, rank, DDP_ERR_INVALID_DATA, "rank %d: bad address \"%s\" of rank %d",
+                      rank, peer, j);
+  snprintf(s->addr[j], ADDR_MAX, "%s:%s", ph, pp);
+  int e = 0;
+  int fd = connect_to(ph, pp, deadline, &e);
+  if (fd < 0)
+    return ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                      "rank %d: could not connect to rank %d at %s within %lld ms: %s (errno %d)",
+                      rank, j, s->addr[j], (long long)in->timeout_ms, strerror(e), e);
+  s->fds[j] = fd;
+  verdict_t vd = {0, 0};
+  if (io_all(fd, (void *)h, sizeof *h, true, deadline, -1) != DDP_OK ||
+      io_all(fd, &vd, sizeof vd, false, deadline, -1) != DDP_OK || vd.magic != HELLO_MAGIC)
+    return ddp__error(err, rank, DDP_ERR_REMOTE,
+                      "rank %d: handshake with rank %d at %s failed (no answer before the "
+                      "deadline, or the connection was closed)", rank, j, s->addr[j]);
+  if (vd.code != 0)
+    return ddp__error(err, rank, vd.code == 1 ? DDP_ERR_INVALID_ARGUMENT : DDP_ERR_INVALID_USAGE,
+                      "rank %d: rank %d at %s refused the connection: %s", rank, j, s->addr[j],
+                      vd.code == 1 ? "wrong job token (DDP_JOB_TOKEN differs)"
+                                   : "its world size differs");
+  return DDP_OK;
+}
+
+/* Step 4: one connection from a rank above this one, checked against this rank's hello
+ * (token, world); a bad one is answered, logged and dropped, and the slot keeps waiting.
+ * Returns true when it filled a slot. */
+static bool accept_one(tcp_state_t *s, int lfd, const hello_t *mine, int64_t deadline) {
+  int rank = s->rank, W = s->size;
+  struct sockaddr_storage pa;
+  socklen_t pl = sizeof pa;
+  int fd = accept4(lfd, (struct sockaddr *)&pa, &pl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) return false;
+  tune(fd);
+  char ph[128] = "?", pp[16] = "?";
+  getnameinfo((struct sockaddr *)&pa, pl, ph, sizeof ph, pp, sizeof pp,
+              NI_NUMERICHOST | NI_NUMERICSERV);
+  /* The dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d; messages show a.b.c.d. */
+  if (strncmp(ph, "::ffff:", 7) == 0 && strchr(ph + 7, '.'))
+    memmove(ph, ph + 7, strlen(ph + 7) + 1);
+  hello_t ph_ = {0};
+  int64_t hd = DDP_MIN(deadline, ddp_deadline_after_ms(5000));
+  verdict_t vd = {HELLO_MAGIC, 0};
+  if (io_all(fd, &ph_, sizeof ph_, false, hd, -1) != DDP_OK || ph_.magic != HELLO_MAGIC) {
+    ddp__log(rank, DDP_LOG_WARN, "dropped a connection from %s:%s: no valid hello", ph, pp);
+    close(fd);
+    return false;
+  }
+  if (ph_.token_len != mine->token_len || memcmp(ph_.token, mine->token, mine->token_len) != 0) {
+    vd.code = 1;
+  } else if (ph_.world != W || ph_.rank <= rank || ph_.rank >= W || s->fds[ph_.rank] >= 0) {
+    vd.code = 2;
+  }
+  io_all(fd, &vd, sizeof vd, true, hd, -1);
+  if (vd.code != 0) {
+    ddp__log(rank, DDP_LOG_WARN, "refused a connection from %s:%s claiming rank %d: %s", ph,
+             pp, (int)ph_.rank, vd.code == 1 ? "wrong job token" : "bad rank or world size");
+    close(fd);
+    return false;
+  }
+  s->fds[ph_.rank] = fd;
+  snprintf(s->addr[ph_.rank], ADDR_MAX, "%s:%s", ph, pp);
+  return true;
+}
+
+/* Step 4: every rank above this one connects; the deadline names those that did not. */
+static ddp_status_t accept_up(tcp_state_t *s, int lfd, const hello_t *mine, int64_t deadline,
+                              int64_t timeout_ms, ddp_error_t *err) {
+  int rank = s->rank, W = s->size;
+  for (int got = 0; got < W - 1 - rank;) {
+    struct pollfd p = {lfd, POLLIN, 0};
+    int ms = ddp_ms_until(deadline);
+    if (ms <= 0) {
+      char missing[256] = "";
+      size_t o = 0;
+      for (int j = rank + 1; j < W && o < sizeof missing; j++)
+        if (s->fds[j] < 0) o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", j);
+      return ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                        "rank %d: timed out after %lld ms waiting for rank(s)%s to connect", rank,
+                        (long long)timeout_ms, missing);
+    }
+    if (poll(&p, 1, DDP_MIN(ms, 100)) <= 0) continue;
+    if (accept_one(s, lfd, mine, deadline)) got++;
+  }
+  return DDP_OK;
+}
+
+/* Setup (the file comment): listen, publish, connect down, accept from above, then the
+ * common join. */
 static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_error_t *err) {
-  int rank = in->rank, W = in->size, lfd = -1;
+  int rank = in->rank, W = in->size, lfd = -1, port = 0;
   if (!in->store)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "rank %d: the tcp backend needs a store for rendezvous", rank);
@@ -299,160 +461,17 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
     goto fail;
   }
   for (int j = 0; j < W; j++) s->fds[j] = -1;
-
-  /* Listen on an ephemeral port of every interface and publish "host port". */
-  lfd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  struct sockaddr_in6 a6 = {0};
-  a6.sin6_family = AF_INET6;
-  a6.sin6_addr = in6addr_any;
-  int zero = 0, one = 1;
-  if (lfd >= 0) setsockopt(lfd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-  if (lfd < 0 || bind(lfd, (struct sockaddr *)&a6, sizeof a6) != 0) {
-    if (lfd >= 0) close(lfd);
-    lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a4 = {0};
-    a4.sin_family = AF_INET;
-    a4.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a4, sizeof a4) != 0) {
-      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: socket/bind: %s (errno %d)", rank,
-                      strerror(errno), errno);
-      goto fail;
-    }
-  }
-  setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (listen(lfd, W + 8) != 0) {
-    st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: listen: %s (errno %d)", rank,
-                    strerror(errno), errno);
-    goto fail;
-  }
-  nonblock(lfd);
-  struct sockaddr_storage ss;
-  socklen_t sl = sizeof ss;
-  getsockname(lfd, (struct sockaddr *)&ss, &sl);
-  int port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
-                                      : ntohs(((struct sockaddr_in *)&ss)->sin_port);
-  char host[256], me[ADDR_MAX], key[64];
-  const char *why = "";
-  st = publish_host(in->store, rank, host, sizeof host, &why, err);
-  if (st != DDP_OK) goto fail;
-  ddp__log(rank, DDP_LOG_INFO, "tcp: peers will connect to %s:%d (from %s)", host, port, why);
-  snprintf(me, sizeof me, "%s %d", host, port);
-  snprintf(key, sizeof key, "tcp/addr/%d", rank);
-  st = ddp_store_set(in->store, key, me, strlen(me) + 1);
-  if (st != DDP_OK) {
-    st = ddp__error(err, rank, st, "rank %d: publishing the tcp address: %s", rank,
-                    ddp_store_last_error(in->store));
-    goto fail;
-  }
-
-  /* Connect down. */
   hello_t h = {HELLO_MAGIC, rank, W, (uint32_t)tlen, {0}};
   memcpy(h.token, in->job_token ? in->job_token : "", tlen);
-  for (int j = 0; j < rank; j++) {
-    snprintf(key, sizeof key, "tcp/addr/%d", j);
-    const char *k = key;
-    int64_t left = (deadline - ddp_now_ns()) / 1000000;
-    if (ddp_store_wait(in->store, &k, 1, left > 0 ? left : 0) != DDP_OK) {
-      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
-                      "rank %d: timed out after %lld ms waiting for rank %d to join the tcp "
-                      "group (it never published its address)", rank,
-                      (long long)in->timeout_ms, j);
-      goto fail;
-    }
-    void *v = NULL;
-    size_t n = 0;
-    char peer[ADDR_MAX] = "", ph[256] = "", pp[16] = "";
-    if (ddp_store_get(in->store, key, &v, &n) == DDP_OK && n > 0 && n <= sizeof peer)
-      memcpy(peer, v, n);
-    ddp_free(v);
-    peer[sizeof peer - 1] = '\0';
-    if (sscanf(peer, "%255s %15s", ph, pp) != 2) {
-      st = ddp__error(err, rank, DDP_ERR_INVALID_DATA, "rank %d: bad address \"%s\" of rank %d",
-                      rank, peer, j);
-      goto fail;
-    }
-    snprintf(s->addr[j], ADDR_MAX, "%s:%s", ph, pp);
-    int e = 0;
-    int fd = connect_to(ph, pp, deadline, &e);
-    if (fd < 0) {
-      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
-                      "rank %d: could not connect to rank %d at %s within %lld ms: %s (errno %d)",
-                      rank, j, s->addr[j], (long long)in->timeout_ms, strerror(e), e);
-      goto fail;
-    }
-    s->fds[j] = fd;
-    verdict_t vd = {0, 0};
-    if (io_all(fd, &h, sizeof h, true, deadline, -1) != DDP_OK ||
-        io_all(fd, &vd, sizeof vd, false, deadline, -1) != DDP_OK || vd.magic != HELLO_MAGIC) {
-      st = ddp__error(err, rank, DDP_ERR_REMOTE,
-                      "rank %d: handshake with rank %d at %s failed (no answer before the "
-                      "deadline, or the connection was closed)", rank, j, s->addr[j]);
-      goto fail;
-    }
-    if (vd.code != 0) {
-      st = ddp__error(err, rank, vd.code == 1 ? DDP_ERR_INVALID_ARGUMENT : DDP_ERR_INVALID_USAGE,
-                      "rank %d: rank %d at %s refused the connection: %s", rank, j, s->addr[j],
-                      vd.code == 1 ? "wrong job token (DDP_JOB_TOKEN differs)"
-                                   : "its world size differs");
-      goto fail;
-    }
-  }
-
-  /* Accept from above. */
-  for (int got = 0; got < W - 1 - rank;) {
-    struct pollfd p = {lfd, POLLIN, 0};
-    int ms = ddp_ms_until(deadline);
-    if (ms <= 0) {
-      char missing[256] = "";
-      size_t o = 0;
-      for (int j = rank + 1; j < W && o < sizeof missing; j++)
-        if (s->fds[j] < 0) o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", j);
-      st = ddp__error(err, rank, DDP_ERR_TIMEOUT,
-                      "rank %d: timed out after %lld ms waiting for rank(s)%s to connect", rank,
-                      (long long)in->timeout_ms, missing);
-      goto fail;
-    }
-    if (poll(&p, 1, DDP_MIN(ms, 100)) <= 0) continue;
-    struct sockaddr_storage pa;
-    socklen_t pl = sizeof pa;
-    int fd = accept4(lfd, (struct sockaddr *)&pa, &pl, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) continue;
-    tune(fd);
-    char ph[128] = "?", pp[16] = "?";
-    getnameinfo((struct sockaddr *)&pa, pl, ph, sizeof ph, pp, sizeof pp,
-                NI_NUMERICHOST | NI_NUMERICSERV);
-    /* The dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d; messages show a.b.c.d. */
-    if (strncmp(ph, "::ffff:", 7) == 0 && strchr(ph + 7, '.'))
-      memmove(ph, ph + 7, strlen(ph + 7) + 1);
-    hello_t ph_ = {0};
-    int64_t hd = DDP_MIN(deadline, ddp_deadline_after_ms(5000));
-    verdict_t vd = {HELLO_MAGIC, 0};
-    if (io_all(fd, &ph_, sizeof ph_, false, hd, -1) != DDP_OK || ph_.magic != HELLO_MAGIC) {
-      ddp__log(rank, DDP_LOG_WARN, "dropped a connection from %s:%s: no valid hello", ph, pp);
-      close(fd);
-      continue;
-    }
-    if (ph_.token_len != tlen || memcmp(ph_.token, h.token, tlen) != 0) {
-      vd.code = 1;
-    } else if (ph_.world != W || ph_.rank <= rank || ph_.rank >= W || s->fds[ph_.rank] >= 0) {
-      vd.code = 2;
-    }
-    io_all(fd, &vd, sizeof vd, true, hd, -1);
-    if (vd.code != 0) {
-      ddp__log(rank, DDP_LOG_WARN, "refused a connection from %s:%s claiming rank %d: %s", ph,
-               pp, (int)ph_.rank, vd.code == 1 ? "wrong job token" : "bad rank or world size");
-      close(fd);
-      continue;
-    }
-    s->fds[ph_.rank] = fd;
-    snprintf(s->addr[ph_.rank], ADDR_MAX, "%s:%s", ph, pp);
-    got++;
-  }
+  DDP_CHECK_GOTO(listen_any(rank, W, &lfd, &port, err), st, fail);
+  DDP_CHECK_GOTO(publish_addr(in, port, err), st, fail);
+  for (int j = 0; j < rank; j++) DDP_CHECK_GOTO(connect_down(in, s, j, &h, deadline, err), st, fail);
+  DDP_CHECK_GOTO(accept_up(s, lfd, &h, deadline, in->timeout_ms, err), st, fail);
   close(lfd);
   lfd = -1;
   int64_t left = (deadline - ddp_now_ns()) / 1000000;
-  st = ddp__backend_join(in->store, "tcp", rank, W, left > 0 ? left : 0, NULL, err);
-  if (st != DDP_OK) goto fail;
+  DDP_CHECK_GOTO(ddp__backend_join(in->store, "tcp", rank, W, left > 0 ? left : 0, NULL, err), st,
+                 fail);
   *out = s;
   return DDP_OK;
 fail:
@@ -671,4 +690,5 @@ const ddp_backend_ops_t ddp__backend_tcp = {
     .shared = NULL,
     .xfer = tcp_xfer,
     .fail = tcp_fail,
+    .stream = true,
 };

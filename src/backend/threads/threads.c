@@ -4,12 +4,13 @@
  * copy). Rank 0 allocates the context and publishes its address through the store (which
  * must be an in-process store, e.g. ddp_store_create_memory); the others take a reference.
  * The context is freed by the last rank to leave. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "algo/algo.h"
 #include "backend/backends.h"
+#include "common/common.h"
 
 typedef struct threads_ctx {
   atomic_int refs; /* ranks still holding the context */
@@ -63,7 +64,7 @@ static ddp_status_t threads_create(const ddp_backend_init_t *in, void **out, ddp
         x = NULL;
       } else {
         for (int j = 1; j < W; j++) x->staging[j] = area + (size_t)j * in->staging_bytes;
-        ddp__shared_ctl_init(x->ctl, W);
+        memset(x->ctl, 0, in->ctl_bytes); /* the contract: ctl is zero at create */
       }
     }
     if (!x) {
@@ -74,17 +75,16 @@ static ddp_status_t threads_create(const ddp_backend_init_t *in, void **out, ddp
     ctx_msg_t m = {x, (int)getpid()};
     st = ddp_store_set(in->store, "threads/ctx", &m, sizeof m);
     if (st != DDP_OK) {
-      st = ddp__error(err, rank, st, "rank 0: publishing the threads context: %s",
-                      ddp_store_last_error(in->store));
+      st = ddp__backend_store_failed(in->store, st, err, "rank 0: publishing the threads context");
       goto fail;
     }
   } else {
     const char *key = "threads/ctx";
     st = ddp_store_wait(in->store, &key, 1, in->timeout_ms);
     if (st != DDP_OK) {
-      st = ddp__error(err, rank, st,
-                      "rank %d: timed out after %lld ms waiting for rank 0 to join the threads "
-                      "group", rank, (long long)in->timeout_ms);
+      st = ddp__error_quiet(err, st, /* the store has logged its wait */
+                            "rank %d: timed out after %lld ms waiting for rank 0 to join the "
+                            "threads group", rank, (long long)in->timeout_ms);
       ddp__free(s);
       return st;
     }

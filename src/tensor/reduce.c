@@ -1,16 +1,22 @@
-/* Reduction kernels and fingerprint helpers shared by every algorithm.
+/* Reduction kernels (ddp_reduce_* in ddp/tensor.h): the element-wise arithmetic of every
+ * reduction in the collectives, shared by the algorithms (src/algo) and the backends that
+ * reduce with their own code (mpi's AVG division, nccl's host fold). They live in the
+ * tensor layer because they are dtype arithmetic and nothing else: below the store, the
+ * backends and the algorithms, which all reach them through public headers (an
+ * out-of-tree backend that folds with them stays bitwise equal to the others).
  *
  * The kernels are element-wise: lane i of the result depends only on lane i of the inputs,
  * so any blocking, chunking or vectorisation gives the same bits. fp16 and bf16 widen to
  * fp32, operate, and round back to the storage type after every single operation, which is
- * what gloo and NCCL do per step; the left fold in ddp__reduce_fold therefore rounds W-1
+ * what gloo and NCCL do per step; the left fold in ddp_reduce_fold therefore rounds W-1
  * times per element, in rank order, on every backend. Integer sums and products wrap
  * (computed on unsigned types, so they are defined behaviour). Float MIN/MAX propagate
  * NaN. AVG is the sum divided by the world size (never multiplied by 1/W). */
 #include <math.h>
 #include <string.h>
 
-#include "algo/algo.h"
+#include "common/common.h"
+#include "ddp/tensor.h"
 
 #define FMIN_(a, b) (isnan(b) ? (b) : ((b) < (a) ? (b) : (a)))
 #define FMAX_(a, b) (isnan(b) ? (b) : ((b) > (a) ? (b) : (a)))
@@ -74,7 +80,7 @@ static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n, w
   }
 }
 
-void ddp__reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+static void acc_any(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
   switch (dt) {
     case DDP_F32: acc_float(op, dst, src, n); break;
     case DDP_F64: acc_double(op, dst, src, n); break;
@@ -83,11 +89,11 @@ void ddp__reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src,
     case DDP_U8: acc_uint8_t(op, dst, src, n); break;
     case DDP_F16: acc_half(op, dst, src, n, ddp_f16_to_f32_n, ddp_f32_to_f16_n); break;
     case DDP_BF16: acc_half(op, dst, src, n, ddp_bf16_to_f32_n, ddp_f32_to_bf16_n); break;
-    default: DDP_REQUIRE(!"dtype validated by src/pg");
+    default: DDP_REQUIRE(!"a reducible dtype (ddp/tensor.h)");
   }
 }
 
-void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
+static void avg_any(ddp_dtype_t dt, void *dst, size_t n, int world) {
   switch (dt) {
     case DDP_F32: {
       float *d = dst;
@@ -124,13 +130,19 @@ void ddp__reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) {
       for (size_t i = 0; i < n; i++) d[i] = ddp_f32_to_bf16(ddp_bf16_to_f32(d[i]) / (float)world);
       break;
     }
-    default: DDP_REQUIRE(!"dtype validated by src/pg");
+    default: DDP_REQUIRE(!"a reducible dtype (ddp/tensor.h)");
   }
 }
 
-void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
+void ddp_reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+  acc_any(dt, op, dst, src, n);
+}
+
+void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) { avg_any(dt, dst, n, world); }
+
+void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                       void *dst, size_t n, unsigned char *tmp, int world) {
-  size_t es = ddp_dtype_size(dt), blk = DDP__TMP_BYTES / es;
+  size_t es = ddp_dtype_size(dt), blk = DDP_REDUCE_TMP_BYTES / es;
   /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
    * pass less over memory). The additions are the same, in the same order. */
   bool direct = true;
@@ -142,16 +154,16 @@ void ddp__reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *cons
   if (direct && s0 != d0 && s0 < d0 + n * es && d0 < s0 + n * es) direct = false;
   if (direct) {
     if (s0 != d0) memcpy(dst, s0, n * es);
-    for (int j = 1; j < nsrc; j++) ddp__reduce_acc(dt, op, dst, srcs[j], n);
-    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, dst, n, world);
+    for (int j = 1; j < nsrc; j++) acc_any(dt, op, dst, srcs[j], n);
+    if (op == DDP_OP_AVG) avg_any(dt, dst, n, world);
     return;
   }
   for (size_t off = 0; off < n; off += blk) {
     size_t m = DDP_MIN(blk, n - off);
     memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
     for (int j = 1; j < nsrc; j++)
-      ddp__reduce_acc(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
-    if (op == DDP_OP_AVG) ddp__reduce_avg(dt, tmp, m, world);
+      acc_any(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
+    if (op == DDP_OP_AVG) avg_any(dt, tmp, m, world);
     memcpy((unsigned char *)dst + off * es, tmp, m * es);
   }
 }
@@ -165,66 +177,4 @@ const char *ddp_redop_name(ddp_redop_t op) {
     case DDP_OP_PRODUCT: return "PRODUCT";
   }
   return "?";
-}
-
-const char *ddp_algorithm_name(ddp_algorithm_t a) {
-  switch (a) {
-    case DDP_ALGO_AUTO: return "auto";
-    case DDP_ALGO_CANONICAL: return "canonical";
-    case DDP_ALGO_RING: return "ring";
-    case DDP_ALGO_SMALL: return "small";
-  }
-  return "?";
-}
-
-const char *ddp__kind_name(ddp__kind_t k) {
-  switch (k) {
-    case DDP__ALLREDUCE: return "allreduce";
-    case DDP__BROADCAST: return "broadcast";
-    case DDP__ALLGATHER: return "allgather";
-    case DDP__REDUCE_SCATTER: return "reduce_scatter";
-    case DDP__ALLTOALL: return "alltoall";
-    case DDP__BARRIER: return "barrier";
-    case DDP__SEND: return "send/recv";
-    case DDP__RECV: return "recv";
-  }
-  return "?";
-}
-
-void ddp__fp_str(const ddp__fp_t *fp, char *buf, size_t n) {
-  const char *kind = ddp__kind_name((ddp__kind_t)fp->kind);
-  const char *dt = ddp_dtype_name((ddp_dtype_t)fp->dtype);
-  char seg[48] = "";
-  if (fp->segment) snprintf(seg, sizeof seg, ", segment %llu", (unsigned long long)fp->segment);
-  switch (fp->kind) {
-    case DDP__ALLREDUCE:
-      snprintf(buf, n, "%s #%llu (%s, %s, count %llu, %s%s)", kind, (unsigned long long)fp->seq,
-               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count,
-               ddp_algorithm_name((ddp_algorithm_t)fp->algo), seg);
-      break;
-    case DDP__REDUCE_SCATTER:
-      snprintf(buf, n, "%s #%llu (%s, %s, count %llu%s)", kind, (unsigned long long)fp->seq,
-               ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count, seg);
-      break;
-    case DDP__BROADCAST:
-      snprintf(buf, n, "%s #%llu (%s, count %llu, root %d)", kind, (unsigned long long)fp->seq,
-               dt, (unsigned long long)fp->count, (int)fp->root);
-      break;
-    case DDP__SEND:
-      snprintf(buf, n, "%s #%llu of the pair (%s, count %llu, from rank %d)", kind,
-               (unsigned long long)fp->seq, dt, (unsigned long long)fp->count, (int)fp->root);
-      break;
-    case DDP__BARRIER:
-      snprintf(buf, n, "%s #%llu", kind, (unsigned long long)fp->seq);
-      break;
-    default:
-      snprintf(buf, n, "%s #%llu (%s, count %llu)", kind, (unsigned long long)fp->seq, dt,
-               (unsigned long long)fp->count);
-  }
-}
-
-bool ddp__fp_equal(const ddp__fp_t *a, const ddp__fp_t *b) {
-  return a->seq == b->seq && a->count == b->count && a->kind == b->kind && a->op == b->op &&
-         a->dtype == b->dtype && a->root == b->root && a->algo == b->algo &&
-         a->segment == b->segment;
 }
