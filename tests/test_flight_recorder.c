@@ -199,7 +199,7 @@ static int scen_rank(ddp_test_rank_t *tr, void *arg) {
       if (sc->kind == 1 && r == 1) usleep((useconds_t)(2 * sc->timeout_ms + 1000) * 1000);
       st = allreduce_n(pg, buf, sc->kind == 2 && r == 2 ? 101 : 100);
     }
-    ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+    ddp_test_say_pg_error(tr, pg);
   } else { /* 2000 allreduces 1 ms apart (over 2 s; 3: a kill ends them); 4: rank 0
               * signals its own process after the 4th */
     for (int i = 0; st == DDP_OK && i < 2000; i++) {
@@ -207,7 +207,7 @@ static int scen_rank(ddp_test_rank_t *tr, void *arg) {
       if (sc->kind == 4 && r == 0 && i == 3) kill(getpid(), SIGUSR1);
       usleep(1000);
     }
-    ddp_test_say(tr, "%s", ddp_pg_last_error(pg));
+    ddp_test_say_pg_error(tr, pg);
   }
   ddp_pg_destroy(pg);
   ddp_store_destroy(store);
@@ -528,7 +528,8 @@ static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
     snprintf(path, sizeof path, "%s/ddp_%d.json", sc->dir, ddp_test_rank(tr));
     st = ddp_pg_dump_flight_recorder(pg, path, &err);
   }
-  ddp_test_say(tr, "%s", err.msg[0] ? err.msg : ddp_pg_last_error(pg));
+  if (err.msg[0]) ddp_test_say(tr, "%s", err.msg);
+  else ddp_test_say_pg_error(tr, pg);
   ddp_ctx_destroy(ctx);
   ddp_ddp_destroy(ddp);
   ddp_model_destroy(m);

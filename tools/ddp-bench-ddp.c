@@ -517,8 +517,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   st = run(pg, &cfg);
-  if (st != DDP_OK) fprintf(stderr, "ddp-bench-ddp: failed: %s %s\n", ddp_status_name(st),
-                            ddp_pg_last_error(pg));
+  if (st != DDP_OK) {
+    ddp_pg_last_error_copy(pg, &err);
+    fprintf(stderr, "ddp-bench-ddp: failed: %s %s\n", ddp_status_name(st), err.msg);
+  }
   ddp_pg_destroy(pg);
   return st == DDP_OK ? 0 : 1;
 }

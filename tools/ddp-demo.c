@@ -137,7 +137,8 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
   ddp_work_t *work = NULL;
   if ((st = ddp_broadcast(pg, params.data, (size_t)params.numel, DDP_F32, 0, &work)) != DDP_OK ||
       (st = ddp_work_wait_free(work)) != DDP_OK) {
-    fprintf(stderr, "ddp-demo: rank %d: broadcast: %s\n", rank, ddp_pg_last_error(pg));
+    ddp_pg_last_error_copy(pg, &err);
+    fprintf(stderr, "ddp-demo: rank %d: broadcast: %s\n", rank, err.msg);
     goto out;
   }
 
@@ -200,7 +201,8 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
                             &work)) != DDP_OK ||
         (st = ddp_work_wait_free(work)) != DDP_OK ||
         (st = ddp_optim_step(opt, &err)) != DDP_OK) {
-      fprintf(stderr, "ddp-demo: rank %d: step %d: %s\n", rank, step, ddp_pg_last_error(pg));
+      if (!err.msg[0]) ddp_pg_last_error_copy(pg, &err);
+      fprintf(stderr, "ddp-demo: rank %d: step %d: %s\n", rank, step, err.msg);
       goto out;
     }
     float l = *(const float *)loss->value.data;

@@ -95,7 +95,7 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_OP_SUM, &b->work);
     if (st != DDP_OK) /* the group logged why */
       return ddp__ddp_carry(d, st, "DDP: launching the allreduce of bucket %zu failed: %s",
-                            d->next_bucket, ddp_pg_last_error(d->pg));
+                            d->next_bucket, ddp__ddp_pg_error(d));
     d->next_bucket++;
   }
   return DDP_OK;
@@ -113,7 +113,7 @@ static ddp_status_t queue_finalize(ddp_ddp_t *d) {
                                     DDP_OP_SUM, &d->used_work);
     if (st != DDP_OK)
       return ddp__ddp_carry(d, st, "DDP: launching the used-parameter allreduce failed: %s",
-                            ddp_pg_last_error(d->pg));
+                            ddp__ddp_pg_error(d));
   }
   d->finalize_queued = true;
   if (d->in_delayed) return DDP_OK;
@@ -246,7 +246,7 @@ static ddp_status_t delayed_all_reduce(void *user) {
   if (st == DDP_OK)
     st = ddp__ddp_wait(d, &d->used_work, "allreduce of the used-parameter map");
   else
-    ddp__ddp_carry(d, st, "DDP: used-parameter allreduce: %s", ddp_pg_last_error(d->pg));
+    ddp__ddp_carry(d, st, "DDP: used-parameter allreduce: %s", ddp__ddp_pg_error(d));
   if (st != DDP_OK) return st;
   d->used_waited = true;
   d->nunused = 0;

@@ -53,7 +53,7 @@ static ddp_status_t start_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
   if (!buf)
     return ddp__ddp_fail(d, DDP_ERR_NO_MEMORY,
                          "[rank %d] DDP: no memory for a %zu-byte %s chunk: %s", d->rank,
-                         total, what, ddp_pg_last_error(d->pg));
+                         total, what, ddp__ddp_pg_error(d));
   size_t off = 0;
   for (size_t k = a->offsets[c]; k < a->offsets[c + 1]; k++) {
     const tref_t *x = &t[a->indices[k]];
@@ -64,7 +64,7 @@ static ddp_status_t start_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
   ddp_status_t st = ddp_broadcast(d->pg, buf, total / ddp_dtype_size(dt), dt, root, &s->w);
   if (st != DDP_OK)
     ddp__ddp_carry(d, st, "DDP broadcast of %s chunk %zu: %s", what, c,
-                   ddp_pg_last_error(d->pg));
+                   ddp__ddp_pg_error(d));
   return st;
 }
 

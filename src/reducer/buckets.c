@@ -52,7 +52,7 @@ static ddp_status_t fill_bucket(ddp_ddp_t *d, const ddp_bucket_assignment_t *a, 
   x->buf = ddp_pg_alloc(d->pg, bytes ? bytes : 1);
   if (!x->buf) /* the group records an allocation failure without logging it */
     return ddp__ddp_fail(d, DDP_ERR_NO_MEMORY, "[rank %d] DDP: bucket %zu of %zu bytes: %s",
-                         d->rank, b, bytes, ddp_pg_last_error(d->pg));
+                         d->rank, b, bytes, ddp__ddp_pg_error(d));
   memset(x->buf, 0, bytes);
   return DDP_OK;
 }
@@ -190,7 +190,7 @@ static ddp_status_t adopt_rank0_layout(ddp_ddp_t *d, const ddp_bucket_assignment
   st = ddp_broadcast(d->pg, v1, P + 1, DDP_I32, 0, &w);
   st = st == DDP_OK ? ddp__ddp_wait(d, &w, "broadcast of rebuilt bucket indices")
                     : ddp__ddp_carry(d, st, "DDP broadcast of rebuilt bucket indices: %s",
-                                     ddp_pg_last_error(d->pg));
+                                     ddp__ddp_pg_error(d));
   if (st != DDP_OK) goto out;
   size_t nb = (size_t)v1[P];
   if (nb == 0 || nb > P) {
@@ -203,7 +203,7 @@ static ddp_status_t adopt_rank0_layout(ddp_ddp_t *d, const ddp_bucket_assignment
   st = ddp_broadcast(d->pg, v2, nb, DDP_I32, 0, &w);
   st = st == DDP_OK ? ddp__ddp_wait(d, &w, "broadcast of rebuilt bucket sizes")
                     : ddp__ddp_carry(d, st, "DDP broadcast of rebuilt bucket sizes: %s",
-                                     ddp_pg_last_error(d->pg));
+                                     ddp__ddp_pg_error(d));
   if (st != DDP_OK) goto out;
   st = DDP_ERR_NO_MEMORY;
   r->nbuckets = nb;

@@ -49,7 +49,7 @@ ddp_status_t ddp__ddp_run_comm_hook(ddp_ddp_t *d, size_t b) {
   ddp_status_t st = d->comm_hook.fn(d->comm_hook.state, d->pg, &x->gb, &w);
   if (st != DDP_OK) {
     char msg[1024];
-    const char *pe = ddp_pg_status(d->pg) != DDP_OK ? ddp_pg_last_error(d->pg) : "";
+    const char *pe = ddp_pg_status(d->pg) != DDP_OK ? ddp__ddp_pg_error(d) : "";
     snprintf(msg, sizeof msg, "%s", w && ddp_comm_work_error(w)[0] ? ddp_comm_work_error(w)
                                     : pe[0]                      ? pe
                                                                  : ddp_status_str(st));

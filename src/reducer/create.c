@@ -111,7 +111,7 @@ static ddp_status_t verify_count(ddp_ddp_t *d) {
   if (st == DDP_OK)
     st = ddp__ddp_wait(d, &w, "allgather of the parameter count");
   else
-    ddp__ddp_carry(d, st, "DDP: allgather of the parameter count: %s", ddp_pg_last_error(d->pg));
+    ddp__ddp_carry(d, st, "DDP: allgather of the parameter count: %s", ddp__ddp_pg_error(d));
   for (int i = 0; st == DDP_OK && i < d->world; i++)
     if (all[i] != mine)
       st = ddp__ddp_fail(d, DDP_ERR_INVALID_ARGUMENT,
@@ -157,7 +157,7 @@ static ddp_status_t verify_shapes(ddp_ddp_t *d) {
   if (st == DDP_OK)
     st = ddp__ddp_wait(d, &w, "broadcast of parameter shapes");
   else
-    ddp__ddp_carry(d, st, "DDP: broadcast of parameter shapes: %s", ddp_pg_last_error(d->pg));
+    ddp__ddp_carry(d, st, "DDP: broadcast of parameter shapes: %s", ddp__ddp_pg_error(d));
   size_t pos = 0;
   for (size_t i = 0; st == DDP_OK && i < d->P; i++) {
     int nd = d->params[i]->value.ndim;

@@ -49,6 +49,11 @@ void ddp__ddp_error_clear(ddp_ddp_t *d) {
   d->err.msg[0] = 0;
 }
 
+const char *ddp__ddp_pg_error(ddp_ddp_t *d) {
+  ddp_pg_last_error_copy(d->pg, &d->pg_err);
+  return d->pg_err.msg;
+}
+
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err) {
   if (!err) return;
   err->status = st;
@@ -60,7 +65,7 @@ ddp_status_t ddp__ddp_wait(ddp_ddp_t *d, ddp_work_t **w, const char *what) {
   ddp_status_t st = ddp_work_wait(*w, -1);
   if (st != DDP_OK)
     ddp__ddp_carry(d, st, "DDP %s failed: %s", what,
-                   ddp_work_error(*w)[0] ? ddp_work_error(*w) : ddp_pg_last_error(d->pg));
+                   ddp_work_error(*w)[0] ? ddp_work_error(*w) : ddp__ddp_pg_error(d));
   ddp_work_free(*w);
   *w = NULL;
   return st;

@@ -39,7 +39,7 @@ static ddp_status_t wait_bucket(ddp_ddp_t *d, size_t b, ddp_status_t first) {
                      "find_unused_parameters=True handles it.",
                      b, x->nvars, names,
                      ddp_work_error(x->work)[0] ? ddp_work_error(x->work)
-                                                : ddp_pg_last_error(d->pg));
+                                                : ddp__ddp_pg_error(d));
   }
   if (x->work) ddp_work_free(x->work);
   x->work = NULL;

@@ -16,7 +16,7 @@ static ddp_status_t small_allreduce(ddp_ddp_t *d, int32_t v, ddp_redop_t op, con
   buf[0] = v;
   ddp_work_t *w = NULL;
   ddp_status_t st = ddp_allreduce(d->pg, buf, buf, 1, DDP_I32, op, &w);
-  if (st != DDP_OK) return ddp__ddp_carry(d, st, "DDP %s: %s", what, ddp_pg_last_error(d->pg));
+  if (st != DDP_OK) return ddp__ddp_carry(d, st, "DDP %s: %s", what, ddp__ddp_pg_error(d));
   DDP_CHECK(ddp__ddp_wait(d, &w, what));
   *out = buf[0];
   return DDP_OK;
@@ -51,7 +51,7 @@ ddp_status_t ddp__ddp_join_notify(ddp_ddp_t *d) {
   d->join_count[0] = 1;
   ddp_status_t st = ddp_allreduce(d->pg, d->join_count, d->join_count, 1, DDP_I32, DDP_OP_SUM,
                                   &d->join_work);
-  if (st != DDP_OK) return ddp__ddp_carry(d, st, "DDP join: %s", ddp_pg_last_error(d->pg));
+  if (st != DDP_OK) return ddp__ddp_carry(d, st, "DDP join: %s", ddp__ddp_pg_error(d));
   return DDP_OK;
 }
 
@@ -96,7 +96,7 @@ static ddp_status_t shadow_backward(ddp_ddp_t *d) {
     }
     st = ddp_allreduce(d->pg, x->buf, x->buf, x->numel, x->dtype, DDP_OP_SUM, &x->work);
     if (st != DDP_OK)
-      ddp__ddp_carry(d, st, "DDP join: bucket %zu: %s", b, ddp_pg_last_error(d->pg));
+      ddp__ddp_carry(d, st, "DDP join: bucket %zu: %s", b, ddp__ddp_pg_error(d));
   }
   for (size_t b = 0; b < d->nbuckets; b++) {
     ddp__bucket_t *x = &d->buckets[b];
@@ -117,7 +117,7 @@ static ddp_status_t shadow_backward(ddp_ddp_t *d) {
                      &d->used_work);
   if (st != DDP_OK)
     return ddp__ddp_carry(d, st, "DDP join: shadow used-map allreduce: %s",
-                          ddp_pg_last_error(d->pg));
+                          ddp__ddp_pg_error(d));
   return ddp__ddp_wait(d, &d->used_work, "join: shadow used-map allreduce");
 }
 

@@ -170,6 +170,7 @@ struct ddp_ddp {
   int64_t t_pre_forward;
 
   ddp__ddp_error_t err; /* error.c */
+  ddp_error_t pg_err;   /* error.c: the group's last error, copied out by ddp__ddp_pg_error */
 };
 
 static inline size_t ddp__ddp_esz(const ddp_param_t *p) { return ddp_dtype_size(p->value.dtype); }
@@ -195,6 +196,9 @@ ddp_status_t ddp__ddp_carry(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...)
 /* ddp__ddp_fail with "[rank r] DDP: out of memory". */
 ddp_status_t ddp__ddp_oom(ddp_ddp_t *d);
 void ddp__ddp_error_clear(ddp_ddp_t *d);
+/* The process group's last error, copied out under the group's lock into the handle
+ * (valid until the next call). */
+const char *ddp__ddp_pg_error(ddp_ddp_t *d);
 /* Copies the message into err (NULL:
  * nothing) with status st. */
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err);

@@ -116,7 +116,9 @@ void ddp_test_mismatch(ddp_test_coll_t *c, const char *what, ddp_dtype_t dt, siz
 ddp_status_t ddp_test_run(ddp_test_coll_t *c, ddp_status_t st, ddp_work_t **wp, const char *what) {
   char msg[1024];
   if (st != DDP_OK) {
-    snprintf(msg, sizeof msg, "%s: issue failed: %s", what, ddp_pg_last_error(c->pg));
+    ddp_error_t pe;
+    ddp_pg_last_error_copy(c->pg, &pe);
+    snprintf(msg, sizeof msg, "%s: issue failed: %.900s", what, pe.msg);
     c->say(c, msg);
     return st;
   }

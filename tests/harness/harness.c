@@ -152,6 +152,12 @@ void ddp_test_say(ddp_test_rank_t *r, const char *fmt, ...) {
   va_end(ap);
 }
 
+void ddp_test_say_pg_error(ddp_test_rank_t *r, const ddp_pg_t *pg) {
+  ddp_error_t e;
+  ddp_pg_last_error_copy(pg, &e);
+  ddp_test_say(r, "%.1000s", e.msg);
+}
+
 bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n) {
   ddp_test_result_t *res = &r->slot->r;
   if (n > r->cap - res->nvalues) return false;

@@ -79,6 +79,8 @@ const char *ddp_test_dir(const ddp_test_rank_t *r);
 pid_t ddp_test_pid(const ddp_test_rank_t *r, int rank);
 /* Sets the rank's message (printf-style; later calls replace it). */
 void ddp_test_say(ddp_test_rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* ddp_test_say with the group's last error (copied out under its lock). */
+void ddp_test_say_pg_error(ddp_test_rank_t *r, const ddp_pg_t *pg);
 /* Appends bytes to the rank's value area. Returns false when the area is full. */
 bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n);
 /* Creates the rank's group from *o, filling in o->rank, o->world and, forked, o->store: a
