@@ -21,16 +21,16 @@
 
 /* Reads a file into a NUL-terminated heap buffer; a NUL byte inside is refused. */
 static ddp_status_t read_all(const char *path, char **out, size_t *len, ddp_error_t *err) {
-  unsigned char *buf = NULL;
-  DDP_CHECK(ddp__data_read_file("csv", path, &buf, len, err));
-  const unsigned char *nul = memchr(buf, '\0', *len);
+  char *buf = NULL;
+  DDP_CHECK(ddp__file_read(path, 0, -1, "csv", &buf, len, err));
+  const char *nul = memchr(buf, '\0', *len);
   if (nul) {
     ddp__free(buf);
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "csv %s: the file contains a NUL byte (at offset %zu); not a text file",
                       path, (size_t)(nul - buf));
   }
-  *out = (char *)buf;
+  *out = buf;
   return DDP_OK;
 }
 

@@ -391,10 +391,10 @@ ddp_status_t ddp_dataset_from_text_csv(const char *path, const ddp_text_csv_opti
   *out = NULL;
   ddp_text_csv_options_t o;
   DDP_CHECK(check_options(opts, &o, err));
-  unsigned char *b = NULL;
+  char *b = NULL;
   size_t len = 0;
-  DDP_CHECK(ddp__data_read_file("text csv", path, &b, &len, err));
-  ddp_status_t st = ddp__text_csv_parse(path, (const char *)b, len, &o, out, err);
+  DDP_CHECK(ddp__file_read(path, 0, -1, "text csv", &b, &len, err));
+  ddp_status_t st = ddp__text_csv_parse(path, b, len, &o, out, err);
   ddp__free(b);
   return st;
 }

@@ -235,35 +235,11 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
 
 ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(a && path);
-  FILE *fp = fopen(path, "rb");
-  if (!fp) {
-    return ddp__error_quiet(err, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                            "config file %s: open: %s (errno %d)", path, strerror(errno), errno);
-  }
-  ddp_status_t st = DDP_OK;
   char *text = NULL;
   cJSON *root = NULL;
-  size_t cap = 1 << 16, len = 0;
-  text = ddp__malloc(cap);
-  if (!text) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
-  }
-  for (;;) {
-    if (len + 1 >= cap) {
-      char *t = ddp__realloc(text, cap * 2);
-      if (!t) {
-        st = DDP_ERR_NO_MEMORY;
-        goto out;
-      }
-      text = t;
-      cap *= 2;
-    }
-    size_t got = fread(text + len, 1, cap - 1 - len, fp);
-    len += got;
-    if (got == 0) break;
-  }
-  text[len] = 0;
+  /* Quiet: a bad config file is the caller's usage error to report. */
+  ddp_status_t st = ddp__file_read(path, 0, DDP__QUIET, "config file", &text, NULL, err);
+  if (st != DDP_OK) return st;
   root = cJSON_Parse(text);
   if (!root || !cJSON_IsObject(root)) {
     const char *where = cJSON_GetErrorPtr();
@@ -312,7 +288,6 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
 out:
   cJSON_Delete(root);
   ddp__free(text);
-  fclose(fp);
   return st;
 }
 

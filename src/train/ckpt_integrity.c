@@ -196,7 +196,7 @@ ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err) {
   }
   if (st == DDP_OK) {
     snprintf(path, sizeof path, "%s/%s", dir, DDP__TRAIN_CHECKSUMS);
-    st = ddp__train_write_atomic(path, text, len, err);
+    st = ddp__file_write_atomic(path, text, len, 0644, -1, "checkpoint", err);
   }
   for (size_t i = 0; i < n; i++) ddp__free(names[i]);
   ddp__free(names);

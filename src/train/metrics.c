@@ -9,8 +9,8 @@
  * Resuming from the checkpoint of step S keeps what the interrupted run wrote up to S and
  * drops the rest (the lines of steps after S, which the resumed run writes again, a torn last
  * line, and earlier runs' summary lines), as Trainer's log history restarts from the
- * checkpoint's state. The kept lines are rewritten atomically (temporary file, fsync,
- * rename), so a crash during the rewrite leaves the old file whole. */
+ * checkpoint's state. The kept lines are rewritten atomically (src/common/file.c), so a
+ * crash during the rewrite leaves the old file whole. */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -49,23 +49,17 @@ static bool keep_line(const char *b, size_t n, int64_t start) {
 
 /* Rewrites path with only the lines keep_line accepts. A missing file is left missing. */
 static ddp_status_t cut_to_step(const char *path, int64_t start, ddp_error_t *err) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return errno == ENOENT ? DDP_OK : sys_err(err, "open", path);
   struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return DDP_OK; /* not a plain file (a device, a pipe): nothing to keep */
-  }
-  size_t len = (size_t)sb.st_size, kept = 0, dropped = 0;
-  char *text = ddp__malloc(len + 1), *out = ddp__malloc(len + 1);
-  bool ok = text && out && fread(text, 1, len, f) == len;
-  fclose(f);
-  if (!ok) {
+  if (stat(path, &sb) != 0 ? errno == ENOENT : !S_ISREG(sb.st_mode))
+    return DDP_OK; /* missing, or not a plain file (a device, a pipe): nothing to keep */
+  char *text;
+  size_t len, kept = 0, dropped = 0;
+  DDP_CHECK(ddp__file_read(path, 0, 0, "trainer: metrics", &text, &len, err));
+  char *out = ddp__malloc(len + 1);
+  if (!out) {
     ddp__free(text);
-    ddp__free(out);
-    return text && out ? sys_err(err, "read", path)
-                       : ddp__error(err, 0, DDP_ERR_NO_MEMORY,
-                                    "trainer: no memory to read %s (%zu bytes)", path, len);
+    return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory to read %s (%zu bytes)",
+                      path, len);
   }
   for (size_t p = 0; p < len;) {
     char *nl = memchr(text + p, '\n', len - p);
@@ -86,7 +80,7 @@ static ddp_status_t cut_to_step(const char *path, int64_t start, ddp_error_t *er
   if (dropped) {
     ddp__log(0, DDP_LOG_INFO, "resuming at step %lld: %zu line(s) of %s after that step dropped",
              (long long)start, dropped, path);
-    st = ddp__train_write_atomic(path, out, kept, err);
+    st = ddp__file_write_atomic(path, out, kept, 0644, 0, "trainer: metrics", err);
   }
   ddp__free(text);
   ddp__free(out);

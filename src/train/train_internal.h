@@ -95,14 +95,6 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
 ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world,
                                    ddp_error_t *err);
 
-/* Writes text to path atomically (temporary file in the same directory, fsync, rename,
- * fsync of the directory). */
-ddp_status_t ddp__train_write_atomic(const char *path, const char *text, size_t len,
-                                     ddp_error_t *err);
-
-/* mkdir -p. */
-ddp_status_t ddp__train_mkdirs(const char *path, ddp_error_t *err);
-
 /* Causal language models (lm.c): the loss of logits [B, T, V] against labels I64 [B, T]
  * (position t predicts labels[t + 1], -100 ignored: ddp_causal_lm_loss), and the number of
  * labels it averages over (those of positions 1..T-1 that are not -100). */

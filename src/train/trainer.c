@@ -670,7 +670,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
   }
 
   if (t->rank == 0) {
-    DDP_CHECK_GOTO(ddp__train_mkdirs(a->output_dir, t->err), st, out);
+    DDP_CHECK_GOTO(ddp__mkdirs(a->output_dir, t->rank, "trainer: output_dir", t->err), st, out);
     DDP_CHECK_GOTO(ddp__metrics_open(a->output_dir, start, &t->metrics, t->err), st, out);
   }
 
