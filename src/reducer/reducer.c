@@ -12,6 +12,7 @@
 
 #include "common/common.h"
 #include "ddp/reducer.h"
+#include "tensor/tensor_internal.h"
 
 #define DDP_MAGIC 0x44445052u /* "DDPR" */
 #define ERRBUF 8192
@@ -1814,15 +1815,6 @@ void *ddp_grad_bucket_gradient(const ddp_grad_bucket_t *b, size_t k) {
   return (char *)b->buffer + b->offsets[k] * ddp_dtype_size(b->dtype);
 }
 
-static double load_elem(const void *p, ddp_dtype_t dt, size_t i) {
-  switch (dt) {
-    case DDP_F64: return ((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-  }
-}
-
 /* Calls the hook on bucket b with a fresh GradBucket over its flat buffer. */
 static ddp_status_t run_comm_hook(ddp_ddp_t *d, size_t b) {
   bucket_t *x = &d->buckets[b];
@@ -1894,9 +1886,9 @@ static ddp_status_t resolve_comm_hook(ddp_ddp_t *d, size_t b, bool report) {
     if (st == DDP_OK) {
       if (dt == x->dtype) memmove(x->buf, data, n * es);
       else if (x->dtype == DDP_F64)
-        for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = load_elem(data, dt, i);
+        for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = ddp__dtype_load(data, dt, i);
       else
-        for (size_t i = 0; i < n; i++) ((float *)x->buf)[i] = (float)load_elem(data, dt, i);
+        for (size_t i = 0; i < n; i++) ((float *)x->buf)[i] = (float)ddp__dtype_load(data, dt, i);
     }
     ddp__free(tmp);
   }
