@@ -135,13 +135,7 @@ ddp_status_t ddp_dataset_from_csv(const char *path, const ddp_csv_options_t *opt
   DDP_REQUIRE(path && out);
   *out = NULL;
   ddp_csv_options_t o = DDP_CSV_OPTIONS_INIT;
-  if (opts) {
-    if (opts->struct_size < sizeof o)
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "csv: options.struct_size %zu too small (use DDP_CSV_OPTIONS_INIT)",
-                        opts->struct_size);
-    o = *opts;
-  }
+  ddp__opts_read(&o, sizeof o, opts);
   if (!o.delimiter) o.delimiter = ',';
   if (!o.label_column || !*o.label_column)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "csv: label_column is empty");

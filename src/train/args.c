@@ -7,6 +7,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +142,14 @@ static const arg_field_t *find_field(const char *name) {
   return NULL;
 }
 
+/* The caller's args read by the one options policy (ddp__opts_read): a struct from an
+ * older header gets the defaults past its end. */
+static ddp_train_args_t args_in(const ddp_train_args_t *a) {
+  ddp_train_args_t c = DDP_TRAIN_ARGS_INIT;
+  ddp__opts_read(&c, sizeof c, a);
+  return c;
+}
+
 static bool parse_bool(const char *v, bool *out) {
   if (!strcasecmp(v, "true") || !strcmp(v, "1")) {
     *out = true;
@@ -170,6 +179,14 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
     return ddp__error_quiet(err, DDP_ERR_NOT_FOUND, "unknown argument \"%s\"%s%s%s", name,
                             best ? " (did you mean \"" : "", best ? best : "",
                             best ? "\"?)" : "");
+  }
+  /* A caller built against an older header has a smaller struct: the fields past it are
+   * not its to set (ddp__opts_read's policy gives them their defaults when it is read). */
+  DDP_REQUIRE(a->struct_size >= sizeof(size_t) && a->struct_size <= sizeof *a);
+  if (f->offset + f->size > a->struct_size) {
+    return ddp__error_quiet(err, DDP_ERR_NOT_FOUND,
+                            "argument \"%s\" is newer than the caller's ddp_train_args_t "
+                            "(struct_size %zu)", name, a->struct_size);
   }
   char *p = (char *)a + f->offset;
   char *end = NULL;
@@ -395,8 +412,10 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
 }
 
 static const char *const backend_choices[] = {"gloo", "threads", "shm", "tcp", "mpi", "nccl", NULL};
-ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
-  DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
+ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *err) {
+  DDP_REQUIRE(in);
+  ddp_train_args_t copy = args_in(in);
+  const ddp_train_args_t *a = &copy;
   static const char *const optims[] = {"adamw_torch", "adamw", "adam", "sgd", NULL};
   static const char *const strategies[] = {"no", "steps", "epoch", NULL};
   if (!one_of(a->optim, optims)) {
@@ -495,27 +514,35 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
 
 const char *ddp_train_backend_name(const ddp_train_args_t *a) {
   DDP_REQUIRE(a);
-  if (!a->ddp_backend[0]) return NULL;
+  /* A pointer into the caller's struct, so read in place; past an older struct's end the
+   * field has its default, "" (auto). */
+  if (offsetof(ddp_train_args_t, ddp_backend) + sizeof a->ddp_backend > a->struct_size ||
+      !a->ddp_backend[0])
+    return NULL;
   if (!strcmp(a->ddp_backend, "gloo")) return "tcp";
   return a->ddp_backend;
 }
 
-bool ddp_train_find_unused(const ddp_train_args_t *a) {
+bool ddp_train_find_unused(const ddp_train_args_t *in) {
+  ddp_train_args_t a = args_in(in);
   /* HF: unset means False with gradient checkpointing, True otherwise (a plain module is
    * not a PreTrainedModel, and a PreTrainedModel without checkpointing also gets True). */
-  if (a->ddp_find_unused_parameters == DDP_UNSET) return !a->gradient_checkpointing;
-  return a->ddp_find_unused_parameters == DDP_TRUE;
+  if (a.ddp_find_unused_parameters == DDP_UNSET) return !a.gradient_checkpointing;
+  return a.ddp_find_unused_parameters == DDP_TRUE;
 }
 
-bool ddp_train_broadcast_buffers(const ddp_train_args_t *a) {
-  return a->ddp_broadcast_buffers != DDP_FALSE;
+bool ddp_train_broadcast_buffers(const ddp_train_args_t *in) {
+  return args_in(in).ddp_broadcast_buffers != DDP_FALSE;
 }
 
-bool ddp_train_static_graph(const ddp_train_args_t *a) { return a->ddp_static_graph == DDP_TRUE; }
+bool ddp_train_static_graph(const ddp_train_args_t *in) {
+  return args_in(in).ddp_static_graph == DDP_TRUE;
+}
 
-ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *a, char **out) {
-  DDP_REQUIRE(a && out);
+ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *in, char **out) {
+  DDP_REQUIRE(in && out);
   *out = NULL;
+  ddp_train_args_t copy = args_in(in), *a = &copy;
   cJSON *o = cJSON_CreateObject();
   if (!o) return DDP_ERR_NO_MEMORY;
   for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {

@@ -24,14 +24,3 @@ int64_t ddp__train_lm_targets(const ddp_tensor_t *labels) {
     for (int64_t t = 1; t < T; t++) n += l[r * T + t] != -100;
   return n;
 }
-
-const char *ddp__train_lm_perplexity(char *buf, size_t cap, bool lm, double eval_loss) {
-  if (!lm) return "";
-  double p = exp(eval_loss);
-  if (isfinite(p)) {
-    snprintf(buf, cap, ", \"perplexity\": %.9g", p);
-  } else {
-    snprintf(buf, cap, ", \"perplexity\": null");
-  }
-  return buf;
-}

@@ -111,31 +111,22 @@ ddp_status_t ddp__metrics_open(const char *output_dir, int64_t start, ddp__metri
   return DDP_OK;
 }
 
-ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *fmt, ...) {
-  if (!m) return DDP_OK;
-  char small[2048], *buf = small;
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(small, sizeof small - 1, fmt, ap);
-  va_end(ap);
-  if (n < 0) return ddp__error(err, 0, DDP_ERR_INTERNAL, "trainer: %s: bad line format", m->path);
-  if ((size_t)n >= sizeof small - 1) {
-    buf = ddp__malloc((size_t)n + 2);
-    if (!buf) {
-      return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a %d-byte line of %s",
-                        n, m->path);
-    }
-    va_start(ap, fmt);
-    vsnprintf(buf, (size_t)n + 1, fmt, ap);
-    va_end(ap);
+ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *err) {
+  if (!m) {
+    ddp__json_free(j);
+    return DDP_OK;
   }
-  buf[n++] = '\n';
+  ddp__json_append(j, "\n");
+  char *buf = ddp__json_take(j);
+  if (!buf) return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a line of %s",
+                              m->path);
+  size_t n = strlen(buf);
   ssize_t w;
   do {
-    w = write(m->fd, buf, (size_t)n);
+    w = write(m->fd, buf, n);
   } while (w < 0 && errno == EINTR);
   ddp_status_t st = DDP_OK;
-  if (w != n) {
+  if (w != (ssize_t)n) {
     if (w >= 0) errno = ENOSPC; /* a short write: the device is full */
     st = sys_err(err, "write", m->path);
     if (w > 0 && ftruncate(m->fd, m->size) != 0) {
@@ -143,9 +134,9 @@ ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *
                strerror(errno));
     }
   } else {
-    m->size += n;
+    m->size += (off_t)n;
   }
-  if (buf != small) ddp__free(buf);
+  ddp__free(buf);
   return st;
 }
 
@@ -155,10 +146,4 @@ ddp_status_t ddp__metrics_close(ddp__metrics_t *m, ddp_error_t *err) {
   if (close(m->fd) != 0 && err) st = sys_err(err, "close", m->path);
   ddp__free(m);
   return st;
-}
-
-const char *ddp__metrics_num(char *buf, size_t cap, double v) {
-  if (!isfinite(v)) return "null";
-  snprintf(buf, cap, "%.9g", v);
-  return buf;
 }
