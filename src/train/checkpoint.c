@@ -154,7 +154,7 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
   char cand[4096];
   for (size_t i = n; i-- > 0 && st != DDP_OK;) {
     snprintf(cand, sizeof cand, "%s/checkpoint-%lld", a->output_dir, (long long)steps[i]);
-    st = ddp__train_verify_checkpoint(cand, err);
+    st = ddp__train_verify_checkpoint(cand, true, err); /* reported below, once */
     if (st == DDP_OK) {
       snprintf(dir, cap, "%s", cand);
     } else if (i > 0 && rank == 0) {
@@ -289,7 +289,7 @@ ddp_status_t ddp_train_checkpoint_load(const char *dir, ddp_model_t *model, ddp_
   DDP_REQUIRE(dir && model);
   char path[4200];
   int64_t s;
-  DDP_CHECK(ddp__train_verify_checkpoint(dir, err));
+  DDP_CHECK(ddp__train_verify_checkpoint(dir, false, err));
   DDP_CHECK(ddp__train_read_state(dir, &s, NULL, err));
   snprintf(path, sizeof path, "%s/model.safetensors", dir);
   DDP_CHECK(ddp_model_load(model, path, true, NULL, NULL, err));

@@ -76,10 +76,10 @@ void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank);
  * in dir/checksums.sha256 (sha256sum's format), atomically; called on the staged directory
  * just before it is committed. Verify: recomputes them; a file that differs or is missing
  * is DDP_ERR_INVALID_DATA naming the file. A directory without checksums.sha256 (older
- * checkpoints) verifies. */
+ * checkpoints) verifies. quiet: the failure is not logged (the caller reports it). */
 #define DDP__TRAIN_CHECKSUMS "checksums.sha256"
 ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err);
-ddp_status_t ddp__train_verify_checkpoint(const char *dir, ddp_error_t *err);
+ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error_t *err);
 
 /* The checkpoint a run resumes from, into dir ("" = start at step 0), by
  * resume_from_checkpoint: a directory (used as given; loading verifies it); "true" or

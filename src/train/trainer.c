@@ -16,68 +16,24 @@
  * (Accelerate's scaling; sync.h); after the window the gradients are the average
  * over ranks of the summed micro-gradients. Then clip_grad_norm (max_grad_norm > 0), set
  * the lr from the schedule, step the optimizer, zero the gradients, and average the step's
- * loss over ranks for logging. */
+ * loss over ranks for logging.
+ *
+ * The run is a sequence of named steps: begin (setup.c's setup, the resume, the dump and
+ * metrics files), then per optimizer step train_step, end_of_step (with the log line when
+ * due), eval_step and save when due, then finish. Every metrics.jsonl line goes through
+ * the one JSON writer (json.c). */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
-#include <cjson/cJSON.h>
-
 #include "common/common.h"
-#include "ddp/reducer.h"
 #include "ddp_config.h"
-#include "train/faults.h"
-#include "train/sync.h"
-#include "train/train_internal.h"
-
-typedef struct trainer {
-  ddp_pg_t *pg;
-  int rank, world;
-  ddp_model_t *model;
-  const ddp_dataset_t *train, *eval;
-  ddp_train_args_t args;  /* the caller's, read by ddp__opts_read */
-  const ddp_train_args_t *a; /* &args */
-  ddp_train_event_fn ev;
-  void *user;
-  ddp_train_result_t *res;
-  ddp_error_t *err;
-
-  ddp_ctx_t *ctx;
-  ddp_sampler_t *sampler;
-  ddp_loader_t *loader;
-  ddp_optim_t *opt[DDP__TRAIN_MAX_GROUPS]; /* HF's parameter groups: decay, no decay */
-  size_t nopt;
-  ddp_optim_param_t *pairs; /* group 0's parameters, then group 1's */
-  ddp_tensor_t **grads;   /* for clipping */
-  size_t ntrain;          /* parameters that require grad */
-  ddp__sync_t *sync;
-  char resume_dir[DDP_TRAIN_STR_MAX]; /* the checkpoint being resumed, "" when none */
-  ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
-  ddp__metrics_t *metrics; /* rank 0 (metrics.c) */
-  bool classify;          /* integer class labels: cross-entropy; else MSE */
-  ddp_model_task_t task;  /* DDP_TASK_CAUSAL_LM: ddp_causal_lm_loss (lm.c) */
-  ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
-  int64_t steps_per_epoch, max_steps, loader_epoch, loader_pos;
-  ddp_lr_schedule_t sched;
-  uint64_t flags;         /* this rank's forward_flags entry */
-  ddp__train_q_t *init_q; /* power_sgd_init_q; NULL when off */
-  ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
-
-  /* the run (begin, the steps, finish) */
-  int64_t start;          /* the step resumed from; 0 for a fresh run */
-  int64_t pause_ms;       /* DDP_TRAIN_SAVE_PAUSE_MS: sleeps between checkpoint files */
-  int64_t log_every, save_every, eval_every; /* in steps; 0: never */
-  bool eval_epoch, save_steps, save_epoch;   /* the strategies */
-  double samples_per_step; /* global samples per optimizer step */
-  int64_t t_start, comm_total; /* ns */
-  double win_loss, win_time, win_comm; /* the logging window's sums ... */
-  int64_t win_n;                       /* ... over win_n steps */
-} trainer_t;
+#include "train/trainer.h"
 
 /* w is read only after st's call has run (hence the pointer: argument order is unspecified). */
-static ddp_status_t coll_wait(trainer_t *t, ddp_status_t st, ddp_work_t **w, const char *what) {
+static ddp_status_t coll_wait(ddp__trainer_t *t, ddp_status_t st, ddp_work_t **w,
+                              const char *what) {
   if (st == DDP_OK) st = ddp_work_wait_free(*w);
   if (st != DDP_OK) { /* logged by the group where it started; context added here */
     return ddp__error_quiet(t->err, st, "trainer: %s: %s", what, ddp_pg_last_error(t->pg));
@@ -86,7 +42,7 @@ static ddp_status_t coll_wait(trainer_t *t, ddp_status_t st, ddp_work_t **w, con
 }
 
 /* Positions the loader at micro-batch `pos` of `epoch`. */
-static ddp_status_t seek_loader(trainer_t *t, int64_t epoch, int64_t pos) {
+static ddp_status_t seek_loader(ddp__trainer_t *t, int64_t epoch, int64_t pos) {
   if (epoch != t->loader_epoch || pos < t->loader_pos) {
     DDP_CHECK(ddp_loader_set_epoch(t->loader, epoch, t->err));
     t->loader_epoch = epoch;
@@ -106,13 +62,13 @@ static ddp_status_t seek_loader(trainer_t *t, int64_t epoch, int64_t pos) {
 }
 
 /* An op's failure with the message it left (and logged) on the context. */
-static ddp_status_t op_error(trainer_t *t, ddp_status_t st, const char *what) {
+static ddp_status_t op_error(ddp__trainer_t *t, ddp_status_t st, const char *what) {
   if (st == DDP_OK) return st;
   return ddp__error_quiet(t->err, st, "trainer: %s: %s", what, ddp_ctx_last_error(t->ctx)->msg);
 }
 
 /* loss = CE(logits, labels) or MSE(out, labels reshaped to out's shape). */
-static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t *b,
+static ddp_status_t compute_loss(ddp__trainer_t *t, ddp_var_t *out, const ddp_batch_t *b,
                                  ddp_var_t **loss) {
   ddp_var_t *y;
   if (t->task == DDP_TASK_CAUSAL_LM) {
@@ -138,7 +94,7 @@ static ddp_status_t compute_loss(trainer_t *t, ddp_var_t *out, const ddp_batch_t
   return op_error(t, ddp_mse_loss(t->ctx, out, y, loss), "loss");
 }
 
-static ddp_status_t forward(trainer_t *t, const ddp_batch_t *b, ddp_var_t **out) {
+static ddp_status_t forward(ddp__trainer_t *t, const ddp_batch_t *b, ddp_var_t **out) {
   ddp_var_t *x;
   const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
   DDP_CHECK(ddp_var_new(t->ctx, sp->feature_dtype, b->features.ndim, b->features.shape,
@@ -154,7 +110,7 @@ static double scalar_value(const ddp_var_t *v) {
 /* Evaluation over the held-out set: rank r takes samples r, r + W, ... (no padding, so
  * nothing is counted twice); sums of loss, correct predictions and counts are all-reduced
  * in f64. */
-static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
+static ddp_status_t evaluate(ddp__trainer_t *t, double *loss, double *acc) {
   *loss = *acc = NAN;
   if (!t->eval) return DDP_OK;
   int64_t n = ddp_dataset_length(t->eval);
@@ -230,213 +186,10 @@ static ddp_status_t evaluate(trainer_t *t, double *loss, double *acc) {
   return DDP_OK;
 }
 
-/* HF's Trainer.create_optimizer: weight_decay applies to get_decay_parameter_names (every
- * parameter outside LayerNorm modules whose name does not contain "bias"), 0 to the
- * others; group 0 holds the decayed parameters, group 1 the rest, each in model order.
- * With weight_decay 0, or when one group would be empty, a single group in model order
- * (the same arithmetic, and the same optimizer state names, as before grouping). Fills
- * t->pairs, t->grads, t->ntrain and t->opt. */
-static ddp_status_t setup_optimizers(trainer_t *t) {
-  const ddp_train_args_t *a = t->a;
-  size_t np = ddp_model_num_params(t->model);
-  t->pairs = ddp__calloc(np ? np : 1, sizeof *t->pairs);
-  t->grads = ddp__calloc(np ? np : 1, sizeof *t->grads);
-  bool *decay = ddp__calloc(np ? np : 1, sizeof *decay);
-  if (!t->pairs || !t->grads || !decay) {
-    ddp__free(decay);
-    return DDP_ERR_NO_MEMORY;
-  }
-  size_t ndecay = 0;
-  for (size_t i = 0; i < np; i++) {
-    ddp_param_t *p = ddp_model_param(t->model, i);
-    if (!p->requires_grad) continue;
-    decay[i] = !strcmp(a->weight_decay_grouping, "all") ||
-               (!strstr(p->name, "bias") && !ddp_model_param_in_layer_norm(t->model, i));
-    ndecay += decay[i];
-    t->grads[t->ntrain++] = &p->grad;
-  }
-  if (t->ntrain == 0) {
-    ddp__free(decay);
-    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "trainer: the model has no trainable parameter");
-  }
-  bool grouped = a->weight_decay > 0 && ndecay > 0 && ndecay < t->ntrain;
-  size_t group_size[DDP__TRAIN_MAX_GROUPS] = {t->ntrain, 0};
-  if (grouped) {
-    group_size[0] = ndecay;
-    group_size[1] = t->ntrain - ndecay;
-  }
-  for (int g = 0, k = 0; g < (grouped ? 2 : 1); g++) {
-    for (size_t i = 0; i < np; i++) {
-      ddp_param_t *p = ddp_model_param(t->model, i);
-      if (!p->requires_grad || (grouped && decay[i] != (g == 0))) continue;
-      t->pairs[k].param = &p->value;
-      t->pairs[k].grad = &p->grad;
-      k++;
-    }
-  }
-  ddp__free(decay);
-  ddp_optim_options_t oo;
-  if (!strcmp(a->optim, "sgd")) {
-    oo = (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
-  } else if (!strcmp(a->optim, "adam")) {
-    oo = (ddp_optim_options_t)DDP_ADAM_OPTIONS_INIT;
-  } else {
-    oo = (ddp_optim_options_t)DDP_ADAMW_OPTIONS_INIT;
-  }
-  oo.lr = a->learning_rate;
-  oo.beta1 = a->adam_beta1;
-  oo.beta2 = a->adam_beta2;
-  oo.eps = a->adam_epsilon;
-  DDP_CHECK(ddp__train_optim_args(a, &oo, t->err));
-  ddp__train_forward_flags(a->forward_flags, t->rank, &t->flags); /* validated */
-  t->nopt = grouped ? 2 : 1;
-  for (size_t g = 0, off = 0; g < t->nopt; g++) {
-    oo.weight_decay = g == 0 && ndecay > 0 ? a->weight_decay : 0.0;
-    DDP_CHECK(ddp_optim_create(&oo, t->pairs + off, group_size[g], &t->opt[g], t->err));
-    off += group_size[g];
-  }
-  return DDP_OK;
-}
-
-/* DistributedSampler and the loader of this rank's shard, and the step counts: HF's
- * steps per epoch (full accumulation windows) and max_steps. */
-static ddp_status_t setup_data(trainer_t *t) {
-  const ddp_train_args_t *a = t->a;
-  ddp_sampler_options_t so = DDP_SAMPLER_OPTIONS_INIT;
-  so.dataset_len = ddp_dataset_length(t->train);
-  so.num_replicas = t->world;
-  so.rank = t->rank;
-  so.seed = a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed; /* HF's data_seed */
-  so.shuffle = a->dataloader_shuffle;
-  DDP_CHECK(ddp_sampler_create(&so, &t->sampler, t->err));
-  ddp_loader_options_t lo = DDP_LOADER_OPTIONS_INIT;
-  lo.batch_size = a->per_device_train_batch_size;
-  lo.drop_last = a->dataloader_drop_last;
-  DDP_CHECK(ddp_loader_create(t->train, t->sampler, &lo, &t->loader, t->err));
-  t->loader_epoch = -1;
-
-  int64_t nb = ddp_loader_num_batches(t->loader);
-  t->steps_per_epoch = nb / a->gradient_accumulation_steps;
-  if (t->steps_per_epoch < 1) {
-    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "trainer: an epoch has %lld micro-batches per rank (%lld samples, %d "
-                      "ranks, batch %lld), fewer than gradient_accumulation_steps %lld",
-                      (long long)nb, (long long)so.dataset_len, t->world,
-                      (long long)lo.batch_size, (long long)a->gradient_accumulation_steps);
-  }
-  t->max_steps = a->max_steps > 0
-                     ? a->max_steps
-                     : (int64_t)ceil(a->num_train_epochs * (double)t->steps_per_epoch);
-  if (t->max_steps < 1) t->max_steps = 1;
-  return DDP_OK;
-}
-
-static ddp_status_t setup(trainer_t *t) {
-  const ddp_train_args_t *a = t->a;
-  const ddp_sample_spec_t *sp = ddp_dataset_spec(t->train);
-  t->classify = (sp->label_dtype == DDP_I64 || sp->label_dtype == DDP_I32) && sp->label_ndim == 0;
-  t->task = ddp_model_task(t->model);
-  if (sp->label_dtype == DDP_I32) {
-    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "trainer: class labels must be i64 (torch's long), the dataset has i32");
-  }
-  DDP_CHECK(ddp_ctx_create(&t->ctx));
-  DDP_CHECK(setup_optimizers(t));
-  DDP_CHECK(setup_data(t));
-
-  ddp_lr_kind_t kind;
-  DDP_CHECK(ddp_lr_kind_from_name(a->lr_scheduler_type, &kind, t->err));
-  t->sched = (ddp_lr_schedule_t)DDP_LR_SCHEDULE_INIT;
-  t->sched.kind = kind;
-  t->sched.num_training_steps = t->max_steps;
-  t->sched.num_warmup_steps = a->warmup_steps > 0
-                                  ? a->warmup_steps
-                                  : (int64_t)ceil((double)t->max_steps * a->warmup_ratio);
-  DDP_CHECK(ddp_lr_schedule_check(&t->sched, t->err));
-
-  ddp_dtype_t ldt = ddp_model_flat_params(t->model, DDP_F32).numel ? DDP_F32 : DDP_F64;
-  DDP_CHECK(ddp_tensor_alloc(&t->seed_grad, ldt, 0, NULL));
-  double inv = 1.0 / (double)a->gradient_accumulation_steps;
-  if (ldt == DDP_F32) {
-    *(float *)t->seed_grad.data = (float)inv;
-  } else {
-    *(double *)t->seed_grad.data = inv;
-  }
-  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer, &t->sync, t->err));
-  ddp_model_set_grads_none(t->model); /* a fresh PyTorch module's gradients are None */
-  return DDP_OK;
-}
-
-/* The optimizer's parameter groups as JSON: [{"weight_decay": wd, "params": [names]}, ...]
- * (HF's optimizer_grouped_parameters, by state_dict name). */
-static char *groups_json(trainer_t *t) {
-  cJSON *arr = cJSON_CreateArray();
-  size_t k = 0;
-  for (size_t g = 0; arr && g < t->nopt; g++) {
-    cJSON *o = cJSON_CreateObject(), *names = cJSON_CreateArray();
-    cJSON_AddItemToArray(arr, o);
-    cJSON_AddNumberToObject(o, "weight_decay", ddp_optim_options(t->opt[g])->weight_decay);
-    cJSON_AddItemToObject(o, "params", names);
-    for (size_t i = 0; i < ddp_optim_num_params(t->opt[g]); i++, k++) {
-      for (size_t j = 0; j < ddp_model_num_params(t->model); j++) {
-        ddp_param_t *p = ddp_model_param(t->model, j);
-        if (&p->value == t->pairs[k].param)
-          cJSON_AddItemToArray(names, cJSON_CreateString(p->name));
-      }
-    }
-  }
-  char *s = arr ? cJSON_PrintUnformatted(arr) : NULL;
-  cJSON_Delete(arr);
-  return s;
-}
-
-/* The trainer_state.json of a checkpoint at `step` (ddp__free). */
-static ddp_status_t state_json(trainer_t *t, int64_t step, char **out) {
-  const ddp_train_args_t *a = t->a;
-  const int64_t GA = a->gradient_accumulation_steps;
-  *out = NULL;
-  char *args = NULL;
-  DDP_CHECK(ddp_train_args_to_json(a, &args));
-  char *groups = groups_json(t);
-  ddp__json_t j;
-  ddp__json_begin(&j);
-  ddp__json_int(&j, "global_step", step);
-  ddp__json_int(&j, "max_steps", t->max_steps);
-  ddp__json_num(&j, "epoch", "%.6f", (double)step / (double)t->steps_per_epoch);
-  ddp__json_int(&j, "world_size", t->world);
-  ddp__json_int(&j, "steps_per_epoch", t->steps_per_epoch);
-  ddp__json_object(&j, "sampler");
-  ddp__json_str(&j, "kind", "DistributedSampler");
-  ddp__json_uint(&j, "seed", a->seed);
-  ddp__json_int(&j, "epoch", step / t->steps_per_epoch);
-  ddp__json_int(&j, "batches_consumed", (step % t->steps_per_epoch) * GA);
-  ddp__json_int(&j, "batch_size", a->per_device_train_batch_size);
-  ddp__json_end(&j);
-  ddp__json_object(&j, "rng");
-  ddp__json_str(&j, "generator", "philox4x32-10");
-  ddp__json_uint(&j, "seed", a->seed);
-  ddp__json_int(&j, "dropout_next_step", step * GA);
-  ddp__json_end(&j);
-  ddp__json_str(&j, "sync", ddp__sync_name(t->sync));
-  ddp__json_raw(&j, "optimizer_groups", groups ? groups : "null");
-  ddp__json_raw(&j, "args", args);
-  ddp__json_end(&j);
-  ddp__json_append(&j, "\n");
-  ddp_free(args);
-  if (groups) {
-    cJSON_free(groups);
-    *out = ddp__json_take(&j);
-  } else {
-    ddp__json_free(&j);
-  }
-  return *out ? DDP_OK : DDP_ERR_NO_MEMORY;
-}
-
 /* Every rank writes its PowerSGD state (rank-local: the error feedback differs per rank)
  * into the staged checkpoint directory; the statuses are all-gathered so that every rank
  * fails alike, naming the first rank that failed. */
-static ddp_status_t save_hook_state(trainer_t *t, int64_t step) {
+static ddp_status_t save_hook_state(ddp__trainer_t *t, int64_t step) {
   ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
   if (!ps) return DDP_OK;
   char tmp[DDP_TRAIN_STR_MAX + 64], file[DDP_TRAIN_STR_MAX + 128];
@@ -461,12 +214,12 @@ static ddp_status_t save_hook_state(trainer_t *t, int64_t step) {
 
 /* Rank 0 stages the checkpoint, every rank adds its comm hook state, rank 0 commits; the
  * statuses are broadcast so that every rank fails alike. */
-static ddp_status_t save(trainer_t *t, int64_t step) {
+static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
   int32_t code = DDP_OK;
   char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
   if (t->rank == 0) {
     char *js = NULL;
-    code = state_json(t, step, &js);
+    code = ddp__trainer_state_json(t, step, &js);
     if (code == DDP_OK) {
       code = ddp__train_save_stage(t->a->output_dir, step, t->model, t->opt, t->nopt, js,
                                    t->pause_ms, tmp, sizeof tmp, t->err);
@@ -510,7 +263,7 @@ static ddp_status_t save(trainer_t *t, int64_t step) {
   return DDP_OK;
 }
 
-static ddp_status_t resume(trainer_t *t, int64_t *start) {
+static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   char dir[DDP_TRAIN_STR_MAX];
   *start = 0;
   /* resume_from_checkpoint, or the newest verified checkpoint after a restart. */
@@ -545,7 +298,7 @@ static ddp_status_t resume(trainer_t *t, int64_t *start) {
  * resumed. A checkpoint without one (written before hook states were saved, or by fewer
  * ranks) starts the state afresh with a warning: the run then differs from an
  * uninterrupted one. */
-static ddp_status_t resume_hook_state(trainer_t *t) {
+static ddp_status_t resume_hook_state(ddp__trainer_t *t) {
   ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
   if (!ps || !t->resume_dir[0]) return DDP_OK;
   char file[DDP_TRAIN_STR_MAX + 64];
@@ -562,7 +315,7 @@ static ddp_status_t resume_hook_state(trainer_t *t) {
 
 /* power_sgd_init_q: PyTorch's Q draws replace the generator of the PowerSGD state the hook
  * configuration made (validation has checked that comm_hook is a PowerSGD one). */
-static ddp_status_t open_init_q(trainer_t *t) {
+static ddp_status_t open_init_q(ddp__trainer_t *t) {
   if (!t->a->power_sgd_init_q[0]) return DDP_OK;
   ddp_powersgd_state_t *ps = ddp__sync_powersgd(t->sync);
   if (!ps) {
@@ -574,63 +327,8 @@ static ddp_status_t open_init_q(trainer_t *t) {
   return DDP_OK;
 }
 
-/* The "config" object of a dump's meta.json: the options under torch_reference.py's names
- * (docs/dumps.md), plus every training argument under "training_args" (ddp__free). */
-static ddp_status_t dump_config(trainer_t *t, char **out) {
-  const ddp_train_args_t *a = t->a;
-  *out = NULL;
-  char *args = NULL;
-  DDP_CHECK(ddp_train_args_to_json(a, &args));
-  const char *be = ddp_train_backend_name(a);
-  ddp__json_t j;
-  ddp__json_begin(&j);
-  ddp__json_int(&j, "world", t->world);
-  ddp__json_int(&j, "steps", t->max_steps);
-  ddp__json_int(&j, "batch", a->per_device_train_batch_size);
-  ddp__json_num(&j, "lr", "%.17g", a->learning_rate);
-  ddp__json_str(&j, "optim", a->optim);
-  ddp__json_str(&j, "lr_scheduler_type", a->lr_scheduler_type);
-  ddp__json_int(&j, "warmup_steps", t->sched.num_warmup_steps);
-  ddp__json_num(&j, "momentum", "%.17g", ddp_optim_options(t->opt[0])->momentum);
-  ddp__json_num(&j, "weight_decay", "%.17g", a->weight_decay);
-  ddp__json_num(&j, "adam_beta1", "%.17g", a->adam_beta1);
-  ddp__json_num(&j, "adam_beta2", "%.17g", a->adam_beta2);
-  ddp__json_num(&j, "adam_epsilon", "%.17g", a->adam_epsilon);
-  ddp__json_num(&j, "max_grad_norm", "%.17g", a->max_grad_norm > 0 ? a->max_grad_norm : 0.0);
-  ddp__json_uint(&j, "seed", a->seed);
-  ddp__json_str(&j, "loss", t->task == DDP_TASK_CAUSAL_LM ? "causal_lm" : t->classify ? "ce"
-                                                                                      : "mse");
-  ddp__json_bool(&j, "shuffle", a->dataloader_shuffle);
-  ddp__json_uint(&j, "data_seed", a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed);
-  ddp__json_bool(&j, "zero_grad_set_to_none", a->zero_grad_set_to_none);
-  ddp__json_str(&j, "weight_decay_grouping", a->weight_decay_grouping);
-  ddp__json_bool(&j, "sampler_drop_last", false);
-  ddp__json_bool(&j, "dataloader_drop_last", a->dataloader_drop_last);
-  ddp__json_str(&j, "flags", a->forward_flags);
-  /* unset (<= 0): null */
-  ddp__json_num(&j, "bucket_cap_mb", "%.17g", a->ddp_bucket_cap_mb > 0 ? a->ddp_bucket_cap_mb
-                                                                        : NAN);
-  ddp__json_num(&j, "first_bucket_mb", "%.17g",
-                a->ddp_first_bucket_mb > 0 ? a->ddp_first_bucket_mb : NAN);
-  ddp__json_bool(&j, "find_unused_parameters", ddp_train_find_unused(a));
-  ddp__json_bool(&j, "broadcast_buffers", ddp_train_broadcast_buffers(a));
-  ddp__json_bool(&j, "static_graph", ddp_train_static_graph(a));
-  ddp__json_bool(&j, "gradient_as_bucket_view", a->gradient_as_bucket_view);
-  ddp__json_int(&j, "gradient_accumulation_steps", a->gradient_accumulation_steps);
-  ddp__json_str(&j, "comm_hook", a->comm_hook);
-  ddp__json_str(&j, "comm_wrapper", a->comm_wrapper);
-  ddp__json_str(&j, "backend", be ? be : ddp_pg_backend_name(t->pg));
-  ddp__json_int(&j, "timeout", a->ddp_timeout);
-  ddp__json_str(&j, "sync", ddp__sync_name(t->sync));
-  ddp__json_raw(&j, "training_args", args);
-  ddp__json_end(&j);
-  ddp_free(args);
-  *out = ddp__json_take(&j);
-  return *out ? DDP_OK : DDP_ERR_NO_MEMORY;
-}
-
 /* A dump call's status, with the message the writer logged. */
-static ddp_status_t dump_check(trainer_t *t, ddp_status_t st) {
+static ddp_status_t dump_check(ddp__trainer_t *t, ddp_status_t st) {
   if (st == DDP_OK) return DDP_OK;
   return ddp__error_quiet(t->err, st, "trainer: dump_dir %s: %s", t->a->dump_dir,
                           t->dump ? ddp_dump_last_error(t->dump) : "");
@@ -648,12 +346,12 @@ static int64_t interval(double v, int64_t max_steps) {
   return (int64_t)v;
 }
 
-static double epoch_of(const trainer_t *t, int64_t step) {
+static double epoch_of(const ddp__trainer_t *t, int64_t step) {
   return (double)step / (double)t->steps_per_epoch;
 }
 
 /* The members every metrics line of step `step` starts with. */
-static void metrics_begin(const trainer_t *t, ddp__json_t *j, int64_t step) {
+static void metrics_begin(const ddp__trainer_t *t, ddp__json_t *j, int64_t step) {
   ddp__json_begin(j);
   ddp__json_int(j, "step", step);
   ddp__json_num(j, "epoch", "%.4f", epoch_of(t, step));
@@ -668,9 +366,9 @@ static void param_hash_member(ddp__json_t *j, uint64_t h) {
 /* ---------------------------------------------------------------- the run --------- */
 
 /* --dump_dir: the dump writer, with the run's configuration and the reducer's layout. */
-static ddp_status_t open_dump(trainer_t *t) {
+static ddp_status_t open_dump(ddp__trainer_t *t) {
   char *config = NULL;
-  DDP_CHECK(dump_config(t, &config));
+  DDP_CHECK(ddp__trainer_dump_config(t, &config));
   ddp_dump_options_t o = DDP_DUMP_OPTIONS_INIT;
   o.steps = t->max_steps - t->start;
   o.producer_version = "libddp " DDP_VERSION;
@@ -686,12 +384,12 @@ static ddp_status_t open_dump(trainer_t *t) {
 /* Everything before the first step: the model, optimizers, data and gradient sync
  * (setup), the checkpoint resumed from, the dump writer, rank 0's metrics file, and the
  * intervals of logging, evaluation and saving. */
-static ddp_status_t begin(trainer_t *t) {
+static ddp_status_t begin(ddp__trainer_t *t) {
   const ddp_train_args_t *a = t->a;
   if (ddp_env_is_set(DDP_ENV_TRAIN_SAVE_PAUSE_MS))
     DDP_CHECK(ddp_env_int(DDP_ENV_TRAIN_SAVE_PAUSE_MS, 0, 3600000, &t->pause_ms, t->err));
   DDP_CHECK(ddp__train_fault_init(&t->fault, t->rank, t->err));
-  DDP_CHECK(setup(t));
+  DDP_CHECK(ddp__trainer_setup(t));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
   DDP_CHECK(resume_hook_state(t));
@@ -727,7 +425,7 @@ typedef struct step_out {
 
 /* Micro-batch k of step `step`: forward (synchronising only the last of the window, as HF
  * runs the others under no_sync) and backward of loss / GA; adds loss / GA to *loss. */
-static ddp_status_t micro_step(trainer_t *t, int64_t step, int64_t k, double *loss,
+static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, double *loss,
                                int64_t *comm) {
   const int64_t GA = t->a->gradient_accumulation_steps;
   ddp_batch_t b;
@@ -754,7 +452,7 @@ static ddp_status_t micro_step(trainer_t *t, int64_t step, int64_t k, double *lo
 
 /* Optimizer step `step` (0-based): its window of micro-batches, then clipping, the lr of
  * the schedule, the optimizer step and zero_grad; the loss is averaged over ranks. */
-static ddp_status_t train_step(trainer_t *t, int64_t step, step_out_t *o) {
+static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   const ddp_train_args_t *a = t->a;
   const int64_t GA = a->gradient_accumulation_steps;
   *o = (step_out_t){.t0 = ddp_now_ns()};
@@ -789,7 +487,7 @@ static ddp_status_t train_step(trainer_t *t, int64_t step, step_out_t *o) {
 
 /* A logging step: the replica check, the window's means as a metrics.jsonl line and rank
  * 0's LOG event; the window starts again. */
-static ddp_status_t log_window(trainer_t *t, int64_t done, const step_out_t *o, double eta) {
+static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t *o, double eta) {
   double n = (double)t->win_n;
   double mean_loss = t->win_loss / n;
   double sps = t->win_time > 0 ? t->samples_per_step * n / t->win_time : 0;
@@ -830,7 +528,7 @@ static ddp_status_t log_window(trainer_t *t, int64_t done, const step_out_t *o, 
 
 /* After step `done` - 1: the results, the logging window, rank 0's STEP event, and the
  * log line when it is due (every logging_steps and at the last step). */
-static ddp_status_t end_of_step(trainer_t *t, int64_t done, const step_out_t *o) {
+static ddp_status_t end_of_step(ddp__trainer_t *t, int64_t done, const step_out_t *o) {
   double dt = (double)(ddp_now_ns() - o->t0) * 1e-9;
   t->comm_total += o->comm;
   if (isnan(t->res->first_loss)) t->res->first_loss = o->loss;
@@ -856,7 +554,7 @@ static ddp_status_t end_of_step(trainer_t *t, int64_t done, const step_out_t *o)
 
 /* An evaluation after step `done` - 1: its metrics.jsonl line (perplexity for a causal
  * LM, run_clm's exp(eval_loss)) and rank 0's EVAL event. */
-static ddp_status_t eval_step(trainer_t *t, int64_t done) {
+static ddp_status_t eval_step(ddp__trainer_t *t, int64_t done) {
   double el, ea;
   DDP_CHECK(evaluate(t, &el, &ea));
   t->res->eval_loss = el;
@@ -880,7 +578,7 @@ static ddp_status_t eval_step(trainer_t *t, int64_t done) {
 
 /* After the last step: the PowerSGD draws and the dump closed, the results, the final
  * replica check, rank 0's summary line and loss curve. */
-static ddp_status_t finish(trainer_t *t) {
+static ddp_status_t finish(ddp__trainer_t *t) {
   ddp_train_result_t *r = t->res;
   if (t->init_q) {
     DDP_CHECK(ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)),
@@ -923,7 +621,7 @@ static ddp_status_t finish(trainer_t *t) {
   return ddp_train_plot_svg(mp, sp, t->err);
 }
 
-static void teardown(trainer_t *t, ddp_status_t st) {
+static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp__train_fault_end(&t->fault, st, t->err->msg);
   ddp__metrics_close(t->metrics, NULL);
   ddp_dump_close(t->dump);
@@ -946,7 +644,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
                             ddp_error_t *err) {
   DDP_REQUIRE(pg && model && train && args && result);
   ddp_error_t local = {0};
-  trainer_t *t = ddp__calloc(1, sizeof *t);
+  ddp__trainer_t *t = ddp__calloc(1, sizeof *t);
   if (!t) return ddp__error(err, ddp_pg_rank(pg), DDP_ERR_NO_MEMORY, "trainer: no memory");
   t->pg = pg;
   t->rank = ddp_pg_rank(pg);
