@@ -87,7 +87,7 @@ void ddp__fault_flip_bits(void *buf, size_t count, size_t es);
  *
  * Failures are logged once, here, where they start, as "<what>: <step>(<file>): <strerror>
  * (errno N)" (what names the caller's job: "safetensors write 'x'", "dump", "file store
- * /d") with rank's prefix (rank < 0: none); rank DDP__QUIET fills err without logging, for
+ * /d"; "" for none) with rank's prefix (rank < 0: none); rank DDP__QUIET fills err without logging, for
  * callers whose own caller reports the error (a tool's usage error). Writes fail with
  * DDP_ERR_SYSTEM; reads with DDP_ERR_NOT_FOUND (no such file), DDP_ERR_INVALID_ARGUMENT (a
  * directory or device), DDP_ERR_INVALID_DATA (larger than max), DDP_ERR_NO_MEMORY or

@@ -10,14 +10,16 @@
 
 #include "common/common.h"
 
-/* Logs and records a failed step: "<what>: <step>(<file>): <strerror> (errno N)". */
+/* Logs and records a failed step: "<what>: <step>(<file>): <strerror> (errno N)" (no
+ * "<what>: " when what is ""). */
 static ddp_status_t file_error(ddp_error_t *err, int rank, ddp_status_t st, const char *what,
                                const char *step, const char *file, int e) {
+  const char *sep = what[0] ? ": " : "";
   if (rank == DDP__QUIET)
-    return ddp__error_quiet(err, st, "%s: %s(%s): %s (errno %d)", what, step, file,
+    return ddp__error_quiet(err, st, "%s%s%s(%s): %s (errno %d)", what, sep, step, file,
                             strerror(e), e);
-  return ddp__error(err, rank, st, "%s: %s(%s): %s (errno %d)", what, step, file, strerror(e),
-                    e);
+  return ddp__error(err, rank, st, "%s%s%s(%s): %s (errno %d)", what, sep, step, file,
+                    strerror(e), e);
 }
 
 /* ---------------------------------------------------------------- atomic write ---- */

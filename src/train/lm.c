@@ -3,9 +3,6 @@
  * evaluation weights each batch's mean by, so that eval_loss is the mean over every
  * predicted token of the held-out set and perplexity = exp(eval_loss), as run_clm
  * reports it. */
-#include <math.h>
-#include <stdio.h>
-
 #include "common/common.h"
 #include "train/train_internal.h"
 

@@ -13,8 +13,6 @@
  * crash during the rewrite leaves the old file whole. */
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>

@@ -397,7 +397,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   t->res->start_step = t->start;
   if (a->dump_dir[0]) DDP_CHECK(open_dump(t));
   if (t->rank == 0) {
-    DDP_CHECK(ddp__mkdirs(a->output_dir, t->rank, "trainer: output_dir", t->err));
+    DDP_CHECK(ddp__mkdirs(a->output_dir, t->rank, "", t->err)); /* "mkdir(DIR): ..." */
     DDP_CHECK(ddp__metrics_open(a->output_dir, t->start, &t->metrics, t->err));
   }
   t->log_every = interval(a->logging_steps, t->max_steps);
