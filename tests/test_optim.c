@@ -486,6 +486,18 @@ static void test_option_errors(void **state) {
   assert_int_equal(ddp_tensor_alloc(&pi, DDP_I32, 1, shape), DDP_OK);
   ddp_optim_param_t bi = {&pi, &pi};
   assert_int_equal(ddp_optim_create(&a, &bi, 1, &opt, &err), DDP_ERR_INVALID_ARGUMENT);
+  /* A caller built against an older header (a smaller struct_size) gets its kind's
+   * defaults past its struct: AdamW's weight decay 1e-2, Adam's betas. */
+  ddp_optim_options_t old = DDP_ADAMW_OPTIONS_INIT;
+  old.lr = 0.5;
+  old.weight_decay = old.beta2 = -7;
+  old.struct_size = offsetof(ddp_optim_options_t, weight_decay);
+  assert_int_equal(ddp_optim_create(&old, &pr, 1, &opt, &err), DDP_OK);
+  assert_float_equal(ddp_optim_options(opt)->lr, 0.5, 0);
+  assert_float_equal(ddp_optim_options(opt)->weight_decay, 1e-2, 0);
+  assert_float_equal(ddp_optim_options(opt)->beta2, 0.999, 0);
+  assert_int_equal(ddp_optim_options(opt)->struct_size, sizeof(ddp_optim_options_t));
+  ddp_optim_destroy(opt);
   ddp_tensor_free(&pi);
   ddp_tensor_free(&g2);
   ddp_tensor_free(&p);

@@ -554,7 +554,7 @@ static void test_reducer_vs_flat(void **state) {
  * and the trainer's distributed evaluation over 3 ranks equals a serial recomputation. */
 static void test_split_and_eval(void **state) {
   ddp_dataset_t *tr = NULL, *ev = NULL;
-  assert_int_equal(ddp_train_split(digits, 0.1, 42, &tr, &ev, NULL), DDP_OK);
+  assert_int_equal(ddp_dataset_split(digits, 0.1, 42, &tr, &ev, NULL), DDP_OK);
   int64_t n = ddp_dataset_length(digits), ne = ddp_dataset_length(ev);
   assert_int_equal(ne, 180); /* round(179.7) */
   assert_int_equal(ddp_dataset_length(tr) + ne, n);

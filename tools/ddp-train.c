@@ -124,32 +124,6 @@ static int usage_error(const char *fmt, const char *a, const char *b) {
   return 2;
 }
 
-static char *read_file(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  size_t cap = 1 << 14, len = 0;
-  char *buf = malloc(cap);
-  while (buf) {
-    if (len + 1 == cap) {
-      char *t = realloc(buf, cap *= 2);
-      if (!t) {
-        free(buf);
-        buf = NULL;
-        break;
-      }
-      buf = t;
-    }
-    size_t got = fread(buf + len, 1, cap - 1 - len, f);
-    len += got;
-    if (!got) {
-      buf[len] = 0;
-      break;
-    }
-  }
-  fclose(f);
-  return buf;
-}
-
 static bool is_bool_field(const char *name) {
   for (size_t i = 0; i < ddp_train_arg_count(); i++) {
     const char *n, *type;
@@ -315,7 +289,7 @@ static int load_data(tool_t *t) {
   }
   t->data = src;
   if (strcmp(t->args.eval_strategy, "no") != 0 && t->args.eval_split > 0) {
-    st = ddp_train_split(t->all, t->args.eval_split, t->args.seed, &t->train, &t->eval, &err);
+    st = ddp_dataset_split(t->all, t->args.eval_split, t->args.seed, &t->train, &t->eval, &err);
     if (st != DDP_OK) {
       fprintf(stderr, "ddp-train: eval split: %s\n", train_why(st, &err));
       return 2;
@@ -502,7 +476,7 @@ int main(int argc, char **argv) {
   if ((rc = train_text_probe(&t.text, t.model_path)) != 0) return rc;
   if ((rc = load_data(&t)) != 0) return rc;
   if (t.model_path) {
-    t.model_json = read_file(t.model_path);
+    t.model_json = train_read_file(t.model_path);
     if (!t.model_json) {
       fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path, strerror(errno));
       return 2;

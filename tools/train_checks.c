@@ -7,6 +7,32 @@
 #include <string.h>
 #include <strings.h>
 
+char *train_read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  size_t cap = 1 << 14, len = 0;
+  char *buf = malloc(cap);
+  while (buf) {
+    if (len + 1 == cap) {
+      char *t = realloc(buf, cap *= 2);
+      if (!t) {
+        free(buf);
+        buf = NULL;
+        break;
+      }
+      buf = t;
+    }
+    size_t got = fread(buf + len, 1, cap - 1 - len, f);
+    len += got;
+    if (!got) {
+      buf[len] = 0;
+      break;
+    }
+  }
+  fclose(f);
+  return buf;
+}
+
 const char *train_why(ddp_status_t st, const ddp_error_t *err) {
   return err && err->msg[0] ? err->msg : ddp_status_str(st);
 }

@@ -15,6 +15,9 @@
 /* The most classes the default model makes: a larger label is taken as a data error. */
 #define TRAIN_MAX_DEFAULT_CLASSES (1 << 20)
 
+/* The whole file at path, NUL-terminated (malloc'd; NULL when it cannot be read). */
+char *train_read_file(const char *path);
+
 /* The reason to print for a failure: err's message, else the status's description. */
 const char *train_why(ddp_status_t st, const ddp_error_t *err);
 

@@ -11,6 +11,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "train_checks.h"
+
 #ifndef DDP_TRAIN_TEXT_DATA
 #define DDP_TRAIN_TEXT_DATA "tests/data/kjv_genesis_exodus.txt"
 #endif
@@ -75,22 +77,6 @@ bool train_text_flag(train_text_t *x, const char *name, const char *value, int *
   return false;
 }
 
-static char *slurp(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *buf = n >= 0 ? malloc((size_t)n + 1) : NULL;
-  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-    free(buf);
-    buf = NULL;
-  }
-  if (buf) buf[n] = 0;
-  fclose(f);
-  return buf;
-}
-
 /* A status's exit code: bad data (a corrupt or mismatched file) 1, else usage 2. */
 static int exit_code(ddp_status_t st) { return st == DDP_ERR_INVALID_DATA ? 1 : 2; }
 
@@ -121,7 +107,7 @@ int train_text_probe(train_text_t *x, const char *model_path) {
   }
   if (!model_path) return 0;
   x->model_desc = model_path;
-  char *text = slurp(model_path);
+  char *text = train_read_file(model_path);
   if (!text) return say(2, "--model %s: %s", model_path, strerror(errno));
   cJSON *j = cJSON_Parse(text);
   bool hf = j && cJSON_IsObject(j) && cJSON_GetObjectItemCaseSensitive(j, "model_type");

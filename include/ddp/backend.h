@@ -203,7 +203,7 @@ typedef struct ddp_backend_ops {
   bool stream;
   /* Optional: why the last mem_alloc on this state returned NULL (shm: /dev/shm cannot hold
    * the block, with the bytes needed and free; or the heap has no free range), for
-   * ddp_pg_last_error. NULL = plain "out of memory". */
+   * ddp_pg_last_error_copy. NULL = plain "out of memory". */
   void (*alloc_error)(void *state, ddp_error_t *out);
 } ddp_backend_ops_t;
 

@@ -162,6 +162,14 @@ DDP_API ddp_status_t ddp_dataset_centers(const ddp_dataset_t *ds, ddp_tensor_t *
  * draws). out has n entries. */
 DDP_API void ddp_randperm(int64_t n, uint64_t seed, int64_t *out);
 
+/* Splits ds deterministically into a training and a held-out part: the held-out part is the
+ * first round(fraction * N) entries of torch.randperm(N, seed), the training part the
+ * rest, each in ascending index order. fraction is in [0, 1) (ddp_train_args_t's
+ * eval_split). Both views borrow ds, which must outlive them. */
+DDP_API ddp_status_t ddp_dataset_split(const ddp_dataset_t *ds, double fraction, uint64_t seed,
+                                       ddp_dataset_t **train, ddp_dataset_t **eval,
+                                       ddp_error_t *err);
+
 /* ---------------------------------------------------------------- sampler --------- */
 
 typedef struct ddp_sampler_options {

@@ -135,10 +135,6 @@ DDP_API const char *ddp_pg_backend_name(const ddp_pg_t *pg);
 /* Copies into *out, under the group's lock, the group's first failure, or else its last
  * argument error (status DDP_OK and "" when there is neither). Safe from any thread. */
 DDP_API void ddp_pg_last_error_copy(const ddp_pg_t *pg, ddp_error_t *out);
-/* Deprecated: the same message without a copy, pointing into the handle, so a later
- * argument error made by another thread may rewrite it while it is read. Use
- * ddp_pg_last_error_copy; this stays until the remaining callers have moved. */
-DDP_API const char *ddp_pg_last_error(const ddp_pg_t *pg);
 /* DDP_OK while the group is usable, else the status that failed it. */
 DDP_API ddp_status_t ddp_pg_status(const ddp_pg_t *pg);
 

@@ -36,6 +36,9 @@ typedef enum ddp_dtype {
 
 /* Element size in bytes; 0 for a value outside the list. */
 DDP_API size_t ddp_dtype_size(ddp_dtype_t dt);
+/* Element i of an array of dtype dt as a double, exact for every dtype but i64 beyond 2^53
+ * (f16 and bf16 widen through their exact f32 values): the one per-dtype element loader. */
+DDP_API double ddp_dtype_load(const void *p, ddp_dtype_t dt, size_t i);
 /* The safetensors spelling ("F32", "BF16", ...); "?" outside the list. */
 DDP_API const char *ddp_dtype_name(ddp_dtype_t dt);
 /* Parses a safetensors dtype name. DDP_ERR_NOT_FOUND for an unknown one. */

@@ -228,13 +228,6 @@ DDP_API ddp_status_t ddp_train(ddp_pg_t *pg, ddp_model_t *model, const ddp_datas
                                ddp_train_event_fn ev, void *user, ddp_train_result_t *result,
                                ddp_error_t *err);
 
-/* Splits ds deterministically into a training and a held-out part: the eval part is the
- * first round(fraction * N) entries of torch.randperm(N, seed), the training part the
- * rest, each in ascending index order. Both views borrow ds, which must outlive them. */
-DDP_API ddp_status_t ddp_train_split(const ddp_dataset_t *ds, double fraction, uint64_t seed,
-                                     ddp_dataset_t **train, ddp_dataset_t **eval,
-                                     ddp_error_t *err);
-
 /* The newest complete checkpoint-<step> directory under dir (temporary directories of an
  * interrupted save are ignored). DDP_ERR_NOT_FOUND when there is none. */
 DDP_API ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, size_t cap,

@@ -74,16 +74,58 @@ _Noreturn void ddp__fault_crash_process(const ddp_fault_t *f, int rank, const ch
  * lowest bit of its last element. */
 void ddp__fault_flip_bits(void *buf, size_t count, size_t es);
 
-/* Files written through a temporary and rename() (file.c). ddp__write_all writes len bytes
- * to fd, retrying short writes and EINTR; false on failure (errno says why).
- * ddp__tmp_commit finishes the temporary tmp (open as fd) as path: what is NULL when every
- * write so far went well, else the name of the step that failed (its errno still current).
- * It syncs and closes fd (closed in every case) and renames tmp over path; returns NULL
- * when path now holds the file, else the failed step ("fsync", "close", "rename" or the
- * what given) with its errno in *e, tmp removed. */
-bool ddp__write_all(int fd, const void *buf, size_t len);
-const char *ddp__tmp_commit(int fd, const char *tmp, const char *path, const char *what,
-                            int *e);
+/* Files (file.c): the one atomic writer, the one mkdir -p and the one whole-file reader.
+ *
+ * One durability policy for every file libddp replaces (checkpoints, safetensors, dumps,
+ * file-store keys, token files, config.json, metrics.jsonl when a resume cuts it): the
+ * bytes go to a temporary "<dir>/.<name>.tmp.XXXXXX" (mkostemp) in the target's own
+ * directory, every byte is written (short writes and EINTR retried), the file gets `mode`,
+ * is fsynced, closed and renamed over the target, and the directory is fsynced so that the
+ * rename is durable too (EINVAL, a file system that cannot sync a directory, is accepted).
+ * Readers see the old file or the whole new one, never a prefix; a crash leaves at worst a
+ * dot-named temporary; on any failure the temporary is removed and the target untouched.
+ *
+ * Failures are logged once, here, where they start, as "<what>: <step>(<file>): <strerror>
+ * (errno N)" (what names the caller's job: "safetensors write 'x'", "dump", "file store
+ * /d"; "" for none) with rank's prefix (rank < 0: none); rank DDP__QUIET fills err without logging, for
+ * callers whose own caller reports the error (a tool's usage error). Writes fail with
+ * DDP_ERR_SYSTEM; reads with DDP_ERR_NOT_FOUND (no such file), DDP_ERR_INVALID_ARGUMENT (a
+ * directory or device), DDP_ERR_INVALID_DATA (larger than max), DDP_ERR_NO_MEMORY or
+ * DDP_ERR_SYSTEM.
+ *
+ * Streaming: ddp__afile_open makes the temporary; ddp__afile_write appends (after a failure
+ * it does nothing and returns that failure again); ddp__afile_commit finishes the file as
+ * described, or, after a failure, discards it and returns the failure; ddp__afile_discard
+ * drops an unfinished file (for a caller that fails for its own reasons). One call:
+ * ddp__file_write_atomic. */
+#define DDP__QUIET (-1000)
+typedef struct ddp__afile {
+  int fd;
+  int rank;
+  ddp_status_t st;  /* the first failure */
+  const char *path; /* the caller's, used until commit */
+  ddp_error_t *err;
+  char what[256];
+  char tmp[4200];
+} ddp__afile_t;
+ddp_status_t ddp__afile_open(ddp__afile_t *f, const char *path, int rank, const char *what,
+                             ddp_error_t *err);
+ddp_status_t ddp__afile_write(ddp__afile_t *f, const void *buf, size_t len);
+ddp_status_t ddp__afile_commit(ddp__afile_t *f, unsigned mode);
+void ddp__afile_discard(ddp__afile_t *f);
+ddp_status_t ddp__file_write_atomic(const char *path, const void *buf, size_t len,
+                                    unsigned mode, int rank, const char *what,
+                                    ddp_error_t *err);
+/* fsync of directory dir, so that the renames and new entries in it are durable (EINVAL
+ * accepted as above). */
+ddp_status_t ddp__sync_dir(const char *dir, int rank, const char *what, ddp_error_t *err);
+/* mkdir -p path (mode 0755); an existing non-directory is DDP_ERR_INVALID_ARGUMENT. */
+ddp_status_t ddp__mkdirs(const char *path, int rank, const char *what, ddp_error_t *err);
+/* The whole regular file at path into a ddp__malloc'd buffer with a NUL byte after its
+ * *len bytes (len may be NULL), so that text parsers may stop at it; max > 0 bounds the
+ * size. A file that shrinks while it is read is returned as it then is. */
+ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what,
+                            char **out, size_t *len, ddp_error_t *err);
 
 /* Reads a caller's options struct (whose first field is size_t struct_size) into dst,
  * which already holds the library's defaults (its ..._INIT), dst_size bytes. One policy for

@@ -21,16 +21,16 @@
 
 /* Reads a file into a NUL-terminated heap buffer; a NUL byte inside is refused. */
 static ddp_status_t read_all(const char *path, char **out, size_t *len, ddp_error_t *err) {
-  unsigned char *buf = NULL;
-  DDP_CHECK(ddp__data_read_file("csv", path, &buf, len, err));
-  const unsigned char *nul = memchr(buf, '\0', *len);
+  char *buf = NULL;
+  DDP_CHECK(ddp__file_read(path, 0, -1, "csv", &buf, len, err));
+  const char *nul = memchr(buf, '\0', *len);
   if (nul) {
     ddp__free(buf);
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "csv %s: the file contains a NUL byte (at offset %zu); not a text file",
                       path, (size_t)(nul - buf));
   }
-  *out = (char *)buf;
+  *out = buf;
   return DDP_OK;
 }
 
@@ -130,174 +130,171 @@ static ddp_status_t parse_number(span_t f, const char *path, int64_t lineno, int
                     (int)(len < FIELD_SHOW ? len : FIELD_SHOW), f.b);
 }
 
-ddp_status_t ddp_dataset_from_csv(const char *path, const ddp_csv_options_t *opts,
-                                  ddp_dataset_t **out, ddp_error_t *err) {
-  DDP_REQUIRE(path && out);
-  *out = NULL;
-  ddp_csv_options_t o = DDP_CSV_OPTIONS_INIT;
-  if (opts) {
-    if (opts->struct_size < sizeof o)
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "csv: options.struct_size %zu too small (use DDP_CSV_OPTIONS_INIT)",
-                        opts->struct_size);
-    o = *opts;
-  }
-  if (!o.delimiter) o.delimiter = ',';
-  if (!o.label_column || !*o.label_column)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "csv: label_column is empty");
-  if (o.label_dtype != DDP_I64 && o.label_dtype != DDP_F32)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "csv: label_dtype must be I64 (classes) or F32 (regression), got %s",
-                      ddp_dtype_name(o.label_dtype));
+/* One CSV file being read: its text, the header's column names and the label's column. */
+typedef struct csv {
+  const char *path;
+  ddp_csv_options_t o;
+  const char *end, *data; /* the text's end; the first line after the header */
+  char **names;           /* [ncols] */
+  int64_t ncols, label_col, rows;
+} csv_t;
 
-  char *text = NULL;
-  size_t len = 0;
-  DDP_CHECK(read_all(path, &text, &len, err));
-  const char *end = text + len, *cur = text;
-  ddp_status_t st = DDP_OK;
-  float *feat = NULL;
-  void *lab = NULL;
-  char **names = NULL;
-  int64_t ncols = 0;
-
+/* The header row: column names, the label column (exactly once) and at least one feature. */
+static ddp_status_t read_header(csv_t *c, const char *text, ddp_error_t *err) {
+  const char *cur = text;
   span_t header;
-  if (!next_line(&cur, end, &header) || blank(header)) {
-    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: line 1: missing header row", path);
-    goto out;
-  }
-  ncols = count_fields(header, o.delimiter);
-  int64_t label_col = -1;
+  if (!next_line(&cur, c->end, &header) || blank(header))
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: line 1: missing header row",
+                      c->path);
+  c->data = cur;
+  c->ncols = count_fields(header, c->o.delimiter);
+  c->label_col = -1;
   field_cursor_t fc;
   field_start(&fc, header);
-  names = ddp__calloc((size_t)ncols, sizeof *names);
-  if (!names) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
-  }
-  for (int64_t c = 0; c < ncols; c++) {
+  c->names = ddp__calloc((size_t)c->ncols, sizeof *c->names);
+  if (!c->names) return DDP_ERR_NO_MEMORY;
+  for (int64_t k = 0; k < c->ncols; k++) {
     span_t f;
-    field_next(&fc, o.delimiter, true, &f);
+    field_next(&fc, c->o.delimiter, true, &f);
     size_t n = (size_t)(f.e - f.b);
-    names[c] = ddp__malloc(n + 1);
-    if (!names[c]) {
-      st = DDP_ERR_NO_MEMORY;
-      goto out;
-    }
-    memcpy(names[c], f.b, n);
-    names[c][n] = '\0';
-    if (strcmp(names[c], o.label_column) == 0) {
-      if (label_col >= 0) {
-        st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                        "csv %s: line 1: label column '%s' appears twice (columns %lld and "
-                        "%lld)",
-                        path, o.label_column, (long long)label_col + 1, (long long)c + 1);
-        goto out;
-      }
-      label_col = c;
+    c->names[k] = ddp__malloc(n + 1);
+    if (!c->names[k]) return DDP_ERR_NO_MEMORY;
+    memcpy(c->names[k], f.b, n);
+    c->names[k][n] = '\0';
+    if (strcmp(c->names[k], c->o.label_column) == 0) {
+      if (c->label_col >= 0)
+        return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                          "csv %s: line 1: label column '%s' appears twice (columns %lld and "
+                          "%lld)",
+                          c->path, c->o.label_column, (long long)c->label_col + 1,
+                          (long long)k + 1);
+      c->label_col = k;
     }
   }
-  if (label_col < 0) {
-    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                    "csv %s: line 1: no column named '%s' in the header (%lld columns)", path,
-                    o.label_column, (long long)ncols);
-    goto out;
-  }
-  if (ncols < 2) {
-    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                    "csv %s: line 1: the header has only the label column; no features", path);
-    goto out;
-  }
+  if (c->label_col < 0)
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "csv %s: line 1: no column named '%s' in the header (%lld columns)",
+                      c->path, c->o.label_column, (long long)c->ncols);
+  if (c->ncols < 2)
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "csv %s: line 1: the header has only the label column; no features",
+                      c->path);
+  return DDP_OK;
+}
 
-  /* Pass 1: count rows and check widths. Blank lines are allowed only at the end. */
-  int64_t rows = 0, lineno = 1, first_blank = 0;
-  const char *data_start = cur;
+/* Pass 1: counts the data rows and checks their widths. Blank lines are allowed only at
+ * the end. */
+static ddp_status_t count_rows(csv_t *c, ddp_error_t *err) {
+  int64_t lineno = 1, first_blank = 0;
+  const char *cur = c->data;
   span_t line;
-  while (next_line(&cur, end, &line)) {
+  c->rows = 0;
+  while (next_line(&cur, c->end, &line)) {
     lineno++;
     if (blank(line)) {
       if (!first_blank) first_blank = lineno;
       continue;
     }
-    if (first_blank) {
-      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: line %lld is empty but data follows on line %lld", path,
-                      (long long)first_blank, (long long)lineno);
-      goto out;
-    }
-    int64_t w = count_fields(line, o.delimiter);
-    if (w != ncols) {
-      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: line %lld has %lld fields, the header has %lld", path,
-                      (long long)lineno, (long long)w, (long long)ncols);
-      goto out;
-    }
-    rows++;
+    if (first_blank)
+      return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                        "csv %s: line %lld is empty but data follows on line %lld", c->path,
+                        (long long)first_blank, (long long)lineno);
+    int64_t w = count_fields(line, c->o.delimiter);
+    if (w != c->ncols)
+      return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                        "csv %s: line %lld has %lld fields, the header has %lld", c->path,
+                        (long long)lineno, (long long)w, (long long)c->ncols);
+    c->rows++;
   }
-  if (rows == 0) {
-    st = ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: no data rows after the header",
-                    path);
-    goto out;
-  }
+  if (c->rows == 0)
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: no data rows after the header",
+                      c->path);
+  return DDP_OK;
+}
 
-  /* Pass 2: convert. */
-  int64_t nfeat = ncols - 1;
-  size_t lsize = ddp_dtype_size(o.label_dtype);
-  feat = ddp__aligned_alloc((size_t)(rows * nfeat) * sizeof(float));
-  lab = ddp__aligned_alloc((size_t)rows * lsize);
-  if (!feat || !lab) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
-  }
-  cur = data_start;
-  lineno = 1;
-  for (int64_t r = 0; r < rows;) {
-    next_line(&cur, end, &line);
+/* Pass 2: the rows into feat [rows, ncols - 1] (f32) and lab [rows] (the label dtype). */
+static ddp_status_t convert_rows(const csv_t *c, float *feat, void *lab, ddp_error_t *err) {
+  const int64_t nfeat = c->ncols - 1;
+  const char *cur = c->data;
+  int64_t lineno = 1;
+  span_t line;
+  for (int64_t r = 0; r < c->rows;) {
+    next_line(&cur, c->end, &line);
     lineno++;
     if (blank(line)) continue;
     int64_t fcol = 0;
+    field_cursor_t fc;
     field_start(&fc, line);
-    for (int64_t c = 0; c < ncols; c++) {
+    for (int64_t k = 0; k < c->ncols; k++) {
       span_t f;
       double v = 0.0;
-      field_next(&fc, o.delimiter, false, &f);
-      DDP_CHECK_GOTO(parse_number(f, path, lineno, c, names[c], &v, err), st, out);
-      if (c == label_col) {
-        if (o.label_dtype == DDP_I64) {
-          if (v != floor(v) || !(fabs(v) < 9.0e15)) {
-            st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                            "csv %s: line %lld column %lld ('%s'): class label %.*s is not "
-                            "an integer",
-                            path, (long long)lineno, (long long)c + 1, names[c],
-                            (int)DDP_MIN(f.e - f.b, FIELD_SHOW), f.b);
-            goto out;
-          }
-          ((int64_t *)lab)[r] = (int64_t)v;
-        } else {
-          ((float *)lab)[r] = (float)v;
-        }
-      } else {
+      field_next(&fc, c->o.delimiter, false, &f);
+      DDP_CHECK(parse_number(f, c->path, lineno, k, c->names[k], &v, err));
+      if (k != c->label_col) {
         feat[r * nfeat + fcol++] = (float)v;
+      } else if (c->o.label_dtype != DDP_I64) {
+        ((float *)lab)[r] = (float)v;
+      } else if (v != floor(v) || !(fabs(v) < 9.0e15)) {
+        return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                          "csv %s: line %lld column %lld ('%s'): class label %.*s is not "
+                          "an integer",
+                          c->path, (long long)lineno, (long long)k + 1, c->names[k],
+                          (int)DDP_MIN(f.e - f.b, FIELD_SHOW), f.b);
+      } else {
+        ((int64_t *)lab)[r] = (int64_t)v;
       }
     }
     r++;
   }
+  return DDP_OK;
+}
 
+ddp_status_t ddp_dataset_from_csv(const char *path, const ddp_csv_options_t *opts,
+                                  ddp_dataset_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(path && out);
+  *out = NULL;
+  csv_t c = {.path = path, .o = DDP_CSV_OPTIONS_INIT};
+  ddp__opts_read(&c.o, sizeof c.o, opts);
+  if (!c.o.delimiter) c.o.delimiter = ',';
+  if (!c.o.label_column || !*c.o.label_column)
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "csv: label_column is empty");
+  if (c.o.label_dtype != DDP_I64 && c.o.label_dtype != DDP_F32)
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "csv: label_dtype must be I64 (classes) or F32 (regression), got %s",
+                      ddp_dtype_name(c.o.label_dtype));
+
+  char *text = NULL;
+  size_t len = 0;
+  DDP_CHECK(read_all(path, &text, &len, err));
+  c.end = text + len;
+  float *feat = NULL;
+  void *lab = NULL;
+  ddp_status_t st;
+  DDP_CHECK_GOTO(read_header(&c, text, err), st, out);
+  DDP_CHECK_GOTO(count_rows(&c, err), st, out);
+  feat = ddp__aligned_alloc((size_t)(c.rows * (c.ncols - 1)) * sizeof(float));
+  lab = ddp__aligned_alloc((size_t)c.rows * ddp_dtype_size(c.o.label_dtype));
+  if (!feat || !lab) {
+    st = DDP_ERR_NO_MEMORY;
+    goto out;
+  }
+  DDP_CHECK_GOTO(convert_rows(&c, feat, lab, err), st, out);
   ddp_sample_spec_t spec;
   memset(&spec, 0, sizeof spec);
   spec.feature_dtype = DDP_F32;
   spec.feature_ndim = 1;
-  spec.feature_shape[0] = nfeat;
-  spec.label_dtype = o.label_dtype;
+  spec.feature_shape[0] = c.ncols - 1;
+  spec.label_dtype = c.o.label_dtype;
   spec.label_ndim = 0;
-  st = ddp__dataset_memory("csv", &spec, rows, feat, lab, out, err);
+  st = ddp__dataset_memory("csv", &spec, c.rows, feat, lab, out, err);
   feat = NULL;
   lab = NULL;
 out:
   ddp__aligned_free(feat);
   ddp__aligned_free(lab);
-  if (names)
-    for (int64_t c = 0; c < ncols; c++) ddp__free(names[c]);
-  ddp__free(names);
+  if (c.names)
+    for (int64_t k = 0; k < c.ncols; k++) ddp__free(c.names[k]);
+  ddp__free(c.names);
   ddp__free(text);
   return st;
 }

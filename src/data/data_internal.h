@@ -24,13 +24,6 @@ ddp_status_t ddp__dataset_memory(const char *name, const ddp_sample_spec_t *spec
                                  void *features, void *labels, ddp_dataset_t **out,
                                  ddp_error_t *err);
 
-/* Reads the whole regular file at path into a ddp__malloc'd buffer with a NUL byte after
- * its *len bytes (so text parsers may stop at it). Failures name `what` (the source: "csv",
- * "mnist", "tokens", ...) and the path: DDP_ERR_NOT_FOUND, DDP_ERR_SYSTEM (errno),
- * DDP_ERR_INVALID_ARGUMENT for a directory or device. */
-ddp_status_t ddp__data_read_file(const char *what, const char *path, unsigned char **out,
-                                 size_t *len, ddp_error_t *err);
-
 /* The in-memory entry points of the text parsers (the fuzz targets call them): `path`
  * only names the input in messages. ddp__tokens_parse_llmc reads llm.c's token format
  * from len bytes; ddp__text_csv_parse reads a text classification CSV from len bytes (no

@@ -24,14 +24,13 @@ struct ddp_loader {
 };
 
 ddp_status_t ddp_loader_create(const ddp_dataset_t *ds, ddp_sampler_t *sampler,
-                               const ddp_loader_options_t *opts, ddp_loader_t **out,
+                               const ddp_loader_options_t *in, ddp_loader_t **out,
                                ddp_error_t *err) {
-  DDP_REQUIRE(ds && opts && out);
+  DDP_REQUIRE(ds && in && out);
   *out = NULL;
-  if (opts->struct_size < sizeof(ddp_loader_options_t))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "loader: options.struct_size %zu too small (use DDP_LOADER_OPTIONS_INIT)",
-                      opts->struct_size);
+  ddp_loader_options_t o = DDP_LOADER_OPTIONS_INIT;
+  ddp__opts_read(&o, sizeof o, in);
+  const ddp_loader_options_t *opts = &o;
   if (opts->batch_size < 1 || opts->batch_size > ((int64_t)1 << 31))
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "loader: batch_size should be a positive integer value, but got "

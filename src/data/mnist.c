@@ -88,8 +88,13 @@ ddp_status_t ddp_dataset_from_mnist(const char *images_path, const char *labels_
   mnist_ds_t *m = NULL;
   ddp_status_t st;
   uint32_t idims[3], ldims[1];
-  DDP_CHECK_GOTO(ddp__data_read_file("mnist", images_path, &img, &ilen, err), st, fail);
-  DDP_CHECK_GOTO(ddp__data_read_file("mnist", labels_path, &lab, &llen, err), st, fail);
+  char *ib = NULL, *lb = NULL;
+  st = ddp__file_read(images_path, 0, -1, "mnist", &ib, &ilen, err);
+  img = (unsigned char *)ib;
+  if (st != DDP_OK) goto fail;
+  st = ddp__file_read(labels_path, 0, -1, "mnist", &lb, &llen, err);
+  lab = (unsigned char *)lb;
+  if (st != DDP_OK) goto fail;
   DDP_CHECK_GOTO(check_idx(images_path, img, ilen, IDX_IMAGES_MAGIC, 3, idims, err), st, fail);
   DDP_CHECK_GOTO(check_idx(labels_path, lab, llen, IDX_LABELS_MAGIC, 1, ldims, err), st, fail);
   if (idims[0] != ldims[0]) {

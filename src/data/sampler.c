@@ -87,14 +87,13 @@ struct ddp_sampler {
   int64_t *mine;  /* [num_samples] this rank's indices */
 };
 
-ddp_status_t ddp_sampler_create(const ddp_sampler_options_t *opts, ddp_sampler_t **out,
+ddp_status_t ddp_sampler_create(const ddp_sampler_options_t *in, ddp_sampler_t **out,
                                 ddp_error_t *err) {
-  DDP_REQUIRE(opts && out);
+  DDP_REQUIRE(in && out);
   *out = NULL;
-  if (opts->struct_size < sizeof(ddp_sampler_options_t))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "sampler: options.struct_size %zu too small (use DDP_SAMPLER_OPTIONS_INIT)",
-                      opts->struct_size);
+  ddp_sampler_options_t o = DDP_SAMPLER_OPTIONS_INIT;
+  ddp__opts_read(&o, sizeof o, in);
+  const ddp_sampler_options_t *opts = &o;
   int w = opts->num_replicas;
   if (w < 1)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,

@@ -295,14 +295,7 @@ static ddp_status_t check_options(const ddp_text_csv_options_t *opts,
                                   ddp_text_csv_options_t *o, ddp_error_t *err) {
   ddp_text_csv_options_t d = DDP_TEXT_CSV_OPTIONS_INIT;
   *o = d;
-  if (opts) {
-    if (opts->struct_size < sizeof *o)
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "text csv: options.struct_size %zu too small (use "
-                        "DDP_TEXT_CSV_OPTIONS_INIT)",
-                        opts->struct_size);
-    *o = *opts;
-  }
+  ddp__opts_read(o, sizeof *o, opts);
   if (!o->delimiter) o->delimiter = ',';
   if (!o->text_column || !*o->text_column || !o->label_column || !*o->label_column ||
       strcmp(o->text_column, o->label_column) == 0)
@@ -391,10 +384,10 @@ ddp_status_t ddp_dataset_from_text_csv(const char *path, const ddp_text_csv_opti
   *out = NULL;
   ddp_text_csv_options_t o;
   DDP_CHECK(check_options(opts, &o, err));
-  unsigned char *b = NULL;
+  char *b = NULL;
   size_t len = 0;
-  DDP_CHECK(ddp__data_read_file("text csv", path, &b, &len, err));
-  ddp_status_t st = ddp__text_csv_parse(path, (const char *)b, len, &o, out, err);
+  DDP_CHECK(ddp__file_read(path, 0, -1, "text csv", &b, &len, err));
+  ddp_status_t st = ddp__text_csv_parse(path, b, len, &o, out, err);
   ddp__free(b);
   return st;
 }

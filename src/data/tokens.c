@@ -141,39 +141,25 @@ ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int6
                         "tokens write %s: token %lld at position %lld is outside [0, 65535] "
                         "(llm.c's GPT-2 format stores uint16)",
                         path, (long long)tokens[i], (long long)i);
-  size_t plen = strlen(path);
-  char *tmp = ddp__malloc(plen + 16);
-  if (!tmp) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens write %s", path);
-  snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
-  ddp_status_t st = DDP_OK;
-  const char *what = NULL;
-  int fd = mkstemp(tmp);
-  if (fd < 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "tokens write %s: mkstemp %s: %s (errno %d)", path,
-                    tmp, strerror(errno), errno);
-    ddp__free(tmp);
-    return st;
-  }
+  char what[160];
+  snprintf(what, sizeof what, "tokens write %s", path);
+  ddp__afile_t f;
+  ddp__afile_open(&f, path, -1, what, err);
   unsigned char chunk[8192];
   memset(chunk, 0, LLMC_HEADER_BYTES);
   put_le32(chunk, DDP_LLMC_MAGIC);
   put_le32(chunk + 4, DDP_LLMC_VERSION);
   put_le32(chunk + 8, (uint32_t)n);
-  if (!ddp__write_all(fd, chunk, LLMC_HEADER_BYTES)) what = "write";
-  for (int64_t i = 0; i < n && !what;) {
+  ddp__afile_write(&f, chunk, LLMC_HEADER_BYTES);
+  for (int64_t i = 0; i < n && f.st == DDP_OK;) {
     size_t k = 0;
     for (; k < sizeof chunk / 2 && i < n; k++, i++) {
       chunk[2 * k] = (unsigned char)(tokens[i] & 0xff);
       chunk[2 * k + 1] = (unsigned char)(tokens[i] >> 8);
     }
-    if (!ddp__write_all(fd, chunk, 2 * k)) what = "write";
+    ddp__afile_write(&f, chunk, 2 * k);
   }
-  int e;
-  if ((what = ddp__tmp_commit(fd, tmp, path, what, &e)))
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "tokens write %s: %s: %s (errno %d)", path, what,
-                    strerror(e), e);
-  ddp__free(tmp);
-  return st;
+  return ddp__afile_commit(&f, 0644);
 }
 
 /* ---------------------------------------------------------------- safetensors ----- */
@@ -364,9 +350,10 @@ ddp_status_t ddp_tokens_read(const char *path, int64_t **tokens, int64_t *n, ddp
   DDP_REQUIRE(path && tokens && n);
   *tokens = NULL;
   *n = 0;
-  unsigned char *b = NULL;
+  char *text = NULL;
   size_t len = 0;
-  DDP_CHECK(ddp__data_read_file("tokens", path, &b, &len, err));
+  DDP_CHECK(ddp__file_read(path, 0, -1, "tokens", &text, &len, err));
+  const unsigned char *b = (const unsigned char *)text;
   token_format_t fmt = has_ext(path, ".bin")           ? FMT_LLMC
                        : has_ext(path, ".safetensors") ? FMT_SAFETENSORS
                        : has_ext(path, ".txt")         ? FMT_TEXT
@@ -393,6 +380,6 @@ ddp_status_t ddp_tokens_read(const char *path, int64_t **tokens, int64_t *n, ddp
                                (size_t)((const unsigned char *)memchr(b, '\0', len) - b));
     break;
   }
-  ddp__free(b);
+  ddp__free(text);
   return st;
 }

@@ -7,12 +7,7 @@
 
 /* Element i of a f32/f64/f16/bf16 array, widened to float (f64 is rounded to float). */
 static inline float ddp__hk_load(const void *p, ddp_dtype_t dt, size_t i) {
-  switch (dt) {
-    case DDP_F64: return (float)((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-  }
+  return (float)ddp_dtype_load(p, dt, i);
 }
 
 /* Stores v (rounded to nearest even) as element i of a f32/f64/f16/bf16 array. */

@@ -1,4 +1,5 @@
-/* safetensors reader and writer (include/ddp/io.h has the format and the contracts).
+/* safetensors reader (include/ddp/io.h has the format and the contracts; the writer is
+ * safetensors_write.c).
  *
  * Reading treats every byte of the file as hostile. The image (the whole file, read into
  * memory or mapped) is checked in this order, each check relying only on the ones before:
@@ -43,18 +44,16 @@
 
 #include "common/common.h"
 #include "ddp/io.h"
+#include "io/io_internal.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this reader and writer copy it as host bytes"
 #endif
 
 #define ST_MAGIC 0x53544631u /* "STF1" */
-#define ST_META_KEY "__metadata__"
 #define ST_ALIGN 64
 /* The largest integer a double holds exactly: the bound for JSON integers. */
 #define ST_MAX_JSON_INT 9007199254740992.0
-/* Tensor names are printed truncated in messages, so one message fits DDP_ERROR_MSG_MAX. */
-#define NM "%.80s"
 
 static pthread_mutex_t cjson_parse_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -92,13 +91,7 @@ static uint64_t load_le64(const unsigned char *p) {
   return v;
 }
 
-static void store_le64(unsigned char *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-/* Returns len when s[0..len) is valid UTF-8 (RFC 3629: no overlong forms, no surrogates,
- * nothing above U+10FFFF), else the offset of the first bad sequence. */
-static size_t utf8_check(const unsigned char *s, size_t len) {
+size_t ddp__st_utf8_check(const unsigned char *s, size_t len) {
   size_t i = 0;
   while (i < len) {
     unsigned c = s[i];
@@ -131,11 +124,6 @@ static size_t utf8_check(const unsigned char *s, size_t len) {
   return len;
 }
 
-static bool utf8_valid(const char *s) {
-  size_t n = strlen(s);
-  return utf8_check((const unsigned char *)s, n) == n;
-}
-
 /* An exact non-negative JSON integer no larger than 2^53. */
 static bool json_uint(const cJSON *j, uint64_t *out) {
   if (!cJSON_IsNumber(j)) return false;
@@ -157,7 +145,7 @@ static bool st_known_foreign_dtype(const char *name) {
   return false;
 }
 
-static int cmp_str_ptr(const void *a, const void *b) {
+int ddp__st_cmp_str_ptr(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
@@ -256,7 +244,7 @@ static ddp_status_t parse_metadata(st_parse_t *p, const cJSON *meta) {
     const char **keys = ddp__malloc(n * sizeof *keys);
     if (!keys) return ddp__error(p->err, -1, DDP_ERR_NO_MEMORY, "%s: metadata", p->where);
     memcpy(keys, f->meta_key, n * sizeof *keys);
-    qsort(keys, n, sizeof *keys, cmp_str_ptr);
+    qsort(keys, n, sizeof *keys, ddp__st_cmp_str_ptr);
     for (size_t i = 1; i < n; i++) {
       if (strcmp(keys[i - 1], keys[i]) == 0) {
         ddp_status_t st = BAD(p, ST_META_KEY " has duplicate key '" NM "'", keys[i]);
@@ -457,7 +445,7 @@ static ddp_status_t check_duplicate_keys(st_parse_t *p, const cJSON *root, size_
   if (!keys) return ddp__error(p->err, -1, DDP_ERR_NO_MEMORY, "%s: header keys", p->where);
   size_t k = 0;
   for (const cJSON *c = root->child; c; c = c->next) keys[k++] = c->string;
-  qsort(keys, nkeys, sizeof *keys, cmp_str_ptr);
+  qsort(keys, nkeys, sizeof *keys, ddp__st_cmp_str_ptr);
   ddp_status_t st = DDP_OK;
   for (size_t i = 1; i < nkeys; i++) {
     if (strcmp(keys[i - 1], keys[i]) == 0) {
@@ -488,7 +476,7 @@ static ddp_status_t parse_image(st_parse_t *p, const unsigned char *img, size_t 
   if (hlen == 0 || hdr[0] != '{') {
     return BAD(p, "header (%" PRIu64 " bytes) does not start with '{' (file offset 8)", hlen);
   }
-  size_t bad = utf8_check(hdr, (size_t)hlen);
+  size_t bad = ddp__st_utf8_check(hdr, (size_t)hlen);
   if (bad != hlen) return BAD(p, "header is not valid UTF-8 (file offset %zu)", 8 + bad);
   /* JSON allows no raw control character: outside strings only whitespace, inside strings
    * only escapes. cJSON does not check this, and a raw NUL would truncate a name. */
@@ -758,210 +746,4 @@ const char *ddp_st_meta_get(const ddp_st_file_t *f, const char *key) {
     if (strcmp(f->meta_key[i], key) == 0) return f->meta_val[i];
   }
   return NULL;
-}
-
-/* ------------------------------------------------------------------ writer ---------- */
-
-/* Checks names and keys, returning DDP_ERR_INVALID_ARGUMENT naming the first problem. */
-static ddp_status_t check_write_args(const char *path, const ddp_st_entry_t *e, size_t n,
-                                     const char *const *mk, const char *const *mv,
-                                     size_t nmeta, ddp_error_t *err) {
-  for (size_t i = 0; i < n; i++) {
-    const char *name = e[i].name;
-    const ddp_tensor_t *t = e[i].tensor;
-    if (!name || !name[0] || !utf8_valid(name) || strcmp(name, ST_META_KEY) == 0) {
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "safetensors write '%s': entry %zu has an empty, non-UTF-8 or reserved "
-                        "name", path, i);
-    }
-    int64_t numel;
-    if (!t || !ddp_dtype_valid((int)t->dtype) ||
-        ddp_shape_numel(t->ndim, t->shape, ddp_dtype_size(t->dtype), &numel) != DDP_OK ||
-        numel != t->numel || (numel > 0 && !t->data)) {
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "safetensors write '%s': tensor '" NM "' is invalid (dtype, shape, "
-                        "numel or data)", path, name);
-    }
-  }
-  for (size_t i = 0; i < nmeta; i++) {
-    if (!mk[i] || !mv[i] || !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
-      return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "safetensors write '%s': metadata entry %zu is NULL or not UTF-8", path,
-                        i);
-    }
-  }
-  /* Duplicates, by sorting pointer copies (n log n for large models). */
-  size_t cap = n > nmeta ? n : nmeta;
-  if (cap < 2) return DDP_OK;
-  const char **s = ddp__malloc(cap * sizeof *s);
-  if (!s) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "safetensors write '%s'", path);
-  ddp_status_t st = DDP_OK;
-  for (int pass = 0; pass < 2 && st == DDP_OK; pass++) {
-    size_t m = pass == 0 ? n : nmeta;
-    for (size_t i = 0; i < m; i++) s[i] = pass == 0 ? e[i].name : mk[i];
-    qsort(s, m, sizeof *s, cmp_str_ptr);
-    for (size_t i = 1; i < m; i++) {
-      if (strcmp(s[i - 1], s[i]) == 0) {
-        st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "safetensors write '%s': duplicate %s '" NM "'", path,
-                        pass == 0 ? "tensor name" : "metadata key", s[i]);
-        break;
-      }
-    }
-  }
-  ddp__free(s);
-  return st;
-}
-
-/* The JSON header text (cJSON_malloc'd, unpadded), or NULL when out of memory. Integers are
- * emitted as raw text: cJSON prints doubles with 15 significant digits, which would corrupt
- * offsets beyond 10^15. */
-static char *build_header(const ddp_st_entry_t *e, size_t n, const char *const *mk,
-                          const char *const *mv, size_t nmeta) {
-  cJSON *root = cJSON_CreateObject();
-  if (!root) return NULL;
-  char *text = NULL;
-  if (nmeta > 0) {
-    cJSON *meta = cJSON_AddObjectToObject(root, ST_META_KEY);
-    if (!meta) goto out;
-    for (size_t i = 0; i < nmeta; i++) {
-      if (!cJSON_AddStringToObject(meta, mk[i], mv[i])) goto out;
-    }
-  }
-  uint64_t off = 0;
-  for (size_t i = 0; i < n; i++) {
-    const ddp_tensor_t *t = e[i].tensor;
-    uint64_t nb = (uint64_t)ddp_tensor_nbytes(t);
-    char shape[DDP_MAX_DIMS * 22 + 4], offs[48];
-    int k = snprintf(shape, sizeof shape, "[");
-    for (int d = 0; d < t->ndim; d++) {
-      k += snprintf(shape + k, sizeof shape - (size_t)k, "%s%" PRId64, d ? "," : "",
-                    t->shape[d]);
-    }
-    snprintf(shape + k, sizeof shape - (size_t)k, "]");
-    snprintf(offs, sizeof offs, "[%" PRIu64 ",%" PRIu64 "]", off, off + nb);
-    off += nb;
-    cJSON *o = cJSON_AddObjectToObject(root, e[i].name);
-    if (!o || !cJSON_AddStringToObject(o, "dtype", ddp_dtype_name(t->dtype)) ||
-        !cJSON_AddRawToObject(o, "shape", shape) ||
-        !cJSON_AddRawToObject(o, "data_offsets", offs)) {
-      goto out;
-    }
-  }
-  text = cJSON_PrintUnformatted(root);
-out:
-  cJSON_Delete(root);
-  return text;
-}
-
-static bool write_full(int fd, const void *buf, size_t n) {
-  const unsigned char *p = buf;
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= (size_t)w;
-  }
-  return true;
-}
-
-/* fsync of the directory holding path, so the rename itself is durable. */
-static int fsync_parent(const char *path, char *dir, size_t cap) {
-  const char *slash = strrchr(path, '/');
-  if (!slash) {
-    snprintf(dir, cap, ".");
-  } else if (slash == path) {
-    snprintf(dir, cap, "/");
-  } else {
-    snprintf(dir, cap, "%.*s", (int)(slash - path), path);
-  }
-  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return -1;
-  int r = fsync(dfd);
-  int e = errno;
-  close(dfd);
-  errno = e;
-  return r;
-}
-
-ddp_status_t ddp_st_write(const char *path, const ddp_st_entry_t *entries, size_t n,
-                          const char *const *meta_keys, const char *const *meta_values,
-                          size_t nmeta, ddp_error_t *err) {
-  DDP_REQUIRE(path && (entries || n == 0) && ((meta_keys && meta_values) || nmeta == 0));
-  DDP_CHECK(check_write_args(path, entries, n, meta_keys, meta_values, nmeta, err));
-
-  ddp_status_t st = DDP_OK;
-  char *json = build_header(entries, n, meta_keys, meta_values, nmeta);
-  if (!json) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "safetensors write '%s': header", path);
-  size_t jlen = strlen(json);
-  size_t hlen = (jlen + 7) & ~(size_t)7;
-  unsigned char *head = ddp__malloc(8 + hlen);
-  size_t plen = strlen(path);
-  char *tmp = ddp__malloc(plen + 8);
-  int fd = -1;
-  bool tmp_exists = false;
-  if (!head || !tmp) {
-    st = ddp__error(err, -1, DDP_ERR_NO_MEMORY, "safetensors write '%s'", path);
-    goto out;
-  }
-  store_le64(head, hlen);
-  memcpy(head + 8, json, jlen);
-  memset(head + 8 + jlen, ' ', hlen - jlen);
-
-  /* Same directory as path, so that rename() is atomic (one file system). */
-  memcpy(tmp, path, plen);
-  memcpy(tmp + plen, ".XXXXXX", 8);
-  fd = mkostemp(tmp, O_CLOEXEC);
-  if (fd < 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': mkostemp(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  tmp_exists = true;
-  if (fchmod(fd, 0644) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': fchmod(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  bool ok = write_full(fd, head, 8 + hlen);
-  for (size_t i = 0; ok && i < n; i++) {
-    ok = write_full(fd, entries[i].tensor->data, ddp_tensor_nbytes(entries[i].tensor));
-  }
-  if (!ok) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': write(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  if (fsync(fd) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': fsync(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  int fd_closing = fd;
-  fd = -1;
-  if (close(fd_closing) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': close(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  if (rename(tmp, path) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "safetensors write '%s': rename(%s): %s (errno %d)",
-                    path, tmp, strerror(errno), errno);
-    goto out;
-  }
-  tmp_exists = false;
-  char dir[4096];
-  if (fsync_parent(path, dir, sizeof dir) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM,
-                    "safetensors write '%s': fsync of directory '%s': %s (errno %d)", path, dir,
-                    strerror(errno), errno);
-  }
-out:
-  if (fd >= 0) close(fd);
-  if (tmp_exists) unlink(tmp);
-  ddp__free(tmp);
-  ddp__free(head);
-  cJSON_free(json);
-  return st;
 }

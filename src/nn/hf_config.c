@@ -453,23 +453,14 @@ static cJSON *to_json(const ddp_hf_config_t *cfg) {
   return o;
 }
 
-/* text to path through a temporary file in the same directory and a rename. */
+/* text and a newline to path, atomically (src/common/file.c). */
 static ddp_status_t write_atomic(const char *path, const char *text, ddp_error_t *err) {
-  char tmp[4096];
-  int k = snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-  if (k < 0 || (size_t)k >= sizeof tmp)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "config.json: path too long: %s", path);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0666);
-  if (fd < 0)
-    return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: open(%s): %s (errno %d)", tmp,
-                      strerror(errno), errno);
-  const char *what = NULL;
-  if (!ddp__write_all(fd, text, strlen(text)) || !ddp__write_all(fd, "\n", 1)) what = "write";
-  int e;
-  if (ddp__tmp_commit(fd, tmp, path, what, &e))
-    return ddp__error(err, -1, DDP_ERR_SYSTEM, "config.json: writing %s: %s (errno %d)", path,
-                      strerror(e), e);
-  return DDP_OK;
+  ddp__afile_t f;
+  if (ddp__afile_open(&f, path, -1, "config.json", err) == DDP_OK) {
+    ddp__afile_write(&f, text, strlen(text));
+    ddp__afile_write(&f, "\n", 1);
+  }
+  return ddp__afile_commit(&f, 0644);
 }
 
 ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path, ddp_error_t *err) {

@@ -348,26 +348,8 @@ done:
 ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out, ddp_error_t *err) {
   DDP_REQUIRE(path && out);
   *out = NULL;
-  FILE *f = fopen(path, "rb");
-  if (!f) return ddp__error(err, -1, DDP_ERR_NOT_FOUND, "model json: cannot open %s", path);
-  if (fseek(f, 0, SEEK_END) != 0) {
-    fclose(f);
-    return ddp__error(err, -1, DDP_ERR_SYSTEM, "model json: cannot seek %s", path);
-  }
-  long n = ftell(f);
-  rewind(f);
-  if (n < 0 || n > (1 << 24)) {
-    fclose(f);
-    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: %s is too large", path);
-  }
-  char *buf = ddp__malloc((size_t)n + 1);
-  if (!buf) {
-    fclose(f);
-    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "model json: out of memory");
-  }
-  size_t got = fread(buf, 1, (size_t)n, f);
-  fclose(f);
-  buf[got] = 0;
+  char *buf;
+  DDP_CHECK(ddp__file_read(path, 1u << 24, -1, "model json", &buf, NULL, err));
   ddp_status_t st = ddp_model_from_json(buf, out, err);
   ddp__free(buf);
   return st;

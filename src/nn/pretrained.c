@@ -138,25 +138,6 @@ void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double 
 
 /* ---------------------------------------------------------------- directories ----- */
 
-/* mkdir -p (os.makedirs(dir, exist_ok=True), what save_pretrained does). */
-static ddp_status_t make_dirs(const char *dir, ddp_error_t *err) {
-  char buf[4096];
-  size_t n = strlen(dir);
-  if (n == 0 || n >= sizeof buf)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "save_pretrained: bad directory '%s'", dir);
-  memcpy(buf, dir, n + 1);
-  for (size_t i = 1; i <= n; i++) {
-    if (buf[i] != '/' && buf[i] != 0) continue;
-    char saved = buf[i];
-    buf[i] = 0;
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-      return ddp__error(err, -1, DDP_ERR_SYSTEM, "save_pretrained: mkdir(%s): %s (errno %d)", buf,
-                        strerror(errno), errno);
-    buf[i] = saved;
-  }
-  return DDP_OK;
-}
-
 static ddp_status_t join(char *buf, size_t len, const char *dir, const char *file,
                          ddp_error_t *err) {
   int k = snprintf(buf, len, "%s/%s", dir, file);
@@ -173,7 +154,7 @@ ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_erro
                       "save_pretrained: the model is not a Transformers model (gpt2, bert); "
                       "use ddp_model_save");
   char path[4096];
-  DDP_CHECK(make_dirs(dir, err));
+  DDP_CHECK(ddp__mkdirs(dir, -1, "save_pretrained", err)); /* os.makedirs(exist_ok=True) */
   DDP_CHECK(join(path, sizeof path, dir, "config.json", err));
   DDP_CHECK(ddp_hf_config_write(hf, path, err)); /* torch_dtype: the model's dtype */
   /* The state_dict: parameters (the tied lm_head is no parameter of its own), then buffers. */
@@ -193,40 +174,6 @@ ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_erro
   if (st == DDP_OK) st = ddp_st_write(path, es, np + nb, mk, mv, 1, err);
   ddp__free(es);
   return st;
-}
-
-static ddp_status_t read_text(const char *path, char **out, ddp_error_t *err) {
-  *out = NULL;
-  FILE *f = fopen(path, "rb");
-  if (!f)
-    return ddp__error(err, -1, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                      "from_pretrained: cannot open %s: %s", path, strerror(errno));
-  char *buf = NULL;
-  size_t n = 0, cap = 0;
-  for (;;) {
-    if (n + 4096 + 1 > cap) {
-      cap = cap ? cap * 2 : 8192;
-      char *nb = cap > (1u << 24) ? NULL : ddp__realloc(buf, cap);
-      if (!nb) {
-        ddp__free(buf);
-        fclose(f);
-        return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "from_pretrained: %s is too large", path);
-      }
-      buf = nb;
-    }
-    size_t k = fread(buf + n, 1, 4096, f);
-    n += k;
-    if (k < 4096) break;
-  }
-  bool bad = ferror(f);
-  fclose(f);
-  if (bad) {
-    ddp__free(buf);
-    return ddp__error(err, -1, DDP_ERR_SYSTEM, "from_pretrained: reading %s failed", path);
-  }
-  buf[n] = 0;
-  *out = buf;
-  return DDP_OK;
 }
 
 /* How the checkpoint's keys map onto the model's names. */
@@ -263,7 +210,7 @@ ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_mode
   char *text;
   ddp_hf_config_t cfg;
   DDP_CHECK(join(path, sizeof path, dir, "config.json", err));
-  DDP_CHECK(read_text(path, &text, err));
+  DDP_CHECK(ddp__file_read(path, 1u << 24, -1, "from_pretrained", &text, NULL, err));
   ddp_status_t st = ddp_hf_config_parse(text, path, &cfg, err);
   ddp__free(text);
   DDP_CHECK(st);

@@ -92,18 +92,21 @@ ddp_status_t ddp_optim_create(const ddp_optim_options_t *opts, const ddp_optim_p
   DDP_REQUIRE(opts && out);
   DDP_REQUIRE(params || nparams == 0);
   *out = NULL;
-  if (opts->struct_size < sizeof(ddp_optim_options_t))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "optim: options.struct_size %zu is smaller than this library's %zu "
-                      "(start from DDP_*_OPTIONS_INIT)",
-                      opts->struct_size, sizeof(ddp_optim_options_t));
-  DDP_CHECK(check_options(opts, err));
+  /* An older caller's struct gets the defaults of its kind past its end (AdamW's weight
+   * decay differs from SGD's and Adam's). */
+  ddp_optim_options_t oo = DDP_SGD_OPTIONS_INIT, w = DDP_ADAMW_OPTIONS_INIT;
+  ddp__opts_read(&oo, sizeof oo, opts);
+  if (oo.kind == DDP_OPTIM_ADAMW) {
+    ddp__opts_read(&w, sizeof w, opts);
+    oo = w;
+  }
+  DDP_CHECK(check_options(&oo, err));
   for (size_t i = 0; i < nparams; i++) DDP_CHECK(check_pair(&params[i], i, err));
 
   ddp_optim_t *o = ddp__calloc(1, sizeof *o);
   if (!o) return DDP_ERR_NO_MEMORY;
   o->magic = OPTIM_MAGIC;
-  o->opts = *opts;
+  o->opts = oo;
   o->n = nparams;
   if (nparams) {
     o->params = ddp__calloc(nparams, sizeof *o->params);

@@ -27,7 +27,7 @@ static inline bool ddp__pg_fault_active(const ddp__pg_fault_t *f) {
  * the collective=K fault when seq == K, then applies an armed wrong_shape (c->count - 1) or
  * corrupt_bucket (bits of c->send flipped). DDP_OK: go on; else the collective fails with
  * that status (an injected crash on the threads backend, a released hang: both abort the
- * group first, with the reason ddp_pg_last_error then quotes); err (may be NULL) gets the
+ * group first, with the reason ddp_pg_last_error_copy then quotes); err (may be NULL) gets the
  * message. */
 ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq, ddp__coll_t *c,
                                   int64_t timeout_ms, ddp_error_t *err);

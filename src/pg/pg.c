@@ -465,16 +465,6 @@ void ddp_pg_last_error_copy(const ddp_pg_t *pg, ddp_error_t *out) {
   pthread_mutex_unlock(&m->mu);
 }
 
-/* Deprecated (ddp/pg.h): the message inside the handle, with no copy. */
-const char *ddp_pg_last_error(const ddp_pg_t *pg) {
-  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
-  ddp_pg_t *m = (ddp_pg_t *)pg;
-  pthread_mutex_lock(&m->mu);
-  const char *msg = m->failed != DDP_OK ? m->fail_err.msg : m->arg_err.msg;
-  pthread_mutex_unlock(&m->mu);
-  return msg;
-}
-
 void ddp__pg_own_store(ddp_pg_t *pg, ddp_store_t *store) { pg->owned_store = store; }
 
 ddp_status_t ddp_pg_status(const ddp_pg_t *pg) {
@@ -543,7 +533,7 @@ static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
   pthread_mutex_lock(&pg->mu);
   int64_t seq = c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_RECV ? -1 : (int64_t)pg->seq;
   pthread_mutex_unlock(&pg->mu);
-  /* A failure has aborted the group, so ddp_pg_last_error quotes it. */
+  /* A failure has aborted the group, so ddp_pg_last_error_copy quotes it. */
   return ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, NULL);
 }
 

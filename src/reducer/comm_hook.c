@@ -13,15 +13,6 @@
 
 #include "reducer/reducer_internal.h"
 
-static double load_elem(const void *p, ddp_dtype_t dt, size_t i) {
-  switch (dt) {
-    case DDP_F64: return ((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-  }
-}
-
 /* Fills the last error with "DDP: <what>: <msg>", logging it unless the group has failed
  * (then the group has logged the origin). */
 static ddp_status_t hook_error(ddp_ddp_t *d, ddp_status_t st, const char *what,
@@ -80,9 +71,9 @@ static ddp_status_t convert_result(ddp_ddp_t *d, ddp__bucket_t *x, const void *d
   }
   if (dt == x->dtype) memmove(x->buf, data, n * es);
   else if (x->dtype == DDP_F64)
-    for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = load_elem(data, dt, i);
+    for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = ddp_dtype_load(data, dt, i);
   else
-    for (size_t i = 0; i < n; i++) ((float *)x->buf)[i] = (float)load_elem(data, dt, i);
+    for (size_t i = 0; i < n; i++) ((float *)x->buf)[i] = (float)ddp_dtype_load(data, dt, i);
   ddp__free(tmp);
   return DDP_OK;
 }

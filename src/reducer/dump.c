@@ -5,8 +5,8 @@
  * Each rank owns one handle and writes only DIR/rank{r}/ (rank 0 also DIR/meta.json), so
  * ranks never contend for a file. Tensor files go through ddp_st_write, which replaces its
  * target atomically; the JSON files are written the same way here (a temporary file in the
- * target's directory, fsync, rename, fsync of the directory), so a reader sees either the
- * old file or the whole new one.
+ * target's directory, fsync, rename, fsync of the directory: src/common/file.c), so a
+ * reader sees either the old file or the whole new one.
  *
  * What PyTorch's reducer reports and libddp's ddp_ddp_get_logging_data gives are mapped
  * key by key: bucket indices in ddp.json refer to the reducer's parameter list (parameters
@@ -71,52 +71,16 @@ struct ddp_dump {
 /* ---------------------------------------------------------------- files ----------- */
 
 static ddp_status_t mkdir_p(ddp_dump_t *d, const char *path) {
-  char buf[4096];
-  size_t n = strlen(path);
-  if (n == 0 || n >= sizeof buf)
-    return ddp__error(&d->err, d->rank, DDP_ERR_INVALID_ARGUMENT, "dump: bad directory '%s'",
-                      path);
-  memcpy(buf, path, n + 1);
-  for (size_t i = 1; i <= n; i++) {
-    if (buf[i] != '/' && buf[i] != 0) continue;
-    char c = buf[i];
-    buf[i] = 0;
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-      return ddp__error(&d->err, d->rank, DDP_ERR_SYSTEM, "dump: mkdir(%s): %s (errno %d)",
-                        buf, strerror(errno), errno);
-    buf[i] = c;
-  }
-  struct stat sb;
-  if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
-    return ddp__error(&d->err, d->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "dump: %s exists and is not a directory", path);
-  return DDP_OK;
+  return ddp__mkdirs(path, d->rank, "dump", &d->err);
 }
 
-/* Writes text to dir/name through a temporary file in dir and rename(): readers see the
- * old file or the complete new one, never a prefix. */
+/* Writes text to dir/name atomically (src/common/file.c): readers see the old file or the
+ * complete new one, never a prefix. */
 static ddp_status_t write_atomic(ddp_dump_t *d, const char *dir, const char *name,
                                  const char *text) {
-  char path[4096], tmp[4200];
+  char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, name);
-  snprintf(tmp, sizeof tmp, "%s/.%s.tmp.XXXXXX", dir, name);
-  int fd = mkstemp(tmp);
-  if (fd < 0)
-    return ddp__error(&d->err, d->rank, DDP_ERR_SYSTEM, "dump: mkstemp(%s): %s (errno %d)",
-                      tmp, strerror(errno), errno);
-  const char *what = NULL;
-  if (!ddp__write_all(fd, text, strlen(text))) what = "write";
-  if (!what && fchmod(fd, 0644) != 0) what = "fchmod";
-  int e;
-  if ((what = ddp__tmp_commit(fd, tmp, path, what, &e)))
-    return ddp__error(&d->err, d->rank, DDP_ERR_SYSTEM, "dump: %s(%s): %s (errno %d)", what,
-                      path, strerror(e), e);
-  int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    (void)fsync(dfd); /* durability of the rename; the file itself is already whole */
-    close(dfd);
-  }
-  return DDP_OK;
+  return ddp__file_write_atomic(path, text, strlen(text), 0644, d->rank, "dump", &d->err);
 }
 
 static ddp_status_t write_json(ddp_dump_t *d, const char *dir, const char *name, cJSON *o) {

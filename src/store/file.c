@@ -3,8 +3,8 @@
  *
  * A key file holds a 16-byte header ("DDPK", u32 key length, u64 value length, little
  * endian), the full key and the value. Writers build the file under a temporary name
- * starting with '.' and rename() it over the key's name, so readers see either the old or
- * the new file, never a torn one. Read-modify-write operations (add, compare_set, delete,
+ * starting with '.' and rename() it over the key's name (libddp's one atomic writer,
+ * src/common/file.c), so readers see either the old or the new file, never a torn one. Read-modify-write operations (add, compare_set, delete,
  * and set, so that a set never slips between another writer's read and rename) hold an
  * exclusive flock() on "<dir>/.lock"; flock is per open file description, so it excludes
  * threads of one process as well as processes, and the kernel drops it when a holder dies.
@@ -32,7 +32,6 @@
 
 typedef struct file_store {
   char *dir;
-  atomic_uint_fast64_t tmp_counter;
 } file_store_t;
 
 static file_store_t *fst(ddp_store_t *s) { return s->impl; }
@@ -154,56 +153,22 @@ out:
   return st;
 }
 
-static ddp_status_t write_all(int fd, const void *p, size_t n) {
-  const unsigned char *b = p;
-  while (n) {
-    ssize_t w = write(fd, b, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return DDP_ERR_SYSTEM;
-    b += w;
-    n -= (size_t)w;
-  }
-  return DDP_OK;
-}
-
-/* Writes the key file through a temporary file and rename(). */
+/* Writes the key file atomically (src/common/file.c: a dot-named temporary beside it,
+ * fsync, rename, fsync of the directory). */
 static ddp_status_t write_key(ddp_store_t *s, const ddp__store_call_t *c, const char *path,
                               const char *key, const void *v, size_t n) {
-  file_store_t *f = fst(s);
-  char tmp[PATH_CAP];
-  snprintf(tmp, sizeof tmp, "%s/.tmp.%d.%d.%llu", f->dir, (int)getpid(), (int)gettid(),
-           (unsigned long long)atomic_fetch_add(&f->tmp_counter, 1));
-  ddp_status_t st = DDP_OK;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: open(%s): %s (errno %d)", s->desc,
-                    tmp, strerror(e), e);
-    return st;
-  }
   unsigned char hdr[KEY_FILE_HDR];
   size_t klen = strlen(key);
   ddp__wire_put_u32(hdr, KEY_FILE_MAGIC);
   ddp__wire_put_u32(hdr + 4, (uint32_t)klen);
   ddp__wire_put_u64(hdr + 8, n);
-  if (write_all(fd, hdr, sizeof hdr) != DDP_OK || write_all(fd, key, klen) != DDP_OK ||
-      write_all(fd, v, n) != DDP_OK) {
-    int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: write(%s): %s (errno %d)", s->desc,
-                    tmp, strerror(e), e);
+  ddp__afile_t f;
+  if (ddp__afile_open(&f, path, c->rank, s->desc, c->err) == DDP_OK) {
+    ddp__afile_write(&f, hdr, sizeof hdr);
+    ddp__afile_write(&f, key, klen);
+    ddp__afile_write(&f, v, n);
   }
-  if (close(fd) != 0 && st == DDP_OK) {
-    int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: close(%s): %s (errno %d)", s->desc,
-                    tmp, strerror(e), e);
-  }
-  if (st == DDP_OK && rename(tmp, path) != 0) {
-    int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: rename(%s, %s): %s (errno %d)",
-                    s->desc, tmp, path, strerror(e), e);
-  }
-  if (st != DDP_OK) unlink(tmp);
-  return st;
+  return ddp__afile_commit(&f, 0600);
 }
 
 /* Takes the directory lock, retrying a non-blocking flock until the deadline. */
@@ -488,7 +453,6 @@ static ddp_status_t create_file(const char *dir, const ddp_store_options_t *opts
     return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "ddp_store_create_file: out of memory");
   }
   f->dir = d;
-  atomic_init(&f->tmp_counter, 0);
   s->impl = f;
   snprintf(s->desc, sizeof s->desc, "file store %.140s", dir);
   *out = s;

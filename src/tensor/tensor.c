@@ -117,14 +117,12 @@ bool ddp_tensor_same_shape(const ddp_tensor_t *a, const ddp_tensor_t *b) {
   return true;
 }
 
-/* Element i of t as double (exact for every dtype but i64 beyond 2^53). */
-static double load_f(const ddp_tensor_t *t, int64_t i) {
-  const void *p = t->data;
-  switch (t->dtype) {
+double ddp_dtype_load(const void *p, ddp_dtype_t dt, size_t i) {
+  switch (dt) {
     case DDP_F32: return ((const float *)p)[i];
     case DDP_F64: return ((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DDP_F16: return ddp_f16_to_f32(((const ddp_f16_t *)p)[i]);
+    case DDP_BF16: return ddp_bf16_to_f32(((const ddp_bf16_t *)p)[i]);
     case DDP_I32: return ((const int32_t *)p)[i];
     case DDP_I64: return (double)((const int64_t *)p)[i];
     case DDP_U8: return ((const uint8_t *)p)[i];
@@ -132,6 +130,11 @@ static double load_f(const ddp_tensor_t *t, int64_t i) {
     default: DDP_REQUIRE(0 && "dtype");
   }
   return 0;
+}
+
+/* Element i of t as double (exact for every dtype but i64 beyond 2^53). */
+static double load_f(const ddp_tensor_t *t, int64_t i) {
+  return ddp_dtype_load(t->data, t->dtype, (size_t)i);
 }
 
 static int64_t load_i(const ddp_tensor_t *t, int64_t i) {

@@ -7,6 +7,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,6 +142,14 @@ static const arg_field_t *find_field(const char *name) {
   return NULL;
 }
 
+/* The caller's args read by the one options policy (ddp__opts_read): a struct from an
+ * older header gets the defaults past its end. */
+static ddp_train_args_t args_in(const ddp_train_args_t *a) {
+  ddp_train_args_t c = DDP_TRAIN_ARGS_INIT;
+  ddp__opts_read(&c, sizeof c, a);
+  return c;
+}
+
 static bool parse_bool(const char *v, bool *out) {
   if (!strcasecmp(v, "true") || !strcmp(v, "1")) {
     *out = true;
@@ -170,6 +179,14 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
     return ddp__error_quiet(err, DDP_ERR_NOT_FOUND, "unknown argument \"%s\"%s%s%s", name,
                             best ? " (did you mean \"" : "", best ? best : "",
                             best ? "\"?)" : "");
+  }
+  /* A caller built against an older header has a smaller struct: the fields past it are
+   * not its to set (ddp__opts_read's policy gives them their defaults when it is read). */
+  DDP_REQUIRE(a->struct_size >= sizeof(size_t) && a->struct_size <= sizeof *a);
+  if (f->offset + f->size > a->struct_size) {
+    return ddp__error_quiet(err, DDP_ERR_NOT_FOUND,
+                            "argument \"%s\" is newer than the caller's ddp_train_args_t "
+                            "(struct_size %zu)", name, a->struct_size);
   }
   char *p = (char *)a + f->offset;
   char *end = NULL;
@@ -235,35 +252,11 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
 
 ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(a && path);
-  FILE *fp = fopen(path, "rb");
-  if (!fp) {
-    return ddp__error_quiet(err, errno == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                            "config file %s: open: %s (errno %d)", path, strerror(errno), errno);
-  }
-  ddp_status_t st = DDP_OK;
   char *text = NULL;
   cJSON *root = NULL;
-  size_t cap = 1 << 16, len = 0;
-  text = ddp__malloc(cap);
-  if (!text) {
-    st = DDP_ERR_NO_MEMORY;
-    goto out;
-  }
-  for (;;) {
-    if (len + 1 >= cap) {
-      char *t = ddp__realloc(text, cap * 2);
-      if (!t) {
-        st = DDP_ERR_NO_MEMORY;
-        goto out;
-      }
-      text = t;
-      cap *= 2;
-    }
-    size_t got = fread(text + len, 1, cap - 1 - len, fp);
-    len += got;
-    if (got == 0) break;
-  }
-  text[len] = 0;
+  /* Quiet: a bad config file is the caller's usage error to report. */
+  ddp_status_t st = ddp__file_read(path, 0, DDP__QUIET, "config file", &text, NULL, err);
+  if (st != DDP_OK) return st;
   root = cJSON_Parse(text);
   if (!root || !cJSON_IsObject(root)) {
     const char *where = cJSON_GetErrorPtr();
@@ -312,7 +305,6 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
 out:
   cJSON_Delete(root);
   ddp__free(text);
-  fclose(fp);
   return st;
 }
 
@@ -437,8 +429,10 @@ static const char *backend_choices(char *buf, size_t cap) {
   return buf;
 }
 
-ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err) {
-  DDP_REQUIRE(a && a->struct_size == sizeof(ddp_train_args_t));
+ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *err) {
+  DDP_REQUIRE(in);
+  ddp_train_args_t copy = args_in(in);
+  const ddp_train_args_t *a = &copy;
   static const char *const optims[] = {"adamw_torch", "adamw", "adam", "sgd", NULL};
   static const char *const strategies[] = {"no", "steps", "epoch", NULL};
   if (!one_of(a->optim, optims)) {
@@ -538,27 +532,35 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *a, ddp_error_t *err
 
 const char *ddp_train_backend_name(const ddp_train_args_t *a) {
   DDP_REQUIRE(a);
-  if (!a->ddp_backend[0]) return NULL;
+  /* A pointer into the caller's struct, so read in place; past an older struct's end the
+   * field has its default, "" (auto). */
+  if (offsetof(ddp_train_args_t, ddp_backend) + sizeof a->ddp_backend > a->struct_size ||
+      !a->ddp_backend[0])
+    return NULL;
   const ddp_backend_info_t *b = ddp_backend_info(a->ddp_backend); /* "gloo" is tcp */
   return b ? b->name : a->ddp_backend;
 }
 
-bool ddp_train_find_unused(const ddp_train_args_t *a) {
+bool ddp_train_find_unused(const ddp_train_args_t *in) {
+  ddp_train_args_t a = args_in(in);
   /* HF: unset means False with gradient checkpointing, True otherwise (a plain module is
    * not a PreTrainedModel, and a PreTrainedModel without checkpointing also gets True). */
-  if (a->ddp_find_unused_parameters == DDP_UNSET) return !a->gradient_checkpointing;
-  return a->ddp_find_unused_parameters == DDP_TRUE;
+  if (a.ddp_find_unused_parameters == DDP_UNSET) return !a.gradient_checkpointing;
+  return a.ddp_find_unused_parameters == DDP_TRUE;
 }
 
-bool ddp_train_broadcast_buffers(const ddp_train_args_t *a) {
-  return a->ddp_broadcast_buffers != DDP_FALSE;
+bool ddp_train_broadcast_buffers(const ddp_train_args_t *in) {
+  return args_in(in).ddp_broadcast_buffers != DDP_FALSE;
 }
 
-bool ddp_train_static_graph(const ddp_train_args_t *a) { return a->ddp_static_graph == DDP_TRUE; }
+bool ddp_train_static_graph(const ddp_train_args_t *in) {
+  return args_in(in).ddp_static_graph == DDP_TRUE;
+}
 
-ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *a, char **out) {
-  DDP_REQUIRE(a && out);
+ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *in, char **out) {
+  DDP_REQUIRE(in && out);
   *out = NULL;
+  ddp_train_args_t copy = args_in(in), *a = &copy;
   cJSON *o = cJSON_CreateObject();
   if (!o) return DDP_ERR_NO_MEMORY;
   for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {

@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,12 +118,24 @@ static void sha256_hex(sha256_t *s, char out[65]) {
 
 /* ---------------------------------------------------------------- files ----------- */
 
-static ddp_status_t file_sha256(const char *path, char out[65], ddp_error_t *err) {
+/* An error of this file: logged once (ddp__error) unless quiet, when the caller reports it
+ * (a search of checkpoints that warns about each one it skips). */
+DDP_PRINTF(4, 5)
+static ddp_status_t fail(bool quiet, ddp_error_t *err, ddp_status_t st, const char *fmt, ...) {
+  char msg[DDP_ERROR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  return quiet ? ddp__error_quiet(err, st, "%s", msg) : ddp__error(err, -1, st, "%s", msg);
+}
+
+static ddp_status_t file_sha256(const char *path, char out[65], bool quiet, ddp_error_t *err) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    return ddp__error(err, -1, e == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
-                      "open %s: %s (errno %d)", path, strerror(e), e);
+    return fail(quiet, err, e == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM,
+                "open %s: %s (errno %d)", path, strerror(e), e);
   }
   enum { CHUNK = 1 << 20 };
   uint8_t *buf = ddp__malloc(CHUNK);
@@ -138,7 +151,7 @@ static ddp_status_t file_sha256(const char *path, char out[65], ddp_error_t *err
     if (k < 0 && errno == EINTR) continue;
     if (k < 0) {
       int e = errno;
-      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "read %s: %s (errno %d)", path, strerror(e), e);
+      st = fail(quiet, err, DDP_ERR_SYSTEM, "read %s: %s (errno %d)", path, strerror(e), e);
       break;
     }
     if (k == 0) break;
@@ -191,12 +204,12 @@ ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err) {
   for (size_t i = 0; st == DDP_OK && i < n; i++) {
     char hex[65];
     snprintf(path, sizeof path, "%s/%s", dir, names[i]);
-    st = file_sha256(path, hex, err);
+    st = file_sha256(path, hex, false, err);
     if (st == DDP_OK) len += (size_t)snprintf(text + len, 400, "%s  %.300s\n", hex, names[i]);
   }
   if (st == DDP_OK) {
     snprintf(path, sizeof path, "%s/%s", dir, DDP__TRAIN_CHECKSUMS);
-    st = ddp__train_write_atomic(path, text, len, err);
+    st = ddp__file_write_atomic(path, text, len, 0644, -1, "checkpoint", err);
   }
   for (size_t i = 0; i < n; i++) ddp__free(names[i]);
   ddp__free(names);
@@ -204,14 +217,14 @@ ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err) {
   return st;
 }
 
-ddp_status_t ddp__train_verify_checkpoint(const char *dir, ddp_error_t *err) {
+ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error_t *err) {
   char path[4600], line[1024];
   snprintf(path, sizeof path, "%s/%s", dir, DDP__TRAIN_CHECKSUMS);
   FILE *f = fopen(path, "r");
   if (!f) {
     if (errno == ENOENT) return DDP_OK; /* written before checksums were recorded */
     int e = errno;
-    return ddp__error(err, -1, DDP_ERR_SYSTEM, "open %s: %s (errno %d)", path, strerror(e), e);
+    return fail(quiet, err, DDP_ERR_SYSTEM, "open %s: %s (errno %d)", path, strerror(e), e);
   }
   ddp_status_t st = DDP_OK;
   int lineno = 0;
@@ -223,21 +236,24 @@ ddp_status_t ddp__train_verify_checkpoint(const char *dir, ddp_error_t *err) {
     const char *name = line + 66;
     if (l < 67 || line[64] != ' ' || line[65] != ' ' || strspn(line, "0123456789abcdef") != 64 ||
         strchr(name, '/')) {
-      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "%s line %d: expected \"<64 hex digits>  <file name>\"", path, lineno);
+      st = fail(quiet, err, DDP_ERR_INVALID_DATA,
+                "%s line %d: expected \"<64 hex digits>  <file name>\"", path, lineno);
       break;
     }
     line[64] = '\0';
     char file[4600], hex[65];
     snprintf(file, sizeof file, "%s/%s", dir, name);
-    st = file_sha256(file, hex, err);
+    /* Quietly: a missing file is reported below as what it means for the checkpoint. */
+    st = file_sha256(file, hex, true, err);
     if (st == DDP_ERR_NOT_FOUND) {
-      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "%s is missing: %s lists it (the checkpoint is incomplete)", file, path);
-    } else if (st == DDP_OK && strcmp(hex, line) != 0) {
-      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "%s is corrupt: its SHA-256 is %s, but %s recorded %s when the checkpoint "
-                      "was saved", file, hex, DDP__TRAIN_CHECKSUMS, line);
+      st = fail(quiet, err, DDP_ERR_INVALID_DATA,
+                "%s is missing: %s lists it (the checkpoint is incomplete)", file, path);
+    } else if (st != DDP_OK) {
+      st = fail(quiet, err, st, "%s", err ? err->msg : ddp_status_name(st));
+    } else if (strcmp(hex, line) != 0) {
+      st = fail(quiet, err, DDP_ERR_INVALID_DATA,
+                "%s is corrupt: its SHA-256 is %s, but %s recorded %s when the checkpoint "
+                "was saved", file, hex, DDP__TRAIN_CHECKSUMS, line);
     }
   }
   fclose(f);

@@ -9,7 +9,7 @@
 ddp_status_t ddp__train_fault_init(ddp__train_fault_t *f, int rank, ddp_error_t *err) {
   f->rank = rank;
   f->mine = false;
-  ddp_status_t st = ddp_fault_from_env(&f->spec, err);
+  ddp_status_t st = ddp_fault_from_env(&f->spec, err); /* quiet: reported here, once */
   if (st != DDP_OK) return ddp__error(err, rank, st, "trainer: %s", err ? err->msg : "");
   f->mine = f->spec.kind != DDP_FAULT_NONE && f->spec.rank == rank && f->spec.step >= 0;
   return DDP_OK;
@@ -25,7 +25,7 @@ ddp_status_t ddp__train_fault_step(ddp__train_fault_t *f, ddp_pg_t *pg, int64_t 
   snprintf(where, sizeof where, "step %" PRId64, step);
   ddp_error_t e = {DDP_OK, ""};
   ddp_status_t st = ddp_pg_inject_fault(pg, &f->spec, where, &e);
-  if (st != DDP_OK) return ddp__error(err, f->rank, st, "trainer: %s", e.msg);
+  if (st != DDP_OK) return ddp__error_quiet(err, st, "trainer: %s", e.msg); /* pg logged it */
   return DDP_OK;
 }
 

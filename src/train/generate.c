@@ -66,7 +66,7 @@ ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
                           ddp_error_t *err) {
   DDP_REQUIRE(m && out && nout && (prompt || n == 0));
   ddp_generate_options_t o = DDP_GENERATE_OPTIONS_INIT;
-  if (opts) memcpy(&o, opts, DDP_MIN(opts->struct_size, sizeof o));
+  ddp__opts_read(&o, sizeof o, opts);
   *out = NULL;
   *nout = 0;
   if (n < 1) {

@@ -36,7 +36,7 @@ ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
   ddp_status_t st = ddp_st_open(path, DDP_ST_READ, &q->f, &e);
   if (st != DDP_OK) {
     ddp__free(q);
-    return ddp__error(err, rank, st, "power_sgd_init_q %s: %s", path, e.msg);
+    return ddp__error_quiet(err, st, "power_sgd_init_q %s: %s", path, e.msg); /* logged */
   }
   const char *d = ddp_st_meta_get(q->f, "draws");
   char *end = NULL;

@@ -3,9 +3,6 @@
  * evaluation weights each batch's mean by, so that eval_loss is the mean over every
  * predicted token of the held-out set and perplexity = exp(eval_loss), as run_clm
  * reports it. */
-#include <math.h>
-#include <stdio.h>
-
 #include "common/common.h"
 #include "train/train_internal.h"
 
@@ -23,15 +20,4 @@ int64_t ddp__train_lm_targets(const ddp_tensor_t *labels) {
   for (int64_t r = 0; r < rows; r++)
     for (int64_t t = 1; t < T; t++) n += l[r * T + t] != -100;
   return n;
-}
-
-const char *ddp__train_lm_perplexity(char *buf, size_t cap, bool lm, double eval_loss) {
-  if (!lm) return "";
-  double p = exp(eval_loss);
-  if (isfinite(p)) {
-    snprintf(buf, cap, ", \"perplexity\": %.9g", p);
-  } else {
-    snprintf(buf, cap, ", \"perplexity\": null");
-  }
-  return buf;
 }

@@ -9,12 +9,10 @@
  * Resuming from the checkpoint of step S keeps what the interrupted run wrote up to S and
  * drops the rest (the lines of steps after S, which the resumed run writes again, a torn last
  * line, and earlier runs' summary lines), as Trainer's log history restarts from the
- * checkpoint's state. The kept lines are rewritten atomically (temporary file, fsync,
- * rename), so a crash during the rewrite leaves the old file whole. */
+ * checkpoint's state. The kept lines are rewritten atomically (src/common/file.c), so a
+ * crash during the rewrite leaves the old file whole. */
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -49,23 +47,17 @@ static bool keep_line(const char *b, size_t n, int64_t start) {
 
 /* Rewrites path with only the lines keep_line accepts. A missing file is left missing. */
 static ddp_status_t cut_to_step(const char *path, int64_t start, ddp_error_t *err) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return errno == ENOENT ? DDP_OK : sys_err(err, "open", path);
   struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return DDP_OK; /* not a plain file (a device, a pipe): nothing to keep */
-  }
-  size_t len = (size_t)sb.st_size, kept = 0, dropped = 0;
-  char *text = ddp__malloc(len + 1), *out = ddp__malloc(len + 1);
-  bool ok = text && out && fread(text, 1, len, f) == len;
-  fclose(f);
-  if (!ok) {
+  if (stat(path, &sb) != 0 ? errno == ENOENT : !S_ISREG(sb.st_mode))
+    return DDP_OK; /* missing, or not a plain file (a device, a pipe): nothing to keep */
+  char *text;
+  size_t len, kept = 0, dropped = 0;
+  DDP_CHECK(ddp__file_read(path, 0, 0, "trainer: metrics", &text, &len, err));
+  char *out = ddp__malloc(len + 1);
+  if (!out) {
     ddp__free(text);
-    ddp__free(out);
-    return text && out ? sys_err(err, "read", path)
-                       : ddp__error(err, 0, DDP_ERR_NO_MEMORY,
-                                    "trainer: no memory to read %s (%zu bytes)", path, len);
+    return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory to read %s (%zu bytes)",
+                      path, len);
   }
   for (size_t p = 0; p < len;) {
     char *nl = memchr(text + p, '\n', len - p);
@@ -86,7 +78,7 @@ static ddp_status_t cut_to_step(const char *path, int64_t start, ddp_error_t *er
   if (dropped) {
     ddp__log(0, DDP_LOG_INFO, "resuming at step %lld: %zu line(s) of %s after that step dropped",
              (long long)start, dropped, path);
-    st = ddp__train_write_atomic(path, out, kept, err);
+    st = ddp__file_write_atomic(path, out, kept, 0644, 0, "trainer: metrics", err);
   }
   ddp__free(text);
   ddp__free(out);
@@ -117,31 +109,22 @@ ddp_status_t ddp__metrics_open(const char *output_dir, int64_t start, ddp__metri
   return DDP_OK;
 }
 
-ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *fmt, ...) {
-  if (!m) return DDP_OK;
-  char small[2048], *buf = small;
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(small, sizeof small - 1, fmt, ap);
-  va_end(ap);
-  if (n < 0) return ddp__error(err, 0, DDP_ERR_INTERNAL, "trainer: %s: bad line format", m->path);
-  if ((size_t)n >= sizeof small - 1) {
-    buf = ddp__malloc((size_t)n + 2);
-    if (!buf) {
-      return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a %d-byte line of %s",
-                        n, m->path);
-    }
-    va_start(ap, fmt);
-    vsnprintf(buf, (size_t)n + 1, fmt, ap);
-    va_end(ap);
+ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *err) {
+  if (!m) {
+    ddp__json_free(j);
+    return DDP_OK;
   }
-  buf[n++] = '\n';
+  ddp__json_append(j, "\n");
+  char *buf = ddp__json_take(j);
+  if (!buf) return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a line of %s",
+                              m->path);
+  size_t n = strlen(buf);
   ssize_t w;
   do {
-    w = write(m->fd, buf, (size_t)n);
+    w = write(m->fd, buf, n);
   } while (w < 0 && errno == EINTR);
   ddp_status_t st = DDP_OK;
-  if (w != n) {
+  if (w != (ssize_t)n) {
     if (w >= 0) errno = ENOSPC; /* a short write: the device is full */
     st = sys_err(err, "write", m->path);
     if (w > 0 && ftruncate(m->fd, m->size) != 0) {
@@ -149,9 +132,9 @@ ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *
                strerror(errno));
     }
   } else {
-    m->size += n;
+    m->size += (off_t)n;
   }
-  if (buf != small) ddp__free(buf);
+  ddp__free(buf);
   return st;
 }
 
@@ -161,10 +144,4 @@ ddp_status_t ddp__metrics_close(ddp__metrics_t *m, ddp_error_t *err) {
   if (close(m->fd) != 0 && err) st = sys_err(err, "close", m->path);
   ddp__free(m);
   return st;
-}
-
-const char *ddp__metrics_num(char *buf, size_t cap, double v) {
-  if (!isfinite(v)) return "null";
-  snprintf(buf, cap, "%.9g", v);
-  return buf;
 }

@@ -29,8 +29,11 @@ ddp_status_t ddp__train_replica_check(ddp_pg_t *pg, ddp_model_t *model, int64_t 
   ddp_status_t st = ddp_allgather(pg, &mine, all, 1, DDP_I64, &w);
   if (st == DDP_OK) st = ddp_work_wait_free(w);
   if (st != DDP_OK) {
-    st = ddp__error(err, rank, st, "replica check at step %lld: allgather: %s", (long long)step,
-                    ddp_pg_last_error(pg));
+    /* The group logged its failure where it started; the check adds its context. */
+    ddp_error_t pe;
+    ddp_pg_last_error_copy(pg, &pe);
+    st = ddp__error_quiet(err, st, "replica check at step %lld: allgather: %s", (long long)step,
+                          pe.msg);
     goto out;
   }
   bool same = true;

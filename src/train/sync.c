@@ -39,17 +39,18 @@ static const ddp_dtype_t float_dtypes[] = {DDP_F32, DDP_F64};
 static ddp_status_t wait_op(ddp__sync_t *s, ddp_status_t st, ddp_work_t *w, const char *what,
                             ddp_error_t *err) {
   if (st == DDP_OK) st = ddp_work_wait_free(w);
-  if (st != DDP_OK) {
-    return ddp__error(err, ddp_pg_rank(s->pg), st, "gradient sync: %s: %s", what,
-                      ddp_pg_last_error(s->pg));
+  if (st != DDP_OK) { /* logged by the group where it started; context added here */
+    ddp_error_t pe;
+    ddp_pg_last_error_copy(s->pg, &pe);
+    return ddp__error_quiet(err, st, "gradient sync: %s: %s", what, pe.msg);
   }
   return DDP_OK;
 }
 
+/* A reducer failure, which the reducer (or the group below it) logged where it started. */
 static ddp_status_t reducer_error(ddp__sync_t *s, ddp_status_t st, const char *what,
                                   ddp_error_t *err) {
-  return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP %s: %s", what,
-                    s->ddp ? ddp_ddp_last_error(s->ddp) : "");
+  return ddp__error_quiet(err, st, "DDP %s: %s", what, s->ddp ? ddp_ddp_last_error(s->ddp) : "");
 }
 
 ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
@@ -177,7 +178,7 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     ddp_error_t e = {0};
     ddp_status_t st = ddp_ddp_create(s->model, s->pg, &o, &s->ddp, &e);
     if (st != DDP_OK) {
-      return ddp__error(err, ddp_pg_rank(s->pg), st, "DDP create: %s", e.msg);
+      return ddp__error_quiet(err, st, "DDP create: %s", e.msg); /* logged by the reducer */
     }
     /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
      * The layer that failed has logged; the message is carried up quietly. */
@@ -236,7 +237,7 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
       if ((st = ddp_var_new(ctx, scale->dtype, loss->value.ndim, loss->value.shape, scale->data,
                             false, &c)) != DDP_OK ||
           (st = ddp_mul(ctx, loss, c, &root)) != DDP_OK) {
-        return ddp__error(err, rank, st, "loss scaling: %s", ddp_ctx_last_error(ctx)->msg);
+        return ddp__error_quiet(err, st, "loss scaling: %s", ddp_ctx_last_error(ctx)->msg);
       }
     }
     st = ddp_ddp_backward(s->ddp, ctx, root);
@@ -252,7 +253,7 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
   /* Seeding backward with `scale` gives exactly the gradient of scale * loss. */
   st = ddp_backward_multi(ctx, 1, &loss, scale);
   if (st != DDP_OK) {
-    return ddp__error(err, rank, st, "backward: %s", ddp_ctx_last_error(ctx)->msg);
+    return ddp__error_quiet(err, st, "backward: %s", ddp_ctx_last_error(ctx)->msg);
   }
   if (!s->armed) return DDP_OK;
   s->armed = false;

@@ -76,10 +76,10 @@ void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank);
  * in dir/checksums.sha256 (sha256sum's format), atomically; called on the staged directory
  * just before it is committed. Verify: recomputes them; a file that differs or is missing
  * is DDP_ERR_INVALID_DATA naming the file. A directory without checksums.sha256 (older
- * checkpoints) verifies. */
+ * checkpoints) verifies. quiet: the failure is not logged (the caller reports it). */
 #define DDP__TRAIN_CHECKSUMS "checksums.sha256"
 ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err);
-ddp_status_t ddp__train_verify_checkpoint(const char *dir, ddp_error_t *err);
+ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error_t *err);
 
 /* The checkpoint a run resumes from, into dir ("" = start at step 0), by
  * resume_from_checkpoint: a directory (used as given; loading verifies it); "true" or
@@ -95,36 +95,47 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
 ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world,
                                    ddp_error_t *err);
 
-/* Writes text to path atomically (temporary file in the same directory, fsync, rename,
- * fsync of the directory). */
-ddp_status_t ddp__train_write_atomic(const char *path, const char *text, size_t len,
-                                     ddp_error_t *err);
-
-/* mkdir -p. */
-ddp_status_t ddp__train_mkdirs(const char *path, ddp_error_t *err);
-
 /* Causal language models (lm.c): the loss of logits [B, T, V] against labels I64 [B, T]
  * (position t predicts labels[t + 1], -100 ignored: ddp_causal_lm_loss), and the number of
  * labels it averages over (those of positions 1..T-1 that are not -100). */
 ddp_status_t ddp__train_lm_loss(ddp_ctx_t *ctx, ddp_var_t *logits, const ddp_tensor_t *labels,
                                 ddp_var_t **loss);
 int64_t ddp__train_lm_targets(const ddp_tensor_t *labels);
-/* The metrics.jsonl member `, "perplexity": exp(eval_loss)` (null when not finite) written
- * into buf, when lm; else "". run_clm's perplexity. */
-const char *ddp__train_lm_perplexity(char *buf, size_t cap, bool lm, double eval_loss);
+/* The trainer's one JSON writer (json.c), for its three formats: metrics.jsonl lines,
+ * trainer_state.json and a dump's config. One object at a time, members in call order,
+ * ", " between members and ": " after keys (json.dumps' layout); strings escaped; a number
+ * printed with the printf format given (one conversion of a double), null when it is NaN
+ * or infinite (JSON has neither). Begin starts the object, object starts a nested one,
+ * end closes the innermost; append adds raw text after the object (a newline). Take
+ * returns the text (ddp__free; NULL when memory ran out) and resets j; free drops it. */
+typedef struct ddp__json {
+  char *buf;
+  size_t len, cap;
+  bool first; /* the innermost object has no member yet */
+  bool oom;
+} ddp__json_t;
+void ddp__json_begin(ddp__json_t *j);
+void ddp__json_object(ddp__json_t *j, const char *key);
+void ddp__json_end(ddp__json_t *j);
+void ddp__json_int(ddp__json_t *j, const char *key, long long v);
+void ddp__json_uint(ddp__json_t *j, const char *key, unsigned long long v);
+void ddp__json_num(ddp__json_t *j, const char *key, const char *fmt, double v);
+void ddp__json_str(ddp__json_t *j, const char *key, const char *s);
+void ddp__json_bool(ddp__json_t *j, const char *key, bool v);
+void ddp__json_raw(ddp__json_t *j, const char *key, const char *json);
+void ddp__json_append(ddp__json_t *j, const char *text);
+char *ddp__json_take(ddp__json_t *j);
+void ddp__json_free(ddp__json_t *j);
 
 /* metrics.jsonl (metrics.c), rank 0's. Open: start 0 truncates the file; start S > 0 (a
  * resume from checkpoint-S) first cuts it to the lines of steps <= S (atomically), then
- * appends. Line: printf-style, one whole line per write(2), '\n' added; m NULL is a no-op
- * (the other ranks); a failed write is DDP_ERR_SYSTEM naming the file and errno, and the
- * file keeps only whole lines. Close: NULL err ignores close's error. */
+ * appends. Line: j's object and a '\n' in one write(2), j freed; m NULL is a no-op (the
+ * other ranks); a failed write is DDP_ERR_SYSTEM naming the file and errno, and the file
+ * keeps only whole lines. Close: NULL err ignores close's error. */
 typedef struct ddp__metrics ddp__metrics_t;
 ddp_status_t ddp__metrics_open(const char *output_dir, int64_t start, ddp__metrics_t **out,
                                ddp_error_t *err);
-ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp_error_t *err, const char *fmt, ...)
-    DDP_PRINTF(3, 4);
+ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *err);
 ddp_status_t ddp__metrics_close(ddp__metrics_t *m, ddp_error_t *err);
-/* JSON numbers cannot be NaN or Inf: "null" for those, else v as %.9g in buf. */
-const char *ddp__metrics_num(char *buf, size_t cap, double v);
 
 #endif /* DDP_TRAIN_INTERNAL_H */
