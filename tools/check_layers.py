@@ -46,9 +46,9 @@ src/):
     the umbrella include/ddp.h (only tools/ may).
 
 Sizes: no file in src/ above 900 lines; no function in src/ above 120 lines, measured as
-universal-ctags measures it (end line - start line, as in docs/ISSUE16's check), unless the
-comment just above the function (the lines up to the first blank line above it) says why
-with the words "longer than 120 lines because".
+universal-ctags reports it (its end line minus its start line, the line of its name),
+unless the comment just above the function (the lines up to the first blank line above it)
+says why with the words "longer than 120 lines because".
 """
 
 import argparse
@@ -334,6 +334,9 @@ def main():
             print("    %s -> %s  %s" % (frm, to, why))
     files = source_files(root, "src") + source_files(root, os.path.join("include", "ddp"))
     inc_errors, nincl = check_includes(root, layers, files)
+    for layer in layers.rank:
+        if layer != "tools" and not os.path.isdir(os.path.join(root, layer)):
+            inc_errors.insert(0, "docs/design.md:1: lists %s, which is not a directory" % layer)
     len_errors = check_file_lengths(root, files)
     fn_errors, nfunc = check_functions(root, files)
     print("check_layers: %d layers in %d rows (docs/design.md), %d files, %d includes, "
