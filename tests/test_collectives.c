@@ -212,7 +212,7 @@ static uint64_t run_d2(const char *backend, ddp_test_mode_t mode, int world, boo
     uint64_t h;
     memcpy(&h, x->values, sizeof h);
     if (r == 0) h0 = h;
-    assert_true(h == h0); /* every rank holds the same bits */
+    DDP_ASSERT_EQ(h, h0); /* every rank holds the same bits */
   }
   ddp_test_results_free(res);
   ddp_store_destroy(cfg.store);
@@ -222,12 +222,12 @@ static uint64_t run_d2(const char *backend, ddp_test_mode_t mode, int world, boo
 static void test_d2_across_backends(void **state) {
   for (int world = 3; world <= 4; world++) {
     uint64_t h = run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_AUTO);
-    assert_true(run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_CANONICAL) == h);
-    assert_true(run_d2("shm", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_AUTO) == h);
-    assert_true(run_d2("shm", DDP_TEST_FORK, world, true, 0, DDP_ALGO_AUTO) == h);
-    assert_true(run_d2("tcp", DDP_TEST_FORK, world, false, 0, DDP_ALGO_AUTO) == h);
-    assert_true(run_d2("tcp", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_CANONICAL) == h);
-    assert_true(run_d2("tcp", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_SMALL) == h);
+    DDP_ASSERT_EQ(run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_CANONICAL), h);
+    DDP_ASSERT_EQ(run_d2("shm", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_AUTO), h);
+    DDP_ASSERT_EQ(run_d2("shm", DDP_TEST_FORK, world, true, 0, DDP_ALGO_AUTO), h);
+    DDP_ASSERT_EQ(run_d2("tcp", DDP_TEST_FORK, world, false, 0, DDP_ALGO_AUTO), h);
+    DDP_ASSERT_EQ(run_d2("tcp", DDP_TEST_FORK, world, false, 4096, DDP_ALGO_CANONICAL), h);
+    DDP_ASSERT_EQ(run_d2("tcp", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_SMALL), h);
   }
 }
 

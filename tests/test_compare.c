@@ -222,7 +222,7 @@ static void test_ulp_histogram(void **state) {
   const cJSON *h = get(t, "ulp_hist");
   for (int i = 0; i < 6; i++)
     assert_int_equal((uint64_t)cJSON_GetArrayItem(h, i)->valuedouble, expect[i]);
-  assert_true(get(t, "max_abs")->valuedouble == max_abs);
+  DDP_ASSERT_EQ(get(t, "max_abs")->valuedouble, max_abs);
   assert_true(fabs(get(t, "max_rel")->valuedouble - max_rel) <= 1e-15);
   assert_int_equal((int)get(t, "elements")->valuedouble, 32);
   assert_true(cJSON_IsNull(get(j, "first_failure")));
@@ -462,7 +462,7 @@ static void test_planted_difference(void **state) {
   plant(f, "grad.2.weight", 7, big_change);
   assert_int_equal(compare(NULL, g_a, p, &j), 1);
   const cJSON *ff = expect_first_failure(j, 1, 1, "grad.2.weight", 7, 0, 7);
-  assert_true(get(ff, "b")->valuedouble == (double)big_change((float)get(ff, "a")->valuedouble));
+  DDP_ASSERT_EQ(get(ff, "b")->valuedouble, (double)big_change((float)get(ff, "a")->valuedouble));
   assert_int_equal((int)get(tensor_stats(j, "grad.2.weight"), "beyond")->valuedouble, 1);
   assert_int_equal((int)get(tensor_stats(j, "param.0.bias"), "beyond")->valuedouble, 1);
   assert_int_equal((int)get(tensor_stats(j, "grad.0.weight"), "beyond")->valuedouble, 0);

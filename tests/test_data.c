@@ -218,7 +218,7 @@ static void test_from_tensors(void **state) {
   assert_int_equal(ddp_tensor_alloc(&l, DDP_I64, 0, NULL), DDP_OK);
   for (int i = 0; i < 5; i++) {
     assert_int_equal(ddp_dataset_get(ds, i, &f, &l, &err), DDP_OK);
-    for (int k = 0; k < 6; k++) assert_true(((float *)f.data)[k] == (float)(i * 6 + k) * 0.5f);
+    for (int k = 0; k < 6; k++) DDP_ASSERT_EQ(((float *)f.data)[k], (float)(i * 6 + k) * 0.5f);
     assert_int_equal(*(int64_t *)l.data, 100 + i);
   }
   assert_int_equal(ddp_dataset_get(ds, 5, &f, &l, &err), DDP_ERR_INVALID_ARGUMENT);
@@ -264,8 +264,9 @@ static void test_from_safetensors(void **state) {
   ddp_tensor_view(&f, DDP_F64, 1, s3, fb);
   ddp_tensor_view(&l, DDP_F32, 1, s2, lb);
   assert_int_equal(ddp_dataset_get(ds, 2, &f, &l, &err), DDP_OK);
-  for (int k = 0; k < 3; k++) assert_true(fb[k] == (6 + k) / 7.0);
-  assert_true(lb[0] == -4.0f && lb[1] == -5.0f);
+  for (int k = 0; k < 3; k++) DDP_ASSERT_EQ(fb[k], (6 + k) / 7.0);
+  DDP_ASSERT_EQ(lb[0], -4.0f);
+  DDP_ASSERT_EQ(lb[1], -5.0f);
   ddp_dataset_destroy(ds);
   /* Default names are absent: a clear error naming them. */
   assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err), DDP_ERR_INVALID_DATA);
@@ -384,7 +385,8 @@ static void test_digits_fixture(void **state) {
     int64_t s = 0;
     for (int k = 0; k < 64; k++) {
       float px = fb[k] * 16.0f;
-      assert_true(px == floorf(px) && px >= 0 && px <= 16);
+      DDP_ASSERT_EQ(px, floorf(px));
+      assert_true(px >= 0 && px <= 16);
       s += (int64_t)px;
     }
     sums[i] = s;
@@ -437,7 +439,7 @@ static void test_csv(void **state) {
   sample_views(&f, fb, 3, &l, &lb);
   for (int i = 0; i < 3; i++) {
     assert_int_equal(ddp_dataset_get(ds, i, &f, &l, &err), DDP_OK);
-    for (int k = 0; k < 3; k++) assert_true(fb[k] == want_f[i][k]);
+    for (int k = 0; k < 3; k++) DDP_ASSERT_EQ(fb[k], want_f[i][k]);
     assert_int_equal(lb, want_l[i]);
   }
   ddp_dataset_destroy(ds);
@@ -455,7 +457,9 @@ static void test_csv(void **state) {
   ddp_tensor_view(&f, DDP_F32, 1, s2, xb);
   ddp_tensor_view(&l, DDP_F32, 0, NULL, &yb);
   assert_int_equal(ddp_dataset_get(ds, 1, &f, &l, &err), DDP_OK);
-  assert_true(yb == -1.25f && xb[0] == 3 && xb[1] == 4);
+  DDP_ASSERT_EQ(yb, -1.25f);
+  DDP_ASSERT_EQ(xb[0], 3);
+  DDP_ASSERT_EQ(xb[1], 4);
   ddp_dataset_destroy(ds);
 
   static const struct {
@@ -542,7 +546,7 @@ static void test_mnist(void **state) {
       assert_int_equal(y, 9 - i);
       for (int k = 0; k < R * C; k++) {
         float raw = (float)((i * R * C + k) * 37 % 256);
-        assert_true(fb[k] == (scale ? raw / 255.0f : raw));
+        DDP_ASSERT_EQ(fb[k], (scale ? raw / 255.0f : raw));
       }
     }
     ddp_dataset_destroy(ds);
@@ -787,8 +791,8 @@ static void test_loader(void **state) {
             for (int64_t k = 0; k < b.size; k++) {
               int64_t want = idx[pos + k];
               assert_int_equal(b.indices[k], want);
-              assert_true(((float *)b.features.data)[k * D] == (float)want);
-              assert_true(((float *)b.features.data)[k * D + 1] == (float)-want);
+              DDP_ASSERT_EQ(((float *)b.features.data)[k * D], (float)want);
+              DDP_ASSERT_EQ(((float *)b.features.data)[k * D + 1], (float)-want);
               assert_int_equal(((int64_t *)b.labels.data)[k], want % 3);
             }
             pos += b.size;

@@ -1005,10 +1005,10 @@ static void test_find_unused(void **state) {
         for (size_t k = 0; k < numel[i]; k++) {
           if (step == 1 && (i == 2 || i == 3)) {
             /* unused everywhere: untouched (weight had the sentinel, bias zero) */
-            assert_true(got[k] == (i == 2 ? 7.0f : 0.0f));
+            DDP_ASSERT_EQ(got[k], (i == 2 ? 7.0f : 0.0f));
           } else {
             float want = l0[k] * 0.5f + l1[k] * 0.5f;
-            assert_true(got[k] == want);
+            DDP_ASSERT_EQ(got[k], want);
           }
         }
         off += 2 * numel[i] * 4;
@@ -1329,7 +1329,7 @@ static void test_timeline(void **state) {
     double ts, dur;
     assert_int_equal(sscanf(line, "{\"name\":\"%63[^\"]\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
                                   "\"ts\":%lf,\"dur\":%lf", name, &pid, &tid, &ts, &dur), 5);
-    assert_true(pid == 0 || pid == 1);
+    assert_in_range(pid, 0, 1);
     if (strcmp(name, "forward") == 0) nfwd[pid]++;
     if (strcmp(name, "finalize") == 0) {
       nfin[pid]++;

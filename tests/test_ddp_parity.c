@@ -284,7 +284,7 @@ static void test_dump_writer(void **state) {
   assert_string_equal(get(meta, "producer")->valuestring, "libddp");
   assert_int_equal(get(meta, "world_size")->valueint, 2);
   assert_int_equal(get(meta, "steps")->valueint, 3);
-  assert_true(get(get(meta, "config"), "lr")->valuedouble == lr);
+  DDP_ASSERT_EQ(get(get(meta, "config"), "lr")->valuedouble, lr);
   assert_string_equal(get(get(meta, "config"), "flags")->valuestring, "5");
   cJSON_Delete(meta);
 

@@ -443,7 +443,7 @@ static void test_knobs(void **state) {
   assert_true(a.zero_grad_set_to_none && a.dataloader_shuffle);
   assert_string_equal(a.weight_decay_grouping, "transformers");
   assert_int_equal(ddp_train_args_set(&a, "ddp_bucket_cap_mb", "0.25", &err), DDP_OK);
-  assert_true(a.ddp_bucket_cap_mb == 0.25);
+  DDP_ASSERT_EQ(a.ddp_bucket_cap_mb, 0.25);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
   assert_int_equal(ddp_train_args_set(&a, "weight_decay_grouping", "bias", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);

@@ -621,7 +621,7 @@ static void test_ddp_train_trace(void **state) {
   const cJSON *e;
   cJSON_ArrayForEach(e, j) {
     int pid = (int)jint(e, "pid");
-    assert_true(pid == 0 || pid == 1);
+    assert_in_range(pid, 0, 1);
     assert_str(jstr(e, "ph"), "X");
     for (int k = 0; k < 4; k++) per[pid][k] += strcmp(jstr(e, "name"), names[k]) == 0;
   }

@@ -127,7 +127,7 @@ static void test_f16_all_patterns_round_trip(void **state) {
     } else {
       double want = f16_value((uint16_t)(h & 0x7fff));
       if (neg) want = -want;
-      assert_true((double)f == want);
+      DDP_ASSERT_EQ((double)f, want);
     }
     assert_int_equal(signbit(f) != 0, neg);
     if (back != h) fail_msg("f16 0x%04x -> %a -> 0x%04x", h, (double)f, back);
@@ -151,7 +151,7 @@ static void test_bf16_all_patterns_round_trip(void **state) {
     if ((h & 0x7fff) != 0x7f80) {
       double want = bf16_value((uint16_t)(h & 0x7fff));
       if (h & 0x8000) want = -want;
-      assert_true((double)f == want);
+      DDP_ASSERT_EQ((double)f, want);
     }
     if (back != h) fail_msg("bf16 0x%04x -> %a -> 0x%04x", h, (double)f, back);
   }
@@ -240,7 +240,7 @@ static void test_every_midpoint(void **state) {
     for (int h = 0; h + 1 < tabs[t]->n; h++) {
       double mid = (tabs[t]->v[h] + tabs[t]->v[h + 1]) / 2;
       float m = (float)mid;
-      assert_true((double)m == mid); /* a midpoint needs one bit more than the format */
+      DDP_ASSERT_EQ((double)m, mid); /* a midpoint needs one bit more than the format */
       float cand[6] = {m, nextafterf(m, 0.0f), nextafterf(m, INFINITY),
                        (float)tabs[t]->v[h],
                        nextafterf((float)tabs[t]->v[h], INFINITY),

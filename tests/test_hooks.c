@@ -564,7 +564,7 @@ static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t 
     for (int r = 0; r < W; r++) {
       if (t < start) /* warm-up: the allreduce hook, bitwise */
         for (size_t i = 0; i < numel; i++)
-          assert_true(memcmp(&R.out[r][t][i], &(float){serial_allreduce(W, t, i)}, 4) == 0);
+          DDP_ASSERT_SAME_BITS(R.out[r][t][i], (float)serial_allreduce(W, t, i));
       /* every rank holds the same bits */
       if (r > 0) assert_memory_equal(R.out[r][t], R.out[0][t], numel * 4);
     }
@@ -1133,7 +1133,7 @@ static void test_ddp_hooks_bitwise(void **state) {
           }
           for (int r = 0; r < W; r++) {
             if (h == 3 && t >= 2) {
-              assert_true(memcmp(&G.synced[r][t][i], &G.synced[0][t][i], 4) == 0);
+              DDP_ASSERT_SAME_BITS(G.synced[r][t][i], G.synced[0][t][i]);
               continue;
             }
             if (memcmp(&G.synced[r][t][i], &want, 4) != 0)

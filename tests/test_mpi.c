@@ -336,13 +336,13 @@ static void test_mpi_worlds(void **state) {
         assert_true(o.timeout_ms >= 390 && o.timeout_ms < DDP_TEST_BOUND_MS(3000));
         assert_true(o.abort_ms >= 190 && o.abort_ms < DDP_TEST_BOUND_MS(3000));
       }
-      assert_true(o.hash == h0); /* every rank holds the same bits */
+      DDP_ASSERT_EQ(o.hash, h0); /* every rank holds the same bits */
     }
     assert_int_equal(rc, 0);
     /* ... and the same bits as the threads backend */
     threads_arg_t a = {{0}};
     assert_int_equal(ddp_spawn_threads(W, NULL, threads_d2, &a), DDP_OK);
-    for (int r = 0; r < W; r++) assert_true(a.hash[r] == h0);
+    for (int r = 0; r < W; r++) DDP_ASSERT_EQ(a.hash[r], h0);
   }
   rmdir(dir);
 }

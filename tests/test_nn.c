@@ -153,7 +153,7 @@ static void expect_final(ddp_model_t *m, const rec_t *r) {
   for (int i = 0; i < r->n; i++) {
     bool last = true;
     for (int j = i + 1; j < r->n; j++) last = last && r->idx[j] != r->idx[i];
-    if (last) assert_true(r->sumsq[i] == grad_sumsq(ddp_model_param(m, r->idx[i])));
+    if (last) DDP_ASSERT_EQ(r->sumsq[i], grad_sumsq(ddp_model_param(m, r->idx[i])));
   }
 }
 
@@ -373,7 +373,8 @@ static void test_hooks_frozen_unused(void **state) {
     ddp_graph_visit_params(c, 1, &y, mark_reached, reach);
     /* frozen params are not reported; the branch's only with the flag; the head always */
     assert_false(reach[0] || reach[1]);
-    assert_true(reach[2] == (bool)flag_on && reach[3] == (bool)flag_on);
+    DDP_ASSERT_EQ(reach[2], (bool)flag_on);
+    DDP_ASSERT_EQ(reach[3], (bool)flag_on);
     assert_true(reach[4] && reach[5]);
     assert_int_equal(ddp_mse_loss(c, y, rand_input(c, DDP_F64, 2, (int64_t[]){5, 3}, 4), &loss), DDP_OK);
     assert_int_equal(ddp_backward(c, loss), DDP_OK);
@@ -383,8 +384,8 @@ static void test_hooks_frozen_unused(void **state) {
       assert_int_equal(r.idx[0], 5);
       assert_int_equal(r.idx[1], 4);
     }
-    assert_true(grad_sumsq(ddp_model_param(m, 0)) == 0);
-    assert_true(grad_sumsq(ddp_model_param(m, 1)) == 0);
+    DDP_ASSERT_EQ(grad_sumsq(ddp_model_param(m, 0)), 0);
+    DDP_ASSERT_EQ(grad_sumsq(ddp_model_param(m, 1)), 0);
     expect_final(m, &r);
   }
   ddp_ctx_destroy(c);
@@ -717,7 +718,7 @@ static void test_model_json_state_dict(void **state) {
   assert_non_null(strstr(err.msg, "size mismatch for 0.weight: copying a param with shape "
                                   "torch.Size([10, 4]) from checkpoint, the shape in current model "
                                   "is torch.Size([11, 4])."));
-  assert_true(grad_sumsq(ddp_model_param(m4, 0)) == 0);
+  DDP_ASSERT_EQ(grad_sumsq(ddp_model_param(m4, 0)), 0);
   /* A prefix nests every name. */
   ddp_model_t *m5;
   assert_int_equal(ddp_model_from_json("{\"prefix\": \"model.layers\", \"layers\": [{\"type\": \"residual\", "
@@ -760,7 +761,7 @@ static void test_grad_redirect(void **state) {
   double s = 0;
   for (int k = 0; k < 6; k++) s += fabs(bucket[k]);
   assert_true(s > 0);
-  for (int k = 0; k < 6; k++) assert_true(((double *)home)[k] == 0);
+  for (int k = 0; k < 6; k++) DDP_ASSERT_EQ(((double *)home)[k], 0);
   ddp_param_set_grad_data(w, NULL);
   assert_ptr_equal(w->grad.data, home);
   ddp_ctx_destroy(c);
@@ -812,7 +813,9 @@ static void test_dropout_mask(void **state) {
   int64_t kept = 0;
   const float scale = (float)(1.0 / 0.7);
   for (int64_t k = 0; k < n; k++) {
-    assert_true(a[k] == 0 || a[k] == scale);
+    if (!(a[k] == 0 || a[k] == scale))
+      fail_msg("mask[%lld] = %.9g: neither 0 nor the scale %.9g", (long long)k, (double)a[k],
+               (double)scale);
     kept += a[k] != 0;
   }
   double frac = (double)kept / (double)n, sd = sqrt(0.7 * 0.3 / (double)n);

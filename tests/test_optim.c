@@ -397,7 +397,7 @@ static void test_schedules_vs_python(void **state) {
     s.num_cycles = sc[i].cycles;
     for (int which = 0; which < 2; which++) {
       assert_true(getline(&line, &cap, f) > 0);
-      assert_true(strncmp(line, which ? "lr " : "lam ", which ? 3 : 4) == 0);
+      DDP_ASSERT_PREFIX(line, which ? "lr " : "lam ");
       char *p = line + (which ? 3 : 4);
       for (int st = 0; st < nsteps; st++) {
         char *end;
@@ -442,8 +442,10 @@ static void test_schedule_errors(void **state) {
   assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_OK);
   /* Linear decays to exactly zero at num_training_steps and stays there. */
   s.kind = DDP_LR_LINEAR;
-  assert_true(ddp_lr_lambda(&s, 10) == 0.0 && ddp_lr_lambda(&s, 25) == 0.0);
-  assert_true(ddp_lr_lambda(&s, 1) == 0.5 && ddp_lr_lambda(&s, 2) == 1.0);
+  DDP_ASSERT_EQ(ddp_lr_lambda(&s, 10), 0.0);
+  DDP_ASSERT_EQ(ddp_lr_lambda(&s, 25), 0.0);
+  DDP_ASSERT_EQ(ddp_lr_lambda(&s, 1), 0.5);
+  DDP_ASSERT_EQ(ddp_lr_lambda(&s, 2), 1.0);
 }
 
 /* Hyper-parameter validation with torch's messages. */
@@ -527,14 +529,14 @@ static void test_zero_grad(void **state) {
   assert_int_equal(ddp_optim_create(&o, pr, 2, &opt, &err), DDP_OK);
   ddp_optim_zero_grad(opt, false);
   for (int i = 0; i < 2; i++)
-    for (int e = 0; e < 6; e++) assert_true(((float *)g[i].data)[e] == 0.0f);
+    for (int e = 0; e < 6; e++) DDP_ASSERT_EQ(((float *)g[i].data)[e], 0.0f);
   /* Free grad 1 ("None"), give grad 0 a value, step: param 1 must not move. */
   ddp_tensor_free(&g[1]);
   assert_null(g[1].data);
   for (int e = 0; e < 6; e++) ((float *)g[0].data)[e] = 1.0f;
   assert_int_equal(ddp_optim_step(opt, &err), DDP_OK);
   for (int e = 0; e < 6; e++) {
-    assert_true(((float *)p[1].data)[e] == (float)(e + 1));
+    DDP_ASSERT_EQ(((float *)p[1].data)[e], (float)(e + 1));
     /* Adam's first step moves by lr * m_hat / (sqrt(v_hat) + eps) ~= lr. */
     assert_true(fabs(((float *)p[0].data)[e] - ((double)(e + 1) - 1e-3)) < 1e-5);
   }
@@ -584,7 +586,7 @@ static void test_clip_naive(void **state) {
   /* Infinity norm on the original values. */
   for (int i = 0; i < 3; i++) memcpy(g[i].data, orig[i], (size_t)sizes[i] * 8);
   assert_int_equal(ddp_clip_grad_norm(gp, 3, 0.5, INFINITY, false, &total, &err), DDP_OK);
-  assert_true(total == mx);
+  DDP_ASSERT_EQ(total, mx);
   /* A large max_norm: coefficient 1, values unchanged. */
   for (int i = 0; i < 3; i++) memcpy(g[i].data, orig[i], (size_t)sizes[i] * 8);
   assert_int_equal(ddp_clip_grad_norm(gp, 3, 1e6, 2.0, false, &total, &err), DDP_OK);
@@ -632,7 +634,7 @@ static void roundtrip(ddp_optim_options_t o, bool f64) {
       assert_int_equal(ddp_optim_save(oa, path, &err), DDP_OK);
       for (int i = 0; i < 2; i++) memcpy(pb[i].data, pa[i].data, ddp_tensor_nbytes(&pa[i]));
       assert_int_equal(ddp_optim_load(ob, path, &err), DDP_OK);
-      assert_true(ddp_optim_get_lr(ob) == ddp_optim_get_lr(oa));
+      DDP_ASSERT_EQ(ddp_optim_get_lr(ob), ddp_optim_get_lr(oa));
       ddp_st_file_t *f;
       assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, &err), DDP_OK);
       size_t idx;
@@ -645,7 +647,7 @@ static void roundtrip(ddp_optim_options_t o, bool f64) {
         ddp_tensor_t st;
         assert_int_equal(ddp_st_tensor(f, idx, &st), DDP_OK);
         assert_int_equal(st.dtype, DDP_F32);
-        assert_true(*(float *)st.data == 5.0f);
+        DDP_ASSERT_EQ(*(float *)st.data, 5.0f);
         assert_int_equal(ddp_st_find(f, "state.0.max_exp_avg_sq", &idx),
                          o.amsgrad ? DDP_OK : DDP_ERR_NOT_FOUND);
       }

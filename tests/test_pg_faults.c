@@ -326,7 +326,7 @@ static void test_sigstop_times_out(void **state) {
     for (int r = 0; r < 3; r += 2) {
       const ddp_test_result_t *x = ddp_test_result(res, r);
       print_message("%s rank %d: %s: %s\n", backends[b], r, ddp_status_name(x->status), x->msg);
-      assert_true(x->status == DDP_ERR_TIMEOUT || x->status == DDP_ERR_REMOTE);
+      assert_in_set(x->status, ((LargestIntegralType[]){DDP_ERR_TIMEOUT, DDP_ERR_REMOTE}), 2);
       if (x->status == DDP_ERR_TIMEOUT && strstr(x->msg, "rank 1")) timeouts_naming++;
       report_t rep;
       assert_int_equal(x->nvalues, sizeof rep);
@@ -857,7 +857,7 @@ static void test_shm_small_dev_shm(void **state) {
                   WTERMSIG(status), strsignal(WTERMSIG(status)));
   else
     print_message("the child exited %d (expected 0)\n", WEXITSTATUS(status));
-  assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  DDP_ASSERT_EXITED(status, 0);
   assert_int_equal(got, sizeof res);
   /* (a) create refused on rank 0, naming /dev/shm, the bytes needed and free */
   print_message("(a) rank 0 create: %s: %s\n", ddp_status_name(res[0][0].create_st),
@@ -881,7 +881,7 @@ static void test_shm_small_dev_shm(void **state) {
     assert_non_null(strstr(x->alloc_msg[0], "bytes free"));
     assert_true(x->granted[1]);
     assert_int_equal(x->coll_st, DDP_OK);
-    assert_true(x->sum == 3.0f);
+    DDP_ASSERT_EQ(x->sum, 3.0f);
   }
 }
 
@@ -912,7 +912,7 @@ static void test_shm_large_alloc(void **state) {
     assert_int_equal(res[r].create_st, DDP_OK);
     assert_true(res[r].granted[0]);
     assert_int_equal(res[r].coll_st, DDP_OK);
-    assert_true(res[r].sum == 3.0f);
+    DDP_ASSERT_EQ(res[r].sum, 3.0f);
   }
 }
 
@@ -990,7 +990,7 @@ static void test_tcp_socket_ifname(void **state) {
         assert_int_equal(x->status, DDP_OK);
         float sum;
         memcpy(&sum, x->values, sizeof sum);
-        assert_true(sum == 3.0f);
+        DDP_ASSERT_EQ(sum, 3.0f);
       }
     }
     ddp_test_results_free(res);

@@ -76,14 +76,14 @@ static void test_stream_order_and_seek(void **state) {
   ddp_rng_init(&c, seed, stream);
   float n0 = ddp_rng_normal(&c), n1 = ddp_rng_normal(&c), n2 = ddp_rng_normal(&c);
   ddp_rng_seek(&c, 0);
-  assert_true(ddp_rng_normal(&c) == n0);
-  assert_true(ddp_rng_normal(&c) == n1);
-  assert_true(ddp_rng_normal(&c) == n2);
+  DDP_ASSERT_EQ(ddp_rng_normal(&c), n0);
+  DDP_ASSERT_EQ(ddp_rng_normal(&c), n1);
+  DDP_ASSERT_EQ(ddp_rng_normal(&c), n2);
   /* One normal drawn (spare pending), then seek: the spare is dropped. */
   ddp_rng_seek(&c, 0);
   (void)ddp_rng_normal(&c);
   ddp_rng_seek(&c, 0);
-  assert_true(ddp_rng_normal(&c) == n0);
+  DDP_ASSERT_EQ(ddp_rng_normal(&c), n0);
   /* Seek near the top of the counter space wraps like the counter. */
   ddp_rng_seek(&r, UINT64_MAX);
   uint32_t top[4], wrap[4];
@@ -110,10 +110,10 @@ static void test_streams_differ(void **state) {
   /* Chance of any equal 32-bit word is about 2048 / 2^32. */
   assert_int_equal(equal_words, 0);
 
-  assert_true(ddp_rng_stream(DDP_RNG_DROPOUT, 5, 9) ==
-              (((uint64_t)3 << 56) | ((uint64_t)5 << 32) | 9));
-  assert_true(ddp_rng_stream(DDP_RNG_TEST, 0xffffff, 0xffffffffu) ==
-              (((uint64_t)6 << 56) | ((uint64_t)0xffffff << 32) | 0xffffffffu));
+  assert_int_equal(ddp_rng_stream(DDP_RNG_DROPOUT, 5, 9),
+                   ((uint64_t)3 << 56) | ((uint64_t)5 << 32) | 9);
+  assert_int_equal(ddp_rng_stream(DDP_RNG_TEST, 0xffffff, 0xffffffffu),
+                   ((uint64_t)6 << 56) | ((uint64_t)0xffffff << 32) | 0xffffffffu);
   /* The stream ids of different purposes, ranks and steps are distinct. */
   uint64_t ids[6] = {ddp_rng_stream(DDP_RNG_INIT, 0, 0),    ddp_rng_stream(DDP_RNG_SHUFFLE, 0, 0),
                      ddp_rng_stream(DDP_RNG_INIT, 1, 0),    ddp_rng_stream(DDP_RNG_INIT, 0, 1),
@@ -222,7 +222,7 @@ static void test_uniform(void **state) {
     float u = ddp_rng_uniform(&r);
     uint32_t w = ddp_rng_u32(&raw);
     assert_true(u >= 0.0f && u < 1.0f);
-    assert_true((double)u == (double)(w >> 8) * 0x1p-24);
+    DDP_ASSERT_EQ((double)u, (double)(w >> 8) * 0x1p-24);
     sum += u;
     mn = fmin(mn, u);
     mx = fmax(mx, u);
@@ -244,7 +244,7 @@ static void test_uniform(void **state) {
     double u = ddp_rng_uniform_f64(&r);
     uint64_t hi = ddp_rng_u32(&raw) >> 5, lo = ddp_rng_u32(&raw) >> 6;
     assert_true(u >= 0.0 && u < 1.0);
-    assert_true(u == (double)((hi << 26) | lo) * 0x1p-53);
+    DDP_ASSERT_EQ(u, (double)((hi << 26) | lo) * 0x1p-53);
     sum += u;
   }
   assert_true(fabs(sum / n - 0.5) < 6 * sqrt(1.0 / 12 / n));
@@ -262,7 +262,7 @@ static void test_normal(void **state) {
   int within = 0;
   for (int i = 0; i < n; i++) {
     float x = ddp_rng_normal(&r);
-    assert_true(x == ddp_rng_normal(&r2));
+    DDP_ASSERT_EQ(x, ddp_rng_normal(&r2));
     assert_true(isfinite(x));
     double d = x;
     s1 += d;

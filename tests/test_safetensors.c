@@ -800,10 +800,10 @@ static void expect_sample_values(const char *name, const ddp_tensor_t *v) {
         break;
       }
       case DDP_F16:
-        assert_true(ddp_f16_to_f32(((uint16_t *)v->data)[i]) == (float)(i - 5) * 0.5f);
+        DDP_ASSERT_EQ(ddp_f16_to_f32(((uint16_t *)v->data)[i]), (float)(i - 5) * 0.5f);
         break;
       case DDP_BF16:
-        assert_true(ddp_bf16_to_f32(((uint16_t *)v->data)[i]) == (float)(i - 5) * 0.25f);
+        DDP_ASSERT_EQ(ddp_bf16_to_f32(((uint16_t *)v->data)[i]), (float)(i - 5) * 0.25f);
         break;
       case DDP_I32:
         assert_int_equal(((int32_t *)v->data)[i], (int32_t)(uint32_t)((uint64_t)i * 2654435761u));
@@ -932,7 +932,7 @@ static void test_c_writes_python_reads(void **state) {
         if (isnan(c)) {
           assert_true(isnan(py));
         } else {
-          assert_true(py == c);
+          DDP_ASSERT_EQ(py, c);
           assert_int_equal(signbit(py) != 0, signbit(c) != 0);
         }
       } else {

@@ -96,7 +96,7 @@ static void test_shape_numel(void **state) {
   assert_int_equal(n, INT64_MAX / 4);
   int64_t e3[2] = {INT64_MAX, 1};
   assert_int_equal(ddp_shape_numel(2, e3, 1, &n), DDP_OK);
-  assert_true(n == INT64_MAX);
+  assert_int_equal(n, INT64_MAX);
 }
 
 /* ---------------------------------------------------------------- tensors --------- */
@@ -140,7 +140,7 @@ static void test_alloc(void **state) {
   ddp_tensor_t s;
   assert_int_equal(ddp_tensor_alloc(&s, DDP_F64, 0, NULL), DDP_OK); /* scalar */
   assert_int_equal(s.numel, 1);
-  assert_true(((double *)s.data)[0] == 0.0);
+  DDP_ASSERT_EQ(((double *)s.data)[0], 0.0);
   ddp_tensor_free(&s);
   ddp_tensor_free(&s); /* zeroed struct: no-op */
   ddp_tensor_free(NULL);
@@ -190,10 +190,10 @@ static void test_view_and_slice(void **state) {
   assert_int_equal(ddp_tensor_slice(&v, 6, 1, row, &s), DDP_OK);
   assert_ptr_equal(s.data, &buf[6]);
   assert_false(s.owns);
-  assert_true(((float *)s.data)[5] == 11.0f);
+  DDP_ASSERT_EQ(((float *)s.data)[5], 11.0f);
   int64_t tail[2] = {3, 6};
   assert_int_equal(ddp_tensor_slice(&v, 6, 2, tail, &s), DDP_OK); /* ends exactly at the end */
-  assert_true(((float *)s.data)[17] == 23.0f);
+  DDP_ASSERT_EQ(((float *)s.data)[17], 23.0f);
   int64_t empty[1] = {0};
   assert_int_equal(ddp_tensor_slice(&v, 24, 1, empty, &s), DDP_OK);
   assert_ptr_equal(s.data, buf + 24);
@@ -218,7 +218,7 @@ static void test_view_and_slice(void **state) {
   assert_int_equal(((int64_t *)o.data)[12], 42);
   ddp_tensor_free(&o);
   ddp_tensor_free(&v);
-  assert_true(buf[23] == 23.0f);
+  DDP_ASSERT_EQ(buf[23], 23.0f);
 
   ddp_tensor_t a, b;
   int64_t sa[2] = {2, 3}, sb[2] = {3, 2}, sc[1] = {6};
@@ -272,8 +272,10 @@ static void test_copy_f32_to_half(void **state) {
   assert_int_equal(ddp_tensor_copy(&tb, &ts), DDP_OK);
   for (int i = 0; i < N; i++) {
     if (isnan(src[i])) {
-      assert_true((h[i] & 0x7c00) == 0x7c00 && (h[i] & 0x3ff));
-      assert_true((bh[i] & 0x7f80) == 0x7f80 && (bh[i] & 0x7f));
+      assert_int_equal(h[i] & 0x7c00, 0x7c00);
+      assert_true(h[i] & 0x3ff);
+      assert_int_equal(bh[i] & 0x7f80, 0x7f80);
+      assert_true(bh[i] & 0x7f);
       continue;
     }
     assert_int_equal(h[i], ddp_f32_to_f16(src[i]));
@@ -334,7 +336,7 @@ static void test_copy_single_rounding(void **state) {
   float fw[3] = {0x1p60f + 0x1p37f, 0x1p24f, -(0x1p60f + 0x1p37f)};
   float fo[3];
   copy_1d(DDP_F32, fo, DDP_I64, iv, 3);
-  for (int i = 0; i < 3; i++) assert_true(fo[i] == fw[i]);
+  for (int i = 0; i < 3; i++) DDP_ASSERT_EQ(fo[i], fw[i]);
   /* i64 -> bf16: 2^30 + 2^22 + 1 is just above the bf16 tie (step 2^23 at 2^30). */
   int64_t ib[2] = {((int64_t)1 << 30) + ((int64_t)1 << 22) + 1, ((int64_t)1 << 30) + ((int64_t)1 << 22)};
   uint16_t bo[2];
@@ -345,8 +347,8 @@ static void test_copy_single_rounding(void **state) {
   double dd[2] = {1 + 0x1p-24 + 0x1p-50, 0.1}; /* just above the float tie */
   float ff[2];
   copy_1d(DDP_F32, ff, DDP_F64, dd, 2);
-  assert_true(ff[0] == 1 + 0x1p-23f);
-  assert_true(ff[1] == 0.1f);
+  DDP_ASSERT_EQ(ff[0], 1 + 0x1p-23f);
+  DDP_ASSERT_EQ(ff[1], 0.1f);
 }
 
 /* Integer and boolean conversions follow C's rules: truncation toward zero, any nonzero
@@ -376,7 +378,7 @@ static void test_copy_integer_and_bool(void **state) {
   ddp_tensor_view(&t64, DDP_I64, 1, s6, i64);
   ddp_tensor_view(&td, DDP_F64, 1, s6, dv);
   assert_int_equal(ddp_tensor_copy(&td, &t64), DDP_OK);
-  for (int i = 0; i < 6; i++) assert_true(dv[i] == (double)i64[i]);
+  for (int i = 0; i < 6; i++) DDP_ASSERT_EQ(dv[i], (double)i64[i]);
   assert_int_equal(ddp_tensor_copy(&tb, &t64), DDP_OK);
   uint8_t wb2[6] = {1, 0, 1, 1, 1, 1};
   assert_memory_equal(bo, wb2, sizeof wb2);
@@ -394,14 +396,15 @@ static void test_copy_integer_and_bool(void **state) {
   ddp_tensor_t tout;
   ddp_tensor_view(&tout, DDP_I64, 1, s2, out);
   assert_int_equal(ddp_tensor_copy(&tout, &t64b), DDP_OK); /* same dtype: exact */
-  assert_true(out[0] == big[0] && out[1] == big[1]);
+  assert_int_equal(out[0], big[0]);
+  assert_int_equal(out[1], big[1]);
   uint8_t u8[6] = {0, 1, 127, 128, 200, 255};
   ddp_tensor_t tu;
   ddp_tensor_view(&tu, DDP_U8, 1, s6, u8);
   assert_int_equal(ddp_tensor_copy(&t32, &tu), DDP_OK);
   for (int i = 0; i < 6; i++) assert_int_equal(src32[i], u8[i]);
   assert_int_equal(ddp_tensor_copy(&tf, &tu), DDP_OK);
-  for (int i = 0; i < 6; i++) assert_true(f[i] == (float)u8[i]);
+  for (int i = 0; i < 6; i++) DDP_ASSERT_EQ(f[i], (float)u8[i]);
 
   /* Different numel. */
   int64_t s5[1] = {5};
@@ -557,7 +560,7 @@ static void test_gemm(void **state) {
                        (long long)k, (long long)i, (long long)j, got, want);
           }
         }
-        assert_true(c[nc - 1] == -777.0);
+        DDP_ASSERT_EQ(c[nc - 1], -777.0);
         free(a);
         free(b);
         free(c);
@@ -575,11 +578,11 @@ static void test_gemm_beta_zero(void **state) {
   double c[4] = {NAN, INFINITY, NAN, -INFINITY};
   assert_int_equal(ddp_gemm(DDP_F64, false, false, 2, 2, 3, 1.0, a, 3, b, 2, 0.0, c, 2), DDP_OK);
   double want[4] = {1 + 3, 2 + 3, 4 + 6, 5 + 6};
-  for (int i = 0; i < 4; i++) assert_true(c[i] == want[i]);
+  for (int i = 0; i < 4; i++) DDP_ASSERT_EQ(c[i], want[i]);
   float fa[6] = {1, 2, 3, 4, 5, 6}, fb[6] = {1, 0, 0, 1, 1, 1};
   float fc[4] = {NAN, INFINITY, NAN, -INFINITY};
   assert_int_equal(ddp_gemm(DDP_F32, false, false, 2, 2, 3, 1.0, fa, 3, fb, 2, 0.0, fc, 2), DDP_OK);
-  for (int i = 0; i < 4; i++) assert_true(fc[i] == (float)want[i]);
+  for (int i = 0; i < 4; i++) DDP_ASSERT_EQ(fc[i], (float)want[i]);
 }
 
 /* Invalid arguments are refused before BLAS sees them (BLAS would print and exit). */

@@ -143,7 +143,7 @@ static void run_world(run_t *r, int world) {
     if (r->st[i] != DDP_OK) fail_msg("rank %d: %s: %s", i, ddp_status_name(r->st[i]), r->msg[i]);
   }
   assert_int_equal(st, DDP_OK);
-  for (int i = 1; i < world; i++) assert_true(r->hash[i] == r->hash[0]);
+  for (int i = 1; i < world; i++) DDP_ASSERT_EQ(r->hash[i], r->hash[0]);
 }
 
 static void make_dir(char *buf, size_t cap, const char *stem) {
@@ -264,13 +264,15 @@ static void test_defaults(void **state) {
   ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
   assert_int_equal(a.per_device_train_batch_size, 8);
   assert_int_equal(a.gradient_accumulation_steps, 1);
-  assert_true(a.num_train_epochs == 3.0);
+  DDP_ASSERT_EQ(a.num_train_epochs, 3.0);
   assert_int_equal(a.max_steps, -1);
-  assert_true(a.learning_rate == 5e-5);
-  assert_true(a.weight_decay == 0.0);
-  assert_true(a.adam_beta1 == 0.9 && a.adam_beta2 == 0.999 && a.adam_epsilon == 1e-8);
+  DDP_ASSERT_EQ(a.learning_rate, 5e-5);
+  DDP_ASSERT_EQ(a.weight_decay, 0.0);
+  DDP_ASSERT_EQ(a.adam_beta1, 0.9);
+  DDP_ASSERT_EQ(a.adam_beta2, 0.999);
+  DDP_ASSERT_EQ(a.adam_epsilon, 1e-8);
   assert_string_equal(a.optim, "adamw_torch");
-  assert_true(a.max_grad_norm == 1.0);
+  DDP_ASSERT_EQ(a.max_grad_norm, 1.0);
   assert_string_equal(a.lr_scheduler_type, "linear");
   assert_int_equal(a.seed, 42);
   assert_int_equal(a.ddp_timeout, 1800);
@@ -278,7 +280,7 @@ static void test_defaults(void **state) {
   assert_string_equal(a.comm_hook, "no");
   assert_string_equal(a.optim_args, "");
   assert_string_equal(a.forward_flags, "0");
-  assert_true(a.ddp_first_bucket_mb == -1);
+  DDP_ASSERT_EQ(a.ddp_first_bucket_mb, -1);
   assert_string_equal(a.power_sgd_init_q, "");
   /* HF's rule: unset find_unused is True unless gradient checkpointing is on. */
   assert_true(ddp_train_find_unused(&a));
@@ -357,11 +359,14 @@ static void test_flags_and_optim_args(void **state) {
   strcpy(a.optim_args, " momentum = 0.9, dampening=0.25 ");
   ddp_optim_options_t o = DDP_SGD_OPTIONS_INIT;
   assert_int_equal(ddp__train_optim_args(&a, &o, &err), DDP_OK);
-  assert_true(o.momentum == 0.9 && o.dampening == 0.25 && !o.nesterov);
+  DDP_ASSERT_EQ(o.momentum, 0.9);
+  DDP_ASSERT_EQ(o.dampening, 0.25);
+  assert_false(o.nesterov);
   strcpy(a.optim_args, "momentum=0.5,nesterov=True");
   o = (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
   assert_int_equal(ddp__train_optim_args(&a, &o, &err), DDP_OK);
-  assert_true(o.momentum == 0.5 && o.nesterov);
+  DDP_ASSERT_EQ(o.momentum, 0.5);
+  assert_true(o.nesterov);
   strcpy(a.optim_args, "momentum");
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
   assert_non_null(strstr(err.msg, "not key=value"));
@@ -389,20 +394,20 @@ static void test_tool_parsing(void **state) {
 
   const char *a1[] = {"--print_args", NULL};
   cJSON *o = print_args(a1);
-  assert_true(jnum(o, "learning_rate") == 5e-5);
-  assert_true(jnum(o, "per_device_train_batch_size") == 8);
+  DDP_ASSERT_EQ(jnum(o, "learning_rate"), 5e-5);
+  DDP_ASSERT_EQ(jnum(o, "per_device_train_batch_size"), 8);
   assert_string_equal(jstr(o, "optim"), "adamw_torch");
-  assert_true(jnum(o, "ddp_timeout") == 1800);
+  DDP_ASSERT_EQ(jnum(o, "ddp_timeout"), 1800);
   cJSON_Delete(o);
 
   const char *a2[] = {"--config", cfg, "--max_steps=17", "--per_device_train_batch_size", "3",
                       "--ddp_find_unused_parameters", "false", "--disable_tqdm",
                       "--ddp_backend=gloo", "--print_args", NULL};
   o = print_args(a2);
-  assert_true(jnum(o, "learning_rate") == 0.25); /* from the file */
-  assert_true(jnum(o, "warmup_ratio") == 0.125);
-  assert_true(jnum(o, "max_steps") == 17);        /* the flag wins */
-  assert_true(jnum(o, "per_device_train_batch_size") == 3);
+  DDP_ASSERT_EQ(jnum(o, "learning_rate"), 0.25); /* from the file */
+  DDP_ASSERT_EQ(jnum(o, "warmup_ratio"), 0.125);
+  DDP_ASSERT_EQ(jnum(o, "max_steps"), 17);        /* the flag wins */
+  DDP_ASSERT_EQ(jnum(o, "per_device_train_batch_size"), 3);
   assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_broadcast_buffers")));
   assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_find_unused_parameters")));
   assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "ddp_static_graph")));
@@ -598,7 +603,7 @@ static void test_split_and_eval(void **state) {
   print_message("eval: trainer %.6f / %.4f, serial %.6f / %.4f\n", r->res[0].eval_loss,
                 r->res[0].eval_accuracy, r->eval_loss, r->eval_acc);
   assert_true(fabs(r->res[0].eval_loss - r->eval_loss) <= 1e-5 * r->eval_loss);
-  assert_true(r->res[0].eval_accuracy == r->eval_acc);
+  DDP_ASSERT_EQ(r->res[0].eval_accuracy, r->eval_acc);
   free_run(r);
   rm_tree(dir);
   ddp_dataset_destroy(tr);
@@ -661,7 +666,7 @@ static void test_resume_bitwise(void **state) {
 
   /* Resume from 20 in a fresh output directory, and from "true" (the latest) = 30. */
   run_t *b = resumed_run(a, db, 20, 3);
-  assert_true(b->hash[0] == a->hash[0]);
+  DDP_ASSERT_EQ(b->hash[0], a->hash[0]);
 
   /* And from step 10 of a run that kept every checkpoint. */
   rm_tree(db);
@@ -847,7 +852,7 @@ static void test_weight_decay_groups(void **state) {
   assert_int_equal(cJSON_GetArraySize(groups), 2);
   for (int g = 0; g < 2; g++) {
     const cJSON *gr = cJSON_GetArrayItem(groups, g);
-    assert_true(jnum(gr, "weight_decay") == (g == 0 ? wd : 0.0));
+    DDP_ASSERT_EQ(jnum(gr, "weight_decay"), (g == 0 ? wd : 0.0));
     assert_true(cJSON_Compare(cJSON_GetObjectItemCaseSensitive(gr, "params"), expect[g], true));
   }
   cJSON_Delete(js);
@@ -894,7 +899,7 @@ static void test_kill_during_save(void **state) {
   int status;
   assert_int_equal(waitpid(pid, &status, 0), pid);
   assert_true(seen);
-  assert_true(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  DDP_ASSERT_KILLED(status, SIGKILL);
 
   /* checkpoint-20 does not exist; checkpoint-10 is complete and is the latest. */
   snprintf(ck, sizeof ck, "%s/checkpoint-20", dir);
@@ -960,9 +965,9 @@ static void test_metrics(void **state) {
     assert_non_null(o);
     if (cJSON_GetObjectItem(o, "summary")) {
       summaries++;
-      assert_true(jnum(o, "steps") == 23);
-      assert_true(jnum(o, "world_size") == 2);
-      assert_true(jnum(o, "replica_checks") == 6);
+      DDP_ASSERT_EQ(jnum(o, "steps"), 23);
+      DDP_ASSERT_EQ(jnum(o, "world_size"), 2);
+      DDP_ASSERT_EQ(jnum(o, "replica_checks"), 6);
     } else if (cJSON_GetObjectItem(o, "loss")) {
       int64_t step = (int64_t)jnum(o, "step");
       assert_int_equal(step, expect_step);
@@ -979,8 +984,8 @@ static void test_metrics(void **state) {
       assert_true(jnum(o, "samples_per_s") > 0);
       assert_true(jnum(o, "overlap_ms") >= 0);
       /* No hook: every gradient byte goes over the wire once per step, uncompressed. */
-      assert_true(jnum(o, "comm_bytes") == (double)expect_grad_bytes);
-      assert_true(jnum(o, "compression_rate") == 1.0);
+      DDP_ASSERT_EQ(jnum(o, "comm_bytes"), (double)expect_grad_bytes);
+      DDP_ASSERT_EQ(jnum(o, "compression_rate"), 1.0);
       logs++;
     }
     cJSON_Delete(o);
@@ -992,7 +997,7 @@ static void test_metrics(void **state) {
   f = fopen(path, "r");
   assert_non_null(f);
   assert_non_null(fgets(line, sizeof line, f));
-  assert_true(strncmp(line, "<svg", 4) == 0);
+  DDP_ASSERT_PREFIX(line, "<svg");
   fclose(f);
   free_run(r);
   rm_tree(dir);
@@ -1186,7 +1191,8 @@ static void test_progress_output(void **state) {
   double want_lr = 1e-3 * (20.0 - 19.0) / 20.0; /* linear decay, the step's lr (0-based 19) */
   assert_true(fabs(lr - want_lr) <= 0.01 * want_lr); /* printed with 3 digits */
   assert_true(sps > 0);
-  assert_true(mins == 0 && secs >= 0 && secs < 60);
+  assert_int_equal(mins, 0);
+  assert_in_range(secs, 0, 59);
   /* The log lines are printed above the bar (cleared first). */
   assert_non_null(strstr(out, "\r\033[Kstep     10/20"));
 
@@ -1256,7 +1262,7 @@ static void test_dump_vs_torch(void **state) {
   assert_int_equal(run_logged(cmd, log), 0);
   snprintf(cmd, sizeof cmd, "'%s/tools/ddp-compare' '%s/torch' '%s/libddp'", build, dir, dir);
   rc = system(cmd);
-  assert_true(WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  DDP_ASSERT_EXITED(rc, 0);
   rm_tree(dir);
 }
 

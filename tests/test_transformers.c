@@ -58,8 +58,11 @@ static void test_config_defaults(void **state) {
   assert_int_equal(c.gpt2.n_head, 12);
   assert_int_equal(c.gpt2.n_inner, 0);
   assert_string_equal(c.gpt2.activation_function, "gelu_new");
-  assert_true(c.gpt2.resid_pdrop == 0.1 && c.gpt2.embd_pdrop == 0.1 && c.gpt2.attn_pdrop == 0.1);
-  assert_true(c.gpt2.layer_norm_epsilon == 1e-5 && c.gpt2.initializer_range == 0.02);
+  DDP_ASSERT_EQ(c.gpt2.resid_pdrop, 0.1);
+  DDP_ASSERT_EQ(c.gpt2.embd_pdrop, 0.1);
+  DDP_ASSERT_EQ(c.gpt2.attn_pdrop, 0.1);
+  DDP_ASSERT_EQ(c.gpt2.layer_norm_epsilon, 1e-5);
+  DDP_ASSERT_EQ(c.gpt2.initializer_range, 0.02);
   assert_true(c.gpt2.scale_attn_weights && c.gpt2.tie_word_embeddings);
   assert_int_equal(c.torch_dtype, DDP_F32);
   assert_int_equal(ddp_hf_config_parse("{\"model_type\": \"bert\"}", NULL, &c, NULL), DDP_OK);
@@ -70,13 +73,15 @@ static void test_config_defaults(void **state) {
   assert_int_equal(c.bert.num_attention_heads, 12);
   assert_int_equal(c.bert.intermediate_size, 3072);
   assert_string_equal(c.bert.hidden_act, "gelu");
-  assert_true(c.bert.hidden_dropout_prob == 0.1 && c.bert.attention_probs_dropout_prob == 0.1);
+  DDP_ASSERT_EQ(c.bert.hidden_dropout_prob, 0.1);
+  DDP_ASSERT_EQ(c.bert.attention_probs_dropout_prob, 0.1);
   assert_int_equal(c.bert.max_position_embeddings, 512);
   assert_int_equal(c.bert.type_vocab_size, 2);
-  assert_true(c.bert.layer_norm_eps == 1e-12 && c.bert.initializer_range == 0.02);
+  DDP_ASSERT_EQ(c.bert.layer_norm_eps, 1e-12);
+  DDP_ASSERT_EQ(c.bert.initializer_range, 0.02);
   assert_int_equal(c.bert.pad_token_id, 0);
   assert_int_equal(c.bert.num_labels, 2);
-  assert_true(c.bert.classifier_dropout == -1);
+  DDP_ASSERT_EQ(c.bert.classifier_dropout, -1);
   /* GPT2Config's attribute_map aliases, n_inner, torch_dtype; BERT's id2label. */
   assert_int_equal(ddp_hf_config_parse("{\"model_type\": \"gpt2\", \"hidden_size\": 32, \"n_head\": 4,"
                                        " \"n_inner\": 48, \"max_position_embeddings\": 8,"
@@ -90,7 +95,7 @@ static void test_config_defaults(void **state) {
                                        "\"classifier_dropout\": 0.3}", NULL, &c, NULL), DDP_OK);
   assert_int_equal(c.bert.num_labels, 3);
   assert_int_equal(c.bert.pad_token_id, -1);
-  assert_true(c.bert.classifier_dropout == 0.3);
+  DDP_ASSERT_EQ(c.bert.classifier_dropout, 0.3);
 }
 
 /* Each bad config is refused with a message naming the key. */
@@ -305,7 +310,7 @@ static void test_init(void **state) {
   expect_stats(m, "classifier.weight", 0, 0.05, 1e-2);
   const double *w = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->value.data;
   for (int k = 0; k < 64; k++) {
-    assert_true(w[7 * 64 + k] == 0.0);
+    DDP_ASSERT_EQ(w[7 * 64 + k], 0.0);
     assert_true(w[6 * 64 + k] != 0.0);
   }
   ddp_model_destroy(m);
@@ -396,18 +401,18 @@ static void test_gradcheck(void **state) {
   const double *gw = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->grad.data;
   double row0 = 0;
   for (int k = 0; k < 16; k++) row0 += fabs(gw[k]);
-  assert_true(row0 == 0.0); /* masked: no gradient reaches the pad positions anyway */
+  DDP_ASSERT_EQ(row0, 0.0); /* masked: no gradient reaches the pad positions anyway */
   /* Attended pad ids: the loss depends on row 0 (a finite difference sees it), yet the
    * gradient stays 0, as nn.Embedding(padding_idx=0) has it. */
   bert_batch(&b, 3, 7, 1, false, false, 2);
-  assert_true(b.x[5] == 0);
+  DDP_ASSERT_EQ(b.x[5], 0);
   ddp_ctx_t *c0;
   assert_int_equal(ddp_ctx_create(&c0), DDP_OK);
   ddp_model_zero_grad(m);
   step(m, c0, &b, true, NULL);
   row0 = 0;
   for (int k = 0; k < 16; k++) row0 += fabs(gw[k]);
-  assert_true(row0 == 0.0);
+  DDP_ASSERT_EQ(row0, 0.0);
   double *w0 = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->value.data;
   w0[2] += 1e-3;
   double lp = ((double *)step(m, c0, &b, false, NULL)->value.data)[0];

@@ -297,7 +297,7 @@ static void test_checkpoint_wording(void **state) {
              "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/hf_models.py check '%s' >/dev/null "
              "2>'%s'", ddp_test_source_root(), dir, errpath);
     int rc = system(cmd);
-    assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 3);
+    DDP_ASSERT_EXITED(rc, 3);
     FILE *f = fopen(errpath, "rb");
     assert_non_null(f);
     char text[4096];

@@ -489,7 +489,7 @@ bool ddp_test_run_tool(const char *script, const char *args) {
            script, args);
   int rc = system(cmd);
   if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
-  assert_true(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0);
+  DDP_ASSERT_EXITED(rc, 0);
   return true;
 }
 

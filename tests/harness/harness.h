@@ -21,6 +21,7 @@
 #include "ddp/pg.h"
 #include "ddp/store.h"
 
+#include "asserts.h"
 #include "cleanup.h"
 
 typedef enum ddp_test_mode { DDP_TEST_THREADS = 0, DDP_TEST_FORK = 1 } ddp_test_mode_t;
