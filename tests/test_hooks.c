@@ -926,7 +926,7 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
   if (T->mode == 1) {
     /* a second registration */
     st = configure(ddp, r, "fp16", "no", NULL, err);
-    snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
+    snprintf(T->msg[r], sizeof T->msg[r], "%.500s", err->msg);
     if (st != DDP_ERR_INVALID_USAGE) {
       st = DDP_ERR_INTERNAL;
       goto out;
@@ -950,7 +950,7 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
     if (T->mode == 3 && t == 0) {
       /* training has started: too late to register */
       ddp_status_t s2 = configure(ddp, r, "fp16", "no", NULL, err);
-      snprintf(T->msg[r], sizeof T->msg[r], "%s", err->msg);
+      snprintf(T->msg[r], sizeof T->msg[r], "%.500s", err->msg);
       if (s2 != DDP_ERR_INVALID_USAGE) {
         st = DDP_ERR_INTERNAL;
         goto out;

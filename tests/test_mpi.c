@@ -93,7 +93,7 @@ static ddp_status_t mpi_group(ctx_t *c, ddp_algorithm_t algo, size_t segment, in
   o.segment_bytes = segment;
   ddp_error_t err = {0};
   ddp_status_t st = ddp_pg_create(&o, pg, &err);
-  if (st != DDP_OK) snprintf(c->fail, sizeof c->fail, "%s group: %s", what, err.msg);
+  if (st != DDP_OK) snprintf(c->fail, sizeof c->fail, "%s group: %.900s", what, err.msg);
   return st;
 }
 
@@ -211,7 +211,7 @@ static int rank_main(const char *outdir) {
   long timeout_ms = -1, abort_ms = -1;
   ddp_status_t st = ddp_pg_create_from_env(NULL, &c.coll.pg, &err);
   if (st != DDP_OK) {
-    snprintf(c.fail, sizeof c.fail, "ddp_pg_create_from_env: %s", err.msg);
+    snprintf(c.fail, sizeof c.fail, "ddp_pg_create_from_env: %.900s", err.msg);
   } else {
     c.coll.r = ddp_pg_rank(c.coll.pg);
     c.coll.W = ddp_pg_size(c.coll.pg);

@@ -168,7 +168,7 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
              (long long)restarts, dir);
   if (st != DDP_OK) {
     char why[1024];
-    snprintf(why, sizeof why, "%s", err ? err->msg : ddp_status_name(st));
+    snprintf(why, sizeof why, "%.1000s", err ? err->msg : ddp_status_name(st));
     return ddp__error(err, rank, st, "no checkpoint in %s verifies; the oldest fails with: %s",
                       a->output_dir, why);
   }
