@@ -47,14 +47,13 @@ typedef struct cfg {
   int ndtypes;
   ddp_algorithm_t algo;
   size_t segment_bytes;
-  bool pg_alloc;          /* use ddp_pg_alloc buffers (shm: direct, zero copy) */
-  ddp_store_t *store;     /* thread mode: shared in-process store */
+  bool pg_alloc;      /* use ddp_pg_alloc buffers (shm: direct, zero copy) */
+  ddp_store_t *store; /* thread mode: shared in-process store */
 } cfg_t;
 
 static const ddp_dtype_t all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16,
                                          DDP_I32, DDP_I64, DDP_U8};
 static const ddp_dtype_t fork_dtypes[] = {DDP_F32, DDP_BF16, DDP_I64, DDP_U8};
-
 
 /* A rank's check state; coll first, so that say() can find tr. */
 typedef struct ctx {
@@ -62,7 +61,9 @@ typedef struct ctx {
   ddp_test_rank_t *tr;
 } ctx_t;
 
-static void say_tr(ddp_test_coll_t *c, const char *msg) { ddp_test_say(((ctx_t *)c)->tr, "%s", msg); }
+static void say_tr(ddp_test_coll_t *c, const char *msg) {
+  ddp_test_say(((ctx_t *)c)->tr, "%s", msg);
+}
 
 static ctx_t make_ctx(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_pg_t *pg) {
   ctx_t c = {{pg, ddp_test_rank(tr), ddp_test_world_size(tr), cfg->pg_alloc, say_tr, 0, ""}, tr};
@@ -111,8 +112,15 @@ static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
 static void run_matrix(const char *backend, ddp_test_mode_t mode, const int *worlds, int nworlds,
                        bool pg_alloc, size_t segment) {
   for (int k = 0; k < nworlds; k++) {
-    cfg_t cfg = {backend, mode, worlds[k], mode == DDP_TEST_THREADS ? all_dtypes : fork_dtypes,
-                 mode == DDP_TEST_THREADS ? 7 : 4, DDP_ALGO_AUTO, segment, pg_alloc, NULL};
+    cfg_t cfg = {backend,
+                 mode,
+                 worlds[k],
+                 mode == DDP_TEST_THREADS ? all_dtypes : fork_dtypes,
+                 mode == DDP_TEST_THREADS ? 7 : 4,
+                 DDP_ALGO_AUTO,
+                 segment,
+                 pg_alloc,
+                 NULL};
     if (mode == DDP_TEST_THREADS) {
       ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
       so.timeout_ms = 20000;
@@ -184,8 +192,8 @@ static int d2_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_test_put(tr, &h, sizeof h);
   if (st != DDP_OK) return st;
   if (c.coll.bad) {
-    ddp_test_say(tr, "%ld bitwise mismatches against the rank-order fold; first: %s",
-                 c.coll.bad, c.coll.first);
+    ddp_test_say(tr, "%ld bitwise mismatches against the rank-order fold; first: %s", c.coll.bad,
+                 c.coll.first);
     return DDP_ERR_INTERNAL;
   }
   return DDP_OK;
@@ -230,7 +238,6 @@ static void test_d2_across_backends(void **state) {
     DDP_ASSERT_EQ(run_d2("tcp", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_SMALL), h);
   }
 }
-
 
 /* ---- API: spawn_threads, argument checks, work handles, create_from_env, no leaks ---- */
 
@@ -334,7 +341,8 @@ static ddp_status_t last_error_fn(ddp_pg_t *pg, void *arg) {
   if (e.status != DDP_OK || e.msg[0]) return DDP_ERR_INTERNAL;
   float f = 0;
   ddp_work_t *w = NULL;
-  if (ddp_broadcast(pg, &f, 1, DDP_F32, 99, &w) != DDP_ERR_INVALID_ARGUMENT) return DDP_ERR_INTERNAL;
+  if (ddp_broadcast(pg, &f, 1, DDP_F32, 99, &w) != DDP_ERR_INVALID_ARGUMENT)
+    return DDP_ERR_INTERNAL;
   ddp_pg_last_error_copy(pg, &e);
   if (e.status != DDP_ERR_INVALID_ARGUMENT || !strstr(e.msg, "root 99")) return DDP_ERR_INTERNAL;
   return DDP_OK;

@@ -19,8 +19,8 @@
 /* ---------------------------------------------------------------- helpers --------- */
 
 /* Saves and restores the variables the tests change, so no test leaks into the next. */
-static const char *const touched_vars[] = {"DDP_DEBUG", "TORCH_DISTRIBUTED_DEBUG",
-                                           "DDP_TIMEOUT", "RANK", "MASTER_PORT"};
+static const char *const touched_vars[] = {"DDP_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "DDP_TIMEOUT",
+                                           "RANK", "MASTER_PORT"};
 static char *saved_vars[DDP_ARRAY_LEN(touched_vars)];
 
 static int save_env(void **state) {
@@ -73,13 +73,13 @@ static void test_status_names(void **state) {
   assert_int_equal(DDP_OK, 0);
   assert_string_equal(ddp_status_name(DDP_OK), "DDP_OK");
   assert_string_equal(ddp_status_str(DDP_OK), "success");
-#define CHECK_(name, text)                                                          \
-  do {                                                                             \
-    ddp_status_t s = DDP_ERR_##name;                                                \
-    assert_int_equal((int)s, n);                                                    \
-    assert_string_equal(ddp_status_name(s), "DDP_ERR_" #name);                      \
-    assert_string_equal(ddp_status_str(s), text);                                   \
-    n++;                                                                            \
+#define CHECK_(name, text)                                     \
+  do {                                                         \
+    ddp_status_t s = DDP_ERR_##name;                           \
+    assert_int_equal((int)s, n);                               \
+    assert_string_equal(ddp_status_name(s), "DDP_ERR_" #name); \
+    assert_string_equal(ddp_status_str(s), text);              \
+    n++;                                                       \
   } while (0);
   DDP_STATUS_MAP(CHECK_)
 #undef CHECK_
@@ -149,7 +149,7 @@ static void test_debug_levels(void **state) {
   static const struct {
     const char *v;
     ddp_log_level_t want;
-  } cases[] = {{"OFF", DDP_LOG_WARN},   {"INFO", DDP_LOG_INFO},     {"info", DDP_LOG_INFO},
+  } cases[] = {{"OFF", DDP_LOG_WARN},      {"INFO", DDP_LOG_INFO},     {"info", DDP_LOG_INFO},
                {"DETAIL", DDP_LOG_DETAIL}, {"Detail", DDP_LOG_DETAIL}, {"bogus", DDP_LOG_WARN}};
   for (size_t i = 0; i < DDP_ARRAY_LEN(cases); i++) {
     setenv("DDP_DEBUG", cases[i].v, 1);
@@ -222,14 +222,13 @@ static void test_env_int(void **state) {
   assert_int_equal(ddp_env_int(DDP_ENV_TIMEOUT, 1, 100000, &v, &err), DDP_OK);
   assert_int_equal(v, 1800);
 
-  static const char *const bad[] = {"abc", "12x", "1.5", "0x10", "99999999999999999999",
-                                    "100001", "0", "-1"};
+  static const char *const bad[] = {"abc",    "12x", "1.5", "0x10", "99999999999999999999",
+                                    "100001", "0",   "-1"};
   for (size_t i = 0; i < DDP_ARRAY_LEN(bad); i++) {
     setenv("DDP_TIMEOUT", bad[i], 1);
     v = 1234;
     cap.n = 0;
-    assert_int_equal(ddp_env_int(DDP_ENV_TIMEOUT, 1, 100000, &v, &err),
-                     DDP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(ddp_env_int(DDP_ENV_TIMEOUT, 1, 100000, &v, &err), DDP_ERR_INVALID_ARGUMENT);
     assert_int_equal(v, 1234); /* untouched */
     assert_int_equal(err.status, DDP_ERR_INVALID_ARGUMENT);
     char want[128];
@@ -255,13 +254,13 @@ static void test_env_int(void **state) {
 static void test_env_table(void **state) {
   (void)state;
   int n = 0;
-#define CHECK_(id, name, def, doc)                          \
-  do {                                                     \
-    assert_int_equal(DDP_ENV_##id, n);                      \
-    assert_string_equal(ddp_env_name(DDP_ENV_##id), name);  \
+#define CHECK_(id, name, def, doc)                           \
+  do {                                                       \
+    assert_int_equal(DDP_ENV_##id, n);                       \
+    assert_string_equal(ddp_env_name(DDP_ENV_##id), name);   \
     assert_string_equal(ddp_env_default(DDP_ENV_##id), def); \
-    assert_string_equal(ddp_env_doc(DDP_ENV_##id), doc);    \
-    n++;                                                   \
+    assert_string_equal(ddp_env_doc(DDP_ENV_##id), doc);     \
+    n++;                                                     \
   } while (0);
   DDP_ENV_MAP(CHECK_)
 #undef CHECK_
@@ -313,8 +312,9 @@ static void test_env_documented(void **state) {
   }
   fclose(f);
   for (int i = 0; i < DDP_ENV_COUNT_; i++)
-    if (!seen[i]) fail_msg("DDP_ENV_MAP has %s, missing from docs/environment.md",
-                           ddp_env_name((ddp_env_id_t)i));
+    if (!seen[i])
+      fail_msg("DDP_ENV_MAP has %s, missing from docs/environment.md",
+               ddp_env_name((ddp_env_id_t)i));
   assert_int_equal(rows, DDP_ENV_COUNT_);
 }
 

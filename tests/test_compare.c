@@ -25,9 +25,9 @@
 #include "harness.h"
 #include "parity.h"
 
-static char g_tool[1024];      /* the ddp-compare executable */
-static char g_tmp[256];        /* scratch directory for this file's dumps */
-static bool g_torch;           /* the three reference dumps below exist */
+static char g_tool[1024]; /* the ddp-compare executable */
+static char g_tmp[256];   /* scratch directory for this file's dumps */
+static bool g_torch;      /* the three reference dumps below exist */
 static char g_a[512], g_b[512], g_single[512];
 
 /* ---------------------------------------------------------------- helpers --------- */
@@ -253,7 +253,7 @@ static void test_layouts(void **state) {
   snprintf(p, sizeof p, "%s/rank0/ddp.json", a);
   ddp_test_write_text(p, "{\"bucket_layouts\": {\"initial\": [[0, 1]], \"rebuilt\": [[1], [0]]}}");
   cJSON *j;
-  assert_int_equal(compare(NULL, a, b, &j), 0);  /* B has no ddp.json: unavailable */
+  assert_int_equal(compare(NULL, a, b, &j), 0); /* B has no ddp.json: unavailable */
   assert_string_equal(get(cJSON_GetArrayItem(get(j, "layouts"), 0), "rebuilt")->valuestring,
                       "unavailable");
   cJSON_Delete(j);
@@ -281,14 +281,14 @@ static void test_bad_input(void **state) {
   snprintf(a, sizeof a, "%s/bad_a", g_tmp);
   synthetic_dump(a, 2, 2);
 
-#define EXPECT_BAD(needle)                                              \
-  do {                                                                  \
-    assert_int_equal(compare(NULL, a, b, &j), 2);                       \
-    assert_int_equal(get(j, "exit")->valueint, 2);                      \
-    cJSON_Delete(j);                                                    \
-    msg = stderr_text();                                                \
+#define EXPECT_BAD(needle)                                               \
+  do {                                                                   \
+    assert_int_equal(compare(NULL, a, b, &j), 2);                        \
+    assert_int_equal(get(j, "exit")->valueint, 2);                       \
+    cJSON_Delete(j);                                                     \
+    msg = stderr_text();                                                 \
     if (!strstr(msg, needle)) fail_msg("no \"%s\" in: %s", needle, msg); \
-    free(msg);                                                          \
+    free(msg);                                                           \
   } while (0)
 
   snprintf(b, sizeof b, "%s/bad_missing", g_tmp);
@@ -486,8 +486,9 @@ static void test_ranks_vs_single_process(void **state) {
   (void)state;
   NEED_TORCH();
   cJSON *j;
-  assert_int_equal(compare("--rank 0 --only grad.,param. --rtol 1e-5 --atol 1e-7", g_a,
-                           g_single, &j), 0);
+  assert_int_equal(compare("--rank 0 --only grad.,param. --rtol 1e-5 --atol 1e-7", g_a, g_single,
+                           &j),
+                   0);
   const cJSON *t;
   int n = 0;
   cJSON_ArrayForEach(t, get(j, "tensors")) {
@@ -526,12 +527,12 @@ static void test_ranks_vs_single_process(void **state) {
 
 static int reference_run(const char *dir, int world, int batch) {
   char *out = NULL;
-  int rc = ddp_test_run_cmd(
-      &out,
-      "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-      "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
-      "--shuffle false --lr 0.5",
-      ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
+  int rc =
+      ddp_test_run_cmd(&out,
+                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
+                       "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
+                       "--shuffle false --lr 0.5",
+                       ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
   if (rc != 0) {
     char *err = stderr_text();
     print_error("torch_reference.py failed (%d): %s\n%s\n", rc, out, err);
@@ -572,12 +573,9 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ulp_histogram),
-      cmocka_unit_test(test_layouts),
-      cmocka_unit_test(test_bad_input),
-      cmocka_unit_test(test_reference_deterministic),
-      cmocka_unit_test(test_planted_difference),
-      cmocka_unit_test(test_ranks_vs_single_process),
+      cmocka_unit_test(test_ulp_histogram),      cmocka_unit_test(test_layouts),
+      cmocka_unit_test(test_bad_input),          cmocka_unit_test(test_reference_deterministic),
+      cmocka_unit_test(test_planted_difference), cmocka_unit_test(test_ranks_vs_single_process),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -98,7 +98,8 @@ static void test_sampler_vs_torch(void **state) {
                 long long want_n = strtoll(p, &end, 10);
                 p = end;
                 if (want_n != n)
-                  fail_msg("N=%lld W=%d r=%d shuffle=%d drop_last=%d epoch=%d: len %lld, torch %lld",
+                  fail_msg("N=%lld W=%d r=%d shuffle=%d drop_last=%d epoch=%d: len %lld, torch "
+                           "%lld",
                            (long long)ns[a], w, r, sh, dl, ep, (long long)n, want_n);
                 for (int64_t k = 0; k < n; k++) {
                   long long v = strtoll(p, &end, 10);
@@ -347,8 +348,7 @@ static void test_safetensors_nonfinite(void **state) {
   fputc(byte ^ 0x40, f);
   fclose(f);
   memset(&err, 0, sizeof err);
-  assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err),
-                   DDP_ERR_INVALID_DATA);
+  assert_int_equal(ddp_dataset_from_safetensors(path, NULL, NULL, &ds, &err), DDP_ERR_INVALID_DATA);
   if (!strstr(err.msg, "tensor 'features' element 6 (sample 1, index [1, 2]) is NaN"))
     fail_msg("bit flip: message '%s'", err.msg);
   unlink(path);
@@ -408,8 +408,8 @@ static void test_digits_fixture(void **state) {
     long long y, s;
     assert_int_equal(fscanf(fp, "%lld %lld", &y, &s), 2);
     if (y != labels[i] || s != sums[i])
-      fail_msg("digits sample %d: label %lld sum %lld, sklearn %lld %lld", i,
-               (long long)labels[i], (long long)sums[i], y, s);
+      fail_msg("digits sample %d: label %lld sum %lld, sklearn %lld %lld", i, (long long)labels[i],
+               (long long)sums[i], y, s);
   }
   fclose(fp);
   unlink(out);
@@ -604,8 +604,8 @@ static void test_mnist(void **state) {
 
 static void test_synthetic_regression(void **state) {
   (void)state;
-  ddp_synth_regression_t cfg = {.seed = 42, .n = 3000, .in_dim = 6, .hidden = 5, .out_dim = 2,
-                                .noise_std = 0.0f};
+  ddp_synth_regression_t cfg =
+      {.seed = 42, .n = 3000, .in_dim = 6, .hidden = 5, .out_dim = 2, .noise_std = 0.0f};
   ddp_dataset_t *clean, *again, *noisy, *other;
   ddp_error_t err = {0};
   assert_int_equal(ddp_dataset_synthetic_regression(&cfg, &clean, &err), DDP_OK);
@@ -839,12 +839,17 @@ static void test_loader(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_sampler_vs_torch),     cmocka_unit_test(test_sampler_properties),
-      cmocka_unit_test(test_from_tensors),         cmocka_unit_test(test_from_safetensors),
+      cmocka_unit_test(test_sampler_vs_torch),
+      cmocka_unit_test(test_sampler_properties),
+      cmocka_unit_test(test_from_tensors),
+      cmocka_unit_test(test_from_safetensors),
       cmocka_unit_test(test_safetensors_nonfinite),
-      cmocka_unit_test(test_digits_fixture),       cmocka_unit_test(test_csv),
-      cmocka_unit_test(test_mnist),                cmocka_unit_test(test_synthetic_regression),
-      cmocka_unit_test(test_synthetic_mixture),    cmocka_unit_test(test_loader),
+      cmocka_unit_test(test_digits_fixture),
+      cmocka_unit_test(test_csv),
+      cmocka_unit_test(test_mnist),
+      cmocka_unit_test(test_synthetic_regression),
+      cmocka_unit_test(test_synthetic_mixture),
+      cmocka_unit_test(test_loader),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

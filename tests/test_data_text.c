@@ -194,8 +194,8 @@ static void test_llmc_round_trip(void **state) {
   bad[1] = -1;
   EXPECT_ERR(ddp_tokens_write_llmc(p, bad, 3, &err), DDP_ERR_INVALID_ARGUMENT, &err,
              "token -1 at position 1");
-  EXPECT_ERR(ddp_tokens_write_llmc(p, bad, 0, &err), DDP_ERR_INVALID_ARGUMENT, &err,
-             "0 tokens", "1 to 2147483647");
+  EXPECT_ERR(ddp_tokens_write_llmc(p, bad, 0, &err), DDP_ERR_INVALID_ARGUMENT, &err, "0 tokens",
+             "1 to 2147483647");
   /* The refused writes left the earlier file whole. */
   assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
   expect_ids(ids, n, want, 5);
@@ -232,8 +232,8 @@ static void test_llmc_errors(void **state) {
   b = llmc_image(20240522, 1, 4, 8, false, 1, &len);
   write_file(p, b, len);
   free(b);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err,
-             "found 20240522", "llm.c's eval file");
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, "found 20240522",
+             "llm.c's eval file");
 
   b = llmc_image(20240520, 2, 4, 8, false, 1, &len);
   write_file(p, b, len);
@@ -278,8 +278,7 @@ static void test_llmc_errors(void **state) {
   EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
              "truncated header: the file has 500 bytes", "header alone is 1024");
   write_file(p, b, 3);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err,
-             "truncated: 3 bytes");
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, "truncated: 3 bytes");
   free(b);
 
   /* A planted fault in a real file: the shipped corpus written as llm.c tokens, then cut
@@ -391,15 +390,14 @@ static void test_safetensors_tokens(void **state) {
   assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
   expect_ids(ids, n, want16, 5);
   ddp_tokens_free(ids);
-  st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,10]}}x",
-               data, 10);
+  st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,10]}}x", data,
+               10);
   EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
              "unexpected bytes after the JSON header");
   /* A U16 tensor whose bytes disagree with its shape: the reader's message, with a note. */
-  st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,9]}}", data,
-               9);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
-             "tensor 'tokens'", "span 9 bytes", "U16 tensors relabelled F16");
+  st_write_raw(p, "{\"tokens\":{\"dtype\":\"U16\",\"shape\":[5],\"data_offsets\":[0,9]}}", data, 9);
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p, "tensor 'tokens'",
+             "span 9 bytes", "U16 tensors relabelled F16");
 
   st_write_1d(p, "a", DDP_I32, 5, i32, "b");
   EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
@@ -493,8 +491,7 @@ static void test_text_tokens(void **state) {
   ddp_tokens_free(ids);
   int64_t tok[3] = {9, 8, 7};
   char q[256];
-  assert_int_equal(ddp_tokens_write_llmc(tmp_path(&t, "w.bin", q, sizeof q), tok, 3, &err),
-                   DDP_OK);
+  assert_int_equal(ddp_tokens_write_llmc(tmp_path(&t, "w.bin", q, sizeof q), tok, 3, &err), DDP_OK);
   assert_int_equal(rename(q, p), 0);
   assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
   expect_ids(ids, n, tok, 3);
@@ -504,11 +501,10 @@ static void test_text_tokens(void **state) {
   expect_ids(ids, n, tok, 3);
   ddp_tokens_free(ids);
   write_file(p, "ab\0cd", 5);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
-             "unknown format", "a NUL byte at offset 2", ".bin, .safetensors or .txt");
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p, "unknown format",
+             "a NUL byte at offset 2", ".bin, .safetensors or .txt");
   write_file(p, "", 0);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err,
-             "the file is empty");
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, "the file is empty");
   /* The extension wins over the content: text named .bin is a bad llm.c file. */
   tmp_path(&t, "text.bin", p, sizeof p);
   write_str(p, "hello world");
@@ -605,7 +601,8 @@ static void test_blocks_sampler(void **state) {
   char args[300];
   snprintf(args, sizeof args, "sampler %s %s", in, out);
   bool torch = ddp_test_run_tool("data_oracle.py", args);
-  if (!torch) print_message("torch (under /usr/bin/python3) absent: torch's indices not compared\n");
+  if (!torch)
+    print_message("torch (under /usr/bin/python3) absent: torch's indices not compared\n");
   FILE *fo = torch ? fopen(out, "r") : NULL;
 
   int64_t *perm = malloc((size_t)N * sizeof *perm);
@@ -643,8 +640,8 @@ static void test_blocks_sampler(void **state) {
             owner[slot] = r;
             int64_t want = perm[slot % N]; /* padding repeats the permutation's start */
             if (b.indices[k] != want)
-              fail_msg("W=%d drop_last=%d rank %d position %lld: block %lld, expected %lld", w,
-                       dl, r, (long long)pos, (long long)b.indices[k], (long long)want);
+              fail_msg("W=%d drop_last=%d rank %d position %lld: block %lld, expected %lld", w, dl,
+                       r, (long long)pos, (long long)b.indices[k], (long long)want);
             const int64_t *row = (const int64_t *)b.features.data + k * B;
             const int64_t *lab = (const int64_t *)b.labels.data + k * B;
             for (int64_t j = 0; j < B; j++)
@@ -709,8 +706,8 @@ static void expect_text(const ddp_dataset_t *ds, int64_t i, int64_t L, int64_t p
     int64_t id = j < k ? (unsigned char)text[j] : pad, m = j < k;
     if (fx[j] != id || fx[L + j] != m)
       fail_msg("sample %lld position %lld: id %lld mask %lld, expected %lld %lld (text \"%s\")",
-               (long long)i, (long long)j, (long long)fx[j], (long long)fx[L + j],
-               (long long)id, (long long)m, text);
+               (long long)i, (long long)j, (long long)fx[j], (long long)fx[L + j], (long long)id,
+               (long long)m, text);
   }
   if (y != label)
     fail_msg("sample %lld: label %lld, expected %lld", (long long)i, (long long)y,
@@ -725,17 +722,16 @@ static void test_text_csv(void **state) {
   tmp_init(&t);
   char p[256];
   tmp_path(&t, "t.csv", p, sizeof p);
-  write_str(p,
-            "\xEF\xBB\xBFid,label,text\r\n"
-            "1,2,plain text\r\n"
-            "2, 0 ,\"with, comma\"\r\n"
-            "3,1,\"say \"\"hi\"\"\"\n"
-            "4,-3,\"two\nlines\"\n"
-            "5,7,a \"quote\" inside\n"
-            "6,1,\"\"\"\"\n"
-            "7,0,  spaced  \n"
-            "8,5,exactly ten\r\n"
-            "\n\r\n");
+  write_str(p, "\xEF\xBB\xBFid,label,text\r\n"
+               "1,2,plain text\r\n"
+               "2, 0 ,\"with, comma\"\r\n"
+               "3,1,\"say \"\"hi\"\"\"\n"
+               "4,-3,\"two\nlines\"\n"
+               "5,7,a \"quote\" inside\n"
+               "6,1,\"\"\"\"\n"
+               "7,0,  spaced  \n"
+               "8,5,exactly ten\r\n"
+               "\n\r\n");
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = 10;
   o.pad_token_id = 3;
@@ -818,8 +814,7 @@ static void test_text_csv_errors(void **state) {
       {"text,class\nx,1\n", "line 1: no label column named 'label'", "'text', 'class'"},
       {"text,label,text\nx,1,y\n", "column 'text' appears twice (columns 1 and 3)", ""},
       {"text,label\n", "no records after the header", ""},
-      {"text,label\nx,1\ny,1.5\n", "line 3 column 2 ('label'): label is not an integer: '1.5'",
-       ""},
+      {"text,label\nx,1\ny,1.5\n", "line 3 column 2 ('label'): label is not an integer: '1.5'", ""},
       {"text,label\nx,one\n", "line 2 column 2 ('label'): label is not an integer: 'one'", ""},
       {"text,label\nx,\n", "line 2 column 2 ('label'): empty label", ""},
       {"text,label\nx,99999999999999999999\n", "label out of the int64 range", ""},

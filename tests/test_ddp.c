@@ -83,7 +83,8 @@ static void test_assignment_examples(void **state) {
   ddp_bucket_assignment_free(&a);
 
   size_t order[6] = {5, 4, 3, 2, 1, 0};
-  assert_int_equal(ddp_compute_bucket_assignment_by_size(6, bytes, keys, NULL, limits, 2, order, &a),
+  assert_int_equal(ddp_compute_bucket_assignment_by_size(6, bytes, keys, NULL, limits, 2, order,
+                                                         &a),
                    DDP_OK);
   size_t s2[] = {1, 2, 1, 2}, i2[] = {5, 4, 3, 2, 1, 0};
   expect_buckets(&a, 4, s2, i2);
@@ -166,9 +167,12 @@ static ddp_status_t build_model(int kind, uint64_t seed, ddp_model_t **out) {
   T(ddp_module_activation(m, DDP_ACT_TANH, &a4));
   T(ddp_module_append(body, l3));
   T(ddp_module_append(body, a4));
-  if (kind == M_BRANCH) T(ddp_module_branch(m, body, 0, &wrap));
-  else if (kind == M_CKPT) T(ddp_module_checkpointed(m, body, &wrap));
-  else wrap = body;
+  if (kind == M_BRANCH)
+    T(ddp_module_branch(m, body, 0, &wrap));
+  else if (kind == M_CKPT)
+    T(ddp_module_checkpointed(m, body, &wrap));
+  else
+    wrap = body;
   T(ddp_module_append(seq, wrap));
   T(ddp_module_linear(m, "5", HID, OUT, true, DDP_F32, &l5));
   T(ddp_module_append(seq, l5));
@@ -206,8 +210,8 @@ typedef struct cfg {
   ddp_ddp_options_t dopts;
   ddp_store_t *store;
   int64_t timeout_ms;
-  bool put_grads;  /* put grads after the first step's backward instead of params */
-  int join;        /* 0 off; 1 divide by initial W; 2 by active ranks; 3 throw */
+  bool put_grads; /* put grads after the first step's backward instead of params */
+  int join;       /* 0 off; 1 divide by initial W; 2 by active ranks; 3 throw */
 } cfg_t;
 
 /* This rank's group for cfg (see ddp_test_pg_create; a failure is said as "pg create: ..."). */
@@ -271,16 +275,18 @@ static ddp_status_t make_optim(int kind, ddp_model_t *m, ddp_optim_t **opt) {
 }
 
 /* One micro-step's forward and loss on rows [row0, row0+rows) of the global batch. */
-static ddp_status_t fwd_loss(ddp_ctx_t *ctx, ddp_model_t *m, ddp_ddp_t *ddp, int step,
-                             int row0, int rows, uint64_t flags, ddp_var_t **loss) {
+static ddp_status_t fwd_loss(ddp_ctx_t *ctx, ddp_model_t *m, ddp_ddp_t *ddp, int step, int row0,
+                             int rows, uint64_t flags, ddp_var_t **loss) {
   float x[64 * IN], y[64 * OUT];
   fill_batch(step, row0, rows, x, y);
   int64_t xs[2] = {rows, IN}, ys[2] = {rows, OUT};
   ddp_var_t *vx, *vy, *out;
   DDP_CHECK(ddp_var_new(ctx, DDP_F32, 2, xs, x, false, &vx));
   DDP_CHECK(ddp_var_new(ctx, DDP_F32, 2, ys, y, false, &vy));
-  if (ddp) DDP_CHECK(ddp_ddp_forward(ddp, ctx, vx, flags, &out));
-  else DDP_CHECK(ddp_model_forward(m, ctx, vx, flags, &out));
+  if (ddp)
+    DDP_CHECK(ddp_ddp_forward(ddp, ctx, vx, flags, &out));
+  else
+    DDP_CHECK(ddp_model_forward(m, ctx, vx, flags, &out));
   return ddp_mse_loss(ctx, out, vy, loss);
 }
 
@@ -425,7 +431,8 @@ static ddp_test_results_t *spawn(cfg_t *cfg, ddp_test_fn fn) {
   o.value_bytes = 256 * 1024;
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   cfg->store = NULL;
-  if (cfg->mode == DDP_TEST_THREADS) assert_int_equal(ddp_store_create_memory(&so, &cfg->store, NULL), DDP_OK);
+  if (cfg->mode == DDP_TEST_THREADS)
+    assert_int_equal(ddp_store_create_memory(&so, &cfg->store, NULL), DDP_OK);
   ddp_test_results_t *res = ddp_test_spawn(&o, fn, cfg);
   ddp_store_destroy(cfg->store);
   cfg->store = NULL;
@@ -645,7 +652,8 @@ static int layout_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_test_put(tr, &h, 8);
   ddp_test_put(tr, &nr, 8);
   for (size_t b = 0; b < nr; b++) {
-    uint64_t n = ld.rebuilt_per_bucket_param_offsets[b + 1] - ld.rebuilt_per_bucket_param_offsets[b];
+    uint64_t n = ld.rebuilt_per_bucket_param_offsets[b + 1] -
+                 ld.rebuilt_per_bucket_param_offsets[b];
     ddp_test_put(tr, &n, 8);
     for (size_t k = 0; k < n; k++) {
       uint64_t v = ld.rebuilt_per_bucket_param_indices[ld.rebuilt_per_bucket_param_offsets[b] + k];
@@ -657,8 +665,9 @@ static int layout_rank(ddp_test_rank_t *tr, void *arg) {
   }
   if (ld.num_runtime_samples != 2 || ld.iteration != 2 || ld.avg_backward_comm_time <= 0 ||
       ld.avg_forward_compute_time <= 0 || ld.total_parameter_size_bytes <= 0) {
-    ddp_test_say(tr, "stats: samples %lld iteration %lld comm %lld", (long long)ld.num_runtime_samples,
-                 (long long)ld.iteration, (long long)ld.avg_backward_comm_time);
+    ddp_test_say(tr, "stats: samples %lld iteration %lld comm %lld",
+                 (long long)ld.num_runtime_samples, (long long)ld.iteration,
+                 (long long)ld.avg_backward_comm_time);
     st = DDP_ERR_INTERNAL;
   }
 out:
@@ -670,7 +679,8 @@ static atomic_int info_init, info_rebuilt;
 static void info_sink(void *user, ddp_log_level_t level, const char *line) {
   (void)user;
   if (level != DDP_LOG_INFO) return;
-  if (strstr(line, "Reducer initialized with bucket_bytes_cap: 26214400 first_bucket_bytes_cap: 2000"))
+  if (strstr(line,
+             "Reducer initialized with bucket_bytes_cap: 26214400 first_bucket_bytes_cap: 2000"))
     atomic_fetch_add(&info_init, 1);
   if (strstr(line, "2 buckets rebuilt with size limits: 2000, 26214400 bytes."))
     atomic_fetch_add(&info_rebuilt, 1);
@@ -702,7 +712,8 @@ static void test_bucket_layouts(void **state) {
   char os_[128] = "";
   for (size_t i = 0; i < P; i++)
     snprintf(os_ + strlen(os_), sizeof os_ - strlen(os_), "%s%zu", i ? ", " : "", order[1 + i]);
-  print_message("grad-ready order: %s\n", os_); /* torch 1.13 on this model: 7, 6, 5, 4, 2, 3, 1, 0 */
+  print_message("grad-ready order: %s\n",
+                os_); /* torch 1.13 on this model: 7, 6, 5, 4, 2, 3, 1, 0 */
   for (size_t i = 0; i < P; i++) bytes[i] = (size_t)ddp_model_param(m, i)->value.numel * 4;
   ddp_ctx_destroy(ctx);
   ddp_model_destroy(m);
@@ -711,8 +722,11 @@ static void test_bucket_layouts(void **state) {
     double cap;
     int64_t first;
     bool find_unused;
-  } cases[] = {{DDP_BUCKET_CAP_UNSET, 2000, false}, {0.001, -1, false}, {0.004, 1500, true},
-               {0.002, -1, true}, {DDP_BUCKET_CAP_UNSET, 3000, true}};
+  } cases[] = {{DDP_BUCKET_CAP_UNSET, 2000, false},
+               {0.001, -1, false},
+               {0.004, 1500, true},
+               {0.002, -1, true},
+               {DDP_BUCKET_CAP_UNSET, 3000, true}};
   for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++) {
     cfg_t c = base_cfg(3, M_LN, 0);
     c.dopts.bucket_cap_mb = cases[t].cap;
@@ -791,33 +805,33 @@ static void test_bucket_layouts(void **state) {
  * initial bucket sizes and the rebuilt per-bucket parameter indices agree. Skips without
  * torch. */
 static const char torch_layout_py[] =
-"import os, sys\n"
-"os.environ[\"OMP_NUM_THREADS\"] = \"1\"\n"
-"os.environ[\"OPENBLAS_NUM_THREADS\"] = \"1\"\n"
-"import torch, torch.distributed as dist, torch.nn as nn\n"
-"from datetime import timedelta\n"
-"torch.set_num_threads(1)\n"
-"store = dist.TCPStore(\"127.0.0.1\", 0, 1, True, timedelta(seconds=60))  # the kernel's port\n"
-"dist.init_process_group(\"gloo\", store=store, rank=0, world_size=1)\n"
-"for case in sys.argv[1:]:\n"
-"    fu, first, cap = case.split(\":\")\n"
-"    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first)\n"
-"    torch.manual_seed(0)\n"
-"    m = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.LayerNorm(24),\n"
-"                      nn.Sequential(nn.Linear(24, 24), nn.Tanh()), nn.Linear(24, 5))\n"
-"    d = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=float(cap),\n"
-"                                            find_unused_parameters=fu == \"1\")\n"
-"    for step in range(3):\n"
-"        loss = ((d(torch.randn(4, 12)) - torch.randn(4, 5)) ** 2).mean()\n"
-"        loss.backward()\n"
-"    ld = d._get_ddp_logging_data()\n"
-"    print(\"initial\", str(ld.get(\"bucket_sizes\")).replace(\",\", \" \"))\n"
-"    print(\"rebuilt\", str(ld.get(\"rebuilt_per_bucket_param_indices\")).replace(\" \", \".\").replace(\",.\", \"|\"))\n"
-"    sys.stdout.flush()\n"
-"dist.destroy_process_group()\n"
-"os._exit(0)\n"
-"\n"
-;
+    "import os, sys\n"
+    "os.environ[\"OMP_NUM_THREADS\"] = \"1\"\n"
+    "os.environ[\"OPENBLAS_NUM_THREADS\"] = \"1\"\n"
+    "import torch, torch.distributed as dist, torch.nn as nn\n"
+    "from datetime import timedelta\n"
+    "torch.set_num_threads(1)\n"
+    "store = dist.TCPStore(\"127.0.0.1\", 0, 1, True, timedelta(seconds=60))  # the kernel's port\n"
+    "dist.init_process_group(\"gloo\", store=store, rank=0, world_size=1)\n"
+    "for case in sys.argv[1:]:\n"
+    "    fu, first, cap = case.split(\":\")\n"
+    "    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first)\n"
+    "    torch.manual_seed(0)\n"
+    "    m = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.LayerNorm(24),\n"
+    "                      nn.Sequential(nn.Linear(24, 24), nn.Tanh()), nn.Linear(24, 5))\n"
+    "    d = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=float(cap),\n"
+    "                                            find_unused_parameters=fu == \"1\")\n"
+    "    for step in range(3):\n"
+    "        loss = ((d(torch.randn(4, 12)) - torch.randn(4, 5)) ** 2).mean()\n"
+    "        loss.backward()\n"
+    "    ld = d._get_ddp_logging_data()\n"
+    "    print(\"initial\", str(ld.get(\"bucket_sizes\")).replace(\",\", \" \"))\n"
+    "    print(\"rebuilt\", str(ld.get(\"rebuilt_per_bucket_param_indices\")).replace(\" \", "
+    "\".\").replace(\",.\", \"|\"))\n"
+    "    sys.stdout.flush()\n"
+    "dist.destroy_process_group()\n"
+    "os._exit(0)\n"
+    "\n";
 
 static void test_bucket_layouts_vs_torch(void **state) {
   (void)state;
@@ -831,18 +845,25 @@ static void test_bucket_layouts_vs_torch(void **state) {
     int64_t first;
     double cap;
   } cases[] = {{false, 2000, 25}, {true, 1500, 0.004}, {false, 1048, 0.001}, {true, 3000, 25}};
-  char script[] = "/tmp/ddp-layout-" "XX" "XX" "XX" /* mkstemp template */;
+  char script[] = "/tmp/ddp-layout-"
+                  "XX"
+                  "XX"
+                  "XX" /* mkstemp template */;
   int fd = mkstemp(script);
   assert_true(fd >= 0);
   ddp_test_remove_at_exit(script);
-  assert_int_equal(write(fd, torch_layout_py, strlen(torch_layout_py)), (ssize_t)strlen(torch_layout_py));
+  assert_int_equal(write(fd, torch_layout_py, strlen(torch_layout_py)),
+                   (ssize_t)strlen(torch_layout_py));
   close(fd);
   char cmd[1024];
   int len = snprintf(cmd, sizeof cmd, "%s %s", py, script);
   for (size_t t = 0; t < DDP_ARRAY_LEN(cases); t++)
     len += snprintf(cmd + len, sizeof cmd - (size_t)len, " %d:%lld:%g", cases[t].find_unused,
                     (long long)cases[t].first, cases[t].cap);
-  char errlog[] = "/tmp/ddp-layout-err-" "XX" "XX" "XX" /* mkstemp template */;
+  char errlog[] = "/tmp/ddp-layout-err-"
+                  "XX"
+                  "XX"
+                  "XX" /* mkstemp template */;
   int efd = mkstemp(errlog);
   assert_true(efd >= 0);
   close(efd);
@@ -878,7 +899,8 @@ static void test_bucket_layouts_vs_torch(void **state) {
       size_t n = v[pos++];
       int64_t sz = 0;
       for (size_t k = 0; k < n; k++) sz += numel[v[pos++]] * 4;
-      snprintf(mine_init + strlen(mine_init), sizeof mine_init - strlen(mine_init), " %lld", (long long)sz);
+      snprintf(mine_init + strlen(mine_init), sizeof mine_init - strlen(mine_init), " %lld",
+               (long long)sz);
     }
     bool rebuilt = v[pos++];
     size_t nr = v[pos++];
@@ -895,7 +917,8 @@ static void test_bucket_layouts_vs_torch(void **state) {
     for (char *tok = strtok(lines[2 * t] + 8, " \n"); tok; tok = strtok(NULL, " \n"))
       snprintf(want_init + strlen(want_init), sizeof want_init - strlen(want_init), " %s", tok);
     lines[2 * t + 1][strcspn(lines[2 * t + 1], "\n")] = 0;
-    print_message("torch: %s | %s\nddp:   %s | %s\n", want_init, lines[2 * t + 1], mine_init, mine_reb);
+    print_message("torch: %s | %s\nddp:   %s | %s\n", want_init, lines[2 * t + 1], mine_init,
+                  mine_reb);
     assert_string_equal(mine_init, want_init);
     assert_string_equal(mine_reb, lines[2 * t + 1]);
     ddp_test_results_free(res);
@@ -1176,7 +1199,8 @@ static void expect_msg(const ddp_test_result_t *r, const char *needle) {
 static void test_error_construction(void **state) {
   (void)state;
   ddp_test_results_t *res = run_error(E_COUNT, false, 3000);
-  for (int r = 0; r < 2; r++) assert_int_equal(ddp_test_result(res, r)->status, DDP_ERR_INVALID_ARGUMENT);
+  for (int r = 0; r < 2; r++)
+    assert_int_equal(ddp_test_result(res, r)->status, DDP_ERR_INVALID_ARGUMENT);
   expect_msg(ddp_test_result(res, 0),
              "DDP expects same model across all ranks, but Rank 0 has 4 params, while rank 1 "
              "has inconsistent 6 params.");
@@ -1303,7 +1327,10 @@ static void test_join(void **state) {
  * (before the finalize starts). */
 static void test_timeline(void **state) {
   (void)state;
-  char path[] = "/tmp/ddp-trace-" "XX" "XX" "XX" /* mkstemp template */;
+  char path[] = "/tmp/ddp-trace-"
+                "XX"
+                "XX"
+                "XX" /* mkstemp template */;
   int fd = mkstemp(path);
   if (fd >= 0) ddp_test_remove_at_exit(path); /* also when an assertion below fails */
   assert_true(fd >= 0);
@@ -1327,8 +1354,11 @@ static void test_timeline(void **state) {
     char name[64];
     int pid, tid;
     double ts, dur;
-    assert_int_equal(sscanf(line, "{\"name\":\"%63[^\"]\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
-                                  "\"ts\":%lf,\"dur\":%lf", name, &pid, &tid, &ts, &dur), 5);
+    assert_int_equal(sscanf(line,
+                            "{\"name\":\"%63[^\"]\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
+                            "\"ts\":%lf,\"dur\":%lf",
+                            name, &pid, &tid, &ts, &dur),
+                     5);
     assert_in_range(pid, 0, 1);
     if (strcmp(name, "forward") == 0) nfwd[pid]++;
     if (strcmp(name, "finalize") == 0) {

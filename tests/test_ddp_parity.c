@@ -74,83 +74,188 @@ static void parity(const pcfg_t *c) { ddp_test_parity(c, NULL); }
 
 static void test_parity_defaults(void **state) {
   (void)state;
-  pcfg_t c = {.name = "defaults", .model = MLP, .world = 2, .steps = 6, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "defaults",
+              .model = MLP,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 /* Beyond the list: .grad as a view into the bucket (divided in place by W). */
 static void test_parity_grad_as_bucket_view(void **state) {
   (void)state;
-  pcfg_t c = {.name = "grad_bucket_view", .model = MLP, .world = 2, .steps = 4, .batch = 8,
-              .accum = 2, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .grad_as_bucket_view = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "grad_bucket_view",
+              .model = MLP,
+              .world = 2,
+              .steps = 4,
+              .batch = 8,
+              .accum = 2,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .grad_as_bucket_view = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_defaults_w3(void **state) {
   (void)state;
-  pcfg_t c = {.name = "defaults_w3", .model = MLP, .world = 3, .steps = 4, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "defaults_w3",
+              .model = MLP,
+              .world = 3,
+              .steps = 4,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_bucket_cap_1(void **state) {
   (void)state;
-  pcfg_t c = {.name = "bucket_cap_mb_1", .model = WIDE, .world = 2, .steps = 4, .batch = 8,
-              .accum = 1, .lr = 0.05, .momentum = 0.9, .bucket_cap_mb = 1,
-              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "bucket_cap_mb_1",
+              .model = WIDE,
+              .world = 2,
+              .steps = 4,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.05,
+              .momentum = 0.9,
+              .bucket_cap_mb = 1,
+              .broadcast_buffers = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_find_unused(void **state) {
   (void)state;
-  pcfg_t c = {.name = "find_unused", .model = BRANCH, .world = 2, .steps = 6, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .flags = "1,0", .bucket_cap_mb = -1,
-              .find_unused = true, .broadcast_buffers = true, .rebuilt = false, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "find_unused",
+              .model = BRANCH,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .flags = "1,0",
+              .bucket_cap_mb = -1,
+              .find_unused = true,
+              .broadcast_buffers = true,
+              .rebuilt = false,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 /* Under find_unused the initial layout has several buckets too: limits [1 MiB, cap]. */
 static void test_parity_bucket_cap_1_find_unused(void **state) {
   (void)state;
-  pcfg_t c = {.name = "bucket_cap_1_unused", .model = WIDE, .world = 2, .steps = 3, .batch = 8,
-              .accum = 1, .lr = 0.05, .momentum = 0.9, .bucket_cap_mb = 1,
-              .find_unused = true, .broadcast_buffers = true, .rebuilt = false, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "bucket_cap_1_unused",
+              .model = WIDE,
+              .world = 2,
+              .steps = 3,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.05,
+              .momentum = 0.9,
+              .bucket_cap_mb = 1,
+              .find_unused = true,
+              .broadcast_buffers = true,
+              .rebuilt = false,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_grad_accum(void **state) {
   (void)state;
-  pcfg_t c = {.name = "grad_accum_4", .model = MLP, .world = 2, .steps = 4, .batch = 8,
-              .accum = 4, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "grad_accum_4",
+              .model = MLP,
+              .world = 2,
+              .steps = 4,
+              .batch = 8,
+              .accum = 4,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_batchnorm_broadcast(void **state) {
   (void)state;
-  pcfg_t c = {.name = "batchnorm_bb_on", .model = BN, .world = 2, .steps = 6, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "batchnorm_bb_on",
+              .model = BN,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_batchnorm_no_broadcast(void **state) {
   (void)state;
-  pcfg_t c = {.name = "batchnorm_bb_off", .model = BN, .world = 2, .steps = 6, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = false, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "batchnorm_bb_off",
+              .model = BN,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = false,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
 static void test_parity_static_graph(void **state) {
   (void)state;
-  pcfg_t c = {.name = "static_graph", .model = MLP, .world = 2, .steps = 6, .batch = 8,
-              .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-              .broadcast_buffers = true, .static_graph = true, .rebuilt = true, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = "static_graph",
+              .model = MLP,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = 1,
+              .lr = 0.1,
+              .momentum = 0.9,
+              .bucket_cap_mb = -1,
+              .broadcast_buffers = true,
+              .static_graph = true,
+              .rebuilt = true,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
@@ -163,10 +268,22 @@ static void test_parity_static_graph(void **state) {
 
 static void fidelity(const char *name, const char *model, const char *flags, double momentum,
                      bool find_unused, int accum, double cap_mb, const char *args) {
-  pcfg_t c = {.name = name, .model = model, .world = 2, .steps = 6, .batch = 8, .accum = accum,
-              .lr = 0.05, .momentum = momentum, .flags = flags, .bucket_cap_mb = cap_mb,
-              .find_unused = find_unused, .broadcast_buffers = true,
-              .rebuilt = !find_unused, .hook_args = args, .rtol = 1e-6, .atol = 1e-7};
+  pcfg_t c = {.name = name,
+              .model = model,
+              .world = 2,
+              .steps = 6,
+              .batch = 8,
+              .accum = accum,
+              .lr = 0.05,
+              .momentum = momentum,
+              .flags = flags,
+              .bucket_cap_mb = cap_mb,
+              .find_unused = find_unused,
+              .broadcast_buffers = true,
+              .rebuilt = !find_unused,
+              .hook_args = args,
+              .rtol = 1e-6,
+              .atol = 1e-7};
   parity(&c);
 }
 
@@ -268,8 +385,16 @@ static void test_dump_writer(void **state) {
   snprintf(B, sizeof B, "%s/dump", base);
   ddp_test_write_text(model, BN);
   const double lr = 0.25;
-  pcfg_t c = {.name = "writer", .model = BN, .world = 2, .steps = 3, .batch = 6, .accum = 2,
-              .lr = lr, .momentum = 0, .flags = "5", .bucket_cap_mb = -1,
+  pcfg_t c = {.name = "writer",
+              .model = BN,
+              .world = 2,
+              .steps = 3,
+              .batch = 6,
+              .accum = 2,
+              .lr = lr,
+              .momentum = 0,
+              .flags = "5",
+              .bucket_cap_mb = -1,
               .broadcast_buffers = true};
   int rc = ddp_test_parity_train(&c, NULL, B, NULL);
   if (rc != 0) {
@@ -377,8 +502,8 @@ static void test_dump_writer(void **state) {
       for (int64_t k = 0; k < n0; k++) {
         float want_p = before[k] - (float)lr * g0[k];
         if (fabsf(after[k] - want_p) > 1e-6f * fmaxf(1.0f, fabsf(want_p)))
-          fail_msg("step %d %s[%lld]: %g, want %g - %g * %g", s, nm, (long long)k,
-                   (double)after[k], (double)before[k], lr, (double)g0[k]);
+          fail_msg("step %d %s[%lld]: %g, want %g - %g * %g", s, nm, (long long)k, (double)after[k],
+                   (double)before[k], lr, (double)g0[k]);
         nz += fabs((double)g0[k]);
       }
       assert_true(nz > 0); /* the gradient is a real one */
@@ -397,8 +522,7 @@ static void test_dump_writer(void **state) {
   const cJSON *pn = get(dj, "param_names");
   assert_int_equal(cJSON_GetArraySize(pn), np);
   for (size_t i = 0; i < np; i++)
-    assert_string_equal(cJSON_GetArrayItem(pn, (int)i)->valuestring,
-                        ddp_model_param(m, i)->name);
+    assert_string_equal(cJSON_GetArrayItem(pn, (int)i)->valuestring, ddp_model_param(m, i)->name);
   assert_int_equal(cJSON_GetArraySize(get(dj, "buffer_names")), nb);
   const cJSON *init = get(get(dj, "bucket_layouts"), "initial");
   assert_int_equal(cJSON_GetArraySize(init), 1); /* one bucket at construction */

@@ -39,7 +39,7 @@ typedef struct run_opts {
 } run_opts_t;
 
 typedef struct run_result {
-  int exit_code;  /* -1 when killed by a signal */
+  int exit_code; /* -1 when killed by a signal */
   int term_sig;
   bool timed_out;
   double elapsed_ms;
@@ -116,8 +116,7 @@ static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_
     unsetenv("DDP_JOB_TOKEN");
     unsetenv("DDP_BACKEND");
     unsetenv("DDP_TIMEOUT");
-    for (int i = 0; i < MAX_ENV && o->env[i][0]; i++)
-      setenv(o->env[i][0], o->env[i][1], 1);
+    for (int i = 0; i < MAX_ENV && o->env[i][0]; i++) setenv(o->env[i][0], o->env[i][1], 1);
     execv(argv[0], (char *const *)argv);
     _exit(126);
   }
@@ -145,8 +144,10 @@ static void run_ddprun(const char *const *args, const run_opts_t *o, run_result_
       char buf[8192];
       ssize_t r = read(fds[j], buf, sizeof buf);
       if (r > 0) {
-        if (j == 0) append(&res->out, &res->out_len, &ocap, buf, (size_t)r);
-        else append(&res->err, &res->err_len, &ecap, buf, (size_t)r);
+        if (j == 0)
+          append(&res->out, &res->out_len, &ocap, buf, (size_t)r);
+        else
+          append(&res->err, &res->err_len, &ecap, buf, (size_t)r);
       } else if (r == 0 || errno != EINTR) {
         close(fds[j]);
         fds[j] = -1;
@@ -195,9 +196,9 @@ static void assert_contains(const char *hay, const char *needle) {
 
 /* ---------------------------------------------------------------- environment ----- */
 
-#define PRINT_ENV                                                                          \
-  "echo \"ENV R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK "     \
-  "A=$MASTER_ADDR P=$MASTER_PORT B=${DDP_BACKEND-unset} TO=${DDP_TIMEOUT-unset} "          \
+#define PRINT_ENV                                                                      \
+  "echo \"ENV R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK " \
+  "A=$MASTER_ADDR P=$MASTER_PORT B=${DDP_BACKEND-unset} TO=${DDP_TIMEOUT-unset} "      \
   "T=$DDP_JOB_TOKEN\""
 
 typedef struct env_expect {
@@ -238,8 +239,10 @@ static void check_env_lines(const run_result_t *res, const env_expect_t *e, char
       assert_int_equal(strlen(v), 32);
       assert_int_equal(strspn(v, "0123456789abcdef"), 32);
     }
-    if (token[0]) assert_string_equal(v, token); /* one token per job */
-    else strcpy(token, v);
+    if (token[0])
+      assert_string_equal(v, token); /* one token per job */
+    else
+      strcpy(token, v);
     lines++;
   }
   assert_int_equal(lines, e->nproc);
@@ -255,8 +258,15 @@ static void test_env_single_node(void **state) {
   char port_arg[32];
   int port = ddp_test_free_port();
   snprintf(port_arg, sizeof port_arg, "--master_port=%d", port);
-  const char *args[] = {"--nproc-per-node=3", port_arg, "--backend", "gloo",
-                        "--timeout=77", "/bin/sh", "-c", PRINT_ENV, NULL};
+  const char *args[] = {"--nproc-per-node=3",
+                        port_arg,
+                        "--backend",
+                        "gloo",
+                        "--timeout=77",
+                        "/bin/sh",
+                        "-c",
+                        PRINT_ENV,
+                        NULL};
   env_expect_t e = {3, 1, 0, port, "127.0.0.1", "gloo", "77", NULL};
   char t1[128], t2[128];
   run_result_t res;
@@ -271,8 +281,8 @@ static void test_env_single_node(void **state) {
   /* Defaults: the port 29500 and DDP_BACKEND and DDP_TIMEOUT left alone, seen on node 1 of
    * 2 (only node 0 reserves the port, so nothing binds 29500 here); the address 127.0.0.1,
    * seen on a one-node run that names no address (run_ddprun adds --standalone). */
-  const char *dflt[] = {"--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1",
-                        "/bin/sh", "-c", PRINT_ENV, NULL};
+  const char *dflt[] = {"--nnodes",  "2",       "--node_rank", "1",       "--master_addr",
+                        "127.0.0.1", "/bin/sh", "-c",          PRINT_ENV, NULL};
   run_opts_t o = {.env = {{"DDP_JOB_TOKEN", "defaults-token"}}};
   env_expect_t d = {1, 2, 1, 29500, "127.0.0.1", "unset", "unset", "defaults-token"};
   run_ddprun(dflt, &o, &res);
@@ -288,9 +298,21 @@ static void test_env_single_node(void **state) {
 /* Second node of two: global ranks continue after node 0's; the token comes from the env. */
 static void test_env_multi_node(void **state) {
   (void)state;
-  const char *args[] = {"--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2",
-                        "--master_addr", "10.0.0.7", "--master-port", "29712", "--",
-                        "/bin/sh", "-c", PRINT_ENV, NULL};
+  const char *args[] = {"--nnodes",
+                        "2",
+                        "--node_rank",
+                        "1",
+                        "--nproc_per_node",
+                        "2",
+                        "--master_addr",
+                        "10.0.0.7",
+                        "--master-port",
+                        "29712",
+                        "--",
+                        "/bin/sh",
+                        "-c",
+                        PRINT_ENV,
+                        NULL};
   run_opts_t o = {.env = {{"DDP_JOB_TOKEN", "shared-token-42"}}};
   env_expect_t e = {2, 2, 1, 29712, "10.0.0.7", "unset", "unset", "shared-token-42"};
   run_result_t res;
@@ -311,8 +333,12 @@ static void test_env_multi_node(void **state) {
 /* Lines of both streams get the rank's prefix; an unfinished last line is flushed. */
 static void test_prefix_lines(void **state) {
   (void)state;
-  const char *args[] = {"--nproc_per_node", "2", "/bin/sh", "-c",
-                        "echo a; echo b; echo e$RANK >&2; printf tail$RANK", NULL};
+  const char *args[] = {"--nproc_per_node",
+                        "2",
+                        "/bin/sh",
+                        "-c",
+                        "echo a; echo b; echo e$RANK >&2; printf tail$RANK",
+                        NULL};
   run_result_t res;
   run_ddprun(args, NULL, &res);
   assert_int_equal(res.exit_code, 0);
@@ -342,7 +368,10 @@ static void test_prefix_lines(void **state) {
 static void test_lines_do_not_interleave(void **state) {
   (void)state;
   enum { NPROC = 4, LINES = 150, WIDTH = 3000 };
-  const char *args[] = {"--nproc_per_node", "4", "/bin/sh", "-c",
+  const char *args[] = {"--nproc_per_node",
+                        "4",
+                        "/bin/sh",
+                        "-c",
                         "s=$(printf '%3000s' '' | tr ' ' \"$RANK\"); i=0; "
                         "while [ $i -lt 150 ]; do echo \"$s\"; echo \"$s\" >&2; i=$((i+1)); done",
                         NULL};
@@ -393,7 +422,10 @@ static void test_lines_do_not_interleave(void **state) {
  * that exits 4 when told to stop) are stopped at once and are not reported as first. */
 static void test_exit_code_propagates(void **state) {
   (void)state;
-  const char *args[] = {"--nproc_per_node", "3", "/bin/sh", "-c",
+  const char *args[] = {"--nproc_per_node",
+                        "3",
+                        "/bin/sh",
+                        "-c",
                         "case $RANK in 1) exit 3;; 2) trap 'exit 4' TERM; sleep 30 & wait;; "
                         "*) sleep 30;; esac",
                         NULL};
@@ -419,8 +451,12 @@ static void test_exit_code_propagates(void **state) {
  * 5 s and ddprun exits 128 + 9, naming the rank and the signal. */
 static void test_killed_rank_tears_down(void **state) {
   (void)state;
-  const char *args[] = {"--nproc_per_node", "2", "/bin/sh", "-c",
-                        "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 30", NULL};
+  const char *args[] = {"--nproc_per_node",
+                        "2",
+                        "/bin/sh",
+                        "-c",
+                        "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 30",
+                        NULL};
   run_result_t res;
   run_ddprun(args, NULL, &res);
   assert_int_equal(res.exit_code, 128 + SIGKILL);
@@ -438,7 +474,12 @@ static void test_grace_period_then_sigkill(void **state) {
   char dir[] = "/tmp/ddprun-test-......";
   memset(dir + strlen(dir) - 6, 'X', 6);
   ddp_test_mkdtemp(dir); /* removed at exit, also on failure */
-  const char *args[] = {"--nproc_per_node", "2", "--grace-period", "0.5", "/bin/sh", "-c",
+  const char *args[] = {"--nproc_per_node",
+                        "2",
+                        "--grace-period",
+                        "0.5",
+                        "/bin/sh",
+                        "-c",
                         "if [ $RANK = 0 ]; then trap '' TERM; touch \"$T_DIR/ready\"; sleep 30; "
                         "else while [ ! -e \"$T_DIR/ready\" ]; do sleep 0.02; done; exit 1; fi",
                         NULL};
@@ -479,8 +520,8 @@ static void test_signals_forwarded(void **state) {
   const char *names[2] = {"TERM", "INT"};
   for (int k = 0; k < 2; k++) {
     char script[256];
-    snprintf(script, sizeof script,
-             "trap 'echo got-%s; exit 0' %s; echo ready; sleep 30 & wait", names[k], names[k]);
+    snprintf(script, sizeof script, "trap 'echo got-%s; exit 0' %s; echo ready; sleep 30 & wait",
+             names[k], names[k]);
     const char *args[] = {"--nproc_per_node", "2", "/bin/sh", "-c", script, NULL};
     run_opts_t o = {.wait_for = "ready\n", .wait_count = 2, .signal = sigs[k]};
     run_result_t res;

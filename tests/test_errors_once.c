@@ -105,8 +105,7 @@ static job_t *run_job(const char *mode, const char *kind) {
                "MASTER_ADDR=127.0.0.1 MASTER_PORT=%d DDP_BACKEND=%s '%s' %s "
                "--output_dir '%s/o'$r >'%s/out'$r 2>'%s/err'$r; echo $? >'%s/rc'$r) & done; "
                "wait",
-               WORLD, WORLD, ddp_test_free_port(), mode, exe, args, j->dir, j->dir, j->dir,
-               j->dir);
+               WORLD, WORLD, ddp_test_free_port(), mode, exe, args, j->dir, j->dir, j->dir, j->dir);
     }
     int64_t t0 = ddp_now_ns();
     ddp_test_proc_run(cmd, sherr, 90, NULL);
@@ -143,8 +142,8 @@ static void print_stderr(const job_t *j, const char *mode, const char *kind) {
   for (int r = 0; r < WORLD; r++) {
     if (!j->err[r]) continue;
     if (j->err[1])
-      print_message("---- [%s %s] stderr of rank %d (exit %d) ----\n%s", mode, kind, r,
-                    j->rc[r], j->err[r]);
+      print_message("---- [%s %s] stderr of rank %d (exit %d) ----\n%s", mode, kind, r, j->rc[r],
+                    j->err[r]);
     else
       print_message("---- [%s %s] stderr (exit %d) ----\n%s", mode, kind, j->rc[r], j->err[r]);
   }
@@ -190,8 +189,10 @@ static void expect_once(const char *mode, const char *kind) {
   job_free(j);
   assert_int_equal(stray, 0);
   for (int r = 0; r < WORLD; r++) {
-    if (r == CULPRIT) assert_in_range(n[r], 0, 1);
-    else assert_int_equal(n[r], 1);
+    if (r == CULPRIT)
+      assert_in_range(n[r], 0, 1);
+    else
+      assert_int_equal(n[r], 1);
   }
   for (int r = 0; r < (one_process ? 1 : WORLD); r++)
     if (r != CULPRIT) assert_int_equal(rc[r], 1);
@@ -255,9 +256,9 @@ static void test_hang_ddprun(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_hang_threads),  cmocka_unit_test(test_hang_tcp),
-      cmocka_unit_test(test_hang_shm),      cmocka_unit_test(test_crash_threads),
-      cmocka_unit_test(test_crash_tcp),     cmocka_unit_test(test_crash_shm),
+      cmocka_unit_test(test_hang_threads), cmocka_unit_test(test_hang_tcp),
+      cmocka_unit_test(test_hang_shm),     cmocka_unit_test(test_crash_threads),
+      cmocka_unit_test(test_crash_tcp),    cmocka_unit_test(test_crash_shm),
       cmocka_unit_test(test_hang_ddprun),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

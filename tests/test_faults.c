@@ -36,14 +36,14 @@
 
 typedef struct job {
   char dir[256];
-  int rc[WORLD];           /* exit status per rank (threads: the process's, for every rank) */
-  double t_inject;         /* the injector's CLOCK_MONOTONIC seconds; < 0 when not logged */
-  double t_fail[WORLD];    /* each rank's failure time; < 0 when it did not fail */
-  char msg[WORLD][2048];   /* each rank's failure message */
-  char hash[WORLD][32];    /* "every rank holds parameters X" of a successful run */
-  char fr_verdict[2048];   /* tools/ddp-fr-trace's verdict on the flight-recorder dumps */
+  int rc[WORLD];         /* exit status per rank (threads: the process's, for every rank) */
+  double t_inject;       /* the injector's CLOCK_MONOTONIC seconds; < 0 when not logged */
+  double t_fail[WORLD];  /* each rank's failure time; < 0 when it did not fail */
+  char msg[WORLD][2048]; /* each rank's failure message */
+  char hash[WORLD][32];  /* "every rank holds parameters X" of a successful run */
+  char fr_verdict[2048]; /* tools/ddp-fr-trace's verdict on the flight-recorder dumps */
   int fr_culprits[WORLD + 1], fr_n; /* the ranks it names; fr_n < 0: it did not run */
-  char *log;               /* every rank's stderr, concatenated */
+  char *log;                        /* every rank's stderr, concatenated */
 } job_t;
 
 static char *slurp(const char *path) {
@@ -234,8 +234,8 @@ static void expect_survivors(const char *kind, const char *spec, const char *con
       bool named = strstr(j->msg[r], want[b]) != NULL;
       print_message("[%s %s] rank %d: exit %d, failed %.1f ms after the injection "
                     "(expected %.0f..%.0f), names \"%s\": %s\n  %.600s\n",
-                    backends[b], kind, r, j->rc[r], ms, lo_ms, hi_ms, want[b],
-                    named ? "yes" : "NO", j->msg[r]);
+                    backends[b], kind, r, j->rc[r], ms, lo_ms, hi_ms, want[b], named ? "yes" : "NO",
+                    j->msg[r]);
       ok &= j->rc[r] == 1 && j->t_fail[r] > 0 && named && ms >= lo_ms && ms <= hi_ms;
     }
     /* The flight-recorder analyzer, from the dumps alone, names the same culprit. */
@@ -247,16 +247,17 @@ static void expect_survivors(const char *kind, const char *spec, const char *con
     if (j->fr_n >= 0) ok &= fr_names_culprit ? fr_ok : j->fr_n == 0;
     if (!ok) dump_tail(j);
     job_free(j);
-    if (!ok) fail_msg("[%s %s] a survivor or the analyzer did not blame rank 1 as expected "
-                      "(see above)", backends[b], kind);
+    if (!ok)
+      fail_msg("[%s %s] a survivor or the analyzer did not blame rank 1 as expected "
+               "(see above)",
+               backends[b], kind);
   }
 }
 
 static void test_crash(void **state) {
   (void)state;
   /* threads: the culprit aborts its group; shm: its pidfd; tcp: its closed connection. */
-  static const char *const want[3] = {"rank 1 aborted the group", "rank 1 (pid",
-                                      "rank 1 ("};
+  static const char *const want[3] = {"rank 1 aborted the group", "rank 1 (pid", "rank 1 ("};
   expect_survivors("crash", "rank=1,step=3,kind=crash", want, 0, 1000, true);
 }
 
@@ -264,8 +265,8 @@ static void test_hang(void **state) {
   (void)state;
   static const char *const want[3] = {"waiting for rank 1", "waiting for rank 1",
                                       "waiting for rank 1"};
-  expect_survivors("hang", "rank=1,step=3,kind=hang", want, TIMEOUT_S * 900.0,
-                   TIMEOUT_S * 1100.0, true);
+  expect_survivors("hang", "rank=1,step=3,kind=hang", want, TIMEOUT_S * 900.0, TIMEOUT_S * 1100.0,
+                   true);
 }
 
 static void test_slow_past_timeout(void **state) {
@@ -290,15 +291,14 @@ static void test_wrong_shape(void **state) {
   expect_survivors("wrong_shape", "rank=1,step=3,kind=wrong_shape", want, 0, 1000, true);
   /* The same at a collective number instead of a step: #12 is step 3's loss allreduce (count
    * 1 issued as 0). */
-  expect_survivors("wrong_shape@#12", "rank=1,collective=12,kind=wrong_shape", want, 0, 1000,
-                   true);
+  expect_survivors("wrong_shape@#12", "rank=1,collective=12,kind=wrong_shape", want, 0, 1000, true);
 }
 
 static void test_corrupt_after(void **state) {
   (void)state;
   static const char *const want[3] = {"rank 1 holds 0x", "rank 1 holds 0x", "rank 1 holds 0x"};
-  expect_survivors("corrupt_bucket:after", "rank=1,step=3,kind=corrupt_bucket:after", want, 0,
-                   1000, false);
+  expect_survivors("corrupt_bucket:after", "rank=1,step=3,kind=corrupt_bucket:after", want, 0, 1000,
+                   false);
 }
 
 /* Flipped bits in rank 1's bucket before the allreduce reach every rank through the average:
@@ -314,10 +314,9 @@ static void test_undetected_kinds(void **state) {
                   "injected: %s; slow:300: exit %d, parameters %s\n",
                   backends[b], clean->rc[0], clean->hash[0], bad->rc[0], bad->hash[0],
                   bad->t_inject > 0 ? "yes" : "NO", slow->rc[0], slow->hash[0]);
-    bool ok = clean->rc[0] == 0 && bad->rc[0] == 0 && slow->rc[0] == 0 &&
-              bad->t_inject > 0 && slow->t_inject > 0 && clean->hash[0][0] &&
-              strcmp(clean->hash[0], bad->hash[0]) != 0 &&
-              !strcmp(clean->hash[0], slow->hash[0]);
+    bool ok = clean->rc[0] == 0 && bad->rc[0] == 0 && slow->rc[0] == 0 && bad->t_inject > 0 &&
+              slow->t_inject > 0 && clean->hash[0][0] &&
+              strcmp(clean->hash[0], bad->hash[0]) != 0 && !strcmp(clean->hash[0], slow->hash[0]);
     for (int r = 0; r < WORLD; r++) ok &= bad->rc[r] == 0 && slow->rc[r] == 0;
     if (!ok) {
       dump_tail(bad);
@@ -374,10 +373,10 @@ static void test_bad_spec(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_bad_spec),         cmocka_unit_test(test_crash),
-      cmocka_unit_test(test_skip_backward),    cmocka_unit_test(test_wrong_shape),
-      cmocka_unit_test(test_corrupt_after),    cmocka_unit_test(test_undetected_kinds),
-      cmocka_unit_test(test_hang),             cmocka_unit_test(test_slow_past_timeout),
+      cmocka_unit_test(test_bad_spec),      cmocka_unit_test(test_crash),
+      cmocka_unit_test(test_skip_backward), cmocka_unit_test(test_wrong_shape),
+      cmocka_unit_test(test_corrupt_after), cmocka_unit_test(test_undetected_kinds),
+      cmocka_unit_test(test_hang),          cmocka_unit_test(test_slow_past_timeout),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

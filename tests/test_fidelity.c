@@ -55,8 +55,7 @@ static void write_models(void) {
 /* ddp-train on `launch` ("--threads 2", or a ddprun prefix) with the common arguments,
  * writing dump_dir and output_dir dump_dir.out; extra last (it overrides). Fails the test
  * unless it exits 0; returns the tool's stdout (malloc'd). */
-static char *train(const char *launch, const char *model, const char *dump_dir,
-                   const char *extra) {
+static char *train(const char *launch, const char *model, const char *dump_dir, const char *extra) {
   char *out = NULL;
   int rc = ddp_test_run_cmd(
       &out,
@@ -103,15 +102,15 @@ static void test_flags_schedule(void **state) {
     int rank;
     int64_t step;
     uint64_t want;
-  } ok[] = {{"0:1", 0, 0, 0},   {"0:1", 0, 1, 1},     {"0:1", 3, 7, 1},   {"0,1", 1, 4, 1},
-            {"0,1", 2, 4, 0},   {"0:1,1", 0, 3, 1},   {"0:1,1", 1, 2, 1}, {"1:2:4,0x8", 0, 5, 4},
-            {"1:2:4,0x8", 1, 5, 8}, {" 2 : 3 , 5 ", 0, 1, 3}, {"7", 5, 9, 7}};
+  } ok[] = {{"0:1", 0, 0, 0},         {"0:1", 0, 1, 1},       {"0:1", 3, 7, 1},
+            {"0,1", 1, 4, 1},         {"0,1", 2, 4, 0},       {"0:1,1", 0, 3, 1},
+            {"0:1,1", 1, 2, 1},       {"1:2:4,0x8", 0, 5, 4}, {"1:2:4,0x8", 1, 5, 8},
+            {" 2 : 3 , 5 ", 0, 1, 3}, {"7", 5, 9, 7}};
   for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
     uint64_t v = 99;
     if (!ddp__train_forward_flags_at(ok[i].text, ok[i].rank, ok[i].step, &v) || v != ok[i].want)
-      fail_msg("forward_flags \"%s\" rank %d step %lld: %llu, want %llu", ok[i].text,
-               ok[i].rank, (long long)ok[i].step, (unsigned long long)v,
-               (unsigned long long)ok[i].want);
+      fail_msg("forward_flags \"%s\" rank %d step %lld: %llu, want %llu", ok[i].text, ok[i].rank,
+               (long long)ok[i].step, (unsigned long long)v, (unsigned long long)ok[i].want);
   }
   static const char *const bad[] = {"0:", ":1", "0::1", "0:,1", "0:x", "1,:2", "0:-1"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
@@ -125,9 +124,12 @@ static void test_named_add_model(void **state) {
   ddp_model_t *m = NULL;
   ddp_error_t err = {0};
   assert_int_equal(ddp_model_from_json(AUX, &m, &err), DDP_OK);
-  static const char *const names[] = {"fc1.weight",          "fc1.bias",
-                                      "heads.logits.0.weight", "heads.logits.0.bias",
-                                      "heads.aux.0.weight",  "heads.aux.0.bias"};
+  static const char *const names[] = {"fc1.weight",
+                                      "fc1.bias",
+                                      "heads.logits.0.weight",
+                                      "heads.logits.0.bias",
+                                      "heads.aux.0.weight",
+                                      "heads.aux.0.bias"};
   assert_int_equal(ddp_model_num_params(m), 6);
   for (size_t i = 0; i < 6; i++) assert_string_equal(ddp_model_param(m, i)->name, names[i]);
   assert_int_equal(ddp_model_init(m, 3), DDP_OK);
@@ -152,8 +154,10 @@ static void test_named_add_model(void **state) {
   /* aux alone: the difference, compared with a direct linear of the aux head. */
   ddp_var_t *h, *a;
   {
-    ddp_var_t *w1 = ddp_param_var(c, ddp_model_param(m, 0)), *b1 = ddp_param_var(c, ddp_model_param(m, 1));
-    ddp_var_t *wa = ddp_param_var(c, ddp_model_param(m, 4)), *ba = ddp_param_var(c, ddp_model_param(m, 5));
+    ddp_var_t *w1 = ddp_param_var(c, ddp_model_param(m, 0)),
+              *b1 = ddp_param_var(c, ddp_model_param(m, 1));
+    ddp_var_t *wa = ddp_param_var(c, ddp_model_param(m, 4)),
+              *ba = ddp_param_var(c, ddp_model_param(m, 5));
     assert_int_equal(ddp_linear(c, in, w1, b1, &h), DDP_OK);
     assert_int_equal(ddp_relu(c, h, &h), DDP_OK);
     assert_int_equal(ddp_linear(c, h, wa, ba, &a), DDP_OK);
@@ -167,7 +171,8 @@ static void test_named_add_model(void **state) {
   static const struct {
     const char *json, *msg;
   } bad[] = {
-      {"{\"layers\": [{\"type\": \"relu\", \"name\": \"a\"}, {\"type\": \"tanh\", \"name\": \"a\"}]}",
+      {"{\"layers\": [{\"type\": \"relu\", \"name\": \"a\"}, {\"type\": \"tanh\", \"name\": "
+       "\"a\"}]}",
        "same name \"a\""},
       {"{\"layers\": [{\"type\": \"relu\", \"name\": \"1\"}, {\"type\": \"tanh\"}]}",
        "same name \"1\""},
@@ -181,7 +186,8 @@ static void test_named_add_model(void **state) {
     ddp_error_t e = {0};
     ddp_model_t *mm = NULL;
     if (ddp_model_from_json(bad[i].json, &mm, &e) == DDP_OK) fail_msg("accepted %s", bad[i].json);
-    if (!strstr(e.msg, bad[i].msg)) fail_msg("%s: message \"%s\" lacks \"%s\"", bad[i].json, e.msg, bad[i].msg);
+    if (!strstr(e.msg, bad[i].msg))
+      fail_msg("%s: message \"%s\" lacks \"%s\"", bad[i].json, e.msg, bad[i].msg);
   }
   /* Every branch flagged and none active: an error at forward. */
   assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"add\", \"branches\": "
@@ -244,8 +250,8 @@ static void test_optim_skips_none(void **state) {
       if (s == 0) {
         assert_int_equal(ddp_optim_step(opt, &err), DDP_OK);
         if (memcmp(before, p[1].data, sizeof before) != 0)
-          fail_msg("%s: a None gradient moved the parameter (%.9g -> %.9g)", kinds[k],
-                   before[0], ((float *)p[1].data)[0]);
+          fail_msg("%s: a None gradient moved the parameter (%.9g -> %.9g)", kinds[k], before[0],
+                   ((float *)p[1].data)[0]);
         /* clip_grad_norm: the None gradient neither counts nor is touched. */
         ddp_tensor_t *gs[2] = {&g[0], &g[1]};
         double total = 0;
@@ -280,8 +286,7 @@ static void test_optim_skips_none(void **state) {
     }
     if (k > 0) {
       char path[600];
-      snprintf(path, sizeof path, "%s/opt_%s_end.safetensors", ddp_test_parity_scratch(),
-               kinds[k]);
+      snprintf(path, sizeof path, "%s/opt_%s_end.safetensors", ddp_test_parity_scratch(), kinds[k]);
       assert_int_equal(ddp_optim_save(opt, path, &err), DDP_OK);
       ddp_st_file_t *f = st_open(path);
       float s0 = *(const float *)st_get(f, "state.0.step").data;
@@ -332,7 +337,8 @@ static void test_never_used_backends(void **state) {
     snprintf(dir, sizeof dir, "%s/never_%s", ddp_test_parity_scratch(), cases[c].name);
     snprintf(extra, sizeof extra,
              "--max_steps 10 --optim adamw --weight_decay 1e-2 --weight_decay_grouping all "
-             "--forward_flags 0 --ddp_find_unused_parameters true %s", cases[c].extra);
+             "--forward_flags 0 --ddp_find_unused_parameters true %s",
+             cases[c].extra);
     free(train(cases[c].launch, g_model, dir, extra));
     for (int r = 0; r < 2; r++) {
       char pi[700], ps[700];
@@ -357,7 +363,8 @@ static void test_never_used_backends(void **state) {
       ddp_st_close(fi);
     }
     print_message("%-13s aux head bitwise unchanged after 10 AdamW steps (wd 1e-2), "
-                  "grads_none at every step\n", cases[c].name);
+                  "grads_none at every step\n",
+                  cases[c].name);
   }
 }
 
@@ -384,7 +391,8 @@ static void test_adam_step_counts(void **state) {
     snprintf(dir, sizeof dir, "%s/adam_%s", ddp_test_parity_scratch(), cases[c].name);
     snprintf(extra, sizeof extra,
              "--max_steps 10 --optim adam --weight_decay 0 --ddp_find_unused_parameters true "
-             "--save_strategy steps --save_steps 10 %s", cases[c].extra);
+             "--save_strategy steps --save_steps 10 %s",
+             cases[c].extra);
     free(train(launch, g_model, dir, extra));
     snprintf(path, sizeof path, "%s.out/checkpoint-10/optimizer.safetensors", dir);
     ddp_st_file_t *f = st_open(path);
@@ -395,8 +403,7 @@ static void test_adam_step_counts(void **state) {
       if (got != want) fail_msg("%s: %s = %g, want %g", cases[c].name, nm, got, want);
     }
     ddp_st_close(f);
-    print_message("%-20s Adam step: aux head %g, others 10\n", cases[c].name,
-                  cases[c].aux_steps);
+    print_message("%-20s Adam step: aux head %g, others 10\n", cases[c].name, cases[c].aux_steps);
   }
 }
 
@@ -417,8 +424,10 @@ static void test_set_to_none_false_bitwise(void **state) {
     for (int z = 0; z < 2; z++) {
       char dir[600], extra[512];
       snprintf(dir, sizeof dir, "%s/stn_%zu_%d", ddp_test_parity_scratch(), m, z);
-      snprintf(extra, sizeof extra, "--max_steps 6 --weight_decay 1e-2 %s "
-               "--zero_grad_set_to_none %s", modes[m], z ? "true" : "false");
+      snprintf(extra, sizeof extra,
+               "--max_steps 6 --weight_decay 1e-2 %s "
+               "--zero_grad_set_to_none %s",
+               modes[m], z ? "true" : "false");
       char *out = train(launch, g_mlp, dir, extra);
       const char *h = strstr(out, "holds parameters ");
       assert_non_null(h);
@@ -481,8 +490,9 @@ static void test_knobs(void **state) {
       ddp_tensor_t ix = st_get(f[0], "input.index");
       for (int64_t i = 0; i < ix.numel; i++) {
         int64_t want = (s * 8 + i) * 2 + r, got = ((const int64_t *)ix.data)[i];
-        if (got != want) fail_msg("no shuffle: rank %d step %d row %lld: index %lld, want %lld",
-                                  r, s, (long long)i, (long long)got, (long long)want);
+        if (got != want)
+          fail_msg("no shuffle: rank %d step %d row %lld: index %lld, want %lld", r, s,
+                   (long long)i, (long long)got, (long long)want);
       }
       if (!same_bytes(f[1], f[2], "input.index"))
         fail_msg("rank %d step %d: data_seed 99 gave two orders", r, s);
@@ -545,9 +555,13 @@ static void test_compare_diagnosis(void **state) {
     const char *name, *verdict, *phrase;
     const char *tensors[3];
   } cases[] = {
-      {"compute", "local_gradients_differ", "local gradients already differ",
+      {"compute",
+       "local_gradients_differ",
+       "local gradients already differ",
        {"local_grad.0.weight", "grad.0.weight", NULL}},
-      {"communication", "averaged_gradients_differ", "only the averaged gradients differ",
+      {"communication",
+       "averaged_gradients_differ",
+       "only the averaged gradients differ",
        {"grad.0.weight", NULL, NULL}},
   };
   char *out = NULL;

@@ -90,13 +90,13 @@ static const char *jstr(const cJSON *o, const char *key) {
   return v->valuestring;
 }
 
-#define assert_str(a, b)                                                       \
-  do {                                                                         \
-    const char *a_ = (a), *b_ = (b);                                           \
-    if (strcmp(a_, b_) != 0) {                                                 \
-      print_error("%s is \"%s\", expected \"%s\"\n", #a, a_, b_);              \
-      fail();                                                                  \
-    }                                                                          \
+#define assert_str(a, b)                                          \
+  do {                                                            \
+    const char *a_ = (a), *b_ = (b);                              \
+    if (strcmp(a_, b_) != 0) {                                    \
+      print_error("%s is \"%s\", expected \"%s\"\n", #a, a_, b_); \
+      fail();                                                     \
+    }                                                             \
   } while (0)
 
 /* Runs tools/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3. */
@@ -201,7 +201,7 @@ static int scen_rank(ddp_test_rank_t *tr, void *arg) {
     }
     ddp_test_say_pg_error(tr, pg);
   } else { /* 2000 allreduces 1 ms apart (over 2 s; 3: a kill ends them); 4: rank 0
-              * signals its own process after the 4th */
+            * signals its own process after the 4th */
     for (int i = 0; st == DDP_OK && i < 2000; i++) {
       st = allreduce_n(pg, buf, 100);
       if (sc->kind == 4 && r == 0 && i == 3) kill(getpid(), SIGUSR1);
@@ -250,8 +250,8 @@ static void check_ring(const char *dir, int want) {
   assert_int_equal(jint(j, "world_size"), 2);
   assert_str(jstr(j, "dump_reason"), "request");
   const cJSON *st = cJSON_GetObjectItemCaseSensitive(
-      cJSON_GetObjectItemCaseSensitive(j, "pg_status"), jstr(
-          cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "pg_config"), 0), "name"));
+      cJSON_GetObjectItemCaseSensitive(j, "pg_status"),
+      jstr(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "pg_config"), 0), "name"));
   assert_non_null(st);
   assert_int_equal(jint(st, "last_enqueued_collective"), 9);
   assert_int_equal(jint(st, "last_completed_collective"), 9);
@@ -271,7 +271,8 @@ static void check_ring(const char *dir, int want) {
     assert_int_equal((int64_t)cJSON_GetArrayItem(cJSON_GetArrayItem(in, 0), 0)->valuedouble,
                      10 + k);
     assert_str(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(e, "input_dtypes"), 0)
-                   ->valuestring, "Float");
+                   ->valuestring,
+               "Float");
     const cJSON *params = cJSON_GetObjectItemCaseSensitive(e, "ddp_params");
     if (k < 9) {
       assert_null(cJSON_GetObjectItemCaseSensitive(e, "ddp_bucket"));
@@ -352,8 +353,8 @@ static void expect_dumps(const ddp_test_results_t *res, const char *dir, int wor
     char path[512];
     snprintf(path, sizeof path, "%s/fr_rank_%d.json", dir, r);
     if (!wait_file(path, 3000)) {
-      print_error("rank %d (%s: %s) left no dump %s\n", r, ddp_test_status_name(x->status),
-                  x->msg, path);
+      print_error("rank %d (%s: %s) left no dump %s\n", r, ddp_test_status_name(x->status), x->msg,
+                  path);
       fail();
     }
   }
@@ -376,15 +377,9 @@ static void run_stall(const char *dir, const char *backend, ddp_test_mode_t mode
   cJSON_Delete(v);
 }
 
-static void test_stall_threads(void **state) {
-  run_stall(*state, "threads", DDP_TEST_THREADS);
-}
-static void test_stall_shm(void **state) {
-  run_stall(*state, "shm", DDP_TEST_FORK);
-}
-static void test_stall_tcp(void **state) {
-  run_stall(*state, "tcp", DDP_TEST_FORK);
-}
+static void test_stall_threads(void **state) { run_stall(*state, "threads", DDP_TEST_THREADS); }
+static void test_stall_shm(void **state) { run_stall(*state, "shm", DDP_TEST_FORK); }
+static void test_stall_tcp(void **state) { run_stall(*state, "tcp", DDP_TEST_FORK); }
 
 static void run_desync(const char *dir, const char *backend, ddp_test_mode_t mode) {
   clear_env();
@@ -408,12 +403,8 @@ static void run_desync(const char *dir, const char *backend, ddp_test_mode_t mod
   cJSON_Delete(v);
 }
 
-static void test_desync_threads(void **state) {
-  run_desync(*state, "threads", DDP_TEST_THREADS);
-}
-static void test_desync_tcp(void **state) {
-  run_desync(*state, "tcp", DDP_TEST_FORK);
-}
+static void test_desync_threads(void **state) { run_desync(*state, "threads", DDP_TEST_THREADS); }
+static void test_desync_tcp(void **state) { run_desync(*state, "tcp", DDP_TEST_FORK); }
 
 /* kill -9 of rank 1 mid-stream: the survivors dump at the failure, the analyzer names the
  * rank without a dump. */
@@ -528,8 +519,10 @@ static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
     snprintf(path, sizeof path, "%s/ddp_%d.json", sc->dir, ddp_test_rank(tr));
     st = ddp_pg_dump_flight_recorder(pg, path, &err);
   }
-  if (err.msg[0]) ddp_test_say(tr, "%s", err.msg);
-  else ddp_test_say_pg_error(tr, pg);
+  if (err.msg[0])
+    ddp_test_say(tr, "%s", err.msg);
+  else
+    ddp_test_say_pg_error(tr, pg);
   ddp_ctx_destroy(ctx);
   ddp_ddp_destroy(ddp);
   ddp_model_destroy(m);

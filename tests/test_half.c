@@ -38,7 +38,7 @@ static double bf16_value(uint16_t h) {
 
 typedef struct ref_table {
   double v[0x7f81];
-  int n;            /* entries, the last one virtual (Inf pattern) */
+  int n; /* entries, the last one virtual (Inf pattern) */
 } ref_table_t;
 
 static ref_table_t f16_tab, bf16_tab;
@@ -61,7 +61,10 @@ static uint16_t ref_round(const ref_table_t *t, double a) {
   int lo = 0, hi = last; /* v[lo] <= a < v[hi] */
   while (hi - lo > 1) {
     int mid = (lo + hi) / 2;
-    if (t->v[mid] <= a) lo = mid; else hi = mid;
+    if (t->v[mid] <= a)
+      lo = mid;
+    else
+      hi = mid;
   }
   double mid = (t->v[lo] + t->v[hi]) / 2; /* exact: both have few significant bits */
   if (a < mid) return (uint16_t)lo;
@@ -119,7 +122,7 @@ static void test_f16_all_patterns_round_trip(void **state) {
       assert_true(f16_is_nan(back));
       assert_int_equal(back & 0x8000, h & 0x8000);
       assert_int_equal(back & 0x1ff, h & 0x1ff); /* payload below the quiet bit */
-      assert_true(back & 0x200);                   /* quiet */
+      assert_true(back & 0x200);                 /* quiet */
       continue;
     }
     if ((h & 0x7fff) == 0x7c00) {
@@ -241,7 +244,9 @@ static void test_every_midpoint(void **state) {
       double mid = (tabs[t]->v[h] + tabs[t]->v[h + 1]) / 2;
       float m = (float)mid;
       DDP_ASSERT_EQ((double)m, mid); /* a midpoint needs one bit more than the format */
-      float cand[6] = {m, nextafterf(m, 0.0f), nextafterf(m, INFINITY),
+      float cand[6] = {m,
+                       nextafterf(m, 0.0f),
+                       nextafterf(m, INFINITY),
                        (float)tabs[t]->v[h],
                        nextafterf((float)tabs[t]->v[h], INFINITY),
                        nextafterf((float)tabs[t]->v[h], 0.0f)};

@@ -216,10 +216,8 @@ static int crash(ddp_test_rank_t *r, void *arg) {
       signal(SIGABRT, SIG_DFL);
       abort();
     }
-    case 2:
-      _exit(3);
-    default:
-      return DDP_OK;
+    case 2: _exit(3);
+    default: return DDP_OK;
   }
 }
 
@@ -405,12 +403,18 @@ static void test_source_root(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_thread_values),     cmocka_unit_test(test_fork_values),
-      cmocka_unit_test(test_value_capacity),    cmocka_unit_test(test_fork_hang),
-      cmocka_unit_test(test_fork_kill_injection), cmocka_unit_test(test_fork_crash),
-      cmocka_unit_test(test_failing_status),    cmocka_unit_test(test_expect_all_matches),
-      cmocka_unit_test(test_scratch_dir),       cmocka_unit_test(test_source_root),
-      cmocka_unit_test(test_thread_hang_ends_process), cmocka_unit_test(test_python),
+      cmocka_unit_test(test_thread_values),
+      cmocka_unit_test(test_fork_values),
+      cmocka_unit_test(test_value_capacity),
+      cmocka_unit_test(test_fork_hang),
+      cmocka_unit_test(test_fork_kill_injection),
+      cmocka_unit_test(test_fork_crash),
+      cmocka_unit_test(test_failing_status),
+      cmocka_unit_test(test_expect_all_matches),
+      cmocka_unit_test(test_scratch_dir),
+      cmocka_unit_test(test_source_root),
+      cmocka_unit_test(test_thread_hang_ends_process),
+      cmocka_unit_test(test_python),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

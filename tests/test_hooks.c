@@ -50,7 +50,8 @@ typedef struct layout {
 
 static size_t layout_numel(const layout_t *l) {
   size_t n = 0;
-  for (size_t k = 0; k < l->nparams; k++) n += (size_t)(l->shape[k][0] * (l->shape[k][1] ? l->shape[k][1] : 1));
+  for (size_t k = 0; k < l->nparams; k++)
+    n += (size_t)(l->shape[k][0] * (l->shape[k][1] ? l->shape[k][1] : 1));
   return n;
 }
 
@@ -61,7 +62,15 @@ static float grad_value(int r, int t, size_t i) {
   return (float)(v / 3.0);
 }
 
-typedef enum { H_ALLREDUCE, H_FP16, H_BF16, H_WRAP16_AR, H_WRAPB16_AR, H_PSGD, H_BPSGD } hook_kind_t;
+typedef enum {
+  H_ALLREDUCE,
+  H_FP16,
+  H_BF16,
+  H_WRAP16_AR,
+  H_WRAPB16_AR,
+  H_PSGD,
+  H_BPSGD
+} hook_kind_t;
 
 typedef struct run {
   hook_kind_t kind;
@@ -83,8 +92,8 @@ typedef struct run {
 
 /* Copies tensor `name` of a saved PowerSGD state into dst (at most cap floats); *n = 0
  * when the state holds no such tensor. */
-static ddp_status_t snap_tensor(const ddp_st_file_t *f, const char *name, float *dst,
-                                size_t cap, size_t *n) {
+static ddp_status_t snap_tensor(const ddp_st_file_t *f, const char *name, float *dst, size_t cap,
+                                size_t *n) {
   size_t idx;
   ddp_tensor_t v;
   *n = 0;
@@ -168,7 +177,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
     st = ddp_comm_work_wait(w, &data, &n, &dt);
     if (st == DDP_OK && n != numel) st = DDP_ERR_INTERNAL;
     for (size_t i = 0; i < numel && st == DDP_OK; i++) {
-      float v = dt == DDP_F16 ? ddp_f16_to_f32(((const ddp_f16_t *)data)[i])
+      float v = dt == DDP_F16    ? ddp_f16_to_f32(((const ddp_f16_t *)data)[i])
                 : dt == DDP_BF16 ? ddp_bf16_to_f32(((const ddp_bf16_t *)data)[i])
                                  : ((const float *)data)[i];
       R->out[r][t][i] = v;
@@ -251,9 +260,11 @@ static void test_default_hooks_bitwise(void **state) {
       R.steps = 2;
       R.layout = mixed_layout();
       run_hook(&R);
-      if (kinds[k] == H_ALLREDUCE) check_bitwise(&R, NULL, NULL);
-      else check_bitwise(&R, serial_compress,
-                         kinds[k] == H_FP16 || kinds[k] == H_WRAP16_AR ? h16 : hb16);
+      if (kinds[k] == H_ALLREDUCE)
+        check_bitwise(&R, NULL, NULL);
+      else
+        check_bitwise(&R, serial_compress,
+                      kinds[k] == H_FP16 || kinds[k] == H_WRAP16_AR ? h16 : hb16);
       size_t numel = layout_numel(&R.layout);
       size_t esz = kinds[k] == H_ALLREDUCE ? 4 : 2;
       assert_int_equal(R.stats[0].bytes_last_step, (int64_t)(numel * esz));
@@ -323,8 +334,10 @@ static void ref_qr(double *a, size_t rows, size_t cols) {
 }
 
 static void ref_orth(double *a, size_t rows, size_t cols, double eps) {
-  if (cols <= 2 || rows < cols) ref_mgs(a, rows, cols, eps);
-  else ref_qr(a, rows, cols);
+  if (cols <= 2 || rows < cols)
+    ref_mgs(a, rows, cols, eps);
+  else
+    ref_qr(a, rows, cols);
 }
 
 /* The whole W-rank powerSGD_hook for one bucket, serially in f64, one step at a time:
@@ -421,8 +434,8 @@ static void pref_step(pref_t *P, int t, double *out) {
   const ddp_powersgd_options_t *o = &R->popts;
   int W = R->world;
   size_t numel = P->numel, nq = P->nq, nord = P->nord;
-  const size_t *n = P->n, *m = P->m, *rk = P->rk, *off = P->off, *poff = P->poff,
-               *qoff = P->qoff, *order = P->order;
+  const size_t *n = P->n, *m = P->m, *rk = P->rk, *off = P->off, *poff = P->poff, *qoff = P->qoff,
+               *order = P->order;
   double *Qs = P->Qs, *Ps = P->Ps;
   if (t < o->start_powerSGD_iter) {
     for (size_t i = 0; i < numel; i++) out[i] = serial_allreduce(W, t, i);
@@ -474,7 +487,8 @@ static void pref_step(pref_t *P, int t, double *out) {
     for (size_t a = 0; a < n[k]; a++)
       for (size_t b2 = 0; b2 < m[k]; b2++) {
         double s = 0;
-        for (size_t c = 0; c < rk[k]; c++) s += Ps[poff[k] + a * rk[k] + c] * Qs[qoff[k] + b2 * rk[k] + c];
+        for (size_t c = 0; c < rk[k]; c++)
+          s += Ps[poff[k] + a * rk[k] + c] * Qs[qoff[k] + b2 * rk[k] + c];
         out[off[k] + a * m[k] + b2] = s;
       }
   }
@@ -514,8 +528,8 @@ typedef struct psgd_worst {
  * maths of one step alone and must hold to PSGD_STEP_TOL. Drift: the reference runs free
  * from the same start with its own f64 carried state, bounding how far the f32 trajectory
  * wanders over several steps (PSGD_DRIFT_TOL). */
-static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t start,
-                           bool inject, psgd_worst_t *worst) {
+static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t start, bool inject,
+                           psgd_worst_t *worst) {
   static run_t R;
   static pref_t P;
   static double ref[MAXN];
@@ -576,7 +590,8 @@ static void check_powersgd(int W, int64_t rank, bool warm, double rate, int64_t 
     pref_step(&P, t, ref);
     double rel = rel_error(&R, t, ref);
     if (rel > worst->drift[t]) worst->drift[t] = rel;
-    if (verbose) print_message("W=%d r=%lld warm=%d t=%d drift rel=%.3g\n", W, (long long)rank, warm, t, rel);
+    if (verbose)
+      print_message("W=%d r=%lld warm=%d t=%d drift rel=%.3g\n", W, (long long)rank, warm, t, rel);
     if (!(rel <= PSGD_DRIFT_TOL(t, start)))
       fail_msg("W=%d rank=%lld warm=%d step %d, multi-step drift: relative error %.3g", W,
                (long long)rank, warm, t, rel);
@@ -688,7 +703,9 @@ static void expect_cfg_error(const char *h, const char *w, const char *js, const
 static void test_config_validation(void **state) {
   (void)state;
   ddp_error_t err = {0};
-  const char *ok[][3] = {{"no", "no", NULL}, {"fp16", NULL, ""}, {"bf16", "fp16", "{}"},
+  const char *ok[][3] = {{"no", "no", NULL},
+                         {"fp16", NULL, ""},
+                         {"bf16", "fp16", "{}"},
                          {"power_sgd", "bf16", "{\"matrix_approximation_rank\": 4}"},
                          {"batched_power_sgd", "fp16",
                           "{\"start_powerSGD_iter\": 5, \"warm_start\": false, "
@@ -705,12 +722,16 @@ static void test_config_validation(void **state) {
   expect_cfg_error("fp32", "no", NULL, "no, fp16, bf16, power_sgd, batched_power_sgd");
   expect_cfg_error("fp16", "int8", NULL, "valid choices: no, fp16, bf16");
   expect_cfg_error("no", "fp16", NULL, "needs a comm_hook");
-  expect_cfg_error("power_sgd", "no", "{\"rank\": 2}", "matrix_approximation_rank, start_powerSGD_iter");
-  expect_cfg_error("power_sgd", "no", "{\"matrix_approximation_rank\": 0}", "matrix_approximation_rank must be");
+  expect_cfg_error("power_sgd", "no", "{\"rank\": 2}",
+                   "matrix_approximation_rank, start_powerSGD_iter");
+  expect_cfg_error("power_sgd", "no", "{\"matrix_approximation_rank\": 0}",
+                   "matrix_approximation_rank must be");
   expect_cfg_error("power_sgd", "no", "{\"warm_start\": 1}", "true or false");
   expect_cfg_error("power_sgd", "no", "[1]", "JSON object");
-  expect_cfg_error("power_sgd", "no", "{\"start_powerSGD_iter\": 1}", "Expect `start_powerSGD_iter` > 1");
-  expect_cfg_error("fp16", "no", "{\"matrix_approximation_rank\": 2}", "power_sgd or batched_power_sgd");
+  expect_cfg_error("power_sgd", "no", "{\"start_powerSGD_iter\": 1}",
+                   "Expect `start_powerSGD_iter` > 1");
+  expect_cfg_error("fp16", "no", "{\"matrix_approximation_rank\": 2}",
+                   "power_sgd or batched_power_sgd");
 }
 
 /* The factory: "no" builds nothing; a simple hook has stats but no state to save; the
@@ -734,8 +755,7 @@ static void test_factory(void **state) {
   assert_null(ddp_hooks_powersgd(&h));
   h.free_state(h.state);
   memset(&h, 0xff, sizeof h);
-  assert_int_equal(ddp_hooks_create("power_sgd", "no", "{\"start_powerSGD_iter\": 1}", 0, &h,
-                                    &err),
+  assert_int_equal(ddp_hooks_create("power_sgd", "no", "{\"start_powerSGD_iter\": 1}", 0, &h, &err),
                    DDP_ERR_INVALID_ARGUMENT);
   assert_null(h.fn);
   assert_null(h.state);
@@ -777,7 +797,7 @@ static void test_factory(void **state) {
 typedef struct train {
   const char *hook, *wrapper, *state;
   int world, steps;
-  float loss[MAXW];   /* mean loss of the last 10 steps on rank 0's view */
+  float loss[MAXW]; /* mean loss of the last 10 steps on rank 0's view */
   ddp_ddp_comm_stats_t stats[MAXW];
   char msg[MAXW][512];
   ddp_status_t st[MAXW];
@@ -830,8 +850,7 @@ typedef struct hrank {
 /* Builds the model with DDP over it (bucket_cap_mb cap_mb; <= 0: the default), the context,
  * a mixture of n samples from seed and the batch tensors. h starts zeroed; hrank_close
  * frees what was made, also after a failure. */
-static ddp_status_t hrank_open(hrank_t *h, ddp_pg_t *pg, double cap_mb, uint64_t seed,
-                               int64_t n) {
+static ddp_status_t hrank_open(hrank_t *h, ddp_pg_t *pg, double cap_mb, uint64_t seed, int64_t n) {
   DDP_CHECK(build(&h->m));
   ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
   if (cap_mb > 0) dopts.bucket_cap_mb = cap_mb;
@@ -869,8 +888,10 @@ static ddp_status_t hrank_loss(hrank_t *h, ddp_model_t *plain, ddp_var_t **loss)
   ddp_var_t *vx, *vy, *y;
   DDP_CHECK(ddp_var_new(h->ctx, DDP_F32, 2, xs, h->xb.data, false, &vx));
   DDP_CHECK(ddp_var_new(h->ctx, DDP_I64, 1, ys, h->yb.data, false, &vy));
-  if (plain) DDP_CHECK(ddp_model_forward(plain, h->ctx, vx, 0, &y));
-  else DDP_CHECK(ddp_ddp_forward(h->ddp, h->ctx, vx, 0, &y));
+  if (plain)
+    DDP_CHECK(ddp_model_forward(plain, h->ctx, vx, 0, &y));
+  else
+    DDP_CHECK(ddp_ddp_forward(h->ddp, h->ctx, vx, 0, &y));
   return ddp_cross_entropy(h->ctx, y, vy, -100, loss);
 }
 
@@ -980,7 +1001,8 @@ static void test_convergence_and_rate(void **state) {
   ps.hook = "power_sgd";
   ps.state = "{\"matrix_approximation_rank\": 4, \"start_powerSGD_iter\": 10}";
   assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &ps), DDP_OK);
-  print_message("no hook loss %.5f, PowerSGD rank 4 loss %.5f, rate %.3f, bytes/step %lld vs %lld\n",
+  print_message("no hook loss %.5f, PowerSGD rank 4 loss %.5f, rate %.3f, bytes/step %lld vs "
+                "%lld\n",
                 (double)base.loss[0], (double)ps.loss[0], ps.stats[0].rate,
                 (long long)ps.stats[0].bytes_last_step, (long long)base.stats[0].bytes_last_step);
   assert_true(base.loss[0] < 1.0f); /* it learned something */
@@ -998,7 +1020,8 @@ static void test_convergence_and_rate(void **state) {
   int64_t comp_steps = ps.steps - 10;
   assert_int_equal(ps.stats[0].numel_before, 10 * total + comp_steps * before);
   assert_int_equal(ps.stats[0].numel_after, 10 * total + comp_steps * after);
-  double want = (double)(10 * total + comp_steps * before) / (double)(10 * total + comp_steps * after);
+  double want = (double)(10 * total + comp_steps * before) /
+                (double)(10 * total + comp_steps * after);
   assert_true(fabs(ps.stats[0].rate - want) < 1e-12);
   assert_true(ps.stats[0].bytes_last_step < base.stats[0].bytes_last_step);
   assert_int_equal(base.stats[0].bytes_last_step, total * 4);
@@ -1045,8 +1068,10 @@ static ddp_status_t grads_core(ddp_pg_t *pg, grads_t *G, float (*local)[NPARAM_E
       ddp_var_t *loss;
       ddp_model_zero_grad(mm);
       DDP_CHECK_GOTO(hrank_loss(&h, pass == 0 ? plain : NULL, &loss), st, out);
-      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
-      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
+      if (pass == 0)
+        DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
+      else
+        DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
       ddp_ctx_reset(h.ctx);
       copy_grads(mm, pass == 0 ? local[t] : synced[t]);
     }
@@ -1207,8 +1232,10 @@ static ddp_status_t nosync_rank(ddp_pg_t *pg, void *arg) {
       ddp_var_t *loss;
       if (pass == 1) ddp_ddp_set_sync(ddp, t == 1);
       DDP_CHECK_GOTO(hrank_loss(&h, pass == 0 ? plain : NULL, &loss), st, out);
-      if (pass == 0) DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
-      else DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
+      if (pass == 0)
+        DDP_CHECK_GOTO(ddp_backward(h.ctx, loss), st, out);
+      else
+        DDP_CHECK_GOTO(ddp_ddp_backward(ddp, h.ctx, loss), st, out);
       ddp_ctx_reset(h.ctx);
     }
     N->calls[r][t] = cnt.calls;
@@ -1249,12 +1276,15 @@ static void test_user_hook_no_sync(void **state) {
 static void test_backends_bitwise(void **state) {
   (void)state;
   static grads_t G, F;
-  const char *cfgs[][3] = {
-      {NULL, "no", NULL}, {"fp16", "no", NULL}, {"bf16", "no", NULL},
-      {"power_sgd", "no", "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 3}"},
-      {"batched_power_sgd", "no", "{\"start_powerSGD_iter\": 2}"},
-      {"power_sgd", "fp16", "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 2}"},
-      {"fp16", "bf16", NULL}};
+  const char *cfgs[][3] = {{NULL, "no", NULL},
+                           {"fp16", "no", NULL},
+                           {"bf16", "no", NULL},
+                           {"power_sgd", "no",
+                            "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 3}"},
+                           {"batched_power_sgd", "no", "{\"start_powerSGD_iter\": 2}"},
+                           {"power_sgd", "fp16",
+                            "{\"start_powerSGD_iter\": 2, \"matrix_approximation_rank\": 2}"},
+                           {"fp16", "bf16", NULL}};
   const char *backends[] = {"shm", "tcp"};
   for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) {
     memset(&G, 0, sizeof G);
@@ -1275,8 +1305,9 @@ static void test_backends_bitwise(void **state) {
       ddp_test_results_t *res = ddp_test_spawn(&o, grads_fork_rank, &F);
       for (int r = 0; r < 3; r++) {
         const ddp_test_result_t *x = ddp_test_result(res, r);
-        if (x->status != 0) fail_msg("%s %s rank %d: %s", cfgs[c][0] ? cfgs[c][0] : "allreduce",
-                                     backends[b], r, x->msg);
+        if (x->status != 0)
+          fail_msg("%s %s rank %d: %s", cfgs[c][0] ? cfgs[c][0] : "allreduce", backends[b], r,
+                   x->msg);
         assert_int_equal(x->nvalues, sizeof G.synced[0]);
         if (memcmp(x->values, G.synced[r], sizeof G.synced[0]) != 0)
           fail_msg("config %zu: %s differs from threads on rank %d", c, backends[b], r);
@@ -1296,7 +1327,9 @@ static void test_registration_errors(void **state) {
   T.steps = 2;
   T.mode = 1;
   assert_int_equal(ddp_spawn_threads(2, NULL, train_rank, &T), DDP_OK);
-  assert_non_null(strstr(T.msg[0], "register_comm_hook or register_builtin_comm_hook can only be called once."));
+  assert_non_null(
+      strstr(T.msg[0],
+             "register_comm_hook or register_builtin_comm_hook can only be called once."));
   memset(&T, 0, sizeof T);
   T.hook = "no";
   T.world = 2;

@@ -50,9 +50,18 @@ static const char *const MLP =
 /* The common job: 2 ranks, batch 8, SGD with momentum, one bucket (the MLP's 9.4 KiB of
  * parameters fit in the first bucket; bucket_cap_mb is given explicitly on both sides). */
 static ddp_test_pcfg_t base_cfg(const char *name, int steps, const char *hook_args) {
-  ddp_test_pcfg_t c = {.name = name, .model = MLP, .world = W, .steps = steps, .batch = 8,
-                       .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = 100,
-                       .broadcast_buffers = true, .rebuilt = true, .hook_args = hook_args};
+  ddp_test_pcfg_t c = {.name = name,
+                       .model = MLP,
+                       .world = W,
+                       .steps = steps,
+                       .batch = 8,
+                       .accum = 1,
+                       .lr = 0.1,
+                       .momentum = 0.9,
+                       .bucket_cap_mb = 100,
+                       .broadcast_buffers = true,
+                       .rebuilt = true,
+                       .hook_args = hook_args};
   return c;
 }
 
@@ -116,8 +125,8 @@ static void expect_train_failure(const ddp_test_pcfg_t *c, const char *dir, cons
   int rc = ddp_test_parity_train(c, A, dir, extra);
   char *err = ddp_test_cmd_stderr();
   if (rc != 1 || !err || !strstr(err, needle)) {
-    fail_msg("%s with %s: exit %d (want 1), message lacks \"%s\": %s", c->name, extra, rc,
-             needle, err ? err : "(none)");
+    fail_msg("%s with %s: exit %d (want 1), message lacks \"%s\": %s", c->name, extra, rc, needle,
+             err ? err : "(none)");
   }
   const char *hit = strstr(err, needle), *line = hit;
   while (line > err && line[-1] != '\n') line--;
@@ -141,8 +150,7 @@ static void psgd_control(const ddp_test_pcfg_t *injected) {
   }
   char *out = NULL;
   rc = ddp_test_run_cmd(&out, "%s --json --rtol %.17g --atol %.17g '%s' '%s'",
-                        ddp_test_parity_compare_tool(), c.rtol > 0 ? c.rtol : 1e-5, c.atol, A,
-                        C);
+                        ddp_test_parity_compare_tool(), c.rtol > 0 ? c.rtol : 1e-5, c.atol, A, C);
   cJSON *j = cJSON_Parse(out);
   if (!j) fail_msg("ddp-compare printed no JSON (exit %d): %s", rc, out);
   free(out);
@@ -214,12 +222,9 @@ static void test_powersgd_r2_cold(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_fp16_hook),
-      cmocka_unit_test(test_fp16_wrapper_allreduce),
-      cmocka_unit_test(test_powersgd_r1_warm),
-      cmocka_unit_test(test_powersgd_r1_cold),
-      cmocka_unit_test(test_powersgd_r2_warm),
-      cmocka_unit_test(test_powersgd_r2_cold),
+      cmocka_unit_test(test_fp16_hook),        cmocka_unit_test(test_fp16_wrapper_allreduce),
+      cmocka_unit_test(test_powersgd_r1_warm), cmocka_unit_test(test_powersgd_r1_cold),
+      cmocka_unit_test(test_powersgd_r2_warm), cmocka_unit_test(test_powersgd_r2_cold),
   };
   return ddp_test_parity_main("ddp_hooks_parity", tests, sizeof tests / sizeof *tests);
 }

@@ -233,7 +233,9 @@ static int rank_main(const char *outdir) {
     ddp_pg_destroy(c.coll.pg);
   }
   char path[4096];
-  int r = c.coll.r >= 0 ? c.coll.r : atoi(getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : "0");
+  int r = c.coll.r >= 0
+              ? c.coll.r
+              : atoi(getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : "0");
   snprintf(path, sizeof path, "%s/rank%d", outdir, r);
   FILE *f = fopen(path, "w");
   if (!f) return 3;
@@ -275,8 +277,19 @@ static bool read_out(const char *dir, int r, rank_out_t *o) {
 static int run_mpirun(int W, const char *dir) {
   char np[16];
   snprintf(np, sizeof np, "%d", W);
-  const char *argv[] = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                        "-np", np, "-x", OUT_ENV, "-x", "DDP_TIMEOUT", self_path, NULL};
+  const char *argv[] = {"mpirun",
+                        "--allow-run-as-root",
+                        "--oversubscribe",
+                        "--bind-to",
+                        "none",
+                        "-np",
+                        np,
+                        "-x",
+                        OUT_ENV,
+                        "-x",
+                        "DDP_TIMEOUT",
+                        self_path,
+                        NULL};
   setenv(OUT_ENV, dir, 1);
   pid_t pid = fork();
   if (pid == 0) {
@@ -331,8 +344,8 @@ static void test_mpi_worlds(void **state) {
       if (r == 0) {
         h0 = o.hash;
         print_message("mpirun -np %d: %.2f s in all; unjoined barrier ended TIMEOUT after %ld ms "
-                      "(timeout 400 ms), ABORTED %ld ms after issue (abort at 200 ms)\n", W,
-                      secs, o.timeout_ms, o.abort_ms);
+                      "(timeout 400 ms), ABORTED %ld ms after issue (abort at 200 ms)\n",
+                      W, secs, o.timeout_ms, o.abort_ms);
         assert_true(o.timeout_ms >= 390 && o.timeout_ms < DDP_TEST_BOUND_MS(3000));
         assert_true(o.abort_ms >= 190 && o.abort_ms < DDP_TEST_BOUND_MS(3000));
       }
@@ -385,8 +398,8 @@ int main(int argc, char **argv) {
   unsetenv("MASTER_PORT");
   setenv("DDP_TIMEOUT", "30", 1);
   char asan[512];
-  snprintf(asan, sizeof asan, "%s%sdetect_leaks=0", getenv("ASAN_OPTIONS") ? getenv("ASAN_OPTIONS") : "",
-           getenv("ASAN_OPTIONS") ? ":" : "");
+  snprintf(asan, sizeof asan, "%s%sdetect_leaks=0",
+           getenv("ASAN_OPTIONS") ? getenv("ASAN_OPTIONS") : "", getenv("ASAN_OPTIONS") ? ":" : "");
   setenv("ASAN_OPTIONS", asan, 1);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_mpi_worlds),

@@ -199,7 +199,8 @@ static void get(gctx_t *c, void *dst, const void *src, size_t n) {
   }
 }
 
-static void expect(gctx_t *c, const char *what, const float *got, size_t n, double (*want)(gctx_t *, size_t)) {
+static void expect(gctx_t *c, const char *what, const float *got, size_t n,
+                   double (*want)(gctx_t *, size_t)) {
   for (size_t i = 0; i < n; i++)
     if (got[i] != (float)want(c, i)) {
       if (c->bad++ == 0)
@@ -253,7 +254,8 @@ static ddp_status_t gpu_checks(gctx_t *c) {
   if (st == DDP_OK) {
     for (size_t i = 0; i < W * n; i++) h[i] = (float)val_sum(c->r, i);
     put(c, a, h, W * nb);
-    st = gwait(c, ddp_reduce_scatter(c->pg, a, b, n, DDP_F32, DDP_OP_SUM, &w), &w, "reduce_scatter");
+    st = gwait(c, ddp_reduce_scatter(c->pg, a, b, n, DDP_F32, DDP_OP_SUM, &w), &w,
+               "reduce_scatter");
     get(c, hr, b, nb);
     if (st == DDP_OK) expect(c, "reduce_scatter", hr, n, w_rs);
   }
@@ -374,7 +376,8 @@ static void test_gpu_collectives(void **state) {
 
 int main(void) {
   if (!ddp_backend_find("nccl")) {
-    printf("skip: the nccl backend is not built (CUDA and NCCL were not found at configure time)\n");
+    printf(
+        "skip: the nccl backend is not built (CUDA and NCCL were not found at configure time)\n");
     return 77;
   }
   const struct CMUnitTest cpu[] = {
@@ -388,7 +391,8 @@ int main(void) {
   g_gpus = probe_gpus(&e);
   if (g_gpus <= 0) {
     printf("skip: no usable GPU (cudaGetDeviceCount: %s); the GPU tests run under "
-           "tools/gpu_check.sh\n", g_gpus < 0 ? cudaGetErrorString((cudaError_t)e) : "0 devices");
+           "tools/gpu_check.sh\n",
+           g_gpus < 0 ? cudaGetErrorString((cudaError_t)e) : "0 devices");
     return 77;
   }
   const struct CMUnitTest gpu[] = {

@@ -23,21 +23,51 @@
 
 static double bn_rm[4] = {0.1, -0.2, 0.3, 0.05}, bn_rv[4] = {1.5, 0.7, 2.0, 0.9};
 
-static ddp_status_t b_linear(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_linear(c, in[0], in[1], in[2], o); }
-static ddp_status_t b_linear_nb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_linear(c, in[0], in[1], NULL, o); }
-static ddp_status_t b_matmul(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_matmul(c, in[0], in[1], o); }
-static ddp_status_t b_add(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_add(c, in[0], in[1], o); }
-static ddp_status_t b_mul(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_mul(c, in[0], in[1], o); }
-static ddp_status_t b_bias(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_bias_add(c, in[0], in[1], o); }
-static ddp_status_t b_relu(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_activation(c, DDP_ACT_RELU, in[0], o); }
-static ddp_status_t b_gelu(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_activation(c, DDP_ACT_GELU, in[0], o); }
-static ddp_status_t b_gelut(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_activation(c, DDP_ACT_GELU_TANH, in[0], o); }
-static ddp_status_t b_tanh(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_activation(c, DDP_ACT_TANH, in[0], o); }
-static ddp_status_t b_sigm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_activation(c, DDP_ACT_SIGMOID, in[0], o); }
-static ddp_status_t b_softmax(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_softmax(c, in[0], o); }
-static ddp_status_t b_lsm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_log_softmax(c, in[0], o); }
-static ddp_status_t b_dropout(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_dropout(c, in[0], 0.3, true, o); }
-static ddp_status_t b_ln(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_layer_norm(c, in[0], in[1], in[2], 1e-5, o); }
+static ddp_status_t b_linear(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_linear(c, in[0], in[1], in[2], o);
+}
+static ddp_status_t b_linear_nb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_linear(c, in[0], in[1], NULL, o);
+}
+static ddp_status_t b_matmul(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_matmul(c, in[0], in[1], o);
+}
+static ddp_status_t b_add(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_add(c, in[0], in[1], o);
+}
+static ddp_status_t b_mul(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_mul(c, in[0], in[1], o);
+}
+static ddp_status_t b_bias(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_bias_add(c, in[0], in[1], o);
+}
+static ddp_status_t b_relu(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_activation(c, DDP_ACT_RELU, in[0], o);
+}
+static ddp_status_t b_gelu(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_activation(c, DDP_ACT_GELU, in[0], o);
+}
+static ddp_status_t b_gelut(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_activation(c, DDP_ACT_GELU_TANH, in[0], o);
+}
+static ddp_status_t b_tanh(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_activation(c, DDP_ACT_TANH, in[0], o);
+}
+static ddp_status_t b_sigm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_activation(c, DDP_ACT_SIGMOID, in[0], o);
+}
+static ddp_status_t b_softmax(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_softmax(c, in[0], o);
+}
+static ddp_status_t b_lsm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_log_softmax(c, in[0], o);
+}
+static ddp_status_t b_dropout(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_dropout(c, in[0], 0.3, true, o);
+}
+static ddp_status_t b_ln(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_layer_norm(c, in[0], in[1], in[2], 1e-5, o);
+}
 static ddp_status_t b_bn_train(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   return ddp_batch_norm(c, in[0], in[1], in[2], NULL, NULL, NULL, true, 0.1, 1e-5, o);
 }
@@ -48,7 +78,9 @@ static ddp_status_t b_bn_eval(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   ddp_tensor_view(&rv, DDP_F64, 1, &n, bn_rv);
   return ddp_batch_norm(c, in[0], in[1], in[2], &rm, &rv, NULL, false, 0.1, 1e-5, o);
 }
-static ddp_status_t b_emb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_embedding(c, in[0], in[1], o); }
+static ddp_status_t b_emb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_embedding(c, in[0], in[1], o);
+}
 static ddp_status_t b_reshape(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   int64_t sh[3] = {2, -1, 3};
   ddp_var_t *r;
@@ -56,16 +88,27 @@ static ddp_status_t b_reshape(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   if (st) return st;
   return ddp_activation(c, DDP_ACT_TANH, r, o); /* a consumer, so the view's grad is used */
 }
-static ddp_status_t b_concat(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_concat(c, 3, in, 1, o); }
-static ddp_status_t b_sum(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_sum(c, in[0], o); }
-static ddp_status_t b_mean(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_mean(c, in[0], o); }
-static ddp_status_t b_mse(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_mse_loss(c, in[0], in[1], o); }
-static ddp_status_t b_ce(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_cross_entropy(c, in[0], in[1], -100, o); }
+static ddp_status_t b_concat(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_concat(c, 3, in, 1, o);
+}
+static ddp_status_t b_sum(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_sum(c, in[0], o);
+}
+static ddp_status_t b_mean(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_mean(c, in[0], o);
+}
+static ddp_status_t b_mse(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_mse_loss(c, in[0], in[1], o);
+}
+static ddp_status_t b_ce(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_cross_entropy(c, in[0], in[1], -100, o);
+}
 
 typedef struct seg_w {
   ddp_var_t *w;
 } seg_w_t;
-static ddp_status_t seg_lin_tanh(void *user, ddp_ctx_t *c, size_t nin, ddp_var_t *const *in, ddp_var_t **out) {
+static ddp_status_t seg_lin_tanh(void *user, ddp_ctx_t *c, size_t nin, ddp_var_t *const *in,
+                                 ddp_var_t **out) {
   (void)nin;
   ddp_var_t *h;
   ddp_status_t st = ddp_linear(c, in[0], in[1], NULL, &h);
@@ -82,9 +125,12 @@ static ddp_status_t b_ckpt(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   return ddp_mul(c, h, h, o);
 }
 
-#define F(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true}
-#define FC(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false}
-#define IDS(hi, n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_IDS, hi, false}
+#define F(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true }
+#define FC(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false }
+#define IDS(hi, n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_IDS, hi, false }
 
 static const ddp_test_gcase_t gcases[] = {
     {"linear", 3, {F(3, 2, 3, 5), F(2, 4, 5), F(1, 4)}, b_linear},
@@ -254,7 +300,8 @@ static void test_hooks_mlp(void **state) {
   assert_int_equal(ddp_backward(c, loss), DDP_OK);
   assert_int_equal(r.n, 6);
   assert_int_equal(r.fire[5], 1);
-  assert_true(fabs(((double *)ddp_model_param(m, 0)->grad.data)[0] - 2 * before) <= 1e-12 * fabs(before));
+  assert_true(fabs(((double *)ddp_model_param(m, 0)->grad.data)[0] - 2 * before) <=
+              1e-12 * fabs(before));
   ddp_ctx_destroy(c);
   ddp_model_destroy(m);
 }
@@ -275,7 +322,8 @@ static void test_backward_callback(void **state) {
     ddp_ctx_reset(s.ctx);
     s.queued = 0;
     s.r.n = 0;
-    assert_int_equal(ddp_model_forward(m, s.ctx, rand_input(s.ctx, DDP_F64, 2, xs, 1), 0, &y), DDP_OK);
+    assert_int_equal(ddp_model_forward(m, s.ctx, rand_input(s.ctx, DDP_F64, 2, xs, 1), 0, &y),
+                     DDP_OK);
     assert_int_equal(ddp_sum(s.ctx, y, &loss), DDP_OK);
     assert_false(ddp_ctx_in_backward(s.ctx));
     assert_int_equal(ddp_backward(s.ctx, loss), DDP_OK);
@@ -347,12 +395,12 @@ static void mark_reached(void *user, ddp_param_t *p) {
  * never fire and are not reachable; with the flag set they are. */
 static void test_hooks_frozen_unused(void **state) {
   (void)state;
-  const char *json =
-      "{\"dtype\": \"f64\", \"layers\": ["
-      "{\"type\": \"linear\", \"in\": 4, \"out\": 6, \"frozen\": true},"
-      "{\"type\": \"tanh\"},"
-      "{\"type\": \"branch\", \"flag\": 2, \"layers\": [{\"type\": \"linear\", \"in\": 6, \"out\": 6}, {\"type\": \"relu\"}]},"
-      "{\"type\": \"linear\", \"in\": 6, \"out\": 3}]}";
+  const char *json = "{\"dtype\": \"f64\", \"layers\": ["
+                     "{\"type\": \"linear\", \"in\": 4, \"out\": 6, \"frozen\": true},"
+                     "{\"type\": \"tanh\"},"
+                     "{\"type\": \"branch\", \"flag\": 2, \"layers\": [{\"type\": \"linear\", "
+                     "\"in\": 6, \"out\": 6}, {\"type\": \"relu\"}]},"
+                     "{\"type\": \"linear\", \"in\": 6, \"out\": 3}]}";
   ddp_model_t *m;
   ddp_error_t err = {0};
   assert_int_equal(ddp_model_from_json(json, &m, &err), DDP_OK);
@@ -368,7 +416,8 @@ static void test_hooks_frozen_unused(void **state) {
     ddp_ctx_reset(c);
     r.n = 0;
     ddp_var_t *y, *loss;
-    assert_int_equal(ddp_model_forward(m, c, rand_input(c, DDP_F64, 2, xs, 9), flag_on ? 4 : 0, &y), DDP_OK);
+    assert_int_equal(ddp_model_forward(m, c, rand_input(c, DDP_F64, 2, xs, 9), flag_on ? 4 : 0, &y),
+                     DDP_OK);
     bool reach[6] = {0};
     ddp_graph_visit_params(c, 1, &y, mark_reached, reach);
     /* frozen params are not reported; the branch's only with the flag; the head always */
@@ -376,7 +425,8 @@ static void test_hooks_frozen_unused(void **state) {
     DDP_ASSERT_EQ(reach[2], (bool)flag_on);
     DDP_ASSERT_EQ(reach[3], (bool)flag_on);
     assert_true(reach[4] && reach[5]);
-    assert_int_equal(ddp_mse_loss(c, y, rand_input(c, DDP_F64, 2, (int64_t[]){5, 3}, 4), &loss), DDP_OK);
+    assert_int_equal(ddp_mse_loss(c, y, rand_input(c, DDP_F64, 2, (int64_t[]){5, 3}, 4), &loss),
+                     DDP_OK);
     assert_int_equal(ddp_backward(c, loss), DDP_OK);
     assert_int_equal(r.n, flag_on ? 4 : 2);
     for (int i = 0; i < r.n; i++) assert_true(r.idx[i] >= 2); /* frozen 0.* never fire */
@@ -395,8 +445,10 @@ static void test_hooks_frozen_unused(void **state) {
 static const char *ckpt_json(bool checkpointed) {
   return checkpointed
              ? "{\"dtype\": \"f64\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 6},"
-               "{\"type\": \"tanh\"}, {\"type\": \"checkpoint\", \"layers\": [{\"type\": \"linear\", "
-               "\"in\": 6, \"out\": 6}, {\"type\": \"dropout\", \"p\": 0.2}, {\"type\": \"tanh\"}]},"
+               "{\"type\": \"tanh\"}, {\"type\": \"checkpoint\", \"layers\": [{\"type\": "
+               "\"linear\", "
+               "\"in\": 6, \"out\": 6}, {\"type\": \"dropout\", \"p\": 0.2}, {\"type\": "
+               "\"tanh\"}]},"
                "{\"type\": \"linear\", \"in\": 6, \"out\": 3}]}"
              : "{\"dtype\": \"f64\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 6},"
                "{\"type\": \"tanh\"}, {\"type\": \"linear\", \"in\": 6, \"out\": 6}, "
@@ -470,7 +522,8 @@ static void test_hooks_checkpoint_fires_again(void **state) {
   int64_t xs[2] = {3, 4};
   ddp_var_t *h, *y, *loss;
   ddp_param_t *A = ddp_model_param(m, 0), *W = ddp_model_param(m, 1);
-  assert_int_equal(ddp_linear(c, rand_input(c, DDP_F64, 2, xs, 2), ddp_param_var(c, A), NULL, &h), DDP_OK);
+  assert_int_equal(ddp_linear(c, rand_input(c, DDP_F64, 2, xs, 2), ddp_param_var(c, A), NULL, &h),
+                   DDP_OK);
   assert_int_equal(ddp_checkpoint(c, seg_uses_param, W, 1, &h, &h), DDP_OK);
   assert_int_equal(ddp_linear(c, h, ddp_param_var(c, W), NULL, &y), DDP_OK);
   assert_int_equal(ddp_sum(c, y, &loss), DDP_OK);
@@ -485,7 +538,8 @@ static void test_hooks_checkpoint_fires_again(void **state) {
   /* A new backward starts the counts again. */
   ddp_ctx_reset(c);
   r.n = 0;
-  assert_int_equal(ddp_linear(c, rand_input(c, DDP_F64, 2, xs, 2), ddp_param_var(c, W), NULL, &y), DDP_OK);
+  assert_int_equal(ddp_linear(c, rand_input(c, DDP_F64, 2, xs, 2), ddp_param_var(c, W), NULL, &y),
+                   DDP_OK);
   assert_int_equal(ddp_sum(c, y, &loss), DDP_OK);
   assert_int_equal(ddp_backward(c, loss), DDP_OK);
   assert_int_equal(r.n, 1);
@@ -539,7 +593,8 @@ static void test_init(void **state) {
   assert_true(fabs(mean) < 0.003);
   assert_true(fabs(var / (bound * bound / 3) - 1) < 0.03);
   ddp_param_t *b = ddp_model_param(m, 1);
-  for (int64_t k = 0; k < b->value.numel; k++) assert_true(fabs(((double *)b->value.data)[k]) <= bound);
+  for (int64_t k = 0; k < b->value.numel; k++)
+    assert_true(fabs(((double *)b->value.data)[k]) <= bound);
   ddp_tensor_t f1 = ddp_model_flat_params(m, DDP_F64), f2 = ddp_model_flat_params(m2, DDP_F64);
   assert_memory_equal(f1.data, f2.data, ddp_tensor_nbytes(&f1));
   assert_int_equal(ddp_model_init(m2, 43), DDP_OK);
@@ -605,7 +660,8 @@ static void test_batch_norm_running_stats(void **state) {
   /* A batch of one in training is PyTorch's error. */
   ddp_model_train(m, true);
   int64_t one[2] = {1, 4};
-  assert_int_equal(ddp_model_forward(m, c, rand_input(c, DDP_F64, 2, one, 1), 0, &y), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_model_forward(m, c, rand_input(c, DDP_F64, 2, one, 1), 0, &y),
+                   DDP_ERR_INVALID_ARGUMENT);
   assert_non_null(strstr(ddp_ctx_last_error(c)->msg, "Expected more than 1 value per channel"));
   ddp_ctx_destroy(c);
   ddp_model_destroy(m);
@@ -644,7 +700,8 @@ static const char *big_json =
     "{\"type\": \"linear\", \"in\": 12, \"out\": 8}, {\"type\": \"layernorm\", \"dim\": 8},"
     "{\"type\": \"gelu\", \"approximate\": \"tanh\"},"
     "{\"type\": \"residual\", \"layers\": [{\"type\": \"linear\", \"in\": 8, \"out\": 8},"
-    "  {\"type\": \"batchnorm\", \"dim\": 8}, {\"type\": \"relu\"}, {\"type\": \"dropout\", \"p\": 0.1}]},"
+    "  {\"type\": \"batchnorm\", \"dim\": 8}, {\"type\": \"relu\"}, {\"type\": \"dropout\", \"p\": "
+    "0.1}]},"
     "{\"type\": \"linear\", \"in\": 8, \"out\": 3}]}";
 
 /* The JSON builder names parameters and buffers as PyTorch's state_dict does, a forward and
@@ -655,9 +712,9 @@ static void test_model_json_state_dict(void **state) {
   ddp_model_t *m, *m2;
   ddp_error_t err = {0};
   assert_int_equal(ddp_model_from_json(big_json, &m, &err), DDP_OK);
-  static const char *pn[] = {"0.weight", "2.weight", "2.bias", "3.weight", "3.bias",
-                             "5.body.0.weight", "5.body.0.bias", "5.body.1.weight",
-                             "5.body.1.bias", "6.weight", "6.bias"};
+  static const char *pn[] = {"0.weight",      "2.weight",        "2.bias",        "3.weight",
+                             "3.bias",        "5.body.0.weight", "5.body.0.bias", "5.body.1.weight",
+                             "5.body.1.bias", "6.weight",        "6.bias"};
   static const char *bn[] = {"5.body.1.running_mean", "5.body.1.running_var",
                              "5.body.1.num_batches_tracked"};
   assert_int_equal(ddp_model_num_params(m), 11);
@@ -701,19 +758,28 @@ static void test_model_json_state_dict(void **state) {
 
   /* A different architecture: strict lists both kinds of key; non-strict loads the rest. */
   ddp_model_t *m3;
-  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"embedding\", \"num\": 10, \"dim\": 4},"
-                                       "{\"type\": \"flatten\"}, {\"type\": \"linear\", \"in\": 12, \"out\": 8},"
-                                       "{\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 8, \"out\": 8}]}", &m3, &err), DDP_OK);
+  assert_int_equal(
+      ddp_model_from_json("{\"layers\": [{\"type\": \"embedding\", \"num\": 10, \"dim\": 4},"
+                          "{\"type\": \"flatten\"}, {\"type\": \"linear\", \"in\": 12, \"out\": 8},"
+                          "{\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 8, \"out\": 8}]}",
+                          &m3, &err),
+      DDP_OK);
   assert_int_equal(ddp_model_load(m3, path, true, &nm, &nu, &err), DDP_ERR_INVALID_DATA);
   assert_non_null(strstr(err.msg, "Missing key(s) in state_dict: \"4.weight\", \"4.bias\". "));
-  assert_non_null(strstr(err.msg, "Unexpected key(s) in state_dict: \"3.weight\", \"3.bias\", \"5.body.0.weight\""));
+  assert_non_null(
+      strstr(err.msg,
+             "Unexpected key(s) in state_dict: \"3.weight\", \"3.bias\", \"5.body.0.weight\""));
   assert_int_equal(nm, 2);
   assert_int_equal(nu, 11);
   assert_int_equal(ddp_model_load(m3, path, false, &nm, &nu, &err), DDP_OK);
-  assert_memory_equal(ddp_model_param(m3, 1)->value.data, ddp_model_param(m, 1)->value.data, 12 * 8 * 4);
+  assert_memory_equal(ddp_model_param(m3, 1)->value.data, ddp_model_param(m, 1)->value.data,
+                      12 * 8 * 4);
   /* Size mismatch is an error even without strict, and nothing is modified. */
   ddp_model_t *m4;
-  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"embedding\", \"num\": 11, \"dim\": 4}]}", &m4, &err), DDP_OK);
+  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"embedding\", \"num\": 11, "
+                                       "\"dim\": 4}]}",
+                                       &m4, &err),
+                   DDP_OK);
   assert_int_equal(ddp_model_load(m4, path, false, &nm, &nu, &err), DDP_ERR_INVALID_DATA);
   assert_non_null(strstr(err.msg, "size mismatch for 0.weight: copying a param with shape "
                                   "torch.Size([10, 4]) from checkpoint, the shape in current model "
@@ -721,16 +787,23 @@ static void test_model_json_state_dict(void **state) {
   DDP_ASSERT_EQ(grad_sumsq(ddp_model_param(m4, 0)), 0);
   /* A prefix nests every name. */
   ddp_model_t *m5;
-  assert_int_equal(ddp_model_from_json("{\"prefix\": \"model.layers\", \"layers\": [{\"type\": \"residual\", "
-                                       "\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}]}", &m5, &err), DDP_OK);
+  assert_int_equal(
+      ddp_model_from_json("{\"prefix\": \"model.layers\", \"layers\": [{\"type\": \"residual\", "
+                          "\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}]}]}",
+                          &m5, &err),
+      DDP_OK);
   assert_string_equal(ddp_model_param(m5, 1)->name, "model.layers.0.body.0.bias");
   ddp_model_destroy(m5);
-  assert_int_equal(ddp_model_from_json("{\"prefix\": \"a..b\", \"layers\": []}", &m5, &err), DDP_ERR_INVALID_DATA);
+  assert_int_equal(ddp_model_from_json("{\"prefix\": \"a..b\", \"layers\": []}", &m5, &err),
+                   DDP_ERR_INVALID_DATA);
   /* Malformed model files give a message naming the layer. */
   ddp_model_t *bad = NULL;
-  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 0, \"out\": 2}]}", &bad, &err), DDP_ERR_INVALID_DATA);
+  assert_int_equal(ddp_model_from_json(
+                       "{\"layers\": [{\"type\": \"linear\", \"in\": 0, \"out\": 2}]}", &bad, &err),
+                   DDP_ERR_INVALID_DATA);
   assert_non_null(strstr(err.msg, "layers[0]"));
-  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"conv\"}]}", &bad, &err), DDP_ERR_INVALID_DATA);
+  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"conv\"}]}", &bad, &err),
+                   DDP_ERR_INVALID_DATA);
   assert_null(bad);
   unlink(path);
   rmdir(dir);
@@ -872,27 +945,31 @@ static void test_model_json_fields(void **state) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char json[512];
-    snprintf(json, sizeof json,
-             "{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}, %s]}", cases[i].layer);
+    snprintf(json, sizeof json, "{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 2}, %s]}",
+             cases[i].layer);
     ddp_model_t *m = NULL;
     ddp_error_t err = {0};
     ddp_status_t st = ddp_model_from_json(json, &m, &err);
     if (st != DDP_ERR_INVALID_DATA || m || !strstr(err.msg, cases[i].needle))
-      fail_msg("case %zu: status %s, message '%s', expected '%s'", i, ddp_status_name(st),
-               err.msg, cases[i].needle);
+      fail_msg("case %zu: status %s, message '%s', expected '%s'", i, ddp_status_name(st), err.msg,
+               cases[i].needle);
   }
   /* The same fields with valid values still build, and bias false drops the bias. */
   ddp_model_t *m = NULL;
   assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": "
                                        "2, \"bias\": false}, {\"type\": \"batchnorm\", \"dim\": 2, "
                                        "\"eps\": 1e-3, \"momentum\": 1}, {\"type\": \"dropout\", "
-                                       "\"p\": 0}]}", &m, NULL), DDP_OK);
+                                       "\"p\": 0}]}",
+                                       &m, NULL),
+                   DDP_OK);
   assert_int_equal(ddp_model_num_params(m), 3); /* weight, bn weight, bn bias */
   ddp_model_destroy(m);
   /* A model too large to allocate says so, with its size. */
   ddp_error_t err = {0};
   assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 100000, "
-                                       "\"out\": 100000000000}]}", &m, &err), DDP_ERR_NO_MEMORY);
+                                       "\"out\": 100000000000}]}",
+                                       &m, &err),
+                   DDP_ERR_NO_MEMORY);
   assert_null(m);
   if (!strstr(err.msg, "cannot allocate the parameters") || !strstr(err.msg, "GB"))
     fail_msg("huge model: message '%s'", err.msg);
@@ -925,13 +1002,17 @@ static void test_shape_errors(void **state) {
 }
 
 static const char *gc_model_json =
-    "{\"dtype\": \"f64\", \"layers\": [{\"type\": \"embedding\", \"num\": 6, \"dim\": 3}, {\"type\": \"flatten\"},"
+    "{\"dtype\": \"f64\", \"layers\": [{\"type\": \"embedding\", \"num\": 6, \"dim\": 3}, "
+    "{\"type\": \"flatten\"},"
     "{\"type\": \"linear\", \"in\": 6, \"out\": 5}, {\"type\": \"layernorm\", \"dim\": 5},"
     "{\"type\": \"gelu\"},"
     "{\"type\": \"residual\", \"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": 5},"
-    "  {\"type\": \"batchnorm\", \"dim\": 5}, {\"type\": \"sigmoid\"}, {\"type\": \"dropout\", \"p\": 0.2}]},"
-    "{\"type\": \"branch\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": 5}, {\"type\": \"tanh\"}]},"
-    "{\"type\": \"checkpoint\", \"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": 5}, {\"type\": \"gelu\", \"approximate\": \"tanh\"}]},"
+    "  {\"type\": \"batchnorm\", \"dim\": 5}, {\"type\": \"sigmoid\"}, {\"type\": \"dropout\", "
+    "\"p\": 0.2}]},"
+    "{\"type\": \"branch\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": "
+    "5}, {\"type\": \"tanh\"}]},"
+    "{\"type\": \"checkpoint\", \"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": 5}, "
+    "{\"type\": \"gelu\", \"approximate\": \"tanh\"}]},"
     "{\"type\": \"linear\", \"in\": 5, \"out\": 3}]}";
 
 static double model_loss(ddp_model_t *m, ddp_ctx_t *c, bool backward) {

@@ -26,19 +26,31 @@
 #include "opcheck.h"
 #include "parity.h"
 
-#define F(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true}
-#define FC(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false}
-#define PAD(b, t) {2, {b, t}, DDP_TEST_IN_PAD, 0, false}
-#define DMASK(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_MASK, 0, false}
+#define F(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true }
+#define FC(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false }
+#define PAD(b, t) \
+  { 2, {b, t}, DDP_TEST_IN_PAD, 0, false }
+#define DMASK(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_MASK, 0, false }
 
 #define INV_SQRT3 0.57735026918962576451
 
 /* ---------------------------------------------------------------- finite differences */
 
-static ddp_status_t b_conv1d(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_conv1d(c, in[0], in[1], in[2], o); }
-static ddp_status_t b_conv1d_nb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_conv1d(c, in[0], in[1], NULL, o); }
-static ddp_status_t b_bmm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_bmm(c, in[0], in[1], false, o); }
-static ddp_status_t b_bmm_t(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_bmm(c, in[0], in[1], true, o); }
+static ddp_status_t b_conv1d(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_conv1d(c, in[0], in[1], in[2], o);
+}
+static ddp_status_t b_conv1d_nb(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_conv1d(c, in[0], in[1], NULL, o);
+}
+static ddp_status_t b_bmm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_bmm(c, in[0], in[1], false, o);
+}
+static ddp_status_t b_bmm_t(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_bmm(c, in[0], in[1], true, o);
+}
 static ddp_status_t b_permute(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   const int perm[3] = {2, 0, 1};
   return ddp_permute(c, in[0], perm, o);
@@ -47,10 +59,18 @@ static ddp_status_t b_permute4(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   const int perm[4] = {0, 2, -3, 3};
   return ddp_permute(c, in[0], perm, o);
 }
-static ddp_status_t b_narrow(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_narrow(c, in[0], 1, 1, 3, o); }
-static ddp_status_t b_narrow_neg(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_narrow(c, in[0], -1, -3, 2, o); }
-static ddp_status_t b_scale(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_scale(c, in[0], 0.37, o); }
-static ddp_status_t b_add(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_add(c, in[0], in[1], o); }
+static ddp_status_t b_narrow(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_narrow(c, in[0], 1, 1, 3, o);
+}
+static ddp_status_t b_narrow_neg(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_narrow(c, in[0], -1, -3, 2, o);
+}
+static ddp_status_t b_scale(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_scale(c, in[0], 0.37, o);
+}
+static ddp_status_t b_add(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_add(c, in[0], in[1], o);
+}
 /* q, k, v stacked along dim 0, so that one loss weighs all three. */
 static ddp_status_t b_split(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   ddp_var_t *qkv[3];
@@ -58,8 +78,12 @@ static ddp_status_t b_split(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   if (st) return st;
   return ddp_concat(c, 3, qkv, 0, o);
 }
-static ddp_status_t b_to_heads(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_to_heads(c, in[0], 3, o); }
-static ddp_status_t b_merge(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_merge_heads(c, in[0], o); }
+static ddp_status_t b_to_heads(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_to_heads(c, in[0], 3, o);
+}
+static ddp_status_t b_merge(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_merge_heads(c, in[0], o);
+}
 static ddp_status_t b_attn(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   return ddp_attention(c, in[0], in[1], in[2], NULL, false, INV_SQRT3, 0, true, o);
 }
@@ -79,7 +103,9 @@ static ddp_status_t b_attn_drop(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
 static ddp_status_t b_attn_self(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
   return ddp_attention(c, in[0], in[0], in[0], NULL, true, 0.5, 0, true, o);
 }
-static ddp_status_t b_lm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) { return ddp_causal_lm_loss(c, in[0], in[1], -100, o); }
+static ddp_status_t b_lm(ddp_ctx_t *c, ddp_var_t **in, ddp_var_t **o) {
+  return ddp_causal_lm_loss(c, in[0], in[1], -100, o);
+}
 
 /* Attention inputs [B=3, H=2, T=4, D=3]; the padding mask pads the last two keys of batch 1
  * and the first two of batch 2 (with causal: queries 0 and 1 of batch 2 see no key). */
@@ -146,8 +172,8 @@ static void expect_close(const char *what, const ddp_tensor_t *a, const ddp_tens
     mr = fmax(mr, fabs(at(b, k)));
   }
   if (!(md / fmax(mr, 1e-12) <= tol))
-    fail_msg("%s: rel err %.3g > %.3g (worst: %.17g vs %.17g)", what, md / fmax(mr, 1e-12), tol,
-             wa, wb);
+    fail_msg("%s: rel err %.3g > %.3g (worst: %.17g vs %.17g)", what, md / fmax(mr, 1e-12), tol, wa,
+             wb);
 }
 
 static void expect_bits(const char *what, const ddp_tensor_t *a, const ddp_tensor_t *b) {
@@ -334,12 +360,14 @@ static void test_attention_masking(void **state) {
           double mean = 0;
           for (int64_t j = 0; j < T; j++) mean += vv[((2 * H + h) * T + j) * D + d] / T;
           double got = yy[((2 * H + h) * T + i) * D + d];
-          if (fabs(got - mean) > 1e-14) fail_msg("uniform row h=%lld i=%lld d=%lld: %.17g vs %.17g",
-                                                 (long long)h, (long long)i, (long long)d, got, mean);
+          if (fabs(got - mean) > 1e-14)
+            fail_msg("uniform row h=%lld i=%lld d=%lld: %.17g vs %.17g", (long long)h, (long long)i,
+                     (long long)d, got, mean);
         }
     /* Query 0 of batch 0 sees key 0 only: its output is v[0]. */
     for (int64_t d = 0; d < D; d++)
-      if (fabs(yy[d] - vv[d]) > 1e-15) fail_msg("causal row 0 d=%lld: %.17g vs %.17g", (long long)d, yy[d], vv[d]);
+      if (fabs(yy[d] - vv[d]) > 1e-15)
+        fail_msg("causal row 0 d=%lld: %.17g vs %.17g", (long long)d, yy[d], vv[d]);
     if (pass == 0) {
       y0 = keep(&y->value);
       backward_weighted(c, y);
@@ -348,7 +376,8 @@ static void test_attention_masking(void **state) {
         for (int64_t d = 0; d < D; d++) {
           for (int64_t i = 0; i < 2; i++) { /* fully masked queries: no gradient */
             double g = gq[((2 * H + h) * T + i) * D + d];
-            if (g != 0) fail_msg("grad q of fully masked query %lld: %.17g, expected 0", (long long)i, g);
+            if (g != 0)
+              fail_msg("grad q of fully masked query %lld: %.17g, expected 0", (long long)i, g);
           }
           for (int64_t j = 0; j < 2; j++) { /* padded keys: no gradient to k */
             double g = gk[((2 * H + h) * T + j) * D + d];
@@ -406,14 +435,16 @@ static void test_values_vs_existing_ops(void **state) {
   assert_int_equal(ddp_cross_entropy(c, x2, t2, -100, &l2), DDP_OK);
   assert_int_equal(ddp_backward(c, l2), DDP_OK);
   double l2v = ((double *)l2->value.data)[0];
-  if (!(fabs(l1 - l2v) <= 1e-14 * fabs(l2v))) fail_msg("loss %.17g vs cross_entropy %.17g", l1, l2v);
+  if (!(fabs(l1 - l2v) <= 1e-14 * fabs(l2v)))
+    fail_msg("loss %.17g vs cross_entropy %.17g", l1, l2v);
   for (int64_t b = 0; b < B; b++)
     for (int64_t t = 0; t < T; t++)
       for (int64_t j = 0; j < V; j++) {
         double a = ((double *)g1.data)[(b * T + t) * V + j];
         double e = t + 1 < T ? ((double *)x2->grad.data)[(b * (T - 1) + t) * V + j] : 0;
-        if (!(fabs(a - e) <= 1e-15)) fail_msg("grad [%lld, %lld, %lld]: %.17g vs %.17g",
-                                             (long long)b, (long long)t, (long long)j, a, e);
+        if (!(fabs(a - e) <= 1e-15))
+          fail_msg("grad [%lld, %lld, %lld]: %.17g vs %.17g", (long long)b, (long long)t,
+                   (long long)j, a, e);
       }
   ddp_tensor_free(&g1);
   /* Every label ignored: NaN, as PyTorch's mean over no element. */
@@ -429,9 +460,12 @@ static void test_values_vs_existing_ops(void **state) {
   ddp_tensor_t r[2][3];
   for (int way = 0; way < 2; way++) {
     ddp_ctx_reset(c);
-    ddp_var_t *a = rand_var(c, DDP_F32, 3, ash, 5, true), *bb = rand_var(c, DDP_F32, 1, &bsh, 6, true), *y;
-    if (way == 0) assert_int_equal(ddp_add(c, a, bb, &y), DDP_OK);
-    else assert_int_equal(ddp_bias_add(c, a, bb, &y), DDP_OK);
+    ddp_var_t *a = rand_var(c, DDP_F32, 3, ash, 5, true),
+              *bb = rand_var(c, DDP_F32, 1, &bsh, 6, true), *y;
+    if (way == 0)
+      assert_int_equal(ddp_add(c, a, bb, &y), DDP_OK);
+    else
+      assert_int_equal(ddp_bias_add(c, a, bb, &y), DDP_OK);
     backward_weighted(c, y);
     r[way][0] = keep(&y->value);
     r[way][1] = keep(&a->grad);
@@ -473,11 +507,13 @@ static void test_errors(void **state) {
   const int dup[3] = {0, 1, 1}, oor[3] = {0, 3, 1};
   expect_error(c, ddp_permute(c, x, dup, &y), "perm[2] = 1");
   expect_error(c, ddp_permute(c, x, oor, &y), "perm[1] = 3");
-  expect_error(c, ddp_narrow(c, x, 1, 2, 2, &y), "start (2) + length (2) exceeds dimension size (3)");
+  expect_error(c, ddp_narrow(c, x, 1, 2, 2, &y),
+               "start (2) + length (2) exceeds dimension size (3)");
   expect_error(c, ddp_narrow(c, x, 3, 0, 1, &y), "dim 3 out of range");
   expect_error(c, ddp_add(c, x, w, &y), "operands differ");
   int64_t s2310[3] = {2, 3, 10}, s2312[3] = {2, 3, 12};
-  ddp_var_t *x10 = rand_var(c, DDP_F32, 3, s2310, 7, true), *x12 = rand_var(c, DDP_F32, 3, s2312, 8, true);
+  ddp_var_t *x10 = rand_var(c, DDP_F32, 3, s2310, 7, true),
+            *x12 = rand_var(c, DDP_F32, 3, s2312, 8, true);
   expect_error(c, ddp_to_heads(c, x10, 4, &y), "C = 10 is not divisible by n_head = 4");
   expect_error(c, ddp_split_heads(c, x12, 3, &q, &k, &v), "C = 4 is not divisible by n_head = 3");
   expect_error(c, ddp_split_heads(c, x10, 2, &q, &k, &v), "expected x [B, T, 3C]");
@@ -487,8 +523,10 @@ static void test_errors(void **state) {
   expect_error(c, ddp_attention(c, A, A2, A, NULL, true, 1, 0, true, &y), "must share one shape");
   int64_t ms[2] = {2, 5};
   assert_int_equal(ddp_var_new(c, DDP_I64, 2, ms, NULL, false, &mask), DDP_OK);
-  expect_error(c, ddp_attention(c, A, A, A, mask, true, 1, 0, true, &y), "key_mask I64[2, 5] must be");
-  expect_error(c, ddp_attention(c, A, A, A, NULL, true, 1, 1.5, true, &y), "between 0 and 1, but got 1.5");
+  expect_error(c, ddp_attention(c, A, A, A, mask, true, 1, 0, true, &y),
+               "key_mask I64[2, 5] must be");
+  expect_error(c, ddp_attention(c, A, A, A, NULL, true, 1, 1.5, true, &y),
+               "between 0 and 1, but got 1.5");
   /* Labels: out of range (message as PyTorch's), wrong shape; labels[:, 0] is not checked. */
   int64_t lsh[3] = {2, 3, 5}, labsh[2] = {2, 3};
   ddp_var_t *logits = rand_var(c, DDP_F32, 3, lsh, 10, true), *lab;
@@ -523,17 +561,31 @@ static const ddp_test_tcase_t tcases[] = {
     {"to_heads", "to_heads", "{\"n_head\": 3}", 1, {F(3, 2, 3, 6)}},
     {"merge_heads", "merge_heads", "{}", 1, {F(4, 2, 3, 4, 2)}},
     {"attention", "attention", "{\"inv_scale\": 1.7320508075688772}", 3, {ATT_QKV}},
-    {"attention_causal", "attention", "{\"inv_scale\": 1.7320508075688772, \"causal\": true}", 3,
+    {"attention_causal",
+     "attention",
+     "{\"inv_scale\": 1.7320508075688772, \"causal\": true}",
+     3,
      {ATT_QKV}},
-    {"attention_padding", "attention", "{\"inv_scale\": 1.7320508075688772, \"key_mask\": true}",
-     4, {ATT_QKV, PAD(3, 4)}},
-    {"attention_causal_padding", "attention",
-     "{\"inv_scale\": 1.7320508075688772, \"causal\": true, \"key_mask\": true}", 4,
+    {"attention_padding",
+     "attention",
+     "{\"inv_scale\": 1.7320508075688772, \"key_mask\": true}",
+     4,
      {ATT_QKV, PAD(3, 4)}},
-    {"attention_dropout", "attention",
+    {"attention_causal_padding",
+     "attention",
+     "{\"inv_scale\": 1.7320508075688772, \"causal\": true, \"key_mask\": true}",
+     4,
+     {ATT_QKV, PAD(3, 4)}},
+    {"attention_dropout",
+     "attention",
      "{\"inv_scale\": 1.7320508075688772, \"causal\": true, \"key_mask\": true, \"dropout\": true, "
-     "\"p\": 0.3}", 5, {ATT_QKV, PAD(3, 4), DMASK(4, 3, 2, 4, 4)}},
-    {"causal_lm_loss", "causal_lm_loss", "{\"ignore_index\": -100}", 2,
+     "\"p\": 0.3}",
+     5,
+     {ATT_QKV, PAD(3, 4), DMASK(4, 3, 2, 4, 4)}},
+    {"causal_lm_loss",
+     "causal_lm_loss",
+     "{\"ignore_index\": -100}",
+     2,
      {F(3, 2, 4, 5), {2, {2, 4}, DDP_TEST_IN_TARGETS, 5, false}}},
 };
 
@@ -591,8 +643,10 @@ static void prepare_op(void *user, ddp_ctx_t *c, const ddp_test_tcase_t *tc, ddp
   ddp_var_t *ones, *m;
   assert_int_equal(ddp_var_new(c, dt, tc->in[4].ndim, tc->in[4].shape, NULL, false, &ones), DDP_OK);
   for (int64_t k = 0; k < ones->value.numel; k++) {
-    if (dt == DDP_F32) ((float *)ones->value.data)[k] = 1;
-    else ((double *)ones->value.data)[k] = 1;
+    if (dt == DDP_F32)
+      ((float *)ones->value.data)[k] = 1;
+    else
+      ((double *)ones->value.data)[k] = 1;
   }
   assert_int_equal(ddp_dropout(c, ones, attr_num(tc->attrs, "p", 0), true, &m), DDP_OK);
   assert_int_equal(m->value.numel, numel[4]);
@@ -620,7 +674,9 @@ static void ops_vs_torch(ddp_dtype_t dt, double tol) {
   char root[400];
   snprintf(root, sizeof root, "%s/ops_%s", g_scratch, dt == DDP_F32 ? "f32" : "f64");
   assert_int_equal(mkdir(root, 0700), 0);
-  ddp_test_torch_ops_t o = {.cases = tcases, .n = sizeof tcases / sizeof tcases[0], .run = run_op,
+  ddp_test_torch_ops_t o = {.cases = tcases,
+                            .n = sizeof tcases / sizeof tcases[0],
+                            .run = run_op,
                             .prepare = prepare_op};
   ddp_test_torch_err_t e;
   ddp_test_ops_vs_torch(&o, root, dt, tol, &e);
@@ -676,7 +732,8 @@ static void test_gpt2_shape_time(void **state) {
     best_l = fmin(best_l, now_ms() - t0);
   }
   print_message("GPT-2 shape, 1 thread: attention fwd+bwd %.2f ms (B=4 H=12 T=64 D=64); "
-                "causal_lm_loss fwd+bwd %.1f ms (V=50257)\n", best_a, best_l);
+                "causal_lm_loss fwd+bwd %.1f ms (V=50257)\n",
+                best_a, best_l);
   double bound = DDP_TEST_BOUND_MS(1000); /* scaled by the load (cleanup.h) */
   if (!(best_a < bound)) fail_msg("attention fwd+bwd took %.1f ms (bound %.0f ms)", best_a, bound);
   free(labels);

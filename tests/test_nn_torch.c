@@ -30,9 +30,8 @@ static void write_text(const char *dir, const char *name, const char *text) {
 
 static int run_oracle(const char *cmd, const char *dir) {
   char line[2048];
-  snprintf(line, sizeof line,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s %s %s", ddp_test_python(), g_oracle, cmd,
-           dir);
+  snprintf(line, sizeof line, "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s %s %s",
+           ddp_test_python(), g_oracle, cmd, dir);
   return system(line);
 }
 
@@ -59,18 +58,20 @@ static int teardown(void **state) {
   return 0;
 }
 
-#define NEED_TORCH()                                            \
-  do {                                                          \
-    if (!g_dir[0]) {                                            \
+#define NEED_TORCH()                                                     \
+  do {                                                                   \
+    if (!g_dir[0]) {                                                     \
       print_message("torch (under /usr/bin/python3) absent: skipped\n"); \
-      skip();                                                   \
-    }                                                           \
+      skip();                                                            \
+    }                                                                    \
   } while (0)
 
 /* ---------------------------------------------------------------- ops ------------- */
 
-#define TF(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true}
-#define TFC(n, ...) {n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false}
+#define TF(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true }
+#define TFC(n, ...) \
+  { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, false }
 
 static const ddp_test_tcase_t tcases[] = {
     {"linear", "linear", "{}", 3, {TF(3, 2, 3, 5), TF(2, 4, 5), TF(1, 4)}},
@@ -86,11 +87,21 @@ static const ddp_test_tcase_t tcases[] = {
     {"sigmoid", "sigmoid", "{}", 1, {TF(2, 4, 5)}},
     {"softmax", "softmax", "{}", 1, {TF(2, 3, 6)}},
     {"log_softmax", "log_softmax", "{}", 1, {TF(2, 3, 6)}},
-    {"dropout", "dropout", "{\"p\": 0.3}", 2, {TF(2, 6, 7), {2, {6, 7}, DDP_TEST_IN_MASK, 0, false}}},
+    {"dropout",
+     "dropout",
+     "{\"p\": 0.3}",
+     2,
+     {TF(2, 6, 7), {2, {6, 7}, DDP_TEST_IN_MASK, 0, false}}},
     {"layer_norm", "layer_norm", "{\"eps\": 1e-5}", 3, {TF(2, 4, 6), TF(1, 6), TF(1, 6)}},
-    {"batch_norm_train", "batch_norm", "{\"training\": true, \"momentum\": 0.1, \"eps\": 1e-5}", 3,
+    {"batch_norm_train",
+     "batch_norm",
+     "{\"training\": true, \"momentum\": 0.1, \"eps\": 1e-5}",
+     3,
      {TF(2, 5, 4), TF(1, 4), TF(1, 4)}},
-    {"batch_norm_eval", "batch_norm", "{\"training\": false, \"momentum\": 0.1, \"eps\": 1e-5}", 3,
+    {"batch_norm_eval",
+     "batch_norm",
+     "{\"training\": false, \"momentum\": 0.1, \"eps\": 1e-5}",
+     3,
      {TF(2, 5, 4), TF(1, 4), TF(1, 4)}},
     {"embedding", "embedding", "{}", 2, {{2, {2, 3}, DDP_TEST_IN_IDS, 7, false}, TF(2, 7, 4)}},
     {"reshape", "reshape", "{\"shape\": [2, -1, 3]}", 1, {TF(2, 3, 4)}},
@@ -98,7 +109,10 @@ static const ddp_test_tcase_t tcases[] = {
     {"sum", "sum", "{}", 1, {TF(2, 3, 4)}},
     {"mean", "mean", "{}", 1, {TF(2, 3, 4)}},
     {"mse_loss", "mse_loss", "{}", 2, {TF(2, 3, 4), TF(2, 3, 4)}},
-    {"cross_entropy", "cross_entropy", "{\"ignore_index\": -100}", 2,
+    {"cross_entropy",
+     "cross_entropy",
+     "{\"ignore_index\": -100}",
+     2,
      {TF(2, 6, 5), {1, {6}, DDP_TEST_IN_TARGETS, 5, false}}},
 };
 
@@ -129,7 +143,8 @@ static ddp_status_t run_op(void *user, ddp_ctx_t *c, const ddp_test_tcase_t *tc,
   if (!strcmp(op, "bias_add")) return ddp_bias_add(c, in[0], in[1], y);
   if (!strcmp(op, "relu")) return ddp_activation(c, DDP_ACT_RELU, in[0], y);
   if (!strcmp(op, "gelu"))
-    return ddp_activation(c, strstr(tc->attrs, "tanh") ? DDP_ACT_GELU_TANH : DDP_ACT_GELU, in[0], y);
+    return ddp_activation(c, strstr(tc->attrs, "tanh") ? DDP_ACT_GELU_TANH : DDP_ACT_GELU, in[0],
+                          y);
   if (!strcmp(op, "tanh")) return ddp_activation(c, DDP_ACT_TANH, in[0], y);
   if (!strcmp(op, "sigmoid")) return ddp_activation(c, DDP_ACT_SIGMOID, in[0], y);
   if (!strcmp(op, "softmax")) return ddp_softmax(c, in[0], y);
@@ -226,9 +241,11 @@ static void check_op(void *user, const ddp_test_tcase_t *tc, ddp_dtype_t dt, con
     /* running stats are kept in f64 here; torch's in the case dtype */
     double tolr = dt == DDP_F32 ? 1e-6 : 1e-14;
     if (!(fabs(bn->rm[k] - val(r1, dt, k)) <= tolr * (1 + fabs(bn->rm[k]))))
-      fail_msg("%s running_mean[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rm[k], val(r1, dt, k));
+      fail_msg("%s running_mean[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rm[k],
+               val(r1, dt, k));
     if (!(fabs(bn->rv[k] - val(r2, dt, k)) <= tolr * (1 + fabs(bn->rv[k]))))
-      fail_msg("%s running_var[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rv[k], val(r2, dt, k));
+      fail_msg("%s running_var[%d]: libddp %.17g, torch %.17g", tc->name, k, bn->rv[k],
+               val(r2, dt, k));
   }
   free(r1);
   free(r2);
@@ -241,8 +258,12 @@ static void ops_vs_torch(ddp_dtype_t dt, double tol) {
   assert_int_equal(mkdir(root, 0700), 0);
   bn_state_t bn;
   static const char *const exact[] = {"batch_norm", NULL};
-  ddp_test_torch_ops_t o = {.cases = tcases, .n = sizeof tcases / sizeof tcases[0], .run = run_op,
-                            .prepare = prepare_op, .check = check_op, .user = &bn,
+  ddp_test_torch_ops_t o = {.cases = tcases,
+                            .n = sizeof tcases / sizeof tcases[0],
+                            .run = run_op,
+                            .prepare = prepare_op,
+                            .check = check_op,
+                            .user = &bn,
                             .f32_exact_ops = exact};
   ddp_test_ops_vs_torch(&o, root, dt, tol, NULL);
 }
@@ -286,10 +307,12 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   ddp_var_t *x;
   if (ids_hi) {
     assert_int_equal(ddp_var_new(c, DDP_I64, 2, xs, NULL, false, &x), DDP_OK);
-    for (int64_t k = 0; k < B * xdim; k++) ((int64_t *)x->value.data)[k] = ddp_rng_u32(&g) % (uint32_t)ids_hi;
+    for (int64_t k = 0; k < B * xdim; k++)
+      ((int64_t *)x->value.data)[k] = ddp_rng_u32(&g) % (uint32_t)ids_hi;
   } else {
     assert_int_equal(ddp_var_new(c, DDP_F32, 2, xs, NULL, false, &x), DDP_OK);
-    for (int64_t k = 0; k < B * xdim; k++) ((float *)x->value.data)[k] = ddp_rng_uniform(&g) * 2 - 1;
+    for (int64_t k = 0; k < B * xdim; k++)
+      ((float *)x->value.data)[k] = ddp_rng_uniform(&g) * 2 - 1;
   }
   ddp_test_write_bin(dir, "x.bin", x->value.data, ddp_tensor_nbytes(&x->value));
   ddp_var_t *y, *loss, *t;
@@ -297,10 +320,12 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   int64_t ncls = y->value.shape[1];
   if (ce) {
     assert_int_equal(ddp_var_new(c, DDP_I64, 1, &B, NULL, false, &t), DDP_OK);
-    for (int64_t i = 0; i < B; i++) ((int64_t *)t->value.data)[i] = ddp_rng_u32(&g) % (uint32_t)ncls;
+    for (int64_t i = 0; i < B; i++)
+      ((int64_t *)t->value.data)[i] = ddp_rng_u32(&g) % (uint32_t)ncls;
     assert_int_equal(ddp_cross_entropy(c, y, t, -100, &loss), DDP_OK);
   } else {
-    assert_int_equal(ddp_var_new(c, DDP_F32, y->value.ndim, y->value.shape, NULL, false, &t), DDP_OK);
+    assert_int_equal(ddp_var_new(c, DDP_F32, y->value.ndim, y->value.shape, NULL, false, &t),
+                     DDP_OK);
     for (int64_t k = 0; k < t->value.numel; k++) ((float *)t->value.data)[k] = ddp_rng_uniform(&g);
     assert_int_equal(ddp_mse_loss(c, y, t, &loss), DDP_OK);
   }
@@ -308,8 +333,9 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   char run[512];
   snprintf(run, sizeof run,
            "{\"x_dtype\": \"%s\", \"x_shape\": [%lld, %lld], \"loss\": \"%s\", \"flags\": %llu, "
-           "\"train\": true}", ids_hi ? "i64" : "f32", (long long)B, (long long)xdim,
-           ce ? "ce" : "mse", (unsigned long long)flags);
+           "\"train\": true}",
+           ids_hi ? "i64" : "f32", (long long)B, (long long)xdim, ce ? "ce" : "mse",
+           (unsigned long long)flags);
   write_text(dir, "run.json", run);
   assert_int_equal(ddp_backward(c, loss), DDP_OK);
   assert_int_equal(run_oracle("model", dir), 0);
@@ -341,7 +367,8 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
                 worst, memcmp(gf.data, ref, ddp_tensor_nbytes(&gf)) ? "no" : "yes");
   free(ref);
   size_t nb = 0;
-  for (size_t i = 0; i < ddp_model_num_buffers(m); i++) nb += (size_t)ddp_model_buffer(m, i)->value.numel;
+  for (size_t i = 0; i < ddp_model_num_buffers(m); i++)
+    nb += (size_t)ddp_model_buffer(m, i)->value.numel;
   if (nb) {
     double *bref = malloc(nb * 8);
     ddp_test_read_bin(dir, "buffers.bin", bref, nb * 8);
@@ -349,9 +376,11 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
     for (size_t i = 0; i < ddp_model_num_buffers(m); i++) {
       ddp_buffer_t *b = ddp_model_buffer(m, i);
       for (int64_t k = 0; k < b->value.numel; k++, off++) {
-        double v = b->value.dtype == DDP_I64 ? (double)((int64_t *)b->value.data)[k] : val(b->value.data, b->value.dtype, k);
+        double v = b->value.dtype == DDP_I64 ? (double)((int64_t *)b->value.data)[k]
+                                             : val(b->value.data, b->value.dtype, k);
         if (!(fabs(v - bref[off]) <= tol * (1 + fabs(bref[off]))))
-          fail_msg("%s: buffer %s[%lld] = %.9g, torch %.9g", tag, b->name, (long long)k, v, bref[off]);
+          fail_msg("%s: buffer %s[%lld] = %.9g, torch %.9g", tag, b->name, (long long)k, v,
+                   bref[off]);
       }
     }
     free(bref);
@@ -362,7 +391,8 @@ static void model_vs_torch(const char *tag, const char *model_json, int64_t B, i
   assert_int_equal(ddp_model_from_json(model_json, &m2, &err), DDP_OK);
   snprintf(path, sizeof path, "%s/state_after.safetensors", dir);
   size_t nmiss = 1, nunexp = 1;
-  if (ddp_model_load(m2, path, true, &nmiss, &nunexp, &err) != DDP_OK) fail_msg("%s: %s", tag, err.msg);
+  if (ddp_model_load(m2, path, true, &nmiss, &nunexp, &err) != DDP_OK)
+    fail_msg("%s: %s", tag, err.msg);
   assert_int_equal(nmiss + nunexp, 0);
   ddp_tensor_t f1 = ddp_model_flat_params(m, DDP_F32), f2 = ddp_model_flat_params(m2, DDP_F32);
   assert_memory_equal(f1.data, f2.data, ddp_tensor_nbytes(&f1));
@@ -411,7 +441,8 @@ static void order_vs_torch(const char *tag, const char *model_json, int64_t B, i
     assert_int_equal(ddp_var_new(c, DDP_I64, 1, &B, NULL, false, &t), DDP_OK);
     assert_int_equal(ddp_cross_entropy(c, y, t, -100, &loss), DDP_OK);
   } else {
-    assert_int_equal(ddp_var_new(c, DDP_F32, y->value.ndim, y->value.shape, NULL, false, &t), DDP_OK);
+    assert_int_equal(ddp_var_new(c, DDP_F32, y->value.ndim, y->value.shape, NULL, false, &t),
+                     DDP_OK);
     assert_int_equal(ddp_mse_loss(c, y, t, &loss), DDP_OK);
   }
   assert_int_equal(ddp_backward(c, loss), DDP_OK);
@@ -431,7 +462,8 @@ static void order_vs_torch(const char *tag, const char *model_json, int64_t B, i
              cJSON_GetArrayItem(o, i)->valueint);
   }
   cJSON_Delete(j);
-  if (strcmp(mine, theirs)) fail_msg("%s: hook order libddp [%s ] vs torch [%s ]", tag, mine, theirs);
+  if (strcmp(mine, theirs))
+    fail_msg("%s: hook order libddp [%s ] vs torch [%s ]", tag, mine, theirs);
   ddp_ctx_destroy(c);
   ddp_model_destroy(m);
 }
@@ -442,9 +474,11 @@ static const char *mlp_json =
     "{\"type\": \"relu\"}, {\"type\": \"dropout\", \"p\": 0.0},"
     "{\"type\": \"residual\", \"layers\": [{\"type\": \"linear\", \"in\": 16, \"out\": 16},"
     "  {\"type\": \"layernorm\", \"dim\": 16}, {\"type\": \"gelu\"}]},"
-    "{\"type\": \"branch\", \"flag\": 1, \"layers\": [{\"type\": \"linear\", \"in\": 16, \"out\": 16},"
+    "{\"type\": \"branch\", \"flag\": 1, \"layers\": [{\"type\": \"linear\", \"in\": 16, \"out\": "
+    "16},"
     "  {\"type\": \"tanh\"}]},"
-    "{\"type\": \"branch\", \"flag\": 3, \"layers\": [{\"type\": \"linear\", \"in\": 16, \"out\": 16}]},"
+    "{\"type\": \"branch\", \"flag\": 3, \"layers\": [{\"type\": \"linear\", \"in\": 16, \"out\": "
+    "16}]},"
     "{\"type\": \"linear\", \"in\": 16, \"out\": 5}]}";
 
 static const char *emb_json =
@@ -480,10 +514,13 @@ static void test_step_time(void **state) {
   (void)state;
   NEED_TORCH();
   ddp_model_t *m;
-  assert_int_equal(ddp_model_from_json(
-                       "{\"layers\": [{\"type\": \"linear\", \"in\": 784, \"out\": 1024}, {\"type\": \"relu\"},"
-                       "{\"type\": \"linear\", \"in\": 1024, \"out\": 1024}, {\"type\": \"relu\"},"
-                       "{\"type\": \"linear\", \"in\": 1024, \"out\": 10}]}", &m, NULL), DDP_OK);
+  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 784, \"out\": "
+                                       "1024}, {\"type\": \"relu\"},"
+                                       "{\"type\": \"linear\", \"in\": 1024, \"out\": 1024}, "
+                                       "{\"type\": \"relu\"},"
+                                       "{\"type\": \"linear\", \"in\": 1024, \"out\": 10}]}",
+                                       &m, NULL),
+                   DDP_OK);
   assert_int_equal(ddp_model_init(m, 1), DDP_OK);
   ddp_blas_set_threads(1);
   ddp_ctx_t *c;
@@ -519,7 +556,8 @@ static void test_step_time(void **state) {
   double tb = cJSON_GetObjectItem(j, "torch_best_ms")->valuedouble;
   double tm = cJSON_GetObjectItem(j, "torch_mean_ms")->valuedouble;
   cJSON_Delete(j);
-  print_message("MLP 784-1024-1024-10 batch 64 fwd+bwd, 1 thread: libddp best %.2f ms mean %.2f ms; "
+  print_message("MLP 784-1024-1024-10 batch 64 fwd+bwd, 1 thread: libddp best %.2f ms mean %.2f "
+                "ms; "
                 "torch best %.2f ms mean %.2f ms; ratio (best) %.2f\n",
                 best, total / iters, tb, tm, best / tb);
   free(x);
@@ -529,10 +567,8 @@ static void test_step_time(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_ops_f64),
-      cmocka_unit_test(test_ops_f32),
-      cmocka_unit_test(test_model_mlp),
-      cmocka_unit_test(test_model_embedding_checkpoint),
+      cmocka_unit_test(test_ops_f64),   cmocka_unit_test(test_ops_f32),
+      cmocka_unit_test(test_model_mlp), cmocka_unit_test(test_model_embedding_checkpoint),
       cmocka_unit_test(test_step_time),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -24,7 +24,9 @@
 static const int64_t shapes[NPARAMS][2] = {{37, 1}, {8, 5}, {3, 1}};
 static const int shape_nd[NPARAMS] = {1, 2, 1};
 
-static int64_t pnumel(int i) { return shape_nd[i] == 1 ? shapes[i][0] : shapes[i][0] * shapes[i][1]; }
+static int64_t pnumel(int i) {
+  return shape_nd[i] == 1 ? shapes[i][0] : shapes[i][0] * shapes[i][1];
+}
 
 typedef struct ocase {
   const char *name;
@@ -71,12 +73,22 @@ static ocase_t *make_cases(size_t *n) {
   static const struct {
     const char *name;
     int which;
-  } list[] = {{"sgd_plain", 0},    {"sgd_momentum", 1},  {"sgd_nesterov", 2},
-              {"sgd_wd", 3},       {"sgd_dampening", 4}, {"sgd_maximize", 5},
-              {"adam", 6},         {"adam_wd", 7},       {"adamw", 8},
-              {"adam_amsgrad", 9}, {"adamw_amsgrad_cosine", 10},
-              {"adam_linear_clip", 11}, {"sgd_f64", 12}, {"adam_f64_amsgrad", 13},
-              {"sgd_const_warmup_clip", 14}, {"adamw_betas", 15}};
+  } list[] = {{"sgd_plain", 0},
+              {"sgd_momentum", 1},
+              {"sgd_nesterov", 2},
+              {"sgd_wd", 3},
+              {"sgd_dampening", 4},
+              {"sgd_maximize", 5},
+              {"adam", 6},
+              {"adam_wd", 7},
+              {"adamw", 8},
+              {"adam_amsgrad", 9},
+              {"adamw_amsgrad_cosine", 10},
+              {"adam_linear_clip", 11},
+              {"sgd_f64", 12},
+              {"adam_f64_amsgrad", 13},
+              {"sgd_const_warmup_clip", 14},
+              {"adamw_betas", 15}};
   *n = sizeof list / sizeof list[0];
   ocase_t *c = calloc(*n, sizeof *c);
   for (size_t i = 0; i < *n; i++) {
@@ -84,31 +96,33 @@ static ocase_t *make_cases(size_t *n) {
     k->name = list[i].name;
     k->cycles = 0.5;
     switch (list[i].which) {
-    case 0: k->o = sgd(0.1, 0, 0, false, 0, false); break;
-    case 1: k->o = sgd(0.05, 0.9, 0, false, 0, false); break;
-    case 2: k->o = sgd(0.05, 0.9, 0, true, 0, false); break;
-    case 3: k->o = sgd(0.03, 0.9, 0, false, 0.01, false); break;
-    case 4: k->o = sgd(0.05, 0.8, 0.3, false, 0, false); break;
-    case 5: k->o = sgd(0.02, 0.5, 0, true, 1e-3, true); break;
-    case 6: k->o = adam(DDP_OPTIM_ADAM, 1e-3, 0, false, 0.9, 0.999, 1e-8); break;
-    case 7: k->o = adam(DDP_OPTIM_ADAM, 3e-3, 0.1, false, 0.9, 0.999, 1e-8); break;
-    case 8: k->o = adam(DDP_OPTIM_ADAMW, 1e-2, 0.01, false, 0.9, 0.999, 1e-8); break;
-    case 9: k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0, true, 0.9, 0.999, 1e-8); break;
-    case 10:
-      k->o = adam(DDP_OPTIM_ADAMW, 5e-2, 0.05, true, 0.9, 0.99, 1e-6);
-      k->sched = "cosine", k->warmup = 3, k->total = 10;
-      break;
-    case 11:
-      k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0, false, 0.9, 0.999, 1e-8);
-      k->sched = "linear", k->warmup = 2, k->total = 8, k->clip = 1.0;
-      break;
-    case 12: k->o = sgd(0.05, 0.9, 0, true, 0.01, false), k->f64 = true; break;
-    case 13: k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0.01, true, 0.9, 0.999, 1e-8), k->f64 = true; break;
-    case 14:
-      k->o = sgd(0.1, 0.9, 0.1, false, 0, false);
-      k->sched = "constant_with_warmup", k->warmup = 4, k->clip = 2.5;
-      break;
-    case 15: k->o = adam(DDP_OPTIM_ADAMW, 2e-2, 0.2, false, 0.5, 0.75, 1e-3); break;
+      case 0: k->o = sgd(0.1, 0, 0, false, 0, false); break;
+      case 1: k->o = sgd(0.05, 0.9, 0, false, 0, false); break;
+      case 2: k->o = sgd(0.05, 0.9, 0, true, 0, false); break;
+      case 3: k->o = sgd(0.03, 0.9, 0, false, 0.01, false); break;
+      case 4: k->o = sgd(0.05, 0.8, 0.3, false, 0, false); break;
+      case 5: k->o = sgd(0.02, 0.5, 0, true, 1e-3, true); break;
+      case 6: k->o = adam(DDP_OPTIM_ADAM, 1e-3, 0, false, 0.9, 0.999, 1e-8); break;
+      case 7: k->o = adam(DDP_OPTIM_ADAM, 3e-3, 0.1, false, 0.9, 0.999, 1e-8); break;
+      case 8: k->o = adam(DDP_OPTIM_ADAMW, 1e-2, 0.01, false, 0.9, 0.999, 1e-8); break;
+      case 9: k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0, true, 0.9, 0.999, 1e-8); break;
+      case 10:
+        k->o = adam(DDP_OPTIM_ADAMW, 5e-2, 0.05, true, 0.9, 0.99, 1e-6);
+        k->sched = "cosine", k->warmup = 3, k->total = 10;
+        break;
+      case 11:
+        k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0, false, 0.9, 0.999, 1e-8);
+        k->sched = "linear", k->warmup = 2, k->total = 8, k->clip = 1.0;
+        break;
+      case 12: k->o = sgd(0.05, 0.9, 0, true, 0.01, false), k->f64 = true; break;
+      case 13:
+        k->o = adam(DDP_OPTIM_ADAM, 1e-2, 0.01, true, 0.9, 0.999, 1e-8), k->f64 = true;
+        break;
+      case 14:
+        k->o = sgd(0.1, 0.9, 0.1, false, 0, false);
+        k->sched = "constant_with_warmup", k->warmup = 4, k->clip = 2.5;
+        break;
+      case 15: k->o = adam(DDP_OPTIM_ADAMW, 2e-2, 0.2, false, 0.5, 0.75, 1e-3); break;
     }
     /* Inputs: N(0,1) params; gradients N(0,1) times a per-step scale, so that second
      * moments rise and fall (amsgrad's max matters) and clipping engages on some steps. */
@@ -251,12 +265,16 @@ static void test_optim_vs_torch(void **state) {
   for (size_t c = 0; c < ncase; c++) {
     ocase_t *k = &cases[c];
     const ddp_optim_options_t *o = &k->o;
-    fprintf(f, "case %s %s lr=%.17g momentum=%.17g dampening=%.17g nesterov=%d "
-               "weight_decay=%.17g maximize=%d beta1=%.17g beta2=%.17g eps=%.17g amsgrad=%d "
-               "dtype=%s",
-            k->name, o->kind == DDP_OPTIM_SGD ? "sgd" : o->kind == DDP_OPTIM_ADAM ? "adam" : "adamw",
-            o->lr, o->momentum, o->dampening, o->nesterov, o->weight_decay, o->maximize,
-            o->beta1, o->beta2, o->eps, o->amsgrad, k->f64 ? "f64" : "f32");
+    fprintf(f,
+            "case %s %s lr=%.17g momentum=%.17g dampening=%.17g nesterov=%d "
+            "weight_decay=%.17g maximize=%d beta1=%.17g beta2=%.17g eps=%.17g amsgrad=%d "
+            "dtype=%s",
+            k->name,
+            o->kind == DDP_OPTIM_SGD    ? "sgd"
+            : o->kind == DDP_OPTIM_ADAM ? "adam"
+                                        : "adamw",
+            o->lr, o->momentum, o->dampening, o->nesterov, o->weight_decay, o->maximize, o->beta1,
+            o->beta2, o->eps, o->amsgrad, k->f64 ? "f64" : "f32");
     if (k->sched)
       fprintf(f, " sched=%s warmup=%d total=%d cycles=%.17g", k->sched, k->warmup, k->total,
               k->cycles);
@@ -301,8 +319,7 @@ static void test_optim_vs_torch(void **state) {
       assert_int_equal(parse_hex(line + 5, &v, 1, cur->f64), 1);
       cur->expect_norm[step] = v;
     } else if (strncmp(line, "p ", 2) == 0) {
-      assert_int_equal(parse_hex(line + 2, cur->expect[step][param], 40, cur->f64),
-                       pnumel(param));
+      assert_int_equal(parse_hex(line + 2, cur->expect[step][param], 40, cur->f64), pnumel(param));
       if (++param == NPARAMS) {
         param = 0;
         cur->got_steps = ++step;
@@ -344,8 +361,8 @@ static void test_optim_vs_torch(void **state) {
           double rel = fabs(a - b) / mag;
           if (rel > worst) worst = rel;
           if (rel > 1e-6)
-            fail_msg("%s step %d param %d elem %lld: libddp %.9g, torch %.9g (rel %.3g)",
-                     k->name, s, i, (long long)e, a, b, rel);
+            fail_msg("%s step %d param %d elem %lld: libddp %.9g, torch %.9g (rel %.3g)", k->name,
+                     s, i, (long long)e, a, b, rel);
         }
       }
     }
@@ -368,11 +385,16 @@ static void test_schedules_vs_python(void **state) {
     const char *kind;
     int warmup, total;
     double cycles;
-  } sc[] = {{"constant", 0, 0, 0.5},         {"constant_with_warmup", 5, 0, 0.5},
-            {"constant_with_warmup", 0, 0, 0.5}, {"linear", 10, 100, 0.5},
-            {"linear", 0, 37, 0.5},          {"linear", 50, 50, 0.5},
-            {"cosine", 10, 100, 0.5},        {"cosine", 0, 30, 0.5},
-            {"cosine", 7, 60, 1.5},          {"cosine", 3, 3, 0.5},
+  } sc[] = {{"constant", 0, 0, 0.5},
+            {"constant_with_warmup", 5, 0, 0.5},
+            {"constant_with_warmup", 0, 0, 0.5},
+            {"linear", 10, 100, 0.5},
+            {"linear", 0, 37, 0.5},
+            {"linear", 50, 50, 0.5},
+            {"cosine", 10, 100, 0.5},
+            {"cosine", 0, 30, 0.5},
+            {"cosine", 7, 60, 1.5},
+            {"cosine", 3, 3, 0.5},
             {"linear", 1, 1, 0.5}};
   const int nsteps = 120;
   const double base = 3e-4;
@@ -406,9 +428,8 @@ static void test_schedules_vs_python(void **state) {
         p = end;
         double have = which ? ddp_lr_at(&s, base, st) : ddp_lr_lambda(&s, st);
         if (have != want)
-          fail_msg("%s(w=%d,t=%d,c=%g) step %d: %s %.17g, python %.17g", sc[i].kind,
-                   sc[i].warmup, sc[i].total, sc[i].cycles, st, which ? "lr" : "lambda", have,
-                   want);
+          fail_msg("%s(w=%d,t=%d,c=%g) step %d: %s %.17g, python %.17g", sc[i].kind, sc[i].warmup,
+                   sc[i].total, sc[i].cycles, st, which ? "lr" : "lambda", have, want);
       }
     }
   }
@@ -653,8 +674,9 @@ static void roundtrip(ddp_optim_options_t o, bool f64) {
       }
       ddp_st_close(f);
       /* A state file of another optimizer kind is refused. */
-      ddp_optim_options_t other = o.kind == DDP_OPTIM_SGD ? (ddp_optim_options_t)DDP_ADAM_OPTIONS_INIT
-                                                          : (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
+      ddp_optim_options_t other = o.kind == DDP_OPTIM_SGD
+                                      ? (ddp_optim_options_t)DDP_ADAM_OPTIONS_INIT
+                                      : (ddp_optim_options_t)DDP_SGD_OPTIONS_INIT;
       ddp_optim_t *oc;
       assert_int_equal(ddp_optim_create(&other, B, 2, &oc, &err), DDP_OK);
       assert_int_equal(ddp_optim_load(oc, path, &err), DDP_ERR_INVALID_DATA);
@@ -702,9 +724,9 @@ static void test_state_roundtrip(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_optim_vs_torch),   cmocka_unit_test(test_schedules_vs_python),
-      cmocka_unit_test(test_schedule_errors),  cmocka_unit_test(test_option_errors),
-      cmocka_unit_test(test_zero_grad),        cmocka_unit_test(test_clip_naive),
+      cmocka_unit_test(test_optim_vs_torch),  cmocka_unit_test(test_schedules_vs_python),
+      cmocka_unit_test(test_schedule_errors), cmocka_unit_test(test_option_errors),
+      cmocka_unit_test(test_zero_grad),       cmocka_unit_test(test_clip_naive),
       cmocka_unit_test(test_state_roundtrip),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -52,8 +52,8 @@ typedef struct fcfg {
   const char *backend;
   ddp_test_mode_t mode;
   int64_t timeout_ms;
-  int variant;         /* test-specific */
-  ddp_store_t *store;  /* thread mode */
+  int variant;              /* test-specific */
+  ddp_store_t *store;       /* thread mode */
   const char *const *token; /* per-rank job token, or NULL for DDP_JOB_TOKEN */
 } fcfg_t;
 
@@ -294,7 +294,8 @@ static void test_tcp_blames_the_dead_rank(void **state) {
       if (b != 1 || x->status != DDP_ERR_REMOTE) {
         wrong++;
         print_message("run %d rank %d blames rank %d (expected 1) %.1f ms after the kill: "
-                      "%s\n", rep, r, b, since_kill, x->msg);
+                      "%s\n",
+                      rep, r, b, since_kill, x->msg);
       }
       if (ms > worst) worst = ms;
     }
@@ -305,7 +306,8 @@ static void test_tcp_blames_the_dead_rank(void **state) {
   }
   print_message("%d of %d survivor messages blamed another rank than the dead rank 1 "
                 "(expected 0); slowest failing allreduce %.1f ms from issue to error (bound "
-                "1000)\n", wrong, total, worst);
+                "1000)\n",
+                wrong, total, worst);
   assert_int_equal(wrong, 0);
   assert_true(worst < 1000);
 }
@@ -332,8 +334,8 @@ static void test_sigstop_times_out(void **state) {
       assert_int_equal(x->nvalues, sizeof rep);
       memcpy(&rep, x->values, sizeof rep);
       double ms = (double)(rep.t_fail - rep.t_issue) / 1e6;
-      print_message("%s rank %d failed %.0f ms after issuing the stuck allreduce\n", backends[b],
-                    r, ms);
+      print_message("%s rank %d failed %.0f ms after issuing the stuck allreduce\n", backends[b], r,
+                    ms);
       assert_true(ms >= 1800 && ms <= 2000 + DDP_TEST_BOUND_MS(200));
     }
     assert_true(timeouts_naming >= 1);
@@ -419,7 +421,8 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
       ddp_work_free(w);
     }
     /* later calls fail the same way */
-    if (st != DDP_OK && ddp_allreduce(pg, buf, buf, 1, DDP_F32, DDP_OP_SUM, &w) != st) st = DDP_ERR_INTERNAL;
+    if (st != DDP_OK && ddp_allreduce(pg, buf, buf, 1, DDP_F32, DDP_OP_SUM, &w) != st)
+      st = DDP_ERR_INTERNAL;
   }
   ddp_pg_destroy(pg);
   /* recovery: a new group on the same store works (it does not see the old group's keys) */
@@ -450,7 +453,8 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
 
 static void test_desync(void **state) {
   static const char *backends[] = {"threads", "shm", "tcp"};
-  static const char *needles[4][2] = {{"count 1000", "count 1001"}, {"SUM", "MAX"},
+  static const char *needles[4][2] = {{"count 1000", "count 1001"},
+                                      {"SUM", "MAX"},
                                       {"count 10,", "count 11,"},
                                       {"segment 4096", "segment 1048576"}};
   for (int b = 0; b < 3; b++)
@@ -579,8 +583,8 @@ static void test_spawn_threads_failed_rank_aborts(void **state) {
   assert_int_not_equal(st, DDP_OK);
   for (int r = 0; r < SPAWN_WORLD; r++) {
     if (r == a.fail_rank) continue;
-    print_message("rank %d: %s after %.1f ms (bound 1000 ms): %s\n", r,
-                  ddp_status_name(a.st[r]), a.ms[r], a.msg[r]);
+    print_message("rank %d: %s after %.1f ms (bound 1000 ms): %s\n", r, ddp_status_name(a.st[r]),
+                  a.ms[r], a.msg[r]);
     assert_int_equal(a.st[r], DDP_ERR_REMOTE);
     assert_non_null(strstr(a.msg[r], "rank 2 aborted the group"));
     assert_true(a.ms[r] < 1000);
@@ -681,8 +685,7 @@ static void test_ddp_train_threads_local_failure(void **state) {
   f = fopen(data, "w");
   assert_non_null(f);
   fputs("a,b,c,d,label\n", f);
-  for (int i = 0; i < 64; i++)
-    fprintf(f, "%d,%d,%d,%d,%d\n", i % 5, i % 7, i % 3, i % 2, i % 3);
+  for (int i = 0; i < 64; i++) fprintf(f, "%d,%d,%d,%d,%d\n", i % 5, i % 7, i % 3, i % 2, i % 3);
   fclose(f);
   f = fopen(file, "w");
   assert_non_null(f);
@@ -696,17 +699,34 @@ static void test_ddp_train_threads_local_failure(void **state) {
                {"output_dir under a file (rank 0 only)", bad_out, "", "plain-file",
                 "rank 0 aborted the group: mkdir"}};
   for (int c = 0; c < 2; c++) {
-    const char *argv[] = {"--threads", "4", "--model", model, "--data", data,
-                          "--per_device_train_batch_size", "4", "--max_steps", "8",
-                          "--logging_steps", "4", "--ddp_timeout", "20", "--disable_tqdm", "true",
-                          "--output_dir", cases[c].out, "--ddp_fault", cases[c].fault, NULL};
+    const char *argv[] = {"--threads",
+                          "4",
+                          "--model",
+                          model,
+                          "--data",
+                          data,
+                          "--per_device_train_batch_size",
+                          "4",
+                          "--max_steps",
+                          "8",
+                          "--logging_steps",
+                          "4",
+                          "--ddp_timeout",
+                          "20",
+                          "--disable_tqdm",
+                          "true",
+                          "--output_dir",
+                          cases[c].out,
+                          "--ddp_fault",
+                          cases[c].fault,
+                          NULL};
     if (!*cases[c].fault) argv[18] = NULL; /* no fault */
     static char out[1 << 18];
     double ms;
     int rc = run_ddp_train(argv, out, sizeof out, &ms);
     size_t len = strlen(out);
-    print_message("%s: exit %d after %.0f ms (bound 5000 ms, timeout 20000 ms)\n",
-                  cases[c].what, rc, ms);
+    print_message("%s: exit %d after %.0f ms (bound 5000 ms, timeout 20000 ms)\n", cases[c].what,
+                  rc, ms);
     for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"))
       if (strstr(line, "ERROR") || strstr(line, "failed")) print_message("  %s\n", line);
     /* strtok cut the lines: search the report again line by line */
@@ -743,7 +763,7 @@ typedef struct shm_case {
   char create_msg[DDP_ERROR_MSG_MAX];
   bool granted[2];
   char alloc_msg[2][DDP_ERROR_MSG_MAX];
-  ddp_status_t coll_st;  /* an allreduce over the granted buffer */
+  ddp_status_t coll_st; /* an allreduce over the granted buffer */
   float sum;
 } shm_case_t;
 
@@ -816,8 +836,10 @@ static void small_shm_child(int wfd) {
   if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
       mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=8m") != 0) {
     char why[160];
-    snprintf(why, sizeof why, "cannot mount a small tmpfs on /dev/shm in a private mount "
-             "namespace (needs root): %s", strerror(errno));
+    snprintf(why, sizeof why,
+             "cannot mount a small tmpfs on /dev/shm in a private mount "
+             "namespace (needs root): %s",
+             strerror(errno));
     if (write(wfd, why, strlen(why) + 1) < 0) _exit(78);
     _exit(77);
   }
@@ -870,10 +892,10 @@ static void test_shm_small_dev_shm(void **state) {
   for (int r = 0; r < 2; r++) {
     const shm_case_t *x = &res[1][r];
     print_message("(b) rank %d: create %s; 16 MiB %s: %s; 1 MiB %s; allreduce %s, sum %g "
-                  "(expected 3)\n", r, ddp_status_name(x->create_st),
-                  x->granted[0] ? "granted" : "refused", x->alloc_msg[0],
-                  x->granted[1] ? "granted" : "refused", ddp_status_name(x->coll_st),
-                  (double)x->sum);
+                  "(expected 3)\n",
+                  r, ddp_status_name(x->create_st), x->granted[0] ? "granted" : "refused",
+                  x->alloc_msg[0], x->granted[1] ? "granted" : "refused",
+                  ddp_status_name(x->coll_st), (double)x->sum);
     assert_int_equal(x->create_st, DDP_OK);
     assert_false(x->granted[0]);
     assert_non_null(strstr(x->alloc_msg[0], "/dev/shm"));
@@ -898,7 +920,9 @@ static void test_shm_large_alloc(void **state) {
                   (unsigned long long)v.f_bavail * v.f_frsize, 2 * bytes + (64u << 20));
     skip();
   }
-  shm_case_t proto = {.world = 2, .alloc_bytes = {bytes, 0}, .reduce_max = 1u << 20,
+  shm_case_t proto = {.world = 2,
+                      .alloc_bytes = {bytes, 0},
+                      .reduce_max = 1u << 20,
                       .timeout_ms = 60000};
   shm_case_t res[2];
   int64_t t = ddp_now_ns();
@@ -906,9 +930,10 @@ static void test_shm_large_alloc(void **state) {
   double ms = (double)(ddp_now_ns() - t) / 1e6;
   for (int r = 0; r < 2; r++) {
     print_message("rank %d (%.0f ms): create %s %s; 320 MiB %s %s; allreduce %s, last "
-                  "element %g (expected 3)\n", r, ms, ddp_status_name(res[r].create_st),
-                  res[r].create_msg, res[r].granted[0] ? "granted" : "refused",
-                  res[r].alloc_msg[0], ddp_status_name(res[r].coll_st), (double)res[r].sum);
+                  "element %g (expected 3)\n",
+                  r, ms, ddp_status_name(res[r].create_st), res[r].create_msg,
+                  res[r].granted[0] ? "granted" : "refused", res[r].alloc_msg[0],
+                  ddp_status_name(res[r].coll_st), (double)res[r].sum);
     assert_int_equal(res[r].create_st, DDP_OK);
     assert_true(res[r].granted[0]);
     assert_int_equal(res[r].coll_st, DDP_OK);
@@ -980,8 +1005,8 @@ static void test_tcp_socket_ifname(void **state) {
     unsetenv("GLOO_SOCKET_IFNAME");
     for (int r = 0; r < 2; r++) {
       const ddp_test_result_t *x = ddp_test_result(res, r);
-      print_message("case %zu rank %d (%.0f ms): %s %s\n", c, r, ms,
-                    ddp_status_name(x->status), x->msg);
+      print_message("case %zu rank %d (%.0f ms): %s %s\n", c, r, ms, ddp_status_name(x->status),
+                    x->msg);
       if (cases[c].bad) {
         assert_int_equal(x->status, DDP_ERR_INVALID_ARGUMENT);
         assert_non_null(strstr(x->msg, cases[c].bad));

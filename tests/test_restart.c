@@ -33,8 +33,8 @@
 #include "cleanup.h"
 #include "proc.h"
 
-#define TRAIN_FLAGS                                                                          \
-  "--max_steps 200 --logging_steps 1 --save_steps 4 --learning_rate 1e-3 "                   \
+#define TRAIN_FLAGS                                                        \
+  "--max_steps 200 --logging_steps 1 --save_steps 4 --learning_rate 1e-3 " \
   "--gradient_accumulation_steps 2 --ddp_find_unused_parameters false"
 
 static char g_ddprun[1024], g_train[1024], g_data[1024];
@@ -79,8 +79,8 @@ static void reference_hash(int world, const char *flags, char *h, size_t cap) {
   char dir[256], cmd[16384];
   char *out = NULL;
   make_dir(dir, sizeof dir, "ref");
-  snprintf(cmd, sizeof cmd, "'%s' --threads %d --data '%s' %s --output_dir '%s'", g_train,
-           world, g_data, flags, dir);
+  snprintf(cmd, sizeof cmd, "'%s' --threads %d --data '%s' %s --output_dir '%s'", g_train, world,
+           g_data, flags, dir);
   int rc = run(cmd, 120, &out);
   if (rc != 0) fail_msg("reference run exited %d:\n%s", rc, out);
   hash_of(out, h, cap);
@@ -106,8 +106,7 @@ static void expect(const char *out, const char *needle) {
 
 /* Rank 1 kills itself with SIGKILL once rank 0 has logged step `step` (only in the first
  * attempt); every rank runs ddp-train. Returns ddprun's exit status and output. */
-static int kill_run(const char *backend, int max_restarts, int step, const char *dir,
-                    char **out) {
+static int kill_run(const char *backend, int max_restarts, int step, const char *dir, char **out) {
   char cmd[16384];
   snprintf(cmd, sizeof cmd,
            "'%s' --standalone --nproc_per_node 4 --backend %s --max_restarts %d --timeout 60 "
@@ -155,7 +154,8 @@ static void kill_and_restart(const char *backend) {
   const char *rs = strstr(out, "restarting the worker group (restart 1 of 1) ");
   double after = rs ? atof(rs + strlen("restarting the worker group (restart 1 of 1) ")) : -1;
   hash_of(out, got, sizeof got);
-  print_message("%s x4: rank 1 killed once rank 0 logged step %d; resumed from step %ld, group restarted %.3f s "
+  print_message("%s x4: rank 1 killed once rank 0 logged step %d; resumed from step %ld, group "
+                "restarted %.3f s "
                 "after the failure was seen, whole job %.2f s; hash %s, uninterrupted %s\n",
                 backend, step, from, after, secs, got, ref);
   /* Rank 1 dies some (fast) steps after rank 0 logged `step` (more under load); the newest
@@ -200,10 +200,10 @@ static void test_standalone_together(void **state) {
       int fd = open(path[j], O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
-      execl(g_ddprun, g_ddprun, "--standalone", "--nproc_per_node", "2", "--backend", "tcp",
-            "sh", "-c", "echo port=$MASTER_PORT; exec \"$0\" \"$@\"", g_train, "--data", g_data,
-            "--max_steps", "60", "--logging_steps", "20", "--save_strategy", "no",
-            "--output_dir", dir[j], (char *)NULL);
+      execl(g_ddprun, g_ddprun, "--standalone", "--nproc_per_node", "2", "--backend", "tcp", "sh",
+            "-c", "echo port=$MASTER_PORT; exec \"$0\" \"$@\"", g_train, "--data", g_data,
+            "--max_steps", "60", "--logging_steps", "20", "--save_strategy", "no", "--output_dir",
+            dir[j], (char *)NULL);
       _exit(126);
     }
   }
@@ -225,8 +225,8 @@ static void test_standalone_together(void **state) {
     assert_string_equal(h, ref);
     rm_tree(dir[j]);
   }
-  print_message("two --standalone jobs at once: ports %d and %d, both hash %s\n", port[0],
-                port[1], ref);
+  print_message("two --standalone jobs at once: ports %d and %d, both hash %s\n", port[0], port[1],
+                ref);
   assert_true(port[0] > 0 && port[1] > 0 && port[0] != port[1]);
 }
 
@@ -240,7 +240,8 @@ static int count_fd_none(const char *out) {
  * MASTER_PORT; malformed endpoints and contradictions are usage errors. */
 static void test_port_flags(void **state) {
   char cmd[16384], *out = NULL;
-  snprintf(cmd, sizeof cmd, "'%s' --nproc_per_node 2 --master_port 0 sh -c "
+  snprintf(cmd, sizeof cmd,
+           "'%s' --nproc_per_node 2 --master_port 0 sh -c "
            "'echo \"at=$MASTER_ADDR:$MASTER_PORT restart=$TORCHELASTIC_RESTART_COUNT\"'",
            g_ddprun);
   assert_int_equal(run(cmd, 30, &out), 0);
@@ -255,8 +256,10 @@ static void test_port_flags(void **state) {
   free(out);
 
   int port = ddp_test_free_port();
-  snprintf(cmd, sizeof cmd, "'%s' --rdzv_endpoint 127.0.0.1:%d sh -c "
-           "'echo \"at=$MASTER_ADDR:$MASTER_PORT\"'", g_ddprun, port);
+  snprintf(cmd, sizeof cmd,
+           "'%s' --rdzv_endpoint 127.0.0.1:%d sh -c "
+           "'echo \"at=$MASTER_ADDR:$MASTER_PORT\"'",
+           g_ddprun, port);
   assert_int_equal(run(cmd, 30, &out), 0);
   char want[64];
   snprintf(want, sizeof want, "[rank0]: at=127.0.0.1:%d", port);
@@ -265,8 +268,10 @@ static void test_port_flags(void **state) {
 
   /* Rank 0, and only rank 0, inherits the reserved socket; --no_reserve_port leaves it out. */
   for (int k = 0; k < 2; k++) {
-    snprintf(cmd, sizeof cmd, "'%s' --standalone --nproc_per_node 2 %s sh -c "
-             "'echo \"fd=${DDP_STORE_LISTEN_FD:-none}\"'", g_ddprun, k ? "--no_reserve_port" : "");
+    snprintf(cmd, sizeof cmd,
+             "'%s' --standalone --nproc_per_node 2 %s sh -c "
+             "'echo \"fd=${DDP_STORE_LISTEN_FD:-none}\"'",
+             g_ddprun, k ? "--no_reserve_port" : "");
     assert_int_equal(run(cmd, 30, &out), 0);
     if (k == 0 && (strstr(out, "[rank0]: fd=none") || !strstr(out, "[rank1]: fd=none")))
       fail_msg("rank 0 should hold the socket, rank 1 not:\n%s", out);
@@ -306,7 +311,8 @@ static void test_shared_token_and_port(void **state) {
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    snprintf(cmd, sizeof cmd, "DDP_JOB_TOKEN=shared-token '%s' --nproc_per_node 2 "
+    snprintf(cmd, sizeof cmd,
+             "DDP_JOB_TOKEN=shared-token '%s' --nproc_per_node 2 "
              "--backend tcp --master_port %d '%s' --data '%s' %s --output_dir '%s/a'",
              g_ddprun, port, g_train, g_data, flags, dir);
     execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
@@ -318,9 +324,10 @@ static void test_shared_token_and_port(void **state) {
   double t0 = now_s();
   while (access(metrics, F_OK) != 0 && now_s() - t0 < 60) usleep(2000);
   char *out = NULL;
-  snprintf(cmd, sizeof cmd, "DDP_JOB_TOKEN=shared-token '%s' --nproc_per_node 2 --backend tcp "
-           "--master_port %d '%s' --data '%s' %s --output_dir '%s/b'", g_ddprun, port, g_train,
-           g_data, flags, dir);
+  snprintf(cmd, sizeof cmd,
+           "DDP_JOB_TOKEN=shared-token '%s' --nproc_per_node 2 --backend tcp "
+           "--master_port %d '%s' --data '%s' %s --output_dir '%s/b'",
+           g_ddprun, port, g_train, g_data, flags, dir);
   double tb = now_s();
   int rc = run(cmd, 60, &out);
   double b_secs = now_s() - tb;
@@ -391,12 +398,13 @@ static void timeout_case(const char *launcher_timeout, const char *train_flag, i
            "'%s' --standalone --nproc_per_node 2 --backend tcp --timeout %s --grace_period 1 "
            "sh -c 'if [ \"$RANK\" = 1 ]; then (sleep 1; kill -STOP $$) & fi; exec \"$0\" \"$@\"' "
            "'%s' --data '%s' --max_steps 1000000 --logging_steps 1000 --save_strategy no %s "
-           "--output_dir '%s'", g_ddprun, launcher_timeout, g_train, g_data, train_flag, dir);
+           "--output_dir '%s'",
+           g_ddprun, launcher_timeout, g_train, g_data, train_flag, dir);
   double t0 = now_s();
   int rc = run(cmd, 60, &out);
   double secs = now_s() - t0;
-  print_message("ddprun --timeout %s %s: exit %d after %.2f s\n", launcher_timeout, train_flag,
-                rc, secs);
+  print_message("ddprun --timeout %s %s: exit %d after %.2f s\n", launcher_timeout, train_flag, rc,
+                secs);
   if (rc <= 0) fail_msg("exit %d, want a failure:\n%s", rc, out);
   char want[64];
   snprintf(want, sizeof want, "timed out after %d", want_s);
@@ -439,25 +447,29 @@ static void test_checkpoint_integrity(void **state) {
   snprintf(path, sizeof path, "%s/checkpoint-20/checksums.sha256", dir);
   assert_int_equal(access(path, R_OK), 0);
   /* sha256sum agrees with the recorded sums. */
-  snprintf(cmd, sizeof cmd, "cd '%s/checkpoint-20' && sha256sum -c --quiet checksums.sha256",
-           dir);
+  snprintf(cmd, sizeof cmd, "cd '%s/checkpoint-20' && sha256sum -c --quiet checksums.sha256", dir);
   assert_int_equal(run(cmd, 30, &out), 0);
   free(out);
 
   snprintf(path, sizeof path, "%s/checkpoint-20/model.safetensors", dir);
   flip_bit(path);
   /* Named explicitly: refused, naming the file. */
-  snprintf(cmd, sizeof cmd, "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
-           "--resume_from_checkpoint '%s/checkpoint-20'", g_train, g_data, flags, dir, dir);
+  snprintf(cmd, sizeof cmd,
+           "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
+           "--resume_from_checkpoint '%s/checkpoint-20'",
+           g_train, g_data, flags, dir, dir);
   int rc = run(cmd, 120, &out);
   char want[600];
   snprintf(want, sizeof want, "%s/checkpoint-20/model.safetensors is corrupt", dir);
-  if (rc == 0 || !strstr(out, want)) fail_msg("exit %d; want an error naming %s:\n%s", rc, path, out);
+  if (rc == 0 || !strstr(out, want))
+    fail_msg("exit %d; want an error naming %s:\n%s", rc, path, out);
   free(out);
   /* true: checkpoint-20 is skipped with a warning, checkpoint-15 resumed, and the 5 replayed
    * steps end with the parameters of the uninterrupted run. */
-  snprintf(cmd, sizeof cmd, "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
-           "--resume_from_checkpoint true", g_train, g_data, flags, dir);
+  snprintf(cmd, sizeof cmd,
+           "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
+           "--resume_from_checkpoint true",
+           g_train, g_data, flags, dir);
   rc = run(cmd, 120, &out);
   if (rc != 0) fail_msg("resume true exited %d:\n%s", rc, out);
   snprintf(want, sizeof want, "skipping %s/checkpoint-20, which fails verification", dir);
@@ -470,8 +482,10 @@ static void test_checkpoint_integrity(void **state) {
   /* A missing file that the manifest lists is refused too. */
   snprintf(path, sizeof path, "%s/checkpoint-15/optimizer.safetensors", dir);
   assert_int_equal(unlink(path), 0);
-  snprintf(cmd, sizeof cmd, "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
-           "--resume_from_checkpoint '%s/checkpoint-15'", g_train, g_data, flags, dir, dir);
+  snprintf(cmd, sizeof cmd,
+           "'%s' --threads 2 --data '%s' %s --output_dir '%s' "
+           "--resume_from_checkpoint '%s/checkpoint-15'",
+           g_train, g_data, flags, dir, dir);
   rc = run(cmd, 120, &out);
   if (rc == 0 || !strstr(out, "optimizer.safetensors is missing"))
     fail_msg("exit %d; want an error naming the missing file:\n%s", rc, out);

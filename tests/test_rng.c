@@ -18,12 +18,12 @@
  * key words 0..1, then the four output words. Our mapping: counter = (ctr lo, ctr hi,
  * stream lo, stream hi), key = (seed lo, seed hi). */
 static const uint32_t kat[3][10] = {
-    {0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
-     0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
-    {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff,
-     0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
-    {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0,
-     0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1},
+    {0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x6627e8d5, 0xe169c58d,
+     0xbc57ac4c, 0x9b00dbd8},
+    {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d, 0x41c83b0e,
+     0xa20bc7c6, 0x6d5451fd},
+    {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09, 0x94fdcceb,
+     0x5001e420, 0x24126ea1},
 };
 
 static uint64_t pack(uint32_t lo, uint32_t hi) { return ((uint64_t)hi << 32) | lo; }
@@ -130,8 +130,8 @@ static void test_streams_differ(void **state) {
 
 typedef struct thread_job {
   uint64_t seed;
-  uint32_t (*out)[T_BLOCKS][4];      /* [stream][block][word], written by the ranks */
-  uint32_t (*seq)[T_BLOCKS * 4];     /* [stream][draw], sequential draws per stream */
+  uint32_t (*out)[T_BLOCKS][4];        /* [stream][block][word], written by the ranks */
+  uint32_t (*seq)[T_BLOCKS * 4];       /* [stream][draw], sequential draws per stream */
   uint32_t perm[T_STREAMS * T_BLOCKS]; /* a random order of (stream, block) pairs */
 } thread_job_t;
 
@@ -275,17 +275,17 @@ static void test_normal(void **state) {
   double se = 1 / sqrt((double)n);
   assert_true(fabs(mean) < 6 * se);
   assert_true(fabs(var - 1) < 6 * sqrt(2.0) * se);
-  assert_true(fabs(s3 / n) < 6 * sqrt(15.0) * se); /* Var(x^3) = E[x^6] = 15 */
+  assert_true(fabs(s3 / n) < 6 * sqrt(15.0) * se);     /* Var(x^3) = E[x^6] = 15 */
   assert_true(fabs(s4 / n - 3) < 6 * sqrt(96.0) * se); /* Var(x^4) = 105 - 9 */
-  double p = erf(1 / sqrt(2.0)); /* 0.6827 */
+  double p = erf(1 / sqrt(2.0));                       /* 0.6827 */
   assert_true(fabs((double)within / n - p) < 6 * sqrt(p * (1 - p) / n));
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_known_answers),        cmocka_unit_test(test_stream_order_and_seek),
-      cmocka_unit_test(test_streams_differ),       cmocka_unit_test(test_threads_match_serial),
-      cmocka_unit_test(test_uniform),              cmocka_unit_test(test_normal),
+      cmocka_unit_test(test_known_answers),  cmocka_unit_test(test_stream_order_and_seek),
+      cmocka_unit_test(test_streams_differ), cmocka_unit_test(test_threads_match_serial),
+      cmocka_unit_test(test_uniform),        cmocka_unit_test(test_normal),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

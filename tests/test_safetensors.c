@@ -383,13 +383,15 @@ static void test_reference_vectors(void **state) {
   assert_int_equal(ddp_tensor_view(&t, DDP_F32, 3, s3, vals), DDP_OK);
   ddp_st_entry_t e = {"attn.0", &t};
   assert_int_equal(ddp_st_write(path, &e, 1, NULL, NULL, 0, NULL), DDP_OK);
-  expect_file_bytes(path, "{\"attn.0\":{\"dtype\":\"F32\",\"shape\":[1,2,3],\"data_offsets\":[0,24]}}",
-                    0, vals, sizeof vals);
+  expect_file_bytes(path,
+                    "{\"attn.0\":{\"dtype\":\"F32\",\"shape\":[1,2,3],\"data_offsets\":[0,24]}}", 0,
+                    vals, sizeof vals);
 
   assert_int_equal(ddp_tensor_view(&t, DDP_F32, 4, s4, vals), DDP_OK);
   e.name = "attn0";
   assert_int_equal(ddp_st_write(path, &e, 1, NULL, NULL, 0, NULL), DDP_OK);
-  expect_file_bytes(path, "{\"attn0\":{\"dtype\":\"F32\",\"shape\":[1,1,2,3],\"data_offsets\":[0,24]}}",
+  expect_file_bytes(path,
+                    "{\"attn0\":{\"dtype\":\"F32\",\"shape\":[1,1,2,3],\"data_offsets\":[0,24]}}",
                     7, vals, sizeof vals);
 
   assert_int_equal(ddp_st_write(path, NULL, 0, NULL, NULL, 0, NULL), DDP_OK);
@@ -410,7 +412,7 @@ static void test_reference_vectors(void **state) {
 static void test_mmap_zero_copy(void **state) {
   fixture_t *fx = *state;
   static const spec_t sorted[] = {
-      {"a", DDP_F64, 1, {3}}, {"b", DDP_I64, 1, {2}}, {"c", DDP_F32, 2, {3, 3}},
+      {"a", DDP_F64, 1, {3}}, {"b", DDP_I64, 1, {2}},  {"c", DDP_F32, 2, {3, 3}},
       {"d", DDP_I32, 1, {1}}, {"e", DDP_BF16, 1, {3}}, {"f", DDP_F16, 1, {5}},
       {"g", DDP_U8, 1, {7}},  {"h", DDP_BOOL, 1, {2}},
   };
@@ -455,8 +457,7 @@ static void test_write_errors(void **state) {
   assert_non_null(strstr(err.msg, "duplicate tensor name 'x'"));
   ddp_st_entry_t bad[3] = {{"", &t}, {"__metadata__", &t}, {"\xff", &t}};
   for (int i = 0; i < 3; i++) {
-    assert_int_equal(ddp_st_write(path, &bad[i], 1, NULL, NULL, 0, &err),
-                     DDP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(ddp_st_write(path, &bad[i], 1, NULL, NULL, 0, &err), DDP_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(err.msg, "name"));
   }
   const char *mk[2] = {"k", "k"}, *mv[2] = {"1", "2"};
@@ -547,20 +548,22 @@ static void test_parse_unusual_valid(void **state) {
 
 typedef struct bad_case {
   const char *json;
-  int64_t hlen;     /* -1: strlen(json) */
+  int64_t hlen; /* -1: strlen(json) */
   size_t dlen;
   ddp_status_t want;
-  const char *msg;  /* substring the message must contain */
+  const char *msg; /* substring the message must contain */
 } bad_case_t;
 
-#define T(dt, shape, b, e) "{\"dtype\":\"" dt "\",\"shape\":" shape ",\"data_offsets\":[" b "," e "]}"
+#define T(dt, shape, b, e) \
+  "{\"dtype\":\"" dt "\",\"shape\":" shape ",\"data_offsets\":[" b "," e "]}"
 
 static const bad_case_t bad_cases[] = {
     /* header length */
     {"{}", 1ll << 62, 0, DDP_ERR_INVALID_DATA, "exceeds the limit"},
     {"{}", 100000001, 0, DDP_ERR_INVALID_DATA, "exceeds the limit"},
     {"{}", 4096, 0, DDP_ERR_INVALID_DATA, "runs past the end of the file"},
-    {"{\"a\":" T("F32", "[1]", "0", "4") "}", 1000, 4, DDP_ERR_INVALID_DATA, "header length 1000 runs past the end"},
+    {"{\"a\":" T("F32", "[1]", "0", "4") "}", 1000, 4, DDP_ERR_INVALID_DATA,
+     "header length 1000 runs past the end"},
     {"", -1, 0, DDP_ERR_INVALID_DATA, "does not start with '{'"},
     {"[]", -1, 0, DDP_ERR_INVALID_DATA, "does not start with '{'"},
     /* bytes and JSON */
@@ -571,7 +574,8 @@ static const bad_case_t bad_cases[] = {
     {"{\"a\x01\":1}", -1, 0, DDP_ERR_INVALID_DATA, "control byte 0x01 at file offset 11"},
     {"{\"a\":", -1, 0, DDP_ERR_INVALID_DATA, "not valid JSON"},
     {"{\"a\":1,}", -1, 0, DDP_ERR_INVALID_DATA, "not valid JSON"},
-    {"{} x", -1, 0, DDP_ERR_INVALID_DATA, "unexpected bytes after the JSON header (file offset 11)"},
+    {"{} x", -1, 0, DDP_ERR_INVALID_DATA,
+     "unexpected bytes after the JSON header (file offset 11)"},
     {"{}{}", -1, 0, DDP_ERR_INVALID_DATA, "unexpected bytes after the JSON header"},
     /* entries */
     {"{\"a\":[1,2]}", -1, 0, DDP_ERR_INVALID_DATA, "tensor 'a' is not a JSON object"},
@@ -584,19 +588,27 @@ static const bad_case_t bad_cases[] = {
      "tensor 'a' has no \"data_offsets\" field"},
     {"{\"a\":{\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", -1, 4,
      DDP_ERR_INVALID_DATA, "tensor 'a' has field \"dtype\" twice"},
-    {"{\"a\":" T("F33", "[1]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "tensor 'a': unknown dtype \"F33\""},
+    {"{\"a\":" T("F33", "[1]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
+     "tensor 'a': unknown dtype \"F33\""},
     {"{\"a\":" T("f32", "[1]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "unknown dtype"},
-    {"{\"a\":" T("I8", "[4]", "0", "4") "}", -1, 4, DDP_ERR_UNSUPPORTED, "dtype I8 is not supported"},
+    {"{\"a\":" T("I8", "[4]", "0", "4") "}", -1, 4, DDP_ERR_UNSUPPORTED,
+     "dtype I8 is not supported"},
     {"{\"a\":{\"dtype\":4,\"shape\":[1],\"data_offsets\":[0,4]}}", -1, 4, DDP_ERR_INVALID_DATA,
      "tensor 'a': \"dtype\" is not a string"},
-    {"{\"a\":" T("F32", "4", "0", "16") "}", -1, 16, DDP_ERR_INVALID_DATA, "\"shape\" is not a list"},
+    {"{\"a\":" T("F32", "4", "0", "16") "}", -1, 16, DDP_ERR_INVALID_DATA,
+     "\"shape\" is not a list"},
     {"{\"a\":" T("F32", "[-1]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
      "tensor 'a': shape[0] is not a non-negative integer"},
-    {"{\"a\":" T("F32", "[1,1.5]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "shape[1] is not a non-negative integer"},
-    {"{\"a\":" T("F32", "[\"2\"]", "0", "8") "}", -1, 8, DDP_ERR_INVALID_DATA, "shape[0] is not a non-negative integer"},
-    {"{\"a\":" T("F32", "[true]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "shape[0] is not a non-negative integer"},
-    {"{\"a\":" T("F32", "[null]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "shape[0] is not a non-negative integer"},
-    {"{\"a\":" T("F32", "[1e300]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA, "shape[0] is not a non-negative integer"},
+    {"{\"a\":" T("F32", "[1,1.5]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
+     "shape[1] is not a non-negative integer"},
+    {"{\"a\":" T("F32", "[\"2\"]", "0", "8") "}", -1, 8, DDP_ERR_INVALID_DATA,
+     "shape[0] is not a non-negative integer"},
+    {"{\"a\":" T("F32", "[true]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
+     "shape[0] is not a non-negative integer"},
+    {"{\"a\":" T("F32", "[null]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
+     "shape[0] is not a non-negative integer"},
+    {"{\"a\":" T("F32", "[1e300]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
+     "shape[0] is not a non-negative integer"},
     {"{\"a\":" T("U8", "[1,1,1,1,1,1,1,1,1]", "0", "1") "}", -1, 1, DDP_ERR_UNSUPPORTED,
      "shape has 9 dimensions, more than 8"},
     {"{\"a\":" T("F32", "[4294967296,4294967296]", "0", "4") "}", -1, 4, DDP_ERR_INVALID_DATA,
@@ -607,8 +619,8 @@ static const bad_case_t bad_cases[] = {
      "tensor 'a': data_offsets [0, 4] span 4 bytes but F32 with 2 elements needs 8"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", -1, 4, DDP_ERR_INVALID_DATA,
      "\"data_offsets\" is not a list of two integers"},
-    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", -1, 4, DDP_ERR_INVALID_DATA,
-     "\"data_offsets\" is not a list of two integers"},
+    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", -1, 4,
+     DDP_ERR_INVALID_DATA, "\"data_offsets\" is not a list of two integers"},
     {"{\"a\":" T("F32", "[1]", "-4", "0") "}", -1, 4, DDP_ERR_INVALID_DATA,
      "data_offsets are not non-negative integers"},
     {"{\"a\":" T("F32", "[1]", "0", "9007199254740994") "}", -1, 4, DDP_ERR_INVALID_DATA,
@@ -617,7 +629,8 @@ static const bad_case_t bad_cases[] = {
      "tensor 'a': data_offsets [8, 4] have begin > end"},
     /* out of range / truncated data */
     {"{\"a\":" T("F32", "[4]", "0", "16") "}", -1, 8, DDP_ERR_INVALID_DATA,
-     "tensor 'a': data_offsets [0, 16] run past the end of the data block (8 bytes; file truncated?)"},
+     "tensor 'a': data_offsets [0, 16] run past the end of the data block (8 bytes; file "
+     "truncated?)"},
     {"{\"a\":" T("F32", "[1]", "18446744073709551612", "18446744073709551616") "}", -1, 4,
      DDP_ERR_INVALID_DATA, "not non-negative integers"},
     /* coverage */
@@ -626,7 +639,8 @@ static const bad_case_t bad_cases[] = {
     {"{\"b\":" T("F32", "[2]", "0", "8") ",\"a\":" T("F32", "[2]", "0", "8") "}", -1, 8,
      DDP_ERR_INVALID_DATA, "overlap"},
     {"{\"a\":" T("F32", "[1]", "0", "4") ",\"b\":" T("F32", "[1]", "8", "12") "}", -1, 12,
-     DDP_ERR_INVALID_DATA, "hole of 4 bytes in the data block between 'a' (ends at 4) and 'b' (begins at 8)"},
+     DDP_ERR_INVALID_DATA,
+     "hole of 4 bytes in the data block between 'a' (ends at 4) and 'b' (begins at 8)"},
     {"{\"a\":" T("F32", "[1]", "4", "8") "}", -1, 8, DDP_ERR_INVALID_DATA,
      "hole of 4 bytes at the start of the data block, before 'a' [4, 8]"},
     {"{\"a\":" T("F32", "[1]", "0", "4") "}", -1, 9, DDP_ERR_INVALID_DATA,
@@ -637,17 +651,19 @@ static const bad_case_t bad_cases[] = {
      DDP_ERR_INVALID_DATA, "duplicate name 'a' in the header"},
     {"{\"__metadata__\":{},\"__metadata__\":{}}", -1, 0, DDP_ERR_INVALID_DATA,
      "duplicate name '__metadata__'"},
-    {"{\"__metadata__\":[\"a\"]}", -1, 0, DDP_ERR_INVALID_DATA, "\"__metadata__\" is not a JSON object"},
+    {"{\"__metadata__\":[\"a\"]}", -1, 0, DDP_ERR_INVALID_DATA,
+     "\"__metadata__\" is not a JSON object"},
     {"{\"__metadata__\":{\"k\":1}}", -1, 0, DDP_ERR_INVALID_DATA,
      "__metadata__ value of key 'k' is not a string"},
-    {"{\"__metadata__\":{\"k\":{\"x\":\"y\"}}}", -1, 0, DDP_ERR_INVALID_DATA, "value of key 'k' is not a string"},
+    {"{\"__metadata__\":{\"k\":{\"x\":\"y\"}}}", -1, 0, DDP_ERR_INVALID_DATA,
+     "value of key 'k' is not a string"},
     {"{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", -1, 0, DDP_ERR_INVALID_DATA,
      "__metadata__ has duplicate key 'k'"},
 };
 
 /* A raw image of n bytes. */
-static void expect_bad(const fixture_t *fx, const unsigned char *b, size_t len,
-                       ddp_status_t want, const char *msg, const char *label) {
+static void expect_bad(const fixture_t *fx, const unsigned char *b, size_t len, ddp_status_t want,
+                       const char *msg, const char *label) {
   ddp_error_t err = {0};
   ddp_st_file_t *f = (ddp_st_file_t *)&err; /* must come back NULL */
   int lines = captured.lines;
@@ -718,8 +734,7 @@ static void test_corrupt_files(void **state) {
   /* Shorter than the length field, including empty. */
   static const unsigned char tiny[7] = {1, 2, 3, 4, 5, 6, 7};
   for (size_t n = 0; n < sizeof tiny; n++) {
-    expect_bad(fx, tiny, n, DDP_ERR_INVALID_DATA, "shorter than the 8-byte header length",
-               "tiny");
+    expect_bad(fx, tiny, n, DDP_ERR_INVALID_DATA, "shorter than the 8-byte header length", "tiny");
   }
   /* Nesting far deeper than cJSON's limit is an error, not a stack overflow. */
   char deep[6000];
@@ -809,8 +824,7 @@ static void expect_sample_values(const char *name, const ddp_tensor_t *v) {
         assert_int_equal(((int32_t *)v->data)[i], (int32_t)(uint32_t)((uint64_t)i * 2654435761u));
         break;
       case DDP_I64:
-        assert_int_equal(((int64_t *)v->data)[i],
-                         (int64_t)((uint64_t)i * 0x9E3779B97F4A7C15ull));
+        assert_int_equal(((int64_t *)v->data)[i], (int64_t)((uint64_t)i * 0x9E3779B97F4A7C15ull));
         break;
       case DDP_BOOL: assert_int_equal(((uint8_t *)v->data)[i], i % 3 == 0); break;
       default: fail_msg("unexpected dtype in %s", name);
@@ -832,11 +846,11 @@ static void test_python_writes_c_reads(void **state) {
     int ndim;
     int64_t shape[3];
   } want[] = {
-      {"u8", DDP_U8, 1, {17}},       {"layer.0.weight", DDP_F32, 3, {2, 3, 4}},
-      {"f64", DDP_F64, 1, {5}},      {"half", DDP_F16, 2, {3, 3}},
+      {"u8", DDP_U8, 1, {17}},        {"layer.0.weight", DDP_F32, 3, {2, 3, 4}},
+      {"f64", DDP_F64, 1, {5}},       {"half", DDP_F16, 2, {3, 3}},
       {"brain", DDP_BF16, 2, {2, 5}}, {"i32", DDP_I32, 1, {7}},
-      {"i64", DDP_I64, 2, {2, 2}},   {"mask", DDP_BOOL, 2, {3, 2}},
-      {"scalar", DDP_F32, 0, {0}},   {"empty", DDP_I64, 2, {0, 3}},
+      {"i64", DDP_I64, 2, {2, 2}},    {"mask", DDP_BOOL, 2, {3, 2}},
+      {"scalar", DDP_F32, 0, {0}},    {"empty", DDP_I64, 2, {0, 3}},
   };
   for (int mode = 0; mode < 2; mode++) {
     ddp_st_file_t *f;
@@ -875,7 +889,8 @@ static int64_t c_int(const ddp_tensor_t *t, int64_t i) {
   switch (t->dtype) {
     case DDP_I32: return ((int32_t *)t->data)[i];
     case DDP_I64: return ((int64_t *)t->data)[i];
-    case DDP_U8: case DDP_BOOL: return ((uint8_t *)t->data)[i];
+    case DDP_U8:
+    case DDP_BOOL: return ((uint8_t *)t->data)[i];
     default: fail(); return 0;
   }
 }

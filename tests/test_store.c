@@ -311,11 +311,20 @@ static void run_ops(enum kind k) {
 }
 
 /* Every op on the in-memory store. */
-static void test_ops_memory(void **state) { (void)state; run_ops(K_MEMORY); }
+static void test_ops_memory(void **state) {
+  (void)state;
+  run_ops(K_MEMORY);
+}
 /* Every op on the file store (short, escaped and hashed file names). */
-static void test_ops_file(void **state) { (void)state; run_ops(K_FILE); }
+static void test_ops_file(void **state) {
+  (void)state;
+  run_ops(K_FILE);
+}
 /* Every op on the TCP store, through the server's own client. */
-static void test_ops_tcp(void **state) { (void)state; run_ops(K_TCP); }
+static void test_ops_tcp(void **state) {
+  (void)state;
+  run_ops(K_TCP);
+}
 
 /* A TCP client other than the server's sees the same keys, and a file store opened twice
  * on one directory shares them. */
@@ -361,8 +370,10 @@ static int add_rank(ddp_test_rank_t *r, void *argp) {
   ddp_store_t *s = a->shared;
   ddp_status_t st = DDP_OK;
   if (!s) {
-    if (a->kind == K_FILE) st = ddp_store_create_file(a->dir, &o, &s, NULL);
-    else st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &s, NULL);
+    if (a->kind == K_FILE)
+      st = ddp_store_create_file(a->dir, &o, &s, NULL);
+    else
+      st = ddp_store_create_tcp("127.0.0.1", a->port, false, &o, &s, NULL);
     if (st != DDP_OK) {
       ddp_test_say(r, "create failed: %s", ddp_status_name(st));
       return st;
@@ -492,9 +503,18 @@ static void run_timeout(enum kind k) {
 }
 
 /* wait()/get() time out within timeout+tolerance, naming the missing key and the store. */
-static void test_timeout_memory(void **state) { (void)state; run_timeout(K_MEMORY); }
-static void test_timeout_file(void **state) { (void)state; run_timeout(K_FILE); }
-static void test_timeout_tcp(void **state) { (void)state; run_timeout(K_TCP); }
+static void test_timeout_memory(void **state) {
+  (void)state;
+  run_timeout(K_MEMORY);
+}
+static void test_timeout_file(void **state) {
+  (void)state;
+  run_timeout(K_FILE);
+}
+static void test_timeout_tcp(void **state) {
+  (void)state;
+  run_timeout(K_TCP);
+}
 
 /* ---------------------------------------------------------------- wake-ups -------- */
 
@@ -545,9 +565,18 @@ static void run_wake(enum kind k) {
 }
 
 /* wait() and get() return as soon as another handle sets the keys. */
-static void test_wake_memory(void **state) { (void)state; run_wake(K_MEMORY); }
-static void test_wake_file(void **state) { (void)state; run_wake(K_FILE); }
-static void test_wake_tcp(void **state) { (void)state; run_wake(K_TCP); }
+static void test_wake_memory(void **state) {
+  (void)state;
+  run_wake(K_MEMORY);
+}
+static void test_wake_file(void **state) {
+  (void)state;
+  run_wake(K_FILE);
+}
+static void test_wake_tcp(void **state) {
+  (void)state;
+  run_wake(K_TCP);
+}
 
 /* With opts.job_token NULL, server and clients take DDP_JOB_TOKEN from the environment;
  * an explicit token that differs is rejected, and so is "" against a set token. */
@@ -564,10 +593,12 @@ static void test_token_from_env(void **state) {
   ddp_store_destroy(cli);
   cli = NULL;
   ddp_store_options_t wrong = opts_ms(3000, "env-token-12");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &wrong, &cli, NULL),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &wrong, &cli,
+                                        NULL),
                    DDP_ERR_INVALID_USAGE);
   ddp_store_options_t empty = opts_ms(3000, "");
-  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &empty, &cli, NULL),
+  assert_int_equal(ddp_store_create_tcp("127.0.0.1", ddp_store_port(srv), false, &empty, &cli,
+                                        NULL),
                    DDP_ERR_INVALID_USAGE);
   assert_null(cli);
   unsetenv("DDP_JOB_TOKEN");
@@ -610,7 +641,8 @@ static void test_local_addr(void **state) {
   }
   if (host[0]) {
     ddp_store_t *far = NULL;
-    assert_int_equal(ddp_store_create_tcp(host, ddp_store_port(any), false, &o, &far, NULL), DDP_OK);
+    assert_int_equal(ddp_store_create_tcp(host, ddp_store_port(any), false, &o, &far, NULL),
+                     DDP_OK);
     assert_true(ddp_store_local_addr(far, a, sizeof a));
     assert_string_equal(a, host);
     ddp_store_destroy(far);
@@ -658,9 +690,18 @@ static void run_many_keys(enum kind k) {
   if (dir) remove_dir(dir);
 }
 
-static void test_many_keys_memory(void **state) { (void)state; run_many_keys(K_MEMORY); }
-static void test_many_keys_file(void **state) { (void)state; run_many_keys(K_FILE); }
-static void test_many_keys_tcp(void **state) { (void)state; run_many_keys(K_TCP); }
+static void test_many_keys_memory(void **state) {
+  (void)state;
+  run_many_keys(K_MEMORY);
+}
+static void test_many_keys_file(void **state) {
+  (void)state;
+  run_many_keys(K_FILE);
+}
+static void test_many_keys_tcp(void **state) {
+  (void)state;
+  run_many_keys(K_TCP);
+}
 
 /* ---------------------------------------------------------------- cancel ---------- */
 
@@ -731,9 +772,18 @@ static void run_cancel(enum kind k) {
 }
 
 /* ddp_store_cancel from another thread unblocks a waiting get with DDP_ERR_ABORTED. */
-static void test_cancel_memory(void **state) { (void)state; run_cancel(K_MEMORY); }
-static void test_cancel_file(void **state) { (void)state; run_cancel(K_FILE); }
-static void test_cancel_tcp(void **state) { (void)state; run_cancel(K_TCP); }
+static void test_cancel_memory(void **state) {
+  (void)state;
+  run_cancel(K_MEMORY);
+}
+static void test_cancel_file(void **state) {
+  (void)state;
+  run_cancel(K_FILE);
+}
+static void test_cancel_tcp(void **state) {
+  (void)state;
+  run_cancel(K_TCP);
+}
 
 /* A client blocked in get() when its server goes away fails promptly with DDP_ERR_REMOTE;
  * its next call retries connecting until its timeout and says so. */
@@ -847,9 +897,18 @@ static void run_prefix(enum kind k) {
 }
 
 /* Prefix views isolate sub-groups' keys on each kind. */
-static void test_prefix_memory(void **state) { (void)state; run_prefix(K_MEMORY); }
-static void test_prefix_file(void **state) { (void)state; run_prefix(K_FILE); }
-static void test_prefix_tcp(void **state) { (void)state; run_prefix(K_TCP); }
+static void test_prefix_memory(void **state) {
+  (void)state;
+  run_prefix(K_MEMORY);
+}
+static void test_prefix_file(void **state) {
+  (void)state;
+  run_prefix(K_FILE);
+}
+static void test_prefix_tcp(void **state) {
+  (void)state;
+  run_prefix(K_TCP);
+}
 
 /* ---------------------------------------------------------------- connect retry --- */
 
@@ -1265,7 +1324,11 @@ static bool parse_request(const unsigned char *buf, size_t n, ddp__wire_msg_t *m
 static void test_wire_parser(void **state) {
   (void)state;
   unsigned char ver[4] = {1, 0, 0, 0}, to[8] = {100, 0, 0, 0, 0, 0, 0, 0};
-  struct { unsigned op, nf; const void *f[3]; uint32_t l[3]; } reqs[] = {
+  struct {
+    unsigned op, nf;
+    const void *f[3];
+    uint32_t l[3];
+  } reqs[] = {
       {DDP__OP_HELLO, 2, {ver, "tok"}, {4, 3}},
       {DDP__OP_SET, 2, {"key", "value"}, {3, 5}},
       {DDP__OP_GET, 2, {"key", to}, {3, 8}},
@@ -1309,13 +1372,17 @@ static void test_wire_parser(void **state) {
       for (int e = 0; e < edits; e++) {
         uint32_t r = ddp_rng_u32(&rng);
         switch (r % 3) {
-          case 0: mut[r / 3 % mn] = (unsigned char)(r >> 16); break;      /* flip a byte */
-          case 1: if (mn > 1) mn = 1 + (r / 3) % (mn - 1); break;        /* truncate */
+          case 0: mut[r / 3 % mn] = (unsigned char)(r >> 16); break; /* flip a byte */
+          case 1:
+            if (mn > 1) mn = 1 + (r / 3) % (mn - 1);
+            break; /* truncate */
           default: mut[r / 3 % mn] ^= (unsigned char)(1u << (r >> 20) % 8); break;
         }
       }
-      if (parse_request(mut, mn, m)) accepted++;
-      else refused++;
+      if (parse_request(mut, mn, m))
+        accepted++;
+      else
+        refused++;
     }
     free(mut);
     ddp__free(buf);

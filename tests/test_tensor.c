@@ -24,15 +24,15 @@
 static void test_dtype_table(void **state) {
   (void)state;
   int n = 0;
-#define CHECK_(id, name, size)                                   \
+#define CHECK_(id, name, size)                                  \
   do {                                                          \
-    assert_int_equal(DDP_##id, n);                               \
-    assert_int_equal(ddp_dtype_size(DDP_##id), size);            \
-    assert_string_equal(ddp_dtype_name(DDP_##id), name);         \
-    ddp_dtype_t back = DDP_DTYPE_COUNT_;                         \
-    assert_int_equal(ddp_dtype_from_name(name, &back), DDP_OK);  \
-    assert_int_equal(back, DDP_##id);                            \
-    assert_true(ddp_dtype_valid(DDP_##id));                      \
+    assert_int_equal(DDP_##id, n);                              \
+    assert_int_equal(ddp_dtype_size(DDP_##id), size);           \
+    assert_string_equal(ddp_dtype_name(DDP_##id), name);        \
+    ddp_dtype_t back = DDP_DTYPE_COUNT_;                        \
+    assert_int_equal(ddp_dtype_from_name(name, &back), DDP_OK); \
+    assert_int_equal(back, DDP_##id);                           \
+    assert_true(ddp_dtype_valid(DDP_##id));                     \
     n++;                                                        \
   } while (0);
   DDP_DTYPE_MAP(CHECK_)
@@ -103,10 +103,22 @@ static void test_shape_numel(void **state) {
 
 /* An allocator that refuses large requests, to reach the NO_MEMORY path reliably (a real
  * huge malloc would trip the sanitizers instead of returning NULL). */
-static void *small_malloc(void *u, size_t n) { (void)u; return n > (1u << 30) ? NULL : malloc(n); }
-static void *small_calloc(void *u, size_t n, size_t s) { (void)u; return calloc(n, s); }
-static void *small_realloc(void *u, void *p, size_t n) { (void)u; return realloc(p, n); }
-static void small_free(void *u, void *p) { (void)u; free(p); }
+static void *small_malloc(void *u, size_t n) {
+  (void)u;
+  return n > (1u << 30) ? NULL : malloc(n);
+}
+static void *small_calloc(void *u, size_t n, size_t s) {
+  (void)u;
+  return calloc(n, s);
+}
+static void *small_realloc(void *u, void *p, size_t n) {
+  (void)u;
+  return realloc(p, n);
+}
+static void small_free(void *u, void *p) {
+  (void)u;
+  free(p);
+}
 
 /* Owning tensors are zero-filled, 64-byte aligned, carry their shape and numel, and are
  * released (and zeroed) by free; failures leave the struct zeroed. Runs under CMocka's
@@ -315,7 +327,7 @@ static void test_copy_single_rounding(void **state) {
   (void)state;
   /* f64 -> f16: 1 + 2^-11 is the tie between 0x3c00 and 0x3c01. */
   double d[6] = {1 + 0x1p-11 + 0x1p-40, -(1 + 0x1p-11 + 0x1p-40), 1 + 0x1p-11,
-                 65520 - 0x1p-30, 0x1p-25 + 0x1p-60, 1e300};
+                 65520 - 0x1p-30,       0x1p-25 + 0x1p-60,        1e300};
   uint16_t want16[6] = {0x3c01, 0xbc01, 0x3c00, 0x7bff, 0x0001, 0x7c00};
   uint16_t h[6];
   copy_1d(DDP_F16, h, DDP_F64, d, 6);
@@ -338,7 +350,8 @@ static void test_copy_single_rounding(void **state) {
   copy_1d(DDP_F32, fo, DDP_I64, iv, 3);
   for (int i = 0; i < 3; i++) DDP_ASSERT_EQ(fo[i], fw[i]);
   /* i64 -> bf16: 2^30 + 2^22 + 1 is just above the bf16 tie (step 2^23 at 2^30). */
-  int64_t ib[2] = {((int64_t)1 << 30) + ((int64_t)1 << 22) + 1, ((int64_t)1 << 30) + ((int64_t)1 << 22)};
+  int64_t ib[2] = {((int64_t)1 << 30) + ((int64_t)1 << 22) + 1,
+                   ((int64_t)1 << 30) + ((int64_t)1 << 22)};
   uint16_t bo[2];
   copy_1d(DDP_BF16, bo, DDP_I64, ib, 2);
   assert_int_equal(bo[0], ddp_f32_to_bf16(0x1p30f + 0x1p23f));
@@ -438,9 +451,9 @@ static void test_blas_kernels(void **state) {
   const char *core = ddp_blas_core();
   assert_non_null(core);
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const char *const old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
-                                    "Atom", "Barcelona", "Katmai", "Coppermine", "Northwood",
-                                    "Banias", "Sandybridge"};
+  static const char *const old[] = {"Prescott",   "Core2",     "Penryn",    "Dunnington",
+                                    "Nehalem",    "Atom",      "Barcelona", "Katmai",
+                                    "Coppermine", "Northwood", "Banias",    "Sandybridge"};
   const char *user = getenv("OPENBLAS_CORETYPE");
   __builtin_cpu_init();
   if ((!user || !*user) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
@@ -487,8 +500,8 @@ static double at(const double *x, int64_t ld, bool trans, int64_t i, int64_t j) 
  * and B (a read there poisons the result) and a sentinel in C (a write there is caught). */
 static void test_gemm(void **state) {
   (void)state;
-  static const int64_t shapes[][3] = {{3, 5, 7}, {1, 1, 1}, {8, 1, 13}, {17, 9, 1},
-                                      {2, 33, 4}, {0, 3, 2}, {4, 0, 2}, {5, 6, 0}, {31, 29, 37}};
+  static const int64_t shapes[][3] = {{3, 5, 7}, {1, 1, 1}, {8, 1, 13}, {17, 9, 1},  {2, 33, 4},
+                                      {0, 3, 2}, {4, 0, 2}, {5, 6, 0},  {31, 29, 37}};
   const double alpha = 1.5, beta = -0.5;
   uint64_t seed = 1;
   for (int dt = 0; dt < 2; dt++) {
@@ -506,9 +519,10 @@ static void test_gemm(void **state) {
         for (size_t i = 0; i < na; i++) a[i] = NAN;
         for (size_t i = 0; i < nb; i++) b[i] = NAN;
         for (size_t i = 0; i < nc; i++) c[i] = -777.0;
-        /* Values with few significant bits, so f32 products and sums are close to exact. */
-#define RND() (seed = seed * 6364136223846793005ull + 1442695040888963407ull, \
-               (double)((int64_t)(seed >> 40) % 2001 - 1000) / 64.0)
+          /* Values with few significant bits, so f32 products and sums are close to exact. */
+#define RND()                                                     \
+  (seed = seed * 6364136223846793005ull + 1442695040888963407ull, \
+   (double)((int64_t)(seed >> 40) % 2001 - 1000) / 64.0)
         for (int64_t i = 0; i < arows; i++)
           for (int64_t j = 0; j < acols; j++) a[i * lda + j] = RND();
         for (int64_t i = 0; i < brows; i++)
@@ -551,13 +565,14 @@ static void test_gemm(void **state) {
           for (int64_t j = 0; j < ldc && (size_t)(i * ldc + j) < nc; j++) {
             double got = c[i * ldc + j], want = ref[i * ldc + j];
             if (j >= n) {
-              if (got != -777.0) fail_msg("padding of C written at (%lld, %lld)", (long long)i, (long long)j);
+              if (got != -777.0)
+                fail_msg("padding of C written at (%lld, %lld)", (long long)i, (long long)j);
               continue;
             }
             if (!(fabs(got - want) <= tol))
               fail_msg("%s ta=%d tb=%d m=%lld n=%lld k=%lld: C[%lld,%lld] = %.17g, want %.17g",
-                       dt ? "dgemm" : "sgemm", ta, tb, (long long)m, (long long)n,
-                       (long long)k, (long long)i, (long long)j, got, want);
+                       dt ? "dgemm" : "sgemm", ta, tb, (long long)m, (long long)n, (long long)k,
+                       (long long)i, (long long)j, got, want);
           }
         }
         DDP_ASSERT_EQ(c[nc - 1], -777.0);
@@ -608,11 +623,11 @@ static void test_gemm_invalid(void **state) {
                    DDP_ERR_INVALID_ARGUMENT);
   assert_int_equal(ddp_gemm(DDP_F64, false, false, 4, 3, -2, 1, a, 2, b, 3, 0, c, 3),
                    DDP_ERR_INVALID_ARGUMENT);
-  assert_int_equal(ddp_gemm(DDP_F64, false, false, (int64_t)INT_MAX + 1, 3, 2, 1, a, 2, b, 3, 0,
-                            c, 3),
+  assert_int_equal(ddp_gemm(DDP_F64, false, false, (int64_t)INT_MAX + 1, 3, 2, 1, a, 2, b, 3, 0, c,
+                            3),
                    DDP_ERR_INVALID_ARGUMENT);
-  assert_int_equal(ddp_gemm(DDP_F64, false, false, 4, 3, 2, 1, a, (int64_t)INT_MAX + 1, b, 3, 0,
-                            c, 3),
+  assert_int_equal(ddp_gemm(DDP_F64, false, false, 4, 3, 2, 1, a, (int64_t)INT_MAX + 1, b, 3, 0, c,
+                            3),
                    DDP_ERR_INVALID_ARGUMENT);
   assert_int_equal(ddp_gemm(DDP_F16, false, false, 4, 3, 2, 1, a, 2, b, 3, 0, c, 3),
                    DDP_ERR_UNSUPPORTED);

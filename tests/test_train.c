@@ -33,12 +33,11 @@
 #define MAXW 8
 
 /* An MLP for the 64-feature digits, with dropout so that resume must replay RNG counters. */
-static const char *mlp_json =
-    "{\"dtype\": \"f32\", \"layers\": ["
-    "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
-    "{\"type\": \"relu\"},"
-    "{\"type\": \"dropout\", \"p\": 0.1},"
-    "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
+static const char *mlp_json = "{\"dtype\": \"f32\", \"layers\": ["
+                              "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
+                              "{\"type\": \"relu\"},"
+                              "{\"type\": \"dropout\", \"p\": 0.1},"
+                              "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
 
 static char digits_path[4096];
 static ddp_dataset_t *digits;
@@ -51,9 +50,9 @@ typedef struct run {
   char msg[MAXW][DDP_ERROR_MSG_MAX];
   uint64_t hash[MAXW];
   ddp_train_result_t res[MAXW];
-  float *params;          /* rank 0's final flat parameters (malloc'd) */
+  float *params; /* rank 0's final flat parameters (malloc'd) */
   int64_t nparams;
-  double loss_before, loss_after; /* rank 0: mean CE over the whole dataset */
+  double loss_before, loss_after;    /* rank 0: mean CE over the whole dataset */
   const ddp_dataset_t *train, *eval; /* NULL: all the digits, no evaluation */
   double eval_loss, eval_acc;        /* rank 0: recomputed here on the final model */
 } run_t;
@@ -190,8 +189,8 @@ static run_t *like_run(const run_t *from, const char *dir) {
 static run_t *resumed_run(const run_t *from, const char *dir, int64_t step, int world) {
   run_t *r = like_run(from, dir);
   size_t cap = sizeof r->args.resume_from_checkpoint;
-  int n = snprintf(r->args.resume_from_checkpoint, cap, "%s/checkpoint-%lld",
-                   from->args.output_dir, (long long)step);
+  int n = snprintf(r->args.resume_from_checkpoint, cap, "%s/checkpoint-%lld", from->args.output_dir,
+                   (long long)step);
   assert_true(n > 0 && (size_t)n < cap);
   run_world(r, world);
   assert_int_equal(r->res[0].start_step, step);
@@ -305,15 +304,15 @@ static void test_defaults(void **state) {
   assert_int_equal(ddp_train_args_set(&a, "learning_rat", "1", &err), DDP_ERR_NOT_FOUND);
   assert_non_null(strstr(err.msg, "did you mean \"learning_rate\""));
   assert_int_equal(ddp_train_args_set(&a, "max_steps", "1.5", &err), DDP_ERR_INVALID_ARGUMENT);
-  assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "yes", &err),
-                   DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "yes", &err), DDP_ERR_INVALID_ARGUMENT);
   /* Hooks are validated by name; they run inside the reducer, so the flat path refuses
    * them instead of ignoring them. */
   assert_int_equal(ddp_train_args_set(&a, "comm_hook", "power_sgd", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
-  assert_int_equal(ddp_train_args_set(&a, "comm_state_option",
-                                      "{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 3}",
-                                      &err), DDP_OK);
+  assert_int_equal(
+      ddp_train_args_set(&a, "comm_state_option",
+                         "{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 3}", &err),
+      DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
   assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "{\"rank\": 2}", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
@@ -337,9 +336,11 @@ static void test_flags_and_optim_args(void **state) {
     const char *text;
     int rank;
     uint64_t want;
-  } ok[] = {{"0", 3, 0},     {"5", 0, 5},        {"1,0", 0, 1},      {"1,0", 1, 0},
-            {"1,0", 2, 1},   {"1,0,2", 5, 2},    {" 3 , 4 ", 1, 4},  {"0x10,7", 0, 16},
-            {"0X1f", 9, 31}, {"18446744073709551615", 0, UINT64_MAX}};
+  } ok[] = {{"0", 3, 0},       {"5", 0, 5},
+            {"1,0", 0, 1},     {"1,0", 1, 0},
+            {"1,0", 2, 1},     {"1,0,2", 5, 2},
+            {" 3 , 4 ", 1, 4}, {"0x10,7", 0, 16},
+            {"0X1f", 9, 31},   {"18446744073709551615", 0, UINT64_MAX}};
   for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
     uint64_t v = 99;
     if (!ddp__train_forward_flags(ok[i].text, ok[i].rank, &v) || v != ok[i].want) {
@@ -347,8 +348,9 @@ static void test_flags_and_optim_args(void **state) {
                (unsigned long long)v, (unsigned long long)ok[i].want);
     }
   }
-  static const char *const bad[] = {"", "1,", ",1", "-1", "1 2", "0x", "1.5", "a",
-                                    "18446744073709551616"};
+  static const char *const bad[] = {"",    "1,",  ",1",
+                                    "-1",  "1 2", "0x",
+                                    "1.5", "a",   "18446744073709551616"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     if (ddp__train_forward_flags(bad[i], 0, NULL)) fail_msg("accepted \"%s\"", bad[i]);
   }
@@ -400,13 +402,21 @@ static void test_tool_parsing(void **state) {
   DDP_ASSERT_EQ(jnum(o, "ddp_timeout"), 1800);
   cJSON_Delete(o);
 
-  const char *a2[] = {"--config", cfg, "--max_steps=17", "--per_device_train_batch_size", "3",
-                      "--ddp_find_unused_parameters", "false", "--disable_tqdm",
-                      "--ddp_backend=gloo", "--print_args", NULL};
+  const char *a2[] = {"--config",
+                      cfg,
+                      "--max_steps=17",
+                      "--per_device_train_batch_size",
+                      "3",
+                      "--ddp_find_unused_parameters",
+                      "false",
+                      "--disable_tqdm",
+                      "--ddp_backend=gloo",
+                      "--print_args",
+                      NULL};
   o = print_args(a2);
   DDP_ASSERT_EQ(jnum(o, "learning_rate"), 0.25); /* from the file */
   DDP_ASSERT_EQ(jnum(o, "warmup_ratio"), 0.125);
-  DDP_ASSERT_EQ(jnum(o, "max_steps"), 17);        /* the flag wins */
+  DDP_ASSERT_EQ(jnum(o, "max_steps"), 17); /* the flag wins */
   DDP_ASSERT_EQ(jnum(o, "per_device_train_batch_size"), 3);
   assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_broadcast_buffers")));
   assert_true(cJSON_IsFalse(cJSON_GetObjectItem(o, "ddp_find_unused_parameters")));
@@ -441,7 +451,8 @@ static void test_tool_errors(void **state) {
       {{"--threads", "0", NULL}, "--threads expects"},
       {{"--logging_steps", "2.5", NULL}, "logging_steps must be a whole number"},
       {{"--resume_from_checkpoint", "/nonexistent/checkpoint-5", NULL}, "checkpoint-5"},
-      {{"--resume_from_checkpoint", "true", "--output_dir", "/nonexistent/out"}, "/nonexistent/out"},
+      {{"--resume_from_checkpoint", "true", "--output_dir", "/nonexistent/out"},
+       "/nonexistent/out"},
       {{"--forward_flags", "1,x", NULL}, "forward_flags expects one integer"},
       {{"--optim", "sgd", "--optim_args", "momentum=fast"}, "optim_args: momentum=fast"},
       {{"--optim_args", "betas=0.9", NULL}, "unknown key \"betas\" for optim adamw_torch"},
@@ -478,8 +489,7 @@ static void test_loss_falls(void **state) {
     r->args.max_steps = 300;
     r->args.per_device_train_batch_size = 16;
     run_world(r, world);
-    print_message("world %d: full-data loss %.4f -> %.4f\n", world, r->loss_before,
-                  r->loss_after);
+    print_message("world %d: full-data loss %.4f -> %.4f\n", world, r->loss_before, r->loss_after);
     assert_true(r->loss_after < 0.5 * r->loss_before);
     assert_true(r->res[0].replica_checks >= 300 / 5);
     free_run(r);
@@ -490,11 +500,10 @@ static void test_loss_falls(void **state) {
 /* The DDP oracle: W ranks with batch b equal one rank with batch W*b (the strided
  * DistributedSampler shards of one shuffle make the same global batch), and accumulation of
  * 4 micro-batches of b equals one batch of 4b. SGD, no dropout. */
-static const char *mlp_nodrop =
-    "{\"dtype\": \"f32\", \"layers\": ["
-    "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
-    "{\"type\": \"tanh\"},"
-    "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
+static const char *mlp_nodrop = "{\"dtype\": \"f32\", \"layers\": ["
+                                "{\"type\": \"linear\", \"in\": 64, \"out\": 32},"
+                                "{\"type\": \"tanh\"},"
+                                "{\"type\": \"linear\", \"in\": 32, \"out\": 10}]}";
 
 static run_t *oracle_run_sync(int world, int64_t batch, int64_t ga, bool reducer,
                               ddp_tristate_t find_unused) {
@@ -530,7 +539,8 @@ static void test_equivalence(void **state) {
   /* The runs moved the parameters (the comparison is not trivially of the initial ones). */
   double moved = fabs(one->loss_after - one->loss_before);
   print_message("rel diff: 4x4 vs 1x16 %.2e; GA4x4 vs 16 %.2e; 2 ranks GA4x2 vs 16 %.2e; "
-                "loss %.4f -> %.4f\n", d1, d2, d3, one->loss_before, one->loss_after);
+                "loss %.4f -> %.4f\n",
+                d1, d2, d3, one->loss_before, one->loss_after);
   assert_true(moved > 0.05);
   assert_true(d1 <= 1e-5);
   assert_true(d2 <= 1e-5);
@@ -757,7 +767,8 @@ static void test_powersgd_resume(void **state) {
 
   /* A checkpoint from before hook states (and checksums) were saved. */
   snprintf(cmd, sizeof cmd,
-           "rm -f '%s'/checkpoint-5/hook_state_rank*.safetensors '%s'/checkpoint-5/checksums.sha256",
+           "rm -f '%s'/checkpoint-5/hook_state_rank*.safetensors "
+           "'%s'/checkpoint-5/checksums.sha256",
            da, da);
   assert_int_equal(system(cmd), 0);
   run_t *c = like_run(b, db);
@@ -790,12 +801,11 @@ static void test_powersgd_resume(void **state) {
  * -lr * wd * p0 (p0 recomputed here from the same initialisation). The checkpoint lists
  * the groups by name. */
 static void test_weight_decay_groups(void **state) {
-  static const char *ln_json =
-      "{\"dtype\": \"f32\", \"layers\": ["
-      "{\"type\": \"linear\", \"in\": 64, \"out\": 16},"
-      "{\"type\": \"layernorm\", \"dim\": 16},"
-      "{\"type\": \"tanh\"},"
-      "{\"type\": \"linear\", \"in\": 16, \"out\": 10}]}";
+  static const char *ln_json = "{\"dtype\": \"f32\", \"layers\": ["
+                               "{\"type\": \"linear\", \"in\": 64, \"out\": 16},"
+                               "{\"type\": \"layernorm\", \"dim\": 16},"
+                               "{\"type\": \"tanh\"},"
+                               "{\"type\": \"linear\", \"in\": 16, \"out\": 10}]}";
   const double lr = 0.1, wd = 0.5;
   char dir[256], path[512];
   make_dir(dir, sizeof dir, "wd");
@@ -831,8 +841,8 @@ static void test_weight_decay_groups(void **state) {
       } else {
         double want = -lr * wd * p0[j];
         if (fabs(got - want) > 1e-6 + 1e-3 * fabs(want))
-          fail_msg("%s[%lld]: decay %.9g, expected %.9g", p->name, (long long)(j - p->offset),
-                   got, want);
+          fail_msg("%s[%lld]: decay %.9g, expected %.9g", p->name, (long long)(j - p->offset), got,
+                   want);
       }
     }
     decayed += !no_decay;
@@ -883,8 +893,7 @@ static void test_kill_during_save(void **state) {
     setenv("DDP_TRAIN_SAVE_PAUSE_MS", "400", 1);
     if (!freopen("/dev/null", "w", stdout)) _exit(125);
     execl(exe, exe, "--threads", "2", "--model", model, "--max_steps", "40", "--save_steps", "10",
-          "--logging_steps", "5", "--learning_rate", "1e-3", "--output_dir", dir,
-          (char *)NULL);
+          "--logging_steps", "5", "--learning_rate", "1e-3", "--output_dir", dir, (char *)NULL);
     _exit(127);
   }
   /* Wait until the second save has written its model file, then kill. */
@@ -932,9 +941,23 @@ static void test_kill_during_save(void **state) {
 
   /* A restart with resume_from_checkpoint true resumes from it and completes. */
   char out[16384];
-  const char *argv[] = {"--threads", "2", "--model", model, "--max_steps", "20",
-                        "--save_steps", "10", "--logging_steps", "5", "--learning_rate", "1e-3",
-                        "--output_dir", dir, "--resume_from_checkpoint", "true", NULL};
+  const char *argv[] = {"--threads",
+                        "2",
+                        "--model",
+                        model,
+                        "--max_steps",
+                        "20",
+                        "--save_steps",
+                        "10",
+                        "--logging_steps",
+                        "5",
+                        "--learning_rate",
+                        "1e-3",
+                        "--output_dir",
+                        dir,
+                        "--resume_from_checkpoint",
+                        "true",
+                        NULL};
   int rc = run_tool(out, sizeof out, NULL, argv);
   if (rc != 0) fail_msg("resume exited %d: %s", rc, out);
   assert_non_null(strstr(out, "(from step 10)"));
@@ -1088,12 +1111,13 @@ static void test_threads_vs_processes(void **state) {
     make_dir(dp, sizeof dp, "proc");
     snprintf(log, sizeof log, "%s.log", dp);
     ddp_test_remove_at_exit(log);
-    const char *common = "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
-                         "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
+    const char *common =
+        "--max_steps 40 --logging_steps 10 --gradient_accumulation_steps 2 "
+        "--learning_rate 1e-3 --save_strategy no --ddp_find_unused_parameters false";
     /* --standalone: ddprun reserves a port from the kernel before any rank starts. */
     snprintf(cmd, sizeof cmd,
-             "'%s' --nproc_per_node %s --backend %s --standalone '%s' %s --output_dir '%s'",
-             ddprun, cases[i].world, cases[i].backend, exe, common, dp);
+             "'%s' --nproc_per_node %s --backend %s --standalone '%s' %s --output_dir '%s'", ddprun,
+             cases[i].world, cases[i].backend, exe, common, dp);
     int rc = run_logged(cmd, log);
     if (rc != 0) fail_msg("ddprun run failed (exit %d; its output is above): %s", rc, cmd);
     unlink(log);
@@ -1130,7 +1154,8 @@ static void test_mpirun(void **state) {
              "env -u RANK -u WORLD_SIZE -u DDP_BACKEND MASTER_ADDR=127.0.0.1 MASTER_PORT=%d "
              "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" "
              "timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 '%s' %s "
-             "--output_dir '%s'", ddp_test_free_port(), exe, common, dm);
+             "--output_dir '%s'",
+             ddp_test_free_port(), exe, common, dm);
     rc = run_logged(cmd, log);
   }
   if (rc != 0) fail_msg("mpirun ddp-train failed (exit %d; its output is above)", rc);
@@ -1145,8 +1170,8 @@ static int run_tty(bool pty, const char *args, char *out, size_t cap) {
   assert_non_null(build);
   char cmd[8192];
   if (pty) {
-    snprintf(cmd, sizeof cmd, "script -qec \"'%s/tools/ddp-train' %s\" /dev/null </dev/null",
-             build, args);
+    snprintf(cmd, sizeof cmd, "script -qec \"'%s/tools/ddp-train' %s\" /dev/null </dev/null", build,
+             args);
   } else {
     snprintf(cmd, sizeof cmd, "'%s/tools/ddp-train' %s </dev/null", build, args);
   }
@@ -1167,7 +1192,8 @@ static void test_progress_output(void **state) {
   make_dir(dir, sizeof dir, "tty");
   snprintf(args, sizeof args,
            "--threads 2 --max_steps 20 --logging_steps 10 --learning_rate 1e-3 "
-           "--save_strategy no --ddp_find_unused_parameters false --output_dir %s", dir);
+           "--save_strategy no --ddp_find_unused_parameters false --output_dir %s",
+           dir);
   int rc = run_tty(true, args, out, sizeof out);
   if (rc != 0) fail_msg("ddp-train under a pty exited %d: %s", rc, out);
   int bars = 0;
@@ -1182,13 +1208,13 @@ static void test_progress_output(void **state) {
   long step = 0, max = 0;
   double loss = 0, lr = 0, sps = 0;
   int mins = -1, secs = -1;
-  int got = sscanf(fields, "] %ld/%ld loss %lf lr %lf %lf samples/s ETA %d:%d", &step, &max,
-                   &loss, &lr, &sps, &mins, &secs);
+  int got = sscanf(fields, "] %ld/%ld loss %lf lr %lf %lf samples/s ETA %d:%d", &step, &max, &loss,
+                   &lr, &sps, &mins, &secs);
   if (got != 7) fail_msg("bar fields not parsed (%d): %.200s", got, fields);
   assert_int_equal(step, 20);
   assert_int_equal(max, 20);
   assert_true(loss > 0 && loss < 10);
-  double want_lr = 1e-3 * (20.0 - 19.0) / 20.0; /* linear decay, the step's lr (0-based 19) */
+  double want_lr = 1e-3 * (20.0 - 19.0) / 20.0;      /* linear decay, the step's lr (0-based 19) */
   assert_true(fabs(lr - want_lr) <= 0.01 * want_lr); /* printed with 3 digits */
   assert_true(sps > 0);
   assert_int_equal(mins, 0);
@@ -1232,7 +1258,8 @@ static void test_dump_vs_torch(void **state) {
   fputs("{\"dtype\": \"f32\", \"layers\": ["
         "{\"type\": \"linear\", \"in\": 64, \"out\": 32, \"bias\": false},"
         "{\"type\": \"tanh\"},"
-        "{\"type\": \"linear\", \"in\": 32, \"out\": 10, \"bias\": false}]}", f);
+        "{\"type\": \"linear\", \"in\": 32, \"out\": 10, \"bias\": false}]}",
+        f);
   fclose(f);
   const char *hf = "--max_grad_norm 1.0 --lr_scheduler_type linear --warmup_steps 2 --seed 3 "
                    "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
@@ -1240,7 +1267,8 @@ static void test_dump_vs_torch(void **state) {
   snprintf(cmd, sizeof cmd,
            "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' '%s/tools/torch_reference.py' "
            "--model '%s' --dump_dir '%s/torch' --world 3 --steps 6 --batch 4 --lr 1e-3 %s "
-           ">'%s/torch.log' 2>&1", py, root, model, dir, hf, dir);
+           ">'%s/torch.log' 2>&1",
+           py, root, model, dir, hf, dir);
   int rc = system(cmd);
   if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) {
     rm_tree(dir);
@@ -1316,16 +1344,15 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_defaults),       cmocka_unit_test(test_flags_and_optim_args),
-      cmocka_unit_test(test_tool_parsing),
-      cmocka_unit_test(test_tool_errors),    cmocka_unit_test(test_loss_falls),
-      cmocka_unit_test(test_equivalence),    cmocka_unit_test(test_reducer_vs_flat),
-      cmocka_unit_test(test_comm_hooks),     cmocka_unit_test(test_split_and_eval),
-      cmocka_unit_test(test_resume_bitwise), cmocka_unit_test(test_powersgd_resume),
-      cmocka_unit_test(test_weight_decay_groups),
+      cmocka_unit_test(test_defaults),         cmocka_unit_test(test_flags_and_optim_args),
+      cmocka_unit_test(test_tool_parsing),     cmocka_unit_test(test_tool_errors),
+      cmocka_unit_test(test_loss_falls),       cmocka_unit_test(test_equivalence),
+      cmocka_unit_test(test_reducer_vs_flat),  cmocka_unit_test(test_comm_hooks),
+      cmocka_unit_test(test_split_and_eval),   cmocka_unit_test(test_resume_bitwise),
+      cmocka_unit_test(test_powersgd_resume),  cmocka_unit_test(test_weight_decay_groups),
       cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
-      cmocka_unit_test(test_replica_check),  cmocka_unit_test(test_threads_vs_processes),
-      cmocka_unit_test(test_mpirun),         cmocka_unit_test(test_progress_output),
+      cmocka_unit_test(test_replica_check),    cmocka_unit_test(test_threads_vs_processes),
+      cmocka_unit_test(test_mpirun),           cmocka_unit_test(test_progress_output),
       cmocka_unit_test(test_dump_vs_torch),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

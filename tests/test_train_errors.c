@@ -219,10 +219,11 @@ static void test_model_fields(void **state) {
              cases[i].layer);
     put("bad.json", json);
     char *out;
-    int rc = train(&out, NULL, "--model bad.json --data d.safetensors --max_steps 2 "
-                               "--output_dir mf");
-    expect(cases[i].layer, rc, out, 2, "ddp-train: --model bad.json: model json: ",
-           cases[i].needle, NULL);
+    int rc = train(&out, NULL,
+                   "--model bad.json --data d.safetensors --max_steps 2 "
+                   "--output_dir mf");
+    expect(cases[i].layer, rc, out, 2, "ddp-train: --model bad.json: model json: ", cases[i].needle,
+           NULL);
   }
 }
 
@@ -235,10 +236,13 @@ static void test_reasons(void **state) {
   put("huge.json", "{\"layers\": [{\"type\": \"linear\", \"in\": 100000, \"out\": 100000000000}, "
                    "{\"type\": \"linear\", \"in\": 100000000000, \"out\": 3}]}");
   char *out;
-  int rc = train(&out, NULL, "--model huge.json --data d.safetensors --max_steps 2 "
-                             "--output_dir h");
-  expect("huge model", rc, out, 2, "--model huge.json: model json: cannot allocate the "
-         "parameters", "out of memory", NULL);
+  int rc = train(&out, NULL,
+                 "--model huge.json --data d.safetensors --max_steps 2 "
+                 "--output_dir h");
+  expect("huge model", rc, out, 2,
+         "--model huge.json: model json: cannot allocate the "
+         "parameters",
+         "out of memory", NULL);
   put("biglabel.csv", "x1,x2,label\n0.5,1,0\n0.25,2,1\n1,2,3000000000\n");
   rc = train(&out, NULL, "--data biglabel.csv --max_steps 2 --output_dir bl");
   if (strstr(out, "--model (default)")) fail_msg("a label reported as a model error: %s", out);
@@ -255,11 +259,9 @@ static void test_labels(void **state) {
   char *out;
   int rc = train(&out, NULL, "--model m3.json --data lab7.csv --max_steps 2 --output_dir l");
   expect("label 7", rc, out, 2,
-         "--data lab7.csv: line 4: class label 7 is out of range for the model's 3 outputs",
-         NULL);
+         "--data lab7.csv: line 4: class label 7 is out of range for the model's 3 outputs", NULL);
   rc = train(&out, NULL, "--data labneg.csv --max_steps 2 --output_dir l");
-  expect("label -1", rc, out, 2, "--data labneg.csv: line 3: class label -1 is negative",
-         NULL);
+  expect("label -1", rc, out, 2, "--data labneg.csv: line 3: class label -1 is negative", NULL);
   /* A model whose input does not fit the data is refused before any rank starts. */
   put("m5.json", "{\"layers\": [{\"type\": \"linear\", \"in\": 5, \"out\": 3}]}");
   rc = train(&out, NULL, "--model m5.json --data lab7.csv --max_steps 2 --output_dir l");
@@ -279,8 +281,9 @@ static ddp_status_t loss_rank(ddp_pg_t *pg, void *arg) {
   loss_run_t *r = arg;
   ddp_error_t err = {0};
   ddp_model_t *m = NULL;
-  ddp_status_t st = ddp_model_from_json(
-      "{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 3}]}", &m, &err);
+  ddp_status_t st =
+      ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 3}]}", &m,
+                          &err);
   ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
   a.max_steps = 1;
   a.per_device_train_batch_size = 4;
@@ -325,8 +328,9 @@ static void test_metrics_write_error(void **state) {
   snprintf(path, sizeof path, "%s/full/metrics.jsonl", dir);
   assert_int_equal(symlink("/dev/full", path), 0);
   char *out;
-  int rc = train(&out, NULL, "--max_steps 20 --logging_steps 1 --save_strategy no "
-                             "--output_dir full");
+  int rc = train(&out, NULL,
+                 "--max_steps 20 --logging_steps 1 --save_strategy no "
+                 "--output_dir full");
   expect("/dev/full", rc, out, 1, "write full/metrics.jsonl: No space left on device", NULL);
   snprintf(path, sizeof path, "%s/isdir/metrics.jsonl", dir);
   char cmd[600];
@@ -432,10 +436,14 @@ static void test_metrics_resume(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_wide_features),     cmocka_unit_test(test_csv_values),
-      cmocka_unit_test(test_safetensors_values), cmocka_unit_test(test_model_fields),
-      cmocka_unit_test(test_reasons),           cmocka_unit_test(test_labels),
-      cmocka_unit_test(test_loss_message),      cmocka_unit_test(test_metrics_write_error),
+      cmocka_unit_test(test_wide_features),
+      cmocka_unit_test(test_csv_values),
+      cmocka_unit_test(test_safetensors_values),
+      cmocka_unit_test(test_model_fields),
+      cmocka_unit_test(test_reasons),
+      cmocka_unit_test(test_labels),
+      cmocka_unit_test(test_loss_message),
+      cmocka_unit_test(test_metrics_write_error),
       cmocka_unit_test(test_metrics_resume),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);

@@ -50,8 +50,8 @@ static void setup_files(void) {
   snprintf(g_cfg, sizeof g_cfg, "%s/gpt2.json", g_dir);
   snprintf(g_corpus, sizeof g_corpus, "%s/corpus.txt", g_dir);
   ddp_test_write_text(g_cfg, GPT2);
-  static const char *const w[] = {"the", "cat", "sat", "on", "a", "mat", "and", "the", "dog",
-                                  "ran", "to", "it", "then", "both", "slept", "well"};
+  static const char *const w[] = {"the", "cat", "sat", "on", "a",    "mat",  "and",   "the",
+                                  "dog", "ran", "to",  "it", "then", "both", "slept", "well"};
   static char text[13000];
   size_t len = 0;
   uint32_t s = 11;
@@ -128,15 +128,16 @@ static void test_determinism(void **state) {
   (void)state;
   const char *common = "--max_steps 6 --save_strategy no --ddp_find_unused_parameters false";
   char ht[64], hs[64], hc[64];
-  train_ok(NULL, NULL, "det_threads", "--threads 4 --max_steps 6 --save_strategy no "
-                                      "--ddp_find_unused_parameters false");
+  train_ok(NULL, NULL, "det_threads",
+           "--threads 4 --max_steps 6 --save_strategy no "
+           "--ddp_find_unused_parameters false");
   ddprun_train("shm", 4, "det_shm", common);
   ddprun_train("tcp", 4, "det_tcp", common);
   summary_hash("det_threads", ht, sizeof ht);
   summary_hash("det_shm", hs, sizeof hs);
   summary_hash("det_tcp", hc, sizeof hc);
-  print_message("GPT-2 tiny, 6 steps: threads x4 %s, ddprun shm x4 %s, ddprun tcp x4 %s\n", ht,
-                hs, hc);
+  print_message("GPT-2 tiny, 6 steps: threads x4 %s, ddprun shm x4 %s, ddprun tcp x4 %s\n", ht, hs,
+                hc);
   assert_string_equal(ht, hs);
   assert_string_equal(ht, hc);
 }
@@ -173,8 +174,8 @@ static void test_checkpoint_to_oracle(void **state) {
   /* Transformers' layout: config.json, model.safetensors without the tied lm_head, plus the
    * trainer's files. */
   char p[900];
-  static const char *const files[] = {"config.json", "model.safetensors",
-                                      "optimizer.safetensors", "trainer_state.json"};
+  static const char *const files[] = {"config.json", "model.safetensors", "optimizer.safetensors",
+                                      "trainer_state.json"};
   for (size_t i = 0; i < 4; i++) {
     snprintf(p, sizeof p, "%s/%s", dir, files[i]);
     if (access(p, R_OK) != 0) fail_msg("checkpoint lacks %s", p);
@@ -260,8 +261,10 @@ static void test_resume_bitwise(void **state) {
   char extra[1200], h1[64], h2[64];
   snprintf(extra, sizeof extra, "%s --save_steps 4", common);
   train_ok(NULL, NULL, "resume_full", extra);
-  snprintf(extra, sizeof extra, "%s --save_strategy no --resume_from_checkpoint "
-                                "'%s/resume_full/checkpoint-4'", common, g_dir);
+  snprintf(extra, sizeof extra,
+           "%s --save_strategy no --resume_from_checkpoint "
+           "'%s/resume_full/checkpoint-4'",
+           common, g_dir);
   train_ok(NULL, NULL, "resume_half", extra);
   summary_hash("resume_full", h1, sizeof h1);
   summary_hash("resume_half", h2, sizeof h2);
@@ -432,17 +435,15 @@ static void test_bad_input(void **state) {
   expect_exit("block_size 0", 2, "--block_size", "%s '%s' --model '%s' --data '%s' --block_size 0",
               base, g_train, g_cfg, g_corpus);
   expect_exit("sample_top_k -1", 2, "--sample_top_k",
-              "%s '%s' --model '%s' --data '%s' --sample_top_k -1", base, g_train, g_cfg,
-              g_corpus);
+              "%s '%s' --model '%s' --data '%s' --sample_top_k -1", base, g_train, g_cfg, g_corpus);
   expect_exit("missing data", 2, "nonexistent.txt",
               "%s '%s' --model '%s' --data '%s/nonexistent.txt'", base, g_train, g_cfg, g_dir);
-  expect_exit("n_embd % n_head", 2, "n_head", "%s '%s' --model '%s' --data '%s'", base,
-              g_train, bad_div, g_corpus);
-  expect_exit("unknown model_type", 2, "llama", "%s '%s' --model '%s' --data '%s'", base,
-              g_train, unknown, g_corpus);
+  expect_exit("n_embd % n_head", 2, "n_head", "%s '%s' --model '%s' --data '%s'", base, g_train,
+              bad_div, g_corpus);
+  expect_exit("unknown model_type", 2, "llama", "%s '%s' --model '%s' --data '%s'", base, g_train,
+              unknown, g_corpus);
   expect_exit("block longer than n_positions", 1, "n_positions",
-              "%s '%s' --model '%s' --data '%s' --block_size 65", base, g_train, g_cfg,
-              g_corpus);
+              "%s '%s' --model '%s' --data '%s' --block_size 65", base, g_train, g_cfg, g_corpus);
   expect_exit("token beyond vocabulary", 1, "100",
               "%s '%s' --model '%s' --data '%s' --block_size 32 --max_steps 1", base, g_train,
               tiny_vocab, g_corpus);
@@ -451,8 +452,8 @@ static void test_bad_input(void **state) {
               g_cfg, bin);
   expect_exit("BERT max_seq_length", 1, "max_position_embeddings",
               "%s '%s' --model '%s' --data '%s' --max_seq_length 33", base, g_train, bert, csv);
-  expect_exit("BERT on a text file", 2, "text,label",
-              "%s '%s' --model '%s' --data '%s'", base, g_train, bert, g_corpus);
+  expect_exit("BERT on a text file", 2, "text,label", "%s '%s' --model '%s' --data '%s'", base,
+              g_train, bert, g_corpus);
   /* A checkpoint directory missing a key (PyTorch's wording: "Missing key(s)"). */
   snprintf(p, sizeof p, "%s/ckpt_missing", g_dir);
   assert_int_equal(mkdir(p, 0755), 0);

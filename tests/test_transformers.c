@@ -83,16 +83,21 @@ static void test_config_defaults(void **state) {
   assert_int_equal(c.bert.num_labels, 2);
   DDP_ASSERT_EQ(c.bert.classifier_dropout, -1);
   /* GPT2Config's attribute_map aliases, n_inner, torch_dtype; BERT's id2label. */
-  assert_int_equal(ddp_hf_config_parse("{\"model_type\": \"gpt2\", \"hidden_size\": 32, \"n_head\": 4,"
+  assert_int_equal(ddp_hf_config_parse("{\"model_type\": \"gpt2\", \"hidden_size\": 32, "
+                                       "\"n_head\": 4,"
                                        " \"n_inner\": 48, \"max_position_embeddings\": 8,"
-                                       " \"torch_dtype\": \"float64\"}", NULL, &c, NULL), DDP_OK);
+                                       " \"torch_dtype\": \"float64\"}",
+                                       NULL, &c, NULL),
+                   DDP_OK);
   assert_int_equal(c.gpt2.n_embd, 32);
   assert_int_equal(c.gpt2.n_inner, 48);
   assert_int_equal(c.gpt2.n_positions, 8);
   assert_int_equal(c.torch_dtype, DDP_F64);
   assert_int_equal(ddp_hf_config_parse("{\"model_type\": \"bert\", \"id2label\": {\"0\": \"neg\", "
                                        "\"1\": \"neu\", \"2\": \"pos\"}, \"pad_token_id\": null, "
-                                       "\"classifier_dropout\": 0.3}", NULL, &c, NULL), DDP_OK);
+                                       "\"classifier_dropout\": 0.3}",
+                                       NULL, &c, NULL),
+                   DDP_OK);
   assert_int_equal(c.bert.num_labels, 3);
   assert_int_equal(c.bert.pad_token_id, -1);
   DDP_ASSERT_EQ(c.bert.classifier_dropout, 0.3);
@@ -105,15 +110,16 @@ static void test_config_errors(void **state) {
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"n_embd\": 64, \"n_head\": 5}", &e),
              DDP_ERR_INVALID_ARGUMENT, e.msg, "cfg.json", "\"n_embd\" (64)", "\"n_head\" (5)",
              NULL);
-  expect_err(parse_err("{\"model_type\": \"bert\", \"hidden_size\": 60, \"num_attention_heads\": 8}",
-                       &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "\"hidden_size\"",
-             "\"num_attention_heads\"", NULL);
+  expect_err(
+      parse_err("{\"model_type\": \"bert\", \"hidden_size\": 60, \"num_attention_heads\": 8}", &e),
+      DDP_ERR_INVALID_ARGUMENT, e.msg, "\"hidden_size\"", "\"num_attention_heads\"", NULL);
   expect_err(parse_err("{\"model_type\": \"llama\"}", &e), DDP_ERR_INVALID_ARGUMENT, e.msg,
              "model_type", "llama", "gpt2, bert", NULL);
   expect_err(parse_err("{\"n_layer\": 2}", &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "model_type",
              "missing", NULL);
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"n_layer\": \"2\"}", &e),
-             DDP_ERR_INVALID_ARGUMENT, e.msg, "\"n_layer\" must be an integer (got a string)", NULL);
+             DDP_ERR_INVALID_ARGUMENT, e.msg, "\"n_layer\" must be an integer (got a string)",
+             NULL);
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"n_layer\": 2.5}", &e),
              DDP_ERR_INVALID_ARGUMENT, e.msg, "\"n_layer\"", NULL);
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"scale_attn_weights\": 1}", &e),
@@ -127,9 +133,9 @@ static void test_config_errors(void **state) {
              DDP_ERR_INVALID_ARGUMENT, e.msg, "\"attn_pdrop\"", "[0, 1]", NULL);
   expect_err(parse_err("{\"model_type\": \"bert\", \"pad_token_id\": 30522}", &e),
              DDP_ERR_INVALID_ARGUMENT, e.msg, "\"pad_token_id\"", NULL);
-  expect_err(parse_err("{\"model_type\": \"bert\", \"num_labels\": 2, \"id2label\": {\"0\": \"a\"}}",
-                       &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "\"num_labels\" (2)", "id2label",
-             NULL);
+  expect_err(
+      parse_err("{\"model_type\": \"bert\", \"num_labels\": 2, \"id2label\": {\"0\": \"a\"}}", &e),
+      DDP_ERR_INVALID_ARGUMENT, e.msg, "\"num_labels\" (2)", "id2label", NULL);
   expect_err(parse_err("[1, 2]", &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "JSON object", NULL);
   expect_err(parse_err("{\"model_type\": ", &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "parse error",
              NULL);
@@ -137,18 +143,21 @@ static void test_config_errors(void **state) {
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"activation_function\": \"silu\"}", &e),
              DDP_ERR_UNSUPPORTED, e.msg, "\"activation_function\"", "silu", "gelu_new", NULL);
   expect_err(parse_err("{\"model_type\": \"bert\", \"position_embedding_type\": \"relative_key\"}",
-                       &e), DDP_ERR_UNSUPPORTED, e.msg, "position_embedding_type", NULL);
-  expect_err(parse_err("{\"model_type\": \"bert\", \"is_decoder\": true}", &e),
-             DDP_ERR_UNSUPPORTED, e.msg, "is_decoder", NULL);
+                       &e),
+             DDP_ERR_UNSUPPORTED, e.msg, "position_embedding_type", NULL);
+  expect_err(parse_err("{\"model_type\": \"bert\", \"is_decoder\": true}", &e), DDP_ERR_UNSUPPORTED,
+             e.msg, "is_decoder", NULL);
   expect_err(parse_err("{\"model_type\": \"gpt2\", \"add_cross_attention\": true}", &e),
              DDP_ERR_UNSUPPORTED, e.msg, "add_cross_attention", NULL);
   expect_err(parse_err("{\"model_type\": \"bert\", \"problem_type\": "
-                       "\"multi_label_classification\"}", &e),
+                       "\"multi_label_classification\"}",
+                       &e),
              DDP_ERR_UNSUPPORTED, e.msg, "problem_type", NULL);
   /* ddp_model_from_json takes the same config and the same errors. */
   ddp_model_t *m = NULL;
   expect_err(ddp_model_from_json("{\"model_type\": \"gpt2\", \"n_embd\": 10, \"n_head\": 4}", &m,
-                                 &e), DDP_ERR_INVALID_ARGUMENT, e.msg, "n_embd", "n_head", NULL);
+                                 &e),
+             DDP_ERR_INVALID_ARGUMENT, e.msg, "n_embd", "n_head", NULL);
   assert_null(m);
 }
 
@@ -186,17 +195,23 @@ static void test_config_write_roundtrip(void **state) {
  * LayerNorm membership, the tied head (no parameter of its own) and the untied one. */
 static void test_names(void **state) {
   (void)state;
-  static const char *const g[] = {
-      "transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
-      "transformer.h.0.ln_1.bias", "transformer.h.0.attn.c_attn.weight",
-      "transformer.h.0.attn.c_attn.bias", "transformer.h.0.attn.c_proj.weight",
-      "transformer.h.0.attn.c_proj.bias", "transformer.h.0.ln_2.weight",
-      "transformer.h.0.ln_2.bias", "transformer.h.0.mlp.c_fc.weight",
-      "transformer.h.0.mlp.c_fc.bias", "transformer.h.0.mlp.c_proj.weight",
-      "transformer.h.0.mlp.c_proj.bias"};
-  static const int64_t gs[][2] = {{256, 64}, {64, 64}, {64, 0},   {64, 0},  {64, 192}, {192, 0},
-                                  {64, 64},  {64, 0},  {64, 0},   {64, 0},  {64, 256}, {256, 0},
-                                  {256, 64}, {64, 0}};
+  static const char *const g[] = {"transformer.wte.weight",
+                                  "transformer.wpe.weight",
+                                  "transformer.h.0.ln_1.weight",
+                                  "transformer.h.0.ln_1.bias",
+                                  "transformer.h.0.attn.c_attn.weight",
+                                  "transformer.h.0.attn.c_attn.bias",
+                                  "transformer.h.0.attn.c_proj.weight",
+                                  "transformer.h.0.attn.c_proj.bias",
+                                  "transformer.h.0.ln_2.weight",
+                                  "transformer.h.0.ln_2.bias",
+                                  "transformer.h.0.mlp.c_fc.weight",
+                                  "transformer.h.0.mlp.c_fc.bias",
+                                  "transformer.h.0.mlp.c_proj.weight",
+                                  "transformer.h.0.mlp.c_proj.bias"};
+  static const int64_t gs[][2] = {{256, 64}, {64, 64}, {64, 0},   {64, 0}, {64, 192},
+                                  {192, 0},  {64, 64}, {64, 0},   {64, 0}, {64, 0},
+                                  {64, 256}, {256, 0}, {256, 64}, {64, 0}};
   ddp_model_t *m = model_of(cfg_text(GPT2_JSON, NULL), DDP_F32);
   assert_int_equal(ddp_model_num_params(m), 2 + 12 * 2 + 2);
   for (size_t i = 0; i < NELEM(g); i++) {
@@ -220,26 +235,30 @@ static void test_names(void **state) {
   assert_int_equal(ddp_model_param(m, 28)->value.shape[0], 256);
   ddp_model_destroy(m);
 
-  static const char *const b[] = {
-      "bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-      "bert.embeddings.token_type_embeddings.weight", "bert.embeddings.LayerNorm.weight",
-      "bert.embeddings.LayerNorm.bias", "bert.encoder.layer.0.attention.self.query.weight",
-      "bert.encoder.layer.0.attention.self.query.bias",
-      "bert.encoder.layer.0.attention.self.key.weight",
-      "bert.encoder.layer.0.attention.self.key.bias",
-      "bert.encoder.layer.0.attention.self.value.weight",
-      "bert.encoder.layer.0.attention.self.value.bias",
-      "bert.encoder.layer.0.attention.output.dense.weight",
-      "bert.encoder.layer.0.attention.output.dense.bias",
-      "bert.encoder.layer.0.attention.output.LayerNorm.weight",
-      "bert.encoder.layer.0.attention.output.LayerNorm.bias",
-      "bert.encoder.layer.0.intermediate.dense.weight",
-      "bert.encoder.layer.0.intermediate.dense.bias", "bert.encoder.layer.0.output.dense.weight",
-      "bert.encoder.layer.0.output.dense.bias", "bert.encoder.layer.0.output.LayerNorm.weight",
-      "bert.encoder.layer.0.output.LayerNorm.bias"};
-  static const int64_t bs[][2] = {{256, 64}, {64, 64}, {2, 64},  {64, 0},  {64, 0},  {64, 64},
-                                  {64, 0},   {64, 64}, {64, 0},  {64, 64}, {64, 0},  {64, 64},
-                                  {64, 0},   {64, 0},  {64, 0},  {128, 64}, {128, 0}, {64, 128},
+  static const char *const b[] = {"bert.embeddings.word_embeddings.weight",
+                                  "bert.embeddings.position_embeddings.weight",
+                                  "bert.embeddings.token_type_embeddings.weight",
+                                  "bert.embeddings.LayerNorm.weight",
+                                  "bert.embeddings.LayerNorm.bias",
+                                  "bert.encoder.layer.0.attention.self.query.weight",
+                                  "bert.encoder.layer.0.attention.self.query.bias",
+                                  "bert.encoder.layer.0.attention.self.key.weight",
+                                  "bert.encoder.layer.0.attention.self.key.bias",
+                                  "bert.encoder.layer.0.attention.self.value.weight",
+                                  "bert.encoder.layer.0.attention.self.value.bias",
+                                  "bert.encoder.layer.0.attention.output.dense.weight",
+                                  "bert.encoder.layer.0.attention.output.dense.bias",
+                                  "bert.encoder.layer.0.attention.output.LayerNorm.weight",
+                                  "bert.encoder.layer.0.attention.output.LayerNorm.bias",
+                                  "bert.encoder.layer.0.intermediate.dense.weight",
+                                  "bert.encoder.layer.0.intermediate.dense.bias",
+                                  "bert.encoder.layer.0.output.dense.weight",
+                                  "bert.encoder.layer.0.output.dense.bias",
+                                  "bert.encoder.layer.0.output.LayerNorm.weight",
+                                  "bert.encoder.layer.0.output.LayerNorm.bias"};
+  static const int64_t bs[][2] = {{256, 64}, {64, 64}, {2, 64}, {64, 0},   {64, 0},  {64, 64},
+                                  {64, 0},   {64, 64}, {64, 0}, {64, 64},  {64, 0},  {64, 64},
+                                  {64, 0},   {64, 0},  {64, 0}, {128, 64}, {128, 0}, {64, 128},
                                   {64, 0},   {64, 0},  {64, 0}};
   m = model_of(cfg_text(BERT_JSON, NULL), DDP_F32);
   assert_int_equal(ddp_model_num_params(m), 5 + 16 * 2 + 4);
@@ -262,7 +281,8 @@ static void stats(const ddp_param_t *p, double *mean, double *sd) {
   double s = 0, s2 = 0;
   int64_t n = p->value.numel;
   for (int64_t k = 0; k < n; k++) {
-    double v = p->value.dtype == DDP_F32 ? ((float *)p->value.data)[k] : ((double *)p->value.data)[k];
+    double v = p->value.dtype == DDP_F32 ? ((float *)p->value.data)[k]
+                                         : ((double *)p->value.data)[k];
     s += v;
     s2 += v * v;
   }
@@ -341,8 +361,8 @@ static void gradcheck(ddp_model_t *m, const batch_t *b, const probe_t *pr, size_
     ((double *)p->value.data)[pr[i].k] = w0;
     double fd = (lp - lm) / (2 * h);
     if (!(fabs(fd - g) <= 1e-7 + 1e-6 * fabs(fd)))
-      fail_msg("%s[%lld]: gradient %.12g, finite difference %.12g", pr[i].name,
-               (long long)pr[i].k, g, fd);
+      fail_msg("%s[%lld]: gradient %.12g, finite difference %.12g", pr[i].name, (long long)pr[i].k,
+               g, fd);
   }
   ddp_ctx_destroy(c);
 }
@@ -355,19 +375,24 @@ static void test_gradcheck(void **state) {
   ddp_model_t *m = model_of("{\"model_type\": \"gpt2\", \"n_layer\": 1, \"n_embd\": 16, "
                             "\"n_head\": 2, \"vocab_size\": 256, \"n_positions\": 16, "
                             "\"resid_pdrop\": 0, \"embd_pdrop\": 0, \"attn_pdrop\": 0, "
-                            "\"initializer_range\": 0.4}", DDP_F64);
+                            "\"initializer_range\": 0.4}",
+                            DDP_F64);
   assert_int_equal(ddp_model_init(m, 3), DDP_OK);
   batch_t b;
   gpt2_batch(&b, 2, 6, 1);
-  const probe_t gp[] = {
-      {"transformer.wte.weight", b.x[0] * 16 + 3}, {"transformer.wte.weight", 5 * 16 + 1},
-      {"transformer.wpe.weight", 16 + 2},         {"transformer.h.0.ln_1.weight", 4},
-      {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 2},
-      {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 20},
-      {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 40},
-      {"transformer.h.0.attn.c_attn.bias", 35},   {"transformer.h.0.attn.c_proj.weight", 77},
-      {"transformer.h.0.ln_2.bias", 9},           {"transformer.h.0.mlp.c_fc.bias", 50},
-      {"transformer.h.0.mlp.c_proj.weight", 300}, {"transformer.ln_f.weight", 11}};
+  const probe_t gp[] = {{"transformer.wte.weight", b.x[0] * 16 + 3},
+                        {"transformer.wte.weight", 5 * 16 + 1},
+                        {"transformer.wpe.weight", 16 + 2},
+                        {"transformer.h.0.ln_1.weight", 4},
+                        {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 2},
+                        {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 20},
+                        {"transformer.h.0.attn.c_attn.weight", 5 * 48 + 40},
+                        {"transformer.h.0.attn.c_attn.bias", 35},
+                        {"transformer.h.0.attn.c_proj.weight", 77},
+                        {"transformer.h.0.ln_2.bias", 9},
+                        {"transformer.h.0.mlp.c_fc.bias", 50},
+                        {"transformer.h.0.mlp.c_proj.weight", 300},
+                        {"transformer.ln_f.weight", 11}};
   gradcheck(m, &b, gp, NELEM(gp));
   order_t o = {{0}, 0};
   ddp_model_set_hook(m, on_ready, &o);
@@ -381,22 +406,22 @@ static void test_gradcheck(void **state) {
   m = model_of("{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "
                "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 256, "
                "\"max_position_embeddings\": 16, \"num_labels\": 3, \"hidden_dropout_prob\": 0, "
-               "\"attention_probs_dropout_prob\": 0, \"initializer_range\": 0.4}", DDP_F64);
+               "\"attention_probs_dropout_prob\": 0, \"initializer_range\": 0.4}",
+               DDP_F64);
   assert_int_equal(ddp_model_init(m, 3), DDP_OK);
   bert_batch(&b, 3, 7, 3, true, false, 2);
-  const probe_t bp[] = {
-      {"bert.embeddings.word_embeddings.weight", b.x[1] * 16 + 5},
-      {"bert.embeddings.position_embeddings.weight", 2 * 16 + 1},
-      {"bert.embeddings.token_type_embeddings.weight", 16 + 7},
-      {"bert.embeddings.LayerNorm.weight", 3},
-      {"bert.encoder.layer.0.attention.self.query.weight", 37},
-      {"bert.encoder.layer.0.attention.self.key.weight", 101},
-      {"bert.encoder.layer.0.attention.self.value.bias", 6},
-      {"bert.encoder.layer.0.attention.output.LayerNorm.bias", 2},
-      {"bert.encoder.layer.0.intermediate.dense.weight", 200},
-      {"bert.encoder.layer.0.output.dense.bias", 15},
-      {"bert.pooler.dense.weight", 130},
-      {"classifier.bias", 1}};
+  const probe_t bp[] = {{"bert.embeddings.word_embeddings.weight", b.x[1] * 16 + 5},
+                        {"bert.embeddings.position_embeddings.weight", 2 * 16 + 1},
+                        {"bert.embeddings.token_type_embeddings.weight", 16 + 7},
+                        {"bert.embeddings.LayerNorm.weight", 3},
+                        {"bert.encoder.layer.0.attention.self.query.weight", 37},
+                        {"bert.encoder.layer.0.attention.self.key.weight", 101},
+                        {"bert.encoder.layer.0.attention.self.value.bias", 6},
+                        {"bert.encoder.layer.0.attention.output.LayerNorm.bias", 2},
+                        {"bert.encoder.layer.0.intermediate.dense.weight", 200},
+                        {"bert.encoder.layer.0.output.dense.bias", 15},
+                        {"bert.pooler.dense.weight", 130},
+                        {"classifier.bias", 1}};
   gradcheck(m, &b, bp, NELEM(bp));
   const double *gw = ddp_model_find_param(m, "bert.embeddings.word_embeddings.weight")->grad.data;
   double row0 = 0;
@@ -426,10 +451,12 @@ static void test_gradcheck(void **state) {
   m = model_of("{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "
                "\"num_attention_heads\": 2, \"intermediate_size\": 24, \"vocab_size\": 256, "
                "\"num_labels\": 1, \"hidden_dropout_prob\": 0, \"hidden_act\": \"gelu_new\", "
-               "\"attention_probs_dropout_prob\": 0, \"initializer_range\": 0.4}", DDP_F64);
+               "\"attention_probs_dropout_prob\": 0, \"initializer_range\": 0.4}",
+               DDP_F64);
   assert_int_equal(ddp_model_init(m, 4), DDP_OK);
   bert_batch(&b, 3, 7, 2, true, true, 2);
-  const probe_t rp[] = {{"classifier.weight", 3}, {"bert.pooler.dense.bias", 2},
+  const probe_t rp[] = {{"classifier.weight", 3},
+                        {"bert.pooler.dense.bias", 2},
                         {"bert.encoder.layer.0.intermediate.dense.bias", 20}};
   gradcheck(m, &b, rp, NELEM(rp));
   ddp_ctx_destroy(c);
@@ -452,7 +479,8 @@ static void test_forward_errors(void **state) {
   expect_err(ddp_model_forward(g, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
              ddp_ctx_last_error(c)->msg, "sequence length 65", "n_positions = 64", NULL);
   expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "sequence length 65", "max_position_embeddings = 64", NULL);
+             ddp_ctx_last_error(c)->msg, "sequence length 65", "max_position_embeddings = 64",
+             NULL);
   s[1] = 8;
   ids[11] = 256;
   assert_int_equal(ddp_var_new(c, DDP_I64, 2, s, ids, false, &x), DDP_OK);
@@ -634,8 +662,8 @@ static void test_pretrained_errors(void **state) {
   FILE *f = fopen(path, "wb");
   fputs("{\"model_type\": \"t5\", \"d_model\": 64}\n", f);
   fclose(f);
-  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_ARGUMENT,
-             err.msg, "config.json", "model_type", "t5", "gpt2, bert", NULL);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_ARGUMENT, err.msg,
+             "config.json", "model_type", "t5", "gpt2, bert", NULL);
   snprintf(path, sizeof path, "%s/none", g_dir);
   expect_err(ddp_model_from_pretrained(path, DDP_F32, &m2, &err), DDP_ERR_NOT_FOUND, err.msg,
              "config.json", NULL);
@@ -649,13 +677,15 @@ static void test_model_json_dispatch(void **state) {
   ddp_model_t *m;
   ddp_error_t err = {0};
   assert_int_equal(ddp_model_from_json(cfg_text(BERT_JSON, ", \"torch_dtype\": \"float64\""), &m,
-                                       &err), DDP_OK);
+                                       &err),
+                   DDP_OK);
   assert_int_equal(ddp_model_task(m), DDP_TASK_SEQ_CLASSIFICATION);
   assert_int_equal(ddp_model_param(m, 0)->value.dtype, DDP_F64);
   assert_int_equal(ddp_model_hf_config(m)->bert.num_labels, 3);
   ddp_model_destroy(m);
-  assert_int_equal(ddp_model_from_json("{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 3}]}",
-                                       &m, &err), DDP_OK);
+  assert_int_equal(ddp_model_from_json(
+                       "{\"layers\": [{\"type\": \"linear\", \"in\": 2, \"out\": 3}]}", &m, &err),
+                   DDP_OK);
   assert_int_equal(ddp_model_task(m), DDP_TASK_DEFAULT);
   assert_null(ddp_model_hf_config(m));
   char dir[400];

@@ -61,9 +61,9 @@ static const char *const BERT =
     "\"max_position_embeddings\": 64, \"hidden_dropout_prob\": 0.0, "
     "\"attention_probs_dropout_prob\": 0.0, \"num_labels\": 2}";
 
-static const char *const WORDS[] = {"the", "quick", "brown", "fox", "jumps", "over", "a",
-                                    "lazy", "dog", "while", "birds", "sing", "in", "old",
-                                    "green", "trees", "and", "rivers", "run", "to", "sea"};
+static const char *const WORDS[] = {"the",   "quick", "brown", "fox",    "jumps", "over", "a",
+                                    "lazy",  "dog",   "while", "birds",  "sing",  "in",   "old",
+                                    "green", "trees", "and",   "rivers", "run",   "to",   "sea"};
 #define NWORDS (sizeof WORDS / sizeof *WORDS)
 
 /* A deterministic word stream (an LCG picks the words). */
@@ -72,8 +72,7 @@ static void words(char *buf, size_t cap, uint32_t *s, int n) {
   buf[0] = 0;
   for (int i = 0; i < n && len + 16 < cap; i++) {
     *s = *s * 1664525u + 1013904223u;
-    len += (size_t)snprintf(buf + len, cap - len, "%s%s", i ? " " : "",
-                            WORDS[(*s >> 16) % NWORDS]);
+    len += (size_t)snprintf(buf + len, cap - len, "%s%s", i ? " " : "", WORDS[(*s >> 16) % NWORDS]);
   }
 }
 
@@ -106,18 +105,35 @@ static void data_files(void) {
 
 static ddp_test_pcfg_t gpt2_cfg(const char *name) {
   data_files();
-  ddp_test_pcfg_t c = {.name = name, .model = GPT2, .world = 2, .steps = 4, .batch = 4,
-                       .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-                       .broadcast_buffers = true, .rebuilt = true, .data = g_corpus,
+  ddp_test_pcfg_t c = {.name = name,
+                       .model = GPT2,
+                       .world = 2,
+                       .steps = 4,
+                       .batch = 4,
+                       .accum = 1,
+                       .lr = 0.1,
+                       .momentum = 0.9,
+                       .bucket_cap_mb = -1,
+                       .broadcast_buffers = true,
+                       .rebuilt = true,
+                       .data = g_corpus,
                        .data_args = "--block_size 32"};
   return c;
 }
 
 static ddp_test_pcfg_t bert_cfg(const char *name) {
   data_files();
-  ddp_test_pcfg_t c = {.name = name, .model = BERT, .world = 2, .steps = 4, .batch = 4,
-                       .accum = 1, .lr = 0.1, .momentum = 0.9, .bucket_cap_mb = -1,
-                       .broadcast_buffers = true, .rebuilt = true,
+  ddp_test_pcfg_t c = {.name = name,
+                       .model = BERT,
+                       .world = 2,
+                       .steps = 4,
+                       .batch = 4,
+                       .accum = 1,
+                       .lr = 0.1,
+                       .momentum = 0.9,
+                       .bucket_cap_mb = -1,
+                       .broadcast_buffers = true,
+                       .rebuilt = true,
                        .data_args = "--max_seq_length 16"};
   return c;
 }
@@ -138,14 +154,12 @@ static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_m
   if (want_initial > 0) {
     assert_int_equal(r.buckets_initial, want_initial);
   } else if (r.buckets_initial < -want_initial) {
-    fail_msg("%s: %d initial buckets, want at least %d", c->name, r.buckets_initial,
-             -want_initial);
+    fail_msg("%s: %d initial buckets, want at least %d", c->name, r.buckets_initial, -want_initial);
   }
   /* The tied wte/lm_head is one parameter: once in the reducer's list, no lm_head. */
   if (c->model == GPT2) {
     char path[800];
-    snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(),
-             c->name);
+    snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(), c->name);
     cJSON *j = ddp_test_read_json(path);
     const cJSON *n;
     int wte = 0, lm = 0, total = 0;
@@ -156,8 +170,8 @@ static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_m
     }
     cJSON_Delete(j);
     if (wte != 1 || lm != 0 || total != 28) {
-      fail_msg("%s: %d parameters, wte %d times, lm_head %d times (want 28, 1, 0)", c->name,
-               total, wte, lm);
+      fail_msg("%s: %d parameters, wte %d times, lm_head %d times (want 28, 1, 0)", c->name, total,
+               wte, lm);
     }
   }
   if (want_rebuilt_min < 0) {

@@ -25,15 +25,15 @@
 #include "opcheck.h"
 #include "transformers.h"
 
-static char g_dir[256]; /* empty when torch is absent */
+static char g_dir[256];   /* empty when torch is absent */
 static double g_worst[2]; /* largest relative error seen: [0] f32, [1] f64 */
 
-#define NEED_TORCH()                                                      \
-  do {                                                                    \
-    if (!g_dir[0]) {                                                      \
+#define NEED_TORCH()                                                              \
+  do {                                                                            \
+    if (!g_dir[0]) {                                                              \
       print_message("torch or numpy (under /usr/bin/python3) absent: skipped\n"); \
-      skip();                                                             \
-    }                                                                     \
+      skip();                                                                     \
+    }                                                                             \
   } while (0)
 
 /* max|a - b| / max(max|b|, floor) over n values of dtype dt. */
@@ -125,7 +125,8 @@ static void compare(const char *tag, const char *cfg_json, ddp_dtype_t dt, const
   for (int d = 0; d < b->nd; d++) cJSON_AddItemToArray(xs, cJSON_CreateNumber((double)b->shape[d]));
   cJSON_AddStringToObject(j, "labels_dtype", b->ldt == DDP_I64 ? "i64" : "f64");
   cJSON *ls = cJSON_AddArrayToObject(j, "labels_shape");
-  for (int d = 0; d < b->lnd; d++) cJSON_AddItemToArray(ls, cJSON_CreateNumber((double)b->lshape[d]));
+  for (int d = 0; d < b->lnd; d++)
+    cJSON_AddItemToArray(ls, cJSON_CreateNumber((double)b->lshape[d]));
   cJSON_AddBoolToObject(j, "train", true);
   char *run = cJSON_PrintUnformatted(j);
   cJSON_Delete(j);
@@ -295,7 +296,8 @@ static void test_checkpoint_wording(void **state) {
     snprintf(errpath, sizeof errpath, "%s/check_err.txt", g_dir);
     snprintf(cmd, sizeof cmd,
              "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/hf_models.py check '%s' >/dev/null "
-             "2>'%s'", ddp_test_source_root(), dir, errpath);
+             "2>'%s'",
+             ddp_test_source_root(), dir, errpath);
     int rc = system(cmd);
     DDP_ASSERT_EXITED(rc, 3);
     FILE *f = fopen(errpath, "rb");
@@ -315,7 +317,8 @@ static void test_summary(void **state) {
   (void)state;
   NEED_TORCH();
   print_message("largest relative error vs PyTorch: f32 %.3g (tolerance %g), f64 %.3g "
-                "(tolerance %g)\n", g_worst[0], TOL_F32, g_worst[1], TOL_F64);
+                "(tolerance %g)\n",
+                g_worst[0], TOL_F32, g_worst[1], TOL_F64);
 }
 
 static int setup(void **state) {

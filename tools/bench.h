@@ -29,12 +29,12 @@ typedef struct bench_row {
 
 /* The machine's reference lines, measured in the same run (0 = not measured). */
 typedef struct bench_calib {
-  double memcpy1_gbs;   /* one thread copying calib_bytes, median of reps */
-  double memcpy2_gbs;   /* two threads, each copying half, summed */
-  double tcp_bw_gbs;    /* one loopback connection, one direction */
+  double memcpy1_gbs;    /* one thread copying calib_bytes, median of reps */
+  double memcpy2_gbs;    /* two threads, each copying half, summed */
+  double tcp_bw_gbs;     /* one loopback connection, one direction */
   double tcp_rtt_p50_us; /* 8-byte ping-pong round trip, TCP_NODELAY, blocking */
   double tcp_rtt_p99_us;
-  uint64_t bytes;       /* buffer size of the memcpy and TCP bandwidth runs */
+  uint64_t bytes; /* buffer size of the memcpy and TCP bandwidth runs */
 } bench_calib_t;
 
 /* Measures every reference line; a line that fails prints why on stderr and stays 0.
@@ -56,7 +56,6 @@ void bench_print_ratios(FILE *f, const bench_row_t *rows, size_t n, const bench_
 int bench_write_csv(const char *path, const bench_row_t *rows, size_t n, const bench_calib_t *c);
 /* PNG through gnuplot when path does not end in .svg and gnuplot runs; otherwise an SVG
  * (at path, or path + ".svg" when a PNG was asked for). 0 on success. */
-int bench_write_plot(const char *path, const bench_row_t *rows, size_t n,
-                     const bench_calib_t *c);
+int bench_write_plot(const char *path, const bench_row_t *rows, size_t n, const bench_calib_t *c);
 
 #endif /* DDP_TOOLS_BENCH_H */

@@ -35,9 +35,9 @@ void bench_print_header_line(FILE *f) {
 
 void bench_print_row(FILE *f, const bench_row_t *r) {
   fprintf(f, " %8s %-9s %-5s %12llu %11llu %5d %5d %9.2f %9.2f %9.2f %9.2f %8.3f %8.3f %7lld\n",
-          r->backend, r->algo, r->place, (unsigned long long)r->bytes,
-          (unsigned long long)r->count, r->warmup, r->iters, r->min_us, r->p50_us, r->p99_us,
-          r->max_us, r->algbw, r->busbw, (long long)r->wrong);
+          r->backend, r->algo, r->place, (unsigned long long)r->bytes, (unsigned long long)r->count,
+          r->warmup, r->iters, r->min_us, r->p50_us, r->p99_us, r->max_us, r->algbw, r->busbw,
+          (long long)r->wrong);
   fflush(f);
 }
 
@@ -65,11 +65,14 @@ void bench_print_ratios(FILE *f, const bench_row_t *rows, size_t n, const bench_
   if (ref_bytes > maxb) ref_bytes = maxb;
   char rb[32];
   bench_size_str(ref_bytes, rb, sizeof rb);
-  fprintf(f, "#\n# Reference lines (same run): memcpy %.2f GB/s (1 thread), %.2f GB/s (2 threads);"
-             " TCP loopback %.3f GB/s (1 connection); TCP RTT p50 %.1f us, p99 %.1f us\n",
+  fprintf(f,
+          "#\n# Reference lines (same run): memcpy %.2f GB/s (1 thread), %.2f GB/s (2 threads);"
+          " TCP loopback %.3f GB/s (1 connection); TCP RTT p50 %.1f us, p99 %.1f us\n",
           c->memcpy1_gbs, c->memcpy2_gbs, c->tcp_bw_gbs, c->tcp_rtt_p50_us, c->tcp_rtt_p99_us);
-  fprintf(f, "# Ratios: busbw at %s over each reference bandwidth; peak busbw; p50 latency at the"
-             " smallest size and at 4K over the TCP round trip\n", rb);
+  fprintf(f,
+          "# Ratios: busbw at %s over each reference bandwidth; peak busbw; p50 latency at the"
+          " smallest size and at 4K over the TCP round trip\n",
+          rb);
   fprintf(f, "#%18s %9s %8s %8s %8s %9s %6s %9s %7s %9s %7s\n", "series", "busbw", "/memcpy1",
           "/memcpy2", "/tcp_bw", "peak", "at", "p50_min", "/rtt", "p50_4K", "/rtt");
   for (size_t i = 0; i < n; i++) {
@@ -111,9 +114,9 @@ int bench_write_csv(const char *path, const bench_row_t *rows, size_t n, const b
   for (size_t i = 0; i < n; i++) {
     const bench_row_t *r = &rows[i];
     fprintf(f, "allreduce,%s,%s,%s,%s,%s,%d,%llu,%llu,%d,%d,%.3f,%.3f,%.3f,%.3f,%.6f,%.6f,%lld\n",
-            r->backend, r->algo, r->place, r->op, r->dtype, r->world,
-            (unsigned long long)r->bytes, (unsigned long long)r->count, r->warmup, r->iters,
-            r->min_us, r->p50_us, r->p99_us, r->max_us, r->algbw, r->busbw, (long long)r->wrong);
+            r->backend, r->algo, r->place, r->op, r->dtype, r->world, (unsigned long long)r->bytes,
+            (unsigned long long)r->count, r->warmup, r->iters, r->min_us, r->p50_us, r->p99_us,
+            r->max_us, r->algbw, r->busbw, (long long)r->wrong);
   }
   /* The reference lines as rows of their own: a bandwidth goes in algbw and busbw, a round
    * trip in p50/p99. */
@@ -154,9 +157,9 @@ static void series_title(const bench_row_t *r, char *buf, size_t cap) {
 
 #define MAX_SERIES 64
 #define PLOT_COLORS 12
-static const char *const plot_color[PLOT_COLORS] = {
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
-    "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#000080", "#808000"};
+static const char *const plot_color[PLOT_COLORS] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
+                                                    "#9467bd", "#8c564b", "#e377c2", "#17becf",
+                                                    "#bcbd22", "#7f7f7f", "#000080", "#808000"};
 
 /* Feeds a gnuplot script on a pipe to `gnuplot`. 0 when gnuplot ran and exited 0. */
 static int plot_gnuplot(const char *path, const bench_row_t *rows, size_t n,
@@ -258,14 +261,19 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
   if (y1 <= y0) y1 = y0 + 1;
 #define PX(b) (L + (log2((double)(b)) - x0) / (x1 - x0) * (W - L - R))
 #define PY(v) (H - B - (log10(v) - y0) / (y1 - y0) * (H - T - B))
-  fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-             "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" "
-             "height=\"100%%\" fill=\"white\"/>\n", W, H);
-  fprintf(f, "<text x=\"%.0f\" y=\"25\" font-size=\"15\">all-reduce %s %s, %d ranks: bus "
-             "bandwidth (GB/s) vs message size (bytes)</text>\n", L, rows[0].dtype, rows[0].op,
-          rows[0].world);
-  fprintf(f, "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" "
-             "stroke=\"black\"/>\n", L, T, W - L - R, H - T - B);
+  fprintf(f,
+          "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+          "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" "
+          "height=\"100%%\" fill=\"white\"/>\n",
+          W, H);
+  fprintf(f,
+          "<text x=\"%.0f\" y=\"25\" font-size=\"15\">all-reduce %s %s, %d ranks: bus "
+          "bandwidth (GB/s) vs message size (bytes)</text>\n",
+          L, rows[0].dtype, rows[0].op, rows[0].world);
+  fprintf(f,
+          "<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" fill=\"none\" "
+          "stroke=\"black\"/>\n",
+          L, T, W - L - R, H - T - B);
   for (double e = y0; e <= y1 + 1e-9; e += 1) {
     double y = PY(pow(10, e));
     fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", L, y,
@@ -277,8 +285,8 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
     if (b < bmin) continue;
     char sb[32];
     double x = PX(b);
-    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", x, T,
-            x, H - B);
+    fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", x, T, x,
+            H - B);
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", x, H - B + 18,
             bench_size_str(b, sb, sizeof sb));
   }
@@ -288,8 +296,10 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
     const char *col = plot_color[s % PLOT_COLORS];
     const char *be = rows[heads[s]].backend;
     const char *dash = strcmp(be, "threads") == 0 ? "none" : strcmp(be, "shm") == 0 ? "8,4" : "2,3";
-    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
-               "stroke-dasharray=\"%s\" points=\"", col, dash);
+    fprintf(f,
+            "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" "
+            "stroke-dasharray=\"%s\" points=\"",
+            col, dash);
     for (size_t i = 0; i < n; i++)
       if (same_series(&rows[i], &rows[heads[s]]) && rows[i].busbw > 0)
         fprintf(f, "%.1f,%.1f ", PX(rows[i].bytes), PY(rows[i].busbw));
@@ -297,9 +307,10 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
     char t[64];
     series_title(&rows[heads[s]], t, sizeof t);
     double ly = T + 16 + 18 * (double)s;
-    fprintf(f, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"%s\" "
-               "stroke-width=\"2\" stroke-dasharray=\"%s\"/><text x=\"%.0f\" y=\"%.1f\">%s"
-               "</text>\n",
+    fprintf(f,
+            "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"%s\" "
+            "stroke-width=\"2\" stroke-dasharray=\"%s\"/><text x=\"%.0f\" y=\"%.1f\">%s"
+            "</text>\n",
             W - R + 10, ly - 4, W - R + 34, ly - 4, col, dash, W - R + 40, ly, t);
   }
   const char *refname[2] = {"memcpy 1 thread", "TCP loopback"};
@@ -307,10 +318,13 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
     if (refs[k] <= 0) continue;
     double y = PY(refs[k]);
     double ly = T + 16 + 18 * (double)(ns + (size_t)k);
-    fprintf(f, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\" "
-               "stroke-dasharray=\"6,4\"/>\n", L, y, W - R, y);
-    fprintf(f, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\" "
-               "stroke-dasharray=\"6,4\"/><text x=\"%.0f\" y=\"%.1f\">%s</text>\n",
+    fprintf(f,
+            "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\" "
+            "stroke-dasharray=\"6,4\"/>\n",
+            L, y, W - R, y);
+    fprintf(f,
+            "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\" "
+            "stroke-dasharray=\"6,4\"/><text x=\"%.0f\" y=\"%.1f\">%s</text>\n",
             W - R + 10, ly - 4, W - R + 34, ly - 4, W - R + 40, ly, refname[k]);
   }
 #undef PX
@@ -322,8 +336,7 @@ static int plot_svg(const char *path, const bench_row_t *rows, size_t n, const b
   return rc;
 }
 
-int bench_write_plot(const char *path, const bench_row_t *rows, size_t n,
-                     const bench_calib_t *c) {
+int bench_write_plot(const char *path, const bench_row_t *rows, size_t n, const bench_calib_t *c) {
   if (n == 0) {
     fprintf(stderr, "ddp-bench: --plot %s: nothing was measured\n", path);
     return -1;

@@ -79,8 +79,8 @@ enum { IN_DIM = 784, CLASSES = 10 };
 typedef struct bench_config {
   int steps, warmup, pairs, ar_iters, batch, seq;
   const char *hook, *wrapper, *state, *trace;
-  const char *model; /* a Transformers config.json, or NULL for the MLP */
-  bool adamw;        /* AdamW instead of SGD */
+  const char *model;    /* a Transformers config.json, or NULL for the MLP */
+  bool adamw;           /* AdamW instead of SGD */
   double bucket_cap_mb; /* DDP_BUCKET_CAP_UNSET: PyTorch's default (25, 1 MiB first) */
   bool grad_view;       /* gradient_as_bucket_view */
 } bench_config_t;
@@ -363,9 +363,9 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   if (st == DDP_OK && rank == 0) {
     printf("RESULT backend=%s world=%d hook=%s wrapper=%s buckets=%zu grad_numel=%zu "
            "steps=%d steps_per_s=%.3f step_p50_ms=%.3f",
-           pg ? ddp_pg_backend_name(pg) : "none", pg ? ddp_pg_size(pg) : 1, cfg->hook,
-           cfg->wrapper, r.ddp ? ddp_ddp_num_buckets(r.ddp) : (size_t)0, numel, cfg->steps,
-           steps_per_s, step_p50);
+           pg ? ddp_pg_backend_name(pg) : "none", pg ? ddp_pg_size(pg) : 1, cfg->hook, cfg->wrapper,
+           r.ddp ? ddp_ddp_num_buckets(r.ddp) : (size_t)0, numel, cfg->steps, steps_per_s,
+           step_p50);
     if (cfg->pairs > 0) {
       printf(" sync_p50_ms=%.3f nosync_p50_ms=%.3f exposed_ms=%.3f", sync_p50, nosync_p50,
              sync_p50 - nosync_p50);
@@ -382,12 +382,12 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
              ar_tensor_p50 / ar_p50);
     }
     printf(" bytes_per_step=%lld numel_before=%lld numel_after=%lld rate=%.2f",
-           (long long)cs.bytes_last_step, (long long)cs.numel_before,
-           (long long)cs.numel_after, cs.rate);
+           (long long)cs.bytes_last_step, (long long)cs.numel_before, (long long)cs.numel_after,
+           cs.rate);
     printf(" step_cpu_p50_ms=%.3f model=%s batch=%d seq=%d optim=%s blas_core=%s"
-           " peak_rss_mb=%.1f\n", step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch,
-           cfg->model ? cfg->seq : 0, cfg->adamw ? "adamw" : "sgd", ddp_blas_core(),
-           peak_rss_mb());
+           " peak_rss_mb=%.1f\n",
+           step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch, cfg->model ? cfg->seq : 0,
+           cfg->adamw ? "adamw" : "sgd", ddp_blas_core(), peak_rss_mb());
     fflush(stdout);
   }
   teardown(&r);
@@ -399,25 +399,24 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
-          "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
-          "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
-          "         [--grad-as-bucket-view] [--model CONFIG.json] [--seq T]\n"
-          "         [--optim sgd|adamw]\n"
-          "       ddp-bench-ddp [--model CONFIG.json] ...   (one process, no DDP)\n"
-          "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
-          "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
-          "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
-          "  --state a JSON object of PowerSGDState keys (docs/hooks.md);\n"
-          "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
-          "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
-          "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
-          "  --model: a Transformers GPT-2 config.json instead of the MLP: token ids\n"
-          "  [batch, seq] (--seq 64), causal-LM loss; --optim adamw: PyTorch's AdamW\n"
-          "  defaults instead of SGD (lr 0.01). Without ddprun (RANK, WORLD_SIZE unset):\n"
-          "  one process, no DDP, phase 1 only;\n"
-          "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
+  fprintf(f, "usage: ddprun --nproc_per_node 2 --backend shm|tcp ddp-bench-ddp [--steps N]\n"
+             "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
+             "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
+             "         [--grad-as-bucket-view] [--model CONFIG.json] [--seq T]\n"
+             "         [--optim sgd|adamw]\n"
+             "       ddp-bench-ddp [--model CONFIG.json] ...   (one process, no DDP)\n"
+             "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
+             "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
+             "  --hook no|fp16|bf16|power_sgd|batched_power_sgd, --wrapper no|fp16|bf16,\n"
+             "  --state a JSON object of PowerSGDState keys (docs/hooks.md);\n"
+             "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
+             "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
+             "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
+             "  --model: a Transformers GPT-2 config.json instead of the MLP: token ids\n"
+             "  [batch, seq] (--seq 64), causal-LM loss; --optim adamw: PyTorch's AdamW\n"
+             "  defaults instead of SGD (lr 0.01). Without ddprun (RANK, WORLD_SIZE unset):\n"
+             "  one process, no DDP, phase 1 only;\n"
+             "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
 }
 
 static int parse_count(const char *flag, const char *v, long lo, int *out) {
@@ -425,8 +424,8 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
   errno = 0;
   long x = strtol(v, &end, 10);
   if (errno || end == v || *end || x < lo || x > 1000000) {
-    fprintf(stderr, "ddp-bench-ddp: %s expects an integer in [%ld, 1000000], got '%s'\n", flag,
-            lo, v);
+    fprintf(stderr, "ddp-bench-ddp: %s expects an integer in [%ld, 1000000], got '%s'\n", flag, lo,
+            v);
     return 0;
   }
   *out = (int)x;
@@ -434,8 +433,8 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
 }
 
 int main(int argc, char **argv) {
-  bench_config_t cfg = {30, 5, 30, 30, 64, 64, "no", "no", NULL, NULL, NULL, false,
-                        DDP_BUCKET_CAP_UNSET, false};
+  bench_config_t cfg =
+      {30, 5, 30, 30, 64, 64, "no", "no", NULL, NULL, NULL, false, DDP_BUCKET_CAP_UNSET, false};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -457,24 +456,34 @@ int main(int argc, char **argv) {
     }
     const char *v = argv[++i];
     int ok = 1;
-    if (!strcmp(a, "--steps")) ok = parse_count(a, v, 1, &cfg.steps);
-    else if (!strcmp(a, "--warmup")) ok = parse_count(a, v, 2, &cfg.warmup);
-    else if (!strcmp(a, "--pairs")) ok = parse_count(a, v, 0, &cfg.pairs);
-    else if (!strcmp(a, "--ar-iters")) ok = parse_count(a, v, 0, &cfg.ar_iters);
-    else if (!strcmp(a, "--batch")) ok = parse_count(a, v, 1, &cfg.batch);
-    else if (!strcmp(a, "--seq")) ok = parse_count(a, v, 1, &cfg.seq);
-    else if (!strcmp(a, "--model")) cfg.model = v;
+    if (!strcmp(a, "--steps"))
+      ok = parse_count(a, v, 1, &cfg.steps);
+    else if (!strcmp(a, "--warmup"))
+      ok = parse_count(a, v, 2, &cfg.warmup);
+    else if (!strcmp(a, "--pairs"))
+      ok = parse_count(a, v, 0, &cfg.pairs);
+    else if (!strcmp(a, "--ar-iters"))
+      ok = parse_count(a, v, 0, &cfg.ar_iters);
+    else if (!strcmp(a, "--batch"))
+      ok = parse_count(a, v, 1, &cfg.batch);
+    else if (!strcmp(a, "--seq"))
+      ok = parse_count(a, v, 1, &cfg.seq);
+    else if (!strcmp(a, "--model"))
+      cfg.model = v;
     else if (!strcmp(a, "--optim")) {
       if (strcmp(v, "sgd") && strcmp(v, "adamw")) {
         fprintf(stderr, "ddp-bench-ddp: --optim expects sgd or adamw, got '%s'\n", v);
         return 2;
       }
       cfg.adamw = !strcmp(v, "adamw");
-    }
-    else if (!strcmp(a, "--hook")) cfg.hook = v;
-    else if (!strcmp(a, "--wrapper")) cfg.wrapper = v;
-    else if (!strcmp(a, "--state")) cfg.state = v;
-    else if (!strcmp(a, "--trace")) cfg.trace = v;
+    } else if (!strcmp(a, "--hook"))
+      cfg.hook = v;
+    else if (!strcmp(a, "--wrapper"))
+      cfg.wrapper = v;
+    else if (!strcmp(a, "--state"))
+      cfg.state = v;
+    else if (!strcmp(a, "--trace"))
+      cfg.trace = v;
     else if (!strcmp(a, "--bucket-cap-mb")) {
       char *end;
       cfg.bucket_cap_mb = strtod(v, &end);
@@ -482,8 +491,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ddp-bench-ddp: --bucket-cap-mb expects a positive number, got '%s'\n", v);
         return 2;
       }
-    }
-    else {
+    } else {
       fprintf(stderr, "ddp-bench-ddp: unknown flag: %s\n", a);
       usage(stderr);
       return 2;

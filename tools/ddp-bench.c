@@ -104,7 +104,10 @@ static const char *bench_backends(char *buf, size_t cap, const char *sep, const 
   buf[0] = '\0';
   for (size_t i = 0; i < sizeof all / sizeof all[0] && o < cap; i++) {
     if (all[i].optional) continue;
-    o += (size_t)snprintf(buf + o, cap - o, "%s%s", k == 0 ? "" : k + 1 == n ? last : sep,
+    o += (size_t)snprintf(buf + o, cap - o, "%s%s",
+                          k == 0       ? ""
+                          : k + 1 == n ? last
+                                       : sep,
                           all[i].name);
     k++;
   }
@@ -113,43 +116,43 @@ static const char *bench_backends(char *buf, size_t cap, const char *sep, const 
 
 static void print_help(void) {
   char list[128];
-  printf(
-      "Usage: ddp-bench [options]\n"
-      "All-reduce benchmark over libddp's backends and algorithms, nccl-tests style, with the\n"
-      "machine's reference lines (memcpy, TCP loopback) measured in the same run.\n\n"
-      "  -b, --minbytes SIZE    smallest message (default 4); SIZE takes K, M, G (x1024)\n"
-      "  -e, --maxbytes SIZE    largest message (default 256M)\n"
-      "  -f, --stepfactor N     size multiplier between points (default 2)\n"
-      "  -n, --iters N          timed iterations per point, at most (default 200)\n"
-      "      --min-iters N      timed iterations per point, at least (default 5)\n"
-      "      --budget SIZE      bytes per point: iterations = clamp(SIZE/size, min-iters,\n"
-      "                         iters) (default 256M), so large sizes run fewer\n"
-      "      --warmup N         untimed iterations per point, at most (default 5; at least 1,\n"
-      "                         and at most budget/(4*size))\n"
-      "  -w, --world N          ranks (default 2)\n"
-      "      --backends LIST    comma-separated: %s (default all three)\n"
-      "      --algos LIST       auto,canonical,ring,small (default all; ring runs on tcp\n"
-      "                         only: the shared-memory backends have no ring)\n"
-      "  -o, --op OP            sum, min or max (default sum)\n"
-      "  -d, --dtype T          f32, f64, i32 or i64 (default f32)\n"
-      "      --place P          in, out or both: in-place and/or out-of-place (default in)\n"
-      "      --segment SIZE     pipelining segment of ring/canonical (default: the group's)\n"
-      "      --timeout S        collective timeout in seconds (default 120)\n"
-      "      --csv FILE         write every point and the reference lines as CSV\n"
-      "      --plot FILE        busbw vs size, one line per backend/algorithm: PNG through\n"
-      "                         gnuplot, or SVG when FILE ends in .svg or gnuplot is missing\n"
-      "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
-      "      --no-calib         skip the reference lines\n"
-      "      --desync-cost      measure the desync check instead of the algorithms: every\n"
-      "                         size alternates iterations with and without the fingerprint\n"
-      "                         check on one group (rows 'fp' and 'no-fp', and the median\n"
-      "                         paired difference in %%); shm and tcp only\n"
-      "  -h, --help             this text\n\n"
-      "Columns: time per iteration is the slowest rank's, from the call to the end of the wait,\n"
-      "after a barrier; algbw = size/p50; busbw = algbw*2(W-1)/W; #wrong = elements that\n"
-      "differ from the exact expected value (checked every iteration). docs/benchmarks.md.\n"
-      "Exit status: 0 all good, 1 a failure or a wrong element, 2 usage error.\n",
-      bench_backends(list, sizeof list, ",", ","));
+  printf("Usage: ddp-bench [options]\n"
+         "All-reduce benchmark over libddp's backends and algorithms, nccl-tests style, with the\n"
+         "machine's reference lines (memcpy, TCP loopback) measured in the same run.\n\n"
+         "  -b, --minbytes SIZE    smallest message (default 4); SIZE takes K, M, G (x1024)\n"
+         "  -e, --maxbytes SIZE    largest message (default 256M)\n"
+         "  -f, --stepfactor N     size multiplier between points (default 2)\n"
+         "  -n, --iters N          timed iterations per point, at most (default 200)\n"
+         "      --min-iters N      timed iterations per point, at least (default 5)\n"
+         "      --budget SIZE      bytes per point: iterations = clamp(SIZE/size, min-iters,\n"
+         "                         iters) (default 256M), so large sizes run fewer\n"
+         "      --warmup N         untimed iterations per point, at most (default 5; at least 1,\n"
+         "                         and at most budget/(4*size))\n"
+         "  -w, --world N          ranks (default 2)\n"
+         "      --backends LIST    comma-separated: %s (default all three)\n"
+         "      --algos LIST       auto,canonical,ring,small (default all; ring runs on tcp\n"
+         "                         only: the shared-memory backends have no ring)\n"
+         "  -o, --op OP            sum, min or max (default sum)\n"
+         "  -d, --dtype T          f32, f64, i32 or i64 (default f32)\n"
+         "      --place P          in, out or both: in-place and/or out-of-place (default in)\n"
+         "      --segment SIZE     pipelining segment of ring/canonical (default: the group's)\n"
+         "      --timeout S        collective timeout in seconds (default 120)\n"
+         "      --csv FILE         write every point and the reference lines as CSV\n"
+         "      --plot FILE        busbw vs size, one line per backend/algorithm: PNG through\n"
+         "                         gnuplot, or SVG when FILE ends in .svg or gnuplot is missing\n"
+         "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
+         "      --no-calib         skip the reference lines\n"
+         "      --desync-cost      measure the desync check instead of the algorithms: every\n"
+         "                         size alternates iterations with and without the fingerprint\n"
+         "                         check on one group (rows 'fp' and 'no-fp', and the median\n"
+         "                         paired difference in %%); shm and tcp only\n"
+         "  -h, --help             this text\n\n"
+         "Columns: time per iteration is the slowest rank's, from the call to the end of the "
+         "wait,\n"
+         "after a barrier; algbw = size/p50; busbw = algbw*2(W-1)/W; #wrong = elements that\n"
+         "differ from the exact expected value (checked every iteration). docs/benchmarks.md.\n"
+         "Exit status: 0 all good, 1 a failure or a wrong element, 2 usage error.\n",
+         bench_backends(list, sizeof list, ",", ","));
 }
 
 static void usage_error(const char *fmt, const char *arg) {
@@ -167,9 +170,12 @@ static bool parse_size(const char *s, uint64_t *out) {
   unsigned long long v = strtoull(s, &end, 10);
   if (errno || end == s) return false;
   int shift = 0;
-  if (*end == 'K' || *end == 'k') shift = 10;
-  else if (*end == 'M' || *end == 'm') shift = 20;
-  else if (*end == 'G' || *end == 'g') shift = 30;
+  if (*end == 'K' || *end == 'k')
+    shift = 10;
+  else if (*end == 'M' || *end == 'm')
+    shift = 20;
+  else if (*end == 'G' || *end == 'g')
+    shift = 30;
   if (shift) end++;
   if ((*end == 'B' || *end == 'b') && end[1] == '\0') end++;
   if (*end != '\0') return false;
@@ -210,9 +216,27 @@ static int split_list(char *s, char **items, int cap, const char *flag) {
 }
 
 enum {
-  O_MINBYTES = 1, O_MAXBYTES, O_FACTOR, O_ITERS, O_MINITERS, O_BUDGET, O_WARMUP, O_WORLD,
-  O_BACKENDS, O_ALGOS, O_OP, O_DTYPE, O_PLACE, O_SEGMENT, O_TIMEOUT, O_CSV, O_PLOT,
-  O_CALIB_BYTES, O_NO_CALIB, O_DESYNC_COST, O_HELP
+  O_MINBYTES = 1,
+  O_MAXBYTES,
+  O_FACTOR,
+  O_ITERS,
+  O_MINITERS,
+  O_BUDGET,
+  O_WARMUP,
+  O_WORLD,
+  O_BACKENDS,
+  O_ALGOS,
+  O_OP,
+  O_DTYPE,
+  O_PLACE,
+  O_SEGMENT,
+  O_TIMEOUT,
+  O_CSV,
+  O_PLOT,
+  O_CALIB_BYTES,
+  O_NO_CALIB,
+  O_DESYNC_COST,
+  O_HELP
 };
 
 static const struct {
@@ -221,24 +245,44 @@ static const struct {
   int id;
   bool has_value;
 } opt_table[] = {
-    {"minbytes", 'b', O_MINBYTES, true},   {"maxbytes", 'e', O_MAXBYTES, true},
-    {"stepfactor", 'f', O_FACTOR, true},   {"iters", 'n', O_ITERS, true},
-    {"min-iters", 0, O_MINITERS, true},    {"budget", 0, O_BUDGET, true},
-    {"warmup", 0, O_WARMUP, true},         {"world", 'w', O_WORLD, true},
-    {"backends", 0, O_BACKENDS, true},     {"algos", 0, O_ALGOS, true},
-    {"op", 'o', O_OP, true},               {"dtype", 'd', O_DTYPE, true},
-    {"place", 0, O_PLACE, true},           {"segment", 0, O_SEGMENT, true},
-    {"timeout", 0, O_TIMEOUT, true},       {"csv", 0, O_CSV, true},
-    {"plot", 0, O_PLOT, true},             {"calib-bytes", 0, O_CALIB_BYTES, true},
-    {"no-calib", 0, O_NO_CALIB, false},    {"help", 'h', O_HELP, false},
+    {"minbytes", 'b', O_MINBYTES, true},
+    {"maxbytes", 'e', O_MAXBYTES, true},
+    {"stepfactor", 'f', O_FACTOR, true},
+    {"iters", 'n', O_ITERS, true},
+    {"min-iters", 0, O_MINITERS, true},
+    {"budget", 0, O_BUDGET, true},
+    {"warmup", 0, O_WARMUP, true},
+    {"world", 'w', O_WORLD, true},
+    {"backends", 0, O_BACKENDS, true},
+    {"algos", 0, O_ALGOS, true},
+    {"op", 'o', O_OP, true},
+    {"dtype", 'd', O_DTYPE, true},
+    {"place", 0, O_PLACE, true},
+    {"segment", 0, O_SEGMENT, true},
+    {"timeout", 0, O_TIMEOUT, true},
+    {"csv", 0, O_CSV, true},
+    {"plot", 0, O_PLOT, true},
+    {"calib-bytes", 0, O_CALIB_BYTES, true},
+    {"no-calib", 0, O_NO_CALIB, false},
+    {"help", 'h', O_HELP, false},
     {"desync-cost", 0, O_DESYNC_COST, false},
 };
 
 static void parse_args(int argc, char **argv, bench_cfg_t *c) {
-  *c = (bench_cfg_t){.minbytes = 4, .maxbytes = 256ull << 20, .budget = 256ull << 20,
-                     .calib_bytes = 256ull << 20, .factor = 2, .iters = 200, .warmup = 5,
-                     .min_iters = 5, .world = 2, .timeout_ms = 120000, .place_in = true,
-                     .op = DDP_OP_SUM, .dt = DDP_F32, .calib = true};
+  *c = (bench_cfg_t){.minbytes = 4,
+                     .maxbytes = 256ull << 20,
+                     .budget = 256ull << 20,
+                     .calib_bytes = 256ull << 20,
+                     .factor = 2,
+                     .iters = 200,
+                     .warmup = 5,
+                     .min_iters = 5,
+                     .world = 2,
+                     .timeout_ms = 120000,
+                     .place_in = true,
+                     .op = DDP_OP_SUM,
+                     .dt = DDP_F32,
+                     .calib = true};
   static char backends_buf[256], algos_buf[256];
   bench_backends(backends_buf, sizeof backends_buf, ",", ",");
   snprintf(algos_buf, sizeof algos_buf, "auto,canonical,ring,small");
@@ -294,7 +338,8 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
           usage_error("--min-iters: bad count '%s'", val);
         break;
       case O_BUDGET:
-        if (!parse_size(val, &c->budget) || c->budget == 0) usage_error("--budget: bad size '%s'", val);
+        if (!parse_size(val, &c->budget) || c->budget == 0)
+          usage_error("--budget: bad size '%s'", val);
         break;
       case O_WARMUP:
         if (!parse_int(val, 0, 1000000, &c->warmup)) usage_error("--warmup: bad count '%s'", val);
@@ -306,23 +351,36 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
       case O_BACKENDS: snprintf(backends_buf, sizeof backends_buf, "%s", val); break;
       case O_ALGOS: snprintf(algos_buf, sizeof algos_buf, "%s", val); break;
       case O_OP:
-        if (strcmp(val, "sum") == 0) c->op = DDP_OP_SUM;
-        else if (strcmp(val, "min") == 0) c->op = DDP_OP_MIN;
-        else if (strcmp(val, "max") == 0) c->op = DDP_OP_MAX;
-        else usage_error("--op: '%s' is not sum, min or max", val);
+        if (strcmp(val, "sum") == 0)
+          c->op = DDP_OP_SUM;
+        else if (strcmp(val, "min") == 0)
+          c->op = DDP_OP_MIN;
+        else if (strcmp(val, "max") == 0)
+          c->op = DDP_OP_MAX;
+        else
+          usage_error("--op: '%s' is not sum, min or max", val);
         break;
       case O_DTYPE:
-        if (strcmp(val, "f32") == 0) c->dt = DDP_F32;
-        else if (strcmp(val, "f64") == 0) c->dt = DDP_F64;
-        else if (strcmp(val, "i32") == 0) c->dt = DDP_I32;
-        else if (strcmp(val, "i64") == 0) c->dt = DDP_I64;
-        else usage_error("--dtype: '%s' is not f32, f64, i32 or i64", val);
+        if (strcmp(val, "f32") == 0)
+          c->dt = DDP_F32;
+        else if (strcmp(val, "f64") == 0)
+          c->dt = DDP_F64;
+        else if (strcmp(val, "i32") == 0)
+          c->dt = DDP_I32;
+        else if (strcmp(val, "i64") == 0)
+          c->dt = DDP_I64;
+        else
+          usage_error("--dtype: '%s' is not f32, f64, i32 or i64", val);
         break;
       case O_PLACE:
-        if (strcmp(val, "in") == 0) c->place_in = true, c->place_out = false;
-        else if (strcmp(val, "out") == 0) c->place_in = false, c->place_out = true;
-        else if (strcmp(val, "both") == 0) c->place_in = true, c->place_out = true;
-        else usage_error("--place: '%s' is not in, out or both", val);
+        if (strcmp(val, "in") == 0)
+          c->place_in = true, c->place_out = false;
+        else if (strcmp(val, "out") == 0)
+          c->place_in = false, c->place_out = true;
+        else if (strcmp(val, "both") == 0)
+          c->place_in = true, c->place_out = true;
+        else
+          usage_error("--place: '%s' is not in, out or both", val);
         break;
       case O_SEGMENT:
         if (!parse_size(val, &c->segment)) usage_error("--segment: bad size '%s'", val);
@@ -416,22 +474,22 @@ static int64_t op_factor(ddp_redop_t op, int world) {
 
 /* Rank `rank`'s input of iteration `it`: (rank+1) * g(i, it). g cycles through 1..13, so
  * consecutive elements and consecutive iterations differ. */
-#define DEFINE_FILL_CHECK(T, NAME)                                                         \
-  static void fill_##NAME(T *x, size_t count, int64_t mul, uint64_t it) {                 \
-    unsigned g = (unsigned)((5 * it) % 13);                                                \
-    for (size_t i = 0; i < count; i++) {                                                   \
-      x[i] = (T)(mul * (int64_t)(g + 1));                                                  \
-      g = g == 12 ? 0 : g + 1;                                                             \
-    }                                                                                      \
-  }                                                                                        \
-  static int64_t check_##NAME(const T *x, size_t count, int64_t mul, uint64_t it) {       \
-    unsigned g = (unsigned)((5 * it) % 13);                                                \
-    int64_t wrong = 0;                                                                     \
-    for (size_t i = 0; i < count; i++) {                                                   \
-      wrong += !(x[i] == (T)(mul * (int64_t)(g + 1)));                                     \
-      g = g == 12 ? 0 : g + 1;                                                             \
-    }                                                                                      \
-    return wrong;                                                                          \
+#define DEFINE_FILL_CHECK(T, NAME)                                                  \
+  static void fill_##NAME(T *x, size_t count, int64_t mul, uint64_t it) {           \
+    unsigned g = (unsigned)((5 * it) % 13);                                         \
+    for (size_t i = 0; i < count; i++) {                                            \
+      x[i] = (T)(mul * (int64_t)(g + 1));                                           \
+      g = g == 12 ? 0 : g + 1;                                                      \
+    }                                                                               \
+  }                                                                                 \
+  static int64_t check_##NAME(const T *x, size_t count, int64_t mul, uint64_t it) { \
+    unsigned g = (unsigned)((5 * it) % 13);                                         \
+    int64_t wrong = 0;                                                              \
+    for (size_t i = 0; i < count; i++) {                                            \
+      wrong += !(x[i] == (T)(mul * (int64_t)(g + 1)));                              \
+      g = g == 12 ? 0 : g + 1;                                                      \
+    }                                                                               \
+    return wrong;                                                                   \
   }
 DEFINE_FILL_CHECK(float, f32)
 DEFINE_FILL_CHECK(double, f64)
@@ -714,8 +772,7 @@ static ddp_status_t open_group(const bench_cfg_t *c, const char *backend, ddp_al
   ddp_error_t se = {0};
   ddp_status_t st = ddp_store_create_prefix(store, name, view, &se);
   if (st != DDP_OK) {
-    fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, name,
-            se.msg);
+    fprintf(stderr, "ddp-bench: %s rank %d: store prefix %s: %s\n", backend, rank, name, se.msg);
     return st;
   }
   ddp_pg_options_t o = group_options(c, backend, algo);
@@ -842,8 +899,7 @@ static int run_forked(const bench_cfg_t *c, const char *backend, const ddp_algor
       last_progress = ddp_now_ns();
       if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
         if (WIFSIGNALED(ws))
-          fprintf(stderr, "ddp-bench: %s rank %d killed by signal %d\n", backend, r,
-                  WTERMSIG(ws));
+          fprintf(stderr, "ddp-bench: %s rank %d killed by signal %d\n", backend, r, WTERMSIG(ws));
         else
           fprintf(stderr, "ddp-bench: %s rank %d exited with code %d\n", backend, r,
                   WEXITSTATUS(ws));
@@ -879,9 +935,10 @@ static void print_preamble(const bench_cfg_t *c) {
          DDP_BENCH_GIT, ddp_dtype_name(c->dt), ddp_redop_name(c->op), c->world);
   printf("# sizes %s..%s x%llu; iterations per point clamp(%s/size, %d, %d); warm-up <= %d; "
          "timeout %lld s\n",
-         bench_size_str(c->sizes[0], a, sizeof a), bench_size_str(c->sizes[c->nsizes - 1], b, sizeof b),
-         (unsigned long long)c->factor, bench_size_str(c->budget, bud, sizeof bud), c->min_iters,
-         c->iters, c->warmup, (long long)(c->timeout_ms / 1000));
+         bench_size_str(c->sizes[0], a, sizeof a),
+         bench_size_str(c->sizes[c->nsizes - 1], b, sizeof b), (unsigned long long)c->factor,
+         bench_size_str(c->budget, bud, sizeof bud), c->min_iters, c->iters, c->warmup,
+         (long long)(c->timeout_ms / 1000));
   printf("# environment:");
   int any = 0;
   for (int id = 0; id < (int)DDP_ENV_COUNT_; id++)
@@ -929,7 +986,8 @@ int main(int argc, char **argv) {
     for (int k = 0; k < cfg.nalgos; k++) {
       if (cfg.algos[k] == DDP_ALGO_RING && shared) {
         printf("# %s: ring is a link-backend algorithm (the group would run canonical); "
-               "skipped\n", be);
+               "skipped\n",
+               be);
         continue;
       }
       algos[na++] = cfg.algos[k];

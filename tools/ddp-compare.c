@@ -62,7 +62,7 @@ typedef struct tstat {
 /* The first element beyond tolerance. */
 typedef struct first_fail {
   bool set;
-  int step;               /* -1: init.safetensors */
+  int step; /* -1: init.safetensors */
   int rank;
   char tensor[256];
   int64_t index;
@@ -75,8 +75,8 @@ typedef struct first_fail {
 typedef struct opts {
   double rtol, atol;
   bool json, verbose, layouts;
-  int rank;               /* -1: every rank */
-  char **only;            /* name prefixes; NULL: every tensor */
+  int rank;    /* -1: every rank */
+  char **only; /* name prefixes; NULL: every tensor */
   int nonly;
   const char *dir[2];
 } opts_t;
@@ -89,20 +89,20 @@ typedef struct cmp {
   tstat_t *stats;
   size_t nstats, capstats;
   first_fail_t first;
-  cJSON *entries;         /* per (step, rank, tensor) results, for --json */
-  double loss_max_abs;    /* |loss_a - loss_b| over steps, from the files' metadata */
+  cJSON *entries;      /* per (step, rank, tensor) results, for --json */
+  double loss_max_abs; /* |loss_a - loss_b| over steps, from the files' metadata */
   bool loss_seen;
-  cJSON *layouts;         /* per rank: {"rank", "initial", "rebuilt"} */
+  cJSON *layouts; /* per rank: {"rank", "initial", "rebuilt"} */
   bool layout_differs;
   char layout_msg[512];
   /* Where differences start, per kind (INT32_MAX: none): local_grad.*, grad.*. */
   int first_local_step, first_grad_step;
   int first_local_rank;
   char first_local_tensor[256];
-  bool have_local;        /* both dumps held local_grad.* somewhere */
+  bool have_local;          /* both dumps held local_grad.* somewhere */
   int none_step, none_rank; /* the first grads_none mismatch (none_step INT32_MAX: none) */
   char none_msg[512];
-  char err[1024];         /* bad-input message */
+  char err[1024]; /* bad-input message */
 } cmp_t;
 
 static int bad(cmp_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -120,7 +120,7 @@ static float f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31u, man = h & 1023u;
   float v;
   if (exp == 0) {
-    v = ldexpf((float)man, -24);          /* zero or subnormal: man * 2^-24, exact */
+    v = ldexpf((float)man, -24); /* zero or subnormal: man * 2^-24, exact */
   } else if (exp == 31) {
     v = man ? NAN : INFINITY;
   } else {
@@ -134,27 +134,25 @@ static double float_at(const ddp_tensor_t *t, int64_t i) {
   uint32_t u;
   float f;
   switch (t->dtype) {
-  case DDP_F32: return ((const float *)t->data)[i];
-  case DDP_F64: return ((const double *)t->data)[i];
-  case DDP_F16:
-    memcpy(&h, (const uint16_t *)t->data + i, 2);
-    return f16_to_f32(h);
-  case DDP_BF16:
-    memcpy(&h, (const uint16_t *)t->data + i, 2);
-    u = (uint32_t)h << 16;
-    memcpy(&f, &u, 4);
-    return f;
-  default: return 0;
+    case DDP_F32: return ((const float *)t->data)[i];
+    case DDP_F64: return ((const double *)t->data)[i];
+    case DDP_F16: memcpy(&h, (const uint16_t *)t->data + i, 2); return f16_to_f32(h);
+    case DDP_BF16:
+      memcpy(&h, (const uint16_t *)t->data + i, 2);
+      u = (uint32_t)h << 16;
+      memcpy(&f, &u, 4);
+      return f;
+    default: return 0;
   }
 }
 
 static int64_t int_at(const ddp_tensor_t *t, int64_t i) {
   switch (t->dtype) {
-  case DDP_I32: return ((const int32_t *)t->data)[i];
-  case DDP_I64: return ((const int64_t *)t->data)[i];
-  case DDP_U8: return ((const uint8_t *)t->data)[i];
-  case DDP_BOOL: return ((const uint8_t *)t->data)[i] != 0;
-  default: return 0;
+    case DDP_I32: return ((const int32_t *)t->data)[i];
+    case DDP_I64: return ((const int64_t *)t->data)[i];
+    case DDP_U8: return ((const uint8_t *)t->data)[i];
+    case DDP_BOOL: return ((const uint8_t *)t->data)[i] != 0;
+    default: return 0;
   }
 }
 
@@ -167,8 +165,7 @@ static bool is_float(ddp_dtype_t dt) {
 static uint64_t order_key(const ddp_tensor_t *t, int64_t i) {
   uint64_t u = 0, top;
   int bits = (int)ddp_dtype_size(t->dtype) * 8;
-  memcpy(&u, (const unsigned char *)t->data + (size_t)i * (size_t)(bits / 8),
-         (size_t)(bits / 8));
+  memcpy(&u, (const unsigned char *)t->data + (size_t)i * (size_t)(bits / 8), (size_t)(bits / 8));
   top = (uint64_t)1 << (bits - 1);
   if (u & top) return (bits == 64 ? ~u : (~u & ((top << 1) - 1)));
   return u | top;
@@ -221,8 +218,8 @@ static void step_label(char *buf, size_t n, int step) {
 /* ------------------------------------------------------------ tensors ----------------- */
 
 /* Compares one tensor pair element by element into its stat and the per-entry record. */
-static int compare_tensor(cmp_t *c, int step, int rank, const char *name,
-                          const ddp_tensor_t *a, const ddp_tensor_t *b) {
+static int compare_tensor(cmp_t *c, int step, int rank, const char *name, const ddp_tensor_t *a,
+                          const ddp_tensor_t *b) {
   tstat_t *s = stat_for(c, name, a->dtype);
   if (!s) return bad(c, "out of memory");
   bool fl = is_float(a->dtype);
@@ -250,7 +247,7 @@ static int compare_tensor(cmp_t *c, int step, int rank, const char *name,
         d = fabs(va - vb);
         mag = fmax(fabs(va), fabs(vb));
         ulps = ka > kb ? ka - kb : kb - ka;
-        if (isinf(mag)) {       /* an infinity against anything else is never close */
+        if (isinf(mag)) { /* an infinity against anything else is never close */
           d = rel = INFINITY;
           within = false;
         } else {
@@ -356,9 +353,8 @@ static int compare_files(cmp_t *c, int step, int rank, const char *pa, const cha
       break;
     }
     if (ta.dtype != tb.dtype || !ddp_tensor_same_shape(&ta, &tb)) {
-      rc = bad(c, "tensor %s: %s in %s but %s in %s", name,
-               ddp_tensor_describe(&ta, da, sizeof da), pa,
-               ddp_tensor_describe(&tb, db, sizeof db), pb);
+      rc = bad(c, "tensor %s: %s in %s but %s in %s", name, ddp_tensor_describe(&ta, da, sizeof da),
+               pa, ddp_tensor_describe(&tb, db, sizeof db), pb);
       break;
     }
     if (local) c->have_local = true;
@@ -457,8 +453,8 @@ static int load_meta(cmp_t *c, int side) {
   const cJSON *s = cJSON_GetObjectItemCaseSensitive(c->meta[side], "steps");
   if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "libddp-dump-1") != 0)
     return bad(c, "%s: \"format\" is not \"libddp-dump-1\"", path);
-  if (!cJSON_IsNumber(w) || w->valuedouble < 1 || w->valuedouble > 1e6 ||
-      !cJSON_IsNumber(s) || s->valuedouble < 0 || s->valuedouble > 1e9)
+  if (!cJSON_IsNumber(w) || w->valuedouble < 1 || w->valuedouble > 1e6 || !cJSON_IsNumber(s) ||
+      s->valuedouble < 0 || s->valuedouble > 1e9)
     return bad(c, "%s: \"world_size\" (>= 1) and \"steps\" (>= 0) must be numbers", path);
   c->world[side] = w->valueint;
   c->steps[side] = s->valueint;
@@ -491,8 +487,8 @@ static int compare_layouts(cmp_t *c, int rank) {
       cJSON_AddStringToObject(e, kinds[k], state);
       if (strcmp(state, "differ") == 0 && !c->layout_differs) {
         char *sa = cJSON_PrintUnformatted(xa), *sb = cJSON_PrintUnformatted(xb);
-        snprintf(c->layout_msg, sizeof c->layout_msg, "rank %d %s bucket layout: A %s, B %s",
-                 rank, kinds[k], sa ? sa : "?", sb ? sb : "?");
+        snprintf(c->layout_msg, sizeof c->layout_msg, "rank %d %s bucket layout: A %s, B %s", rank,
+                 kinds[k], sa ? sa : "?", sb ? sb : "?");
         free(sa);
         free(sb);
         c->layout_differs = true;
@@ -528,7 +524,7 @@ static int run(cmp_t *c) {
       if (step < 0) {
         snprintf(pa, sizeof pa, "%s/rank%d/init.safetensors", c->o.dir[0], r);
         snprintf(pb, sizeof pb, "%s/rank%d/init.safetensors", c->o.dir[1], r);
-        if (!exists(pa) || !exists(pb)) continue;  /* optional in the layout */
+        if (!exists(pa) || !exists(pb)) continue; /* optional in the layout */
       } else {
         snprintf(pa, sizeof pa, "%s/rank%d/step%06d.safetensors", c->o.dir[0], r, step);
         snprintf(pb, sizeof pb, "%s/rank%d/step%06d.safetensors", c->o.dir[1], r, step);
@@ -551,7 +547,8 @@ static const char *diagnosis(const cmp_t *c, char *text, size_t cap) {
   if (c->first_local_step <= s) {
     snprintf(text, cap,
              "step %d: local gradients already differ (compute): first at step %d, rank %d, "
-             "%s", s, c->first_local_step, c->first_local_rank, c->first_local_tensor);
+             "%s",
+             s, c->first_local_step, c->first_local_rank, c->first_local_tensor);
     return "local_gradients_differ";
   }
   if (!c->have_local) {
@@ -562,7 +559,8 @@ static const char *diagnosis(const cmp_t *c, char *text, size_t cap) {
   if (c->first_grad_step == s) {
     snprintf(text, cap,
              "step %d: only the averaged gradients differ (communication or hook); the local "
-             "gradients agree", s);
+             "gradients agree",
+             s);
     return "averaged_gradients_differ";
   }
   snprintf(text, cap, "step %d: the gradients agree; the optimizer step or the buffers differ", s);
@@ -600,7 +598,7 @@ static void print_table(const cmp_t *c, int rc) {
              cJSON_GetObjectItemCaseSensitive(e, "max_rel")->valuedouble);
       const cJSON *h;
       cJSON_ArrayForEach(h, cJSON_GetObjectItemCaseSensitive(e, "ulp_hist"))
-        printf(" %.0f", h->valuedouble);
+          printf(" %.0f", h->valuedouble);
       printf("  %.0f\n", cJSON_GetObjectItemCaseSensitive(e, "beyond")->valuedouble);
     }
     printf("\n");
@@ -611,18 +609,17 @@ static void print_table(const cmp_t *c, int rc) {
   printf(" %8s\n", "beyond");
   for (size_t i = 0; i < c->nstats; i++) {
     const tstat_t *s = &c->stats[i];
-    printf("%-36s %-5s %10lld %11.4g %11.4g", s->name, s->dtype, (long long)s->elements,
-           s->max_abs, s->max_rel);
+    printf("%-36s %-5s %10lld %11.4g %11.4g", s->name, s->dtype, (long long)s->elements, s->max_abs,
+           s->max_rel);
     for (int k = 0; k < NHIST; k++) printf(" %8llu", (unsigned long long)s->hist[k]);
     printf(" %8lld\n", (long long)s->beyond);
   }
   if (c->loss_seen) printf("\nloss (file metadata): max |a-b| = %.4g\n", c->loss_max_abs);
   const cJSON *e;
   if (cJSON_GetArraySize(c->layouts) > 0) printf("\nbucket layouts:");
-  cJSON_ArrayForEach(e, c->layouts)
-    printf(" rank %d initial %s, rebuilt %s;",
-           cJSON_GetObjectItemCaseSensitive(e, "rank")->valueint, str_or(e, "initial", "?"),
-           str_or(e, "rebuilt", "?"));
+  cJSON_ArrayForEach(e, c->layouts) printf(" rank %d initial %s, rebuilt %s;",
+                                           cJSON_GetObjectItemCaseSensitive(e, "rank")->valueint,
+                                           str_or(e, "initial", "?"), str_or(e, "rebuilt", "?"));
   if (cJSON_GetArraySize(c->layouts) > 0) printf("\n");
   if (c->layout_differs) printf("layout difference: %s\n", c->layout_msg);
   if (c->none_step != INT32_MAX)

@@ -24,14 +24,13 @@
 #define DDP_DEMO_DATA "tests/data/digits.safetensors"
 #endif
 
-static const char *model_json =
-    "{\"dtype\": \"f32\", \"layers\": ["
-    "{\"type\": \"linear\", \"in\": 64, \"out\": 128},"
-    "{\"type\": \"layernorm\", \"dim\": 128},"
-    "{\"type\": \"relu\"},"
-    "{\"type\": \"linear\", \"in\": 128, \"out\": 128},"
-    "{\"type\": \"relu\"},"
-    "{\"type\": \"linear\", \"in\": 128, \"out\": 10}]}";
+static const char *model_json = "{\"dtype\": \"f32\", \"layers\": ["
+                                "{\"type\": \"linear\", \"in\": 64, \"out\": 128},"
+                                "{\"type\": \"layernorm\", \"dim\": 128},"
+                                "{\"type\": \"relu\"},"
+                                "{\"type\": \"linear\", \"in\": 128, \"out\": 128},"
+                                "{\"type\": \"relu\"},"
+                                "{\"type\": \"linear\", \"in\": 128, \"out\": 10}]}";
 
 typedef struct demo_config {
   int threads;
@@ -53,13 +52,13 @@ typedef struct demo_arg {
   demo_result_t *result;
 } demo_arg_t;
 
-#define CHECK(call, what)                                                                 \
-  do {                                                                                    \
-    ddp_status_t st_ = (call);                                                            \
-    if (st_ != DDP_OK) {                                                                  \
+#define CHECK(call, what)                                                                      \
+  do {                                                                                         \
+    ddp_status_t st_ = (call);                                                                 \
+    if (st_ != DDP_OK) {                                                                       \
       fprintf(stderr, "ddp-demo: rank %d: %s failed: %s\n", rank, what, ddp_status_name(st_)); \
-      return st_;                                                                         \
-    }                                                                                     \
+      return st_;                                                                              \
+    }                                                                                          \
   } while (0)
 
 static uint64_t fnv1a(const void *data, size_t n) {
@@ -85,8 +84,8 @@ static ddp_status_t evaluate(ddp_model_t *model, ddp_ctx_t *ctx, const ddp_datas
     bool has = false;
     if ((st = ddp_loader_next(loader, &b, &has, NULL)) != DDP_OK || !has) break;
     ddp_var_t *x, *y;
-    if ((st = ddp_var_new(ctx, DDP_F32, b.features.ndim, b.features.shape, b.features.data,
-                          false, &x)) != DDP_OK ||
+    if ((st = ddp_var_new(ctx, DDP_F32, b.features.ndim, b.features.shape, b.features.data, false,
+                          &x)) != DDP_OK ||
         (st = ddp_model_forward(model, ctx, x, 0, &y)) != DDP_OK) {
       break;
     }
@@ -128,8 +127,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
       (st = ddp_model_init(model, cfg->seed + (uint64_t)rank)) != DDP_OK ||
       (st = ddp_ctx_create(&ctx)) != DDP_OK ||
       (st = ddp_dataset_from_safetensors(cfg->data, NULL, NULL, &ds, &err)) != DDP_OK) {
-    fprintf(stderr, "ddp-demo: rank %d: setup failed: %s %s\n", rank, ddp_status_name(st),
-            err.msg);
+    fprintf(stderr, "ddp-demo: rank %d: setup failed: %s %s\n", rank, ddp_status_name(st), err.msg);
     goto out;
   }
   ddp_tensor_t params = ddp_model_flat_params(model, DDP_F32);
@@ -186,8 +184,8 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
     }
     ddp_var_t *x, *t, *logits, *loss;
     ddp_optim_zero_grad(opt, false);
-    if ((st = ddp_var_new(ctx, DDP_F32, b.features.ndim, b.features.shape, b.features.data,
-                          false, &x)) != DDP_OK ||
+    if ((st = ddp_var_new(ctx, DDP_F32, b.features.ndim, b.features.shape, b.features.data, false,
+                          &x)) != DDP_OK ||
         (st = ddp_var_new(ctx, DDP_I64, 1, &b.size, b.labels.data, false, &t)) != DDP_OK ||
         (st = ddp_model_forward(model, ctx, x, 0, &logits)) != DDP_OK ||
         (st = ddp_cross_entropy(ctx, logits, t, -100, &loss)) != DDP_OK ||
@@ -199,8 +197,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
     /* The whole of DDP's communication in one line: average the flat gradient buffer. */
     if ((st = ddp_allreduce(pg, grads.data, grads.data, (size_t)grads.numel, DDP_F32, DDP_OP_AVG,
                             &work)) != DDP_OK ||
-        (st = ddp_work_wait_free(work)) != DDP_OK ||
-        (st = ddp_optim_step(opt, &err)) != DDP_OK) {
+        (st = ddp_work_wait_free(work)) != DDP_OK || (st = ddp_optim_step(opt, &err)) != DDP_OK) {
       if (!err.msg[0]) ddp_pg_last_error_copy(pg, &err);
       fprintf(stderr, "ddp-demo: rank %d: step %d: %s\n", rank, step, err.msg);
       goto out;
@@ -256,10 +253,10 @@ out:
 }
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: ddp-demo [--threads N] [--steps S] [--batch B] [--lr LR] [--seed S] [--data FILE]\n"
-          "  Data-parallel SGD on the UCI digits with W ranks: threads of this process\n"
-          "  (--threads, default 4), or processes under ddprun (RANK/WORLD_SIZE set).\n");
+  fprintf(f, "usage: ddp-demo [--threads N] [--steps S] [--batch B] [--lr LR] [--seed S] [--data "
+             "FILE]\n"
+             "  Data-parallel SGD on the UCI digits with W ranks: threads of this process\n"
+             "  (--threads, default 4), or processes under ddprun (RANK/WORLD_SIZE set).\n");
 }
 
 static int parse_int(const char *flag, const char *v, long lo, long hi, long *out) {
@@ -351,11 +348,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ddp-demo: failed: %s\n", ddp_status_name(st));
     return 1;
   }
-  printf("ddp-demo: %d steps x %d ranks x batch %d in %.2f s (%.1f steps/s)\n", cfg.steps,
-         world, cfg.batch, result.seconds, cfg.steps / result.seconds);
+  printf("ddp-demo: %d steps x %d ranks x batch %d in %.2f s (%.1f steps/s)\n", cfg.steps, world,
+         cfg.batch, result.seconds, cfg.steps / result.seconds);
   printf("ddp-demo: loss %.4f -> %.4f, accuracy on all %d digits %.1f%%\n", result.first_loss,
          result.last_loss, 1797, 100.0 * result.accuracy);
-  printf("ddp-demo: replicas bit-identical after training: %s\n",
-         result.identical ? "yes" : "NO");
+  printf("ddp-demo: replicas bit-identical after training: %s\n", result.identical ? "yes" : "NO");
   return result.identical ? 0 : 1;
 }

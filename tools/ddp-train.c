@@ -34,17 +34,17 @@
 
 typedef struct tool {
   ddp_train_args_t args;
-  const char *model_path;  /* NULL: the built-in MLP */
-  const char *data;        /* NULL: the shipped digits, else synthetic */
+  const char *model_path; /* NULL: the built-in MLP */
+  const char *data;       /* NULL: the shipped digits, else synthetic */
   const char *label_column;
-  bool float_labels;       /* --label_dtype f32: CSV labels are regression targets */
-  const char *init;        /* --init: initial weights (safetensors state_dict) */
+  bool float_labels; /* --label_dtype f32: CSV labels are regression targets */
+  const char *init;  /* --init: initial weights (safetensors state_dict) */
   int threads;
-  bool print_args;         /* --print_args: print the resolved arguments as JSON and exit */
-  char *model_json;        /* what every rank builds */
+  bool print_args;  /* --print_args: print the resolved arguments as JSON and exit */
+  char *model_json; /* what every rank builds */
   ddp_dataset_t *all, *train, *eval;
   bool tty;
-  int64_t last_draw_ns;    /* the bar is redrawn at most every 100 ms */
+  int64_t last_draw_ns; /* the bar is redrawn at most every 100 ms */
   /* rank 0's view of the run, for the summary */
   ddp_train_result_t result;
   ddp_status_t status;
@@ -55,7 +55,7 @@ typedef struct tool {
   char failed_msg[DDP_ERROR_MSG_MAX];
   int world;
   const char *backend;
-  train_text_t text;       /* Transformers models and text data (train_text.c) */
+  train_text_t text; /* Transformers models and text data (train_text.c) */
 } tool_t;
 
 static void usage(FILE *f) {
@@ -86,17 +86,18 @@ static void usage(FILE *f) {
           "                     skip_backward, wrong_shape, corrupt_bucket[:after];\n"
           "                     collective=K instead of step=S\n");
   train_text_usage(f);
-  fprintf(f,
-          "\n"
-          "Training arguments (Hugging Face TrainingArguments names and defaults):\n");
+  fprintf(f, "\n"
+             "Training arguments (Hugging Face TrainingArguments names and defaults):\n");
   for (size_t i = 0; i < ddp_train_arg_count(); i++) {
     const char *name, *type, *def, *help;
     ddp_train_arg_info(i, &name, &type, &def, &help);
     fprintf(f, "  --%-30s %-14s %-14s %s\n", name, type, def[0] ? def : "\"\"", help);
-  }  fprintf(f,
+  }
+  fprintf(f,
           "\n"
           "A custom model and data (docs/train.md, docs/nn.md):\n"
-          "  model.json: {\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 32},\n"
+          "  model.json: {\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 4, "
+          "\"out\": 32},\n"
           "               {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": 32, \"out\": 3}]}\n"
           "    layer types: linear, relu, gelu, tanh, sigmoid, dropout, layernorm, batchnorm,\n"
           "    embedding, flatten, residual, branch, checkpoint\n"
@@ -345,9 +346,7 @@ static void on_event(void *user, const ddp_train_event_t *e) {
                bar ? "\r\033[K" : "", e->step, e->eval_loss, 100 * e->eval_accuracy);
       }
       break;
-    case DDP_TRAIN_EV_SAVE:
-      printf("%ssaved  %s\n", bar ? "\r\033[K" : "", e->checkpoint);
-      break;
+    case DDP_TRAIN_EV_SAVE: printf("%ssaved  %s\n", bar ? "\r\033[K" : "", e->checkpoint); break;
   }
   fflush(stdout);
 }
@@ -375,8 +374,7 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *arg) {
     snprintf(t->errmsg, sizeof t->errmsg, "%s", train_why(st, &err));
     if (st == DDP_OK) t->result = res;
   } else if (st != DDP_OK && !t->threads) {
-    fprintf(stderr, "ddp-train: rank %d: %s: %s\n", rank, ddp_status_name(st),
-            train_why(st, &err));
+    fprintf(stderr, "ddp-train: rank %d: %s: %s\n", rank, ddp_status_name(st), train_why(st, &err));
   }
   ddp_model_destroy(model);
   return st;
@@ -396,8 +394,7 @@ static void summary(const tool_t *t) {
   printf("ddp-train: replica check passed %d times; every rank holds parameters %016" PRIx64 "\n",
          r->replica_checks, r->param_hash);
   printf("ddp-train: wrote %s/metrics.jsonl and %s/loss.svg%s%s\n", t->args.output_dir,
-         t->args.output_dir, r->last_checkpoint[0] ? "; last checkpoint " : "",
-         r->last_checkpoint);
+         t->args.output_dir, r->last_checkpoint[0] ? "; last checkpoint " : "", r->last_checkpoint);
 }
 
 int main(int argc, char **argv) {
@@ -437,10 +434,9 @@ int main(int argc, char **argv) {
   }
   /* Launched: torchrun-style RANK/WORLD_SIZE (ddprun), Open MPI's mpirun, or srun; the
    * same variables ddp_pg_create_from_env reads. */
-  bool launched =
-      (ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_WORLD_SIZE)) ||
-      (ddp_env_is_set(DDP_ENV_OMPI_RANK) && ddp_env_is_set(DDP_ENV_OMPI_SIZE)) ||
-      (ddp_env_is_set(DDP_ENV_SLURM_PROCID) && ddp_env_is_set(DDP_ENV_SLURM_NTASKS));
+  bool launched = (ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_WORLD_SIZE)) ||
+                  (ddp_env_is_set(DDP_ENV_OMPI_RANK) && ddp_env_is_set(DDP_ENV_OMPI_SIZE)) ||
+                  (ddp_env_is_set(DDP_ENV_SLURM_PROCID) && ddp_env_is_set(DDP_ENV_SLURM_NTASKS));
   const char *backend = ddp_train_backend_name(&t.args);
   if (launched && t.threads) {
     fprintf(stderr, "ddp-train: --threads runs ranks in one process; under a launcher "
@@ -452,8 +448,9 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (!launched && backend && strcmp(backend, "threads") != 0) {
-    fprintf(stderr, "ddp-train: ddp_backend %s needs one process per rank: run under ddprun "
-                    "(ddprun --nproc_per_node N --backend %s ddp-train ...), or use --threads\n",
+    fprintf(stderr,
+            "ddp-train: ddp_backend %s needs one process per rank: run under ddprun "
+            "(ddprun --nproc_per_node N --backend %s ddp-train ...), or use --threads\n",
             backend, backend);
     return 2;
   }
@@ -461,8 +458,7 @@ int main(int argc, char **argv) {
   if (resume[0] && strcasecmp(resume, "false") != 0) {
     char dir[DDP_TRAIN_STR_MAX];
     if (!strcasecmp(resume, "true") || !strcasecmp(resume, "latest")) {
-      if ((st = ddp_train_latest_checkpoint(t.args.output_dir, dir, sizeof dir, &err)) !=
-          DDP_OK) {
+      if ((st = ddp_train_latest_checkpoint(t.args.output_dir, dir, sizeof dir, &err)) != DDP_OK) {
         fprintf(stderr, "ddp-train: --resume_from_checkpoint %s: %s\n", resume,
                 train_why(st, &err));
         return 2;
@@ -484,8 +480,9 @@ int main(int argc, char **argv) {
   } else if (!t.text.name_or_path && (rc = build_default_model(&t)) != 0) {
     return rc;
   }
-  const char *model_desc =
-      t.model_path ? t.model_path : t.text.name_or_path ? t.text.name_or_path : "(default)";
+  const char *model_desc = t.model_path          ? t.model_path
+                           : t.text.name_or_path ? t.text.name_or_path
+                                                 : "(default)";
   ddp_model_t *probe = NULL;
   if ((st = train_text_build(&t.text, t.model_json, t.args.seed, &probe, &err)) != DDP_OK) {
     fprintf(stderr, "ddp-train: --model %s: %s\n", model_desc, train_why(st, &err));

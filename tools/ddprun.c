@@ -83,7 +83,10 @@ static const char *backend_choices(char *buf, size_t cap, const char *last) {
   }
   buf[0] = '\0';
   for (size_t i = 0; i < n && o < cap; i++)
-    o += (size_t)snprintf(buf + o, cap - o, "%s%s", i == 0 ? "" : i + 1 == n ? last : ", ",
+    o += (size_t)snprintf(buf + o, cap - o, "%s%s",
+                          i == 0       ? ""
+                          : i + 1 == n ? last
+                                       : ", ",
                           names[i]);
   return buf;
 }
@@ -150,13 +153,14 @@ static void check_backend(const char *b, int nnodes) {
     switch (backends[i].ranks) {
       case DDP_RANKS_ONE_HOST:
         if (nnodes > 1)
-          usage_error("--backend %s works within one host; use tcp (or gloo) with --nnodes %d",
-                      b, nnodes);
+          usage_error("--backend %s works within one host; use tcp (or gloo) with --nnodes %d", b,
+                      nnodes);
         return;
       case DDP_RANKS_ANY_HOST: return;
       case DDP_RANKS_THREADS:
         usage_error("--backend %s runs ranks as threads of one process, not under ddprun; "
-                    "use shm or tcp", b);
+                    "use shm or tcp",
+                    b);
       case DDP_RANKS_MPI:
         usage_error("--backend %s: MPI ranks are started by mpirun or srun, not by ddprun", b);
     }
@@ -194,8 +198,19 @@ static void parse_endpoint(const char *v, options_t *o) {
 }
 
 typedef enum flag_id {
-  F_NPROC, F_NNODES, F_NODE_RANK, F_MASTER_ADDR, F_MASTER_PORT, F_BACKEND, F_TIMEOUT,
-  F_GRACE, F_HELP, F_MAX_RESTARTS, F_STANDALONE, F_RDZV_ENDPOINT, F_NO_RESERVE
+  F_NPROC,
+  F_NNODES,
+  F_NODE_RANK,
+  F_MASTER_ADDR,
+  F_MASTER_PORT,
+  F_BACKEND,
+  F_TIMEOUT,
+  F_GRACE,
+  F_HELP,
+  F_MAX_RESTARTS,
+  F_STANDALONE,
+  F_RDZV_ENDPOINT,
+  F_NO_RESERVE
 } flag_id_t;
 
 static const struct {
@@ -203,20 +218,29 @@ static const struct {
   flag_id_t id;
   bool takes_value;
 } flag_table[] = {
-    {"nproc_per_node", F_NPROC, true},     {"nnodes", F_NNODES, true},
-    {"node_rank", F_NODE_RANK, true},      {"master_addr", F_MASTER_ADDR, true},
-    {"master_port", F_MASTER_PORT, true},  {"backend", F_BACKEND, true},
-    {"timeout", F_TIMEOUT, true},          {"grace_period", F_GRACE, true},
-    {"help", F_HELP, false},               {"max_restarts", F_MAX_RESTARTS, true},
-    {"standalone", F_STANDALONE, false},   {"rdzv_endpoint", F_RDZV_ENDPOINT, true},
+    {"nproc_per_node", F_NPROC, true},
+    {"nnodes", F_NNODES, true},
+    {"node_rank", F_NODE_RANK, true},
+    {"master_addr", F_MASTER_ADDR, true},
+    {"master_port", F_MASTER_PORT, true},
+    {"backend", F_BACKEND, true},
+    {"timeout", F_TIMEOUT, true},
+    {"grace_period", F_GRACE, true},
+    {"help", F_HELP, false},
+    {"max_restarts", F_MAX_RESTARTS, true},
+    {"standalone", F_STANDALONE, false},
+    {"rdzv_endpoint", F_RDZV_ENDPOINT, true},
     {"no_reserve_port", F_NO_RESERVE, false},
 };
 
 /* Parses argv up to the program. Options end at the first argument that does not start
  * with '-', or after "--". Any usage error exits 2 with a message naming the argument. */
 static void parse_args(int argc, char **argv, options_t *o) {
-  *o = (options_t){.nproc_per_node = 1, .nnodes = 1, .node_rank = 0,
-                   .master_addr = DEFAULT_MASTER_ADDR, .master_port = DEFAULT_MASTER_PORT,
+  *o = (options_t){.nproc_per_node = 1,
+                   .nnodes = 1,
+                   .node_rank = 0,
+                   .master_addr = DEFAULT_MASTER_ADDR,
+                   .master_port = DEFAULT_MASTER_PORT,
                    .grace_ms = DEFAULT_GRACE_MS};
   bool node_rank_given = false;
   int i = 1;
@@ -259,50 +283,51 @@ static void parse_args(int argc, char **argv, options_t *o) {
     i++;
 
     switch (flag_table[f].id) {
-    case F_NPROC:
-      if (strcmp(val, "cpu") == 0 || strcmp(val, "auto") == 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        o->nproc_per_node = n < 1 ? 1 : n > MAX_LOCAL_RANKS ? MAX_LOCAL_RANKS : (int)n;
-      } else {
-        o->nproc_per_node = (int)parse_long(name, val, 1, MAX_LOCAL_RANKS);
-      }
-      break;
-    case F_NNODES: o->nnodes = (int)parse_long(name, val, 1, 1 << 16); break;
-    case F_NODE_RANK:
-      o->node_rank = (int)parse_long(name, val, 0, (1 << 16) - 1);
-      node_rank_given = true;
-      break;
-    case F_MASTER_ADDR:
-      if (*val == '\0') usage_error("--master_addr: empty address");
-      o->master_addr = val;
-      o->master_addr_given = true;
-      break;
-    case F_MASTER_PORT:
-      o->master_port = (int)parse_long(name, val, 0, 65535);
-      o->master_port_given = true;
-      break;
-    case F_MAX_RESTARTS: o->max_restarts = (int)parse_long(name, val, 0, 1000000); break;
-    case F_STANDALONE: o->standalone = true; break;
-    case F_NO_RESERVE: o->no_reserve = true; break;
-    case F_RDZV_ENDPOINT: parse_endpoint(val, o); break;
-    case F_BACKEND: o->backend = val; break;
-    case F_TIMEOUT: o->timeout_s = parse_long(name, val, 1, INT32_MAX); break;
-    case F_GRACE: o->grace_ms = parse_seconds_ms(name, val, 3600.0); break;
-    case F_HELP: print_help(); exit(0);
+      case F_NPROC:
+        if (strcmp(val, "cpu") == 0 || strcmp(val, "auto") == 0) {
+          long n = sysconf(_SC_NPROCESSORS_ONLN);
+          o->nproc_per_node = n < 1 ? 1 : n > MAX_LOCAL_RANKS ? MAX_LOCAL_RANKS : (int)n;
+        } else {
+          o->nproc_per_node = (int)parse_long(name, val, 1, MAX_LOCAL_RANKS);
+        }
+        break;
+      case F_NNODES: o->nnodes = (int)parse_long(name, val, 1, 1 << 16); break;
+      case F_NODE_RANK:
+        o->node_rank = (int)parse_long(name, val, 0, (1 << 16) - 1);
+        node_rank_given = true;
+        break;
+      case F_MASTER_ADDR:
+        if (*val == '\0') usage_error("--master_addr: empty address");
+        o->master_addr = val;
+        o->master_addr_given = true;
+        break;
+      case F_MASTER_PORT:
+        o->master_port = (int)parse_long(name, val, 0, 65535);
+        o->master_port_given = true;
+        break;
+      case F_MAX_RESTARTS: o->max_restarts = (int)parse_long(name, val, 0, 1000000); break;
+      case F_STANDALONE: o->standalone = true; break;
+      case F_NO_RESERVE: o->no_reserve = true; break;
+      case F_RDZV_ENDPOINT: parse_endpoint(val, o); break;
+      case F_BACKEND: o->backend = val; break;
+      case F_TIMEOUT: o->timeout_s = parse_long(name, val, 1, INT32_MAX); break;
+      case F_GRACE: o->grace_ms = parse_seconds_ms(name, val, 3600.0); break;
+      case F_HELP: print_help(); exit(0);
     }
   }
   if (i >= argc) usage_error("no program to run (usage: ddprun [options] prog [args...])");
   o->prog_argv = argv + i;
 
   if (o->node_rank >= o->nnodes)
-    usage_error("--node_rank %d is out of range for --nnodes %d (0..%d)", o->node_rank,
-                o->nnodes, o->nnodes - 1);
+    usage_error("--node_rank %d is out of range for --nnodes %d (0..%d)", o->node_rank, o->nnodes,
+                o->nnodes - 1);
   if ((int64_t)o->nnodes * o->nproc_per_node > INT32_MAX)
     usage_error("--nnodes %d x --nproc_per_node %d is too many ranks", o->nnodes,
                 o->nproc_per_node);
   if (o->nnodes > 1 && !o->master_addr_given)
     usage_error("--nnodes %d needs --master_addr (the address of node 0, where the store "
-                "runs)", o->nnodes);
+                "runs)",
+                o->nnodes);
   if (node_rank_given && o->nnodes == 1 && o->node_rank != 0)
     usage_error("--node_rank %d without --nnodes", o->node_rank);
   if (o->backend) check_backend(o->backend, o->nnodes);
@@ -368,18 +393,17 @@ static int job_token(const options_t *o, char *out, size_t cap) {
   return 0;
 }
 
-
 /* ------------------------------------------------------------------ attempts -------- */
 
 /* What one attempt came to, for the final report. */
 typedef struct attempt {
-  int rank;          /* the first failed rank, -1 when none failed */
+  int rank; /* the first failed rank, -1 when none failed */
   int pid;
-  char what[96];     /* how it ended ("killed by signal 9 (SIGKILL)") */
-  int others;        /* other ranks that failed or were stopped */
-  bool killed;       /* SIGKILL was needed */
-  double seconds;    /* from its start until its failure was seen (or its end) */
-  int code;          /* its exit status */
+  char what[96];  /* how it ended ("killed by signal 9 (SIGKILL)") */
+  int others;     /* other ranks that failed or were stopped */
+  bool killed;    /* SIGKILL was needed */
+  double seconds; /* from its start until its failure was seen (or its end) */
+  int code;       /* its exit status */
 } attempt_t;
 
 /* The rank to blame for the attempt. The first failure seen can be a peer that exited on
@@ -435,9 +459,11 @@ static int report(const launcher_t *L, const attempt_t *at, int n) {
   char line[512];
   if (L->opt.max_restarts > 0 && (n > 1 || last->rank >= 0)) {
     for (int k = 0; k < n; k++) {
-      if (at[k].rank >= 0) describe_attempt(&at[k], line, sizeof line);
-      else snprintf(line, sizeof line, "%s", at[k].code == 0 ? "every rank exited 0"
-                                             : "stopped without a rank failing");
+      if (at[k].rank >= 0)
+        describe_attempt(&at[k], line, sizeof line);
+      else
+        snprintf(line, sizeof line, "%s",
+                 at[k].code == 0 ? "every rank exited 0" : "stopped without a rank failing");
       say("attempt %d of %d (TORCHELASTIC_RESTART_COUNT=%d), %.2f s: %s", k + 1,
           L->opt.max_restarts + 1, k, at[k].seconds, line);
     }

@@ -12,13 +12,13 @@
 #include <sys/types.h>
 
 enum {
-  EXIT_LAUNCH = 1,           /* ddprun could not start the job */
-  EXIT_USAGE = 2,            /* bad command line */
-  MAX_LOCAL_RANKS = 1024,    /* two pipes each must fit the usual 4096-descriptor limit */
-  LINE_CAP = 65536,          /* a longer line is passed on in pieces of this size */
-  BATCH_LINES = 256,         /* lines per writev (two iovecs each, under IOV_MAX) */
-  DRAIN_MS = 2000,           /* after the last rank exits: wait this long for pipe EOF */
-  REAP_MS = 10000,           /* after SIGKILL: wait this long for ranks to go */
+  EXIT_LAUNCH = 1,        /* ddprun could not start the job */
+  EXIT_USAGE = 2,         /* bad command line */
+  MAX_LOCAL_RANKS = 1024, /* two pipes each must fit the usual 4096-descriptor limit */
+  LINE_CAP = 65536,       /* a longer line is passed on in pieces of this size */
+  BATCH_LINES = 256,      /* lines per writev (two iovecs each, under IOV_MAX) */
+  DRAIN_MS = 2000,        /* after the last rank exits: wait this long for pipe EOF */
+  REAP_MS = 10000,        /* after SIGKILL: wait this long for ranks to go */
   TOKEN_BYTES = 16
 };
 
@@ -37,17 +37,17 @@ typedef struct options {
   int node_rank;
   const char *master_addr;
   bool master_addr_given;
-  int master_port;       /* 0: chosen by the OS (--standalone, --master_port 0) */
+  int master_port; /* 0: chosen by the OS (--standalone, --master_port 0) */
   bool master_port_given;
   bool standalone;
-  bool no_reserve;       /* --no_reserve_port: rank 0 binds the port itself (a non-libddp store) */
-  bool port_auto;        /* the port is the OS's choice: another one will do on a restart */
-  int max_restarts;      /* restarts of the whole worker group after a failure */
-  const char *backend;   /* NULL: DDP_BACKEND is left as inherited */
-  long timeout_s;        /* 0: DDP_TIMEOUT is left as inherited */
+  bool no_reserve;     /* --no_reserve_port: rank 0 binds the port itself (a non-libddp store) */
+  bool port_auto;      /* the port is the OS's choice: another one will do on a restart */
+  int max_restarts;    /* restarts of the whole worker group after a failure */
+  const char *backend; /* NULL: DDP_BACKEND is left as inherited */
+  long timeout_s;      /* 0: DDP_TIMEOUT is left as inherited */
   int64_t grace_ms;
-  char **prog_argv;      /* NULL-terminated, points into argv */
-  char rdzv_host[256];   /* --rdzv_endpoint's host, master_addr points here when given */
+  char **prog_argv;    /* NULL-terminated, points into argv */
+  char rdzv_host[256]; /* --rdzv_endpoint's host, master_addr points here when given */
 } options_t;
 
 /* ------------------------------------------------------------------ state ----------- */
@@ -55,25 +55,25 @@ typedef struct options {
 /* One output stream of one rank: the read end of its pipe and the bytes of a line that
  * has not ended yet. */
 typedef struct line_stream {
-  int fd;      /* read end; -1 once closed */
-  int out_fd;  /* STDOUT_FILENO or STDERR_FILENO */
-  size_t len;  /* bytes held in buf */
-  char *buf;   /* LINE_CAP bytes */
+  int fd;     /* read end; -1 once closed */
+  int out_fd; /* STDOUT_FILENO or STDERR_FILENO */
+  size_t len; /* bytes held in buf */
+  char *buf;  /* LINE_CAP bytes */
 } line_stream_t;
 
 typedef enum rank_state {
-  RANK_RUNNING,  /* not seen to exit */
-  RANK_EXITED,   /* exit seen with WNOWAIT: still a zombie, so its pid and group id stay ours */
+  RANK_RUNNING, /* not seen to exit */
+  RANK_EXITED,  /* exit seen with WNOWAIT: still a zombie, so its pid and group id stay ours */
   RANK_REAPED
 } rank_state_t;
 
 typedef struct rank_proc {
-  int rank;          /* global */
-  pid_t pid;         /* also its process group id */
+  int rank;  /* global */
+  pid_t pid; /* also its process group id */
   rank_state_t state;
-  int how;           /* si_code: CLD_EXITED, CLD_KILLED or CLD_DUMPED */
-  int status;        /* exit code or signal */
-  char prefix[32];   /* "[rankN]: " */
+  int how;         /* si_code: CLD_EXITED, CLD_KILLED or CLD_DUMPED */
+  int status;      /* exit code or signal */
+  char prefix[32]; /* "[rankN]: " */
   size_t prefix_len;
   line_stream_t out, err;
 } rank_proc_t;
@@ -82,20 +82,20 @@ typedef struct launcher {
   options_t opt;
   char token[256];
   rank_proc_t *ranks;
-  int nranks;          /* ranks started */
-  int first_failed;    /* index into ranks, -1 while none */
-  int interrupt_sig;   /* first SIGINT/SIGTERM ddprun received, 0 if none */
+  int nranks;        /* ranks started */
+  int first_failed;  /* index into ranks, -1 while none */
+  int interrupt_sig; /* first SIGINT/SIGTERM ddprun received, 0 if none */
   bool launch_failed;
-  bool stopping;       /* SIGTERM (or the forwarded signal) has been sent */
-  bool killed;         /* SIGKILL has been sent */
-  bool gave_up;        /* ranks survived SIGKILL for REAP_MS */
+  bool stopping; /* SIGTERM (or the forwarded signal) has been sent */
+  bool killed;   /* SIGKILL has been sent */
+  bool gave_up;  /* ranks survived SIGKILL for REAP_MS */
   int64_t kill_deadline_ns;
   int64_t give_up_deadline_ns;
-  int restart_count;   /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
-  int listen_fd;       /* the store's listening socket, handed to global rank 0; -1: none */
-  int64_t start_ns;    /* when this attempt started */
-  int64_t failed_ns;   /* when its first failure was seen */
-  bool out_dead[3];    /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
+  int restart_count;        /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
+  int listen_fd;            /* the store's listening socket, handed to global rank 0; -1: none */
+  int64_t start_ns;         /* when this attempt started */
+  int64_t failed_ns;        /* when its first failure was seen */
+  bool out_dead[3];         /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
   struct pollfd *pfds;      /* poll set, 2 per rank, rebuilt every wait */
   line_stream_t **pstreams; /* the stream behind each pfds entry */
   rank_proc_t **pranks;     /* and its rank */

@@ -101,8 +101,8 @@ void remove_shm_leftovers(const rank_proc_t *r) {
   while ((e = readdir(d)) != NULL) {
     if (strncmp(e->d_name, prefix, (size_t)plen) != 0) continue;
     if (unlinkat(dirfd(d), e->d_name, 0) == 0)
-      say("removed /dev/shm/%s, left by rank %d (pid %d) when it was stopped", e->d_name,
-          r->rank, (int)r->pid);
+      say("removed /dev/shm/%s, left by rank %d (pid %d) when it was stopped", e->d_name, r->rank,
+          (int)r->pid);
   }
   closedir(d);
 }

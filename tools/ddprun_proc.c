@@ -39,18 +39,17 @@ void say(const char *fmt, ...) {
   write_all(STDERR_FILENO, buf, len);
 }
 
-
 const char *signal_name(int sig) {
   static const struct {
     int sig;
     const char *name;
   } names[] = {
-      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
-      {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
-      {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
-      {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGCHLD, "SIGCHLD"},
-      {SIGCONT, "SIGCONT"}, {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
-      {SIGTTOU, "SIGTTOU"}, {SIGURG, "SIGURG"},   {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"},
+      {SIGHUP, "SIGHUP"},       {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
+      {SIGTRAP, "SIGTRAP"},     {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
+      {SIGKILL, "SIGKILL"},     {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
+      {SIGPIPE, "SIGPIPE"},     {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGCHLD, "SIGCHLD"},
+      {SIGCONT, "SIGCONT"},     {SIGSTOP, "SIGSTOP"}, {SIGTSTP, "SIGTSTP"}, {SIGTTIN, "SIGTTIN"},
+      {SIGTTOU, "SIGTTOU"},     {SIGURG, "SIGURG"},   {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"},
       {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"}, {SIGSYS, "SIGSYS"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
@@ -58,14 +57,16 @@ const char *signal_name(int sig) {
   return "unknown signal";
 }
 
-
 /* Signal handlers can only reach file-scope state; they record and the loop acts. */
 static volatile sig_atomic_t g_got_chld, g_got_int, g_got_term;
 
 static void on_signal(int sig) {
-  if (sig == SIGCHLD) g_got_chld = 1;
-  else if (sig == SIGINT) g_got_int = 1;
-  else if (sig == SIGTERM) g_got_term = 1;
+  if (sig == SIGCHLD)
+    g_got_chld = 1;
+  else if (sig == SIGINT)
+    g_got_int = 1;
+  else if (sig == SIGTERM)
+    g_got_term = 1;
 }
 
 int64_t now_ns(void) {
@@ -166,8 +167,8 @@ static void pump_stream(launcher_t *L, rank_proc_t *r, line_stream_t *s) {
   } else if (k == 0) {
     close_stream(L, r, s);
   } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK) {
-    say("reading the %s of rank %d: %s (errno %d)", s->out_fd == 1 ? "stdout" : "stderr",
-        r->rank, strerror(errno), errno);
+    say("reading the %s of rank %d: %s (errno %d)", s->out_fd == 1 ? "stdout" : "stderr", r->rank,
+        strerror(errno), errno);
     close_stream(L, r, s);
   }
 }
@@ -208,9 +209,7 @@ void describe_exit(const rank_proc_t *r, char *buf, size_t cap) {
              r->how == CLD_DUMPED ? ", core dumped" : "");
 }
 
-bool rank_failed(const rank_proc_t *r) {
-  return !(r->how == CLD_EXITED && r->status == 0);
-}
+bool rank_failed(const rank_proc_t *r) { return !(r->how == CLD_EXITED && r->status == 0); }
 
 /* Sends sig to every rank's process group. A rank that has exited is still an unreaped
  * zombie, so its group id cannot have been reused, and what it left running goes too. */
@@ -258,8 +257,8 @@ static void check_ranks(launcher_t *L) {
     int running = 0;
     for (int j = 0; j < L->nranks; j++) running += L->ranks[j].state == RANK_RUNNING;
     if (running > 0)
-      say("rank %d (pid %d) %s; stopping the %d other running rank(s)", r->rank, (int)r->pid,
-          what, running);
+      say("rank %d (pid %d) %s; stopping the %d other running rank(s)", r->rank, (int)r->pid, what,
+          running);
     begin_stop(L, SIGTERM);
   }
 }
@@ -283,8 +282,8 @@ static void handle_signals(launcher_t *L) {
 
 /* Child side of fork: becomes the rank and never returns. ddprun is single-threaded, so
  * the child may call setenv and stdio before exec. */
-__attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_rank,
-                                                int out_fd, int err_fd, pid_t parent,
+__attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_rank, int out_fd,
+                                                int err_fd, pid_t parent,
                                                 const sigset_t *orig_mask) {
   const options_t *o = &L->opt;
   setpgid(0, 0);
@@ -325,8 +324,7 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   if (serve) fcntl(L->listen_fd, F_SETFD, 0);
   bool ok = setenv("RANK", v[0], 1) == 0 && setenv("LOCAL_RANK", v[1], 1) == 0 &&
             setenv("WORLD_SIZE", v[2], 1) == 0 && setenv("LOCAL_WORLD_SIZE", v[3], 1) == 0 &&
-            setenv("GROUP_RANK", v[4], 1) == 0 &&
-            setenv("MASTER_ADDR", o->master_addr, 1) == 0 &&
+            setenv("GROUP_RANK", v[4], 1) == 0 && setenv("MASTER_ADDR", o->master_addr, 1) == 0 &&
             setenv("MASTER_PORT", v[5], 1) == 0 && setenv("DDP_JOB_TOKEN", L->token, 1) == 0 &&
             (!o->backend || setenv("DDP_BACKEND", o->backend, 1) == 0) &&
             (o->timeout_s == 0 || setenv("DDP_TIMEOUT", v[6], 1) == 0) &&
@@ -411,14 +409,16 @@ static void supervise(launcher_t *L, const sigset_t *wait_mask) {
     if (L->killed && now >= L->give_up_deadline_ns) {
       for (int i = 0; i < L->nranks; i++)
         if (L->ranks[i].state == RANK_RUNNING)
-          say("rank %d (pid %d) is still alive %d s after SIGKILL; leaving it",
-              L->ranks[i].rank, (int)L->ranks[i].pid, REAP_MS / 1000);
+          say("rank %d (pid %d) is still alive %d s after SIGKILL; leaving it", L->ranks[i].rank,
+              (int)L->ranks[i].pid, REAP_MS / 1000);
       L->gave_up = true;
       return;
     }
     int timeout = -1;
-    if (L->killed) timeout = ms_until(L->give_up_deadline_ns);
-    else if (L->stopping) timeout = ms_until(L->kill_deadline_ns);
+    if (L->killed)
+      timeout = ms_until(L->give_up_deadline_ns);
+    else if (L->stopping)
+      timeout = ms_until(L->kill_deadline_ns);
     poll_streams(L, timeout, wait_mask);
   }
 }
@@ -450,7 +450,6 @@ static void finish(launcher_t *L, const sigset_t *wait_mask) {
     }
   }
 }
-
 
 void install_signals(sigset_t *orig_mask, sigset_t *wait_mask) {
   sigset_t block;

@@ -35,9 +35,12 @@ static int parse_size(const char *s, uint64_t *out) {
   unsigned long long v = strtoull(s, &end, 10);
   if (errno || end == s || s[0] == '-') return 0;
   int shift = 0;
-  if (*end == 'K' || *end == 'k') shift = 10;
-  else if (*end == 'M' || *end == 'm') shift = 20;
-  else if (*end == 'G' || *end == 'g') shift = 30;
+  if (*end == 'K' || *end == 'k')
+    shift = 10;
+  else if (*end == 'M' || *end == 'm')
+    shift = 20;
+  else if (*end == 'G' || *end == 'g')
+    shift = 30;
   if (shift) end++;
   if (*end != '\0' || v == 0) return 0;
   *out = (uint64_t)v << shift;
@@ -81,16 +84,26 @@ int main(int argc, char **argv) {
     if (i + 1 >= argc) usage(rank, "missing value or unknown option", a);
     const char *v = argv[++i];
     int ok = 1;
-    if (!strcmp(a, "-b") || !strcmp(a, "--minbytes")) ok = parse_size(v, &c.minbytes);
-    else if (!strcmp(a, "-e") || !strcmp(a, "--maxbytes")) ok = parse_size(v, &c.maxbytes);
-    else if (!strcmp(a, "-f") || !strcmp(a, "--stepfactor")) ok = parse_size(v, &c.factor) && c.factor >= 2;
-    else if (!strcmp(a, "--budget")) ok = parse_size(v, &c.budget);
-    else if (!strcmp(a, "-n") || !strcmp(a, "--iters")) ok = (c.iters = atoi(v)) > 0;
-    else if (!strcmp(a, "--min-iters")) ok = (c.min_iters = atoi(v)) > 0;
-    else if (!strcmp(a, "--warmup")) ok = (c.warmup = atoi(v)) >= 0;
-    else if (!strcmp(a, "--label")) c.label = v;
-    else if (!strcmp(a, "--csv")) c.csv = v;
-    else usage(rank, "unknown option", a);
+    if (!strcmp(a, "-b") || !strcmp(a, "--minbytes"))
+      ok = parse_size(v, &c.minbytes);
+    else if (!strcmp(a, "-e") || !strcmp(a, "--maxbytes"))
+      ok = parse_size(v, &c.maxbytes);
+    else if (!strcmp(a, "-f") || !strcmp(a, "--stepfactor"))
+      ok = parse_size(v, &c.factor) && c.factor >= 2;
+    else if (!strcmp(a, "--budget"))
+      ok = parse_size(v, &c.budget);
+    else if (!strcmp(a, "-n") || !strcmp(a, "--iters"))
+      ok = (c.iters = atoi(v)) > 0;
+    else if (!strcmp(a, "--min-iters"))
+      ok = (c.min_iters = atoi(v)) > 0;
+    else if (!strcmp(a, "--warmup"))
+      ok = (c.warmup = atoi(v)) >= 0;
+    else if (!strcmp(a, "--label"))
+      c.label = v;
+    else if (!strcmp(a, "--csv"))
+      c.csv = v;
+    else
+      usage(rank, "unknown option", a);
     if (!ok) usage(rank, "bad value for", a);
   }
   if (c.min_iters > c.iters) c.min_iters = c.iters;
@@ -155,10 +168,11 @@ int main(int argc, char **argv) {
              (unsigned long long)bytes, ni, p50, p99, t[ni - 1], algbw, busbw, wrong);
       fflush(stdout);
       if (csv)
-        fprintf(csv, "allreduce,%s,default,in,SUM,F32,%d,%llu,%llu,%d,%d,%.3f,%.3f,%.3f,%.3f,"
-                     "%.6f,%.6f,%lld\n", c.label, world, (unsigned long long)bytes,
-                (unsigned long long)count, nw, ni, t[0], p50, p99, t[ni - 1], algbw, busbw,
-                wrong);
+        fprintf(csv,
+                "allreduce,%s,default,in,SUM,F32,%d,%llu,%llu,%d,%d,%.3f,%.3f,%.3f,%.3f,"
+                "%.6f,%.6f,%lld\n",
+                c.label, world, (unsigned long long)bytes, (unsigned long long)count, nw, ni, t[0],
+                p50, p99, t[ni - 1], algbw, busbw, wrong);
     }
     if (s > UINT64_MAX / c.factor) break;
   }

@@ -70,8 +70,8 @@ int train_check_labels(const char *src, const ddp_dataset_t *ds, int64_t classes
   int64_t n = ddp_dataset_length(ds), fn = ddp_dataset_feature_numel(ds), one = 1;
   void *f = malloc((size_t)(fn ? fn : 1) * ddp_dtype_size(sp->feature_dtype));
   if (!f) {
-    fprintf(stderr, "ddp-train: --data %s: no memory for one sample (%" PRId64 " values)\n",
-            src, fn);
+    fprintf(stderr, "ddp-train: --data %s: no memory for one sample (%" PRId64 " values)\n", src,
+            fn);
     return 2;
   }
   ddp_error_t err = {0};

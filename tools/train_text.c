@@ -135,9 +135,10 @@ static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   int64_t npos = x->cfg.gpt2.n_positions;
   if (x->block_size < 0) x->block_size = npos < 1024 ? npos : 1024;
   if (x->block_size > npos) {
-    return say(1, "--block_size %lld: a sequence of %lld tokens is longer than the model's "
-                  "n_positions %lld (%s)", (long long)x->block_size, (long long)x->block_size,
-               (long long)npos, x->model_desc);
+    return say(1,
+               "--block_size %lld: a sequence of %lld tokens is longer than the model's "
+               "n_positions %lld (%s)",
+               (long long)x->block_size, (long long)x->block_size, (long long)npos, x->model_desc);
   }
   int64_t *tok = NULL, n = 0;
   ddp_status_t st = ddp_tokens_read(src, &tok, &n, &err);
@@ -158,14 +159,18 @@ static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
 static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_error_t err = {0};
   if (!ends_with(src, ".csv")) {
-    return say(2, "--data %s: sequence classification (%s) trains on a CSV with columns "
-                  "text,label", src, x->model_desc);
+    return say(2,
+               "--data %s: sequence classification (%s) trains on a CSV with columns "
+               "text,label",
+               src, x->model_desc);
   }
   int64_t maxpos = x->cfg.bert.max_position_embeddings;
   if (x->max_seq_length > maxpos) {
-    return say(1, "--max_seq_length %lld: a sequence of %lld tokens is longer than the "
-                  "model's max_position_embeddings %lld (%s)", (long long)x->max_seq_length,
-               (long long)x->max_seq_length, (long long)maxpos, x->model_desc);
+    return say(1,
+               "--max_seq_length %lld: a sequence of %lld tokens is longer than the "
+               "model's max_position_embeddings %lld (%s)",
+               (long long)x->max_seq_length, (long long)x->max_seq_length, (long long)maxpos,
+               x->model_desc);
   }
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = x->max_seq_length;
@@ -228,7 +233,8 @@ void train_text_summary(const train_text_t *x, const ddp_train_args_t *a,
     printf("ddp-train: eval_loss %.4f, perplexity %.2f\n", r->eval_loss, exp(r->eval_loss));
   }
   printf("ddp-train: final model in %s/ (config.json, model.safetensors: from_pretrained "
-         "loads it)\n", a->output_dir);
+         "loads it)\n",
+         a->output_dir);
   if (x->sample) {
     char how[64] = "greedy";
     if (x->sample_top_k > 0) {

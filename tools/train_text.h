@@ -18,20 +18,20 @@
 
 typedef struct train_text {
   /* flags */
-  const char *name_or_path;   /* --model_name_or_path DIR: from_pretrained */
-  int64_t block_size;         /* --block_size; -1: min(1024, n_positions) */
-  int64_t max_seq_length;     /* --max_seq_length; 128 */
-  const char *sample_prompt;  /* --sample_prompt; NULL: no sample */
-  int64_t sample_top_k;       /* --sample_top_k; 0: greedy */
+  const char *name_or_path;      /* --model_name_or_path DIR: from_pretrained */
+  int64_t block_size;            /* --block_size; -1: min(1024, n_positions) */
+  int64_t max_seq_length;        /* --max_seq_length; 128 */
+  const char *sample_prompt;     /* --sample_prompt; NULL: no sample */
+  int64_t sample_top_k;          /* --sample_top_k; 0: greedy */
   int64_t sample_max_new_tokens; /* --sample_max_new_tokens; 64 */
   /* the model, once probed */
-  bool hf;                    /* a Transformers model (GPT-2 or BERT) */
+  bool hf; /* a Transformers model (GPT-2 or BERT) */
   ddp_model_task_t task;
   ddp_hf_config_t cfg;
-  const char *model_desc;     /* the file or directory the model came from */
+  const char *model_desc; /* the file or directory the model came from */
   /* rank 0's sample, decoded (malloc'd; NULL when none) */
   char *sample;
-  double sample_s;            /* its generation time */
+  double sample_s; /* its generation time */
 } train_text_t;
 
 #define TRAIN_TEXT_INIT \

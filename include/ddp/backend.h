@@ -100,25 +100,28 @@ typedef struct ddp_backend_info {
   bool optional;
 } ddp_backend_info_t;
 
-typedef enum ddp_backend_family { DDP_BACKEND_SHARED = 1, DDP_BACKEND_LINK = 2 } ddp_backend_family_t;
+typedef enum ddp_backend_family {
+  DDP_BACKEND_SHARED = 1,
+  DDP_BACKEND_LINK = 2
+} ddp_backend_family_t;
 
 /* What a backend is created with (copied from the group's options). */
 typedef struct ddp_backend_init {
   size_t struct_size;
   int rank;
   int size;
-  ddp_store_t *store;       /* rendezvous; may be NULL only for the threads backend */
-  int64_t timeout_ms;       /* create must return by now + timeout */
-  const char *job_token;    /* "" = none */
-  size_t staging_bytes;     /* shared family: per-rank staging area wanted */
-  size_t ctl_bytes;         /* shared family: control block size the algorithms need */
-  size_t heap_bytes;        /* shm: per-rank area for ddp_pg_alloc */
+  ddp_store_t *store;    /* rendezvous; may be NULL only for the threads backend */
+  int64_t timeout_ms;    /* create must return by now + timeout */
+  const char *job_token; /* "" = none */
+  size_t staging_bytes;  /* shared family: per-rank staging area wanted */
+  size_t ctl_bytes;      /* shared family: control block size the algorithms need */
+  size_t heap_bytes;     /* shm: per-rank area for ddp_pg_alloc */
 } ddp_backend_init_t;
 
 /* Shared-family memory, valid from create to destroy. */
 typedef struct ddp_backend_shared {
-  void *ctl;                 /* ctl_bytes, zero at create, mapped by every rank */
-  unsigned char **staging;   /* staging[r]: rank r's staging area as mapped here */
+  void *ctl;               /* ctl_bytes, zero at create, mapped by every rank */
+  unsigned char **staging; /* staging[r]: rank r's staging area as mapped here */
   size_t staging_bytes;
   /* A handle for p (n bytes) that peers can turn back into a pointer, or UINT64_MAX when
    * peers cannot read that memory (then the algorithms copy through staging). */
@@ -137,9 +140,9 @@ typedef struct ddp_backend_shared {
 typedef struct ddp_xfer {
   int peer;
   bool is_send;
-  void *buf;     /* const for sends */
+  void *buf; /* const for sends */
   size_t bytes;
-  size_t done;   /* progress, owned by the backend during xfer() */
+  size_t done; /* progress, owned by the backend during xfer() */
 } ddp_xfer_t;
 
 /* Work a link algorithm wants done while a batch waits on the network (the fold of the

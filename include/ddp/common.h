@@ -29,26 +29,29 @@ extern "C" {
  * ddp_status_str(), so the three cannot drift apart; DDP_OK (0) is the only other value.
  * REMOTE, TIMEOUT, DESYNC and ABORTED leave a process group failed: re-create it
  * (docs/errors.md). */
-#define DDP_STATUS_MAP(XX)                                                              \
-  XX(INVALID_ARGUMENT, "invalid argument")                                              \
-  XX(INVALID_USAGE, "invalid usage")                                                    \
-  XX(INVALID_DATA, "invalid or corrupt data")                                           \
-  XX(NO_MEMORY, "out of memory")                                                        \
-  XX(SYSTEM, "system call failed")                                                      \
-  XX(REMOTE, "remote peer failed")                                                      \
-  XX(TIMEOUT, "timed out")                                                              \
-  XX(DESYNC, "collectives out of sync across ranks")                                    \
-  XX(UNSUPPORTED, "unsupported operation")                                              \
-  XX(NOT_FOUND, "not found")                                                            \
-  XX(ABORTED, "aborted")                                                                \
+#define DDP_STATUS_MAP(XX)                           \
+  XX(INVALID_ARGUMENT, "invalid argument")           \
+  XX(INVALID_USAGE, "invalid usage")                 \
+  XX(INVALID_DATA, "invalid or corrupt data")        \
+  XX(NO_MEMORY, "out of memory")                     \
+  XX(SYSTEM, "system call failed")                   \
+  XX(REMOTE, "remote peer failed")                   \
+  XX(TIMEOUT, "timed out")                           \
+  XX(DESYNC, "collectives out of sync across ranks") \
+  XX(UNSUPPORTED, "unsupported operation")           \
+  XX(NOT_FOUND, "not found")                         \
+  XX(ABORTED, "aborted")                             \
   XX(INTERNAL, "internal error")
 
 typedef enum ddp_status {
   DDP_OK = 0,
+/* The list expands to enumerators, which clang-format cannot see. */
+/* clang-format off */
 #define DDP_STATUS_ENUM_(name, text) DDP_ERR_##name,
   DDP_STATUS_MAP(DDP_STATUS_ENUM_)
 #undef DDP_STATUS_ENUM_
   DDP_STATUS_COUNT_
+  /* clang-format on */
 } ddp_status_t;
 
 /* "DDP_ERR_TIMEOUT"-style name, or "DDP_ERR_UNKNOWN" for a value outside the list. */
@@ -122,60 +125,64 @@ DDP_API void ddp_free(void *ptr);
 
 /* Every environment variable libddp reads, in one list (docs/environment.md mirrors it;
  * a test checks the two agree). X(id, name, default, description). */
-#define DDP_ENV_MAP(X)                                                                    \
-  X(DEBUG, "DDP_DEBUG", "OFF", "Log level: OFF (errors and warnings), INFO or DETAIL.")    \
-  X(TORCH_DEBUG, "TORCH_DISTRIBUTED_DEBUG", "OFF",                                        \
-    "Read when DDP_DEBUG is unset; same values, as in PyTorch.")                          \
-  X(BLAS_THREADS, "DDP_BLAS_THREADS", "1",                                                \
-    "OpenBLAS threads per rank; set explicitly at first use of the BLAS wrapper.")        \
-  X(OPENBLAS_CORETYPE, "OPENBLAS_CORETYPE", "",                                           \
+#define DDP_ENV_MAP(X)                                                                             \
+  X(DEBUG, "DDP_DEBUG", "OFF", "Log level: OFF (errors and warnings), INFO or DETAIL.")            \
+  X(TORCH_DEBUG, "TORCH_DISTRIBUTED_DEBUG", "OFF",                                                 \
+    "Read when DDP_DEBUG is unset; same values, as in PyTorch.")                                   \
+  X(BLAS_THREADS, "DDP_BLAS_THREADS", "1",                                                         \
+    "OpenBLAS threads per rank; set explicitly at first use of the BLAS wrapper.")                 \
+  X(OPENBLAS_CORETYPE, "OPENBLAS_CORETYPE", "",                                                    \
     "OpenBLAS kernel set; when unset libddp replaces a pre-AVX2 fallback by SkylakeX or Haswell.") \
-  X(TIMEOUT, "DDP_TIMEOUT", "1800",                                                       \
-    "Default collective and rendezvous timeout in seconds (HF's ddp_timeout).")           \
-  X(ALGORITHM, "DDP_ALGORITHM", "auto",                                                   \
-    "Collective algorithm: auto (the size table), canonical, ring or small.")             \
-  X(FR_BUFFER_SIZE, "DDP_FR_BUFFER_SIZE", "2000",                                         \
-    "Flight recorder: collectives kept per group; 0 turns it off.")                      \
-  X(TORCH_FR_BUFFER_SIZE, "TORCH_NCCL_TRACE_BUFFER_SIZE", "",                             \
-    "Read when DDP_FR_BUFFER_SIZE is unset; the same meaning, as in PyTorch.")            \
-  X(FR_DUMP_DIR, "DDP_FR_DUMP_DIR", "",                                                   \
-    "Flight recorder: directory of the dumps (fr_rank_<rank>.json).")                    \
-  X(TORCH_FR_DUMP_TEMP_FILE, "TORCH_FR_DUMP_TEMP_FILE", "",                               \
-    "Read when DDP_FR_DUMP_DIR is unset: dump to <value><rank>, as in PyTorch.")          \
-  X(TORCH_NCCL_DEBUG_INFO_TEMP_FILE, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "",               \
-    "Read when both are unset; the older PyTorch name of TORCH_FR_DUMP_TEMP_FILE.")       \
-  X(RANK, "RANK", "", "Global rank (torchrun, ddprun).")                                  \
-  X(LOCAL_RANK, "LOCAL_RANK", "", "Rank on this host (torchrun, ddprun).")                \
-  X(WORLD_SIZE, "WORLD_SIZE", "", "Number of ranks (torchrun, ddprun).")                  \
-  X(LOCAL_WORLD_SIZE, "LOCAL_WORLD_SIZE", "", "Ranks on this host (torchrun, ddprun).")   \
-  X(MASTER_ADDR, "MASTER_ADDR", "127.0.0.1", "Host of the TCP store (torchrun, ddprun).")  \
-  X(MASTER_PORT, "MASTER_PORT", "29500", "Port of the TCP store (torchrun, ddprun).")     \
-  X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.") \
-  X(STORE_LISTEN_FD, "DDP_STORE_LISTEN_FD", "",                                          \
-    "ddprun: the store's listening socket it reserved, inherited by global rank 0.")       \
-  X(RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT", "0",                                     \
-    "Restarts of the worker group so far (torchrun, ddprun); ddp_train resumes when > 0.") \
-  X(SOCKET_IFNAME, "DDP_SOCKET_IFNAME", "",                                               \
-    "tcp backend: interfaces (comma-separated) whose address a rank publishes to its peers.") \
-  X(GLOO_SOCKET_IFNAME, "GLOO_SOCKET_IFNAME", "",                                         \
-    "Read when DDP_SOCKET_IFNAME is unset; the same meaning, as in PyTorch's gloo.")      \
-  X(BACKEND, "DDP_BACKEND", "", "Backend for ddp_pg_create_from_env: threads, shm, tcp, gloo, mpi, nccl.") \
-  X(OMPI_RANK, "OMPI_COMM_WORLD_RANK", "", "Rank under Open MPI's mpirun.")              \
-  X(OMPI_SIZE, "OMPI_COMM_WORLD_SIZE", "", "World size under Open MPI's mpirun.")         \
-  X(OMPI_LOCAL_RANK, "OMPI_COMM_WORLD_LOCAL_RANK", "", "Local rank under Open MPI.")      \
-  X(SLURM_PROCID, "SLURM_PROCID", "", "Rank under Slurm's srun.")                         \
-  X(SLURM_NTASKS, "SLURM_NTASKS", "", "World size under Slurm's srun.")                   \
-  X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.") \
-  X(TRAIN_SAVE_PAUSE_MS, "DDP_TRAIN_SAVE_PAUSE_MS", "0",                                   \
-    "Test hook: ddp_train sleeps this long between a checkpoint's files.")                \
-  X(FAULT, "DDP_FAULT", "",                                                                \
+  X(TIMEOUT, "DDP_TIMEOUT", "1800",                                                                \
+    "Default collective and rendezvous timeout in seconds (HF's ddp_timeout).")                    \
+  X(ALGORITHM, "DDP_ALGORITHM", "auto",                                                            \
+    "Collective algorithm: auto (the size table), canonical, ring or small.")                      \
+  X(FR_BUFFER_SIZE, "DDP_FR_BUFFER_SIZE", "2000",                                                  \
+    "Flight recorder: collectives kept per group; 0 turns it off.")                                \
+  X(TORCH_FR_BUFFER_SIZE, "TORCH_NCCL_TRACE_BUFFER_SIZE", "",                                      \
+    "Read when DDP_FR_BUFFER_SIZE is unset; the same meaning, as in PyTorch.")                     \
+  X(FR_DUMP_DIR, "DDP_FR_DUMP_DIR", "",                                                            \
+    "Flight recorder: directory of the dumps (fr_rank_<rank>.json).")                              \
+  X(TORCH_FR_DUMP_TEMP_FILE, "TORCH_FR_DUMP_TEMP_FILE", "",                                        \
+    "Read when DDP_FR_DUMP_DIR is unset: dump to <value><rank>, as in PyTorch.")                   \
+  X(TORCH_NCCL_DEBUG_INFO_TEMP_FILE, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "",                        \
+    "Read when both are unset; the older PyTorch name of TORCH_FR_DUMP_TEMP_FILE.")                \
+  X(RANK, "RANK", "", "Global rank (torchrun, ddprun).")                                           \
+  X(LOCAL_RANK, "LOCAL_RANK", "", "Rank on this host (torchrun, ddprun).")                         \
+  X(WORLD_SIZE, "WORLD_SIZE", "", "Number of ranks (torchrun, ddprun).")                           \
+  X(LOCAL_WORLD_SIZE, "LOCAL_WORLD_SIZE", "", "Ranks on this host (torchrun, ddprun).")            \
+  X(MASTER_ADDR, "MASTER_ADDR", "127.0.0.1", "Host of the TCP store (torchrun, ddprun).")          \
+  X(MASTER_PORT, "MASTER_PORT", "29500", "Port of the TCP store (torchrun, ddprun).")              \
+  X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.")     \
+  X(STORE_LISTEN_FD, "DDP_STORE_LISTEN_FD", "",                                                    \
+    "ddprun: the store's listening socket it reserved, inherited by global rank 0.")               \
+  X(RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT", "0",                                              \
+    "Restarts of the worker group so far (torchrun, ddprun); ddp_train resumes when > 0.")         \
+  X(SOCKET_IFNAME, "DDP_SOCKET_IFNAME", "",                                                        \
+    "tcp backend: interfaces (comma-separated) whose address a rank publishes to its peers.")      \
+  X(GLOO_SOCKET_IFNAME, "GLOO_SOCKET_IFNAME", "",                                                  \
+    "Read when DDP_SOCKET_IFNAME is unset; the same meaning, as in PyTorch's gloo.")               \
+  X(BACKEND, "DDP_BACKEND", "",                                                                    \
+    "Backend for ddp_pg_create_from_env: threads, shm, tcp, gloo, mpi, nccl.")                     \
+  X(OMPI_RANK, "OMPI_COMM_WORLD_RANK", "", "Rank under Open MPI's mpirun.")                        \
+  X(OMPI_SIZE, "OMPI_COMM_WORLD_SIZE", "", "World size under Open MPI's mpirun.")                  \
+  X(OMPI_LOCAL_RANK, "OMPI_COMM_WORLD_LOCAL_RANK", "", "Local rank under Open MPI.")               \
+  X(SLURM_PROCID, "SLURM_PROCID", "", "Rank under Slurm's srun.")                                  \
+  X(SLURM_NTASKS, "SLURM_NTASKS", "", "World size under Slurm's srun.")                            \
+  X(SLURM_LOCALID, "SLURM_LOCALID", "", "Local rank under Slurm's srun.")                          \
+  X(TRAIN_SAVE_PAUSE_MS, "DDP_TRAIN_SAVE_PAUSE_MS", "0",                                           \
+    "Test hook: ddp_train sleeps this long between a checkpoint's files.")                         \
+  X(FAULT, "DDP_FAULT", "",                                                                        \
     "Fault injection: rank=R,step=S|collective=K,kind=crash|hang|slow:MS|... (docs/errors.md).")
 
 typedef enum ddp_env_id {
+/* The list expands to enumerators, which clang-format cannot see. */
+/* clang-format off */
 #define DDP_ENV_ENUM_(id, name, def, doc) DDP_ENV_##id,
   DDP_ENV_MAP(DDP_ENV_ENUM_)
 #undef DDP_ENV_ENUM_
   DDP_ENV_COUNT_
+  /* clang-format on */
 } ddp_env_id_t;
 
 /* The variable's value, or its default when unset or empty (never NULL). */
@@ -197,16 +204,16 @@ DDP_API const char *ddp_env_doc(ddp_env_id_t id);
  * one optimizer step of ddp_train or at one collective of its process group. */
 typedef enum ddp_fault_kind {
   DDP_FAULT_NONE = 0,
-  DDP_FAULT_CRASH = 1,          /* process ranks: SIGKILL to itself; threads: the rank fails
-                                 * with DDP_ERR_ABORTED and aborts its group */
-  DDP_FAULT_HANG = 2,           /* stops entering collectives (until its group fails, or for
-                                 * the group's timeout plus 1 s, then fails) */
-  DDP_FAULT_SLOW = 3,           /* sleeps slow_ms before the step's first collective (or
-                                 * before collective K) */
-  DDP_FAULT_SKIP_BACKWARD = 4,  /* ddp_train only: forward without backward at the step */
-  DDP_FAULT_WRONG_SHAPE = 5,    /* the next collective with a count > 0 has count - 1 */
-  DDP_FAULT_CORRUPT_BUCKET = 6  /* bits flipped in the next floating-point allreduce's input
-                                 * (before) or, with :after, in the rank's reduced gradients */
+  DDP_FAULT_CRASH = 1,         /* process ranks: SIGKILL to itself; threads: the rank fails
+                                * with DDP_ERR_ABORTED and aborts its group */
+  DDP_FAULT_HANG = 2,          /* stops entering collectives (until its group fails, or for
+                                * the group's timeout plus 1 s, then fails) */
+  DDP_FAULT_SLOW = 3,          /* sleeps slow_ms before the step's first collective (or
+                                * before collective K) */
+  DDP_FAULT_SKIP_BACKWARD = 4, /* ddp_train only: forward without backward at the step */
+  DDP_FAULT_WRONG_SHAPE = 5,   /* the next collective with a count > 0 has count - 1 */
+  DDP_FAULT_CORRUPT_BUCKET = 6 /* bits flipped in the next floating-point allreduce's input
+                                * (before) or, with :after, in the rank's reduced gradients */
 } ddp_fault_kind_t;
 
 typedef struct ddp_fault {

@@ -66,14 +66,13 @@ DDP_API int64_t ddp_dataset_label_numel(const ddp_dataset_t *ds);
 
 /* Writes sample `index` into feature and label, tensors of the spec's dtypes and element
  * counts (any shape). Out-of-range index or mismatched tensors: DDP_ERR_INVALID_ARGUMENT. */
-DDP_API ddp_status_t ddp_dataset_get(const ddp_dataset_t *ds, int64_t index,
-                                     ddp_tensor_t *feature, ddp_tensor_t *label,
-                                     ddp_error_t *err);
+DDP_API ddp_status_t ddp_dataset_get(const ddp_dataset_t *ds, int64_t index, ddp_tensor_t *feature,
+                                     ddp_tensor_t *label, ddp_error_t *err);
 /* Gathers n samples into features [n, ...] and labels [n, ...] (tensors holding at least
  * n samples of the spec's dtype; the first n rows are written). */
 DDP_API ddp_status_t ddp_dataset_get_batch(const ddp_dataset_t *ds, const int64_t *indices,
-                                           int64_t n, ddp_tensor_t *features,
-                                           ddp_tensor_t *labels, ddp_error_t *err);
+                                           int64_t n, ddp_tensor_t *features, ddp_tensor_t *labels,
+                                           ddp_error_t *err);
 
 /* In-memory: features [N, ...] and labels [N, ...] or [N] (any dtypes). Both are copied. */
 DDP_API ddp_status_t ddp_dataset_from_tensors(const ddp_tensor_t *features,
@@ -101,7 +100,8 @@ typedef struct ddp_csv_options {
   ddp_dtype_t label_dtype;
   char delimiter;
 } ddp_csv_options_t;
-#define DDP_CSV_OPTIONS_INIT {sizeof(ddp_csv_options_t), "label", DDP_I64, ','}
+#define DDP_CSV_OPTIONS_INIT \
+  { sizeof(ddp_csv_options_t), "label", DDP_I64, ',' }
 DDP_API ddp_status_t ddp_dataset_from_csv(const char *path, const ddp_csv_options_t *opts,
                                           ddp_dataset_t **out, ddp_error_t *err);
 
@@ -174,14 +174,15 @@ DDP_API ddp_status_t ddp_dataset_split(const ddp_dataset_t *ds, double fraction,
 
 typedef struct ddp_sampler_options {
   size_t struct_size;
-  int64_t dataset_len;   /* N */
-  int num_replicas;      /* W */
-  int rank;              /* 0 <= rank < W */
-  bool shuffle;          /* torch default true */
-  uint64_t seed;         /* torch default 0 */
-  bool drop_last;        /* torch default false */
+  int64_t dataset_len; /* N */
+  int num_replicas;    /* W */
+  int rank;            /* 0 <= rank < W */
+  bool shuffle;        /* torch default true */
+  uint64_t seed;       /* torch default 0 */
+  bool drop_last;      /* torch default false */
 } ddp_sampler_options_t;
-#define DDP_SAMPLER_OPTIONS_INIT {sizeof(ddp_sampler_options_t), 0, 1, 0, true, 0, false}
+#define DDP_SAMPLER_OPTIONS_INIT \
+  { sizeof(ddp_sampler_options_t), 0, 1, 0, true, 0, false }
 
 typedef struct ddp_sampler ddp_sampler_t;
 
@@ -199,25 +200,25 @@ DDP_API int64_t ddp_sampler_total_size(const ddp_sampler_t *s);
 DDP_API int64_t ddp_sampler_dataset_len(const ddp_sampler_t *s);
 /* This rank's indices for the current epoch: *indices points at len() entries owned by
  * the sampler, valid until the next call or destroy. */
-DDP_API ddp_status_t ddp_sampler_indices(ddp_sampler_t *s, const int64_t **indices,
-                                         int64_t *n);
+DDP_API ddp_status_t ddp_sampler_indices(ddp_sampler_t *s, const int64_t **indices, int64_t *n);
 
 /* ---------------------------------------------------------------- loader ---------- */
 
 typedef struct ddp_loader_options {
   size_t struct_size;
-  int64_t batch_size;   /* >= 1 */
-  bool drop_last;       /* DataLoader's drop_last: drop a final partial batch */
+  int64_t batch_size; /* >= 1 */
+  bool drop_last;     /* DataLoader's drop_last: drop a final partial batch */
 } ddp_loader_options_t;
-#define DDP_LOADER_OPTIONS_INIT {sizeof(ddp_loader_options_t), 1, false}
+#define DDP_LOADER_OPTIONS_INIT \
+  { sizeof(ddp_loader_options_t), 1, false }
 
 /* One batch: views into loader-owned buffers, valid until the next ddp_loader_next. */
 typedef struct ddp_batch {
-  ddp_tensor_t features; /* [size, feature shape...] */
-  ddp_tensor_t labels;   /* [size, label shape...] */
+  ddp_tensor_t features;  /* [size, feature shape...] */
+  ddp_tensor_t labels;    /* [size, label shape...] */
   const int64_t *indices; /* [size] dataset indices of the rows */
-  int64_t size;          /* rows; batch_size except perhaps the last */
-  int64_t index;         /* batch number within the epoch, from 0 */
+  int64_t size;           /* rows; batch_size except perhaps the last */
+  int64_t index;          /* batch number within the epoch, from 0 */
 } ddp_batch_t;
 
 typedef struct ddp_loader ddp_loader_t;
@@ -283,8 +284,7 @@ DDP_API ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *toke
  * [0, 255] is DDP_ERR_INVALID_DATA naming its position and value (the bytes of the ids
  * before it are written, nothing else). */
 DDP_API ddp_status_t ddp_byte_encode(const char *text, size_t len, int64_t *ids);
-DDP_API ddp_status_t ddp_byte_decode(const int64_t *ids, int64_t n, char *text,
-                                     ddp_error_t *err);
+DDP_API ddp_status_t ddp_byte_decode(const int64_t *ids, int64_t n, char *text, ddp_error_t *err);
 
 /* Causal-LM blocks, as Transformers' run_clm group_texts: the stream cut into
  * n / block_size blocks of block_size tokens, the remainder dropped. Sample i: features
@@ -293,9 +293,9 @@ DDP_API ddp_status_t ddp_byte_decode(const int64_t *ids, int64_t n, char *text,
  * [0, vocab_size): one that does not is DDP_ERR_INVALID_DATA naming its position, value and
  * vocab_size. block_size < 2 or vocab_size < 1 is DDP_ERR_INVALID_ARGUMENT; a stream
  * shorter than one block is DDP_ERR_INVALID_DATA. The dataset is named "lm_blocks". */
-DDP_API ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n,
-                                           int64_t block_size, int64_t vocab_size,
-                                           ddp_dataset_t **out, ddp_error_t *err);
+DDP_API ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n, int64_t block_size,
+                                           int64_t vocab_size, ddp_dataset_t **out,
+                                           ddp_error_t *err);
 
 /* Text classification CSV, as Transformers' run_glue reads a CSV with a text and a label
  * column: a header row naming the columns (other columns are ignored), then one record
@@ -319,9 +319,8 @@ typedef struct ddp_text_csv_options {
   char delimiter;           /* ',' (0 means ','); '\t' reads TSV */
 } ddp_text_csv_options_t;
 #define DDP_TEXT_CSV_OPTIONS_INIT \
-  {sizeof(ddp_text_csv_options_t), "text", "label", 128, 0, DDP_I64, ','}
-DDP_API ddp_status_t ddp_dataset_from_text_csv(const char *path,
-                                               const ddp_text_csv_options_t *opts,
+  { sizeof(ddp_text_csv_options_t), "text", "label", 128, 0, DDP_I64, ',' }
+DDP_API ddp_status_t ddp_dataset_from_text_csv(const char *path, const ddp_text_csv_options_t *opts,
                                                ddp_dataset_t **out, ddp_error_t *err);
 
 #ifdef __cplusplus

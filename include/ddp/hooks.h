@@ -42,14 +42,14 @@ extern "C" {
  * work has been resolved. buffer() holds the undivided local gradients; set_buffer
  * replaces what buffer() returns (the element count stays). */
 typedef struct ddp_grad_bucket {
-  size_t index;                /* 0-based position in the reduction order */
-  bool is_last;                /* index == number of buckets - 1 */
-  void *buffer;                /* buffer(): numel elements of dtype */
+  size_t index; /* 0-based position in the reduction order */
+  bool is_last; /* index == number of buckets - 1 */
+  void *buffer; /* buffer(): numel elements of dtype */
   size_t numel;
   ddp_dtype_t dtype;
   size_t nparams;
-  ddp_param_t *const *params;  /* parameters(), in bucket order */
-  const size_t *offsets;       /* element offset of parameter k's gradient in buffer */
+  ddp_param_t *const *params; /* parameters(), in bucket order */
+  const size_t *offsets;      /* element offset of parameter k's gradient in buffer */
 } ddp_grad_bucket_t;
 
 /* set_buffer(t): data (borrowed; it must live until the work resolves) becomes buffer(). */
@@ -72,8 +72,7 @@ DDP_API ddp_status_t ddp_comm_work_add(ddp_comm_work_t *w, ddp_work_t *work);
 /* The continuation; replaces the previous one. */
 DDP_API void ddp_comm_work_then(ddp_comm_work_t *w, ddp_comm_then_fn fn, void *user);
 /* The result (borrowed): count elements of dt at data. */
-DDP_API void ddp_comm_work_set_result(ddp_comm_work_t *w, void *data, size_t count,
-                                      ddp_dtype_t dt);
+DDP_API void ddp_comm_work_set_result(ddp_comm_work_t *w, void *data, size_t count, ddp_dtype_t dt);
 /* Called with user by ddp_comm_work_free (to release the hook's per-call memory). */
 DDP_API void ddp_comm_work_on_free(ddp_comm_work_t *w, void (*fn)(void *), void *user);
 /* Records a failure message for a continuation that fails (returned by _error). */
@@ -133,10 +132,10 @@ DDP_API ddp_status_t ddp_allreduce_hook(void *state, ddp_pg_t *pg, ddp_grad_buck
                                         ddp_comm_work_t **out);
 /* fp16_compress_hook / bf16_compress_hook: c = cast(buffer); c /= W in the low dtype;
  * allreduce SUM of c in the low dtype; buffer = widen(c); resolves to buffer(). */
-DDP_API ddp_status_t ddp_fp16_compress_hook(void *state, ddp_pg_t *pg,
-                                            ddp_grad_bucket_t *bucket, ddp_comm_work_t **out);
-DDP_API ddp_status_t ddp_bf16_compress_hook(void *state, ddp_pg_t *pg,
-                                            ddp_grad_bucket_t *bucket, ddp_comm_work_t **out);
+DDP_API ddp_status_t ddp_fp16_compress_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
+                                            ddp_comm_work_t **out);
+DDP_API ddp_status_t ddp_bf16_compress_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
+                                            ddp_comm_work_t **out);
 
 /* fp16_compress_wrapper(hook) / bf16_compress_wrapper(hook): set_buffer(cast(buffer)), run
  * the inner hook on the low-precision bucket, copy its result (cast to the low dtype) into
@@ -147,23 +146,23 @@ typedef struct ddp_compress_wrapper {
   ddp_comm_hook_fn inner;
   void *inner_state;
 } ddp_compress_wrapper_t;
-DDP_API ddp_status_t ddp_compress_wrapper_hook(void *state, ddp_pg_t *pg,
-                                               ddp_grad_bucket_t *bucket, ddp_comm_work_t **out);
+DDP_API ddp_status_t ddp_compress_wrapper_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
+                                               ddp_comm_work_t **out);
 
 /* ---------------------------------------------------------------- PowerSGD -------- */
 
 /* PowerSGDState's keyword arguments with PyTorch's defaults. */
 typedef struct ddp_powersgd_options {
   size_t struct_size;
-  int64_t matrix_approximation_rank;   /* 1 */
-  int64_t start_powerSGD_iter;         /* 1000 */
-  double min_compression_rate;         /* 2 */
-  bool use_error_feedback;             /* true */
-  bool warm_start;                     /* true */
-  double orthogonalization_epsilon;    /* 0 */
-  uint64_t random_seed;                /* 0 */
+  int64_t matrix_approximation_rank;           /* 1 */
+  int64_t start_powerSGD_iter;                 /* 1000 */
+  double min_compression_rate;                 /* 2 */
+  bool use_error_feedback;                     /* true */
+  bool warm_start;                             /* true */
+  double orthogonalization_epsilon;            /* 0 */
+  uint64_t random_seed;                        /* 0 */
   int64_t compression_stats_logging_frequency; /* 10000 (values < 1 mean 1) */
-  bool batch_tensors_with_same_shape;  /* false */
+  bool batch_tensors_with_same_shape;          /* false */
   /* Not in PyTorch: when set, replaces the random start of Q (for parity runs that inject
    * PyTorch's Q). Called with the draw number k (0, 1, ...: one per random initialisation,
    * see docs/hooks.md) and the n values of every Q of the bucket, in layout order, each
@@ -173,7 +172,7 @@ typedef struct ddp_powersgd_options {
 } ddp_powersgd_options_t;
 
 #define DDP_POWERSGD_OPTIONS_INIT \
-  {sizeof(ddp_powersgd_options_t), 1, 1000, 2.0, true, true, 0.0, 0, 10000, false, NULL, NULL}
+  { sizeof(ddp_powersgd_options_t), 1, 1000, 2.0, true, true, 0.0, 0, 10000, false, NULL, NULL }
 
 typedef struct ddp_powersgd_state ddp_powersgd_state_t;
 
@@ -194,8 +193,8 @@ DDP_API uint64_t ddp_powersgd_draws(const ddp_powersgd_state_t *s);
  * state that ddp_hooks_create built from names (ddp_hooks_powersgd); NULL returns to the generator.
  * Takes effect from the next random initialisation. */
 DDP_API void ddp_powersgd_set_init_q(ddp_powersgd_state_t *s,
-                                     void (*init_q)(void *user, uint64_t draw,
-                                                    size_t bucket_index, float *q, size_t n),
+                                     void (*init_q)(void *user, uint64_t draw, size_t bucket_index,
+                                                    float *q, size_t n),
                                      void *init_q_user);
 /* The stats callback: total_numel_before/after_compression and the last step's bytes. */
 DDP_API void ddp_powersgd_stats(void *state, ddp_comm_hook_stats_t *out);
@@ -222,8 +221,7 @@ DDP_API ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucke
                                        ddp_comm_work_t **out);
 /* batched_powerSGD_hook(state, bucket), spec §7.7: the whole bucket padded to s x s,
  * s = ceil(sqrt(numel)); 2 allreduces per bucket. */
-DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg,
-                                               ddp_grad_bucket_t *bucket,
+DDP_API ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *bucket,
                                                ddp_comm_work_t **out);
 
 /* ---------------------------------------------------------------- configuration --- */
@@ -249,8 +247,8 @@ DDP_API ddp_status_t ddp_hooks_validate(const char *comm_hook, const char *comm_
  * registered (or whose registration failed) is released with out->free_state(out->state).
  * out->name points into the state. On failure *out is zeros and nothing is allocated. */
 DDP_API ddp_status_t ddp_hooks_create(const char *comm_hook, const char *comm_wrapper,
-                                      const char *comm_state_option, int rank,
-                                      ddp_comm_hook_t *out, ddp_error_t *err);
+                                      const char *comm_state_option, int rank, ddp_comm_hook_t *out,
+                                      ddp_error_t *err);
 
 /* The PowerSGD state of a hook that ddp_hooks_create made for comm_hook power_sgd or
  * batched_power_sgd (for ddp_powersgd_set_init_q and the counters); NULL for any other hook.

@@ -32,9 +32,9 @@ extern "C" {
 typedef struct ddp_st_file ddp_st_file_t;
 
 typedef enum ddp_st_open_flags {
-  DDP_ST_READ = 0,    /* read the whole file into memory */
-  DDP_ST_MMAP = 1     /* map the file read-only; views point into the mapping. The file must
-                         not be truncated while it is open (SIGBUS, as with any mapping). */
+  DDP_ST_READ = 0, /* read the whole file into memory */
+  DDP_ST_MMAP = 1  /* map the file read-only; views point into the mapping. The file must
+                      not be truncated while it is open (SIGBUS, as with any mapping). */
 } ddp_st_open_flags_t;
 
 /* The largest JSON header accepted, as in the reference implementation. */

@@ -40,17 +40,17 @@ typedef struct ddp_param ddp_param_t;
 typedef void (*ddp_grad_ready_fn)(void *user, ddp_param_t *p, int fire);
 
 struct ddp_param {
-  const char *name;        /* state_dict name, owned by the model */
-  size_t index;            /* registration order = PyTorch parameters() order */
-  ddp_tensor_t value;      /* view into the model's flat parameter buffer for value.dtype */
-  ddp_tensor_t grad;       /* view into the flat gradient buffer (see ddp_param_set_grad_data);
-                            * data NULL: the gradient is None (ddp_param_set_grad_none) */
-  int64_t offset;          /* element offset of value (and of grad) in its dtype's flat buffer */
-  bool requires_grad;      /* false: frozen, never receives a gradient, never fires */
-  ddp_grad_ready_fn hook;  /* NULL: none */
+  const char *name;       /* state_dict name, owned by the model */
+  size_t index;           /* registration order = PyTorch parameters() order */
+  ddp_tensor_t value;     /* view into the model's flat parameter buffer for value.dtype */
+  ddp_tensor_t grad;      /* view into the flat gradient buffer (see ddp_param_set_grad_data);
+                           * data NULL: the gradient is None (ddp_param_set_grad_none) */
+  int64_t offset;         /* element offset of value (and of grad) in its dtype's flat buffer */
+  bool requires_grad;     /* false: frozen, never receives a gradient, never fires */
+  ddp_grad_ready_fn hook; /* NULL: none */
   void *hook_user;
   /* Private bookkeeping of the autograd engine. */
-  void *grad_home_;       /* the flat gradient buffer's view, restored by set_grad_data(NULL) */
+  void *grad_home_; /* the flat gradient buffer's view, restored by set_grad_data(NULL) */
   struct ddp_var *leaf_;
   uint64_t leaf_gen_;
   uint64_t fire_bwd_;
@@ -59,10 +59,10 @@ struct ddp_param {
 
 typedef struct ddp_var {
   ddp_tensor_t value;
-  ddp_tensor_t grad;     /* data NULL until a gradient flows here during backward */
+  ddp_tensor_t grad; /* data NULL until a gradient flows here during backward */
   bool requires_grad;
-  ddp_node_t *creator;   /* the op that produced it; NULL for leaves */
-  ddp_param_t *param;    /* set on a parameter's leaf */
+  ddp_node_t *creator; /* the op that produced it; NULL for leaves */
+  ddp_param_t *param;  /* set on a parameter's leaf */
   /* Private bookkeeping of the autograd engine. */
   int32_t pending_;
   uint64_t stamp_;
@@ -72,7 +72,7 @@ typedef struct ddp_var {
 typedef struct ddp_buffer {
   const char *name;
   size_t index;
-  ddp_tensor_t value;    /* owned by the model */
+  ddp_tensor_t value; /* owned by the model */
 } ddp_buffer_t;
 
 /* ---------------------------------------------------------------- context --------- */
@@ -135,8 +135,8 @@ DDP_API void ddp_graph_visit_params(ddp_ctx_t *ctx, size_t n, ddp_var_t *const *
  * recomputes fn with grad (same dropout draws), runs an inner backward from the recomputed
  * output, which fires the hooks of the parameters fn uses (fire count > 1 for one also used
  * outside), and passes the input gradients on. */
-typedef ddp_status_t (*ddp_segment_fn)(void *user, ddp_ctx_t *ctx, size_t nin,
-                                       ddp_var_t *const *in, ddp_var_t **out);
+typedef ddp_status_t (*ddp_segment_fn)(void *user, ddp_ctx_t *ctx, size_t nin, ddp_var_t *const *in,
+                                       ddp_var_t **out);
 DDP_API ddp_status_t ddp_checkpoint(ddp_ctx_t *ctx, ddp_segment_fn fn, void *user, size_t nin,
                                     ddp_var_t *const *in, ddp_var_t **out);
 
@@ -187,8 +187,7 @@ DDP_API ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, dd
                                     ddp_tensor_t *num_batches_tracked, bool training,
                                     double momentum, double eps, ddp_var_t **y);
 /* ids I64 of any shape, weight [V, D]; y = ids.shape + [D]. Out-of-range ids are an error. */
-DDP_API ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *weight,
-                                   ddp_var_t **y);
+DDP_API ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *weight, ddp_var_t **y);
 /* Same numel; one dim may be -1. */
 DDP_API ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape,
                                  ddp_var_t **y);
@@ -215,15 +214,14 @@ DDP_API ddp_status_t ddp_conv1d(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_va
                                 ddp_var_t **y);
 /* Batched matmul over equal leading dims: a [..., m, k], b [..., k, n] (or [..., n, k] when
  * trans_b) -> [..., m, n]; one gemm per leading index. */
-DDP_API ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b,
-                             ddp_var_t **y);
+DDP_API ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b, ddp_var_t **y);
 /* y = x.permute(perm) as a contiguous copy; perm has x.ndim entries, each dim once
  * (negative entries count from the end). */
 DDP_API ddp_status_t ddp_permute(ddp_ctx_t *c, ddp_var_t *x, const int *perm, ddp_var_t **y);
 /* y = x.narrow(dim, start, length) as a contiguous copy; dim and start may be negative
  * (counted from the end). start + length beyond the dim's size is an error. */
-DDP_API ddp_status_t ddp_narrow(ddp_ctx_t *c, ddp_var_t *x, int dim, int64_t start,
-                                int64_t length, ddp_var_t **y);
+DDP_API ddp_status_t ddp_narrow(ddp_ctx_t *c, ddp_var_t *x, int dim, int64_t start, int64_t length,
+                                ddp_var_t **y);
 /* y = x * s, with s rounded to x's dtype. */
 DDP_API ddp_status_t ddp_scale(ddp_ctx_t *c, ddp_var_t *x, double s, ddp_var_t **y);
 /* Fused QKV split: x [B, T, 3C] -> q, k, v each [B, n_head, T, C/n_head]: q from the first C
@@ -245,8 +243,8 @@ DDP_API ddp_status_t ddp_merge_heads(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
  * takes the next dropout call of the step). Then probs @ v. Saves only the probabilities
  * for backward. */
 DDP_API ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp_var_t *v,
-                                   ddp_var_t *key_mask, bool causal, double scale,
-                                   double dropout_p, bool training, ddp_var_t **y);
+                                   ddp_var_t *key_mask, bool causal, double scale, double dropout_p,
+                                   bool training, ddp_var_t **y);
 /* Causal-LM loss as Transformers' GPT2LMHeadModel: logits [B, T, V], labels I64 [B, T];
  * position t's logits predict labels[t + 1]; mean cross-entropy over the B*(T-1) pairs whose
  * label is not ignore_index (-100); no counted pair gives NaN. A label outside [0, V) other
@@ -262,9 +260,8 @@ DDP_API void ddp_model_destroy(ddp_model_t *m);
 /* Building: register parameters and buffers (before ddp_model_finalize), then finalize,
  * which lays out the flat buffers in registration order and points the views. Names must be
  * unique (DDP_ERR_INVALID_ARGUMENT). Values start at zero. */
-DDP_API ddp_status_t ddp_model_add_param(ddp_model_t *m, const char *name, ddp_dtype_t dt,
-                                         int ndim, const int64_t *shape, bool requires_grad,
-                                         size_t *index);
+DDP_API ddp_status_t ddp_model_add_param(ddp_model_t *m, const char *name, ddp_dtype_t dt, int ndim,
+                                         const int64_t *shape, bool requires_grad, size_t *index);
 DDP_API ddp_status_t ddp_model_add_buffer(ddp_model_t *m, const char *name, ddp_dtype_t dt,
                                           int ndim, const int64_t *shape, size_t *index);
 DDP_API ddp_status_t ddp_model_finalize(ddp_model_t *m);
@@ -304,9 +301,8 @@ DDP_API void ddp_model_set_grads_none(ddp_model_t *m);
 /* Modules. Each constructor registers its parameters and buffers under the prefix (the
  * module's state_dict path, "" for a root module) and returns a module owned by the model.
  * Call them in PyTorch's __init__ order so that parameters() orders match. */
-DDP_API ddp_status_t ddp_module_linear(ddp_model_t *m, const char *prefix, int64_t in,
-                                       int64_t out, bool bias, ddp_dtype_t dt,
-                                       ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_linear(ddp_model_t *m, const char *prefix, int64_t in, int64_t out,
+                                       bool bias, ddp_dtype_t dt, ddp_module_t **mod);
 DDP_API ddp_status_t ddp_module_layer_norm(ddp_model_t *m, const char *prefix, int64_t dim,
                                            double eps, ddp_dtype_t dt, ddp_module_t **mod);
 DDP_API ddp_status_t ddp_module_batch_norm(ddp_model_t *m, const char *prefix, int64_t dim,
@@ -321,8 +317,7 @@ DDP_API ddp_status_t ddp_module_flatten(ddp_model_t *m, ddp_module_t **mod);
 DDP_API ddp_status_t ddp_module_sequential(ddp_model_t *m, ddp_module_t **mod);
 DDP_API ddp_status_t ddp_module_append(ddp_module_t *seq, ddp_module_t *child);
 /* y = x + body(x). */
-DDP_API ddp_status_t ddp_module_residual(ddp_model_t *m, ddp_module_t *body,
-                                         ddp_module_t **mod);
+DDP_API ddp_status_t ddp_module_residual(ddp_model_t *m, ddp_module_t *body, ddp_module_t **mod);
 /* y = body(x) when bit `flag` of the forward's flags is set, else y = x (a layer used only
  * for some batches: the unused-parameter case). */
 DDP_API ddp_status_t ddp_module_branch(ddp_model_t *m, ddp_module_t *body, unsigned flag,
@@ -344,8 +339,8 @@ DDP_API void ddp_model_set_root(ddp_model_t *m, ddp_module_t *root);
 DDP_API void ddp_model_train(ddp_model_t *m, bool training);
 DDP_API ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *ctx, ddp_var_t *x,
                                         uint64_t flags, ddp_var_t **y);
-DDP_API ddp_status_t ddp_model_forward(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *x,
-                                       uint64_t flags, ddp_var_t **y);
+DDP_API ddp_status_t ddp_model_forward(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *x, uint64_t flags,
+                                       ddp_var_t **y);
 
 /* PyTorch's default initialisation of every module, drawn from ddp_rng stream
  * (DDP_RNG_INIT, 0, 0) under seed in registration order: Linear weight and bias
@@ -366,8 +361,7 @@ DDP_API ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool stric
 /* Builds a model from a JSON description (docs/nn.md): a top-level Sequential whose
  * layers may carry a "name" (the state_dict key instead of the position) and may be "add"
  * nodes summing sub-networks. */
-DDP_API ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out,
-                                         ddp_error_t *err);
+DDP_API ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_t *err);
 DDP_API ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **out,
                                               ddp_error_t *err);
 
@@ -389,50 +383,50 @@ typedef enum ddp_hf_model_type {
 
 /* config.json keys of GPT-2, with Transformers' defaults. */
 typedef struct ddp_gpt2_config {
-  int64_t vocab_size;                 /* 50257 */
-  int64_t n_positions;                /* 1024: the longest sequence */
-  int64_t n_embd;                     /* 768 */
-  int64_t n_layer;                    /* 12 */
-  int64_t n_head;                     /* 12; must divide n_embd */
-  int64_t n_inner;                    /* 0 = null: 4 * n_embd */
+  int64_t vocab_size;                        /* 50257 */
+  int64_t n_positions;                       /* 1024: the longest sequence */
+  int64_t n_embd;                            /* 768 */
+  int64_t n_layer;                           /* 12 */
+  int64_t n_head;                            /* 12; must divide n_embd */
+  int64_t n_inner;                           /* 0 = null: 4 * n_embd */
   char activation_function[DDP_HF_NAME_MAX]; /* "gelu_new" */
-  double resid_pdrop;                 /* 0.1 */
-  double embd_pdrop;                  /* 0.1 */
-  double attn_pdrop;                  /* 0.1 */
-  double layer_norm_epsilon;          /* 1e-5 */
-  double initializer_range;           /* 0.02 */
-  bool scale_attn_weights;            /* true: scores / sqrt(head size) */
-  bool scale_attn_by_inverse_layer_idx; /* false: also / (layer index + 1) */
-  bool reorder_and_upcast_attn;       /* false; true computes the same function */
-  bool tie_word_embeddings;           /* true: lm_head.weight is transformer.wte.weight */
+  double resid_pdrop;                        /* 0.1 */
+  double embd_pdrop;                         /* 0.1 */
+  double attn_pdrop;                         /* 0.1 */
+  double layer_norm_epsilon;                 /* 1e-5 */
+  double initializer_range;                  /* 0.02 */
+  bool scale_attn_weights;                   /* true: scores / sqrt(head size) */
+  bool scale_attn_by_inverse_layer_idx;      /* false: also / (layer index + 1) */
+  bool reorder_and_upcast_attn;              /* false; true computes the same function */
+  bool tie_word_embeddings;                  /* true: lm_head.weight is transformer.wte.weight */
 } ddp_gpt2_config_t;
 
 /* config.json keys of BERT, with Transformers' defaults. */
 typedef struct ddp_bert_config {
-  int64_t vocab_size;                 /* 30522 */
-  int64_t hidden_size;                /* 768 */
-  int64_t num_hidden_layers;          /* 12 */
-  int64_t num_attention_heads;        /* 12; must divide hidden_size */
-  int64_t intermediate_size;          /* 3072 */
-  char hidden_act[DDP_HF_NAME_MAX];   /* "gelu" (erf) */
-  double hidden_dropout_prob;         /* 0.1 */
+  int64_t vocab_size;                  /* 30522 */
+  int64_t hidden_size;                 /* 768 */
+  int64_t num_hidden_layers;           /* 12 */
+  int64_t num_attention_heads;         /* 12; must divide hidden_size */
+  int64_t intermediate_size;           /* 3072 */
+  char hidden_act[DDP_HF_NAME_MAX];    /* "gelu" (erf) */
+  double hidden_dropout_prob;          /* 0.1 */
   double attention_probs_dropout_prob; /* 0.1 */
-  int64_t max_position_embeddings;    /* 512: the longest sequence */
-  int64_t type_vocab_size;            /* 2 */
-  double layer_norm_eps;              /* 1e-12 */
-  double initializer_range;           /* 0.02 */
-  int64_t pad_token_id;               /* 0; -1 = null (no padding row) */
-  int64_t num_labels;                 /* 2 ("num_labels", or the size of "id2label") */
-  double classifier_dropout;          /* -1 = null: hidden_dropout_prob */
-  char problem_type[DDP_HF_NAME_MAX]; /* "" = null, "regression", "single_label_classification" */
+  int64_t max_position_embeddings;     /* 512: the longest sequence */
+  int64_t type_vocab_size;             /* 2 */
+  double layer_norm_eps;               /* 1e-12 */
+  double initializer_range;            /* 0.02 */
+  int64_t pad_token_id;                /* 0; -1 = null (no padding row) */
+  int64_t num_labels;                  /* 2 ("num_labels", or the size of "id2label") */
+  double classifier_dropout;           /* -1 = null: hidden_dropout_prob */
+  char problem_type[DDP_HF_NAME_MAX];  /* "" = null, "regression", "single_label_classification" */
 } ddp_bert_config_t;
 
 typedef struct ddp_hf_config {
-  ddp_hf_model_type_t model_type;     /* "model_type" */
-  ddp_dtype_t torch_dtype;            /* "torch_dtype": F64 for "float64", else F32; a model
-                                       * reports its own dtype here */
-  ddp_gpt2_config_t gpt2;             /* model_type GPT2 */
-  ddp_bert_config_t bert;             /* model_type BERT */
+  ddp_hf_model_type_t model_type; /* "model_type" */
+  ddp_dtype_t torch_dtype;        /* "torch_dtype": F64 for "float64", else F32; a model
+                                   * reports its own dtype here */
+  ddp_gpt2_config_t gpt2;         /* model_type GPT2 */
+  ddp_bert_config_t bert;         /* model_type BERT */
 } ddp_hf_config_t;
 
 typedef enum ddp_model_task {
@@ -465,8 +459,8 @@ DDP_API ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char 
  * n_embd % n_head != 0 and the like are DDP_ERR_INVALID_ARGUMENT naming the key; settings that
  * change the model in ways libddp does not implement are DDP_ERR_UNSUPPORTED. path only names
  * the source in messages (may be NULL). */
-DDP_API ddp_status_t ddp_hf_config_parse(const char *json, const char *path,
-                                         ddp_hf_config_t *cfg, ddp_error_t *err);
+DDP_API ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_config_t *cfg,
+                                         ddp_error_t *err);
 /* Writes config.json as save_pretrained does (sorted keys, "architectures", "model_type",
  * "torch_dtype", BERT's id2label/label2id), atomically. */
 DDP_API ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path,
@@ -479,12 +473,11 @@ DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dt
  * bert.embeddings.position_ids buffers are ignored, a tied lm_head.weight must only match
  * in shape (wte's values are used), and a base-model checkpoint's keys (no "transformer." /
  * "bert." prefix) get the prefix. Floating dtypes convert to dt. */
-DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt,
-                                               ddp_model_t **out, ddp_error_t *err);
+DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_model_t **out,
+                                               ddp_error_t *err);
 /* Writes DIR/config.json and DIR/model.safetensors (metadata {"format": "pt"}; the tied
  * lm_head.weight left out), as save_pretrained does; creates DIR (and its parents). */
-DDP_API ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir,
-                                               ddp_error_t *err);
+DDP_API ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_error_t *err);
 
 #ifdef __cplusplus
 }

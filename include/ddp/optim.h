@@ -44,7 +44,7 @@ typedef struct ddp_optim_options {
   /* SGD */
   double momentum;
   double dampening;
-  bool nesterov;       /* requires momentum > 0 and dampening == 0, as in torch */
+  bool nesterov; /* requires momentum > 0 and dampening == 0, as in torch */
   /* Adam, AdamW */
   double beta1;
   double beta2;
@@ -52,15 +52,21 @@ typedef struct ddp_optim_options {
   bool amsgrad;
 } ddp_optim_options_t;
 
-#define DDP_SGD_OPTIONS_INIT                                                            \
-  {sizeof(ddp_optim_options_t), DDP_OPTIM_SGD, 1e-3, 0.0, false, 0.0, 0.0, false, 0.9, 0.999, \
-   1e-8, false}
-#define DDP_ADAM_OPTIONS_INIT                                                           \
-  {sizeof(ddp_optim_options_t), DDP_OPTIM_ADAM, 1e-3, 0.0, false, 0.0, 0.0, false, 0.9, 0.999, \
-   1e-8, false}
-#define DDP_ADAMW_OPTIONS_INIT                                                           \
-  {sizeof(ddp_optim_options_t), DDP_OPTIM_ADAMW, 1e-3, 1e-2, false, 0.0, 0.0, false, 0.9,   \
-   0.999, 1e-8, false}
+#define DDP_SGD_OPTIONS_INIT                                                                   \
+  {                                                                                            \
+    sizeof(ddp_optim_options_t), DDP_OPTIM_SGD, 1e-3, 0.0, false, 0.0, 0.0, false, 0.9, 0.999, \
+        1e-8, false                                                                            \
+  }
+#define DDP_ADAM_OPTIONS_INIT                                                                   \
+  {                                                                                             \
+    sizeof(ddp_optim_options_t), DDP_OPTIM_ADAM, 1e-3, 0.0, false, 0.0, 0.0, false, 0.9, 0.999, \
+        1e-8, false                                                                             \
+  }
+#define DDP_ADAMW_OPTIONS_INIT                                                                    \
+  {                                                                                               \
+    sizeof(ddp_optim_options_t), DDP_OPTIM_ADAMW, 1e-3, 1e-2, false, 0.0, 0.0, false, 0.9, 0.999, \
+        1e-8, false                                                                               \
+  }
 
 /* One parameter and its gradient. Both pointers stay the caller's; the optimizer reads
  * them at every step, so the caller may swap the tensors' data between steps. */
@@ -141,11 +147,11 @@ typedef struct ddp_lr_schedule {
   double num_cycles;          /* cosine; HF default 0.5 (half a cosine wave to zero) */
 } ddp_lr_schedule_t;
 
-#define DDP_LR_SCHEDULE_INIT {DDP_LR_LINEAR, 0, 0, 0.5}
+#define DDP_LR_SCHEDULE_INIT \
+  { DDP_LR_LINEAR, 0, 0, 0.5 }
 
 /* Parses an HF name. DDP_ERR_INVALID_ARGUMENT lists the accepted names. */
-DDP_API ddp_status_t ddp_lr_kind_from_name(const char *name, ddp_lr_kind_t *out,
-                                           ddp_error_t *err);
+DDP_API ddp_status_t ddp_lr_kind_from_name(const char *name, ddp_lr_kind_t *out, ddp_error_t *err);
 DDP_API const char *ddp_lr_kind_name(ddp_lr_kind_t kind);
 /* Negative step counts are DDP_ERR_INVALID_ARGUMENT; so is num_training_steps < 1 for
  * linear and cosine (HF requires it). */

@@ -4,8 +4,8 @@
  * collective is asynchronous: the call checks its arguments, queues the operation and
  * returns a ddp_work_t at once; queued operations run one at a time in issue order, on the
  * group's progress thread, or on the caller's thread when it waits on an idle group (no
- * thread handoff for small messages). Caller buffers belong to the library from the call until the work
- * completes (ddp_work_wait/ddp_work_test says so); reading or writing them before that is a
+ * thread handoff for small messages). Caller buffers belong to the library from the call until the
+ * work completes (ddp_work_wait/ddp_work_test says so); reading or writing them before that is a
  * data race.
  *
  * Determinism (docs/backends.md): with the default algorithm every reduction folds the
@@ -54,7 +54,8 @@ typedef struct ddp_pg_options {
                               * /dev/shm when ddp_pg_alloc hands it out) */
 } ddp_pg_options_t;
 
-#define DDP_PG_OPTIONS_INIT {sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0}
+#define DDP_PG_OPTIONS_INIT \
+  { sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0 }
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).
@@ -126,8 +127,7 @@ DDP_API void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const 
 DDP_API bool ddp_pg_flight_recorder_enabled(const ddp_pg_t *pg);
 /* Writes the dump now, to path (NULL = the configured location), through a temporary file and
  * a rename. DDP_ERR_INVALID_USAGE when recording is off or no location is known. */
-DDP_API ddp_status_t ddp_pg_dump_flight_recorder(ddp_pg_t *pg, const char *path,
-                                                 ddp_error_t *err);
+DDP_API ddp_status_t ddp_pg_dump_flight_recorder(ddp_pg_t *pg, const char *path, ddp_error_t *err);
 
 DDP_API int ddp_pg_rank(const ddp_pg_t *pg);
 DDP_API int ddp_pg_size(const ddp_pg_t *pg);
@@ -153,8 +153,8 @@ DDP_API void ddp_pg_free(ddp_pg_t *pg, void *ptr);
 DDP_API ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                                    ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work);
 /* buf of count elements from root to every rank. */
-DDP_API ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt,
-                                   int root, ddp_work_t **work);
+DDP_API ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
+                                   ddp_work_t **work);
 /* recv (W*count elements) = concatenation of every rank's send (count elements). In place
  * when send == recv + rank*count. */
 DDP_API ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count,
@@ -172,8 +172,8 @@ DDP_API ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work);
  * the data is handed over (shared backends: copied by the receiver; tcp: written to the
  * connection). The pair must agree on count and dtype (else DESYNC on both). Each rank runs
  * its operations in issue order, so a ring of sends needs some ranks to receive first. */
-DDP_API ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt,
-                              int peer, ddp_work_t **work);
+DDP_API ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt, int peer,
+                              ddp_work_t **work);
 DDP_API ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
                               ddp_work_t **work);
 

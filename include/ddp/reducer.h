@@ -54,8 +54,8 @@ typedef struct ddp_bucket_assignment {
  * it is NULL the buckets are sorted by their smallest index, else kept in production
  * order. Trailing partial buckets follow in the order their keys were first seen. */
 DDP_API ddp_status_t ddp_compute_bucket_assignment_by_size(
-    size_t n, const size_t *bytes, const int *keys, const bool *expect_sparse,
-    const size_t *limits, size_t nlimits, const size_t *order, ddp_bucket_assignment_t *out);
+    size_t n, const size_t *bytes, const int *keys, const bool *expect_sparse, const size_t *limits,
+    size_t nlimits, const size_t *order, ddp_bucket_assignment_t *out);
 DDP_API void ddp_bucket_assignment_free(ddp_bucket_assignment_t *a);
 
 /* ---------------------------------------------------------------- options --------- */
@@ -88,7 +88,7 @@ typedef struct ddp_ddp_options {
 } ddp_ddp_options_t;
 
 #define DDP_DDP_OPTIONS_INIT \
-  {sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true, NULL, 0}
+  { sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true, NULL, 0 }
 
 typedef struct ddp_ddp ddp_ddp_t;
 
@@ -98,9 +98,8 @@ typedef struct ddp_ddp ddp_ddp_t;
  * buffer from rank 0 in coalesced chunks of at most 250 MiB, at most 2 in flight. Both model
  * and pg are borrowed and must outlive the handle; the model's grad-ready hooks belong to
  * the handle until destroy. err (optional) receives the message on failure. */
-DDP_API ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg,
-                                    const ddp_ddp_options_t *opts, ddp_ddp_t **out,
-                                    ddp_error_t *err);
+DDP_API ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg, const ddp_ddp_options_t *opts,
+                                    ddp_ddp_t **out, ddp_error_t *err);
 /* Frees the buckets (waiting for any in flight), restores every gradient to the model's
  * flat gradient buffer (copying values out of bucket views) and removes the hooks. NULL is
  * a no-op. */
@@ -127,8 +126,8 @@ DDP_API ddp_status_t ddp_ddp_pre_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx);
 DDP_API ddp_status_t ddp_ddp_post_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, size_t n,
                                           ddp_var_t *const *outputs);
 /* pre_forward, ddp_model_forward(model, ctx, x, flags, y), post_forward. */
-DDP_API ddp_status_t ddp_ddp_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *x,
-                                     uint64_t flags, ddp_var_t **y);
+DDP_API ddp_status_t ddp_ddp_forward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t *x, uint64_t flags,
+                                     ddp_var_t **y);
 /* ddp_backward(ctx, loss), then reports an error a gradient-ready hook met (such as
  * "marked ready twice") or the finalize's. After a synchronised backward every managed
  * gradient holds the average over ranks (globally unused ones are left untouched). */
@@ -185,7 +184,7 @@ typedef struct ddp_ddp_logging_data {
   const char *module_name; /* "ddp_model" */
   size_t num_parameter_tensors;
   int64_t total_parameter_size_bytes;
-  const char *dtypes;      /* comma-separated, e.g. "F32" */
+  const char *dtypes; /* comma-separated, e.g. "F32" */
   bool broadcast_buffers;
   bool find_unused_parameters;
   bool gradient_as_bucket_view;
@@ -267,7 +266,8 @@ typedef struct ddp_dump_options {
   const char *model_json;       /* meta.json "model": the model file's text; NULL = {} */
 } ddp_dump_options_t;
 
-#define DDP_DUMP_OPTIONS_INIT {sizeof(ddp_dump_options_t), 0, NULL, NULL, NULL}
+#define DDP_DUMP_OPTIONS_INIT \
+  { sizeof(ddp_dump_options_t), 0, NULL, NULL, NULL }
 
 /* Creates DIR and DIR/rank{rank} (mkdir -p) and, on rank 0, writes DIR/meta.json. The
  * strings of opts are copied; config_json and model_json must parse as JSON objects

@@ -9,7 +9,8 @@
  * own). ddp_store_cancel() from any thread makes blocked and later calls return
  * DDP_ERR_ABORTED. Every create takes an optional ddp_error_t *err for its failure (it has
  * no handle yet); later failures are read with ddp_store_last_error_copy. Failures are
- * logged once, by the store, where they happen. docs/rendezvous.md describes the kinds, the timeouts, the token and the wire format. */
+ * logged once, by the store, where they happen. docs/rendezvous.md describes the kinds, the
+ * timeouts, the token and the wire format. */
 #ifndef DDP_STORE_H
 #define DDP_STORE_H
 
@@ -31,13 +32,14 @@ typedef struct ddp_store ddp_store_t;
 #define DDP_STORE_MAX_DEPTH 8
 
 typedef struct ddp_store_options {
-  size_t struct_size;      /* sizeof(ddp_store_options_t) */
-  int64_t timeout_ms;      /* default for every blocking call; <0 = DDP_TIMEOUT env (1800 s) */
-  const char *job_token;   /* TCP: presented at connect; NULL = DDP_JOB_TOKEN env, "" = none */
-  int rank;                /* for log prefixes and messages; -1 unknown */
+  size_t struct_size;    /* sizeof(ddp_store_options_t) */
+  int64_t timeout_ms;    /* default for every blocking call; <0 = DDP_TIMEOUT env (1800 s) */
+  const char *job_token; /* TCP: presented at connect; NULL = DDP_JOB_TOKEN env, "" = none */
+  int rank;              /* for log prefixes and messages; -1 unknown */
 } ddp_store_options_t;
 
-#define DDP_STORE_OPTIONS_INIT {sizeof(ddp_store_options_t), -1, NULL, -1}
+#define DDP_STORE_OPTIONS_INIT \
+  { sizeof(ddp_store_options_t), -1, NULL, -1 }
 
 /* Every create: opts may be NULL (defaults; read by struct_size, older callers get defaults
  * for the fields they lack); err (optional) receives the message on failure. */
@@ -66,14 +68,12 @@ DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *pref
  * Destroying a TCP server stops serving every client. */
 DDP_API void ddp_store_destroy(ddp_store_t *s);
 
-DDP_API ddp_status_t ddp_store_set(ddp_store_t *s, const char *key, const void *value,
-                                   size_t len);
+DDP_API ddp_status_t ddp_store_set(ddp_store_t *s, const char *key, const void *value, size_t len);
 /* Waits (up to the store timeout) for key, then returns a copy: *value is allocated with
  * ddp_malloc and freed by the caller with ddp_free. */
 DDP_API ddp_status_t ddp_store_get(ddp_store_t *s, const char *key, void **value, size_t *len);
 /* Atomically adds delta to the int64 counter at key (missing = 0) and returns the result. */
-DDP_API ddp_status_t ddp_store_add(ddp_store_t *s, const char *key, int64_t delta,
-                                   int64_t *result);
+DDP_API ddp_status_t ddp_store_add(ddp_store_t *s, const char *key, int64_t delta, int64_t *result);
 /* Waits until all keys exist. timeout_ms < 0 uses the store's timeout. */
 DDP_API ddp_status_t ddp_store_wait(ddp_store_t *s, const char *const *keys, size_t nkeys,
                                     int64_t timeout_ms);
@@ -85,8 +85,7 @@ DDP_API ddp_status_t ddp_store_check(ddp_store_t *s, const char *const *keys, si
  * the call, as in c10d's compareSet; a key that stays missing gives an empty *actual. */
 DDP_API ddp_status_t ddp_store_compare_set(ddp_store_t *s, const char *key, const void *expected,
                                            size_t expected_len, const void *desired,
-                                           size_t desired_len, void **actual,
-                                           size_t *actual_len);
+                                           size_t desired_len, void **actual, size_t *actual_len);
 /* *deleted = the key existed. */
 DDP_API ddp_status_t ddp_store_delete(ddp_store_t *s, const char *key, bool *deleted);
 /* Keys in the whole underlying store (a prefix view does not filter, as in c10d). */

@@ -28,10 +28,13 @@ extern "C" {
   X(BOOL, "BOOL", 1)
 
 typedef enum ddp_dtype {
+/* The list expands to enumerators, which clang-format cannot see. */
+/* clang-format off */
 #define DDP_DTYPE_ENUM_(id, name, size) DDP_##id,
   DDP_DTYPE_MAP(DDP_DTYPE_ENUM_)
 #undef DDP_DTYPE_ENUM_
   DDP_DTYPE_COUNT_
+  /* clang-format on */
 } ddp_dtype_t;
 
 /* Element size in bytes; 0 for a value outside the list. */
@@ -78,11 +81,11 @@ DDP_API void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const voi
 
 typedef struct ddp_tensor {
   ddp_dtype_t dtype;
-  int ndim;                      /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */
+  int ndim; /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */
   int64_t shape[DDP_MAX_DIMS];
   int64_t numel;
-  void *data;                    /* 64-byte aligned when owning */
-  bool owns;                     /* true: ddp_tensor_free releases data */
+  void *data; /* 64-byte aligned when owning */
+  bool owns;  /* true: ddp_tensor_free releases data */
 } ddp_tensor_t;
 
 /* Element count of a shape, with overflow and negative-dimension checks: DDP_ERR_INVALID_ARGUMENT
@@ -117,8 +120,8 @@ DDP_API const char *ddp_tensor_describe(const ddp_tensor_t *t, char *buf, size_t
  * op(A) is M x K, op(B) is K x N, C is M x N; lda/ldb/ldc are row strides in elements.
  * dt is DDP_F32 (sgemm) or DDP_F64 (dgemm). */
 DDP_API ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                              int64_t k, double alpha, const void *a, int64_t lda,
-                              const void *b, int64_t ldb, double beta, void *c, int64_t ldc);
+                              int64_t k, double alpha, const void *a, int64_t lda, const void *b,
+                              int64_t ldb, double beta, void *c, int64_t ldc);
 /* Replaces the row-major rows x cols matrix a (row stride lda >= cols, rows >= cols) by
  * the Q factor of its reduced QR decomposition: LAPACK's Householder geqrf then orgqr, as
  * torch.linalg.qr(mode="reduced") computes it (LAPACK's sign convention). dt is DDP_F32

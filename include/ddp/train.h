@@ -49,39 +49,39 @@ typedef struct ddp_train_args {
   int64_t max_steps;                   /* -1: derived from num_train_epochs */
   bool dataloader_drop_last;           /* false */
   /* optimizer */
-  double learning_rate;  /* 5e-5 */
-  double weight_decay;   /* 0.0; not applied to biases and LayerNorm parameters (HF) */
-  char weight_decay_grouping[16]; /* libddp: "transformers" (HF's groups: no decay on
-                                   * biases and LayerNorm weights) or "all" (every
-                                   * parameter, as torch.optim on model.parameters()) */
-  bool zero_grad_set_to_none; /* libddp: true (PyTorch 2.x, Transformers): gradients become
-                               * None after each step; false: zero-filled (PyTorch 1.13) */
-  double adam_beta1;     /* 0.9 */
-  double adam_beta2;     /* 0.999 */
-  double adam_epsilon;   /* 1e-8 */
-  char optim[32];        /* "adamw_torch" (also "adamw", "adam", "sgd") */
+  double learning_rate;               /* 5e-5 */
+  double weight_decay;                /* 0.0; not applied to biases and LayerNorm parameters (HF) */
+  char weight_decay_grouping[16];     /* libddp: "transformers" (HF's groups: no decay on
+                                       * biases and LayerNorm weights) or "all" (every
+                                       * parameter, as torch.optim on model.parameters()) */
+  bool zero_grad_set_to_none;         /* libddp: true (PyTorch 2.x, Transformers): gradients become
+                                       * None after each step; false: zero-filled (PyTorch 1.13) */
+  double adam_beta1;                  /* 0.9 */
+  double adam_beta2;                  /* 0.999 */
+  double adam_epsilon;                /* 1e-8 */
+  char optim[32];                     /* "adamw_torch" (also "adamw", "adam", "sgd") */
   char optim_args[DDP_TRAIN_STR_MAX]; /* "": HF's "key=value,..."; sgd takes momentum,
                                        * dampening and nesterov (docs/train.md) */
-  double max_grad_norm;  /* 1.0; <= 0 disables clipping, as in HF */
+  double max_grad_norm;               /* 1.0; <= 0 disables clipping, as in HF */
   /* schedule */
   char lr_scheduler_type[32]; /* "linear" (constant, constant_with_warmup, linear, cosine) */
   int64_t warmup_steps;       /* 0; when > 0 it wins over warmup_ratio */
   double warmup_ratio;        /* 0.0 */
   /* run control */
-  uint64_t seed;              /* 42: initial weights, sampler shuffles, dropout */
-  int64_t data_seed;          /* -1 (HF's None): seed; else the sampler's seed */
-  bool dataloader_shuffle;    /* libddp: true; false: DistributedSampler(shuffle=False) */
-  double logging_steps;       /* 500; below 1: a fraction of max_steps (HF) */
-  char eval_strategy[16];     /* "no" | "steps" | "epoch" */
-  double eval_steps;          /* 0: logging_steps (HF); below 1: a fraction of max_steps */
-  double eval_split;          /* libddp: held-out fraction when evaluating; 0.1 */
-  char save_strategy[16];     /* "steps" | "epoch" | "no" */
-  double save_steps;          /* 500; below 1: a fraction of max_steps */
-  int64_t save_total_limit;   /* -1: keep every checkpoint */
-  char output_dir[DDP_TRAIN_STR_MAX];             /* "trainer_output" */
+  uint64_t seed;                      /* 42: initial weights, sampler shuffles, dropout */
+  int64_t data_seed;                  /* -1 (HF's None): seed; else the sampler's seed */
+  bool dataloader_shuffle;            /* libddp: true; false: DistributedSampler(shuffle=False) */
+  double logging_steps;               /* 500; below 1: a fraction of max_steps (HF) */
+  char eval_strategy[16];             /* "no" | "steps" | "epoch" */
+  double eval_steps;                  /* 0: logging_steps (HF); below 1: a fraction of max_steps */
+  double eval_split;                  /* libddp: held-out fraction when evaluating; 0.1 */
+  char save_strategy[16];             /* "steps" | "epoch" | "no" */
+  double save_steps;                  /* 500; below 1: a fraction of max_steps */
+  int64_t save_total_limit;           /* -1: keep every checkpoint */
+  char output_dir[DDP_TRAIN_STR_MAX]; /* "trainer_output" */
   char resume_from_checkpoint[DDP_TRAIN_STR_MAX]; /* "": none; a path; "true": the latest */
-  bool gradient_checkpointing; /* false; only enters ddp_find_unused_parameters' default */
-  bool disable_tqdm;           /* false: progress bar when stdout is a terminal */
+  bool gradient_checkpointing;      /* false; only enters ddp_find_unused_parameters' default */
+  bool disable_tqdm;                /* false: progress bar when stdout is a terminal */
   char dump_dir[DDP_TRAIN_STR_MAX]; /* libddp: per-step dumps (docs/dumps.md); "" = none */
   char forward_flags[DDP_TRAIN_STR_MAX]; /* libddp: "0"; the flags of branch layers
                                           * (docs/nn.md): one entry per rank separated by
@@ -90,48 +90,44 @@ typedef struct ddp_train_args {
                                           * cycled over the optimizer steps ("0:1,1") */
   bool dump_local_grads;                 /* libddp: false; dumps also hold local_grad.* */
   /* DDP */
-  char ddp_backend[16];                   /* "": auto. gloo (= tcp), threads, shm, tcp, mpi, nccl */
+  char ddp_backend[16]; /* "": auto. gloo (= tcp), threads, shm, tcp, mpi, nccl */
   ddp_tristate_t ddp_find_unused_parameters; /* unset: !gradient_checkpointing (HF) */
-  double ddp_bucket_cap_mb;               /* -1: unset (25 MiB); fractions allowed */
-  double ddp_first_bucket_mb; /* libddp: -1 = the reducer's rule (docs/ddp.md); > 0: the
-                               * first bucket's cap, e.g. 1 for PyTorch 1.13's layouts */
-  ddp_tristate_t ddp_broadcast_buffers;   /* unset: true (torch's default) */
-  int64_t ddp_timeout;                    /* 1800 seconds */
-  ddp_tristate_t ddp_static_graph;        /* unset: false */
-  bool gradient_as_bucket_view;           /* false */
+  double ddp_bucket_cap_mb;                  /* -1: unset (25 MiB); fractions allowed */
+  double ddp_first_bucket_mb;           /* libddp: -1 = the reducer's rule (docs/ddp.md); > 0: the
+                                         * first bucket's cap, e.g. 1 for PyTorch 1.13's layouts */
+  ddp_tristate_t ddp_broadcast_buffers; /* unset: true (torch's default) */
+  int64_t ddp_timeout;                  /* 1800 seconds */
+  ddp_tristate_t ddp_static_graph;      /* unset: false */
+  bool gradient_as_bucket_view;         /* false */
   bool ddp_reducer; /* libddp: true = the bucketed DDP reducer; false = one flat allreduce */
   char ddp_trace[DDP_TRAIN_STR_MAX]; /* libddp: "" or the Chrome/Perfetto timeline file that
                                       * every rank's reducer writes (docs/ddp.md, Timeline) */
   /* communication hooks (Accelerate's names) */
-  char comm_hook[32];                     /* "no"; needs ddp_reducer (docs/hooks.md) */
-  char comm_wrapper[16];                  /* "no" */
+  char comm_hook[32];                        /* "no"; needs ddp_reducer (docs/hooks.md) */
+  char comm_wrapper[16];                     /* "no" */
   char comm_state_option[DDP_TRAIN_STR_MAX]; /* JSON object, "" or "{}" = none */
-  char power_sgd_init_q[DDP_TRAIN_STR_MAX]; /* libddp: "" or torch_reference.py's
-                                             * powersgd_q.safetensors: PyTorch's random Q
-                                             * draws, used instead of libddp's generator */
+  char power_sgd_init_q[DDP_TRAIN_STR_MAX];  /* libddp: "" or torch_reference.py's
+                                              * powersgd_q.safetensors: PyTorch's random Q
+                                              * draws, used instead of libddp's generator */
 } ddp_train_args_t;
 
-#define DDP_TRAIN_ARGS_INIT                                                               \
-  {                                                                                       \
-    .struct_size = sizeof(ddp_train_args_t), .per_device_train_batch_size = 8,            \
-    .per_device_eval_batch_size = 8, .gradient_accumulation_steps = 1,                    \
-    .num_train_epochs = 3.0, .max_steps = -1, .dataloader_drop_last = false,              \
-    .learning_rate = 5e-5, .weight_decay = 0.0,                   \
-    .weight_decay_grouping = "transformers", .zero_grad_set_to_none = true, .adam_beta1 = 0.9, .adam_beta2 = 0.999,   \
-    .adam_epsilon = 1e-8, .optim = "adamw_torch", .optim_args = "", .max_grad_norm = 1.0, \
-    .lr_scheduler_type = "linear", .warmup_steps = 0, .warmup_ratio = 0.0, .seed = 42,    \
-    .data_seed = -1, .dataloader_shuffle = true, .dump_local_grads = false,              \
-    .logging_steps = 500, .eval_strategy = "no", .eval_steps = 0, .eval_split = 0.1,      \
-    .save_strategy = "steps", .save_steps = 500, .save_total_limit = -1,                  \
-    .output_dir = "trainer_output", .resume_from_checkpoint = "",                         \
-    .gradient_checkpointing = false, .disable_tqdm = false, .dump_dir = "",              \
-    .forward_flags = "0", .ddp_backend = "",                                              \
-    .ddp_find_unused_parameters = DDP_UNSET, .ddp_bucket_cap_mb = -1,                     \
-    .ddp_first_bucket_mb = -1,                                                            \
-    .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800,                              \
-    .ddp_static_graph = DDP_UNSET, .gradient_as_bucket_view = false, .ddp_reducer = true,  \
-    .comm_hook = "no",                                                                    \
-    .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = ""                 \
+#define DDP_TRAIN_ARGS_INIT                                                                        \
+  {                                                                                                \
+    .struct_size = sizeof(ddp_train_args_t), .per_device_train_batch_size = 8,                     \
+    .per_device_eval_batch_size = 8, .gradient_accumulation_steps = 1, .num_train_epochs = 3.0,    \
+    .max_steps = -1, .dataloader_drop_last = false, .learning_rate = 5e-5, .weight_decay = 0.0,    \
+    .weight_decay_grouping = "transformers", .zero_grad_set_to_none = true, .adam_beta1 = 0.9,     \
+    .adam_beta2 = 0.999, .adam_epsilon = 1e-8, .optim = "adamw_torch", .optim_args = "",           \
+    .max_grad_norm = 1.0, .lr_scheduler_type = "linear", .warmup_steps = 0, .warmup_ratio = 0.0,   \
+    .seed = 42, .data_seed = -1, .dataloader_shuffle = true, .dump_local_grads = false,            \
+    .logging_steps = 500, .eval_strategy = "no", .eval_steps = 0, .eval_split = 0.1,               \
+    .save_strategy = "steps", .save_steps = 500, .save_total_limit = -1,                           \
+    .output_dir = "trainer_output", .resume_from_checkpoint = "", .gradient_checkpointing = false, \
+    .disable_tqdm = false, .dump_dir = "", .forward_flags = "0", .ddp_backend = "",                \
+    .ddp_find_unused_parameters = DDP_UNSET, .ddp_bucket_cap_mb = -1, .ddp_first_bucket_mb = -1,   \
+    .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800, .ddp_static_graph = DDP_UNSET,        \
+    .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
+    .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = ""                          \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"
@@ -164,8 +160,8 @@ DDP_API bool ddp_train_static_graph(const ddp_train_args_t *a);
 /* The table of fields, for --help and docs: name, type ("int", "float", "bool",
  * "Optional[bool]", "str"), default as text, and one line of help. i < ddp_train_arg_count(). */
 DDP_API size_t ddp_train_arg_count(void);
-DDP_API void ddp_train_arg_info(size_t i, const char **name, const char **type,
-                                const char **def, const char **help);
+DDP_API void ddp_train_arg_info(size_t i, const char **name, const char **type, const char **def,
+                                const char **help);
 
 /* The whole argument set as a JSON object (written into trainer_state.json). Caller frees
  * with ddp_free. */
@@ -184,14 +180,14 @@ typedef enum ddp_train_event_kind {
 typedef struct ddp_train_event {
   ddp_train_event_kind_t kind;
   int64_t step, max_steps;
-  double epoch;          /* fractional, as HF logs it */
-  double loss;           /* STEP: this step's loss; LOG: mean over the logging window */
-  double grad_norm;      /* before clipping (last step of the window) */
-  double lr;             /* the lr the step used */
-  double step_time_s;    /* LOG: mean wall time per optimizer step over the window */
-  double comm_time_s;    /* LOG: mean time per step in gradient communication */
-  double samples_per_s;  /* global samples per second over the window */
-  double eta_s;          /* remaining time at the current rate */
+  double epoch;                    /* fractional, as HF logs it */
+  double loss;                     /* STEP: this step's loss; LOG: mean over the logging window */
+  double grad_norm;                /* before clipping (last step of the window) */
+  double lr;                       /* the lr the step used */
+  double step_time_s;              /* LOG: mean wall time per optimizer step over the window */
+  double comm_time_s;              /* LOG: mean time per step in gradient communication */
+  double samples_per_s;            /* global samples per second over the window */
+  double eta_s;                    /* remaining time at the current rate */
   double eval_loss, eval_accuracy; /* EVAL; accuracy NaN for regression */
   const char *checkpoint;          /* SAVE: its directory */
 } ddp_train_event_t;
@@ -200,15 +196,15 @@ typedef void (*ddp_train_event_fn)(void *user, const ddp_train_event_t *ev);
 
 /* The outcome, filled on every rank. */
 typedef struct ddp_train_result {
-  int64_t steps;            /* global step reached */
-  int64_t start_step;       /* step resumed from (0 for a fresh run) */
-  double first_loss, last_loss; /* first and last logged step losses (means over ranks) */
+  int64_t steps;                   /* global step reached */
+  int64_t start_step;              /* step resumed from (0 for a fresh run) */
+  double first_loss, last_loss;    /* first and last logged step losses (means over ranks) */
   double eval_loss, eval_accuracy; /* last evaluation; NaN when none */
-  double seconds;           /* training wall time of this call */
-  double samples_per_s;     /* global samples per second */
-  double comm_seconds;      /* total time in gradient communication */
-  uint64_t param_hash;      /* hash of the final parameters (equal on every rank) */
-  int replica_checks;       /* replica checks passed */
+  double seconds;                  /* training wall time of this call */
+  double samples_per_s;            /* global samples per second */
+  double comm_seconds;             /* total time in gradient communication */
+  uint64_t param_hash;             /* hash of the final parameters (equal on every rank) */
+  int replica_checks;              /* replica checks passed */
   char last_checkpoint[DDP_TRAIN_STR_MAX]; /* "" when none was written */
 } ddp_train_result_t;
 
@@ -238,8 +234,7 @@ DDP_API ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, siz
  * every trainable parameter unless weight_decay > 0 split them, docs/train.md); returns
  * its step. */
 DDP_API ddp_status_t ddp_train_checkpoint_load(const char *dir, ddp_model_t *model,
-                                               ddp_optim_t *opt, int64_t *step,
-                                               ddp_error_t *err);
+                                               ddp_optim_t *opt, int64_t *step, ddp_error_t *err);
 
 /* Draws metrics.jsonl's training losses (and eval losses) as an SVG line plot. */
 DDP_API ddp_status_t ddp_train_plot_svg(const char *metrics_path, const char *svg_path,
@@ -259,10 +254,10 @@ typedef struct ddp_generate_options {
   int64_t context;        /* tokens the model sees, the latest ones; 0: its n_positions */
 } ddp_generate_options_t;
 
-#define DDP_GENERATE_OPTIONS_INIT                                                         \
-  {                                                                                       \
-    .struct_size = sizeof(ddp_generate_options_t), .max_new_tokens = 64, .top_k = 0,      \
-    .seed = 42, .context = 0                                                              \
+#define DDP_GENERATE_OPTIONS_INIT                                                                \
+  {                                                                                              \
+    .struct_size = sizeof(ddp_generate_options_t), .max_new_tokens = 64, .top_k = 0, .seed = 42, \
+    .context = 0                                                                                 \
   }
 
 /* Continues prompt (n >= 1 token ids) with o->max_new_tokens tokens from a causal language
@@ -273,8 +268,8 @@ typedef struct ddp_generate_options {
  * prompt or negative option (DDP_ERR_INVALID_ARGUMENT), a model that is not a causal LM,
  * and the forward's errors (an id beyond the vocabulary), with the forward's message. */
 DDP_API ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
-                                  const ddp_generate_options_t *o, int64_t **out,
-                                  int64_t *nout, ddp_error_t *err);
+                                  const ddp_generate_options_t *o, int64_t **out, int64_t *nout,
+                                  ddp_error_t *err);
 
 #ifdef __cplusplus
 }

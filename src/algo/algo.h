@@ -37,7 +37,7 @@ typedef struct ddp__coll {
   size_t count;
   ddp_dtype_t dt;
   ddp_redop_t op;
-  int root; /* broadcast root; p2p peer */
+  int root;             /* broadcast root; p2p peer */
   ddp_algorithm_t algo; /* resolved: never AUTO */
   ddp__fp_t fp;
 } ddp__coll_t;
@@ -53,12 +53,12 @@ typedef struct ddp__comm {
   size_t segment_bytes;           /* link family: pipelining segment */
   unsigned char *scratch;         /* link family: size * max(segment, small) bytes */
   size_t scratch_bytes;
-  unsigned char *tmp;             /* DDP_REDUCE_TMP_BYTES, fold accumulator */
-  uint64_t barriers;              /* shared: barriers this rank has entered */
-  uint64_t *p2p_tx;               /* shared: chunks posted to each peer */
-  uint64_t *p2p_rx;               /* shared: chunks taken from each peer */
-  int64_t deadline_ns;            /* of the running operation */
-  bool check_fp;                  /* compare fingerprints (false only for ddp-bench) */
+  unsigned char *tmp;  /* DDP_REDUCE_TMP_BYTES, fold accumulator */
+  uint64_t barriers;   /* shared: barriers this rank has entered */
+  uint64_t *p2p_tx;    /* shared: chunks posted to each peer */
+  uint64_t *p2p_rx;    /* shared: chunks taken from each peer */
+  int64_t deadline_ns; /* of the running operation */
+  bool check_fp;       /* compare fingerprints (false only for ddp-bench) */
   atomic_bool aborted;
 } ddp__comm_t;
 

@@ -20,16 +20,14 @@ void ddp__fp_str(const ddp__fp_t *fp, char *buf, size_t n) {
                ddp_redop_name((ddp_redop_t)fp->op), dt, (unsigned long long)fp->count, seg);
       break;
     case DDP_COLL_BROADCAST:
-      snprintf(buf, n, "%s #%llu (%s, count %llu, root %d)", kind, (unsigned long long)fp->seq,
-               dt, (unsigned long long)fp->count, (int)fp->root);
+      snprintf(buf, n, "%s #%llu (%s, count %llu, root %d)", kind, (unsigned long long)fp->seq, dt,
+               (unsigned long long)fp->count, (int)fp->root);
       break;
     case DDP_COLL_SEND:
       snprintf(buf, n, "%s #%llu of the pair (%s, count %llu, from rank %d)", kind,
                (unsigned long long)fp->seq, dt, (unsigned long long)fp->count, (int)fp->root);
       break;
-    case DDP_COLL_BARRIER:
-      snprintf(buf, n, "%s #%llu", kind, (unsigned long long)fp->seq);
-      break;
+    case DDP_COLL_BARRIER: snprintf(buf, n, "%s #%llu", kind, (unsigned long long)fp->seq); break;
     default:
       snprintf(buf, n, "%s #%llu (%s, count %llu)", kind, (unsigned long long)fp->seq, dt,
                (unsigned long long)fp->count);

@@ -42,8 +42,8 @@ static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp_
     ddp__fp_str(&op->fp, a, sizeof a);
     ddp__fp_str(&fps[j], b, sizeof b);
     return ddp__error_quiet(err, DDP_ERR_DESYNC,
-                            "mismatched collectives: rank %d runs %s, but rank %d runs %s",
-                            c->rank, a, j, b);
+                            "mismatched collectives: rank %d runs %s, but rank %d runs %s", c->rank,
+                            a, j, b);
   }
   return DDP_OK;
 }
@@ -103,8 +103,7 @@ typedef struct fold_job {
 
 static void fold_job_run(void *arg) {
   fold_job_t *f = arg;
-  ddp_reduce_fold(f->op->dt, f->op->op, f->c->size, f->srcs, f->dst, f->n, f->c->tmp,
-                   f->c->size);
+  ddp_reduce_fold(f->op->dt, f->op->op, f->c->size, f->srcs, f->dst, f->n, f->c->tmp, f->c->size);
 }
 
 static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const unsigned char *in,
@@ -130,8 +129,10 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
       size_t theirs = len[j] > b ? DDP_MIN(seg, len[j] - b) : 0;
       if (with_fp) add(ops, &n, j, true, &op->fp, sizeof op->fp);
       if (b < maxlen) add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
-      if (with_fp) add(ops, &n, j, false, &fps[j], sizeof fps[j]);
-      else if (b < maxlen) add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
+      if (with_fp)
+        add(ops, &n, j, false, &fps[j], sizeof fps[j]);
+      else if (b < maxlen)
+        add(ops, &n, j, false, scr + (size_t)j * seg * es, mine * es);
     }
     idle.ran = s == 0; /* nothing to fold before the first segment */
     DDP_CHECK(xfer_idle(c, ops, n, &idle, err));
@@ -312,9 +313,8 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
     ddp__fp_str(&op->fp, a, sizeof a);
     ddp__fp_str(&theirs, b, sizeof b);
     return ddp__error_quiet(err, DDP_ERR_DESYNC,
-                            "mismatched point-to-point: rank %d %s %s, but rank %d %s %s",
-                            c->rank, sender ? "sends" : "expects", a, peer,
-                            sender ? "expects" : "sends", b);
+                            "mismatched point-to-point: rank %d %s %s, but rank %d %s %s", c->rank,
+                            sender ? "sends" : "expects", a, peer, sender ? "expects" : "sends", b);
   }
   size_t bytes = op->count * ddp_dtype_size(op->dt), k = 0;
   add(ops, &k, peer, sender, sender ? op->send : op->recv, bytes);

@@ -60,9 +60,9 @@ typedef struct ctl_hdr {
 typedef struct rank_slot {
   _Atomic uint64_t barrier; /* barriers this rank has entered */
   int32_t pid;
-  _Atomic int32_t left;     /* 1 once this rank has destroyed its group (ddp__shared_leave) */
-  uint64_t h[2][2];         /* [seq & 1][in, out] published handles */
-  ddp__fp_t fp[2];          /* [seq & 1] */
+  _Atomic int32_t left; /* 1 once this rank has destroyed its group (ddp__shared_leave) */
+  uint64_t h[2][2];     /* [seq & 1][in, out] published handles */
+  ddp__fp_t fp[2];      /* [seq & 1] */
 } __attribute__((aligned(64))) rank_slot_t;
 
 typedef struct pair_cell {
@@ -70,8 +70,8 @@ typedef struct pair_cell {
   _Atomic uint64_t acked;  /* chunks the receiver has taken; bit 63 = fingerprint mismatch */
   uint64_t bytes;          /* size of the posted chunk */
   uint64_t pad;
-  ddp__fp_t fp;            /* sender's fingerprint (first chunk) */
-  ddp__fp_t rfp;           /* receiver's fingerprint, on mismatch */
+  ddp__fp_t fp;  /* sender's fingerprint (first chunk) */
+  ddp__fp_t rfp; /* receiver's fingerprint, on mismatch */
 } __attribute__((aligned(64))) pair_cell_t;
 
 static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
@@ -90,9 +90,7 @@ static pair_cell_t *cell(ddp__comm_t *c, int from, int to) {
          (size_t)from * (size_t)c->size + (size_t)to;
 }
 
-void ddp__shared_attach(ddp__comm_t *c, int pid) {
-  slot(c, c->rank)->pid = pid;
-}
+void ddp__shared_attach(ddp__comm_t *c, int pid) { slot(c, c->rank)->pid = pid; }
 
 static void wake(ddp__comm_t *c) {
   ctl_hdr_t *h = hdr(c);
@@ -124,7 +122,8 @@ static ddp_status_t check_left(ddp__comm_t *c, int peer, ddp_error_t *err) {
     if (j == c->rank || (peer >= 0 && j != peer) || !atomic_load(&slot(c, j)->left)) continue;
     return ddp__error_quiet(err, DDP_ERR_REMOTE,
                             "rank %d (pid %d) left the group (ddp_pg_destroy) while this rank "
-                            "still needed it", j, (int)slot(c, j)->pid);
+                            "still needed it",
+                            j, (int)slot(c, j)->pid);
   }
   return DDP_OK;
 }
@@ -264,10 +263,10 @@ static const unsigned char *peer_out(ddp__comm_t *c, const ddp__coll_t *op, int 
  * else reads or writes slice r of any buffer, so in-place buffers are safe: a block is read
  * from every input before it is written to any output. Each rank reads n elements and
  * writes n, where a reduce-scatter followed by an all-gather would read 2n - n/W and need
- * a third barrier (16-27% less memory traffic, the bound for large messages). Direct, small: every rank folds the whole vector
- * into private scratch; after one barrier nobody reads inputs any more and each copies its
- * result out (two barriers instead of three). Staging: the canonical scheme per chunk of
- * the staging area, with each owner writing its folded slice back into its own staging. */
+ * a third barrier (16-27% less memory traffic, the bound for large messages). Direct, small: every
+ * rank folds the whole vector into private scratch; after one barrier nobody reads inputs any more
+ * and each copies its result out (two barriers instead of three). Staging: the canonical scheme per
+ * chunk of the staging area, with each owner writing its folded slice back into its own staging. */
 static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   size_t es = ddp_dtype_size(op->dt), n = op->count, lo, len;
   int W = c->size, r = c->rank;
@@ -421,15 +420,14 @@ typedef struct p2p_wait {
 
 static bool p2p_ready(ddp__comm_t *c, const void *arg) {
   const p2p_wait_t *w = arg;
-  return (w->sender ? atomic_load(&w->cell->acked) & ~P2P_DESYNC
-                    : atomic_load(&w->cell->posted)) >= w->want;
+  return (w->sender ? atomic_load(&w->cell->acked) & ~P2P_DESYNC : atomic_load(&w->cell->posted)) >=
+         w->want;
 }
 
 static void p2p_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
   const p2p_wait_t *w = arg;
   snprintf(buf, n, "waiting for rank %d (pid %d) to %s chunk %llu", w->peer,
-           (int)slot(c, w->peer)->pid, w->sender ? "take" : "post",
-           (unsigned long long)w->want);
+           (int)slot(c, w->peer)->pid, w->sender ? "take" : "post", (unsigned long long)w->want);
 }
 
 static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
@@ -454,7 +452,8 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
         ddp__fp_str(&w.cell->rfp, b, sizeof b);
         return ddp__error_quiet(err, DDP_ERR_DESYNC,
                                 "mismatched point-to-point: rank %d sends %s, but rank %d "
-                                "expects %s", c->rank, a, peer, b);
+                                "expects %s",
+                                c->rank, a, peer, b);
       }
     } else {
       w.want = ++c->p2p_rx[peer];
@@ -468,7 +467,8 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
         wake(c);
         return ddp__error_quiet(err, DDP_ERR_DESYNC,
                                 "mismatched point-to-point: rank %d expects %s, but rank %d "
-                                "sends %s", c->rank, a, peer, b);
+                                "sends %s",
+                                c->rank, a, peer, b);
       }
       memcpy((unsigned char *)op->recv + off, c->sh->staging[peer], m);
       atomic_store(&w.cell->acked, w.want);

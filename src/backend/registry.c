@@ -11,9 +11,7 @@
 #include "common/common.h"
 
 static const ddp_backend_ops_t *const registry[] = {
-    &ddp__backend_threads,
-    &ddp__backend_shm,
-    &ddp__backend_tcp,
+    &ddp__backend_threads, &ddp__backend_shm, &ddp__backend_tcp,
 #if DDP_HAVE_MPI
     &ddp__backend_mpi,
 #endif
@@ -31,7 +29,8 @@ static const ddp_backend_info_t known[] = {
 const ddp_backend_info_t *ddp_backend_info(const char *name) {
   if (!name) return NULL;
   for (size_t i = 0; i < DDP_ARRAY_LEN(known); i++)
-    if (strcmp(known[i].name, name) == 0 || (known[i].alias[0] && strcmp(known[i].alias, name) == 0))
+    if (strcmp(known[i].name, name) == 0 ||
+        (known[i].alias[0] && strcmp(known[i].alias, name) == 0))
       return &known[i];
   return NULL;
 }
@@ -104,11 +103,12 @@ ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank,
       }
       return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
                               "rank %d: timed out after %lld ms waiting for rank(s)%s to join "
-                              "the %s group", rank, (long long)timeout_ms, missing, prefix);
+                              "the %s group",
+                              rank, (long long)timeout_ms, missing, prefix);
     }
     if (st != DDP_OK)
-      return ddp__backend_store_failed(store, st, err, "rank %d: waiting for rank %d to join",
-                                       rank, j);
+      return ddp__backend_store_failed(store, st, err, "rank %d: waiting for rank %d to join", rank,
+                                       j);
     if (pids) {
       void *v = NULL;
       size_t n = 0;
@@ -116,8 +116,8 @@ ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank,
       if (st == DDP_OK && n == sizeof(int)) memcpy(&pids[j], v, sizeof(int));
       ddp_free(v);
       if (st != DDP_OK)
-        return ddp__backend_store_failed(store, st, err, "rank %d: reading %s from the store",
-                                         rank, key);
+        return ddp__backend_store_failed(store, st, err, "rank %d: reading %s from the store", rank,
+                                         key);
       if (n != sizeof(int))
         return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
                           "rank %d: reading %s from the store failed", rank, key);

@@ -8,13 +8,25 @@
 
 #include "common/common.h"
 
-static void *libc_malloc(void *u, size_t n) { (void)u; return malloc(n); }
-static void *libc_calloc(void *u, size_t n, size_t s) { (void)u; return calloc(n, s); }
-static void *libc_realloc(void *u, void *p, size_t n) { (void)u; return realloc(p, n); }
-static void libc_free(void *u, void *p) { (void)u; free(p); }
+static void *libc_malloc(void *u, size_t n) {
+  (void)u;
+  return malloc(n);
+}
+static void *libc_calloc(void *u, size_t n, size_t s) {
+  (void)u;
+  return calloc(n, s);
+}
+static void *libc_realloc(void *u, void *p, size_t n) {
+  (void)u;
+  return realloc(p, n);
+}
+static void libc_free(void *u, void *p) {
+  (void)u;
+  free(p);
+}
 
-static const ddp_allocator_t libc_allocator = {libc_malloc, libc_calloc, libc_realloc,
-                                               libc_free, NULL};
+static const ddp_allocator_t libc_allocator = {libc_malloc, libc_calloc, libc_realloc, libc_free,
+                                               NULL};
 static ddp_allocator_t current = {libc_malloc, libc_calloc, libc_realloc, libc_free, NULL};
 static _Atomic uint64_t n_allocs;
 static _Atomic uint64_t n_frees;

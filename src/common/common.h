@@ -11,14 +11,14 @@
 
 /* Programmer misuse (NULL handle, wrong magic, impossible state) is a contract failure:
  * it aborts with file, line and the expression. Peer, OS and data failures are statuses. */
-#define DDP_REQUIRE(expr)                                                         \
-  do {                                                                            \
-    if (!(expr)) ddp__contract_failed(__FILE__, __LINE__, #expr);                 \
+#define DDP_REQUIRE(expr)                                         \
+  do {                                                            \
+    if (!(expr)) ddp__contract_failed(__FILE__, __LINE__, #expr); \
   } while (0)
 
-#define DDP_CHECK(call)                   \
-  do {                                    \
-    ddp_status_t ddp_check_st_ = (call);  \
+#define DDP_CHECK(call)                                \
+  do {                                                 \
+    ddp_status_t ddp_check_st_ = (call);               \
     if (ddp_check_st_ != DDP_OK) return ddp_check_st_; \
   } while (0)
 
@@ -54,8 +54,7 @@ void ddp__vlog(int rank, ddp_log_level_t level, const char *fmt, va_list ap);
  *   return ddp__error(err, rank, DDP_ERR_INVALID_DATA, "header length %llu past EOF", n); */
 ddp_status_t ddp__error(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt, ...)
     DDP_PRINTF(4, 5);
-ddp_status_t ddp__verror(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt,
-                         va_list ap);
+ddp_status_t ddp__verror(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt, va_list ap);
 /* Same, but does not log (for errors a caller expects and handles, such as a lookup miss
  * or a probe). */
 ddp_status_t ddp__error_quiet(ddp_error_t *err, ddp_status_t st, const char *fmt, ...)
@@ -87,8 +86,8 @@ void ddp__fault_flip_bits(void *buf, size_t count, size_t es);
  *
  * Failures are logged once, here, where they start, as "<what>: <step>(<file>): <strerror>
  * (errno N)" (what names the caller's job: "safetensors write 'x'", "dump", "file store
- * /d"; "" for none) with rank's prefix (rank < 0: none); rank DDP__QUIET fills err without logging, for
- * callers whose own caller reports the error (a tool's usage error). Writes fail with
+ * /d"; "" for none) with rank's prefix (rank < 0: none); rank DDP__QUIET fills err without logging,
+ * for callers whose own caller reports the error (a tool's usage error). Writes fail with
  * DDP_ERR_SYSTEM; reads with DDP_ERR_NOT_FOUND (no such file), DDP_ERR_INVALID_ARGUMENT (a
  * directory or device), DDP_ERR_INVALID_DATA (larger than max), DDP_ERR_NO_MEMORY or
  * DDP_ERR_SYSTEM.
@@ -113,9 +112,8 @@ ddp_status_t ddp__afile_open(ddp__afile_t *f, const char *path, int rank, const 
 ddp_status_t ddp__afile_write(ddp__afile_t *f, const void *buf, size_t len);
 ddp_status_t ddp__afile_commit(ddp__afile_t *f, unsigned mode);
 void ddp__afile_discard(ddp__afile_t *f);
-ddp_status_t ddp__file_write_atomic(const char *path, const void *buf, size_t len,
-                                    unsigned mode, int rank, const char *what,
-                                    ddp_error_t *err);
+ddp_status_t ddp__file_write_atomic(const char *path, const void *buf, size_t len, unsigned mode,
+                                    int rank, const char *what, ddp_error_t *err);
 /* fsync of directory dir, so that the renames and new entries in it are durable (EINVAL
  * accepted as above). */
 ddp_status_t ddp__sync_dir(const char *dir, int rank, const char *what, ddp_error_t *err);
@@ -124,8 +122,8 @@ ddp_status_t ddp__mkdirs(const char *path, int rank, const char *what, ddp_error
 /* The whole regular file at path into a ddp__malloc'd buffer with a NUL byte after its
  * *len bytes (len may be NULL), so that text parsers may stop at it; max > 0 bounds the
  * size. A file that shrinks while it is read is returned as it then is. */
-ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what,
-                            char **out, size_t *len, ddp_error_t *err);
+ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what, char **out,
+                            size_t *len, ddp_error_t *err);
 
 /* Reads a caller's options struct (whose first field is size_t struct_size) into dst,
  * which already holds the library's defaults (its ..._INIT), dst_size bytes. One policy for

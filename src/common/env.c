@@ -38,16 +38,15 @@ const char *ddp_env_get(ddp_env_id_t id) {
   return (v && *v) ? v : param(id)->def;
 }
 
-ddp_status_t ddp_env_int(ddp_env_id_t id, int64_t lo, int64_t hi, int64_t *out,
-                         ddp_error_t *err) {
+ddp_status_t ddp_env_int(ddp_env_id_t id, int64_t lo, int64_t hi, int64_t *out, ddp_error_t *err) {
   const char *v = ddp_env_get(id);
   char *end = NULL;
   errno = 0;
   long long x = strtoll(v, &end, 10);
   if (errno || end == v || *end != '\0' || x < lo || x > hi) {
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "environment variable %s=\"%s\" is not an integer in [%" PRId64
-                      ", %" PRId64 "]",
+                      "environment variable %s=\"%s\" is not an integer in [%" PRId64 ", %" PRId64
+                      "]",
                       param(id)->name, v, lo, hi);
   }
   *out = x;

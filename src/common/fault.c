@@ -13,9 +13,8 @@
 
 #include "common/common.h"
 
-static const char *const kind_names[] = {"none",          "crash",       "hang",
-                                         "slow",          "skip_backward", "wrong_shape",
-                                         "corrupt_bucket"};
+static const char *const kind_names[] = {"none",          "crash",       "hang",          "slow",
+                                         "skip_backward", "wrong_shape", "corrupt_bucket"};
 
 const char *ddp_fault_kind_name(ddp_fault_kind_t k) {
   return (unsigned)k < DDP_ARRAY_LEN(kind_names) ? kind_names[k] : "?";
@@ -29,8 +28,7 @@ static ddp_status_t field_error(ddp_error_t *err, const char *field, const char 
   va_start(ap, fmt);
   vsnprintf(detail, sizeof detail, fmt, ap);
   va_end(ap);
-  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "DDP_FAULT field '%s': %s", field,
-                          detail);
+  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "DDP_FAULT field '%s': %s", field, detail);
 }
 
 /* A decimal integer in [lo, hi], the whole of s. */
@@ -58,20 +56,23 @@ static ddp_status_t parse_kind(char *v, ddp_fault_t *f, ddp_error_t *err) {
     f->kind = (ddp_fault_kind_t)k;
     if (k == DDP_FAULT_SLOW) {
       if (!arg || !parse_int(arg, 0, 86400000, &f->slow_ms))
-        return field_error(err, "kind", "slow needs milliseconds in [0, 86400000] (slow:500), "
-                           "got \"slow%s%s\"", arg ? ":" : "", arg ? arg : "");
+        return field_error(err, "kind",
+                           "slow needs milliseconds in [0, 86400000] (slow:500), "
+                           "got \"slow%s%s\"",
+                           arg ? ":" : "", arg ? arg : "");
     } else if (k == DDP_FAULT_CORRUPT_BUCKET && arg) {
       if (strcmp(arg, "before") && strcmp(arg, "after"))
-        return field_error(err, "kind", "corrupt_bucket takes :before or :after, got \":%s\"",
-                           arg);
+        return field_error(err, "kind", "corrupt_bucket takes :before or :after, got \":%s\"", arg);
       f->after = !strcmp(arg, "after");
     } else if (arg) {
       return field_error(err, "kind", "%s takes no \":%s\"", v, arg);
     }
     return DDP_OK;
   }
-  return field_error(err, "kind", "\"%s\" is not one of crash, hang, slow:MS, skip_backward, "
-                     "wrong_shape, corrupt_bucket[:before|:after]", v);
+  return field_error(err, "kind",
+                     "\"%s\" is not one of crash, hang, slow:MS, skip_backward, "
+                     "wrong_shape, corrupt_bucket[:before|:after]",
+                     v);
 }
 
 ddp_status_t ddp_fault_parse(const char *spec, ddp_fault_t *out, ddp_error_t *err) {
@@ -89,7 +90,8 @@ ddp_status_t ddp_fault_parse(const char *spec, ddp_fault_t *out, ddp_error_t *er
   for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
     char *eq = strchr(item, '=');
     if (!eq)
-      return field_error(err, trim(item), "expected key=value (keys rank, step, collective, "
+      return field_error(err, trim(item),
+                         "expected key=value (keys rank, step, collective, "
                          "kind)");
     *eq = 0;
     char *key = trim(item), *v = trim(eq + 1);
@@ -115,8 +117,8 @@ ddp_status_t ddp_fault_parse(const char *spec, ddp_fault_t *out, ddp_error_t *er
   if ((f.step >= 0) == (f.collective >= 0))
     return field_error(err, f.step >= 0 ? "collective" : "step",
                        "give exactly one of step=S and collective=K");
-  if (f.collective >= 0 && (f.kind == DDP_FAULT_SKIP_BACKWARD ||
-                            (f.kind == DDP_FAULT_CORRUPT_BUCKET && f.after)))
+  if (f.collective >= 0 &&
+      (f.kind == DDP_FAULT_SKIP_BACKWARD || (f.kind == DDP_FAULT_CORRUPT_BUCKET && f.after)))
     return field_error(err, "collective", "kind %s%s happens at a training step: use step=S",
                        kind_names[f.kind], f.after ? ":after" : "");
   *out = f;

@@ -18,8 +18,8 @@ static ddp_status_t file_error(ddp_error_t *err, int rank, ddp_status_t st, cons
   if (rank == DDP__QUIET)
     return ddp__error_quiet(err, st, "%s%s%s(%s): %s (errno %d)", what, sep, step, file,
                             strerror(e), e);
-  return ddp__error(err, rank, st, "%s%s%s(%s): %s (errno %d)", what, sep, step, file,
-                    strerror(e), e);
+  return ddp__error(err, rank, st, "%s%s%s(%s): %s (errno %d)", what, sep, step, file, strerror(e),
+                    e);
 }
 
 /* ---------------------------------------------------------------- atomic write ---- */
@@ -99,8 +99,10 @@ ddp_status_t ddp__afile_commit(ddp__afile_t *f, unsigned mode) {
     return f->st;
   }
   const char *step = NULL;
-  if (fchmod(f->fd, (mode_t)mode) != 0) step = "fchmod";
-  else if (fsync(f->fd) != 0) step = "fsync";
+  if (fchmod(f->fd, (mode_t)mode) != 0)
+    step = "fchmod";
+  else if (fsync(f->fd) != 0)
+    step = "fsync";
   int e = errno;
   if (close(f->fd) != 0 && !step) {
     step = "close";
@@ -121,9 +123,8 @@ ddp_status_t ddp__afile_commit(ddp__afile_t *f, unsigned mode) {
   return f->st;
 }
 
-ddp_status_t ddp__file_write_atomic(const char *path, const void *buf, size_t len,
-                                    unsigned mode, int rank, const char *what,
-                                    ddp_error_t *err) {
+ddp_status_t ddp__file_write_atomic(const char *path, const void *buf, size_t len, unsigned mode,
+                                    int rank, const char *what, ddp_error_t *err) {
   ddp__afile_t f;
   if (ddp__afile_open(&f, path, rank, what, err) == DDP_OK) ddp__afile_write(&f, buf, len);
   return ddp__afile_commit(&f, mode);
@@ -155,16 +156,16 @@ ddp_status_t ddp__mkdirs(const char *path, int rank, const char *what, ddp_error
 
 /* ---------------------------------------------------------------- whole-file read - */
 
-ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what,
-                            char **out, size_t *len, ddp_error_t *err) {
+ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what, char **out,
+                            size_t *len, ddp_error_t *err) {
   DDP_REQUIRE(path && what && out);
   *out = NULL;
   if (len) *len = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
-    return file_error(err, rank, e == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM, what,
-                      "open", path, e);
+    return file_error(err, rank, e == ENOENT ? DDP_ERR_NOT_FOUND : DDP_ERR_SYSTEM, what, "open",
+                      path, e);
   }
   ddp_status_t st = DDP_OK;
   char *buf = NULL;
@@ -174,11 +175,10 @@ ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *
     goto out;
   }
   if (!S_ISREG(sb.st_mode)) {
-    st = rank == DDP__QUIET
-             ? ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "%s: %s: not a regular file",
-                                what, path)
-             : ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "%s: %s: not a regular file",
-                          what, path);
+    st = rank == DDP__QUIET ? ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                                               "%s: %s: not a regular file", what, path)
+                            : ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                                         "%s: %s: not a regular file", what, path);
     goto out;
   }
   size_t size = (size_t)sb.st_size;

@@ -101,8 +101,8 @@ void ddp_f32_to_bf16_n(const float *src, ddp_bf16_t *dst, size_t n) {
 }
 
 #ifdef DDP_HAVE_F16C_PATH
-__attribute__((target("avx,f16c"))) static size_t f16_to_f32_f16c(const ddp_f16_t *src,
-                                                                   float *dst, size_t n) {
+__attribute__((target("avx,f16c"))) static size_t f16_to_f32_f16c(const ddp_f16_t *src, float *dst,
+                                                                  size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
@@ -119,8 +119,8 @@ __attribute__((target("avx,f16c"))) static size_t f16_to_f32_f16c(const ddp_f16_
   return i;
 }
 
-__attribute__((target("avx,f16c"))) static size_t f32_to_f16_f16c(const float *src,
-                                                                   ddp_f16_t *dst, size_t n) {
+__attribute__((target("avx,f16c"))) static size_t f32_to_f16_f16c(const float *src, ddp_f16_t *dst,
+                                                                  size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),

@@ -21,7 +21,7 @@ const char *ddp_status_str(ddp_status_t s) {
     case DDP_OK: return "success";
 #define DDP_STATUS_TEXT_(name, text) \
   case DDP_ERR_##name: return text;
-    DDP_STATUS_MAP(DDP_STATUS_TEXT_)
+      DDP_STATUS_MAP(DDP_STATUS_TEXT_)
 #undef DDP_STATUS_TEXT_
     default: return "unknown status";
   }
@@ -38,8 +38,7 @@ static void error_fill(ddp_error_t *err, ddp_status_t st, const char *fmt, va_li
   vsnprintf(err->msg, sizeof err->msg, fmt, ap);
 }
 
-ddp_status_t ddp__verror(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt,
-                         va_list ap) {
+ddp_status_t ddp__verror(ddp_error_t *err, int rank, ddp_status_t st, const char *fmt, va_list ap) {
   ddp_error_t local;
   ddp_error_t *e = err ? err : &local;
   error_fill(e, st, fmt, ap);

@@ -27,8 +27,8 @@ static ddp_status_t read_all(const char *path, char **out, size_t *len, ddp_erro
   if (nul) {
     ddp__free(buf);
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: the file contains a NUL byte (at offset %zu); not a text file",
-                      path, (size_t)(nul - buf));
+                      "csv %s: the file contains a NUL byte (at offset %zu); not a text file", path,
+                      (size_t)(nul - buf));
   }
   *out = buf;
   return DDP_OK;
@@ -102,8 +102,8 @@ static ddp_status_t parse_number(span_t f, const char *path, int64_t lineno, int
   size_t len = (size_t)(f.e - f.b);
   if (len == 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: line %lld column %lld ('%s'): empty field", path,
-                      (long long)lineno, (long long)col + 1, colname);
+                      "csv %s: line %lld column %lld ('%s'): empty field", path, (long long)lineno,
+                      (long long)col + 1, colname);
   if (len < sizeof tmp) {
     memcpy(tmp, f.b, len);
     tmp[len] = '\0';
@@ -144,8 +144,7 @@ static ddp_status_t read_header(csv_t *c, const char *text, ddp_error_t *err) {
   const char *cur = text;
   span_t header;
   if (!next_line(&cur, c->end, &header) || blank(header))
-    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: line 1: missing header row",
-                      c->path);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "csv %s: line 1: missing header row", c->path);
   c->data = cur;
   c->ncols = count_fields(header, c->o.delimiter);
   c->label_col = -1;
@@ -173,12 +172,11 @@ static ddp_status_t read_header(csv_t *c, const char *text, ddp_error_t *err) {
   }
   if (c->label_col < 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: line 1: no column named '%s' in the header (%lld columns)",
-                      c->path, c->o.label_column, (long long)c->ncols);
+                      "csv %s: line 1: no column named '%s' in the header (%lld columns)", c->path,
+                      c->o.label_column, (long long)c->ncols);
   if (c->ncols < 2)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "csv %s: line 1: the header has only the label column; no features",
-                      c->path);
+                      "csv %s: line 1: the header has only the label column; no features", c->path);
   return DDP_OK;
 }
 

@@ -15,8 +15,8 @@ struct ddp_dataset {
 };
 
 /* Fills numel/bytes from a spec; DDP_ERR_INVALID_ARGUMENT for a bad dtype or shape. */
-ddp_status_t ddp__sample_spec_sizes(const ddp_sample_spec_t *spec, int64_t *fnumel,
-                                    int64_t *lnumel, ddp_error_t *err);
+ddp_status_t ddp__sample_spec_sizes(const ddp_sample_spec_t *spec, int64_t *fnumel, int64_t *lnumel,
+                                    ddp_error_t *err);
 
 /* A dataset over n rows held in two buffers from ddp__aligned_alloc, which it takes over
  * (freed with the dataset, or at once on failure). `name` is a static string. */

@@ -8,24 +8,23 @@
 
 #define DATASET_MAGIC 0x44534554u /* "DSET" */
 
-static ddp_status_t shape_numel(int ndim, const int64_t *shape, ddp_dtype_t dt,
-                                const char *what, int64_t *numel, ddp_error_t *err) {
+static ddp_status_t shape_numel(int ndim, const int64_t *shape, ddp_dtype_t dt, const char *what,
+                                int64_t *numel, ddp_error_t *err) {
   if (!ddp_dtype_valid((int)dt))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "dataset: %s dtype %d is not valid",
-                      what, (int)dt);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "dataset: %s dtype %d is not valid", what,
+                      (int)dt);
   if (ndim < 0 || ndim > DDP_MAX_DIMS ||
       ddp_shape_numel(ndim, shape, ddp_dtype_size(dt), numel) != DDP_OK)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "dataset: %s shape is not valid",
-                      what);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "dataset: %s shape is not valid", what);
   return DDP_OK;
 }
 
-ddp_status_t ddp__sample_spec_sizes(const ddp_sample_spec_t *spec, int64_t *fnumel,
-                                    int64_t *lnumel, ddp_error_t *err) {
-  DDP_CHECK(shape_numel(spec->feature_ndim, spec->feature_shape, spec->feature_dtype,
-                        "feature", fnumel, err));
-  DDP_CHECK(shape_numel(spec->label_ndim, spec->label_shape, spec->label_dtype, "label", lnumel,
-                        err));
+ddp_status_t ddp__sample_spec_sizes(const ddp_sample_spec_t *spec, int64_t *fnumel, int64_t *lnumel,
+                                    ddp_error_t *err) {
+  DDP_CHECK(shape_numel(spec->feature_ndim, spec->feature_shape, spec->feature_dtype, "feature",
+                        fnumel, err));
+  DDP_CHECK(
+      shape_numel(spec->label_ndim, spec->label_shape, spec->label_dtype, "label", lnumel, err));
   return DDP_OK;
 }
 
@@ -120,8 +119,7 @@ ddp_status_t ddp_dataset_get(const ddp_dataset_t *ds, int64_t index, ddp_tensor_
 }
 
 ddp_status_t ddp_dataset_get_batch(const ddp_dataset_t *ds, const int64_t *indices, int64_t n,
-                                   ddp_tensor_t *features, ddp_tensor_t *labels,
-                                   ddp_error_t *err) {
+                                   ddp_tensor_t *features, ddp_tensor_t *labels, ddp_error_t *err) {
   CHECK_DS(ds);
   DDP_REQUIRE(features && labels && (indices || n == 0) && n >= 0);
   if (features->dtype != ds->spec.feature_dtype || labels->dtype != ds->spec.label_dtype ||
@@ -139,8 +137,7 @@ ddp_status_t ddp_dataset_get_batch(const ddp_dataset_t *ds, const int64_t *indic
     if (indices[k] < 0 || indices[k] >= len)
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                         "dataset '%s': batch row %lld has index %lld, out of range [0, %lld)",
-                        ddp_dataset_name(ds), (long long)k, (long long)indices[k],
-                        (long long)len);
+                        ddp_dataset_name(ds), (long long)k, (long long)indices[k], (long long)len);
     DDP_CHECK(ds->ops->get(ds->self, indices[k], f + (size_t)k * ds->feature_bytes,
                            l + (size_t)k * ds->label_bytes, err));
   }
@@ -179,10 +176,10 @@ static const ddp_dataset_ops_t memory_ops = {DDP_DATASET_OPS_VERSION, "tensors",
                                              memory_get, memory_destroy};
 static const ddp_dataset_ops_t safetensors_ops = {DDP_DATASET_OPS_VERSION, "safetensors",
                                                   memory_length, memory_get, memory_destroy};
-static const ddp_dataset_ops_t csv_ops = {DDP_DATASET_OPS_VERSION, "csv", memory_length,
-                                          memory_get, memory_destroy};
-static const ddp_dataset_ops_t text_csv_ops = {DDP_DATASET_OPS_VERSION, "text_csv",
-                                               memory_length, memory_get, memory_destroy};
+static const ddp_dataset_ops_t csv_ops = {DDP_DATASET_OPS_VERSION, "csv", memory_length, memory_get,
+                                          memory_destroy};
+static const ddp_dataset_ops_t text_csv_ops = {DDP_DATASET_OPS_VERSION, "text_csv", memory_length,
+                                               memory_get, memory_destroy};
 
 ddp_status_t ddp__dataset_memory(const char *name, const ddp_sample_spec_t *spec, int64_t n,
                                  void *features, void *labels, ddp_dataset_t **out,
@@ -225,8 +222,8 @@ static ddp_status_t split_rows(const ddp_tensor_t *t, const char *what, int64_t 
 }
 
 static ddp_status_t from_tensors(const char *name, const ddp_tensor_t *features,
-                                 const ddp_tensor_t *labels, const char *where,
-                                 ddp_dataset_t **out, ddp_error_t *err) {
+                                 const ddp_tensor_t *labels, const char *where, ddp_dataset_t **out,
+                                 ddp_error_t *err) {
   ddp_sample_spec_t spec;
   memset(&spec, 0, sizeof spec);
   int64_t nf = 0, nl = 0;

@@ -28,15 +28,13 @@ static int classify(const ddp_tensor_t *t, int64_t i) {
       uint16_t b = ((const uint16_t *)t->data)[i];
       return (b & 0x7f80u) != 0x7f80u ? 0 : (b & 0x007fu) ? 1 : 2;
     }
-    default:
-      return 0;
+    default: return 0;
   }
 }
 
 ddp_status_t ddp__data_check_finite(const ddp_tensor_t *t, const char *path, const char *name,
                                     ddp_error_t *err) {
-  if (t->dtype != DDP_F32 && t->dtype != DDP_F64 && t->dtype != DDP_F16 &&
-      t->dtype != DDP_BF16) {
+  if (t->dtype != DDP_F32 && t->dtype != DDP_F64 && t->dtype != DDP_F16 && t->dtype != DDP_BF16) {
     return DDP_OK;
   }
   for (int64_t i = 0; i < t->numel; i++) {

@@ -37,8 +37,8 @@ static void blocks_destroy(void *self) {
   ddp__free(b);
 }
 
-static const ddp_dataset_ops_t lm_blocks_ops = {DDP_DATASET_OPS_VERSION, "lm_blocks",
-                                                blocks_length, blocks_get, blocks_destroy};
+static const ddp_dataset_ops_t lm_blocks_ops = {DDP_DATASET_OPS_VERSION, "lm_blocks", blocks_length,
+                                                blocks_get, blocks_destroy};
 
 ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n, int64_t block_size,
                                    int64_t vocab_size, ddp_dataset_t **out, ddp_error_t *err) {

@@ -136,8 +136,8 @@ ddp_status_t ddp_loader_next(ddp_loader_t *l, ddp_batch_t *batch, bool *has_batc
   memcpy(lshape + 1, sp->label_shape, (size_t)sp->label_ndim * sizeof(int64_t));
   DDP_CHECK(ddp_tensor_view(&batch->features, sp->feature_dtype, sp->feature_ndim + 1, fshape,
                             l->features.data));
-  DDP_CHECK(ddp_tensor_view(&batch->labels, sp->label_dtype, sp->label_ndim + 1, lshape,
-                            l->labels.data));
+  DDP_CHECK(
+      ddp_tensor_view(&batch->labels, sp->label_dtype, sp->label_ndim + 1, lshape, l->labels.data));
   batch->indices = idx;
   batch->size = n;
   batch->index = l->batch_no++;

@@ -19,8 +19,7 @@ typedef struct mnist_ds {
 
 static int64_t mnist_length(void *self) { return ((mnist_ds_t *)self)->n; }
 
-static ddp_status_t mnist_get(void *self, int64_t i, void *feature, void *label,
-                              ddp_error_t *err) {
+static ddp_status_t mnist_get(void *self, int64_t i, void *feature, void *label, ddp_error_t *err) {
   mnist_ds_t *m = self;
   int64_t px = m->rows * m->cols;
   const unsigned char *src = m->images + i * px;
@@ -47,8 +46,8 @@ static uint32_t be32(const unsigned char *p) {
 }
 
 /* Checks an idx header: magic, and that the payload is exactly the product of the dims. */
-static ddp_status_t check_idx(const char *path, const unsigned char *b, size_t len,
-                              uint32_t magic, int ndims, uint32_t *dims, ddp_error_t *err) {
+static ddp_status_t check_idx(const char *path, const unsigned char *b, size_t len, uint32_t magic,
+                              int ndims, uint32_t *dims, ddp_error_t *err) {
   size_t hdr = 4 + 4 * (size_t)ndims;
   if (len < hdr)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
@@ -63,8 +62,8 @@ static ddp_status_t check_idx(const char *path, const unsigned char *b, size_t l
   for (int d = 0; d < ndims; d++) {
     dims[d] = be32(b + 4 + 4 * d);
     if (d > 0 && dims[d] == 0)
-      return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                        "mnist %s: dimension %d (offset %d) is zero", path, d, 4 + 4 * d);
+      return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "mnist %s: dimension %d (offset %d) is zero",
+                        path, d, 4 + 4 * d);
     payload *= dims[d]; /* at most 2^96 in theory; 3 dims of u32 checked below */
     if (payload > (uint64_t)1 << 48)
       return ddp__error(err, -1, DDP_ERR_INVALID_DATA,

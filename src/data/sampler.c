@@ -100,8 +100,7 @@ ddp_status_t ddp_sampler_create(const ddp_sampler_options_t *in, ddp_sampler_t *
                       "sampler: num_replicas must be at least 1, got %d", w);
   if (opts->rank >= w || opts->rank < 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "Invalid rank %d, rank should be in the interval [0, %d]", opts->rank,
-                      w - 1);
+                      "Invalid rank %d, rank should be in the interval [0, %d]", opts->rank, w - 1);
   int64_t n = opts->dataset_len;
   if (n < 0 || n > ((int64_t)1 << 40))
     return ddp__error(err, opts->rank, DDP_ERR_INVALID_ARGUMENT,

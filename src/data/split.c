@@ -51,7 +51,7 @@ static ddp_status_t make_subset(const ddp_dataset_t *ds, const int64_t *idx, int
 }
 
 ddp_status_t ddp_dataset_split(const ddp_dataset_t *ds, double fraction, uint64_t seed,
-                             ddp_dataset_t **train, ddp_dataset_t **eval, ddp_error_t *err) {
+                               ddp_dataset_t **train, ddp_dataset_t **eval, ddp_error_t *err) {
   DDP_REQUIRE(ds && train && eval);
   *train = *eval = NULL;
   int64_t n = ddp_dataset_length(ds);
@@ -89,4 +89,3 @@ ddp_status_t ddp_dataset_split(const ddp_dataset_t *ds, double fraction, uint64_
   ddp__free(tr);
   return st;
 }
-

@@ -56,14 +56,14 @@ static void regression_destroy(void *self) {
   ddp__free(r);
 }
 
-const ddp_dataset_ops_t ddp__synth_regression_ops = {
-    DDP_DATASET_OPS_VERSION, "synthetic_regression", regression_length, regression_get,
-    regression_destroy};
+const ddp_dataset_ops_t ddp__synth_regression_ops = {DDP_DATASET_OPS_VERSION,
+                                                     "synthetic_regression", regression_length,
+                                                     regression_get, regression_destroy};
 
 static ddp_status_t check_n(int64_t n, const char *what, ddp_error_t *err) {
   if (n < 0 || n > SYNTH_MAX_N)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "%s: n = %lld outside [0, 2^32]", what, (long long)n);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "%s: n = %lld outside [0, 2^32]", what,
+                      (long long)n);
   return DDP_OK;
 }
 

@@ -22,7 +22,7 @@
 #include "common/common.h"
 #include "data/data_internal.h"
 
-#define FIELD_SHOW 40         /* characters of a bad field quoted in a message */
+#define FIELD_SHOW 40 /* characters of a bad field quoted in a message */
 #define MAX_LENGTH_LIMIT (1 << 24)
 
 /* One field of the current record: its unquoted bytes are scratch[off, off + len). */
@@ -149,7 +149,7 @@ static void trimmed(const scanner_t *s, const field_t *f, const char **b, size_t
 }
 
 typedef struct columns {
-  int64_t ncols, text, label; /* header width and the two columns' 0-based indices */
+  int64_t ncols, text, label;         /* header width and the two columns' 0-based indices */
   const char *text_name, *label_name; /* the options' strings */
 } columns_t;
 
@@ -202,8 +202,8 @@ static ddp_status_t read_header(scanner_t *s, const ddp_text_csv_options_t *o, c
 }
 
 /* Parses the label field of the current record into lab (I64 or F32). */
-static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtype_t dt,
-                                void *lab, ddp_error_t *err) {
+static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtype_t dt, void *lab,
+                                ddp_error_t *err) {
   const field_t *f = &s->fields[c->label];
   const char *b;
   size_t len;
@@ -245,9 +245,8 @@ typedef struct fill {
 } fill_t;
 
 /* Walks every data record: checks it and, with fill, writes sample `rows`. */
-static ddp_status_t scan_records(scanner_t *s, const ddp_text_csv_options_t *o,
-                                 const columns_t *c, fill_t *fill, int64_t *rows,
-                                 ddp_error_t *err) {
+static ddp_status_t scan_records(scanner_t *s, const ddp_text_csv_options_t *o, const columns_t *c,
+                                 fill_t *fill, int64_t *rows, ddp_error_t *err) {
   int64_t n = 0, first_blank = 0;
   size_t lsize = ddp_dtype_size(o->label_dtype);
   for (;;) {
@@ -285,14 +284,14 @@ static ddp_status_t scan_records(scanner_t *s, const ddp_text_csv_options_t *o,
     n++;
   }
   if (n == 0)
-    return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "text csv %s: no records after the header", s->path);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "text csv %s: no records after the header",
+                      s->path);
   *rows = n;
   return DDP_OK;
 }
 
-static ddp_status_t check_options(const ddp_text_csv_options_t *opts,
-                                  ddp_text_csv_options_t *o, ddp_error_t *err) {
+static ddp_status_t check_options(const ddp_text_csv_options_t *opts, ddp_text_csv_options_t *o,
+                                  ddp_error_t *err) {
   ddp_text_csv_options_t d = DDP_TEXT_CSV_OPTIONS_INIT;
   *o = d;
   ddp__opts_read(o, sizeof *o, opts);
@@ -307,8 +306,8 @@ static ddp_status_t check_options(const ddp_text_csv_options_t *opts,
                       "text csv: max_length %lld is outside [1, %d]", (long long)o->max_length,
                       MAX_LENGTH_LIMIT);
   if (o->pad_token_id < 0)
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "text csv: pad_token_id %lld is negative", (long long)o->pad_token_id);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "text csv: pad_token_id %lld is negative",
+                      (long long)o->pad_token_id);
   if (o->label_dtype != DDP_I64 && o->label_dtype != DDP_F32)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "text csv: label_dtype must be I64 (classes) or F32 (regression), got %s",
@@ -331,8 +330,8 @@ ddp_status_t ddp__text_csv_parse(const char *path, const char *text, size_t len,
     int64_t line = 1;
     for (const char *q = text; q < nul; q++) line += *q == '\n';
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "text csv %s: line %lld: a NUL byte (file offset %zu); not a text file",
-                      path, (long long)line, (size_t)(nul - text));
+                      "text csv %s: line %lld: a NUL byte (file offset %zu); not a text file", path,
+                      (long long)line, (size_t)(nul - text));
   }
   /* A UTF-8 byte order mark (spreadsheet exports) is not part of the first name. */
   if (len >= 3 && memcmp(text, "\xEF\xBB\xBF", 3) == 0) {

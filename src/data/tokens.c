@@ -53,9 +53,7 @@ static void put_le32(unsigned char *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
-static int64_t *alloc_ids(int64_t n) {
-  return ddp__malloc((size_t)n * sizeof(int64_t));
-}
+static int64_t *alloc_ids(int64_t n) { return ddp__malloc((size_t)n * sizeof(int64_t)); }
 
 void ddp_tokens_free(int64_t *tokens) { ddp__free(tokens); }
 
@@ -73,15 +71,14 @@ ddp_status_t ddp__tokens_parse_llmc(const char *path, const unsigned char *b, si
                       path, LLMC_HEADER_BYTES);
   if (len < 4)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "tokens %s: truncated: %zu bytes, shorter than llm.c's %zu-byte header",
-                      path, len, LLMC_HEADER_BYTES);
+                      "tokens %s: truncated: %zu bytes, shorter than llm.c's %zu-byte header", path,
+                      len, LLMC_HEADER_BYTES);
   int32_t magic = le32s(b);
   if (magic != DDP_LLMC_MAGIC && magic != DDP_LLMC_MAGIC_U32)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "tokens %s: wrong magic: expected %d (llm.c GPT-2 tokens) or %d (llm.c "
                       "Llama 3 tokens), found %d (bytes %02x %02x %02x %02x)%s",
-                      path, DDP_LLMC_MAGIC, DDP_LLMC_MAGIC_U32, (int)magic, b[0], b[1], b[2],
-                      b[3],
+                      path, DDP_LLMC_MAGIC, DDP_LLMC_MAGIC_U32, (int)magic, b[0], b[1], b[2], b[3],
                       magic == LLMC_EVAL_MAGIC ? "; that is llm.c's eval file, not tokens" : "");
   if (len < LLMC_HEADER_BYTES)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
@@ -103,8 +100,8 @@ ddp_status_t ddp__tokens_parse_llmc(const char *path, const unsigned char *b, si
                       path, (int)count);
   if (count == 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "tokens %s: empty: the header's token count is 0 (file of %zu bytes)",
-                      path, len);
+                      "tokens %s: empty: the header's token count is 0 (file of %zu bytes)", path,
+                      len);
   uint64_t want = LLMC_HEADER_BYTES + (uint64_t)count * esize;
   if ((uint64_t)len != want)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
@@ -115,8 +112,7 @@ ddp_status_t ddp__tokens_parse_llmc(const char *path, const unsigned char *b, si
                       (uint64_t)len < want ? "missing" : "extra",
                       (unsigned long long)((uint64_t)len < want ? want - len : len - want));
   int64_t *ids = alloc_ids(count);
-  if (!ids)
-    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %d tokens", path, (int)count);
+  if (!ids) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %d tokens", path, (int)count);
   const unsigned char *p = b + LLMC_HEADER_BYTES;
   if (esize == 2) {
     for (int32_t i = 0; i < count; i++) ids[i] = (int64_t)p[2 * i] | (int64_t)p[2 * i + 1] << 8;
@@ -234,8 +230,8 @@ static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const unsi
       return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                         "tokens %s: safetensors: no tensor named '" ST_TENSOR_NAME "' and %zu "
                         "tensors%s%s%s, so none is the token stream",
-                        path, count, count ? " (the first: '" : "",
-                        count ? ddp_st_name(f, 0) : "", count ? "')" : "");
+                        path, count, count ? " (the first: '" : "", count ? ddp_st_name(f, 0) : "",
+                        count ? "')" : "");
     idx = 0;
   }
   const char *name = ddp_st_name(f, idx);
@@ -255,8 +251,7 @@ static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const unsi
                       path, name, shape);
   if (v.numel == 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "tokens %s: safetensors: tensor '%s' is empty (shape %s)", path, name,
-                      shape);
+                      "tokens %s: safetensors: tensor '%s' is empty (shape %s)", path, name, shape);
   int64_t *ids = alloc_ids(v.numel);
   if (!ids)
     return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %lld tokens", path,
@@ -286,9 +281,8 @@ static ddp_status_t st_take(const char *path, const ddp_st_file_t *f, const unsi
   return DDP_OK;
 }
 
-static ddp_status_t tokens_from_safetensors(const char *path, const unsigned char *b,
-                                            size_t len, int64_t **tokens, int64_t *n,
-                                            ddp_error_t *err) {
+static ddp_status_t tokens_from_safetensors(const char *path, const unsigned char *b, size_t len,
+                                            int64_t **tokens, int64_t *n, ddp_error_t *err) {
   unsigned char *img = NULL;
   if (len >= 8 && le64(b) <= len - 8 && memmem(b + 8, (size_t)le64(b), "U16", 3)) {
     img = ddp__malloc(len);
@@ -321,8 +315,7 @@ static ddp_status_t tokens_from_text(const char *path, const unsigned char *b, s
   if (len > (size_t)INT64_MAX / sizeof(int64_t))
     return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %zu bytes", path, len);
   int64_t *ids = alloc_ids((int64_t)len);
-  if (!ids)
-    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %zu tokens", path, len);
+  if (!ids) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "tokens %s: %zu tokens", path, len);
   ddp_byte_encode((const char *)b, len, ids);
   *tokens = ids;
   *n = (int64_t)len;
@@ -360,25 +353,19 @@ ddp_status_t ddp_tokens_read(const char *path, int64_t **tokens, int64_t *n, ddp
                                                        : sniff(b, len);
   ddp_status_t st;
   switch (fmt) {
-  case FMT_LLMC:
-    st = ddp__tokens_parse_llmc(path, b, len, tokens, n, err);
-    break;
-  case FMT_SAFETENSORS:
-    st = tokens_from_safetensors(path, b, len, tokens, n, err);
-    break;
-  case FMT_TEXT:
-    st = tokens_from_text(path, b, len, tokens, n, err);
-    break;
-  default:
-    st = len == 0 ? ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                               "tokens %s: the file is empty (0 bytes): no tokens", path)
-                  : ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                               "tokens %s: unknown format: no llm.c magic (%d), no safetensors "
-                               "header, and not text (a NUL byte at offset %zu); name the file "
-                               ".bin, .safetensors or .txt to choose",
-                               path, DDP_LLMC_MAGIC,
-                               (size_t)((const unsigned char *)memchr(b, '\0', len) - b));
-    break;
+    case FMT_LLMC: st = ddp__tokens_parse_llmc(path, b, len, tokens, n, err); break;
+    case FMT_SAFETENSORS: st = tokens_from_safetensors(path, b, len, tokens, n, err); break;
+    case FMT_TEXT: st = tokens_from_text(path, b, len, tokens, n, err); break;
+    default:
+      st = len == 0 ? ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                                 "tokens %s: the file is empty (0 bytes): no tokens", path)
+                    : ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                                 "tokens %s: unknown format: no llm.c magic (%d), no safetensors "
+                                 "header, and not text (a NUL byte at offset %zu); name the file "
+                                 ".bin, .safetensors or .txt to choose",
+                                 path, DDP_LLMC_MAGIC,
+                                 (size_t)((const unsigned char *)memchr(b, '\0', len) - b));
+      break;
   }
   ddp__free(text);
   return st;

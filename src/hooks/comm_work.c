@@ -105,8 +105,8 @@ ddp_status_t ddp_comm_work_wait(ddp_comm_work_t *w, const void **data, size_t *c
     if (st != DDP_OK) {
       drain_works(w);
       w->status = st;
-      if (!w->err[0]) snprintf(w->err, sizeof w->err, "the hook's continuation failed: %s",
-                               ddp_status_str(st));
+      if (!w->err[0])
+        snprintf(w->err, sizeof w->err, "the hook's continuation failed: %s", ddp_status_str(st));
       break;
     }
   }

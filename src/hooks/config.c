@@ -17,15 +17,15 @@
 #include "common/common.h"
 #include "hooks_internal.h"
 
-static const char *const HOOKS[] = {"no",        "allreduce",        "fp16", "bf16",
-                                     "power_sgd", "batched_power_sgd"};
+static const char *const HOOKS[] = {"no",   "allreduce", "fp16",
+                                    "bf16", "power_sgd", "batched_power_sgd"};
 #define FIRST_PSGD 4 /* HOOKS from here on take a PowerSGD state */
 static const char *const WRAPPERS[] = {"no", "fp16", "bf16"};
 #define HOOKS_LIST "no, fp16, bf16, power_sgd, batched_power_sgd, allreduce"
 #define WRAPPERS_LIST "no, fp16, bf16"
-#define KEYS_LIST                                                                          \
-  "matrix_approximation_rank, start_powerSGD_iter, min_compression_rate, "                 \
-  "use_error_feedback, warm_start, orthogonalization_epsilon, random_seed, "               \
+#define KEYS_LIST                                                            \
+  "matrix_approximation_rank, start_powerSGD_iter, min_compression_rate, "   \
+  "use_error_feedback, warm_start, orthogonalization_epsilon, random_seed, " \
   "compression_stats_logging_frequency, batch_tensors_with_same_shape"
 
 static int find_name(const char *s, const char *const *names, size_t n) {
@@ -40,8 +40,8 @@ static ddp_status_t bad(ddp_error_t *err, const char *fmt, const char *a, const 
 
 static ddp_status_t get_int(const cJSON *v, const char *key, int64_t lo, int64_t *out,
                             ddp_error_t *err) {
-  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < (double)lo ||
-      v->valuedouble > 9.0e15)
+  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) ||
+      v->valuedouble < (double)lo || v->valuedouble > 9.0e15)
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "comm_state_option: %s must be an integer >= %lld", key, (long long)lo);
   *out = (int64_t)v->valuedouble;
@@ -64,8 +64,10 @@ static ddp_status_t parse_state(const char *json, ddp_powersgd_options_t *o, boo
   cJSON *root = cJSON_Parse(json);
   if (!cJSON_IsObject(root)) {
     cJSON_Delete(root);
-    return bad(err, "comm_state_option must be a JSON object of PowerSGDState keys (%s), got "
-               "'%s'", KEYS_LIST, json);
+    return bad(err,
+               "comm_state_option must be a JSON object of PowerSGDState keys (%s), got "
+               "'%s'",
+               KEYS_LIST, json);
   }
   ddp_status_t st = DDP_OK;
   for (cJSON *v = root->child; v && st == DDP_OK; v = v->next) {
@@ -115,8 +117,8 @@ static ddp_status_t parse_state(const char *json, ddp_powersgd_options_t *o, boo
 }
 
 /* Everything ddp_hooks_validate checks, plus the parsed choices. */
-static ddp_status_t check(const char *hook, const char *wrapper, const char *state, int *h,
-                          int *w, ddp_powersgd_options_t *o, ddp_error_t *err) {
+static ddp_status_t check(const char *hook, const char *wrapper, const char *state, int *h, int *w,
+                          ddp_powersgd_options_t *o, ddp_error_t *err) {
   if (!hook || !hook[0]) hook = "no";
   if (!wrapper || !wrapper[0]) wrapper = "no";
   *h = find_name(hook, HOOKS, sizeof HOOKS / sizeof *HOOKS);
@@ -125,13 +127,17 @@ static ddp_status_t check(const char *hook, const char *wrapper, const char *sta
   if (*w < 0)
     return bad(err, "comm_wrapper: unknown value '%s'; valid choices: %s", wrapper, WRAPPERS_LIST);
   if (*h == 0 && *w != 0)
-    return bad(err, "comm_wrapper '%s' needs a comm_hook (one of %s); Accelerate ignores it "
-               "silently", wrapper, "fp16, bf16, power_sgd, batched_power_sgd, allreduce");
+    return bad(err,
+               "comm_wrapper '%s' needs a comm_hook (one of %s); Accelerate ignores it "
+               "silently",
+               wrapper, "fp16, bf16, power_sgd, batched_power_sgd, allreduce");
   bool nonempty;
   DDP_CHECK(parse_state(state, o, &nonempty, err));
   if (nonempty && *h < FIRST_PSGD)
-    return bad(err, "comm_state_option applies to comm_hook power_sgd or batched_power_sgd "
-               "only (PowerSGDState keys), not to '%s'%s", hook, "");
+    return bad(err,
+               "comm_state_option applies to comm_hook power_sgd or batched_power_sgd "
+               "only (PowerSGDState keys), not to '%s'%s",
+               hook, "");
   if (*h >= FIRST_PSGD && (o->use_error_feedback || o->warm_start) && o->start_powerSGD_iter <= 1)
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or "
@@ -165,8 +171,10 @@ static ddp_status_t bundle_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
 
 static void bundle_stats(void *state, ddp_comm_hook_stats_t *out) {
   bundle_t *x = state;
-  if (x->psgd) ddp_powersgd_stats(x->psgd, out);
-  else ddp_hook_counters_stats(&x->counters, out);
+  if (x->psgd)
+    ddp_powersgd_stats(x->psgd, out);
+  else
+    ddp_hook_counters_stats(&x->counters, out);
 }
 
 static void bundle_free(void *state) {
@@ -195,11 +203,17 @@ ddp_status_t ddp_hooks_create(const char *comm_hook, const char *comm_wrapper,
   ddp_powersgd_options_t o = DDP_POWERSGD_OPTIONS_INIT;
   DDP_CHECK(check(comm_hook, comm_wrapper, comm_state_option, &h, &w, &o, err));
   if (h == 0) return DDP_OK;
-  static const char *const hook_names[] = {"", "allreduce_hook", "fp16_compress_hook",
-                                           "bf16_compress_hook", "powerSGD_hook",
+  static const char *const hook_names[] = {"",
+                                           "allreduce_hook",
+                                           "fp16_compress_hook",
+                                           "bf16_compress_hook",
+                                           "powerSGD_hook",
                                            "batched_powerSGD_hook"};
-  static const ddp_comm_hook_fn fns[] = {NULL, ddp_allreduce_hook, ddp_fp16_compress_hook,
-                                         ddp_bf16_compress_hook, ddp_powersgd_hook,
+  static const ddp_comm_hook_fn fns[] = {NULL,
+                                         ddp_allreduce_hook,
+                                         ddp_fp16_compress_hook,
+                                         ddp_bf16_compress_hook,
+                                         ddp_powersgd_hook,
                                          ddp_batched_powersgd_hook};
   bundle_t *x = ddp__calloc(1, sizeof *x);
   if (!x) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "comm hook: out of memory");
@@ -224,8 +238,11 @@ ddp_status_t ddp_hooks_create(const char *comm_hook, const char *comm_wrapper,
     snprintf(x->name, sizeof x->name, "%s(%s)",
              w == 1 ? "fp16_compress_wrapper" : "bf16_compress_wrapper", hook_names[h]);
   }
-  *out = (ddp_comm_hook_t){.fn = bundle_hook, .state = x, .name = x->name,
-                           .stats = bundle_stats, .free_state = bundle_free,
+  *out = (ddp_comm_hook_t){.fn = bundle_hook,
+                           .state = x,
+                           .name = x->name,
+                           .stats = bundle_stats,
+                           .free_state = bundle_free,
                            .save_state = x->psgd ? bundle_save : NULL,
                            .load_state = x->psgd ? bundle_load : NULL};
   return DDP_OK;

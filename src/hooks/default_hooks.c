@@ -68,8 +68,8 @@ ddp_status_t ddp_allreduce_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
 
 typedef struct compress_call {
   ddp_pg_t *pg;
-  void *c;          /* the low-precision copy (ddp_pg_alloc) */
-  void *buffer;     /* buffer() at call time, receives the widened result */
+  void *c;      /* the low-precision copy (ddp_pg_alloc) */
+  void *buffer; /* buffer() at call time, receives the widened result */
   size_t n;
   ddp_dtype_t bdt, cdt;
 } compress_call_t;
@@ -83,13 +83,17 @@ static void compress_free(void *user) {
 /* f32 <-> the compressed dtype (f16 or bf16) over arrays: the same bits as the element
  * functions, many times faster (common.h). */
 static void narrow_n(ddp_dtype_t cdt, const float *src, void *dst, size_t n) {
-  if (cdt == DDP_F16) ddp_f32_to_f16_n(src, dst, n);
-  else ddp_f32_to_bf16_n(src, dst, n);
+  if (cdt == DDP_F16)
+    ddp_f32_to_f16_n(src, dst, n);
+  else
+    ddp_f32_to_bf16_n(src, dst, n);
 }
 
 static void widen_n(ddp_dtype_t cdt, const void *src, float *dst, size_t n) {
-  if (cdt == DDP_F16) ddp_f16_to_f32_n(src, dst, n);
-  else ddp_bf16_to_f32_n(src, dst, n);
+  if (cdt == DDP_F16)
+    ddp_f16_to_f32_n(src, dst, n);
+  else
+    ddp_bf16_to_f32_n(src, dst, n);
 }
 
 void ddp__hk_convert(void *dst, ddp_dtype_t ddt, const void *src, ddp_dtype_t sdt, size_t n) {
@@ -113,8 +117,8 @@ static ddp_status_t compress_done(void *user, ddp_comm_work_t *w) {
   return DDP_OK;
 }
 
-static ddp_status_t compress_hook(ddp_dtype_t cdt, void *state, ddp_pg_t *pg,
-                                  ddp_grad_bucket_t *b, ddp_comm_work_t **out) {
+static ddp_status_t compress_hook(ddp_dtype_t cdt, void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
+                                  ddp_comm_work_t **out) {
   DDP_REQUIRE(pg && b && out);
   *out = NULL;
   if (!ddp__hk_float_dtype(b->dtype)) return DDP_ERR_UNSUPPORTED;
@@ -183,7 +187,7 @@ ddp_status_t ddp_bf16_compress_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t
 
 typedef struct wrap_call {
   ddp_pg_t *pg;
-  void *low;       /* the low-precision buffer() the inner hook sees */
+  void *low; /* the low-precision buffer() the inner hook sees */
   size_t n;
   ddp_dtype_t ldt;
   ddp_comm_work_t *inner;
@@ -212,8 +216,8 @@ static ddp_status_t wrap_done(void *user, ddp_comm_work_t *w) {
   if (cnt != k->n || !ddp__hk_float_dtype(dt)) {
     char msg[256];
     snprintf(msg, sizeof msg,
-             "compress wrapper: the inner hook resolved to %zu elements of %s, expected %zu",
-             cnt, ddp_dtype_name(dt), k->n);
+             "compress wrapper: the inner hook resolved to %zu elements of %s, expected %zu", cnt,
+             ddp_dtype_name(dt), k->n);
     ddp_comm_work_set_error(w, msg);
     return DDP_ERR_INVALID_USAGE;
   }

@@ -43,8 +43,8 @@ void ddp__psgd_maybe_log_stats(ddp_powersgd_state_t *s, bool is_last) {
   s->next_stats_report = s->iter + s->o.compression_stats_logging_frequency;
 }
 
-ddp_status_t ddp__psgd_launch(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_comm_work_t *w,
-                           float *buf, size_t n) {
+ddp_status_t ddp__psgd_launch(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_comm_work_t *w, float *buf,
+                              size_t n) {
   ddp_work_t *pw = NULL;
   s->nallreduce++;
   s->bytes_step += (int64_t)(n * sizeof(float));
@@ -94,7 +94,6 @@ void ddp__psgd_fill_normal(ddp_powersgd_state_t *s, size_t bucket, float *q, siz
 
 /* ---------------------------------------------------------------- powerSGD_hook --- */
 
-
 static void call_free(void *user) {
   psgd_call_t *c = user;
   if (c->own_in) ddp__free(c->in);
@@ -139,8 +138,8 @@ static ddp_status_t psgd_after_p(void *user, ddp_comm_work_t *w) {
     for (size_t i = 0; i < c->unc_len[k]; i++) c->in[c->unc_off[k] + i] = c->unc[pos++] / world;
   for (size_t j = 0; j < c->nmats; j++) {
     mat_t *x = &c->mats[j];
-    DDP_CHECK(ddp__psgd_orthogonalize(mem->p + x->poff, x->n, x->r,
-                                      s->o.orthogonalization_epsilon, c->low));
+    DDP_CHECK(ddp__psgd_orthogonalize(mem->p + x->poff, x->n, x->r, s->o.orthogonalization_epsilon,
+                                      c->low));
     DDP_CHECK(ddp_gemm(DDP_F32, true, false, (int64_t)x->m, (int64_t)x->r, (int64_t)x->n, 1.0,
                        c->in + x->off, (int64_t)x->m, mem->p + x->poff, (int64_t)x->r, 0.0,
                        mem->q + x->qoff, (int64_t)x->r));
@@ -152,7 +151,7 @@ static ddp_status_t psgd_after_p(void *user, ddp_comm_work_t *w) {
 
 /* The warm-up phase and its single allreduce (÷W, then SUM). */
 ddp_status_t ddp__psgd_warmup(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_grad_bucket_t *b,
-                           ddp_comm_work_t **out) {
+                              ddp_comm_work_t **out) {
   ddp__psgd_maybe_increase_iter(s, b->is_last);
   ddp__hk_divide(b->buffer, b->numel, b->dtype, ddp_pg_size(pg));
   s->nallreduce++;
@@ -459,9 +458,10 @@ ddp_status_t ddp_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
     DDP_CHECK_GOTO(ddp__psgd_orthogonalize(mem->q + x->qoff, x->m, x->r,
                                            s->o.orthogonalization_epsilon, c->low),
                    st, fail);
-    DDP_CHECK_GOTO(ddp_gemm(DDP_F32, false, false, (int64_t)x->n, (int64_t)x->r, (int64_t)x->m,
-                            1.0, c->in + x->off, (int64_t)x->m, mem->q + x->qoff, (int64_t)x->r,
-                            0.0, mem->p + x->poff, (int64_t)x->r), st, fail);
+    DDP_CHECK_GOTO(ddp_gemm(DDP_F32, false, false, (int64_t)x->n, (int64_t)x->r, (int64_t)x->m, 1.0,
+                            c->in + x->off, (int64_t)x->m, mem->q + x->qoff, (int64_t)x->r, 0.0,
+                            mem->p + x->poff, (int64_t)x->r),
+                   st, fail);
   }
   /* Collectives A (uncompressed) and B (P), launched now so they overlap the backward. */
   DDP_CHECK_GOTO(ddp__psgd_launch(s, pg, w, c->unc, c->nunc), st, fail);

@@ -99,8 +99,8 @@ static ddp_status_t bpsgd_after_p(void *user, ddp_comm_work_t *w) {
   bpsgd_call_t *k = user;
   psgd_call_t *c = &k->c;
   psgd_mem_t *mem = c->mem = &c->s->mem[c->index]; /* the array may have grown */
-  DDP_CHECK(ddp__psgd_orthogonalize(mem->p, k->side, k->rank, c->s->o.orthogonalization_epsilon,
-                                    c->low));
+  DDP_CHECK(
+      ddp__psgd_orthogonalize(mem->p, k->side, k->rank, c->s->o.orthogonalization_epsilon, c->low));
   DDP_CHECK(ddp_gemm(DDP_F32, true, false, (int64_t)k->side, (int64_t)k->rank, (int64_t)k->side,
                      1.0, c->in, (int64_t)k->side, mem->p, (int64_t)k->rank, 0.0, mem->q,
                      (int64_t)k->rank));
@@ -182,9 +182,9 @@ ddp_status_t ddp_batched_powersgd_hook(void *state, ddp_pg_t *pg, ddp_grad_bucke
   DDP_CHECK_GOTO(ddp__psgd_orthogonalize(mem->q, side, rank, s->o.orthogonalization_epsilon,
                                          c->low),
                  st, fail);
-  DDP_CHECK_GOTO(ddp_gemm(DDP_F32, false, false, (int64_t)side, (int64_t)rank, (int64_t)side,
-                          1.0, c->in, (int64_t)side, mem->q, (int64_t)rank, 0.0, mem->p,
-                          (int64_t)rank), st, fail);
+  DDP_CHECK_GOTO(ddp_gemm(DDP_F32, false, false, (int64_t)side, (int64_t)rank, (int64_t)side, 1.0,
+                          c->in, (int64_t)side, mem->q, (int64_t)rank, 0.0, mem->p, (int64_t)rank),
+                 st, fail);
   DDP_CHECK_GOTO(ddp__psgd_launch(s, pg, w, mem->p, mem->np), st, fail);
   ddp_comm_work_then(w, bpsgd_after_p, k);
   *out = w;

@@ -50,8 +50,8 @@ psgd_mem_t *ddp__psgd_get_mem(ddp_powersgd_state_t *s, size_t idx);
 /* ---------------------------------------------------------------- powersgd.c ------- */
 
 typedef struct mat {
-  size_t off;      /* element offset of the tensor in the bucket */
-  size_t n, m, r;  /* M is n x m; rank r */
+  size_t off;     /* element offset of the tensor in the bucket */
+  size_t n, m, r; /* M is n x m; rank r */
   size_t poff, qoff;
 } mat_t;
 
@@ -62,10 +62,10 @@ typedef struct psgd_call {
   size_t index;
   bool is_last, low;
   size_t numel;
-  float *in;      /* input: the bucket (f32) or an f32 copy of it */
+  float *in; /* input: the bucket (f32) or an f32 copy of it */
   bool own_in;
-  float *cp;      /* input_cp for error feedback */
-  float *unc;     /* the uncompressed tensors, concatenated */
+  float *cp;  /* input_cp for error feedback */
+  float *unc; /* the uncompressed tensors, concatenated */
   size_t nunc;
   size_t *unc_off, *unc_len, nuncs;
   mat_t *mats;
@@ -77,8 +77,8 @@ void ddp__psgd_maybe_increase_iter(ddp_powersgd_state_t *s, bool is_last);
 /* The compression stats line, every compression_stats_logging_frequency iterations. */
 void ddp__psgd_maybe_log_stats(ddp_powersgd_state_t *s, bool is_last);
 /* One allreduce SUM of n f32 in place, added to w (and to the counters). */
-ddp_status_t ddp__psgd_launch(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_comm_work_t *w,
-                              float *buf, size_t n);
+ddp_status_t ddp__psgd_launch(ddp_powersgd_state_t *s, ddp_pg_t *pg, ddp_comm_work_t *w, float *buf,
+                              size_t n);
 /* _orthogonalize on the columns of a row-major rows x cols matrix. */
 ddp_status_t ddp__psgd_orthogonalize(float *a, size_t rows, size_t cols, double eps, bool low);
 /* Q's random start: n values of bucket's draw number s->draws (which it advances). */

@@ -63,7 +63,8 @@ void ddp__psgd_mem_clear(psgd_mem_t *m) {
 void ddp__psgd_mem_restart(psgd_mem_t *m, int rank, size_t bucket) {
   ddp__log(rank, DDP_LOG_WARN,
            "PowerSGD: bucket %zu now holds other tensors than its error feedback and "
-           "warm-start memories were built for; they restart from zero", bucket);
+           "warm-start memories were built for; they restart from zero",
+           bucket);
   ddp__psgd_mem_clear(m);
   ddp__free(m->error);
   m->error = NULL;
@@ -151,7 +152,7 @@ ddp_status_t ddp_powersgd_state_save(const ddp_powersgd_state_t *s, const char *
   size_t cap = 4 * s->nmem + 1, n = 0;
   ddp_st_entry_t *e = ddp__calloc(cap, sizeof *e);
   ddp_tensor_t *t = ddp__calloc(cap, sizeof *t);
-  char (*names)[48] = ddp__calloc(cap, sizeof *names);
+  char(*names)[48] = ddp__calloc(cap, sizeof *names);
   ddp_status_t st = DDP_OK;
   if (!e || !t || !names) {
     st = ddp__error(err, s->rank, DDP_ERR_NO_MEMORY, "PowerSGD state save: out of memory");
@@ -192,11 +193,19 @@ ddp_status_t ddp_powersgd_state_save(const ddp_powersgd_state_t *s, const char *
     goto out;
   }
   {
-    static const char *const keys[PSGD_NMETA] = {
-        "format", "iter", "draws", "total_numel_before_compression",
-        "total_numel_after_compression", "next_stats_report", "num_allreduces", "buckets",
-        "matrix_approximation_rank", "start_powerSGD_iter", "use_error_feedback", "warm_start",
-        "random_seed"};
+    static const char *const keys[PSGD_NMETA] = {"format",
+                                                 "iter",
+                                                 "draws",
+                                                 "total_numel_before_compression",
+                                                 "total_numel_after_compression",
+                                                 "next_stats_report",
+                                                 "num_allreduces",
+                                                 "buckets",
+                                                 "matrix_approximation_rank",
+                                                 "start_powerSGD_iter",
+                                                 "use_error_feedback",
+                                                 "warm_start",
+                                                 "random_seed"};
     char v[PSGD_NMETA][32];
     snprintf(v[0], sizeof v[0], "%s", PSGD_FORMAT);
     meta_i64(v[1], sizeof v[1], s->iter);
@@ -234,8 +243,8 @@ static bool meta_get_i64(const ddp_st_file_t *f, const char *key, int64_t *out) 
 }
 
 /* Copies the f32 vector `name` (absent: *data NULL) into a fresh allocation. */
-static ddp_status_t load_vec(const ddp_st_file_t *f, const char *name, float **data,
-                             size_t *len, bool *present) {
+static ddp_status_t load_vec(const ddp_st_file_t *f, const char *name, float **data, size_t *len,
+                             bool *present) {
   size_t i;
   *data = NULL;
   *len = 0;
@@ -252,8 +261,7 @@ static ddp_status_t load_vec(const ddp_st_file_t *f, const char *name, float **d
   return DDP_OK;
 }
 
-ddp_status_t ddp_powersgd_state_load(ddp_powersgd_state_t *s, const char *path,
-                                     ddp_error_t *err) {
+ddp_status_t ddp_powersgd_state_load(ddp_powersgd_state_t *s, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(s && s->magic == PSGD_MAGIC && path);
   ddp_st_file_t *f = NULL;
   DDP_CHECK(ddp_st_open(path, DDP_ST_READ, &f, err));
@@ -328,7 +336,8 @@ ddp_status_t ddp_powersgd_state_load(ddp_powersgd_state_t *s, const char *path,
     if (st != DDP_OK) {
       st = ddp__error(err, s->rank, st,
                       "PowerSGD state %s: bucket %zu: tensors must be f32 vectors, with p and "
-                      "q present together, and the layout i64 [n, 4]", path, b);
+                      "q present together, and the layout i64 [n, 4]",
+                      path, b);
     }
   }
   if (st != DDP_OK) goto out;

@@ -76,8 +76,8 @@ struct ddp_st_file {
   size_t map_len;
   unsigned char *fixup; /* aligned copies of tensors that would be misaligned, or NULL */
   size_t n;
-  st_tensor_t *t;       /* file order */
-  size_t *by_name;      /* indices into t sorted by name, for ddp_st_find */
+  st_tensor_t *t;  /* file order */
+  size_t *by_name; /* indices into t sorted by name, for ddp_st_find */
   size_t nmeta;
   char **meta_key;
   char **meta_val;
@@ -136,9 +136,8 @@ static bool json_uint(const cJSON *j, uint64_t *out) {
 
 /* dtypes that safetensors defines but libddp does not implement: UNSUPPORTED, not corrupt. */
 static bool st_known_foreign_dtype(const char *name) {
-  static const char *const foreign[] = {"I8", "I16", "U16", "U32", "U64", "F8_E4M3",
-                                        "F8_E5M2", "C64", "F4", "F6_E2M3", "F6_E3M2",
-                                        "F8_E8M0"};
+  static const char *const foreign[] = {"I8",      "I16", "U16", "U32",     "U64",     "F8_E4M3",
+                                        "F8_E5M2", "C64", "F4",  "F6_E2M3", "F6_E3M2", "F8_E8M0"};
   for (size_t i = 0; i < DDP_ARRAY_LEN(foreign); i++) {
     if (strcmp(name, foreign[i]) == 0) return true;
   }
@@ -226,8 +225,8 @@ static ddp_status_t parse_metadata(st_parse_t *p, const cJSON *meta) {
   ddp_st_file_t *f = p->f;
   f->meta_key = ddp__calloc(n, sizeof *f->meta_key);
   f->meta_val = ddp__calloc(n, sizeof *f->meta_val);
-  if (!f->meta_key || !f->meta_val) return ddp__error(p->err, -1, DDP_ERR_NO_MEMORY,
-                                                      "%s: metadata", p->where);
+  if (!f->meta_key || !f->meta_val)
+    return ddp__error(p->err, -1, DDP_ERR_NO_MEMORY, "%s: metadata", p->where);
   for (const cJSON *c = meta->child; c; c = c->next) {
     char *k = ddp__strdup(c->string), *v = ddp__strdup(c->valuestring);
     if (!k || !v) {
@@ -258,8 +257,7 @@ static ddp_status_t parse_metadata(st_parse_t *p, const cJSON *meta) {
 }
 
 /* The one member called `key` of entry `e`: NULL plus an error when missing or repeated. */
-static const cJSON *one_field(st_parse_t *p, const cJSON *e, const char *key,
-                              ddp_status_t *st) {
+static const cJSON *one_field(st_parse_t *p, const cJSON *e, const char *key, ddp_status_t *st) {
   const cJSON *found = NULL;
   for (const cJSON *c = e->child; c; c = c->next) {
     if (strcmp(c->string, key) != 0) continue;
@@ -273,8 +271,7 @@ static const cJSON *one_field(st_parse_t *p, const cJSON *e, const char *key,
   return found;
 }
 
-static ddp_status_t parse_tensor(st_parse_t *p, const cJSON *e, uint64_t data_len,
-                                 st_tensor_t *t) {
+static ddp_status_t parse_tensor(st_parse_t *p, const cJSON *e, uint64_t data_len, st_tensor_t *t) {
   const char *name = e->string;
   if (!cJSON_IsObject(e)) return BAD(p, "tensor '" NM "' is not a JSON object", name);
   ddp_status_t st = DDP_OK;
@@ -332,8 +329,8 @@ static ddp_status_t parse_tensor(st_parse_t *p, const cJSON *e, uint64_t data_le
     return BAD(p, "tensor '" NM "': data_offsets are not non-negative integers", name);
   }
   if (t->begin > t->end) {
-    return BAD(p, "tensor '" NM "': data_offsets [%" PRIu64 ", %" PRIu64 "] have begin > end",
-               name, t->begin, t->end);
+    return BAD(p, "tensor '" NM "': data_offsets [%" PRIu64 ", %" PRIu64 "] have begin > end", name,
+               t->begin, t->end);
   }
   if (t->end > data_len) {
     return BAD(p,
@@ -345,8 +342,7 @@ static ddp_status_t parse_tensor(st_parse_t *p, const cJSON *e, uint64_t data_le
     return BAD(p,
                "tensor '" NM "': data_offsets [%" PRIu64 ", %" PRIu64 "] span %" PRIu64
                " bytes but %s with %" PRIu64 " elements needs %" PRIu64,
-               name, t->begin, t->end, t->end - t->begin, ddp_dtype_name(t->dtype), numel,
-               nbytes);
+               name, t->begin, t->end, t->end - t->begin, ddp_dtype_name(t->dtype), numel, nbytes);
   }
   t->name = ddp__strdup(name);
   if (!t->name) return ddp__error(p->err, -1, DDP_ERR_NO_MEMORY, "%s: tensor name", p->where);
@@ -362,14 +358,16 @@ static ddp_status_t check_coverage(st_parse_t *p, uint64_t data_len) {
     const st_tensor_t *t = &f->t[i];
     if (prev && t->begin < pos) { /* pos is 0 until there is a prev */
       return BAD(p,
-                 "tensors '" NM "' [%" PRIu64 ", %" PRIu64 "] and '" NM "' [%" PRIu64
-                 ", %" PRIu64 "] overlap",
+                 "tensors '" NM "' [%" PRIu64 ", %" PRIu64 "] and '" NM "' [%" PRIu64 ", %" PRIu64
+                 "] overlap",
                  prev->name, prev->begin, prev->end, t->name, t->begin, t->end);
     }
     if (t->begin > pos) {
       if (!prev) {
-        return BAD(p, "hole of %" PRIu64 " bytes at the start of the data block, before '" NM
-                   "' [%" PRIu64 ", %" PRIu64 "]", t->begin, t->name, t->begin, t->end);
+        return BAD(p,
+                   "hole of %" PRIu64 " bytes at the start of the data block, before '" NM
+                   "' [%" PRIu64 ", %" PRIu64 "]",
+                   t->begin, t->name, t->begin, t->end);
       }
       return BAD(p,
                  "hole of %" PRIu64 " bytes in the data block between '" NM "' (ends at %" PRIu64
@@ -469,8 +467,7 @@ static ddp_status_t parse_image(st_parse_t *p, const unsigned char *img, size_t 
                DDP_ST_MAX_HEADER);
   }
   if (hlen > len - 8) {
-    return BAD(p, "header length %" PRIu64 " runs past the end of the file (%zu bytes)", hlen,
-               len);
+    return BAD(p, "header length %" PRIu64 " runs past the end of the file (%zu bytes)", hlen, len);
   }
   const unsigned char *hdr = img + 8;
   if (hlen == 0 || hdr[0] != '{') {
@@ -558,8 +555,7 @@ static size_t image_pad(const unsigned char first8[8], size_t len) {
   return (size_t)((ST_ALIGN - (8 + h % ST_ALIGN) % ST_ALIGN) % ST_ALIGN);
 }
 
-ddp_status_t ddp_st_parse(const void *bytes, size_t len, ddp_st_file_t **out,
-                          ddp_error_t *err) {
+ddp_status_t ddp_st_parse(const void *bytes, size_t len, ddp_st_file_t **out, ddp_error_t *err) {
   DDP_REQUIRE(out);
   DDP_REQUIRE(bytes || len == 0);
   *out = NULL;
@@ -612,8 +608,8 @@ ddp_status_t ddp_st_open(const char *path, int flags, ddp_st_file_t **out, ddp_e
   }
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
-    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: fstat: %s (errno %d)", where,
-                    strerror(errno), errno);
+    st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: fstat: %s (errno %d)", where, strerror(errno),
+                    errno);
     goto fail;
   }
   if (!S_ISREG(sb.st_mode)) {
@@ -632,8 +628,8 @@ ddp_status_t ddp_st_open(const char *path, int flags, ddp_st_file_t **out, ddp_e
   if (flags == DDP_ST_MMAP && size >= 8) {
     void *m = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (m == MAP_FAILED) {
-      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: mmap of %zu bytes: %s (errno %d)", where,
-                      size, strerror(errno), errno);
+      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: mmap of %zu bytes: %s (errno %d)", where, size,
+                      strerror(errno), errno);
       goto fail;
     }
     f->map = m;
@@ -646,8 +642,8 @@ ddp_status_t ddp_st_open(const char *path, int flags, ddp_st_file_t **out, ddp_e
     unsigned char first8[8] = {0};
     ssize_t r = read_full(fd, first8, sizeof first8, 0);
     if (r < 0) {
-      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: read: %s (errno %d)", where,
-                      strerror(errno), errno);
+      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: read: %s (errno %d)", where, strerror(errno),
+                      errno);
       goto fail;
     }
     size_t pad = image_pad(first8, (size_t)r);
@@ -658,8 +654,8 @@ ddp_status_t ddp_st_open(const char *path, int flags, ddp_st_file_t **out, ddp_e
     }
     r = read_full(fd, f->buf + pad, size, 0);
     if (r < 0) {
-      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: read: %s (errno %d)", where,
-                      strerror(errno), errno);
+      st = ddp__error(err, -1, DDP_ERR_SYSTEM, "%s: read: %s (errno %d)", where, strerror(errno),
+                      errno);
       goto fail;
     }
     img = f->buf + pad;

@@ -24,15 +24,16 @@ static bool utf8_valid(const char *s) {
 
 /* Checks names and keys, returning DDP_ERR_INVALID_ARGUMENT naming the first problem. */
 static ddp_status_t check_write_args(const char *path, const ddp_st_entry_t *e, size_t n,
-                                     const char *const *mk, const char *const *mv,
-                                     size_t nmeta, ddp_error_t *err) {
+                                     const char *const *mk, const char *const *mv, size_t nmeta,
+                                     ddp_error_t *err) {
   for (size_t i = 0; i < n; i++) {
     const char *name = e[i].name;
     const ddp_tensor_t *t = e[i].tensor;
     if (!name || !name[0] || !utf8_valid(name) || strcmp(name, ST_META_KEY) == 0) {
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                         "safetensors write '%s': entry %zu has an empty, non-UTF-8 or reserved "
-                        "name", path, i);
+                        "name",
+                        path, i);
     }
     int64_t numel;
     if (!t || !ddp_dtype_valid((int)t->dtype) ||
@@ -40,14 +41,14 @@ static ddp_status_t check_write_args(const char *path, const ddp_st_entry_t *e, 
         numel != t->numel || (numel > 0 && !t->data)) {
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                         "safetensors write '%s': tensor '" NM "' is invalid (dtype, shape, "
-                        "numel or data)", path, name);
+                        "numel or data)",
+                        path, name);
     }
   }
   for (size_t i = 0; i < nmeta; i++) {
     if (!mk[i] || !mv[i] || !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "safetensors write '%s': metadata entry %zu is NULL or not UTF-8", path,
-                        i);
+                        "safetensors write '%s': metadata entry %zu is NULL or not UTF-8", path, i);
     }
   }
   /* Duplicates, by sorting pointer copies (n log n for large models). */
@@ -95,8 +96,7 @@ static char *build_header(const ddp_st_entry_t *e, size_t n, const char *const *
     char shape[DDP_MAX_DIMS * 22 + 4], offs[48];
     int k = snprintf(shape, sizeof shape, "[");
     for (int d = 0; d < t->ndim; d++) {
-      k += snprintf(shape + k, sizeof shape - (size_t)k, "%s%" PRId64, d ? "," : "",
-                    t->shape[d]);
+      k += snprintf(shape + k, sizeof shape - (size_t)k, "%s%" PRId64, d ? "," : "", t->shape[d]);
     }
     snprintf(shape + k, sizeof shape - (size_t)k, "]");
     snprintf(offs, sizeof offs, "[%" PRIu64 ",%" PRIu64 "]", off, off + nb);

@@ -171,8 +171,7 @@ ddp_status_t ddp_var_new(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *
   DDP_REQUIRE(c && out);
   *out = NULL;
   if (!ddp_dtype_valid((int)dt) || ndim < 0 || ndim > DDP_MAX_DIMS)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "ddp_var_new: bad dtype or ndim %d",
-                          ndim);
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "ddp_var_new: bad dtype or ndim %d", ndim);
   ddp_var_t *v = ddp__var_alloc(c, dt, ndim, shape);
   if (!v) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "ddp_var_new: arena exhausted");
   if (data) memcpy(v->value.data, data, ddp_tensor_nbytes(&v->value));
@@ -281,15 +280,15 @@ static ddp_status_t run_backward(ddp_ctx_t *c, size_t nroots, ddp_var_t *const *
     if (!roots[r]->requires_grad)
       return ddp__ctx_error(c, DDP_ERR_INVALID_USAGE,
                             "backward: root %zu does not require grad and has no creator "
-                            "(element 0 of tensors does not require grad)", r);
+                            "(element 0 of tensors does not require grad)",
+                            r);
     if (grads && grads[r].data && !ddp_tensor_same_shape(&grads[r], &roots[r]->value))
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "backward: gradient %zu has the wrong shape", r);
     if (grads && grads[r].data && grads[r].dtype != roots[r]->value.dtype)
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "backward: gradient %zu has dtype %s, root has %s", r,
-                            ddp_dtype_name(grads[r].dtype),
-                            ddp_dtype_name(roots[r]->value.dtype));
+                            ddp_dtype_name(grads[r].dtype), ddp_dtype_name(roots[r]->value.dtype));
     if (roots[r]->creator) roots[r]->creator->mark = id;
   }
   /* Marking pass. */

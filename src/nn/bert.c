@@ -163,8 +163,8 @@ static ddp_status_t bert_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool t
   bert_t *b = state;
   const ddp_bert_config_t *cfg = &b->hf.bert;
   char sx[128];
-  bool plain = x->value.ndim == 2, rows = x->value.ndim == 3 &&
-                                          (x->value.shape[1] == 2 || x->value.shape[1] == 3);
+  bool plain = x->value.ndim == 2,
+       rows = x->value.ndim == 3 && (x->value.shape[1] == 2 || x->value.shape[1] == 3);
   if (x->value.dtype != DDP_I64 || !(plain || rows) || x->value.numel == 0)
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "bert: input must be non-empty I64 [B, T] (input_ids), [B, 2, T] "
@@ -269,8 +269,9 @@ static ddp_status_t add_ln(builder_t *bd, const char *prefix, size_t *idx) {
   ddp_module_t *mod;
   *idx = ddp_model_num_params(bd->b->m);
   const ddp_bert_config_t *cfg = &bd->b->hf.bert;
-  return done(bd, ddp_module_layer_norm(bd->b->m, prefix, cfg->hidden_size, cfg->layer_norm_eps,
-                                        bd->dt, &mod),
+  return done(bd,
+              ddp_module_layer_norm(bd->b->m, prefix, cfg->hidden_size, cfg->layer_norm_eps, bd->dt,
+                                    &mod),
               *idx, DDP__INIT_ONE, DDP__INIT_ZERO);
 }
 
@@ -278,8 +279,8 @@ static ddp_status_t add_embedding(builder_t *bd, const char *prefix, int64_t num
   ddp_module_t *mod;
   *idx = ddp_model_num_params(bd->b->m);
   nm(bd, -1, prefix);
-  return done(bd, ddp_module_embedding(bd->b->m, prefix, num, bd->b->hf.bert.hidden_size, bd->dt,
-                                       &mod),
+  return done(bd,
+              ddp_module_embedding(bd->b->m, prefix, num, bd->b->hf.bert.hidden_size, bd->dt, &mod),
               *idx, DDP__INIT_NORMAL, DDP__INIT_NORMAL);
 }
 
@@ -305,8 +306,8 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   builder_t bd = {b, dt, err, ""};
   int64_t C = cfg->hidden_size, I = cfg->intermediate_size;
   DDP_CHECK(add_embedding(&bd, "bert.embeddings.word_embeddings", cfg->vocab_size, &b->word));
-  DDP_CHECK(add_embedding(&bd, "bert.embeddings.position_embeddings",
-                          cfg->max_position_embeddings, &b->position));
+  DDP_CHECK(add_embedding(&bd, "bert.embeddings.position_embeddings", cfg->max_position_embeddings,
+                          &b->position));
   DDP_CHECK(add_embedding(&bd, "bert.embeddings.token_type_embeddings", cfg->type_vocab_size,
                           &b->token_type));
   DDP_CHECK(add_ln(&bd, nm(&bd, -1, "bert.embeddings.LayerNorm"), &b->emb_ln));

@@ -99,7 +99,8 @@ static ddp_status_t gpt2_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool t
     if (ids[i] < 0 || ids[i] >= cfg->vocab_size)
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "gpt2: token id %lld at [%lld, %lld] is out of range for vocab_size = "
-                            "%lld", (long long)ids[i], (long long)(i / T), (long long)(i % T),
+                            "%lld",
+                            (long long)ids[i], (long long)(i / T), (long long)(i % T),
                             (long long)cfg->vocab_size);
   ddp_var_t *pos, *wte, *wpe, *tok, *pe, *h, *head;
   DDP_CHECK(ddp_var_new(c, DDP_I64, 1, &T, NULL, false, &pos));
@@ -213,15 +214,15 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   for (int64_t i = 0; i < cfg->n_layer; i++) {
     block_t *k = &g->h[i];
     DDP_CHECK(add_ln(&b, nm(&b, i, "ln_1"), &k->ln_1));
-    DDP_CHECK(add_conv1d(&b, nm(&b, i, "attn.c_attn"), C, 3 * C,
-                         DDP__INIT_NORMAL, &k->c_attn_w, &k->c_attn_b));
-    DDP_CHECK(add_conv1d(&b, nm(&b, i, "attn.c_proj"), C, C, DDP__INIT_PROJ,
-                         &k->attn_proj_w, &k->attn_proj_b));
+    DDP_CHECK(add_conv1d(&b, nm(&b, i, "attn.c_attn"), C, 3 * C, DDP__INIT_NORMAL, &k->c_attn_w,
+                         &k->c_attn_b));
+    DDP_CHECK(add_conv1d(&b, nm(&b, i, "attn.c_proj"), C, C, DDP__INIT_PROJ, &k->attn_proj_w,
+                         &k->attn_proj_b));
     DDP_CHECK(add_ln(&b, nm(&b, i, "ln_2"), &k->ln_2));
-    DDP_CHECK(add_conv1d(&b, nm(&b, i, "mlp.c_fc"), C, inner,
-                         DDP__INIT_NORMAL, &k->c_fc_w, &k->c_fc_b));
-    DDP_CHECK(add_conv1d(&b, nm(&b, i, "mlp.c_proj"), inner, C,
-                         DDP__INIT_PROJ, &k->mlp_proj_w, &k->mlp_proj_b));
+    DDP_CHECK(
+        add_conv1d(&b, nm(&b, i, "mlp.c_fc"), C, inner, DDP__INIT_NORMAL, &k->c_fc_w, &k->c_fc_b));
+    DDP_CHECK(add_conv1d(&b, nm(&b, i, "mlp.c_proj"), inner, C, DDP__INIT_PROJ, &k->mlp_proj_w,
+                         &k->mlp_proj_b));
   }
   DDP_CHECK(add_ln(&b, "transformer.ln_f", &g->ln_f));
   g->lm_head = g->wte;

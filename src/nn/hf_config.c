@@ -15,9 +15,9 @@ static const struct {
   const char *name;
   ddp_act_t act;
 } acts[] = {
-    {"gelu", DDP_ACT_GELU},       {"gelu_python", DDP_ACT_GELU},
+    {"gelu", DDP_ACT_GELU},          {"gelu_python", DDP_ACT_GELU},
     {"gelu_new", DDP_ACT_GELU_TANH}, {"gelu_pytorch_tanh", DDP_ACT_GELU_TANH},
-    {"relu", DDP_ACT_RELU},       {"tanh", DDP_ACT_TANH},
+    {"relu", DDP_ACT_RELU},          {"tanh", DDP_ACT_TANH},
     {"sigmoid", DDP_ACT_SIGMOID},
 };
 #define ACT_LIST "gelu, gelu_python, gelu_new, gelu_pytorch_tanh, relu, tanh, sigmoid"
@@ -93,11 +93,13 @@ static ddp_status_t need_nonneg(const char *path, const char *key, double v, boo
                                 ddp_error_t *err) {
   if (isfinite(v) && (strict_pos ? v > 0 : v >= 0)) return DDP_OK;
   char w[96];
-  snprintf(w, sizeof w, "must be a %s number (got %g)", strict_pos ? "positive" : "non-negative", v);
+  snprintf(w, sizeof w, "must be a %s number (got %g)", strict_pos ? "positive" : "non-negative",
+           v);
   return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
 }
 
-static ddp_status_t need_act(const char *path, const char *key, const char *name, ddp_error_t *err) {
+static ddp_status_t need_act(const char *path, const char *key, const char *name,
+                             ddp_error_t *err) {
   ddp_act_t a;
   if (ddp__hf_activation(name, &a)) return DDP_OK;
   char w[256];
@@ -106,8 +108,8 @@ static ddp_status_t need_act(const char *path, const char *key, const char *name
   return bad_key(err, DDP_ERR_UNSUPPORTED, path, key, w);
 }
 
-static ddp_status_t need_heads(const char *path, const char *wkey, int64_t width,
-                               const char *hkey, int64_t heads, ddp_error_t *err) {
+static ddp_status_t need_heads(const char *path, const char *wkey, int64_t width, const char *hkey,
+                               int64_t heads, ddp_error_t *err) {
   if (width % heads == 0) return DDP_OK;
   return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                     "%s: \"%s\" (%lld) must be divisible by \"%s\" (%lld)", src_name(path), wkey,
@@ -158,8 +160,10 @@ static ddp_status_t check_bert(const ddp_bert_config_t *b, const char *path, ddp
   const char *pt = b->problem_type;
   if (*pt && strcmp(pt, "regression") && strcmp(pt, "single_label_classification")) {
     char w[160];
-    snprintf(w, sizeof w, "is \"%.40s\": libddp supports null, \"regression\" and "
-             "\"single_label_classification\"", pt);
+    snprintf(w, sizeof w,
+             "is \"%.40s\": libddp supports null, \"regression\" and "
+             "\"single_label_classification\"",
+             pt);
     return bad_key(err, DDP_ERR_UNSUPPORTED, path, "problem_type", w);
   }
   return DDP_OK;
@@ -328,7 +332,8 @@ static ddp_status_t parse_bert(parse_t *p, ddp_bert_config_t *b) {
   if (pe && !cJSON_IsNull(pe) && !(cJSON_IsString(pe) && !strcmp(pe->valuestring, "absolute"))) {
     if (!cJSON_IsString(pe)) return wrong_type(p, "position_embedding_type", pe, "a string");
     return ddp__error(p->err, -1, DDP_ERR_UNSUPPORTED,
-                      "%s: \"position_embedding_type\": \"%.40s\" is not supported (only \"absolute\")",
+                      "%s: \"position_embedding_type\": \"%.40s\" is not supported (only "
+                      "\"absolute\")",
                       src_name(p->path), pe->valuestring);
   }
   DDP_CHECK(refuse_bool(p, "is_decoder", "BERT as a decoder (causal self-attention)"));

@@ -37,7 +37,7 @@ struct ddp_module {
   ddp_module_t **children;
   size_t nchildren, cap;
   int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
-  const ddp__family_t *family; /* MOD_FAMILY */
+  const ddp__family_t *family;           /* MOD_FAMILY */
   void *fstate;
 };
 
@@ -115,8 +115,8 @@ static bool name_taken(const ddp_model_t *m, const char *name) {
   return false;
 }
 
-static ddp_status_t check_new_name(const ddp_model_t *m, const char *name, ddp_dtype_t dt,
-                                   int ndim, const int64_t *shape, int64_t *numel) {
+static ddp_status_t check_new_name(const ddp_model_t *m, const char *name, ddp_dtype_t dt, int ndim,
+                                   const int64_t *shape, int64_t *numel) {
   if (m->finalized)
     return ddp__error(NULL, -1, DDP_ERR_INVALID_USAGE,
                       "model: cannot register '%s' after ddp_model_finalize", name);
@@ -142,7 +142,8 @@ ddp_status_t ddp_model_add_param(ddp_model_t *m, const char *name, ddp_dtype_t d
   DDP_CHECK(check_new_name(m, name, dt, ndim, shape, &numel));
   if (dt != DDP_F32 && dt != DDP_F64)
     return ddp__error(NULL, -1, DDP_ERR_UNSUPPORTED,
-                      "model: parameter '%s' must be F32 or F64 (got %s)", name, ddp_dtype_name(dt));
+                      "model: parameter '%s' must be F32 or F64 (got %s)", name,
+                      ddp_dtype_name(dt));
   if (!grow((void **)&m->params, &m->cap_params, m->nparams, sizeof *m->params))
     return DDP_ERR_NO_MEMORY;
   ddp_param_t *p = &m->params[m->nparams];
@@ -328,9 +329,11 @@ ddp_status_t ddp_module_linear(ddp_model_t *m, const char *prefix, int64_t in, i
   DDP_CHECK(mod_new(m, MOD_LINEAR, mod));
   (*mod)->in = in;
   (*mod)->out = out;
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 2, ws, true, &(*mod)->p[0]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 2, ws, true,
+                                &(*mod)->p[0]));
   if (bias)
-    DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &out, true, &(*mod)->p[1]));
+    DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &out, true,
+                                  &(*mod)->p[1]));
   return DDP_OK;
 }
 
@@ -341,8 +344,10 @@ ddp_status_t ddp_module_layer_norm(ddp_model_t *m, const char *prefix, int64_t d
   DDP_CHECK(mod_new(m, MOD_LAYER_NORM, mod));
   (*mod)->in = (*mod)->out = dim;
   (*mod)->eps = eps;
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 1, &dim, true, &(*mod)->p[0]));
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &dim, true, &(*mod)->p[1]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 1, &dim, true,
+                                &(*mod)->p[0]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &dim, true,
+                                &(*mod)->p[1]));
   return DDP_OK;
 }
 
@@ -354,11 +359,16 @@ ddp_status_t ddp_module_batch_norm(ddp_model_t *m, const char *prefix, int64_t d
   (*mod)->in = (*mod)->out = dim;
   (*mod)->eps = eps;
   (*mod)->momentum = momentum;
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 1, &dim, true, &(*mod)->p[0]));
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &dim, true, &(*mod)->p[1]));
-  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "running_mean"), dt, 1, &dim, &(*mod)->buf[0]));
-  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "running_var"), dt, 1, &dim, &(*mod)->buf[1]));
-  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "num_batches_tracked"), DDP_I64, 0, NULL, &(*mod)->buf[2]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 1, &dim, true,
+                                &(*mod)->p[0]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "bias"), dt, 1, &dim, true,
+                                &(*mod)->p[1]));
+  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "running_mean"), dt, 1, &dim,
+                                 &(*mod)->buf[0]));
+  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "running_var"), dt, 1, &dim,
+                                 &(*mod)->buf[1]));
+  DDP_CHECK(ddp_model_add_buffer(m, join(nb, sizeof nb, prefix, "num_batches_tracked"), DDP_I64, 0,
+                                 NULL, &(*mod)->buf[2]));
   return DDP_OK;
 }
 
@@ -370,7 +380,8 @@ ddp_status_t ddp_module_embedding(ddp_model_t *m, const char *prefix, int64_t nu
   DDP_CHECK(mod_new(m, MOD_EMBEDDING, mod));
   (*mod)->in = num;
   (*mod)->out = dim;
-  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 2, ws, true, &(*mod)->p[0]));
+  DDP_CHECK(ddp_model_add_param(m, join(nb, sizeof nb, prefix, "weight"), dt, 2, ws, true,
+                                &(*mod)->p[0]));
   return DDP_OK;
 }
 
@@ -536,19 +547,14 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
   ddp_var_t *w, *b;
   DDP_CHECK(pvars(c, mod, &w, &b));
   switch (mod->kind) {
-    case MOD_LINEAR:
-      return ddp_linear(c, x, w, b, y);
-    case MOD_LAYER_NORM:
-      return ddp_layer_norm(c, x, w, b, mod->eps, y);
+    case MOD_LINEAR: return ddp_linear(c, x, w, b, y);
+    case MOD_LAYER_NORM: return ddp_layer_norm(c, x, w, b, mod->eps, y);
     case MOD_BATCH_NORM:
       return ddp_batch_norm(c, x, w, b, bufp(mod, 0), bufp(mod, 1), bufp(mod, 2), m->training,
                             mod->momentum, mod->eps, y);
-    case MOD_EMBEDDING:
-      return ddp_embedding(c, x, w, y);
-    case MOD_DROPOUT:
-      return ddp_dropout(c, x, mod->prob, m->training, y);
-    case MOD_ACT:
-      return ddp_activation(c, mod->act, x, y);
+    case MOD_EMBEDDING: return ddp_embedding(c, x, w, y);
+    case MOD_DROPOUT: return ddp_dropout(c, x, mod->prob, m->training, y);
+    case MOD_ACT: return ddp_activation(c, mod->act, x, y);
     case MOD_FLATTEN: {
       int64_t sh[2] = {x->value.ndim ? x->value.shape[0] : 1, -1};
       return ddp_reshape(c, x, 2, sh, y);
@@ -576,10 +582,8 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
       a->flags = flags;
       return ddp_checkpoint(c, seg_forward, a, 1, &x, y);
     }
-    case MOD_ADD:
-      return add_forward(mod, c, x, flags, y);
-    case MOD_FAMILY:
-      return mod->family->forward(mod->fstate, c, x, m->training, y);
+    case MOD_ADD: return add_forward(mod, c, x, flags, y);
+    case MOD_FAMILY: return mod->family->forward(mod->fstate, c, x, m->training, y);
   }
   return DDP_ERR_INTERNAL;
 }
@@ -647,8 +651,7 @@ ddp_status_t ddp_model_init(ddp_model_t *m, uint64_t seed) {
             ((double *)w->data)[i] = v;
         }
         break;
-      default:
-        break;
+      default: break;
     }
   }
   return DDP_OK;
@@ -691,7 +694,8 @@ static void app(char *buf, size_t len, size_t *pos, const char *fmt, ...) {
 static void shape_str(const ddp_tensor_t *t, char *buf, size_t len) {
   size_t pos = 0;
   app(buf, len, &pos, "torch.Size([");
-  for (int i = 0; i < t->ndim; i++) app(buf, len, &pos, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+  for (int i = 0; i < t->ndim; i++)
+    app(buf, len, &pos, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
   app(buf, len, &pos, "])");
 }
 
@@ -711,7 +715,8 @@ static bool mismatch(const char *key, const ddp_tensor_t *src, const ddp_tensor_
     shape_str(dst, b, sizeof b);
     app(size, len, ps,
         "\n\tsize mismatch for %s: copying a param with shape %s from checkpoint, the shape "
-        "in current model is %s.", key, a, b);
+        "in current model is %s.",
+        key, a, b);
     return true;
   }
   if (is_float_dt(src->dtype) != is_float_dt(dst->dtype)) {
@@ -794,7 +799,8 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
     size_t pos = 0;
     app(msg, sizeof msg, &pos, "Error(s) in loading state_dict from %s:", path);
     if (strict && nmiss) app(msg, sizeof msg, &pos, "\n\tMissing key(s) in state_dict: %s. ", miss);
-    if (strict && nunexp) app(msg, sizeof msg, &pos, "\n\tUnexpected key(s) in state_dict: %s. ", unexp);
+    if (strict && nunexp)
+      app(msg, sizeof msg, &pos, "\n\tUnexpected key(s) in state_dict: %s. ", unexp);
     if (nsize) app(msg, sizeof msg, &pos, "%s", size);
     st = ddp__error(err, -1, DDP_ERR_INVALID_DATA, "%s", msg);
     goto out;

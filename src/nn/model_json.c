@@ -89,8 +89,8 @@ static ddp_status_t get_flag(build_t *b, const cJSON *o, const char *path, int d
   return DDP_OK;
 }
 
-static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
-                              const char *path, ddp_module_t **out);
+static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix, const char *path,
+                              ddp_module_t **out);
 
 /* A child's key: its "name" (non-empty, at most 64 characters, no '.', as add_module
  * requires), else its position k. */
@@ -103,8 +103,9 @@ static ddp_status_t child_key(build_t *b, const cJSON *o, int k, const char *pat
   }
   if (!cJSON_IsString(nm) || !nm->valuestring[0] || strlen(nm->valuestring) > 64 ||
       strchr(nm->valuestring, '.'))
-    return bad(b, path, "\"name\" must be a non-empty string of at most 64 characters "
-                        "without '.'");
+    return bad(b, path,
+               "\"name\" must be a non-empty string of at most 64 characters "
+               "without '.'");
   for (const char *c = nm->valuestring; *c; c++)
     if ((unsigned char)*c < 0x21 || *c == '"' || *c == '\\')
       return bad(b, path, "\"name\" may not contain spaces, quotes or backslashes");
@@ -167,8 +168,8 @@ static ddp_status_t build_add(build_t *b, const cJSON *l, const char *prefix, co
   return DDP_OK;
 }
 
-static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
-                                const char *path, ddp_module_t **mod) {
+static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix, const char *path,
+                                ddp_module_t **mod) {
   if (!cJSON_IsObject(l)) return bad(b, path, "a layer must be an object");
   const cJSON *t = cJSON_GetObjectItemCaseSensitive(l, "type");
   if (!cJSON_IsString(t)) return bad(b, path, "missing string field \"type\"");
@@ -243,9 +244,11 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
     }
   } else {
     char w[256];
-    snprintf(w, sizeof w, "unknown layer type \"%.80s\" (linear, relu, gelu, tanh, sigmoid, "
+    snprintf(w, sizeof w,
+             "unknown layer type \"%.80s\" (linear, relu, gelu, tanh, sigmoid, "
              "dropout, layernorm, batchnorm, embedding, flatten, residual, branch, checkpoint, "
-             "add)", ty);
+             "add)",
+             ty);
     return bad(b, path, w);
   }
   if (st != DDP_OK) {
@@ -261,8 +264,8 @@ static ddp_status_t build_layer(build_t *b, const cJSON *l, const char *prefix,
   return DDP_OK;
 }
 
-static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix,
-                              const char *path, ddp_module_t **out) {
+static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefix, const char *path,
+                              ddp_module_t **out) {
   DDP_CHECK(ddp_module_sequential(b->m, out));
   DDP_CHECK(check_keys(b, layers, path));
   int i = 0;
@@ -329,9 +332,10 @@ ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_
       const ddp_tensor_t *v = &ddp_model_param(b.m, i)->value;
       bytes += 2.0 * (double)v->numel * (double)ddp_dtype_size(v->dtype);
     }
-    st = ddp__error(err, -1, st, "model json: cannot allocate the parameters and their "
-                    "gradients (%zu tensors, %.3g GB): %s", ddp_model_num_params(b.m),
-                    bytes * 1e-9, ddp_status_str(st));
+    st = ddp__error(err, -1, st,
+                    "model json: cannot allocate the parameters and their "
+                    "gradients (%zu tensors, %.3g GB): %s",
+                    ddp_model_num_params(b.m), bytes * 1e-9, ddp_status_str(st));
     goto done;
   }
   ddp_model_set_root(b.m, seq);

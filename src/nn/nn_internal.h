@@ -20,18 +20,18 @@ typedef ddp_status_t (*ddp__backward_fn)(ddp_ctx_t *c, ddp_node_t *n);
 
 struct ddp_node {
   ddp__backward_fn backward;
-  const char *name;        /* op name, for messages */
-  ddp_node_t *prev;        /* previous node on the tape */
+  const char *name; /* op name, for messages */
+  ddp_node_t *prev; /* previous node on the tape */
   ddp_var_t *out;
   ddp_var_t **ins;
   size_t nin;
   ddp_var_t *ins_inline[DDP__NODE_INLINE_INS];
-  void *saved;             /* op-specific arena data */
+  void *saved; /* op-specific arena data */
   void *saved2;
-  double a0, a1;           /* op-specific scalars */
+  double a0, a1; /* op-specific scalars */
   int64_t i0, i1;
-  uint64_t mark;           /* backward id that needs this node */
-  bool fire_reverse;       /* finalize parameter inputs last-to-first (see run_backward) */
+  uint64_t mark;     /* backward id that needs this node */
+  bool fire_reverse; /* finalize parameter inputs last-to-first (see run_backward) */
   /* checkpoint */
   ddp_segment_fn seg_fn;
   void *seg_user;
@@ -39,26 +39,26 @@ struct ddp_node {
 };
 
 struct ddp_ctx {
-  ddp__chunk_t *chunks;    /* head is the current chunk */
+  ddp__chunk_t *chunks; /* head is the current chunk */
   size_t total_cap;
-  size_t used_total;       /* bytes handed out since reset, across chunks */
-  ddp_node_t *tail;        /* last recorded node */
+  size_t used_total; /* bytes handed out since reset, across chunks */
+  ddp_node_t *tail;  /* last recorded node */
   bool grad_enabled;
-  uint64_t gen;            /* parameter-leaf generation (bumped at reset and recompute) */
-  uint64_t mark_seq;       /* ids for backward passes and graph searches */
-  uint64_t bwd_id;         /* id of the running outermost backward */
+  uint64_t gen;      /* parameter-leaf generation (bumped at reset and recompute) */
+  uint64_t mark_seq; /* ids for backward passes and graph searches */
+  uint64_t bwd_id;   /* id of the running outermost backward */
   int bwd_depth;
   uint64_t rng_seed;
   uint32_t rng_rank;
   uint64_t rng_step;
-  uint64_t dropout_ctr;    /* dropout calls so far this step */
+  uint64_t dropout_ctr; /* dropout calls so far this step */
   ddp_backward_callback_fn cb_fn[DDP_CTX_MAX_CALLBACKS];
   void *cb_user[DDP_CTX_MAX_CALLBACKS];
   int ncb;
   ddp_error_t err;
 };
 
-void *ddp__arena_alloc(ddp_ctx_t *c, size_t bytes);      /* 64-byte aligned, not zeroed */
+void *ddp__arena_alloc(ddp_ctx_t *c, size_t bytes); /* 64-byte aligned, not zeroed */
 void *ddp__arena_zalloc(ddp_ctx_t *c, size_t bytes);
 /* A var with value storage in the arena (zeroed), no grad. NULL when out of memory. */
 ddp_var_t *ddp__var_alloc(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape);
@@ -74,8 +74,7 @@ ddp_node_t *ddp__node_new(ddp_ctx_t *c, const char *name, ddp__backward_fn bw, d
 bool ddp__needs_grad(const ddp_ctx_t *c, size_t nin, ddp_var_t *const *ins);
 /* v's gradient storage, allocated zeroed on first use. NULL when out of memory. */
 void *ddp__grad(ddp_ctx_t *c, ddp_var_t *v);
-ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...)
-    DDP_PRINTF(3, 4);
+ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...) DDP_PRINTF(3, 4);
 
 /* ---- module families implemented outside model.c (the Transformers models) ---- */
 

@@ -49,8 +49,8 @@ ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
       is_float(b->value.dtype) && add_broadcasts(&a->value, &b->value)) {
     ddp_var_t *ins[2] = {a, b};
     ddp_node_t *n;
-    DDP_CHECK(make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2,
-                           ins, y, &n));
+    DDP_CHECK(make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins,
+                           y, &n));
     int64_t bn = b->value.numel, rows = bn ? a->value.numel / bn : 0;
     DISPATCH(a->value.dtype, {
       T *o = (*y)->value.data;
@@ -63,8 +63,8 @@ ddp_status_t ddp_add(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
   DDP_CHECK(check_same(c, "add", a, b));
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins,
-                         y, &n));
+  DDP_CHECK(
+      make_out_raw(c, "add", bw_add, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
   DISPATCH(a->value.dtype, {
     T *o = (*y)->value.data;
     const T *x0 = a->value.data, *x1 = b->value.data;
@@ -93,8 +93,8 @@ ddp_status_t ddp_mul(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, ddp_var_t **y) {
   DDP_CHECK(check_same(c, "mul", a, b));
   ddp_var_t *ins[2] = {a, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out_raw(c, "mul", bw_mul, a->value.dtype, a->value.ndim, a->value.shape, 2, ins,
-                         y, &n));
+  DDP_CHECK(
+      make_out_raw(c, "mul", bw_mul, a->value.dtype, a->value.ndim, a->value.shape, 2, ins, y, &n));
   DISPATCH(a->value.dtype, {
     T *o = (*y)->value.data;
     const T *x0 = a->value.data, *x1 = b->value.data;
@@ -153,7 +153,7 @@ ddp_status_t ddp_bias_add(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *b, ddp_var_t **
 
 /* ---------------------------------------------------------------- activations ----- */
 
-#define GELU_K0 0.7978845608028654  /* sqrt(2 / pi) */
+#define GELU_K0 0.7978845608028654 /* sqrt(2 / pi) */
 #define GELU_K1 0.044715
 #define INV_SQRT2 0.7071067811865476
 #define INV_SQRT_2PI 0.3989422804014327
@@ -227,8 +227,7 @@ static ddp_status_t bw_act(ddp_ctx_t *c, ddp_node_t *n) {
       for (int64_t k = 0; k < x->value.numel; k++)
         if (xx[k] > 0) gx[k] += gy[k];
     } else {
-      for (int64_t k = 0; k < x->value.numel; k++)
-        gx[k] += (T)(gy[k] * act_bwd(a, xx[k], yy[k]));
+      for (int64_t k = 0; k < x->value.numel; k++) gx[k] += (T)(gy[k] * act_bwd(a, xx[k], yy[k]));
     }
   });
   return DDP_OK;
@@ -265,7 +264,8 @@ ddp_status_t ddp_relu(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
 /* ---------------------------------------------------------------- softmax --------- */
 
 /* Row-wise (last dim) softmax or log-softmax with the max subtracted first. */
-static void softmax_rows(ddp_dtype_t dt, const void *x, void *y, int64_t rows, int64_t d, bool log_) {
+static void softmax_rows(ddp_dtype_t dt, const void *x, void *y, int64_t rows, int64_t d,
+                         bool log_) {
   DISPATCH(dt, {
     const T *xx = x;
     T *yy = y;
@@ -316,16 +316,21 @@ static ddp_status_t softmax_op(ddp_ctx_t *c, ddp_var_t *x, bool log_, ddp_var_t 
   const char *op = log_ ? "log_softmax" : "softmax";
   DDP_CHECK(check_float(c, op, x));
   ddp_node_t *n;
-  DDP_CHECK(make_out_raw(c, op, bw_softmax, x->value.dtype, x->value.ndim, x->value.shape, 1, &x,
-                         y, &n));
+  DDP_CHECK(
+      make_out_raw(c, op, bw_softmax, x->value.dtype, x->value.ndim, x->value.shape, 1, &x, y, &n));
   if (n) n->i0 = log_;
   int64_t d = last_dim(x);
-  softmax_rows(x->value.dtype, x->value.data, (*y)->value.data, d ? x->value.numel / d : 0, d, log_);
+  softmax_rows(x->value.dtype, x->value.data, (*y)->value.data, d ? x->value.numel / d : 0, d,
+               log_);
   return DDP_OK;
 }
 
-ddp_status_t ddp_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return softmax_op(c, x, false, y); }
-ddp_status_t ddp_log_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return softmax_op(c, x, true, y); }
+ddp_status_t ddp_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
+  return softmax_op(c, x, false, y);
+}
+ddp_status_t ddp_log_softmax(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
+  return softmax_op(c, x, true, y);
+}
 
 /* ---------------------------------------------------------------- dropout --------- */
 
@@ -405,14 +410,15 @@ ddp_status_t ddp_embedding(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, ddp_var_t
     if (id[i] < 0 || id[i] >= V)
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "embedding: index out of range in self (id %lld at %lld, "
-                            "num_embeddings %lld)", (long long)id[i], (long long)i, (long long)V);
+                            "num_embeddings %lld)",
+                            (long long)id[i], (long long)i, (long long)V);
   int64_t shape[DDP_MAX_DIMS];
   memcpy(shape, ids->value.shape, sizeof shape);
   shape[ids->value.ndim] = D;
   ddp_var_t *ins[2] = {ids, w};
   ddp_node_t *n;
-  DDP_CHECK(make_out_raw(c, "embedding", bw_embedding, w->value.dtype, ids->value.ndim + 1,
-                         shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "embedding", bw_embedding, w->value.dtype, ids->value.ndim + 1, shape,
+                         2, ins, y, &n));
   size_t row = (size_t)D * ddp_dtype_size(w->value.dtype);
   for (int64_t i = 0; i < ids->value.numel; i++)
     memcpy((char *)(*y)->value.data + i * row, (const char *)w->value.data + id[i] * row, row);
@@ -452,8 +458,12 @@ static ddp_status_t reduce_op(ddp_ctx_t *c, ddp_var_t *x, bool mean, ddp_var_t *
   return DDP_OK;
 }
 
-ddp_status_t ddp_sum(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return reduce_op(c, x, false, y); }
-ddp_status_t ddp_mean(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) { return reduce_op(c, x, true, y); }
+ddp_status_t ddp_sum(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
+  return reduce_op(c, x, false, y);
+}
+ddp_status_t ddp_mean(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
+  return reduce_op(c, x, true, y);
+}
 
 /* ---------------------------------------------------------------- losses ---------- */
 

@@ -32,11 +32,11 @@
 #include "nn/ops_vexp.h"
 
 typedef struct attn_saved {
-  void *probs;          /* [B, H, T, T] softmax probabilities, before dropout */
-  uint8_t *keep;        /* [B, T]: 1 attend, 0 padding; NULL when there is no key mask */
+  void *probs;   /* [B, H, T, T] softmax probabilities, before dropout */
+  uint8_t *keep; /* [B, T]: 1 attend, 0 padding; NULL when there is no key mask */
   bool causal;
   double scale;
-  double dropout_p;     /* 0: no dropout was applied */
+  double dropout_p; /* 0: no dropout was applied */
   uint64_t rng_seed, rng_step, dropout_call;
   uint32_t rng_rank;
 } attn_saved_t;
@@ -45,8 +45,7 @@ typedef struct attn_geom {
   int64_t B, H, nt, hd; /* batch, heads, sequence length T, head size D */
 } attn_geom_t;
 
-static bool masked(const attn_saved_t *s, const attn_geom_t *g, int64_t b, int64_t i,
-                   int64_t j) {
+static bool masked(const attn_saved_t *s, const attn_geom_t *g, int64_t b, int64_t i, int64_t j) {
   return (s->causal && j > i) || (s->keep && !s->keep[b * g->nt + j]);
 }
 
@@ -76,8 +75,8 @@ static void softmax_row_f32(float *row, int64_t n, float mx, float *e) {
 
 /* Masks and softmaxes the nt x nt scores of (b, h) in place; e is nt doubles of scratch.
  * F32 takes its exponentials from ddp__vexpf (softmax_row_f32), F64 from libm. */
-static void masked_softmax(ddp_dtype_t dt, const attn_saved_t *s, const attn_geom_t *g,
-                           int64_t b, void *scores, double *e) {
+static void masked_softmax(ddp_dtype_t dt, const attn_saved_t *s, const attn_geom_t *g, int64_t b,
+                           void *scores, double *e) {
   int64_t nt = g->nt;
   DISPATCH(dt, {
     const T lowest = dt == DDP_F32 ? (T)-FLT_MAX : (T)-DBL_MAX;
@@ -102,8 +101,8 @@ static void masked_softmax(ddp_dtype_t dt, const attn_saved_t *s, const attn_geo
 }
 
 /* dP (nt x nt) becomes dS: scale * P * (dP - rowsum(dP * P)), 0 where masked. */
-static void softmax_grad(ddp_dtype_t dt, const attn_saved_t *s, const attn_geom_t *g,
-                         int64_t b, const void *probs, void *dp) {
+static void softmax_grad(ddp_dtype_t dt, const attn_saved_t *s, const attn_geom_t *g, int64_t b,
+                         const void *probs, void *dp) {
   int64_t nt = g->nt;
   DISPATCH(dt, {
     const T *P = probs;
@@ -163,18 +162,18 @@ static ddp_status_t bw_attention(ddp_ctx_t *c, ddp_node_t *n) {
       Pd = pd;
     }
     if (gv)
-      DDP_CHECK(gemm(c, n->name, dt, true, false, nt, hd, nt, Pd, nt, gy + xo, hd, 1.0, gv + xo,
-                     hd));
+      DDP_CHECK(
+          gemm(c, n->name, dt, true, false, nt, hd, nt, Pd, nt, gy + xo, hd, 1.0, gv + xo, hd));
     if (!gq && !gk) continue;
     DDP_CHECK(gemm(c, n->name, dt, false, true, nt, nt, hd, gy + xo, hd, vd + xo, hd, 0.0, dp, nt));
     if (drop) mul_inplace(dt, dp, mk, tt);
     softmax_grad(dt, s, &g, b, P, dp);
     if (gq)
-      DDP_CHECK(gemm(c, n->name, dt, false, false, nt, hd, nt, dp, nt, kd + xo, hd, 1.0, gq + xo,
-                     hd));
+      DDP_CHECK(
+          gemm(c, n->name, dt, false, false, nt, hd, nt, dp, nt, kd + xo, hd, 1.0, gq + xo, hd));
     if (gk)
-      DDP_CHECK(gemm(c, n->name, dt, true, false, nt, hd, nt, dp, nt, qd + xo, hd, 1.0, gk + xo,
-                     hd));
+      DDP_CHECK(
+          gemm(c, n->name, dt, true, false, nt, hd, nt, dp, nt, qd + xo, hd, 1.0, gk + xo, hd));
   }
   return DDP_OK;
 }
@@ -191,7 +190,8 @@ static ddp_status_t check_attention(ddp_ctx_t *c, const ddp_var_t *q, const ddp_
     char sq[128], sk[128], sv[128];
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "attention: q %s, k %s and v %s must share one shape [B, H, T, D] "
-                          "and dtype", ddp_tensor_describe(&q->value, sq, sizeof sq),
+                          "and dtype",
+                          ddp_tensor_describe(&q->value, sq, sizeof sq),
                           ddp_tensor_describe(&k->value, sk, sizeof sk),
                           ddp_tensor_describe(&v->value, sv, sizeof sv));
   }
@@ -202,8 +202,8 @@ static ddp_status_t check_attention(ddp_ctx_t *c, const ddp_var_t *q, const ddp_
       char sm[128];
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "attention: key_mask %s must be I64 or F32 [B, T] = [%lld, %lld]",
-                            ddp_tensor_describe(m, sm, sizeof sm),
-                            (long long)q->value.shape[0], (long long)q->value.shape[2]);
+                            ddp_tensor_describe(m, sm, sizeof sm), (long long)q->value.shape[0],
+                            (long long)q->value.shape[2]);
     }
   }
   if (!(dropout_p >= 0 && dropout_p <= 1))
@@ -219,9 +219,12 @@ static uint8_t *keep_bytes(ddp_ctx_t *c, const ddp_var_t *key_mask) {
   uint8_t *keep = ddp__arena_alloc(c, (size_t)m->numel);
   if (!keep) return NULL;
   for (int64_t i = 0; i < m->numel; i++) {
-    if (m->dtype == DDP_I64) keep[i] = ((const int64_t *)m->data)[i] != 0;
-    else if (m->dtype == DDP_F32) keep[i] = ((const float *)m->data)[i] != 0;
-    else keep[i] = ((const double *)m->data)[i] != 0;
+    if (m->dtype == DDP_I64)
+      keep[i] = ((const int64_t *)m->data)[i] != 0;
+    else if (m->dtype == DDP_F32)
+      keep[i] = ((const float *)m->data)[i] != 0;
+    else
+      keep[i] = ((const double *)m->data)[i] != 0;
   }
   return keep;
 }
@@ -271,8 +274,8 @@ ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp_var_t *
     const char *Pd = P;
     size_t xo = (size_t)(bh * td) * es;
     if (hd == 0) memset(P, 0, (size_t)tt * es); /* empty dot products: scores 0 */
-    DDP_CHECK(gemm_scaled(c, op, dt, false, true, nt, nt, hd, scale, qd + xo, hd, kd + xo, hd,
-                          0.0, P, nt));
+    DDP_CHECK(gemm_scaled(c, op, dt, false, true, nt, nt, hd, scale, qd + xo, hd, kd + xo, hd, 0.0,
+                          P, nt));
     masked_softmax(dt, s, &g, bh / g.H, P, e);
     if (drop) {
       dropout_block(dt, &rng, dropout_p, tt, pd);

@@ -7,15 +7,15 @@
 #include "nn/nn_internal.h"
 
 /* Runs the block with T bound to float (F32) or double (F64). */
-#define DISPATCH(dt, ...)          \
-  do {                             \
-    if ((dt) == DDP_F32) {         \
-      typedef float T;             \
-      __VA_ARGS__                  \
-    } else {                       \
-      typedef double T;            \
-      __VA_ARGS__                  \
-    }                              \
+#define DISPATCH(dt, ...)  \
+  do {                     \
+    if ((dt) == DDP_F32) { \
+      typedef float T;     \
+      __VA_ARGS__          \
+    } else {               \
+      typedef double T;    \
+      __VA_ARGS__          \
+    }                      \
   } while (0)
 
 #define OOM(c, op) ddp__ctx_error((c), DDP_ERR_NO_MEMORY, "%s: arena exhausted", (op))
@@ -50,9 +50,9 @@ static inline int64_t last_dim(const ddp_var_t *v) {
 /* Output var (zeroed) with the given shape and, when needed, its node. With raw the value
  * storage is left unwritten: only for an op that then writes every output element. */
 static inline ddp_status_t make_out_as(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
-                                       ddp_dtype_t dt, int ndim, const int64_t *shape,
-                                       size_t nin, ddp_var_t *const *ins, bool raw,
-                                       ddp_var_t **y, ddp_node_t **node) {
+                                       ddp_dtype_t dt, int ndim, const int64_t *shape, size_t nin,
+                                       ddp_var_t *const *ins, bool raw, ddp_var_t **y,
+                                       ddp_node_t **node) {
   *node = NULL;
   ddp_var_t *v = raw ? ddp__var_alloc_raw(c, dt, ndim, shape) : ddp__var_alloc(c, dt, ndim, shape);
   if (!v) return OOM(c, op);
@@ -72,9 +72,8 @@ static inline ddp_status_t make_out(ddp_ctx_t *c, const char *op, ddp__backward_
 
 /* make_out for an op that writes every element of its output. */
 static inline ddp_status_t make_out_raw(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
-                                        ddp_dtype_t dt, int ndim, const int64_t *shape,
-                                        size_t nin, ddp_var_t *const *ins, ddp_var_t **y,
-                                        ddp_node_t **node) {
+                                        ddp_dtype_t dt, int ndim, const int64_t *shape, size_t nin,
+                                        ddp_var_t *const *ins, ddp_var_t **y, ddp_node_t **node) {
   return make_out_as(c, op, bw, dt, ndim, shape, nin, ins, true, y, node);
 }
 
@@ -85,8 +84,9 @@ static inline ddp_status_t gemm_scaled(ddp_ctx_t *c, const char *op, ddp_dtype_t
                                        double beta, void *cc, int64_t ldc) {
   if (m == 0 || n == 0) return DDP_OK;
   ddp_status_t st = ddp_gemm(dt, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, cc, ldc);
-  if (st != DDP_OK) return ddp__ctx_error(c, st, "%s: gemm %lldx%lldx%lld failed", op,
-                                          (long long)m, (long long)n, (long long)k);
+  if (st != DDP_OK)
+    return ddp__ctx_error(c, st, "%s: gemm %lldx%lldx%lld failed", op, (long long)m, (long long)n,
+                          (long long)k);
   return DDP_OK;
 }
 

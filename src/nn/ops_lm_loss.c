@@ -33,8 +33,7 @@ DDP__VEC_KERNEL static void lm_row_grad_f32(const float *row, float *grow, int64
                                             int64_t target, double lse, float s) {
   for (int64_t j = 0; j < target; j++) grow[j] += ddp__vexpf((float)((double)row[j] - lse)) * s;
   grow[target] += (ddp__vexpf((float)((double)row[target] - lse)) - 1) * s;
-  for (int64_t j = target + 1; j < n; j++)
-    grow[j] += ddp__vexpf((float)((double)row[j] - lse)) * s;
+  for (int64_t j = target + 1; j < n; j++) grow[j] += ddp__vexpf((float)((double)row[j] - lse)) * s;
 }
 
 /* saved = lse per pair (double, [B, T-1]; rows whose label is ignored are not set);
@@ -90,7 +89,8 @@ ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labe
     char sx[128], sl[128];
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "%s: expected logits [B, T, V] and I64 labels [B, T], got logits %s "
-                          "and labels %s", op, ddp_tensor_describe(x, sx, sizeof sx),
+                          "and labels %s",
+                          op, ddp_tensor_describe(x, sx, sizeof sx),
                           ddp_tensor_describe(lt, sl, sizeof sl));
   }
   int64_t B = x->shape[0], nt = x->shape[1], V = x->shape[2];
@@ -103,8 +103,8 @@ ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labe
       if (target < 0 || target >= V)
         return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                               "%s: Target %lld is out of bounds (labels[%lld, %lld], "
-                              "vocabulary size %lld)", op, (long long)target, (long long)b,
-                              (long long)t, (long long)V);
+                              "vocabulary size %lld)",
+                              op, (long long)target, (long long)b, (long long)t, (long long)V);
       count++;
     }
   ddp_var_t *ins[2] = {logits, labels};

@@ -10,8 +10,8 @@
 
 /* The bias's gradient of linear and conv1d: gb[j] += the column sum of gy [rows, out], rows
  * in order. */
-static ddp_status_t bias_grad(ddp_ctx_t *c, ddp_node_t *n, ddp_var_t *b, int64_t rows,
-                              int64_t out, const void *gy) {
+static ddp_status_t bias_grad(ddp_ctx_t *c, ddp_node_t *n, ddp_var_t *b, int64_t rows, int64_t out,
+                              const void *gy) {
   void *gb = ddp__grad(c, b);
   if (!gb) return OOM(c, n->name);
   DISPATCH(b->value.dtype, {
@@ -26,9 +26,8 @@ static ddp_status_t bias_grad(ddp_ctx_t *c, ddp_node_t *n, ddp_var_t *b, int64_t
 /* The forward of linear (w [out, in], trans_w) and conv1d (w [in, out]), x, w and b already
  * checked: y [..., out] gets the bias copied into every row, then one gemm with beta 1
  * (beta 0 without a bias). The parameters fire in reverse (bias first). */
-static ddp_status_t affine_forward(ddp_ctx_t *c, const char *op, ddp__backward_fn bw,
-                                   ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, bool trans_w,
-                                   ddp_var_t **y) {
+static ddp_status_t affine_forward(ddp_ctx_t *c, const char *op, ddp__backward_fn bw, ddp_var_t *x,
+                                   ddp_var_t *w, ddp_var_t *b, bool trans_w, ddp_var_t **y) {
   ddp_dtype_t dt = x->value.dtype;
   int64_t in = w->value.shape[trans_w ? 1 : 0], out = w->value.shape[trans_w ? 0 : 1];
   int64_t rows = in ? x->value.numel / in : 0;
@@ -37,8 +36,7 @@ static ddp_status_t affine_forward(ddp_ctx_t *c, const char *op, ddp__backward_f
   shape[x->value.ndim - 1] = out;
   ddp_var_t *ins[3] = {x, w, b};
   ddp_node_t *n;
-  DDP_CHECK(make_out_as(c, op, bw, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0, y,
-                        &n));
+  DDP_CHECK(make_out_as(c, op, bw, dt, x->value.ndim, shape, b ? 3 : 2, ins, b || in > 0, y, &n));
   if (n) n->fire_reverse = true;
   void *yd = (*y)->value.data;
   if (b) {
@@ -62,14 +60,14 @@ static ddp_status_t bw_linear(ddp_ctx_t *c, ddp_node_t *n) {
   if (x->requires_grad) {
     void *gx = ddp__grad(c, x);
     if (!gx) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, false, false, rows, in, out, gy, out, w->value.data, in, 1.0,
-                   gx, in));
+    DDP_CHECK(
+        gemm(c, n->name, dt, false, false, rows, in, out, gy, out, w->value.data, in, 1.0, gx, in));
   }
   if (w->requires_grad) {
     void *gw = ddp__grad(c, w);
     if (!gw) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, true, false, out, in, rows, gy, out, x->value.data, in, 1.0,
-                   gw, in));
+    DDP_CHECK(
+        gemm(c, n->name, dt, true, false, out, in, rows, gy, out, x->value.data, in, 1.0, gw, in));
   }
   if (b && b->requires_grad) return bias_grad(c, n, b, rows, out, gy);
   return DDP_OK;
@@ -83,7 +81,8 @@ ddp_status_t ddp_linear(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
   ddp_dtype_t dt = x->value.dtype;
   if (w->value.ndim != 2 || w->value.dtype != dt || x->value.ndim < 1 ||
       last_dim(x) != w->value.shape[1] ||
-      (b && (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[0]))) {
+      (b &&
+       (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[0]))) {
     char sx[128], sw[128];
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "linear: mat1 and mat2 shapes cannot be multiplied: x %s, weight %s%s",
@@ -147,14 +146,14 @@ static ddp_status_t bw_conv1d(ddp_ctx_t *c, ddp_node_t *n) {
   if (x->requires_grad) {
     void *gx = ddp__grad(c, x);
     if (!gx) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, false, true, rows, in, out, gy, out, w->value.data, out, 1.0,
-                   gx, in));
+    DDP_CHECK(
+        gemm(c, n->name, dt, false, true, rows, in, out, gy, out, w->value.data, out, 1.0, gx, in));
   }
   if (w->requires_grad) {
     void *gw = ddp__grad(c, w);
     if (!gw) return OOM(c, n->name);
-    DDP_CHECK(gemm(c, n->name, dt, true, false, in, out, rows, x->value.data, in, gy, out, 1.0,
-                   gw, out));
+    DDP_CHECK(
+        gemm(c, n->name, dt, true, false, in, out, rows, x->value.data, in, gy, out, 1.0, gw, out));
   }
   if (b && b->requires_grad) return bias_grad(c, n, b, rows, out, gy);
   return DDP_OK;
@@ -171,7 +170,8 @@ ddp_status_t ddp_conv1d(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t *b, 
   ddp_dtype_t dt = x->value.dtype;
   if (w->value.ndim != 2 || w->value.dtype != dt || x->value.ndim < 1 ||
       last_dim(x) != w->value.shape[0] ||
-      (b && (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[1]))) {
+      (b &&
+       (b->value.dtype != dt || b->value.ndim != 1 || b->value.shape[0] != w->value.shape[1]))) {
     char sx[128], sw[128], sb[128];
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "conv1d: x %s, weight %s [in, out] and bias %s do not match",
@@ -227,7 +227,8 @@ ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b, ddp
     char sa[128], sb[128];
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "bmm: shapes cannot be multiplied: %s @ %s%s (leading dims must be "
-                          "equal)", ddp_tensor_describe(av, sa, sizeof sa),
+                          "equal)",
+                          ddp_tensor_describe(av, sa, sizeof sa),
                           ddp_tensor_describe(bv, sb, sizeof sb), trans_b ? "^T" : "");
   }
   int64_t m = av->shape[nd - 2], k = av->shape[nd - 1];
@@ -246,8 +247,8 @@ ddp_status_t ddp_bmm(ddp_ctx_t *c, ddp_var_t *a, ddp_var_t *b, bool trans_b, ddp
   char *yd = (*y)->value.data;
   if (k == 0) return DDP_OK; /* the zero-filled output is the empty sum */
   for (int64_t i = 0; i < batch; i++)
-    DDP_CHECK(gemm(c, "bmm", av->dtype, false, trans_b, m, nn, k, ad + (size_t)(i * m * k) * es,
-                   k, bd + (size_t)(i * k * nn) * es, trans_b ? k : nn, 0.0,
+    DDP_CHECK(gemm(c, "bmm", av->dtype, false, trans_b, m, nn, k, ad + (size_t)(i * m * k) * es, k,
+                   bd + (size_t)(i * k * nn) * es, trans_b ? k : nn, 0.0,
                    yd + (size_t)(i * m * nn) * es, nn));
   return DDP_OK;
 }

@@ -68,9 +68,8 @@ DDP__VEC_KERNEL static void ln_row_f32(const float *x, const float *w, const flo
   *rstd = rs;
 }
 
-DDP__VEC_KERNEL static void ln_row_bwd_f32(const float *x, const float *g, const float *w,
-                                           double m, double rs, float *dx, float *dw, float *db,
-                                           int64_t d) {
+DDP__VEC_KERNEL static void ln_row_bwd_f32(const float *x, const float *g, const float *w, double m,
+                                           double rs, float *dx, float *dw, float *db, int64_t d) {
   if (dw)
     for (int64_t j = 0; j < d; j++) dw[j] += (float)((double)g[j] * (((double)x[j] - m) * rs));
   if (db)
@@ -190,8 +189,8 @@ ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
 
 /* Training statistics of x [N, C] (N > 1) into mean, invstd and q (the float sum of squared
  * deviations), each [C]; zeroed scratch s [C]. */
-BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, double eps,
-                                       float *s, float *mean, float *invstd, float *q) {
+BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, double eps, float *s,
+                                       float *mean, float *invstd, float *q) {
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < C; j++) s[j] += x[i * C + j];
   for (int64_t j = 0; j < C; j++) {
@@ -203,8 +202,7 @@ BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, dou
       float d = x[i * C + j] - mean[j];
       q[j] = fmaf(d, d, q[j]);
     }
-  for (int64_t j = 0; j < C; j++)
-    invstd[j] = (float)(1.0 / sqrt((double)(q[j] / (float)N) + eps));
+  for (int64_t j = 0; j < C; j++) invstd[j] = (float)(1.0 / sqrt((double)(q[j] / (float)N) + eps));
 }
 
 /* y = fma(x, alpha, beta) per channel, alpha = invstd * w, beta = fma(-mean, alpha, b). */
@@ -324,8 +322,8 @@ static ddp_status_t bn_forward_f32(ddp_ctx_t *c, const ddp_var_t *x, const ddp_v
     st[j] = mean[j];
     st[C + j] = use_batch ? invstd[j] : q[j];
   }
-  bn_affine_f32(x->value.data, w ? w->value.data : NULL, b ? b->value.data : NULL, mean, invstd,
-                N, C, s, f + 4 * C, y);
+  bn_affine_f32(x->value.data, w ? w->value.data : NULL, b ? b->value.data : NULL, mean, invstd, N,
+                C, s, f + 4 * C, y);
   return DDP_OK;
 }
 
@@ -351,7 +349,8 @@ ddp_status_t ddp_batch_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
   if (use_batch && N <= 1)
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "batch_norm: Expected more than 1 value per channel when training, "
-                          "got input size [%lld, %lld]", (long long)N, (long long)C);
+                          "got input size [%lld, %lld]",
+                          (long long)N, (long long)C);
   ddp_var_t *ins[3] = {x, w, b};
   ddp_node_t *n;
   DDP_CHECK(make_out(c, "batch_norm", bw_batch_norm, dt, 2, x->value.shape, 3, ins, y, &n));

@@ -20,7 +20,8 @@ static ddp_status_t bw_copy_through(ddp_ctx_t *c, ddp_node_t *n) {
   return DDP_OK;
 }
 
-ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape, ddp_var_t **y) {
+ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *shape,
+                         ddp_var_t **y) {
   DDP_REQUIRE(c && x && y && (ndim == 0 || shape));
   if (ndim < 0 || ndim > DDP_MAX_DIMS)
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: ndim %d", ndim);
@@ -32,7 +33,8 @@ ddp_status_t ddp_reshape(ddp_ctx_t *c, ddp_var_t *x, int ndim, const int64_t *sh
     if (shape[i] == -1 && infer < 0) {
       infer = i;
     } else if (shape[i] < 0) {
-      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: invalid dim %lld", (long long)shape[i]);
+      return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "reshape: invalid dim %lld",
+                            (long long)shape[i]);
     } else {
       known *= shape[i];
     }
@@ -91,7 +93,8 @@ ddp_status_t ddp_concat(ddp_ctx_t *c, size_t nx, ddp_var_t *const *xs, int dim, 
   DDP_CHECK(check_float(c, "concat", xs[0]));
   if (dim < 0) dim += x0->ndim;
   if (dim < 0 || dim >= x0->ndim)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "concat: dim %d out of range for %dD", dim, x0->ndim);
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "concat: dim %d out of range for %dD", dim,
+                          x0->ndim);
   int64_t shape[DDP_MAX_DIMS];
   memcpy(shape, x0->shape, sizeof shape);
   shape[dim] = 0;
@@ -102,7 +105,8 @@ ddp_status_t ddp_concat(ddp_ctx_t *c, size_t nx, ddp_var_t *const *xs, int dim, 
     if (!ok)
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "concat: sizes of tensors must match except in dimension %d "
-                            "(tensor %zu differs)", dim, k);
+                            "(tensor %zu differs)",
+                            dim, k);
     shape[dim] += t->shape[dim];
   }
   ddp_node_t *n;
@@ -185,8 +189,8 @@ ddp_status_t ddp_permute(ddp_ctx_t *c, ddp_var_t *x, const int *perm, ddp_var_t 
       char sx[128];
       return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                             "permute: perm[%d] = %d: dims must be a permutation of 0..%d for %s "
-                            "(out of range or repeated)", d, perm[d], nd - 1,
-                            ddp_tensor_describe(&x->value, sx, sizeof sx));
+                            "(out of range or repeated)",
+                            d, perm[d], nd - 1, ddp_tensor_describe(&x->value, sx, sizeof sx));
     }
     seen[p[d]] = true;
   }
@@ -245,7 +249,8 @@ ddp_status_t ddp_narrow(ddp_ctx_t *c, ddp_var_t *x, int dim, int64_t start, int6
   if (start < 0 || start > size || length < 0 || start + length > size)
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "narrow: start (%lld) + length (%lld) exceeds dimension size (%lld) "
-                          "of dim %d", (long long)start, (long long)length, (long long)size, dim);
+                          "of dim %d",
+                          (long long)start, (long long)length, (long long)size, dim);
   int64_t shape[DDP_MAX_DIMS];
   memcpy(shape, x->value.shape, sizeof shape);
   shape[dim] = length;
@@ -338,13 +343,12 @@ static ddp_status_t check_heads_input(ddp_ctx_t *c, const char *op, const ddp_va
   DDP_CHECK(check_float(c, op, x));
   char sx[128];
   if (x->value.ndim != 3 || x->value.shape[2] % parts != 0)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
-                          "%s: expected x [B, T, %s], got %s", op, parts == 3 ? "3C" : "C",
-                          ddp_tensor_describe(&x->value, sx, sizeof sx));
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: expected x [B, T, %s], got %s", op,
+                          parts == 3 ? "3C" : "C", ddp_tensor_describe(&x->value, sx, sizeof sx));
   int64_t C = x->value.shape[2] / parts;
   if (n_head < 1)
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: n_head = %lld must be at least 1",
-                          op, (long long)n_head);
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "%s: n_head = %lld must be at least 1", op,
+                          (long long)n_head);
   if (C % n_head != 0)
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "%s: embedding size C = %lld is not divisible by n_head = %lld (x %s)",
@@ -387,7 +391,8 @@ ddp_status_t ddp_merge_heads(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y) {
   DDP_CHECK(check_float(c, "merge_heads", x));
   if (x->value.ndim != 4) {
     char sx[128];
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "merge_heads: expected x [B, H, T, D], got %s",
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "merge_heads: expected x [B, H, T, D], got %s",
                           ddp_tensor_describe(&x->value, sx, sizeof sx));
   }
   const int64_t *s = x->value.shape;

@@ -13,8 +13,8 @@
 
 /* ---------------------------------------------------------------- families -------- */
 
-ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
-                                      ddp_model_t **out, ddp_error_t *err) {
+ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt, ddp_model_t **out,
+                                      ddp_error_t *err) {
   DDP_REQUIRE(cfg && out);
   *out = NULL;
   if (dt != DDP_F32 && dt != DDP_F64)
@@ -80,8 +80,7 @@ ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *c, ddp_var_t *logits, ddp
   bool ints = labels->value.dtype == DDP_I64;
   const ddp_hf_config_t *hf = ddp_model_hf_config(m);
   switch (ddp_model_task(m)) {
-    case DDP_TASK_CAUSAL_LM:
-      return ddp_causal_lm_loss(c, logits, labels, -100, loss);
+    case DDP_TASK_CAUSAL_LM: return ddp_causal_lm_loss(c, logits, labels, -100, loss);
     case DDP_TASK_SEQ_CLASSIFICATION: {
       const char *pt = hf->bert.problem_type;
       bool regression = !strcmp(pt, "regression") || (!*pt && hf->bert.num_labels == 1);
@@ -90,7 +89,8 @@ ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *c, ddp_var_t *logits, ddp
         return ddp__ctx_error(c, DDP_ERR_UNSUPPORTED,
                               "loss: float labels with num_labels = %lld would be Transformers' "
                               "multi_label_classification (BCE), which libddp does not have; "
-                              "give I64 class labels", (long long)hf->bert.num_labels);
+                              "give I64 class labels",
+                              (long long)hf->bert.num_labels);
       /* Regression: MSE of logits.squeeze() against labels.squeeze() (num_labels 1: [B]),
        * or of logits [B, num_labels] against labels of that shape. */
       if (labels->value.numel != logits->value.numel)
@@ -103,8 +103,7 @@ ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *c, ddp_var_t *logits, ddp
       DDP_CHECK(ddp_reshape(c, t, logits->value.ndim, logits->value.shape, &t));
       return ddp_mse_loss(c, logits, t, loss);
     }
-    case DDP_TASK_DEFAULT:
-      break;
+    case DDP_TASK_DEFAULT: break;
   }
   if (ints) return ddp_cross_entropy(c, logits, labels, -100, loss);
   ddp_var_t *t;
@@ -178,9 +177,9 @@ ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_erro
 
 /* How the checkpoint's keys map onto the model's names. */
 typedef struct keymap {
-  const char *prefix;   /* "transformer." or "bert." */
-  bool add_prefix;      /* a base-model checkpoint: no key carries the prefix */
-  bool tied;            /* GPT-2 with lm_head.weight = transformer.wte.weight */
+  const char *prefix; /* "transformer." or "bert." */
+  bool add_prefix;    /* a base-model checkpoint: no key carries the prefix */
+  bool tied;          /* GPT-2 with lm_head.weight = transformer.wte.weight */
 } keymap_t;
 
 static bool ends_with(const char *s, const char *suffix) {

@@ -37,11 +37,10 @@ static ddp_status_t check_options(const ddp_optim_options_t *o, ddp_error_t *err
                       (int)o->kind);
   /* torch's constructors: the same conditions and messages. */
   if (!(o->lr >= 0.0))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "optim: Invalid learning rate: %g",
-                      o->lr);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "optim: Invalid learning rate: %g", o->lr);
   if (!(o->weight_decay >= 0.0))
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "optim: Invalid weight_decay value: %g", o->weight_decay);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "optim: Invalid weight_decay value: %g",
+                      o->weight_decay);
   if (o->kind == DDP_OPTIM_SGD) {
     if (!(o->momentum >= 0.0))
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "optim: Invalid momentum value: %g",
@@ -201,28 +200,28 @@ void ddp_optim_zero_grad(ddp_optim_t *opt, bool set_to_none) {
 
 /* One kernel body per dtype: T is float or double, FMA the matching fma. The comments
  * quote the torch 1.13 statement each line reproduces. */
-#define DEFINE_SGD(NAME, T, FMA)                                                            \
-  DDP_FMA_CLONES static void NAME(const ddp_optim_options_t *o, T *p, const T *g, T *buf, bool first,      \
-                   int64_t n) {                                                             \
-    const T wd = (T)o->weight_decay, mom = (T)o->momentum;                                  \
-    const T damp_alpha = (T)(1.0 - o->dampening), neg_lr = (T)(-o->lr);                     \
-    if (!o->maximize && o->weight_decay == 0.0 && o->momentum == 0.0) {                     \
-      /* Plain SGD: a branch-free loop the compiler can vectorise. */                       \
-      for (int64_t k = 0; k < n; k++) p[k] = FMA(neg_lr, g[k], p[k]);                       \
-      return;                                                                               \
-    }                                                                                       \
-    for (int64_t k = 0; k < n; k++) {                                                       \
-      T d = o->maximize ? -g[k] : g[k];                                                     \
-      if (o->weight_decay != 0.0) d = FMA(wd, p[k], d); /* d_p.add(param, alpha=wd) */      \
-      if (o->momentum != 0.0) {                                                             \
-        if (first)                                                                          \
-          buf[k] = d; /* buf = clone(d_p) */                                                \
-        else                                                                                \
-          buf[k] = FMA(damp_alpha, d, buf[k] * mom); /* buf.mul_(m).add_(d, 1-damp) */      \
-        d = o->nesterov ? FMA(mom, buf[k], d) : buf[k]; /* d_p.add(buf, alpha=m) */         \
-      }                                                                                     \
-      p[k] = FMA(neg_lr, d, p[k]); /* param.add_(d_p, alpha=-lr) */                         \
-    }                                                                                       \
+#define DEFINE_SGD(NAME, T, FMA)                                                          \
+  DDP_FMA_CLONES static void NAME(const ddp_optim_options_t *o, T *p, const T *g, T *buf, \
+                                  bool first, int64_t n) {                                \
+    const T wd = (T)o->weight_decay, mom = (T)o->momentum;                                \
+    const T damp_alpha = (T)(1.0 - o->dampening), neg_lr = (T)(-o->lr);                   \
+    if (!o->maximize && o->weight_decay == 0.0 && o->momentum == 0.0) {                   \
+      /* Plain SGD: a branch-free loop the compiler can vectorise. */                     \
+      for (int64_t k = 0; k < n; k++) p[k] = FMA(neg_lr, g[k], p[k]);                     \
+      return;                                                                             \
+    }                                                                                     \
+    for (int64_t k = 0; k < n; k++) {                                                     \
+      T d = o->maximize ? -g[k] : g[k];                                                   \
+      if (o->weight_decay != 0.0) d = FMA(wd, p[k], d); /* d_p.add(param, alpha=wd) */    \
+      if (o->momentum != 0.0) {                                                           \
+        if (first)                                                                        \
+          buf[k] = d; /* buf = clone(d_p) */                                              \
+        else                                                                              \
+          buf[k] = FMA(damp_alpha, d, buf[k] * mom);    /* buf.mul_(m).add_(d, 1-damp) */ \
+        d = o->nesterov ? FMA(mom, buf[k], d) : buf[k]; /* d_p.add(buf, alpha=m) */       \
+      }                                                                                   \
+      p[k] = FMA(neg_lr, d, p[k]); /* param.add_(d_p, alpha=-lr) */                       \
+    }                                                                                     \
   }
 
 DEFINE_SGD(sgd_f32, float, fmaf)
@@ -230,45 +229,45 @@ DEFINE_SGD(sgd_f64, double, fma)
 
 /* Adam and AdamW (_single_tensor_adam / _single_tensor_adamw, capturable=False). The
  * scalars step_size = lr / (1 - beta1^t) and sqrt(1 - beta2^t) are Python doubles. */
-#define DEFINE_ADAM(NAME, T, FMA, SQRT)                                                     \
-  DDP_FMA_CLONES static void NAME(const ddp_optim_options_t *o, bool decoupled, double step, T *p,         \
-                   const T *g, T *m, T *v, T *vmax, int64_t n) {                            \
-    const double bc1 = 1.0 - pow(o->beta1, step), bc2 = 1.0 - pow(o->beta2, step);          \
-    const double step_size = o->lr / bc1;                                                   \
-    const T bc2_sqrt = (T)sqrt(bc2), eps = (T)o->eps, neg_step = (T)(-step_size);           \
-    const T b1 = (T)o->beta1, b2 = (T)o->beta2;                                             \
-    const T one_b1 = (T)(1.0 - o->beta1), one_b2 = (T)(1.0 - o->beta2);                     \
-    const T wd = (T)o->weight_decay, decay = (T)(1.0 - o->lr * o->weight_decay);            \
-    if (decoupled && !o->maximize && !o->amsgrad) {                                         \
-      /* AdamW's usual case, the loop below without its branches, so that it vectorizes    \
-       * (the same operations per element, so the same bits). */                           \
-      for (int64_t k = 0; k < n; k++) {                                                     \
-        T gk = g[k], pk = p[k] * decay;                                                     \
-        T mk = FMA(one_b1, gk, m[k] * b1), vk = FMA(one_b2 * gk, gk, v[k] * b2);            \
-        m[k] = mk;                                                                          \
-        v[k] = vk;                                                                          \
-        p[k] = pk + (neg_step * mk) / (SQRT(vk) / bc2_sqrt + eps);                          \
-      }                                                                                     \
-      return;                                                                               \
-    }                                                                                       \
-    for (int64_t k = 0; k < n; k++) {                                                       \
-      T gk = o->maximize ? -g[k] : g[k];                                                    \
-      if (decoupled)                                                                        \
-        p[k] = p[k] * decay; /* param.mul_(1 - lr*wd) */                                    \
-      else if (o->weight_decay != 0.0)                                                      \
-        gk = FMA(wd, p[k], gk); /* grad.add(param, alpha=wd) */                             \
-      m[k] = FMA(one_b1, gk, m[k] * b1);   /* exp_avg.mul_(b1).add_(g, alpha=1-b1) */       \
-      v[k] = FMA(one_b2 * gk, gk, v[k] * b2); /* exp_avg_sq.mul_(b2).addcmul_(g,g,1-b2) */  \
-      T s;                                                                                  \
-      if (o->amsgrad) {                                                                     \
-        vmax[k] = NAN_MAX(T, vmax[k], v[k]);                                                \
-        s = vmax[k];                                                                        \
-      } else {                                                                              \
-        s = v[k];                                                                           \
-      }                                                                                     \
-      T denom = SQRT(s) / bc2_sqrt + eps;  /* (sq.sqrt() / bc2_sqrt).add_(eps) */           \
-      p[k] = p[k] + (neg_step * m[k]) / denom; /* addcdiv_(m, denom, value=-step_size) */   \
-    }                                                                                       \
+#define DEFINE_ADAM(NAME, T, FMA, SQRT)                                                            \
+  DDP_FMA_CLONES static void NAME(const ddp_optim_options_t *o, bool decoupled, double step, T *p, \
+                                  const T *g, T *m, T *v, T *vmax, int64_t n) {                    \
+    const double bc1 = 1.0 - pow(o->beta1, step), bc2 = 1.0 - pow(o->beta2, step);                 \
+    const double step_size = o->lr / bc1;                                                          \
+    const T bc2_sqrt = (T)sqrt(bc2), eps = (T)o->eps, neg_step = (T)(-step_size);                  \
+    const T b1 = (T)o->beta1, b2 = (T)o->beta2;                                                    \
+    const T one_b1 = (T)(1.0 - o->beta1), one_b2 = (T)(1.0 - o->beta2);                            \
+    const T wd = (T)o->weight_decay, decay = (T)(1.0 - o->lr * o->weight_decay);                   \
+    if (decoupled && !o->maximize && !o->amsgrad) {                                                \
+      /* AdamW's usual case, the loop below without its branches, so that it vectorizes            \
+       * (the same operations per element, so the same bits). */                                   \
+      for (int64_t k = 0; k < n; k++) {                                                            \
+        T gk = g[k], pk = p[k] * decay;                                                            \
+        T mk = FMA(one_b1, gk, m[k] * b1), vk = FMA(one_b2 * gk, gk, v[k] * b2);                   \
+        m[k] = mk;                                                                                 \
+        v[k] = vk;                                                                                 \
+        p[k] = pk + (neg_step * mk) / (SQRT(vk) / bc2_sqrt + eps);                                 \
+      }                                                                                            \
+      return;                                                                                      \
+    }                                                                                              \
+    for (int64_t k = 0; k < n; k++) {                                                              \
+      T gk = o->maximize ? -g[k] : g[k];                                                           \
+      if (decoupled)                                                                               \
+        p[k] = p[k] * decay; /* param.mul_(1 - lr*wd) */                                           \
+      else if (o->weight_decay != 0.0)                                                             \
+        gk = FMA(wd, p[k], gk);               /* grad.add(param, alpha=wd) */                      \
+      m[k] = FMA(one_b1, gk, m[k] * b1);      /* exp_avg.mul_(b1).add_(g, alpha=1-b1) */           \
+      v[k] = FMA(one_b2 * gk, gk, v[k] * b2); /* exp_avg_sq.mul_(b2).addcmul_(g,g,1-b2) */         \
+      T s;                                                                                         \
+      if (o->amsgrad) {                                                                            \
+        vmax[k] = NAN_MAX(T, vmax[k], v[k]);                                                       \
+        s = vmax[k];                                                                               \
+      } else {                                                                                     \
+        s = v[k];                                                                                  \
+      }                                                                                            \
+      T denom = SQRT(s) / bc2_sqrt + eps;      /* (sq.sqrt() / bc2_sqrt).add_(eps) */              \
+      p[k] = p[k] + (neg_step * m[k]) / denom; /* addcdiv_(m, denom, value=-step_size) */          \
+    }                                                                                              \
   }
 
 DEFINE_ADAM(adam_f32, float, fmaf, sqrtf)
@@ -305,9 +304,8 @@ ddp_status_t ddp_optim_step(ddp_optim_t *opt, ddp_error_t *err) {
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                         "optim: parameter %zu changed since create: expected %s[%lld], param "
                         "is %s[%lld], grad is %s[%lld]",
-                        i, ddp_dtype_name(s->dtype), (long long)s->numel,
-                        ddp_dtype_name(p->dtype), (long long)p->numel, ddp_dtype_name(g->dtype),
-                        (long long)g->numel);
+                        i, ddp_dtype_name(s->dtype), (long long)s->numel, ddp_dtype_name(p->dtype),
+                        (long long)p->numel, ddp_dtype_name(g->dtype), (long long)g->numel);
     bool f32 = s->dtype == DDP_F32;
     if (o->kind == DDP_OPTIM_SGD) {
       bool first = false;
@@ -346,44 +344,44 @@ ddp_status_t ddp_optim_step(ddp_optim_t *opt, ddp_error_t *err) {
  * total is the same norm of their stack, and the scale is computed with tensor ops:
  * max_norm / (total + 1e-6) is Tensor.__rtruediv__, i.e. reciprocal(total + 1e-6) *
  * max_norm, each rounding in the dtype; clamp(max=1) keeps NaN. */
-#define DEFINE_CLIP(NAME, T)                                                                \
-  static void NAME(ddp_tensor_t *const *grads, size_t n, double max_norm, bool inf_norm,    \
-                   T *total_out) {                                                          \
-    double total_acc = 0.0;                                                                 \
-    T total_max = 0;                                                                        \
-    bool any = false;                                                                       \
-    for (size_t i = 0; i < n; i++) {                                                        \
-      const ddp_tensor_t *g = grads[i];                                                     \
-      if (!g->data) continue;                                                               \
-      const T *x = g->data;                                                                 \
-      if (inf_norm) {                                                                       \
-        T m = 0;                                                                            \
-        for (int64_t k = 0; k < g->numel; k++) {                                            \
-          T a = (T)fabs((double)x[k]);                                                      \
-          if (isnan(a) || a > m) m = a;                                                     \
-          if (isnan(m)) break;                                                              \
-        }                                                                                   \
-        if (!any || isnan(m) || m > total_max) total_max = m;                               \
-      } else {                                                                              \
-        double acc = 0.0;                                                                   \
-        for (int64_t k = 0; k < g->numel; k++) acc += (double)x[k] * (double)x[k];          \
-        T norm = (T)sqrt(acc);                                                              \
-        total_acc += (double)norm * (double)norm;                                           \
-      }                                                                                     \
-      any = true;                                                                           \
-    }                                                                                       \
-    T total = inf_norm ? total_max : (T)sqrt(total_acc);                                    \
-    *total_out = total;                                                                     \
-    if (!any) return;                                                                       \
-    T denom = total + (T)1e-6;                                                              \
-    T coef = ((T)1 / denom) * (T)max_norm;                                                  \
-    if (coef > (T)1) coef = (T)1;                                                           \
-    for (size_t i = 0; i < n; i++) {                                                        \
-      const ddp_tensor_t *g = grads[i];                                                     \
-      if (!g->data) continue;                                                               \
-      T *x = g->data;                                                                       \
-      for (int64_t k = 0; k < g->numel; k++) x[k] = x[k] * coef;                            \
-    }                                                                                       \
+#define DEFINE_CLIP(NAME, T)                                                             \
+  static void NAME(ddp_tensor_t *const *grads, size_t n, double max_norm, bool inf_norm, \
+                   T *total_out) {                                                       \
+    double total_acc = 0.0;                                                              \
+    T total_max = 0;                                                                     \
+    bool any = false;                                                                    \
+    for (size_t i = 0; i < n; i++) {                                                     \
+      const ddp_tensor_t *g = grads[i];                                                  \
+      if (!g->data) continue;                                                            \
+      const T *x = g->data;                                                              \
+      if (inf_norm) {                                                                    \
+        T m = 0;                                                                         \
+        for (int64_t k = 0; k < g->numel; k++) {                                         \
+          T a = (T)fabs((double)x[k]);                                                   \
+          if (isnan(a) || a > m) m = a;                                                  \
+          if (isnan(m)) break;                                                           \
+        }                                                                                \
+        if (!any || isnan(m) || m > total_max) total_max = m;                            \
+      } else {                                                                           \
+        double acc = 0.0;                                                                \
+        for (int64_t k = 0; k < g->numel; k++) acc += (double)x[k] * (double)x[k];       \
+        T norm = (T)sqrt(acc);                                                           \
+        total_acc += (double)norm * (double)norm;                                        \
+      }                                                                                  \
+      any = true;                                                                        \
+    }                                                                                    \
+    T total = inf_norm ? total_max : (T)sqrt(total_acc);                                 \
+    *total_out = total;                                                                  \
+    if (!any) return;                                                                    \
+    T denom = total + (T)1e-6;                                                           \
+    T coef = ((T)1 / denom) * (T)max_norm;                                               \
+    if (coef > (T)1) coef = (T)1;                                                        \
+    for (size_t i = 0; i < n; i++) {                                                     \
+      const ddp_tensor_t *g = grads[i];                                                  \
+      if (!g->data) continue;                                                            \
+      T *x = g->data;                                                                    \
+      for (int64_t k = 0; k < g->numel; k++) x[k] = x[k] * coef;                         \
+    }                                                                                    \
   }
 
 DEFINE_CLIP(clip_f32, float)

@@ -18,7 +18,7 @@ typedef struct ddp_optim_pstate {
 
 struct ddp_optim {
   uint32_t magic;
-  ddp_optim_options_t opts;  /* copied at create; lr changes through set_lr and load */
+  ddp_optim_options_t opts; /* copied at create; lr changes through set_lr and load */
   size_t n;
   ddp_optim_param_t *params; /* [n], the caller's tensors */
   ddp_optim_pstate_t *state; /* [n] */

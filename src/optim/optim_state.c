@@ -33,12 +33,12 @@ ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_
   for (size_t i = 0; i < opt->n; i++) {
     const ddp_optim_pstate_t *s = &opt->state[i];
     if (!s->has_state) continue;
-#define ADD_(key, tens)                                                       \
-  do {                                                                        \
-    snprintf(names[ne], NAME_MAX_, "state.%zu.%s", i, key);                   \
-    entries[ne].name = names[ne];                                             \
-    entries[ne].tensor = (tens);                                              \
-    ne++;                                                                     \
+#define ADD_(key, tens)                                     \
+  do {                                                      \
+    snprintf(names[ne], NAME_MAX_, "state.%zu.%s", i, key); \
+    entries[ne].name = names[ne];                           \
+    entries[ne].tensor = (tens);                            \
+    ne++;                                                   \
   } while (0)
     if (o->kind == DDP_OPTIM_SGD) {
       ADD_("momentum_buffer", &s->buf);
@@ -53,7 +53,7 @@ ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_
 #undef ADD_
   }
   char vals[9][40];
-  const char *keys[9] = {"format", "optimizer", "lr", "weight_decay", "maximize",
+  const char *keys[9] = {"format",   "optimizer", "lr",       "weight_decay", "maximize",
                          "momentum", "dampening", "nesterov", "betas"};
   const char *mv[9];
   snprintf(vals[0], sizeof vals[0], "libddp-optim-1");
@@ -89,8 +89,8 @@ static bool parse_name(const char *name, size_t *index, const char **key) {
 }
 
 /* Copies the file's tensor `name` into dst, checking dtype and element count. */
-static ddp_status_t load_one(const ddp_st_file_t *f, const char *path, size_t i,
-                             const char *key, ddp_tensor_t *dst, ddp_error_t *err) {
+static ddp_status_t load_one(const ddp_st_file_t *f, const char *path, size_t i, const char *key,
+                             ddp_tensor_t *dst, ddp_error_t *err) {
   char name[NAME_MAX_];
   snprintf(name, sizeof name, "state.%zu.%s", i, key);
   size_t idx;
@@ -101,9 +101,9 @@ static ddp_status_t load_one(const ddp_st_file_t *f, const char *path, size_t i,
   DDP_CHECK(ddp_st_tensor(f, idx, &v));
   if (v.dtype != dst->dtype || v.numel != dst->numel)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
-                      "optim load %s: '%s' is %s[%lld] but parameter %zu is %s[%lld]", path,
-                      name, ddp_dtype_name(v.dtype), (long long)v.numel, i,
-                      ddp_dtype_name(dst->dtype), (long long)dst->numel);
+                      "optim load %s: '%s' is %s[%lld] but parameter %zu is %s[%lld]", path, name,
+                      ddp_dtype_name(v.dtype), (long long)v.numel, i, ddp_dtype_name(dst->dtype),
+                      (long long)dst->numel);
   memcpy(dst->data, v.data, ddp_tensor_nbytes(dst));
   return DDP_OK;
 }
@@ -181,8 +181,7 @@ ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err
       DDP_CHECK_GOTO(load_one(f, path, i, "exp_avg", &fresh[i].buf, err), st, restore);
       DDP_CHECK_GOTO(load_one(f, path, i, "exp_avg_sq", &fresh[i].sq, err), st, restore);
       if (o->amsgrad)
-        DDP_CHECK_GOTO(load_one(f, path, i, "max_exp_avg_sq", &fresh[i].maxsq, err), st,
-                       restore);
+        DDP_CHECK_GOTO(load_one(f, path, i, "max_exp_avg_sq", &fresh[i].maxsq, err), st, restore);
     }
   }
   /* Success: drop the old state. */

@@ -61,22 +61,21 @@ double ddp_lr_lambda(const ddp_lr_schedule_t *s, int64_t step) {
   DDP_REQUIRE(s);
   int64_t w = s->num_warmup_steps, t = s->num_training_steps;
   switch (s->kind) {
-  case DDP_LR_CONSTANT:
-    return 1.0;
-  case DDP_LR_CONSTANT_WITH_WARMUP:
-    if (step < w) return (double)step / at_least_one(w);
-    return 1.0;
-  case DDP_LR_LINEAR: {
-    if (step < w) return (double)step / at_least_one(w);
-    double v = (double)(t - step) / at_least_one(t - w);
-    return v > 0.0 ? v : 0.0;
-  }
-  case DDP_LR_COSINE: {
-    if (step < w) return (double)step / at_least_one(w);
-    double progress = (double)(step - w) / at_least_one(t - w);
-    double v = 0.5 * (1.0 + cos(M_PI * s->num_cycles * 2.0 * progress));
-    return v > 0.0 ? v : 0.0;
-  }
+    case DDP_LR_CONSTANT: return 1.0;
+    case DDP_LR_CONSTANT_WITH_WARMUP:
+      if (step < w) return (double)step / at_least_one(w);
+      return 1.0;
+    case DDP_LR_LINEAR: {
+      if (step < w) return (double)step / at_least_one(w);
+      double v = (double)(t - step) / at_least_one(t - w);
+      return v > 0.0 ? v : 0.0;
+    }
+    case DDP_LR_COSINE: {
+      if (step < w) return (double)step / at_least_one(w);
+      double progress = (double)(step - w) / at_least_one(t - w);
+      double v = 0.5 * (1.0 + cos(M_PI * s->num_cycles * 2.0 * progress));
+      return v > 0.0 ? v : 0.0;
+    }
   }
   DDP_REQUIRE(!"unknown lr schedule kind");
   return 0.0;

@@ -42,7 +42,8 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
       ddp_pg_abort_reason(pg, why);
       return ddp__error(err, rank, DDP_ERR_ABORTED,
                         "rank %d: fault injection: crash at %s (threads backend: the rank "
-                        "aborted its group)", rank, where);
+                        "aborted its group)",
+                        rank, where);
     case DDP_FAULT_HANG: {
       /* No collective is entered. The hang ends when the group has failed (the others
        * timed out and told this rank), or after the timeout plus 1 s, so that thread ranks
@@ -72,8 +73,8 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
       return DDP_OK;
     default:
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                        "rank %d: fault injection: kind %s cannot happen in a process group",
-                        rank, ddp_fault_kind_name(what->kind));
+                        "rank %d: fault injection: kind %s cannot happen in a process group", rank,
+                        ddp_fault_kind_name(what->kind));
   }
 }
 
@@ -94,14 +95,17 @@ ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq,
   }
   if (f->shape_armed && c->count > 0) {
     f->shape_armed = false;
-    ddp__log(rank, DDP_LOG_WARN, "fault injection: wrong_shape: %s #%" PRId64
-             " issued with count %zu instead of %zu", what, seq, c->count - 1, c->count);
+    ddp__log(rank, DDP_LOG_WARN,
+             "fault injection: wrong_shape: %s #%" PRId64 " issued with count %zu instead of %zu",
+             what, seq, c->count - 1, c->count);
     c->count--;
   }
   if (f->corrupt_armed && c->kind == DDP_COLL_ALLREDUCE && float_dtype(c->dt) && c->count > 0) {
     f->corrupt_armed = false;
-    ddp__log(rank, DDP_LOG_WARN, "fault injection: corrupt_bucket: bits flipped in the input "
-             "of allreduce #%" PRId64 " (%zu elements)", seq, c->count);
+    ddp__log(rank, DDP_LOG_WARN,
+             "fault injection: corrupt_bucket: bits flipped in the input "
+             "of allreduce #%" PRId64 " (%zu elements)",
+             seq, c->count);
     ddp__fault_flip_bits((void *)c->send, c->count, ddp_dtype_size(c->dt));
   }
   return DDP_OK;

@@ -58,7 +58,7 @@ typedef struct fr_entry {
   ddp_status_t status; /* DDP_OK until it ends otherwise */
   bool ended;
   int64_t t_created, t_started, t_ended; /* CLOCK_REALTIME ns; 0 = not yet */
-  int64_t bucket;                         /* -1: not a DDP bucket */
+  int64_t bucket;                        /* -1: not a DDP bucket */
   char tag[FR_TAG_BYTES];
 } fr_entry_t;
 
@@ -70,7 +70,7 @@ struct ddp__fr {
   fr_entry_t *ring;
   uint64_t next_id;
   int64_t last_enqueued, last_started, last_completed; /* collective seq, -1 = none */
-  int64_t inflight;                                     /* recorded and not yet ended */
+  int64_t inflight;                                    /* recorded and not yet ended */
   int64_t tag_bucket;
   char tag[FR_TAG_BYTES];
   ddp_status_t failed;
@@ -80,7 +80,7 @@ struct ddp__fr {
   bool dumped_inside;  /* ... while a collective was in flight */
   int64_t created_ns;
   int64_t trigger_seen_ns;
-  char path[PATH_MAX];    /* "" = no dump location */
+  char path[PATH_MAX]; /* "" = no dump location */
   char trigger[PATH_MAX];
   struct ddp__fr *next; /* registry */
 };
@@ -196,7 +196,8 @@ static cJSON *sizes(const fr_entry_t *e, uint64_t n) {
 
 static cJSON *dtypes(const fr_entry_t *e) {
   cJSON *a = cJSON_CreateArray();
-  if (e->kind != DDP_COLL_BARRIER) cJSON_AddItemToArray(a, cJSON_CreateString(torch_dtype(e->dtype)));
+  if (e->kind != DDP_COLL_BARRIER)
+    cJSON_AddItemToArray(a, cJSON_CreateString(torch_dtype(e->dtype)));
   return a;
 }
 
@@ -227,8 +228,7 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
   cJSON_AddItemToObject(o, "output_dtypes", dtypes(e));
   cJSON_AddStringToObject(o, "state", state_name(e->state));
   add_ns_or_null(o, "time_discovered_started_ns", e->t_started);
-  add_ns_or_null(o, "time_discovered_completed_ns",
-                 e->state == FR_COMPLETED ? e->t_ended : 0);
+  add_ns_or_null(o, "time_discovered_completed_ns", e->state == FR_COMPLETED ? e->t_ended : 0);
   if (e->state == FR_COMPLETED && e->t_started) {
     cJSON_AddNumberToObject(o, "duration_ms", (double)(e->t_ended - e->t_started) / 1e6);
   } else {
@@ -238,12 +238,12 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
   cJSON_AddBoolToObject(o, "is_p2p", p2p);
   cJSON_AddArrayToObject(o, "frames");
   /* libddp's own fields */
-  cJSON_AddStringToObject(o, "ddp_op", e->kind == DDP_COLL_ALLREDUCE || e->kind == DDP_COLL_REDUCE_SCATTER
-                                           ? ddp_redop_name((ddp_redop_t)e->op)
-                                           : "");
-  cJSON_AddStringToObject(o, "ddp_dtype", e->kind == DDP_COLL_BARRIER
-                                              ? ""
-                                              : ddp_dtype_name((ddp_dtype_t)e->dtype));
+  cJSON_AddStringToObject(o, "ddp_op",
+                          e->kind == DDP_COLL_ALLREDUCE || e->kind == DDP_COLL_REDUCE_SCATTER
+                              ? ddp_redop_name((ddp_redop_t)e->op)
+                              : "");
+  cJSON_AddStringToObject(o, "ddp_dtype",
+                          e->kind == DDP_COLL_BARRIER ? "" : ddp_dtype_name((ddp_dtype_t)e->dtype));
   add_i64(o, "ddp_count", (int64_t)e->count);
   cJSON_AddStringToObject(o, "ddp_algorithm", ddp_algorithm_name((ddp_algorithm_t)e->algo));
   add_i64(o, "ddp_root", e->root);
@@ -345,8 +345,7 @@ static ddp_status_t write_atomically(const char *path, const char *text, int ran
   return DDP_OK;
 }
 
-ddp_status_t ddp__fr_dump(ddp__fr_t *fr, const char *path, const char *reason,
-                          ddp_error_t *err) {
+ddp_status_t ddp__fr_dump(ddp__fr_t *fr, const char *path, const char *reason, ddp_error_t *err) {
   if (!fr)
     return ddp__error(err, -1, DDP_ERR_INVALID_USAGE,
                       "the flight recorder is off (DDP_FR_BUFFER_SIZE=0)");
@@ -589,7 +588,9 @@ static fr_entry_t *entry(ddp__fr_t *fr, uint64_t id) {
   return e->record_id == id && id < fr->next_id ? e : NULL;
 }
 
-static bool is_p2p(const fr_entry_t *e) { return e->kind == DDP_COLL_SEND || e->kind == DDP_COLL_RECV; }
+static bool is_p2p(const fr_entry_t *e) {
+  return e->kind == DDP_COLL_SEND || e->kind == DDP_COLL_RECV;
+}
 
 void ddp__fr_start(ddp__fr_t *fr, uint64_t id) {
   if (!fr) return;

@@ -9,8 +9,8 @@
 #include "ddp/pg.h"
 #include "pg/pg_internal.h"
 
-static bool env_rank_world(ddp_env_id_t r, ddp_env_id_t w, int *rank, int *world,
-                           ddp_status_t *st, ddp_error_t *err) {
+static bool env_rank_world(ddp_env_id_t r, ddp_env_id_t w, int *rank, int *world, ddp_status_t *st,
+                           ddp_error_t *err) {
   if (!ddp_env_is_set(r) || !ddp_env_is_set(w)) return false;
   int64_t a, b;
   *st = ddp_env_int(w, 1, DDP_PG_MAX_WORLD, &b, err);
@@ -38,7 +38,7 @@ ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out
    * the natural choice when it was built. */
   bool under_mpirun = !ddp_env_is_set(DDP_ENV_RANK) && ddp_env_is_set(DDP_ENV_OMPI_RANK);
   if (!o.backend)
-    o.backend = ddp_env_is_set(DDP_ENV_BACKEND) ? ddp_env_get(DDP_ENV_BACKEND)
+    o.backend = ddp_env_is_set(DDP_ENV_BACKEND)           ? ddp_env_get(DDP_ENV_BACKEND)
                 : under_mpirun && ddp_backend_find("mpi") ? "mpi"
                                                           : "tcp";
   /* Where the named backend's ranks run decides how they meet (a name the list does not
@@ -46,8 +46,7 @@ ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out
   const ddp_backend_info_t *bi = ddp_backend_info(o.backend);
   if (bi && bi->ranks == DDP_RANKS_THREADS)
     return ddp__error(err, o.rank, DDP_ERR_INVALID_ARGUMENT,
-                      "backend %s needs all ranks in one process: use ddp_spawn_threads",
-                      bi->name);
+                      "backend %s needs all ranks in one process: use ddp_spawn_threads", bi->name);
   /* mpi rendezvouses through MPI itself (mpirun/srun already connected the ranks): no store,
    * so no MASTER_ADDR/MASTER_PORT is needed. */
   if (bi && bi->ranks == DDP_RANKS_MPI) {
@@ -111,8 +110,8 @@ ddp_status_t ddp_spawn_threads(int world, const ddp_pg_options_t *opts, ddp_thre
                                void *arg) {
   DDP_REQUIRE(fn);
   if (world < 1 || world > DDP_PG_MAX_WORLD)
-    return ddp__error(NULL, -1, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]",
-                      world, DDP_PG_MAX_WORLD);
+    return ddp__error(NULL, -1, DDP_ERR_INVALID_ARGUMENT, "world size %d is not in [1, %d]", world,
+                      DDP_PG_MAX_WORLD);
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   ddp__opts_read(&o, sizeof o, opts);
   o.backend = "threads";

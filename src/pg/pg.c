@@ -55,25 +55,25 @@ struct ddp_pg {
   int size;
   const ddp_backend_ops_t *ops;
   void *state;
-  ddp__comm_t comm;        /* owned by whoever runs work (`running`) */
-  ddp_algorithm_t algo;    /* requested (AUTO = size table) */
-  size_t small_max;        /* AUTO: allreduce at or below this many bytes uses SMALL */
+  ddp__comm_t comm;     /* owned by whoever runs work (`running`) */
+  ddp_algorithm_t algo; /* requested (AUTO = size table) */
+  size_t small_max;     /* AUTO: allreduce at or below this many bytes uses SMALL */
   int64_t timeout_ms;
   pthread_mutex_t mu;      /* guards everything below */
   pthread_cond_t cv_queue; /* work queued or stop */
   pthread_cond_t cv_done;  /* some work completed (CLOCK_MONOTONIC) */
   ddp_work_t *head, *tail;
-  bool running;            /* a work item is being run (progress thread or a waiter) */
-  bool lazy;               /* the queue holds work the progress thread was not woken for */
-  bool deep_sleep;         /* the progress thread waits without a timeout: wake it */
+  bool running;    /* a work item is being run (progress thread or a waiter) */
+  bool lazy;       /* the queue holds work the progress thread was not woken for */
+  bool deep_sleep; /* the progress thread waits without a timeout: wake it */
   int64_t last_submit_ns;
   bool stop;
   pthread_t thread;
-  ddp_status_t failed;     /* first failure of the group */
+  ddp_status_t failed; /* first failure of the group */
   ddp_error_t fail_err;
-  ddp_error_t arg_err;     /* last argument error */
-  uint64_t seq;            /* collectives issued */
-  uint64_t *p2p_send_seq;  /* per peer */
+  ddp_error_t arg_err;    /* last argument error */
+  uint64_t seq;           /* collectives issued */
+  uint64_t *p2p_send_seq; /* per peer */
   uint64_t *p2p_recv_seq;
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
   ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
@@ -128,8 +128,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   ddp__fr_start(pg->fr, w->fr_id);
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
-    ddp_backend_coll_t bc = {k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root,
-                             k->algo};
+    ddp_backend_coll_t bc = {k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root, k->algo};
     st = pg->ops->run(pg->state, &bc, pg->comm.deadline_ns, &detail);
   }
   if (st == DDP_ERR_UNSUPPORTED)
@@ -262,8 +261,8 @@ static ddp_status_t resolve_options(const ddp_pg_options_t *in, ddp_pg_options_t
 }
 
 /* Step 2: the group's memory, locks and algorithm state, before the backend exists. */
-static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *ops,
-                           ddp_pg_t **out, ddp_error_t *err) {
+static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *ops, ddp_pg_t **out,
+                           ddp_error_t *err) {
   int rank = o->rank;
   ddp_pg_t *pg = ddp__calloc(1, sizeof *pg);
   if (!pg) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group");
@@ -299,8 +298,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   c->p2p_rx = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   pg->p2p_send_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   pg->p2p_recv_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
-  if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq ||
-      !pg->p2p_recv_seq)
+  if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq || !pg->p2p_recv_seq)
     return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
   return ddp__pg_fault_init(&pg->fault, rank, err);
 }
@@ -312,8 +310,11 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
 static ddp_status_t join_backend(ddp_pg_t *pg, const ddp_pg_options_t *o, size_t staging,
                                  int64_t *k, ddp_error_t *err) {
   int rank = pg->rank;
-  ddp_backend_init_t init = {sizeof init, rank, o->world, o->store, o->timeout_ms, o->job_token,
-                             staging, ddp__shared_ctl_bytes(o->world), o->shm_heap_bytes};
+  ddp_backend_init_t init = {sizeof init,      rank,
+                             o->world,         o->store,
+                             o->timeout_ms,    o->job_token,
+                             staging,          ddp__shared_ctl_bytes(o->world),
+                             o->shm_heap_bytes};
   ddp_store_t *view = NULL;
   *k = 0;
   if (o->store) {
@@ -479,14 +480,15 @@ ddp_status_t ddp_pg_status(const ddp_pg_t *pg) {
 void *ddp_pg_alloc(ddp_pg_t *pg, size_t bytes) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
   void *p = pg->ops->mem_alloc ? pg->ops->mem_alloc(pg->state, bytes)
-                                : ddp__aligned_alloc(bytes ? bytes : 1);
+                               : ddp__aligned_alloc(bytes ? bytes : 1);
   if (p) return p;
   ddp_error_t why = {DDP_OK, ""};
   if (pg->ops->alloc_error) pg->ops->alloc_error(pg->state, &why);
   pthread_mutex_lock(&pg->mu);
-  ddp__error_quiet(&pg->arg_err, DDP_ERR_NO_MEMORY, "rank %d: ddp_pg_alloc of %zu bytes on "
-                   "backend %s failed: %s", pg->rank, bytes, pg->ops->name,
-                   why.msg[0] ? why.msg : "out of memory");
+  ddp__error_quiet(&pg->arg_err, DDP_ERR_NO_MEMORY,
+                   "rank %d: ddp_pg_alloc of %zu bytes on "
+                   "backend %s failed: %s",
+                   pg->rank, bytes, pg->ops->name, why.msg[0] ? why.msg : "out of memory");
   pthread_mutex_unlock(&pg->mu);
   return NULL;
 }
@@ -522,8 +524,8 @@ static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, .
   vsnprintf(detail, sizeof detail, fmt, ap);
   va_end(ap);
   pthread_mutex_lock(&pg->mu);
-  ddp_status_t st = ddp__error(&pg->arg_err, pg->rank, DDP_ERR_INVALID_ARGUMENT,
-                               "rank %d: %s: %s", pg->rank, what, detail);
+  ddp_status_t st = ddp__error(&pg->arg_err, pg->rank, DDP_ERR_INVALID_ARGUMENT, "rank %d: %s: %s",
+                               pg->rank, what, detail);
   pthread_mutex_unlock(&pg->mu);
   return st;
 }
@@ -557,9 +559,10 @@ static ddp_status_t check_args(ddp_pg_t *pg, const ddp__coll_t *c, const char *w
     return arg_error(pg, what, "reduction op %d is not a ddp_redop_t", (int)c->op);
   if (c->count > 0 && c->kind != DDP_COLL_BARRIER && (!c->recv && c->kind != DDP_COLL_SEND))
     return arg_error(pg, what, "the output buffer is NULL with count %zu", c->count);
-  if (c->count > 0 && (c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_ALLREDUCE ||
-                       c->kind == DDP_COLL_ALLGATHER || c->kind == DDP_COLL_REDUCE_SCATTER ||
-                       c->kind == DDP_COLL_ALLTOALL) && !c->send)
+  if (c->count > 0 &&
+      (c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_ALLGATHER ||
+       c->kind == DDP_COLL_REDUCE_SCATTER || c->kind == DDP_COLL_ALLTOALL) &&
+      !c->send)
     return arg_error(pg, what, "the input buffer is NULL with count %zu", c->count);
   size_t es = ddp_dtype_size(c->dt), W = (size_t)pg->size, n = c->count;
   switch (c->kind) {
@@ -695,38 +698,56 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   return DDP_OK;
 }
 
-ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count,
-                           ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLREDUCE, .send = send, .recv = recv, .count = count,
-                   .dt = dt, .op = op, .root = -1};
+ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
+                           ddp_redop_t op, ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP_COLL_ALLREDUCE,
+                   .send = send,
+                   .recv = recv,
+                   .count = count,
+                   .dt = dt,
+                   .op = op,
+                   .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
                            ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
+  ddp__coll_t c = {.kind = DDP_COLL_BROADCAST,
+                   .send = buf,
+                   .recv = buf,
+                   .count = count,
+                   .dt = dt,
                    .root = root};
   return submit(pg, &c, work);
 }
 
-ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count,
-                           ddp_dtype_t dt, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLGATHER, .send = send, .recv = recv, .count = count, .dt = dt,
+ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
+                           ddp_work_t **work) {
+  ddp__coll_t c = {.kind = DDP_COLL_ALLGATHER,
+                   .send = send,
+                   .recv = recv,
+                   .count = count,
+                   .dt = dt,
                    .root = -1};
   return submit(pg, &c, work);
 }
 
 ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                                 ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_REDUCE_SCATTER, .send = send, .recv = recv, .count = count,
-                   .dt = dt, .op = op, .root = -1};
+  ddp__coll_t c = {.kind = DDP_COLL_REDUCE_SCATTER,
+                   .send = send,
+                   .recv = recv,
+                   .count = count,
+                   .dt = dt,
+                   .op = op,
+                   .root = -1};
   return submit(pg, &c, work);
 }
 
-ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count,
-                          ddp_dtype_t dt, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt,
-                   .root = -1};
+ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
+                          ddp_work_t **work) {
+  ddp__coll_t c =
+      {.kind = DDP_COLL_ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt, .root = -1};
   return submit(pg, &c, work);
 }
 

@@ -48,18 +48,21 @@ void ddp_bucket_assignment_free(ddp_bucket_assignment_t *a) {
   memset(a, 0, sizeof *a);
 }
 
-ddp_status_t ddp_compute_bucket_assignment_by_size(size_t n, const size_t *bytes,
-                                                   const int *keys, const bool *expect_sparse,
-                                                   const size_t *limits, size_t nlimits,
-                                                   const size_t *order,
+ddp_status_t ddp_compute_bucket_assignment_by_size(size_t n, const size_t *bytes, const int *keys,
+                                                   const bool *expect_sparse, const size_t *limits,
+                                                   size_t nlimits, const size_t *order,
                                                    ddp_bucket_assignment_t *out) {
   DDP_REQUIRE(out && (n == 0 || (bytes && keys)) && limits && nlimits > 0);
   memset(out, 0, sizeof *out);
   ddp_status_t st = DDP_ERR_NO_MEMORY;
   acc_t *accs = ddp__calloc(n + 1, sizeof *accs);
   size_t *pool = ddp__calloc(n + 1, sizeof *pool);
-  builder_t b = {0, 0, ddp__calloc(n + 1, sizeof(size_t)), ddp__calloc(n + 1, sizeof(size_t)),
-                 ddp__calloc(n + 1, sizeof(size_t)), ddp__calloc(n + 1, sizeof(size_t))};
+  builder_t b = {0,
+                 0,
+                 ddp__calloc(n + 1, sizeof(size_t)),
+                 ddp__calloc(n + 1, sizeof(size_t)),
+                 ddp__calloc(n + 1, sizeof(size_t)),
+                 ddp__calloc(n + 1, sizeof(size_t))};
   size_t *perm = ddp__calloc(n + 1, sizeof *perm);
   size_t naccs = 0, pool_used = 0;
   if (!accs || !pool || !b.starts || !b.lens || !b.lims || !b.idx || !perm) goto done;

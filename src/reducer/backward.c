@@ -52,8 +52,7 @@ static void search_unused(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t *con
   }
 }
 
-void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n,
-                               ddp_var_t *const *outputs) {
+void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t *const *outputs) {
   d->expect_hooks = true;
   d->first_hook_seen = false;
   d->marked_unused = false;
@@ -92,7 +91,8 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     if (d->next_bucket == 0) d->comm_bytes_step = 0;
     d->comm_bytes_step += (int64_t)(b->numel * ddp_dtype_size(b->dtype));
     d->comm_numel_total += (int64_t)b->numel;
-    ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_OP_SUM, &b->work);
+    ddp_status_t st = ddp_allreduce(d->pg, b->buf, b->buf, b->numel, b->dtype, DDP_OP_SUM,
+                                    &b->work);
     if (st != DDP_OK) /* the group logged why */
       return ddp__ddp_carry(d, st, "DDP: launching the allreduce of bucket %zu failed: %s",
                             d->next_bucket, ddp__ddp_pg_error(d));
@@ -109,8 +109,8 @@ static ddp_status_t finalize_cb(void *user) { return ddp__ddp_finalize(user); }
 static ddp_status_t queue_finalize(ddp_ddp_t *d) {
   if (d->opts.find_unused_parameters && !d->opts.static_graph) {
     d->used_waited = false;
-    ddp_status_t st = ddp_allreduce(d->pg, d->local_used, d->global_used, d->P, DDP_I32,
-                                    DDP_OP_SUM, &d->used_work);
+    ddp_status_t st = ddp_allreduce(d->pg, d->local_used, d->global_used, d->P, DDP_I32, DDP_OP_SUM,
+                                    &d->used_work);
     if (st != DDP_OK)
       return ddp__ddp_carry(d, st, "DDP: launching the used-parameter allreduce failed: %s",
                             ddp__ddp_pg_error(d));

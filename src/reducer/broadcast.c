@@ -24,8 +24,8 @@ typedef struct chunk {
 } chunk_t;
 
 /* Waits for chunk c (in slot s), unpacks it into its tensors and frees its buffer. */
-static ddp_status_t retire_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
-                                 const tref_t *t, chunk_t *s, size_t c, const char *what) {
+static ddp_status_t retire_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a, const tref_t *t,
+                                 chunk_t *s, size_t c, const char *what) {
   char name[96];
   snprintf(name, sizeof name, "broadcast of %s chunk %zu", what, c);
   ddp_status_t ws = ddp__ddp_wait(d, &s->w, name);
@@ -43,17 +43,16 @@ static ddp_status_t retire_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
 }
 
 /* Packs chunk c (root's data) into a fresh buffer in slot s and starts its broadcast. */
-static ddp_status_t start_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
-                                const tref_t *t, chunk_t *s, size_t c, int root,
-                                const char *what) {
+static ddp_status_t start_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a, const tref_t *t,
+                                chunk_t *s, size_t c, int root, const char *what) {
   size_t total = 0;
   for (size_t k = a->offsets[c]; k < a->offsets[c + 1]; k++) total += t[a->indices[k]].bytes;
   ddp_dtype_t dt = t[a->indices[a->offsets[c]]].dtype;
   void *buf = ddp_pg_alloc(d->pg, total ? total : 1);
   if (!buf)
     return ddp__ddp_fail(d, DDP_ERR_NO_MEMORY,
-                         "[rank %d] DDP: no memory for a %zu-byte %s chunk: %s", d->rank,
-                         total, what, ddp__ddp_pg_error(d));
+                         "[rank %d] DDP: no memory for a %zu-byte %s chunk: %s", d->rank, total,
+                         what, ddp__ddp_pg_error(d));
   size_t off = 0;
   for (size_t k = a->offsets[c]; k < a->offsets[c + 1]; k++) {
     const tref_t *x = &t[a->indices[k]];
@@ -63,8 +62,7 @@ static ddp_status_t start_chunk(ddp_ddp_t *d, const ddp_bucket_assignment_t *a,
   s->buf = buf;
   ddp_status_t st = ddp_broadcast(d->pg, buf, total / ddp_dtype_size(dt), dt, root, &s->w);
   if (st != DDP_OK)
-    ddp__ddp_carry(d, st, "DDP broadcast of %s chunk %zu: %s", what, c,
-                   ddp__ddp_pg_error(d));
+    ddp__ddp_carry(d, st, "DDP broadcast of %s chunk %zu: %s", what, c, ddp__ddp_pg_error(d));
   return st;
 }
 
@@ -82,8 +80,8 @@ static ddp_status_t broadcast_coalesced(ddp_ddp_t *d, const tref_t *t, size_t n,
     keys[i] = (int)t[i].dtype;
   }
   size_t lim = cap;
-  DDP_CHECK_GOTO(ddp_compute_bucket_assignment_by_size(n, bytes, keys, NULL, &lim, 1, NULL, &a),
-                 st, out);
+  DDP_CHECK_GOTO(ddp_compute_bucket_assignment_by_size(n, bytes, keys, NULL, &lim, 1, NULL, &a), st,
+                 out);
   st = DDP_OK;
   size_t oldest = 0; /* chunks [oldest, c) are in flight, in fl[chunk % 2] */
   for (size_t c = 0; c <= a.nbuckets; c++) {
@@ -147,8 +145,7 @@ ddp_status_t ddp__ddp_sync_module_states(ddp_ddp_t *d, int root) {
       ddp_buffer_t *b = ddp_model_buffer(d->model, i);
       t[n++] = (tref_t){b->value.data, ddp_tensor_nbytes(&b->value), b->value.dtype};
     }
-  ddp_status_t st =
-      broadcast_coalesced(d, t, n, d->bcast_bytes, root, "parameters and buffers");
+  ddp_status_t st = broadcast_coalesced(d, t, n, d->bcast_bytes, root, "parameters and buffers");
   ddp__free(t);
   return st;
 }

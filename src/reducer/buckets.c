@@ -154,8 +154,8 @@ ddp_status_t ddp__ddp_init_initial_buckets(ddp_ddp_t *d) {
   int *keys;
   if (param_sizes(d, &bytes, &keys) != DDP_OK) return ddp__ddp_oom(d);
   ddp_bucket_assignment_t a = {0}, r = {0};
-  ddp_status_t st =
-      ddp_compute_bucket_assignment_by_size(d->P, bytes, keys, NULL, limits, nlim, NULL, &a);
+  ddp_status_t st = ddp_compute_bucket_assignment_by_size(d->P, bytes, keys, NULL, limits, nlim,
+                                                          NULL, &a);
   ddp__free(bytes);
   ddp__free(keys);
   if (st == DDP_OK) st = reversed(&a, d->P, &r);
@@ -226,8 +226,8 @@ static ddp_status_t adopt_rank0_layout(ddp_ddp_t *d, const ddp_bucket_assignment
   }
   for (size_t k = 0; k < P; k++) {
     if (v1[k] < 0 || (size_t)v1[k] >= P) {
-      st = ddp__ddp_fail(d, DDP_ERR_INVALID_DATA, "[rank %d] DDP: bad rebuilt index %d",
-                         d->rank, v1[k]);
+      st = ddp__ddp_fail(d, DDP_ERR_INVALID_DATA, "[rank %d] DDP: bad rebuilt index %d", d->rank,
+                         v1[k]);
       goto out;
     }
     r->indices[k] = (size_t)v1[k];

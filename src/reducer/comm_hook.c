@@ -15,8 +15,7 @@
 
 /* Fills the last error with "DDP: <what>: <msg>", logging it unless the group has failed
  * (then the group has logged the origin). */
-static ddp_status_t hook_error(ddp_ddp_t *d, ddp_status_t st, const char *what,
-                               const char *msg) {
+static ddp_status_t hook_error(ddp_ddp_t *d, ddp_status_t st, const char *what, const char *msg) {
   if (ddp_pg_status(d->pg) != DDP_OK) return ddp__ddp_carry(d, st, "DDP: %s: %s", what, msg);
   return ddp__ddp_fail(d, st, "[rank %d] DDP: %s: %s", d->rank, what, msg);
 }
@@ -41,9 +40,10 @@ ddp_status_t ddp__ddp_run_comm_hook(ddp_ddp_t *d, size_t b) {
   if (st != DDP_OK) {
     char msg[1024];
     const char *pe = ddp_pg_status(d->pg) != DDP_OK ? ddp__ddp_pg_error(d) : "";
-    snprintf(msg, sizeof msg, "%s", w && ddp_comm_work_error(w)[0] ? ddp_comm_work_error(w)
-                                    : pe[0]                      ? pe
-                                                                 : ddp_status_str(st));
+    snprintf(msg, sizeof msg, "%s",
+             w && ddp_comm_work_error(w)[0] ? ddp_comm_work_error(w)
+             : pe[0]                        ? pe
+                                            : ddp_status_str(st));
     ddp_comm_work_free(w);
     char what[512];
     snprintf(what, sizeof what, "comm hook %s failed on bucket %zu", d->comm_hook_name, b);
@@ -69,7 +69,8 @@ static ddp_status_t convert_result(ddp_ddp_t *d, ddp__bucket_t *x, const void *d
     if (!tmp) return ddp__ddp_oom(d);
     data = memcpy(tmp, data, n * es);
   }
-  if (dt == x->dtype) memmove(x->buf, data, n * es);
+  if (dt == x->dtype)
+    memmove(x->buf, data, n * es);
   else if (x->dtype == DDP_F64)
     for (size_t i = 0; i < n; i++) ((double *)x->buf)[i] = ddp_dtype_load(data, dt, i);
   else

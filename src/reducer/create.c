@@ -19,12 +19,12 @@
 /* Reserves n elements of field's type at the end of the block: every array holds scalars
  * (bool, int, int32_t, size_t, pointers), whose alignment is their size. With base NULL
  * only the size is measured. */
-#define CARVE(field, n)                                  \
-  do {                                                   \
-    size_t es_ = sizeof *d->field;                       \
-    size_t off_ = (total + es_ - 1) / es_ * es_;         \
-    if (base) d->field = (void *)(base + off_);          \
-    total = off_ + (n) * es_;                            \
+#define CARVE(field, n)                          \
+  do {                                           \
+    size_t es_ = sizeof *d->field;               \
+    size_t off_ = (total + es_ - 1) / es_ * es_; \
+    if (base) d->field = (void *)(base + off_);  \
+    total = off_ + (n)*es_;                      \
   } while (0)
 
 /* The per-parameter arrays of struct ddp_ddp (those marked [P] and [nmodel]). Returns the
@@ -196,13 +196,15 @@ static ddp_ddp_t *new_handle(ddp_model_t *model, ddp_pg_t *pg, const ddp_ddp_opt
   d->nmodel = ddp_model_num_params(model);
   d->require_backward_grad_sync = true;
   d->require_forward_param_sync = true;
-  d->bcast_bytes = o->broadcast_bucket_bytes ? o->broadcast_bucket_bytes : DDP_BROADCAST_BUCKET_BYTES;
+  d->bcast_bytes = o->broadcast_bucket_bytes ? o->broadcast_bucket_bytes
+                                             : DDP_BROADCAST_BUCKET_BYTES;
   bool unset = o->bucket_cap_mb == DDP_BUCKET_CAP_UNSET;
   double cap_mb = unset ? DDP_DEFAULT_BUCKET_CAP_MB : o->bucket_cap_mb;
   d->bucket_bytes_cap = (size_t)(int64_t)(cap_mb * 1024.0 * 1024.0);
-  d->first_bucket_bytes_cap =
-      o->first_bucket_bytes >= 0 ? (size_t)o->first_bucket_bytes
-                                 : (unset ? (size_t)DDP_DEFAULT_FIRST_BUCKET_BYTES : d->bucket_bytes_cap);
+  d->first_bucket_bytes_cap = o->first_bucket_bytes >= 0
+                                  ? (size_t)o->first_bucket_bytes
+                                  : (unset ? (size_t)DDP_DEFAULT_FIRST_BUCKET_BYTES
+                                           : d->bucket_bytes_cap);
   return d;
 }
 

@@ -58,10 +58,10 @@ struct ddp_dump {
   char **pnames, **gnames, **bnames;
   ddp_tensor_t *grads; /* the copy made by ddp_dump_grads */
   bool have_grads;
-  bool *none;          /* [np]: the gradient was None (or frozen) at ddp_dump_grads */
-  char **lnames;       /* [np]: "local_grad.<name>" */
+  bool *none;           /* [np]: the gradient was None (or frozen) at ddp_dump_grads */
+  char **lnames;        /* [np]: "local_grad.<name>" */
   ddp_tensor_t *lgrads; /* [np]: ddp_dump_local_grad's copies this step */
-  bool *lset, *lnone;  /* [np]: recorded this step; recorded as None */
+  bool *lset, *lnone;   /* [np]: recorded this step; recorded as None */
   bool have_local;
   dump_col_t x, y, idx;
   cJSON *initial; /* construction-time layout, recorded at ddp_dump_init */
@@ -85,8 +85,7 @@ static ddp_status_t write_atomic(ddp_dump_t *d, const char *dir, const char *nam
 
 static ddp_status_t write_json(ddp_dump_t *d, const char *dir, const char *name, cJSON *o) {
   char *text = o ? cJSON_Print(o) : NULL;
-  if (!text)
-    return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY, "dump: cannot format %s", name);
+  if (!text) return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY, "dump: cannot format %s", name);
   size_t n = strlen(text);
   char *withnl = ddp__malloc(n + 2);
   ddp_status_t st;
@@ -129,14 +128,13 @@ static ddp_status_t write_meta(ddp_dump_t *d, int64_t steps) {
   return st;
 }
 
-static ddp_status_t parse_object(ddp_dump_t *d, const char *text, const char *what,
-                                 cJSON **out) {
+static ddp_status_t parse_object(ddp_dump_t *d, const char *text, const char *what, cJSON **out) {
   *out = cJSON_Parse(text ? text : "{}");
   if (!*out || !cJSON_IsObject(*out)) {
     cJSON_Delete(*out);
     *out = NULL;
-    return ddp__error(&d->err, d->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "dump: %s is not a JSON object", what);
+    return ddp__error(&d->err, d->rank, DDP_ERR_INVALID_ARGUMENT, "dump: %s is not a JSON object",
+                      what);
   }
   return DDP_OK;
 }
@@ -264,16 +262,15 @@ ddp_status_t ddp_dump_init(ddp_dump_t *d, ddp_model_t *model, ddp_ddp_t *ddp) {
   d->lgrads = ddp__calloc(np1, sizeof(ddp_tensor_t));
   d->lset = ddp__calloc(np1, sizeof(bool));
   d->lnone = ddp__calloc(np1, sizeof(bool));
-  bool ok = d->pnames && d->gnames && d->bnames && d->grads && d->none && d->lnames &&
-            d->lgrads && d->lset && d->lnone;
+  bool ok = d->pnames && d->gnames && d->bnames && d->grads && d->none && d->lnames && d->lgrads &&
+            d->lset && d->lnone;
   for (size_t i = 0; ok && i < d->np; i++) {
     const ddp_param_t *p = ddp_model_param(model, i);
     d->pnames[i] = join("param.", p->name);
     d->gnames[i] = join("grad.", p->name);
     d->lnames[i] = join("local_grad.", p->name);
     ok = d->pnames[i] && d->gnames[i] && d->lnames[i] &&
-         ddp_tensor_alloc(&d->grads[i], p->value.dtype, p->value.ndim, p->value.shape) ==
-             DDP_OK;
+         ddp_tensor_alloc(&d->grads[i], p->value.dtype, p->value.ndim, p->value.shape) == DDP_OK;
   }
   for (size_t i = 0; ok && i < d->nb; i++) {
     d->bnames[i] = join("buffer.", ddp_model_buffer(model, i)->name);
@@ -376,8 +373,7 @@ ddp_status_t ddp_dump_local_grad(ddp_dump_t *d, size_t index, const void *grad) 
   DDP_REQUIRE(d && d->magic == DUMP_MAGIC && d->model && index < d->np);
   const ddp_param_t *p = ddp_model_param(d->model, index);
   ddp_tensor_t *t = &d->lgrads[index];
-  if (!t->data &&
-      ddp_tensor_alloc(t, p->value.dtype, p->value.ndim, p->value.shape) != DDP_OK)
+  if (!t->data && ddp_tensor_alloc(t, p->value.dtype, p->value.ndim, p->value.shape) != DDP_OK)
     return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY, "dump: out of memory");
   size_t bytes = ddp_tensor_nbytes(t);
   if (grad)
@@ -471,8 +467,8 @@ ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int micro_b
   snprintf(mb_s, sizeof mb_s, "%d", micro_batches);
   snprintf(flags_s, sizeof flags_s, "%" PRIu64, flags);
   snprintf(path, sizeof path, "%s/step%06" PRId64 ".safetensors", d->rank_dir, step);
-  const char *mk[7] = {"step", "rank", "loss", "micro_batches", "flags", "grads_none",
-                       "local_grads_none"};
+  const char *mk[7] =
+      {"step", "rank", "loss", "micro_batches", "flags", "grads_none", "local_grads_none"};
   const char *mv[7] = {step_s, rank_s, loss_s, mb_s, flags_s, none, lnone};
   ddp_status_t st = ddp_st_write(path, e, k, mk, mv, d->have_local ? 7 : 6, &d->err);
   ddp__free(e);
@@ -554,8 +550,8 @@ static bool add_joined_sz(cJSON *o, const char *key, const size_t *v, size_t n) 
   return ok;
 }
 
-static bool add_per_bucket(cJSON *o, const char *key, const size_t *offsets,
-                           const size_t *indices, size_t nbuckets) {
+static bool add_per_bucket(cJSON *o, const char *key, const size_t *offsets, const size_t *indices,
+                           size_t nbuckets) {
   strbuf_t b = {0};
   bool ok = sb_add(&b, "%s", "");
   for (size_t k = 0; ok && k < nbuckets; k++)
@@ -589,15 +585,14 @@ static cJSON *logging_json(const ddp_ddp_logging_data_t *ld) {
   ok = ok && add_joined(o, "bucket_sizes", ld->bucket_sizes, ld->num_initial_buckets);
   NUM("has_rebuilt_buckets", ld->has_rebuilt_buckets);
   if (ld->has_rebuilt_buckets) {
-    ok = ok && add_joined(o, "rebuilt_bucket_sizes", ld->rebuilt_bucket_sizes,
-                          ld->num_rebuilt_buckets);
-    ok = ok && add_per_bucket(o, "rebuilt_per_bucket_param_indices",
-                              ld->rebuilt_per_bucket_param_offsets,
-                              ld->rebuilt_per_bucket_param_indices, ld->num_rebuilt_buckets);
+    ok = ok &&
+         add_joined(o, "rebuilt_bucket_sizes", ld->rebuilt_bucket_sizes, ld->num_rebuilt_buckets);
+    ok = ok &&
+         add_per_bucket(o, "rebuilt_per_bucket_param_indices", ld->rebuilt_per_bucket_param_offsets,
+                        ld->rebuilt_per_bucket_param_indices, ld->num_rebuilt_buckets);
   }
   ok = ok && add_joined_sz(o, "prev_iteration_grad_ready_order_indices",
-                           ld->prev_iteration_grad_ready_order_indices,
-                           ld->num_prev_ready_order);
+                           ld->prev_iteration_grad_ready_order_indices, ld->num_prev_ready_order);
   NUM("unused_parameter_size", ld->unused_parameter_size);
   NUM("avg_forward_compute_time", ld->avg_forward_compute_time);
   NUM("avg_backward_compute_time", ld->avg_backward_compute_time);
@@ -615,9 +610,7 @@ static cJSON *logging_json(const ddp_ddp_logging_data_t *ld) {
   return o;
 }
 
-static cJSON *shape_json(const ddp_tensor_t *t) {
-  return int_array(t->shape, (size_t)t->ndim);
-}
+static cJSON *shape_json(const ddp_tensor_t *t) { return int_array(t->shape, (size_t)t->ndim); }
 
 /* param_names and param_shapes (the reducer's parameters), state_param_names and
  * buffer_names (the model's), in that order. */
@@ -739,11 +732,11 @@ static cJSON *ddp_json(ddp_dump_t *d) {
   cJSON *o = cJSON_CreateObject();
   bool ok = o && add_names(d, o) && add_layouts(d, &ld, o);
   ok = ok && cJSON_AddBoolToObject(o, "initial_layout_verified", initial_layout_verified(d, &ld));
-  ok = ok && add_item(o, "grad_ready_order",
-                      ld.num_prev_ready_order
-                          ? size_array(ld.prev_iteration_grad_ready_order_indices,
-                                       ld.num_prev_ready_order)
-                          : cJSON_CreateNull());
+  ok = ok &&
+       add_item(o, "grad_ready_order",
+                ld.num_prev_ready_order ? size_array(ld.prev_iteration_grad_ready_order_indices,
+                                                     ld.num_prev_ready_order)
+                                        : cJSON_CreateNull());
   ok = ok && add_item(o, "logging_data", logging_json(&ld));
   if (!ok) {
     cJSON_Delete(o);

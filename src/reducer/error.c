@@ -78,8 +78,8 @@ void ddp__ddp_drain(ddp_work_t **w) {
   *w = NULL;
 }
 
-void ddp__ddp_append_names(char *buf, size_t cap, const ddp_ddp_t *d, const size_t *idx,
-                           size_t n, const char *sep) {
+void ddp__ddp_append_names(char *buf, size_t cap, const ddp_ddp_t *d, const size_t *idx, size_t n,
+                           const char *sep) {
   size_t len = strlen(buf);
   for (size_t k = 0; k < n && len + 1 < cap; k++) {
     int w = snprintf(buf + len, cap - len, "%s%s", k ? sep : "", d->params[idx[k]]->name);

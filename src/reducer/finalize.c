@@ -29,8 +29,10 @@ static ddp_status_t wait_bucket(ddp_ddp_t *d, size_t b, ddp_status_t first) {
     char names[2048] = "";
     ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ", ");
     if (!x->work)
-      ddp__ddp_fail(d, st, "[rank %d] DDP: allreduce of bucket %zu (%zu parameters: %s) was not "
-                    "launched", d->rank, b, x->nvars, names);
+      ddp__ddp_fail(d, st,
+                    "[rank %d] DDP: allreduce of bucket %zu (%zu parameters: %s) was not "
+                    "launched",
+                    d->rank, b, x->nvars, names);
     else
       ddp__ddp_carry(d, st,
                      "DDP: allreduce of bucket %zu (%zu parameters: %s) failed: %s. If a "
@@ -38,8 +40,7 @@ static ddp_status_t wait_bucket(ddp_ddp_t *d, size_t b, ddp_status_t first) {
                      "launches this bucket: its next forward names the parameter; "
                      "find_unused_parameters=True handles it.",
                      b, x->nvars, names,
-                     ddp_work_error(x->work)[0] ? ddp_work_error(x->work)
-                                                : ddp__ddp_pg_error(d));
+                     ddp_work_error(x->work)[0] ? ddp_work_error(x->work) : ddp__ddp_pg_error(d));
   }
   if (x->work) ddp_work_free(x->work);
   x->work = NULL;

@@ -61,7 +61,8 @@ static ddp_status_t ensure_prior_reduction_finished(ddp_ddp_t *d) {
                             "\nParameters which did not receive grad for rank %d: ", d->rank);
   if (len < CAP) ddp__ddp_append_names(buf, CAP, d, idx, n, ", ");
   for (size_t k = 0; k < n; k++)
-    ddp__log(d->rank, DDP_LOG_INFO, "Parameter %s (index %zu) did not get gradient in backwards pass.",
+    ddp__log(d->rank, DDP_LOG_INFO,
+             "Parameter %s (index %zu) did not get gradient in backwards pass.",
              d->params[idx[k]]->name, idx[k]);
   ddp_status_t st = ddp__ddp_fail(d, DDP_ERR_INVALID_USAGE, "%s", buf);
   ddp__free(buf);

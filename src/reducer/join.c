@@ -25,7 +25,8 @@ static ddp_status_t small_allreduce(ddp_ddp_t *d, int32_t v, ddp_redop_t op, con
 /* _find_common_rank: the largest rank whose condition holds (allreduce MAX). */
 static ddp_status_t find_common_rank(ddp_ddp_t *d, int rank, bool cond, int *out) {
   int32_t r;
-  DDP_CHECK(small_allreduce(d, cond ? rank : -1, DDP_OP_MAX, "join: allreduce of the common rank", &r));
+  DDP_CHECK(
+      small_allreduce(d, cond ? rank : -1, DDP_OP_MAX, "join: allreduce of the common rank", &r));
   if (r < 0)
     return ddp__ddp_fail(d, DDP_ERR_INTERNAL,
                          "BUG! Expected rank_cond to be true for at least one process. (rank %d)",
@@ -87,16 +88,14 @@ static ddp_status_t shadow_backward(ddp_ddp_t *d) {
     ddp__bucket_t *x = &d->buckets[b];
     if (d->opts.gradient_as_bucket_view)
       for (size_t k = 0; k < x->nvars; k++) /* keep the grads, which live here */
-        if (d->params[x->vars[k]]->grad.data)
-          ddp_param_set_grad_data(d->params[x->vars[k]], NULL);
+        if (d->params[x->vars[k]]->grad.data) ddp_param_set_grad_data(d->params[x->vars[k]], NULL);
     memset(x->buf, 0, x->numel * ddp_dtype_size(x->dtype));
     if (d->has_comm_hook) {
       st = ddp__ddp_run_comm_hook(d, b);
       continue;
     }
     st = ddp_allreduce(d->pg, x->buf, x->buf, x->numel, x->dtype, DDP_OP_SUM, &x->work);
-    if (st != DDP_OK)
-      ddp__ddp_carry(d, st, "DDP join: bucket %zu: %s", b, ddp__ddp_pg_error(d));
+    if (st != DDP_OK) ddp__ddp_carry(d, st, "DDP join: bucket %zu: %s", b, ddp__ddp_pg_error(d));
   }
   for (size_t b = 0; b < d->nbuckets; b++) {
     ddp__bucket_t *x = &d->buckets[b];
@@ -116,8 +115,7 @@ static ddp_status_t shadow_backward(ddp_ddp_t *d) {
   st = ddp_allreduce(d->pg, d->global_used, d->global_used, d->P, DDP_I32, DDP_OP_SUM,
                      &d->used_work);
   if (st != DDP_OK)
-    return ddp__ddp_carry(d, st, "DDP join: shadow used-map allreduce: %s",
-                          ddp__ddp_pg_error(d));
+    return ddp__ddp_carry(d, st, "DDP join: shadow used-map allreduce: %s", ddp__ddp_pg_error(d));
   return ddp__ddp_wait(d, &d->used_work, "join: shadow used-map allreduce");
 }
 
@@ -163,7 +161,8 @@ ddp_status_t ddp_ddp_join_end(ddp_ddp_t *d) {
   for (;;) {
     int32_t active;
     DDP_CHECK_GOTO(small_allreduce(d, 0, DDP_OP_SUM, "join: allreduce of the not-joined count",
-                                   &active), st, out);
+                                   &active),
+                   st, out);
     if (active == 0) break;
     last = false;
     DDP_CHECK_GOTO(shadow_iteration(d), st, out);

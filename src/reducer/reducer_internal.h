@@ -72,8 +72,8 @@ typedef struct ddp__layout {
 
 struct ddp_ddp {
   uint32_t magic;
-  ddp_model_t *model; /* borrowed */
-  ddp_pg_t *pg;       /* borrowed */
+  ddp_model_t *model;     /* borrowed */
+  ddp_pg_t *pg;           /* borrowed */
   ddp_ddp_options_t opts; /* opts.trace_path is NULL: trace_path below is the copy */
   int rank, world;
   size_t bucket_bytes_cap, first_bucket_bytes_cap;
@@ -109,27 +109,27 @@ struct ddp_ddp {
   bool marked_unused; /* the unused set was marked ready at this backward's first hook */
   bool first_hook_seen;
   bool finalize_queued;
-  bool *ready;               /* [P] */
-  size_t *ready_order;       /* [P] */
+  bool *ready;         /* [P] */
+  size_t *ready_order; /* [P] */
   size_t nready_order;
-  size_t *prev_ready_order;  /* [P] */
+  size_t *prev_ready_order; /* [P] */
   size_t nprev_ready_order;
   ddp_status_t hook_status;
   ddp_local_grad_fn local_fn; /* ddp_ddp_set_local_grad_fn; NULL: none */
   void *local_user;
 
   /* unused parameters (backward.c) */
-  bool *unused;          /* [P] from the graph search (dynamic) or iteration 1 (static) */
-  size_t *unused_list;   /* [P] */
+  bool *unused;        /* [P] from the graph search (dynamic) or iteration 1 (static) */
+  size_t *unused_list; /* [P] */
   size_t nunused;
-  bool *visited;         /* [P] */
-  int32_t *local_used;   /* [P] */
-  int32_t *global_used;  /* ddp_pg_alloc; result of the used-map allreduce */
+  bool *visited;        /* [P] */
+  int32_t *local_used;  /* [P] */
+  int32_t *global_used; /* ddp_pg_alloc; result of the used-map allreduce */
   ddp_work_t *used_work;
   bool used_waited;
   bool warned_no_unused;
   bool prev_unused_valid;
-  bool *prev_unused;     /* [P] */
+  bool *prev_unused; /* [P] */
   bool unused_changed;
 
   /* static graph (backward.c) */
@@ -153,7 +153,7 @@ struct ddp_ddp {
   bool join_throw;
   int32_t *join_count; /* ddp_pg_alloc: the not-joined count of this iteration */
   ddp_work_t *join_work;
-  int div_factor;      /* 0 = not fixed yet in this backward */
+  int div_factor; /* 0 = not fixed yet in this backward */
 
   /* statistics (stats.c) */
   int64_t num_iterations;
@@ -187,12 +187,10 @@ static inline void *ddp__ddp_slot(ddp_ddp_t *d, size_t i) {
 
 /* A failure the reducer detects itself (a shape mismatch, a parameter marked twice, out of
  * memory): fills the last error and logs it once at ERROR. Returns st. */
-ddp_status_t ddp__ddp_fail(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...)
-    DDP_PRINTF(3, 4);
+ddp_status_t ddp__ddp_fail(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...) DDP_PRINTF(3, 4);
 /* A failure carried up from a lower layer that has logged it (a collective, the autograd
  * context): fills the last error with the reducer's context, does not log. Returns st. */
-ddp_status_t ddp__ddp_carry(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...)
-    DDP_PRINTF(3, 4);
+ddp_status_t ddp__ddp_carry(ddp_ddp_t *d, ddp_status_t st, const char *fmt, ...) DDP_PRINTF(3, 4);
 /* ddp__ddp_fail with "[rank r] DDP: out of memory". */
 ddp_status_t ddp__ddp_oom(ddp_ddp_t *d);
 void ddp__ddp_error_clear(ddp_ddp_t *d);
@@ -210,8 +208,8 @@ ddp_status_t ddp__ddp_wait(ddp_ddp_t *d, ddp_work_t **w, const char *what);
 void ddp__ddp_drain(ddp_work_t **w);
 /* Appends the names of managed parameters idx[0..n) to the string in buf (cap bytes),
  * separated by sep, truncated at cap. */
-void ddp__ddp_append_names(char *buf, size_t cap, const ddp_ddp_t *d, const size_t *idx,
-                           size_t n, const char *sep);
+void ddp__ddp_append_names(char *buf, size_t cap, const ddp_ddp_t *d, const size_t *idx, size_t n,
+                           const char *sep);
 
 /* ---------------------------------------------------------------- broadcast.c ----- */
 
@@ -238,8 +236,7 @@ void ddp__ddp_layout_free(ddp__layout_t *ls);
 /* The model's gradient-ready hook (§3.3); user is the handle. */
 void ddp__ddp_grad_hook(void *user, ddp_param_t *p, int fire);
 /* prepare_for_backward (§3.2) with the unused-parameter search of §4.1. */
-void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n,
-                               ddp_var_t *const *outputs);
+void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t *const *outputs);
 
 /* ---------------------------------------------------------------- finalize.c ------ */
 
@@ -280,8 +277,8 @@ void ddp__ddp_stats_sample_end(ddp_ddp_t *d);
 /* Copies path into the handle and, on rank 0, starts the file ("[\n"). */
 ddp_status_t ddp__ddp_trace_open(ddp_ddp_t *d, const char *path);
 /* Records one event [t0, t1] when tracing (best effort). */
-void ddp__ddp_trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int tid,
-                    int64_t bucket, int64_t bytes);
+void ddp__ddp_trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int tid, int64_t bucket,
+                    int64_t bytes);
 /* Appends the recorded events to the file and frees them. */
 void ddp__ddp_trace_close(ddp_ddp_t *d);
 

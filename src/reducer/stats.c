@@ -29,8 +29,8 @@ void ddp__ddp_log_initialized(const ddp_ddp_t *d) {
            "find_unused_parameters: %d gradient_as_bucket_view: %d static_graph: %d "
            "init_sync: %d",
            d->world, d->rank, ddp_pg_backend_name(d->pg), d->P, d->dtypes, d->bucket_bytes_cap,
-           d->first_bucket_bytes_cap, d->nbuckets, o->broadcast_buffers,
-           o->find_unused_parameters, o->gradient_as_bucket_view, o->static_graph, o->init_sync);
+           d->first_bucket_bytes_cap, d->nbuckets, o->broadcast_buffers, o->find_unused_parameters,
+           o->gradient_as_bucket_view, o->static_graph, o->init_sync);
 }
 
 void ddp__ddp_record_layout(ddp_ddp_t *d, ddp__layout_t *ls, const ddp_bucket_assignment_t *a) {
@@ -79,8 +79,7 @@ void ddp__ddp_stats_sample_end(ddp_ddp_t *d) {
     ddp__log(d->rank, DDP_LOG_INFO,
              "DDP iteration %" PRId64 ": comm hook %s: numel before compression %" PRId64
              ", after %" PRId64 ", rate %g, %" PRId64 " bytes all-reduced this step",
-             it, d->comm_hook_name, cs.numel_before, cs.numel_after, cs.rate,
-             cs.bytes_last_step);
+             it, d->comm_hook_name, cs.numel_before, cs.numel_after, cs.rate, cs.bytes_last_step);
   }
 }
 

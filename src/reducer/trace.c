@@ -26,8 +26,8 @@ ddp_status_t ddp__ddp_trace_open(ddp_ddp_t *d, const char *path) {
   return DDP_OK;
 }
 
-void ddp__ddp_trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int tid,
-                    int64_t bucket, int64_t bytes) {
+void ddp__ddp_trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int tid, int64_t bucket,
+                    int64_t bytes) {
   if (!d->trace_path) return;
   if (d->nev == d->cap_ev) {
     size_t nc = d->cap_ev ? 2 * d->cap_ev : 256;
@@ -49,8 +49,10 @@ static void write_trace(ddp_ddp_t *d) {
   for (size_t i = 0; i < d->nev; i++) {
     const ddp__trace_ev_t *e = &d->ev[i];
     char name[48];
-    if (e->bucket >= 0) snprintf(name, sizeof name, "%s %" PRId64, e->name, e->bucket);
-    else snprintf(name, sizeof name, "%s", e->name);
+    if (e->bucket >= 0)
+      snprintf(name, sizeof name, "%s %" PRId64, e->name, e->bucket);
+    else
+      snprintf(name, sizeof name, "%s", e->name);
     len += (size_t)snprintf(buf + len, cap - len,
                             "{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,"
                             "\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"bytes\":%" PRId64 "}},\n",

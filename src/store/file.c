@@ -4,12 +4,12 @@
  * A key file holds a 16-byte header ("DDPK", u32 key length, u64 value length, little
  * endian), the full key and the value. Writers build the file under a temporary name
  * starting with '.' and rename() it over the key's name (libddp's one atomic writer,
- * src/common/file.c), so readers see either the old or the new file, never a torn one. Read-modify-write operations (add, compare_set, delete,
- * and set, so that a set never slips between another writer's read and rename) hold an
- * exclusive flock() on "<dir>/.lock"; flock is per open file description, so it excludes
- * threads of one process as well as processes, and the kernel drops it when a holder dies.
- * Reads take no lock. Blocking calls poll with a backoff (1 ms doubling up to 32 ms) that
- * cancellation interrupts.
+ * src/common/file.c), so readers see either the old or the new file, never a torn one.
+ * Read-modify-write operations (add, compare_set, delete, and set, so that a set never slips
+ * between another writer's read and rename) hold an exclusive flock() on "<dir>/.lock"; flock is
+ * per open file description, so it excludes threads of one process as well as processes, and the
+ * kernel drops it when a holder dies. Reads take no lock. Blocking calls poll with a backoff (1 ms
+ * doubling up to 32 ms) that cancellation interrupts.
  *
  * File names: a key made of [A-Za-z0-9_-] and other bytes escaped as %XX, behind "k.",
  * when that fits in 200 bytes; otherwise "h." and 32 hex digits of two 64-bit hashes of the
@@ -55,8 +55,8 @@ static void key_path(const file_store_t *f, const char *key, char *path, size_t 
   name[n++] = 'k';
   name[n++] = '.';
   for (const unsigned char *p = (const unsigned char *)key; *p; p++) {
-    bool plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
-                 (*p >= '0' && *p <= '9') || *p == '_' || *p == '-';
+    bool plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+                 *p == '_' || *p == '-';
     if (n + (plain ? 1 : 3) > NAME_MAX_SHORT) {
       fits = false;
       break;
@@ -72,8 +72,7 @@ static void key_path(const file_store_t *f, const char *key, char *path, size_t 
   name[n] = '\0';
   if (!fits) {
     size_t kl = strlen(key);
-    snprintf(name, sizeof name, "h.%016llx%016llx",
-             (unsigned long long)hash64(key, kl, 0),
+    snprintf(name, sizeof name, "h.%016llx%016llx", (unsigned long long)hash64(key, kl, 0),
              (unsigned long long)hash64(key, kl, 0x9e3779b97f4a7c15ull));
   }
   snprintf(path, cap, "%s/%s", f->dir, name);
@@ -91,8 +90,8 @@ static ddp_status_t read_key(ddp_store_t *s, const ddp__store_call_t *c, const c
   if (fd < 0) {
     if (errno == ENOENT) return DDP_OK;
     int e = errno;
-    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: open(%s): %s (errno %d)", s->desc,
-                      path, strerror(e), e);
+    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: open(%s): %s (errno %d)", s->desc, path,
+                      strerror(e), e);
   }
   ddp_status_t st = DDP_OK;
   unsigned char hdr[KEY_FILE_HDR];
@@ -100,8 +99,8 @@ static ddp_status_t read_key(ddp_store_t *s, const ddp__store_call_t *c, const c
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
     int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: fstat(%s): %s (errno %d)", s->desc,
-                    path, strerror(e), e);
+    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: fstat(%s): %s (errno %d)", s->desc, path,
+                    strerror(e), e);
     goto out;
   }
   size_t klen = strlen(key);
@@ -118,8 +117,8 @@ static ddp_status_t read_key(ddp_store_t *s, const ddp__store_call_t *c, const c
   size_t total = (size_t)sb.st_size - KEY_FILE_HDR;
   buf = ddp__malloc(total);
   if (!buf) {
-    st = ddp__error(c->err, c->rank, DDP_ERR_NO_MEMORY, "%s: out of memory reading %s",
-                    s->desc, path);
+    st = ddp__error(c->err, c->rank, DDP_ERR_NO_MEMORY, "%s: out of memory reading %s", s->desc,
+                    path);
     goto out;
   }
   size_t got = 0;
@@ -137,8 +136,8 @@ static ddp_status_t read_key(ddp_store_t *s, const ddp__store_call_t *c, const c
   }
   if (ddp__wire_get_u32(hdr + 4) != klen || memcmp(buf, key, klen) != 0) {
     st = ddp__error(c->err, c->rank, DDP_ERR_INVALID_DATA,
-                    "%s: key file %s holds another key (hash collision or foreign file)",
-                    s->desc, path);
+                    "%s: key file %s holds another key (hash collision or foreign file)", s->desc,
+                    path);
     goto out;
   }
   *found = true;
@@ -180,8 +179,8 @@ static ddp_status_t lock_dir(ddp_store_t *s, const ddp__store_call_t *c, const c
   int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) {
     int e = errno;
-    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: open(%s): %s (errno %d)",
-                      s->desc, what, path, strerror(e), e);
+    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: open(%s): %s (errno %d)", s->desc,
+                      what, path, strerror(e), e);
   }
   int backoff = 1;
   for (;;) {
@@ -227,8 +226,8 @@ static ddp_status_t file_set(ddp_store_t *s, const ddp__store_call_t *c, const c
 }
 
 /* Polls until every key exists; on timeout names the missing ones. */
-static ddp_status_t poll_keys(ddp_store_t *s, const ddp__store_call_t *c,
-                              const char *const *keys, size_t nkeys, const char *what) {
+static ddp_status_t poll_keys(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                              size_t nkeys, const char *what) {
   file_store_t *f = fst(s);
   char path[PATH_CAP];
   int backoff = 1;
@@ -261,8 +260,8 @@ static ddp_status_t poll_keys(ddp_store_t *s, const ddp__store_call_t *c,
                     (long long)c->timeout_ms, s->desc, nm == 1 ? "" : "s", list);
 }
 
-static ddp_status_t file_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                             void **v, size_t *n) {
+static ddp_status_t file_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key, void **v,
+                             size_t *n) {
   file_store_t *f = fst(s);
   char path[PATH_CAP];
   key_path(f, key, path, sizeof path);
@@ -295,8 +294,8 @@ static ddp_status_t file_add(ddp_store_t *s, const ddp__store_call_t *c, const c
   }
   if (st == DDP_OK && !ddp__store_add_i64(cur, delta, &r)) {
     st = ddp__error(c->err, c->rank, DDP_ERR_INVALID_ARGUMENT,
-                    "add(%lld) on %s: key '%.200s' holding %lld overflows int64",
-                    (long long)delta, s->desc, key, (long long)cur);
+                    "add(%lld) on %s: key '%.200s' holding %lld overflows int64", (long long)delta,
+                    s->desc, key, (long long)cur);
   }
   if (st == DDP_OK) {
     char buf[24];
@@ -309,13 +308,13 @@ static ddp_status_t file_add(ddp_store_t *s, const ddp__store_call_t *c, const c
   return st;
 }
 
-static ddp_status_t file_wait(ddp_store_t *s, const ddp__store_call_t *c,
-                              const char *const *keys, size_t n) {
+static ddp_status_t file_wait(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                              size_t n) {
   return poll_keys(s, c, keys, n, "wait");
 }
 
-static ddp_status_t file_check(ddp_store_t *s, const ddp__store_call_t *c,
-                               const char *const *keys, size_t nkeys, bool *all) {
+static ddp_status_t file_check(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                               size_t nkeys, bool *all) {
   file_store_t *f = fst(s);
   char path[PATH_CAP];
   *all = true;
@@ -375,8 +374,8 @@ static ddp_status_t file_del(ddp_store_t *s, const ddp__store_call_t *c, const c
   *deleted = unlink(path) == 0;
   if (!*deleted && errno != ENOENT) {
     int e = errno;
-    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: unlink(%s): %s (errno %d)", s->desc,
-                    path, strerror(e), e);
+    st = ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: unlink(%s): %s (errno %d)", s->desc, path,
+                    strerror(e), e);
   }
   unlock_dir(lk);
   return st;
@@ -423,8 +422,8 @@ const ddp__store_ops_t ddp__store_file_ops = {
     .destroy = file_destroy,
 };
 
-static ddp_status_t create_file(const char *dir, const ddp_store_options_t *opts,
-                                ddp_error_t *err, ddp_store_t **out) {
+static ddp_status_t create_file(const char *dir, const ddp_store_options_t *opts, ddp_error_t *err,
+                                ddp_store_t **out) {
   ddp_store_t *s = NULL;
   DDP_CHECK(ddp__store_new(opts, &ddp__store_file_ops, NULL, err, &s));
   if (dir[0] == '\0' || strlen(dir) > 3800) {

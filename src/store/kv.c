@@ -71,8 +71,7 @@ static void maybe_grow(ddp__kv_t *kv) {
   kv->nbuckets = nb;
 }
 
-ddp_status_t ddp__kv_put(ddp__kv_t *kv, const char *key, size_t key_len, const void *v,
-                         size_t n) {
+ddp_status_t ddp__kv_put(ddp__kv_t *kv, const char *key, size_t key_len, const void *v, size_t n) {
   unsigned char *val = ddp__malloc(n);
   if (!val) return DDP_ERR_NO_MEMORY;
   if (n) memcpy(val, v, n);
@@ -132,8 +131,8 @@ ddp_status_t ddp__kv_add(ddp__kv_t *kv, const char *key, size_t key_len, int64_t
   }
   int64_t r;
   if (!ddp__store_add_i64(cur, delta, &r)) {
-    snprintf(why, cap, "add(%lld) to key '%.200s' holding %lld overflows int64",
-             (long long)delta, key, (long long)cur);
+    snprintf(why, cap, "add(%lld) to key '%.200s' holding %lld overflows int64", (long long)delta,
+             key, (long long)cur);
     return DDP_ERR_INVALID_ARGUMENT;
   }
   char buf[24];

@@ -39,8 +39,8 @@ static bool all_exist(mem_store_t *m, const char *const *keys, size_t n, size_t 
 
 /* The wait loop shared by get and wait, run with the mutex held. On timeout the message
  * names every missing key. */
-static ddp_status_t wait_locked(ddp_store_t *s, const ddp__store_call_t *c,
-                                const char *const *keys, size_t n, const char *what) {
+static ddp_status_t wait_locked(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                                size_t n, const char *what) {
   mem_store_t *m = mem(s);
   for (;;) {
     if (ddp__store_cancelled(c)) return ddp__store_aborted(c, what);
@@ -70,8 +70,8 @@ static ddp_status_t mem_set(ddp_store_t *s, const ddp__store_call_t *c, const ch
   return DDP_OK;
 }
 
-static ddp_status_t mem_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                            void **v, size_t *n) {
+static ddp_status_t mem_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key, void **v,
+                            size_t *n) {
   mem_store_t *m = mem(s);
   pthread_mutex_lock(&m->mu);
   const char *keys[1] = {key};
@@ -98,8 +98,8 @@ static ddp_status_t mem_add(ddp_store_t *s, const ddp__store_call_t *c, const ch
   return DDP_OK;
 }
 
-static ddp_status_t mem_wait(ddp_store_t *s, const ddp__store_call_t *c,
-                             const char *const *keys, size_t n) {
+static ddp_status_t mem_wait(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                             size_t n) {
   mem_store_t *m = mem(s);
   pthread_mutex_lock(&m->mu);
   ddp_status_t st = wait_locked(s, c, keys, n, "wait");
@@ -107,8 +107,8 @@ static ddp_status_t mem_wait(ddp_store_t *s, const ddp__store_call_t *c,
   return st;
 }
 
-static ddp_status_t mem_check(ddp_store_t *s, const ddp__store_call_t *c,
-                              const char *const *keys, size_t n, bool *all) {
+static ddp_status_t mem_check(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                              size_t n, bool *all) {
   (void)c;
   mem_store_t *m = mem(s);
   pthread_mutex_lock(&m->mu);

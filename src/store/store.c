@@ -69,15 +69,15 @@ static ddp_status_t create_prefix(ddp_store_t *base, const char *prefix, ddp_err
                                   ddp_store_t **out) {
   if (base->depth + 1 > DDP_STORE_MAX_DEPTH) {
     return ddp__error(err, base->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "ddp_store_create_prefix(\"%s\"): more than %d nested prefix views",
-                      prefix, DDP_STORE_MAX_DEPTH);
+                      "ddp_store_create_prefix(\"%s\"): more than %d nested prefix views", prefix,
+                      DDP_STORE_MAX_DEPTH);
   }
   size_t plen = strlen(prefix);
   size_t full = base->prefix_len + plen + 1;
   if (full > DDP_STORE_MAX_KEY) {
     return ddp__error(err, base->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "ddp_store_create_prefix: prefix of %zu bytes exceeds the key limit %d",
-                      full, DDP_STORE_MAX_KEY);
+                      "ddp_store_create_prefix: prefix of %zu bytes exceeds the key limit %d", full,
+                      DDP_STORE_MAX_KEY);
   }
   ddp_store_t *v = ddp__calloc(1, sizeof *v);
   char *p = ddp__malloc(full + 1);
@@ -274,7 +274,7 @@ typedef struct api_call {
   ddp_store_t *s;
   ddp_error_t err;
   ddp__store_call_t c;
-  char *key;       /* full key; points at kbuf when short */
+  char *key; /* full key; points at kbuf when short */
   char kbuf[256];
 } api_call_t;
 
@@ -304,8 +304,8 @@ static ddp_status_t full_key(api_call_t *a, const char *what, const char *key, c
   size_t n = a->s->prefix_len + klen;
   if (n > DDP_STORE_MAX_KEY) {
     return ddp__error(&a->err, a->s->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "%s: key '%.64s...' is %zu bytes with its prefix; the limit is %d", what,
-                      key, n, DDP_STORE_MAX_KEY);
+                      "%s: key '%.64s...' is %zu bytes with its prefix; the limit is %d", what, key,
+                      n, DDP_STORE_MAX_KEY);
   }
   char *buf = n < sizeof a->kbuf ? a->kbuf : ddp__malloc(n + 1);
   if (!buf) return ddp__error(&a->err, a->s->rank, DDP_ERR_NO_MEMORY, "%s: out of memory", what);
@@ -326,7 +326,7 @@ static ddp_status_t check_value(api_call_t *a, const char *what, const void *v, 
 }
 
 /* Runs `call` unless the handle chain is already cancelled. */
-#define API_RUN(a, what, call)                                            \
+#define API_RUN(a, what, call) \
   (ddp__store_cancelled(&(a)->c) ? ddp__store_aborted(&(a)->c, (what)) : (call))
 
 ddp_status_t ddp_store_set(ddp_store_t *s, const char *key, const void *value, size_t len) {
@@ -429,8 +429,8 @@ ddp_status_t ddp_store_check(ddp_store_t *s, const char *const *keys, size_t nke
 }
 
 ddp_status_t ddp_store_compare_set(ddp_store_t *s, const char *key, const void *expected,
-                                   size_t expected_len, const void *desired,
-                                   size_t desired_len, void **actual, size_t *actual_len) {
+                                   size_t expected_len, const void *desired, size_t desired_len,
+                                   void **actual, size_t *actual_len) {
   DDP_REQUIRE(actual != NULL && actual_len != NULL);
   *actual = NULL;
   *actual_len = 0;

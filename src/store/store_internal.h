@@ -28,13 +28,13 @@ typedef struct ddp__store_call {
  * with ddp__error where an error starts. A NULL member is never called. */
 typedef struct ddp__store_ops {
   const char *kind;
-  ddp_status_t (*set)(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                      const void *v, size_t n);
+  ddp_status_t (*set)(ddp_store_t *s, const ddp__store_call_t *c, const char *key, const void *v,
+                      size_t n);
   /* Waits until key exists (deadline, cancellation), then copies its value (ddp_malloc). */
   ddp_status_t (*get)(ddp_store_t *s, const ddp__store_call_t *c, const char *key, void **v,
                       size_t *n);
-  ddp_status_t (*add)(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                      int64_t delta, int64_t *result);
+  ddp_status_t (*add)(ddp_store_t *s, const ddp__store_call_t *c, const char *key, int64_t delta,
+                      int64_t *result);
   ddp_status_t (*wait)(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
                        size_t nkeys);
   ddp_status_t (*check)(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
@@ -42,8 +42,7 @@ typedef struct ddp__store_ops {
   ddp_status_t (*compare_set)(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
                               const void *exp, size_t exp_n, const void *des, size_t des_n,
                               void **actual, size_t *actual_n);
-  ddp_status_t (*del)(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                      bool *deleted);
+  ddp_status_t (*del)(ddp_store_t *s, const ddp__store_call_t *c, const char *key, bool *deleted);
   ddp_status_t (*num_keys)(ddp_store_t *s, const ddp__store_call_t *c, int64_t *n);
   /* Wakes every blocked call so that it re-checks cancellation (may be NULL when the kind
    * only blocks in poll() on the cancel fds). */
@@ -68,16 +67,16 @@ struct ddp_store {
   ddp_store_t *root;           /* self for a root */
   char *prefix;                /* full prefix of a view ("a/b/"), "" for a root */
   size_t prefix_len;
-  int depth;                   /* 0 for a root */
+  int depth; /* 0 for a root */
   int rank;
   int64_t timeout_ms;
-  char desc[160];              /* "tcp store 10.0.0.1:29500", for messages */
+  char desc[160]; /* "tcp store 10.0.0.1:29500", for messages */
   atomic_bool cancelled;
-  int cancel_fd;               /* eventfd, readable once cancelled */
+  int cancel_fd; /* eventfd, readable once cancelled */
   pthread_mutex_t err_lock;
   uint64_t err_clock;
   ddp__store_err_slot_t errs[DDP__STORE_ERR_SLOTS];
-  void *impl;                  /* the kind's state (roots only) */
+  void *impl; /* the kind's state (roots only) */
 };
 
 /* Shared construction: reads the caller's options (ddp__opts_read; *read, when not NULL,
@@ -126,8 +125,7 @@ ddp_status_t ddp__kv_init(ddp__kv_t *kv);
 void ddp__kv_fini(ddp__kv_t *kv);
 ddp__kv_entry_t *ddp__kv_find(const ddp__kv_t *kv, const char *key, size_t key_len);
 /* Inserts or replaces; copies key and value. DDP_ERR_NO_MEMORY leaves the table as it was. */
-ddp_status_t ddp__kv_put(ddp__kv_t *kv, const char *key, size_t key_len, const void *v,
-                         size_t n);
+ddp_status_t ddp__kv_put(ddp__kv_t *kv, const char *key, size_t key_len, const void *v, size_t n);
 bool ddp__kv_del(ddp__kv_t *kv, const char *key, size_t key_len);
 /* The counter update of add(): a missing key counts as 0; a value that is not a decimal
  * int64, or an overflow, is an error described in why. */
@@ -179,8 +177,7 @@ typedef struct ddp__wire_hdr {
 } ddp__wire_hdr_t;
 
 /* Header checks. why gets a short reason on failure. */
-bool ddp__wire_parse_request_hdr(const unsigned char *p, ddp__wire_hdr_t *h, char *why,
-                                 size_t cap);
+bool ddp__wire_parse_request_hdr(const unsigned char *p, ddp__wire_hdr_t *h, char *why, size_t cap);
 bool ddp__wire_parse_response_hdr(const unsigned char *p, ddp__wire_hdr_t *h, char *why,
                                   size_t cap);
 /* Splits a body into fields and checks each field's size against the op. */

@@ -67,20 +67,20 @@ static ddp_status_t io_error(ddp_store_t *s, const ddp__store_call_t *c, const c
                              const char *phase, ddp_status_t st, int e) {
   if (st == DDP_ERR_ABORTED) return ddp__store_aborted(c, what);
   if (st == DDP_ERR_TIMEOUT) {
-    return ddp__error(c->err, c->rank, DDP_ERR_TIMEOUT,
-                      "%s on %s: no reply within %lld ms (%s)", what, s->desc,
-                      (long long)c->timeout_ms, phase);
+    return ddp__error(c->err, c->rank, DDP_ERR_TIMEOUT, "%s on %s: no reply within %lld ms (%s)",
+                      what, s->desc, (long long)c->timeout_ms, phase);
   }
   if (e == 0) {
     return ddp__error(c->err, c->rank, DDP_ERR_REMOTE,
                       "%s on %s: the server closed the connection (%s)", what, s->desc, phase);
   }
-  return ddp__error(c->err, c->rank, e == ECONNRESET || e == EPIPE ? DDP_ERR_REMOTE : DDP_ERR_SYSTEM,
+  return ddp__error(c->err, c->rank,
+                    e == ECONNRESET || e == EPIPE ? DDP_ERR_REMOTE : DDP_ERR_SYSTEM,
                     "%s on %s: %s: %s (errno %d)", what, s->desc, phase, strerror(e), e);
 }
 
-static ddp_status_t send_all(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                             int fd, const unsigned char *p, size_t n, int64_t deadline) {
+static ddp_status_t send_all(ddp_store_t *s, const ddp__store_call_t *c, const char *what, int fd,
+                             const unsigned char *p, size_t n, int64_t deadline) {
   while (n) {
     ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
     if (w > 0) {
@@ -99,8 +99,8 @@ static ddp_status_t send_all(ddp_store_t *s, const ddp__store_call_t *c, const c
   return DDP_OK;
 }
 
-static ddp_status_t recv_all(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                             int fd, unsigned char *p, size_t n, int64_t deadline) {
+static ddp_status_t recv_all(ddp_store_t *s, const ddp__store_call_t *c, const char *what, int fd,
+                             unsigned char *p, size_t n, int64_t deadline) {
   while (n) {
     ssize_t r = recv(fd, p, n, 0);
     if (r > 0) {
@@ -127,15 +127,15 @@ typedef struct reply {
   ddp__wire_msg_t m;
 } reply_t;
 
-static ddp_status_t read_reply(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                               int fd, int64_t deadline, reply_t *rp) {
+static ddp_status_t read_reply(ddp_store_t *s, const ddp__store_call_t *c, const char *what, int fd,
+                               int64_t deadline, reply_t *rp) {
   unsigned char hdr[DDP__WIRE_HDR];
   char why[200];
   rp->body = NULL;
   DDP_CHECK(recv_all(s, c, what, fd, hdr, sizeof hdr, deadline));
   if (!ddp__wire_parse_response_hdr(hdr, &rp->h, why, sizeof why)) {
-    return ddp__error(c->err, c->rank, DDP_ERR_INVALID_DATA, "%s on %s: malformed reply: %s",
-                      what, s->desc, why);
+    return ddp__error(c->err, c->rank, DDP_ERR_INVALID_DATA, "%s on %s: malformed reply: %s", what,
+                      s->desc, why);
   }
   rp->body = ddp__malloc(rp->h.body_len);
   if (!rp->body) return ddp__error(c->err, c->rank, DDP_ERR_NO_MEMORY, "%s: out of memory", what);
@@ -152,9 +152,9 @@ static ddp_status_t read_reply(ddp_store_t *s, const ddp__store_call_t *c, const
 }
 
 /* Sends a request and reads its reply on fd. */
-static ddp_status_t roundtrip(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                              int fd, unsigned op, unsigned nf, const void *const *f,
-                              const uint32_t *l, int64_t deadline, reply_t *rp) {
+static ddp_status_t roundtrip(ddp_store_t *s, const ddp__store_call_t *c, const char *what, int fd,
+                              unsigned op, unsigned nf, const void *const *f, const uint32_t *l,
+                              int64_t deadline, reply_t *rp) {
   unsigned char *msg;
   size_t n;
   rp->body = NULL; /* stays NULL unless a reply is returned */
@@ -168,8 +168,8 @@ static ddp_status_t roundtrip(ddp_store_t *s, const ddp__store_call_t *c, const 
 }
 
 /* Connects once to any address of host:port. Returns the fd, or -1 with *e set. */
-static int connect_once(const ddp__store_call_t *c, const tcp_store_t *t, int64_t deadline,
-                        int *e, const char **call, ddp_status_t *wait_st) {
+static int connect_once(const ddp__store_call_t *c, const tcp_store_t *t, int64_t deadline, int *e,
+                        const char **call, ddp_status_t *wait_st) {
   char pstr[16];
   snprintf(pstr, sizeof pstr, "%d", t->port);
   struct addrinfo hints = {0}, *ai = NULL;
@@ -241,8 +241,8 @@ static ddp_status_t open_conn(ddp_store_t *s, const ddp__store_call_t *c, const 
                         "%s: %s (errno %d)",
                         what, s->desc, (long long)c->timeout_ms, attempts, call, strerror(e), e);
     }
-    ddp__log(c->rank, DDP_LOG_DETAIL, "%s: %s: %s; retrying in %d ms", s->desc, call,
-             strerror(e), backoff);
+    ddp__log(c->rank, DDP_LOG_DETAIL, "%s: %s: %s; retrying in %d ms", s->desc, call, strerror(e),
+             backoff);
     if (!ddp__store_sleep(c, backoff)) return ddp__store_aborted(c, what);
     backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
   }
@@ -360,8 +360,8 @@ static ddp_status_t tcp_set(ddp_store_t *s, const ddp__store_call_t *c, const ch
   return DDP_OK;
 }
 
-static ddp_status_t tcp_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key,
-                            void **v, size_t *n) {
+static ddp_status_t tcp_get(ddp_store_t *s, const ddp__store_call_t *c, const char *key, void **v,
+                            size_t *n) {
   unsigned char to[8];
   ddp__wire_put_u64(to, wire_timeout(c));
   const void *f[2] = {key, to};
@@ -392,8 +392,7 @@ static ddp_status_t tcp_add(ddp_store_t *s, const ddp__store_call_t *c, const ch
 
 /* Fields for WAIT and CHECK: [timeout] key... */
 static ddp_status_t keys_request(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                                 unsigned op, const char *const *keys, size_t nkeys,
-                                 reply_t *rp) {
+                                 unsigned op, const char *const *keys, size_t nkeys, reply_t *rp) {
   unsigned char to[8];
   ddp__wire_put_u64(to, wire_timeout(c));
   unsigned first = op == DDP__OP_WAIT ? 1 : 0;
@@ -419,16 +418,16 @@ static ddp_status_t keys_request(ddp_store_t *s, const ddp__store_call_t *c, con
   return st;
 }
 
-static ddp_status_t tcp_wait(ddp_store_t *s, const ddp__store_call_t *c,
-                             const char *const *keys, size_t nkeys) {
+static ddp_status_t tcp_wait(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                             size_t nkeys) {
   reply_t rp;
   DDP_CHECK(keys_request(s, c, "wait", DDP__OP_WAIT, keys, nkeys, &rp));
   ddp__free(rp.body);
   return DDP_OK;
 }
 
-static ddp_status_t tcp_check(ddp_store_t *s, const ddp__store_call_t *c,
-                              const char *const *keys, size_t nkeys, bool *all) {
+static ddp_status_t tcp_check(ddp_store_t *s, const ddp__store_call_t *c, const char *const *keys,
+                              size_t nkeys, bool *all) {
   reply_t rp;
   DDP_CHECK(keys_request(s, c, "check", DDP__OP_CHECK, keys, nkeys, &rp));
   if (rp.m.nfields != 1 || rp.m.len[0] != 1) return bad_reply(s, c, "check", &rp);
@@ -552,7 +551,8 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
     port = ddp__store_server_port(t->server);
   }
   /* The server's own client reaches it over loopback when it listens on every interface. */
-  const char *chost = host && *host ? host : (is_server ? "127.0.0.1" : ddp_env_get(DDP_ENV_MASTER_ADDR));
+  const char *chost = host && *host ? host
+                                    : (is_server ? "127.0.0.1" : ddp_env_get(DDP_ENV_MASTER_ADDR));
   bool wildcard = (!(host && *host) && is_server) || strcmp(chost, "0.0.0.0") == 0 ||
                   strcmp(chost, "::") == 0;
   if (strcmp(chost, "0.0.0.0") == 0) chost = "127.0.0.1";
@@ -574,8 +574,8 @@ static ddp_status_t create_tcp(const char *host, int port, bool is_server,
   struct sockaddr_storage la;
   socklen_t ll = sizeof la;
   if (!wildcard && getsockname(fd, (struct sockaddr *)&la, &ll) == 0 &&
-      getnameinfo((struct sockaddr *)&la, ll, t->local, sizeof t->local, NULL, 0,
-                  NI_NUMERICHOST) != 0)
+      getnameinfo((struct sockaddr *)&la, ll, t->local, sizeof t->local, NULL, 0, NI_NUMERICHOST) !=
+          0)
     t->local[0] = '\0';
   give_conn(s, fd);
   *out = s;

@@ -38,8 +38,8 @@ typedef struct client {
   unsigned char *out;
   size_t out_len, out_off;
   bool hello_ok;
-  bool closing; /* close once out is flushed */
-  bool dead;    /* close now */
+  bool closing;     /* close once out is flushed */
+  bool dead;        /* close now */
   unsigned wait_op; /* 0, DDP__OP_GET or DDP__OP_WAIT */
   char **wkeys;
   size_t nwkeys;
@@ -61,15 +61,15 @@ struct ddp__store_server {
   size_t nclients;
   struct pollfd *pfd; /* poll set, at least 2 entries; grows with the clients */
   size_t pcap;
-  uint64_t mutations; /* counts set, add and compare_set, to know when to re-check waits */
+  uint64_t mutations;       /* counts set, add and compare_set, to know when to re-check waits */
   int64_t accept_resume_ns; /* out of fds: leave the listener alone until then */
   bool fd_limit_logged;
 };
 
 static void format_peer(const struct sockaddr *sa, socklen_t len, char *buf, size_t cap) {
   char host[NI_MAXHOST], serv[NI_MAXSERV];
-  if (getnameinfo(sa, len, host, sizeof host, serv, sizeof serv,
-                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+  if (getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
+      0) {
     snprintf(buf, cap, "unknown peer");
   } else if (sa->sa_family == AF_INET6) {
     snprintf(buf, cap, "[%.60s]:%.8s", host, serv);
@@ -139,8 +139,8 @@ static void reply_ok(ddp__store_server_t *srv, client_t *cl, const void *v, uint
   reply(srv, cl, DDP_OK, 1, f, l);
 }
 
-static void reply_err(ddp__store_server_t *srv, client_t *cl, ddp_status_t st, const char *fmt,
-                      ...) DDP_PRINTF(4, 5);
+static void reply_err(ddp__store_server_t *srv, client_t *cl, ddp_status_t st, const char *fmt, ...)
+    DDP_PRINTF(4, 5);
 static void reply_err(ddp__store_server_t *srv, client_t *cl, ddp_status_t st, const char *fmt,
                       ...) {
   char text[DDP_ERROR_MSG_MAX];
@@ -214,7 +214,8 @@ static void service_wait(ddp__store_server_t *srv, client_t *cl, int64_t now) {
   }
   char list[400];
   ddp__store_format_keys(list, sizeof list, missing, nm);
-  reply_err(srv, cl, DDP_ERR_TIMEOUT, "%s timed out after %llu ms on tcp store %s: missing key%s %s",
+  reply_err(srv, cl, DDP_ERR_TIMEOUT,
+            "%s timed out after %llu ms on tcp store %s: missing key%s %s",
             cl->wait_op == DDP__OP_GET ? "get" : "wait", (unsigned long long)cl->wtimeout_ms,
             srv->addr, nm == 1 ? "" : "s", list);
   clear_wait(cl);
@@ -264,9 +265,7 @@ static void handle(ddp__store_server_t *srv, client_t *cl, const ddp__wire_msg_t
   }
   if (m->op == DDP__OP_SET || m->op == DDP__OP_ADD || m->op == DDP__OP_CSET) srv->mutations++;
   switch (m->op) {
-    case DDP__OP_HELLO:
-      drop(srv, cl, "a second HELLO");
-      return;
+    case DDP__OP_HELLO: drop(srv, cl, "a second HELLO"); return;
     case DDP__OP_SET:
       if (ddp__kv_put(&srv->kv, key, klen, m->field[1], m->len[1]) != DDP_OK) {
         reply_err(srv, cl, DDP_ERR_NO_MEMORY, "tcp store %s: out of memory", srv->addr);
@@ -321,9 +320,7 @@ static void handle(ddp__store_server_t *srv, client_t *cl, const ddp__wire_msg_t
       reply_ok(srv, cl, &d, 1);
       return;
     }
-    case DDP__OP_NUMKEYS:
-      reply_i64(srv, cl, (int64_t)srv->kv.count);
-      return;
+    case DDP__OP_NUMKEYS: reply_i64(srv, cl, (int64_t)srv->kv.count); return;
     default:
       snprintf(why, sizeof why, "unknown op %u", m->op);
       drop(srv, cl, why);
@@ -450,8 +447,8 @@ static void accept_clients(ddp__store_server_t *srv) {
         return;
       }
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        ddp__log(srv->rank, DDP_LOG_WARN, "tcp store server %s: accept: %s (errno %d)",
-                 srv->addr, strerror(errno), errno);
+        ddp__log(srv->rank, DDP_LOG_WARN, "tcp store server %s: accept: %s (errno %d)", srv->addr,
+                 strerror(errno), errno);
       }
       return;
     }
@@ -461,8 +458,8 @@ static void accept_clients(ddp__store_server_t *srv) {
     client_t *cl = srv->nclients < MAX_CLIENTS ? ddp__calloc(1, sizeof *cl) : NULL;
     if (!cl) {
       ddp__log(srv->rank, DDP_LOG_WARN,
-               "tcp store server %s: refusing %s: %zu connections open or out of memory",
-               srv->addr, peer, srv->nclients);
+               "tcp store server %s: refusing %s: %zu connections open or out of memory", srv->addr,
+               peer, srv->nclients);
       close(fd);
       continue;
     }
@@ -473,8 +470,7 @@ static void accept_clients(ddp__store_server_t *srv) {
     cl->next = srv->clients;
     srv->clients = cl;
     srv->nclients++;
-    ddp__log(srv->rank, DDP_LOG_DETAIL, "tcp store server %s: connection from %s", srv->addr,
-             peer);
+    ddp__log(srv->rank, DDP_LOG_DETAIL, "tcp store server %s: connection from %s", srv->addr, peer);
   }
 }
 
@@ -582,8 +578,8 @@ static ddp_status_t bind_listener(ddp__store_server_t *srv, const char *bind_hos
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   int gai = getaddrinfo(bind_host, pstr, &hints, &ai);
   if (gai != 0) {
-    st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                    "tcp store server: cannot resolve %s: %s", bind_host, gai_strerror(gai));
+    st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "tcp store server: cannot resolve %s: %s",
+                    bind_host, gai_strerror(gai));
     return st;
   }
   int last_errno = 0;

@@ -39,10 +39,22 @@ typedef enum field_kind { F_KEY, F_VALUE, F_U64, F_U32, F_TOKEN, F_U8, F_TEXT } 
  * is the timeout, the rest keys; CHECK: all keys). */
 static bool request_shape(unsigned op, unsigned *min_f, unsigned *max_f, uint64_t *max_body) {
   switch (op) {
-    case DDP__OP_HELLO: *min_f = *max_f = 2; *max_body = 8 + 4 + DDP__WIRE_MAX_TOKEN; return true;
-    case DDP__OP_SET: *min_f = *max_f = 2; *max_body = KEYF + VALF; return true;
-    case DDP__OP_GET: *min_f = *max_f = 2; *max_body = KEYF + 12; return true;
-    case DDP__OP_ADD: *min_f = *max_f = 2; *max_body = KEYF + 12; return true;
+    case DDP__OP_HELLO:
+      *min_f = *max_f = 2;
+      *max_body = 8 + 4 + DDP__WIRE_MAX_TOKEN;
+      return true;
+    case DDP__OP_SET:
+      *min_f = *max_f = 2;
+      *max_body = KEYF + VALF;
+      return true;
+    case DDP__OP_GET:
+      *min_f = *max_f = 2;
+      *max_body = KEYF + 12;
+      return true;
+    case DDP__OP_ADD:
+      *min_f = *max_f = 2;
+      *max_body = KEYF + 12;
+      return true;
     case DDP__OP_WAIT:
       *min_f = 1;
       *max_f = DDP_STORE_MAX_WAIT_KEYS + 1;
@@ -53,9 +65,18 @@ static bool request_shape(unsigned op, unsigned *min_f, unsigned *max_f, uint64_
       *max_f = DDP_STORE_MAX_WAIT_KEYS;
       *max_body = (uint64_t)DDP_STORE_MAX_WAIT_KEYS * KEYF;
       return true;
-    case DDP__OP_CSET: *min_f = *max_f = 3; *max_body = KEYF + 2 * VALF; return true;
-    case DDP__OP_DELETE: *min_f = *max_f = 1; *max_body = KEYF; return true;
-    case DDP__OP_NUMKEYS: *min_f = *max_f = 0; *max_body = 0; return true;
+    case DDP__OP_CSET:
+      *min_f = *max_f = 3;
+      *max_body = KEYF + 2 * VALF;
+      return true;
+    case DDP__OP_DELETE:
+      *min_f = *max_f = 1;
+      *max_body = KEYF;
+      return true;
+    case DDP__OP_NUMKEYS:
+      *min_f = *max_f = 0;
+      *max_body = 0;
+      return true;
     default: return false;
   }
 }
@@ -131,8 +152,7 @@ bool ddp__wire_parse_request_hdr(const unsigned char *p, ddp__wire_hdr_t *h, cha
     return false;
   }
   if (max_f < 256 && (h->nfields < min_f || h->nfields > max_f)) {
-    snprintf(why, cap, "op %u with %u fields (expected %u..%u)", h->code, h->nfields, min_f,
-             max_f);
+    snprintf(why, cap, "op %u with %u fields (expected %u..%u)", h->code, h->nfields, min_f, max_f);
     return false;
   }
   return true;

@@ -31,9 +31,9 @@ static char blas_switched_from[24], blas_switched_to[24];
 
 #if defined(__x86_64__) && defined(__GNUC__)
 static const char *blas_better_core(const char *current) {
-  static const char *const old[] = {"Prescott", "Core2",      "Penryn",  "Dunnington",
-                                    "Nehalem",  "Atom",       "Barcelona", "Katmai",
-                                    "Coppermine", "Northwood", "Banias",  "Sandybridge"};
+  static const char *const old[] = {"Prescott",   "Core2",     "Penryn",    "Dunnington",
+                                    "Nehalem",    "Atom",      "Barcelona", "Katmai",
+                                    "Coppermine", "Northwood", "Banias",    "Sandybridge"};
   bool is_old = false;
   for (size_t i = 0; i < DDP_ARRAY_LEN(old); i++) is_old |= !strcasecmp(current, old[i]);
   if (!is_old) return NULL;
@@ -70,7 +70,8 @@ static void threads_init(void) {
   if (blas_switched_from[0]) {
     ddp__log(-1, DDP_LOG_INFO,
              "OpenBLAS chose its %s kernels for this CPU; libddp switched them to %s (set "
-             "OPENBLAS_CORETYPE to choose yourself)", blas_switched_from, blas_switched_to);
+             "OPENBLAS_CORETYPE to choose yourself)",
+             blas_switched_from, blas_switched_to);
   }
 }
 
@@ -84,11 +85,11 @@ int ddp_blas_get_threads(void) {
   return openblas_get_num_threads();
 }
 
-ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int64_t n,
-                      int64_t k, double alpha, const void *a, int64_t lda, const void *b,
-                      int64_t ldb, double beta, void *c, int64_t ldc) {
-  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX ||
-      lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX) {
+ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                      double alpha, const void *a, int64_t lda, const void *b, int64_t ldb,
+                      double beta, void *c, int64_t ldc) {
+  if (m < 0 || n < 0 || k < 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX ||
+      ldb > INT_MAX || ldc > INT_MAX) {
     return DDP_ERR_INVALID_ARGUMENT;
   }
   if (lda < (trans_a ? m : k) || ldb < (trans_b ? k : n) || ldc < n) {
@@ -102,27 +103,26 @@ ddp_status_t ddp_gemm(ddp_dtype_t dt, bool trans_a, bool trans_b, int64_t m, int
   int ilda = (int)DDP_MAX(lda, 1), ildb = (int)DDP_MAX(ldb, 1), ildc = (int)DDP_MAX(ldc, 1);
   switch (dt) {
     case DDP_F32:
-      cblas_sgemm(CblasRowMajor, ta, tb, (int)m, (int)n, (int)k, (float)alpha, a, ilda, b,
-                  ildb, (float)beta, c, ildc);
+      cblas_sgemm(CblasRowMajor, ta, tb, (int)m, (int)n, (int)k, (float)alpha, a, ilda, b, ildb,
+                  (float)beta, c, ildc);
       return DDP_OK;
     case DDP_F64:
-      cblas_dgemm(CblasRowMajor, ta, tb, (int)m, (int)n, (int)k, alpha, a, ilda, b, ildb,
-                  beta, c, ildc);
+      cblas_dgemm(CblasRowMajor, ta, tb, (int)m, (int)n, (int)k, alpha, a, ilda, b, ildb, beta, c,
+                  ildc);
       return DDP_OK;
-    default:
-      return DDP_ERR_UNSUPPORTED;
+    default: return DDP_ERR_UNSUPPORTED;
   }
 }
 
 /* LAPACK's Fortran entry points, exported by libopenblas. */
 void sgeqrf_(const int *m, const int *n, float *a, const int *lda, float *tau, float *work,
              const int *lwork, int *info);
-void sorgqr_(const int *m, const int *n, const int *k, float *a, const int *lda,
-             const float *tau, float *work, const int *lwork, int *info);
+void sorgqr_(const int *m, const int *n, const int *k, float *a, const int *lda, const float *tau,
+             float *work, const int *lwork, int *info);
 void dgeqrf_(const int *m, const int *n, double *a, const int *lda, double *tau, double *work,
              const int *lwork, int *info);
-void dorgqr_(const int *m, const int *n, const int *k, double *a, const int *lda,
-             const double *tau, double *work, const int *lwork, int *info);
+void dorgqr_(const int *m, const int *n, const int *k, double *a, const int *lda, const double *tau,
+             double *work, const int *lwork, int *info);
 
 /* LAPACK is column-major: the row-major matrix is transposed into a rows x cols
  * column-major copy, factored in place (geqrf leaves R and the Householder vectors, orgqr
@@ -130,8 +130,7 @@ void dorgqr_(const int *m, const int *n, const int *k, double *a, const int *lda
  * sized generously (64 blocks per column) instead of by a query, which keeps one call
  * sequence for both precisions. */
 ddp_status_t ddp_qr_q(ddp_dtype_t dt, int64_t rows, int64_t cols, void *a, int64_t lda) {
-  if (rows < 0 || cols < 0 || rows < cols || rows > INT_MAX / 2 || lda < cols ||
-      (rows > 0 && !a))
+  if (rows < 0 || cols < 0 || rows < cols || rows > INT_MAX / 2 || lda < cols || (rows > 0 && !a))
     return DDP_ERR_INVALID_ARGUMENT;
   if (dt != DDP_F32 && dt != DDP_F64) return DDP_ERR_UNSUPPORTED;
   if (cols == 0) return DDP_OK;

@@ -23,25 +23,23 @@
 #define IMIN_(a, b) ((b) < (a) ? (b) : (a))
 #define IMAX_(a, b) ((b) > (a) ? (b) : (a))
 
-#define ACC_NATIVE_(T, U, MN, MX)                                                  \
-  static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) {              \
-    switch (op) {                                                                 \
-      case DDP_OP_SUM:                                                               \
-      case DDP_OP_AVG:                                                               \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);            \
-        break;                                                                    \
-      case DDP_OP_PRODUCT:                                                           \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);            \
-        break;                                                                    \
-      case DDP_OP_MIN:                                                               \
-        for (size_t i = 0; i < n; i++)                                            \
-          d[i] = MN(d[i], s[i]);                                                \
-        break;                                                                    \
-      case DDP_OP_MAX:                                                               \
-        for (size_t i = 0; i < n; i++)                                            \
-          d[i] = MX(d[i], s[i]);                                                \
-        break;                                                                    \
-    }                                                                             \
+#define ACC_NATIVE_(T, U, MN, MX)                                     \
+  static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) {   \
+    switch (op) {                                                     \
+      case DDP_OP_SUM:                                                \
+      case DDP_OP_AVG:                                                \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]); \
+        break;                                                        \
+      case DDP_OP_PRODUCT:                                            \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]); \
+        break;                                                        \
+      case DDP_OP_MIN:                                                \
+        for (size_t i = 0; i < n; i++) d[i] = MN(d[i], s[i]);         \
+        break;                                                        \
+      case DDP_OP_MAX:                                                \
+        for (size_t i = 0; i < n; i++) d[i] = MX(d[i], s[i]);         \
+        break;                                                        \
+    }                                                                 \
   }
 
 ACC_NATIVE_(float, float, FMIN_, FMAX_)
@@ -140,8 +138,8 @@ void ddp_reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, 
 
 void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) { avg_any(dt, dst, n, world); }
 
-void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
-                      void *dst, size_t n, unsigned char *tmp, int world) {
+void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs, void *dst,
+                     size_t n, unsigned char *tmp, int world) {
   size_t es = ddp_dtype_size(dt), blk = DDP_REDUCE_TMP_BYTES / es;
   /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
    * pass less over memory). The additions are the same, in the same order. */

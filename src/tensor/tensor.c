@@ -37,8 +37,7 @@ ddp_status_t ddp_dtype_from_name(const char *name, ddp_dtype_t *out) {
   return DDP_ERR_NOT_FOUND;
 }
 
-ddp_status_t ddp_shape_numel(int ndim, const int64_t *shape, size_t elem_size,
-                             int64_t *numel) {
+ddp_status_t ddp_shape_numel(int ndim, const int64_t *shape, size_t elem_size, int64_t *numel) {
   if (ndim < 0 || ndim > DDP_MAX_DIMS || elem_size == 0) return DDP_ERR_INVALID_ARGUMENT;
   int64_t n = 1;
   for (int i = 0; i < ndim; i++) {
@@ -51,8 +50,7 @@ ddp_status_t ddp_shape_numel(int ndim, const int64_t *shape, size_t elem_size,
   return DDP_OK;
 }
 
-static ddp_status_t fill_header(ddp_tensor_t *t, ddp_dtype_t dt, int ndim,
-                                const int64_t *shape) {
+static ddp_status_t fill_header(ddp_tensor_t *t, ddp_dtype_t dt, int ndim, const int64_t *shape) {
   memset(t, 0, sizeof *t);
   if (!ddp_dtype_valid((int)dt)) return DDP_ERR_INVALID_ARGUMENT;
   int64_t n;

@@ -25,20 +25,21 @@ typedef struct arg_field {
   const char *name;
   arg_kind_t kind;
   size_t offset, size;
-  double lo, hi;     /* numeric range (inclusive) */
-  const char *def;   /* default as shown by --help */
+  double lo, hi;   /* numeric range (inclusive) */
+  const char *def; /* default as shown by --help */
   const char *help;
 } arg_field_t;
 
 #define F_INT(n, lo, hi, def, help) \
-  {#n, K_INT, offsetof(ddp_train_args_t, n), sizeof(int64_t), lo, hi, def, help}
+  { #n, K_INT, offsetof(ddp_train_args_t, n), sizeof(int64_t), lo, hi, def, help }
 #define F_FLT(n, lo, hi, def, help) \
-  {#n, K_FLOAT, offsetof(ddp_train_args_t, n), sizeof(double), lo, hi, def, help}
-#define F_BOOL(n, def, help) {#n, K_BOOL, offsetof(ddp_train_args_t, n), sizeof(bool), 0, 1, def, help}
+  { #n, K_FLOAT, offsetof(ddp_train_args_t, n), sizeof(double), lo, hi, def, help }
+#define F_BOOL(n, def, help) \
+  { #n, K_BOOL, offsetof(ddp_train_args_t, n), sizeof(bool), 0, 1, def, help }
 #define F_TRI(n, def, help) \
-  {#n, K_TRI, offsetof(ddp_train_args_t, n), sizeof(ddp_tristate_t), 0, 1, def, help}
+  { #n, K_TRI, offsetof(ddp_train_args_t, n), sizeof(ddp_tristate_t), 0, 1, def, help }
 #define F_STR(n, def, help) \
-  {#n, K_STR, offsetof(ddp_train_args_t, n), sizeof(((ddp_train_args_t *)0)->n), 0, 0, def, help}
+  { #n, K_STR, offsetof(ddp_train_args_t, n), sizeof(((ddp_train_args_t *)0)->n), 0, 0, def, help }
 
 static const arg_field_t fields[] = {
     F_INT(per_device_train_batch_size, 1, 1 << 20, "8", "samples per rank per micro-batch"),
@@ -177,8 +178,7 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
       }
     }
     return ddp__error_quiet(err, DDP_ERR_NOT_FOUND, "unknown argument \"%s\"%s%s%s", name,
-                            best ? " (did you mean \"" : "", best ? best : "",
-                            best ? "\"?)" : "");
+                            best ? " (did you mean \"" : "", best ? best : "", best ? "\"?)" : "");
   }
   /* A caller built against an older header has a smaller struct: the fields past it are
    * not its to set (ddp__opts_read's policy gives them their defaults when it is read). */
@@ -186,7 +186,8 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
   if (f->offset + f->size > a->struct_size) {
     return ddp__error_quiet(err, DDP_ERR_NOT_FOUND,
                             "argument \"%s\" is newer than the caller's ddp_train_args_t "
-                            "(struct_size %zu)", name, a->struct_size);
+                            "(struct_size %zu)",
+                            name, a->struct_size);
   }
   char *p = (char *)a + f->offset;
   char *end = NULL;
@@ -241,8 +242,8 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
     }
     case K_STR:
       if (strlen(value) >= f->size) {
-        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                                "%s: value longer than %zu bytes", name, f->size - 1);
+        return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "%s: value longer than %zu bytes",
+                                name, f->size - 1);
       }
       memcpy(p, value, strlen(value) + 1);
       break;
@@ -377,7 +378,8 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
     if (!eq || eq == item) {
       return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                               "optim_args: \"%s\" is not key=value (optim_args is "
-                              "\"key=value,key=value\")", item);
+                              "\"key=value,key=value\")",
+                              item);
     }
     *eq = 0;
     const char *key = item, *val = eq + 1;
@@ -395,12 +397,13 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
                        !strcmp(key, "nesterov"))) {
       return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                               "optim_args: %s=%s: momentum takes a number >= 0, dampening a "
-                              "number, nesterov true or false", key, val);
+                              "number, nesterov true or false",
+                              key, val);
     } else {
       return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                               "optim_args: unknown key \"%s\" for optim %s (sgd takes "
-                              "momentum, dampening, nesterov; the others take none)", key,
-                              a->optim);
+                              "momentum, dampening, nesterov; the others take none)",
+                              key, a->optim);
     }
   }
   if (o->nesterov && (o->momentum <= 0 || o->dampening != 0)) {
@@ -438,7 +441,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
   if (!one_of(a->optim, optims)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "optim \"%s\" is not available; the choices are adamw_torch, adamw, "
-                            "adam, sgd", a->optim);
+                            "adam, sgd",
+                            a->optim);
   }
   ddp_lr_kind_t k;
   ddp_error_t e = {0};
@@ -448,7 +452,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
   if (!one_of(a->eval_strategy, strategies) || !one_of(a->save_strategy, strategies)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "eval_strategy \"%s\" / save_strategy \"%s\": the choices are no, "
-                            "steps, epoch", a->eval_strategy, a->save_strategy);
+                            "steps, epoch",
+                            a->eval_strategy, a->save_strategy);
   }
   if (a->max_steps <= 0 && !(a->num_train_epochs > 0)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
@@ -472,7 +477,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
     if ((v == 0 && !steps[i].zero_ok) || v < 0 || (v > 1 && v != floor(v))) {
       return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                               "%s must be a whole number of steps, or a fraction in (0, 1) of "
-                              "the training steps; got %g", steps[i].name, v);
+                              "the training steps; got %g",
+                              steps[i].name, v);
     }
   }
   if (!a->output_dir[0]) {
@@ -491,7 +497,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
   if (a->ddp_first_bucket_mb != -1 && !(a->ddp_first_bucket_mb > 0)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "ddp_first_bucket_mb must be positive (or -1 for the reducer's "
-                            "rule), got %g", a->ddp_first_bucket_mb);
+                            "rule), got %g",
+                            a->ddp_first_bucket_mb);
   }
   if (a->ddp_trace[0] && !a->ddp_reducer) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
@@ -503,7 +510,8 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "forward_flags expects one integer >= 0 (decimal or 0x hex), or "
                             "one per rank separated by commas, each one integer or one per "
-                            "step separated by colons, got \"%s\"", a->forward_flags);
+                            "step separated by colons, got \"%s\"",
+                            a->forward_flags);
   }
   if (strcmp(a->weight_decay_grouping, "transformers") != 0 &&
       strcmp(a->weight_decay_grouping, "all") != 0) {
@@ -520,12 +528,14 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
       strcmp(a->comm_hook, "batched_power_sgd") != 0) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "power_sgd_init_q needs comm_hook power_sgd or batched_power_sgd "
-                            "(comm_hook is \"%s\")", a->comm_hook);
+                            "(comm_hook is \"%s\")",
+                            a->comm_hook);
   }
   if (!a->ddp_reducer && strcmp(a->comm_hook, "no") != 0) {
     return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
                             "comm_hook \"%s\" runs inside the DDP reducer; it needs ddp_reducer "
-                            "true (the flat allreduce path has no hooks)", a->comm_hook);
+                            "true (the flat allreduce path has no hooks)",
+                            a->comm_hook);
   }
   return DDP_OK;
 }

@@ -105,8 +105,7 @@ static ddp_status_t list_checkpoints(const char *dir, int64_t **steps, size_t *n
   return DDP_OK;
 }
 
-ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, size_t cap,
-                                         ddp_error_t *err) {
+ddp_status_t ddp_train_latest_checkpoint(const char *dir, char *out, size_t cap, ddp_error_t *err) {
   DDP_REQUIRE(dir && out && cap);
   int64_t *steps;
   size_t n;
@@ -137,17 +136,20 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
   int64_t *steps = NULL;
   size_t n = 0;
   struct stat sb;
-  if (restarts > 0 && stat(a->output_dir, &sb) != 0) n = 0; /* nothing written yet */
-  else DDP_CHECK(list_checkpoints(a->output_dir, &steps, &n, err));
+  if (restarts > 0 && stat(a->output_dir, &sb) != 0)
+    n = 0; /* nothing written yet */
+  else
+    DDP_CHECK(list_checkpoints(a->output_dir, &steps, &n, err));
   if (n == 0) {
     ddp__free(steps);
     if (latest)
       return ddp__error_quiet(err, DDP_ERR_NOT_FOUND,
                               "no complete checkpoint-<step> directory in %s", a->output_dir);
     if (rank == 0)
-      ddp__log(rank, DDP_LOG_WARN, "restart %lld (TORCHELASTIC_RESTART_COUNT): %s holds no "
-               "checkpoint yet, so training starts again at step 0", (long long)restarts,
-               a->output_dir);
+      ddp__log(rank, DDP_LOG_WARN,
+               "restart %lld (TORCHELASTIC_RESTART_COUNT): %s holds no "
+               "checkpoint yet, so training starts again at step 0",
+               (long long)restarts, a->output_dir);
     return DDP_OK;
   }
   ddp_status_t st = DDP_ERR_INVALID_DATA;
@@ -158,8 +160,10 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
     if (st == DDP_OK) {
       snprintf(dir, cap, "%s", cand);
     } else if (i > 0 && rank == 0) {
-      ddp__log(rank, DDP_LOG_WARN, "skipping %s, which fails verification (%s); trying the "
-               "next newest checkpoint", cand, err ? err->msg : ddp_status_name(st));
+      ddp__log(rank, DDP_LOG_WARN,
+               "skipping %s, which fails verification (%s); trying the "
+               "next newest checkpoint",
+               cand, err ? err->msg : ddp_status_name(st));
     }
   }
   ddp__free(steps);
@@ -195,9 +199,8 @@ void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank) {
 }
 
 ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_model_t *model,
-                                   ddp_optim_t *const *opts, size_t nopt,
-                                   const char *state_json, int64_t pause, char *tmp, size_t cap,
-                                   ddp_error_t *err) {
+                                   ddp_optim_t *const *opts, size_t nopt, const char *state_json,
+                                   int64_t pause, char *tmp, size_t cap, ddp_error_t *err) {
   char file[4200];
   snprintf(tmp, cap, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
   DDP_CHECK(ddp__mkdirs(output_dir, -1, "checkpoint", err));
@@ -219,12 +222,11 @@ ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_mod
   }
   pause_ms(pause);
   snprintf(file, sizeof file, "%s/trainer_state.json", tmp);
-  return ddp__file_write_atomic(file, state_json, strlen(state_json), 0644, -1, "checkpoint",
-                                err);
+  return ddp__file_write_atomic(file, state_json, strlen(state_json), 0644, -1, "checkpoint", err);
 }
 
-ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit,
-                                    char *dir, size_t cap, ddp_error_t *err) {
+ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit, char *dir,
+                                    size_t cap, ddp_error_t *err) {
   char tmp[4096], fin[4096], old[4096];
   snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
   snprintf(fin, sizeof fin, "%s/checkpoint-%lld", output_dir, (long long)step);
@@ -263,8 +265,7 @@ ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_
   return DDP_OK;
 }
 
-ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world,
-                                   ddp_error_t *err) {
+ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world, ddp_error_t *err) {
   char path[4200];
   snprintf(path, sizeof path, "%s/trainer_state.json", dir);
   char *text;

@@ -28,17 +28,19 @@ typedef struct sha256 {
   size_t used;
 } sha256_t;
 
-static const uint32_t K256[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
-    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
-    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
-    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
-    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
-    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
-    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
-    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-    0xc67178f2};
+static const uint32_t K256[64] = {0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b,
+                                  0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01,
+                                  0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7,
+                                  0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc,
+                                  0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152,
+                                  0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147,
+                                  0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+                                  0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+                                  0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
+                                  0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08,
+                                  0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f,
+                                  0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
+                                  0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
 
 static uint32_t ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 
@@ -53,8 +55,8 @@ static void sha256_init(sha256_t *s) {
 static void sha256_block(sha256_t *s, const uint8_t *p) {
   uint32_t w[64];
   for (int i = 0; i < 16; i++)
-    w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
-           (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 |
+           p[4 * i + 3];
   for (int i = 16; i < 64; i++) {
     uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
     uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
@@ -193,8 +195,10 @@ ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err) {
       names = t;
       cap *= 2;
     }
-    if (!(names[n] = ddp__strdup(e->d_name))) st = DDP_ERR_NO_MEMORY;
-    else n++;
+    if (!(names[n] = ddp__strdup(e->d_name)))
+      st = DDP_ERR_NO_MEMORY;
+    else
+      n++;
   }
   closedir(d);
   char *text = st == DDP_OK ? ddp__malloc(n * 400 + 1) : NULL;
@@ -253,7 +257,8 @@ ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error
     } else if (strcmp(hex, line) != 0) {
       st = fail(quiet, err, DDP_ERR_INVALID_DATA,
                 "%s is corrupt: its SHA-256 is %s, but %s recorded %s when the checkpoint "
-                "was saved", file, hex, DDP__TRAIN_CHECKSUMS, line);
+                "was saved",
+                file, hex, DDP__TRAIN_CHECKSUMS, line);
     }
   }
   fclose(f);

@@ -14,7 +14,7 @@
 typedef struct ddp__train_fault {
   ddp_fault_t spec; /* DDP_FAULT as parsed (kind NONE when unset) */
   int rank;
-  bool mine;        /* a step=S fault of this rank */
+  bool mine; /* a step=S fault of this rank */
 } ddp__train_fault_t;
 
 /* Reads DDP_FAULT (a malformed spec is DDP_ERR_INVALID_ARGUMENT naming the field). */

@@ -117,8 +117,8 @@ ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
     if (y->value.ndim != 3 || y->value.shape[1] != T) {
       st = ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "generate: the model is not a causal language model (its output has "
-                      "%d dimensions; expected logits [1, %lld, vocab_size])", y->value.ndim,
-                      (long long)T);
+                      "%d dimensions; expected logits [1, %lld, vocab_size])",
+                      y->value.ndim, (long long)T);
       break;
     }
     int64_t V = y->value.shape[2];

@@ -20,12 +20,11 @@ struct ddp__train_q {
   ddp_st_file_t *f;
   char path[DDP_TRAIN_STR_MAX];
   int rank;
-  uint64_t draws; /* what PyTorch's run made: the file's "draws" */
+  uint64_t draws;                  /* what PyTorch's run made: the file's "draws" */
   char bad[DDP_ERROR_MSG_MAX / 2]; /* the first draw that did not fit, "" when none */
 };
 
-ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
-                               ddp_error_t *err) {
+ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out, ddp_error_t *err) {
   DDP_REQUIRE(path && out);
   *out = NULL;
   ddp__train_q_t *q = ddp__calloc(1, sizeof *q);
@@ -45,7 +44,8 @@ ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
     ddp__train_q_close(q);
     return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
                       "power_sgd_init_q %s: no \"draws\" in the metadata; expected the "
-                      "powersgd_q.safetensors that tools/torch_reference.py writes", path);
+                      "powersgd_q.safetensors that tools/torch_reference.py writes",
+                      path);
   }
   q->draws = n;
   *out = q;
@@ -61,18 +61,17 @@ void ddp__train_q_fill(void *user, uint64_t draw, size_t bucket, float *out, siz
   size_t i;
   ddp_tensor_t t;
   bool found = ddp_st_find(q->f, name, &i) == DDP_OK && ddp_st_tensor(q->f, i, &t) == DDP_OK;
-  if (found && b && t.dtype == DDP_F32 && (size_t)t.numel == n &&
-      strtoull(b, NULL, 10) == bucket) {
+  if (found && b && t.dtype == DDP_F32 && (size_t)t.numel == n && strtoull(b, NULL, 10) == bucket) {
     memcpy(out, t.data, n * sizeof *out);
     return;
   }
   if (!q->bad[0]) {
     snprintf(q->bad, sizeof q->bad,
-             "random Q draw %" PRIu64 " (bucket %zu, %zu values) does not fit PyTorch's: %s",
-             draw, bucket, n,
-             !found            ? "the file has no such draw"
-             : !b              ? "the file names no bucket for it"
-             : t.dtype != DDP_F32 ? "its tensor is not f32"
+             "random Q draw %" PRIu64 " (bucket %zu, %zu values) does not fit PyTorch's: %s", draw,
+             bucket, n,
+             !found                 ? "the file has no such draw"
+             : !b                   ? "the file names no bucket for it"
+             : t.dtype != DDP_F32   ? "its tensor is not f32"
              : (size_t)t.numel != n ? "its length differs"
                                     : "its bucket differs");
   }
@@ -84,17 +83,18 @@ ddp_status_t ddp__train_q_check(const ddp__train_q_t *q, ddp_error_t *err) {
   if (!q->bad[0]) return DDP_OK;
   return ddp__error(err, q->rank, DDP_ERR_INVALID_DATA,
                     "power_sgd_init_q %s: %s; the PyTorch run had other PowerSGD options, "
-                    "buckets or parameters", q->path, q->bad);
+                    "buckets or parameters",
+                    q->path, q->bad);
 }
 
-ddp_status_t ddp__train_q_finish(const ddp__train_q_t *q, uint64_t draws_made,
-                                 ddp_error_t *err) {
+ddp_status_t ddp__train_q_finish(const ddp__train_q_t *q, uint64_t draws_made, ddp_error_t *err) {
   DDP_REQUIRE(q);
   if (draws_made == q->draws) return DDP_OK;
   return ddp__error(err, q->rank, DDP_ERR_INVALID_DATA,
                     "power_sgd_init_q %s: PyTorch's run made %" PRIu64 " random Q draws and "
                     "this one %" PRIu64 ": the runs differ (steps, buckets or PowerSGD "
-                    "options)", q->path, q->draws, draws_made);
+                    "options)",
+                    q->path, q->draws, draws_made);
 }
 
 void ddp__train_q_close(ddp__train_q_t *q) {

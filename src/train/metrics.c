@@ -56,8 +56,8 @@ static ddp_status_t cut_to_step(const char *path, int64_t start, ddp_error_t *er
   char *out = ddp__malloc(len + 1);
   if (!out) {
     ddp__free(text);
-    return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory to read %s (%zu bytes)",
-                      path, len);
+    return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory to read %s (%zu bytes)", path,
+                      len);
   }
   for (size_t p = 0; p < len;) {
     char *nl = memchr(text + p, '\n', len - p);
@@ -116,8 +116,8 @@ ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *e
   }
   ddp__json_append(j, "\n");
   char *buf = ddp__json_take(j);
-  if (!buf) return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a line of %s",
-                              m->path);
+  if (!buf)
+    return ddp__error(err, 0, DDP_ERR_NO_MEMORY, "trainer: no memory for a line of %s", m->path);
   size_t n = strlen(buf);
   ssize_t w;
   do {
@@ -128,8 +128,7 @@ ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *e
     if (w >= 0) errno = ENOSPC; /* a short write: the device is full */
     st = sys_err(err, "write", m->path);
     if (w > 0 && ftruncate(m->fd, m->size) != 0) {
-      ddp__log(0, DDP_LOG_WARN, "%s: cannot cut off a partial line: %s", m->path,
-               strerror(errno));
+      ddp__log(0, DDP_LOG_WARN, "%s: cannot cut off a partial line: %s", m->path, strerror(errno));
     }
   } else {
     m->size += (off_t)n;

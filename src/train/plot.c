@@ -11,8 +11,7 @@
 
 /* The SVG: a 720x420 canvas, a plot area with a 10% margin, x = step, y = loss, a polyline
  * for the training loss and one for the eval loss, min/max labels on both axes. */
-ddp_status_t ddp_train_plot_svg(const char *metrics_path, const char *svg_path,
-                                ddp_error_t *err) {
+ddp_status_t ddp_train_plot_svg(const char *metrics_path, const char *svg_path, ddp_error_t *err) {
   DDP_REQUIRE(metrics_path && svg_path);
   char *text;
   DDP_CHECK(ddp__file_read(metrics_path, 0, -1, "loss plot", &text, NULL, err));
@@ -59,24 +58,24 @@ ddp_status_t ddp_train_plot_svg(const char *metrics_path, const char *svg_path,
   size_t scap = 200000, len = 0;
   svg = ddp__malloc(scap);
   if (!svg) goto out;
-#define EMIT(...)                                                              \
-  do {                                                                         \
+#define EMIT(...)                                                                \
+  do {                                                                           \
     if (len < scap) len += (size_t)snprintf(svg + len, scap - len, __VA_ARGS__); \
   } while (0)
   EMIT("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-       "font-family=\"sans-serif\" font-size=\"12\">\n", W, H);
+       "font-family=\"sans-serif\" font-size=\"12\">\n",
+       W, H);
   EMIT("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
   EMIT("<text x=\"%.0f\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">ddp-train loss"
-       "</text>\n", W / 2);
+       "</text>\n",
+       W / 2);
   EMIT("<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, H - B,
        W - R, H - B);
   EMIT("<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, T, L,
        H - B);
   EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">%g</text>\n", L, H - B + 16, xmin);
-  EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">%g</text>\n", W - R, H - B + 16,
-       xmax);
-  EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">step</text>\n", (L + W - R) / 2,
-       H - 12);
+  EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">%g</text>\n", W - R, H - B + 16, xmax);
+  EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">step</text>\n", (L + W - R) / 2, H - 12);
   EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"end\">%.3g</text>\n", L - 6, H - B, ymin);
   EMIT("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"end\">%.3g</text>\n", L - 6, T + 4, ymax);
   static const char *const colour[2] = {"#1f77b4", "#d62728"};

@@ -102,12 +102,11 @@ static ddp_status_t setup_data(ddp__trainer_t *t) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
                       "trainer: an epoch has %lld micro-batches per rank (%lld samples, %d "
                       "ranks, batch %lld), fewer than gradient_accumulation_steps %lld",
-                      (long long)nb, (long long)so.dataset_len, t->world,
-                      (long long)lo.batch_size, (long long)a->gradient_accumulation_steps);
+                      (long long)nb, (long long)so.dataset_len, t->world, (long long)lo.batch_size,
+                      (long long)a->gradient_accumulation_steps);
   }
-  t->max_steps = a->max_steps > 0
-                     ? a->max_steps
-                     : (int64_t)ceil(a->num_train_epochs * (double)t->steps_per_epoch);
+  t->max_steps = a->max_steps > 0 ? a->max_steps
+                                  : (int64_t)ceil(a->num_train_epochs * (double)t->steps_per_epoch);
   if (t->max_steps < 1) t->max_steps = 1;
   return DDP_OK;
 }
@@ -236,8 +235,10 @@ ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out) {
   ddp__json_num(&j, "adam_epsilon", "%.17g", a->adam_epsilon);
   ddp__json_num(&j, "max_grad_norm", "%.17g", a->max_grad_norm > 0 ? a->max_grad_norm : 0.0);
   ddp__json_uint(&j, "seed", a->seed);
-  ddp__json_str(&j, "loss", t->task == DDP_TASK_CAUSAL_LM ? "causal_lm" : t->classify ? "ce"
-                                                                                      : "mse");
+  ddp__json_str(&j, "loss",
+                t->task == DDP_TASK_CAUSAL_LM ? "causal_lm"
+                : t->classify                 ? "ce"
+                                              : "mse");
   ddp__json_bool(&j, "shuffle", a->dataloader_shuffle);
   ddp__json_uint(&j, "data_seed", a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed);
   ddp__json_bool(&j, "zero_grad_set_to_none", a->zero_grad_set_to_none);
@@ -246,8 +247,8 @@ ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out) {
   ddp__json_bool(&j, "dataloader_drop_last", a->dataloader_drop_last);
   ddp__json_str(&j, "flags", a->forward_flags);
   /* unset (<= 0): null */
-  ddp__json_num(&j, "bucket_cap_mb", "%.17g", a->ddp_bucket_cap_mb > 0 ? a->ddp_bucket_cap_mb
-                                                                        : NAN);
+  ddp__json_num(&j, "bucket_cap_mb", "%.17g",
+                a->ddp_bucket_cap_mb > 0 ? a->ddp_bucket_cap_mb : NAN);
   ddp__json_num(&j, "first_bucket_mb", "%.17g",
                 a->ddp_first_bucket_mb > 0 ? a->ddp_first_bucket_mb : NAN);
   ddp__json_bool(&j, "find_unused_parameters", ddp_train_find_unused(a));

@@ -4,8 +4,8 @@
  *    (ddp_bucket_cap_mb), allreduces launched from the gradient-ready hooks while backward
  *    runs, find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers
  *    and no_sync, with Accelerate's comm_hook / comm_wrapper / comm_state_option registered
- *    through the hooks layer. The loss scale enters as a multiplication on the tape (d(c*L) = c*dL: the
- *    same gradient a seed of c gives).
+ *    through the hooks layer. The loss scale enters as a multiplication on the tape (d(c*L) = c*dL:
+ * the same gradient a seed of c gives).
  *  - "flat": DDP with one bucket and no overlap. After a synchronising backward the model's
  *    flat gradient buffer (one per dtype) is all-reduced with AVG (sum in rank order, then
  *    divided by W); after a no_sync backward nothing is communicated. Buffers are broadcast
@@ -22,16 +22,16 @@
 #include "ddp/reducer.h"
 
 struct ddp__sync {
-  ddp_pg_t *pg;           /* borrowed */
-  ddp_model_t *model;     /* borrowed */
-  ddp_train_args_t args;  /* copy */
+  ddp_pg_t *pg;          /* borrowed */
+  ddp_model_t *model;    /* borrowed */
+  ddp_train_args_t args; /* copy */
   bool use_reducer;
-  ddp_ddp_t *ddp;         /* reducer mode, from ddp__sync_begin on */
-  ddp_comm_hook_t hook;   /* the registered comm hook (state owned by ddp); fn NULL: none */
-  bool armed;             /* flat mode: the last forward was a synchronising one */
+  ddp_ddp_t *ddp;             /* reducer mode, from ddp__sync_begin on */
+  ddp_comm_hook_t hook;       /* the registered comm hook (state owned by ddp); fn NULL: none */
+  bool armed;                 /* flat mode: the last forward was a synchronising one */
   ddp_local_grad_fn local_fn; /* ddp__sync_set_local_grad_fn; NULL: none */
   void *local_user;
-  int64_t syncs;          /* synchronised backwards so far */
+  int64_t syncs; /* synchronised backwards so far */
 };
 
 static const ddp_dtype_t float_dtypes[] = {DDP_F32, DDP_F64};
@@ -77,7 +77,9 @@ const char *ddp__sync_name(const ddp__sync_t *s) {
   return s->use_reducer ? "reducer" : "flat-allreduce";
 }
 
-struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) { return s->ddp; }
+struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) {
+  return s->ddp;
+}
 
 ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) {
   return s->hook.fn ? ddp_hooks_powersgd(&s->hook) : NULL;
@@ -154,8 +156,8 @@ static ddp_status_t broadcast_buffers(ddp__sync_t *s, ddp_error_t *err) {
     ddp_buffer_t *b = ddp_model_buffer(s->model, i);
     if (b->value.numel == 0) continue;
     ddp_work_t *w = NULL;
-    ddp_status_t st = ddp_broadcast(s->pg, b->value.data, (size_t)b->value.numel,
-                                    b->value.dtype, 0, &w);
+    ddp_status_t st = ddp_broadcast(s->pg, b->value.data, (size_t)b->value.numel, b->value.dtype, 0,
+                                    &w);
     DDP_CHECK(wait_op(s, st, w, "buffer broadcast", err));
   }
   return DDP_OK;

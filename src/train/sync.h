@@ -32,8 +32,7 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err);
 /* Before a forward: sync is false inside no_sync. */
 ddp_status_t ddp__sync_pre_forward(ddp__sync_t *s, ddp_ctx_t *ctx, bool sync, ddp_error_t *err);
 /* After the forward that produced y. */
-ddp_status_t ddp__sync_post_forward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *y,
-                                    ddp_error_t *err);
+ddp_status_t ddp__sync_post_forward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *y, ddp_error_t *err);
 /* Backward of scale * loss (scale: a scalar of loss's dtype, or NULL for 1), then the
  * gradient communication; adds the nanoseconds spent communicating to *comm_ns. */
 ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,

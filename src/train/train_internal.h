@@ -41,12 +41,10 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
  * ddp__train_q_finish then requires the state to have made exactly the file's number of
  * draws: the same job as PyTorch's makes the same draws. */
 typedef struct ddp__train_q ddp__train_q_t;
-ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
-                               ddp_error_t *err);
+ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out, ddp_error_t *err);
 void ddp__train_q_fill(void *user, uint64_t draw, size_t bucket, float *q, size_t n);
 ddp_status_t ddp__train_q_check(const ddp__train_q_t *q, ddp_error_t *err);
-ddp_status_t ddp__train_q_finish(const ddp__train_q_t *q, uint64_t draws_made,
-                                 ddp_error_t *err);
+ddp_status_t ddp__train_q_finish(const ddp__train_q_t *q, uint64_t draws_made, ddp_error_t *err);
 void ddp__train_q_close(ddp__train_q_t *q);
 
 /* HF's optimizer parameter groups: at most two (weight decay, no weight decay). */
@@ -62,11 +60,10 @@ void ddp__train_q_close(ddp__train_q_t *q);
  * fsyncs output_dir, then deletes the oldest checkpoint-* directories beyond limit
  * (limit < 0: keep all). dir receives the final path. */
 ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_model_t *model,
-                                   ddp_optim_t *const *opts, size_t nopt,
-                                   const char *state_json, int64_t pause_ms, char *tmp,
-                                   size_t cap, ddp_error_t *err);
-ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit,
-                                    char *dir, size_t cap, ddp_error_t *err);
+                                   ddp_optim_t *const *opts, size_t nopt, const char *state_json,
+                                   int64_t pause_ms, char *tmp, size_t cap, ddp_error_t *err);
+ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit, char *dir,
+                                    size_t cap, ddp_error_t *err);
 /* dir/optimizer.safetensors for group 0, dir/optimizer_group<g>.safetensors after. */
 void ddp__train_optim_file(char *buf, size_t cap, const char *dir, size_t group);
 /* dir/hook_state_rank<rank>.safetensors: one rank's PowerSGD state. */
@@ -92,8 +89,7 @@ ddp_status_t ddp__train_resume_dir(const ddp_train_args_t *a, int rank, char *di
                                    ddp_error_t *err);
 
 /* Reads trainer_state.json of a checkpoint directory: global_step. */
-ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world,
-                                   ddp_error_t *err);
+ddp_status_t ddp__train_read_state(const char *dir, int64_t *step, int *world, ddp_error_t *err);
 
 /* Causal language models (lm.c): the loss of logits [B, T, V] against labels I64 [B, T]
  * (position t predicts labels[t + 1], -100 ignored: ddp_causal_lm_loss), and the number of

@@ -83,7 +83,8 @@ static ddp_status_t compute_loss(ddp__trainer_t *t, ddp_var_t *out, const ddp_ba
   if (b->labels.numel != out->value.numel) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
                       "trainer: the model's output has %lld values per batch but the labels "
-                      "have %lld", (long long)out->value.numel, (long long)b->labels.numel);
+                      "have %lld",
+                      (long long)out->value.numel, (long long)b->labels.numel);
   }
   ddp_tensor_t lab;
   DDP_CHECK(ddp_tensor_alloc(&lab, out->value.dtype, out->value.ndim, out->value.shape));
@@ -207,7 +208,8 @@ static ddp_status_t save_hook_state(ddp__trainer_t *t, int64_t step) {
     st = r == t->rank ? (ddp_status_t)all[r]
                       : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
                                    "trainer: rank %d failed to save its comm hook state into "
-                                   "checkpoint-%lld", r, (long long)step);
+                                   "checkpoint-%lld",
+                                   r, (long long)step);
   }
   ddp__free(all);
   return st;
@@ -233,8 +235,8 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
   if (code == DDP_OK) {
     DDP_CHECK(save_hook_state(t, step));
     if (t->rank == 0) {
-      code = ddp__train_save_commit(t->a->output_dir, step, t->a->save_total_limit, dir,
-                                    sizeof dir, t->err);
+      code = ddp__train_save_commit(t->a->output_dir, step, t->a->save_total_limit, dir, sizeof dir,
+                                    t->err);
     }
     DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
                         "checkpoint status broadcast"));
@@ -255,7 +257,9 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
     ddp__json_end(&j);
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
     if (t->ev) {
-      ddp_train_event_t e = {.kind = DDP_TRAIN_EV_SAVE, .step = step, .max_steps = t->max_steps,
+      ddp_train_event_t e = {.kind = DDP_TRAIN_EV_SAVE,
+                             .step = step,
+                             .max_steps = t->max_steps,
                              .epoch = (double)step / (double)t->steps_per_epoch,
                              .checkpoint = dir};
       t->ev(t->user, &e);
@@ -282,7 +286,8 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   if (world != t->world) {
     ddp__log(t->rank, DDP_LOG_WARN,
              "resuming %s, written by %d ranks, with %d: the data order differs from an "
-             "uninterrupted run", dir, world, t->world);
+             "uninterrupted run",
+             dir, world, t->world);
   }
   if (step > t->max_steps) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
@@ -306,8 +311,8 @@ static ddp_status_t resume_hook_state(ddp__trainer_t *t) {
   if (access(file, F_OK) != 0) {
     ddp__log(t->rank, DDP_LOG_WARN,
              "resuming %s with comm_hook %s: %s is missing, so the hook's state starts "
-             "afresh and the run differs from an uninterrupted one", t->resume_dir,
-             t->a->comm_hook, file);
+             "afresh and the run differs from an uninterrupted one",
+             t->resume_dir, t->a->comm_hook, file);
     return DDP_OK;
   }
   return ddp__sync_hook_load(t->sync, file, t->err);
@@ -433,8 +438,7 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   DDP_CHECK(ddp_loader_next(t->loader, &b, &has, t->err));
   if (!has) return ddp__error(t->err, t->rank, DDP_ERR_INTERNAL, "trainer: loader ran dry");
   t->loader_pos++;
-  if (t->dump)
-    DDP_CHECK(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)));
+  if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)));
   ddp_ctx_set_rng(t->ctx, t->a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
   DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1, t->err));
   ddp_var_t *y, *l;
@@ -443,8 +447,7 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   DDP_CHECK(compute_loss(t, y, &b, &l));
   *loss += scalar_value(l) / (double)GA;
   if (!ddp__train_fault_skips(&t->fault, step, k)) {
-    DDP_CHECK(ddp__sync_backward(t->sync, t->ctx, l, GA > 1 ? &t->seed_grad : NULL, comm,
-                                 t->err));
+    DDP_CHECK(ddp__sync_backward(t->sync, t->ctx, l, GA > 1 ? &t->seed_grad : NULL, comm, t->err));
   }
   ddp_ctx_reset(t->ctx);
   return DDP_OK;
@@ -475,12 +478,12 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
     ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
   }
   if (t->dump) {
-    DDP_CHECK(dump_check(t, ddp_dump_step(t->dump, step - t->start, local_loss, (int)GA,
-                                          t->flags)));
+    DDP_CHECK(
+        dump_check(t, ddp_dump_step(t->dump, step - t->start, local_loss, (int)GA, t->flags)));
   }
   ddp_work_t *w = NULL;
-  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, &local_loss, &local_loss, 1, DDP_F64, DDP_OP_AVG,
-                                       &w), &w, "loss allreduce"));
+  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, &local_loss, &local_loss, 1, DDP_F64, DDP_OP_AVG, &w),
+                      &w, "loss allreduce"));
   o->loss = local_loss;
   return DDP_OK;
 }
@@ -514,11 +517,17 @@ static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
   }
   if (t->ev) {
-    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG, .step = done, .max_steps = t->max_steps,
-                           .epoch = epoch_of(t, done), .loss = mean_loss,
-                           .grad_norm = o->grad_norm, .lr = o->lr,
-                           .step_time_s = t->win_time / n, .comm_time_s = t->win_comm / n,
-                           .samples_per_s = sps, .eta_s = eta};
+    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG,
+                           .step = done,
+                           .max_steps = t->max_steps,
+                           .epoch = epoch_of(t, done),
+                           .loss = mean_loss,
+                           .grad_norm = o->grad_norm,
+                           .lr = o->lr,
+                           .step_time_s = t->win_time / n,
+                           .comm_time_s = t->win_comm / n,
+                           .samples_per_s = sps,
+                           .eta_s = eta};
     t->ev(t->user, &e);
   }
   t->win_loss = t->win_time = t->win_comm = 0;
@@ -541,11 +550,17 @@ static ddp_status_t end_of_step(ddp__trainer_t *t, int64_t done, const step_out_
   double rate = elapsed > 0 ? (double)(done - t->start) / elapsed : 0;
   double eta = rate > 0 ? (double)(t->max_steps - done) / rate : 0;
   if (t->ev) {
-    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_STEP, .step = done, .max_steps = t->max_steps,
-                           .epoch = epoch_of(t, done), .loss = o->loss,
-                           .grad_norm = o->grad_norm, .lr = o->lr, .step_time_s = dt,
+    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_STEP,
+                           .step = done,
+                           .max_steps = t->max_steps,
+                           .epoch = epoch_of(t, done),
+                           .loss = o->loss,
+                           .grad_norm = o->grad_norm,
+                           .lr = o->lr,
+                           .step_time_s = dt,
                            .comm_time_s = (double)o->comm * 1e-9,
-                           .samples_per_s = rate * t->samples_per_step, .eta_s = eta};
+                           .samples_per_s = rate * t->samples_per_step,
+                           .eta_s = eta};
     t->ev(t->user, &e);
   }
   if (every(done, t->log_every) || done == t->max_steps) return log_window(t, done, o, eta);
@@ -569,8 +584,12 @@ static ddp_status_t eval_step(ddp__trainer_t *t, int64_t done) {
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
   }
   if (t->ev) {
-    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_EVAL, .step = done, .max_steps = t->max_steps,
-                           .epoch = epoch_of(t, done), .eval_loss = el, .eval_accuracy = ea};
+    ddp_train_event_t e = {.kind = DDP_TRAIN_EV_EVAL,
+                           .step = done,
+                           .max_steps = t->max_steps,
+                           .epoch = epoch_of(t, done),
+                           .eval_loss = el,
+                           .eval_accuracy = ea};
     t->ev(t->user, &e);
   }
   return DDP_OK;
@@ -581,14 +600,15 @@ static ddp_status_t eval_step(ddp__trainer_t *t, int64_t done) {
 static ddp_status_t finish(ddp__trainer_t *t) {
   ddp_train_result_t *r = t->res;
   if (t->init_q) {
-    DDP_CHECK(ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)),
-                                  t->err));
+    DDP_CHECK(
+        ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)), t->err));
   }
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_finish(t->dump)));
   r->steps = t->max_steps;
   r->seconds = (double)(ddp_now_ns() - t->t_start) * 1e-9;
-  r->samples_per_s =
-      r->seconds > 0 ? t->samples_per_step * (double)(t->max_steps - t->start) / r->seconds : 0;
+  r->samples_per_s = r->seconds > 0
+                         ? t->samples_per_step * (double)(t->max_steps - t->start) / r->seconds
+                         : 0;
   r->comm_seconds = (double)t->comm_total * 1e-9;
   DDP_CHECK(ddp__train_replica_check(t->pg, t->model, t->max_steps, &r->param_hash, t->err));
   r->replica_checks++;

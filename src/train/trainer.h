@@ -13,7 +13,7 @@ typedef struct ddp__trainer {
   int rank, world;
   ddp_model_t *model;
   const ddp_dataset_t *train, *eval;
-  ddp_train_args_t args;  /* the caller's, read by ddp__opts_read */
+  ddp_train_args_t args;     /* the caller's, read by ddp__opts_read */
   const ddp_train_args_t *a; /* &args */
   ddp_train_event_fn ev;
   void *user;
@@ -26,30 +26,30 @@ typedef struct ddp__trainer {
   ddp_optim_t *opt[DDP__TRAIN_MAX_GROUPS]; /* HF's parameter groups: decay, no decay */
   size_t nopt;
   ddp_optim_param_t *pairs; /* group 0's parameters, then group 1's */
-  ddp_tensor_t **grads;   /* for clipping */
-  size_t ntrain;          /* parameters that require grad */
+  ddp_tensor_t **grads;     /* for clipping */
+  size_t ntrain;            /* parameters that require grad */
   ddp__sync_t *sync;
   char resume_dir[DDP_TRAIN_STR_MAX]; /* the checkpoint being resumed, "" when none */
-  ddp_dump_t *dump;       /* --dump_dir (the reducer layer's dump writer); NULL when off */
+  ddp_dump_t *dump;        /* --dump_dir (the reducer layer's dump writer); NULL when off */
   ddp__metrics_t *metrics; /* rank 0 (metrics.c) */
-  bool classify;          /* integer class labels: cross-entropy; else MSE */
-  ddp_model_task_t task;  /* DDP_TASK_CAUSAL_LM: ddp_causal_lm_loss (lm.c) */
-  ddp_tensor_t seed_grad; /* backward seed 1/GA, scalar of the loss dtype */
+  bool classify;           /* integer class labels: cross-entropy; else MSE */
+  ddp_model_task_t task;   /* DDP_TASK_CAUSAL_LM: ddp_causal_lm_loss (lm.c) */
+  ddp_tensor_t seed_grad;  /* backward seed 1/GA, scalar of the loss dtype */
   int64_t steps_per_epoch, max_steps, loader_epoch, loader_pos;
   ddp_lr_schedule_t sched;
-  uint64_t flags;         /* this rank's forward_flags entry */
-  ddp__train_q_t *init_q; /* power_sgd_init_q; NULL when off */
+  uint64_t flags;           /* this rank's forward_flags entry */
+  ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
 
   /* the run (begin, the steps, finish) */
-  int64_t start;          /* the step resumed from; 0 for a fresh run */
-  int64_t pause_ms;       /* DDP_TRAIN_SAVE_PAUSE_MS: sleeps between checkpoint files */
+  int64_t start;    /* the step resumed from; 0 for a fresh run */
+  int64_t pause_ms; /* DDP_TRAIN_SAVE_PAUSE_MS: sleeps between checkpoint files */
   int64_t log_every, save_every, eval_every; /* in steps; 0: never */
   bool eval_epoch, save_steps, save_epoch;   /* the strategies */
-  double samples_per_step; /* global samples per optimizer step */
-  int64_t t_start, comm_total; /* ns */
-  double win_loss, win_time, win_comm; /* the logging window's sums ... */
-  int64_t win_n;                       /* ... over win_n steps */
+  double samples_per_step;                   /* global samples per optimizer step */
+  int64_t t_start, comm_total;               /* ns */
+  double win_loss, win_time, win_comm;       /* the logging window's sums ... */
+  int64_t win_n;                             /* ... over win_n steps */
 } ddp__trainer_t;
 
 /* Everything the steps need, from the arguments: the optimizers of HF's parameter groups,

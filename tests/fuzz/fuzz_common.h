@@ -29,12 +29,12 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   return 0;
 }
 
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      fprintf(stderr, FUZZ_TARGET ": invariant failed: %s\n", #cond);    \
-      abort();                                                           \
-    }                                                                    \
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      fprintf(stderr, FUZZ_TARGET ": invariant failed: %s\n", #cond); \
+      abort();                                                        \
+    }                                                                 \
   } while (0)
 
 /* An exact-size copy of the input (one byte when it is empty), so that ASan catches a read

@@ -34,9 +34,9 @@ int main(int argc, char **argv) {
     int ndim;
     int64_t shape[3];
   } specs[] = {
-      {"u8", DDP_U8, 1, {3}},       {"w.0", DDP_F32, 2, {2, 3}}, {"mask", DDP_BOOL, 1, {5}},
-      {"f64", DDP_F64, 1, {2}},     {"h", DDP_F16, 3, {1, 2, 2}}, {"bf", DDP_BF16, 1, {3}},
-      {"i32", DDP_I32, 1, {2}},     {"i64", DDP_I64, 2, {1, 1}}, {"scalar", DDP_F32, 0, {0}},
+      {"u8", DDP_U8, 1, {3}},        {"w.0", DDP_F32, 2, {2, 3}},  {"mask", DDP_BOOL, 1, {5}},
+      {"f64", DDP_F64, 1, {2}},      {"h", DDP_F16, 3, {1, 2, 2}}, {"bf", DDP_BF16, 1, {3}},
+      {"i32", DDP_I32, 1, {2}},      {"i64", DDP_I64, 2, {1, 1}},  {"scalar", DDP_F32, 0, {0}},
       {"empty", DDP_I64, 2, {0, 3}},
   };
   enum { N = sizeof specs / sizeof specs[0] };

@@ -51,75 +51,84 @@ void ddp_test_fmt_wait(char *buf, size_t n, int status);
 /* Prints "<head> failed" and "<ta> = <va>", "<tb> = <vb>" below it (CMocka's print_error),
  * then fails the test at file:line. */
 void ddp_test_fail_pair(const char *file, int line, const char *head, const char *ta,
-                        const char *va, const char *tb, const char *vb)
-    __attribute__((noreturn));
+                        const char *va, const char *tb, const char *vb) __attribute__((noreturn));
 
-#define DDP_TEST_FMT_(buf, x)                                                              \
-  _Generic((x),                                                                            \
-      _Bool: ddp_test_fmt_u, unsigned char: ddp_test_fmt_u, unsigned short: ddp_test_fmt_u, \
-      unsigned int: ddp_test_fmt_u, unsigned long: ddp_test_fmt_u,                         \
-      unsigned long long: ddp_test_fmt_u, char: ddp_test_fmt_i, signed char: ddp_test_fmt_i, \
-      short: ddp_test_fmt_i, int: ddp_test_fmt_i, long: ddp_test_fmt_i,                    \
-      long long: ddp_test_fmt_i, float: ddp_test_fmt_f, double: ddp_test_fmt_d,            \
-      long double: ddp_test_fmt_ld, default: ddp_test_fmt_p)(buf, sizeof buf, x)
+#define DDP_TEST_FMT_(buf, x)                   \
+  _Generic((x), _Bool                           \
+           : ddp_test_fmt_u, unsigned char      \
+           : ddp_test_fmt_u, unsigned short     \
+           : ddp_test_fmt_u, unsigned int       \
+           : ddp_test_fmt_u, unsigned long      \
+           : ddp_test_fmt_u, unsigned long long \
+           : ddp_test_fmt_u, char               \
+           : ddp_test_fmt_i, signed char        \
+           : ddp_test_fmt_i, short              \
+           : ddp_test_fmt_i, int                \
+           : ddp_test_fmt_i, long               \
+           : ddp_test_fmt_i, long long          \
+           : ddp_test_fmt_i, float              \
+           : ddp_test_fmt_f, double             \
+           : ddp_test_fmt_d, long double        \
+           : ddp_test_fmt_ld, default           \
+           : ddp_test_fmt_p)(buf, sizeof buf, x)
 
 /* The body both value asserts share: `cmp` is an expression over ddp_eq_a_ and ddp_eq_b_. */
-#define DDP_ASSERT_PAIR_(name, a, b, cmp)                                                   \
-  do {                                                                                      \
-    __typeof__(a) ddp_eq_a_ = (a);                                                          \
-    __typeof__(b) ddp_eq_b_ = (b);                                                          \
-    if (!(cmp)) {                                                                           \
-      char ddp_eq_sa_[96], ddp_eq_sb_[96];                                                  \
-      DDP_TEST_FMT_(ddp_eq_sa_, ddp_eq_a_);                                                 \
-      DDP_TEST_FMT_(ddp_eq_sb_, ddp_eq_b_);                                                 \
-      ddp_test_fail_pair(__FILE__, __LINE__, name "(" #a ", " #b ")", #a, ddp_eq_sa_, #b,   \
-                         ddp_eq_sb_);                                                       \
-    }                                                                                       \
+#define DDP_ASSERT_PAIR_(name, a, b, cmp)                                                 \
+  do {                                                                                    \
+    __typeof__(a) ddp_eq_a_ = (a);                                                        \
+    __typeof__(b) ddp_eq_b_ = (b);                                                        \
+    if (!(cmp)) {                                                                         \
+      char ddp_eq_sa_[96], ddp_eq_sb_[96];                                                \
+      DDP_TEST_FMT_(ddp_eq_sa_, ddp_eq_a_);                                               \
+      DDP_TEST_FMT_(ddp_eq_sb_, ddp_eq_b_);                                               \
+      ddp_test_fail_pair(__FILE__, __LINE__, name "(" #a ", " #b ")", #a, ddp_eq_sa_, #b, \
+                         ddp_eq_sb_);                                                     \
+    }                                                                                     \
   } while (0)
 
 #define DDP_ASSERT_EQ(a, b) DDP_ASSERT_PAIR_("DDP_ASSERT_EQ", a, b, ddp_eq_a_ == ddp_eq_b_)
 
-#define DDP_ASSERT_SAME_BITS(a, b)                                                          \
-  do {                                                                                      \
-    _Static_assert(sizeof(a) == sizeof(b), "DDP_ASSERT_SAME_BITS: the sizes differ");       \
-    DDP_ASSERT_PAIR_("DDP_ASSERT_SAME_BITS", a, b,                                          \
-                     memcmp(&ddp_eq_a_, &ddp_eq_b_, sizeof ddp_eq_a_) == 0);                \
+#define DDP_ASSERT_SAME_BITS(a, b)                                                    \
+  do {                                                                                \
+    _Static_assert(sizeof(a) == sizeof(b), "DDP_ASSERT_SAME_BITS: the sizes differ"); \
+    DDP_ASSERT_PAIR_("DDP_ASSERT_SAME_BITS", a, b,                                    \
+                     memcmp(&ddp_eq_a_, &ddp_eq_b_, sizeof ddp_eq_a_) == 0);          \
   } while (0)
 
-#define DDP_ASSERT_PREFIX(s, prefix)                                                        \
-  do {                                                                                      \
-    const char *ddp_eq_s_ = (s), *ddp_eq_p_ = (prefix);                                     \
-    if (strncmp(ddp_eq_s_, ddp_eq_p_, strlen(ddp_eq_p_)) != 0) {                            \
-      char ddp_eq_sa_[256], ddp_eq_sb_[256];                                                \
-      ddp_test_fmt_str(ddp_eq_sa_, sizeof ddp_eq_sa_, ddp_eq_s_);                           \
-      ddp_test_fmt_str(ddp_eq_sb_, sizeof ddp_eq_sb_, ddp_eq_p_);                           \
-      ddp_test_fail_pair(__FILE__, __LINE__, "DDP_ASSERT_PREFIX(" #s ", " #prefix ")", #s,  \
-                         ddp_eq_sa_, #prefix, ddp_eq_sb_);                                  \
-    }                                                                                       \
+#define DDP_ASSERT_PREFIX(s, prefix)                                                       \
+  do {                                                                                     \
+    const char *ddp_eq_s_ = (s), *ddp_eq_p_ = (prefix);                                    \
+    if (strncmp(ddp_eq_s_, ddp_eq_p_, strlen(ddp_eq_p_)) != 0) {                           \
+      char ddp_eq_sa_[256], ddp_eq_sb_[256];                                               \
+      ddp_test_fmt_str(ddp_eq_sa_, sizeof ddp_eq_sa_, ddp_eq_s_);                          \
+      ddp_test_fmt_str(ddp_eq_sb_, sizeof ddp_eq_sb_, ddp_eq_p_);                          \
+      ddp_test_fail_pair(__FILE__, __LINE__, "DDP_ASSERT_PREFIX(" #s ", " #prefix ")", #s, \
+                         ddp_eq_sa_, #prefix, ddp_eq_sb_);                                 \
+    }                                                                                      \
   } while (0)
 
 /* The body of the wait-status asserts: `ok` is an expression over ddp_eq_st_. */
-#define DDP_ASSERT_WAIT_(name, status, arg, ok, wantfmt)                                    \
-  do {                                                                                      \
-    int ddp_eq_st_ = (status), ddp_eq_arg_ = (arg);                                         \
-    if (!(ok)) {                                                                            \
-      char ddp_eq_sa_[96], ddp_eq_sb_[96];                                                  \
-      ddp_test_fmt_wait(ddp_eq_sa_, sizeof ddp_eq_sa_, ddp_eq_st_);                         \
-      snprintf(ddp_eq_sb_, sizeof ddp_eq_sb_, wantfmt, ddp_eq_arg_);                        \
-      ddp_test_fail_pair(__FILE__, __LINE__, name "(" #status ", " #arg ")", #status,       \
-                         ddp_eq_sa_, "expected", ddp_eq_sb_);                               \
-    }                                                                                       \
+#define DDP_ASSERT_WAIT_(name, status, arg, ok, wantfmt)                                          \
+  do {                                                                                            \
+    int ddp_eq_st_ = (status), ddp_eq_arg_ = (arg);                                               \
+    if (!(ok)) {                                                                                  \
+      char ddp_eq_sa_[96], ddp_eq_sb_[96];                                                        \
+      ddp_test_fmt_wait(ddp_eq_sa_, sizeof ddp_eq_sa_, ddp_eq_st_);                               \
+      snprintf(ddp_eq_sb_, sizeof ddp_eq_sb_, wantfmt, ddp_eq_arg_);                              \
+      ddp_test_fail_pair(__FILE__, __LINE__, name "(" #status ", " #arg ")", #status, ddp_eq_sa_, \
+                         "expected", ddp_eq_sb_);                                                 \
+    }                                                                                             \
   } while (0)
 
-#define DDP_ASSERT_EXITED(status, code)                                                     \
-  DDP_ASSERT_WAIT_("DDP_ASSERT_EXITED", status, code,                                       \
-                   ddp_eq_st_ != -1 && WIFEXITED(ddp_eq_st_) &&                             \
-                       WEXITSTATUS(ddp_eq_st_) == ddp_eq_arg_,                              \
+#define DDP_ASSERT_EXITED(status, code)                         \
+  DDP_ASSERT_WAIT_("DDP_ASSERT_EXITED", status, code,           \
+                   ddp_eq_st_ != -1 && WIFEXITED(ddp_eq_st_) && \
+                       WEXITSTATUS(ddp_eq_st_) == ddp_eq_arg_,  \
                    "exited with %d")
 
-#define DDP_ASSERT_KILLED(status, sig)                                                      \
-  DDP_ASSERT_WAIT_("DDP_ASSERT_KILLED", status, sig,                                        \
-                   WIFSIGNALED(ddp_eq_st_) && WTERMSIG(ddp_eq_st_) == ddp_eq_arg_,          \
+#define DDP_ASSERT_KILLED(status, sig)                                             \
+  DDP_ASSERT_WAIT_("DDP_ASSERT_KILLED", status, sig,                               \
+                   WIFSIGNALED(ddp_eq_st_) && WTERMSIG(ddp_eq_st_) == ddp_eq_arg_, \
                    "killed by signal %d")
 
 #endif /* DDP_TEST_ASSERTS_H */

@@ -30,6 +30,6 @@ bool ddp_test_remove_now(const char *path);
 /* The factor for timed upper bounds (see above), read afresh on each call. */
 double ddp_test_time_scale(void);
 /* An upper bound of ms milliseconds, scaled by the load. */
-#define DDP_TEST_BOUND_MS(ms) ((double)(ms) * ddp_test_time_scale())
+#define DDP_TEST_BOUND_MS(ms) ((double)(ms)*ddp_test_time_scale())
 
 #endif /* DDP_TEST_CLEANUP_H */

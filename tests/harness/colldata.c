@@ -49,7 +49,6 @@ uint64_t ddp_test_fnv(const void *p, size_t n, uint64_t h) {
 
 /* ---- element access as double (exact for the small integers used here) ---- */
 
-
 void ddp_test_set_el(ddp_dtype_t dt, void *p, size_t i, double v) {
   switch (dt) {
     case DDP_F32: ((float *)p)[i] = (float)v; break;
@@ -141,13 +140,14 @@ ddp_status_t ddp_test_check_allreduce(ddp_test_coll_t *c, ddp_dtype_t dt, size_t
     ddp_redop_t op = ops[k];
     bool inplace = (k % 2) == 0;
     for (size_t i = 0; i < n; i++) {
-      double v = op == DDP_OP_PRODUCT ? ddp_test_val_prod(c->r, i)
+      double v = op == DDP_OP_PRODUCT                     ? ddp_test_val_prod(c->r, i)
                  : (op == DDP_OP_MIN || op == DDP_OP_MAX) ? ddp_test_val_mm(c->r, i)
-                                                    : ddp_test_val_sum(c->r, i);
+                                                          : ddp_test_val_sum(c->r, i);
       ddp_test_set_el(dt, in, i, v);
     }
     ddp_work_t *w = NULL;
-    st = ddp_test_run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w, "allreduce");
+    st = ddp_test_run(c, ddp_allreduce(c->pg, in, inplace ? in : out, n, dt, op, &w), &w,
+                      "allreduce");
     if (st != DDP_OK) break;
     const unsigned char *res = inplace ? in : out;
     for (size_t i = 0; i < n; i++) {
@@ -168,7 +168,8 @@ ddp_status_t ddp_test_check_allreduce(ddp_test_coll_t *c, ddp_dtype_t dt, size_t
       double got = ddp_test_get_el(dt, res, i);
       if (got != want) {
         char what[48];
-        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op), inplace ? " in place" : "");
+        snprintf(what, sizeof what, "allreduce %s%s", ddp_redop_name(op),
+                 inplace ? " in place" : "");
         ddp_test_mismatch(c, what, dt, n, i, got, want);
         break;
       }
@@ -191,7 +192,8 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   st = ddp_test_run(c, ddp_broadcast(c->pg, a, n, dt, root, &w), &w, "broadcast");
   for (size_t i = 0; st == DDP_OK && i < n; i++)
     if (ddp_test_get_el(dt, a, i) != ddp_test_val_sum(root, i)) {
-      ddp_test_mismatch(c, "broadcast", dt, n, i, ddp_test_get_el(dt, a, i), ddp_test_val_sum(root, i));
+      ddp_test_mismatch(c, "broadcast", dt, n, i, ddp_test_get_el(dt, a, i),
+                        ddp_test_val_sum(root, i));
       break;
     }
   /* allgather, out of place and in place (send = recv + r*n) */
@@ -203,7 +205,7 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
       for (size_t i = 0; i < n; i++)
         if (ddp_test_get_el(dt, b, j * n + i) != ddp_test_val_sum((int)j, i)) {
           ddp_test_mismatch(c, inplace ? "allgather in place" : "allgather", dt, n, j * n + i,
-                   ddp_test_get_el(dt, b, j * n + i), ddp_test_val_sum((int)j, i));
+                            ddp_test_get_el(dt, b, j * n + i), ddp_test_val_sum((int)j, i));
           j = W;
           break;
         }
@@ -212,13 +214,14 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   for (int inplace = 0; inplace < 2 && st == DDP_OK; inplace++) {
     for (size_t i = 0; i < W * n; i++) ddp_test_set_el(dt, a, i, ddp_test_val_sum(r, i));
     unsigned char *recv = inplace ? a + (size_t)r * n * es : b;
-    st = ddp_test_run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_OP_SUM, &w), &w, "reduce_scatter");
+    st = ddp_test_run(c, ddp_reduce_scatter(c->pg, a, recv, n, dt, DDP_OP_SUM, &w), &w,
+                      "reduce_scatter");
     for (size_t i = 0; st == DDP_OK && i < n; i++) {
       double s = 0;
       for (int j = 0; j < c->W; j++) s += ddp_test_val_sum(j, (size_t)r * n + i);
       if (ddp_test_get_el(dt, recv, i) != s) {
         ddp_test_mismatch(c, inplace ? "reduce_scatter in place" : "reduce_scatter", dt, n, i,
-                 ddp_test_get_el(dt, recv, i), s);
+                          ddp_test_get_el(dt, recv, i), s);
         break;
       }
     }
@@ -226,13 +229,15 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   /* alltoall: rank j's block k = val(j, k) pattern; we get block j = rank j's block r */
   if (st == DDP_OK) {
     for (size_t k = 0; k < W; k++)
-      for (size_t i = 0; i < n; i++) ddp_test_set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
+      for (size_t i = 0; i < n; i++)
+        ddp_test_set_el(dt, a, k * n + i, (double)((r * 7 + (int)k + (int)i) % 100));
     st = ddp_test_run(c, ddp_alltoall(c->pg, a, b, n, dt, &w), &w, "alltoall");
     for (size_t j = 0; st == DDP_OK && j < W; j++)
       for (size_t i = 0; i < n; i++) {
         double want = (double)(((int)j * 7 + r + (int)i) % 100);
         if (ddp_test_get_el(dt, b, j * n + i) != want) {
-          ddp_test_mismatch(c, "alltoall", dt, n, j * n + i, ddp_test_get_el(dt, b, j * n + i), want);
+          ddp_test_mismatch(c, "alltoall", dt, n, j * n + i, ddp_test_get_el(dt, b, j * n + i),
+                            want);
           j = W;
           break;
         }
@@ -250,7 +255,8 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
     }
     for (size_t i = 0; st == DDP_OK && i < n; i++)
       if (ddp_test_get_el(dt, b, i) != ddp_test_val_sum(from, i)) {
-        ddp_test_mismatch(c, "send/recv", dt, n, i, ddp_test_get_el(dt, b, i), ddp_test_val_sum(from, i));
+        ddp_test_mismatch(c, "send/recv", dt, n, i, ddp_test_get_el(dt, b, i),
+                          ddp_test_val_sum(from, i));
         break;
       }
   }
@@ -258,7 +264,6 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   buf_free(c, b);
   return st;
 }
-
 
 static const size_t d2_counts[] = {1000, 65539, 3};
 static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
@@ -273,7 +278,8 @@ ddp_status_t ddp_test_d2_run(ddp_test_coll_t *c, uint64_t *hash) {
       unsigned char *buf = buf_alloc(c, n * es), *ref = ddp_malloc(n * es);
       ddp_test_d2_fill(dt, buf, n, c->r, (int)k);
       ddp_work_t *w = NULL;
-      st = ddp_test_run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_OP_SUM, &w), &w, "D2 allreduce");
+      st = ddp_test_run(c, ddp_allreduce(c->pg, buf, buf, n, dt, DDP_OP_SUM, &w), &w,
+                        "D2 allreduce");
       ddp_test_d2_reference(dt, ref, n, c->W, (int)k);
       if (st == DDP_OK && memcmp(buf, ref, n * es) != 0) {
         size_t i = 0;

@@ -55,11 +55,11 @@ struct ddp_test_rank {
   int world;
   ddp_test_mode_t mode;
   const char *dir;
-  const pid_t *pids;    /* in the shared region */
-  slot_t *slot;         /* in the shared region */
-  size_t cap;           /* bytes of the value area */
-  int64_t t0_ns;        /* spawn time, CLOCK_MONOTONIC */
-  int read_fd;          /* fork mode: start gate (EOF once every child exists) */
+  const pid_t *pids; /* in the shared region */
+  slot_t *slot;      /* in the shared region */
+  size_t cap;        /* bytes of the value area */
+  int64_t t0_ns;     /* spawn time, CLOCK_MONOTONIC */
+  int read_fd;       /* fork mode: start gate (EOF once every child exists) */
   ddp_test_fn fn;
   void *arg;
 };
@@ -220,11 +220,10 @@ static void print_states(const ddp_test_results_t *res, FILE *out) {
                      : phase == PHASE_RUNNING ? "running"
                                               : "not started";
     fprintf(out, "  rank %d: %s", i, ph);
-    if (phase == PHASE_RETURNED || s->r.status == DDP_TEST_HUNG ||
-        s->r.status == DDP_TEST_CRASHED)
+    if (phase == PHASE_RETURNED || s->r.status == DDP_TEST_HUNG || s->r.status == DDP_TEST_CRASHED)
       fprintf(out, ", status %s", ddp_test_status_name(s->r.status));
-    if (s->r.term_signal) fprintf(out, ", signal %d (%s)", s->r.term_signal,
-                                  strsignal(s->r.term_signal));
+    if (s->r.term_signal)
+      fprintf(out, ", signal %d (%s)", s->r.term_signal, strsignal(s->r.term_signal));
     if (s->r.exit_code) fprintf(out, ", exit code %d", s->r.exit_code);
     if (s->r.msg[0]) fprintf(out, ": %.*s", (int)sizeof s->r.msg, s->r.msg);
     fputc('\n', out);
@@ -272,8 +271,8 @@ static void record_exit(slot_t *s, int wstatus) {
   }
 }
 
-static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opts_t *o,
-                        int64_t t0, int64_t deadline) {
+static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opts_t *o, int64_t t0,
+                        int64_t deadline) {
   int gate[2];
   if (pipe(gate) != 0) harness_die("pipe failed");
   /* Buffered output would otherwise be flushed again by every child. */
@@ -360,8 +359,7 @@ ddp_test_results_t *ddp_test_spawn(const ddp_test_opts_t *opts, ddp_test_fn fn, 
   size_t vals_off = (pids_off + (size_t)o.world * sizeof(pid_t) + 63) & ~(size_t)63;
   size_t vbytes = (o.value_bytes + 63) & ~(size_t)63;
   res->shm_size = vals_off + (size_t)o.world * vbytes;
-  res->shm = mmap(NULL, res->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                  -1, 0);
+  res->shm = mmap(NULL, res->shm_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (res->shm == MAP_FAILED) harness_die("mmap of the report region failed");
   res->slots = (slot_t *)res->shm;
   pid_t *pids = (pid_t *)((unsigned char *)res->shm + pids_off);
@@ -386,10 +384,17 @@ ddp_test_results_t *ddp_test_spawn(const ddp_test_opts_t *opts, ddp_test_fn fn, 
     s->r.values = vals + (size_t)i * vbytes;
     atomic_store(&s->phase, PHASE_NOT_STARTED);
     pids[i] = getpid();
-    res->ranks[i] = (ddp_test_rank_t){.rank = i, .world = o.world, .mode = o.mode,
-                                      .dir = res->dir, .pids = pids, .slot = s,
-                                      .cap = o.value_bytes, .t0_ns = t0, .read_fd = -1,
-                                      .fn = fn, .arg = arg};
+    res->ranks[i] = (ddp_test_rank_t){.rank = i,
+                                      .world = o.world,
+                                      .mode = o.mode,
+                                      .dir = res->dir,
+                                      .pids = pids,
+                                      .slot = s,
+                                      .cap = o.value_bytes,
+                                      .t0_ns = t0,
+                                      .read_fd = -1,
+                                      .fn = fn,
+                                      .arg = arg};
   }
   if (o.mode == DDP_TEST_FORK) {
     spawn_forks(res, pids, &o, t0, deadline);
@@ -422,8 +427,7 @@ void ddp_test_expect_all(const ddp_test_results_t *res, int expected) {
   fprintf(stderr, "%d of %d ranks did not return %s:\n", bad, res->world,
           ddp_test_status_name(expected));
   print_states(res, stderr);
-  fail_msg("%d of %d ranks did not return %s", bad, res->world,
-           ddp_test_status_name(expected));
+  fail_msg("%d of %d ranks did not return %s", bad, res->world, ddp_test_status_name(expected));
 }
 
 /* ---------------------------------------------------------------- allocators ------ */
@@ -485,8 +489,8 @@ bool ddp_test_run_tool(const char *script, const char *args) {
   if (!root || access("/usr/bin/python3", X_OK) != 0) return false;
   char cmd[4096];
   snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/%s %s", root,
-           script, args);
+           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/%s %s", root, script,
+           args);
   int rc = system(cmd);
   if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
   DDP_ASSERT_EXITED(rc, 0);

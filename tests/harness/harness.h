@@ -32,13 +32,13 @@ typedef enum ddp_test_mode { DDP_TEST_THREADS = 0, DDP_TEST_FORK = 1 } ddp_test_
 
 /* What one rank reported. */
 typedef struct ddp_test_result {
-  int status;          /* the rank function's return value, or DDP_TEST_HUNG/CRASHED */
-  int term_signal;     /* fork mode: the signal that ended the child, else 0 */
-  int exit_code;       /* fork mode: the child's exit code */
-  bool reported;       /* the rank function returned */
-  double elapsed_ms;   /* wall time from spawn to the rank's return */
-  char msg[1024];      /* free text (ddp_test_say), typically a ddp_error_t message */
-  size_t nvalues;      /* bytes of values written (ddp_test_put) */
+  int status;            /* the rank function's return value, or DDP_TEST_HUNG/CRASHED */
+  int term_signal;       /* fork mode: the signal that ended the child, else 0 */
+  int exit_code;         /* fork mode: the child's exit code */
+  bool reported;         /* the rank function returned */
+  double elapsed_ms;     /* wall time from spawn to the rank's return */
+  char msg[1024];        /* free text (ddp_test_say), typically a ddp_error_t message */
+  size_t nvalues;        /* bytes of values written (ddp_test_put) */
   unsigned char *values; /* points into the shared region; valid until results_free */
 } ddp_test_result_t;
 
@@ -48,10 +48,10 @@ typedef struct ddp_test_rank ddp_test_rank_t;
 typedef int (*ddp_test_fn)(ddp_test_rank_t *r, void *arg);
 
 typedef struct ddp_test_opts {
-  int world;              /* 1..64 */
+  int world; /* 1..64 */
   ddp_test_mode_t mode;
-  int timeout_ms;         /* watchdog per spawn; default 20000 */
-  size_t value_bytes;     /* per-rank value area; default 64 KiB */
+  int timeout_ms;     /* watchdog per spawn; default 20000 */
+  size_t value_bytes; /* per-rank value area; default 64 KiB */
   /* Fault injection from the parent (fork mode only): send kill_signal to kill_rank
    * kill_after_ms after the spawn. kill_rank < 0 disables it. */
   int kill_rank;
@@ -59,7 +59,8 @@ typedef struct ddp_test_opts {
   int kill_signal;
 } ddp_test_opts_t;
 
-#define DDP_TEST_OPTS_INIT {1, DDP_TEST_THREADS, 20000, 65536, -1, 0, 9}
+#define DDP_TEST_OPTS_INIT \
+  { 1, DDP_TEST_THREADS, 20000, 65536, -1, 0, 9 }
 
 typedef struct ddp_test_results ddp_test_results_t;
 

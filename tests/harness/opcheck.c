@@ -57,12 +57,14 @@ static ddp_var_t *make_var(ddp_ctx_t *c, const ddp_test_opin_t *g, ddp_dtype_t d
   int64_t n = ddp_test_opin_numel(g);
   ddp_var_t *v;
   bool ids = ddp_test_opin_is_int(g);
-  assert_int_equal(ddp_var_new(c, ids ? DDP_I64 : dt, g->ndim, g->shape, NULL, g->rg, &v),
-                   DDP_OK);
+  assert_int_equal(ddp_var_new(c, ids ? DDP_I64 : dt, g->ndim, g->shape, NULL, g->rg, &v), DDP_OK);
   for (int64_t k = 0; k < n; k++) {
-    if (ids) ((int64_t *)v->value.data)[k] = (int64_t)data[k];
-    else if (dt == DDP_F32) ((float *)v->value.data)[k] = (float)data[k];
-    else ((double *)v->value.data)[k] = data[k];
+    if (ids)
+      ((int64_t *)v->value.data)[k] = (int64_t)data[k];
+    else if (dt == DDP_F32)
+      ((float *)v->value.data)[k] = (float)data[k];
+    else
+      ((double *)v->value.data)[k] = data[k];
   }
   return v;
 }
@@ -149,7 +151,8 @@ double ddp_test_gradcheck(const ddp_test_gcase_t *cases, size_t ncases, double t
       double rel = maxdiff / fmax(maxref, 1e-12);
       if (!(rel < tol))
         fail_msg("%s input %d: rel err %.3g >= %.3g (worst element: analytic %.17g, numeric "
-                 "%.17g)", s.gc->name, i, rel, tol, worst_a, worst_n);
+                 "%.17g)",
+                 s.gc->name, i, rel, tol, worst_a, worst_n);
       if (!(maxref > 0)) fail_msg("%s input %d: the gradient is zero", s.gc->name, i);
       worst = fmax(worst, rel);
     }
@@ -184,8 +187,8 @@ void ddp_test_read_bin(const char *dir, const char *name, void *data, size_t n) 
   char extra;
   size_t more = fread(&extra, 1, 1, f);
   fclose(f);
-  if (got != n || more != 0) fail_msg("%s: expected %zu bytes, got %zu%s", p, n, got,
-                                      more ? " and more" : "");
+  if (got != n || more != 0)
+    fail_msg("%s: expected %zu bytes, got %zu%s", p, n, got, more ? " and more" : "");
 }
 
 ddp_var_t *ddp_test_rand_var(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64_t *shape,
@@ -196,8 +199,10 @@ ddp_var_t *ddp_test_rand_var(ddp_ctx_t *c, ddp_dtype_t dt, int ndim, const int64
   ddp_rng_init(&r, seed, 3);
   for (int64_t k = 0; k < v->value.numel; k++) {
     double x = ddp_rng_uniform_f64(&r) * 2 - 1;
-    if (dt == DDP_F32) ((float *)v->value.data)[k] = (float)x;
-    else ((double *)v->value.data)[k] = x;
+    if (dt == DDP_F32)
+      ((float *)v->value.data)[k] = (float)x;
+    else
+      ((double *)v->value.data)[k] = x;
   }
   return v;
 }
@@ -224,8 +229,8 @@ static bool is_exact(const ddp_test_torch_ops_t *o, const char *op) {
 /* libddp's a against torch's b (n elements of dt): fails unless
  * max|a - b| / max(max|b|, 1e-3) < tol (tol 0: unless a equals b exactly); returns that
  * error. */
-static double compare(const char *what, const char *name, int input, const void *a,
-                      const void *b, ddp_dtype_t dt, int64_t n, double tol) {
+static double compare(const char *what, const char *name, int input, const void *a, const void *b,
+                      ddp_dtype_t dt, int64_t n, double tol) {
   double md = 0, mr = 0, wa = 0, wb = 0;
   int64_t wk = 0;
   for (int64_t k = 0; k < n; k++) {
@@ -242,7 +247,8 @@ static double compare(const char *what, const char *name, int input, const void 
   if (tol == 0 ? md != 0 : !(e < tol)) {
     if (input >= 0)
       fail_msg("%s %s %s of input %d: rel err %.3g >= %.3g (element %lld: libddp %.17g, torch "
-               "%.17g)", name, ddp_dtype_name(dt), what, input, e, tol, (long long)wk, wa, wb);
+               "%.17g)",
+               name, ddp_dtype_name(dt), what, input, e, tol, (long long)wk, wa, wb);
     else
       fail_msg("%s %s %s: rel err %.3g >= %.3g (element %lld: libddp %.17g, torch %.17g)", name,
                ddp_dtype_name(dt), what, e, tol, (long long)wk, wa, wb);
@@ -250,9 +256,8 @@ static double compare(const char *what, const char *name, int input, const void 
   return e;
 }
 
-static ddp_var_t *run_case(const ddp_test_torch_ops_t *o, ddp_ctx_t *c,
-                           const ddp_test_tcase_t *tc, ddp_dtype_t dt, double **data,
-                           const double *gout, ddp_var_t **in) {
+static ddp_var_t *run_case(const ddp_test_torch_ops_t *o, ddp_ctx_t *c, const ddp_test_tcase_t *tc,
+                           ddp_dtype_t dt, double **data, const double *gout, ddp_var_t **in) {
   ddp_ctx_reset(c);
   ddp_ctx_set_rng(c, 3, 0, 0);
   for (int i = 0; i < tc->nin; i++) in[i] = make_var(c, &tc->in[i], dt, data[i]);
@@ -263,8 +268,10 @@ static ddp_var_t *run_case(const ddp_test_torch_ops_t *o, ddp_ctx_t *c,
   ddp_tensor_t g;
   void *gbuf = malloc((size_t)y->value.numel * 8 + 8);
   for (int64_t k = 0; k < y->value.numel; k++) {
-    if (dt == DDP_F32) ((float *)gbuf)[k] = (float)gout[k];
-    else ((double *)gbuf)[k] = gout[k];
+    if (dt == DDP_F32)
+      ((float *)gbuf)[k] = (float)gout[k];
+    else
+      ((double *)gbuf)[k] = gout[k];
   }
   ddp_tensor_view(&g, dt, y->value.ndim, y->value.shape, gbuf);
   assert_int_equal(ddp_backward_multi(c, 1, &y, &g), DDP_OK);
@@ -290,16 +297,20 @@ static void write_case(const ddp_test_tcase_t *tc, ddp_dtype_t dt, double **data
     cJSON *e = cJSON_CreateObject();
     cJSON_AddStringToObject(e, "dtype", ids ? "i64" : dts);
     cJSON *sh = cJSON_AddArrayToObject(e, "shape");
-    for (int d = 0; d < g->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)g->shape[d]));
+    for (int d = 0; d < g->ndim; d++)
+      cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)g->shape[d]));
     cJSON_AddBoolToObject(e, "requires_grad", g->rg);
     cJSON_AddItemToArray(ins, e);
     char fn[32];
     snprintf(fn, sizeof fn, "in%d.bin", i);
     void *buf = malloc((size_t)numel[i] * 8 + 8);
     for (int64_t k = 0; k < numel[i]; k++) {
-      if (ids) ((int64_t *)buf)[k] = (int64_t)data[i][k];
-      else if (dt == DDP_F32) ((float *)buf)[k] = (float)data[i][k];
-      else ((double *)buf)[k] = data[i][k];
+      if (ids)
+        ((int64_t *)buf)[k] = (int64_t)data[i][k];
+      else if (dt == DDP_F32)
+        ((float *)buf)[k] = (float)data[i][k];
+      else
+        ((double *)buf)[k] = data[i][k];
     }
     ddp_test_write_bin(dir, fn, buf, (size_t)numel[i] * (ids ? 8 : es));
     free(buf);
@@ -310,8 +321,10 @@ static void write_case(const ddp_test_tcase_t *tc, ddp_dtype_t dt, double **data
   cJSON_Delete(j);
   void *gb = malloc((size_t)yn * 8 + 8);
   for (int64_t k = 0; k < yn; k++) {
-    if (dt == DDP_F32) ((float *)gb)[k] = (float)gout[k];
-    else ((double *)gb)[k] = gout[k];
+    if (dt == DDP_F32)
+      ((float *)gb)[k] = (float)gout[k];
+    else
+      ((double *)gb)[k] = gout[k];
   }
   ddp_test_write_bin(dir, "gout.bin", gb, (size_t)yn * es);
   free(gb);
@@ -331,7 +344,7 @@ void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *root, ddp_
   ddp_rng_init(&rng, 2024, 1);
   size_t n = o->n;
   double *(*data)[DDP_TEST_OP_MAX_IN] = calloc(n, sizeof *data);
-  int64_t (*numel)[DDP_TEST_OP_MAX_IN] = calloc(n, sizeof *numel);
+  int64_t(*numel)[DDP_TEST_OP_MAX_IN] = calloc(n, sizeof *numel);
   double **gout = calloc(n, sizeof *gout);
   for (size_t ci = 0; ci < n; ci++) {
     const ddp_test_tcase_t *tc = &o->cases[ci];

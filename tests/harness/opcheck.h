@@ -24,9 +24,9 @@ typedef enum ddp_test_in_kind {
 typedef struct ddp_test_opin {
   int ndim;
   int64_t shape[4];
-  int kind;    /* ddp_test_in_kind_t */
-  int64_t hi;  /* IDS and TARGETS: the exclusive upper bound */
-  bool rg;     /* requires grad (FLOAT only) */
+  int kind;   /* ddp_test_in_kind_t */
+  int64_t hi; /* IDS and TARGETS: the exclusive upper bound */
+  bool rg;    /* requires grad (FLOAT only) */
 } ddp_test_opin_t;
 
 #define DDP_TEST_OP_MAX_IN 6

@@ -174,11 +174,10 @@ int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const
       "--forward_flags '%s' %s --ddp_find_unused_parameters %s --ddp_broadcast_buffers %s "
       "--ddp_static_graph %s --gradient_as_bucket_view %s --ddp_timeout 60 "
       "--save_strategy no --disable_tqdm --output_dir '%s.out' --dump_dir '%s' %s %s %s %s",
-      g_train, c->world, g_scratch, c->name, init, c->data ? c->data : g_data, c->steps,
-      c->batch, c->accum, c->lr,
-      c->momentum, DDP_TEST_PARITY_SEED, c->flags ? c->flags : "0", cap, tf(c->find_unused),
-      tf(c->broadcast_buffers), tf(c->static_graph), tf(c->grad_as_bucket_view), dump_dir,
-      dump_dir, c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "", q,
+      g_train, c->world, g_scratch, c->name, init, c->data ? c->data : g_data, c->steps, c->batch,
+      c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED, c->flags ? c->flags : "0", cap,
+      tf(c->find_unused), tf(c->broadcast_buffers), tf(c->static_graph), tf(c->grad_as_bucket_view),
+      dump_dir, dump_dir, c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "", q,
       extra ? extra : "");
 }
 
@@ -203,19 +202,19 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
              c->first_bucket_mb);
   }
   char *out = NULL;
-  int rc = ddp_test_run_cmd(&out,
-               "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-               "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
-               "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
-               "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
-               "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
-               "--timeout 60 %s %s",
-               g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world,
-               c->steps,
-               c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED,
-               c->flags ? c->flags : "0", cap, tf(c->find_unused), tf(c->broadcast_buffers),
-               tf(c->static_graph), tf(c->grad_as_bucket_view),
-               c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "");
+  int rc =
+      ddp_test_run_cmd(&out,
+                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
+                       "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
+                       "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
+                       "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
+                       "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
+                       "--timeout 60 %s %s",
+                       g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world,
+                       c->steps, c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED,
+                       c->flags ? c->flags : "0", cap, tf(c->find_unused), tf(c->broadcast_buffers),
+                       tf(c->static_graph), tf(c->grad_as_bucket_view),
+                       c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "");
   if (rc != 0) {
     ddp_test_print_cmd_stderr();
     fail_msg("%s: torch_reference.py exited %d: %s", c->name, rc, out);
@@ -247,10 +246,10 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
       gelems += (int64_t)get(t, "elements")->valuedouble;
       gexact += (int64_t)cJSON_GetArrayItem(get(t, "ulp_hist"), 0)->valuedouble;
     }
-    double *pa = strncmp(nm, "grad.", 5) == 0    ? &gabs
-                 : strncmp(nm, "param.", 6) == 0 ? &pabs
+    double *pa = strncmp(nm, "grad.", 5) == 0     ? &gabs
+                 : strncmp(nm, "param.", 6) == 0  ? &pabs
                  : strncmp(nm, "buffer.", 7) == 0 ? &babs
-                                                 : NULL;
+                                                  : NULL;
     if (!pa) continue;
     double *pr = pa == &gabs ? &grel : pa == &pabs ? &prel : &brel;
     if (a > *pa) *pa = a;
@@ -301,4 +300,3 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
     cJSON_Delete(jb);
   }
 }
-

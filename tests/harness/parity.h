@@ -28,9 +28,9 @@
  * with named modules; the aux branch runs only when flag bit 0 is set (issue 14: its
  * gradient is None wherever no rank runs it). Parameters: fc1.weight, fc1.bias,
  * heads.logits.0.weight, heads.logits.0.bias, heads.aux.0.weight, heads.aux.0.bias. */
-#define DDP_TEST_AUX_MODEL                                                                   \
-  "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32, "      \
-  "\"name\": \"fc1\"}, {\"type\": \"relu\"}, {\"type\": \"add\", \"name\": \"heads\", "     \
+#define DDP_TEST_AUX_MODEL                                                                 \
+  "{\"dtype\": \"f32\", \"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32, "     \
+  "\"name\": \"fc1\"}, {\"type\": \"relu\"}, {\"type\": \"add\", \"name\": \"heads\", "    \
   "\"branches\": [{\"name\": \"logits\", \"layers\": [{\"type\": \"linear\", \"in\": 32, " \
   "\"out\": 10}]}, {\"name\": \"aux\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", "  \
   "\"in\": 32, \"out\": 10}]}]}]}"
@@ -46,7 +46,7 @@ typedef struct ddp_test_pcfg {
                          * 1.13's 1 MiB first bucket on the libddp side
                          * (--ddp_first_bucket_mb 1) */
   bool find_unused, broadcast_buffers, static_graph, grad_as_bucket_view;
-  bool rebuilt;         /* a rebuilt layout is expected */
+  bool rebuilt; /* a rebuilt layout is expected */
   /* Optional: arguments both tools take alike (--comm_hook, --comm_wrapper,
    * --comm_state_option), and ddp-compare tolerances (0: its defaults, rtol 1e-5 /
    * atol 1e-7). */
@@ -66,7 +66,7 @@ typedef struct ddp_test_pcfg {
 /* The largest differences ddp-compare reported, over every step, rank and element. */
 typedef struct ddp_test_parity_result {
   double grad_abs, grad_rel, param_abs, param_rel, buffer_abs, buffer_rel;
-  int64_t grad_elements, grad_bitwise; /* gradient elements compared, and those bit-equal */
+  int64_t grad_elements, grad_bitwise;  /* gradient elements compared, and those bit-equal */
   int buckets_initial, buckets_rebuilt; /* rank 0's layouts (rebuilt: -1 when none) */
 } ddp_test_parity_result_t;
 

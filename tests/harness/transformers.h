@@ -18,14 +18,14 @@
 /* GPT-2: n_layer 2, n_embd 64, n_head 4, vocab 256, n_positions 64; BERT: 2 layers, hidden 64,
  * 4 heads, intermediate 128, vocab 256, max_position 64, num_labels 3; dropout 0. "%s" takes
  * extra members (", \"key\": value"). */
-#define GPT2_JSON                                                                          \
-  "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 64, \"n_head\": 4, "             \
-  "\"vocab_size\": 256, \"n_positions\": 64, \"resid_pdrop\": 0, \"embd_pdrop\": 0, "      \
+#define GPT2_JSON                                                                     \
+  "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 64, \"n_head\": 4, "        \
+  "\"vocab_size\": 256, \"n_positions\": 64, \"resid_pdrop\": 0, \"embd_pdrop\": 0, " \
   "\"attn_pdrop\": 0%s}"
-#define BERT_JSON                                                                          \
-  "{\"model_type\": \"bert\", \"num_hidden_layers\": 2, \"hidden_size\": 64, "             \
-  "\"num_attention_heads\": 4, \"intermediate_size\": 128, \"vocab_size\": 256, "          \
-  "\"max_position_embeddings\": 64, \"num_labels\": 3, \"hidden_dropout_prob\": 0, "       \
+#define BERT_JSON                                                                    \
+  "{\"model_type\": \"bert\", \"num_hidden_layers\": 2, \"hidden_size\": 64, "       \
+  "\"num_attention_heads\": 4, \"intermediate_size\": 128, \"vocab_size\": 256, "    \
+  "\"max_position_embeddings\": 64, \"num_labels\": 3, \"hidden_dropout_prob\": 0, " \
   "\"attention_probs_dropout_prob\": 0%s}"
 
 /* The config text of GPT2_JSON / BERT_JSON with extra members (", \"k\": v") appended. */
@@ -79,8 +79,8 @@ static inline void gpt2_batch(batch_t *b, int64_t B, int64_t T, uint64_t seed) {
   }
 }
 
-static inline void bert_batch(batch_t *b, int64_t B, int64_t T, int rows, bool pad,
-                              bool regression, uint64_t seed) {
+static inline void bert_batch(batch_t *b, int64_t B, int64_t T, int rows, bool pad, bool regression,
+                              uint64_t seed) {
   ddp_rng_t r;
   ddp_rng_init(&r, seed, 9);
   memset(b, 0, sizeof *b);
@@ -120,13 +120,14 @@ static inline void on_ready(void *user, ddp_param_t *p, int fire) {
 
 /* One forward (training mode) + loss + backward; returns the loss var, logits in *logits. */
 static inline ddp_var_t *step(ddp_model_t *m, ddp_ctx_t *c, const batch_t *b, bool grad,
-                       ddp_var_t **logits) {
+                              ddp_var_t **logits) {
   ddp_var_t *x, *l, *y, *loss;
   ddp_ctx_reset(c);
   ddp_ctx_set_grad_enabled(c, grad);
   assert_int_equal(ddp_var_new(c, DDP_I64, b->nd, b->shape, b->x, false, &x), DDP_OK);
   assert_int_equal(ddp_var_new(c, b->ldt, b->lnd, b->lshape, &b->labels, false, &l), DDP_OK);
-  if (ddp_model_forward(m, c, x, 0, &y) != DDP_OK) fail_msg("forward: %s", ddp_ctx_last_error(c)->msg);
+  if (ddp_model_forward(m, c, x, 0, &y) != DDP_OK)
+    fail_msg("forward: %s", ddp_ctx_last_error(c)->msg);
   if (ddp_model_loss(m, c, y, l, &loss) != DDP_OK) fail_msg("loss: %s", ddp_ctx_last_error(c)->msg);
   if (grad && ddp_backward(c, loss) != DDP_OK) fail_msg("backward: %s", ddp_ctx_last_error(c)->msg);
   if (logits) *logits = y;
@@ -137,8 +138,6 @@ static inline double getv(const void *p, ddp_dtype_t dt, int64_t k) {
   return dt == DDP_F32 ? ((const float *)p)[k] : ((const double *)p)[k];
 }
 
-
-
 static inline void mkdirs(const char *dir) {
   char cmd[600];
   snprintf(cmd, sizeof cmd, "mkdir -p '%s'", dir);
@@ -147,8 +146,8 @@ static inline void mkdirs(const char *dir) {
 
 /* Rewrites DIR/model.safetensors from m's parameters: without `drop`, names stripped of
  * `strip`, plus extra entries. */
-static inline void write_weights(const char *dir, ddp_model_t *m, const char *drop, const char *strip,
-                          const ddp_st_entry_t *extra, size_t nextra) {
+static inline void write_weights(const char *dir, ddp_model_t *m, const char *drop,
+                                 const char *strip, const ddp_st_entry_t *extra, size_t nextra) {
   ddp_st_entry_t es[128];
   char names[128][128];
   size_t n = 0;

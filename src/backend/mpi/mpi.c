@@ -108,7 +108,8 @@ static ddp_status_t ensure_init(int rank, ddp_error_t *err) {
   if (fin)
     return ddp__error(err, rank, DDP_ERR_INVALID_USAGE,
                       "rank %d: backend mpi: MPI has already been finalised in this process "
-                      "(MPI cannot be initialised again)", rank);
+                      "(MPI cannot be initialised again)",
+                      rank);
   if (!init) {
     int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level);
     if (rc != MPI_SUCCESS) return mpi_create_err(err, rank, DDP_ERR_SYSTEM, rc, "MPI_Init_thread");
@@ -122,7 +123,8 @@ static ddp_status_t ensure_init(int rank, ddp_error_t *err) {
     return ddp__error(err, rank, DDP_ERR_UNSUPPORTED,
                       "rank %d: backend mpi: MPI provides thread level %d, but the group's "
                       "progress thread needs MPI_THREAD_SERIALIZED (%d) or better; initialise "
-                      "MPI with MPI_Init_thread", rank, level, MPI_THREAD_SERIALIZED);
+                      "MPI with MPI_Init_thread",
+                      rank, level, MPI_THREAD_SERIALIZED);
   return DDP_OK;
 }
 
@@ -171,7 +173,8 @@ static ddp_status_t mpi_create(const ddp_backend_init_t *in, void **out, ddp_err
     MPI_Comm_rank(MPI_COMM_WORLD, &wr);
     st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                     "rank %d: backend mpi: MPI process %d was given group rank %d, but another "
-                    "process claims the same rank (each rank must appear once)", rank, wr, rank);
+                    "process claims the same rank (each rank must appear once)",
+                    rank, wr, rank);
     goto fail;
   }
   *out = s;
@@ -218,8 +221,7 @@ static void pending_peers(mpi_state_t *s, const ddp_xfer_t *ops, size_t nops, co
     for (size_t i = (size_t)first[k]; i < end; i++) open |= s->reqs[i] != MPI_REQUEST_NULL;
     if (open)
       o += (size_t)snprintf(buf + o, len - o, "%s%s rank %d (%zu bytes)", o ? ", " : "",
-                            ops[k].is_send ? "send to" : "receive from", ops[k].peer,
-                            ops[k].bytes);
+                            ops[k].is_send ? "send to" : "receive from", ops[k].peer, ops[k].bytes);
   }
 }
 
@@ -229,7 +231,8 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
   if (atomic_load(&s->aborted))
     return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
   size_t need = 0;
-  for (size_t k = 0; k < nops; k++) need += ops[k].bytes ? (ops[k].bytes + CHUNK_MAX - 1) / CHUNK_MAX : 1;
+  for (size_t k = 0; k < nops; k++)
+    need += ops[k].bytes ? (ops[k].bytes + CHUNK_MAX - 1) / CHUNK_MAX : 1;
   if (need > s->nreqs_cap) {
     ddp__free(s->reqs);
     ddp__free(s->idx);
@@ -241,7 +244,8 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
   }
   /* first[k]: index of transfer k's first request; first[nops] = total. */
   int first_stack[2 * DDP_PG_MAX_WORLD + 1];
-  int *first = nops < DDP_ARRAY_LEN(first_stack) ? first_stack : ddp__malloc((nops + 1) * sizeof(int));
+  int *first = nops < DDP_ARRAY_LEN(first_stack) ? first_stack
+                                                 : ddp__malloc((nops + 1) * sizeof(int));
   if (!first) return ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "out of memory for the xfer index");
   size_t nr = 0;
   ddp_status_t st = DDP_OK;
@@ -298,8 +302,8 @@ static ddp_status_t mpi_xfer(void *state, ddp_xfer_t *ops, size_t nops, ddp_xfer
   if (st != DDP_OK && nr > 0 && !cancel_all(s, nr)) {
     ddp__log(s->rank, DDP_LOG_ERROR,
              "rank %d: backend mpi: %s; MPI could not cancel a pending transfer and would keep "
-             "using the caller's buffer, so the job is aborted (MPI_Abort)", s->rank,
-             err ? err->msg : ddp_status_name(st));
+             "using the caller's buffer, so the job is aborted (MPI_Abort)",
+             s->rank, err ? err->msg : ddp_status_name(st));
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   if (st != DDP_OK) s->broken = true;
@@ -323,8 +327,8 @@ static ddp_status_t wait_coll(mpi_state_t *s, MPI_Request *req, const char *what
     if (ab || ddp_now_ns() >= deadline_ns) {
       ddp__log(s->rank, DDP_LOG_ERROR,
                "rank %d: backend mpi: %s %s; a running MPI collective cannot be cancelled, so "
-               "the job is aborted (MPI_Abort)", s->rank, what,
-               ab ? "was aborted" : "timed out");
+               "the job is aborted (MPI_Abort)",
+               s->rank, what, ab ? "was aborted" : "timed out");
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     if (polls > 200) pause_poll(yield_until);
@@ -368,8 +372,10 @@ static ddp_status_t run_native(mpi_state_t *s, const ddp_backend_coll_t *c, int6
                               (unsigned long long)c->count, j, (long long)all[4 * j],
                               (long long)all[4 * j + 3], (long long)all[4 * j + 2],
                               (long long)all[4 * j + 1]);
-  MPI_Op op = c->op == DDP_OP_MIN ? MPI_MIN : c->op == DDP_OP_MAX ? MPI_MAX
-              : c->op == DDP_OP_PRODUCT ? MPI_PROD : MPI_SUM;
+  MPI_Op op = c->op == DDP_OP_MIN       ? MPI_MIN
+              : c->op == DDP_OP_MAX     ? MPI_MAX
+              : c->op == DDP_OP_PRODUCT ? MPI_PROD
+                                        : MPI_SUM;
   size_t es = ddp_dtype_size(c->dt);
   for (size_t off = 0; off < c->count; off += CHUNK_MAX) {
     int n = (int)DDP_MIN((size_t)CHUNK_MAX, c->count - off);

@@ -46,15 +46,15 @@ typedef struct nccl_state {
   ncclComm_t comm;
   cudaStream_t stream;
   bool stream_ok;
-  void *dstage[2];      /* device staging for host inputs / outputs */
+  void *dstage[2]; /* device staging for host inputs / outputs */
   size_t dstage_bytes[2];
-  void *dscr;           /* device scratch: W slices, or the fingerprints */
+  void *dscr; /* device scratch: W slices, or the fingerprints */
   size_t dscr_bytes;
-  unsigned char *hscr;  /* host copy of the W slices for the fold */
+  unsigned char *hscr; /* host copy of the W slices for the fold */
   size_t hscr_bytes;
-  unsigned char *tmp;   /* DDP_REDUCE_TMP_BYTES for ddp_reduce_fold */
+  unsigned char *tmp; /* DDP_REDUCE_TMP_BYTES for ddp_reduce_fold */
   atomic_bool aborted;
-  bool comm_dead;       /* aborted by us: no further NCCL call on comm */
+  bool comm_dead; /* aborted by us: no further NCCL call on comm */
 } nccl_state_t;
 
 /* ---------------------------------------------------------------- errors ---------- */
@@ -85,19 +85,21 @@ ddp_status_t ddp__nccl_status(ncclResult_t r) {
 }
 
 ddp_status_t ddp__cuda_error(ddp_error_t *err, cudaError_t e, const char *what) {
-  return ddp__error_quiet(err, ddp__cuda_status(e), "%s: CUDA error %d (%s): %s", what, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
+  return ddp__error_quiet(err, ddp__cuda_status(e), "%s: CUDA error %d (%s): %s", what, (int)e,
+                          cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
 ddp_status_t ddp__nccl_error(ddp_error_t *err, ncclResult_t r, ncclComm_t comm, const char *what) {
   const char *last = ncclGetLastError(comm);
-  return ddp__error_quiet(err, ddp__nccl_status(r), "%s: NCCL error %d: %s%s%s%s", what, (int)r, ncclGetErrorString(r), last && last[0] ? " (" : "",
-                    last ? last : "", last && last[0] ? ")" : "");
+  return ddp__error_quiet(err, ddp__nccl_status(r), "%s: NCCL error %d: %s%s%s%s", what, (int)r,
+                          ncclGetErrorString(r), last && last[0] ? " (" : "", last ? last : "",
+                          last && last[0] ? ")" : "");
 }
 
-#define CUDA_TRY(s, call, what)                                                   \
-  do {                                                                            \
-    cudaError_t e_ = (call);                                                      \
-    if (e_ != cudaSuccess) return ddp__cuda_error(err, e_, (what));               \
+#define CUDA_TRY(s, call, what)                                     \
+  do {                                                              \
+    cudaError_t e_ = (call);                                        \
+    if (e_ != cudaSuccess) return ddp__cuda_error(err, e_, (what)); \
   } while (0)
 
 /* An NCCL call on a non-blocking communicator may answer ncclInProgress: its outcome then
@@ -121,10 +123,10 @@ static ddp_status_t nccl_settle(nccl_state_t *s, ncclResult_t r, const char *wha
   return ddp__nccl_error(err, r, s->comm, what);
 }
 
-#define NCCL_TRY(s, call, what, dl)                                               \
-  do {                                                                            \
-    ddp_status_t st_ = nccl_settle((s), (call), (what), (dl), err);               \
-    if (st_ != DDP_OK) return st_;                                                \
+#define NCCL_TRY(s, call, what, dl)                                 \
+  do {                                                              \
+    ddp_status_t st_ = nccl_settle((s), (call), (what), (dl), err); \
+    if (st_ != DDP_OK) return st_;                                  \
   } while (0)
 
 /* Polls the stream until the enqueued work is done, a CUDA or NCCL error, the deadline, or
@@ -218,12 +220,14 @@ static int local_rank(int rank) {
                                      DDP_ENV_SLURM_LOCALID};
   for (size_t i = 0; i < DDP_ARRAY_LEN(ids); i++) {
     int64_t v;
-    if (ddp_env_is_set(ids[i]) && ddp_env_int(ids[i], 0, 1 << 20, &v, NULL) == DDP_OK) return (int)v;
+    if (ddp_env_is_set(ids[i]) && ddp_env_int(ids[i], 0, 1 << 20, &v, NULL) == DDP_OK)
+      return (int)v;
   }
   return rank;
 }
 
-static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid, ddp_error_t *err) {
+static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid,
+                                 ddp_error_t *err) {
   int rank = in->rank;
   const char *key = "nccl/uid";
   if (rank == 0) {
@@ -234,15 +238,15 @@ static ddp_status_t exchange_uid(const ddp_backend_init_t *in, ncclUniqueId *uid
       return create_failed(err, rank, &e);
     }
     if (ddp_store_set(in->store, key, uid, sizeof *uid) != DDP_OK)
-      return ddp__backend_store_failed(in->store, DDP_ERR_REMOTE, err, "rank 0: store set %s",
-                                       key);
+      return ddp__backend_store_failed(in->store, DDP_ERR_REMOTE, err, "rank 0: store set %s", key);
     return DDP_OK;
   }
   const char *keys[1] = {key};
   ddp_status_t st = ddp_store_wait(in->store, keys, 1, in->timeout_ms);
   if (st != DDP_OK)
     return ddp__backend_store_failed(in->store, st, err,
-                                     "rank %d: waiting for rank 0's NCCL unique id (%s)", rank, key);
+                                     "rank %d: waiting for rank 0's NCCL unique id (%s)", rank,
+                                     key);
   void *v = NULL;
   size_t n = 0;
   st = ddp_store_get(in->store, key, &v, &n);
@@ -269,7 +273,8 @@ static ddp_status_t nccl_create(const ddp_backend_init_t *in, void **out, ddp_er
     return create_failed(err, rank, &ce);
   }
   if (ndev == 0)
-    return ddp__error(err, rank, DDP_ERR_UNSUPPORTED, "rank %d: backend nccl: no CUDA device", rank);
+    return ddp__error(err, rank, DDP_ERR_UNSUPPORTED, "rank %d: backend nccl: no CUDA device",
+                      rank);
   if (!in->store)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "rank %d: backend nccl needs a store to exchange the NCCL unique id", rank);
@@ -369,9 +374,8 @@ static ddp_status_t check_fps(nccl_state_t *s, const ddp_backend_coll_t *c, int6
       return ddp__error_quiet(err, DDP_ERR_DESYNC,
                               "mismatched collectives: rank %d runs %s (count %llu, %s, %s), "
                               "rank %d runs %s (count %lld, dtype %lld, op %lld)",
-                              s->rank, ddp_coll_kind_name(c->kind),
-                              (unsigned long long)c->count, ddp_dtype_name(c->dt),
-                              ddp_redop_name(c->op), j,
+                              s->rank, ddp_coll_kind_name(c->kind), (unsigned long long)c->count,
+                              ddp_dtype_name(c->dt), ddp_redop_name(c->op), j,
                               ddp_coll_kind_name((ddp_coll_kind_t)all[FP_INTS * j]),
                               (long long)all[FP_INTS * j + 1], (long long)all[FP_INTS * j + 2],
                               (long long)all[FP_INTS * j + 3]);
@@ -383,9 +387,9 @@ static ddp_status_t check_fps(nccl_state_t *s, const ddp_backend_coll_t *c, int6
  * [off[r], off[r] + len[r]) into device scratch with grouped send/recv, then folds them in
  * rank order into out_slice with the ordered reduction kernel (fold.cu), or, in builds
  * without nvcc, on the host with the library's fold before uploading the result. */
-static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, const unsigned char *in,
-                                 const size_t *off, const size_t *len, unsigned char *out_slice,
-                                 int64_t dl, ddp_error_t *err) {
+static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c,
+                                 const unsigned char *in, const size_t *off, const size_t *len,
+                                 unsigned char *out_slice, int64_t dl, ddp_error_t *err) {
   int W = s->size, r = s->rank;
   size_t es = ddp_dtype_size(c->dt), mine = len[r] * es;
   DDP_CHECK(dgrow(s, &s->dscr, &s->dscr_bytes, (size_t)W * mine + 64, err));
@@ -394,17 +398,23 @@ static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, c
   NCCL_TRY(s, ncclGroupStart(), "ncclGroupStart", dl);
   for (int j = 0; j < W; j++) {
     if (j == r) continue;
-    if (len[j]) NCCL_TRY(s, ncclSend(in + off[j] * es, len[j] * es, ncclUint8, j, s->comm, s->stream),
-                         "ncclSend of a slice", dl);
-    if (mine) NCCL_TRY(s, ncclRecv(d + (size_t)j * mine, mine, ncclUint8, j, s->comm, s->stream),
-                       "ncclRecv of a slice", dl);
+    if (len[j])
+      NCCL_TRY(s, ncclSend(in + off[j] * es, len[j] * es, ncclUint8, j, s->comm, s->stream),
+               "ncclSend of a slice", dl);
+    if (mine)
+      NCCL_TRY(s, ncclRecv(d + (size_t)j * mine, mine, ncclUint8, j, s->comm, s->stream),
+               "ncclRecv of a slice", dl);
   }
   NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
   if (mine)
-    CUDA_TRY(s, cudaMemcpyAsync(d + (size_t)r * mine, in + off[r] * es, mine,
-                                cudaMemcpyDeviceToDevice, s->stream), "cudaMemcpyAsync of the own slice");
+    CUDA_TRY(s,
+             cudaMemcpyAsync(d + (size_t)r * mine, in + off[r] * es, mine, cudaMemcpyDeviceToDevice,
+                             s->stream),
+             "cudaMemcpyAsync of the own slice");
   if (mine && ddp__nccl_have_fold_kernel()) {
-    CUDA_TRY(s, ddp__nccl_fold_launch((int)c->dt, (int)c->op, W, d, mine, out_slice, len[r], s->stream),
+    CUDA_TRY(s,
+             ddp__nccl_fold_launch((int)c->dt, (int)c->op, W, d, mine, out_slice, len[r],
+                                   s->stream),
              "launch of the ordered reduction kernel");
     return wait_stream(s, "the slice exchange and ordered fold", dl, err);
   }
@@ -423,8 +433,9 @@ static ddp_status_t reduce_owned(nccl_state_t *s, const ddp_backend_coll_t *c, c
 }
 
 /* Runs collective c on device buffers din/dout. */
-static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, const unsigned char *din,
-                               unsigned char *dout, int64_t dl, ddp_error_t *err) {
+static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c,
+                               const unsigned char *din, unsigned char *dout, int64_t dl,
+                               ddp_error_t *err) {
   int W = s->size, r = s->rank;
   size_t es = ddp_dtype_size(c->dt), n = c->count, nb = n * es;
   ncclComm_t m = s->comm;
@@ -447,14 +458,17 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       NCCL_TRY(s, ncclGroupStart(), "ncclGroupStart", dl);
       for (int j = 0; j < W; j++) {
         if (j == r) continue;
-        if (len[r]) NCCL_TRY(s, ncclSend(dout + off[r] * es, len[r] * es, ncclUint8, j, m, q),
-                             "ncclSend of the reduced slice", dl);
-        if (len[j]) NCCL_TRY(s, ncclRecv(dout + off[j] * es, len[j] * es, ncclUint8, j, m, q),
-                             "ncclRecv of a reduced slice", dl);
+        if (len[r])
+          NCCL_TRY(s, ncclSend(dout + off[r] * es, len[r] * es, ncclUint8, j, m, q),
+                   "ncclSend of the reduced slice", dl);
+        if (len[j])
+          NCCL_TRY(s, ncclRecv(dout + off[j] * es, len[j] * es, ncclUint8, j, m, q),
+                   "ncclRecv of a reduced slice", dl);
       }
       NCCL_TRY(s, ncclGroupEnd(), "ncclGroupEnd", dl);
       break;
-    case DDP_COLL_REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only */
+    case DDP_COLL_REDUCE_SCATTER: /* always canonical: src/pg resolves algorithms for allreduce only
+                                   */
       for (int j = 0; j < W; j++) {
         off[j] = (size_t)j * n;
         len[j] = n;
@@ -469,8 +483,10 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       break;
     case DDP_COLL_ALLTOALL:
       if (nb)
-        CUDA_TRY(s, cudaMemcpyAsync(dout + (size_t)r * nb, din + (size_t)r * nb, nb,
-                                    cudaMemcpyDeviceToDevice, q), "cudaMemcpyAsync of the own block");
+        CUDA_TRY(s,
+                 cudaMemcpyAsync(dout + (size_t)r * nb, din + (size_t)r * nb, nb,
+                                 cudaMemcpyDeviceToDevice, q),
+                 "cudaMemcpyAsync of the own block");
       NCCL_TRY(s, ncclGroupStart(), "ncclGroupStart", dl);
       for (int j = 0; j < W && nb; j++) {
         if (j == r) continue;
@@ -481,7 +497,8 @@ static ddp_status_t run_device(nccl_state_t *s, const ddp_backend_coll_t *c, con
       break;
     case DDP_COLL_BARRIER:
       DDP_CHECK(dgrow(s, &s->dscr, &s->dscr_bytes, 64, err));
-      NCCL_TRY(s, ncclAllReduce(s->dscr, s->dscr, 1, ncclInt32, ncclSum, m, q), "ncclAllReduce (barrier)", dl);
+      NCCL_TRY(s, ncclAllReduce(s->dscr, s->dscr, 1, ncclInt32, ncclSum, m, q),
+               "ncclAllReduce (barrier)", dl);
       break;
     case DDP_COLL_SEND:
       if (nb) NCCL_TRY(s, ncclSend(din, nb, ncclUint8, c->root, m, q), "ncclSend", dl);
@@ -509,7 +526,8 @@ static void io_bytes(const nccl_state_t *s, const ddp_backend_coll_t *c, size_t 
   }
 }
 
-static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t dl, ddp_error_t *err) {
+static ddp_status_t nccl_run(void *state, const ddp_backend_coll_t *c, int64_t dl,
+                             ddp_error_t *err) {
   nccl_state_t *s = state;
   if (atomic_load(&s->aborted) || s->comm_dead)
     return ddp__error_quiet(err, DDP_ERR_ABORTED, "the NCCL communicator was aborted");

@@ -57,14 +57,14 @@ typedef struct shm_state {
   size_t total;
   unsigned char **staging;
   int *pids;
-  int *pidfds;          /* -1 for self, or when pidfd_open is unavailable */
-  int fd;               /* the segment, kept open to reserve heap blocks */
+  int *pidfds; /* -1 for self, or when pidfd_open is unavailable */
+  int fd;      /* the segment, kept open to reserve heap blocks */
   ddp_backend_shared_t sh;
   pthread_mutex_t heap_mu; /* guards the free list */
   size_t heap_lo, heap_hi; /* this rank's heap, as segment offsets */
   range_t *free_list;      /* sorted by offset, coalesced */
   size_t nfree, capfree;
-  ddp_error_t alloc_err;   /* why the last shm_alloc failed (heap_mu) */
+  ddp_error_t alloc_err; /* why the last shm_alloc failed (heap_mu) */
 } shm_state_t;
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -98,7 +98,8 @@ static ddp_status_t reserve(int fd, size_t off, size_t len, int rank, const char
       err, e == ENOSPC ? DDP_ERR_NO_MEMORY : DDP_ERR_SYSTEM,
       "rank %d: /dev/shm cannot hold %s: %zu bytes needed, %lld bytes free (posix_fallocate: "
       "%s); enlarge /dev/shm (docker run --shm-size, or mount -o remount,size=... /dev/shm) "
-      "or use the tcp backend", rank, what, len, shm_free_bytes(), strerror(e));
+      "or use the tcp backend",
+      rank, what, len, shm_free_bytes(), strerror(e));
 }
 
 static uint64_t to_handle(void *state, const void *p, size_t n) {
@@ -188,8 +189,8 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
       goto fail;
     }
     if (ftruncate(fd, (off_t)s->total) != 0) {
-      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank 0: ftruncate(%s, %zu): %s (errno %d)",
-                      name, s->total, strerror(errno), errno);
+      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank 0: ftruncate(%s, %zu): %s (errno %d)", name,
+                      s->total, strerror(errno), errno);
       goto fail;
     }
     char what[96];
@@ -209,7 +210,8 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     if (st != DDP_OK) {
       st = ddp__error_quiet(err, st, /* the store has logged its wait */
                             "rank %d: timed out after %lld ms waiting for rank 0 to join the shm "
-                            "group", rank, (long long)in->timeout_ms);
+                            "group",
+                            rank, (long long)in->timeout_ms);
       goto fail;
     }
     void *v = NULL;
@@ -220,8 +222,8 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     name[sizeof name - 1] = '\0';
     fd = name[0] ? shm_open(name, O_RDWR, 0600) : -1;
     if (fd < 0) {
-      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: shm_open(%s): %s (errno %d)", rank,
-                      name, strerror(errno), errno);
+      st = ddp__error(err, rank, DDP_ERR_SYSTEM, "rank %d: shm_open(%s): %s (errno %d)", rank, name,
+                      strerror(errno), errno);
       name[0] = '\0';
       goto fail;
     }
@@ -229,8 +231,8 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != s->total) {
       st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "rank %d: shm segment %s has %lld bytes, this rank expects %zu (the ranks "
-                      "disagree on world size or options)", rank, name, (long long)sb.st_size,
-                      s->total);
+                      "disagree on world size or options)",
+                      rank, name, (long long)sb.st_size, s->total);
       goto fail;
     }
   }
@@ -258,8 +260,8 @@ static ddp_status_t shm_create(const ddp_backend_init_t *in, void **out, ddp_err
     if (j == rank) continue;
     s->pidfds[j] = (int)syscall(SYS_pidfd_open, s->pids[j], 0);
   }
-  s->sh = (ddp_backend_shared_t){s->base, s->staging, in->staging_bytes, to_handle, from_handle,
-                                 check_peers};
+  s->sh = (ddp_backend_shared_t){s->base,   s->staging,  in->staging_bytes,
+                                 to_handle, from_handle, check_peers};
   *out = s;
   return DDP_OK;
 fail:
@@ -285,7 +287,8 @@ static void *shm_alloc(void *state, size_t bytes) {
   if (i == s->nfree) {
     ddp__error(&s->alloc_err, s->rank, DDP_ERR_NO_MEMORY,
                "rank %d: no free range of %zu bytes in this rank's shm heap of %zu bytes "
-               "(shm_heap_bytes)", s->rank, need, s->heap_hi - s->heap_lo);
+               "(shm_heap_bytes)",
+               s->rank, need, s->heap_hi - s->heap_lo);
     pthread_mutex_unlock(&s->heap_mu);
     return NULL;
   }

@@ -12,13 +12,13 @@
  * stays on).
  *
  * Data. xfer() runs a batch of sends and receives at once; transfers to (or from) the same
- * peer run in batch order, one after the other on that stream. It writes and reads whatever each socket accepts, handles partial transfers and EINTR,
- * and polls all pending sockets plus an abort eventfd (after a short window of retries that
- * yield the CPU, YIELD_NS) until everything is done, so sends and receives to all peers
- * proceed concurrently and the algorithms' segments pipeline through the socket buffers. A
- * read of 0 bytes (FIN) or a reset names the peer rank and address; the deadline names
- * every peer still pending with its byte counts. A receive of zero bytes is a probe: it
- * fails if the peer's stream has ended without the goodbye byte that an orderly destroy
+ * peer run in batch order, one after the other on that stream. It writes and reads whatever each
+ * socket accepts, handles partial transfers and EINTR, and polls all pending sockets plus an abort
+ * eventfd (after a short window of retries that yield the CPU, YIELD_NS) until everything is done,
+ * so sends and receives to all peers proceed concurrently and the algorithms' segments pipeline
+ * through the socket buffers. A read of 0 bytes (FIN) or a reset names the peer rank and address;
+ * the deadline names every peer still pending with its byte counts. A receive of zero bytes is a
+ * probe: it fails if the peer's stream has ended without the goodbye byte that an orderly destroy
  * sends before closing, i.e. if the peer failed or aborted.
  *
  * Failure. fail() half-closes every connection (SHUT_WR): data already written still
@@ -81,11 +81,11 @@ typedef struct verdict {
 typedef struct tcp_state {
   int rank;
   int size;
-  int *fds;                /* per peer; -1 for self */
-  char (*addr)[ADDR_MAX];  /* "host:port" of each peer, for messages */
-  int efd;                 /* abort eventfd */
+  int *fds;               /* per peer; -1 for self */
+  char (*addr)[ADDR_MAX]; /* "host:port" of each peer, for messages */
+  int efd;                /* abort eventfd */
   atomic_bool failed;
-  atomic_int blame;        /* the rank this rank's first failure blames; -1 = none yet */
+  atomic_int blame; /* the rank this rank's first failure blames; -1 = none yet */
 } tcp_state_t;
 
 static void tune(int fd) {
@@ -113,8 +113,7 @@ static void tune(int fd) {
 static void nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 /* Moves all n bytes before the deadline (setup only). */
-static ddp_status_t io_all(int fd, void *buf, size_t n, bool is_send, int64_t deadline,
-                           int efd) {
+static ddp_status_t io_all(int fd, void *buf, size_t n, bool is_send, int64_t deadline, int efd) {
   size_t done = 0;
   while (done < n) {
     ssize_t r = is_send ? send(fd, (char *)buf + done, n - done, MSG_NOSIGNAL)
@@ -236,8 +235,8 @@ static ddp_status_t publish_host(ddp_store_t *store, int rank, char *host, size_
     if (!found)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                         "rank %d: %s=\"%s\": no such interface with an IPv4 or global IPv6 "
-                        "address on this host (interfaces with IPv4:%s)", rank,
-                        ddp_env_name(id), names, have[0] ? have : " none");
+                        "address on this host (interfaces with IPv4:%s)",
+                        rank, ddp_env_name(id), names, have[0] ? have : " none");
     *why = ddp_env_name(id);
     return DDP_OK;
   }
@@ -265,7 +264,8 @@ static void tcp_destroy(void *state) {
   if (s->fds)
     for (int j = 0; j < s->size; j++)
       if (s->fds[j] >= 0) {
-        if (send(s->fds[j], "", 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) { /* failed or full */ }
+        if (send(s->fds[j], "", 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) { /* failed or full */
+        }
         close(s->fds[j]);
       }
   if (s->efd >= 0) close(s->efd);
@@ -338,8 +338,8 @@ static ddp_status_t connect_down(const ddp_backend_init_t *in, tcp_state_t *s, i
   if (ddp_store_wait(in->store, &k, 1, left > 0 ? left : 0) != DDP_OK)
     return ddp__error_quiet(err, DDP_ERR_TIMEOUT, /* the store has logged its wait */
                             "rank %d: timed out after %lld ms waiting for rank %d to join the "
-                            "tcp group (it never published its address)", rank,
-                            (long long)in->timeout_ms, j);
+                            "tcp group (it never published its address)",
+                            rank, (long long)in->timeout_ms, j);
   void *v = NULL;
   size_t n = 0;
   char peer[ADDR_MAX] = "", ph[256] = "", pp[16] = "";
@@ -363,7 +363,8 @@ static ddp_status_t connect_down(const ddp_backend_init_t *in, tcp_state_t *s, i
       io_all(fd, &vd, sizeof vd, false, deadline, -1) != DDP_OK || vd.magic != HELLO_MAGIC)
     return ddp__error(err, rank, DDP_ERR_REMOTE,
                       "rank %d: handshake with rank %d at %s failed (no answer before the "
-                      "deadline, or the connection was closed)", rank, j, s->addr[j]);
+                      "deadline, or the connection was closed)",
+                      rank, j, s->addr[j]);
   if (vd.code != 0)
     return ddp__error(err, rank, vd.code == 1 ? DDP_ERR_INVALID_ARGUMENT : DDP_ERR_INVALID_USAGE,
                       "rank %d: rank %d at %s refused the connection: %s", rank, j, s->addr[j],
@@ -403,8 +404,8 @@ static bool accept_one(tcp_state_t *s, int lfd, const hello_t *mine, int64_t dea
   }
   io_all(fd, &vd, sizeof vd, true, hd, -1);
   if (vd.code != 0) {
-    ddp__log(rank, DDP_LOG_WARN, "refused a connection from %s:%s claiming rank %d: %s", ph,
-             pp, (int)ph_.rank, vd.code == 1 ? "wrong job token" : "bad rank or world size");
+    ddp__log(rank, DDP_LOG_WARN, "refused a connection from %s:%s claiming rank %d: %s", ph, pp,
+             (int)ph_.rank, vd.code == 1 ? "wrong job token" : "bad rank or world size");
     close(fd);
     return false;
   }
@@ -465,7 +466,8 @@ static ddp_status_t tcp_create(const ddp_backend_init_t *in, void **out, ddp_err
   memcpy(h.token, in->job_token ? in->job_token : "", tlen);
   DDP_CHECK_GOTO(listen_any(rank, W, &lfd, &port, err), st, fail);
   DDP_CHECK_GOTO(publish_addr(in, port, err), st, fail);
-  for (int j = 0; j < rank; j++) DDP_CHECK_GOTO(connect_down(in, s, j, &h, deadline, err), st, fail);
+  for (int j = 0; j < rank; j++)
+    DDP_CHECK_GOTO(connect_down(in, s, j, &h, deadline, err), st, fail);
   DDP_CHECK_GOTO(accept_up(s, lfd, &h, deadline, in->timeout_ms, err), st, fail);
   close(lfd);
   lfd = -1;
@@ -560,11 +562,12 @@ static ddp_status_t eof_error(tcp_state_t *s, int peer, size_t done, size_t byte
   if (culprit == peer)
     return ddp__error_quiet(err, DDP_ERR_REMOTE,
                             "rank %d (%s) closed the connection%s: it exited, failed or "
-                            "aborted%s", peer, s->addr[peer], at, others);
+                            "aborted%s",
+                            peer, s->addr[peer], at, others);
   return ddp__error_quiet(err, DDP_ERR_REMOTE,
                           "rank %d (%s) exited, failed or aborted, and rank %d (%s) failed "
-                          "the group because of it (closed its connection%s)%s", culprit,
-                          s->addr[culprit], peer, s->addr[peer], at, others);
+                          "the group because of it (closed its connection%s)%s",
+                          culprit, s->addr[culprit], peer, s->addr[peer], at, others);
 }
 
 static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
@@ -584,8 +587,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       uint64_t *word = &busy[o->is_send][o->peer / 64], bit = 1ull << (o->peer % 64);
       if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
-      if (!o->is_send && o->bytes == 0 &&
-          recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+      if (!o->is_send && o->bytes == 0 && recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
         return eof_error(s, o->peer, 0, 0, true, err);
       while (o->done < o->bytes) {
         ssize_t r = o->is_send
@@ -620,7 +622,8 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
     uint64_t ev;
     if (read(s->efd, &ev, sizeof ev) == (ssize_t)sizeof ev) {
       uint64_t one = 1;
-      if (write(s->efd, &one, sizeof one) < 0) { /* stays readable either way */ }
+      if (write(s->efd, &one, sizeof one) < 0) { /* stays readable either way */
+      }
       return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
     }
     int64_t now = ddp_now_ns();
@@ -635,8 +638,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
                               k ? ", " : "", x->peer, s->addr[x->peer],
                               x->is_send ? "sent" : "received", x->done, x->bytes);
       }
-      return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
-                              "timed out after %lld ms waiting for %s",
+      return ddp__error_quiet(err, DDP_ERR_TIMEOUT, "timed out after %lld ms waiting for %s",
                               (long long)((now - start) / 1000000), who);
     }
     if (idle && !idle->ran) { /* the caller's fold, while the kernel moves this batch */
@@ -664,7 +666,8 @@ static void tcp_fail(void *state) {
     const int flags = MSG_OOB | MSG_NOSIGNAL | MSG_DONTWAIT;
     if (send(s->fds[j], &b, 1, flags) < 0 && errno == EAGAIN) {
       struct pollfd p = {s->fds[j], POLLOUT, 0};
-      if (poll(&p, 1, 50) == 1 && send(s->fds[j], &b, 1, flags) < 0) { /* blames this rank */ }
+      if (poll(&p, 1, 50) == 1 && send(s->fds[j], &b, 1, flags) < 0) { /* blames this rank */
+      }
     }
     shutdown(s->fds[j], SHUT_WR);
   }
@@ -674,7 +677,8 @@ static void tcp_abort(void *state) {
   tcp_state_t *s = state;
   atomic_store(&s->failed, true);
   uint64_t one = 1;
-  if (write(s->efd, &one, sizeof one) < 0) { /* already signalled */ }
+  if (write(s->efd, &one, sizeof one) < 0) { /* already signalled */
+  }
   tcp_fail(s);
 }
 

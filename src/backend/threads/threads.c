@@ -45,7 +45,8 @@ static ddp_status_t threads_create(const ddp_backend_init_t *in, void **out, ddp
   if (!in->store)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "rank %d: the threads backend needs an in-process store "
-                      "(ddp_store_create_memory) shared by all ranks, or ddp_spawn_threads", rank);
+                      "(ddp_store_create_memory) shared by all ranks, or ddp_spawn_threads",
+                      rank);
   threads_state_t *s = ddp__calloc(1, sizeof *s);
   if (!s) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "threads backend state");
   ddp_status_t st = DDP_OK;
@@ -84,7 +85,8 @@ static ddp_status_t threads_create(const ddp_backend_init_t *in, void **out, ddp
     if (st != DDP_OK) {
       st = ddp__error_quiet(err, st, /* the store has logged its wait */
                             "rank %d: timed out after %lld ms waiting for rank 0 to join the "
-                            "threads group", rank, (long long)in->timeout_ms);
+                            "threads group",
+                            rank, (long long)in->timeout_ms);
       ddp__free(s);
       return st;
     }
@@ -98,15 +100,15 @@ static ddp_status_t threads_create(const ddp_backend_init_t *in, void **out, ddp
       ddp__free(s);
       return ddp__error(err, rank, DDP_ERR_INVALID_USAGE,
                         "rank %d: the threads backend needs every rank in one process sharing "
-                        "one in-process store (found %s)", rank,
-                        m.ctx ? "a context from another process" : "no context");
+                        "one in-process store (found %s)",
+                        rank, m.ctx ? "a context from another process" : "no context");
     }
     s->ctx = m.ctx;
   }
   st = ddp__backend_join(in->store, "threads", rank, W, in->timeout_ms, NULL, err);
   if (st != DDP_OK) goto fail;
   s->sh = (ddp_backend_shared_t){s->ctx->ctl, s->ctx->staging, s->ctx->staging_bytes,
-                                 to_handle, from_handle, NULL};
+                                 to_handle,   from_handle,     NULL};
   *out = s;
   return DDP_OK;
 fail:
