@@ -215,6 +215,13 @@ typedef struct cfg {
 } cfg_t;
 
 /* This rank's group for cfg (see ddp_test_pg_create; a failure is said as "pg create: ..."). */
+/* ddp_test_say with head and the reducer's last error (copied out; "" without a reducer). */
+static void say_ddp_error(ddp_test_rank_t *tr, const char *head, const ddp_ddp_t *ddp) {
+  ddp_error_t de = {0};
+  if (ddp) ddp_ddp_last_error_copy(ddp, &de);
+  ddp_test_say(tr, "%s%s", head, de.msg);
+}
+
 static ddp_status_t make_pg(ddp_test_rank_t *tr, const cfg_t *cfg, ddp_store_t **store,
                             ddp_pg_t **pg) {
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
@@ -334,7 +341,9 @@ static int train_rank(ddp_test_rank_t *tr, void *arg) {
       int row0 = (step * cfg->accum + a) * W * cfg->b + r * cfg->b;
       st = micro_step(&e, step * cfg->accum + a, row0, cfg->b, flags, a == cfg->accum - 1);
       if (st != DDP_OK) {
-        ddp_test_say(tr, "step %d: %s", step, ddp_ddp_last_error(ddp));
+        char head[32];
+        snprintf(head, sizeof head, "step %d: ", step);
+        say_ddp_error(tr, head, ddp);
         goto out;
       }
     }
@@ -366,7 +375,7 @@ static int train_rank(ddp_test_rank_t *tr, void *arg) {
   if (cfg->join) {
     st = ddp_ddp_join_end(ddp);
     if (st != DDP_OK) {
-      ddp_test_say(tr, "join: %s", ddp_ddp_last_error(ddp));
+      say_ddp_error(tr, "join: ", ddp);
       goto out;
     }
   }
@@ -969,7 +978,7 @@ static int unused_rank(ddp_test_rank_t *tr, void *arg) {
       for (int64_t k = 0; k < bw->grad.numel; k++) ((float *)bw->grad.data)[k] = 7.0f;
     st = micro_step(&e, step, r * 4, 4, flags, true);
     if (st != DDP_OK) {
-      ddp_test_say(tr, "%s", ddp_ddp_last_error(ddp));
+      say_ddp_error(tr, "", ddp);
       goto out;
     }
     for (size_t i = 0; i < ddp_model_num_params(m); i++) {
@@ -1078,8 +1087,12 @@ static int buffers_rank(ddp_test_rank_t *tr, void *arg) {
   DDP_CHECK_GOTO(ddp_ddp_pre_forward(ddp, ctx), st, out);
   ddp_test_put(tr, rm->value.data, ddp_tensor_nbytes(&rm->value));
 out:
-  if (st != DDP_OK)
-    ddp_test_say(tr, "%s", e.err.msg[0] ? e.err.msg : (e.ddp ? ddp_ddp_last_error(e.ddp) : ""));
+  if (st != DDP_OK) {
+    if (e.err.msg[0])
+      ddp_test_say(tr, "%s", e.err.msg);
+    else
+      say_ddp_error(tr, "", e.ddp);
+  }
   env_close(&e);
   return st;
 }
@@ -1163,9 +1176,11 @@ static int error_rank(ddp_test_rank_t *tr, void *arg) {
       /* The message can pass the harness's 1 KiB: the whole text goes in the values. */
       char head[32];
       snprintf(head, sizeof head, "step %d: ", step);
-      ddp_test_say(tr, "%s%s", head, ddp_ddp_last_error(ddp));
+      ddp_error_t de;
+      ddp_ddp_last_error_copy(ddp, &de);
+      ddp_test_say(tr, "%s%s", head, de.msg);
       ddp_test_put(tr, head, strlen(head));
-      ddp_test_put(tr, ddp_ddp_last_error(ddp), strlen(ddp_ddp_last_error(ddp)) + 1);
+      ddp_test_put(tr, de.msg, strlen(de.msg) + 1);
       goto out;
     }
   }

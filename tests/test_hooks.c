@@ -962,7 +962,9 @@ static ddp_status_t train_rank(ddp_pg_t *pg, void *arg) {
     if (t >= T->steps - 10) tail += *(float *)loss->value.data;
     st = ddp_ddp_backward(ddp, h.ctx, loss);
     if (st != DDP_OK) {
-      snprintf(T->msg[r], sizeof T->msg[r], "%s", ddp_ddp_last_error(ddp));
+      ddp_error_t de;
+      ddp_ddp_last_error_copy(ddp, &de);
+      snprintf(T->msg[r], sizeof T->msg[r], "%.511s", de.msg);
       goto out;
     }
     DDP_CHECK_GOTO(ddp_optim_step(opt, NULL), st, out);
@@ -1079,8 +1081,11 @@ static ddp_status_t grads_core(ddp_pg_t *pg, grads_t *G, float (*local)[NPARAM_E
   if (G->join) DDP_CHECK_GOTO(ddp_ddp_join_end(ddp), st, out);
   G->nbuckets[r] = ddp_ddp_num_buckets(ddp);
 out:
-  if (st != DDP_OK)
-    fprintf(stderr, "rank %d: %s %s\n", r, h.err.msg, h.ddp ? ddp_ddp_last_error(h.ddp) : "");
+  if (st != DDP_OK) {
+    ddp_error_t de = {0};
+    if (h.ddp) ddp_ddp_last_error_copy(h.ddp, &de);
+    fprintf(stderr, "rank %d: %s %s\n", r, h.err.msg, de.msg);
+  }
   hrank_close(&h);
   ddp_model_destroy(plain);
   return st;

@@ -484,8 +484,9 @@ static void test_values_vs_existing_ops(void **state) {
 static void expect_error(ddp_ctx_t *c, ddp_status_t st, const char *needle) {
   if (st != DDP_ERR_INVALID_ARGUMENT)
     fail_msg("expected DDP_ERR_INVALID_ARGUMENT (%s), got %s", needle, ddp_status_name(st));
-  const char *msg = ddp_ctx_last_error(c)->msg;
-  if (!strstr(msg, needle)) fail_msg("message \"%s\" lacks \"%s\"", msg, needle);
+  ddp_error_t e;
+  ddp_ctx_last_error_copy(c, &e);
+  if (!strstr(e.msg, needle)) fail_msg("message \"%s\" lacks \"%s\"", e.msg, needle);
 }
 
 /* Mismatched shapes, n_head not dividing C, out-of-range labels and arguments are

@@ -37,6 +37,14 @@ static void expect_err(ddp_status_t got, ddp_status_t want, const char *msg, ...
   va_end(ap);
 }
 
+/* expect_err for DDP_ERR_INVALID_ARGUMENT with the context's last error (copied out after
+ * got's call has run), which must contain n1 and n2 (n2 may be NULL). */
+static void expect_ctx_err(ddp_status_t got, const ddp_ctx_t *c, const char *n1, const char *n2) {
+  ddp_error_t e;
+  ddp_ctx_last_error_copy(c, &e);
+  expect_err(got, DDP_ERR_INVALID_ARGUMENT, e.msg, n1, n2, NULL);
+}
+
 static ddp_status_t parse_err(const char *json, ddp_error_t *err) {
   ddp_hf_config_t cfg;
   memset(err, 0, sizeof *err);
@@ -476,41 +484,34 @@ static void test_forward_errors(void **state) {
   ddp_var_t *x, *y;
   int64_t s[3] = {2, 65, 0};
   assert_int_equal(ddp_var_new(c, DDP_I64, 2, s, ids, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(g, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "sequence length 65", "n_positions = 64", NULL);
-  expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "sequence length 65", "max_position_embeddings = 64",
-             NULL);
+  expect_ctx_err(ddp_model_forward(g, c, x, 0, &y), c, "sequence length 65", "n_positions = 64");
+  expect_ctx_err(ddp_model_forward(b, c, x, 0, &y), c, "sequence length 65",
+                 "max_position_embeddings = 64");
   s[1] = 8;
   ids[11] = 256;
   assert_int_equal(ddp_var_new(c, DDP_I64, 2, s, ids, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(g, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "token id 256 at [1, 3]", "vocab_size = 256", NULL);
-  expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "token id 256", "vocab_size = 256", NULL);
+  expect_ctx_err(ddp_model_forward(g, c, x, 0, &y), c, "token id 256 at [1, 3]",
+                 "vocab_size = 256");
+  expect_ctx_err(ddp_model_forward(b, c, x, 0, &y), c, "token id 256", "vocab_size = 256");
   ids[11] = -1;
   assert_int_equal(ddp_var_new(c, DDP_I64, 2, s, ids, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(g, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "token id -1", NULL);
+  expect_ctx_err(ddp_model_forward(g, c, x, 0, &y), c, "token id -1", NULL);
   /* BERT rows: [B, 3, T] with a token type 2 (type_vocab_size 2), a mask value 5. */
   batch_t bt;
   bert_batch(&bt, 2, 8, 3, false, false, 1);
   bt.x[2 * 8 + 3] = 2;
   assert_int_equal(ddp_var_new(c, DDP_I64, 3, bt.shape, bt.x, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "token_type_id 2", "type_vocab_size = 2", NULL);
+  expect_ctx_err(ddp_model_forward(b, c, x, 0, &y), c, "token_type_id 2", "type_vocab_size = 2");
   bt.x[2 * 8 + 3] = 0;
   bt.x[8 + 1] = 5;
   assert_int_equal(ddp_var_new(c, DDP_I64, 3, bt.shape, bt.x, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "attention_mask value 5 at [0, 1] must be 0 or 1", NULL);
+  expect_ctx_err(ddp_model_forward(b, c, x, 0, &y), c,
+                 "attention_mask value 5 at [0, 1] must be 0 or 1", NULL);
   int64_t s4[3] = {2, 4, 8};
   assert_int_equal(ddp_var_new(c, DDP_I64, 3, s4, NULL, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(b, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "[B, 2, T]", NULL);
+  expect_ctx_err(ddp_model_forward(b, c, x, 0, &y), c, "[B, 2, T]", NULL);
   assert_int_equal(ddp_var_new(c, DDP_F32, 2, s, NULL, false, &x), DDP_OK);
-  expect_err(ddp_model_forward(g, c, x, 0, &y), DDP_ERR_INVALID_ARGUMENT,
-             ddp_ctx_last_error(c)->msg, "I64 [B, T]", NULL);
+  expect_ctx_err(ddp_model_forward(g, c, x, 0, &y), c, "I64 [B, T]", NULL);
   ddp_ctx_destroy(c);
   ddp_model_destroy(g);
   ddp_model_destroy(b);

@@ -173,9 +173,11 @@ static ddp_status_t step(bench_rank_t *r, bool sync) {
   if (r->ddp) ddp_ddp_set_sync(r->ddp, old);
   if (st == DDP_OK) st = ddp_optim_step(r->opt, NULL);
   if (st != DDP_OK) {
+    ddp_error_t de = {0}, ce;
+    if (r->ddp) ddp_ddp_last_error_copy(r->ddp, &de);
+    ddp_ctx_last_error_copy(r->ctx, &ce);
     fprintf(stderr, "ddp-bench-ddp: rank %d: step: %s: %s %s\n", r->pg ? ddp_pg_rank(r->pg) : 0,
-            ddp_status_name(st), r->ddp ? ddp_ddp_last_error(r->ddp) : "",
-            ddp_ctx_last_error(r->ctx)->msg);
+            ddp_status_name(st), de.msg, ce.msg);
   }
   ddp_ctx_reset(r->ctx);
   return st;

@@ -190,8 +190,9 @@ static ddp_status_t run_rank(ddp_pg_t *pg, void *argp) {
         (st = ddp_model_forward(model, ctx, x, 0, &logits)) != DDP_OK ||
         (st = ddp_cross_entropy(ctx, logits, t, -100, &loss)) != DDP_OK ||
         (st = ddp_backward(ctx, loss)) != DDP_OK) {
+      ddp_ctx_last_error_copy(ctx, &err);
       fprintf(stderr, "ddp-demo: rank %d: step %d: %s %s\n", rank, step, ddp_status_name(st),
-              ddp_ctx_last_error(ctx)->msg);
+              err.msg);
       goto out;
     }
     /* The whole of DDP's communication in one line: average the flat gradient buffer. */

@@ -143,7 +143,7 @@ int train_model_outputs(const char *model_desc, const char *src, ddp_model_t *m,
     ddp_model_train(m, false);
     st = ddp_model_forward(m, ctx, x, 0, &y);
     ddp_model_train(m, true);
-    if (st != DDP_OK) err = *ddp_ctx_last_error(ctx);
+    if (st != DDP_OK) ddp_ctx_last_error_copy(ctx, &err);
   }
   if (st == DDP_OK) {
     *outputs = y->value.ndim > 0 ? y->value.shape[y->value.ndim - 1] : 1;

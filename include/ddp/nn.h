@@ -90,8 +90,10 @@ DDP_API bool ddp_ctx_grad_enabled(const ddp_ctx_t *ctx);
 DDP_API void ddp_ctx_set_rng(ddp_ctx_t *ctx, uint64_t seed, uint32_t rank, uint64_t step);
 /* Bytes the arena holds (its capacity), for tests and statistics. */
 DDP_API size_t ddp_ctx_arena_bytes(const ddp_ctx_t *ctx);
-/* Last error of the context (op shape mismatches and the like). */
-DDP_API const ddp_error_t *ddp_ctx_last_error(const ddp_ctx_t *ctx);
+/* Copies into *out the context's last error (op shape mismatches and the like; status
+ * DDP_OK and "" when there is none). A context is single-owner (one thread at a time), so
+ * no lock is needed. */
+DDP_API void ddp_ctx_last_error_copy(const ddp_ctx_t *ctx, ddp_error_t *out);
 
 /* A new var in the arena: zero-filled, or a copy of data (numel elements of dt). Inputs
  * and targets enter the tape this way; requires_grad makes the var a leaf that receives a

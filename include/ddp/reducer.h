@@ -21,7 +21,7 @@
  *
  * Errors PyTorch raises (shape check, "Expected to have finished reduction in the prior
  * iteration ...", "Expected to mark a variable ready only once ...") come back as statuses
- * from the same call as in PyTorch, with PyTorch's text in ddp_ddp_last_error(), extended
+ * from the same call as in PyTorch, with PyTorch's text in ddp_ddp_last_error_copy(), extended
  * with the parameter names and the rank. Not thread-safe: one thread drives one handle. */
 #ifndef DDP_REDUCER_H
 #define DDP_REDUCER_H
@@ -105,12 +105,12 @@ DDP_API ddp_status_t ddp_ddp_create(ddp_model_t *model, ddp_pg_t *pg, const ddp_
  * a no-op. */
 DDP_API void ddp_ddp_destroy(ddp_ddp_t *ddp);
 
-/* The message of the last failed call ("" if none), valid until the next call on the
- * handle. It can be longer than a ddp_error_t holds (up to 8 KiB: PyTorch's texts with
- * parameter lists). A failure the reducer detects is also logged once at ERROR; one carried
- * from the process group (a timeout, a peer that died), logged there, is only recorded here
- * with the reducer's context (which bucket, its parameters). */
-DDP_API const char *ddp_ddp_last_error(const ddp_ddp_t *ddp);
+/* Copies into *out the error of the last failed call (status DDP_OK and "" if none; up to
+ * 8 KiB: PyTorch's texts with parameter lists). The handle is single-owner (one thread at a
+ * time), so no lock is needed. A failure the reducer detects is also logged once at ERROR;
+ * one carried from the process group (a timeout, a peer that died), logged there, is only
+ * recorded here with the reducer's context (which bucket, its parameters). */
+DDP_API void ddp_ddp_last_error_copy(const ddp_ddp_t *ddp, ddp_error_t *out);
 DDP_API ddp_model_t *ddp_ddp_model(ddp_ddp_t *ddp);
 
 /* ---------------------------------------------------------------- a step ---------- */
@@ -254,7 +254,7 @@ DDP_API void ddp_ddp_get_comm_stats(ddp_ddp_t *ddp, ddp_ddp_comm_stats_t *out);
  *     ddp_dump_finish(d);                              // ddp.json; before ddp_ddp_destroy
  *     ddp_dump_close(d);
  * Every file is replaced atomically (a temporary file, fsync, rename). Errors are statuses
- * with the message in ddp_dump_last_error(); a failed call leaves the handle usable. */
+ * with the message in ddp_dump_last_error_copy(); a failed call leaves the handle usable. */
 typedef struct ddp_dump ddp_dump_t;
 
 typedef struct ddp_dump_options {
@@ -311,8 +311,9 @@ DDP_API ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int
 DDP_API ddp_status_t ddp_dump_finish(ddp_dump_t *d);
 /* Frees the handle. NULL is a no-op. */
 DDP_API void ddp_dump_close(ddp_dump_t *d);
-/* The message of the last failed call ("" if none). */
-DDP_API const char *ddp_dump_last_error(const ddp_dump_t *d);
+/* Copies into *out the error of the last failed call (status DDP_OK and "" if none). The
+ * handle is single-owner (one thread at a time), so no lock is needed. */
+DDP_API void ddp_dump_last_error_copy(const ddp_dump_t *d, ddp_error_t *out);
 
 #ifdef __cplusplus
 }

@@ -130,9 +130,9 @@ size_t ddp_ctx_arena_bytes(const ddp_ctx_t *c) {
   return c->total_cap;
 }
 
-const ddp_error_t *ddp_ctx_last_error(const ddp_ctx_t *c) {
-  DDP_REQUIRE(c);
-  return &c->err;
+void ddp_ctx_last_error_copy(const ddp_ctx_t *c, ddp_error_t *out) {
+  DDP_REQUIRE(c && out);
+  *out = c->err;
 }
 
 ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...) {

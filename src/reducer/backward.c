@@ -119,7 +119,7 @@ static ddp_status_t queue_finalize(ddp_ddp_t *d) {
   if (d->in_delayed) return DDP_OK;
   ddp_status_t st = ddp_ctx_queue_callback(d->ctx, finalize_cb, d);
   if (st != DDP_OK) /* the context logged it */
-    return ddp__ddp_carry(d, st, "[rank %d] DDP: %s", d->rank, ddp_ctx_last_error(d->ctx)->msg);
+    return ddp__ddp_carry(d, st, "[rank %d] DDP: %s", d->rank, ddp__ddp_ctx_error(d, d->ctx));
   return DDP_OK;
 }
 
@@ -278,7 +278,7 @@ static void count_static_fire(ddp_ddp_t *d, size_t i) {
     ddp_status_t st = ddp_ctx_queue_callback(d->ctx, delayed_all_reduce, d);
     if (st != DDP_OK) /* the context logged it */
       d->hook_status = ddp__ddp_carry(d, st, "[rank %d] DDP: %s", d->rank,
-                                      ddp_ctx_last_error(d->ctx)->msg);
+                                      ddp__ddp_ctx_error(d, d->ctx));
   }
   d->fire_expected[i]++;
 }
@@ -328,7 +328,7 @@ ddp_status_t ddp_ddp_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, ddp_var_t *loss) {
   ddp__ddp_trace(d, "backward", d->t_bwd_start, ddp_now_ns(), 0, -1, 0);
   if (d->hook_status != DDP_OK) return d->hook_status;
   if (st != DDP_OK && d->err.status == DDP_OK) /* the context's own failure, logged there */
-    ddp__ddp_carry(d, st, "[rank %d] DDP backward: %s", d->rank, ddp_ctx_last_error(ctx)->msg);
+    ddp__ddp_carry(d, st, "[rank %d] DDP backward: %s", d->rank, ddp__ddp_ctx_error(d, ctx));
   return st;
 }
 

@@ -217,9 +217,9 @@ ddp_status_t ddp_dump_open(const char *dir, int rank, int world, const ddp_dump_
   return DDP_OK;
 }
 
-const char *ddp_dump_last_error(const ddp_dump_t *d) {
-  DDP_REQUIRE(d && d->magic == DUMP_MAGIC);
-  return d->err.msg;
+void ddp_dump_last_error_copy(const ddp_dump_t *d, ddp_error_t *out) {
+  DDP_REQUIRE(d && d->magic == DUMP_MAGIC && out);
+  *out = d->err;
 }
 
 /* ---------------------------------------------------------------- init ------------ */

@@ -54,6 +54,11 @@ const char *ddp__ddp_pg_error(ddp_ddp_t *d) {
   return d->pg_err.msg;
 }
 
+const char *ddp__ddp_ctx_error(ddp_ddp_t *d, const ddp_ctx_t *ctx) {
+  ddp_ctx_last_error_copy(ctx, &d->ctx_err);
+  return d->ctx_err.msg;
+}
+
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err) {
   if (!err) return;
   err->status = st;
@@ -89,7 +94,7 @@ void ddp__ddp_append_names(char *buf, size_t cap, const ddp_ddp_t *d, const size
   }
 }
 
-const char *ddp_ddp_last_error(const ddp_ddp_t *d) {
-  DDP_REQUIRE(d && d->magic == DDP__DDP_MAGIC);
-  return d->err.msg;
+void ddp_ddp_last_error_copy(const ddp_ddp_t *d, ddp_error_t *out) {
+  DDP_REQUIRE(d && d->magic == DDP__DDP_MAGIC && out);
+  *out = d->err;
 }

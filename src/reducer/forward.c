@@ -118,8 +118,7 @@ ddp_status_t ddp_ddp_forward(ddp_ddp_t *d, ddp_ctx_t *ctx, ddp_var_t *x, uint64_
   DDP_CHECK(ddp_ddp_pre_forward(d, ctx));
   ddp_status_t st = ddp_model_forward(d->model, ctx, x, flags, y);
   if (st != DDP_OK) /* the context logged it */
-    return ddp__ddp_carry(d, st, "[rank %d] DDP forward: %s", d->rank,
-                          ddp_ctx_last_error(ctx)->msg);
+    return ddp__ddp_carry(d, st, "[rank %d] DDP forward: %s", d->rank, ddp__ddp_ctx_error(d, ctx));
   return ddp_ddp_post_forward(d, ctx, 1, y);
 }
 

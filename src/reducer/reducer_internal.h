@@ -171,6 +171,7 @@ struct ddp_ddp {
 
   ddp__ddp_error_t err; /* error.c */
   ddp_error_t pg_err;   /* error.c: the group's last error, copied out by ddp__ddp_pg_error */
+  ddp_error_t ctx_err;  /* error.c: the context's last error, copied out by ddp__ddp_ctx_error */
 };
 
 static inline size_t ddp__ddp_esz(const ddp_param_t *p) { return ddp_dtype_size(p->value.dtype); }
@@ -197,6 +198,9 @@ void ddp__ddp_error_clear(ddp_ddp_t *d);
 /* The process group's last error, copied out under the group's lock into the handle
  * (valid until the next call). */
 const char *ddp__ddp_pg_error(ddp_ddp_t *d);
+/* The autograd context's last error, copied out into the handle (valid until the next
+ * call; the handle's scratch keeps 8 KiB off the hooks' stacks). */
+const char *ddp__ddp_ctx_error(ddp_ddp_t *d, const ddp_ctx_t *ctx);
 /* Copies the message into err (NULL:
  * nothing) with status st. */
 void ddp__ddp_error_copy(const ddp_ddp_t *d, ddp_status_t st, ddp_error_t *err);

@@ -110,8 +110,9 @@ ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
     st = ddp_var_new(ctx, DDP_I64, 2, shape, seq + len - T, false, &x);
     if (st == DDP_OK) st = ddp_model_forward(m, ctx, x, 0, &y);
     if (st != DDP_OK) {
-      st = ddp__error(err, -1, st, "generate: forward at token %lld: %s", (long long)len,
-                      ddp_ctx_last_error(ctx)->msg);
+      ddp_error_t ce;
+      ddp_ctx_last_error_copy(ctx, &ce);
+      st = ddp__error(err, -1, st, "generate: forward at token %lld: %s", (long long)len, ce.msg);
       break;
     }
     if (y->value.ndim != 3 || y->value.shape[1] != T) {

@@ -50,7 +50,16 @@ static ddp_status_t wait_op(ddp__sync_t *s, ddp_status_t st, ddp_work_t *w, cons
 /* A reducer failure, which the reducer (or the group below it) logged where it started. */
 static ddp_status_t reducer_error(ddp__sync_t *s, ddp_status_t st, const char *what,
                                   ddp_error_t *err) {
-  return ddp__error_quiet(err, st, "DDP %s: %s", what, s->ddp ? ddp_ddp_last_error(s->ddp) : "");
+  ddp_error_t de = {0};
+  if (s->ddp) ddp_ddp_last_error_copy(s->ddp, &de);
+  return ddp__error_quiet(err, st, "DDP %s: %s", what, de.msg);
+}
+
+/* An op's failure with the message it left (and logged) on the context. */
+static ddp_status_t ctx_error(ddp_ctx_t *ctx, ddp_status_t st, const char *what, ddp_error_t *err) {
+  ddp_error_t ce;
+  ddp_ctx_last_error_copy(ctx, &ce);
+  return ddp__error_quiet(err, st, "%s: %s", what, ce.msg);
 }
 
 ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
@@ -239,7 +248,7 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
       if ((st = ddp_var_new(ctx, scale->dtype, loss->value.ndim, loss->value.shape, scale->data,
                             false, &c)) != DDP_OK ||
           (st = ddp_mul(ctx, loss, c, &root)) != DDP_OK) {
-        return ddp__error_quiet(err, st, "loss scaling: %s", ddp_ctx_last_error(ctx)->msg);
+        return ctx_error(ctx, st, "loss scaling", err);
       }
     }
     st = ddp_ddp_backward(s->ddp, ctx, root);
@@ -255,7 +264,7 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
   /* Seeding backward with `scale` gives exactly the gradient of scale * loss. */
   st = ddp_backward_multi(ctx, 1, &loss, scale);
   if (st != DDP_OK) {
-    return ddp__error_quiet(err, st, "backward: %s", ddp_ctx_last_error(ctx)->msg);
+    return ctx_error(ctx, st, "backward", err);
   }
   if (!s->armed) return DDP_OK;
   s->armed = false;

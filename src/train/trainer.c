@@ -66,7 +66,9 @@ static ddp_status_t seek_loader(ddp__trainer_t *t, int64_t epoch, int64_t pos) {
 /* An op's failure with the message it left (and logged) on the context. */
 static ddp_status_t op_error(ddp__trainer_t *t, ddp_status_t st, const char *what) {
   if (st == DDP_OK) return st;
-  return ddp__error_quiet(t->err, st, "trainer: %s: %s", what, ddp_ctx_last_error(t->ctx)->msg);
+  ddp_error_t ce;
+  ddp_ctx_last_error_copy(t->ctx, &ce);
+  return ddp__error_quiet(t->err, st, "trainer: %s: %s", what, ce.msg);
 }
 
 /* loss = CE(logits, labels) or MSE(out, labels reshaped to out's shape). */
@@ -335,8 +337,9 @@ static ddp_status_t open_init_q(ddp__trainer_t *t) {
 /* A dump call's status, with the message the writer logged. */
 static ddp_status_t dump_check(ddp__trainer_t *t, ddp_status_t st) {
   if (st == DDP_OK) return DDP_OK;
-  return ddp__error_quiet(t->err, st, "trainer: dump_dir %s: %s", t->a->dump_dir,
-                          t->dump ? ddp_dump_last_error(t->dump) : "");
+  ddp_error_t de = {0};
+  if (t->dump) ddp_dump_last_error_copy(t->dump, &de);
+  return ddp__error_quiet(t->err, st, "trainer: dump_dir %s: %s", t->a->dump_dir, de.msg);
 }
 
 /* metrics.jsonl's number formats: most values as %.9g (null when not finite). */

@@ -51,6 +51,13 @@ void ddp_test_opin_fill(const ddp_test_opin_t *in, ddp_rng_t *rng, double *data)
   }
 }
 
+/* Fails the test with the op's name and the context's last error (copied out). */
+static void fail_ctx(const ddp_ctx_t *c, const char *name) {
+  ddp_error_t e;
+  ddp_ctx_last_error_copy(c, &e);
+  fail_msg("%s: %s", name, e.msg);
+}
+
 /* A var of dtype dt (ids: I64) holding data. */
 static ddp_var_t *make_var(ddp_ctx_t *c, const ddp_test_opin_t *g, ddp_dtype_t dt,
                            const double *data) {
@@ -88,7 +95,7 @@ static double geval(ddp_ctx_t *c, gstate_t *s, double **grads) {
   for (int i = 0; i < gc->nin; i++) in[i] = make_var(c, &gc->in[i], DDP_F64, s->data[i]);
   ddp_var_t *out, *rv, *prod, *loss;
   ddp_status_t st = gc->fn(c, in, &out);
-  if (st != DDP_OK) fail_msg("%s: %s", gc->name, ddp_ctx_last_error(c)->msg);
+  if (st != DDP_OK) fail_ctx(c, gc->name);
   if (!s->r) {
     s->r = malloc((size_t)out->value.numel * sizeof(double));
     ddp_rng_t rng;
@@ -263,7 +270,7 @@ static ddp_var_t *run_case(const ddp_test_torch_ops_t *o, ddp_ctx_t *c, const dd
   for (int i = 0; i < tc->nin; i++) in[i] = make_var(c, &tc->in[i], dt, data[i]);
   ddp_var_t *y = NULL;
   ddp_status_t st = o->run(o->user, c, tc, in, &y);
-  if (st != DDP_OK) fail_msg("%s: %s", tc->name, ddp_ctx_last_error(c)->msg);
+  if (st != DDP_OK) fail_ctx(c, tc->name);
   if (!gout) return y;
   ddp_tensor_t g;
   void *gbuf = malloc((size_t)y->value.numel * 8 + 8);

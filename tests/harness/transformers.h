@@ -126,10 +126,18 @@ static inline ddp_var_t *step(ddp_model_t *m, ddp_ctx_t *c, const batch_t *b, bo
   ddp_ctx_set_grad_enabled(c, grad);
   assert_int_equal(ddp_var_new(c, DDP_I64, b->nd, b->shape, b->x, false, &x), DDP_OK);
   assert_int_equal(ddp_var_new(c, b->ldt, b->lnd, b->lshape, &b->labels, false, &l), DDP_OK);
+  const char *what = NULL;
   if (ddp_model_forward(m, c, x, 0, &y) != DDP_OK)
-    fail_msg("forward: %s", ddp_ctx_last_error(c)->msg);
-  if (ddp_model_loss(m, c, y, l, &loss) != DDP_OK) fail_msg("loss: %s", ddp_ctx_last_error(c)->msg);
-  if (grad && ddp_backward(c, loss) != DDP_OK) fail_msg("backward: %s", ddp_ctx_last_error(c)->msg);
+    what = "forward";
+  else if (ddp_model_loss(m, c, y, l, &loss) != DDP_OK)
+    what = "loss";
+  else if (grad && ddp_backward(c, loss) != DDP_OK)
+    what = "backward";
+  if (what) {
+    ddp_error_t e;
+    ddp_ctx_last_error_copy(c, &e);
+    fail_msg("%s: %s", what, e.msg);
+  }
   if (logits) *logits = y;
   return loss;
 }
