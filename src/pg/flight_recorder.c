@@ -4,11 +4,12 @@
  * i % N, so the ring always holds the last N collectives. Times are wall-clock nanoseconds
  * (CLOCK_REALTIME, as PyTorch's dumps), comparable between ranks of one host.
  *
- * Dumps: one JSON object per file, the group's configuration, status and entries, written to
- * "<path>.tmp.<pid>.<tid>" and renamed over the dump, so a reader sees the old dump or the
- * new one, never a torn file. Where a dump goes: DDP_FR_DUMP_DIR/fr_rank_<r>.json, else
- * <TORCH_FR_DUMP_TEMP_FILE><r>, else <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><r> (PyTorch's prefix
- * semantics), else nowhere (dumps on request only).
+ * Dumps: one JSON object per file, the group's configuration, status and entries, written
+ * through the one atomic writer (src/common/file.c: a temporary beside the dump, fsync,
+ * rename), so a reader sees the old dump or the new one, never a torn file. Where a dump goes:
+ * DDP_FR_DUMP_DIR/fr_rank_<r>.json, else <TORCH_FR_DUMP_TEMP_FILE><r>, else
+ * <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><r> (PyTorch's prefix semantics), else nowhere (dumps on request
+ * only).
  *
  * The job-wide dump: a rank whose group fails writes its dump, then the trigger file beside
  * it (fr_trigger in the directory, or <prefix>trigger). Every process with a recorder polls
@@ -321,28 +322,11 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
 
 static ddp_status_t write_atomically(const char *path, const char *text, int rank,
                                      ddp_error_t *err) {
-  char tmp[PATH_MAX + 64];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d.%ld", path, (int)getpid(), (long)syscall(SYS_gettid));
-  FILE *f = fopen(tmp, "w");
-  if (!f)
-    return ddp__error(err, rank, DDP_ERR_SYSTEM, "flight recorder: cannot create %s: %s", tmp,
-                      strerror(errno));
-  size_t n = strlen(text);
-  /* no fsync: the rename keeps readers from torn files, and a dump must be quick (the
-   * launcher may stop the job's other ranks right after this one exits) */
-  bool ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF && fflush(f) == 0;
-  int e = errno;
-  if (fclose(f) != 0 && ok) {
-    ok = false;
-    e = errno;
-  }
-  if (!ok || rename(tmp, path) != 0) {
-    if (ok) e = errno;
-    unlink(tmp);
-    return ddp__error(err, rank, DDP_ERR_SYSTEM, "flight recorder: writing %s failed: %s", path,
-                      strerror(e));
-  }
-  return DDP_OK;
+  ddp__afile_t f;
+  DDP_CHECK(ddp__afile_open(&f, path, rank, "flight recorder", err));
+  ddp__afile_write(&f, text, strlen(text));
+  ddp__afile_write(&f, "\n", 1);
+  return ddp__afile_commit(&f, 0644);
 }
 
 ddp_status_t ddp__fr_dump(ddp__fr_t *fr, const char *path, const char *reason, ddp_error_t *err) {
