@@ -518,11 +518,15 @@ static int urgent_blame(tcp_state_t *s, int peer) {
 /* After end-of-file from `peer`: the rank that failed first. Its own urgent byte names it
  * when still readable. Otherwise the other connections that close decide, since this rank
  * has not read them to their end: one carrying an urgent byte belongs to a rank that failed
- * because of the rank it names; one closed without any belongs to a rank that exited. A
- * killed process closes its sockets one by one after its memory is torn down, so a
- * neighbour that saw one of them close may fail (and close its own) before the dead rank's
- * connection here shows its end: the other connections get up to BLAME_GRACE_MS to close.
- * With none closing, `peer` itself is blamed. */
+ * because of the rank it names; one that is reset (RST: a process that ended with data it
+ * had not read, as a killed rank in a stream of collectives) belongs to a rank that exited.
+ * A connection that ends in order without an urgent byte is weaker evidence: a failing
+ * neighbour ends that way too when its urgent byte could not be sent (its send buffer stayed
+ * full) or this rank's reads went past it, so it is blamed only if nothing better shows
+ * within the grace period. A killed process closes its sockets one by one after its memory
+ * is torn down, so a neighbour that saw one of them close may fail (and close its own)
+ * before the dead rank's connection here shows its end: the other connections get up to
+ * BLAME_GRACE_MS to close. With none closing, `peer` itself is blamed. */
 static int blame_of(tcp_state_t *s, int peer) {
   int b = urgent_blame(s, peer);
   if (b >= 0) return b;
@@ -534,20 +538,22 @@ static int blame_of(tcp_state_t *s, int peer) {
       idx[n++] = j;
     }
   int64_t end = ddp_deadline_after_ms(BLAME_GRACE_MS);
-  for (int dead = -1; n > 0;) {
+  int orderly = -1; /* the first connection seen to end in order without an urgent byte */
+  for (int open = n; open > 0;) {
     int ms = ddp_ms_until(end);
     if (poll(p, (nfds_t)n, DDP_MAX(ms, 0)) > 0)
       for (int i = 0; i < n; i++) {
-        if (!(p[i].revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+        if (p[i].fd < 0 || !(p[i].revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
         b = urgent_blame(s, idx[i]);
         if (b >= 0) return b;
-        if (dead < 0) dead = idx[i];
-        p[i].events = 0; /* seen */
+        if (p[i].revents & POLLERR) return idx[i]; /* reset */
+        if (orderly < 0) orderly = idx[i];
+        p[i].fd = -1; /* seen: its later reset (when that rank exits) says nothing new */
+        open--;
       }
-    if (dead >= 0) return dead;
     if (ms <= 0) break;
   }
-  return peer;
+  return orderly >= 0 ? orderly : peer;
 }
 
 /* The REMOTE error for end-of-file from `peer` after done of bytes (probe: a zero-byte
