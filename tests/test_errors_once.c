@@ -62,16 +62,6 @@ static int count_lines(const char *text, const char *what) {
   return n;
 }
 
-static const char *exe_path(const char *name) {
-  static char buf[2][4096];
-  static int k;
-  const char *build = getenv("DDP_BUILD_ROOT");
-  assert_non_null(build);
-  k ^= 1;
-  snprintf(buf[k], sizeof buf[k], "%s/tools/%s", build, name);
-  return buf[k];
-}
-
 /* Runs the job: mode "threads", "ddprun", or a backend name for directly started process
  * ranks; kind "hang" or "crash" on rank CULPRIT at step 3. */
 static job_t *run_job(const char *mode, const char *kind) {
@@ -84,7 +74,7 @@ static job_t *run_job(const char *mode, const char *kind) {
            "--save_strategy no --ddp_timeout %d --disable_tqdm true --learning_rate 1e-3 "
            "--ddp_fault 'rank=%d,step=3,kind=%s'",
            ddp_test_source_root(), TIMEOUT_S, CULPRIT, kind);
-  const char *exe = exe_path("ddp-train");
+  const char *exe = ddp_test_tool("ddp-train");
   char cmd[16384], sherr[300];
   snprintf(sherr, sizeof sherr, "%s/sh.err", j->dir);
   bool one_process = !strcmp(mode, "threads") || !strcmp(mode, "ddprun");
@@ -98,7 +88,7 @@ static job_t *run_job(const char *mode, const char *kind) {
       snprintf(cmd, sizeof cmd,
                "'%s' --nproc_per_node %d --standalone '%s' %s --output_dir '%s/o' "
                ">'%s/out0' 2>'%s/err0'; echo $? >'%s/rc0'",
-               exe_path("ddprun"), WORLD, exe, args, j->dir, j->dir, j->dir, j->dir);
+               ddp_test_tool("ddprun"), WORLD, exe, args, j->dir, j->dir, j->dir, j->dir);
     } else {
       snprintf(cmd, sizeof cmd,
                "for r in 0 1 2; do (RANK=$r LOCAL_RANK=$r WORLD_SIZE=%d LOCAL_WORLD_SIZE=%d "

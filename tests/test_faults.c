@@ -126,16 +126,6 @@ static void fr_trace(job_t *j) {
   free(out);
 }
 
-static const char *exe_path(const char *name) {
-  static char buf[2][4096];
-  static int k;
-  const char *build = getenv("DDP_BUILD_ROOT");
-  assert_non_null(build);
-  k ^= 1;
-  snprintf(buf[k], sizeof buf[k], "%s/tools/%s", build, name);
-  return buf[k];
-}
-
 /* Runs the job on `backend` with fault spec `spec` (NULL: none): threads through the
  * --ddp_fault flag, processes through DDP_FAULT. */
 static job_t *run_job(const char *backend, const char *spec) {
@@ -150,7 +140,7 @@ static job_t *run_job(const char *backend, const char *spec) {
            "--save_strategy no --ddp_timeout %d --disable_tqdm true "
            "--ddp_find_unused_parameters false --learning_rate 1e-3",
            ddp_test_source_root(), TIMEOUT_S);
-  const char *exe = exe_path("ddp-train");
+  const char *exe = ddp_test_tool("ddp-train");
   char cmd[16384], sherr[300];
   snprintf(sherr, sizeof sherr, "%s/sh.err", j->dir);
   for (int attempt = 0; attempt < 3; attempt++) {
@@ -356,7 +346,7 @@ static void test_bad_spec(void **state) {
     for (int env = 0; env < 2; env++) {
       char cmd[4096];
       snprintf(cmd, sizeof cmd, "%s%s%s'%s' --max_steps 1 %s%s%s", env ? "DDP_FAULT='" : "",
-               env ? cases[i].spec : "", env ? "' " : "", exe_path("ddp-train"),
+               env ? cases[i].spec : "", env ? "' " : "", ddp_test_tool("ddp-train"),
                env ? "" : "--ddp_fault '", env ? "" : cases[i].spec, env ? "" : "'");
       int rc = ddp_test_proc_run(cmd, err, 30, NULL);
       char *text = slurp(err);

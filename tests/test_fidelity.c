@@ -35,15 +35,6 @@ static const char *const MLP =
 
 static char g_model[600], g_mlp[600];
 
-static const char *tool(const char *name) {
-  static char buf[4][1024];
-  static int k;
-  k = (k + 1) % 4;
-  const char *b = getenv("DDP_BUILD_ROOT");
-  snprintf(buf[k], sizeof buf[k], "%s/tools/%s", b ? b : ".", name);
-  return buf[k];
-}
-
 static void write_models(void) {
   if (g_model[0]) return;
   snprintf(g_model, sizeof g_model, "%s/aux.json", ddp_test_parity_scratch());
@@ -314,15 +305,15 @@ static void test_optim_skips_none(void **state) {
  * zero_grad; the other parameters moved. */
 static void test_never_used_backends(void **state) {
   (void)state;
-  if (access(tool("ddp-train"), X_OK) != 0) skip();
+  if (access(ddp_test_tool("ddp-train"), X_OK) != 0) skip();
   write_models();
   char shm[2048], tcp[2048], thr[64];
-  snprintf(thr, sizeof thr, "'%s' --threads 2", tool("ddp-train"));
+  snprintf(thr, sizeof thr, "'%s' --threads 2", ddp_test_tool("ddp-train"));
   /* --standalone: ddprun reserves the store's port from the kernel before any rank starts. */
   snprintf(shm, sizeof shm, "'%s' --nproc_per_node 2 --backend shm --standalone '%s'",
-           tool("ddprun"), tool("ddp-train"));
+           ddp_test_tool("ddprun"), ddp_test_tool("ddp-train"));
   snprintf(tcp, sizeof tcp, "'%s' --nproc_per_node 2 --backend tcp --standalone '%s'",
-           tool("ddprun"), tool("ddp-train"));
+           ddp_test_tool("ddprun"), ddp_test_tool("ddp-train"));
   const struct {
     const char *name, *launch, *extra;
   } cases[] = {
@@ -376,7 +367,7 @@ static void test_never_used_backends(void **state) {
  * first use). The other parameters: 10. */
 static void test_adam_step_counts(void **state) {
   (void)state;
-  if (access(tool("ddp-train"), X_OK) != 0) skip();
+  if (access(ddp_test_tool("ddp-train"), X_OK) != 0) skip();
   write_models();
   const struct {
     const char *name, *extra;
@@ -387,7 +378,7 @@ static void test_adam_step_counts(void **state) {
       {"odd_steps_zero_fill", "--forward_flags 0:1 --zero_grad_set_to_none false", 9.0f},
   };
   char launch[64];
-  snprintf(launch, sizeof launch, "'%s' --threads 2", tool("ddp-train"));
+  snprintf(launch, sizeof launch, "'%s' --threads 2", ddp_test_tool("ddp-train"));
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     char dir[600], extra[512], path[800];
     snprintf(dir, sizeof dir, "%s/adam_%s", ddp_test_parity_scratch(), cases[c].name);
@@ -414,10 +405,10 @@ static void test_adam_step_counts(void **state) {
  * the reducer and the flat allreduce and with gradient accumulation. */
 static void test_set_to_none_false_bitwise(void **state) {
   (void)state;
-  if (access(tool("ddp-train"), X_OK) != 0) skip();
+  if (access(ddp_test_tool("ddp-train"), X_OK) != 0) skip();
   write_models();
   char launch[64];
-  snprintf(launch, sizeof launch, "'%s' --threads 2", tool("ddp-train"));
+  snprintf(launch, sizeof launch, "'%s' --threads 2", ddp_test_tool("ddp-train"));
   static const char *const modes[] = {"--ddp_reducer true", "--ddp_reducer false",
                                       "--gradient_accumulation_steps 2 --optim sgd "
                                       "--optim_args momentum=0.9 --weight_decay 1e-4"};
@@ -464,10 +455,10 @@ static void test_knobs(void **state) {
   assert_int_equal(ddp_train_args_set(&a, "weight_decay_grouping", "all", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
   assert_non_null(strstr(err.msg, "colons"));
-  if (access(tool("ddp-train"), X_OK) != 0) skip();
+  if (access(ddp_test_tool("ddp-train"), X_OK) != 0) skip();
   write_models();
   char launch[64];
-  snprintf(launch, sizeof launch, "'%s' --threads 2", tool("ddp-train"));
+  snprintf(launch, sizeof launch, "'%s' --threads 2", ddp_test_tool("ddp-train"));
   const struct {
     const char *name, *extra;
   } runs[] = {{"noshuffle", "--dataloader_shuffle false"},
@@ -547,10 +538,12 @@ static void plant(const char *path, const char *const *names, float delta) {
  * compares equal. */
 static void test_compare_diagnosis(void **state) {
   (void)state;
-  if (access(tool("ddp-train"), X_OK) != 0 || access(tool("ddp-compare"), X_OK) != 0) skip();
+  if (access(ddp_test_tool("ddp-train"), X_OK) != 0 ||
+      access(ddp_test_tool("ddp-compare"), X_OK) != 0)
+    skip();
   write_models();
   char launch[64], base[600];
-  snprintf(launch, sizeof launch, "'%s' --threads 2", tool("ddp-train"));
+  snprintf(launch, sizeof launch, "'%s' --threads 2", ddp_test_tool("ddp-train"));
   snprintf(base, sizeof base, "%s/diag_a", ddp_test_parity_scratch());
   free(train(launch, g_mlp, base, "--max_steps 3 --dump_local_grads true"));
   const struct {
@@ -567,7 +560,7 @@ static void test_compare_diagnosis(void **state) {
        {"grad.0.weight", NULL, NULL}},
   };
   char *out = NULL;
-  int rc = ddp_test_run_cmd(&out, "'%s' '%s' '%s'", tool("ddp-compare"), base, base);
+  int rc = ddp_test_run_cmd(&out, "'%s' '%s' '%s'", ddp_test_tool("ddp-compare"), base, base);
   if (rc != 0) fail_msg("a dump against itself: exit %d: %s", rc, out);
   free(out);
   for (size_t c = 0; c < 2; c++) {
@@ -576,7 +569,7 @@ static void test_compare_diagnosis(void **state) {
     assert_int_equal(ddp_test_run_cmd(NULL, "rm -rf '%s' && cp -r '%s' '%s'", copy, base, copy), 0);
     snprintf(file, sizeof file, "%s/rank1/step000001.safetensors", copy);
     plant(file, cases[c].tensors, 1e-3f);
-    rc = ddp_test_run_cmd(&out, "'%s' --json '%s' '%s'", tool("ddp-compare"), base, copy);
+    rc = ddp_test_run_cmd(&out, "'%s' --json '%s' '%s'", ddp_test_tool("ddp-compare"), base, copy);
     cJSON *j = cJSON_Parse(out);
     if (!j) fail_msg("%s: no JSON (exit %d): %s", cases[c].name, rc, out);
     assert_int_equal(rc, 1);
@@ -587,7 +580,7 @@ static void test_compare_diagnosis(void **state) {
     assert_int_equal(ddp_test_json_get(d, "step")->valueint, 1);
     free(out);
     cJSON_Delete(j);
-    rc = ddp_test_run_cmd(&out, "'%s' '%s' '%s'", tool("ddp-compare"), base, copy);
+    rc = ddp_test_run_cmd(&out, "'%s' '%s' '%s'", ddp_test_tool("ddp-compare"), base, copy);
     if (!strstr(out, cases[c].phrase))
       fail_msg("%s: the report lacks \"%s\": %s", cases[c].name, cases[c].phrase, out);
     print_message("planted %-13s -> %s\n", cases[c].name, cases[c].phrase);

@@ -484,6 +484,15 @@ const char *ddp_test_source_root(void) {
 #endif
 }
 
+const char *ddp_test_tool(const char *name) {
+  static char buf[4][4096];
+  static int k;
+  k = (k + 1) % 4;
+  const char *b = getenv("DDP_BUILD_ROOT");
+  snprintf(buf[k], sizeof buf[k], "%s/tools/%s", b && b[0] ? b : ".", name);
+  return buf[k];
+}
+
 bool ddp_test_run_tool(const char *script, const char *args) {
   const char *root = ddp_test_source_root();
   if (!root || access("/usr/bin/python3", X_OK) != 0) return false;

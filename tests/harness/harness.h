@@ -116,6 +116,9 @@ const char *ddp_test_python(void);
 /* The source tree's root directory (from the DDP_SOURCE_ROOT env that meson sets for
  * tests, else the path compiled into the harness). NULL when neither is known. */
 const char *ddp_test_source_root(void);
+/* "<build>/tools/<name>": a program of the build tree (DDP_BUILD_ROOT, which meson sets for
+ * tests; "." when unset). The result lives until four more calls. */
+const char *ddp_test_tool(const char *name);
 
 /* Parent side: runs tools/<script> <args> with /usr/bin/python3 (one BLAS thread). False
  * when the interpreter or the source root is missing or the script exits 77 (what it needs
