@@ -46,17 +46,10 @@ typedef struct job {
   char *log;                        /* every rank's stderr, concatenated */
 } job_t;
 
+/* The file's text; "" when it is missing. */
 static char *slurp(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return calloc(1, 1);
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *b = malloc((size_t)n + 1);
-  size_t got = fread(b, 1, (size_t)n, f);
-  b[got] = 0;
-  fclose(f);
-  return b;
+  char *b = ddp_test_read_file(path, NULL);
+  return b ? b : calloc(1, 1);
 }
 
 static void rm_tree(const char *dir) {

@@ -58,18 +58,7 @@ static void put(const char *name, const char *text) {
 static char *slurp(const char *name, size_t *len) {
   char path[512];
   snprintf(path, sizeof path, "%s/%s", dir, name);
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  rewind(f);
-  char *b = malloc((size_t)n + 1);
-  assert_non_null(b);
-  size_t got = fread(b, 1, (size_t)n, f);
-  fclose(f);
-  b[got] = 0;
-  if (len) *len = got;
-  return b;
+  return ddp_test_read_file(path, len);
 }
 
 /* Runs `cd dir && [env] ddp-train --threads 1 ARGS 2>&1`; *out: everything it printed

@@ -493,6 +493,20 @@ const char *ddp_test_tool(const char *name) {
   return buf[k];
 }
 
+char *ddp_test_read_file(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  rewind(f);
+  char *b = malloc(n > 0 ? (size_t)n + 1 : 1);
+  size_t got = b && n > 0 ? fread(b, 1, (size_t)n, f) : 0;
+  fclose(f);
+  if (b) b[got] = 0;
+  if (len) *len = got;
+  return b;
+}
+
 bool ddp_test_run_tool(const char *script, const char *args) {
   const char *root = ddp_test_source_root();
   if (!root || access("/usr/bin/python3", X_OK) != 0) return false;

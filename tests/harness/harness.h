@@ -119,6 +119,9 @@ const char *ddp_test_source_root(void);
 /* "<build>/tools/<name>": a program of the build tree (DDP_BUILD_ROOT, which meson sets for
  * tests; "." when unset). The result lives until four more calls. */
 const char *ddp_test_tool(const char *name);
+/* The whole file at path, malloc'd and NUL-terminated (*len: its size, when len is not
+ * NULL); NULL when it cannot be opened. Free with free(). */
+char *ddp_test_read_file(const char *path, size_t *len);
 
 /* Parent side: runs tools/<script> <args> with /usr/bin/python3 (one BLAS thread). False
  * when the interpreter or the source root is missing or the script exits 77 (what it needs
