@@ -79,6 +79,37 @@ DDP_API void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world);
 DDP_API void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                              void *dst, size_t n, unsigned char *tmp, int world);
 
+/* The pre-rounded reproducible sum (src/tensor/rsum.c): a sum of f32 or f64 terms whose
+ * result does not depend on the order or grouping of the additions, for
+ * world_size_invariant_shards (docs/ddp.md). Elements go in blocks of DDP_RSUM_BLOCK.
+ * Two passes over the terms: first every term's block exponents are combined with
+ * ddp_rsum_exps_* into exps[ddp_rsum_blocks(n)] (zeroed first; across ranks an allreduce
+ * MAX of them, I32); then every term is deposited into acc[n] (int64, zeroed first) with
+ * ddp_rsum_deposit_*, given the combined exps and the total number of terms; across ranks
+ * the accumulators are summed exactly by an allreduce SUM (I64) in any order. The result
+ * is within n M 2^(c - 50) (c = ceil(log2 n), M the largest magnitude in the element's
+ * block) of the exact sum before the division and the final rounding. terms <= 2^16. */
+#define DDP_RSUM_BLOCK 32
+#define DDP_RSUM_POISON INT32_MAX /* a block's exps entry after a NaN or an infinity */
+#define DDP_RSUM_MAX_TERMS 65536
+/* The number of exps entries of n elements. */
+DDP_API size_t ddp_rsum_blocks(size_t n);
+/* exps[b] = max(exps[b], the code of block b's largest |x|). */
+DDP_API void ddp_rsum_exps_f32(int32_t *exps, const float *x, size_t n);
+DDP_API void ddp_rsum_exps_f64(int32_t *exps, const double *x, size_t n);
+/* acc[i] += srcs[s][i] rounded to its block's grid (an integer), for s < nsrc, given the
+ * final exps and the total number of terms of the sum (over all calls and ranks). */
+DDP_API void ddp_rsum_deposit_f32(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,
+                                  const float *const *srcs, size_t n);
+DDP_API void ddp_rsum_deposit_f64(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,
+                                  const double *const *srcs, size_t n);
+/* out[i] = the sum acc[i] stands for, divided by divisor (> 0), rounded once to the dtype;
+ * NaN in a poisoned block. */
+DDP_API void ddp_rsum_result_f32(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,
+                                 int64_t divisor, float *out);
+DDP_API void ddp_rsum_result_f64(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,
+                                 int64_t divisor, double *out);
+
 typedef struct ddp_tensor {
   ddp_dtype_t dtype;
   int ndim; /* 0..DDP_MAX_DIMS; 0 is a scalar with numel 1 */

@@ -1,0 +1,158 @@
+/* The pre-rounded reproducible sum (ddp_rsum_* in ddp/tensor.h).
+ *
+ * The method is Demmel and Nguyen's pre-rounding ("Fast reproducible floating-point
+ * summation", 2013), the one-fold ancestor of ReproBLAS's binned sums. Elements are
+ * grouped in blocks of DDP_RSUM_BLOCK consecutive elements. First the largest magnitude
+ * of each block over every term of the sum is bounded by a power of two, |x| < 2^L
+ * (ddp_rsum_exps_*, combined across ranks by an allreduce MAX, which is exact). With L
+ * and the number of terms n known, every term is rounded to the same grid, the multiples
+ * of 2^g with g = L - 50 + c, c = ceil(log2 n), and kept as the integer x / 2^g
+ * (ddp_rsum_deposit_*). Each such integer is below 2^(50 - c) in magnitude, so n of them
+ * add up exactly below 2^50: integer additions are associative, and the sum is the same
+ * bits whatever the order and grouping, within a rank (its shards) and across ranks (an
+ * allreduce SUM of the int64 accumulators, in any algorithm order). The result is the
+ * integer times 2^g, divided by the divisor in double, rounded once to the dtype
+ * (ddp_rsum_result_*).
+ *
+ * Error against the exact sum S of the n terms, for an element whose block has largest
+ * magnitude M (so M >= 2^(L - 1)): each term moves by at most half a grid unit,
+ * 2^(g - 1) = 2^(L - 51 + c) <= M 2^(c - 50), so |sum - S| <= n M 2^(c - 50). The integer
+ * is exact in double (below 2^51), the scaling by 2^g is exact, and the division and the
+ * rounding to the dtype add at most 2^-53 |S / divisor| and half an ulp of the result.
+ * For n = 12 terms that is M 2^-42.4 on the sum: far below float's own rounding, so the
+ * mean is almost always the correctly rounded mean of the exact shard gradients.
+ *
+ * Rounding to the grid and converting to an integer use the 1.5 * 2^52 trick (y + MAGIC
+ * rounds y to an integer, to nearest even, and the low bits of the double are that
+ * integer), which vectorizes without AVX-512DQ. A NaN or infinite term poisons its block
+ * (DDP_RSUM_POISON; the results of the block are NaN): an overflowing gradient shows as
+ * NaN, never as a wrong finite number. */
+#include <math.h>
+#include <string.h>
+
+#include "common/common.h"
+#include "ddp/tensor.h"
+
+#define BLK DDP_RSUM_BLOCK
+/* A block's stored exponent is L + EBIAS (L is in -1021 ... 1024 for f64, -125 ... 128 for
+ * f32), so that 0, what zeroed memory holds, means "every term was zero". */
+#define EBIAS 2048
+#define MAGIC 6755399441055744.0 /* 1.5 * 2^52 */
+#define GRID_BITS 50
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+/* Lane for lane the clones compute what the scalar code does (no contraction, no
+ * reassociation): the bits do not depend on the variant picked at load time. */
+#define RSUM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define RSUM_CLONES
+#endif
+
+size_t ddp_rsum_blocks(size_t n) { return (n + BLK - 1) / BLK; }
+
+/* 2^k: from its bits inside double's normal range, ldexp outside it. */
+static inline double pow2(int k) {
+  if (k < -1022 || k > 1023) return ldexp(1.0, k);
+  uint64_t u = (uint64_t)(k + 1023) << 52;
+  double d;
+  memcpy(&d, &u, sizeof d);
+  return d;
+}
+
+static inline int64_t bits_of(double d) {
+  int64_t k;
+  memcpy(&k, &d, sizeof k);
+  return k;
+}
+
+static inline double from_bits(int64_t k) {
+  double d;
+  memcpy(&d, &k, sizeof d);
+  return d;
+}
+
+/* c = ceil(log2 terms), terms >= 1. */
+static int ceil_log2(int64_t terms) {
+  int c = 0;
+  while ((INT64_C(1) << c) < terms) c++;
+  return c;
+}
+
+/* The block's exponent code from the largest magnitude's bits: the exponent field e
+ * (subnormals as 1), |x| < 2^(e - ebias); 0 for all zeros, POISON for a NaN or an
+ * infinity. */
+#define EXPS_(NAME, T, U, ABS_MASK, INF_BITS, SHIFT, EB)                     \
+  RSUM_CLONES void NAME(int32_t *exps, const T *x, size_t n) {               \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {               \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                             \
+      U mx = 0;                                                              \
+      for (size_t k = 0; k < m; k++) {                                       \
+        U u;                                                                 \
+        memcpy(&u, &x[base + k], sizeof u);                                  \
+        u &= ABS_MASK;                                                       \
+        mx = u > mx ? u : mx;                                                \
+      }                                                                      \
+      int32_t code;                                                          \
+      if (mx == 0)                                                           \
+        code = 0;                                                            \
+      else if (mx >= INF_BITS)                                               \
+        code = DDP_RSUM_POISON;                                              \
+      else                                                                   \
+        code = (int32_t)((mx >> SHIFT) ? (mx >> SHIFT) : 1) - EB + EBIAS;    \
+      if (code > exps[b]) exps[b] = code;                                    \
+    }                                                                        \
+  }
+
+EXPS_(ddp_rsum_exps_f32, float, uint32_t, 0x7fffffffu, 0x7f800000u, 23, 126)
+EXPS_(ddp_rsum_exps_f64, double, uint64_t, 0x7fffffffffffffffu, 0x7ff0000000000000u, 52, 1022)
+
+/* acc[k] += the sum over the sources of x[k] / 2^g rounded to an integer, per block
+ * with its grid. The block is the outer loop, so that its accumulators stay in cache
+ * while every source is added (one pass over acc however many sources). */
+#define DEPOSIT_(NAME, T)                                                                    \
+  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,          \
+                        const T *const *srcs, size_t n) {                                    \
+    int c = ceil_log2(terms);                                                                \
+    const int64_t km = bits_of(MAGIC);                                                       \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                               \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                                             \
+      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                              \
+      double scale = pow2(GRID_BITS - c - (exps[b] - EBIAS)); /* 2^-g: exact scaling */      \
+      int64_t *a = acc + base;                                                               \
+      for (int s = 0; s < nsrc; s++) {                                                       \
+        const T *xb = srcs[s] + base;                                                        \
+        for (size_t k = 0; k < m; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km;  \
+      }                                                                                      \
+    }                                                                                        \
+  }
+
+/* out[k] = acc[k] 2^g / divisor, rounded once to T (the integer and the scaling are
+ * exact, barring f64 results outside double's normal range). */
+#define RESULT_(NAME, T)                                                                   \
+  RSUM_CLONES void NAME(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,  \
+                        int64_t divisor, T *out) {                                         \
+    int c = ceil_log2(terms);                                                              \
+    const int64_t km = bits_of(MAGIC);                                                     \
+    double div = (double)divisor;                                                          \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                             \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                                           \
+      T *o = out + base;                                                                   \
+      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) {                                    \
+        for (size_t k = 0; k < m; k++) o[k] = exps[b] ? (T)NAN : (T)0;                     \
+        continue;                                                                          \
+      }                                                                                    \
+      int g = exps[b] - EBIAS - GRID_BITS + c;                                             \
+      const int64_t *a = acc + base;                                                       \
+      if (g >= -1022 && g <= 1023 - 51) {                                                  \
+        double unit = pow2(g);                                                             \
+        for (size_t k = 0; k < m; k++)                                                     \
+          o[k] = (T)((from_bits(a[k] + km) - MAGIC) * unit / div);                         \
+      } else {                                                                             \
+        for (size_t k = 0; k < m; k++) o[k] = (T)(ldexp((double)a[k], g) / div);           \
+      }                                                                                    \
+    }                                                                                      \
+  }
+
+RESULT_(ddp_rsum_result_f32, float)
+RESULT_(ddp_rsum_result_f64, double)
