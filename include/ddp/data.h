@@ -233,6 +233,11 @@ DDP_API void ddp_loader_destroy(ddp_loader_t *l);
 DDP_API ddp_status_t ddp_loader_set_epoch(ddp_loader_t *l, int64_t epoch, ddp_error_t *err);
 /* Batches per epoch on this rank (torch's len(DataLoader)). */
 DDP_API int64_t ddp_loader_num_batches(const ddp_loader_t *l);
+/* Positions the loader of `epoch` so that the next batch is batch number `batch` of that
+ * epoch (batch * batch_size indices in), without reading the batches before it; sets the
+ * epoch first when it differs. DDP_ERR_INVALID_ARGUMENT past the epoch's end. */
+DDP_API ddp_status_t ddp_loader_seek(ddp_loader_t *l, int64_t epoch, int64_t batch,
+                                     ddp_error_t *err);
 /* The next batch of the current epoch, *has_batch false at the end (then the loader stays
  * at the end until set_epoch). The first call after create starts epoch 0 by itself. */
 DDP_API ddp_status_t ddp_loader_next(ddp_loader_t *l, ddp_batch_t *batch, bool *has_batch,

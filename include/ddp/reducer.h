@@ -85,10 +85,21 @@ typedef struct ddp_ddp_options {
   /* Chunk size of the parameter and buffer broadcasts; 0 = 250 MiB (PyTorch's
    * broadcast_bucket_size). */
   size_t broadcast_bucket_bytes;
+  /* World-size-invariant mode (docs/ddp.md): K > 0 virtual shards per synchronised step
+   * over all ranks (W must divide K). Each rank then runs K / W forward/backward passes
+   * per step, one per shard, the last one synchronising (the others under no_sync); each
+   * shard's gradients are kept apart and the K shard gradients are summed with the
+   * pre-rounded reproducible sum (ddp_rsum_* in ddp/tensor.h) and divided by K, so the
+   * averaged gradients are the same bits for any W and any split of the shards into
+   * passes. Comm hooks and join() are refused. 0 = off. */
+  int64_t world_size_invariant_shards;
 } ddp_ddp_options_t;
 
-#define DDP_DDP_OPTIONS_INIT \
-  { sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true, NULL, 0 }
+#define DDP_DDP_OPTIONS_INIT                                                                       \
+  {                                                                                                \
+    sizeof(ddp_ddp_options_t), true, DDP_BUCKET_CAP_UNSET, -1, false, false, false, true, NULL, 0, \
+        0                                                                                          \
+  }
 
 typedef struct ddp_ddp ddp_ddp_t;
 

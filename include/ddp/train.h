@@ -109,6 +109,10 @@ typedef struct ddp_train_args {
   char power_sgd_init_q[DDP_TRAIN_STR_MAX];  /* libddp: "" or torch_reference.py's
                                               * powersgd_q.safetensors: PyTorch's random Q
                                               * draws, used instead of libddp's generator */
+  int64_t world_size_invariant_shards;       /* libddp: 0 = off; K > 0: the global batch of
+                                              * each step is K fixed shards and the run's
+                                              * bits do not depend on the world size or on
+                                              * gradient_accumulation_steps (docs/ddp.md) */
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -127,7 +131,8 @@ typedef struct ddp_train_args {
     .ddp_find_unused_parameters = DDP_UNSET, .ddp_bucket_cap_mb = -1, .ddp_first_bucket_mb = -1,   \
     .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800, .ddp_static_graph = DDP_UNSET,        \
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
-    .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = ""                          \
+    .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
+    .world_size_invariant_shards = 0                                                               \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

@@ -107,6 +107,19 @@ ddp_status_t ddp_loader_set_epoch(ddp_loader_t *l, int64_t epoch, ddp_error_t *e
   return DDP_OK;
 }
 
+ddp_status_t ddp_loader_seek(ddp_loader_t *l, int64_t epoch, int64_t batch, ddp_error_t *err) {
+  CHECK_L(l);
+  int64_t cur = l->sampler ? ddp_sampler_epoch(l->sampler) : 0;
+  if (!l->started || epoch != cur) DDP_CHECK(ddp_loader_set_epoch(l, epoch, err));
+  if (batch < 0 || batch >= ddp_loader_num_batches(l))
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "loader: batch %lld is outside epoch %lld's %lld batches", (long long)batch,
+                      (long long)epoch, (long long)ddp_loader_num_batches(l));
+  l->pos = batch * l->opts.batch_size;
+  l->batch_no = batch;
+  return DDP_OK;
+}
+
 int64_t ddp_loader_num_batches(const ddp_loader_t *l) {
   CHECK_L(l);
   int64_t n = l->sampler ? ddp_sampler_len(l->sampler) : ddp_dataset_length(l->ds);

@@ -83,8 +83,9 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
       ddp__ddp_append_names(names, sizeof names, d, b->vars, b->nvars, ",");
       ddp_pg_set_next_collective_tag(d->pg, (int64_t)d->next_bucket, names);
     }
-    if (d->has_comm_hook) {
-      DDP_CHECK(ddp__ddp_run_comm_hook(d, d->next_bucket));
+    if (d->has_comm_hook || d->inv_k) {
+      DDP_CHECK(d->inv_k ? ddp__inv_launch(d, d->next_bucket)
+                         : ddp__ddp_run_comm_hook(d, d->next_bucket));
       d->next_bucket++;
       continue;
     }
@@ -218,8 +219,10 @@ static ddp_status_t mark_ready(ddp_ddp_t *d, size_t i) {
   d->ready[i] = true;
   d->require_finalize = true;
   ddp_param_t *p = d->params[i];
-  if (d->local_fn) d->local_fn(d->local_user, p);
-  copy_into_slot(d, p, ddp__ddp_slot(d, i));
+  if (!d->inv_k) { /* invariant mode: the shards were stored by the hook */
+    if (d->local_fn) d->local_fn(d->local_user, p);
+    copy_into_slot(d, p, ddp__ddp_slot(d, i));
+  }
   ddp__bucket_t *b = &d->buckets[d->param_bucket[i]];
   b->pending--;
   DDP_CHECK(launch_ready(d));
@@ -290,6 +293,7 @@ void ddp__ddp_grad_hook(void *user, ddp_param_t *p, int fire) {
   if (d->hook_status != DDP_OK) return;
   size_t i = p->index < d->nmodel ? d->mindex[p->index] : SIZE_MAX;
   if (i == SIZE_MAX) return;
+  if (d->inv_k && (d->hook_status = ddp__inv_store(d, i)) != DDP_OK) return;
   bool static_first = d->opts.static_graph && !d->static_first_done;
   if ((d->opts.find_unused_parameters && !d->opts.static_graph) || static_first)
     if (p->grad.data) d->local_used[i] = 1;

@@ -13,6 +13,7 @@ void ddp__ddp_free_buckets(ddp_ddp_t *d, ddp__bucket_t *b, size_t n) {
     ddp__ddp_drain(&b[i].work);
     ddp_comm_work_free(b[i].cwork);
     ddp__free(b[i].gb_params);
+    ddp__inv_bucket_free(d, &b[i]);
     ddp_pg_free(d->pg, b[i].buf);
     ddp__free(b[i].vars);
     ddp__free(b[i].offsets);

@@ -118,7 +118,13 @@ ddp_status_t ddp_ddp_register_comm_hook(ddp_ddp_t *d, const ddp_comm_hook_t *hoo
   DDP_REQUIRE(d && d->magic == DDP__DDP_MAGIC && hook && hook->fn);
   ddp__ddp_error_clear(d);
   ddp_status_t st;
-  if (d->has_comm_hook) {
+  if (d->inv_k) {
+    st = ddp__ddp_fail(d, DDP_ERR_INVALID_USAGE,
+                       "[rank %d] DDP: world_size_invariant_shards is on: comm hook %s is refused "
+                       "(a hook's compression or its own sum is not invariant to the world size; "
+                       "the mode sums with its own reproducible allreduce)",
+                       d->rank, hook->name ? hook->name : "comm_hook");
+  } else if (d->has_comm_hook) {
     st = ddp__ddp_fail(d, DDP_ERR_INVALID_USAGE,
                        "register_comm_hook or register_builtin_comm_hook can only be called "
                        "once. (rank %d: %s is already registered)",

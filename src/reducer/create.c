@@ -213,6 +213,7 @@ static ddp_status_t construct(ddp_ddp_t *d, const ddp_ddp_options_t *o) {
   if (o->trace_path) DDP_CHECK(ddp__ddp_trace_open(d, o->trace_path));
   DDP_CHECK(count_params(d));
   DDP_CHECK(alloc_params(d));
+  DDP_CHECK(ddp__inv_init(d));
   ddp__ddp_describe_dtypes(d);
   if (o->init_sync) {
     DDP_CHECK(verify_shapes(d));
@@ -274,6 +275,7 @@ void ddp_ddp_destroy(ddp_ddp_t *d) {
       }
     }
   ddp__ddp_free_buckets(d, d->buckets, d->nbuckets);
+  ddp__inv_free(d);
   if (d->has_comm_hook && d->comm_hook.free_state) d->comm_hook.free_state(d->comm_hook.state);
   ddp__free(d->comm_hook_name);
   ddp__ddp_drain(&d->join_work);

@@ -69,7 +69,8 @@ static ddp_status_t copy_back(ddp_ddp_t *d, ddp__bucket_t *x, bool need_used) {
       if (!p->grad.data) ddp_param_set_grad_data(p, NULL);
       memcpy(p->grad.data, slot, ddp__ddp_pbytes(p));
     } else if (p->grad.data != slot) {
-      if (!p->grad.data) {
+      /* invariant mode never copied the gradient into the slot: it moves there now */
+      if (!p->grad.data || d->inv_k) {
         ddp_param_set_grad_data(p, slot);
       } else if (first == DDP_OK) {
         first = ddp__ddp_fail(d, DDP_ERR_INVALID_USAGE,
@@ -95,6 +96,7 @@ ddp_status_t ddp__ddp_finalize(ddp_ddp_t *d) {
   for (size_t b = 0; b < d->nbuckets; b++) {
     ddp_status_t st = wait_bucket(d, b, first);
     if (first == DDP_OK) first = st;
+    if (first == DDP_OK && d->inv_k) ddp__inv_result(d, b);
     if (first == DDP_OK) first = copy_back(d, &d->buckets[b], need_used);
   }
   if (d->used_work) {
@@ -106,6 +108,7 @@ ddp_status_t ddp__ddp_finalize(ddp_ddp_t *d) {
   }
   if (d->opts.find_unused_parameters && !d->opts.static_graph)
     memset(d->local_used, 0, d->P * sizeof *d->local_used);
+  ddp__inv_end_step(d);
   d->t_comm_end = ddp_now_ns();
   memcpy(d->prev_ready_order, d->ready_order, d->nready_order * sizeof(size_t));
   d->nprev_ready_order = d->nready_order;

@@ -87,6 +87,7 @@ ddp_status_t ddp_ddp_pre_forward(ddp_ddp_t *d, ddp_ctx_t *ctx) {
   if (grad) {
     DDP_CHECK(ensure_prior_reduction_finished(d));
     DDP_CHECK(ddp__ddp_rebuild_buckets(d));
+    if (d->inv_k) DDP_CHECK(ddp__inv_begin_shard(d));
   }
   if (d->require_forward_param_sync && d->opts.broadcast_buffers &&
       ddp_model_num_buffers(d->model) > 0) {
@@ -104,6 +105,7 @@ ddp_status_t ddp_ddp_post_forward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n,
   d->ctx = ctx;
   ddp__ddp_trace(d, "forward", d->t_pre_forward, ddp_now_ns(), 0, -1, 0);
   if (ddp_ctx_grad_enabled(ctx) && d->require_backward_grad_sync) {
+    if (d->inv_k) DDP_CHECK(ddp__inv_check_sync(d));
     d->require_forward_param_sync = true;
     d->t_fwd_end = ddp_now_ns();
     ddp__ddp_prepare_backward(d, ctx, n, outputs);

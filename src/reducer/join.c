@@ -73,6 +73,11 @@ ddp_status_t ddp_ddp_join_begin(ddp_ddp_t *d, bool divide_by_initial_world_size,
     return ddp__ddp_fail(d, DDP_ERR_UNSUPPORTED,
                          "[rank %d] DDP: join() with static_graph is not supported by libddp",
                          d->rank);
+  if (d->inv_k) /* uneven inputs change the set of shards, which the mode fixes */
+    return ddp__ddp_fail(d, DDP_ERR_UNSUPPORTED,
+                         "[rank %d] DDP: join() is refused with world_size_invariant_shards: the "
+                         "mode needs every rank to run its K / W shards in every step",
+                         d->rank);
   d->join_enabled = true;
   d->join_divide_initial = divide_by_initial_world_size;
   d->join_throw = throw_on_early_termination;

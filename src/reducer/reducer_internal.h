@@ -49,6 +49,7 @@ typedef struct ddp__bucket {
   ddp_grad_bucket_t gb;
   ddp_param_t **gb_params;
   ddp_comm_work_t *cwork;
+  struct ddp__inv_bucket *inv; /* world_size_invariant_shards (invariant.c); NULL: off */
 } ddp__bucket_t;
 
 /* One complete ("X") event of the Chrome trace. */
@@ -137,6 +138,13 @@ struct ddp_ddp {
   int *fire_left;     /* [P] */
   bool static_first_done;
   bool in_delayed; /* delayed_all_reduce is marking: it finalizes itself */
+
+  /* world_size_invariant_shards (invariant.c) */
+  int64_t inv_k;     /* K; 0: off */
+  int inv_s;         /* K / W: shards per rank and step */
+  int inv_seen;      /* shards (forwards with grad) begun in this step */
+  bool *inv_written; /* [inv_s * P] shard s stored parameter i */
+  size_t *inv_blk;   /* [P] parameter i's first block in its bucket's exps */
 
   /* sync state (§5, §6; forward.c) */
   bool require_backward_grad_sync;
@@ -256,6 +264,27 @@ ddp_status_t ddp__ddp_finalize(ddp_ddp_t *d);
 ddp_status_t ddp__ddp_join_notify(ddp_ddp_t *d);
 ddp_status_t ddp__ddp_join_buffers_root(ddp_ddp_t *d, int *root);
 ddp_status_t ddp__ddp_join_sync_flag(ddp_ddp_t *d);
+
+/* ---------------------------------------------------------------- invariant.c ----- */
+
+/* world_size_invariant_shards: the options check and the per-shard arrays (create). */
+ddp_status_t ddp__inv_init(ddp_ddp_t *d);
+void ddp__inv_free(ddp_ddp_t *d);
+/* A forward with grad begins shard inv_seen; more than K / W in a step is an error. */
+ddp_status_t ddp__inv_begin_shard(ddp_ddp_t *d);
+/* Arming the synchronising backward: it must be this step's last shard. */
+ddp_status_t ddp__inv_check_sync(ddp_ddp_t *d);
+/* The grad-ready hook's part: parameter i's gradient of this shard is stored apart (its
+ * block exponents noted) and the gradient zeroed for the next shard. */
+ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i);
+/* Bucket b is ready: the exponents allreduce (MAX, waited), the shards deposited, the
+ * accumulators' allreduce (SUM) launched into b->work. */
+ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b);
+/* After bucket b's allreduce: the mean into its flat buffer; the shard state cleared. */
+void ddp__inv_result(ddp_ddp_t *d, size_t b);
+/* End of a synchronised step: the shard count starts again. */
+void ddp__inv_end_step(ddp_ddp_t *d);
+void ddp__inv_bucket_free(ddp_ddp_t *d, ddp__bucket_t *x);
 
 /* ---------------------------------------------------------------- comm_hook.c ----- */
 

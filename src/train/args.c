@@ -102,6 +102,8 @@ static const arg_field_t fields[] = {
     F_STR(comm_state_option, "", "JSON object of PowerSGD state options"),
     F_STR(power_sgd_init_q, "",
           "libddp: torch_reference.py's powersgd_q.safetensors: start PowerSGD from its Qs"),
+    F_INT(world_size_invariant_shards, 0, 65536, "0",
+          "libddp: K shards per global batch: the same bits for any world size (0: off)"),
 };
 
 size_t ddp_train_arg_count(void) { return DDP_ARRAY_LEN(fields); }
@@ -432,6 +434,28 @@ static const char *backend_choices(char *buf, size_t cap) {
   return buf;
 }
 
+/* world_size_invariant_shards: what the mode cannot make independent of the world size
+ * is refused here; what depends on the world size (K / (W GA) shards per micro-batch) is
+ * checked by the trainer. */
+static ddp_status_t validate_invariant(const ddp_train_args_t *a, ddp_error_t *err) {
+  if (a->world_size_invariant_shards == 0) return DDP_OK;
+  const char *why = NULL;
+  if (!a->ddp_reducer)
+    why = "it runs in the DDP reducer (ddp_reducer false)";
+  else if ((strcmp(a->comm_hook, "no") != 0 && strcmp(a->comm_hook, "allreduce") != 0) ||
+           strcmp(a->comm_wrapper, "no") != 0)
+    why = "a comm hook's compression or its own sum is not invariant to the world size; "
+          "comm_hook must be no or allreduce, comm_wrapper no";
+  else if (a->dump_local_grads)
+    why = "dump_local_grads: a rank's local gradient is a set of shard gradients there";
+  else if (strchr(a->forward_flags, ','))
+    why = "forward_flags per rank: a shard's result would depend on the rank computing it";
+  if (!why) return DDP_OK;
+  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                          "world_size_invariant_shards %lld is refused: %s",
+                          (long long)a->world_size_invariant_shards, why);
+}
+
 ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *err) {
   DDP_REQUIRE(in);
   ddp_train_args_t copy = args_in(in);
@@ -531,6 +555,7 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
                             "(comm_hook is \"%s\")",
                             a->comm_hook);
   }
+  DDP_CHECK(validate_invariant(a, err));
   if (!a->ddp_reducer && strcmp(a->comm_hook, "no") != 0) {
     return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
                             "comm_hook \"%s\" runs inside the DDP reducer; it needs ddp_reducer "

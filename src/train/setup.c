@@ -79,25 +79,66 @@ static ddp_status_t setup_optimizers(ddp__trainer_t *t) {
   return DDP_OK;
 }
 
+/* world_size_invariant_shards K: the global batch of a step (W GA
+ * per_device_train_batch_size samples, as in a normal run) is K shards of m samples, read
+ * in the order of the whole dataset's shuffle (the sampler of one replica), whatever the
+ * world size; micro-batch k of rank r runs global shards (k W + r) Sm ... + Sm - 1, Sm =
+ * K / (W GA). An epoch is the full global batches of the dataset. The mode keeps no
+ * state that depends on the rank, so models with buffers (BatchNorm's running statistics)
+ * are refused: their per-rank updates are not invariant. */
+static ddp_status_t check_invariant(ddp__trainer_t *t, int64_t *shard_size) {
+  const ddp_train_args_t *a = t->a;
+  int64_t K = a->world_size_invariant_shards, WA = t->world * a->gradient_accumulation_steps;
+  if (K % WA != 0 || a->per_device_train_batch_size % (K / WA) != 0)
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: world_size_invariant_shards %lld needs world size x "
+                      "gradient_accumulation_steps (%d x %lld) to divide it, and "
+                      "per_device_train_batch_size %lld to be a multiple of the shards per "
+                      "micro-batch (K / (W GA))",
+                      (long long)K, t->world, (long long)a->gradient_accumulation_steps,
+                      (long long)a->per_device_train_batch_size);
+  if (ddp_model_num_buffers(t->model) > 0)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "trainer: world_size_invariant_shards is refused for a model with buffers "
+                      "(%s): running statistics updated per rank are not invariant to the "
+                      "world size; use LayerNorm or GroupNorm",
+                      ddp_model_buffer(t->model, 0)->name);
+  t->inv_k = K;
+  t->inv_sm = K / WA;
+  *shard_size = a->per_device_train_batch_size / t->inv_sm;
+  t->inv_loss = ddp__calloc((size_t)K, sizeof *t->inv_loss);
+  return t->inv_loss ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
 /* DistributedSampler and the loader of this rank's shard, and the step counts: HF's
- * steps per epoch (full accumulation windows) and max_steps. */
+ * steps per epoch (full accumulation windows) and max_steps. In invariant mode, one
+ * replica's sampler and the loader of shards (check_invariant). */
 static ddp_status_t setup_data(ddp__trainer_t *t) {
   const ddp_train_args_t *a = t->a;
+  int64_t shard = 0;
+  if (a->world_size_invariant_shards > 0) DDP_CHECK(check_invariant(t, &shard));
   ddp_sampler_options_t so = DDP_SAMPLER_OPTIONS_INIT;
   so.dataset_len = ddp_dataset_length(t->train);
-  so.num_replicas = t->world;
-  so.rank = t->rank;
+  so.num_replicas = t->inv_k ? 1 : t->world;
+  so.rank = t->inv_k ? 0 : t->rank;
   so.seed = a->data_seed >= 0 ? (uint64_t)a->data_seed : a->seed; /* HF's data_seed */
   so.shuffle = a->dataloader_shuffle;
   DDP_CHECK(ddp_sampler_create(&so, &t->sampler, t->err));
   ddp_loader_options_t lo = DDP_LOADER_OPTIONS_INIT;
-  lo.batch_size = a->per_device_train_batch_size;
-  lo.drop_last = a->dataloader_drop_last;
+  lo.batch_size = t->inv_k ? shard : a->per_device_train_batch_size;
+  lo.drop_last = t->inv_k ? true : a->dataloader_drop_last;
   DDP_CHECK(ddp_loader_create(t->train, t->sampler, &lo, &t->loader, t->err));
   t->loader_epoch = -1;
 
   int64_t nb = ddp_loader_num_batches(t->loader);
-  t->steps_per_epoch = nb / a->gradient_accumulation_steps;
+  t->steps_per_epoch = t->inv_k ? nb / t->inv_k : nb / a->gradient_accumulation_steps;
+  if (t->inv_k && t->steps_per_epoch < 1) {
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: world_size_invariant_shards %lld: the dataset's %lld samples "
+                      "hold no full global batch of %lld shards of %lld",
+                      (long long)t->inv_k, (long long)so.dataset_len, (long long)t->inv_k,
+                      (long long)shard);
+  }
   if (t->steps_per_epoch < 1) {
     return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
                       "trainer: an epoch has %lld micro-batches per rank (%lld samples, %d "
@@ -188,8 +229,11 @@ ddp_status_t ddp__trainer_state_json(ddp__trainer_t *t, int64_t step, char **out
   ddp__json_str(&j, "kind", "DistributedSampler");
   ddp__json_uint(&j, "seed", a->seed);
   ddp__json_int(&j, "epoch", step / t->steps_per_epoch);
-  ddp__json_int(&j, "batches_consumed", (step % t->steps_per_epoch) * GA);
-  ddp__json_int(&j, "batch_size", a->per_device_train_batch_size);
+  /* invariant mode: global shards consumed in the epoch, of the shard size */
+  ddp__json_int(&j, "batches_consumed", (step % t->steps_per_epoch) * (t->inv_k ? t->inv_k : GA));
+  ddp__json_int(&j, "batch_size",
+                t->inv_k ? a->per_device_train_batch_size / t->inv_sm
+                         : a->per_device_train_batch_size);
   ddp__json_end(&j);
   ddp__json_object(&j, "rng");
   ddp__json_str(&j, "generator", "philox4x32-10");

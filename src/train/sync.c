@@ -186,11 +186,14 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     o.gradient_as_bucket_view = s->args.gradient_as_bucket_view;
     o.static_graph = ddp_train_static_graph(&s->args);
     if (s->args.ddp_trace[0]) o.trace_path = s->args.ddp_trace;
+    o.world_size_invariant_shards = s->args.world_size_invariant_shards;
     ddp_error_t e = {0};
     ddp_status_t st = ddp_ddp_create(s->model, s->pg, &o, &s->ddp, &e);
     if (st != DDP_OK) {
       return ddp__error_quiet(err, st, "DDP create: %s", e.msg); /* logged by the reducer */
     }
+    /* world_size_invariant_shards sums with its own allreduce: "allreduce" is that one */
+    if (s->args.world_size_invariant_shards > 0) return DDP_OK;
     /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
      * The layer that failed has logged; the message is carried up quietly. */
     ddp_comm_hook_t hook;

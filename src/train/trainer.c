@@ -285,7 +285,7 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
     ddp__train_optim_file(path, sizeof path, dir, g);
     DDP_CHECK(ddp_optim_load(t->opt[g], path, t->err));
   }
-  if (world != t->world) {
+  if (world != t->world && !t->inv_k) { /* invariant mode: the same run for any W */
     ddp__log(t->rank, DDP_LOG_WARN,
              "resuming %s, written by %d ranks, with %d: the data order differs from an "
              "uninterrupted run",
@@ -456,6 +456,53 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   return DDP_OK;
 }
 
+/* world_size_invariant_shards: the dropout stream of a shard is keyed by its global index
+ * in the run, never by the rank that computes it. */
+#define INV_RNG_STREAM UINT32_MAX
+
+/* Invariant mode: shard q of micro-batch k of step `step`, global shard j = (k W + rank)
+ * Sm + q of the step (setup.c): its samples from the global order, its dropout from j,
+ * forward (synchronising only the step's last shard on this rank), the loss (the shard's
+ * mean, unscaled: the reducer divides the sum of the K shard gradients by K), backward. */
+static ddp_status_t shard_step(ddp__trainer_t *t, int64_t step, int64_t k, int64_t q,
+                               int64_t *comm) {
+  const int64_t GA = t->a->gradient_accumulation_steps;
+  const int64_t j = (k * t->world + t->rank) * t->inv_sm + q;
+  DDP_CHECK(ddp_loader_seek(t->loader, step / t->steps_per_epoch,
+                            (step % t->steps_per_epoch) * t->inv_k + j, t->err));
+  ddp_batch_t b;
+  bool has = false;
+  DDP_CHECK(ddp_loader_next(t->loader, &b, &has, t->err));
+  if (!has) return ddp__error(t->err, t->rank, DDP_ERR_INTERNAL, "trainer: loader ran dry");
+  if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)));
+  ddp_ctx_set_rng(t->ctx, t->a->seed, INV_RNG_STREAM, (uint64_t)(step * t->inv_k + j));
+  DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1 && q == t->inv_sm - 1, t->err));
+  ddp_var_t *y, *l;
+  DDP_CHECK(forward(t, &b, &y));
+  DDP_CHECK(ddp__sync_post_forward(t->sync, t->ctx, y, t->err));
+  DDP_CHECK(compute_loss(t, y, &b, &l));
+  t->inv_loss[j] = scalar_value(l);
+  if (!ddp__train_fault_skips(&t->fault, step, k))
+    DDP_CHECK(ddp__sync_backward(t->sync, t->ctx, l, NULL, comm, t->err));
+  ddp_ctx_reset(t->ctx);
+  return DDP_OK;
+}
+
+/* Invariant mode: the step's loss, the mean of the K shard losses summed in shard order
+ * (each slot is filled by the one rank that ran the shard: adding zeros is exact). */
+static ddp_status_t invariant_loss(ddp__trainer_t *t, double *loss) {
+  ddp_work_t *w = NULL;
+  DDP_CHECK(coll_wait(t,
+                      ddp_allreduce(t->pg, t->inv_loss, t->inv_loss, (size_t)t->inv_k, DDP_F64,
+                                    DDP_OP_SUM, &w),
+                      &w, "loss allreduce"));
+  double s = 0;
+  for (int64_t j = 0; j < t->inv_k; j++) s += t->inv_loss[j];
+  *loss = s / (double)t->inv_k;
+  memset(t->inv_loss, 0, (size_t)t->inv_k * sizeof *t->inv_loss);
+  return DDP_OK;
+}
+
 /* Optimizer step `step` (0-based): its window of micro-batches, then clipping, the lr of
  * the schedule, the optimizer step and zero_grad; the loss is averaged over ranks. */
 static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
@@ -463,11 +510,17 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   const int64_t GA = a->gradient_accumulation_steps;
   *o = (step_out_t){.t0 = ddp_now_ns()};
   int64_t epoch = step / t->steps_per_epoch;
-  DDP_CHECK(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA));
+  if (!t->inv_k) DDP_CHECK(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA));
   ddp__train_forward_flags_at(a->forward_flags, t->rank, step, &t->flags); /* validated */
   DDP_CHECK(ddp__train_fault_step(&t->fault, t->pg, step, t->err));
   double local_loss = 0;
-  for (int64_t k = 0; k < GA; k++) DDP_CHECK(micro_step(t, step, k, &local_loss, &o->comm));
+  for (int64_t k = 0; k < GA; k++) {
+    if (!t->inv_k) {
+      DDP_CHECK(micro_step(t, step, k, &local_loss, &o->comm));
+      continue;
+    }
+    for (int64_t q = 0; q < t->inv_sm; q++) DDP_CHECK(shard_step(t, step, k, q, &o->comm));
+  }
   ddp__train_fault_after_backward(&t->fault, t->model, step);
   if (t->init_q) DDP_CHECK(ddp__train_q_check(t->init_q, t->err));
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
@@ -480,13 +533,17 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
     DDP_CHECK(ddp_optim_step(t->opt[g], t->err));
     ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
   }
+  if (t->inv_k) DDP_CHECK(invariant_loss(t, &local_loss)); /* the step's loss, every rank */
   if (t->dump) {
-    DDP_CHECK(
-        dump_check(t, ddp_dump_step(t->dump, step - t->start, local_loss, (int)GA, t->flags)));
+    int micro = (int)(t->inv_k ? GA * t->inv_sm : GA);
+    DDP_CHECK(dump_check(t, ddp_dump_step(t->dump, step - t->start, local_loss, micro, t->flags)));
   }
-  ddp_work_t *w = NULL;
-  DDP_CHECK(coll_wait(t, ddp_allreduce(t->pg, &local_loss, &local_loss, 1, DDP_F64, DDP_OP_AVG, &w),
-                      &w, "loss allreduce"));
+  if (!t->inv_k) {
+    ddp_work_t *w = NULL;
+    DDP_CHECK(coll_wait(t,
+                        ddp_allreduce(t->pg, &local_loss, &local_loss, 1, DDP_F64, DDP_OP_AVG, &w),
+                        &w, "loss allreduce"));
+  }
   o->loss = local_loss;
   return DDP_OK;
 }
@@ -657,6 +714,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp_ctx_destroy(t->ctx);
   ddp__free(t->pairs);
   ddp__free(t->grads);
+  ddp__free(t->inv_loss);
 }
 
 /* The loop in named steps: begin; per optimizer step the step, the end of the step (the

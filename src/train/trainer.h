@@ -41,6 +41,11 @@ typedef struct ddp__trainer {
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
 
+  /* world_size_invariant_shards (invariant mode; setup.c, trainer.c) */
+  int64_t inv_k;    /* K shards per global batch; 0: off */
+  int64_t inv_sm;   /* shards per micro-batch: K / (W GA) */
+  double *inv_loss; /* [K] the step's shard losses, each from the rank that ran it */
+
   /* the run (begin, the steps, finish) */
   int64_t start;    /* the step resumed from; 0 for a fresh run */
   int64_t pause_ms; /* DDP_TRAIN_SAVE_PAUSE_MS: sleeps between checkpoint files */
