@@ -1,0 +1,246 @@
+/* world_size_invariant_shards (docs/ddp.md, "World-size-invariant training"), through
+ * ddp-train's public flags: with K = 12 shards of a global batch of 48 samples, every world
+ * size W and accumulation split A with W A dividing 12 ends 20 steps with the same
+ * parameter hash, on threads and (W in {2, 3, 4}) on shm and tcp processes, for the digits
+ * MLP, an MLP with dropout and a GPT-2 with dropout; the hash differs from a normal run of
+ * the same job (so the test cannot pass by accident). ddp-compare finds no difference at
+ * any step between a W = 1 and a W = 4 invariant run, and finds the reassociation
+ * differences between two normal runs. What the mode cannot make invariant is refused
+ * with a message. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "cleanup.h"
+#include "harness.h"
+#include "proc.h"
+
+static char g_tmp[256];
+
+/* The W x A splits of 12 shards: W A divides 12. */
+static const int splits[][2] = {{1, 1}, {1, 2}, {1, 3}, {2, 1}, {2, 2}, {2, 3}, {3, 1},
+                                {3, 2}, {4, 1}, {4, 3}, {6, 1}, {6, 2}, {12, 1}};
+#define GLOBAL_BATCH 48
+#define SHARDS "12"
+
+/* Runs cmd (stdout and stderr into a log) under a deadline; returns its exit status and
+ * leaves the output in *out (malloc'd) when out is not NULL. */
+static int run(const char *cmd, char **out) {
+  char full[16384], log[300];
+  snprintf(log, sizeof log, "%s/stderr.txt", g_tmp);
+  snprintf(full, sizeof full, "%s 2>&1", cmd);
+  return ddp_test_proc_run(full, log, 240, out);
+}
+
+/* The parameter hash of a finished run's metrics.jsonl summary line. */
+static void summary_hash(const char *dir, char *hash, size_t cap) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+  char *text = ddp_test_read_file(path, NULL);
+  if (!text) fail_msg("no %s", path);
+  hash[0] = 0;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *h = o ? cJSON_GetObjectItemCaseSensitive(o, "param_hash") : NULL;
+    if (o && cJSON_GetObjectItemCaseSensitive(o, "summary") && cJSON_IsString(h))
+      snprintf(hash, cap, "%s", h->valuestring);
+    cJSON_Delete(o);
+  }
+  free(text);
+  if (!hash[0]) fail_msg("%s has no summary line with a param_hash", path);
+}
+
+/* Trains the job `job` (ddp-train flags) with W ranks (threads, or processes under ddprun
+ * on backend `be`), A accumulation steps, K = 12 shards (0: normal mode) into a fresh
+ * directory and returns its parameter hash; `extra` goes on the command line too. */
+static void train(const char *job, const char *be, int W, int A, bool invariant,
+                  const char *extra, char *hash, size_t cap) {
+  static int seq;
+  char dir[400], cmd[8192], *out = NULL;
+  snprintf(dir, sizeof dir, "%s/run%d", g_tmp, seq++);
+  char common[4096];
+  snprintf(common, sizeof common,
+           "%s --max_steps 20 --logging_steps 10 --learning_rate 3e-3 --save_strategy no "
+           "--ddp_find_unused_parameters false --disable_tqdm --gradient_accumulation_steps %d "
+           "--per_device_train_batch_size %d %s %s --output_dir '%s'",
+           job, A, GLOBAL_BATCH / (W * A), invariant ? "--world_size_invariant_shards " SHARDS : "",
+           extra ? extra : "", dir);
+  if (be)
+    snprintf(cmd, sizeof cmd, "'%s' --nproc_per_node %d --backend %s --standalone '%s' %s",
+             ddp_test_tool("ddprun"), W, be, ddp_test_tool("ddp-train"), common);
+  else
+    snprintf(cmd, sizeof cmd, "'%s' --threads %d %s", ddp_test_tool("ddp-train"), W, common);
+  int rc = run(cmd, &out);
+  if (rc != 0) fail_msg("exit %d: %s\n%s", rc, cmd, out ? out : "");
+  free(out);
+  summary_hash(dir, hash, cap);
+  ddp_test_remove_now(dir);
+}
+
+/* Every split on threads, then W in {2, 3, 4} as shm and tcp processes: one hash, which
+ * differs from a normal run's. */
+static void expect_invariant(const char *job, const char *what) {
+  char ref[64], h[64], normal[64];
+  train(job, NULL, 1, 1, true, NULL, ref, sizeof ref);
+  for (size_t i = 1; i < sizeof splits / sizeof splits[0]; i++) {
+    train(job, NULL, splits[i][0], splits[i][1], true, NULL, h, sizeof h);
+    print_message("%s: threads W=%d A=%d: %s (W=1: %s)\n", what, splits[i][0], splits[i][1], h,
+                  ref);
+    assert_string_equal(h, ref);
+  }
+  const char *backends[] = {"shm", "tcp"};
+  for (int b = 0; b < 2; b++)
+    for (int W = 2; W <= 4; W++) {
+      train(job, backends[b], W, 1, true, NULL, h, sizeof h);
+      print_message("%s: %s W=%d: %s\n", what, backends[b], W, h);
+      assert_string_equal(h, ref);
+    }
+  train(job, NULL, 4, 1, false, NULL, normal, sizeof normal);
+  print_message("%s: normal mode W=4: %s\n", what, normal);
+  assert_string_not_equal(normal, ref);
+}
+
+static void write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  assert_int_equal(fputs(text, f) >= 0, 1);
+  assert_int_equal(fclose(f), 0);
+}
+
+static void test_mlp(void **state) {
+  (void)state;
+  expect_invariant("", "digits MLP");
+}
+
+static void test_mlp_dropout(void **state) {
+  (void)state;
+  char model[400], job[512];
+  snprintf(model, sizeof model, "%s/mlp_dropout.json", g_tmp);
+  write_file(model,
+             "{\"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 128}, {\"type\": \"relu\"},"
+             " {\"type\": \"dropout\", \"p\": 0.2}, {\"type\": \"linear\", \"in\": 128, \"out\": "
+             "128}, {\"type\": \"gelu\"}, {\"type\": \"dropout\", \"p\": 0.2},"
+             " {\"type\": \"linear\", \"in\": 128, \"out\": 10}]}\n");
+  snprintf(job, sizeof job, "--model '%s'", model);
+  expect_invariant(job, "MLP with dropout");
+}
+
+static void test_gpt2_dropout(void **state) {
+  (void)state;
+  char model[400], job[1024];
+  snprintf(model, sizeof model, "%s/gpt2.json", g_tmp);
+  write_file(model,
+             "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 32, \"n_head\": 4, "
+             "\"vocab_size\": 256, \"n_positions\": 32, \"resid_pdrop\": 0.1, \"embd_pdrop\": "
+             "0.1, \"attn_pdrop\": 0.1}\n");
+  snprintf(job, sizeof job, "--model '%s' --data '%s/tests/data/kjv_genesis_exodus.txt' "
+           "--block_size 32", model, ddp_test_source_root());
+  expect_invariant(job, "GPT-2 with dropout");
+}
+
+/* ddp-compare --json A B --rank 0 --only grad.,param.: the parsed report (exit in *rc). */
+static cJSON *compare(const char *a, const char *b, int *rc) {
+  char cmd[2048], *out = NULL;
+  snprintf(cmd, sizeof cmd, "'%s' --json --rank 0 --only grad.,param. '%s' '%s'",
+           ddp_test_tool("ddp-compare"), a, b);
+  *rc = run(cmd, &out);
+  cJSON *o = cJSON_Parse(out ? out : "");
+  if (!o) fail_msg("ddp-compare printed no JSON (exit %d): %s", *rc, out ? out : "");
+  free(out);
+  return o;
+}
+
+/* The largest max_abs over the report's tensors and the number of steps compared. */
+static double worst(const cJSON *o, int *steps) {
+  const cJSON *t, *s = cJSON_GetObjectItemCaseSensitive(o, "steps_compared");
+  *steps = cJSON_IsNumber(s) ? s->valueint : -1;
+  double m = 0;
+  cJSON_ArrayForEach(t, cJSON_GetObjectItemCaseSensitive(o, "tensors")) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(t, "max_abs");
+    if (cJSON_IsNumber(v) && v->valuedouble > m) m = v->valuedouble;
+  }
+  return m;
+}
+
+/* Dumps of W = 1 and W = 4 (rank 0 holds the averaged gradients and parameters of every
+ * step): zero difference in invariant mode, the reassociation differences in normal mode. */
+static void test_compare(void **state) {
+  (void)state;
+  char d[4][400], h[64];
+  for (int i = 0; i < 4; i++) {
+    char extra[1024];
+    snprintf(d[i], sizeof d[i], "%s/dump%d", g_tmp, i);
+    snprintf(extra, sizeof extra, "--dump_dir '%s'", d[i]);
+    train("", NULL, i % 2 ? 4 : 1, 1, i < 2, extra, h, sizeof h);
+  }
+  int rc, steps;
+  cJSON *inv = compare(d[0], d[1], &rc);
+  double m = worst(inv, &steps);
+  print_message("invariant W=1 vs W=4: %d steps, largest difference %g\n", steps, m);
+  assert_int_equal(rc, 0);
+  assert_int_equal(steps, 20);
+  assert_true(m == 0.0);
+  cJSON_Delete(inv);
+  cJSON *normal = compare(d[2], d[3], &rc);
+  m = worst(normal, &steps);
+  print_message("normal W=1 vs W=4: %d steps, largest difference %g\n", steps, m);
+  assert_int_equal(steps, 20);
+  assert_true(m > 0.0);
+  cJSON_Delete(normal);
+}
+
+/* What the mode refuses, each with its reason. */
+static void test_refusals(void **state) {
+  (void)state;
+  char bn[400];
+  snprintf(bn, sizeof bn, "%s/bn.json", g_tmp);
+  write_file(bn,
+             "{\"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 32}, {\"type\": "
+             "\"batchnorm\", \"dim\": 32}, {\"type\": \"relu\"}, {\"type\": \"linear\", \"in\": "
+             "32, \"out\": 10}]}\n");
+  char bnflag[512];
+  snprintf(bnflag, sizeof bnflag, "--model '%s'", bn);
+  struct {
+    int W;
+    const char *flags, *expect;
+  } cases[] = {
+      {2, "--comm_hook fp16", "comm_hook must be no or allreduce"},
+      {2, "--comm_hook allreduce --comm_wrapper fp16", "comm_hook must be no or allreduce"},
+      {2, "--ddp_reducer false", "ddp_reducer false"},
+      {2, "--dump_local_grads true --dump_dir x", "dump_local_grads"},
+      {2, "--forward_flags 0,1", "forward_flags per rank"},
+      {5, "", "needs world size x gradient_accumulation_steps (5 x 1) to divide it"},
+      {2, bnflag, "refused for a model with buffers (1.running_mean)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s' --threads %d --max_steps 2 --per_device_train_batch_size 12 "
+             "--world_size_invariant_shards " SHARDS " --save_strategy no --output_dir r %s",
+             g_tmp, ddp_test_tool("ddp-train"), cases[i].W, cases[i].flags);
+    int rc = run(cmd, &out);
+    print_message("%s: exit %d\n", cases[i].flags, rc);
+    if (rc == 0 || !out || !strstr(out, cases[i].expect))
+      fail_msg("expected a failure saying \"%s\" for %s; exit %d, output:\n%s", cases[i].expect,
+               cases[i].flags, rc, out ? out : "");
+    free(out);
+  }
+}
+
+int main(void) {
+  snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp-test-invariant-XXXXXX");
+  ddp_test_mkdtemp(g_tmp);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_mlp),     cmocka_unit_test(test_mlp_dropout),
+      cmocka_unit_test(test_gpt2_dropout), cmocka_unit_test(test_compare),
+      cmocka_unit_test(test_refusals),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
