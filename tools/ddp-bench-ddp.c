@@ -83,6 +83,8 @@ typedef struct bench_config {
   bool adamw;           /* AdamW instead of SGD */
   double bucket_cap_mb; /* DDP_BUCKET_CAP_UNSET: PyTorch's default (25, 1 MiB first) */
   bool grad_view;       /* gradient_as_bucket_view */
+  int inv_per_rank;     /* --invariant-shards-per-rank S: world_size_invariant_shards S W */
+  int micro;            /* --micro-batches S: S passes per step, the first S - 1 no_sync */
 } bench_config_t;
 
 /* Everything one rank needs for a training step. pg and ddp are NULL in a single process. */
@@ -97,6 +99,7 @@ typedef struct bench_rank {
   int64_t *y;
   int64_t batch;
   int64_t *ids; /* --model: token ids [batch, seq], also the labels */
+  int passes;   /* forward/backward passes per step: invariant shards or micro-batches */
   int64_t seq;
 } bench_rank_t;
 
@@ -147,20 +150,20 @@ static ddp_status_t barrier(ddp_pg_t *pg) {
   return st == DDP_OK ? ddp_work_wait_free(w) : st;
 }
 
-/* One training step; sync selects a synchronised or a no_sync step. */
-static ddp_status_t step(bench_rank_t *r, bool sync) {
+/* One forward/backward of rows [row0, row0 + n) of the batch; sync selects a synchronised
+ * or a no_sync pass. */
+static ddp_status_t pass(bench_rank_t *r, bool sync, int64_t row0, int64_t n) {
   ddp_var_t *x, *t, *logits, *loss;
   bool old = r->ddp ? ddp_ddp_set_sync(r->ddp, sync) : true;
-  ddp_optim_zero_grad(r->opt, false);
   ddp_status_t st;
   if (r->ids) { /* GPT-2: ids [B, T], labels = the same ids */
-    int64_t s[2] = {r->batch, r->seq};
-    st = ddp_var_new(r->ctx, DDP_I64, 2, s, r->ids, false, &x);
+    int64_t s[2] = {n, r->seq};
+    st = ddp_var_new(r->ctx, DDP_I64, 2, s, r->ids + row0 * r->seq, false, &x);
     t = x;
   } else {
-    int64_t xs[2] = {r->batch, IN_DIM};
-    st = ddp_var_new(r->ctx, DDP_F32, 2, xs, r->x, false, &x);
-    if (st == DDP_OK) st = ddp_var_new(r->ctx, DDP_I64, 1, &r->batch, r->y, false, &t);
+    int64_t xs[2] = {n, IN_DIM};
+    st = ddp_var_new(r->ctx, DDP_F32, 2, xs, r->x + row0 * IN_DIM, false, &x);
+    if (st == DDP_OK) st = ddp_var_new(r->ctx, DDP_I64, 1, &n, r->y + row0, false, &t);
   }
   if (st == DDP_OK)
     st = r->ddp ? ddp_ddp_forward(r->ddp, r->ctx, x, 0, &logits)
@@ -171,6 +174,19 @@ static ddp_status_t step(bench_rank_t *r, bool sync) {
   if (st == DDP_OK)
     st = r->ddp ? ddp_ddp_backward(r->ddp, r->ctx, loss) : ddp_backward(r->ctx, loss);
   if (r->ddp) ddp_ddp_set_sync(r->ddp, old);
+  ddp_ctx_reset(r->ctx);
+  return st;
+}
+
+/* One training step; sync selects a synchronised or a no_sync step. With
+ * --invariant-shards-per-rank S (or --micro-batches S) the batch is S shards (micro-batches),
+ * one pass each, the last one synchronising. */
+static ddp_status_t step(bench_rank_t *r, bool sync) {
+  ddp_optim_zero_grad(r->opt, false);
+  int S = r->passes;
+  int64_t n = r->batch / S;
+  ddp_status_t st = DDP_OK;
+  for (int s = 0; st == DDP_OK && s < S; s++) st = pass(r, sync && s == S - 1, s * n, n);
   if (st == DDP_OK) st = ddp_optim_step(r->opt, NULL);
   if (st != DDP_OK) {
     ddp_error_t de = {0}, ce;
@@ -213,6 +229,8 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
   o.trace_path = cfg->trace;
   o.bucket_cap_mb = cfg->bucket_cap_mb;
   o.gradient_as_bucket_view = cfg->grad_view;
+  r->passes = cfg->inv_per_rank > 0 ? cfg->inv_per_rank : (cfg->micro > 0 ? cfg->micro : 1);
+  if (r->pg) o.world_size_invariant_shards = (int64_t)cfg->inv_per_rank * ddp_pg_size(r->pg);
   ddp_comm_hook_t hook = {0};
   if (r->pg && /* one process: no DDP */
       ((st = ddp_ddp_create(r->model, r->pg, &o, &r->ddp, &err)) != DDP_OK ||
@@ -363,11 +381,11 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
   }
 
   if (st == DDP_OK && rank == 0) {
-    printf("RESULT backend=%s world=%d hook=%s wrapper=%s buckets=%zu grad_numel=%zu "
-           "steps=%d steps_per_s=%.3f step_p50_ms=%.3f",
+    printf("RESULT backend=%s world=%d hook=%s wrapper=%s invariant_shards_per_rank=%d "
+           "passes=%d buckets=%zu grad_numel=%zu steps=%d steps_per_s=%.3f step_p50_ms=%.3f",
            pg ? ddp_pg_backend_name(pg) : "none", pg ? ddp_pg_size(pg) : 1, cfg->hook, cfg->wrapper,
-           r.ddp ? ddp_ddp_num_buckets(r.ddp) : (size_t)0, numel, cfg->steps, steps_per_s,
-           step_p50);
+           cfg->inv_per_rank, r.passes, r.ddp ? ddp_ddp_num_buckets(r.ddp) : (size_t)0, numel,
+           cfg->steps, steps_per_s, step_p50);
     if (cfg->pairs > 0) {
       printf(" sync_p50_ms=%.3f nosync_p50_ms=%.3f exposed_ms=%.3f", sync_p50, nosync_p50,
              sync_p50 - nosync_p50);
@@ -405,7 +423,8 @@ static void usage(FILE *f) {
              "         [--warmup N] [--pairs N] [--ar-iters N] [--batch B] [--hook H]\n"
              "         [--wrapper W] [--state JSON] [--trace FILE] [--bucket-cap-mb MB]\n"
              "         [--grad-as-bucket-view] [--model CONFIG.json] [--seq T]\n"
-             "         [--optim sgd|adamw]\n"
+             "         [--optim sgd|adamw] [--invariant-shards-per-rank S]\n"
+             "         [--micro-batches S]\n"
              "       ddp-bench-ddp [--model CONFIG.json] ...   (one process, no DDP)\n"
              "  DDP step benchmark on the MLP 784-1024-1024-1024-10 (docs/benchmarks.md).\n"
              "  --steps 30 --warmup 5 --pairs 30 --ar-iters 30 --batch 64 per rank;\n"
@@ -416,6 +435,9 @@ static void usage(FILE *f) {
              "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
              "  --model: a Transformers GPT-2 config.json instead of the MLP: token ids\n"
              "  [batch, seq] (--seq 64), causal-LM loss; --optim adamw: PyTorch's AdamW\n"
+             "  --invariant-shards-per-rank S: world_size_invariant_shards S x W, each step\n"
+             "  S passes of batch / S samples (docs/ddp.md); no no_sync pairs;\n"
+             "  --micro-batches S: the same S passes in normal DDP (S - 1 under no_sync)\n"
              "  defaults instead of SGD (lr 0.01). Without ddprun (RANK, WORLD_SIZE unset):\n"
              "  one process, no DDP, phase 1 only;\n"
              "  --blas-core alone prints the OpenBLAS kernel set libddp runs and exits.\n");
@@ -436,7 +458,8 @@ static int parse_count(const char *flag, const char *v, long lo, int *out) {
 
 int main(int argc, char **argv) {
   bench_config_t cfg =
-      {30, 5, 30, 30, 64, 64, "no", "no", NULL, NULL, NULL, false, DDP_BUCKET_CAP_UNSET, false};
+      {30,    5, 30, 30, 64, 64, "no", "no", NULL, NULL, NULL, false, DDP_BUCKET_CAP_UNSET,
+       false, 0, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -470,6 +493,10 @@ int main(int argc, char **argv) {
       ok = parse_count(a, v, 1, &cfg.batch);
     else if (!strcmp(a, "--seq"))
       ok = parse_count(a, v, 1, &cfg.seq);
+    else if (!strcmp(a, "--invariant-shards-per-rank"))
+      ok = parse_count(a, v, 1, &cfg.inv_per_rank);
+    else if (!strcmp(a, "--micro-batches"))
+      ok = parse_count(a, v, 1, &cfg.micro);
     else if (!strcmp(a, "--model"))
       cfg.model = v;
     else if (!strcmp(a, "--optim")) {
@@ -499,6 +526,15 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (!ok) return 2;
+  }
+  int passes = cfg.inv_per_rank > 0 ? cfg.inv_per_rank : cfg.micro;
+  if (passes > 0) {
+    if (cfg.batch % passes != 0) {
+      fprintf(stderr, "ddp-bench-ddp: --batch %d is not a multiple of %d passes\n", cfg.batch,
+              passes);
+      return 2;
+    }
+    cfg.pairs = 0; /* a step is its passes, the last one synchronising: no no_sync steps */
   }
   ddp_error_t err = {0};
   if (ddp_hooks_validate(cfg.hook, cfg.wrapper, cfg.state, &err) != DDP_OK) {

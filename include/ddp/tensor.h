@@ -97,6 +97,9 @@ DDP_API size_t ddp_rsum_blocks(size_t n);
 /* exps[b] = max(exps[b], the code of block b's largest |x|). */
 DDP_API void ddp_rsum_exps_f32(int32_t *exps, const float *x, size_t n);
 DDP_API void ddp_rsum_exps_f64(int32_t *exps, const double *x, size_t n);
+/* ddp_rsum_exps_* of src, fused with dst = src and src = 0 (one pass; no overlap). */
+DDP_API void ddp_rsum_take_f32(int32_t *exps, float *dst, float *src, size_t n);
+DDP_API void ddp_rsum_take_f64(int32_t *exps, double *dst, double *src, size_t n);
 /* acc[i] += srcs[s][i] rounded to its block's grid (an integer), for s < nsrc, given the
  * final exps and the total number of terms of the sum (over all calls and ranks). */
 DDP_API void ddp_rsum_deposit_f32(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,

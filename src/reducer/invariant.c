@@ -27,9 +27,10 @@
 /* A bucket's state: the shard store, the block exponents and the accumulators (the last
  * two are communicated, so they come from ddp_pg_alloc). */
 typedef struct ddp__inv_bucket {
-  void *store;    /* [inv_s][numel] of the bucket's dtype */
-  int32_t *exps;  /* [nblk] */
-  int64_t *acc;   /* [numel] */
+  void *store;   /* [inv_s - 1][numel] of the bucket's dtype (the last shard stays in the
+                  * gradients until the launch) */
+  int32_t *exps; /* [nblk] */
+  int64_t *acc;  /* [numel] */
   size_t nblk;
 } ddp__inv_bucket_t;
 
@@ -84,7 +85,7 @@ static ddp_status_t bucket_state(ddp_ddp_t *d, ddp__bucket_t *x, ddp__inv_bucket
     v->nblk += ddp_rsum_blocks((size_t)d->params[i]->value.numel);
   }
   size_t esz = ddp_dtype_size(x->dtype), n = x->numel ? x->numel : 1;
-  v->store = ddp__calloc((size_t)d->inv_s * n, esz);
+  v->store = ddp__calloc((size_t)(d->inv_s > 1 ? d->inv_s - 1 : 1) * n, esz);
   v->exps = ddp_pg_alloc(d->pg, (v->nblk ? v->nblk : 1) * sizeof *v->exps);
   v->acc = ddp_pg_alloc(d->pg, n * sizeof *v->acc);
   if (!v->store || !v->exps || !v->acc) {
@@ -133,21 +134,32 @@ ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i) {
   DDP_CHECK(bucket_state(d, x, &v));
   size_t s = (size_t)d->inv_seen - 1, n = (size_t)p->value.numel;
   size_t esz = ddp_dtype_size(x->dtype);
+  int32_t *exps = v->exps + d->inv_blk[i];
+  if (s + 1 == (size_t)d->inv_s) { /* the last shard stays in the gradient until launch */
+    if (x->dtype == DDP_F32)
+      ddp_rsum_exps_f32(exps, p->grad.data, n);
+    else
+      ddp_rsum_exps_f64(exps, p->grad.data, n);
+    d->inv_written[s * d->P + i] = true;
+    if (d->opts.find_unused_parameters && !d->opts.static_graph) d->local_used[i] = 1;
+    return DDP_OK;
+  }
   char *slot = (char *)v->store + (s * x->numel + d->param_offset[i]) * esz;
   bool *written = &d->inv_written[s * d->P + i];
-  if (!*written) {
-    memcpy(slot, p->grad.data, n * esz);
-  } else if (x->dtype == DDP_F32) { /* a second gradient in one pass: accumulate */
-    ddp_reduce_acc(DDP_F32, DDP_OP_SUM, slot, p->grad.data, n);
-  } else {
-    ddp_reduce_acc(DDP_F64, DDP_OP_SUM, slot, p->grad.data, n);
+  if (!*written) { /* the usual case: one pass moves the gradient and notes its exponents */
+    if (x->dtype == DDP_F32)
+      ddp_rsum_take_f32(exps, (float *)slot, p->grad.data, n);
+    else
+      ddp_rsum_take_f64(exps, (double *)slot, p->grad.data, n);
+  } else { /* a second gradient in one pass: accumulate, then note the sum's exponents */
+    ddp_reduce_acc(x->dtype, DDP_OP_SUM, slot, p->grad.data, n);
+    if (x->dtype == DDP_F32)
+      ddp_rsum_exps_f32(exps, (const float *)slot, n);
+    else
+      ddp_rsum_exps_f64(exps, (const double *)slot, n);
+    memset(p->grad.data, 0, n * esz);
   }
   *written = true;
-  if (x->dtype == DDP_F32)
-    ddp_rsum_exps_f32(v->exps + d->inv_blk[i], (const float *)slot, n);
-  else
-    ddp_rsum_exps_f64(v->exps + d->inv_blk[i], (const double *)slot, n);
-  memset(p->grad.data, 0, n * esz);
   if (d->opts.find_unused_parameters && !d->opts.static_graph) d->local_used[i] = 1;
   return DDP_OK;
 }
@@ -159,8 +171,10 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
   ddp_work_t *w = NULL;
   ddp_status_t st = ddp_allreduce(d->pg, v->exps, v->exps, v->nblk, DDP_I32, DDP_OP_MAX, &w);
   if (st != DDP_OK) {
-    return ddp__ddp_carry(d, st, "DDP: world_size_invariant_shards: launching the exponent "
-                          "allreduce of bucket %zu failed: %s", b, ddp__ddp_pg_error(d));
+    return ddp__ddp_carry(d, st,
+                          "DDP: world_size_invariant_shards: launching the exponent "
+                          "allreduce of bucket %zu failed: %s",
+                          b, ddp__ddp_pg_error(d));
   }
   char what[96];
   snprintf(what, sizeof what, "allreduce of bucket %zu's block exponents", b);
@@ -175,7 +189,9 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
       int ns = 0;
       for (int s = s0; s < d->inv_s && s < s0 + 64; s++)
         if (d->inv_written[(size_t)s * d->P + i])
-          srcs[ns++] = (char *)v->store + ((size_t)s * x->numel + x->offsets[k]) * esz;
+          srcs[ns++] = s + 1 == d->inv_s
+                           ? d->params[i]->grad.data /* the last shard's */
+                           : (char *)v->store + ((size_t)s * x->numel + x->offsets[k]) * esz;
       if (ns == 0) continue;
       if (x->dtype == DDP_F32)
         ddp_rsum_deposit_f32(v->acc + x->offsets[k], v->exps + d->inv_blk[i], d->inv_k, ns,
