@@ -803,6 +803,17 @@ static void test_loader(void **state) {
           /* Stays at the end until the next set_epoch. */
           assert_int_equal(ddp_loader_next(ld, &b, &has, &err), DDP_OK);
           assert_false(has);
+          /* ddp_loader_seek: batch k of the epoch, backwards and forwards, then on. */
+          for (int64_t k = nb - 1; k >= 0; k -= 2) {
+            assert_int_equal(ddp_loader_seek(ld, ep, k, &err), DDP_OK);
+            assert_int_equal(ddp_loader_next(ld, &b, &has, &err), DDP_OK);
+            assert_true(has);
+            assert_int_equal(b.index, k);
+            assert_int_equal(b.indices[0], idx[k * 3]);
+          }
+          assert_int_equal(ddp_loader_seek(ld, ep, nb, &err), DDP_ERR_INVALID_ARGUMENT);
+          assert_non_null(strstr(err.msg, "outside epoch"));
+          assert_int_equal(ddp_loader_set_epoch(ld, ep, &err), DDP_OK);
           ddp_sampler_destroy(ref);
         }
         ddp_loader_destroy(ld);

@@ -60,8 +60,8 @@ static void summary_hash(const char *dir, char *hash, size_t cap) {
 /* Trains the job `job` (ddp-train flags) with W ranks (threads, or processes under ddprun
  * on backend `be`), A accumulation steps, K = 12 shards (0: normal mode) into a fresh
  * directory and returns its parameter hash; `extra` goes on the command line too. */
-static void train(const char *job, const char *be, int W, int A, bool invariant,
-                  const char *extra, char *hash, size_t cap) {
+static void train(const char *job, const char *be, int W, int A, bool invariant, const char *extra,
+                  char *hash, size_t cap) {
   static int seq;
   char dir[400], cmd[8192], *out = NULL;
   snprintf(dir, sizeof dir, "%s/run%d", g_tmp, seq++);
@@ -140,8 +140,10 @@ static void test_gpt2_dropout(void **state) {
              "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 32, \"n_head\": 4, "
              "\"vocab_size\": 256, \"n_positions\": 32, \"resid_pdrop\": 0.1, \"embd_pdrop\": "
              "0.1, \"attn_pdrop\": 0.1}\n");
-  snprintf(job, sizeof job, "--model '%s' --data '%s/tests/data/kjv_genesis_exodus.txt' "
-           "--block_size 32", model, ddp_test_source_root());
+  snprintf(job, sizeof job,
+           "--model '%s' --data '%s/tests/data/kjv_genesis_exodus.txt' "
+           "--block_size 32",
+           model, ddp_test_source_root());
   expect_invariant(job, "GPT-2 with dropout");
 }
 
@@ -238,7 +240,7 @@ int main(void) {
   snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp-test-invariant-XXXXXX");
   ddp_test_mkdtemp(g_tmp);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_mlp),     cmocka_unit_test(test_mlp_dropout),
+      cmocka_unit_test(test_mlp),          cmocka_unit_test(test_mlp_dropout),
       cmocka_unit_test(test_gpt2_dropout), cmocka_unit_test(test_compare),
       cmocka_unit_test(test_refusals),
   };
