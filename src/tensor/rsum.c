@@ -139,21 +139,31 @@ TAKE_(ddp_rsum_take_f64, double, uint64_t, 0x7fffffffffffffffu, 0x7ff00000000000
 /* acc[k] += the sum over the sources of x[k] / 2^g rounded to an integer, per block
  * with its grid. The block is the outer loop, so that its accumulators stay in cache
  * while every source is added (one pass over acc however many sources). */
-#define DEPOSIT_(NAME, T)                                                                   \
-  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,         \
-                        const T *const *srcs, size_t n) {                                   \
-    int c = ceil_log2(terms);                                                               \
-    const int64_t km = bits_of(MAGIC);                                                      \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                              \
-      size_t m = DDP_MIN((size_t)BLK, n - base);                                            \
-      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                             \
-      double scale = pow2(GRID_BITS - c - (exps[b] - EBIAS)); /* 2^-g: exact scaling */     \
-      int64_t *a = acc + base;                                                              \
-      for (int s = 0; s < nsrc; s++) {                                                      \
-        const T *xb = srcs[s] + base;                                                       \
-        for (size_t k = 0; k < m; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km; \
-      }                                                                                     \
-    }                                                                                       \
+#define DEPOSIT_(NAME, T)                                                                     \
+  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,           \
+                        const T *const *srcs, size_t n) {                                     \
+    int c = ceil_log2(terms);                                                                 \
+    const int64_t km = bits_of(MAGIC);                                                        \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                                \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                                              \
+      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                               \
+      /* x 2^-g, exact. 2^-g alone overflows double for f64 blocks below 2^-973: then x is    \
+       * first scaled by 2^(-g - 1023), which only moves its bits up, and then by 2^1023 (x   \
+       * 2^-g < 2^50), in a loop of its own so that the usual one keeps a single multiply. */ \
+      int ks = GRID_BITS - c - (exps[b] - EBIAS);                                             \
+      double pre = ks > 1023 ? pow2(ks - 1023) : 1.0, scale = pow2(ks > 1023 ? 1023 : ks);    \
+      int64_t *a = acc + base;                                                                \
+      if (ks > 1023) {                                                                        \
+        for (int s = 0; s < nsrc; s++)                                                        \
+          for (size_t k = 0; k < m; k++)                                                      \
+            a[k] += bits_of((double)srcs[s][base + k] * pre * scale + MAGIC) - km;            \
+        continue;                                                                             \
+      }                                                                                       \
+      for (int s = 0; s < nsrc; s++) {                                                        \
+        const T *xb = srcs[s] + base;                                                         \
+        for (size_t k = 0; k < m; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km;   \
+      }                                                                                       \
+    }                                                                                         \
   }
 
 DEPOSIT_(ddp_rsum_deposit_f32, float)
@@ -179,8 +189,10 @@ DEPOSIT_(ddp_rsum_deposit_f64, double)
       if (g >= -1022 && g <= 1023 - 51) {                                                       \
         double unit = pow2(g);                                                                  \
         for (size_t k = 0; k < m; k++) o[k] = (T)((from_bits(a[k] + km) - MAGIC) * unit / div); \
-      } else {                                                                                  \
-        for (size_t k = 0; k < m; k++) o[k] = (T)(ldexp((double)a[k], g) / div);                \
+      } else { /* high g: divided first, as the sum may overflow where the mean does not;       \
+                * low g: scaled first, exact (a multiple of 2^-1071), then rounded once */      \
+        for (size_t k = 0; k < m; k++)                                                          \
+          o[k] = (T)(g > 0 ? ldexp((double)a[k] / div, g) : ldexp((double)a[k], g) / div);      \
       }                                                                                         \
     }                                                                                           \
   }
