@@ -1,9 +1,10 @@
 /* world_size_invariant_shards (docs/ddp.md, "World-size-invariant training"), through
  * ddp-train's public flags: with K = 12 shards of a global batch of 48 samples, every world
  * size W and accumulation split A with W A dividing 12 ends 20 steps with the same
- * parameter hash, on threads and (W in {2, 3, 4}) on shm and tcp processes, for the digits
- * MLP, an MLP with dropout and a GPT-2 with dropout; the hash differs from a normal run of
- * the same job (so the test cannot pass by accident). ddp-compare finds no difference at
+ * parameter hash, on threads and (W in {2, 3, 4}) on shm and tcp processes under ddprun
+ * and on the mpi backend under mpirun (when built and installed), for the digits MLP, an
+ * MLP with dropout and a GPT-2 with and without dropout; the hash differs from a normal run
+ * of the same job (so the test cannot pass by accident). ddp-compare finds no difference at
  * any step between a W = 1 and a W = 4 invariant run, and finds the reassociation
  * differences between two normal runs. What the mode cannot make invariant is refused
  * with a message. */
@@ -72,7 +73,13 @@ static void train(const char *job, const char *be, int W, int A, bool invariant,
            "--per_device_train_batch_size %d %s %s --output_dir '%s'",
            job, A, GLOBAL_BATCH / (W * A), invariant ? "--world_size_invariant_shards " SHARDS : "",
            extra ? extra : "", dir);
-  if (be)
+  if (be && !strcmp(be, "mpi")) /* mpirun's own rendezvous: no store, no port */
+    snprintf(cmd, sizeof cmd,
+             "env -u RANK -u WORLD_SIZE -u DDP_BACKEND -u MASTER_ADDR -u MASTER_PORT "
+             "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" "
+             "mpirun --allow-run-as-root --oversubscribe -np %d '%s' --ddp_backend mpi %s",
+             W, ddp_test_tool("ddp-train"), common);
+  else if (be)
     snprintf(cmd, sizeof cmd, "'%s' --nproc_per_node %d --backend %s --standalone '%s' %s",
              ddp_test_tool("ddprun"), W, be, ddp_test_tool("ddp-train"), common);
   else
@@ -84,8 +91,13 @@ static void train(const char *job, const char *be, int W, int A, bool invariant,
   ddp_test_remove_now(dir);
 }
 
-/* Every split on threads, then W in {2, 3, 4} as shm and tcp processes: one hash, which
- * differs from a normal run's. */
+/* Whether the mpi backend is built and mpirun is installed. */
+static bool have_mpi(void) {
+  return ddp_backend_find("mpi") && system("command -v mpirun >/dev/null 2>&1") == 0;
+}
+
+/* Every split on threads; the splits with W in {2, 3, 4} as shm and tcp processes; W in
+ * {2, 3, 4} on mpi: one hash, which differs from a normal run's. */
 static void expect_invariant(const char *job, const char *what) {
   char ref[64], h[64], normal[64];
   train(job, NULL, 1, 1, true, NULL, ref, sizeof ref);
@@ -95,13 +107,17 @@ static void expect_invariant(const char *job, const char *what) {
                   ref);
     assert_string_equal(h, ref);
   }
-  const char *backends[] = {"shm", "tcp"};
-  for (int b = 0; b < 2; b++)
-    for (int W = 2; W <= 4; W++) {
-      train(job, backends[b], W, 1, true, NULL, h, sizeof h);
-      print_message("%s: %s W=%d: %s\n", what, backends[b], W, h);
+  const char *backends[] = {"shm", "tcp", "mpi"};
+  bool mpi = have_mpi();
+  for (int b = 0; b < 3; b++)
+    for (size_t i = 0; i < sizeof splits / sizeof splits[0]; i++) {
+      int W = splits[i][0], A = splits[i][1];
+      if (W < 2 || W > 4 || (b == 2 && (!mpi || A != 1))) continue;
+      train(job, backends[b], W, A, true, NULL, h, sizeof h);
+      print_message("%s: %s W=%d A=%d: %s\n", what, backends[b], W, A, h);
       assert_string_equal(h, ref);
     }
+  if (!mpi) print_message("%s: mpi: not built or no mpirun, not run\n", what);
   train(job, NULL, 4, 1, false, NULL, normal, sizeof normal);
   print_message("%s: normal mode W=4: %s\n", what, normal);
   assert_string_not_equal(normal, ref);
@@ -132,19 +148,30 @@ static void test_mlp_dropout(void **state) {
   expect_invariant(job, "MLP with dropout");
 }
 
+/* GPT-2 tiny (2 layers, 32 wide) on the shipped text, dropout p everywhere. */
+static void gpt2(const char *p, const char *what) {
+  char model[400], job[1024], text[512];
+  snprintf(model, sizeof model, "%s/gpt2_%s.json", g_tmp, p);
+  snprintf(text, sizeof text,
+           "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 32, \"n_head\": 4, "
+           "\"vocab_size\": 256, \"n_positions\": 32, \"resid_pdrop\": %s, \"embd_pdrop\": "
+           "%s, \"attn_pdrop\": %s}\n",
+           p, p, p);
+  write_file(model, text);
+  snprintf(job, sizeof job,
+           "--model '%s' --data '%s/tests/data/kjv_genesis_exodus.txt' --block_size 32", model,
+           ddp_test_source_root());
+  expect_invariant(job, what);
+}
+
+static void test_gpt2(void **state) {
+  (void)state;
+  gpt2("0.0", "GPT-2");
+}
+
 static void test_gpt2_dropout(void **state) {
   (void)state;
-  char model[400], job[1024];
-  snprintf(model, sizeof model, "%s/gpt2.json", g_tmp);
-  write_file(model,
-             "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 32, \"n_head\": 4, "
-             "\"vocab_size\": 256, \"n_positions\": 32, \"resid_pdrop\": 0.1, \"embd_pdrop\": "
-             "0.1, \"attn_pdrop\": 0.1}\n");
-  snprintf(job, sizeof job,
-           "--model '%s' --data '%s/tests/data/kjv_genesis_exodus.txt' "
-           "--block_size 32",
-           model, ddp_test_source_root());
-  expect_invariant(job, "GPT-2 with dropout");
+  gpt2("0.1", "GPT-2 with dropout");
 }
 
 /* ddp-compare --json A B --rank 0 --only grad.,param.: the parsed report (exit in *rc). */
@@ -177,9 +204,9 @@ static void test_compare(void **state) {
   (void)state;
   char d[4][400], h[64];
   for (int i = 0; i < 4; i++) {
-    char extra[1024];
+    char extra[1200];
     snprintf(d[i], sizeof d[i], "%s/dump%d", g_tmp, i);
-    snprintf(extra, sizeof extra, "--dump_dir '%s'", d[i]);
+    snprintf(extra, sizeof extra, "--dump_dir '%.399s'", d[i]);
     train("", NULL, i % 2 ? 4 : 1, 1, i < 2, extra, h, sizeof h);
   }
   int rc, steps;
@@ -240,9 +267,9 @@ int main(void) {
   snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp-test-invariant-XXXXXX");
   ddp_test_mkdtemp(g_tmp);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_mlp),          cmocka_unit_test(test_mlp_dropout),
-      cmocka_unit_test(test_gpt2_dropout), cmocka_unit_test(test_compare),
-      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_mlp),     cmocka_unit_test(test_mlp_dropout),
+      cmocka_unit_test(test_gpt2),    cmocka_unit_test(test_gpt2_dropout),
+      cmocka_unit_test(test_compare), cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
