@@ -74,11 +74,15 @@ typedef struct pair_cell {
   ddp__fp_t rfp; /* receiver's fingerprint, on mismatch */
 } __attribute__((aligned(64))) pair_cell_t;
 
+/* Each rank's two boxes (one per parity of the collective's sequence number) for the
+ * one-barrier small allreduce. */
+#define BOX_BYTES (16u * 1024u)
+
 static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
 
 size_t ddp__shared_ctl_bytes(int size) {
   return hdr_bytes() + (size_t)size * sizeof(rank_slot_t) +
-         (size_t)size * (size_t)size * sizeof(pair_cell_t);
+         (size_t)size * (size_t)size * sizeof(pair_cell_t) + (size_t)size * 2 * BOX_BYTES;
 }
 
 static ctl_hdr_t *hdr(ddp__comm_t *c) { return (ctl_hdr_t *)c->sh->ctl; }
@@ -90,13 +94,24 @@ static pair_cell_t *cell(ddp__comm_t *c, int from, int to) {
          (size_t)from * (size_t)c->size + (size_t)to;
 }
 
+static unsigned char *box(ddp__comm_t *c, int r, uint64_t seq) {
+  return (unsigned char *)c->sh->ctl + hdr_bytes() + (size_t)c->size * sizeof(rank_slot_t) +
+         (size_t)c->size * (size_t)c->size * sizeof(pair_cell_t) +
+         ((size_t)r * 2 + (seq & 1)) * BOX_BYTES;
+}
+
 void ddp__shared_attach(ddp__comm_t *c, int pid) { slot(c, c->rank)->pid = pid; }
 
+/* Pollers read the slots themselves: only sleepers need the event word, and a bump of it
+ * is a write every rank's cache then misses on. A sleeper registers in `waiters` before it
+ * reads the event word and looks at the slots for the last time (wait_for), so with
+ * sequentially consistent atomics either it sees the change the caller made before this
+ * call, or this load sees it registered and the bump makes its futex wait return. */
 static void wake(ddp__comm_t *c) {
   ctl_hdr_t *h = hdr(c);
+  if (atomic_load(&h->waiters) == 0) return;
   atomic_fetch_add(&h->event, 1);
-  if (atomic_load(&h->waiters) > 0)
-    syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+  syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg) {
@@ -144,6 +159,40 @@ typedef bool (*pred_fn)(ddp__comm_t *c, const void *arg);
 /* Appends "who we are waiting for" to buf. */
 typedef void (*describe_fn)(ddp__comm_t *c, const void *arg, char *buf, size_t n);
 
+/* What a sleeping waiter checks before each sleep: *done when pred holds; DDP_OK (sleep
+ * on, unless done) or the failure (the group failed, a peer left or died, the deadline
+ * passed). */
+static ddp_status_t sleep_checks(ddp__comm_t *c, pred_fn pred, const void *arg, describe_fn desc,
+                                 int peer, int64_t start, int64_t *last_check, bool *done,
+                                 ddp_error_t *err) {
+  *done = pred(c, arg);
+  if (*done) return DDP_OK;
+  DDP_CHECK(check_failed(c, err));
+  ddp_status_t gone = check_left(c, peer, err);
+  if (gone != DDP_OK) {
+    ddp__shared_poison(c, gone, err->msg);
+    return gone;
+  }
+  int64_t now = ddp_now_ns();
+  if (c->sh->check_peers && now - *last_check >= SLICE_NS) {
+    *last_check = now;
+    ddp_status_t st = c->sh->check_peers(c->state, peer, err);
+    if (st != DDP_OK) {
+      ddp__shared_poison(c, st, err->msg);
+      return st;
+    }
+  }
+  if (now >= c->deadline_ns) {
+    char who[256] = "";
+    desc(c, arg, who, sizeof who);
+    ddp__error_quiet(err, DDP_ERR_TIMEOUT, "timed out after %lld ms %s",
+                     (long long)((now - start) / 1000000), who);
+    ddp__shared_poison(c, DDP_ERR_TIMEOUT, err->msg);
+    return DDP_ERR_TIMEOUT;
+  }
+  return DDP_OK;
+}
+
 /* Waits until pred holds, the group fails, a peer dies (`peer`, or any when < 0; in a
  * barrier a peer cannot leave before everyone has arrived, so any exit is a failure) or
  * the deadline passes. */
@@ -162,36 +211,18 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
   }
   int64_t start = ddp_now_ns(), last_check = start;
   for (;;) {
+    atomic_fetch_add(&h->waiters, 1); /* before the event word and the last look (wake) */
     uint32_t ev = atomic_load(&h->event);
-    if (pred(c, arg)) return DDP_OK;
-    DDP_CHECK(check_failed(c, err));
-    ddp_status_t gone = check_left(c, peer, err);
-    if (gone != DDP_OK) {
-      ddp__shared_poison(c, gone, err->msg);
-      return gone;
+    bool done = false;
+    ddp_status_t st = sleep_checks(c, pred, arg, desc, peer, start, &last_check, &done, err);
+    if (st == DDP_OK && !done) {
+      int64_t left = DDP_MIN(c->deadline_ns - ddp_now_ns(), SLICE_NS);
+      if (left < 1) left = 1;
+      struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+      syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAIT, ev, &ts, NULL, 0);
     }
-    int64_t now = ddp_now_ns();
-    if (c->sh->check_peers && now - last_check >= SLICE_NS) {
-      last_check = now;
-      ddp_status_t st = c->sh->check_peers(c->state, peer, err);
-      if (st != DDP_OK) {
-        ddp__shared_poison(c, st, err->msg);
-        return st;
-      }
-    }
-    if (now >= c->deadline_ns) {
-      char who[256] = "";
-      desc(c, arg, who, sizeof who);
-      ddp__error_quiet(err, DDP_ERR_TIMEOUT, "timed out after %lld ms %s",
-                       (long long)((now - start) / 1000000), who);
-      ddp__shared_poison(c, DDP_ERR_TIMEOUT, err->msg);
-      return DDP_ERR_TIMEOUT;
-    }
-    int64_t left = DDP_MIN(c->deadline_ns - now, SLICE_NS);
-    struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
-    atomic_fetch_add(&h->waiters, 1);
-    syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAIT, ev, &ts, NULL, 0);
     atomic_fetch_sub(&h->waiters, 1);
+    if (st != DDP_OK || done) return st;
   }
 }
 
@@ -274,6 +305,18 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   unsigned char *out = op->recv;
   const void *srcs[DDP_PG_MAX_WORLD];
   bool direct;
+  if (op->algo == DDP_ALGO_SMALL && n * es <= BOX_BYTES) {
+    /* One barrier: the input is copied into this rank's box of this parity before the
+     * barrier of begin, and every rank folds the boxes in rank order after it. The caller
+     * may reuse its buffers at once (nothing reads them), and the box is written again
+     * only by the collective after next, which starts after every rank has passed the
+     * next one's barrier, so after every rank has finished reading this one. */
+    memcpy(box(c, r, op->fp.seq), in, n * es);
+    DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
+    for (int j = 0; j < W; j++) srcs[j] = box(c, j, op->fp.seq);
+    if (n) ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
+    return DDP_OK;
+  }
   DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
   if (n == 0) return DDP_OK;
   if (direct && op->algo == DDP_ALGO_SMALL && n * es <= c->scratch_bytes) {

@@ -31,6 +31,14 @@
 #define WORK_MAGIC 0x776f726bu
 #define SMALL_SHARED (16u * 1024u)
 #define SMALL_LINK (32u * 1024u)
+/* Work up to this size is queued lazily (enqueue): a shared-memory allreduce of 1 MiB or a
+ * loopback tcp one of 256 KiB takes about as long as waking the progress thread and the
+ * context switch that follows, which on a machine whose CPUs the ranks keep busy delays a
+ * rank by 10-30 us (bench_peers.sh, 2 ranks on 2 CPUs: p50 at 64 KiB 11-35 us woken, 4 us
+ * run by the waiting caller; tcp 43 against 23 us). Larger work wakes the progress thread
+ * at once, so that it overlaps the caller's computation (DDP's buckets). */
+#define LAZY_SHARED (1024u * 1024u)
+#define LAZY_LINK (256u * 1024u)
 /* Lazy start of small work (see submit): how often the idle progress thread looks for
  * work it was not woken for, and for how long after the last submission it keeps looking
  * before it sleeps until woken. */
@@ -60,6 +68,7 @@ struct ddp_pg {
   ddp__comm_t comm;     /* owned by whoever runs work (`running`) */
   ddp_algorithm_t algo; /* requested (AUTO = size table) */
   size_t small_max;     /* AUTO: allreduce at or below this many bytes uses SMALL */
+  size_t lazy_max;      /* work at or below this many bytes is queued lazily (enqueue) */
   int64_t timeout_ms;
   pthread_mutex_t mu;      /* guards everything below */
   pthread_cond_t cv_queue; /* work queued or stop */
@@ -276,6 +285,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   pg->algo = o->algorithm;
   pg->timeout_ms = o->timeout_ms;
   pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
+  pg->lazy_max = ops->family == DDP_BACKEND_SHARED ? LAZY_SHARED : LAZY_LINK;
   pthread_mutex_init(&pg->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -656,7 +666,7 @@ static void enqueue(ddp_pg_t *pg, ddp_work_t *w) {
   }
   pg->tail = w;
   pg->last_submit_ns = ddp_now_ns();
-  if (idle && !pg->deep_sleep && w->coll.count * ddp_dtype_size(w->coll.dt) <= pg->small_max) {
+  if (idle && !pg->deep_sleep && w->coll.count * ddp_dtype_size(w->coll.dt) <= pg->lazy_max) {
     pg->lazy = true;
   } else {
     pg->lazy = false;
