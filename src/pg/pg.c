@@ -75,6 +75,7 @@ struct ddp_pg {
   pthread_cond_t cv_done;  /* some work completed (CLOCK_MONOTONIC) */
   ddp_work_t *head, *tail;
   bool running;    /* a work item is being run (progress thread or a waiter) */
+  bool log_detail; /* DDP_DEBUG=DETAIL at create: every collective is logged as queued */
   bool lazy;       /* the queue holds work the progress thread was not woken for */
   bool deep_sleep; /* the progress thread waits without a timeout: wake it */
   int64_t last_submit_ns;
@@ -122,12 +123,12 @@ static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
 }
 
 static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
-  char name[192];
-  ddp__fp_str(&w->coll.fp, name, sizeof name);
+  char name[192]; /* the collective's name, formatted only for a failure */
   pthread_mutex_lock(&pg->mu);
   ddp_status_t failed = pg->failed;
   pthread_mutex_unlock(&pg->mu);
   if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
+    ddp__fp_str(&w->coll.fp, name, sizeof name);
     w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
                                  pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg));
     ddp__fr_end(pg->fr, w->fr_id, failed);
@@ -152,6 +153,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
     return;
   }
   if (atomic_load(&pg->comm.aborted) && st != DDP_ERR_DESYNC) st = DDP_ERR_ABORTED;
+  ddp__fp_str(&w->coll.fp, name, sizeof name);
   w->status = ddp__error(&w->err, pg->rank, st, "rank %d: %s on backend %s: %s", pg->rank, name,
                          pg->ops->name, detail.msg);
   if (pg->ops->family == DDP_BACKEND_LINK && pg->ops->fail) pg->ops->fail(pg->state);
@@ -285,6 +287,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   pg->algo = o->algorithm;
   pg->timeout_ms = o->timeout_ms;
   pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
+  pg->log_detail = ddp__log_enabled(DDP_LOG_DETAIL); /* read once: it reads the environment */
   pg->lazy_max = ops->family == DDP_BACKEND_SHARED ? LAZY_SHARED : LAZY_LINK;
   pthread_mutex_init(&pg->mu, NULL);
   pthread_condattr_t ca;
@@ -703,7 +706,7 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   w->coll = *c;
   enqueue(pg, w);
   pthread_mutex_unlock(&pg->mu);
-  if (ddp__log_enabled(DDP_LOG_DETAIL)) {
+  if (pg->log_detail) {
     char name[192];
     ddp__fp_str(&c->fp, name, sizeof name);
     ddp__log(pg->rank, DDP_LOG_DETAIL, "queued %s, algorithm %s", name,
