@@ -11,7 +11,8 @@
 #   3. the same with --mca btl self,tcp;
 #   4. tools/peer_gloo_allreduce.py: 2 processes of /usr/bin/python3 with torch's gloo on lo;
 # then prints two side-by-side tables (p50 latency and busbw per size per implementation)
-# and the acceptance ratios of the issue. SWEEP_ARGS (default: the programs' own defaults,
+# the acceptance ratios of the issues, and per size the p50 ratio libddp / Open MPI (shm and
+# threads against vader, tcp against its tcp BTL) with PASS/FAIL. SWEEP_ARGS (default: the programs' own defaults,
 # 4 B to 256 MiB) go to all four, so they measure the same points: -b -e -f -n --min-iters
 # --budget --warmup. A step whose program is missing is skipped with a note.
 # Exit status: 0 when every step ran and no element was wrong, 1 otherwise, 2 usage.
@@ -156,6 +157,26 @@ for impl in ("tcp", "tcp-ring"):
               % ("2 x %s busbw at 64M / loopback bandwidth" % impl, 2 * bw / lbw, lbw))
     else:
         print("  %-58s  n/a" % ("2 x %s busbw at 64M / loopback bandwidth" % impl))
+
+# The performance issue's goal: at every size libddp no slower (p50) than Open MPI on the same
+# transport: shm and threads against vader, tcp against Open MPI's tcp BTL.
+print("\nPer size, p50 latency ratio libddp / Open MPI (goal <= 1: PASS)")
+per = [("shm", "ompi-vader"), ("threads", "ompi-vader"), ("tcp", "ompi-tcp")]
+print("%8s" % "size" + "".join("%22s" % ("%s/%s" % (a, b.replace("ompi-", ""))) for a, b in per))
+npass = nfail = 0
+for s in sizes:
+    cells = []
+    for a, b in per:
+        x, y = get(a, s, "p50_us"), get(b, s, "p50_us")
+        if x is None or not y:
+            cells.append("%22s" % "n/a")
+            continue
+        ok = x <= y
+        npass += ok
+        nfail += not ok
+        cells.append("%22s" % ("%.2fx %s" % (x / y, "PASS" if ok else "FAIL")))
+    print("%8s" % size_str(s) + "".join(cells))
+print("  %d PASS, %d FAIL" % (npass, nfail))
 
 print("\ncanonical vs ring, busbw ratio canonical/ring at >= 1M (> 1: canonical faster)")
 for be in ("threads", "shm", "tcp"):
