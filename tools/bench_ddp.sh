@@ -3,6 +3,7 @@
 # on this machine, in one go (docs/benchmarks.md, "DDP steps").
 #
 #   tools/bench_ddp.sh [-B BUILD_DIR] [-o OUT_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-n RATE]
+#                      [-c BUCKET_CAP_MB]
 #
 # Setup: 2 ranks as 2 processes, each with one BLAS/OpenMP thread, the MLP
 # 784-1024-1024-1024-10, SGD, batch BATCH (64) per rank, a fixed random batch.
@@ -35,13 +36,14 @@ steps=30
 rounds=3
 batch=64
 rate=""
+cap=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    -B|-o|-s|-r|-b|-n)
+    -B|-o|-s|-r|-b|-n|-c)
       [ $# -ge 2 ] || { echo "bench_ddp.sh: $1 needs a value" >&2; exit 2; }
       case "$1" in
         -B) build=$2 ;; -o) out=$2 ;; -s) steps=$2 ;; -r) rounds=$2 ;; -b) batch=$2 ;;
-        -n) rate=$2 ;;
+        -n) rate=$2 ;; -c) cap=$2 ;;
       esac
       shift 2 ;;
     -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -78,6 +80,9 @@ export DDP_BLAS_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_I
 # (libddp replaces OpenBLAS's pre-AVX2 fallback on CPUs it does not know; docs/environment.md).
 [ -n "${OPENBLAS_CORETYPE:-}" ] || export OPENBLAS_CORETYPE="$("$tool" --blas-core)"
 counts=(--steps "$steps" --warmup 5 --batch "$batch")
+# -c CAP: DDP's bucket_cap_mb for both sides (PyTorch keeps its fixed 1 MiB first bucket;
+# libddp then uses CAP for every bucket, the rule of an explicit cap)
+[ -n "$cap" ] && counts+=(--bucket-cap-mb "$cap")
 
 echo "# bench_ddp: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "# libddp git $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown);" \

@@ -103,7 +103,7 @@ def rank_main(args):
     torch.manual_seed(1234 + rank)
     model, x, y, lossf = build_model(args, rank)
     model.train()
-    ddp = model if single else DDP(model)
+    ddp = model if single else DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     if args.optim == "adamw":
         opt = torch.optim.AdamW(ddp.parameters())
     else:
@@ -223,6 +223,8 @@ def main():
     ap.add_argument("--model", help="a Transformers GPT-2 config.json instead of the MLP")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sample with --model")
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="DDP's bucket_cap_mb (PyTorch's default 25)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds for the whole run")
     args = ap.parse_args()
     if args.world < 1 or args.steps < 1 or args.warmup < 0 or args.pairs < 0 \
