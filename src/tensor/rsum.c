@@ -79,29 +79,31 @@ static int ceil_log2(int64_t terms) {
   return c;
 }
 
-/* The block's exponent code from the largest magnitude's bits: the exponent field e
- * (subnormals as 1), |x| < 2^(e - ebias); 0 for all zeros, POISON for a NaN or an
- * infinity. */
-#define EXPS_(NAME, T, U, ABS_MASK, INF_BITS, SHIFT, EB)                  \
-  RSUM_CLONES void NAME(int32_t *exps, const T *x, size_t n) {            \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {            \
-      size_t m = DDP_MIN((size_t)BLK, n - base);                          \
-      U mx = 0;                                                           \
-      for (size_t k = 0; k < m; k++) {                                    \
-        U u;                                                              \
-        memcpy(&u, &x[base + k], sizeof u);                               \
-        u &= ABS_MASK;                                                    \
-        mx = u > mx ? u : mx;                                             \
-      }                                                                   \
-      int32_t code;                                                       \
-      if (mx == 0)                                                        \
-        code = 0;                                                         \
-      else if (mx >= INF_BITS)                                            \
-        code = DDP_RSUM_POISON;                                           \
-      else                                                                \
-        code = (int32_t)((mx >> SHIFT) ? (mx >> SHIFT) : 1) - EB + EBIAS; \
-      if (code > exps[b]) exps[b] = code;                                 \
-    }                                                                     \
+/* A block's exponent code from the bits of its largest magnitude mx: the exponent field e
+ * (subnormals as 1), |x| < 2^(e - eb), stored as e - eb + EBIAS; 0 for all zeros,
+ * DDP_RSUM_POISON for a NaN or an infinity. */
+static inline int32_t block_code(uint64_t mx, uint64_t inf_bits, int shift, int eb) {
+  if (mx == 0) return 0;
+  if (mx >= inf_bits) return DDP_RSUM_POISON;
+  uint64_t e = mx >> shift;
+  return (int32_t)(e ? e : 1) - eb + EBIAS;
+}
+
+/* exps[b] = max(exps[b], block b's code). */
+#define EXPS_(NAME, T, U, ABS_MASK, INF_BITS, SHIFT, EB)       \
+  RSUM_CLONES void NAME(int32_t *exps, const T *x, size_t n) { \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) { \
+      size_t m = DDP_MIN((size_t)BLK, n - base);               \
+      U mx = 0;                                                \
+      for (size_t k = 0; k < m; k++) {                         \
+        U u;                                                   \
+        memcpy(&u, &x[base + k], sizeof u);                    \
+        u &= ABS_MASK;                                         \
+        mx = u > mx ? u : mx;                                  \
+      }                                                        \
+      int32_t code = block_code(mx, INF_BITS, SHIFT, EB);      \
+      if (code > exps[b]) exps[b] = code;                      \
+    }                                                          \
   }
 
 EXPS_(ddp_rsum_exps_f32, float, uint32_t, 0x7fffffffu, 0x7f800000u, 23, 126)
@@ -122,13 +124,7 @@ EXPS_(ddp_rsum_exps_f64, double, uint64_t, 0x7fffffffffffffffu, 0x7ff00000000000
         u &= ABS_MASK;                                                               \
         mx = u > mx ? u : mx;                                                        \
       }                                                                              \
-      int32_t code;                                                                  \
-      if (mx == 0)                                                                   \
-        code = 0;                                                                    \
-      else if (mx >= INF_BITS)                                                       \
-        code = DDP_RSUM_POISON;                                                      \
-      else                                                                           \
-        code = (int32_t)((mx >> SHIFT) ? (mx >> SHIFT) : 1) - EB + EBIAS;            \
+      int32_t code = block_code(mx, INF_BITS, SHIFT, EB);                            \
       if (code > exps[b]) exps[b] = code;                                            \
     }                                                                                \
   }
