@@ -225,6 +225,43 @@ static void test_compare(void **state) {
   cJSON_Delete(normal);
 }
 
+/* A checkpoint written by 2 ranks at step 10, resumed by 4 (and by 3 with A = 2): the run
+ * ends with the bits of the uninterrupted one, since nothing in the mode depends on W. */
+static void test_resume_other_world(void **state) {
+  (void)state;
+  char ref[64], h[64], dir[400], cmd[4096], *out = NULL;
+  train("", NULL, 2, 1, true, NULL, ref, sizeof ref);
+  const struct { int W, A; } resumed[] = {{4, 1}, {3, 2}};
+  for (size_t i = 0; i < sizeof resumed / sizeof resumed[0]; i++) {
+    snprintf(dir, sizeof dir, "%s/resume%zu", g_tmp, i);
+    const char *common =
+        "--max_steps 20 --logging_steps 10 --learning_rate 3e-3 --save_steps 10 "
+        "--ddp_find_unused_parameters false --disable_tqdm --world_size_invariant_shards " SHARDS;
+    snprintf(cmd, sizeof cmd,
+             "'%s' --threads 2 --per_device_train_batch_size %d %s --output_dir '%s' && "
+             "rm -r '%s/checkpoint-20' && '%s' --threads %d --gradient_accumulation_steps %d "
+             "--per_device_train_batch_size %d %s --output_dir '%s' --resume_from_checkpoint true",
+             ddp_test_tool("ddp-train"), GLOBAL_BATCH / 2, common, dir, dir,
+             ddp_test_tool("ddp-train"), resumed[i].W, resumed[i].A,
+             GLOBAL_BATCH / (resumed[i].W * resumed[i].A), common, dir);
+    int rc = run(cmd, &out);
+    if (rc != 0) fail_msg("exit %d: %s\n%s", rc, cmd, out ? out : "");
+    free(out);
+    out = NULL;
+    char path[512];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+    char *metrics = ddp_test_read_file(path, NULL);
+    assert_non_null(metrics);
+    bool resumed_at_10 = strstr(metrics, "\"start_step\": 10") != NULL;
+    free(metrics);
+    if (!resumed_at_10) fail_msg("%s: the run did not resume at step 10", path);
+    summary_hash(dir, h, sizeof h);
+    print_message("2 ranks to step 10, then W=%d A=%d to 20: %s (uninterrupted: %s)\n",
+                  resumed[i].W, resumed[i].A, h, ref);
+    assert_string_equal(h, ref);
+  }
+}
+
 /* What the mode refuses, each with its reason. */
 static void test_refusals(void **state) {
   (void)state;
@@ -267,9 +304,10 @@ int main(void) {
   snprintf(g_tmp, sizeof g_tmp, "/tmp/ddp-test-invariant-XXXXXX");
   ddp_test_mkdtemp(g_tmp);
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_mlp),     cmocka_unit_test(test_mlp_dropout),
-      cmocka_unit_test(test_gpt2),    cmocka_unit_test(test_gpt2_dropout),
-      cmocka_unit_test(test_compare), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_mlp),      cmocka_unit_test(test_mlp_dropout),
+      cmocka_unit_test(test_gpt2),     cmocka_unit_test(test_gpt2_dropout),
+      cmocka_unit_test(test_compare),  cmocka_unit_test(test_resume_other_world),
+      cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
