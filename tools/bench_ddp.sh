@@ -18,6 +18,8 @@
 # then that exposed ratio beside its lower bounds: the allreduce alone of the last bucket
 # and of the last gradient tensor to become ready (no bucketing splits a tensor), and the
 # reduction's extra CPU time per step, which nothing hides when the ranks fill every CPU.
+# Part 1b, one run each of PyTorch, libddp shm and libddp tcp without and with
+# gradient_as_bucket_view: peak RSS per rank (rank 0), libddp <= PyTorch with PASS/FAIL.
 # Part 2, libddp on tcp, one run per comm hook (no, fp16, bf16, power_sgd rank 1 and 4,
 # batched_power_sgd rank 1, fp16 wrapper around power_sgd rank 1; PowerSGD with
 # start_powerSGD_iter=2 so the timed steps compress), ROUNDS rounds, the best kept:
@@ -46,7 +48,7 @@ while [ $# -gt 0 ]; do
         -n) rate=$2 ;; -c) cap=$2 ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench_ddp.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -191,6 +193,29 @@ printf '%-52s %8s  goal %-7s %s\n' "libddp tcp exposed comm / allreduce alone" "
   "<= 0.25" "$(verdict "$ec" '<=' 0.25)"
 
 floors torch shm tcp
+
+# Part 1b: memory. Peak RSS per rank (getrusage's ru_maxrss at the end of the run, rank 0)
+# of the same DDP step, with and without gradient_as_bucket_view, one run each.
+echo
+echo "## part 1b: peak RSS per rank (MB), without and with gradient_as_bucket_view"
+for gv in no yes; do
+  gflag=(); [ "$gv" = yes ] && gflag=(--grad-as-bucket-view)
+  [ -x "$py" ] && run "torch-mem-$gv" "$py" "$here/peer_torch_ddp.py" --world 2 "${counts[@]}"     --pairs 0 --ar-iters 0 "${gflag[@]}"
+  for be in shm tcp; do
+    run "$be-mem-$gv" "$ddprun" --nproc_per_node 2 --backend "$be" "$tool" "${counts[@]}"       --pairs 0 --ar-iters 0 "${gflag[@]}"
+  done
+done
+printf '%-26s %10s %10s %10s   %s\n' "gradient_as_bucket_view" "torch" "shm" "tcp"   "goal: libddp <= PyTorch"
+for gv in no yes; do
+  t=$(get "$out/torch-mem-$gv.res" peak_rss_mb)
+  s=$(get "$out/shm-mem-$gv.res" peak_rss_mb)
+  c=$(get "$out/tcp-mem-$gv.res" peak_rss_mb)
+  v="-"
+  if [ -n "$t" ] && [ -n "$s" ] && [ -n "$c" ]; then
+    v="shm $(verdict "$(calc "$s / $t")" '<=' 1), tcp $(verdict "$(calc "$c / $t")" '<=' 1)"
+  fi
+  printf '%-26s %10s %10s %10s   %s\n' "$gv" "${t:--}" "${s:--}" "${c:--}" "$v"
+done
 
 echo
 echo "## part 2: comm hooks, libddp tcp"

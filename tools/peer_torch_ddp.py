@@ -103,7 +103,8 @@ def rank_main(args):
     torch.manual_seed(1234 + rank)
     model, x, y, lossf = build_model(args, rank)
     model.train()
-    ddp = model if single else DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = model if single else DDP(model, bucket_cap_mb=args.bucket_cap_mb,
+                                   gradient_as_bucket_view=args.grad_as_bucket_view)
     if args.optim == "adamw":
         opt = torch.optim.AdamW(ddp.parameters())
     else:
@@ -225,6 +226,8 @@ def main():
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="DDP's bucket_cap_mb (PyTorch's default 25)")
+    ap.add_argument("--grad-as-bucket-view", action="store_true",
+                    help="DDP's gradient_as_bucket_view=True (ddp-bench-ddp's flag name)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds for the whole run")
     args = ap.parse_args()
     if args.world < 1 or args.steps < 1 or args.warmup < 0 or args.pairs < 0 \
