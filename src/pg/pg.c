@@ -54,10 +54,17 @@ struct ddp_work {
   ddp_status_t status;
   uint64_t fr_id; /* its flight-recorder entry */
   struct ddp_work *next;
-  /* Last, so that a new work zeroes only the fields before it: the message is 8 KiB, and
-   * clearing it on every collective would cost more than a small allreduce itself. */
-  ddp_error_t err;
+  /* The failure's message, allocated when the work fails: 8 KiB in every handle would make
+   * allocating and freeing one cost more than a small allreduce itself. */
+  ddp_error_t *err;
 };
+
+/* w's error record, made on its first failure; NULL when even that allocation fails (the
+ * status is still set, the message is then only in the log). */
+static ddp_error_t *work_err(ddp_work_t *w) {
+  if (!w->err && (w->err = ddp__malloc(sizeof *w->err))) ddp__error_clear(w->err);
+  return w->err;
+}
 
 struct ddp_pg {
   uint32_t magic;
@@ -81,7 +88,8 @@ struct ddp_pg {
   int64_t last_submit_ns;
   bool stop;
   pthread_t thread;
-  ddp_status_t failed; /* first failure of the group */
+  ddp_status_t failed;    /* first failure of the group */
+  atomic_bool any_failed; /* failed != DDP_OK, readable without mu (run_one's check) */
   ddp_error_t fail_err;
   ddp_error_t arg_err;    /* last argument error */
   uint64_t seq;           /* collectives issued */
@@ -110,6 +118,7 @@ static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_err
 static void work_release(ddp_work_t *w) {
   if (atomic_fetch_sub(&w->refs, 1) == 1) {
     w->magic = 0;
+    ddp__free(w->err);
     ddp__free(w);
   }
 }
@@ -124,13 +133,18 @@ static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
 
 static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   char name[192]; /* the collective's name, formatted only for a failure */
-  pthread_mutex_lock(&pg->mu);
-  ddp_status_t failed = pg->failed;
-  pthread_mutex_unlock(&pg->mu);
+  ddp_status_t failed = DDP_OK;
+  if (atomic_load(&pg->any_failed)) { /* no lock on the common path */
+    pthread_mutex_lock(&pg->mu);
+    failed = pg->failed;
+    pthread_mutex_unlock(&pg->mu);
+  }
   if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
     ddp__fp_str(&w->coll.fp, name, sizeof name);
-    w->status = ddp__error_quiet(&w->err, failed, "rank %d: %s not run: the group had failed: %s",
-                                 pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg));
+    ddp_error_t *e = work_err(w);
+    w->status = e ? ddp__error_quiet(e, failed, "rank %d: %s not run: the group had failed: %s",
+                                     pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg))
+                  : failed;
     ddp__fr_end(pg->fr, w->fr_id, failed);
     return;
   }
@@ -154,17 +168,20 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   }
   if (atomic_load(&pg->comm.aborted) && st != DDP_ERR_DESYNC) st = DDP_ERR_ABORTED;
   ddp__fp_str(&w->coll.fp, name, sizeof name);
-  w->status = ddp__error(&w->err, pg->rank, st, "rank %d: %s on backend %s: %s", pg->rank, name,
-                         pg->ops->name, detail.msg);
+  ddp_error_t spare, *e = work_err(w);
+  w->status = ddp__error(e ? e : &spare, pg->rank, st, "rank %d: %s on backend %s: %s", pg->rank,
+                         name, pg->ops->name, detail.msg);
+  if (!e) e = &spare;
   if (pg->ops->family == DDP_BACKEND_LINK && pg->ops->fail) pg->ops->fail(pg->state);
   pthread_mutex_lock(&pg->mu);
   bool first = pg->failed == DDP_OK;
   if (first) {
     pg->failed = st;
-    pg->fail_err = w->err;
+    pg->fail_err = *e;
+    atomic_store(&pg->any_failed, true);
   }
   pthread_mutex_unlock(&pg->mu);
-  if (first) ddp__fr_on_failure(pg->fr, st, w->err.msg); /* the dump, at the moment it fails */
+  if (first) ddp__fr_on_failure(pg->fr, st, e->msg); /* the dump, at the moment it fails */
 }
 
 /* Takes the head of the queue and runs it; called with pg->mu held and pg->running false,
@@ -437,6 +454,7 @@ void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason) {
   if (first) {
     pg->failed = DDP_ERR_ABORTED;
     ddp__error_quiet(&pg->fail_err, DDP_ERR_ABORTED, "%s (ddp_pg_abort)", msg);
+    atomic_store(&pg->any_failed, true);
   }
   pthread_mutex_unlock(&pg->mu);
   if (first) ddp__fr_on_failure(pg->fr, DDP_ERR_ABORTED, msg);
@@ -688,8 +706,7 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   c->algo = resolve_algo(pg, c);
   ddp_work_t *w = ddp__malloc(sizeof *w);
   if (!w) return arg_error(pg, what, "out of memory for the work handle");
-  memset(w, 0, offsetof(ddp_work_t, err));
-  ddp__error_clear(&w->err);
+  memset(w, 0, sizeof *w);
   w->magic = WORK_MAGIC;
   w->pg = pg;
   atomic_init(&w->refs, 2);
@@ -808,11 +825,11 @@ ddp_status_t ddp_work_wait(ddp_work_t *w, int64_t timeout_ms) {
   if (atomic_load(&w->done)) return w->status;
   ddp_pg_t *pg = w->pg;
   int64_t deadline = ddp_deadline_after_ms(timeout_ms < 0 ? pg->timeout_ms + 1000 : timeout_ms);
-  struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
   bool inline_ok = timeout_ms < 0 || timeout_ms >= pg->timeout_ms;
   pthread_mutex_lock(&pg->mu);
   while (inline_ok && !atomic_load(&w->done) && !pg->running && pg->head) run_head(pg);
   if (!atomic_load(&w->done)) kick_lazy(pg);
+  struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
   while (!atomic_load(&w->done)) {
     if (pthread_cond_timedwait(&pg->cv_done, &pg->mu, &ts) != 0 && ddp_now_ns() >= deadline) break;
   }
@@ -838,7 +855,7 @@ ddp_status_t ddp_work_status(const ddp_work_t *w) {
 
 const char *ddp_work_error(const ddp_work_t *w) {
   DDP_REQUIRE(w && w->magic == WORK_MAGIC);
-  return atomic_load(&((ddp_work_t *)w)->done) ? w->err.msg : "";
+  return atomic_load(&((ddp_work_t *)w)->done) && w->err ? w->err->msg : "";
 }
 
 void ddp_work_free(ddp_work_t *w) {
