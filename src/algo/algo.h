@@ -58,6 +58,7 @@ typedef struct ddp__comm {
   uint64_t *p2p_tx;    /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;    /* shared: chunks taken from each peer */
   int64_t deadline_ns; /* of the running operation */
+  int64_t spin_ns;     /* shared: the next wait's spin budget (shared.c); 0 = the least */
   bool check_fp;       /* compare fingerprints (false only for ddp-bench) */
   atomic_bool aborted;
 } ddp__comm_t;
