@@ -1297,6 +1297,93 @@ static void test_error_marked_twice(void **state) {
   ddp_test_results_free(res);
 }
 
+/* Appends the reducer's last error to this rank's values (NUL-separated). */
+static void put_ddp_error(ddp_test_rank_t *tr, const ddp_ddp_t *ddp) {
+  ddp_error_t de = {0};
+  ddp_ddp_last_error_copy(ddp, &de);
+  ddp_test_put(tr, de.msg, strlen(de.msg) + 1);
+}
+
+/* world_size_invariant_shards through the library: K must be a multiple of W; a step must
+ * run K / W passes, the last synchronising (a first pass that synchronises is an error
+ * naming the pass); comm hooks and join() are refused; the right pass count then trains. */
+static int invariant_rank(ddp_test_rank_t *tr, void *arg) {
+  cfg_t *cfg = arg;
+  rank_env_t e = {0};
+  ddp_status_t st = build_model(M_PLAIN, 9, &e.m);
+  if (st == DDP_OK) st = env_open(tr, cfg, &e);
+  if (st != DDP_OK) goto out; /* env_open said the construction error */
+  ddp_comm_hook_t hook = {0};
+  ddp_error_t he = {0};
+  st = ddp_hooks_create("fp16", "no", "", ddp_test_rank(tr), &hook, &he);
+  if (st == DDP_OK) st = ddp_ddp_register_comm_hook(e.ddp, &hook, &he);
+  if (hook.fn) hook.free_state(hook.state); /* refused: still ours */
+  if (st != DDP_ERR_INVALID_USAGE) {
+    ddp_test_say(tr, "comm hook registered: %s", ddp_status_name(st));
+    st = DDP_ERR_INTERNAL;
+    goto out;
+  }
+  ddp_test_put(tr, he.msg, strlen(he.msg) + 1);
+  if ((st = ddp_ddp_join_begin(e.ddp, true, false)) != DDP_ERR_UNSUPPORTED) {
+    st = DDP_ERR_INTERNAL;
+    goto out;
+  }
+  put_ddp_error(tr, e.ddp);
+  /* the right count: 2 passes of 2 rows, the second synchronising, for 2 steps */
+  st = DDP_OK;
+  for (int step = 0; step < 2 && st == DDP_OK; step++) {
+    st = micro_step(&e, step, ddp_test_rank(tr) * 4, 2, 1, false);
+    if (st == DDP_OK) st = micro_step(&e, step, ddp_test_rank(tr) * 4 + 2, 2, 1, true);
+  }
+  if (st != DDP_OK) {
+    say_ddp_error(tr, "two passes: ", e.ddp);
+    goto out;
+  }
+  /* a synchronising first pass */
+  st = micro_step(&e, 2, ddp_test_rank(tr) * 4, 2, 1, true);
+  put_ddp_error(tr, e.ddp);
+out:
+  env_close(&e);
+  return st;
+}
+
+static void test_world_size_invariant(void **state) {
+  (void)state;
+  static cfg_t c;
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = 2;
+  o.timeout_ms = 20000;
+  const int64_t ks[] = {3, 4};
+  for (size_t i = 0; i < 2; i++) {
+    c = base_cfg(2, M_PLAIN, 0);
+    c.dopts.world_size_invariant_shards = ks[i];
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    assert_int_equal(ddp_store_create_memory(&so, &c.store, NULL), DDP_OK);
+    ddp_test_results_t *res = ddp_test_spawn(&o, invariant_rank, &c);
+    ddp_store_destroy(c.store);
+    for (int r = 0; r < 2; r++) {
+      const ddp_test_result_t *x = ddp_test_result(res, r);
+      if (ks[i] == 3) {
+        assert_int_equal(x->status, DDP_ERR_INVALID_ARGUMENT);
+        expect_msg(x, "world_size_invariant_shards must be a multiple of the world size 2");
+        continue;
+      }
+      assert_int_equal(x->status, DDP_ERR_INVALID_USAGE);
+      /* the values: the hook's, join's and the pass count's messages, NUL-separated */
+      const char *v = (const char *)x->values, *end = v + x->nvalues;
+      const char *want[] =
+          {"world_size_invariant_shards is on: comm hook fp16_compress_hook is refused",
+           "join() is refused with world_size_invariant_shards",
+           "the synchronising pass must be the 2-th of its step (one per shard), but it is pass 1"};
+      for (size_t k = 0; k < 3; k++, v += strlen(v) + 1) {
+        if (v >= end) fail_msg("rank %d: message %zu missing", r, k);
+        if (!strstr(v, want[k])) fail_msg("rank %d: expected \"%s\" in: %s", r, want[k], v);
+      }
+    }
+    ddp_test_results_free(res);
+  }
+}
+
 /* join(): uneven inputs (rank r runs 3 + r steps, W = 3). With
  * divide_by_initial_world_size the joined ranks count as zeros, without it the average is
  * over the ranks still training; either way the final parameters are the last joiner's on
@@ -1414,6 +1501,7 @@ int main(void) {
       cmocka_unit_test(test_find_unused),
       cmocka_unit_test(test_broadcast_buffers),
       cmocka_unit_test(test_join),
+      cmocka_unit_test(test_world_size_invariant),
       cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_error_construction),
       cmocka_unit_test(test_error_unused_without_flag),

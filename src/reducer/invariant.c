@@ -3,13 +3,15 @@
  * the step's K shards into forward/backward passes.
  *
  * Each rank runs K / W passes per step, one per shard; every pass but the last runs under
- * no_sync. Whenever a parameter's gradient of a pass is ready, the hook stores it apart,
- * in the slot of that shard in its bucket's shard store, notes the largest magnitude of
- * each of its blocks (ddp_rsum_exps_*), and zeroes the gradient, so the next shard starts
- * from zero. When a bucket is ready in the synchronising pass, its block exponents are
- * combined over the ranks (an allreduce MAX, exact and waited for: it is small), every
- * stored shard is rounded onto the common grid and added into the int64 accumulators
- * (ddp_rsum_deposit_*), and the accumulators are summed over the ranks by an allreduce SUM
+ * no_sync. Whenever a parameter's gradient of a pass is ready, the hook moves it into the
+ * slot of that shard in its bucket's shard store, noting the largest magnitude of each of
+ * its blocks on the way (ddp_rsum_take_*: one pass over a gradient still in cache), which
+ * leaves the gradient zero for the next shard; the last shard's gradients stay where
+ * backward left them. When a bucket is ready in the synchronising pass, its block
+ * exponents are combined over the ranks (an allreduce MAX, exact and waited for: it is
+ * small), every shard is rounded onto the common grid and added into the int64
+ * accumulators (ddp_rsum_deposit_*), and the accumulators are summed over the ranks by an
+ * allreduce SUM
  * launched like any bucket's, overlapping the rest of backward. Integer sums are exact,
  * so neither the grouping of shards into ranks nor the order of the additions shows in
  * the result; finalize turns each accumulator into the mean over the K shards
