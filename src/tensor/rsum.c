@@ -89,48 +89,37 @@ static inline int32_t block_code(uint64_t mx, uint64_t inf_bits, int shift, int 
   return (int32_t)(e ? e : 1) - eb + EBIAS;
 }
 
-/* exps[b] = max(exps[b], block b's code). */
-#define EXPS_(NAME, T, U, ABS_MASK, INF_BITS, SHIFT, EB)       \
-  RSUM_CLONES void NAME(int32_t *exps, const T *x, size_t n) { \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) { \
-      size_t m = DDP_MIN((size_t)BLK, n - base);               \
-      U mx = 0;                                                \
-      for (size_t k = 0; k < m; k++) {                         \
-        U u;                                                   \
-        memcpy(&u, &x[base + k], sizeof u);                    \
-        u &= ABS_MASK;                                         \
-        mx = u > mx ? u : mx;                                  \
-      }                                                        \
-      int32_t code = block_code(mx, INF_BITS, SHIFT, EB);      \
-      if (code > exps[b]) exps[b] = code;                      \
-    }                                                          \
+/* exps[b] = max(exps[b], block b's code) for the n values of SRC, running MOVE on each
+ * element k (at offset base) as it is read: nothing for ddp_rsum_exps_*; dst = src and
+ * src = 0 for ddp_rsum_take_*, which moves a gradient still in cache into its slot in the
+ * same pass instead of three. */
+#define EXPS_(SIGNATURE, SRC, MOVE, U, ABS_MASK, INF_BITS, SHIFT, EB) \
+  RSUM_CLONES void SIGNATURE {                                        \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {        \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                      \
+      U mx = 0;                                                       \
+      for (size_t k = 0; k < m; k++) {                                \
+        U u;                                                          \
+        memcpy(&u, &SRC[base + k], sizeof u);                         \
+        MOVE;                                                         \
+        u &= ABS_MASK;                                                \
+        mx = u > mx ? u : mx;                                         \
+      }                                                               \
+      int32_t code = block_code(mx, INF_BITS, SHIFT, EB);             \
+      if (code > exps[b]) exps[b] = code;                             \
+    }                                                                 \
   }
+#define F32_ uint32_t, 0x7fffffffu, 0x7f800000u, 23, 126
+#define F64_ uint64_t, 0x7fffffffffffffffu, 0x7ff0000000000000u, 52, 1022
+#define MOVE_ (dst[base + k] = src[base + k], src[base + k] = 0)
+#define EXPS(...) EXPS_(__VA_ARGS__) /* F32_ and F64_ expand into their five arguments */
 
-EXPS_(ddp_rsum_exps_f32, float, uint32_t, 0x7fffffffu, 0x7f800000u, 23, 126)
-EXPS_(ddp_rsum_exps_f64, double, uint64_t, 0x7fffffffffffffffu, 0x7ff0000000000000u, 52, 1022)
-
-/* ddp_rsum_exps_* fused with moving the terms: dst = src, src = 0, in one pass over src
- * (a gradient still in cache) instead of three. */
-#define TAKE_(NAME, T, U, ABS_MASK, INF_BITS, SHIFT, EB)                             \
-  RSUM_CLONES void NAME(int32_t *exps, T *restrict dst, T *restrict src, size_t n) { \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                       \
-      size_t m = DDP_MIN((size_t)BLK, n - base);                                     \
-      U mx = 0;                                                                      \
-      for (size_t k = 0; k < m; k++) {                                               \
-        U u;                                                                         \
-        memcpy(&u, &src[base + k], sizeof u);                                        \
-        dst[base + k] = src[base + k];                                               \
-        src[base + k] = 0;                                                           \
-        u &= ABS_MASK;                                                               \
-        mx = u > mx ? u : mx;                                                        \
-      }                                                                              \
-      int32_t code = block_code(mx, INF_BITS, SHIFT, EB);                            \
-      if (code > exps[b]) exps[b] = code;                                            \
-    }                                                                                \
-  }
-
-TAKE_(ddp_rsum_take_f32, float, uint32_t, 0x7fffffffu, 0x7f800000u, 23, 126)
-TAKE_(ddp_rsum_take_f64, double, uint64_t, 0x7fffffffffffffffu, 0x7ff0000000000000u, 52, 1022)
+EXPS(ddp_rsum_exps_f32(int32_t *exps, const float *x, size_t n), x, (void)0, F32_)
+EXPS(ddp_rsum_exps_f64(int32_t *exps, const double *x, size_t n), x, (void)0, F64_)
+EXPS(ddp_rsum_take_f32(int32_t *exps, float *restrict dst, float *restrict src, size_t n), src,
+     MOVE_, F32_)
+EXPS(ddp_rsum_take_f64(int32_t *exps, double *restrict dst, double *restrict src, size_t n), src,
+     MOVE_, F64_)
 
 /* acc[k] += the sum over the sources of x[k] / 2^g rounded to an integer, per block
  * with its grid. The block is the outer loop, so that its accumulators stay in cache
