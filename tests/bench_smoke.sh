@@ -12,6 +12,8 @@
 #  - every timing and ratio is a positive number, CPU figures included; cpus is this
 #    process's CPU count;
 #  - bad flags exit 2 with a message naming the flag;
+#  - --invariant-shards-per-rank 4: 4 passes, and the bytes on the wire of the mode (8 per
+#    element, 4 per 32-element block), computed here;
 #  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
 #    the parameter count is the config's, and the step time, CPU time and peak RSS are
 #    positive; the PyTorch peer (--world 1) counts the same parameters.
@@ -69,6 +71,27 @@ for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1" "--optim lamb"; do
   [ "$rc" = 2 ] || fail "'$bad' exited $rc, not 2"
   grep -q -- "${bad%% *}" <<<"$msg" || fail "'$bad': the message does not name the flag: $msg"
 done
+
+# world_size_invariant_shards (tools/bench_invariant.sh's mode): 4 shards per rank, so 4
+# passes per step; on the wire 8 bytes per element plus 4 per 32-element block of each
+# parameter (the exponents), computed here from the dims.
+blocks=0
+for n in $((in * hid)) $hid $((hid * hid)) $hid $((hid * hid)) $hid $((hid * out)) $out; do
+  blocks=$((blocks + (n + 31) / 32))
+done
+timeout -k 5 120 "$ddprun" --nproc_per_node 2 --backend shm --standalone "$bench" --steps 2 \
+  --warmup 2 --pairs 0 --ar-iters 0 --invariant-shards-per-rank 4 >"$work/inv.txt" 2>&1 ||
+  { cat "$work/inv.txt"; fail "ddp-bench-ddp --invariant-shards-per-rank failed"; }
+inv=$(grep -o 'RESULT .*' "$work/inv.txt" | head -1)
+echo "libddp invariant: $inv"
+[ "$(get "$inv" invariant_shards_per_rank)" = 4 ] && [ "$(get "$inv" passes)" = 4 ] ||
+  fail "invariant run: shards per rank and passes are not 4"
+[ "$(get "$inv" bytes_per_step)" = $((8 * grad_numel + 4 * blocks)) ] ||
+  fail "invariant bytes_per_step is not $((8 * grad_numel + 4 * blocks))"
+positive "$inv" steps_per_s step_p50_ms peak_rss_mb
+msg=$(RANK=0 WORLD_SIZE=1 "$bench" --invariant-shards-per-rank 3 2>&1)
+[ $? = 2 ] && grep -q "not a multiple of 3 passes" <<<"$msg" ||
+  fail "--invariant-shards-per-rank 3 with batch 64: $msg"
 
 # GPT-2 (tools/bench_gpt2.sh's mode), tiny: C = 64, 2 layers, vocab 256, 64 positions.
 printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64,' \
