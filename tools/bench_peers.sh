@@ -10,11 +10,12 @@
 #   2. peer_mpi_allreduce under mpirun -np 2 with Open MPI's default transport (vader);
 #   3. the same with --mca btl self,tcp;
 #   4. tools/peer_gloo_allreduce.py: 2 processes of /usr/bin/python3 with torch's gloo on lo;
-# then prints two side-by-side tables (p50 latency and busbw per size per implementation)
+# then prints two side-by-side tables (p50 latency and busbw per size per implementation),
 # the acceptance ratios of the issues, and per size the p50 ratio libddp / Open MPI (shm and
-# threads against vader, tcp against its tcp BTL) with PASS/FAIL. SWEEP_ARGS (default: the programs' own defaults,
-# 4 B to 256 MiB) go to all four, so they measure the same points: -b -e -f -n --min-iters
-# --budget --warmup. A step whose program is missing is skipped with a note.
+# threads against vader, tcp against its tcp BTL) with PASS/FAIL. SWEEP_ARGS (default: the
+# programs' own defaults, 4 B to 256 MiB) go to all four, so they measure the same points:
+# -b -e -f -n --min-iters --budget --warmup. A step whose program is missing is skipped
+# with a note.
 # Exit status: 0 when every step ran and no element was wrong, 1 otherwise, 2 usage.
 set -u
 
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
         build=$2; shift 2 ;;
     -o) [ $# -ge 2 ] || { echo "bench_peers.sh: -o needs a directory" >&2; exit 2; }
         out=$2; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) echo "bench_peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
