@@ -9,8 +9,9 @@
 #   -m M   rounds of the same tests under ASan + UBSan (build/sanitize), default 20
 #   -k K   rounds of two copies of the whole suite started at the same moment (normal
 #          build, both from build/), default 10
-#   --tests "A B"     the tests of the first two phases (meson test names); default: every
-#                     test that starts processes, opens ports or asserts on time (below)
+#   --tests "A B"     the tests of the first two phases (meson test names); default: the
+#                     suite 'soak', every test that starts processes, opens ports or
+#                     asserts on time (marked in tests/meson.build)
 #   --pair-args "..." extra `meson test` arguments for each copy in the third phase (for
 #                     example "--suite unit --suite coll" to soak part of the suite)
 #   --no-asan         skip the ASan phase (and its build)
@@ -32,12 +33,9 @@ pairs=10
 asan=1
 pair_args=""
 soak=build/soak
-# Processes (fork, ddprun, srun, mpirun, python peers), ports (TCP stores, gloo) or time
-# bounds (deadlines, "within X ms"): the tests the issue asks to soak.
-tests="test_harness test_common test_store test_ddprun test_pg_faults test_collectives
-       test_mpi test_ddp test_hooks test_train test_fidelity test_compare test_train_text
-       ddp_demo_ddprun_shm ddp_train_ddprun_shm ddp_train_ddprun_tcp bench_smoke slurm
-       hosts_netns"
+# Default: meson's suite 'soak', the tests that start processes (fork, ddprun, srun, mpirun),
+# open ports or assert on time; tests/meson.build marks them where each test is registered.
+tests=""
 while [ $# -gt 0 ]; do
   case $1 in
     -n) runs=$2; shift 2 ;;
@@ -56,6 +54,7 @@ for v in "$runs" "$asan_runs" "$pairs"; do
 done
 # Word lists (the names have no spaces or wildcards).
 read -r -d '' -a test_list <<<"$tests"
+[ ${#test_list[@]} -eq 0 ] && test_list=(--suite soak)
 read -r -d '' -a pair_list <<<"$pair_args"
 
 ddp_ensure_packages "${DDP_BUILD_PACKAGES[@]}" "${DDP_TEST_PACKAGES[@]}"
@@ -118,7 +117,7 @@ round() {
 }
 
 t0=$SECONDS
-echo "== soak: ${#test_list[@]} tests, $runs normal + $asan_runs ASan rounds with 2 CPU hogs; $pairs paired whole-suite rounds"
+echo "== soak: ${test_list[*]}; $runs normal + $asan_runs ASan rounds with 2 CPU hogs; $pairs paired whole-suite rounds"
 start_hogs
 for r in $(seq 1 "$runs"); do round normal build "$r" "$runs"; done
 if [ "$asan" = 1 ]; then
