@@ -241,6 +241,8 @@ DDP_API const char *ddp_fault_kind_name(ddp_fault_kind_t k);
 DDP_API int64_t ddp_now_ns(void);
 /* now + ms, saturating; ms < 0 means "no deadline" (INT64_MAX). */
 DDP_API int64_t ddp_deadline_after_ms(int64_t ms);
+/* The same from a moment already read (now_ns from ddp_now_ns()). */
+DDP_API int64_t ddp_deadline_from(int64_t now_ns, int64_t ms);
 /* Milliseconds left until deadline, clamped to [0, INT32_MAX] (for poll()). */
 DDP_API int ddp_ms_until(int64_t deadline_ns);
 

@@ -180,8 +180,11 @@ DDP_API ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t
 /* ---- work handles ---- */
 
 /* Waits until the work completes or timeout_ms passes (<0 = the group's timeout plus a
- * second; the work itself always ends by its own deadline). Returns the work's status, or
- * DDP_ERR_TIMEOUT if it is still running when this wait gives up (the work stays valid). */
+ * second; the work itself always ends by its own deadline). With timeout_ms < 0 or at least
+ * the group's timeout, an idle group's queued work may run on this thread first, each item
+ * bounded by its own deadline; timeout_ms then counts from the end of that. Returns the
+ * work's status, or DDP_ERR_TIMEOUT if it is still running when this wait gives up (the
+ * work stays valid). */
 DDP_API ddp_status_t ddp_work_wait(ddp_work_t *work, int64_t timeout_ms);
 /* *done = the work has completed; never blocks. */
 DDP_API ddp_status_t ddp_work_test(ddp_work_t *work, bool *done);

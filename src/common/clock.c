@@ -11,11 +11,13 @@ int64_t ddp_now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+int64_t ddp_deadline_from(int64_t now_ns, int64_t ms) {
+  if (ms < 0 || ms > (INT64_MAX - now_ns) / 1000000LL) return INT64_MAX;
+  return now_ns + ms * 1000000LL;
+}
+
 int64_t ddp_deadline_after_ms(int64_t ms) {
-  if (ms < 0) return INT64_MAX;
-  int64_t now = ddp_now_ns();
-  if (ms > (INT64_MAX - now) / 1000000LL) return INT64_MAX;
-  return now + ms * 1000000LL;
+  return ms < 0 ? INT64_MAX : ddp_deadline_from(ddp_now_ns(), ms);
 }
 
 int ddp_ms_until(int64_t deadline_ns) {

@@ -58,7 +58,7 @@ typedef struct fr_entry {
   int32_t root;
   ddp_status_t status; /* DDP_OK until it ends otherwise */
   bool ended;
-  int64_t t_created, t_started, t_ended; /* CLOCK_REALTIME ns; 0 = not yet */
+  int64_t t_created, t_started, t_ended; /* CLOCK_MONOTONIC ns; 0 = not yet */
   int64_t bucket;                        /* -1: not a DDP bucket */
   char tag[FR_TAG_BYTES];
 } fr_entry_t;
@@ -80,6 +80,8 @@ struct ddp__fr {
   bool failure_dumped; /* a dump at a failure (own or another rank's) was written */
   bool dumped_inside;  /* ... while a collective was in flight */
   int64_t created_ns;
+  int64_t mono_to_wall; /* CLOCK_REALTIME - CLOCK_MONOTONIC at creation, ns: every time in
+                         * the dump is CLOCK_MONOTONIC plus this, one timebase per process */
   int64_t trigger_seen_ns;
   char path[PATH_MAX]; /* "" = no dump location */
   char trigger[PATH_MAX];
@@ -221,15 +223,17 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
   char prof[64];
   snprintf(prof, sizeof prof, "%s:%s", fr->backend, torch_op(e->kind));
   cJSON_AddStringToObject(o, "profiling_name", prof);
-  add_i64(o, "time_created_ns", e->t_created);
+  add_i64(o, "time_created_ns", e->t_created + fr->mono_to_wall);
   add_i64(o, "timeout_ms", fr->info.timeout_ms);
   cJSON_AddItemToObject(o, "input_sizes", sizes(e, in));
   cJSON_AddItemToObject(o, "input_dtypes", dtypes(e));
   cJSON_AddItemToObject(o, "output_sizes", sizes(e, out));
   cJSON_AddItemToObject(o, "output_dtypes", dtypes(e));
   cJSON_AddStringToObject(o, "state", state_name(e->state));
-  add_ns_or_null(o, "time_discovered_started_ns", e->t_started);
-  add_ns_or_null(o, "time_discovered_completed_ns", e->state == FR_COMPLETED ? e->t_ended : 0);
+  add_ns_or_null(o, "time_discovered_started_ns",
+                 e->t_started ? e->t_started + fr->mono_to_wall : 0);
+  add_ns_or_null(o, "time_discovered_completed_ns",
+                 e->state == FR_COMPLETED ? e->t_ended + fr->mono_to_wall : 0);
   if (e->state == FR_COMPLETED && e->t_started) {
     cJSON_AddNumberToObject(o, "duration_ms", (double)(e->t_ended - e->t_started) / 1e6);
   } else {
@@ -280,7 +284,7 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
   add_i64(root, "world_size", fr->info.world);
   cJSON_AddStringToObject(root, "backend", fr->backend);
   cJSON_AddStringToObject(root, "dump_reason", reason);
-  add_i64(root, "dump_time_ns", wall_ns());
+  add_i64(root, "dump_time_ns", ddp_now_ns() + fr->mono_to_wall);
   add_i64(root, "pid", (int64_t)getpid());
   cJSON *cfg = cJSON_AddObjectToObject(root, "pg_config");
   cJSON *me = cJSON_AddObjectToObject(cfg, pg_name);
@@ -503,6 +507,7 @@ ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_err
   fr->last_enqueued = fr->last_started = fr->last_completed = -1;
   fr->tag_bucket = -1;
   fr->created_ns = wall_ns();
+  fr->mono_to_wall = fr->created_ns - ddp_now_ns();
   dump_location(fr);
   if (fr->path[0]) registry_add(fr);
   *out = fr;
@@ -533,9 +538,8 @@ void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text) {
   pthread_mutex_unlock(&fr->mu);
 }
 
-uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c) {
+uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   if (!fr) return 0;
-  int64_t now = wall_ns();
   pthread_mutex_lock(&fr->mu);
   uint64_t id = fr->next_id++;
   fr_entry_t *e = &fr->ring[id % fr->cap];
@@ -576,9 +580,8 @@ static bool is_p2p(const fr_entry_t *e) {
   return e->kind == DDP_COLL_SEND || e->kind == DDP_COLL_RECV;
 }
 
-void ddp__fr_start(ddp__fr_t *fr, uint64_t id) {
+void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now) {
   if (!fr) return;
-  int64_t now = wall_ns();
   pthread_mutex_lock(&fr->mu);
   fr_entry_t *e = entry(fr, id);
   if (e) {
@@ -591,7 +594,7 @@ void ddp__fr_start(ddp__fr_t *fr, uint64_t id) {
 
 void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st) {
   if (!fr) return;
-  int64_t now = wall_ns();
+  int64_t now = ddp_now_ns();
   pthread_mutex_lock(&fr->mu);
   fr->inflight--;
   fr_entry_t *e = entry(fr, id);
@@ -614,7 +617,7 @@ void ddp__fr_on_failure(ddp__fr_t *fr, ddp_status_t st, const char *msg) {
   if (first) {
     fr->failed = st;
     snprintf(fr->fail_msg, sizeof fr->fail_msg, "%s", msg);
-    fr->fail_ns = wall_ns();
+    fr->fail_ns = ddp_now_ns() + fr->mono_to_wall;
   }
   /* a dump taken while this rank stood outside every collective shows where it stalled:
    * keep it */

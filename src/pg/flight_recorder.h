@@ -35,10 +35,17 @@ void ddp__fr_destroy(ddp__fr_t *fr);
  * comma-separated; truncated to the entry's capacity). */
 void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text);
 
-/* A collective was queued: records it (state "scheduled") and returns its record id. */
-uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c);
-/* The collective began running (state "started"). */
-void ddp__fr_start(ddp__fr_t *fr, uint64_t id);
+/* The three calls below take the moment as ddp_now_ns() (CLOCK_MONOTONIC), which the caller
+ * has read anyway for its own deadline or bookkeeping: a clock read costs about as much as
+ * the rest of a small collective's bookkeeping. The dump shows CLOCK_REALTIME, as PyTorch's
+ * does, through the offset between the clocks taken when the recorder was created (a later
+ * step of the wall clock, by NTP or by hand, does not move the recorded times). */
+
+/* A collective was queued at now_ns: records it (state "scheduled") and returns its record
+ * id. */
+uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now_ns);
+/* The collective began running at now_ns (state "started"). */
+void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now_ns);
 /* The collective ended: st == DDP_OK is state "completed"; otherwise the state stays where it
  * was and the entry keeps the status. */
 void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st);

@@ -150,9 +150,10 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   }
   ddp_error_t detail; /* not zeroed: 8 KiB per collective; a failure fills it */
   ddp__error_clear(&detail);
-  pg->comm.deadline_ns = ddp_deadline_after_ms(pg->timeout_ms);
+  int64_t now = ddp_now_ns(); /* one clock read for the deadline and the recorder */
+  pg->comm.deadline_ns = ddp_deadline_from(now, pg->timeout_ms);
   ddp_status_t st = DDP_ERR_UNSUPPORTED;
-  ddp__fr_start(pg->fr, w->fr_id);
+  ddp__fr_start(pg->fr, w->fr_id, now);
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
     ddp_backend_coll_t bc = {k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root, k->algo};
@@ -202,9 +203,7 @@ static void run_head(ddp_pg_t *pg) {
   pg->running = false;
   pthread_cond_broadcast(&pg->cv_done);
   if (pg->head) pthread_cond_signal(&pg->cv_queue);
-  pthread_mutex_unlock(&pg->mu);
-  work_release(w);
-  pthread_mutex_lock(&pg->mu);
+  work_release(w); /* may free w: no lock of its own, so under pg->mu is fine */
 }
 
 /* The progress thread. While the group is active (a submission in the last
@@ -678,7 +677,7 @@ static void stamp_fp(ddp_pg_t *pg, ddp__coll_t *c) {
  * futex call here and a context switch that competes for the CPU the collective needs. If
  * the caller does not wait, the progress thread's next poll slice starts it
  * (progress_main). */
-static void enqueue(ddp_pg_t *pg, ddp_work_t *w) {
+static void enqueue(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   bool idle = !pg->head && !pg->running;
   if (pg->tail) {
     pg->tail->next = w;
@@ -686,7 +685,7 @@ static void enqueue(ddp_pg_t *pg, ddp_work_t *w) {
     pg->head = w;
   }
   pg->tail = w;
-  pg->last_submit_ns = ddp_now_ns();
+  pg->last_submit_ns = now;
   if (idle && !pg->deep_sleep && w->coll.count * ddp_dtype_size(w->coll.dt) <= pg->lazy_max) {
     pg->lazy = true;
   } else {
@@ -711,6 +710,7 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   w->pg = pg;
   atomic_init(&w->refs, 2);
   atomic_init(&w->done, 0);
+  int64_t now = ddp_now_ns();
   pthread_mutex_lock(&pg->mu);
   if (pg->failed != DDP_OK) {
     ddp_status_t st = pg->failed;
@@ -719,9 +719,9 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
     return st;
   }
   stamp_fp(pg, c);
-  w->fr_id = ddp__fr_record(pg->fr, c);
+  w->fr_id = ddp__fr_record(pg->fr, c, now);
   w->coll = *c;
-  enqueue(pg, w);
+  enqueue(pg, w, now);
   pthread_mutex_unlock(&pg->mu);
   if (pg->log_detail) {
     char name[192];
@@ -824,14 +824,19 @@ ddp_status_t ddp_work_wait(ddp_work_t *w, int64_t timeout_ms) {
   DDP_REQUIRE(w && w->magic == WORK_MAGIC);
   if (atomic_load(&w->done)) return w->status;
   ddp_pg_t *pg = w->pg;
-  int64_t deadline = ddp_deadline_after_ms(timeout_ms < 0 ? pg->timeout_ms + 1000 : timeout_ms);
   bool inline_ok = timeout_ms < 0 || timeout_ms >= pg->timeout_ms;
   pthread_mutex_lock(&pg->mu);
   while (inline_ok && !atomic_load(&w->done) && !pg->running && pg->head) run_head(pg);
-  if (!atomic_load(&w->done)) kick_lazy(pg);
-  struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
-  while (!atomic_load(&w->done)) {
-    if (pthread_cond_timedwait(&pg->cv_done, &pg->mu, &ts) != 0 && ddp_now_ns() >= deadline) break;
+  if (!atomic_load(&w->done)) {
+    /* Read the clock only now: a small collective run above needs no deadline here. Work
+     * run above had its own deadlines, so the wait's counts from here. */
+    kick_lazy(pg);
+    int64_t deadline = ddp_deadline_after_ms(timeout_ms < 0 ? pg->timeout_ms + 1000 : timeout_ms);
+    struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
+    while (!atomic_load(&w->done)) {
+      if (pthread_cond_timedwait(&pg->cv_done, &pg->mu, &ts) != 0 && ddp_now_ns() >= deadline)
+        break;
+    }
   }
   pthread_mutex_unlock(&pg->mu);
   return atomic_load(&w->done) ? w->status : DDP_ERR_TIMEOUT;

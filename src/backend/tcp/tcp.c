@@ -526,8 +526,10 @@ static int urgent_blame(tcp_state_t *s, int peer) {
  * within the grace period. A killed process closes its sockets one by one after its memory
  * is torn down, so a neighbour that saw one of them close may fail (and close its own)
  * before the dead rank's connection here shows its end: the other connections get up to
- * BLAME_GRACE_MS to close. With none closing, `peer` itself is blamed. */
-static int blame_of(tcp_state_t *s, int peer) {
+ * BLAME_GRACE_MS to close, but never past the collective's own deadline: a rank whose
+ * neighbour timed out a moment before it would otherwise fail up to the grace after its
+ * timeout. With none closing, `peer` itself is blamed. */
+static int blame_of(tcp_state_t *s, int peer, int64_t deadline) {
   int b = urgent_blame(s, peer);
   if (b >= 0) return b;
   struct pollfd p[DDP_PG_MAX_WORLD];
@@ -537,7 +539,7 @@ static int blame_of(tcp_state_t *s, int peer) {
       p[n] = (struct pollfd){s->fds[j], POLLRDHUP, 0};
       idx[n++] = j;
     }
-  int64_t end = ddp_deadline_after_ms(BLAME_GRACE_MS);
+  int64_t end = DDP_MIN(ddp_deadline_after_ms(BLAME_GRACE_MS), deadline);
   int orderly = -1; /* the first connection seen to end in order without an urgent byte */
   for (int open = n; open > 0;) {
     int ms = ddp_ms_until(end);
@@ -559,9 +561,9 @@ static int blame_of(tcp_state_t *s, int peer) {
 /* The REMOTE error for end-of-file from `peer` after done of bytes (probe: a zero-byte
  * receive), blaming the rank that actually failed first. */
 static ddp_status_t eof_error(tcp_state_t *s, int peer, size_t done, size_t bytes, bool probe,
-                              ddp_error_t *err) {
+                              int64_t deadline, ddp_error_t *err) {
   char others[160], at[64] = "";
-  int culprit = blame_of(s, peer);
+  int culprit = blame_of(s, peer, deadline);
   set_blame(s, culprit);
   also_closed(s, culprit == peer ? peer : culprit, others, sizeof others);
   if (!probe) snprintf(at, sizeof at, " after %zu of %zu bytes", done, bytes);
@@ -594,7 +596,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
       if (!o->is_send && o->bytes == 0 && recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
-        return eof_error(s, o->peer, 0, 0, true, err);
+        return eof_error(s, o->peer, 0, 0, true, deadline, err);
       while (o->done < o->bytes) {
         ssize_t r = o->is_send
                         ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
@@ -605,7 +607,8 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
           continue;
         }
         char others[160];
-        if (r == 0 && !o->is_send) return eof_error(s, o->peer, o->done, o->bytes, false, err);
+        if (r == 0 && !o->is_send)
+          return eof_error(s, o->peer, o->done, o->bytes, false, deadline, err);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (atomic_load(&s->failed))
