@@ -453,10 +453,12 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
 
 static void test_desync(void **state) {
   static const char *backends[] = {"threads", "shm", "tcp"};
-  static const char *needles[4][2] = {{"count 1000", "count 1001"},
-                                      {"SUM", "MAX"},
-                                      {"count 10,", "count 11,"},
-                                      {"segment 4096", "segment 1048576"}};
+  char default_segment[48];
+  snprintf(default_segment, sizeof default_segment, "segment %u", DDP_PG_SEGMENT_BYTES_DEFAULT);
+  const char *needles[4][2] = {{"count 1000", "count 1001"},
+                               {"SUM", "MAX"},
+                               {"count 10,", "count 11,"},
+                               {"segment 4096", default_segment}};
   for (int b = 0; b < 3; b++)
     for (int v = 0; v < (b == 2 ? 4 : 3); v++) {
       fcfg_t cfg = {backends[b], b == 0 ? DDP_TEST_THREADS : DDP_TEST_FORK, 5000, v, NULL, NULL};

@@ -154,21 +154,29 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
 
 /* Canonical allreduce: reduce_owned over the balanced partition, then an all-gather in
  * which every owner sends its finished slice to every peer, received straight into the
- * output. */
+ * output, in batches of one segment per peer and direction, like the fold phase (measured
+ * on loopback, W = 2, 256 KiB segments: 4 MiB took 1.5-2.3 ms with each slice in one
+ * batch, 0.8-1.0 ms in segments). */
 static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   size_t es = ddp_dtype_size(op->dt), n = op->count, lo[MAXW] = {0}, len[MAXW] = {0};
   int W = c->size, r = c->rank;
   unsigned char *out = op->recv;
   for (int j = 0; j < W; j++) ddp_coll_part(n, W, j, &lo[j], &len[j]);
   DDP_CHECK(reduce_owned(c, op, op->send, lo, len, out + lo[r] * es, err));
-  ddp_xfer_t ops[2 * MAXW];
-  size_t k = 0;
-  for (int j = 0; j < W; j++) {
-    if (j == r) continue;
-    add(ops, &k, j, true, out + lo[r] * es, len[r] * es);
-    add(ops, &k, j, false, out + lo[j] * es, len[j] * es);
+  size_t seg = c->segment_bytes / es, maxlen = 0;
+  for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
+  for (size_t b = 0; b < maxlen; b += seg) {
+    ddp_xfer_t ops[2 * MAXW];
+    size_t k = 0;
+    for (int j = 0; j < W; j++) {
+      if (j == r) continue;
+      add(ops, &k, j, true, out + (lo[r] + b) * es, len[r] > b ? DDP_MIN(seg, len[r] - b) * es : 0);
+      add(ops, &k, j, false, out + (lo[j] + b) * es,
+          len[j] > b ? DDP_MIN(seg, len[j] - b) * es : 0);
+    }
+    DDP_CHECK(xfer(c, ops, k, err));
   }
-  return xfer(c, ops, k, err);
+  return DDP_OK;
 }
 
 /* Small allreduce: every rank sends its whole vector to every peer and folds all W in rank

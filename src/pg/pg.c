@@ -399,7 +399,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_err
    * segment size when the caller set one (tests reach the chunked path with small
    * messages), else 4 MiB per rank. */
   size_t seg_requested = o.segment_bytes;
-  if (o.segment_bytes == 0) o.segment_bytes = 1u << 20;
+  if (o.segment_bytes == 0) o.segment_bytes = DDP_PG_SEGMENT_BYTES_DEFAULT;
   o.segment_bytes = DDP_MAX((o.segment_bytes + 63) & ~(size_t)63, 64u);
   size_t staging = seg_requested ? DDP_MAX(o.segment_bytes, 64u * (size_t)o.world) : (4u << 20);
 
