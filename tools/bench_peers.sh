@@ -60,8 +60,10 @@ step() { # name, then the command; output goes to the terminal and to $out/<name
   [ "$rc" -eq 0 ] || failed=1
 }
 
+# --bind-to core: Open MPI binds its two ranks to cores 0 and 1 by default (mpirun
+# --report-bindings), so libddp's ranks are bound the same way.
 step ddp "$bench" -w 2 --backends threads,shm,tcp --algos auto,canonical,ring,small \
-  --csv "$out/ddp.csv" --plot "$out/busbw.png" "${sweep[@]}"
+  --bind-to core --csv "$out/ddp.csv" --plot "$out/busbw.png" "${sweep[@]}"
 
 if [ -x "$mpi_peer" ] && command -v mpirun >/dev/null; then
   mpirun_=(mpirun --allow-run-as-root --oversubscribe -np 2)

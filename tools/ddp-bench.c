@@ -27,6 +27,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -68,6 +69,7 @@ typedef struct bench_cfg {
   ddp_dtype_t dt;
   bool calib;
   bool desync_cost; /* --desync-cost: the fingerprint check against a group without it */
+  bool bind_core;   /* --bind-to core: rank r runs on the r-th allowed CPU (Open MPI's default) */
   const char *csv, *plot;
   uint64_t sizes[MAX_SIZES];
   int nsizes;
@@ -142,6 +144,9 @@ static void print_help(void) {
          "                         gnuplot, or SVG when FILE ends in .svg or gnuplot is missing\n"
          "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
          "      --no-calib         skip the reference lines\n"
+         "      --bind-to WHAT     core: rank r runs on the r-th CPU this process may use (modulo\n"
+         "                         their number), as Open MPI binds its ranks by default; none\n"
+         "                         (default): the scheduler places them\n"
          "      --desync-cost      measure the desync check instead of the algorithms: every\n"
          "                         size alternates iterations with and without the fingerprint\n"
          "                         check on one group (rows 'fp' and 'no-fp', and the median\n"
@@ -236,6 +241,7 @@ enum {
   O_CALIB_BYTES,
   O_NO_CALIB,
   O_DESYNC_COST,
+  O_BIND_TO,
   O_HELP
 };
 
@@ -266,6 +272,7 @@ static const struct {
     {"no-calib", 0, O_NO_CALIB, false},
     {"help", 'h', O_HELP, false},
     {"desync-cost", 0, O_DESYNC_COST, false},
+    {"bind-to", 0, O_BIND_TO, true},
 };
 
 static void parse_args(int argc, char **argv, bench_cfg_t *c) {
@@ -399,6 +406,11 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
         break;
       case O_NO_CALIB: c->calib = false; break;
       case O_DESYNC_COST: c->desync_cost = true; break;
+      case O_BIND_TO:
+        if (strcmp(val, "core") != 0 && strcmp(val, "none") != 0)
+          usage_error("--bind-to: '%s' is not core or none", val);
+        c->bind_core = strcmp(val, "core") == 0;
+        break;
       case O_HELP: print_help(); exit(0);
     }
   }
@@ -634,10 +646,34 @@ static ddp_status_t settle(ddp_pg_t *pg, const rank_ctx_t *x) {
   return st;
 }
 
+/* --bind-to core: the calling thread (a forked rank: its process, and the group's progress
+ * thread created after this) runs on the rank-th CPU of the allowed set, modulo its size.
+ * A failure only warns: the figures are still valid, just unbound. */
+static void bind_rank(const bench_cfg_t *c, int rank) {
+  if (!c->bind_core) return;
+  cpu_set_t all, one;
+  if (sched_getaffinity(0, sizeof all, &all) != 0) {
+    fprintf(stderr, "ddp-bench: rank %d: sched_getaffinity: %s; not bound\n", rank,
+            strerror(errno));
+    return;
+  }
+  int n = CPU_COUNT(&all), want = rank % (n > 0 ? n : 1), k = 0;
+  CPU_ZERO(&one);
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+    if (CPU_ISSET(cpu, &all) && k++ == want) {
+      CPU_SET(cpu, &one);
+      break;
+    }
+  if (sched_setaffinity(0, sizeof one, &one) != 0)
+    fprintf(stderr, "ddp-bench: rank %d: sched_setaffinity: %s; not bound\n", rank,
+            strerror(errno));
+}
+
 static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
   const rank_ctx_t *x = arg;
   const bench_cfg_t *c = x->cfg;
   int rank = ddp_pg_rank(pg);
+  bind_rank(c, rank); /* threads: this rank's thread (forked ranks are bound already) */
   size_t es = ddp_dtype_size(c->dt);
   uint64_t maxb = c->sizes[c->nsizes - 1];
   ddp_status_t st = DDP_OK;
@@ -791,6 +827,7 @@ static void child_main(const bench_cfg_t *c, const char *backend, const char *di
                        const char *token, int rank, int fd, const ddp_algorithm_t *algos,
                        int nalgos) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
+  bind_rank(c, rank);
   bench_sink_t sink = {fd, NULL, 0, 0};
   ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
   so.timeout_ms = c->timeout_ms;
