@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The DDP step benchmark's figures are computed, not just printed (suite bench).
 #
-#   tests/bench_smoke.sh DDPRUN DDP_BENCH_DDP SOURCE_ROOT
+#   tests/bench_smoke.sh DDPRUN DDP_BENCH_DDP SOURCE_ROOT DDP_BENCH
 #
 # Runs ddp-bench-ddp on 2 shm ranks with a few steps, and tools/peer_torch_ddp.py (PyTorch
 # DDP over gloo) where /usr/bin/python3 has torch, then checks the RESULT lines:
@@ -17,12 +17,16 @@
 #  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
 #    the parameter count is the config's, and the step time, CPU time and peak RSS are
 #    positive; the PyTorch peer (--world 1) counts the same parameters.
+# And the allreduce benchmark ddp-bench (tools/bench_peers.sh's libddp part): threads, shm
+# and tcp with --bind-to core at 4 sizes give one row each with every element right and a
+# positive p50; bad flags exit 2 naming the flag.
 # Timings are not compared with goals here: speed is measured by tools/bench_ddp.sh and
 # tools/bench_gpt2.sh.
 set -u -o pipefail
 ddprun=$1
 bench=$2
 src=$3
+allreduce_bench=$4
 py=/usr/bin/python3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -135,4 +139,19 @@ for k in grad_numel last_tensor_numel last_bucket_numel; do
     fail "$k: PyTorch $(get "$torch" "$k"), libddp $(get "$ddp" "$k")"
 done
 positive "$torch" "${keys[@]}"
+# ddp-bench: rows "backend algo place size count warm iters min p50 p99 max algbw busbw #wrong"
+timeout -k 5 120 "$allreduce_bench" -w 2 --backends threads,shm,tcp --algos auto -b 4 -e 16K \
+  -f 16 -n 20 --no-calib --bind-to core >"$work/ar.txt" 2>&1 ||
+  { cat "$work/ar.txt"; fail "ddp-bench --bind-to core failed"; }
+rows=$(grep -v '^#' "$work/ar.txt" | awk 'NF == 14')
+[ "$(wc -l <<<"$rows")" = 12 ] || { cat "$work/ar.txt"; fail "ddp-bench: not 3 x 4 rows"; }
+awk '$14 != 0 || !($9 > 0) { print; bad = 1 } END { exit bad }' <<<"$rows" ||
+  fail "ddp-bench: a row above has wrong elements or no positive p50"
+for bad in "--bind-to socket" "--segment x" "--backends carrier-pigeon"; do
+  # shellcheck disable=SC2086  # the flag and its value are two words
+  msg=$("$allreduce_bench" $bad 2>&1)
+  rc=$?
+  [ "$rc" = 2 ] || fail "ddp-bench '$bad' exited $rc, not 2"
+  grep -q -- "${bad%% *}" <<<"$msg" || fail "ddp-bench '$bad': the message does not name the flag: $msg"
+done
 echo "OK"

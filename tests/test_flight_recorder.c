@@ -299,6 +299,16 @@ static void check_ring(const char *dir, int want) {
                   (long long)c, (long long)s, (long long)d);
       fail();
     }
+    /* wall-clock times (CLOCK_MONOTONIC plus the offset taken at creation), so within the
+     * test's own run of now */
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    int64_t wall = (int64_t)now.tv_sec * 1000000000LL + now.tv_nsec;
+    if (c > wall || wall - c > 600LL * 1000000000LL) {
+      print_error("entry %d: time_created_ns %lld is not within 10 minutes before now, %lld\n", i,
+                  (long long)c, (long long)wall);
+      fail();
+    }
   }
   cJSON_Delete(j);
 }
