@@ -152,6 +152,7 @@ for bad in "--bind-to socket" "--segment x" "--backends carrier-pigeon"; do
   msg=$("$allreduce_bench" $bad 2>&1)
   rc=$?
   [ "$rc" = 2 ] || fail "ddp-bench '$bad' exited $rc, not 2"
-  grep -q -- "${bad%% *}" <<<"$msg" || fail "ddp-bench '$bad': the message does not name the flag: $msg"
+  grep -q -- "${bad%% *}" <<<"$msg" ||
+    fail "ddp-bench '$bad': the message does not name the flag: $msg"
 done
 echo "OK"

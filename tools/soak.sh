@@ -117,7 +117,8 @@ round() {
 }
 
 t0=$SECONDS
-echo "== soak: ${test_list[*]}; $runs normal + $asan_runs ASan rounds with 2 CPU hogs; $pairs paired whole-suite rounds"
+echo "== soak: ${test_list[*]}; $runs normal + $asan_runs ASan rounds with 2 CPU hogs;" \
+     "$pairs paired whole-suite rounds"
 start_hogs
 for r in $(seq 1 "$runs"); do round normal build "$r" "$runs"; done
 if [ "$asan" = 1 ]; then

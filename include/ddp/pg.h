@@ -54,9 +54,8 @@ typedef struct ddp_pg_options {
                               * /dev/shm when ddp_pg_alloc hands it out) */
 } ddp_pg_options_t;
 
-/* segment_bytes 0: 256 KiB. A segment's receive and fold stay within a core's L2, and the
- * two directions of a pair overlap in pieces; on loopback 4-64 MiB ran 1.3-2x faster than
- * with 1 MiB (docs/benchmarks.md). */
+/* segment_bytes 0: 256 KiB. On loopback with 2 ranks, 4-64 MiB allreduces ran 1.3-2x
+ * faster than with 1 MiB segments; 128 KiB and 512 KiB were not better (docs/benchmarks.md). */
 #define DDP_PG_SEGMENT_BYTES_DEFAULT (256u * 1024u)
 
 #define DDP_PG_OPTIONS_INIT \
