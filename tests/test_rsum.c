@@ -136,23 +136,29 @@ static void exps_of(const terms_t *T, int32_t *exps, int64_t t) {
 }
 
 /* Deposits the cnt terms idx[] of elements [off, off + len) (off a multiple of the block)
- * in one multi-source call, into acc (all n elements) for a sum of `terms` terms. */
-static void deposit(const terms_t *T, int64_t *acc, const int32_t *exps, int64_t terms,
-                    const int64_t *idx, int cnt, size_t off, size_t len) {
+ * in one multi-source call, into acc (all n elements) for a sum of `terms` terms; add
+ * false overwrites those elements of acc instead of adding to them. */
+static void deposit_to(const terms_t *T, int64_t *acc, const int32_t *exps, int64_t terms, bool add,
+                       const int64_t *idx, int cnt, size_t off, size_t len) {
   assert_int_equal(off % BLK, 0);
   if (T->f64) {
     const double **p = calloc((size_t)cnt, sizeof *p);
     assert_non_null(p);
     for (int s = 0; s < cnt; s++) p[s] = (const double *)T->x[idx[s]] + off;
-    ddp_rsum_deposit_f64(acc + off, exps + off / BLK, terms, cnt, p, len);
+    ddp_rsum_deposit_f64(acc + off, exps + off / BLK, terms, add, cnt, p, len);
     free(p);
   } else {
     const float **p = calloc((size_t)cnt, sizeof *p);
     assert_non_null(p);
     for (int s = 0; s < cnt; s++) p[s] = (const float *)T->x[idx[s]] + off;
-    ddp_rsum_deposit_f32(acc + off, exps + off / BLK, terms, cnt, p, len);
+    ddp_rsum_deposit_f32(acc + off, exps + off / BLK, terms, add, cnt, p, len);
     free(p);
   }
+}
+
+static void deposit(const terms_t *T, int64_t *acc, const int32_t *exps, int64_t terms,
+                    const int64_t *idx, int cnt, size_t off, size_t len) {
+  deposit_to(T, acc, exps, terms, true, idx, cnt, off, len);
 }
 
 /* out[i] in T's dtype, as double. */
@@ -497,7 +503,8 @@ static void check_independence(rng_t *r, const terms_t *T) {
 
   /* (iii) G ranks with random terms each (some may have none): each its own exps, combined
    * by MAX; each deposits its terms in chunks of 1 to 3 sources, every chunk split at a
-   * random block boundary into two calls; the accumulators added in a random rank order. */
+   * random block boundary into two calls, the first chunk overwriting accumulators that hold
+   * garbage; the accumulators added in a random rank order. */
   int64_t G = 1 + below(r, K);
   int64_t *rank_of = calloc((size_t)K, sizeof *rank_of), *order = calloc((size_t)G, sizeof *order);
   int32_t *eg = calloc(nb + 1, sizeof *eg);
@@ -513,18 +520,19 @@ static void check_independence(rng_t *r, const terms_t *T) {
     for (size_t b = 0; b < nb; b++) e[2][b] = eg[b] > e[2][b] ? eg[b] : e[2][b];
   }
   for (int64_t g = 0; g < G; g++) {
-    ag[g] = calloc(n ? n : 1, sizeof *ag[g]);
+    ag[g] = malloc((n ? n : 1) * sizeof *ag[g]);
     assert_non_null(ag[g]);
     int64_t mine[64 + 1], cnt = 0;
     for (int64_t t = 0; t < K; t++)
       if (rank_of[perm[t]] == g) mine[cnt++] = perm[t];
+    memset(ag[g], cnt ? 0xa5 : 0, (n ? n : 1) * sizeof *ag[g]);
     for (int64_t s = 0; s < cnt;) {
       int64_t chunk = 1 + below(r, 3);
       if (chunk > cnt - s) chunk = cnt - s;
       size_t cut = (size_t)below(r, (int64_t)nb + 1) * BLK;
       if (cut > n) cut = n;
-      if (cut > 0) deposit(T, ag[g], e[2], K, mine + s, (int)chunk, 0, cut);
-      if (cut < n) deposit(T, ag[g], e[2], K, mine + s, (int)chunk, cut, n - cut);
+      if (cut > 0) deposit_to(T, ag[g], e[2], K, s > 0, mine + s, (int)chunk, 0, cut);
+      if (cut < n) deposit_to(T, ag[g], e[2], K, s > 0, mine + s, (int)chunk, cut, n - cut);
       s += chunk;
     }
   }
@@ -788,7 +796,7 @@ static void test_max_terms(void **state) {
   ddp_rsum_exps_f32(e, A, N);
   ddp_rsum_exps_f32(e, B, N);
   for (int call = 0; call < 16; call++)
-    ddp_rsum_deposit_f32(a, e, K, K / 16, src + call * (K / 16), N);
+    ddp_rsum_deposit_f32(a, e, K, true, K / 16, src + call * (K / 16), N);
   float o[N];
   double o64[N];
   ddp_rsum_result_f32(a, e, K, N, K, o);

@@ -84,7 +84,7 @@ DDP_API void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const voi
  * world_size_invariant_shards (docs/ddp.md). Elements go in blocks of DDP_RSUM_BLOCK.
  * Two passes over the terms: first every term's block exponents are combined with
  * ddp_rsum_exps_* into exps[ddp_rsum_blocks(n)] (zeroed first; across ranks an allreduce
- * MAX of them, I32); then every term is deposited into acc[n] (int64, zeroed first) with
+ * MAX of them, I32); then every term is deposited into acc[n] (int64) with
  * ddp_rsum_deposit_*, given the combined exps and the total number of terms; across ranks
  * the accumulators are summed exactly by an allreduce SUM (I64) in any order. The result
  * is within n M 2^(c - 50) (c = ceil(log2 n), M the largest magnitude in the element's
@@ -100,12 +100,13 @@ DDP_API void ddp_rsum_exps_f64(int32_t *exps, const double *x, size_t n);
 /* ddp_rsum_exps_* of src, fused with dst = src and src = 0 (one pass; no overlap). */
 DDP_API void ddp_rsum_take_f32(int32_t *exps, float *dst, float *src, size_t n);
 DDP_API void ddp_rsum_take_f64(int32_t *exps, double *dst, double *src, size_t n);
-/* acc[i] += srcs[s][i] rounded to its block's grid (an integer), for s < nsrc, given the
- * final exps and the total number of terms of the sum (over all calls and ranks). */
-DDP_API void ddp_rsum_deposit_f32(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,
-                                  const float *const *srcs, size_t n);
-DDP_API void ddp_rsum_deposit_f64(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,
-                                  const double *const *srcs, size_t n);
+/* acc[i] = (add ? acc[i] : 0) + the sum of srcs[s][i] rounded to its block's grid (an
+ * integer) for s < nsrc, given the final exps and the total number of terms of the sum
+ * (over all calls and ranks). With add false, acc need not be initialised. */
+DDP_API void ddp_rsum_deposit_f32(int64_t *acc, const int32_t *exps, int64_t terms, bool add,
+                                  int nsrc, const float *const *srcs, size_t n);
+DDP_API void ddp_rsum_deposit_f64(int64_t *acc, const int32_t *exps, int64_t terms, bool add,
+                                  int nsrc, const double *const *srcs, size_t n);
 /* out[i] = the sum acc[i] stands for, divided by divisor (> 0), rounded once to the dtype;
  * NaN in a poisoned block. */
 DDP_API void ddp_rsum_result_f32(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,

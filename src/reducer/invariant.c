@@ -181,12 +181,13 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
   char what[96];
   snprintf(what, sizeof what, "allreduce of bucket %zu's block exponents", b);
   DDP_CHECK(ddp__ddp_wait(d, &w, what));
-  memset(v->acc, 0, x->numel * sizeof *v->acc);
   size_t esz = ddp_dtype_size(x->dtype);
   const void *srcs[64];
   for (size_t k = 0; k < x->nvars; k++) {
     size_t i = x->vars[k], n = (size_t)d->params[i]->value.numel;
-    /* the sources in groups of 64 (one pass over the accumulators per group) */
+    /* the sources in groups of 64 (one pass over the accumulators per group; the first
+     * group's pass writes them, so they are never zeroed first) */
+    bool add = false;
     for (int s0 = 0; s0 < d->inv_s; s0 += 64) {
       int ns = 0;
       for (int s = s0; s < d->inv_s && s < s0 + 64; s++)
@@ -196,12 +197,14 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
                            : (char *)v->store + ((size_t)s * x->numel + x->offsets[k]) * esz;
       if (ns == 0) continue;
       if (x->dtype == DDP_F32)
-        ddp_rsum_deposit_f32(v->acc + x->offsets[k], v->exps + d->inv_blk[i], d->inv_k, ns,
+        ddp_rsum_deposit_f32(v->acc + x->offsets[k], v->exps + d->inv_blk[i], d->inv_k, add, ns,
                              (const float *const *)srcs, n);
       else
-        ddp_rsum_deposit_f64(v->acc + x->offsets[k], v->exps + d->inv_blk[i], d->inv_k, ns,
+        ddp_rsum_deposit_f64(v->acc + x->offsets[k], v->exps + d->inv_blk[i], d->inv_k, add, ns,
                              (const double *const *)srcs, n);
+      add = true;
     }
+    if (!add) memset(v->acc + x->offsets[k], 0, n * sizeof *v->acc); /* no gradient at all */
   }
   if (b == 0) d->comm_bytes_step = 0;
   d->comm_bytes_step += (int64_t)(x->numel * sizeof *v->acc + v->nblk * sizeof *v->exps);

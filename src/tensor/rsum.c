@@ -28,6 +28,7 @@
  * (DDP_RSUM_POISON; the results of the block are NaN): an overflowing gradient shows as
  * NaN, never as a wrong finite number. */
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -121,34 +122,46 @@ EXPS(ddp_rsum_take_f32(int32_t *exps, float *restrict dst, float *restrict src, 
 EXPS(ddp_rsum_take_f64(int32_t *exps, double *restrict dst, double *restrict src, size_t n), src,
      MOVE_, F64_)
 
-/* acc[k] += the sum over the sources of x[k] / 2^g rounded to an integer, per block
- * with its grid. The block is the outer loop, so that its accumulators stay in cache
- * while every source is added (one pass over acc however many sources). */
-#define DEPOSIT_(NAME, T)                                                                     \
-  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, int nsrc,           \
-                        const T *const *srcs, size_t n) {                                     \
-    int c = ceil_log2(terms);                                                                 \
-    const int64_t km = bits_of(MAGIC);                                                        \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                                \
-      size_t m = DDP_MIN((size_t)BLK, n - base);                                              \
-      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                               \
-      /* x 2^-g, exact. 2^-g alone overflows double for f64 blocks below 2^-973: then x is    \
-       * first scaled by 2^(-g - 1023), which only moves its bits up, and then by 2^1023 (x   \
-       * 2^-g < 2^50), in a loop of its own so that the usual one keeps a single multiply. */ \
-      int ks = GRID_BITS - c - (exps[b] - EBIAS);                                             \
-      double pre = ks > 1023 ? pow2(ks - 1023) : 1.0, scale = pow2(ks > 1023 ? 1023 : ks);    \
-      int64_t *a = acc + base;                                                                \
-      if (ks > 1023) {                                                                        \
-        for (int s = 0; s < nsrc; s++)                                                        \
-          for (size_t k = 0; k < m; k++)                                                      \
-            a[k] += bits_of((double)srcs[s][base + k] * pre * scale + MAGIC) - km;            \
-        continue;                                                                             \
-      }                                                                                       \
-      for (int s = 0; s < nsrc; s++) {                                                        \
-        const T *xb = srcs[s] + base;                                                         \
-        for (size_t k = 0; k < m; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km;   \
-      }                                                                                       \
-    }                                                                                         \
+/* acc[k] = (add ? acc[k] : 0) + the sum over the sources of x[k] / 2^g rounded to an
+ * integer, per block with its grid. The block is the outer loop, so that its accumulators
+ * stay in L1 while every source is added (one pass over acc however many sources; a block
+ * not added to is zeroed there, never in a pass of its own). The sources are as many
+ * streams as there are shards, each read once from memory far from the last use, so each
+ * is prefetched PREFETCH bytes ahead; a full block has a constant trip count. x / 2^g is
+ * exact: 2^-g alone overflows double for f64 blocks below 2^-973, and then x is first
+ * scaled by 2^(-g - 1023), which only moves its bits up, and then by 2^1023
+ * (x 2^-g < 2^50), in a loop of its own so that the usual one keeps a single multiply. */
+#define PREFETCH 2048
+#define DEPOSIT_(NAME, T)                                                                       \
+  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, bool add, int nsrc,   \
+                        const T *const *srcs, size_t n) {                                       \
+    int c = ceil_log2(terms);                                                                   \
+    const int64_t km = bits_of(MAGIC);                                                          \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                                  \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                                                \
+      int64_t *a = acc + base;                                                                  \
+      if (!add)                                                                                 \
+        for (size_t k = 0; k < m; k++) a[k] = 0;                                                \
+      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                                 \
+      int ks = GRID_BITS - c - (exps[b] - EBIAS);                                               \
+      double pre = ks > 1023 ? pow2(ks - 1023) : 1.0, scale = pow2(ks > 1023 ? 1023 : ks);      \
+      if (ks > 1023) {                                                                          \
+        for (int s = 0; s < nsrc; s++)                                                          \
+          for (size_t k = 0; k < m; k++)                                                        \
+            a[k] += bits_of((double)srcs[s][base + k] * pre * scale + MAGIC) - km;              \
+      } else if (m == BLK) {                                                                    \
+        for (int s = 0; s < nsrc; s++) {                                                        \
+          const T *xb = srcs[s] + base;                                                         \
+          for (size_t o = 0; o < BLK * sizeof(T); o += 64)                                      \
+            __builtin_prefetch((const char *)xb + PREFETCH + o, 0, 0);                          \
+          for (size_t k = 0; k < BLK; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km; \
+        }                                                                                       \
+      } else {                                                                                  \
+        for (int s = 0; s < nsrc; s++)                                                          \
+          for (size_t k = 0; k < m; k++)                                                        \
+            a[k] += bits_of((double)srcs[s][base + k] * scale + MAGIC) - km;                    \
+      }                                                                                         \
+    }                                                                                           \
   }
 
 DEPOSIT_(ddp_rsum_deposit_f32, float)
