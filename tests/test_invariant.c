@@ -2,7 +2,8 @@
  * ddp-train's public flags: with K = 12 shards of a global batch of 48 samples, every world
  * size W and accumulation split A with W A dividing 12 ends 20 steps with the same
  * parameter hash, on threads and (W in {2, 3, 4}) on shm and tcp processes under ddprun
- * and on the mpi backend under mpirun (when built and installed), for the digits MLP, an
+ * and on the mpi backend under mpirun (when built and installed), and with gradients as
+ * bucket views and unused-parameter detection on threads, for the digits MLP, an
  * MLP with dropout and a GPT-2 with and without dropout; the hash differs from a normal run
  * of the same job (so the test cannot pass by accident). ddp-compare finds no difference at
  * any step between a W = 1 and a W = 4 invariant run, and finds the reassociation
@@ -105,6 +106,15 @@ static void expect_invariant(const char *job, const char *what) {
     train(job, NULL, splits[i][0], splits[i][1], true, NULL, h, sizeof h);
     print_message("%s: threads W=%d A=%d: %s (W=1: %s)\n", what, splits[i][0], splits[i][1], h,
                   ref);
+    assert_string_equal(h, ref);
+  }
+  /* the reducer's other gradient layouts: bucket views, with unused-parameter detection */
+  const char *layouts[] = {"--gradient_as_bucket_view true",
+                           "--gradient_as_bucket_view true --ddp_find_unused_parameters true",
+                           "--ddp_find_unused_parameters true"};
+  for (int l = 0; l < 3; l++) {
+    train(job, NULL, 2 + l, 1, true, layouts[l], h, sizeof h);
+    print_message("%s: threads W=%d %s: %s\n", what, 2 + l, layouts[l], h);
     assert_string_equal(h, ref);
   }
   const char *backends[] = {"shm", "tcp", "mpi"};

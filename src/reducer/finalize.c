@@ -56,21 +56,29 @@ static ddp_status_t copy_back(ddp_ddp_t *d, ddp__bucket_t *x, bool need_used) {
   for (size_t k = 0; k < x->nvars; k++) {
     size_t i = x->vars[k];
     ddp_param_t *p = d->params[i];
+    void *slot = (char *)x->buf + x->offsets[k] * ddp_dtype_size(x->dtype);
     if (need_used && !d->local_used[i]) {
       if (!d->used_waited && d->used_work) {
         ddp_status_t st = ddp__ddp_wait(d, &d->used_work, "allreduce of the used-parameter map");
         if (st != DDP_OK) return st;
         d->used_waited = true;
       }
-      if (d->global_used[i] == 0) continue;
+      if (d->global_used[i] == 0) {
+        /* its bucket view, if it is one, holds the (zero) sum as in every other mode */
+        if (d->inv_k && p->grad.data == slot) ddp__inv_result(d, x, k, slot);
+        continue;
+      }
     }
-    void *slot = (char *)x->buf + x->offsets[k] * ddp_dtype_size(x->dtype);
     if (!d->opts.gradient_as_bucket_view) {
       if (!p->grad.data) ddp_param_set_grad_data(p, NULL);
-      memcpy(p->grad.data, slot, ddp__ddp_pbytes(p));
-    } else if (p->grad.data != slot) {
-      /* invariant mode never copied the gradient into the slot: it moves there now */
+      if (d->inv_k) /* the mean is made straight in the gradient: the slot was never used */
+        ddp__inv_result(d, x, k, p->grad.data);
+      else
+        memcpy(p->grad.data, slot, ddp__ddp_pbytes(p));
+    } else if (p->grad.data != slot || d->inv_k) {
+      /* invariant mode never copied the gradient into the slot: the mean goes there now */
       if (!p->grad.data || d->inv_k) {
+        if (d->inv_k) ddp__inv_result(d, x, k, slot);
         ddp_param_set_grad_data(p, slot);
       } else if (first == DDP_OK) {
         first = ddp__ddp_fail(d, DDP_ERR_INVALID_USAGE,
@@ -96,7 +104,6 @@ ddp_status_t ddp__ddp_finalize(ddp_ddp_t *d) {
   for (size_t b = 0; b < d->nbuckets; b++) {
     ddp_status_t st = wait_bucket(d, b, first);
     if (first == DDP_OK) first = st;
-    if (first == DDP_OK && d->inv_k) ddp__inv_result(d, b);
     if (first == DDP_OK) first = copy_back(d, &d->buckets[b], need_used);
   }
   if (d->used_work) {

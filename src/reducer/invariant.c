@@ -15,7 +15,8 @@
  * launched like any bucket's, overlapping the rest of backward. Integer sums are exact,
  * so neither the grouping of shards into ranks nor the order of the additions shows in
  * the result; finalize turns each accumulator into the mean over the K shards
- * (ddp_rsum_result_*) in the bucket's flat buffer, and the copy-back proceeds as always.
+ * (ddp_rsum_result_*), written by the copy-back straight into each gradient (or its
+ * bucket slot with gradient_as_bucket_view) instead of a copy of the flat buffer.
  *
  * Everything the reducer checks still runs: buckets, their order, unused parameters, the
  * unfinished-reduction check; and the shard count: a step must begin exactly K / W
@@ -216,19 +217,14 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
   return DDP_OK;
 }
 
-void ddp__inv_result(ddp_ddp_t *d, size_t b) {
-  ddp__bucket_t *x = &d->buckets[b];
-  ddp__inv_bucket_t *v = x->inv;
-  for (size_t k = 0; k < x->nvars; k++) {
-    size_t i = x->vars[k], n = (size_t)d->params[i]->value.numel;
-    const int32_t *e = v->exps + d->inv_blk[i];
-    if (x->dtype == DDP_F32)
-      ddp_rsum_result_f32(v->acc + x->offsets[k], e, d->inv_k, n, d->inv_k,
-                          (float *)x->buf + x->offsets[k]);
-    else
-      ddp_rsum_result_f64(v->acc + x->offsets[k], e, d->inv_k, n, d->inv_k,
-                          (double *)x->buf + x->offsets[k]);
-  }
+void ddp__inv_result(ddp_ddp_t *d, const ddp__bucket_t *x, size_t k, void *out) {
+  const ddp__inv_bucket_t *v = x->inv;
+  size_t i = x->vars[k], n = (size_t)d->params[i]->value.numel;
+  const int32_t *e = v->exps + d->inv_blk[i];
+  if (x->dtype == DDP_F32)
+    ddp_rsum_result_f32(v->acc + x->offsets[k], e, d->inv_k, n, d->inv_k, out);
+  else
+    ddp_rsum_result_f64(v->acc + x->offsets[k], e, d->inv_k, n, d->inv_k, out);
 }
 
 void ddp__inv_end_step(ddp_ddp_t *d) {

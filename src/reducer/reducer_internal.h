@@ -280,8 +280,9 @@ ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i);
 /* Bucket b is ready: the exponents allreduce (MAX, waited), the shards deposited, the
  * accumulators' allreduce (SUM) launched into b->work. */
 ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b);
-/* After bucket b's allreduce: the mean into its flat buffer; the shard state cleared. */
-void ddp__inv_result(ddp_ddp_t *d, size_t b);
+/* After bucket x's allreduce: the mean of its k-th parameter into out (that parameter's
+ * gradient, or its slot of the bucket with gradient_as_bucket_view). */
+void ddp__inv_result(ddp_ddp_t *d, const ddp__bucket_t *x, size_t k, void *out);
 /* End of a synchronised step: the shard count starts again. */
 void ddp__inv_end_step(ddp_ddp_t *d);
 void ddp__inv_bucket_free(ddp_ddp_t *d, ddp__bucket_t *x);
