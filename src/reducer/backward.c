@@ -78,6 +78,8 @@ static ddp_status_t launch_ready(ddp_ddp_t *d) {
     ddp__bucket_t *b = &d->buckets[d->next_bucket];
     if (d->t_comm_start == 0) d->t_comm_start = ddp_now_ns();
     b->t_launch = ddp_now_ns();
+    /* invariant mode: the previous bucket's SUM goes first, so the tag is this bucket's */
+    if (d->inv_k) DDP_CHECK(ddp__inv_poll(d, true));
     if (ddp_pg_flight_recorder_enabled(d->pg)) { /* its entry names the bucket's parameters */
       char names[512] = "";
       ddp__ddp_append_names(names, sizeof names, d, b->vars, b->nvars, ",");

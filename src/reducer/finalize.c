@@ -101,6 +101,7 @@ ddp_status_t ddp__ddp_finalize(ddp_ddp_t *d) {
   d->div_factor = 0;
   ddp_status_t first = DDP_OK;
   bool need_used = d->opts.find_unused_parameters || d->opts.static_graph;
+  if (d->inv_k) first = ddp__inv_poll(d, true); /* normally done at the last bucket's launch */
   for (size_t b = 0; b < d->nbuckets; b++) {
     ddp_status_t st = wait_bucket(d, b, first);
     if (first == DDP_OK) first = st;

@@ -8,15 +8,18 @@
  * its blocks on the way (ddp_rsum_take_*: one pass over a gradient still in cache), which
  * leaves the gradient zero for the next shard; the last shard's gradients stay where
  * backward left them. When a bucket is ready in the synchronising pass, its block
- * exponents are combined over the ranks (an allreduce MAX, exact and waited for: it is
- * small), every shard is rounded onto the common grid and added into the int64
- * accumulators (ddp_rsum_deposit_*), and the accumulators are summed over the ranks by an
- * allreduce SUM
- * launched like any bucket's, overlapping the rest of backward. Integer sums are exact,
- * so neither the grouping of shards into ranks nor the order of the additions shows in
- * the result; finalize turns each accumulator into the mean over the K shards
- * (ddp_rsum_result_*), written by the copy-back straight into each gradient (or its
- * bucket slot with gradient_as_bucket_view) instead of a copy of the flat buffer.
+ * exponents are combined over the ranks by an allreduce MAX (exact), launched without
+ * waiting; once it is done (seen by a later grad-ready hook, at the next bucket's launch,
+ * or at once for the last bucket) every shard is rounded onto the common grid and added
+ * into the int64 accumulators (ddp_rsum_deposit_*), and the accumulators are summed over
+ * the ranks by an allreduce SUM launched like any bucket's, overlapping the rest of
+ * backward. Every rank issues MAX b, SUM b, MAX b + 1, ... in that order. Not waiting for
+ * MAX at once keeps the ranks from meeting in the middle of backward, where the slower
+ * one's lag would cost the other a wait on top of the one at the end of the step. Integer
+ * sums are exact, so neither the grouping of shards into ranks nor the order of the
+ * additions shows in the result; finalize turns each accumulator into the mean over the K
+ * shards (ddp_rsum_result_*), written by the copy-back straight into each gradient (or
+ * its bucket slot with gradient_as_bucket_view) instead of a copy of the flat buffer.
  *
  * Everything the reducer checks still runs: buckets, their order, unused parameters, the
  * unfinished-reduction check; and the shard count: a step must begin exactly K / W
@@ -35,6 +38,7 @@ typedef struct ddp__inv_bucket {
   int32_t *exps; /* [nblk] */
   int64_t *acc;  /* [numel] */
   size_t nblk;
+  ddp_work_t *exps_work; /* the exponents' allreduce, launched and not yet waited for */
 } ddp__inv_bucket_t;
 
 ddp_status_t ddp__inv_init(ddp_ddp_t *d) {
@@ -65,6 +69,7 @@ void ddp__inv_free(ddp_ddp_t *d) {
 void ddp__inv_bucket_free(ddp_ddp_t *d, ddp__bucket_t *x) {
   ddp__inv_bucket_t *v = x->inv;
   if (!v) return;
+  ddp__ddp_drain(&v->exps_work);
   ddp__free(v->store);
   if (v->exps) ddp_pg_free(d->pg, v->exps);
   if (v->acc) ddp_pg_free(d->pg, v->acc);
@@ -135,6 +140,8 @@ ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i) {
   ddp__bucket_t *x = &d->buckets[d->param_bucket[i]];
   ddp__inv_bucket_t *v;
   DDP_CHECK(bucket_state(d, x, &v));
+  /* a bucket whose exponents are combined meanwhile is deposited and launched now */
+  if (d->inv_pending) DDP_CHECK(ddp__inv_poll(d, false));
   size_t s = (size_t)d->inv_seen - 1, n = (size_t)p->value.numel;
   size_t esz = ddp_dtype_size(x->dtype);
   int32_t *exps = v->exps + d->inv_blk[i];
@@ -167,21 +174,14 @@ ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i) {
   return DDP_OK;
 }
 
-ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
+/* Bucket b's exponents are combined (waits for their allreduce): its shards are deposited
+ * and the accumulators' allreduce SUM launched. */
+static ddp_status_t complete(ddp_ddp_t *d, size_t b) {
   ddp__bucket_t *x = &d->buckets[b];
-  ddp__inv_bucket_t *v;
-  DDP_CHECK(bucket_state(d, x, &v));
-  ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allreduce(d->pg, v->exps, v->exps, v->nblk, DDP_I32, DDP_OP_MAX, &w);
-  if (st != DDP_OK) {
-    return ddp__ddp_carry(d, st,
-                          "DDP: world_size_invariant_shards: launching the exponent "
-                          "allreduce of bucket %zu failed: %s",
-                          b, ddp__ddp_pg_error(d));
-  }
+  ddp__inv_bucket_t *v = x->inv;
   char what[96];
   snprintf(what, sizeof what, "allreduce of bucket %zu's block exponents", b);
-  DDP_CHECK(ddp__ddp_wait(d, &w, what));
+  DDP_CHECK(ddp__ddp_wait(d, &v->exps_work, what));
   size_t esz = ddp_dtype_size(x->dtype);
   const void *srcs[64];
   for (size_t k = 0; k < x->nvars; k++) {
@@ -210,11 +210,45 @@ ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
   if (b == 0) d->comm_bytes_step = 0;
   d->comm_bytes_step += (int64_t)(x->numel * sizeof *v->acc + v->nblk * sizeof *v->exps);
   d->comm_numel_total += (int64_t)x->numel;
-  st = ddp_allreduce(d->pg, v->acc, v->acc, x->numel, DDP_I64, DDP_OP_SUM, &x->work);
+  if (ddp_pg_flight_recorder_enabled(d->pg)) { /* the SUM's entry names them too */
+    char names[512] = "";
+    ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
+    ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
+  }
+  ddp_status_t st = ddp_allreduce(d->pg, v->acc, v->acc, x->numel, DDP_I64, DDP_OP_SUM, &x->work);
   if (st != DDP_OK)
     return ddp__ddp_carry(d, st, "DDP: launching the allreduce of bucket %zu failed: %s", b,
                           ddp__ddp_pg_error(d));
   return DDP_OK;
+}
+
+ddp_status_t ddp__inv_poll(ddp_ddp_t *d, bool block) {
+  if (d->inv_pending == 0) return DDP_OK;
+  ddp__inv_bucket_t *v = d->buckets[d->inv_pending - 1].inv;
+  bool done = block;
+  if (!block && ddp_work_test(v->exps_work, &done) != DDP_OK) done = true; /* wait reports */
+  if (!done) return DDP_OK;
+  size_t b = d->inv_pending - 1;
+  d->inv_pending = 0;
+  return complete(d, b);
+}
+
+ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b) {
+  DDP_CHECK(ddp__inv_poll(d, true)); /* the previous bucket's SUM goes before this MAX (the
+                                      * caller normally did this already) */
+  ddp__bucket_t *x = &d->buckets[b];
+  ddp__inv_bucket_t *v;
+  DDP_CHECK(bucket_state(d, x, &v));
+  ddp_status_t st = ddp_allreduce(d->pg, v->exps, v->exps, v->nblk, DDP_I32, DDP_OP_MAX,
+                                  &v->exps_work);
+  if (st != DDP_OK) {
+    return ddp__ddp_carry(d, st,
+                          "DDP: world_size_invariant_shards: launching the exponent "
+                          "allreduce of bucket %zu failed: %s",
+                          b, ddp__ddp_pg_error(d));
+  }
+  d->inv_pending = b + 1;
+  return b + 1 == d->nbuckets ? ddp__inv_poll(d, true) : DDP_OK;
 }
 
 void ddp__inv_result(ddp_ddp_t *d, const ddp__bucket_t *x, size_t k, void *out) {
@@ -229,6 +263,9 @@ void ddp__inv_result(ddp_ddp_t *d, const ddp__bucket_t *x, size_t k, void *out) 
 
 void ddp__inv_end_step(ddp_ddp_t *d) {
   if (!d->inv_k) return;
+  if (d->inv_pending) /* a failed step: its exponents are not used */
+    ddp__ddp_drain(&d->buckets[d->inv_pending - 1].inv->exps_work);
+  d->inv_pending = 0;
   d->inv_seen = 0;
   memset(d->inv_written, 0, (size_t)d->inv_s * d->P * sizeof *d->inv_written);
   for (size_t b = 0; b < d->nbuckets; b++) {

@@ -140,11 +140,12 @@ struct ddp_ddp {
   bool in_delayed; /* delayed_all_reduce is marking: it finalizes itself */
 
   /* world_size_invariant_shards (invariant.c) */
-  int64_t inv_k;     /* K; 0: off */
-  int inv_s;         /* K / W: shards per rank and step */
-  int inv_seen;      /* shards (forwards with grad) begun in this step */
-  bool *inv_written; /* [inv_s * P] shard s stored parameter i */
-  size_t *inv_blk;   /* [P] parameter i's first block in its bucket's exps */
+  int64_t inv_k;      /* K; 0: off */
+  int inv_s;          /* K / W: shards per rank and step */
+  int inv_seen;       /* shards (forwards with grad) begun in this step */
+  bool *inv_written;  /* [inv_s * P] shard s stored parameter i */
+  size_t *inv_blk;    /* [P] parameter i's first block in its bucket's exps */
+  size_t inv_pending; /* b + 1: bucket b's exponents allreduce is launched, its SUM not yet */
 
   /* sync state (§5, §6; forward.c) */
   bool require_backward_grad_sync;
@@ -277,9 +278,13 @@ ddp_status_t ddp__inv_check_sync(ddp_ddp_t *d);
 /* The grad-ready hook's part: parameter i's gradient of this shard is stored apart (its
  * block exponents noted) and the gradient zeroed for the next shard. */
 ddp_status_t ddp__inv_store(ddp_ddp_t *d, size_t i);
-/* Bucket b is ready: the exponents allreduce (MAX, waited), the shards deposited, the
- * accumulators' allreduce (SUM) launched into b->work. */
+/* Bucket b is ready: its exponents' allreduce (MAX) is launched. Once it is done the
+ * shards are deposited and the accumulators' allreduce (SUM) launched into b->work: at the
+ * first grad-ready hook that finds it done (ddp__inv_poll), at the next bucket's launch
+ * (so every rank issues MAX b, SUM b, MAX b + 1, ...) or at once for the last bucket. */
 ddp_status_t ddp__inv_launch(ddp_ddp_t *d, size_t b);
+/* The pending bucket's deposit and SUM, if its MAX is done (block: waiting for it). */
+ddp_status_t ddp__inv_poll(ddp_ddp_t *d, bool block);
 /* After bucket x's allreduce: the mean of its k-th parameter into out (that parameter's
  * gradient, or its slot of the bucket with gradient_as_bucket_view). */
 void ddp__inv_result(ddp_ddp_t *d, const ddp__bucket_t *x, size_t k, void *out);
