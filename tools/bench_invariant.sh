@@ -14,7 +14,8 @@
 #               shard's gradient kept apart, summed with the reproducible sum.
 # Per configuration the round with the lowest step p50 is kept. Prints step p50 (ms),
 # payload bytes per step and peak RSS per rank, the ratios invariant / normal (the goal of
-# the issue: <= 1.5, PASS/FAIL) and invariant / micro (what the summation itself costs).
+# the issue: <= 1.5, PASS/FAIL; out of reach, as micro alone is about 2x normal) and
+# invariant / micro (what the summation itself costs; goal <= 1.5, PASS/FAIL).
 # Exit status: 0 when every run finished, 1 otherwise, 2 usage.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
         -B) build=$2 ;; -s) steps=$2 ;; -r) rounds=$2 ;; -b) batch=$2 ;; -k) shards=$2 ;;
       esac
       shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench_invariant.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -90,6 +91,6 @@ for n in "${names[@]}"; do
 done
 ratio=$(awk -v a="${best_ms[invariant]}" -v b="${best_ms[normal]}" 'BEGIN{printf "%.2f", a / b}')
 fair=$(awk -v a="${best_ms[invariant]}" -v b="${best_ms[micro]}" 'BEGIN{printf "%.2f", a / b}')
-verdict=$(awk -v r="$ratio" 'BEGIN{print (r <= 1.5) ? "PASS" : "FAIL"}')
-echo "invariant / normal: ${ratio}x (goal <= 1.5: $verdict)"
-echo "invariant / micro (the same passes in normal DDP): ${fair}x"
+verdict() { awk -v r="$1" 'BEGIN{print (r <= 1.5) ? "PASS" : "FAIL"}'; }
+echo "invariant / normal: ${ratio}x (the issue's goal <= 1.5: $(verdict "$ratio"))"
+echo "invariant / micro (the same passes in normal DDP): ${fair}x (goal <= 1.5: $(verdict "$fair"))"
