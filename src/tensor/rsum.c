@@ -152,8 +152,9 @@ EXPS(ddp_rsum_take_f64(int32_t *exps, double *restrict dst, double *restrict src
       } else if (m == BLK) {                                                                    \
         for (int s = 0; s < nsrc; s++) {                                                        \
           const T *xb = srcs[s] + base;                                                         \
-          for (size_t o = 0; o < BLK * sizeof(T); o += 64)                                      \
-            __builtin_prefetch((const char *)xb + PREFETCH + o, 0, 0);                          \
+          if ((base + BLK) * sizeof(T) + PREFETCH <= n * sizeof(T)) /* inside the source */     \
+            for (size_t o = 0; o < BLK * sizeof(T); o += 64)                                    \
+              __builtin_prefetch((const char *)xb + PREFETCH + o, 0, 0);                        \
           for (size_t k = 0; k < BLK; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km; \
         }                                                                                       \
       } else {                                                                                  \
