@@ -9,7 +9,8 @@
  *  - a killed rank (shm): the analyzer names the rank that left no dump;
  *  - SIGUSR1 dumps while the job runs (a forked rank on shm; every group of a threads job),
  *    and the job goes on;
- *  - DDP's bucket allreduce carries the bucket index and its parameter names;
+ *  - DDP's bucket allreduce carries the bucket index and its parameter names; with
+ *    world_size_invariant_shards so do both of the bucket's collectives (MAX, then SUM);
  *  - ddp-train --ddp_trace FILE writes every rank's Perfetto/Chrome timeline.
  * Every case runs in a fresh /tmp/ddp-test-fr-* directory, removed afterwards. */
 #include <cjson/cJSON.h>
@@ -153,6 +154,7 @@ typedef struct scen {
   int64_t timeout_ms;
   ddp_store_t *store; /* threads */
   const char *dir;
+  int64_t inv_shards; /* the DDP scenario: world_size_invariant_shards (0: off) */
 } scen_t;
 
 static ddp_status_t open_group(ddp_test_rank_t *tr, const scen_t *sc, ddp_store_t **store,
@@ -316,7 +318,7 @@ static void check_ring(const char *dir, int want) {
 static void test_ring_wraps(void **state) {
   (void)state;
   const char *dir = *state;
-  scen_t sc = {"threads", 0, 5000, NULL, dir};
+  scen_t sc = {"threads", 0, 5000, NULL, dir, 0};
   clear_env();
   setenv("DDP_FR_BUFFER_SIZE", "4", 1);
   ddp_test_results_t *res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
@@ -373,7 +375,7 @@ static void expect_dumps(const ddp_test_results_t *res, const char *dir, int wor
 static void run_stall(const char *dir, const char *backend, ddp_test_mode_t mode) {
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
-  scen_t sc = {backend, 1, 1500, NULL, dir};
+  scen_t sc = {backend, 1, 1500, NULL, dir, 0};
   ddp_test_results_t *res = spawn(3, mode, &sc, -1, 0, 0);
   clear_env();
   expect_dumps(res, dir, 3, -1);
@@ -394,7 +396,7 @@ static void test_stall_tcp(void **state) { run_stall(*state, "tcp", DDP_TEST_FOR
 static void run_desync(const char *dir, const char *backend, ddp_test_mode_t mode) {
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
-  scen_t sc = {backend, 2, 5000, NULL, dir};
+  scen_t sc = {backend, 2, 5000, NULL, dir, 0};
   ddp_test_results_t *res = spawn(3, mode, &sc, -1, 0, 0);
   clear_env();
   expect_dumps(res, dir, 3, -1);
@@ -423,7 +425,7 @@ static void test_killed_rank_shm(void **state) {
   const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
-  scen_t sc = {"shm", 3, 5000, NULL, dir};
+  scen_t sc = {"shm", 3, 5000, NULL, dir, 0};
   ddp_test_results_t *res = spawn(3, DDP_TEST_FORK, &sc, 1, 700, SIGKILL);
   clear_env();
   expect_dumps(res, dir, 3, 1);
@@ -462,7 +464,7 @@ static void test_sigusr1_shm(void **state) {
   const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
-  scen_t sc = {"shm", 3, 10000, NULL, dir};
+  scen_t sc = {"shm", 3, 10000, NULL, dir, 0};
   ddp_test_results_t *res = spawn(2, DDP_TEST_FORK, &sc, 1, 1000, SIGUSR1);
   clear_env();
   ddp_test_expect_ok(res);
@@ -482,7 +484,7 @@ static void test_sigusr1_threads(void **state) {
   const char *dir = *state;
   clear_env();
   setenv("DDP_FR_DUMP_DIR", dir, 1);
-  scen_t sc = {"threads", 4, 10000, NULL, dir};
+  scen_t sc = {"threads", 4, 10000, NULL, dir, 0};
   ddp_test_results_t *res = spawn(2, DDP_TEST_THREADS, &sc, -1, 0, 0);
   clear_env();
   ddp_test_expect_ok(res);
@@ -508,6 +510,7 @@ static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_ctx_t *ctx = NULL;
   ddp_error_t err = {DDP_OK, ""};
   ddp_ddp_options_t dopts = DDP_DDP_OPTIONS_INIT;
+  dopts.world_size_invariant_shards = sc->inv_shards;
   ddp_status_t st = ddp_model_from_json(MODEL, &m, &err);
   if (st == DDP_OK) st = ddp_model_init(m, 7);
   if (st == DDP_OK) st = ddp_ddp_create(m, pg, &dopts, &ddp, &err);
@@ -541,11 +544,13 @@ static int ddp_rank(ddp_test_rank_t *tr, void *arg) {
   return st;
 }
 
-static void test_ddp_bucket_tags(void **state) {
-  (void)state;
-  const char *dir = *state;
+/* The reducer's bucket tags: one bucket (the model is far below 1 MiB). Normal mode: one
+ * allreduce of its 58 elements carries the tag. Invariant mode (K = W = 2): both the block
+ * exponents' MAX (I32, one block per parameter) and the accumulators' SUM (I64, 58) carry
+ * it, MAX first. Every tagged entry names the bucket's four parameters. */
+static void expect_bucket_tags(const char *dir, int64_t inv_shards) {
   clear_env();
-  scen_t sc = {"threads", 0, 10000, NULL, dir};
+  scen_t sc = {"threads", 0, 10000, NULL, dir, inv_shards};
   ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
   o.world = 2;
   sc.store = ddp_test_memory_store();
@@ -553,41 +558,48 @@ static void test_ddp_bucket_tags(void **state) {
   ddp_store_destroy(sc.store);
   ddp_test_expect_ok(res);
   ddp_test_results_free(res);
+  const int want_n = inv_shards ? 2 : 1;
+  const int64_t want_count[2][2] = {{4 * 8 + 8 + 8 * 2 + 2, 0}, {4, 4 * 8 + 8 + 8 * 2 + 2}};
+  const char *want_dtype[2][2] = {{"Float", ""}, {"Int", "Long"}};
   for (int r = 0; r < 2; r++) {
     char path[512];
     snprintf(path, sizeof path, "%s/ddp_%d.json", dir, r);
     cJSON *j = read_json(path);
     assert_non_null(j);
-    const cJSON *e, *tagged = NULL;
+    const cJSON *e;
     int ntagged = 0;
     cJSON_ArrayForEach(e, cJSON_GetObjectItemCaseSensitive(j, "entries")) {
-      if (cJSON_GetObjectItemCaseSensitive(e, "ddp_bucket")) {
-        tagged = e;
-        ntagged++;
+      if (!cJSON_GetObjectItemCaseSensitive(e, "ddp_bucket")) continue;
+      if (ntagged >= want_n) fail_msg("rank %d: more than %d tagged entries", r, want_n);
+      const cJSON *dts = cJSON_GetObjectItemCaseSensitive(e, "input_dtypes");
+      const cJSON *dt0 = cJSON_IsArray(dts) ? cJSON_GetArrayItem(dts, 0) : NULL;
+      assert_int_equal(jint(e, "ddp_bucket"), 0);
+      assert_int_equal(jint(e, "ddp_count"), want_count[inv_shards != 0][ntagged]);
+      assert_str(cJSON_IsString(dt0) ? dt0->valuestring : "", want_dtype[inv_shards != 0][ntagged]);
+      assert_str(jstr(e, "state"), "completed");
+      const cJSON *names = cJSON_GetObjectItemCaseSensitive(e, "ddp_params");
+      const char *want[] = {"2.bias", "2.weight", "0.bias", "0.weight"};
+      assert_int_equal(cJSON_GetArraySize(names), 4);
+      for (int i = 0; i < 4; i++) {
+        bool found = false;
+        const cJSON *n;
+        cJSON_ArrayForEach(n, names) found |= strcmp(n->valuestring, want[i]) == 0;
+        if (!found) {
+          char *txt = cJSON_PrintUnformatted(names);
+          print_error("rank %d: ddp_params %s lacks %s\n", r, txt, want[i]);
+          free(txt);
+          fail();
+        }
       }
+      ntagged++;
     }
-    /* one bucket (the model is far below 1 MiB), one allreduce of its 58 elements */
-    assert_int_equal(ntagged, 1);
-    assert_int_equal(jint(tagged, "ddp_bucket"), 0);
-    assert_int_equal(jint(tagged, "ddp_count"), 4 * 8 + 8 + 8 * 2 + 2);
-    assert_str(jstr(tagged, "state"), "completed");
-    const cJSON *names = cJSON_GetObjectItemCaseSensitive(tagged, "ddp_params");
-    const char *want[] = {"2.bias", "2.weight", "0.bias", "0.weight"};
-    assert_int_equal(cJSON_GetArraySize(names), 4);
-    for (int i = 0; i < 4; i++) {
-      bool found = false;
-      const cJSON *n;
-      cJSON_ArrayForEach(n, names) found |= strcmp(n->valuestring, want[i]) == 0;
-      if (!found) {
-        char *txt = cJSON_PrintUnformatted(names);
-        print_error("rank %d: ddp_params %s lacks %s\n", r, txt, want[i]);
-        free(txt);
-        fail();
-      }
-    }
+    assert_int_equal(ntagged, want_n);
     cJSON_Delete(j);
   }
 }
+
+static void test_ddp_bucket_tags(void **state) { expect_bucket_tags(*state, 0); }
+static void test_ddp_bucket_tags_invariant(void **state) { expect_bucket_tags(*state, 2); }
 
 /* ---------------------------------------------------------------- ddp-train ------- */
 
@@ -665,6 +677,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_ring_wraps, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_bucket_tags, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_ddp_bucket_tags_invariant, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_stall_threads, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_stall_shm, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_stall_tcp, setup_dir, teardown_dir),
