@@ -210,11 +210,7 @@ static ddp_status_t complete(ddp_ddp_t *d, size_t b) {
   if (b == 0) d->comm_bytes_step = 0;
   d->comm_bytes_step += (int64_t)(x->numel * sizeof *v->acc + v->nblk * sizeof *v->exps);
   d->comm_numel_total += (int64_t)x->numel;
-  if (ddp_pg_flight_recorder_enabled(d->pg)) { /* the SUM's entry names them too */
-    char names[512] = "";
-    ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
-    ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
-  }
+  ddp__ddp_tag_bucket(d, b); /* the SUM's entry names the bucket too */
   ddp_status_t st = ddp_allreduce(d->pg, v->acc, v->acc, x->numel, DDP_I64, DDP_OP_SUM, &x->work);
   if (st != DDP_OK)
     return ddp__ddp_carry(d, st, "DDP: launching the allreduce of bucket %zu failed: %s", b,

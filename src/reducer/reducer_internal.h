@@ -250,6 +250,9 @@ void ddp__ddp_layout_free(ddp__layout_t *ls);
 void ddp__ddp_grad_hook(void *user, ddp_param_t *p, int fire);
 /* prepare_for_backward (§3.2) with the unused-parameter search of §4.1. */
 void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t *const *outputs);
+/* The flight recorder's tag for the next collective: bucket b and its parameter names
+ * (nothing when the recorder is off). */
+void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b);
 
 /* ---------------------------------------------------------------- finalize.c ------ */
 
