@@ -16,7 +16,8 @@
  *
  * Process ranks are started directly with torchrun's variables (RANK, WORLD_SIZE,
  * MASTER_ADDR, MASTER_PORT), not under ddprun, which would stop the survivors the moment
- * the culprit dies, before they report. */
+ * the culprit dies, before they report. A kind's jobs on the three backends run at the same
+ * time (run_jobs), so the hangs' timeouts overlap and each job runs under the others' load. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -35,6 +36,7 @@
 #define TIMEOUT_S 3
 
 typedef struct job {
+  const char *backend, *spec; /* spec NULL: no fault */
   char dir[256];
   int rc[WORLD];         /* exit status per rank (threads: the process's, for every rank) */
   double t_inject;       /* the injector's CLOCK_MONOTONIC seconds; < 0 when not logged */
@@ -119,56 +121,63 @@ static void fr_trace(job_t *j) {
   free(out);
 }
 
-/* Runs the job on `backend` with fault spec `spec` (NULL: none): threads through the
- * --ddp_fault flag, processes through DDP_FAULT. */
-static job_t *run_job(const char *backend, const char *spec) {
+/* A job on `backend` with fault spec `spec` (NULL: none), in a fresh directory; not run
+ * yet. */
+static job_t *job_new(const char *backend, const char *spec) {
   job_t *j = calloc(1, sizeof *j);
+  j->backend = backend;
+  j->spec = spec;
   j->t_inject = -1;
   for (int r = 0; r < WORLD; r++) j->t_fail[r] = -1, j->rc[r] = -1;
   snprintf(j->dir, sizeof j->dir, "/tmp/ddp-test-faults-XXXXXX");
   ddp_test_mkdtemp(j->dir); /* removed at exit, also on failure */
+  return j;
+}
+
+/* The shell command that runs the job: threads through the --ddp_fault flag, processes
+ * through DDP_FAULT, each rank's output and exit status in files of the job's directory. */
+static void job_command(const job_t *j, char *cmd, size_t cap) {
   char args[2048];
   snprintf(args, sizeof args,
            "--data '%s/tests/data/digits.safetensors' --max_steps 8 --logging_steps 4 "
            "--save_strategy no --ddp_timeout %d --disable_tqdm true "
            "--ddp_find_unused_parameters false --learning_rate 1e-3",
            ddp_test_source_root(), TIMEOUT_S);
-  const char *exe = ddp_test_tool("ddp-train");
-  char cmd[16384], sherr[300];
-  snprintf(sherr, sizeof sherr, "%s/sh.err", j->dir);
-  for (int attempt = 0; attempt < 3; attempt++) {
-    if (!strcmp(backend, "threads")) {
-      snprintf(cmd, sizeof cmd,
-               "DDP_FR_DUMP_DIR='%s/fr' '%s' --threads %d %s --output_dir '%s/o' %s%s%s "
-               ">'%s/out0' 2>'%s/err0'; echo $? >'%s/rc0'",
-               j->dir, exe, WORLD, args, j->dir, spec ? "--ddp_fault '" : "", spec ? spec : "",
-               spec ? "'" : "", j->dir, j->dir, j->dir);
-    } else {
-      snprintf(cmd, sizeof cmd,
-               "for r in 0 1 2; do (RANK=$r LOCAL_RANK=$r WORLD_SIZE=%d LOCAL_WORLD_SIZE=%d "
-               "MASTER_ADDR=127.0.0.1 MASTER_PORT=%d DDP_BACKEND=%s DDP_FAULT='%s' "
-               "DDP_FR_DUMP_DIR='%s/fr' '%s' %s --output_dir '%s/o'$r >'%s/out'$r "
-               "2>'%s/err'$r; echo $? >'%s/rc'$r) & done; wait",
-               WORLD, WORLD, ddp_test_free_port(), backend, spec ? spec : "", j->dir, exe, args,
-               j->dir, j->dir, j->dir, j->dir);
-    }
-    int64_t t0 = ddp_now_ns();
-    ddp_test_proc_run(cmd, sherr, 60, NULL);
-    print_message("[%s %s] ran in %.2f s\n", backend, spec ? spec : "(no fault)",
-                  (double)(ddp_now_ns() - t0) * 1e-9);
-    char p[320];
-    snprintf(p, sizeof p, "%s/err0", j->dir);
-    char *e0 = slurp(p);
-    bool port_taken = strstr(e0, "Address already in use") != NULL;
-    free(e0);
-    if (!port_taken) break;
-    print_message("the store's port was taken; retrying with another\n");
+  const char *exe = ddp_test_tool("ddp-train"), *spec = j->spec;
+  if (!strcmp(j->backend, "threads")) {
+    snprintf(cmd, cap,
+             "DDP_FR_DUMP_DIR='%s/fr' '%s' --threads %d %s --output_dir '%s/o' %s%s%s "
+             ">'%s/out0' 2>'%s/err0'; echo $? >'%s/rc0'",
+             j->dir, exe, WORLD, args, j->dir, spec ? "--ddp_fault '" : "", spec ? spec : "",
+             spec ? "'" : "", j->dir, j->dir, j->dir);
+  } else {
+    snprintf(cmd, cap,
+             "for r in 0 1 2; do (RANK=$r LOCAL_RANK=$r WORLD_SIZE=%d LOCAL_WORLD_SIZE=%d "
+             "MASTER_ADDR=127.0.0.1 MASTER_PORT=%d DDP_BACKEND=%s DDP_FAULT='%s' "
+             "DDP_FR_DUMP_DIR='%s/fr' '%s' %s --output_dir '%s/o'$r >'%s/out'$r "
+             "2>'%s/err'$r; echo $? >'%s/rc'$r) & done; wait",
+             WORLD, WORLD, ddp_test_free_port(), j->backend, spec ? spec : "", j->dir, exe, args,
+             j->dir, j->dir, j->dir, j->dir);
   }
+}
+
+/* Whether rank 0 could not bind the store's port (another process took the free port). */
+static bool job_port_taken(const job_t *j) {
+  char p[320];
+  snprintf(p, sizeof p, "%s/err0", j->dir);
+  char *e0 = slurp(p);
+  bool taken = strstr(e0, "Address already in use") != NULL;
+  free(e0);
+  return taken;
+}
+
+/* Reads the job's exit statuses, fault lines and logs, and runs the analyzer on its dumps. */
+static void job_collect(job_t *j) {
   size_t cap = 1, len = 0;
   j->log = calloc(1, 1);
   for (int r = 0; r < WORLD; r++) {
     char p[320];
-    bool threads = !strcmp(backend, "threads");
+    bool threads = !strcmp(j->backend, "threads");
     snprintf(p, sizeof p, "%s/rc%d", j->dir, threads ? 0 : r);
     char *rc = slurp(p);
     j->rc[r] = rc[0] ? atoi(rc) : -1;
@@ -186,7 +195,42 @@ static job_t *run_job(const char *backend, const char *spec) {
     }
   }
   fr_trace(j);
-  return j;
+}
+
+/* Runs the n jobs at the same time, each in the background of one shell, and collects
+ * them. The jobs are independent (own directories, ports, dump folders); running them
+ * together puts each under the load of the others, and the timeouts they wait through
+ * overlap. A job whose store port was taken meanwhile runs again with another. */
+static void run_jobs(job_t **jobs, int n) {
+  bool todo[16];
+  for (int i = 0; i < n; i++) todo[i] = true;
+  char sherr[300];
+  snprintf(sherr, sizeof sherr, "%s/sh.err", jobs[0]->dir);
+  for (int attempt = 0; attempt < 3; attempt++) {
+    static char cmd[16 * 8192];
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+      if (!todo[i]) continue;
+      char one[8192];
+      job_command(jobs[i], one, sizeof one);
+      len += (size_t)snprintf(cmd + len, sizeof cmd - len, "(%s) & ", one);
+    }
+    snprintf(cmd + len, sizeof cmd - len, "wait");
+    int64_t t0 = ddp_now_ns();
+    ddp_test_proc_run(cmd, sherr, 60, NULL);
+    double s = (double)(ddp_now_ns() - t0) * 1e-9;
+    bool again = false;
+    for (int i = 0; i < n; i++) {
+      if (!todo[i]) continue;
+      print_message("[%s %s] ran in %.2f s (%d jobs at once)\n", jobs[i]->backend,
+                    jobs[i]->spec ? jobs[i]->spec : "(no fault)", s, n);
+      todo[i] = job_port_taken(jobs[i]);
+      if (todo[i]) print_message("the store's port was taken; retrying with another\n");
+      again |= todo[i];
+    }
+    if (!again) break;
+  }
+  for (int i = 0; i < n; i++) job_collect(jobs[i]);
 }
 
 static void job_free(job_t *j) {
@@ -207,8 +251,12 @@ static const char *const backends[] = {"threads", "shm", "tcp"};
  * lo_ms and hi_ms after the injection. */
 static void expect_survivors(const char *kind, const char *spec, const char *const want[3],
                              double lo_ms, double hi_ms, bool fr_names_culprit) {
+  job_t *jobs[3];
+  for (int b = 0; b < 3; b++) jobs[b] = job_new(backends[b], spec);
+  run_jobs(jobs, 3);
+  const char *failed = NULL; /* the first backend whose survivors missed */
   for (int b = 0; b < 3; b++) {
-    job_t *j = run_job(backends[b], spec);
+    job_t *j = jobs[b];
     bool ok = j->t_inject > 0;
     if (!ok) print_message("[%s %s] the injector logged no time\n", backends[b], kind);
     for (int r = 0; r < WORLD; r++) {
@@ -230,11 +278,11 @@ static void expect_survivors(const char *kind, const char *spec, const char *con
     if (j->fr_n >= 0) ok &= fr_names_culprit ? fr_ok : j->fr_n == 0;
     if (!ok) dump_tail(j);
     job_free(j);
-    if (!ok)
-      fail_msg("[%s %s] a survivor or the analyzer did not blame rank 1 as expected "
-               "(see above)",
-               backends[b], kind);
+    if (!ok && !failed) failed = backends[b];
   }
+  if (failed)
+    fail_msg("[%s %s] a survivor or the analyzer did not blame rank 1 as expected (see above)",
+             failed, kind);
 }
 
 static void test_crash(void **state) {
@@ -290,9 +338,10 @@ static void test_corrupt_after(void **state) {
 static void test_undetected_kinds(void **state) {
   (void)state;
   for (int b = 0; b < 3; b++) {
-    job_t *clean = run_job(backends[b], NULL);
-    job_t *bad = run_job(backends[b], "rank=1,step=3,kind=corrupt_bucket");
-    job_t *slow = run_job(backends[b], "rank=1,step=3,kind=slow:300");
+    job_t *clean = job_new(backends[b], NULL);
+    job_t *bad = job_new(backends[b], "rank=1,step=3,kind=corrupt_bucket");
+    job_t *slow = job_new(backends[b], "rank=1,step=3,kind=slow:300");
+    run_jobs((job_t *[]){clean, bad, slow}, 3);
     print_message("[%s] clean: exit %d, parameters %s; corrupt_bucket: exit %d, parameters %s, "
                   "injected: %s; slow:300: exit %d, parameters %s\n",
                   backends[b], clean->rc[0], clean->hash[0], bad->rc[0], bad->hash[0],

@@ -322,7 +322,12 @@ static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opt
       if (alive[o->kill_rank]) kill(pids[o->kill_rank], o->kill_signal);
       kill_pending = false;
     }
-    if (now >= deadline) {
+    /* A rank stopped with SIGSTOP cannot finish on its own: once it is the only one left,
+     * the watchdog's verdict (hung, killed) is known, so it comes now instead of at the
+     * deadline. */
+    bool only_stopped = !kill_pending && o->kill_signal == SIGSTOP && nalive == 1 &&
+                        alive[o->kill_rank];
+    if (now >= deadline || only_stopped) {
       for (int i = 0; i < res->world; i++) {
         if (!alive[i]) continue;
         if (atomic_load(&res->slots[i].phase) != PHASE_RETURNED)

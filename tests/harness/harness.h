@@ -53,7 +53,8 @@ typedef struct ddp_test_opts {
   int timeout_ms;     /* watchdog per spawn; default 20000 */
   size_t value_bytes; /* per-rank value area; default 64 KiB */
   /* Fault injection from the parent (fork mode only): send kill_signal to kill_rank
-   * kill_after_ms after the spawn. kill_rank < 0 disables it. */
+   * kill_after_ms after the spawn. kill_rank < 0 disables it. A rank stopped with SIGSTOP
+   * is killed, and reported as the watchdog reports it, once every other rank has exited. */
   int kill_rank;
   int kill_after_ms;
   int kill_signal;
