@@ -297,7 +297,7 @@ static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opt
   bool alive[MAX_WORLD];
   int nalive = res->world;
   for (int i = 0; i < res->world; i++) alive[i] = true;
-  bool kill_pending = o->kill_rank >= 0 && o->kill_rank < res->world;
+  bool kills = o->kill_rank >= 0 && o->kill_rank < res->world, kill_pending = kills;
   int64_t kill_at = t0 + (int64_t)o->kill_after_ms * 1000000;
 
   while (nalive > 0) {
@@ -325,7 +325,7 @@ static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opt
     /* A rank stopped with SIGSTOP cannot finish on its own: once it is the only one left,
      * the watchdog's verdict (hung, killed) is known, so it comes now instead of at the
      * deadline. */
-    bool only_stopped = !kill_pending && o->kill_signal == SIGSTOP && nalive == 1 &&
+    bool only_stopped = kills && !kill_pending && o->kill_signal == SIGSTOP && nalive == 1 &&
                         alive[o->kill_rank];
     if (now >= deadline || only_stopped) {
       for (int i = 0; i < res->world; i++) {
