@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -55,6 +56,7 @@ typedef struct fcfg {
   int variant;              /* test-specific */
   ddp_store_t *store;       /* thread mode */
   const char *const *token; /* per-rank job token, or NULL for DDP_JOB_TOKEN */
+  atomic_int *flag;         /* test-specific, shared by thread ranks; may be NULL */
 } fcfg_t;
 
 static ddp_status_t make_pg(ddp_test_rank_t *tr, const fcfg_t *cfg, ddp_store_t **store,
@@ -220,7 +222,7 @@ static void test_kill9_mid_allreduce(void **state) {
   foreign_shm_create(foreign, sizeof foreign);
   int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
-    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 20000, 0, NULL, NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 20000, 0, NULL, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 3;
     o.mode = DDP_TEST_FORK;
@@ -266,7 +268,7 @@ static void test_tcp_blames_the_dead_rank(void **state) {
   int wrong = 0, total = 0;
   double worst = 0;
   for (int rep = 0; rep < 20; rep++) {
-    fcfg_t cfg = {"tcp", DDP_TEST_FORK, 20000, 0, NULL, NULL};
+    fcfg_t cfg = {"tcp", DDP_TEST_FORK, 20000, 0, NULL, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 4;
     o.mode = DDP_TEST_FORK;
@@ -315,7 +317,7 @@ static void test_tcp_blames_the_dead_rank(void **state) {
 static void test_sigstop_times_out(void **state) {
   static const char *backends[] = {"shm", "tcp"};
   for (int b = 0; b < 2; b++) {
-    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 3;
     o.mode = DDP_TEST_FORK;
@@ -367,7 +369,7 @@ static void test_rank_never_joins(void **state) {
   foreign_shm_create(foreign, sizeof foreign);
   int shm_pid = 0;
   for (int b = 0; b < 2; b++) {
-    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_FORK, 2000, 0, NULL, NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 3;
     o.mode = DDP_TEST_FORK;
@@ -461,7 +463,8 @@ static void test_desync(void **state) {
                                {"segment 4096", default_segment}};
   for (int b = 0; b < 3; b++)
     for (int v = 0; v < (b == 2 ? 4 : 3); v++) {
-      fcfg_t cfg = {backends[b], b == 0 ? DDP_TEST_THREADS : DDP_TEST_FORK, 5000, v, NULL, NULL};
+      fcfg_t cfg = {backends[b], b == 0 ? DDP_TEST_THREADS : DDP_TEST_FORK, 5000, v, NULL, NULL,
+                    NULL};
       if (b == 0) cfg.store = ddp_test_memory_store();
       ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
       o.world = v == 2 ? 2 : 3;
@@ -482,17 +485,23 @@ static void test_desync(void **state) {
 
 typedef struct abort_arg {
   ddp_pg_t *pg;
+  atomic_int *aborted; /* set once ddp_pg_abort has returned */
 } abort_arg_t;
 
 static void *aborter(void *p) {
+  abort_arg_t *a = p;
   struct timespec ts = {0, 200 * 1000000L};
   nanosleep(&ts, NULL);
-  ddp_pg_abort(((abort_arg_t *)p)->pg);
+  ddp_pg_abort(a->pg);
+  atomic_store(a->aborted, 1);
   return NULL;
 }
 
 /* Rank 0 waits in an allreduce that rank 1 never joins; another thread aborts rank 0's
- * group. Rank 1 then issues the allreduce and must fail fast with REMOTE. */
+ * group. Rank 1 then issues the allreduce and must fail fast with REMOTE. "Then" is the
+ * aborter's flag, not a longer sleep: under load the aborter could wake after a sleeping
+ * rank 1 had joined rank 0's allreduce (the soak saw rank 1 succeed on tcp once in five
+ * rounds). */
 static int abort_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
@@ -503,13 +512,13 @@ static int abort_rank(ddp_test_rank_t *tr, void *arg) {
   double ms = 0;
   if (ddp_test_rank(tr) == 0) {
     pthread_t th;
-    abort_arg_t a = {pg};
+    abort_arg_t a = {pg, cfg->flag};
     pthread_create(&th, NULL, aborter, &a);
     st = timed_allreduce(tr, pg, buf, 100, &ms);
     pthread_join(th, NULL);
   } else {
-    struct timespec ts = {0, 600 * 1000000L};
-    nanosleep(&ts, NULL);
+    struct timespec ts = {0, 1000000L};
+    for (int i = 0; i < 10000 && !atomic_load(cfg->flag); i++) nanosleep(&ts, NULL);
     st = timed_allreduce(tr, pg, buf, 100, &ms);
   }
   return put_ms_and_close(tr, pg, store, ms, st);
@@ -519,11 +528,12 @@ static void test_abort_unblocks(void **state) {
   static const char *backends[] = {"threads", "tcp", "shm"};
   for (int b = 0; b < 3; b++) {
     int fds_before = count_fds();
-    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 10000, 0, ddp_test_memory_store(), NULL};
+    atomic_int aborted = 0;
+    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 10000, 0, ddp_test_memory_store(), NULL, &aborted};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;
-    o.timeout_ms = 15000;
+    o.timeout_ms = 40000;
     ddp_test_results_t *res = ddp_test_spawn(&o, abort_rank, &cfg);
     const ddp_test_result_t *x0 = ddp_test_result(res, 0), *x1 = ddp_test_result(res, 1);
     print_message("%s rank 0: %s\n%s rank 1: %s\n", backends[b], x0->msg, backends[b], x1->msg);
@@ -614,7 +624,7 @@ static int leaving_rank(ddp_test_rank_t *tr, void *arg) {
 static void test_left_rank_fails_peers(void **state) {
   static const char *backends[] = {"threads", "shm", "tcp"};
   for (int b = 0; b < 3; b++) {
-    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL};
+    fcfg_t cfg = {backends[b], DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;
@@ -947,7 +957,7 @@ static void test_shm_large_alloc(void **state) {
  * the rank it tried keeps waiting for the real peer until its timeout. */
 static void test_tcp_job_token(void **state) {
   static const char *const tokens[2] = {"secret-a", "secret-b"};
-  fcfg_t cfg = {"tcp", DDP_TEST_FORK, 1500, 0, NULL, tokens};
+  fcfg_t cfg = {"tcp", DDP_TEST_FORK, 1500, 0, NULL, tokens, NULL};
   ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
   o.world = 2;
   o.mode = DDP_TEST_FORK;
@@ -995,7 +1005,7 @@ static void test_tcp_socket_ifname(void **state) {
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     if (cases[c].ddp) setenv("DDP_SOCKET_IFNAME", cases[c].ddp, 1);
     if (cases[c].gloo) setenv("GLOO_SOCKET_IFNAME", cases[c].gloo, 1);
-    fcfg_t cfg = {"tcp", DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL};
+    fcfg_t cfg = {"tcp", DDP_TEST_THREADS, 5000, 0, ddp_test_memory_store(), NULL, NULL};
     ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
     o.world = 2;
     o.mode = DDP_TEST_THREADS;
