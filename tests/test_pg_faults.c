@@ -499,9 +499,9 @@ static void *aborter(void *p) {
 
 /* Rank 0 waits in an allreduce that rank 1 never joins; another thread aborts rank 0's
  * group. Rank 1 then issues the allreduce and must fail fast with REMOTE. "Then" is the
- * aborter's flag, not a longer sleep: under load the aborter could wake after a sleeping
- * rank 1 had joined rank 0's allreduce (the soak saw rank 1 succeed on tcp once in five
- * rounds). */
+ * aborter's flag, not a longer sleep that load could make too short. On tcp this case
+ * caught two urgent bytes on one stream (the abort's and the failing allreduce's; see
+ * tcp_fail), after which rank 1 completed the allreduce on rank 0's data. */
 static int abort_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
