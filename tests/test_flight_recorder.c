@@ -175,6 +175,7 @@ static int scen_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_pg_t *pg = NULL;
   ddp_status_t cs = open_group(tr, sc, &store, &pg);
   if (cs != DDP_OK) return cs;
+  ddp_test_ready(tr); /* the parent's kill or signal comes after this (spawn) */
   int r = ddp_test_rank(tr);
   float buf[128] = {0};
   ddp_status_t st = DDP_OK;
@@ -225,6 +226,7 @@ static ddp_test_results_t *spawn(int world, ddp_test_mode_t mode, scen_t *sc, in
   o.kill_rank = kill_rank;
   o.kill_after_ms = kill_after_ms;
   o.kill_signal = sig;
+  o.kill_after_ready = true;
   if (mode == DDP_TEST_THREADS) sc->store = ddp_test_memory_store();
   ddp_test_results_t *res = ddp_test_spawn(&o, scen_rank, sc);
   ddp_store_destroy(sc->store);

@@ -201,6 +201,45 @@ static void test_fork_kill_injection(void **state) {
   }
 }
 
+/* Rank 1 becomes ready only after 400 ms (a slow start), rank 0 at once; both report when
+ * they did, then wait. */
+static int slow_ready(ddp_test_rank_t *r, void *arg) {
+  (void)arg;
+  if (ddp_test_rank(r) == 1) {
+    struct timespec ts = {0, 400 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  int64_t t = ddp_now_ns();
+  ddp_test_put(r, &t, sizeof t);
+  ddp_test_ready(r);
+  sleep(10);
+  return DDP_OK;
+}
+
+/* kill_after_ready: the kill comes kill_after_ms after the last rank is ready, not after the
+ * spawn (the spawn-timed kill would land at 100 ms, inside rank 1's slow start). */
+static void test_fork_kill_after_ready(void **state) {
+  (void)state;
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = 2;
+  o.mode = DDP_TEST_FORK;
+  o.timeout_ms = 5000;
+  o.kill_rank = 0;
+  o.kill_after_ms = 100;
+  o.kill_signal = SIGKILL;
+  o.kill_after_ready = true;
+  ddp_test_results_t *res = ddp_test_spawn(&o, slow_ready, NULL);
+  int64_t ready1;
+  assert_int_equal(ddp_test_result(res, 1)->nvalues, sizeof ready1);
+  memcpy(&ready1, ddp_test_result(res, 1)->values, sizeof ready1);
+  int64_t killed = ddp_test_kill_time_ns(res);
+  print_message("rank 1 ready at %lld ns, the kill %.1f ms after it\n", (long long)ready1,
+                (double)(killed - ready1) / 1e6);
+  assert_int_equal(ddp_test_result(res, 0)->term_signal, SIGKILL);
+  assert_true(killed >= ready1 + 100 * 1000000LL);
+  ddp_test_results_free(res);
+}
+
 /* Rank 0 dereferences NULL, rank 1 aborts, rank 2 calls exit(3) without returning. */
 static int crash(ddp_test_rank_t *r, void *arg) {
   (void)arg;
@@ -408,6 +447,7 @@ int main(void) {
       cmocka_unit_test(test_value_capacity),
       cmocka_unit_test(test_fork_hang),
       cmocka_unit_test(test_fork_kill_injection),
+      cmocka_unit_test(test_fork_kill_after_ready),
       cmocka_unit_test(test_fork_crash),
       cmocka_unit_test(test_failing_status),
       cmocka_unit_test(test_expect_all_matches),

@@ -173,6 +173,7 @@ static int stream_rank(ddp_test_rank_t *tr, void *arg) {
   float *buf = ddp_pg_alloc(pg, n * sizeof(float));
   for (size_t i = 0; i < n; i++) buf[i] = 1.0f;
   report_t rep = {0, 0, (int64_t)getpid()};
+  ddp_test_ready(tr); /* a kill_after_ready kill comes after this, in the stream */
   int64_t end = ddp_now_ns() + 15000000000LL;
   while (ddp_now_ns() < end) {
     ddp_work_t *w = NULL;
@@ -230,9 +231,9 @@ static void test_kill9_mid_allreduce(void **state) {
     o.kill_rank = 1;
     o.kill_after_ms = 700;
     o.kill_signal = SIGKILL;
-    int64_t t0 = ddp_now_ns();
+    o.kill_after_ready = true;
     ddp_test_results_t *res = ddp_test_spawn(&o, stream_rank, &cfg);
-    int64_t kill_at = t0 + 700 * 1000000LL;
+    int64_t kill_at = ddp_test_kill_time_ns(res);
     assert_int_equal(ddp_test_result(res, 1)->term_signal, SIGKILL);
     for (int r = 0; r < 3; r += 2) {
       const ddp_test_result_t *x = ddp_test_result(res, r);
@@ -276,14 +277,17 @@ static void test_tcp_blames_the_dead_rank(void **state) {
     o.kill_rank = 1;
     o.kill_after_ms = 300 + 23 * rep;
     o.kill_signal = SIGKILL;
-    int64_t t0 = ddp_now_ns();
+    o.kill_after_ready = true;
     ddp_test_results_t *res = ddp_test_spawn(&o, stream_rank, &cfg);
-    int64_t kill_at = t0 + (int64_t)o.kill_after_ms * 1000000LL;
+    int64_t kill_at = ddp_test_kill_time_ns(res);
     assert_int_equal(ddp_test_result(res, 1)->term_signal, SIGKILL);
     for (int r = 0; r < 4; r++) {
       if (r == 1) continue;
       const ddp_test_result_t *x = ddp_test_result(res, r);
       report_t rep_;
+      if (x->nvalues != sizeof rep_)
+        print_message("run %d rank %d reported no times: %s: %s\n", rep, r,
+                      ddp_test_status_name(x->status), x->msg);
       assert_int_equal(x->nvalues, sizeof rep_);
       memcpy(&rep_, x->values, sizeof rep_);
       /* From the issue of the allreduce that failed (it was running when rank 1 died): the
@@ -325,6 +329,7 @@ static void test_sigstop_times_out(void **state) {
     o.kill_rank = 1;
     o.kill_after_ms = 700;
     o.kill_signal = SIGSTOP;
+    o.kill_after_ready = true;
     ddp_test_results_t *res = ddp_test_spawn(&o, stream_rank, &cfg);
     int timeouts_naming = 0;
     for (int r = 0; r < 3; r += 2) {

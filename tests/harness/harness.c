@@ -48,6 +48,7 @@ enum { PHASE_NOT_STARTED = 0, PHASE_RUNNING = 1, PHASE_RETURNED = 2 };
 typedef struct slot {
   ddp_test_result_t r;
   _Atomic int phase;
+  _Atomic int ready; /* ddp_test_ready was called */
 } slot_t;
 
 struct ddp_test_rank {
@@ -72,6 +73,7 @@ struct ddp_test_results {
   slot_t *slots;
   char dir[256];
   ddp_test_rank_t *ranks;
+  int64_t kill_ns; /* when kill_signal was sent; 0 = never */
 };
 
 /* ---------------------------------------------------------------- small helpers --- */
@@ -136,6 +138,8 @@ _Noreturn static void child_main(ddp_test_rank_t *r) {
 }
 
 int ddp_test_rank(const ddp_test_rank_t *r) { return r->rank; }
+void ddp_test_ready(ddp_test_rank_t *r) { atomic_store(&r->slot->ready, 1); }
+int64_t ddp_test_kill_time_ns(const ddp_test_results_t *res) { return res->kill_ns; }
 int ddp_test_world_size(const ddp_test_rank_t *r) { return r->world; }
 ddp_test_mode_t ddp_test_mode(const ddp_test_rank_t *r) { return r->mode; }
 const char *ddp_test_dir(const ddp_test_rank_t *r) { return r->dir; }
@@ -298,7 +302,8 @@ static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opt
   int nalive = res->world;
   for (int i = 0; i < res->world; i++) alive[i] = true;
   bool kills = o->kill_rank >= 0 && o->kill_rank < res->world, kill_pending = kills;
-  int64_t kill_at = t0 + (int64_t)o->kill_after_ms * 1000000;
+  /* INT64_MAX: armed only once every rank is ready */
+  int64_t kill_at = o->kill_after_ready ? INT64_MAX : t0 + (int64_t)o->kill_after_ms * 1000000;
 
   while (nalive > 0) {
     for (int i = 0; i < res->world; i++) {
@@ -318,8 +323,14 @@ static void spawn_forks(ddp_test_results_t *res, pid_t *pids, const ddp_test_opt
     }
     if (nalive == 0) break;
     int64_t now = mono_ns();
+    if (kill_pending && kill_at == INT64_MAX) {
+      int ready = 0;
+      for (int i = 0; i < res->world; i++) ready += atomic_load(&res->slots[i].ready);
+      if (ready == res->world) kill_at = now + (int64_t)o->kill_after_ms * 1000000;
+    }
     if (kill_pending && now >= kill_at) {
       if (alive[o->kill_rank]) kill(pids[o->kill_rank], o->kill_signal);
+      res->kill_ns = mono_ns();
       kill_pending = false;
     }
     /* A rank stopped with SIGSTOP cannot finish on its own: once it is the only one left,

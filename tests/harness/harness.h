@@ -53,15 +53,18 @@ typedef struct ddp_test_opts {
   int timeout_ms;     /* watchdog per spawn; default 20000 */
   size_t value_bytes; /* per-rank value area; default 64 KiB */
   /* Fault injection from the parent (fork mode only): send kill_signal to kill_rank
-   * kill_after_ms after the spawn. kill_rank < 0 disables it. A rank stopped with SIGSTOP
-   * is killed, and reported as the watchdog reports it, once every other rank has exited. */
+   * kill_after_ms after the spawn, or, with kill_after_ready, kill_after_ms after every rank
+   * has called ddp_test_ready (so a loaded machine's slow start cannot put the kill inside
+   * the group's creation). kill_rank < 0 disables it. A rank stopped with SIGSTOP is killed,
+   * and reported as the watchdog reports it, once every other rank has exited. */
   int kill_rank;
   int kill_after_ms;
   int kill_signal;
+  bool kill_after_ready;
 } ddp_test_opts_t;
 
 #define DDP_TEST_OPTS_INIT \
-  { 1, DDP_TEST_THREADS, 20000, 65536, -1, 0, 9 }
+  { 1, DDP_TEST_THREADS, 20000, 65536, -1, 0, 9, false }
 
 typedef struct ddp_test_results ddp_test_results_t;
 
@@ -69,6 +72,8 @@ typedef struct ddp_test_results ddp_test_results_t;
 ddp_test_results_t *ddp_test_spawn(const ddp_test_opts_t *opts, ddp_test_fn fn, void *arg);
 const ddp_test_result_t *ddp_test_result(const ddp_test_results_t *res, int rank);
 int ddp_test_world(const ddp_test_results_t *res);
+/* When the parent sent kill_signal (CLOCK_MONOTONIC ns, as ddp_now_ns); 0 if it never did. */
+int64_t ddp_test_kill_time_ns(const ddp_test_results_t *res);
 void ddp_test_results_free(ddp_test_results_t *res);
 
 /* Inside a rank. */
@@ -84,6 +89,8 @@ pid_t ddp_test_pid(const ddp_test_rank_t *r, int rank);
 void ddp_test_say(ddp_test_rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* ddp_test_say with the group's last error (copied out under its lock). */
 void ddp_test_say_pg_error(ddp_test_rank_t *r, const ddp_pg_t *pg);
+/* Marks this rank ready (its group is up); see ddp_test_opts_t.kill_after_ready. */
+void ddp_test_ready(ddp_test_rank_t *r);
 /* Appends bytes to the rank's value area. Returns false when the area is full. */
 bool ddp_test_put(ddp_test_rank_t *r, const void *data, size_t n);
 /* Creates the rank's group from *o, filling in o->rank, o->world and, forked, o->store: a
