@@ -162,12 +162,20 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   if (st == DDP_ERR_UNSUPPORTED)
     st = pg->ops->family == DDP_BACKEND_SHARED ? ddp__run_shared(&pg->comm, &w->coll, &detail)
                                                : ddp__run_link(&pg->comm, &w->coll, &detail);
+  /* Work running when the group is aborted ends ABORTED (ddp_pg_abort's contract), also
+   * when its data completed meanwhile: on tcp a peer may send its part after this rank's
+   * abort, and that peer then fails on this rank's closed stream, so an OK here would be
+   * the only success of the collective (seen in the soak: test_abort_unblocks). */
+  if (atomic_load(&pg->comm.aborted) && st != DDP_ERR_DESYNC && st != DDP_ERR_ABORTED) {
+    if (st == DDP_OK)
+      ddp__error_quiet(&detail, DDP_ERR_ABORTED, "the group was aborted on rank %d", pg->rank);
+    st = DDP_ERR_ABORTED;
+  }
   ddp__fr_end(pg->fr, w->fr_id, st);
   if (st == DDP_OK) {
     w->status = DDP_OK;
     return;
   }
-  if (atomic_load(&pg->comm.aborted) && st != DDP_ERR_DESYNC) st = DDP_ERR_ABORTED;
   ddp__fp_str(&w->coll.fp, name, sizeof name);
   ddp_error_t spare, *e = work_err(w);
   w->status = ddp__error(e ? e : &spare, pg->rank, st, "rank %d: %s on backend %s: %s", pg->rank,
