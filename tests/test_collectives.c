@@ -13,8 +13,10 @@
  * and the hashes of the results agree across backends.
  *
  * API: ddp_spawn_threads, argument errors (returned at once, group still usable), work
- * handle states, ddp_pg_create_from_env under torchrun-style variables (tcp, shm), the
- * DDP_ALGORITHM override and the INFO line of the size table, and no leaked allocations. */
+ * handle states, blocking calls (work == NULL: results, issue order behind queued work, no
+ * allocation on an idle group, the failure's message), ddp_pg_create_from_env under torchrun-style
+ * variables (tcp, shm), the DDP_ALGORITHM override and the INFO line of the size table, and no
+ * leaked allocations. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -157,6 +159,159 @@ static void test_shm_matrix_direct(void **state) {
 
 static void test_tcp_matrix(void **state) {
   run_matrix("tcp", DDP_TEST_FORK, worlds_all, 6, false, 0);
+}
+
+/* Blocking calls (work == NULL). Each rank: exact sums from blocking allreduces of a small
+ * and a large count, a blocking broadcast; no allocation at all over 50 blocking 4-byte
+ * allreduces between two blocking barriers (the idle group's path has no work handle: every
+ * rank is inside that window at once, so the process-wide counters must not move); and a
+ * blocking allreduce issued behind a large asynchronous one returns only after it (issue
+ * order), with both results exact. */
+static int blocking_rank(ddp_test_rank_t *tr, void *arg) {
+  const cfg_t *cfg = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = make_pg(tr, cfg, &store, &pg, 20000);
+  if (st != DDP_OK) {
+    ddp_store_destroy(store);
+    return st;
+  }
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  size_t big = 300000; /* above the lazy limits: the progress thread runs the async one */
+  int32_t *a = malloc(big * sizeof *a), *b = malloc(big * sizeof *b);
+  const char *what = "";
+  if (!a || !b) {
+    st = DDP_ERR_NO_MEMORY;
+    what = "malloc";
+  }
+  int32_t want = W * (W - 1) / 2; /* sum over ranks of r */
+  for (size_t n = 1; st == DDP_OK && n <= big; n += big - 1) {
+    for (size_t i = 0; i < n; i++) a[i] = r + (int32_t)(i % 7);
+    what = "blocking allreduce";
+    st = ddp_allreduce(pg, a, a, n, DDP_I32, DDP_OP_SUM, NULL);
+    for (size_t i = 0; st == DDP_OK && i < n; i++)
+      if (a[i] != want + W * (int32_t)(i % 7)) {
+        ddp_test_say(tr, "blocking allreduce of %zu: [%zu] = %d, want %d", n, i, a[i],
+                     want + W * (int32_t)(i % 7));
+        st = DDP_ERR_INTERNAL;
+      }
+  }
+  if (st == DDP_OK) {
+    what = "blocking broadcast";
+    a[0] = r == W - 1 ? 4242 : -1;
+    st = ddp_broadcast(pg, a, 1, DDP_I32, W - 1, NULL);
+    if (st == DDP_OK && a[0] != 4242) {
+      ddp_test_say(tr, "blocking broadcast gave %d, want 4242", a[0]);
+      st = DDP_ERR_INTERNAL;
+    }
+  }
+  ddp_alloc_stats_t s0 = {0}, s1 = {0};
+  if (st == DDP_OK) {
+    what = "blocking barrier";
+    st = ddp_barrier(pg, NULL);
+  }
+  ddp_alloc_stats(&s0);
+  for (int k = 0; k < 50 && st == DDP_OK; k++) {
+    what = "blocking 4-byte allreduce";
+    a[0] = r;
+    st = ddp_allreduce(pg, a, a, 1, DDP_I32, DDP_OP_SUM, NULL);
+    if (st == DDP_OK && a[0] != want) {
+      ddp_test_say(tr, "blocking 4-byte allreduce %d gave %d, want %d", k, a[0], want);
+      st = DDP_ERR_INTERNAL;
+    }
+  }
+  if (st == DDP_OK) st = ddp_barrier(pg, NULL);
+  ddp_alloc_stats(&s1);
+  if (st == DDP_OK) st = ddp_barrier(pg, NULL); /* nobody allocates before all have read */
+  if (st == DDP_OK && s1.allocs != s0.allocs) {
+    ddp_test_say(tr, "%llu allocations during 50 blocking allreduces on an idle group, want 0",
+                 (unsigned long long)(s1.allocs - s0.allocs));
+    st = DDP_ERR_INTERNAL;
+  }
+  ddp_work_t *w = NULL;
+  if (st == DDP_OK) {
+    what = "async allreduce, then a blocking one behind it";
+    for (size_t i = 0; i < big; i++) b[i] = r;
+    a[0] = 1;
+    st = ddp_allreduce(pg, b, b, big, DDP_I32, DDP_OP_SUM, &w);
+    if (st == DDP_OK) st = ddp_allreduce(pg, a, a, 1, DDP_I32, DDP_OP_SUM, NULL);
+    bool done = false;
+    if (st == DDP_OK) st = ddp_work_test(w, &done);
+    if (st == DDP_OK && !done) {
+      ddp_test_say(tr, "the blocking allreduce returned before the async one queued before it");
+      st = DDP_ERR_INTERNAL;
+    }
+    if (st == DDP_OK && (a[0] != W || b[0] != want || b[big - 1] != want)) {
+      ddp_test_say(tr, "behind queued work: %d, %d, %d, want %d, %d, %d", a[0], b[0], b[big - 1], W,
+                   want, want);
+      st = DDP_ERR_INTERNAL;
+    }
+  }
+  if (w) {
+    ddp_status_t ws = ddp_work_wait_free(w);
+    if (st == DDP_OK) st = ws;
+  }
+  if (st != DDP_OK && st != DDP_ERR_INTERNAL)
+    ddp_test_say(tr, "%s: %s: %s", what, ddp_status_name(st), pg_err(pg).msg);
+  free(a);
+  free(b);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static void test_blocking_calls(void **state) {
+  static const struct {
+    const char *backend;
+    ddp_test_mode_t mode;
+    int world;
+  } runs[] = {{"threads", DDP_TEST_THREADS, 3},
+              {"shm", DDP_TEST_FORK, 2},
+              {"tcp", DDP_TEST_FORK, 3}};
+  for (size_t k = 0; k < ARRAY_LEN(runs); k++) {
+    cfg_t cfg = {runs[k].backend, runs[k].mode, runs[k].world, NULL, 0, DDP_ALGO_AUTO, 0,
+                 false,           NULL};
+    if (runs[k].mode == DDP_TEST_THREADS) {
+      ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+      so.timeout_ms = 20000;
+      assert_int_equal(ddp_store_create_memory(&so, &cfg.store, NULL), DDP_OK);
+    }
+    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+    o.world = runs[k].world;
+    o.mode = runs[k].mode;
+    o.timeout_ms = 60000;
+    ddp_test_results_t *res = ddp_test_spawn(&o, blocking_rank, &cfg);
+    ddp_test_expect_ok(res);
+    ddp_test_results_free(res);
+    ddp_store_destroy(cfg.store);
+  }
+}
+
+/* A blocking call on a failed group returns the failure, and the message is the group's:
+ * rank 1 aborts, the others' blocking allreduce fails naming it. */
+static ddp_status_t blocking_fail_fn(ddp_pg_t *pg, void *arg) {
+  (void)arg;
+  float x = 1;
+  if (ddp_pg_rank(pg) == 1) {
+    ddp_pg_abort_reason(pg, "blocking test");
+    return ddp_allreduce(pg, &x, &x, 1, DDP_F32, DDP_OP_SUM, NULL) == DDP_ERR_ABORTED
+               ? DDP_OK
+               : DDP_ERR_INTERNAL;
+  }
+  ddp_status_t st = ddp_allreduce(pg, &x, &x, 1, DDP_F32, DDP_OP_SUM, NULL);
+  ddp_error_t e = pg_err(pg);
+  if (st != DDP_ERR_REMOTE || e.status != DDP_ERR_REMOTE ||
+      !strstr(e.msg, "rank 1 aborted the group: blocking test")) {
+    print_error("rank %d: blocking allreduce on an aborted group: %s, message \"%s\"\n",
+                ddp_pg_rank(pg), ddp_status_name(st), e.msg);
+    return DDP_ERR_INTERNAL;
+  }
+  return DDP_OK;
+}
+
+static void test_blocking_on_failed_group(void **state) {
+  (void)state;
+  assert_int_equal(ddp_spawn_threads(3, NULL, blocking_fail_fn, NULL), DDP_OK);
 }
 
 static void test_tcp_ring_small_segments(void **state) {
@@ -451,6 +606,8 @@ int main(void) {
       cmocka_unit_test(test_shm_matrix_direct),
       cmocka_unit_test(test_tcp_matrix),
       cmocka_unit_test(test_tcp_ring_small_segments),
+      cmocka_unit_test(test_blocking_calls),
+      cmocka_unit_test(test_blocking_on_failed_group),
       cmocka_unit_test(test_d2_across_backends),
       cmocka_unit_test(test_spawn_threads_and_arguments),
       cmocka_unit_test(test_backend_list),

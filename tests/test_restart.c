@@ -298,6 +298,10 @@ static void test_port_flags(void **state) {
 
 /* A second job on the port of a running one, with the same exported DDP_JOB_TOKEN, fails at
  * once and says why; the first one finishes with the uninterrupted hash. */
+/* Job A is held alive while job B tries its port: rank 1 sleeps 6 s at step 60, after A's
+ * first metrics line (step 50), so B, started on that line and refused within 2 s, always
+ * meets A's store (under the soak's load A once ran to its end before B got its turn, and B
+ * then rightly took the free port). A slow rank changes no bit of A's result. */
 static void test_shared_token_and_port(void **state) {
   const char *flags = "--max_steps 400 --logging_steps 50 --save_strategy no";
   char ref[64], dir[256], log[300], cmd[16384];
@@ -312,8 +316,9 @@ static void test_shared_token_and_port(void **state) {
     dup2(fd, 1);
     dup2(fd, 2);
     snprintf(cmd, sizeof cmd,
-             "DDP_JOB_TOKEN=shared-token '%s' --nproc_per_node 2 "
-             "--backend tcp --master_port %d '%s' --data '%s' %s --output_dir '%s/a'",
+             "DDP_JOB_TOKEN=shared-token DDP_FAULT=rank=1,step=60,kind=slow:6000 '%s' "
+             "--nproc_per_node 2 --backend tcp --master_port %d '%s' --data '%s' %s "
+             "--output_dir '%s/a'",
              g_ddprun, port, g_train, g_data, flags, dir);
     execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
     _exit(126);
@@ -331,12 +336,16 @@ static void test_shared_token_and_port(void **state) {
   double tb = now_s();
   int rc = run(cmd, 60, &out);
   double b_secs = now_s() - tb;
+  int ws;
+  if (waitpid(a, &ws, WNOHANG) == a)
+    fail_msg("job A ended before job B's attempt was over (%.3f s): the test's premise failed; "
+             "job B: exit %d, output:\n%s",
+             b_secs, rc, out);
   if (rc != 1 || !strstr(out, "is in use: another job's store"))
     fail_msg("job B on job A's port: exit %d (want 1), output:\n%s", rc, out);
   expect(out, "DDP_JOB_TOKEN");
   assert_null(strstr(out, "[rank")); /* no rank of job B ever started */
   free(out);
-  int ws;
   assert_int_equal(waitpid(a, &ws, 0), a);
   char buf[65536] = "", h[64];
   FILE *f = fopen(log, "r");

@@ -70,6 +70,7 @@ typedef struct bench_cfg {
   bool calib;
   bool desync_cost; /* --desync-cost: the fingerprint check against a group without it */
   bool bind_core;   /* --bind-to core: rank r runs on the r-th allowed CPU (Open MPI's default) */
+  bool async;       /* --async: time the work-handle path instead of the blocking call */
   const char *csv, *plot;
   uint64_t sizes[MAX_SIZES];
   int nsizes;
@@ -147,6 +148,9 @@ static void print_help(void) {
          "      --bind-to WHAT     core: rank r runs on the r-th CPU this process may use (modulo\n"
          "                         their number), as Open MPI binds its ranks by default; none\n"
          "                         (default): the scheduler places them\n"
+         "      --async            time the asynchronous call (a work handle, then ddp_work_wait)\n"
+         "                         instead of the blocking one (work == NULL), which is what\n"
+         "                         MPI_Allreduce and PyTorch's default async_op=False do\n"
          "      --desync-cost      measure the desync check instead of the algorithms: every\n"
          "                         size alternates iterations with and without the fingerprint\n"
          "                         check on one group (rows 'fp' and 'no-fp', and the median\n"
@@ -242,6 +246,7 @@ enum {
   O_NO_CALIB,
   O_DESYNC_COST,
   O_BIND_TO,
+  O_ASYNC_CALLS,
   O_HELP
 };
 
@@ -273,6 +278,7 @@ static const struct {
     {"help", 'h', O_HELP, false},
     {"desync-cost", 0, O_DESYNC_COST, false},
     {"bind-to", 0, O_BIND_TO, true},
+    {"async", 0, O_ASYNC_CALLS, false},
 };
 
 static void parse_args(int argc, char **argv, bench_cfg_t *c) {
@@ -406,6 +412,7 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
         break;
       case O_NO_CALIB: c->calib = false; break;
       case O_DESYNC_COST: c->desync_cost = true; break;
+      case O_ASYNC_CALLS: c->async = true; break;
       case O_BIND_TO:
         if (strcmp(val, "core") != 0 && strcmp(val, "none") != 0)
           usage_error("--bind-to: '%s' is not core or none", val);
@@ -560,7 +567,7 @@ static ddp_error_t last_error(const ddp_pg_t *pg) {
  * the message of the work or of the group. */
 static ddp_status_t finish(ddp_pg_t *pg, ddp_status_t st, ddp_work_t *w, const char *what,
                            const rank_ctx_t *x, uint64_t bytes) {
-  if (st == DDP_OK) st = ddp_work_wait(w, -1);
+  if (st == DDP_OK && w) st = ddp_work_wait(w, -1);
   if (st != DDP_OK)
     fprintf(stderr, "ddp-bench: %s/%s rank %d: %s of %llu bytes: %s: %s\n", x->backend, x->algo,
             ddp_pg_rank(pg), what, (unsigned long long)bytes, ddp_status_name(st),
@@ -579,14 +586,14 @@ static ddp_status_t one_iter(ddp_pg_t *pg, const rank_ctx_t *x, void *send, void
   int64_t in_mul = ddp_pg_rank(pg) + 1, out_mul = op_factor(c->op, ddp_pg_size(pg));
   uint64_t bytes = count * ddp_dtype_size(c->dt);
   fill(c->dt, send, count, in_mul, it);
-  ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_barrier(pg, &w);
+  ddp_work_t *w = NULL, **out = c->async ? &w : NULL; /* NULL: blocking calls */
+  ddp_status_t st = ddp_barrier(pg, out);
   st = finish(pg, st, w, "barrier", x, 0);
   if (st != DDP_OK) return st;
   w = NULL;
   int64_t t0 = ddp_now_ns();
-  st = ddp_allreduce(pg, send, recv, count, c->dt, c->op, &w);
-  if (st == DDP_OK) st = ddp_work_wait(w, -1);
+  st = ddp_allreduce(pg, send, recv, count, c->dt, c->op, out);
+  if (st == DDP_OK && w) st = ddp_work_wait(w, -1);
   int64_t t1 = ddp_now_ns();
   st = finish(pg, st, w, "allreduce", x, bytes);
   if (st != DDP_OK) return st;
@@ -976,6 +983,8 @@ static void print_preamble(const bench_cfg_t *c) {
          bench_size_str(c->sizes[c->nsizes - 1], b, sizeof b), (unsigned long long)c->factor,
          bench_size_str(c->budget, bud, sizeof bud), c->min_iters, c->iters, c->warmup,
          (long long)(c->timeout_ms / 1000));
+  printf("# calls: %s\n", c->async ? "asynchronous (a work handle, then ddp_work_wait; --async)"
+                                   : "blocking (work == NULL, as MPI_Allreduce)");
   printf("# environment:");
   int any = 0;
   for (int id = 0; id < (int)DDP_ENV_COUNT_; id++)

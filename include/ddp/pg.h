@@ -8,6 +8,12 @@
  * work completes (ddp_work_wait/ddp_work_test says so); reading or writing them before that is a
  * data race.
  *
+ * Blocking calls: with work == NULL a collective returns only when it has ended, with its
+ * status (PyTorch's async_op=False). On an idle group it runs on the calling thread with no
+ * work handle and no queue, the cheapest path for small messages; behind queued work it
+ * waits as ddp_work_wait_free would. Its failure message is the group's failure
+ * (ddp_pg_last_error_copy), since any failed collective fails the group.
+ *
  * Determinism (docs/backends.md): with the default algorithm every reduction folds the
  * ranks' contributions in rank order, ((x0 + x1) + x2) + ..., in the element's dtype (fp16
  * and bf16 add in fp32 and round after every addition), so results are bitwise identical on

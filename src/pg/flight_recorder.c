@@ -64,7 +64,8 @@ typedef struct fr_entry {
 } fr_entry_t;
 
 struct ddp__fr {
-  pthread_mutex_t mu; /* guards everything below except the immutable configuration */
+  pthread_mutex_t *mu; /* the group's lock (info.lock): guards everything below except the
+                        * immutable configuration */
   ddp__fr_info_t info;
   char backend[32];
   size_t cap;
@@ -273,7 +274,7 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
 }
 
 /* The whole dump as text (caller frees with cJSON_free); NULL when out of memory. Takes
- * fr->mu. */
+ * *fr->mu. */
 static char *dump_text(ddp__fr_t *fr, const char *reason) {
   cJSON *root = cJSON_CreateObject();
   char pg_name[32];
@@ -300,7 +301,7 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
     cJSON_AddStringToObject(me, "ranks", ranks);
     free(ranks);
   }
-  pthread_mutex_lock(&fr->mu);
+  pthread_mutex_lock(fr->mu);
   cJSON *status = cJSON_AddObjectToObject(root, "pg_status");
   cJSON *st = cJSON_AddObjectToObject(status, pg_name);
   add_i64(st, "last_enqueued_collective", fr->last_enqueued);
@@ -318,7 +319,7 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
   uint64_t first = fr->next_id > fr->cap ? fr->next_id - fr->cap : 0;
   for (uint64_t id = first; id < fr->next_id; id++)
     cJSON_AddItemToArray(entries, entry_json(fr, &fr->ring[id % fr->cap], pg_name));
-  pthread_mutex_unlock(&fr->mu);
+  pthread_mutex_unlock(fr->mu);
   char *text = cJSON_Print(root);
   cJSON_Delete(root);
   return text;
@@ -368,14 +369,14 @@ static void poll_trigger(ddp__fr_t *fr) {
   struct stat sb;
   if (!fr->trigger[0] || stat(fr->trigger, &sb) != 0) return;
   int64_t m = (int64_t)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec;
-  pthread_mutex_lock(&fr->mu);
+  pthread_mutex_lock(fr->mu);
   bool act = m >= fr->created_ns && m != fr->trigger_seen_ns && !fr->failure_dumped;
   fr->trigger_seen_ns = m;
   if (act) {
     fr->failure_dumped = true;
     fr->dumped_inside = fr->inflight > 0;
   }
-  pthread_mutex_unlock(&fr->mu);
+  pthread_mutex_unlock(fr->mu);
   if (act) {
     ddp_error_t e = {DDP_OK, ""};
     if (ddp__fr_dump(fr, NULL, "another_rank_dumped", &e) != DDP_OK)
@@ -498,7 +499,7 @@ ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_err
                       "flight recorder: %zu entries of %zu bytes (DDP_FR_BUFFER_SIZE)", cap,
                       sizeof *ring);
   }
-  pthread_mutex_init(&fr->mu, NULL);
+  fr->mu = info->lock;
   fr->info = *info;
   snprintf(fr->backend, sizeof fr->backend, "%s", info->backend);
   fr->info.backend = fr->backend;
@@ -517,14 +518,13 @@ ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_err
 void ddp__fr_destroy(ddp__fr_t *fr) {
   if (!fr) return;
   if (fr->path[0]) registry_remove(fr);
-  pthread_mutex_destroy(&fr->mu);
   ddp__free(fr->ring);
   ddp__free(fr);
 }
 
 void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text) {
   if (!fr) return;
-  pthread_mutex_lock(&fr->mu);
+  pthread_mutex_lock(fr->mu);
   fr->tag_bucket = bucket;
   size_t n = text ? strlen(text) : 0;
   if (n < sizeof fr->tag) {
@@ -535,12 +535,11 @@ void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text) {
     memcpy(fr->tag, text, cut);
     memcpy(fr->tag + cut, cut ? ",..." : "...", cut ? 5 : 4);
   }
-  pthread_mutex_unlock(&fr->mu);
+  pthread_mutex_unlock(fr->mu);
 }
 
 uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   if (!fr) return 0;
-  pthread_mutex_lock(&fr->mu);
   uint64_t id = fr->next_id++;
   fr_entry_t *e = &fr->ring[id % fr->cap];
   e->record_id = id;
@@ -566,11 +565,10 @@ uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   }
   if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) fr->last_enqueued = (int64_t)c->fp.seq;
   fr->inflight++;
-  pthread_mutex_unlock(&fr->mu);
   return id;
 }
 
-/* The live entry of record id, or NULL when the ring has moved past it (fr->mu held). */
+/* The live entry of record id, or NULL when the ring has moved past it (*fr->mu held). */
 static fr_entry_t *entry(ddp__fr_t *fr, uint64_t id) {
   fr_entry_t *e = &fr->ring[id % fr->cap];
   return e->record_id == id && id < fr->next_id ? e : NULL;
@@ -582,20 +580,17 @@ static bool is_p2p(const fr_entry_t *e) {
 
 void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now) {
   if (!fr) return;
-  pthread_mutex_lock(&fr->mu);
   fr_entry_t *e = entry(fr, id);
   if (e) {
     e->state = FR_STARTED;
     e->t_started = now;
     if (!is_p2p(e)) fr->last_started = (int64_t)e->seq;
   }
-  pthread_mutex_unlock(&fr->mu);
 }
 
 void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st) {
   if (!fr) return;
-  int64_t now = ddp_now_ns();
-  pthread_mutex_lock(&fr->mu);
+  int64_t now = ddp__now_coarse_ns();
   fr->inflight--;
   fr_entry_t *e = entry(fr, id);
   if (e) {
@@ -607,12 +602,11 @@ void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st) {
       if (!is_p2p(e)) fr->last_completed = (int64_t)e->seq;
     }
   }
-  pthread_mutex_unlock(&fr->mu);
 }
 
 void ddp__fr_on_failure(ddp__fr_t *fr, ddp_status_t st, const char *msg) {
   if (!fr) return;
-  pthread_mutex_lock(&fr->mu);
+  pthread_mutex_lock(fr->mu);
   bool first = fr->failed == DDP_OK;
   if (first) {
     fr->failed = st;
@@ -623,7 +617,7 @@ void ddp__fr_on_failure(ddp__fr_t *fr, ddp_status_t st, const char *msg) {
    * keep it */
   bool write = first && fr->path[0] && (!fr->failure_dumped || fr->dumped_inside);
   if (write) fr->failure_dumped = true;
-  pthread_mutex_unlock(&fr->mu);
+  pthread_mutex_unlock(fr->mu);
   if (!write) return;
   const char *reason = st == DDP_ERR_TIMEOUT   ? "timeout"
                        : st == DDP_ERR_DESYNC  ? "desync"

@@ -4,12 +4,19 @@
  * when the group fails, when another rank of the job dumped (the trigger file next to the
  * dumps), on SIGUSR1, and on request.
  *
- * Locking: every call takes the recorder's own mutex for a few stores (no allocation, no
- * system call), except the dumps, which format under it and write after releasing it. The
+ * Locking: the recorder has no lock of its own; its group's lock (info.lock) guards it, since
+ * the group holds that lock anyway where a collective is queued, taken off the queue and
+ * finished, and a lock of its own would cost three more lock pairs per collective, a third
+ * of a small collective's bookkeeping. ddp__fr_record, ddp__fr_start and ddp__fr_end are
+ * called with it held (a few stores, no allocation, no system call); every other call takes
+ * it itself, so none of them may be called with it held, and the dumps format under it and
+ * write after releasing it. The
  * process-wide part (the SIGUSR1 handler and the thread that serves it and polls the trigger
  * file) exists only while a recorder with a dump location exists. */
 #ifndef DDP_SRC_PG_FLIGHT_RECORDER_H
 #define DDP_SRC_PG_FLIGHT_RECORDER_H
+
+#include <pthread.h>
 
 #include "algo/algo.h"
 
@@ -23,6 +30,7 @@ typedef struct ddp__fr_info {
   const char *backend;
   int64_t pg_id;
   int64_t timeout_ms;
+  pthread_mutex_t *lock; /* the group's, which guards the recorder (above) */
 } ddp__fr_info_t;
 
 /* The recorder of a new group, sized by DDP_FR_BUFFER_SIZE (else TORCH_NCCL_TRACE_BUFFER_SIZE,
@@ -35,14 +43,17 @@ void ddp__fr_destroy(ddp__fr_t *fr);
  * comma-separated; truncated to the entry's capacity). */
 void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text);
 
-/* The three calls below take the moment as ddp_now_ns() (CLOCK_MONOTONIC), which the caller
- * has read anyway for its own deadline or bookkeeping: a clock read costs about as much as
- * the rest of a small collective's bookkeeping. The dump shows CLOCK_REALTIME, as PyTorch's
- * does, through the offset between the clocks taken when the recorder was created (a later
- * step of the wall clock, by NTP or by hand, does not move the recorded times). */
+/* The times of the three calls below are ddp__now_coarse_ns() (CLOCK_MONOTONIC as of the
+ * last timer tick, 1-4 ms resolution): the caller reads it anyway for its own deadline or
+ * bookkeeping, and ddp__fr_end reads it itself; a read of the precise clock costs as much as
+ * a third of a small collective's bookkeeping. Milliseconds are what the recorder is for
+ * (which collective stopped where); PyTorch's own "discovered" times come from a watchdog
+ * that polls every 100 ms. The dump shows CLOCK_REALTIME, as PyTorch's does, through the
+ * offset between the clocks taken when the recorder was created (a later step of the wall
+ * clock, by NTP or by hand, does not move the recorded times). */
 
 /* A collective was queued at now_ns: records it (state "scheduled") and returns its record
- * id. */
+ * id. This call and the next two: info.lock held. */
 uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now_ns);
 /* The collective began running at now_ns (state "started"). */
 void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now_ns);

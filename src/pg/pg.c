@@ -1,6 +1,6 @@
-/* The process-group API: argument checks in one place (the NCCL way), the per-group queue
- * and progress thread, work handles, failure state, and group creation from options, from
- * a launcher's environment, or for a set of threads.
+/* The process-group API: the per-group queue and progress thread, work handles, failure
+ * state, and group creation from options (launch.c: from a launcher's environment, or for a
+ * set of threads). The collectives' entry points, with the argument checks, are issue.c.
  *
  * Life of a collective: the entry point validates its arguments, stamps the collective with
  * the group's next sequence number (its fingerprint: seq, kind, op, dtype, count, root,
@@ -8,8 +8,9 @@
  * deadline of now + timeout, through the algorithms of the backend's family (src/algo), on
  * the progress thread or, when the caller waits for it while nothing else runs, on the
  * caller's own thread (ddp_work_wait; this saves two thread hand-offs per small
- * collective). The first failure fails the group: its message names the collective and the
- * rank(s) at fault; queued and later work fails with the same status without running. */
+ * collective; a blocking call on an idle group runs there without being queued). The first
+ * failure fails the group: its message names the collective and the rank(s) at fault;
+ * queued and later work fails with the same status without running. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -27,78 +28,12 @@
 #include "pg/flight_recorder.h"
 #include "pg/pg_internal.h"
 
-#define PG_MAGIC 0x70677270u
-#define WORK_MAGIC 0x776f726bu
-#define SMALL_SHARED (16u * 1024u)
-#define SMALL_LINK (32u * 1024u)
-/* Work up to this size is queued lazily (enqueue): a shared-memory allreduce of 1 MiB or a
- * loopback tcp one of 256 KiB takes about as long as waking the progress thread and the
- * context switch that follows, which on a machine whose CPUs the ranks keep busy delays a
- * rank by 10-30 us (bench_peers.sh, 2 ranks on 2 CPUs: p50 at 64 KiB 11-35 us woken, 4 us
- * run by the waiting caller; tcp 43 against 23 us). Larger work wakes the progress thread
- * at once, so that it overlaps the caller's computation (DDP's buckets). */
-#define LAZY_SHARED (1024u * 1024u)
-#define LAZY_LINK (256u * 1024u)
-/* Lazy start of small work (see submit): how often the idle progress thread looks for
- * work it was not woken for, and for how long after the last submission it keeps looking
- * before it sleeps until woken. */
-#define LAZY_POLL_NS (1000 * 1000LL)
-#define LAZY_ACTIVE_NS (100 * 1000 * 1000LL)
-
-struct ddp_work {
-  uint32_t magic;
-  ddp_pg_t *pg;
-  ddp__coll_t coll;
-  atomic_int done;
-  atomic_int refs; /* the caller's handle + the queue */
-  ddp_status_t status;
-  uint64_t fr_id; /* its flight-recorder entry */
-  struct ddp_work *next;
-  /* The failure's message, allocated when the work fails: 8 KiB in every handle would make
-   * allocating and freeing one cost more than a small allreduce itself. */
-  ddp_error_t *err;
-};
-
 /* w's error record, made on its first failure; NULL when even that allocation fails (the
  * status is still set, the message is then only in the log). */
 static ddp_error_t *work_err(ddp_work_t *w) {
   if (!w->err && (w->err = ddp__malloc(sizeof *w->err))) ddp__error_clear(w->err);
   return w->err;
 }
-
-struct ddp_pg {
-  uint32_t magic;
-  int rank;
-  int size;
-  const ddp_backend_ops_t *ops;
-  void *state;
-  ddp__comm_t comm;     /* owned by whoever runs work (`running`) */
-  ddp_algorithm_t algo; /* requested (AUTO = size table) */
-  size_t small_max;     /* AUTO: allreduce at or below this many bytes uses SMALL */
-  size_t lazy_max;      /* work at or below this many bytes is queued lazily (enqueue) */
-  int64_t timeout_ms;
-  pthread_mutex_t mu;      /* guards everything below */
-  pthread_cond_t cv_queue; /* work queued or stop */
-  pthread_cond_t cv_done;  /* some work completed (CLOCK_MONOTONIC) */
-  ddp_work_t *head, *tail;
-  bool running;    /* a work item is being run (progress thread or a waiter) */
-  bool log_detail; /* DDP_DEBUG=DETAIL at create: every collective is logged as queued */
-  bool lazy;       /* the queue holds work the progress thread was not woken for */
-  bool deep_sleep; /* the progress thread waits without a timeout: wake it */
-  int64_t last_submit_ns;
-  bool stop;
-  pthread_t thread;
-  ddp_status_t failed;    /* first failure of the group */
-  atomic_bool any_failed; /* failed != DDP_OK, readable without mu (run_one's check) */
-  ddp_error_t fail_err;
-  ddp_error_t arg_err;    /* last argument error */
-  uint64_t seq;           /* collectives issued */
-  uint64_t *p2p_send_seq; /* per peer */
-  uint64_t *p2p_recv_seq;
-  ddp_store_t *owned_store; /* ddp_pg_create_from_env */
-  ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
-  ddp__fr_t *fr;            /* flight recorder; NULL when off */
-};
 
 static ddp_status_t parse_algorithm(const char *s, ddp_algorithm_t *out, ddp_error_t *err) {
   static const ddp_algorithm_t all[] = {DDP_ALGO_AUTO, DDP_ALGO_CANONICAL, DDP_ALGO_RING,
@@ -131,7 +66,8 @@ static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
   return strncmp(msg, own, (size_t)n) == 0 ? msg + n : msg;
 }
 
-static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
+/* pg_internal.h. Also what run_blocking (issue.c) runs. */
+bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   char name[192]; /* the collective's name, formatted only for a failure */
   ddp_status_t failed = DDP_OK;
   if (atomic_load(&pg->any_failed)) { /* no lock on the common path */
@@ -145,15 +81,12 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
     w->status = e ? ddp__error_quiet(e, failed, "rank %d: %s not run: the group had failed: %s",
                                      pg->rank, name, own_rank_stripped(pg, pg->fail_err.msg))
                   : failed;
-    ddp__fr_end(pg->fr, w->fr_id, failed);
-    return;
+    return false;
   }
   ddp_error_t detail; /* not zeroed: 8 KiB per collective; a failure fills it */
   ddp__error_clear(&detail);
-  int64_t now = ddp_now_ns(); /* one clock read for the deadline and the recorder */
   pg->comm.deadline_ns = ddp_deadline_from(now, pg->timeout_ms);
   ddp_status_t st = DDP_ERR_UNSUPPORTED;
-  ddp__fr_start(pg->fr, w->fr_id, now);
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
     ddp_backend_coll_t bc = {k->kind, k->send, k->recv, k->count, k->dt, k->op, k->root, k->algo};
@@ -171,10 +104,9 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
       ddp__error_quiet(&detail, DDP_ERR_ABORTED, "the group was aborted on rank %d", pg->rank);
     st = DDP_ERR_ABORTED;
   }
-  ddp__fr_end(pg->fr, w->fr_id, st);
   if (st == DDP_OK) {
     w->status = DDP_OK;
-    return;
+    return false;
   }
   ddp__fp_str(&w->coll.fp, name, sizeof name);
   ddp_error_t spare, *e = work_err(w);
@@ -183,6 +115,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   if (!e) e = &spare;
   if (pg->ops->family == DDP_BACKEND_LINK && pg->ops->fail) pg->ops->fail(pg->state);
   pthread_mutex_lock(&pg->mu);
+  ddp__fr_end(pg->fr, w->fr_id, st);
   bool first = pg->failed == DDP_OK;
   if (first) {
     pg->failed = st;
@@ -191,6 +124,7 @@ static void run_one(ddp_pg_t *pg, ddp_work_t *w) {
   }
   pthread_mutex_unlock(&pg->mu);
   if (first) ddp__fr_on_failure(pg->fr, st, e->msg); /* the dump, at the moment it fails */
+  return true;
 }
 
 /* Takes the head of the queue and runs it; called with pg->mu held and pg->running false,
@@ -204,9 +138,15 @@ static void run_head(ddp_pg_t *pg) {
   if (!pg->head) pg->tail = NULL;
   pg->running = true;
   pg->lazy = false;
+  /* One read of the coarse clock for the deadline and the recorder: the precise one costs
+   * as much as a third of a small collective's bookkeeping, and both need milliseconds
+   * only. */
+  int64_t now = ddp__now_coarse_ns();
+  ddp__fr_start(pg->fr, w->fr_id, now);
   pthread_mutex_unlock(&pg->mu);
-  run_one(pg, w);
+  bool ended = ddp__pg_run_one(pg, w, now);
   pthread_mutex_lock(&pg->mu);
+  if (!ended) ddp__fr_end(pg->fr, w->fr_id, w->status);
   atomic_store(&w->done, 1);
   pg->running = false;
   pthread_cond_broadcast(&pg->cv_done);
@@ -252,11 +192,12 @@ static void pg_free(ddp_pg_t *pg) {
   ddp__free(pg->comm.p2p_rx);
   ddp__free(pg->p2p_send_seq);
   ddp__free(pg->p2p_recv_seq);
+  /* the recorder first: the watcher thread may be dumping it, under pg->mu */
+  ddp__fr_destroy(pg->fr);
   pthread_mutex_destroy(&pg->mu);
   pthread_cond_destroy(&pg->cv_queue);
   pthread_cond_destroy(&pg->cv_done);
   ddp_store_destroy(pg->owned_store);
-  ddp__fr_destroy(pg->fr);
   pg->magic = 0;
   ddp__free(pg);
 }
@@ -416,7 +357,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_err
   ddp_status_t st = pg_new(&o, ops, &pg, err);
   if (st == DDP_OK) st = join_backend(pg, &o, staging, &k, err);
   if (st == DDP_OK) {
-    ddp__fr_info_t fri = {o.rank, o.world, ops->name, k, o.timeout_ms};
+    ddp__fr_info_t fri = {o.rank, o.world, ops->name, k, o.timeout_ms, &pg->mu};
     st = ddp__fr_create(&fri, &pg->fr, err);
   }
   if (st == DDP_OK && ops->family == DDP_BACKEND_SHARED) {
@@ -542,273 +483,6 @@ void ddp_pg_free(ddp_pg_t *pg, void *ptr) {
   } else {
     ddp__aligned_free(ptr);
   }
-}
-
-/* ---------------------------------------------------------------- entry points ----- */
-
-static bool dtype_ok(ddp_dtype_t dt) {
-  return dt == DDP_F32 || dt == DDP_F64 || dt == DDP_F16 || dt == DDP_BF16 || dt == DDP_I32 ||
-         dt == DDP_I64 || dt == DDP_U8;
-}
-
-static bool overlap(const void *a, size_t na, const void *b, size_t nb) {
-  const char *x = a, *y = b;
-  return na && nb && x < y + nb && y < x + na;
-}
-
-static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, ...)
-    DDP_PRINTF(3, 4);
-static ddp_status_t arg_error(ddp_pg_t *pg, const char *what, const char *fmt, ...) {
-  char detail[384];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(detail, sizeof detail, fmt, ap);
-  va_end(ap);
-  pthread_mutex_lock(&pg->mu);
-  ddp_status_t st = ddp__error(&pg->arg_err, pg->rank, DDP_ERR_INVALID_ARGUMENT, "rank %d: %s: %s",
-                               pg->rank, what, detail);
-  pthread_mutex_unlock(&pg->mu);
-  return st;
-}
-
-/* Fault injection (fault.h): the sequence number the collective will get, then the hook. */
-static ddp_status_t fault_hook(ddp_pg_t *pg, ddp__coll_t *c) {
-  pthread_mutex_lock(&pg->mu);
-  int64_t seq = c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_RECV ? -1 : (int64_t)pg->seq;
-  pthread_mutex_unlock(&pg->mu);
-  /* A failure has aborted the group, so ddp_pg_last_error_copy quotes it. */
-  return ddp__pg_fault_submit(pg, &pg->fault, seq, c, pg->timeout_ms, NULL);
-}
-
-ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, const char *where,
-                                 ddp_error_t *err) {
-  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && f && where);
-  return ddp__pg_fault_fire(pg, &pg->fault, f, where, pg->timeout_ms, err);
-}
-
-/* submit, step 1: the arguments every kind shares, then those of each kind; an
- * argument error (arg_error) names the collective. */
-static ddp_status_t check_args(ddp_pg_t *pg, const ddp__coll_t *c, const char *what) {
-  if (c->kind != DDP_COLL_BARRIER) {
-    if (!dtype_ok(c->dt))
-      return arg_error(pg, what, "dtype %d is not one of F32 F64 F16 BF16 I32 I64 U8", (int)c->dt);
-    if (c->count > (SIZE_MAX / 8) / (size_t)pg->size)
-      return arg_error(pg, what, "count %zu is too large", c->count);
-  }
-  if ((c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_REDUCE_SCATTER) &&
-      ((unsigned)c->op > DDP_OP_PRODUCT))
-    return arg_error(pg, what, "reduction op %d is not a ddp_redop_t", (int)c->op);
-  if (c->count > 0 && c->kind != DDP_COLL_BARRIER && (!c->recv && c->kind != DDP_COLL_SEND))
-    return arg_error(pg, what, "the output buffer is NULL with count %zu", c->count);
-  if (c->count > 0 &&
-      (c->kind == DDP_COLL_SEND || c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_ALLGATHER ||
-       c->kind == DDP_COLL_REDUCE_SCATTER || c->kind == DDP_COLL_ALLTOALL) &&
-      !c->send)
-    return arg_error(pg, what, "the input buffer is NULL with count %zu", c->count);
-  size_t es = ddp_dtype_size(c->dt), W = (size_t)pg->size, n = c->count;
-  switch (c->kind) {
-    case DDP_COLL_BROADCAST:
-      if (c->root < 0 || c->root >= pg->size)
-        return arg_error(pg, what, "root %d is not in [0, %d)", c->root, pg->size);
-      break;
-    case DDP_COLL_SEND:
-    case DDP_COLL_RECV:
-      if (c->root < 0 || c->root >= pg->size || c->root == pg->rank)
-        return arg_error(pg, what, "peer %d is not another rank of [0, %d)", c->root, pg->size);
-      break;
-    case DDP_COLL_ALLREDUCE:
-      if (c->send != c->recv && overlap(c->send, n * es, c->recv, n * es))
-        return arg_error(pg, what, "input and output overlap without being the same buffer");
-      break;
-    case DDP_COLL_ALLGATHER:
-      if (c->send != (char *)c->recv + pg->rank * n * es &&
-          overlap(c->send, n * es, c->recv, W * n * es))
-        return arg_error(pg, what, "input overlaps the output other than at block %d", pg->rank);
-      break;
-    case DDP_COLL_REDUCE_SCATTER:
-      if (c->recv != (const char *)c->send + pg->rank * n * es &&
-          overlap(c->send, W * n * es, c->recv, n * es))
-        return arg_error(pg, what, "output overlaps the input other than at block %d", pg->rank);
-      break;
-    case DDP_COLL_ALLTOALL:
-      if (overlap(c->send, W * n * es, c->recv, W * n * es))
-        return arg_error(pg, what, "input and output overlap");
-      break;
-    default: break;
-  }
-  return DDP_OK;
-}
-
-/* Step 2: the algorithm an allreduce runs (the size table for AUTO; what the family and
- * the scratch space allow); every other kind runs canonical. */
-static ddp_algorithm_t resolve_algo(const ddp_pg_t *pg, const ddp__coll_t *c) {
-  if (c->kind != DDP_COLL_ALLREDUCE) return DDP_ALGO_CANONICAL;
-  bool link = pg->ops->family == DDP_BACKEND_LINK;
-  size_t bytes = c->count * ddp_dtype_size(c->dt), W = (size_t)pg->size;
-  ddp_algorithm_t a = pg->algo;
-  if (a == DDP_ALGO_AUTO) a = bytes <= pg->small_max ? DDP_ALGO_SMALL : DDP_ALGO_CANONICAL;
-  if (a == DDP_ALGO_RING && !link) a = DDP_ALGO_CANONICAL;
-  /* small needs the whole vector (link: W of them) in scratch */
-  if (a == DDP_ALGO_SMALL && bytes > pg->comm.scratch_bytes / (link ? W : 1))
-    a = DDP_ALGO_CANONICAL;
-  return a;
-}
-
-/* Step 3 (pg->mu held): the fingerprint, with the group's next sequence number (a
- * point-to-point pair's own counter for send and recv). */
-static void stamp_fp(ddp_pg_t *pg, ddp__coll_t *c) {
-  ddp__fp_t *fp = &c->fp;
-  bool reduces = c->kind == DDP_COLL_ALLREDUCE || c->kind == DDP_COLL_REDUCE_SCATTER;
-  memset(fp, 0, sizeof *fp);
-  fp->kind = (uint8_t)(c->kind == DDP_COLL_RECV ? DDP_COLL_SEND : c->kind);
-  fp->count = c->count;
-  fp->dtype = (uint8_t)(c->kind == DDP_COLL_BARRIER ? 0 : c->dt);
-  fp->op = (uint8_t)(reduces ? c->op : 0);
-  fp->algo = (uint8_t)(c->kind == DDP_COLL_ALLREDUCE ? c->algo : 0);
-  fp->root = -1;
-  if (pg->ops->family == DDP_BACKEND_LINK && reduces) fp->segment = pg->comm.segment_bytes;
-  if (c->kind == DDP_COLL_BROADCAST) fp->root = c->root;
-  if (c->kind == DDP_COLL_SEND) {
-    fp->root = pg->rank;
-    fp->seq = pg->p2p_send_seq[c->root]++;
-  } else if (c->kind == DDP_COLL_RECV) {
-    fp->root = c->root;
-    fp->seq = pg->p2p_recv_seq[c->root]++;
-  } else {
-    fp->seq = pg->seq++;
-  }
-}
-
-/* Step 4 (pg->mu held): appends w to the queue. Lazy start: small work that finds the
- * group idle is queued without waking the progress thread, because its caller usually
- * waits for it next and then runs it itself (ddp_work_wait); the wake-up would cost a
- * futex call here and a context switch that competes for the CPU the collective needs. If
- * the caller does not wait, the progress thread's next poll slice starts it
- * (progress_main). */
-static void enqueue(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
-  bool idle = !pg->head && !pg->running;
-  if (pg->tail) {
-    pg->tail->next = w;
-  } else {
-    pg->head = w;
-  }
-  pg->tail = w;
-  pg->last_submit_ns = now;
-  if (idle && !pg->deep_sleep && w->coll.count * ddp_dtype_size(w->coll.dt) <= pg->lazy_max) {
-    pg->lazy = true;
-  } else {
-    pg->lazy = false;
-    pthread_cond_signal(&pg->cv_queue);
-  }
-}
-
-/* Every entry point: checks, stamps the fingerprint and queues. */
-static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
-  DDP_REQUIRE(pg && pg->magic == PG_MAGIC && out);
-  *out = NULL;
-  const char *what = ddp_coll_kind_name(c->kind);
-  ddp_status_t fst = ddp__pg_fault_active(&pg->fault) ? fault_hook(pg, c) : DDP_OK;
-  if (fst != DDP_OK) return fst;
-  DDP_CHECK(check_args(pg, c, what));
-  c->algo = resolve_algo(pg, c);
-  ddp_work_t *w = ddp__malloc(sizeof *w);
-  if (!w) return arg_error(pg, what, "out of memory for the work handle");
-  memset(w, 0, sizeof *w);
-  w->magic = WORK_MAGIC;
-  w->pg = pg;
-  atomic_init(&w->refs, 2);
-  atomic_init(&w->done, 0);
-  int64_t now = ddp_now_ns();
-  pthread_mutex_lock(&pg->mu);
-  if (pg->failed != DDP_OK) {
-    ddp_status_t st = pg->failed;
-    pthread_mutex_unlock(&pg->mu);
-    ddp__free(w);
-    return st;
-  }
-  stamp_fp(pg, c);
-  w->fr_id = ddp__fr_record(pg->fr, c, now);
-  w->coll = *c;
-  enqueue(pg, w, now);
-  pthread_mutex_unlock(&pg->mu);
-  if (pg->log_detail) {
-    char name[192];
-    ddp__fp_str(&c->fp, name, sizeof name);
-    ddp__log(pg->rank, DDP_LOG_DETAIL, "queued %s, algorithm %s", name,
-             ddp_algorithm_name(c->algo));
-  }
-  *out = w;
-  return DDP_OK;
-}
-
-ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
-                           ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLREDUCE,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .op = op,
-                   .root = -1};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
-                           ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_BROADCAST,
-                   .send = buf,
-                   .recv = buf,
-                   .count = count,
-                   .dt = dt,
-                   .root = root};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
-                           ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLGATHER,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .root = -1};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
-                                ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_REDUCE_SCATTER,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .op = op,
-                   .root = -1};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
-                          ddp_work_t **work) {
-  ddp__coll_t c =
-      {.kind = DDP_COLL_ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt, .root = -1};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_BARRIER, .dt = DDP_U8, .root = -1};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt, int peer,
-                      ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_SEND, .send = buf, .count = count, .dt = dt, .root = peer};
-  return submit(pg, &c, work);
-}
-
-ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
-                      ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_RECV, .recv = buf, .count = count, .dt = dt, .root = peer};
-  return submit(pg, &c, work);
 }
 
 /* ---------------------------------------------------------------- work handles ----- */
