@@ -111,6 +111,25 @@ static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
   return DDP_OK;
 }
 
+/* Spawns cfg's world running fn on every rank (thread ranks share an in-memory store) and
+ * asserts that every rank returned DDP_OK. */
+static void run_cfg(cfg_t *cfg, int (*fn)(ddp_test_rank_t *, void *)) {
+  if (cfg->mode == DDP_TEST_THREADS) {
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = 20000;
+    assert_int_equal(ddp_store_create_memory(&so, &cfg->store, NULL), DDP_OK);
+  }
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = cfg->world;
+  o.mode = cfg->mode;
+  o.timeout_ms = 60000;
+  ddp_test_results_t *res = ddp_test_spawn(&o, fn, cfg);
+  ddp_test_expect_ok(res);
+  ddp_test_results_free(res);
+  ddp_store_destroy(cfg->store);
+  cfg->store = NULL;
+}
+
 static void run_matrix(const char *backend, ddp_test_mode_t mode, const int *worlds, int nworlds,
                        bool pg_alloc, size_t segment) {
   for (int k = 0; k < nworlds; k++) {
@@ -123,19 +142,7 @@ static void run_matrix(const char *backend, ddp_test_mode_t mode, const int *wor
                  segment,
                  pg_alloc,
                  NULL};
-    if (mode == DDP_TEST_THREADS) {
-      ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-      so.timeout_ms = 20000;
-      assert_int_equal(ddp_store_create_memory(&so, &cfg.store, NULL), DDP_OK);
-    }
-    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
-    o.world = worlds[k];
-    o.mode = mode;
-    o.timeout_ms = 60000;
-    ddp_test_results_t *res = ddp_test_spawn(&o, matrix_rank, &cfg);
-    ddp_test_expect_ok(res);
-    ddp_test_results_free(res);
-    ddp_store_destroy(cfg.store);
+    run_cfg(&cfg, matrix_rank);
   }
 }
 
@@ -271,19 +278,7 @@ static void test_blocking_calls(void **state) {
   for (size_t k = 0; k < ARRAY_LEN(runs); k++) {
     cfg_t cfg = {runs[k].backend, runs[k].mode, runs[k].world, NULL, 0, DDP_ALGO_AUTO, 0,
                  false,           NULL};
-    if (runs[k].mode == DDP_TEST_THREADS) {
-      ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
-      so.timeout_ms = 20000;
-      assert_int_equal(ddp_store_create_memory(&so, &cfg.store, NULL), DDP_OK);
-    }
-    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
-    o.world = runs[k].world;
-    o.mode = runs[k].mode;
-    o.timeout_ms = 60000;
-    ddp_test_results_t *res = ddp_test_spawn(&o, blocking_rank, &cfg);
-    ddp_test_expect_ok(res);
-    ddp_test_results_free(res);
-    ddp_store_destroy(cfg.store);
+    run_cfg(&cfg, blocking_rank);
   }
 }
 
@@ -318,13 +313,7 @@ static void test_tcp_ring_small_segments(void **state) {
   static const int w[] = {2, 3, 5};
   for (int k = 0; k < 3; k++) {
     cfg_t cfg = {"tcp", DDP_TEST_FORK, w[k], fork_dtypes, 4, DDP_ALGO_RING, 1024, false, NULL};
-    ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
-    o.world = w[k];
-    o.mode = DDP_TEST_FORK;
-    o.timeout_ms = 60000;
-    ddp_test_results_t *res = ddp_test_spawn(&o, matrix_rank, &cfg);
-    ddp_test_expect_ok(res);
-    ddp_test_results_free(res);
+    run_cfg(&cfg, matrix_rank);
   }
 }
 
