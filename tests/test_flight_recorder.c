@@ -2,6 +2,7 @@
  *
  *  - the ring keeps the last N collectives with their sequence numbers, sizes, dtypes,
  *    states and times, and wraps (DDP_FR_BUFFER_SIZE, TORCH_NCCL_TRACE_BUFFER_SIZE, 0 = off);
+ *  - work the group never ran, because it had failed, stays "scheduled";
  *  - a stalled rank (threads, shm, tcp; 1.5 s timeout): every rank leaves a dump, the stalled
  *    one from the trigger file while it still stands outside the collective, and
  *    tools/ddp-fr-trace names it and the collective number it never entered;
@@ -19,6 +20,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -355,6 +357,63 @@ static void test_ring_wraps(void **state) {
 
 /* ---------------------------------------------------------------- failures -------- */
 
+/* Work the group never ran stays "scheduled": rank 0 queues allreduces #0 and #1, then lets
+ * rank 1 abort; #0 fails waiting for rank 1, #1 is not run. Rank 0's dump shows #1
+ * scheduled (ended, with the failure's status) and #0 as the last started collective. */
+typedef struct not_run_arg {
+  atomic_int queued;
+  char path[300];
+} not_run_arg_t;
+
+static ddp_status_t not_run_fn(ddp_pg_t *pg, void *argp) {
+  not_run_arg_t *a = argp;
+  float x[2] = {1, 2};
+  if (ddp_pg_rank(pg) == 1) {
+    while (!atomic_load(&a->queued)) usleep(1000);
+    ddp_pg_abort_reason(pg, "not-run test");
+    return DDP_OK;
+  }
+  ddp_work_t *w0 = NULL, *w1 = NULL;
+  ddp_status_t s0 = ddp_allreduce(pg, &x[0], &x[0], 1, DDP_F32, DDP_OP_SUM, &w0);
+  ddp_status_t s1 = ddp_allreduce(pg, &x[1], &x[1], 1, DDP_F32, DDP_OP_SUM, &w1);
+  atomic_store(&a->queued, 1);
+  if (s0 != DDP_OK || s1 != DDP_OK) return DDP_ERR_INTERNAL;
+  s0 = ddp_work_wait_free(w0);
+  s1 = ddp_work_wait_free(w1);
+  ddp_error_t err = {0};
+  if (s0 != DDP_ERR_REMOTE || s1 != DDP_ERR_REMOTE ||
+      ddp_pg_dump_flight_recorder(pg, a->path, &err) != DDP_OK) {
+    print_error("rank 0: %s, %s, dump: %s\n", ddp_status_name(s0), ddp_status_name(s1), err.msg);
+    return DDP_ERR_INTERNAL;
+  }
+  return DDP_OK;
+}
+
+static void test_not_run_stays_scheduled(void **state) {
+  not_run_arg_t a = {0};
+  snprintf(a.path, sizeof a.path, "%s/not_run.json", (const char *)*state);
+  clear_env();
+  assert_int_equal(ddp_spawn_threads(2, NULL, not_run_fn, &a), DDP_OK);
+  cJSON *j = read_json(a.path);
+  assert_non_null(j);
+  const cJSON *st = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(j, "pg_status"),
+      jstr(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "pg_config"), 0), "name"));
+  assert_non_null(st);
+  assert_int_equal(jint(st, "last_enqueued_collective"), 1);
+  assert_int_equal(jint(st, "last_started_collective"), 0);
+  assert_int_equal(jint(st, "last_completed_collective"), -1);
+  const cJSON *entries = cJSON_GetObjectItemCaseSensitive(j, "entries");
+  assert_int_equal(cJSON_GetArraySize(entries), 2);
+  const cJSON *e0 = cJSON_GetArrayItem(entries, 0), *e1 = cJSON_GetArrayItem(entries, 1);
+  assert_str(jstr(e0, "state"), "started");
+  assert_str(jstr(e1, "state"), "scheduled");
+  assert_true(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(e1, "time_discovered_started_ns")));
+  assert_true(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e1, "retired")));
+  assert_str(jstr(e1, "ddp_status"), "DDP_ERR_REMOTE");
+  cJSON_Delete(j);
+}
+
 /* Every rank in [0, world) failed (not OK) and left fr_rank_<r>.json, except skip. */
 static void expect_dumps(const ddp_test_results_t *res, const char *dir, int world, int skip) {
   for (int r = 0; r < world; r++) {
@@ -678,6 +737,7 @@ static int teardown_dir(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_ring_wraps, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_not_run_stays_scheduled, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_bucket_tags, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_bucket_tags_invariant, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_stall_threads, setup_dir, teardown_dir),

@@ -175,7 +175,7 @@ static ddp_status_t run_blocking(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   pg->last_submit_ns = now;
   ddp__fr_start(pg->fr, w->fr_id, now);
   pthread_mutex_unlock(&pg->mu);
-  bool ended = ddp__pg_run_one(pg, w, now);
+  bool ended = ddp__pg_run_one(pg, w, now, DDP_OK); /* submit saw the group OK */
   pthread_mutex_lock(&pg->mu);
   if (!ended) ddp__fr_end(pg->fr, w->fr_id, w->status);
   pg->running = false;

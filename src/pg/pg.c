@@ -67,14 +67,8 @@ static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
 }
 
 /* pg_internal.h. Also what run_blocking (issue.c) runs. */
-bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
-  char name[192]; /* the collective's name, formatted only for a failure */
-  ddp_status_t failed = DDP_OK;
-  if (atomic_load(&pg->any_failed)) { /* no lock on the common path */
-    pthread_mutex_lock(&pg->mu);
-    failed = pg->failed;
-    pthread_mutex_unlock(&pg->mu);
-  }
+bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now, ddp_status_t failed) {
+  char name[192];         /* the collective's name, formatted only for a failure */
   if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
     ddp__fp_str(&w->coll.fp, name, sizeof name);
     ddp_error_t *e = work_err(w);
@@ -120,7 +114,6 @@ bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   if (first) {
     pg->failed = st;
     pg->fail_err = *e;
-    atomic_store(&pg->any_failed, true);
   }
   pthread_mutex_unlock(&pg->mu);
   if (first) ddp__fr_on_failure(pg->fr, st, e->msg); /* the dump, at the moment it fails */
@@ -142,9 +135,10 @@ static void run_head(ddp_pg_t *pg) {
    * as much as a third of a small collective's bookkeeping, and both need milliseconds
    * only. */
   int64_t now = ddp__now_coarse_ns();
-  ddp__fr_start(pg->fr, w->fr_id, now);
+  ddp_status_t failed = pg->failed; /* then w is not run, and the recorder shows it unstarted */
+  if (failed == DDP_OK) ddp__fr_start(pg->fr, w->fr_id, now);
   pthread_mutex_unlock(&pg->mu);
-  bool ended = ddp__pg_run_one(pg, w, now);
+  bool ended = ddp__pg_run_one(pg, w, now, failed);
   pthread_mutex_lock(&pg->mu);
   if (!ended) ddp__fr_end(pg->fr, w->fr_id, w->status);
   atomic_store(&w->done, 1);
@@ -402,7 +396,6 @@ void ddp_pg_abort_reason(ddp_pg_t *pg, const char *reason) {
   if (first) {
     pg->failed = DDP_ERR_ABORTED;
     ddp__error_quiet(&pg->fail_err, DDP_ERR_ABORTED, "%s (ddp_pg_abort)", msg);
-    atomic_store(&pg->any_failed, true);
   }
   pthread_mutex_unlock(&pg->mu);
   if (first) ddp__fr_on_failure(pg->fr, DDP_ERR_ABORTED, msg);

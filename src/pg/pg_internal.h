@@ -67,8 +67,7 @@ struct ddp_pg {
   int64_t last_submit_ns;
   bool stop;
   pthread_t thread;
-  ddp_status_t failed;    /* first failure of the group */
-  atomic_bool any_failed; /* failed != DDP_OK, readable without mu (run_one's check) */
+  ddp_status_t failed; /* first failure of the group */
   ddp_error_t fail_err;
   ddp_error_t arg_err;    /* last argument error */
   uint64_t seq;           /* collectives issued */
@@ -80,10 +79,12 @@ struct ddp_pg {
 };
 
 /* Runs w (the group's `running` claimed by the caller, pg->mu not held), its deadline
- * counting from `now`. Returns true when it has ended w's flight-recorder entry itself (a
- * failure: the entry must show the end before the failure's dump is taken); otherwise the
- * caller ends it under the lock it takes next anyway. */
-bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now);
+ * counting from `now`; `failed` is the group's failure as the caller read it under pg->mu
+ * when it took w (then w only gets that status, "not run", and its recorder entry was not
+ * started). Returns true when it has ended w's flight-recorder entry itself (a failure: the
+ * entry must show the end before the failure's dump is taken); otherwise the caller ends it
+ * under the lock it takes next anyway. */
+bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now, ddp_status_t failed);
 
 /* The group owns store from now on and destroys it with itself (ddp_pg_create_from_env). */
 void ddp__pg_own_store(ddp_pg_t *pg, ddp_store_t *store);
