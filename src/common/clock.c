@@ -11,12 +11,6 @@ int64_t ddp_now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-int64_t ddp__now_coarse_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 int64_t ddp_deadline_from(int64_t now_ns, int64_t ms) {
   if (ms < 0 || ms > (INT64_MAX - now_ns) / 1000000LL) return INT64_MAX;
   return now_ns + ms * 1000000LL;

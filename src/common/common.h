@@ -61,12 +61,6 @@ ddp_status_t ddp__error_quiet(ddp_error_t *err, ddp_status_t st, const char *fmt
     DDP_PRINTF(3, 4);
 void ddp__error_clear(ddp_error_t *err);
 
-/* CLOCK_MONOTONIC_COARSE in nanoseconds: the same clock as ddp_now_ns() as of the kernel's
- * last timer tick, so 1-4 ms behind it and never ahead, at a fifth of its cost (about 5 ns
- * against 23 ns on the development machine). For the per-collective times where
- * milliseconds suffice: a collective's deadline and the flight recorder's times. */
-int64_t ddp__now_coarse_ns(void);
-
 /* Fault injection (fault.c). Logs, at WARN and so always, the line tests and users time a
  * fault from: "fault injection: KIND on rank R at WHERE (t=SECONDS s, CLOCK_MONOTONIC)",
  * with the moment of injection; returns that moment in ns. */

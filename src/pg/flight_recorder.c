@@ -590,7 +590,7 @@ void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now) {
 
 void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st) {
   if (!fr) return;
-  int64_t now = ddp__now_coarse_ns();
+  int64_t now = ddp_now_ns();
   fr->inflight--;
   fr_entry_t *e = entry(fr, id);
   if (e) {

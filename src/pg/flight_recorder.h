@@ -43,14 +43,14 @@ void ddp__fr_destroy(ddp__fr_t *fr);
  * comma-separated; truncated to the entry's capacity). */
 void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text);
 
-/* The times of the three calls below are ddp__now_coarse_ns() (CLOCK_MONOTONIC as of the
- * last timer tick, 1-4 ms resolution): the caller reads it anyway for its own deadline or
- * bookkeeping, and ddp__fr_end reads it itself; a read of the precise clock costs as much as
- * a third of a small collective's bookkeeping. Milliseconds are what the recorder is for
- * (which collective stopped where); PyTorch's own "discovered" times come from a watchdog
- * that polls every 100 ms. The dump shows CLOCK_REALTIME, as PyTorch's does, through the
- * offset between the clocks taken when the recorder was created (a later step of the wall
- * clock, by NTP or by hand, does not move the recorded times). */
+/* The first two calls below take the moment as ddp_now_ns() (CLOCK_MONOTONIC), which the
+ * caller has read anyway for its own deadline or bookkeeping: a clock read costs about a
+ * fifth of a small collective's bookkeeping. (The kernel's coarse clock, a fifth of the
+ * price, was tried and dropped: on this loaded VM it lagged by up to 12 ms, and once by
+ * 232 ms under ThreadSanitizer, which moved a 2 s deadline that much early.) The dump shows
+ * CLOCK_REALTIME, as PyTorch's does, through the offset between the clocks taken when the
+ * recorder was created (a later step of the wall clock, by NTP or by hand, does not move
+ * the recorded times). */
 
 /* A collective was queued at now_ns: records it (state "scheduled") and returns its record
  * id. This call and the next two: info.lock held. */

@@ -131,10 +131,7 @@ static void run_head(ddp_pg_t *pg) {
   if (!pg->head) pg->tail = NULL;
   pg->running = true;
   pg->lazy = false;
-  /* One read of the coarse clock for the deadline and the recorder: the precise one costs
-   * as much as a third of a small collective's bookkeeping, and both need milliseconds
-   * only. */
-  int64_t now = ddp__now_coarse_ns();
+  int64_t now = ddp_now_ns();       /* one clock read for the deadline and the recorder */
   ddp_status_t failed = pg->failed; /* then w is not run, and the recorder shows it unstarted */
   if (failed == DDP_OK) ddp__fr_start(pg->fr, w->fr_id, now);
   pthread_mutex_unlock(&pg->mu);
