@@ -64,6 +64,12 @@
 /* How long a rank that read an end-of-file without an urgent byte waits for the other
  * connections to show who failed first (blame_of). */
 #define BLAME_GRACE_MS 200
+/* The same wait after a reset or a broken pipe. Shorter: both neighbours of a killed rank
+ * see its connection reset, and each would wait the whole grace for the other to close
+ * first. A live rank that fails closes its connections only after it saw the death, so by
+ * the time its reset shows here the dead rank's own (closed earlier) almost always shows
+ * too, or its urgent byte names the culprit. */
+#define RESET_GRACE_MS 20
 
 typedef struct hello {
   uint32_t magic;
@@ -528,10 +534,10 @@ static int urgent_blame(tcp_state_t *s, int peer) {
  * within the grace period. A killed process closes its sockets one by one after its memory
  * is torn down, so a neighbour that saw one of them close may fail (and close its own)
  * before the dead rank's connection here shows its end: the other connections get up to
- * BLAME_GRACE_MS to close, but never past the collective's own deadline: a rank whose
- * neighbour timed out a moment before it would otherwise fail up to the grace after its
- * timeout. With none closing, `peer` itself is blamed. */
-static int blame_of(tcp_state_t *s, int peer, int64_t deadline) {
+ * grace_ms to close, but never past the collective's own deadline: a rank whose neighbour
+ * timed out a moment before it would otherwise fail up to the grace after its timeout. With
+ * none closing, `peer` itself is blamed. */
+static int blame_of(tcp_state_t *s, int peer, int grace_ms, int64_t deadline) {
   int b = urgent_blame(s, peer);
   if (b >= 0) return b;
   struct pollfd p[DDP_PG_MAX_WORLD];
@@ -541,7 +547,7 @@ static int blame_of(tcp_state_t *s, int peer, int64_t deadline) {
       p[n] = (struct pollfd){s->fds[j], POLLRDHUP, 0};
       idx[n++] = j;
     }
-  int64_t end = DDP_MIN(ddp_deadline_after_ms(BLAME_GRACE_MS), deadline);
+  int64_t end = DDP_MIN(ddp_deadline_after_ms(grace_ms), deadline);
   int orderly = -1; /* the first connection seen to end in order without an urgent byte */
   for (int open = n; open > 0;) {
     int ms = ddp_ms_until(end);
@@ -560,24 +566,35 @@ static int blame_of(tcp_state_t *s, int peer, int64_t deadline) {
   return orderly >= 0 ? orderly : peer;
 }
 
-/* The REMOTE error for end-of-file from `peer` after done of bytes (probe: a zero-byte
- * receive), blaming the rank that actually failed first. */
-static ddp_status_t eof_error(tcp_state_t *s, int peer, size_t done, size_t bytes, bool probe,
-                              int64_t deadline, ddp_error_t *err) {
-  char others[160], at[64] = "";
-  int culprit = blame_of(s, peer, deadline);
+/* The REMOTE error for a connection to `peer` that ended: end-of-file after done of bytes
+ * (probe: a zero-byte receive), or, with e != 0, a send or receive that failed with errno e
+ * (EPIPE, ECONNRESET: the peer's socket is gone). Either way the peer may only have failed
+ * because of another rank, so the message blames the rank that actually failed first. */
+static ddp_status_t lost_peer_error(tcp_state_t *s, int peer, bool is_send, int e, size_t done,
+                                    size_t bytes, bool probe, int64_t deadline, ddp_error_t *err) {
+  char others[160], how[128] = "";
+  int culprit = blame_of(s, peer, e != 0 ? RESET_GRACE_MS : BLAME_GRACE_MS, deadline);
   set_blame(s, culprit);
-  also_closed(s, culprit == peer ? peer : culprit, others, sizeof others);
-  if (!probe) snprintf(at, sizeof at, " after %zu of %zu bytes", done, bytes);
+  also_closed(s, culprit, others, sizeof others);
+  if (e != 0)
+    snprintf(how, sizeof how, "%s: %s (errno %d)", is_send ? "send to it" : "recv from it",
+             strerror(e), e);
+  else if (!probe)
+    snprintf(how, sizeof how, " after %zu of %zu bytes", done, bytes);
+  if (culprit == peer && e != 0)
+    return ddp__error_quiet(err, DDP_ERR_REMOTE, "%s rank %d (%s): %s (errno %d)%s",
+                            is_send ? "send to" : "recv from", peer, s->addr[peer], strerror(e), e,
+                            others);
   if (culprit == peer)
     return ddp__error_quiet(err, DDP_ERR_REMOTE,
                             "rank %d (%s) closed the connection%s: it exited, failed or "
                             "aborted%s",
-                            peer, s->addr[peer], at, others);
+                            peer, s->addr[peer], how, others);
   return ddp__error_quiet(err, DDP_ERR_REMOTE,
                           "rank %d (%s) exited, failed or aborted, and rank %d (%s) failed "
-                          "the group because of it (closed its connection%s)%s",
-                          culprit, s->addr[culprit], peer, s->addr[peer], at, others);
+                          "the group because of it (%s%s)%s",
+                          culprit, s->addr[culprit], peer, s->addr[peer],
+                          e != 0 ? "" : "closed its connection", how, others);
 }
 
 static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
@@ -598,7 +615,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
       if (!o->is_send && o->bytes == 0 && recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
-        return eof_error(s, o->peer, 0, 0, true, deadline, err);
+        return lost_peer_error(s, o->peer, false, 0, 0, 0, true, deadline, err);
       while (o->done < o->bytes) {
         ssize_t r = o->is_send
                         ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
@@ -608,20 +625,18 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
           o->done += (size_t)r;
           continue;
         }
-        char others[160];
         if (r == 0 && !o->is_send)
-          return eof_error(s, o->peer, o->done, o->bytes, false, deadline, err);
+          return lost_peer_error(s, o->peer, false, 0, o->done, o->bytes, false, deadline, err);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (atomic_load(&s->failed))
           return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d",
                                   s->rank);
-        int e = errno;
-        set_blame(s, o->peer); /* a reset: the peer's socket is gone, so is the peer */
-        also_closed(s, o->peer, others, sizeof others);
-        return ddp__error_quiet(err, DDP_ERR_REMOTE, "%s rank %d (%s): %s (errno %d)%s",
-                                o->is_send ? "send to" : "recv from", o->peer, s->addr[o->peer],
-                                strerror(e), e, others);
+        /* A reset or a broken pipe: the peer's socket is gone, but the peer may have
+         * closed it because another rank died first (seen in the soak: a send to a live
+         * neighbour that had just failed because of the killed rank). */
+        return lost_peer_error(s, o->peer, o->is_send, errno, o->done, o->bytes, false, deadline,
+                               err);
       }
       if (o->done < o->bytes) {
         *word |= bit;
