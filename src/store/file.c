@@ -8,8 +8,9 @@
  * Read-modify-write operations (add, compare_set, delete, and set, so that a set never slips
  * between another writer's read and rename) hold an exclusive flock() on "<dir>/.lock"; flock is
  * per open file description, so it excludes threads of one process as well as processes, and the
- * kernel drops it when a holder dies. Reads take no lock. Blocking calls poll with a backoff (1 ms
- * doubling up to 32 ms) that cancellation interrupts.
+ * kernel drops it when a holder dies. A contended lock is waited for in the kernel (lock_wait).
+ * Reads take no lock. Blocking calls poll with a backoff (1 ms doubling up to 32 ms) that
+ * cancellation interrupts.
  *
  * File names: a key made of [A-Za-z0-9_-] and other bytes escaped as %XX, behind "k.",
  * when that fits in 200 bytes; otherwise "h." and 32 hex digits of two 64-bit hashes of the
@@ -20,6 +21,8 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -170,42 +173,166 @@ static ddp_status_t write_key(ddp_store_t *s, const ddp__store_call_t *c, const 
   return ddp__afile_commit(&f, 0600);
 }
 
-/* Takes the directory lock, retrying a non-blocking flock until the deadline. */
+/* A contended lock is waited for in the kernel, where each release wakes the waiters: a
+ * helper thread blocks in flock(LOCK_EX) while the caller waits for it, with the call's
+ * deadline and cancellation. Polling with a backoff (as before) starved a waiter whenever
+ * another thread re-took the lock in a loop: the lock was free only between one holder's
+ * release and its next take, and a poller sleeping up to 16 ms almost never saw that
+ * window (in the soak, one of 8 threads adding in a loop waited past its 10 s timeout).
+ * When the caller gives up first, the helper releases the lock as soon as it gets it and
+ * frees the shared state; `mu` decides which of the two saw the end first. */
+typedef struct lock_wait {
+  pthread_mutex_t mu;
+  int fd;         /* the lock file, open; the helper's once abandoned */
+  int efd;        /* eventfd, readable when the helper is done */
+  int result;     /* the helper's flock: 0 or an errno */
+  bool done;      /* under mu */
+  bool abandoned; /* under mu */
+} lock_wait_t;
+
+static void lock_wait_free(lock_wait_t *w) {
+  close(w->efd);
+  pthread_mutex_destroy(&w->mu);
+  free(w);
+}
+
+static void *lock_helper(void *arg) {
+  lock_wait_t *w = arg;
+  int r;
+  while ((r = flock(w->fd, LOCK_EX)) != 0 && errno == EINTR) {
+  }
+  int e = r == 0 ? 0 : errno;
+  pthread_mutex_lock(&w->mu);
+  bool abandoned = w->abandoned;
+  w->result = e;
+  w->done = true;
+  if (!abandoned) { /* under mu: the caller frees w only after it saw done under mu */
+    uint64_t one = 1;
+    ssize_t n = write(w->efd, &one, sizeof one);
+    (void)n; /* an eventfd counter far from overflow */
+  }
+  pthread_mutex_unlock(&w->mu);
+  if (abandoned) {
+    close(w->fd); /* drops the lock if the helper got it */
+    lock_wait_free(w);
+  }
+  return NULL;
+}
+
+/* Waits for the lock on `fd` (open on the lock file) in a helper thread; on success the
+ * lock is held through fd. On failure fd is closed (or handed to the helper). */
+static ddp_status_t lock_wait(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
+                              const char *path, int fd) {
+  lock_wait_t *w = calloc(1, sizeof *w);
+  int efd = w ? eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK) : -1;
+  if (efd < 0) {
+    int e = w ? errno : ENOMEM;
+    free(w);
+    close(fd);
+    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM,
+                      "%s: %s: waiting for the lock %s: %s (errno %d)", s->desc, what, path,
+                      strerror(e), e);
+  }
+  pthread_mutex_init(&w->mu, NULL);
+  w->fd = fd;
+  w->efd = efd;
+  pthread_attr_t attr;
+  pthread_t tid;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  int e = pthread_create(&tid, &attr, lock_helper, w);
+  pthread_attr_destroy(&attr);
+  if (e != 0) {
+    lock_wait_free(w);
+    close(fd);
+    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM,
+                      "%s: %s: a thread to wait for the lock %s: %s (errno %d)", s->desc, what,
+                      path, strerror(e), e);
+  }
+  struct pollfd pfd[DDP_STORE_MAX_DEPTH + 2];
+  pfd[0] = (struct pollfd){efd, POLLIN, 0};
+  int n = 1 + ddp__store_cancel_pollfds(c, pfd + 1, DDP_STORE_MAX_DEPTH + 1);
+  bool cancelled = false;
+  for (;;) {
+    int ms = ddp_ms_until(c->deadline_ns);
+    if (poll(pfd, (nfds_t)n, ms) > 0 && !(pfd[0].revents & POLLIN) && ddp__store_cancelled(c)) {
+      cancelled = true;
+      break;
+    }
+    if ((pfd[0].revents & POLLIN) || ddp_ms_until(c->deadline_ns) == 0) break;
+  }
+  pthread_mutex_lock(&w->mu);
+  bool done = w->done;
+  w->abandoned = !done;
+  pthread_mutex_unlock(&w->mu);
+  if (!done) { /* the helper closes fd and frees w */
+    if (cancelled) return ddp__store_aborted(c, what);
+    return ddp__error(c->err, c->rank, DDP_ERR_TIMEOUT,
+                      "%s: %s timed out after %lld ms waiting for the lock %s", s->desc, what,
+                      (long long)c->timeout_ms, path);
+  }
+  int r = w->result;
+  lock_wait_free(w);
+  if (r != 0) {
+    close(fd);
+    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: flock(%s): %s (errno %d)", s->desc,
+                      what, path, strerror(r), r);
+  }
+  return DDP_OK; /* done, even if the deadline passed meanwhile: the lock is ours */
+}
+
+/* Opens "<dir>/<name>" for a lock. */
+static int open_lock_file(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
+                          const char *name, char *path, int *out) {
+  snprintf(path, PATH_CAP, "%s/%s", fst(s)->dir, name);
+  *out = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (*out >= 0) return DDP_OK;
+  int e = errno;
+  return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: open(%s): %s (errno %d)", s->desc,
+                    what, path, strerror(e), e);
+}
+
+/* Takes the directory lock: at once when it is free and nobody waits for it, else through
+ * lock_wait. A waiter holds a shared flock on "<dir>/.wait" while it waits, and a caller
+ * that finds one queues behind it in the kernel instead of taking the lock the moment it is
+ * released: otherwise the thread that just released the lock, still running, would
+ * usually take it again before the waiter the release woke got a CPU. */
 static ddp_status_t lock_dir(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
                              int *out) {
-  file_store_t *f = fst(s);
-  char path[PATH_CAP];
-  snprintf(path, sizeof path, "%s/.lock", f->dir);
-  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    int e = errno;
-    return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: open(%s): %s (errno %d)", s->desc,
-                      what, path, strerror(e), e);
+  char path[PATH_CAP], wpath[PATH_CAP];
+  int fd, wfd, r;
+  DDP_CHECK(open_lock_file(s, c, what, ".lock", path, &fd));
+  ddp_status_t st = open_lock_file(s, c, what, ".wait", wpath, &wfd);
+  if (st != DDP_OK) {
+    close(fd);
+    return st;
   }
-  int backoff = 1;
-  for (;;) {
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+  bool waiters = flock(wfd, LOCK_EX | LOCK_NB) != 0;
+  if (!waiters) {
+    flock(wfd, LOCK_UN);
+    while ((r = flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    }
+    if (r == 0) {
+      close(wfd);
       *out = fd;
       return DDP_OK;
     }
     int e = errno;
-    if (e != EWOULDBLOCK && e != EINTR) {
+    if (e != EWOULDBLOCK) {
       close(fd);
+      close(wfd);
       return ddp__error(c->err, c->rank, DDP_ERR_SYSTEM, "%s: %s: flock(%s): %s (errno %d)",
                         s->desc, what, path, strerror(e), e);
     }
-    if (ddp_ms_until(c->deadline_ns) == 0) {
-      close(fd);
-      return ddp__error(c->err, c->rank, DDP_ERR_TIMEOUT,
-                        "%s: %s timed out after %lld ms waiting for the lock %s", s->desc, what,
-                        (long long)c->timeout_ms, path);
-    }
-    if (!ddp__store_sleep(c, backoff)) {
-      close(fd);
-      return ddp__store_aborted(c, what);
-    }
-    backoff = backoff < 16 ? backoff * 2 : 16;
   }
+  /* Shared, so any number wait at once; blocks only for the instant another caller holds it
+   * exclusively to look. */
+  while ((r = flock(wfd, LOCK_SH)) != 0 && errno == EINTR) {
+  }
+  st = lock_wait(s, c, what, path, fd);
+  close(wfd); /* drops the shared lock */
+  if (st == DDP_OK) *out = fd;
+  return st;
 }
 
 static void unlock_dir(int fd) {
