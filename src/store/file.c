@@ -20,8 +20,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
-#include <string.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -282,8 +282,8 @@ static ddp_status_t lock_wait(ddp_store_t *s, const ddp__store_call_t *c, const 
 }
 
 /* Opens "<dir>/<name>" for a lock. */
-static int open_lock_file(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
-                          const char *name, char *path, int *out) {
+static ddp_status_t open_lock_file(ddp_store_t *s, const ddp__store_call_t *c, const char *what,
+                                   const char *name, char *path, int *out) {
   snprintf(path, PATH_CAP, "%s/%s", fst(s)->dir, name);
   *out = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (*out >= 0) return DDP_OK;
