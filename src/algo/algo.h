@@ -55,6 +55,7 @@ typedef struct ddp__comm {
   size_t scratch_bytes;
   unsigned char *tmp;  /* DDP_REDUCE_TMP_BYTES, fold accumulator */
   uint64_t barriers;   /* shared: barriers this rank has entered */
+  int par;             /* shared: the running collective's sequence number & 1 */
   uint64_t *p2p_tx;    /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;    /* shared: chunks taken from each peer */
   int64_t deadline_ns; /* of the running operation */

@@ -13,9 +13,12 @@
  * first rank to fail writes the failure record, which makes every other rank's waits fail
  * at once.
  *
- * Fingerprints and handles of collective number s live at index s & 1 of each slot. A rank
- * can run at most one collective ahead of the slowest (every collective starts with a
- * barrier), so it never overwrites what a slower peer is still reading.
+ * What a rank publishes for collective number s (its barrier count, its fingerprint, and its
+ * buffers' handles or, for the smallest allreduce, the input itself) lives in one cache line,
+ * the one of parity s & 1 in the rank's slot, so a peer leaving the collective's first
+ * barrier has pulled everything it needs in one transfer between cores. A rank can run at
+ * most one collective ahead of the slowest (every collective starts with a barrier), so it
+ * never overwrites a line a slower peer is still reading.
  *
  * Data. When every rank's buffers are readable by all (threads always; shm for buffers from
  * ddp_pg_alloc) the collectives read peers' buffers in place ("direct"). Otherwise they copy
@@ -64,12 +67,28 @@ typedef struct ctl_hdr {
   char msg[DDP_ERROR_MSG_MAX];
 } __attribute__((aligned(64))) ctl_hdr_t;
 
+/* One rank's line for one parity. `barrier` counts the barriers this rank has entered, and
+ * is stored after the rest of the line (the store publishes it): the fingerprint, then either
+ * up to INLINE_BYTES of its input (the one-barrier allreduce of the smallest messages) or the
+ * handles of its input and output (every other path). Barriers after a collective's
+ * first keep counting in the same line: a peer already in the next collective has moved to
+ * the other line, and the count it left in this one is at least every count this
+ * collective waits for. */
+#define INLINE_BYTES 24
+typedef struct pub_line {
+  _Atomic uint64_t barrier;
+  ddp__fp_t fp;
+  union {
+    uint64_t h[2]; /* in, out */
+    unsigned char data[INLINE_BYTES];
+  } u;
+} __attribute__((aligned(64))) pub_line_t;
+_Static_assert(sizeof(pub_line_t) == 64, "a rank's published line is one cache line");
+
 typedef struct rank_slot {
-  _Atomic uint64_t barrier; /* barriers this rank has entered */
+  pub_line_t line[2]; /* [seq & 1] */
   int32_t pid;
   _Atomic int32_t left; /* 1 once this rank has destroyed its group (ddp__shared_leave) */
-  uint64_t h[2][2];     /* [seq & 1][in, out] published handles */
-  ddp__fp_t fp[2];      /* [seq & 1] */
 } __attribute__((aligned(64))) rank_slot_t;
 
 typedef struct pair_cell {
@@ -100,6 +119,9 @@ static pair_cell_t *cell(ddp__comm_t *c, int from, int to) {
   return (pair_cell_t *)((char *)c->sh->ctl + hdr_bytes() + (size_t)c->size * sizeof(rank_slot_t)) +
          (size_t)from * (size_t)c->size + (size_t)to;
 }
+
+/* Rank r's line for the running collective (c->par). */
+static pub_line_t *line(ddp__comm_t *c, int r) { return &slot(c, r)->line[c->par]; }
 
 static unsigned char *box(ddp__comm_t *c, int r, uint64_t seq) {
   return (unsigned char *)c->sh->ctl + hdr_bytes() + (size_t)c->size * sizeof(rank_slot_t) +
@@ -245,7 +267,7 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
 
 static bool barrier_done(ddp__comm_t *c, const void *arg) {
   for (int j = 0; j < c->size; j++)
-    if (atomic_load(&slot(c, j)->barrier) < c->barriers) return false;
+    if (atomic_load(&line(c, j)->barrier) < c->barriers) return false;
   return true;
 }
 
@@ -253,7 +275,7 @@ static void barrier_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
   size_t o = (size_t)snprintf(buf, n, "in a barrier waiting for");
   const char *sep = " ";
   for (int j = 0; j < c->size && o < n; j++)
-    if (atomic_load(&slot(c, j)->barrier) < c->barriers) {
+    if (atomic_load(&line(c, j)->barrier) < c->barriers) {
       o += (size_t)snprintf(buf + o, n - o, "%srank %d (pid %d)", sep, j, (int)slot(c, j)->pid);
       sep = ", ";
     }
@@ -261,45 +283,52 @@ static void barrier_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
 
 static ddp_status_t barrier(ddp__comm_t *c, ddp_error_t *err) {
   c->barriers++;
-  atomic_store(&slot(c, c->rank)->barrier, c->barriers);
+  atomic_store(&line(c, c->rank)->barrier, c->barriers);
   wake(c);
   return wait_for(c, barrier_done, NULL, barrier_desc, -1, err);
 }
 
 /* ---- collectives ---- */
 
-/* Publishes this rank's fingerprint and buffers, waits for everyone, and compares the
- * fingerprints (every rank sees the same set, so every rank reaches the same verdict).
- * *direct = every rank's buffers are readable by all. */
-static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in, size_t in_bytes,
-                          const void *out, size_t out_bytes, bool *direct, ddp_error_t *err) {
-  int par = (int)(op->fp.seq & 1);
-  rank_slot_t *me = slot(c, c->rank);
-  me->fp[par] = op->fp;
-  me->h[par][0] = in_bytes ? c->sh->to_handle(c->state, in, in_bytes) : 0;
-  me->h[par][1] = out_bytes ? c->sh->to_handle(c->state, out, out_bytes) : 0;
+/* Enters the collective's first barrier with this rank's line published (the caller has
+ * filled its handles or data) and compares the fingerprints: every rank sees the same set,
+ * so every rank reaches the same verdict. */
+static ddp_status_t enter(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  line(c, c->rank)->fp = op->fp;
   DDP_CHECK(barrier(c, err));
-  *direct = true;
-  for (int j = 0; j < c->size; j++) {
-    rank_slot_t *s = slot(c, j);
-    if (c->check_fp && !ddp__fp_equal(&s->fp[par], &op->fp)) {
+  for (int j = 0; c->check_fp && j < c->size; j++) {
+    const ddp__fp_t *fp = &line(c, j)->fp;
+    if (!ddp__fp_equal(fp, &op->fp)) {
       char a[160], b[160];
       ddp__fp_str(&op->fp, a, sizeof a);
-      ddp__fp_str(&s->fp[par], b, sizeof b);
+      ddp__fp_str(fp, b, sizeof b);
       return ddp__error_quiet(err, DDP_ERR_DESYNC,
                               "mismatched collectives: rank %d runs %s, but rank %d runs %s",
                               c->rank, a, j, b);
     }
-    if (s->h[par][0] == UINT64_MAX || s->h[par][1] == UINT64_MAX) *direct = false;
   }
   return DDP_OK;
 }
 
-static const unsigned char *peer_in(ddp__comm_t *c, const ddp__coll_t *op, int j) {
-  return c->sh->from_handle(c->state, slot(c, j)->h[op->fp.seq & 1][0]);
+/* enter() with this rank's buffers published. *direct = every rank's buffers are readable
+ * by all. */
+static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in, size_t in_bytes,
+                          const void *out, size_t out_bytes, bool *direct, ddp_error_t *err) {
+  pub_line_t *me = line(c, c->rank);
+  me->u.h[0] = in_bytes ? c->sh->to_handle(c->state, in, in_bytes) : 0;
+  me->u.h[1] = out_bytes ? c->sh->to_handle(c->state, out, out_bytes) : 0;
+  DDP_CHECK(enter(c, op, err));
+  *direct = true;
+  for (int j = 0; j < c->size; j++)
+    if (line(c, j)->u.h[0] == UINT64_MAX || line(c, j)->u.h[1] == UINT64_MAX) *direct = false;
+  return DDP_OK;
 }
-static const unsigned char *peer_out(ddp__comm_t *c, const ddp__coll_t *op, int j) {
-  return c->sh->from_handle(c->state, slot(c, j)->h[op->fp.seq & 1][1]);
+
+static const unsigned char *peer_in(ddp__comm_t *c, int j) {
+  return c->sh->from_handle(c->state, line(c, j)->u.h[0]);
+}
+static const unsigned char *peer_out(ddp__comm_t *c, int j) {
+  return c->sh->from_handle(c->state, line(c, j)->u.h[1]);
 }
 
 /* Allreduce. Direct, canonical: rank r owns slice r. It folds slice r of every rank's
@@ -321,21 +350,23 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   const void *srcs[DDP_PG_MAX_WORLD];
   bool direct;
   if (op->algo == DDP_ALGO_SMALL && n * es <= BOX_BYTES) {
-    /* One barrier: the input is copied into this rank's box of this parity before the
-     * barrier of begin, and every rank folds the boxes in rank order after it. The caller
-     * may reuse its buffers at once (nothing reads them), and the box is written again
-     * only by the collective after next, which starts after every rank has passed the
-     * next one's barrier, so after every rank has finished reading this one. */
-    memcpy(box(c, r, op->fp.seq), in, n * es);
-    DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
-    for (int j = 0; j < W; j++) srcs[j] = box(c, j, op->fp.seq);
+    /* One barrier: the input is copied into this rank's line (up to INLINE_BYTES) or its box
+     * of this parity before the barrier of enter(), and every rank folds them in rank order
+     * after it. The caller may reuse its buffers at once (nothing reads them), and the line
+     * and the box are written again only by the collective after next, which starts after
+     * every rank has passed the next one's barrier, so after every rank has finished
+     * reading this one. */
+    bool inl = n * es <= INLINE_BYTES;
+    memcpy(inl ? line(c, r)->u.data : box(c, r, op->fp.seq), in, n * es);
+    DDP_CHECK(enter(c, op, err));
+    for (int j = 0; j < W; j++) srcs[j] = inl ? line(c, j)->u.data : box(c, j, op->fp.seq);
     if (n) ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
     return DDP_OK;
   }
   DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
   if (n == 0) return DDP_OK;
   if (direct && op->algo == DDP_ALGO_SMALL && n * es <= c->scratch_bytes) {
-    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j);
+    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, j);
     ddp_reduce_fold(op->dt, op->op, W, srcs, c->scratch, n, c->tmp, W);
     DDP_CHECK(barrier(c, err));
     memcpy(out, c->scratch, n * es);
@@ -345,10 +376,10 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
     ddp_coll_part(n, W, r, &lo, &len);
     size_t blk = DDP_REDUCE_TMP_BYTES / es;
     unsigned char *dsts[DDP_PG_MAX_WORLD];
-    for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, op, j) + lo * es;
+    for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, j) + lo * es;
     for (size_t off = 0; off < len; off += blk) {
       size_t m = DDP_MIN(blk, len - off);
-      for (int j = 0; j < W; j++) srcs[j] = peer_in(c, op, j) + (lo + off) * es;
+      for (int j = 0; j < W; j++) srcs[j] = peer_in(c, j) + (lo + off) * es;
       ddp_reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
       for (int j = 0; j < W; j++)
         if (j != r) memcpy(dsts[j] + off * es, out + (lo + off) * es, m * es);
@@ -383,7 +414,7 @@ static ddp_status_t broadcast(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   DDP_CHECK(begin(c, op, buf, n * es, NULL, 0, &direct, err));
   if (n == 0) return DDP_OK;
   if (direct) {
-    if (c->rank != root) memcpy(buf, peer_in(c, op, root), n * es);
+    if (c->rank != root) memcpy(buf, peer_in(c, root), n * es);
     return barrier(c, err);
   }
   size_t chunk = c->sh->staging_bytes / es;
@@ -408,7 +439,7 @@ static ddp_status_t allgather(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   if (n == 0) return DDP_OK;
   if (direct) {
     for (int j = 0; j < W; j++) {
-      const unsigned char *src = j == r ? in : peer_in(c, op, j);
+      const unsigned char *src = j == r ? in : peer_in(c, j);
       if (src != out + j * n * es) memmove(out + j * n * es, src, n * es);
     }
     return barrier(c, err);
@@ -437,7 +468,7 @@ static ddp_status_t blocks(ddp__comm_t *c, const ddp__coll_t *op, bool reduce, d
   DDP_CHECK(begin(c, op, in, W * n * es, out, reduce ? n * es : W * n * es, &direct, err));
   if (n == 0) return DDP_OK;
   if (direct) {
-    for (int j = 0; j < W; j++) srcs[j] = (j == r ? in : peer_in(c, op, j)) + (size_t)r * n * es;
+    for (int j = 0; j < W; j++) srcs[j] = (j == r ? in : peer_in(c, j)) + (size_t)r * n * es;
     if (reduce) {
       ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
     } else {
@@ -539,16 +570,14 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
 
 ddp_status_t ddp__run_shared(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
   DDP_CHECK(check_failed(c, err));
+  c->par = (int)(op->fp.seq & 1); /* point-to-point has no line and ignores it */
   switch (op->kind) {
     case DDP_COLL_ALLREDUCE: return allreduce(c, op, err);
     case DDP_COLL_BROADCAST: return broadcast(c, op, err);
     case DDP_COLL_ALLGATHER: return allgather(c, op, err);
     case DDP_COLL_REDUCE_SCATTER: return blocks(c, op, true, err);
     case DDP_COLL_ALLTOALL: return blocks(c, op, false, err);
-    case DDP_COLL_BARRIER: {
-      bool direct;
-      return begin(c, op, NULL, 0, NULL, 0, &direct, err);
-    }
+    case DDP_COLL_BARRIER: return enter(c, op, err);
     case DDP_COLL_SEND:
     case DDP_COLL_RECV: return p2p(c, op, err);
   }

@@ -68,7 +68,10 @@ struct ddp__fr {
                         * immutable configuration */
   ddp__fr_info_t info;
   char backend[32];
-  size_t cap;
+  size_t cap;  /* entries a dump shows (DDP_FR_BUFFER_SIZE) */
+  size_t mask; /* the ring holds mask + 1 >= cap entries, a power of two: record id's slot
+                * is id & mask, since a division per lookup (three per collective) costs as
+                * much as a tenth of a small collective's bookkeeping */
   fr_entry_t *ring;
   uint64_t next_id;
   int64_t last_enqueued, last_started, last_completed; /* collective seq, -1 = none */
@@ -318,7 +321,7 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
   cJSON *entries = cJSON_AddArrayToObject(root, "entries");
   uint64_t first = fr->next_id > fr->cap ? fr->next_id - fr->cap : 0;
   for (uint64_t id = first; id < fr->next_id; id++)
-    cJSON_AddItemToArray(entries, entry_json(fr, &fr->ring[id % fr->cap], pg_name));
+    cJSON_AddItemToArray(entries, entry_json(fr, &fr->ring[id & fr->mask], pg_name));
   pthread_mutex_unlock(fr->mu);
   char *text = cJSON_Print(root);
   cJSON_Delete(root);
@@ -491,19 +494,22 @@ ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_err
   size_t cap = 0;
   DDP_CHECK(buffer_size(&cap, err));
   if (cap == 0) return DDP_OK;
+  size_t slots = 1;
+  while (slots < cap) slots *= 2;
   ddp__fr_t *fr = ddp__calloc(1, sizeof *fr);
-  fr_entry_t *ring = fr ? ddp__calloc(cap, sizeof *ring) : NULL;
+  fr_entry_t *ring = fr ? ddp__calloc(slots, sizeof *ring) : NULL;
   if (!ring) {
     ddp__free(fr);
     return ddp__error(err, info->rank, DDP_ERR_NO_MEMORY,
-                      "flight recorder: %zu entries of %zu bytes (DDP_FR_BUFFER_SIZE)", cap,
-                      sizeof *ring);
+                      "flight recorder: %zu entries of %zu bytes (DDP_FR_BUFFER_SIZE %zu)", slots,
+                      sizeof *ring, cap);
   }
   fr->mu = info->lock;
   fr->info = *info;
   snprintf(fr->backend, sizeof fr->backend, "%s", info->backend);
   fr->info.backend = fr->backend;
   fr->cap = cap;
+  fr->mask = slots - 1;
   fr->ring = ring;
   fr->last_enqueued = fr->last_started = fr->last_completed = -1;
   fr->tag_bucket = -1;
@@ -541,7 +547,7 @@ void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text) {
 uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   if (!fr) return 0;
   uint64_t id = fr->next_id++;
-  fr_entry_t *e = &fr->ring[id % fr->cap];
+  fr_entry_t *e = &fr->ring[id & fr->mask];
   e->record_id = id;
   e->seq = c->fp.seq;
   e->count = c->count;
@@ -570,7 +576,7 @@ uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
 
 /* The live entry of record id, or NULL when the ring has moved past it (*fr->mu held). */
 static fr_entry_t *entry(ddp__fr_t *fr, uint64_t id) {
-  fr_entry_t *e = &fr->ring[id % fr->cap];
+  fr_entry_t *e = &fr->ring[id & fr->mask];
   return e->record_id == id && id < fr->next_id ? e : NULL;
 }
 

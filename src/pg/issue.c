@@ -239,72 +239,51 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   return DDP_OK;
 }
 
+/* The entry points below differ only in the operation they describe. Kinds without a
+ * reduction pass DDP_OP_SUM: the field is in the fingerprint, so it must not vary. */
+static ddp_status_t submit_op(ddp_pg_t *pg, ddp_coll_kind_t kind, const void *send, void *recv,
+                              size_t count, ddp_dtype_t dt, ddp_redop_t op, int root,
+                              ddp_work_t **work) {
+  ddp__coll_t c =
+      {.kind = kind, .send = send, .recv = recv, .count = count, .dt = dt, .op = op, .root = root};
+  return submit(pg, &c, work);
+}
+
 ddp_status_t ddp_allreduce(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
                            ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLREDUCE,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .op = op,
-                   .root = -1};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_ALLREDUCE, send, recv, count, dt, op, -1, work);
 }
 
 ddp_status_t ddp_broadcast(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int root,
                            ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_BROADCAST,
-                   .send = buf,
-                   .recv = buf,
-                   .count = count,
-                   .dt = dt,
-                   .root = root};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_BROADCAST, buf, buf, count, dt, DDP_OP_SUM, root, work);
 }
 
 ddp_status_t ddp_allgather(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
                            ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_ALLGATHER,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .root = -1};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_ALLGATHER, send, recv, count, dt, DDP_OP_SUM, -1, work);
 }
 
 ddp_status_t ddp_reduce_scatter(ddp_pg_t *pg, const void *send, void *recv, size_t count,
                                 ddp_dtype_t dt, ddp_redop_t op, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_REDUCE_SCATTER,
-                   .send = send,
-                   .recv = recv,
-                   .count = count,
-                   .dt = dt,
-                   .op = op,
-                   .root = -1};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_REDUCE_SCATTER, send, recv, count, dt, op, -1, work);
 }
 
 ddp_status_t ddp_alltoall(ddp_pg_t *pg, const void *send, void *recv, size_t count, ddp_dtype_t dt,
                           ddp_work_t **work) {
-  ddp__coll_t c =
-      {.kind = DDP_COLL_ALLTOALL, .send = send, .recv = recv, .count = count, .dt = dt, .root = -1};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_ALLTOALL, send, recv, count, dt, DDP_OP_SUM, -1, work);
 }
 
 ddp_status_t ddp_barrier(ddp_pg_t *pg, ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_BARRIER, .dt = DDP_U8, .root = -1};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_BARRIER, NULL, NULL, 0, DDP_U8, DDP_OP_SUM, -1, work);
 }
 
 ddp_status_t ddp_send(ddp_pg_t *pg, const void *buf, size_t count, ddp_dtype_t dt, int peer,
                       ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_SEND, .send = buf, .count = count, .dt = dt, .root = peer};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_SEND, buf, NULL, count, dt, DDP_OP_SUM, peer, work);
 }
 
 ddp_status_t ddp_recv(ddp_pg_t *pg, void *buf, size_t count, ddp_dtype_t dt, int peer,
                       ddp_work_t **work) {
-  ddp__coll_t c = {.kind = DDP_COLL_RECV, .recv = buf, .count = count, .dt = dt, .root = peer};
-  return submit(pg, &c, work);
+  return submit_op(pg, DDP_COLL_RECV, NULL, buf, count, dt, DDP_OP_SUM, peer, work);
 }
