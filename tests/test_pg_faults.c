@@ -399,7 +399,13 @@ static void test_rank_never_joins(void **state) {
 }
 
 /* variant 0: rank 1 uses count 1001; 1: rank 2 uses MAX; 2: p2p sizes differ; 3: rank 1
- * uses another segment size (tcp: differently framed bytes), caught at the first allreduce */
+ * uses another segment size (tcp: differently framed bytes), caught at the first allreduce;
+ * 4 and 5 (tcp, W = 2): counts whose first payload follows the fingerprint on the stream on
+ * one rank (16384: small; 262144: canonical's first segment) or on both, so a rank that
+ * stops reading after the fingerprint leaves up to 64 KiB unread in its peer's stream */
+static const size_t desync_counts[6][2] = {{1000, 1001}, {1000, 1000},   {0, 0},
+                                           {0, 0},       {16384, 65536}, {262144, 262145}};
+
 static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
   ddp_store_t *store;
@@ -407,7 +413,12 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_status_t st = open_pg(tr, cfg, &store, &pg);
   if (st != DDP_OK) return st;
   int r = ddp_test_rank(tr);
-  float buf[1001] = {0};
+  float *buf = calloc(262145, sizeof *buf);
+  if (!buf) {
+    ddp_pg_destroy(pg);
+    ddp_store_destroy(store);
+    return DDP_ERR_NO_MEMORY;
+  }
   ddp_work_t *w = NULL;
   /* one good collective first, so the mismatch is not the first operation */
   st = ddp_allreduce(pg, buf, buf, 10, DDP_F32, DDP_OP_SUM, &w);
@@ -418,7 +429,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
     if (cfg->variant == 2) {
       st = r == 0 ? ddp_send(pg, buf, 10, DDP_F32, 1, &w) : ddp_recv(pg, buf, 11, DDP_F32, 0, &w);
     } else {
-      size_t n = cfg->variant == 0 && r == 1 ? 1001 : 1000;
+      size_t n = desync_counts[cfg->variant][r == 1];
       ddp_redop_t op = cfg->variant == 1 && r == 2 ? DDP_OP_MAX : DDP_OP_SUM;
       st = ddp_allreduce(pg, buf, buf, n, DDP_F32, op, &w);
     }
@@ -432,6 +443,7 @@ static int desync_rank(ddp_test_rank_t *tr, void *arg) {
       st = DDP_ERR_INTERNAL;
   }
   ddp_pg_destroy(pg);
+  free(buf);
   /* recovery: a new group on the same store works (it does not see the old group's keys) */
   if (st == DDP_ERR_DESYNC) {
     ddp_pg_t *pg2 = NULL;
@@ -462,17 +474,19 @@ static void test_desync(void **state) {
   static const char *backends[] = {"threads", "shm", "tcp"};
   char default_segment[48];
   snprintf(default_segment, sizeof default_segment, "segment %u", DDP_PG_SEGMENT_BYTES_DEFAULT);
-  const char *needles[4][2] = {{"count 1000", "count 1001"},
+  const char *needles[6][2] = {{"count 1000,", "count 1001,"},
                                {"SUM", "MAX"},
                                {"count 10,", "count 11,"},
-                               {"segment 4096", default_segment}};
+                               {"segment 4096", default_segment},
+                               {"count 16384,", "count 65536,"},
+                               {"count 262144,", "count 262145,"}};
   for (int b = 0; b < 3; b++)
-    for (int v = 0; v < (b == 2 ? 4 : 3); v++) {
+    for (int v = 0; v < (b == 2 ? 6 : 3); v++) {
       fcfg_t cfg = {backends[b], b == 0 ? DDP_TEST_THREADS : DDP_TEST_FORK, 5000, v, NULL, NULL,
                     NULL};
       if (b == 0) cfg.store = ddp_test_memory_store();
       ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
-      o.world = v == 2 ? 2 : 3;
+      o.world = v == 2 || v >= 4 ? 2 : 3;
       o.mode = cfg.mode;
       o.timeout_ms = 15000;
       ddp_test_results_t *res = ddp_test_spawn(&o, desync_rank, &cfg);

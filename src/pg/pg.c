@@ -242,7 +242,9 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   pg->ops = ops;
   pg->algo = o->algorithm;
   pg->timeout_ms = o->timeout_ms;
-  pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED : SMALL_LINK;
+  pg->small_max = ops->family == DDP_BACKEND_SHARED ? SMALL_SHARED
+                  : ops->stream && o->world == 2    ? SMALL_STREAM_PAIR
+                                                    : SMALL_LINK;
   pg->log_detail = ddp__log_enabled(DDP_LOG_DETAIL); /* read once: it reads the environment */
   pg->lazy_max = ops->family == DDP_BACKEND_SHARED ? LAZY_SHARED : LAZY_LINK;
   pthread_mutex_init(&pg->mu, NULL);
@@ -263,7 +265,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
                          ? SMALL_SHARED
-                         : (size_t)o->world * DDP_MAX(2 * o->segment_bytes, (size_t)SMALL_LINK);
+                         : (size_t)o->world * DDP_MAX(2 * o->segment_bytes, pg->small_max);
   c->scratch = ddp__malloc(c->scratch_bytes);
   c->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
   c->p2p_tx = ddp__calloc((size_t)o->world, sizeof(uint64_t));

@@ -17,6 +17,11 @@
 #define WORK_MAGIC 0x776f726bu
 #define SMALL_SHARED (16u * 1024u)
 #define SMALL_LINK (32u * 1024u)
+/* Two ranks on a stream (tcp): small and canonical move the same bytes (the whole vector
+ * each way, against half of it twice), so small's fewer round trips win up to here
+ * (loopback, W = 2, p50: 128 KiB 38.5 against 47.4 us, 256 KiB 67.8 against 72.5 us;
+ * from 512 KiB they tie). */
+#define SMALL_STREAM_PAIR (256u * 1024u)
 /* Work up to this size is queued lazily (enqueue): a shared-memory allreduce of 1 MiB or a
  * loopback tcp one of 256 KiB takes about as long as waking the progress thread and the
  * context switch that follows, which on a machine whose CPUs the ranks keep busy delays a

@@ -265,7 +265,7 @@ ddp_status_t ddp_test_check_others(ddp_test_coll_t *c, ddp_dtype_t dt, size_t n)
   return st;
 }
 
-static const size_t d2_counts[] = {1000, 65539, 3};
+static const size_t d2_counts[] = {1000, 65539, 16384, 3};
 static const ddp_dtype_t d2_dtypes[] = {DDP_F32, DDP_F16, DDP_BF16};
 
 ddp_status_t ddp_test_d2_run(ddp_test_coll_t *c, uint64_t *hash) {
