@@ -372,8 +372,8 @@ static uint64_t run_d2(const char *backend, ddp_test_mode_t mode, int world, boo
 }
 
 static void test_d2_across_backends(void **state) {
-  /* W = 2 on tcp runs small up to 256 KiB (SMALL_STREAM_PAIR): 16384 f32 is the largest
-   * vector that follows its fingerprint on the stream, 65539 f16 one that does not. */
+  /* W = 2 on tcp runs small up to 128 KiB (SMALL_STREAM_PAIR): 1000 f32 follows its
+   * fingerprint on the stream, 16384 f32 (64 KiB) waits for the fingerprints' verdict. */
   for (int world = 2; world <= 4; world++) {
     uint64_t h = run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_AUTO);
     DDP_ASSERT_EQ(run_d2("threads", DDP_TEST_THREADS, world, false, 0, DDP_ALGO_CANONICAL), h);

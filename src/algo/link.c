@@ -48,22 +48,19 @@ static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp_
   return DDP_OK;
 }
 
-/* Sends `msg` (msg_bytes, starting with this rank's fingerprint) and then `more`
- * (more_bytes, may be 0) to every peer, receives every peer's fingerprint, and compares.
- * A collective can append its first payload to the fingerprint, so that it travels on the
- * stream right behind it (one network round trip fewer); receivers still read only the 32
- * fingerprint bytes here, so ranks that disagree on the payload size all read each other's
- * fingerprints and all report DESYNC. */
+/* Sends `msg` (msg_bytes, starting with this rank's fingerprint) to every peer, receives
+ * every peer's fingerprint, and compares. A collective can append its first payload to
+ * the fingerprint in msg, so that it travels in the same segment (one network round trip
+ * fewer); receivers still read only the 32 fingerprint bytes here, so ranks that disagree
+ * on the payload size all read each other's fingerprints and all report DESYNC. */
 static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const void *msg,
-                                 size_t msg_bytes, const void *more, size_t more_bytes,
-                                 ddp_error_t *err) {
+                                 size_t msg_bytes, ddp_error_t *err) {
   ddp__fp_t fps[MAXW];
-  ddp_xfer_t ops[3 * MAXW];
+  ddp_xfer_t ops[2 * MAXW];
   size_t n = 0;
   for (int j = 0; j < c->size; j++) {
     if (j == c->rank) continue;
     add(ops, &n, j, true, msg, msg_bytes);
-    add(ops, &n, j, true, more, more_bytes);
     add(ops, &n, j, false, &fps[j], sizeof fps[j]);
   }
   DDP_CHECK(xfer(c, ops, n, err));
@@ -71,7 +68,7 @@ static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const vo
 }
 
 static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
-  return exchange_fps(c, op, &op->fp, sizeof op->fp, NULL, 0, err);
+  return exchange_fps(c, op, &op->fp, sizeof op->fp, err);
 }
 
 /* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
@@ -86,15 +83,14 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
  * size. Sends and receives of a segment stay in one batch, so no rank can block on a full
  * socket while its peer does the same.
  *
- * Fingerprints. The caller has not exchanged them. On stream backends the first segment
- * is cut to at most FP_PIGGYBACK bytes and follows this rank's fingerprint on the same
- * stream in the first batch, which receives only the peers' 32-byte fingerprints; after the
+ * Fingerprints. The caller has not exchanged them. When the first segment sent to each
+ * peer is at most FP_PIGGYBACK bytes, it follows this rank's fingerprint on the same stream
+ * in the first batch, which receives only the peers' 32-byte fingerprints; after the
  * verdict, the peers' first segments (already on their way) are received. So the check
- * costs no round trip of its own. The bound
- * keeps fingerprint and segment within what any socket buffers hold, so ranks that
- * disagree (and stop reading after the fingerprint) never block each other's sends. Message
- * backends (MPI completes a send only once the receiver has posted for it) exchange
- * fingerprints first. */
+ * costs no round trip of its own. The bound keeps fingerprint and segment within what any
+ * socket buffers hold, so ranks that disagree (and stop reading after the fingerprint)
+ * never block each other's sends. Larger segments, and message backends (MPI completes a
+ * send only once the receiver has posted for it), exchange fingerprints first. */
 #define FP_PIGGYBACK (64u * 1024u)
 
 typedef struct fold_job {
@@ -116,23 +112,21 @@ static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const un
   size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
-  bool piggy = c->check_fp && c->ops->stream;
-  size_t seg0 = piggy ? DDP_MIN(seg, FP_PIGGYBACK / es) : seg; /* segment 0's length */
+  bool piggy = c->check_fp && c->ops->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
   if (!piggy && c->check_fp) DDP_CHECK(check_fps(c, op, err));
   ddp_xfer_t ops[3 * MAXW];
   ddp__fp_t fps[MAXW];
   fold_job_t job = {.c = c, .op = op};
   ddp_xfer_idle_t idle = {fold_job_run, &job, true};
-  /* Iteration s moves segment s (starting at element b, when b < maxlen) while folding
-   * segment s - 1; the iteration with b >= maxlen only folds. */
-  for (size_t s = 0, b = 0;; b += s == 0 ? seg0 : seg, s++) {
-    size_t n = 0, sl = s == 0 ? seg0 : seg;
+  /* Iteration s moves segment s (when there is one) while folding segment s - 1. */
+  for (size_t s = 0; s == 0 || (s - 1) * seg < maxlen; s++) {
+    size_t n = 0, b = s * seg;
     bool with_fp = s == 0 && piggy;
     unsigned char *scr = c->scratch + (s & 1) * (size_t)W * seg * es;
-    size_t mine = len[r] > b ? DDP_MIN(sl, len[r] - b) : 0;
+    size_t mine = len[r] > b ? DDP_MIN(seg, len[r] - b) : 0;
     for (int j = 0; j < W; j++) {
       if (j == r) continue;
-      size_t theirs = len[j] > b ? DDP_MIN(sl, len[j] - b) : 0;
+      size_t theirs = len[j] > b ? DDP_MIN(seg, len[j] - b) : 0;
       if (with_fp) add(ops, &n, j, true, &op->fp, sizeof op->fp);
       if (b < maxlen) add(ops, &n, j, true, in + (src_off[j] + b) * es, theirs * es);
       if (with_fp)
@@ -187,10 +181,9 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
 
 /* Small allreduce: every rank sends its whole vector to every peer and folds all W in rank
  * order itself. One round of messages instead of two; W times the bytes, so only below
- * the size table's threshold. On stream backends (with_fp: vectors of at most
- * FP_PIGGYBACK bytes) the vector follows the fingerprint on the stream (run_link skips the
- * separate fingerprint round), so a small allreduce costs one network round trip; where
- * both fit in tmp they are assembled there and leave in one send. A peer that sent its message
+ * the size table's threshold. On stream backends (with_fp) the vector travels in one
+ * message with the fingerprint (assembled in tmp; run_link skips the separate fingerprint
+ * round), so a small allreduce costs one network round trip. A peer that sent its message
  * and then failed or aborted before completing is caught by a zero-byte probe receive
  * (tcp: its stream ended without the goodbye of an orderly destroy), so this rank fails
  * with it instead of completing on data from an aborted collective. */
@@ -201,12 +194,10 @@ static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool 
   ddp_xfer_t ops[2 * MAXW];
   const void *srcs[MAXW];
   size_t k = 0;
-  if (with_fp && sizeof op->fp + bytes <= DDP_REDUCE_TMP_BYTES) {
+  if (with_fp) {
     memcpy(c->tmp, &op->fp, sizeof op->fp);
     memcpy(c->tmp + sizeof op->fp, op->send, bytes);
-    DDP_CHECK(exchange_fps(c, op, c->tmp, sizeof op->fp + bytes, NULL, 0, err));
-  } else if (with_fp) {
-    DDP_CHECK(exchange_fps(c, op, &op->fp, sizeof op->fp, op->send, bytes, err));
+    DDP_CHECK(exchange_fps(c, op, c->tmp, sizeof op->fp + bytes, err));
   }
   for (int j = 0; j < W; j++) {
     srcs[j] = j == r ? op->send : c->scratch + (size_t)j * bytes;
@@ -347,7 +338,7 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
                o.count * es * (size_t)c->size <= c->scratch_bytes;
   bool canonical = o.kind == DDP_COLL_ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
   if (small && c->check_fp && c->ops->stream && c->size > 1 && o.count > 0 &&
-      o.count * es <= FP_PIGGYBACK)
+      sizeof o.fp + o.count * es <= DDP_REDUCE_TMP_BYTES)
     return allreduce_small(c, &o, true, err);
   /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
   bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP_COLL_REDUCE_SCATTER);

@@ -18,10 +18,10 @@
 #define SMALL_SHARED (16u * 1024u)
 #define SMALL_LINK (32u * 1024u)
 /* Two ranks on a stream (tcp): small and canonical move the same bytes (the whole vector
- * each way, against half of it twice), so small's fewer round trips win up to here
- * (loopback, W = 2, p50: 128 KiB 38.5 against 47.4 us, 256 KiB 67.8 against 72.5 us;
- * from 512 KiB they tie). */
-#define SMALL_STREAM_PAIR (256u * 1024u)
+ * each way, against half of it twice), and small's single exchange wins up to here
+ * (loopback, W = 2, p50 of three runs: 64 KiB 19.0-19.2 against 21.2-21.4 us, 128 KiB
+ * 27.1-27.3 against 31.2-31.3 us; at 256 KiB canonical wins, 41.8-42.4 against 45.7-46.8). */
+#define SMALL_STREAM_PAIR (128u * 1024u)
 /* Work up to this size is queued lazily (enqueue): a shared-memory allreduce of 1 MiB or a
  * loopback tcp one of 256 KiB takes about as long as waking the progress thread and the
  * context switch that follows, which on a machine whose CPUs the ranks keep busy delays a
