@@ -17,6 +17,7 @@
  * allocation on an idle group, the failure's message), ddp_pg_create_from_env under torchrun-style
  * variables (tcp, shm), the DDP_ALGORITHM override and the INFO line of the size table, and no
  * leaked allocations. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -26,6 +27,7 @@
 
 #include <cmocka.h>
 
+#include "ddp/backend.h"
 #include "ddp/pg.h"
 #include "ddp/store.h"
 #include "harness.h"
@@ -385,6 +387,103 @@ static void test_d2_across_backends(void **state) {
   }
 }
 
+/* ---- the link backends' receive tail (ddp_xfer_t.tail), on tcp ---- */
+
+/* Rank 0 sends a 32-byte header followed by PAYLOAD bytes to rank 1, in two sends of
+ * 32 + first and PAYLOAD - first bytes with a barrier between them; rank 1 receives the
+ * header with the payload as its tail between the two barriers, then the rest itself. A
+ * send of at most 32 + 4 KiB is one segment on loopback, so rank 1's receive sees all of
+ * it or none: tail_done must be exactly `first` (the bytes already there, and never a wait
+ * for the rest, which rank 0 sends only after rank 1's receive returned). */
+#define TAIL_PAYLOAD 4096
+
+typedef struct tail_case {
+  ddp_store_t *store;
+  pthread_barrier_t bar;
+  size_t first;                         /* payload bytes in rank 0's first send */
+  ddp_status_t st[2];                   /* create and transfers, per rank */
+  ddp_error_t err[2];                   /* the first error, per rank */
+  size_t tail_done;                     /* rank 1: what its header receive took into the tail */
+  unsigned char got[32 + TAIL_PAYLOAD]; /* rank 1: header, then payload */
+} tail_case_t;
+
+typedef struct tail_rank {
+  tail_case_t *tc;
+  int rank;
+} tail_rank_t;
+
+static unsigned char tail_byte(size_t i) { return (unsigned char)(i * 131u + 7u); }
+
+static void *tail_rank_main(void *arg) {
+  tail_rank_t *tr = arg;
+  tail_case_t *tc = tr->tc;
+  const ddp_backend_ops_t *ops = ddp_backend_find("tcp");
+  ddp_backend_init_t in = {sizeof in, tr->rank, 2, tc->store, 20000, "", 0, 0, 0};
+  ddp_error_t err = {0};
+  void *state = NULL;
+  ddp_status_t st = ops->create(&in, &state, &err);
+  int64_t deadline = ddp_now_ns() + 20000LL * 1000000LL;
+  unsigned char msg[32 + TAIL_PAYLOAD];
+  for (size_t i = 0; i < sizeof msg; i++) msg[i] = tail_byte(i);
+  if (tr->rank == 0) {
+    ddp_xfer_t a = {.peer = 1, .is_send = true, .buf = msg, .bytes = 32 + tc->first};
+    if (st == DDP_OK) st = ops->xfer(state, &a, 1, NULL, deadline, &err);
+    pthread_barrier_wait(&tc->bar);
+    pthread_barrier_wait(&tc->bar);
+    ddp_xfer_t b = {.peer = 1,
+                    .is_send = true,
+                    .buf = msg + a.bytes,
+                    .bytes = sizeof msg - a.bytes};
+    if (st == DDP_OK && b.bytes) st = ops->xfer(state, &b, 1, NULL, deadline, &err);
+  } else {
+    pthread_barrier_wait(&tc->bar);
+    ddp_xfer_t h = {.peer = 0,
+                    .buf = tc->got,
+                    .bytes = 32,
+                    .tail = tc->got + 32,
+                    .tail_bytes = TAIL_PAYLOAD};
+    if (st == DDP_OK) st = ops->xfer(state, &h, 1, NULL, deadline, &err);
+    tc->tail_done = h.tail_done;
+    pthread_barrier_wait(&tc->bar);
+    ddp_xfer_t rest = {.peer = 0,
+                       .buf = tc->got + 32 + h.tail_done,
+                       .bytes = TAIL_PAYLOAD - h.tail_done};
+    if (st == DDP_OK && rest.bytes) st = ops->xfer(state, &rest, 1, NULL, deadline, &err);
+  }
+  tc->st[tr->rank] = st;
+  tc->err[tr->rank] = err;
+  if (state) ops->destroy(state);
+  return NULL;
+}
+
+static void test_tcp_xfer_tail(void **state) {
+  (void)state;
+  const size_t firsts[] = {0, 1, 1000, TAIL_PAYLOAD};
+  for (size_t k = 0; k < ARRAY_LEN(firsts); k++) {
+    tail_case_t tc = {.first = firsts[k]};
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = 20000;
+    assert_int_equal(ddp_store_create_memory(&so, &tc.store, NULL), DDP_OK);
+    pthread_barrier_init(&tc.bar, NULL, 2);
+    pthread_t th[2];
+    tail_rank_t tr[2] = {{&tc, 0}, {&tc, 1}};
+    for (int r = 0; r < 2; r++)
+      assert_int_equal(pthread_create(&th[r], NULL, tail_rank_main, &tr[r]), 0);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    pthread_barrier_destroy(&tc.bar);
+    ddp_store_destroy(tc.store);
+    for (int r = 0; r < 2; r++) {
+      if (tc.st[r] != DDP_OK) print_error("first %zu, rank %d: %s\n", tc.first, r, tc.err[r].msg);
+      DDP_ASSERT_EQ((int)tc.st[r], (int)DDP_OK);
+    }
+    DDP_ASSERT_EQ(tc.tail_done, tc.first);
+    for (size_t i = 0; i < sizeof tc.got; i++) {
+      if (tc.got[i] != tail_byte(i)) print_error("first %zu: byte %zu differs\n", tc.first, i);
+      DDP_ASSERT_EQ(tc.got[i], tail_byte(i));
+    }
+  }
+}
+
 /* ---- API: spawn_threads, argument checks, work handles, create_from_env, no leaks ---- */
 
 static ddp_status_t spawn_fn(ddp_pg_t *pg, void *arg) {
@@ -600,6 +699,7 @@ int main(void) {
       cmocka_unit_test(test_blocking_calls),
       cmocka_unit_test(test_blocking_on_failed_group),
       cmocka_unit_test(test_d2_across_backends),
+      cmocka_unit_test(test_tcp_xfer_tail),
       cmocka_unit_test(test_spawn_threads_and_arguments),
       cmocka_unit_test(test_backend_list),
       cmocka_unit_test(test_last_error_copy),

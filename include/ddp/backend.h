@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define DDP_BACKEND_ABI_VERSION 3u
+#define DDP_BACKEND_ABI_VERSION 4u
 
 /* The vocabulary of collectives, shared by the algorithm layer, the backends and the
  * process-group API (include/ddp/pg.h): kinds and algorithms here, reduction ops
@@ -136,13 +136,23 @@ typedef struct ddp_backend_shared {
   ddp_status_t (*check_peers)(void *state, int peer, ddp_error_t *err);
 } ddp_backend_shared_t;
 
-/* One transfer of a link batch. */
+/* One transfer of a link batch.
+ *
+ * A receive may name a tail: up to tail_bytes more bytes of the same stream that the
+ * backend reads into `tail` when they have already arrived with the transfer's own bytes
+ * (tcp: one recvmsg for both), and never waits for. tail_done says how many it read; the
+ * caller receives the rest itself. It saves a small message one receive call when the
+ * caller knows what follows (a fingerprint, then a payload of the agreed size). A backend
+ * may ignore tails (tail_done stays 0). */
 typedef struct ddp_xfer {
   int peer;
   bool is_send;
   void *buf; /* const for sends */
   size_t bytes;
   size_t done; /* progress, owned by the backend during xfer() */
+  void *tail;  /* receives only; NULL = none */
+  size_t tail_bytes;
+  size_t tail_done; /* owned by the backend during xfer() */
 } ddp_xfer_t;
 
 /* Work a link algorithm wants done while a batch waits on the network (the fold of the

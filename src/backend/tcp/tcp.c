@@ -47,6 +47,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "backend/backends.h"
@@ -603,7 +604,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
   struct pollfd pfd[2 * DDP_PG_MAX_WORLD + 1];
   size_t map[2 * DDP_PG_MAX_WORLD];
   int64_t start = ddp_now_ns();
-  for (size_t i = 0; i < n; i++) ops[i].done = 0;
+  for (size_t i = 0; i < n; i++) ops[i].done = ops[i].tail_done = 0;
   for (;;) {
     size_t pending = 0;
     /* [is_send] bit per peer: an earlier transfer on that stream is unfinished this pass. */
@@ -617,10 +618,23 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       if (!o->is_send && o->bytes == 0 && recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
         return lost_peer_error(s, o->peer, false, 0, 0, 0, true, deadline, err);
       while (o->done < o->bytes) {
-        ssize_t r = o->is_send
-                        ? send(fd, (char *)o->buf + o->done, o->bytes - o->done,
-                               MSG_NOSIGNAL | MSG_DONTWAIT)
-                        : recv(fd, (char *)o->buf + o->done, o->bytes - o->done, MSG_DONTWAIT);
+        ssize_t r;
+        size_t want = o->bytes - o->done;
+        if (o->is_send) {
+          r = send(fd, (char *)o->buf + o->done, want, MSG_NOSIGNAL | MSG_DONTWAIT);
+        } else if (o->tail && o->tail_done < o->tail_bytes) {
+          /* The tail shares the call: what arrived beyond the transfer's bytes lands there. */
+          struct iovec v[2] = {{(char *)o->buf + o->done, want},
+                               {(char *)o->tail + o->tail_done, o->tail_bytes - o->tail_done}};
+          struct msghdr m = {.msg_iov = v, .msg_iovlen = 2};
+          r = recvmsg(fd, &m, MSG_DONTWAIT);
+          if (r > (ssize_t)want) {
+            o->tail_done += (size_t)r - want;
+            r = (ssize_t)want;
+          }
+        } else {
+          r = recv(fd, (char *)o->buf + o->done, want, MSG_DONTWAIT);
+        }
         if (r > 0) {
           o->done += (size_t)r;
           continue;
@@ -645,13 +659,10 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       }
     }
     if (pending == 0) return DDP_OK;
-    uint64_t ev;
-    if (read(s->efd, &ev, sizeof ev) == (ssize_t)sizeof ev) {
-      uint64_t one = 1;
-      if (write(s->efd, &one, sizeof one) < 0) { /* stays readable either way */
-      }
+    /* tcp_abort sets `failed` before it signals efd, so a load here sees every abort that
+     * could wake the poll below; reading efd instead cost a syscall on every pass. */
+    if (atomic_load(&s->failed))
       return ddp__error_quiet(err, DDP_ERR_ABORTED, "the group was aborted on rank %d", s->rank);
-    }
     int64_t now = ddp_now_ns();
     if (now >= deadline) {
       set_blame(s, ops[map[0]].peer);
