@@ -2,7 +2,7 @@
 # bench_peers.sh: libddp's all-reduce beside Open MPI's and PyTorch gloo's, on this machine,
 # in one go, on the same sizes, with the same data, barrier and timing (docs/benchmarks.md).
 #
-#   tools/bench_peers.sh [-B BUILD_DIR] [-o OUT_DIR] [-- SWEEP_ARGS...]
+#   tools/bench_peers.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-- SWEEP_ARGS...]
 #
 # Runs, in order:
 #   1. ddp-bench: backends threads, shm, tcp; algorithms auto, canonical, ring, small; the
@@ -16,6 +16,11 @@
 # programs' own defaults, 4 B to 256 MiB) go to all four, so they measure the same points:
 # -b -e -f -n --min-iters --budget --warmup. A step whose program is missing is skipped
 # with a note.
+# -r ROUNDS (default 1): after steps 1-3, ROUNDS - 1 more rounds of ddp-bench (algorithm
+# auto, no reference lines), vader and Open MPI tcp, one after the other, so that a change
+# of the machine's speed during the run (a shared VM's) reaches both sides alike; the per-size
+# table then compares each implementation's median p50 over the rounds, and also prints
+# every round's own PASS/FAIL count.
 # Exit status: 0 when every step ran and no element was wrong, 1 otherwise, 2 usage.
 set -u
 
@@ -23,13 +28,16 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 build="$repo/build"
 out=""
+rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     -B) [ $# -ge 2 ] || { echo "bench_peers.sh: -B needs a directory" >&2; exit 2; }
         build=$2; shift 2 ;;
     -o) [ $# -ge 2 ] || { echo "bench_peers.sh: -o needs a directory" >&2; exit 2; }
         out=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -r) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench_peers.sh: -r needs a round count (1 or more)" >&2; exit 2; }
+        rounds=$2; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) echo "bench_peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
@@ -74,6 +82,18 @@ else
   echo "## Open MPI: skipped ($mpi_peer or mpirun missing: the build found no MPI)"
 fi
 
+# Rounds 2..N: the per-size comparison's programs again, interleaved.
+for ((k = 2; k <= rounds; k++)); do
+  step "ddp-r$k" "$bench" -w 2 --backends threads,shm,tcp --algos auto --bind-to core --no-calib \
+    --csv "$out/ddp_r$k.csv" "${sweep[@]}"
+  if [ -x "$mpi_peer" ] && command -v mpirun >/dev/null; then
+    step "ompi-vader-r$k" "${mpirun_[@]}" "$mpi_peer" --label ompi-vader \
+      --csv "$out/ompi_vader_r$k.csv" "${sweep[@]}"
+    step "ompi-tcp-r$k" "${mpirun_[@]}" --mca btl self,tcp "$mpi_peer" --label ompi-tcp \
+      --csv "$out/ompi_tcp_r$k.csv" "${sweep[@]}"
+  fi
+done
+
 if /usr/bin/python3 -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; then
   step gloo env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
     /usr/bin/python3 "$here/peer_gloo_allreduce.py" --world 2 --csv "$out/gloo.csv" "${sweep[@]}"
@@ -83,24 +103,32 @@ fi
 
 echo
 echo "## total $(( $(date +%s) - start )) s; load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
-/usr/bin/python3 - "$out" <<'PY' || failed=1
-import csv, math, os, sys
+/usr/bin/python3 - "$out" "$rounds" <<'PY' || failed=1
+import csv, math, os, statistics, sys
 
-out = sys.argv[1]
-rows, calib = {}, {}
-for name in ("ddp.csv", "ompi_vader.csv", "ompi_tcp.csv", "gloo.csv"):
-    path = os.path.join(out, name)
-    if not os.path.exists(path):
-        continue
-    for r in csv.DictReader(open(path)):
-        if r["kind"] == "calibration":
-            calib[(r["backend"], r["algorithm"])] = r
+out, nrounds = sys.argv[1], int(sys.argv[2])
+calib = {}
+
+def load(names):
+    got = {}
+    for name in names:
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
             continue
-        if r["place"] != "in":
-            continue
-        impl = r["backend"] if r["algorithm"] in ("auto", "default") else \
-            "%s-%s" % (r["backend"], r["algorithm"])
-        rows[(impl, int(r["bytes"]))] = r
+        for r in csv.DictReader(open(path)):
+            if r["kind"] == "calibration":
+                calib[(r["backend"], r["algorithm"])] = r
+                continue
+            if r["place"] != "in":
+                continue
+            impl = r["backend"] if r["algorithm"] in ("auto", "default") else \
+                "%s-%s" % (r["backend"], r["algorithm"])
+            got[(impl, int(r["bytes"]))] = r
+    return got
+
+rows = load(("ddp.csv", "ompi_vader.csv", "ompi_tcp.csv", "gloo.csv"))
+later = [load(("ddp_r%d.csv" % k, "ompi_vader_r%d.csv" % k, "ompi_tcp_r%d.csv" % k))
+         for k in range(2, nrounds + 1)]
 
 def size_str(b):
     for u, s in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
@@ -111,7 +139,7 @@ def size_str(b):
 impls = [i for i in ("threads", "shm", "tcp", "tcp-ring", "ompi-vader", "ompi-tcp", "gloo")
          if any(k[0] == i for k in rows)]
 sizes = sorted({k[1] for k in rows})
-wrong = sum(int(r["wrong"]) for r in rows.values())
+wrong = sum(int(r["wrong"]) for t in [rows] + later for r in t.values())
 
 def table(title, field, fmt):
     print("\n%s (threads/shm/tcp = libddp's default algorithm, auto; tcp-ring = algorithm ring)"
@@ -162,24 +190,47 @@ for impl in ("tcp", "tcp-ring"):
         print("  %-58s  n/a" % ("2 x %s busbw at 64M / loopback bandwidth" % impl))
 
 # The performance issue's goal: at every size libddp no slower (p50) than Open MPI on the same
-# transport: shm and threads against vader, tcp against Open MPI's tcp BTL.
-print("\nPer size, p50 latency ratio libddp / Open MPI (goal <= 1: PASS)")
+# transport: shm and threads against vader, tcp against Open MPI's tcp BTL. With rounds, each
+# implementation's p50 per size is the median of its rounds' p50s (all rounds measured);
+# every round's own count is printed too.
 per = [("shm", "ompi-vader"), ("threads", "ompi-vader"), ("tcp", "ompi-tcp")]
+all_rounds = [rows] + later
+
+def p50(impl, size):
+    v = [float(t[(impl, size)]["p50_us"]) for t in all_rounds if (impl, size) in t]
+    return statistics.median(v) if len(v) == len(all_rounds) else None
+
+def verdicts(lookup):
+    out_ = {}
+    for s in sizes:
+        for a, b in per:
+            x, y = lookup(a, s), lookup(b, s)
+            if x is not None and y:
+                out_[(s, a)] = (x / y, x <= y)
+    return out_
+
+if nrounds > 1:
+    print("\nPer round, libddp / Open MPI p50 at every size (PASS/FAIL counts)")
+    for k, t in enumerate(all_rounds, 1):
+        v = verdicts(lambda i, s: float(t[(i, s)]["p50_us"]) if (i, s) in t else None)
+        print("  round %d: %d PASS, %d FAIL%s" % (
+            k, sum(ok for _, ok in v.values()), sum(not ok for _, ok in v.values()),
+            "".join("; %s %s %.2fx" % (a, size_str(s), x) for (s, a), (x, ok) in sorted(v.items())
+                    if not ok)))
+    print("\nPer size, median p50 over %d interleaved rounds, libddp / Open MPI (goal <= 1: PASS)"
+          % nrounds)
+    v = verdicts(p50)
+else:
+    print("\nPer size, p50 latency ratio libddp / Open MPI (goal <= 1: PASS)")
+    v = verdicts(lambda i, s: get(i, s, "p50_us"))
 print("%8s" % "size" + "".join("%22s" % ("%s/%s" % (a, b.replace("ompi-", ""))) for a, b in per))
-npass = nfail = 0
 for s in sizes:
     cells = []
-    for a, b in per:
-        x, y = get(a, s, "p50_us"), get(b, s, "p50_us")
-        if x is None or not y:
-            cells.append("%22s" % "n/a")
-            continue
-        ok = x <= y
-        npass += ok
-        nfail += not ok
-        cells.append("%22s" % ("%.2fx %s" % (x / y, "PASS" if ok else "FAIL")))
+    for a, _ in per:
+        x = v.get((s, a))
+        cells.append("%22s" % ("%.2fx %s" % (x[0], "PASS" if x[1] else "FAIL") if x else "n/a"))
     print("%8s" % size_str(s) + "".join(cells))
-print("  %d PASS, %d FAIL" % (npass, nfail))
+print("  %d PASS, %d FAIL" % (sum(ok for _, ok in v.values()), sum(not ok for _, ok in v.values())))
 
 print("\ncanonical vs ring, busbw ratio canonical/ring at >= 1M (> 1: canonical faster)")
 for be in ("threads", "shm", "tcp"):

@@ -172,7 +172,6 @@ static void enqueue(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
 static ddp_status_t run_blocking(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   pg->running = true;
   pg->lazy = false;
-  pg->last_submit_ns = now;
   ddp__fr_start(pg->fr, w->fr_id, now);
   pthread_mutex_unlock(&pg->mu);
   bool ended = ddp__pg_run_one(pg, w, now, DDP_OK); /* submit saw the group OK */

@@ -145,10 +145,12 @@ static void run_head(ddp_pg_t *pg) {
   work_release(w); /* may free w: no lock of its own, so under pg->mu is fine */
 }
 
-/* The progress thread. While the group is active (a submission in the last
+/* The progress thread. While the group is active (work queued in the last
  * LAZY_ACTIVE_NS) it sleeps in slices of LAZY_POLL_NS, so work queued lazily (without a
  * wake-up) starts within a slice even if its caller never waits for it; after that it
- * sleeps until woken, and submit wakes it. */
+ * sleeps until woken, and submit wakes it. Blocking calls that run on their caller's
+ * thread queue nothing and do not count: a loop of them (MPI_Allreduce style) would
+ * otherwise wake this thread a thousand times a second on every rank for nothing. */
 static void *progress_main(void *arg) {
   ddp_pg_t *pg = arg;
   pthread_mutex_lock(&pg->mu);
