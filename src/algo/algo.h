@@ -44,6 +44,11 @@ typedef struct ddp__coll {
 
 /* Per-group state of the algorithms. Owned by the thread running the group's current work
  * (the progress thread or a waiter, never two at once), except `aborted` (any thread). */
+/* comm.deadline_ns before a shared-family operation's first wait: the operation's start and
+ * its first wait are microseconds apart, and a small collective that never waits then needs
+ * no clock read for it (a fifth of its bookkeeping). */
+#define DDP__DEADLINE_LAZY INT64_MIN
+
 typedef struct ddp__comm {
   int rank;
   int size;
@@ -58,7 +63,9 @@ typedef struct ddp__comm {
   int par;             /* shared: the running collective's sequence number & 1 */
   uint64_t *p2p_tx;    /* shared: chunks posted to each peer */
   uint64_t *p2p_rx;    /* shared: chunks taken from each peer */
-  int64_t deadline_ns; /* of the running operation */
+  int64_t deadline_ns; /* of the running operation; DDP__DEADLINE_LAZY: shared family,
+                        * set from the first wait's clock read (shared.c, wait_for) */
+  int64_t timeout_ms;  /* the group's, for a lazy deadline */
   int64_t spin_ns;     /* shared: the next wait's spin budget (shared.c); 0 = the least */
   bool check_fp;       /* compare fingerprints (false only for ddp-bench) */
   atomic_bool aborted;

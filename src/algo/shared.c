@@ -230,6 +230,7 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
   ctl_hdr_t *h = hdr(c);
   if (pred(c, arg)) return DDP_OK; /* often already true: no clock read */
   int64_t t0 = ddp_now_ns(), spin = c->spin_ns ? c->spin_ns : SPIN_MIN_NS;
+  if (c->deadline_ns == DDP__DEADLINE_LAZY) c->deadline_ns = ddp_deadline_from(t0, c->timeout_ms);
   for (unsigned i = 0;; i++) {
     if (pred(c, arg)) {
       c->spin_ns = SPIN_MAX_NS; /* answered while spinning: spin fully next time */

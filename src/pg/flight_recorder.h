@@ -43,20 +43,21 @@ void ddp__fr_destroy(ddp__fr_t *fr);
  * comma-separated; truncated to the entry's capacity). */
 void ddp__fr_set_tag(ddp__fr_t *fr, int64_t bucket, const char *text);
 
-/* The first two calls below take the moment as ddp_now_ns() (CLOCK_MONOTONIC), which the
- * caller has read anyway for its own deadline or bookkeeping: a clock read costs about a
- * fifth of a small collective's bookkeeping. (The kernel's coarse clock, a fifth of the
- * price, was tried and dropped: on this loaded VM it lagged by up to 12 ms, and once by
- * 232 ms under ThreadSanitizer, which moved a 2 s deadline that much early.) The dump shows
- * CLOCK_REALTIME, as PyTorch's does, through the offset between the clocks taken when the
- * recorder was created (a later step of the wall clock, by NTP or by hand, does not move
- * the recorded times). */
+/* The recorder's clock: a stamp for ddp__fr_record and ddp__fr_start (0 when fr is NULL).
+ * On x86-64 with an invariant TSC it is the TSC, else CLOCK_MONOTONIC ns: a clock_gettime
+ * costs about a fifth of a small collective's bookkeeping, and a collective takes three
+ * stamps. (The kernel's coarse clock, cheaper still, was tried and dropped: on this loaded
+ * VM it lagged by up to 12 ms, and once by 232 ms under ThreadSanitizer.) The dump converts
+ * stamps to CLOCK_REALTIME, as PyTorch shows, through the tick rate and the offset between
+ * the clocks measured when the recorder was created (a later step of the wall clock, by NTP
+ * or by hand, does not move the recorded times). No lock needed. */
+int64_t ddp__fr_now(const ddp__fr_t *fr);
 
-/* A collective was queued at now_ns: records it (state "scheduled") and returns its record
- * id. This call and the next two: info.lock held. */
-uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now_ns);
-/* The collective began running at now_ns (state "started"). */
-void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now_ns);
+/* A collective was queued at stamp `now` (ddp__fr_now): records it (state "scheduled") and
+ * returns its record id. This call and the next two: info.lock held. */
+uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now);
+/* The collective began running at stamp `now` (state "started"). */
+void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now);
 /* The collective ended: st == DDP_OK is state "completed"; otherwise the state stays where it
  * was and the entry keeps the status. */
 void ddp__fr_end(ddp__fr_t *fr, uint64_t id, ddp_status_t st);

@@ -169,12 +169,12 @@ static void enqueue(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
  * calling thread; called with pg->mu held, pg->running false and the queue empty, returns
  * without the lock and with w's status. The same steps as run_head, less the queue and the
  * hand-off to waiters. */
-static ddp_status_t run_blocking(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
+static ddp_status_t run_blocking(ddp_pg_t *pg, ddp_work_t *w, int64_t stamp) {
   pg->running = true;
   pg->lazy = false;
-  ddp__fr_start(pg->fr, w->fr_id, now);
+  ddp__fr_start(pg->fr, w->fr_id, stamp);
   pthread_mutex_unlock(&pg->mu);
-  bool ended = ddp__pg_run_one(pg, w, now, DDP_OK); /* submit saw the group OK */
+  bool ended = ddp__pg_run_one(pg, w, DDP_OK); /* submit saw the group OK */
   pthread_mutex_lock(&pg->mu);
   if (!ended) ddp__fr_end(pg->fr, w->fr_id, w->status);
   pg->running = false;
@@ -202,10 +202,11 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   if (fst != DDP_OK) return fst;
   DDP_CHECK(check_args(pg, c, what));
   c->algo = resolve_algo(pg, c);
-  /* One clock read: queued, it is the recorder's creation time and the lazy start's; run
-   * here, also the start and the deadline's origin (a clock read costs as much as a fifth of
-   * a small collective's bookkeeping). */
-  int64_t now = ddp_now_ns();
+  /* One recorder stamp (ddp__fr_now: cheaper than a clock read, which costs as much as a
+   * fifth of a small collective's bookkeeping): its creation time and, run here, its start.
+   * The deadline is the run's (ddp__pg_run_one); queued work also reads the clock for the
+   * lazy start. */
+  int64_t stamp = ddp__fr_now(pg->fr);
   ddp_work_t own, *w = &own;
   pthread_mutex_lock(&pg->mu);
   if (pg->failed != DDP_OK) {
@@ -224,13 +225,13 @@ static ddp_status_t submit(ddp_pg_t *pg, ddp__coll_t *c, ddp_work_t **out) {
   atomic_init(&w->refs, 2);
   atomic_init(&w->done, 0);
   stamp_fp(pg, c);
-  w->fr_id = ddp__fr_record(pg->fr, c, now);
+  w->fr_id = ddp__fr_record(pg->fr, c, stamp);
   w->coll = *c;
   if (run_here) {
     if (pg->log_detail) log_queued(pg, c);
-    return run_blocking(pg, w, now);
+    return run_blocking(pg, w, stamp);
   }
-  enqueue(pg, w, now);
+  enqueue(pg, w, ddp_now_ns());
   pthread_mutex_unlock(&pg->mu);
   if (pg->log_detail) log_queued(pg, c);
   if (!out) return ddp_work_wait_free(w);

@@ -67,7 +67,7 @@ static const char *own_rank_stripped(const ddp_pg_t *pg, const char *msg) {
 }
 
 /* pg_internal.h. Also what run_blocking (issue.c) runs. */
-bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now, ddp_status_t failed) {
+bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, ddp_status_t failed) {
   char name[192];         /* the collective's name, formatted only for a failure */
   if (failed != DDP_OK) { /* fail_err is fixed once failed is set */
     ddp__fp_str(&w->coll.fp, name, sizeof name);
@@ -79,7 +79,9 @@ bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now, ddp_status_t fail
   }
   ddp_error_t detail; /* not zeroed: 8 KiB per collective; a failure fills it */
   ddp__error_clear(&detail);
-  pg->comm.deadline_ns = ddp_deadline_from(now, pg->timeout_ms);
+  pg->comm.deadline_ns = pg->ops->family == DDP_BACKEND_SHARED && !pg->ops->run
+                             ? DDP__DEADLINE_LAZY
+                             : ddp_deadline_from(ddp_now_ns(), pg->timeout_ms);
   ddp_status_t st = DDP_ERR_UNSUPPORTED;
   if (pg->ops->run) {
     const ddp__coll_t *k = &w->coll;
@@ -131,11 +133,10 @@ static void run_head(ddp_pg_t *pg) {
   if (!pg->head) pg->tail = NULL;
   pg->running = true;
   pg->lazy = false;
-  int64_t now = ddp_now_ns();       /* one clock read for the deadline and the recorder */
   ddp_status_t failed = pg->failed; /* then w is not run, and the recorder shows it unstarted */
-  if (failed == DDP_OK) ddp__fr_start(pg->fr, w->fr_id, now);
+  if (failed == DDP_OK) ddp__fr_start(pg->fr, w->fr_id, ddp__fr_now(pg->fr));
   pthread_mutex_unlock(&pg->mu);
-  bool ended = ddp__pg_run_one(pg, w, now, failed);
+  bool ended = ddp__pg_run_one(pg, w, failed);
   pthread_mutex_lock(&pg->mu);
   if (!ended) ddp__fr_end(pg->fr, w->fr_id, w->status);
   atomic_store(&w->done, 1);
@@ -264,6 +265,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   c->ops = ops;
   c->segment_bytes = o->segment_bytes;
   c->check_fp = true;
+  c->timeout_ms = o->timeout_ms;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
                          ? SMALL_SHARED

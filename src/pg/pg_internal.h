@@ -84,12 +84,12 @@ struct ddp_pg {
 };
 
 /* Runs w (the group's `running` claimed by the caller, pg->mu not held), its deadline
- * counting from `now`; `failed` is the group's failure as the caller read it under pg->mu
- * when it took w (then w only gets that status, "not run", and its recorder entry was not
- * started). Returns true when it has ended w's flight-recorder entry itself (a failure: the
- * entry must show the end before the failure's dump is taken); otherwise the caller ends it
- * under the lock it takes next anyway. */
-bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, int64_t now, ddp_status_t failed);
+ * counting from now (shared family: from its first wait, DDP__DEADLINE_LAZY); `failed` is the
+ * group's failure as the caller read it under pg->mu when it took w (then w only gets that status,
+ * "not run", and its recorder entry was not started). Returns true when it has ended w's
+ * flight-recorder entry itself (a failure: the entry must show the end before the failure's dump is
+ * taken); otherwise the caller ends it under the lock it takes next anyway. */
+bool ddp__pg_run_one(ddp_pg_t *pg, ddp_work_t *w, ddp_status_t failed);
 
 /* The group owns store from now on and destroys it with itself (ddp_pg_create_from_env). */
 void ddp__pg_own_store(ddp_pg_t *pg, ddp_store_t *store);
