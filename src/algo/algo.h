@@ -42,13 +42,13 @@ typedef struct ddp__coll {
   ddp__fp_t fp;
 } ddp__coll_t;
 
-/* Per-group state of the algorithms. Owned by the thread running the group's current work
- * (the progress thread or a waiter, never two at once), except `aborted` (any thread). */
 /* comm.deadline_ns before a shared-family operation's first wait: the operation's start and
  * its first wait are microseconds apart, and a small collective that never waits then needs
  * no clock read for it (a fifth of its bookkeeping). */
 #define DDP__DEADLINE_LAZY INT64_MIN
 
+/* Per-group state of the algorithms. Owned by the thread running the group's current work
+ * (the progress thread or a waiter, never two at once), except `aborted` (any thread). */
 typedef struct ddp__comm {
   int rank;
   int size;
