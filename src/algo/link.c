@@ -52,11 +52,11 @@ static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp_
  * every peer's fingerprint, and compares. A collective can append its first payload to
  * the fingerprint in msg, so that it travels in the same segment (one network round trip
  * fewer); receivers still read only the 32 fingerprint bytes here, so ranks that disagree
- * on the payload size all read each other's fingerprints and all report DESYNC. */
-/* A receiver may also take what already followed a peer's fingerprint (the payload of
- * the agreed size; ddp_xfer_t's tail): into tail + j * tail_bytes for peer j, up to
- * tail_bytes, with the count in got[j]. What a peer whose fingerprint differs sent past it
- * is never used: DESYNC fails the group. tail NULL = fingerprints only. */
+ * on the payload size all read each other's fingerprints and all report DESYNC. A receiver
+ * may also take what already followed a peer's fingerprint (the payload of the agreed size;
+ * ddp_xfer_t's tail): into tail + j * tail_bytes for peer j, up to tail_bytes, with the
+ * count in got[j]. What a peer whose fingerprint differs sent past it is never used: DESYNC
+ * fails the group. tail NULL = fingerprints only. */
 static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const void *msg,
                                  size_t msg_bytes, unsigned char *tail, size_t tail_bytes,
                                  size_t *got, ddp_error_t *err) {

@@ -322,7 +322,6 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
 /* The whole dump as text (caller frees with cJSON_free); NULL when out of memory. Takes
  * *fr->mu. */
 static char *dump_text(ddp__fr_t *fr, const char *reason) {
-  calibrate(fr);
   cJSON *root = cJSON_CreateObject();
   char pg_name[32];
   snprintf(pg_name, sizeof pg_name, "%lld", (long long)fr->info.pg_id);
@@ -349,6 +348,7 @@ static char *dump_text(ddp__fr_t *fr, const char *reason) {
     free(ranks);
   }
   pthread_mutex_lock(fr->mu);
+  calibrate(fr);
   cJSON *status = cJSON_AddObjectToObject(root, "pg_status");
   cJSON *st = cJSON_AddObjectToObject(status, pg_name);
   add_i64(st, "last_enqueued_collective", fr->last_enqueued);
