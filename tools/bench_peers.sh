@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
         out=$2; shift 2 ;;
     -r) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench_peers.sh: -r needs a round count (1 or more)" >&2; exit 2; }
         rounds=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
     *) echo "bench_peers.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
