@@ -319,6 +319,63 @@ static void check_ring(const char *dir, int want) {
   cJSON_Delete(j);
 }
 
+/* The dump's times follow the clock: two collectives issued 100 ms apart on one rank are
+ * 100 ms apart in the dump, and no further apart than the test saw around both (a wrong
+ * tick rate stretches or shrinks every interval since the group's creation). */
+typedef struct clock_case {
+  const char *path;
+  int64_t t0, t3; /* CLOCK_REALTIME before the first call and after the second */
+} clock_case_t;
+
+static int64_t wall_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static ddp_status_t clock_fn(ddp_pg_t *pg, void *arg) {
+  clock_case_t *cc = arg;
+  float x = 1;
+  cc->t0 = wall_now_ns();
+  ddp_status_t st = ddp_allreduce(pg, &x, &x, 1, DDP_F32, DDP_OP_SUM, NULL);
+  struct timespec left = {0, 100 * 1000000L};
+  while (nanosleep(&left, &left) != 0) {
+  }
+  if (st == DDP_OK) st = ddp_allreduce(pg, &x, &x, 1, DDP_F32, DDP_OP_SUM, NULL);
+  cc->t3 = wall_now_ns();
+  if (st == DDP_OK) st = ddp_pg_dump_flight_recorder(pg, cc->path, NULL);
+  return st;
+}
+
+static void test_times_follow_the_clock(void **state) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/clock.json", (const char *)*state);
+  clear_env();
+  clock_case_t cc = {path, 0, 0};
+  assert_int_equal(ddp_spawn_threads(1, NULL, clock_fn, &cc), DDP_OK);
+  cJSON *j = read_json(path);
+  assert_non_null(j);
+  const cJSON *es = cJSON_GetObjectItemCaseSensitive(j, "entries");
+  assert_int_equal(cJSON_GetArraySize(es), 2);
+  const cJSON *a = cJSON_GetArrayItem(es, 0), *b = cJSON_GetArrayItem(es, 1);
+  int64_t ca = jint(a, "time_created_ns"), cb = jint(b, "time_created_ns");
+  int64_t db = jint(b, "time_discovered_completed_ns");
+  int64_t seen = cc.t3 - cc.t0, slack = 2000000; /* the conversion's jitter, generously */
+  if (cb - ca < 100000000LL - slack || db - ca > seen + slack) {
+    print_error("created %lld and %lld, completed %lld: %lld ns apart in the dump, the test saw "
+                "%lld ns around both and slept 100 ms between them\n",
+                (long long)ca, (long long)cb, (long long)db, (long long)(db - ca), (long long)seen);
+    fail();
+  }
+  double ms = cJSON_GetObjectItemCaseSensitive(b, "duration_ms")->valuedouble;
+  if (!(ms >= 0 && ms * 1e6 <= (double)(seen + slack))) {
+    print_error("duration_ms %.6f of the second allreduce, the test saw %lld ns\n", ms,
+                (long long)seen);
+    fail();
+  }
+  cJSON_Delete(j);
+}
+
 static void test_ring_wraps(void **state) {
   (void)state;
   const char *dir = *state;
@@ -737,6 +794,7 @@ static int teardown_dir(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_ring_wraps, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_times_follow_the_clock, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_not_run_stays_scheduled, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_bucket_tags, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_bucket_tags_invariant, setup_dir, teardown_dir),

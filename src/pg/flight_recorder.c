@@ -136,10 +136,24 @@ int64_t ddp__fr_now(const ddp__fr_t *fr) {
   return fr ? ddp_now_ns() : 0;
 }
 
+/* A tick and CLOCK_MONOTONIC taken together: the clock read between two ticks, paired with
+ * their midpoint, retried while the thread was interrupted between them (a preemption there
+ * would skew the measured rate by its length over the recorder's lifetime). */
+static void clock_pair(const ddp__fr_t *fr, int64_t *tick, int64_t *mono) {
+  for (int i = 0; i < 8; i++) {
+    int64_t a = ddp__fr_now(fr);
+    *mono = ddp_now_ns();
+    int64_t b = ddp__fr_now(fr);
+    *tick = a + (b - a) / 2;
+    if (b - a < 20000) return; /* 20000 ticks: a few microseconds at GHz rates */
+  }
+}
+
 /* Measures the tick rate against CLOCK_MONOTONIC now (before a dump; *fr->mu held). */
 static void calibrate(ddp__fr_t *fr) {
   if (!fr->tsc) return;
-  int64_t t = ddp__fr_now(fr), m = ddp_now_ns();
+  int64_t t, m;
+  clock_pair(fr, &t, &m);
   if (t > fr->tick0 && m > fr->mono0)
     fr->ns_per_tick = (double)(m - fr->mono0) / (double)(t - fr->tick0);
 }
@@ -561,7 +575,8 @@ ddp_status_t ddp__fr_create(const ddp__fr_info_t *info, ddp__fr_t **out, ddp_err
   fr->mono0 = ddp_now_ns();
   fr->mono_to_wall = fr->created_ns - fr->mono0;
   fr->tsc = invariant_tsc();
-  fr->tick0 = fr->tsc ? ddp__fr_now(fr) : fr->mono0;
+  fr->tick0 = fr->mono0;
+  if (fr->tsc) clock_pair(fr, &fr->tick0, &fr->mono0);
   fr->ns_per_tick = 1.0;
   dump_location(fr);
   if (fr->path[0]) registry_add(fr);
