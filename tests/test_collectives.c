@@ -97,7 +97,9 @@ static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
     return st;
   }
   size_t W = (size_t)c.coll.W;
-  size_t counts[] = {0, 1, W - 1, W + 1, 1000, 65539};
+  /* 17 and 34 reach the shared family's stamped lines (25-136 bytes) for every element
+   * size, up to the last byte (f32 34, f64 17) */
+  size_t counts[] = {0, 1, W - 1, W + 1, 17, 34, 1000, 65539};
   for (size_t k = 0; k < ARRAY_LEN(counts) && st == DDP_OK; k++)
     for (int d = 0; d < cfg->ndtypes && st == DDP_OK; d++) {
       st = ddp_test_check_allreduce(&c.coll, cfg->dtypes[d], counts[k]);

@@ -67,6 +67,9 @@ typedef struct ddp__comm {
                         * set from the first wait's clock read (shared.c, wait_for) */
   int64_t timeout_ms;  /* the group's, for a lazy deadline */
   int64_t spin_ns;     /* shared: the next wait's spin budget (shared.c); 0 = the least */
+  size_t box_dirty[2]; /* shared: bytes of this rank's box of each parity that peers read
+                        * since enter() last took them back (shared.c) */
+  size_t ext_dirty[2]; /* shared: the same for its stamped lines, in lines */
   bool check_fp;       /* compare fingerprints (false only for ddp-bench) */
   atomic_bool aborted;
 } ddp__comm_t;

@@ -103,12 +103,33 @@ typedef struct pair_cell {
 /* Each rank's two boxes (one per parity of the collective's sequence number) for the
  * one-barrier small allreduce. */
 #define BOX_BYTES (16u * 1024u)
+/* The most of a box enter() takes back into its writer's cache. */
+#define BOX_TAKE_MAX (4u * 1024u)
+
+/* Each rank's stamped lines (EXT_LINES per parity) for allreduces of INLINE_BYTES + 1 to
+ * STAMPED_BYTES: the input's bytes after the first INLINE_BYTES (which ride in the rank's
+ * line), EXT_BYTES per line, each line ending in `stamp`, the barrier count of the
+ * collective's barrier, stored after the line's data. A waiter loads every peer's line and
+ * all its stamped lines in each poll, so their transfers between cores overlap; a box read
+ * after the barrier would be a second transfer, after the first. Polling the lines while
+ * their writer fills them costs that writer a re-fetch of each, which is why the path stops
+ * at EXT_LINES (measured: docs/benchmarks.md, "seventh pass"). */
+#define EXT_BYTES 56
+#define EXT_LINES 2
+#define STAMPED_BYTES (INLINE_BYTES + EXT_LINES * EXT_BYTES)
+typedef struct ext_line {
+  unsigned char data[EXT_BYTES];
+  _Atomic uint64_t stamp;
+} __attribute__((aligned(64))) ext_line_t;
+_Static_assert(sizeof(ext_line_t) == 64, "a stamped line is one cache line");
+_Static_assert(INLINE_BYTES % 8 == 0 && EXT_BYTES % 8 == 0, "no element straddles two lines");
 
 static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
 
 size_t ddp__shared_ctl_bytes(int size) {
   return hdr_bytes() + (size_t)size * sizeof(rank_slot_t) +
-         (size_t)size * (size_t)size * sizeof(pair_cell_t) + (size_t)size * 2 * BOX_BYTES;
+         (size_t)size * (size_t)size * sizeof(pair_cell_t) + (size_t)size * 2 * BOX_BYTES +
+         (size_t)size * 2 * EXT_LINES * sizeof(ext_line_t);
 }
 
 static ctl_hdr_t *hdr(ddp__comm_t *c) { return (ctl_hdr_t *)c->sh->ctl; }
@@ -127,6 +148,11 @@ static unsigned char *box(ddp__comm_t *c, int r, uint64_t seq) {
   return (unsigned char *)c->sh->ctl + hdr_bytes() + (size_t)c->size * sizeof(rank_slot_t) +
          (size_t)c->size * (size_t)c->size * sizeof(pair_cell_t) +
          ((size_t)r * 2 + (seq & 1)) * BOX_BYTES;
+}
+
+/* Rank r's stamped lines of parity `par`. */
+static ext_line_t *ext(ddp__comm_t *c, int r, int par) {
+  return (ext_line_t *)(box(c, c->size, 0)) + ((size_t)r * 2 + (size_t)par) * EXT_LINES;
 }
 
 void ddp__shared_attach(ddp__comm_t *c, int pid) { slot(c, c->rank)->pid = pid; }
@@ -282,21 +308,82 @@ static void barrier_desc(ddp__comm_t *c, const void *arg, char *buf, size_t n) {
     }
 }
 
-static ddp_status_t barrier(ddp__comm_t *c, ddp_error_t *err) {
+/* What a barrier that ends a stamped allreduce's publication waits for besides the counts. */
+typedef struct stamped_wait {
+  size_t lines;        /* stamped lines per rank */
+  const ddp__fp_t *fp; /* this rank's collective */
+} stamped_wait_t;
+
+/* barrier_done, and every peer's first `lines` stamped lines carry this barrier's count.
+ * Every line is loaded in every pass (no early exit), so that the misses of one pass
+ * overlap. A peer that reached the barrier with another collective (its fingerprint differs)
+ * stamps nothing: it counts as done, and enter() reports the mismatch on every rank. */
+static bool stamped_done(ddp__comm_t *c, const void *arg) {
+  const stamped_wait_t *sw = arg;
+  bool done = true;
+  for (int j = 0; j < c->size; j++) {
+    const ext_line_t *e = ext(c, j, c->par);
+    bool in = atomic_load_explicit(&line(c, j)->barrier, memory_order_acquire) >= c->barriers;
+    bool stamped = true;
+    for (size_t i = 0; i < sw->lines; i++)
+      stamped &= atomic_load_explicit(&e[i].stamp, memory_order_acquire) >= c->barriers;
+    done &= in && (stamped || !ddp__fp_equal(&line(c, j)->fp, sw->fp));
+  }
+  return done;
+}
+
+/* A barrier that, with sw, also waits for the peers' stamped lines (stamped_done). */
+static ddp_status_t barrier_with(ddp__comm_t *c, const stamped_wait_t *sw, ddp_error_t *err) {
   c->barriers++;
   atomic_store(&line(c, c->rank)->barrier, c->barriers);
   wake(c);
+  if (sw) return wait_for(c, stamped_done, sw, barrier_desc, -1, err);
   return wait_for(c, barrier_done, NULL, barrier_desc, -1, err);
 }
 
+static ddp_status_t barrier(ddp__comm_t *c, ddp_error_t *err) { return barrier_with(c, NULL, err); }
+
 /* ---- collectives ---- */
+
+/* Asks for the cache lines of [p, p + n) ahead of use, all at once (the misses overlap);
+ * `write`: in exclusive state (PREFETCHW, a no-op on x86 processors without it). */
+static void prefetch_lines(const void *p, size_t n, bool write) {
+  const char *b = (const char *)((uintptr_t)p & ~(uintptr_t)63), *e = (const char *)p + n;
+  for (; b < e; b += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (write)
+      __asm__ volatile("prefetchw %0" ::"m"(*b));
+    else
+      __builtin_prefetch(b, 0, 3);
+#else
+    __builtin_prefetch(b, write, 3);
+#endif
+  }
+}
 
 /* Enters the collective's first barrier with this rank's line published (the caller has
  * filled its handles or data) and compares the fingerprints: every rank sees the same set,
  * so every rank reaches the same verdict. */
-static ddp_status_t enter(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+static ddp_status_t enter(ddp__comm_t *c, const ddp__coll_t *op, size_t stamped, ddp_error_t *err) {
+  stamped_wait_t sw = {stamped, &op->fp};
   line(c, c->rank)->fp = op->fp;
-  DDP_CHECK(barrier(c, err));
+  DDP_CHECK(barrier_with(c, stamped ? &sw : NULL, err));
+  /* Every peer has entered this collective, so none reads this rank's line of the other
+   * parity any more: take it back into this cache now (the peers' polls left it shared
+   * there), and the next collective publishes with a local store instead of first waiting
+   * for the peers' copies to be invalidated. */
+  prefetch_lines(&slot(c, c->rank)->line[!c->par], sizeof(pub_line_t), true);
+  /* The same for the box of the other parity, if the collective before this one filled it
+   * (up to a cap: beyond it the transfers are a small part of the copy). */
+  if (c->box_dirty[!c->par]) {
+    prefetch_lines(box(c, c->rank, (uint64_t)!c->par), DDP_MIN(c->box_dirty[!c->par], BOX_TAKE_MAX),
+                   true);
+    c->box_dirty[!c->par] = 0;
+  }
+  if (c->ext_dirty[!c->par]) {
+    prefetch_lines(ext(c, c->rank, !c->par), c->ext_dirty[!c->par] * sizeof(ext_line_t), true);
+    c->ext_dirty[!c->par] = 0;
+  }
   for (int j = 0; c->check_fp && j < c->size; j++) {
     const ddp__fp_t *fp = &line(c, j)->fp;
     if (!ddp__fp_equal(fp, &op->fp)) {
@@ -318,7 +405,7 @@ static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in,
   pub_line_t *me = line(c, c->rank);
   me->u.h[0] = in_bytes ? c->sh->to_handle(c->state, in, in_bytes) : 0;
   me->u.h[1] = out_bytes ? c->sh->to_handle(c->state, out, out_bytes) : 0;
-  DDP_CHECK(enter(c, op, err));
+  DDP_CHECK(enter(c, op, 0, err));
   *direct = true;
   for (int j = 0; j < c->size; j++)
     if (line(c, j)->u.h[0] == UINT64_MAX || line(c, j)->u.h[1] == UINT64_MAX) *direct = false;
@@ -357,11 +444,36 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
      * and the box are written again only by the collective after next, which starts after
      * every rank has passed the next one's barrier, so after every rank has finished
      * reading this one. */
-    bool inl = n * es <= INLINE_BYTES;
-    memcpy(inl ? line(c, r)->u.data : box(c, r, op->fp.seq), in, n * es);
-    DDP_CHECK(enter(c, op, err));
-    for (int j = 0; j < W; j++) srcs[j] = inl ? line(c, j)->u.data : box(c, j, op->fp.seq);
-    if (n) ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
+    size_t bytes = n * es;
+    if (bytes <= STAMPED_BYTES) {
+      size_t head = DDP_MIN(bytes, (size_t)INLINE_BYTES), k = 0;
+      for (size_t off = head; off < bytes; off += EXT_BYTES, k++) {
+        ext_line_t *e = ext(c, r, c->par) + k;
+        memcpy(e->data, in + off, DDP_MIN((size_t)EXT_BYTES, bytes - off));
+        atomic_store_explicit(&e->stamp, c->barriers + 1, memory_order_release);
+      }
+      c->ext_dirty[c->par] = k; /* the next collective's enter() takes them back */
+      memcpy(line(c, r)->u.data, in, head);
+      DDP_CHECK(enter(c, op, k, err));
+      /* Every rank's pieces, gathered in tmp, then one fold. */
+      for (int j = 0; j < W; j++) {
+        unsigned char *g = c->tmp + (size_t)j * bytes;
+        memcpy(g, line(c, j)->u.data, head);
+        for (size_t off = head, i = 0; off < bytes; off += EXT_BYTES, i++)
+          memcpy(g + off, ext(c, j, c->par)[i].data, DDP_MIN((size_t)EXT_BYTES, bytes - off));
+        srcs[j] = g;
+      }
+      ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, NULL, W);
+      return DDP_OK;
+    }
+    memcpy(box(c, r, op->fp.seq), in, bytes);
+    DDP_CHECK(enter(c, op, 0, err));
+    for (int j = 0; j < W; j++) {
+      srcs[j] = box(c, j, op->fp.seq);
+      if (j != r) prefetch_lines(srcs[j], bytes, false); /* all misses at once */
+    }
+    c->box_dirty[c->par] = bytes; /* the next collective's enter() takes it back */
+    ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
     return DDP_OK;
   }
   DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
@@ -578,7 +690,7 @@ ddp_status_t ddp__run_shared(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t 
     case DDP_COLL_ALLGATHER: return allgather(c, op, err);
     case DDP_COLL_REDUCE_SCATTER: return blocks(c, op, true, err);
     case DDP_COLL_ALLTOALL: return blocks(c, op, false, err);
-    case DDP_COLL_BARRIER: return enter(c, op, err);
+    case DDP_COLL_BARRIER: return enter(c, op, 0, err);
     case DDP_COLL_SEND:
     case DDP_COLL_RECV: return p2p(c, op, err);
   }
