@@ -18,7 +18,10 @@
  * the one of parity s & 1 in the rank's slot, so a peer leaving the collective's first
  * barrier has pulled everything it needs in one transfer between cores. A rank can run at
  * most one collective ahead of the slowest (every collective starts with a barrier), so it
- * never overwrites a line a slower peer is still reading.
+ * never overwrites a line a slower peer is still reading. The same bound lets a rank, once
+ * past a collective's first barrier, take its line and box of the other parity back into its
+ * own cache (enter()): no peer reads them any more, and the next collective then publishes
+ * with local stores.
  *
  * Data. When every rank's buffers are readable by all (threads always; shm for buffers from
  * ddp_pg_alloc) the collectives read peers' buffers in place ("direct"). Otherwise they copy
@@ -123,6 +126,8 @@ typedef struct ext_line {
 } __attribute__((aligned(64))) ext_line_t;
 _Static_assert(sizeof(ext_line_t) == 64, "a stamped line is one cache line");
 _Static_assert(INLINE_BYTES % 8 == 0 && EXT_BYTES % 8 == 0, "no element straddles two lines");
+_Static_assert((size_t)DDP_PG_MAX_WORLD *STAMPED_BYTES <= DDP_REDUCE_TMP_BYTES,
+               "every rank's stamped input fits in the fold's tmp");
 
 static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
 
@@ -438,12 +443,12 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
   const void *srcs[DDP_PG_MAX_WORLD];
   bool direct;
   if (op->algo == DDP_ALGO_SMALL && n * es <= BOX_BYTES) {
-    /* One barrier: the input is copied into this rank's line (up to INLINE_BYTES) or its box
-     * of this parity before the barrier of enter(), and every rank folds them in rank order
-     * after it. The caller may reuse its buffers at once (nothing reads them), and the line
-     * and the box are written again only by the collective after next, which starts after
-     * every rank has passed the next one's barrier, so after every rank has finished
-     * reading this one. */
+    /* One barrier: the input is copied into this rank's line (up to INLINE_BYTES), its line
+     * and stamped lines (up to STAMPED_BYTES) or its box of this parity before the barrier
+     * of enter(), and every rank folds them in rank order after it. The caller may reuse
+     * its buffers at once (nothing reads them), and the lines and the box are written again
+     * only by the collective after next, which starts after every rank has passed the next
+     * one's barrier, so after every rank has finished reading this one. */
     size_t bytes = n * es;
     if (bytes <= STAMPED_BYTES) {
       size_t head = DDP_MIN(bytes, (size_t)INLINE_BYTES), k = 0;
@@ -455,7 +460,9 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
       c->ext_dirty[c->par] = k; /* the next collective's enter() takes them back */
       memcpy(line(c, r)->u.data, in, head);
       DDP_CHECK(enter(c, op, k, err));
-      /* Every rank's pieces, gathered in tmp, then one fold. */
+      /* Every rank's pieces gathered in tmp, then one fold (a fold per line costs more than
+       * the copies). out is the caller's buffer: no source overlaps it, so the fold needs no
+       * accumulator of its own. */
       for (int j = 0; j < W; j++) {
         unsigned char *g = c->tmp + (size_t)j * bytes;
         memcpy(g, line(c, j)->u.data, head);
