@@ -126,7 +126,7 @@ typedef struct ext_line {
 } __attribute__((aligned(64))) ext_line_t;
 _Static_assert(sizeof(ext_line_t) == 64, "a stamped line is one cache line");
 _Static_assert(INLINE_BYTES % 8 == 0 && EXT_BYTES % 8 == 0, "no element straddles two lines");
-_Static_assert((size_t)DDP_PG_MAX_WORLD *STAMPED_BYTES <= DDP_REDUCE_TMP_BYTES,
+_Static_assert(STAMPED_BYTES <= DDP_REDUCE_TMP_BYTES / DDP_PG_MAX_WORLD,
                "every rank's stamped input fits in the fold's tmp");
 
 static size_t hdr_bytes(void) { return (sizeof(ctl_hdr_t) + 63) & ~(size_t)63; }
@@ -470,7 +470,7 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
           memcpy(g + off, ext(c, j, c->par)[i].data, DDP_MIN((size_t)EXT_BYTES, bytes - off));
         srcs[j] = g;
       }
-      ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, NULL, W);
+      if (n) ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, NULL, W);
       return DDP_OK;
     }
     memcpy(box(c, r, op->fp.seq), in, bytes);
