@@ -7,7 +7,8 @@
  *    one from the trigger file while it still stands outside the collective, and
  *    tools/ddp-fr-trace names it and the collective number it never entered;
  *  - a mismatched collective (desync): the analyzer names the rank whose #k differs;
- *  - a killed rank (shm): the analyzer names the rank that left no dump;
+ *  - a killed rank (shm): the analyzer names the rank that left no dump, also when a slow
+ *    survivor issued the collective only after the group had failed (written dumps);
  *  - SIGUSR1 dumps while the job runs (a forked rank on shm; every group of a threads job),
  *    and the job goes on;
  *  - DDP's bucket allreduce carries the bucket index and its parameter names; with
@@ -559,6 +560,56 @@ static void test_killed_rank_shm(void **state) {
   cJSON_Delete(v);
 }
 
+/* Writes rank r's dump of a 3-rank job in which rank 1 died before collective #11: #10
+ * completed, #11 created at `created` (ns), the group's failure at `failed`. */
+static void write_dump(const char *dir, int r, int64_t created, int64_t failed, const char *msg) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/fr_rank_%d.json", dir, r);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  const char *entry =
+      "{\"collective_seq_id\": %d, \"profiling_name\": \"libddp:all_reduce\", \"ddp_op\": "
+      "\"SUM\", \"input_sizes\": [[100]], \"input_dtypes\": [\"Float\"], \"state\": "
+      "\"%s\", \"time_created_ns\": %lld, \"is_p2p\": false}";
+  fprintf(f, "{\"rank\": %d, \"world_size\": 3, \"dump_reason\": \"peer_failure\", \"entries\": [",
+          r);
+  fprintf(f, entry, 10, "completed", (long long)(created - 1000000));
+  fputs(", ", f);
+  fprintf(f, entry, 11, "started", (long long)created);
+  fprintf(f,
+          "], \"ddp_failure\": {\"status\": \"DDP_ERR_REMOTE\", \"message\": \"%s\", "
+          "\"time_ns\": %lld}}\n",
+          msg, (long long)failed);
+  fclose(f);
+}
+
+/* Seen in the soak under load: rank 1 crashes; rank 0, in #11, finds it gone and fails the
+ * group; rank 2, slowed by the load, issues #11 only afterwards. Being late for a group
+ * that had already failed is a consequence: the analyzer still names rank 1 (it named rank 2
+ * before). */
+static void test_late_after_death(void **state) {
+  const char *dir = *state;
+  const int64_t t = 1700000000000000000LL; /* wall-clock ns */
+  write_dump(dir, 0, t, t + 20000000LL,
+             "rank 0: allreduce #11 (SUM, F32, count 100, canonical) on backend shm: rank 1 "
+             "(pid 4869) has exited");
+  write_dump(dir, 2, t + 25000000LL, t + 26000000LL,
+             "rank 2: allreduce #11 (SUM, F32, count 100, canonical) on backend shm: rank 0 "
+             "failed the group: rank 1 (pid 4869) has exited");
+  cJSON *v = analyze(dir);
+  if (!v) {
+    skip();
+  }
+  const int one[] = {1};
+  expect_verdict(v, "no_dump", 11, 10, one, 1);
+  const char *verdict = jstr(v, "verdict");
+  if (!strstr(verdict, "Rank 2 issued it only after the group had failed")) {
+    print_error("the verdict does not say that rank 2 was late: %s\n", verdict);
+    fail();
+  }
+  cJSON_Delete(v);
+}
+
 /* ---------------------------------------------------------------- SIGUSR1 --------- */
 
 static void expect_signal_dump(const char *dir, int rank) {
@@ -804,6 +855,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_desync_threads, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_desync_tcp, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_killed_rank_shm, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_late_after_death, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_sigusr1_shm, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_sigusr1_threads, setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_ddp_train_trace, setup_dir, teardown_dir),
