@@ -460,12 +460,15 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
       c->ext_dirty[c->par] = k; /* the next collective's enter() takes them back */
       memcpy(line(c, r)->u.data, in, head);
       DDP_CHECK(enter(c, op, k, err));
-      /* Every rank's pieces gathered in tmp, then one fold (a fold per line costs more than
-       * the copies). out is the caller's buffer: no source overlaps it, so the fold needs no
+      /* Up to INLINE_BYTES the fold reads the lines; beyond, every rank's pieces are
+       * gathered in tmp first, then folded once (a fold per line costs more than the
+       * copies). out is the caller's buffer: no source overlaps it, so the fold needs no
        * accumulator of its own. */
       for (int j = 0; j < W; j++) {
+        srcs[j] = line(c, j)->u.data;
+        if (!k) continue;
         unsigned char *g = c->tmp + (size_t)j * bytes;
-        memcpy(g, line(c, j)->u.data, head);
+        memcpy(g, srcs[j], head);
         for (size_t off = head, i = 0; off < bytes; off += EXT_BYTES, i++)
           memcpy(g + off, ext(c, j, c->par)[i].data, DDP_MIN((size_t)EXT_BYTES, bytes - off));
         srcs[j] = g;
