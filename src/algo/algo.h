@@ -47,6 +47,35 @@ typedef struct ddp__coll {
  * no clock read for it (a fifth of its bookkeeping). */
 #define DDP__DEADLINE_LAZY INT64_MIN
 
+/* The shared family's waiting policy (wait_policy.c): the budgets of a wait's phases, PAUSE
+ * polling then sched_yield polling, before it sleeps on the futex; adapted from how earlier
+ * waits ended. Zero-initialised is the starting state. */
+typedef enum ddp__wait_phase {
+  DDP__WAIT_SPUN,    /* the wait ended while polling with PAUSE */
+  DDP__WAIT_YIELDED, /* while polling with sched_yield */
+  DDP__WAIT_SLEPT,   /* it went to sleep */
+} ddp__wait_phase_t;
+typedef struct ddp__wait_policy {
+  int64_t spin_ns;       /* the next wait's PAUSE budget; 0 = the least */
+  int64_t after_wake_ns; /* the yield budget after waking a sleeper; 0 = the least */
+  bool woke_sleeper;     /* this rank woke a sleeping peer since its last wait that polled */
+} ddp__wait_policy_t;
+/* The budgets (wait_policy.c says why): PAUSE polling between the two spin bounds, yield
+ * polling up to DDP__WAIT_YIELD_NS, or after waking a sleeper between the after-wake
+ * bounds. */
+#define DDP__WAIT_SPIN_MIN_NS 200
+#define DDP__WAIT_SPIN_MAX_NS 1500
+#define DDP__WAIT_YIELD_NS (50 * 1000)
+#define DDP__WAIT_AFTER_WAKE_MIN_NS (1000 * 1000)
+#define DDP__WAIT_AFTER_WAKE_MAX_NS (8 * 1000 * 1000)
+/* The budgets of the next wait that polls, from its start. */
+int64_t ddp__wait_spin_ns(const ddp__wait_policy_t *p);
+int64_t ddp__wait_yield_ns(const ddp__wait_policy_t *p);
+/* This rank has just woken a sleeping peer. */
+void ddp__wait_woke(ddp__wait_policy_t *p);
+/* A wait that polled ended in `phase` after waited_ns (SLEPT: when it went to sleep). */
+void ddp__wait_ended(ddp__wait_policy_t *p, ddp__wait_phase_t phase, int64_t waited_ns);
+
 /* Per-group state of the algorithms. Owned by the thread running the group's current work
  * (the progress thread or a waiter, never two at once), except `aborted` (any thread). */
 typedef struct ddp__comm {
@@ -58,19 +87,19 @@ typedef struct ddp__comm {
   size_t segment_bytes;           /* link family: pipelining segment */
   unsigned char *scratch;         /* link family: size * max(segment, small) bytes */
   size_t scratch_bytes;
-  unsigned char *tmp;  /* DDP_REDUCE_TMP_BYTES, fold accumulator */
-  uint64_t barriers;   /* shared: barriers this rank has entered */
-  int par;             /* shared: the running collective's sequence number & 1 */
-  uint64_t *p2p_tx;    /* shared: chunks posted to each peer */
-  uint64_t *p2p_rx;    /* shared: chunks taken from each peer */
-  int64_t deadline_ns; /* of the running operation; DDP__DEADLINE_LAZY: shared family,
-                        * set from the first wait's clock read (shared.c, wait_for) */
-  int64_t timeout_ms;  /* the group's, for a lazy deadline */
-  int64_t spin_ns;     /* shared: the next wait's spin budget (shared.c); 0 = the least */
-  size_t box_dirty[2]; /* shared: bytes of this rank's box of each parity that peers read
-                        * since enter() last took them back (shared.c) */
-  size_t ext_dirty[2]; /* shared: the same for its stamped lines, in lines */
-  bool check_fp;       /* compare fingerprints (false only for ddp-bench) */
+  unsigned char *tmp;      /* DDP_REDUCE_TMP_BYTES, fold accumulator */
+  uint64_t barriers;       /* shared: barriers this rank has entered */
+  int par;                 /* shared: the running collective's sequence number & 1 */
+  uint64_t *p2p_tx;        /* shared: chunks posted to each peer */
+  uint64_t *p2p_rx;        /* shared: chunks taken from each peer */
+  int64_t deadline_ns;     /* of the running operation; DDP__DEADLINE_LAZY: shared family,
+                            * set from the first wait's clock read (shared.c, wait_for) */
+  int64_t timeout_ms;      /* the group's, for a lazy deadline */
+  ddp__wait_policy_t wait; /* shared: how the next wait polls (wait_policy.c) */
+  size_t box_dirty[2];     /* shared: bytes of this rank's box of each parity that peers read
+                            * since enter() last took them back (shared.c) */
+  size_t ext_dirty[2];     /* shared: the same for its stamped lines, in lines */
+  bool check_fp;           /* compare fingerprints (false only for ddp-bench) */
   atomic_bool aborted;
 } ddp__comm_t;
 

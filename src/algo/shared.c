@@ -6,12 +6,12 @@
  * of ranks for point-to-point, and a failure record. Every change is a store to a word owned
  * by one writer, followed by a bump of one group-wide event word; a waiter polls briefly
  * (a fraction of a microsecond with PAUSE, then up to 50 us yielding its CPU between polls,
- * since busy spinning loses badly when the awaited rank needs that CPU, spec §0.10) and
- * then sleeps on the event word with a futex in slices of 10 ms. Between slices it checks
- * the failure record, the abort flag, its deadline and the liveness of peers, so a dead
- * peer is noticed within tens of milliseconds and nothing waits past the deadline. The
- * first rank to fail writes the failure record, which makes every other rank's waits fail
- * at once.
+ * since busy spinning loses badly when the awaited rank needs that CPU, spec §0.10; up to
+ * 1-8 ms after it woke a sleeping peer: wait_policy.c) and then sleeps on the event word with a
+ * futex in slices of 10 ms. Between slices it checks the failure record, the abort flag, its
+ * deadline and the liveness of peers, so a dead peer is noticed within tens of milliseconds and
+ * nothing waits past the deadline. The first rank to fail writes the failure record, which makes
+ * every other rank's waits fail at once.
  *
  * What a rank publishes for collective number s (its barrier count, its fingerprint, and its
  * buffers' handles or, for the smallest allreduce, the input itself) lives in one cache line,
@@ -38,25 +38,8 @@
 
 #include "algo/algo.h"
 
-/* How a waiter waits, in three phases timed from its start: poll with PAUSE for SPIN_NS,
- * then poll with sched_yield until YIELD_NS, then sleep on the futex. Measured on the
- * 2-vCPU development host shared with other jobs (W=2, 4-byte allreduce, ddp-bench p50):
- * when the two ranks run on different CPUs a flag round trip takes about 1 us and any
- * polling catches it; but often the other CPU is busy with another process and the awaited
- * rank is queued on the waiter's own CPU, where every PAUSE spin only delays it (the old
- * 2000-poll spin, about 90 us on this CPU, set a 90 us floor per barrier; a 5 us spin gives
- * 14 us, a 0.2 us spin 4.4 us). sched_yield hands the CPU to it at once. Sleeping on the
- * futex right away costs a wake-up per barrier (15-20 us under load). With W=4 on the same
- * two CPUs this policy gives 16-20 us where the old short spin gave 60 us.
- *
- * The spin adapts: after a wait that ended within SPIN_MAX_NS the peers are answering from
- * their own CPUs, and the next wait spins up to SPIN_MAX_NS, since each sched_yield costs a
- * system call (0.3-0.5 us here) that a peer arriving 0.3 us later then waits out (4-byte
- * allreduce p50 0.5 to 0.36 us); after a longer wait it spins only SPIN_MIN_NS again, the
- * policy above for CPUs the ranks share. */
-#define SPIN_MIN_NS 200
-#define SPIN_MAX_NS 1500
-#define YIELD_NS (50 * 1000)
+/* A wait's phases and their budgets: wait_policy.c. Between the futex sleeps of the last
+ * phase a waiter checks for failures every SLICE_NS. */
 #define SLICE_NS (10 * 1000000LL)
 #define P2P_DESYNC (1ull << 63)
 
@@ -172,6 +155,7 @@ static void wake(ddp__comm_t *c) {
   if (atomic_load(&h->waiters) == 0) return;
   atomic_fetch_add(&h->event, 1);
   syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+  ddp__wait_woke(&c->wait); /* the sleeper will be late: poll longer next (wait_policy.c) */
 }
 
 void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg) {
@@ -260,24 +244,25 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
                              int peer, ddp_error_t *err) {
   ctl_hdr_t *h = hdr(c);
   if (pred(c, arg)) return DDP_OK; /* often already true: no clock read */
-  int64_t t0 = ddp_now_ns(), spin = c->spin_ns ? c->spin_ns : SPIN_MIN_NS;
+  int64_t t0 = ddp_now_ns(), spin = ddp__wait_spin_ns(&c->wait),
+          yield = ddp__wait_yield_ns(&c->wait);
   if (c->deadline_ns == DDP__DEADLINE_LAZY) c->deadline_ns = ddp_deadline_from(t0, c->timeout_ms);
   for (unsigned i = 0;; i++) {
     if (pred(c, arg)) {
-      c->spin_ns = SPIN_MAX_NS; /* answered while spinning: spin fully next time */
+      ddp__wait_ended(&c->wait, DDP__WAIT_SPUN, 0);
       return DDP_OK;
     }
     if ((i & 7) == 7 && ddp_now_ns() - t0 >= spin) break;
     __builtin_ia32_pause();
   }
-  for (int64_t now = ddp_now_ns(); now - t0 < YIELD_NS; now = ddp_now_ns()) {
+  for (int64_t now = ddp_now_ns(); now - t0 < yield; now = ddp_now_ns()) {
     if (pred(c, arg)) {
-      c->spin_ns = now - t0 < SPIN_MAX_NS ? SPIN_MAX_NS : SPIN_MIN_NS;
+      ddp__wait_ended(&c->wait, DDP__WAIT_YIELDED, now - t0);
       return DDP_OK;
     }
     sched_yield();
   }
-  c->spin_ns = SPIN_MIN_NS;
+  ddp__wait_ended(&c->wait, DDP__WAIT_SLEPT, ddp_now_ns() - t0);
   int64_t start = ddp_now_ns(), last_check = start;
   for (;;) {
     atomic_fetch_add(&h->waiters, 1); /* before the event word and the last look (wake) */
