@@ -150,12 +150,19 @@ void ddp__shared_attach(ddp__comm_t *c, int pid) { slot(c, c->rank)->pid = pid; 
  * reads the event word and looks at the slots for the last time (wait_for), so with
  * sequentially consistent atomics either it sees the change the caller made before this
  * call, or this load sees it registered and the bump makes its futex wait return. */
-static void wake(ddp__comm_t *c) {
+static bool wake(ddp__comm_t *c) {
   ctl_hdr_t *h = hdr(c);
-  if (atomic_load(&h->waiters) == 0) return;
+  if (atomic_load(&h->waiters) == 0) return false;
   atomic_fetch_add(&h->event, 1);
   syscall(SYS_futex, (uint32_t *)&h->event, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-  ddp__wait_woke(&c->wait); /* the sleeper will be late: poll longer next (wait_policy.c) */
+  return true;
+}
+
+/* wake() from the thread running the group's work, which owns the wait policy: a peer it
+ * woke will be late, so its next wait polls longer (wait_policy.c). Any thread may call
+ * wake() (an abort's poison), only the owner this. */
+static void signal_peers(ddp__comm_t *c) {
+  if (wake(c)) ddp__wait_woke(&c->wait);
 }
 
 void ddp__shared_poison(ddp__comm_t *c, ddp_status_t st, const char *msg) {
@@ -326,7 +333,7 @@ static bool stamped_done(ddp__comm_t *c, const void *arg) {
 static ddp_status_t barrier_with(ddp__comm_t *c, const stamped_wait_t *sw, ddp_error_t *err) {
   c->barriers++;
   atomic_store(&line(c, c->rank)->barrier, c->barriers);
-  wake(c);
+  signal_peers(c);
   if (sw) return wait_for(c, stamped_done, sw, barrier_desc, -1, err);
   return wait_for(c, barrier_done, NULL, barrier_desc, -1, err);
 }
@@ -641,7 +648,7 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
       if (off == 0) w.cell->fp = op->fp;
       w.want = ++c->p2p_tx[peer];
       atomic_store(&w.cell->posted, w.want);
-      wake(c);
+      signal_peers(c);
       DDP_CHECK(wait_for(c, p2p_ready, &w, p2p_desc, peer, err));
       if (atomic_load(&w.cell->acked) & P2P_DESYNC) {
         char a[160], b[160];
@@ -669,7 +676,7 @@ static ddp_status_t p2p(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err)
       }
       memcpy((unsigned char *)op->recv + off, c->sh->staging[peer], m);
       atomic_store(&w.cell->acked, w.want);
-      wake(c);
+      signal_peers(c);
     }
     off += m;
   } while (off < bytes);
