@@ -13,26 +13,25 @@
  * futex right away costs a wake-up per barrier (15-20 us under load). With W=4 on the same
  * two CPUs this policy gives 16-20 us where the old short spin gave 60 us.
  *
- * The spin adapts: after a wait that ended within SPIN_MAX_NS the peers are answering from
- * their own CPUs, and the next wait spins up to SPIN_MAX_NS, since each sched_yield costs a
+ * The spin adapts: after a wait that ended within the longer spin bound the peers are
+ * answering from their own CPUs, and the next wait spins that long, since each sched_yield costs a
  * system call (0.3-0.5 us here) that a peer arriving 0.3 us later then waits out (4-byte
- * allreduce p50 0.5 to 0.36 us); after a longer wait it spins only SPIN_MIN_NS again, the
- * policy above for CPUs the ranks share.
+ * allreduce p50 0.5 to 0.36 us); after a longer wait it spins only the shorter bound again,
+ * the policy above for CPUs the ranks share.
  *
  * The yield budget adapts too. A rank that had to wake a sleeping peer knows that peer will
  * reach the next collective late by its wake-up latency, which on a virtual machine whose
- * vCPU went idle is often longer than the yield budget (150-170 us per collective on the
- * development host in some hours). Were this rank to sleep in that wait as well, the peer
- * would have to wake it in turn, arrive early at the one after, and sleep there: each rank
- * then sleeps once per collective for good, and a 0.3 us allreduce takes 150-170 us from one
- * hiccup on (in 16 of 20 ddp-bench runs in such an hour, 89 of their 200 points). So the
- * next wait that polls after waking a sleeper yields for up to the after-wake budget
- * (1 ms at first) before it sleeps: it sees the late peer arrive, neither rank sleeps, and
- * the two run in step again (0 of 200 points stuck, interleaved with the runs above). A
- * wake-up slower than that budget would keep the pattern going at a slower pace, so a
- * budget that ran out doubles, up to 8 ms, and one that sufficed goes back to 1 ms. The cost
- * is bounded by one such window of polling per wake-up, and the polling yields its CPU to
- * anything runnable. */
+ * vCPU went idle is often longer than the 50 us yield budget on the development host. Were this
+ * rank to sleep in that wait as well, the peer would have to wake it in turn, arrive early at the
+ * one after, and sleep there: each rank then sleeps once per collective for good, and a 0.3 us
+ * allreduce takes 150-170 us from one hiccup on (in 16 of 20 ddp-bench runs in such an hour, 89 of
+ * their 200 points). So the next wait that polls after waking a sleeper yields for up to the
+ * after-wake budget (1 ms at first) before it sleeps: it sees the late peer arrive, neither rank
+ * sleeps, and the two run in step again (3 of 400 points stuck against 126 of 400, in runs
+ * alternating with the old policy's; docs/benchmarks.md, "eighth pass"). A wake-up slower than that
+ * budget would keep the pattern going at a slower pace, so a budget that ran out doubles, up to 8
+ * ms, and one that sufficed goes back to 1 ms. The cost is bounded by one such window of polling
+ * per wake-up, and the polling yields its CPU to anything runnable. */
 #include "algo/algo.h"
 
 int64_t ddp__wait_spin_ns(const ddp__wait_policy_t *p) {
