@@ -1,12 +1,17 @@
 /* The shared family's waiting policy (src/algo/wait_policy.c): the budgets of a wait's PAUSE
- * and sched_yield phases as earlier waits ended. Pure bookkeeping, so every rule is checked
- * here without two CPUs or a clock; the collectives that run on it are test_collectives'. */
+ * and sched_yield phases as earlier waits ended. The rules are pure bookkeeping, checked
+ * without two CPUs or a clock; one test checks the wiring in shared.c (a barrier that wakes
+ * a sleeping peer records it for the waker only). The collectives themselves are
+ * test_collectives'. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <time.h>
 
 #include "algo/algo.h"
+#include "ddp/pg.h"
+#include "pg/pg_internal.h"
 
 static void test_start(void **state) {
   (void)state;
@@ -71,12 +76,43 @@ static void test_after_wake_doubles(void **state) {
   assert_int_equal(ddp__wait_yield_ns(&p), DDP__WAIT_AFTER_WAKE_MIN_NS);
 }
 
+/* Two thread ranks: rank 1 arrives at a barrier 200 ms after rank 0, which has long gone to
+ * sleep on the futex by then (its yield budget is 50 us), so rank 1's arrival wakes it. Each
+ * rank records, after the barrier, whether its policy holds a wake-up; the main thread
+ * asserts. Rank 1's own wait found rank 0 arrived, so it polled nothing and kept the record
+ * for its next wait; rank 0 woke nobody. */
+typedef struct wake_probe {
+  bool woke[2];
+} wake_probe_t;
+
+static ddp_status_t wake_rank(ddp_pg_t *pg, void *arg) {
+  wake_probe_t *p = arg;
+  int r = ddp_pg_rank(pg);
+  DDP_CHECK(ddp_barrier(pg, NULL)); /* both up, no one asleep yet */
+  if (r == 1) {
+    struct timespec ts = {0, 200 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  DDP_CHECK(ddp_barrier(pg, NULL));
+  p->woke[r] = pg->comm.wait.woke_sleeper;
+  return ddp_barrier(pg, NULL); /* after the records: its wait may consume them */
+}
+
+static void test_barrier_records_wake(void **state) {
+  (void)state;
+  wake_probe_t p = {{true, false}};
+  assert_int_equal(ddp_spawn_threads(2, NULL, wake_rank, &p), DDP_OK);
+  assert_false(p.woke[0]); /* rank 0 slept and was woken; it woke nobody */
+  assert_true(p.woke[1]);  /* rank 1 woke the sleeper */
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_start),
       cmocka_unit_test(test_spin_adapts),
       cmocka_unit_test(test_after_wake_once),
       cmocka_unit_test(test_after_wake_doubles),
+      cmocka_unit_test(test_barrier_records_wake),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

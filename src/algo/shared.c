@@ -269,8 +269,8 @@ static ddp_status_t wait_for(ddp__comm_t *c, pred_fn pred, const void *arg, desc
     }
     sched_yield();
   }
-  ddp__wait_ended(&c->wait, DDP__WAIT_SLEPT, ddp_now_ns() - t0);
   int64_t start = ddp_now_ns(), last_check = start;
+  ddp__wait_ended(&c->wait, DDP__WAIT_SLEPT, start - t0);
   for (;;) {
     atomic_fetch_add(&h->waiters, 1); /* before the event word and the last look (wake) */
     uint32_t ev = atomic_load(&h->event);
