@@ -85,7 +85,7 @@ typedef struct ddp__comm {
   void *state;
   const ddp_backend_shared_t *sh; /* shared family */
   size_t segment_bytes;           /* link family: pipelining segment */
-  unsigned char *scratch;         /* link family: size * max(segment, small) bytes */
+  unsigned char *scratch;         /* link family: size * max(2 segments, small) bytes */
   size_t scratch_bytes;
   unsigned char *tmp;      /* DDP_REDUCE_TMP_BYTES, fold accumulator */
   uint64_t barriers;       /* shared: barriers this rank has entered */

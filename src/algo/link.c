@@ -85,14 +85,14 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
 /* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
  * range [lo_r, lo_r + len_r) of a vector of which every rank holds a contribution at
  * in_j + base_j (base_j = the offset of that range in rank j's input). The ranges are
- * walked in segments of `seg` elements. Segment s moves in one batch: every rank sends
- * segment s of each peer's range to that peer and receives segment s of its own range from
+ * walked in segments of `seg` elements (segment_elems). Segment s moves in one batch: every rank
+ * sends segment s of each peer's range to that peer and receives segment s of its own range from
  * every peer into per-source scratch. The fold of segment s (the W contributions in rank
  * order into out) runs inside the batch of segment s + 1, the first time that batch waits
  * for the network (ddp_xfer_idle_t), so the reduction of one segment overlaps the transfer
  * of the next. Scratch is two sets of W segments, used alternately, whatever the message
- * size. Sends and receives of a segment stay in one batch, so no rank can block on a full
- * socket while its peer does the same.
+ * size (a slice in one part of up to two segments uses one set). Sends and receives of a segment
+ * stay in one batch, so no rank can block on a full socket while its peer does the same.
  *
  * Fingerprints. The caller has not exchanged them. When the first segment sent to each
  * peer is at most FP_PIGGYBACK bytes, it follows this rank's fingerprint on the same stream
@@ -103,6 +103,23 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
  * never block each other's sends. Larger segments, and message backends (MPI completes a
  * send only once the receiver has posted for it), exchange fingerprints first. */
 #define FP_PIGGYBACK (64u * 1024u)
+
+/* The segment, in elements, that walks slices of at most maxlen elements: a slice of up to
+ * two of the group's segments (seg elements) goes whole, a longer one in the fewest equal
+ * parts of at most seg, rounded up to 64 bytes. On loopback a segment is two copies by the
+ * kernel and a fold on a CPU the ranks keep busy, so for two segments the pipeline costs
+ * more than the overlap it buys (tools/bench_peers.sh, W = 2, tcp, 256 KiB segments,
+ * alternating runs, median ratio of p50 to two segments: slice 384 KiB whole 0.87, 512 KiB
+ * 0.78-0.89; a 640 or 768 KiB slice whole was 1.13-1.27x slower than in 256 KiB segments,
+ * and parts of 512 KiB made later collectives slower). The fold order does not depend on
+ * it; every rank computes the same parts from the agreed count and segment. */
+static size_t segment_elems(const ddp__comm_t *c, size_t es, size_t maxlen) {
+  size_t seg = c->segment_bytes / es, align = DDP_MAX(64 / es, (size_t)1);
+  size_t parts = (maxlen + seg - 1) / seg;
+  if (parts <= 2) return DDP_MAX(maxlen, (size_t)1);
+  size_t part = (maxlen + parts - 1) / parts;
+  return (part + align - 1) / align * align;
+}
 
 typedef struct fold_job {
   ddp__comm_t *c;
@@ -120,9 +137,10 @@ static void fold_job_run(void *arg) {
 static ddp_status_t reduce_owned(ddp__comm_t *c, const ddp__coll_t *op, const unsigned char *in,
                                  const size_t *src_off, const size_t *len, unsigned char *out,
                                  ddp_error_t *err) {
-  size_t es = ddp_dtype_size(op->dt), seg = c->segment_bytes / es, maxlen = 0;
+  size_t es = ddp_dtype_size(op->dt), maxlen = 0;
   int W = c->size, r = c->rank;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
+  size_t seg = segment_elems(c, es, maxlen);
   bool piggy = c->check_fp && c->ops->stream && DDP_MIN(seg, maxlen) * es <= FP_PIGGYBACK;
   if (!piggy && c->check_fp) DDP_CHECK(check_fps(c, op, err));
   ddp_xfer_t ops[3 * MAXW];
@@ -179,8 +197,9 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
   unsigned char *out = op->recv;
   for (int j = 0; j < W; j++) ddp_coll_part(n, W, j, &lo[j], &len[j]);
   DDP_CHECK(reduce_owned(c, op, op->send, lo, len, out + lo[r] * es, err));
-  size_t seg = c->segment_bytes / es, maxlen = 0;
+  size_t maxlen = 0;
   for (int j = 0; j < W; j++) maxlen = DDP_MAX(maxlen, len[j]);
+  size_t seg = segment_elems(c, es, maxlen);
   for (size_t b = 0; b < maxlen; b += seg) {
     ddp_xfer_t ops[2 * MAXW];
     size_t k = 0;

@@ -341,8 +341,8 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_err
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   const ddp_backend_ops_t *ops = NULL;
   DDP_CHECK(resolve_options(opts, &o, &ops, err));
-  /* The pipelining segment: 1 MiB unless set, rounded up to 64 bytes. shm staging is the
-   * segment size when the caller set one (tests reach the chunked path with small
+  /* The pipelining segment: DDP_PG_SEGMENT_BYTES_DEFAULT unless set, rounded up to 64 bytes. shm
+   * staging is the segment size when the caller set one (tests reach the chunked path with small
    * messages), else 4 MiB per rank. */
   size_t seg_requested = o.segment_bytes;
   if (o.segment_bytes == 0) o.segment_bytes = DDP_PG_SEGMENT_BYTES_DEFAULT;
