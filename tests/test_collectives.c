@@ -115,6 +115,16 @@ static int matrix_rank(ddp_test_rank_t *tr, void *arg) {
   return DDP_OK;
 }
 
+/* matrix_rank where rank 1 alone passes private buffers and the others ddp_pg_alloc ones:
+ * the shared family's AUTO allreduce (above 512 bytes, up to 16 KiB) then folds rank 1's
+ * box with the others' buffers, and those ranks fold into scratch and copy out after a
+ * barrier (src/algo/shared.c, allreduce_auto). */
+static int mixed_rank(ddp_test_rank_t *tr, void *arg) {
+  cfg_t cfg = *(const cfg_t *)arg;
+  cfg.pg_alloc = ddp_test_rank(tr) != 1;
+  return matrix_rank(tr, &cfg);
+}
+
 /* Spawns cfg's world running fn on every rank (thread ranks share an in-memory store) and
  * asserts that every rank returned DDP_OK. */
 static void run_cfg(cfg_t *cfg, int (*fn)(ddp_test_rank_t *, void *)) {
@@ -160,6 +170,14 @@ static void test_shm_matrix_staged(void **state) {
   /* ordinary buffers: copied through staging areas of 4 KiB, so large counts take many
    * chunks */
   run_matrix("shm", DDP_TEST_FORK, worlds_all, 6, false, 4096);
+}
+
+static void test_shm_matrix_mixed(void **state) {
+  static const int w[] = {2, 3};
+  for (int k = 0; k < 2; k++) {
+    cfg_t cfg = {"shm", DDP_TEST_FORK, w[k], fork_dtypes, 4, DDP_ALGO_AUTO, 0, false, NULL};
+    run_cfg(&cfg, mixed_rank);
+  }
 }
 
 static void test_shm_matrix_direct(void **state) {
@@ -693,7 +711,9 @@ static void test_algorithm_table_env(void **state) {
   ddp_set_log_sink(capture_sink, &cap);
   setenv("DDP_DEBUG", "INFO", 1);
   assert_int_equal(ddp_spawn_threads(2, NULL, noop_fn, NULL), DDP_OK);
-  assert_true(captured(&cap, "small up to 16384 bytes, canonical above (DDP_ALGORITHM=auto)"));
+  assert_true(captured(&cap, "small up to 512 bytes, then up to 16384 bytes canonical where every "
+                             "rank's buffers are in shared memory and small otherwise, canonical "
+                             "above (DDP_ALGORITHM=auto)"));
   cap.n = 0;
   setenv("DDP_ALGORITHM", "ring", 1);
   assert_int_equal(ddp_spawn_threads(2, NULL, noop_fn, NULL), DDP_OK);
@@ -710,6 +730,7 @@ int main(void) {
       cmocka_unit_test(test_threads_matrix),
       cmocka_unit_test(test_shm_matrix_staged),
       cmocka_unit_test(test_shm_matrix_direct),
+      cmocka_unit_test(test_shm_matrix_mixed),
       cmocka_unit_test(test_tcp_matrix),
       cmocka_unit_test(test_tcp_ring_small_segments),
       cmocka_unit_test(test_blocking_calls),

@@ -13,6 +13,13 @@
 #include "ddp/backend.h"
 #include "ddp/tensor.h"
 
+/* Shared family: each rank's box for the one-barrier small allreduce, per sequence parity.
+ * Allreduces above the size table's small bound and up to this size run AUTO: every rank
+ * publishes its buffers' handles and, when they are not in shared memory, fills its box,
+ * and the run takes canonical when every rank's buffers are shared, the boxes otherwise
+ * (src/algo/shared.c). The group's scratch holds at least this much. */
+#define DDP__SHARED_BOX_BYTES (16u * 1024u)
+
 /* The fingerprint every collective carries: ranks compare them before any data moves
  * (always on). Point-to-point pairs carry kind DDP_COLL_SEND on both sides, root = sender,
  * seq = the pair's own counter. `algo` and `segment` are part of it because ranks that

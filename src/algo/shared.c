@@ -88,7 +88,7 @@ typedef struct pair_cell {
 
 /* Each rank's two boxes (one per parity of the collective's sequence number) for the
  * one-barrier small allreduce. */
-#define BOX_BYTES (16u * 1024u)
+#define BOX_BYTES DDP__SHARED_BOX_BYTES
 /* The most of a box enter() takes back into its writer's cache. */
 #define BOX_TAKE_MAX (4u * 1024u)
 
@@ -395,6 +395,11 @@ static ddp_status_t enter(ddp__comm_t *c, const ddp__coll_t *op, size_t stamped,
   return DDP_OK;
 }
 
+/* Whether rank j's published buffers (its line's handles) are in shared memory. */
+static bool published_shared(ddp__comm_t *c, int j) {
+  return line(c, j)->u.h[0] != UINT64_MAX && line(c, j)->u.h[1] != UINT64_MAX;
+}
+
 /* enter() with this rank's buffers published. *direct = every rank's buffers are readable
  * by all. */
 static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in, size_t in_bytes,
@@ -404,8 +409,7 @@ static ddp_status_t begin(ddp__comm_t *c, const ddp__coll_t *op, const void *in,
   me->u.h[1] = out_bytes ? c->sh->to_handle(c->state, out, out_bytes) : 0;
   DDP_CHECK(enter(c, op, 0, err));
   *direct = true;
-  for (int j = 0; j < c->size; j++)
-    if (line(c, j)->u.h[0] == UINT64_MAX || line(c, j)->u.h[1] == UINT64_MAX) *direct = false;
+  for (int j = 0; j < c->size; j++) *direct &= published_shared(c, j);
   return DDP_OK;
 }
 
@@ -414,6 +418,69 @@ static const unsigned char *peer_in(ddp__comm_t *c, int j) {
 }
 static const unsigned char *peer_out(ddp__comm_t *c, int j) {
   return c->sh->from_handle(c->state, line(c, j)->u.h[1]);
+}
+
+/* The direct canonical allreduce (below), after begin() or enter() found every rank's
+ * buffers in shared memory. */
+static ddp_status_t allreduce_direct(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t es = ddp_dtype_size(op->dt), lo, len, blk = DDP_REDUCE_TMP_BYTES / es;
+  int W = c->size, r = c->rank;
+  unsigned char *out = op->recv, *dsts[DDP_PG_MAX_WORLD];
+  const void *srcs[DDP_PG_MAX_WORLD];
+  ddp_coll_part(op->count, W, r, &lo, &len);
+  for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, j) + lo * es;
+  for (size_t off = 0; off < len; off += blk) {
+    size_t m = DDP_MIN(blk, len - off);
+    for (int j = 0; j < W; j++) srcs[j] = peer_in(c, j) + (lo + off) * es;
+    ddp_reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
+    for (int j = 0; j < W; j++)
+      if (j != r) memcpy(dsts[j] + off * es, out + (lo + off) * es, m * es);
+  }
+  return barrier(c, err);
+}
+
+/* Allreduce AUTO, from the small bound up to BOX_BYTES (src/pg resolves it so): the box
+ * when buffers are private, canonical when they are shared. A fold of the whole vector from
+ * a peer's box moves all of it between the cores, and the take-back of the box moves it
+ * again; canonical moves half of it each way, both ranks at once (ddp-bench, W = 2, shared
+ * buffers, alternating runs, median ratio of p50 canonical / box: 512 B 1.09-1.18, 1 KiB
+ * 0.71-0.84, 2 KiB 0.57-0.62, 4 KiB 0.47-0.49, 8-16 KiB 0.27-0.54; with private buffers
+ * canonical copies through the staging area behind three barriers and loses: 1-4 KiB
+ * 1.33-1.55, 16 KiB 0.87). Each rank publishes its buffers' handles in its line and fills its
+ * box only when they are private, so after the first barrier every rank sees the same
+ * handles and takes the same path: canonical when all are shared; otherwise the fold of
+ * every rank's input in rank order, from its box or, where shared, from its buffer. A rank
+ * whose buffer peers read must not write its output before they are done: its fold goes
+ * to scratch, and after a barrier that every rank joins (all see the same handles) it
+ * copies the result out. */
+static ddp_status_t allreduce_auto(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
+  size_t bytes = op->count * ddp_dtype_size(op->dt);
+  int W = c->size, r = c->rank;
+  const void *srcs[DDP_PG_MAX_WORLD];
+  line(c, r)->u.h[0] = c->sh->to_handle(c->state, op->send, bytes);
+  line(c, r)->u.h[1] = c->sh->to_handle(c->state, op->recv, bytes);
+  bool read_by_peers = published_shared(c, r);
+  if (!read_by_peers) {
+    memcpy(box(c, r, op->fp.seq), op->send, bytes);
+    c->box_dirty[c->par] = bytes; /* the next collective's enter() takes it back */
+  }
+  DDP_CHECK(enter(c, op, 0, err));
+  bool all_shared = true, any_shared = false;
+  for (int j = 0; j < W; j++) {
+    all_shared &= published_shared(c, j);
+    any_shared |= published_shared(c, j);
+  }
+  if (all_shared) return allreduce_direct(c, op, err);
+  for (int j = 0; j < W; j++) {
+    srcs[j] = j == r ? op->send : published_shared(c, j) ? peer_in(c, j) : box(c, j, op->fp.seq);
+    if (j != r) prefetch_lines(srcs[j], bytes, false); /* all misses at once */
+  }
+  unsigned char *dst = read_by_peers ? c->scratch : op->recv;
+  ddp_reduce_fold(op->dt, op->op, W, srcs, dst, op->count, c->tmp, W);
+  if (!any_shared) return DDP_OK;
+  DDP_CHECK(barrier(c, err)); /* every rank, when any reads a peer's buffer */
+  if (read_by_peers) memcpy(op->recv, dst, bytes);
+  return DDP_OK;
 }
 
 /* Allreduce. Direct, canonical: rank r owns slice r. It folds slice r of every rank's
@@ -478,6 +545,7 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
     ddp_reduce_fold(op->dt, op->op, W, srcs, out, n, c->tmp, W);
     return DDP_OK;
   }
+  if (op->algo == DDP_ALGO_AUTO && n > 0 && n * es <= BOX_BYTES) return allreduce_auto(c, op, err);
   DDP_CHECK(begin(c, op, in, n * es, out, n * es, &direct, err));
   if (n == 0) return DDP_OK;
   if (direct && op->algo == DDP_ALGO_SMALL && n * es <= c->scratch_bytes) {
@@ -487,20 +555,7 @@ static ddp_status_t allreduce(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
     memcpy(out, c->scratch, n * es);
     return DDP_OK;
   }
-  if (direct) {
-    ddp_coll_part(n, W, r, &lo, &len);
-    size_t blk = DDP_REDUCE_TMP_BYTES / es;
-    unsigned char *dsts[DDP_PG_MAX_WORLD];
-    for (int j = 0; j < W; j++) dsts[j] = (unsigned char *)peer_out(c, j) + lo * es;
-    for (size_t off = 0; off < len; off += blk) {
-      size_t m = DDP_MIN(blk, len - off);
-      for (int j = 0; j < W; j++) srcs[j] = peer_in(c, j) + (lo + off) * es;
-      ddp_reduce_fold(op->dt, op->op, W, srcs, out + (lo + off) * es, m, c->tmp, W);
-      for (int j = 0; j < W; j++)
-        if (j != r) memcpy(dsts[j] + off * es, out + (lo + off) * es, m * es);
-    }
-    return barrier(c, err);
-  }
+  if (direct) return allreduce_direct(c, op, err);
   size_t chunk = c->sh->staging_bytes / es;
   unsigned char *const *stg = c->sh->staging;
   for (size_t b = 0; b < n; b += chunk) {

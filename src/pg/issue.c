@@ -109,6 +109,10 @@ static ddp_algorithm_t resolve_algo(const ddp_pg_t *pg, const ddp__coll_t *c) {
   bool link = pg->ops->family == DDP_BACKEND_LINK;
   size_t bytes = c->count * ddp_dtype_size(c->dt), W = (size_t)pg->size;
   ddp_algorithm_t a = pg->algo;
+  /* Shared family, from the small bound to the box's size: AUTO stays, and the run decides
+   * from the buffers every rank publishes (src/algo/shared.c). */
+  if (a == DDP_ALGO_AUTO && !link && bytes > pg->small_max && bytes <= DDP__SHARED_BOX_BYTES)
+    return DDP_ALGO_AUTO;
   if (a == DDP_ALGO_AUTO) a = bytes <= pg->small_max ? DDP_ALGO_SMALL : DDP_ALGO_CANONICAL;
   if (a == DDP_ALGO_RING && !link) a = DDP_ALGO_CANONICAL;
   /* small needs the whole vector (link: W of them) in scratch */

@@ -268,7 +268,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   c->timeout_ms = o->timeout_ms;
   atomic_init(&c->aborted, false);
   c->scratch_bytes = ops->family == DDP_BACKEND_SHARED
-                         ? SMALL_SHARED
+                         ? DDP__SHARED_BOX_BYTES
                          : (size_t)o->world * DDP_MAX(2 * o->segment_bytes, pg->small_max);
   c->scratch = ddp__malloc(c->scratch_bytes);
   c->tmp = ddp__malloc(DDP_REDUCE_TMP_BYTES);
@@ -320,7 +320,13 @@ static ddp_status_t join_backend(ddp_pg_t *pg, const ddp_pg_options_t *o, size_t
 static void log_created(const ddp_pg_t *pg) {
   if (pg->rank != 0 || !ddp__log_enabled(DDP_LOG_INFO)) return;
   const ddp_backend_ops_t *ops = pg->ops;
-  if (pg->algo == DDP_ALGO_AUTO)
+  if (pg->algo == DDP_ALGO_AUTO && ops->family == DDP_BACKEND_SHARED)
+    ddp__log(pg->rank, DDP_LOG_INFO,
+             "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: "
+             "small up to %zu bytes, then up to %u bytes canonical where every rank's buffers "
+             "are in shared memory and small otherwise, canonical above (DDP_ALGORITHM=auto)",
+             ops->name, pg->size, (long long)pg->timeout_ms, pg->small_max, DDP__SHARED_BOX_BYTES);
+  else if (pg->algo == DDP_ALGO_AUTO)
     ddp__log(pg->rank, DDP_LOG_INFO,
              "process group: backend %s, world %d, timeout %lld ms; allreduce algorithm: "
              "small up to %zu bytes, canonical above (DDP_ALGORITHM=auto)",

@@ -15,7 +15,11 @@
 
 #define PG_MAGIC 0x70677270u
 #define WORK_MAGIC 0x776f726bu
-#define SMALL_SHARED (16u * 1024u)
+/* Shared family: small (the one-barrier exchange through lines and boxes) up to here, AUTO
+ * (decided by the run from the buffers, src/algo/shared.c) up to DDP__SHARED_BOX_BYTES,
+ * canonical above. At 1 KiB canonical over shared buffers already took 0.71-0.84 of the
+ * box's time, at 512 B 1.09-1.18 (ddp-bench, W = 2, alternating runs). */
+#define SMALL_SHARED 512u
 #define SMALL_LINK (32u * 1024u)
 /* Two ranks on a stream (tcp): small and canonical move the same bytes (the whole vector
  * each way, against half of it twice), and small's single exchange wins up to here
