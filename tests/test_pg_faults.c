@@ -400,12 +400,12 @@ static void test_rank_never_joins(void **state) {
 
 /* variant 0: rank 1 uses count 1001; 1: rank 2 uses MAX; 2: p2p sizes differ; 3: rank 1
  * uses another segment size (tcp: differently framed bytes), caught at the first allreduce;
- * 4 (tcp, W = 2): rank 0's vector follows its fingerprint on the stream (16376 f32 and the
- * fingerprint fill 64 KiB), rank 1's (16384) waits for the fingerprints' verdict; 5 (tcp,
+ * 4 (tcp, W = 2): rank 0's vector follows its fingerprint on the stream (16384 f32, the
+ * most that may: 64 KiB), rank 1's (20000) waits for the fingerprints' verdict; 5 (tcp,
  * W = 2): canonical over several segments on both; 6: rank 1's 4 floats ride in its line
  * while the others' 20 also need stamped lines (shared family), which rank 1 never stamps */
 static const size_t desync_counts[7][2] = {{1000, 1001},   {1000, 1000},     {0, 0}, {0, 0},
-                                           {16376, 16384}, {262144, 262145}, {20, 4}};
+                                           {16384, 20000}, {262144, 262145}, {20, 4}};
 
 static int desync_rank(ddp_test_rank_t *tr, void *arg) {
   const fcfg_t *cfg = arg;
@@ -477,7 +477,7 @@ static void test_desync(void **state) {
   snprintf(default_segment, sizeof default_segment, "segment %u", DDP_PG_SEGMENT_BYTES_DEFAULT);
   const char *needles[7][2] = {{"count 1000,", "count 1001,"},   {"SUM", "MAX"},
                                {"count 10,", "count 11,"},       {"segment 4096", default_segment},
-                               {"count 16376,", "count 16384,"}, {"count 262144,", "count 262145,"},
+                               {"count 16384,", "count 20000,"}, {"count 262144,", "count 262145,"},
                                {"count 20,", "count 4,"}};
   for (int b = 0; b < 3; b++)
     for (int v = 0; v < 7; v++) {

@@ -143,14 +143,17 @@ typedef struct ddp_backend_shared {
  * (tcp: one recvmsg for both), and never waits for. tail_done says how many it read; the
  * caller receives the rest itself. It saves a small message one receive call when the
  * caller knows what follows (a fingerprint, then a payload of the agreed size). A backend
- * may ignore tails (tail_done stays 0). */
+ * may ignore receive tails (tail_done stays 0). A send's tail is tail_bytes more bytes sent
+ * right behind buf (tcp: one sendmsg for both, no copy to join them), and the send is done
+ * when both are; the algorithms give sends tails only on stream backends (`stream`), which
+ * must honour them. */
 typedef struct ddp_xfer {
   int peer;
   bool is_send;
   void *buf; /* const for sends */
   size_t bytes;
   size_t done; /* progress, owned by the backend during xfer() */
-  void *tail;  /* receives only; NULL = none */
+  void *tail;  /* NULL = none; const for sends */
   size_t tail_bytes;
   size_t tail_done; /* owned by the backend during xfer() */
 } ddp_xfer_t;

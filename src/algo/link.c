@@ -48,24 +48,31 @@ static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp_
   return DDP_OK;
 }
 
-/* Sends `msg` (msg_bytes, starting with this rank's fingerprint) to every peer, receives
- * every peer's fingerprint, and compares. A collective can append its first payload to
- * the fingerprint in msg, so that it travels in the same segment (one network round trip
- * fewer); receivers still read only the 32 fingerprint bytes here, so ranks that disagree
- * on the payload size all read each other's fingerprints and all report DESYNC. A receiver
+/* Sends `msg` (msg_bytes, starting with this rank's fingerprint), then `payload`
+ * (payload_bytes, as the send's tail: stream backends only), to every peer, receives every
+ * peer's fingerprint, and compares. A collective can append its first payload to the
+ * fingerprint, in msg or as the payload, so that it travels in the same segment (one
+ * network round trip fewer); receivers still read only the 32 fingerprint bytes here, so
+ * ranks that disagree on the payload size all read each other's fingerprints and all
+ * report DESYNC. A receiver
  * may also take what already followed a peer's fingerprint (the payload of the agreed size;
  * ddp_xfer_t's tail): into tail + j * tail_bytes for peer j, up to tail_bytes, with the
  * count in got[j]. What a peer whose fingerprint differs sent past it is never used: DESYNC
  * fails the group. tail NULL = fingerprints only. */
 static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const void *msg,
-                                 size_t msg_bytes, unsigned char *tail, size_t tail_bytes,
-                                 size_t *got, ddp_error_t *err) {
+                                 size_t msg_bytes, const void *payload, size_t payload_bytes,
+                                 unsigned char *tail, size_t tail_bytes, size_t *got,
+                                 ddp_error_t *err) {
   ddp__fp_t fps[MAXW];
   ddp_xfer_t ops[2 * MAXW];
   size_t n = 0;
   for (int j = 0; j < c->size; j++) {
     if (j == c->rank) continue;
     add(ops, &n, j, true, msg, msg_bytes);
+    if (payload_bytes) {
+      ops[n - 1].tail = (void *)payload;
+      ops[n - 1].tail_bytes = payload_bytes;
+    }
     add(ops, &n, j, false, &fps[j], sizeof fps[j]);
     if (tail) {
       ops[n - 1].tail = tail + (size_t)j * tail_bytes;
@@ -79,7 +86,7 @@ static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const vo
 }
 
 static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err) {
-  return exchange_fps(c, op, &op->fp, sizeof op->fp, NULL, 0, NULL, err);
+  return exchange_fps(c, op, &op->fp, sizeof op->fp, NULL, 0, NULL, 0, NULL, err);
 }
 
 /* Owner-computes reduction over slices (the canonical order, D2). Rank r owns the element
@@ -216,11 +223,11 @@ static ddp_status_t allreduce_canonical(ddp__comm_t *c, const ddp__coll_t *op, d
 
 /* Small allreduce: every rank sends its whole vector to every peer and folds all W in rank
  * order itself. One round of messages instead of two; W times the bytes, so only below
- * the size table's threshold. On stream backends (with_fp) the vector travels in one
- * message with the fingerprint (assembled in tmp; run_link skips the separate fingerprint
- * round), so a small allreduce costs one network round trip, and the receive that takes a
- * peer's fingerprint also takes whatever of its vector has arrived behind it (the tail:
- * one receive call fewer; measured on loopback, W = 2, 4 B to 16 KiB: 8.1-8.4 to 6.9-7.1 us
+ * the size table's threshold. On stream backends (with_fp, up to FP_PIGGYBACK bytes) the
+ * vector follows the fingerprint in the same send call (run_link skips the separate
+ * fingerprint round), so a small allreduce costs one network round trip, and the receive
+ * that takes a peer's fingerprint also takes whatever of its vector has arrived behind it (the
+ * tail: one receive call fewer; measured on loopback, W = 2, 4 B to 16 KiB: 8.1-8.4 to 6.9-7.1 us
  * p50 with the abort check below, docs/benchmarks.md). A peer that sent its message
  * and then failed or aborted before completing is caught by a zero-byte probe receive
  * (tcp: its stream ended without the goodbye of an orderly destroy), so this rank fails
@@ -232,10 +239,16 @@ static ddp_status_t allreduce_small(ddp__comm_t *c, const ddp__coll_t *op, bool 
   ddp_xfer_t ops[2 * MAXW];
   const void *srcs[MAXW];
   size_t k = 0, got[MAXW] = {0};
-  if (with_fp) {
+  if (with_fp && sizeof op->fp + bytes <= DDP_REDUCE_TMP_BYTES) {
+    /* one buffer where it fits: a copy costs less than a send in two parts (loopback,
+     * W = 2, 4 B-4 KiB: p50 1.08-1.17x slower with the send tail) */
     memcpy(c->tmp, &op->fp, sizeof op->fp);
     memcpy(c->tmp + sizeof op->fp, op->send, bytes);
-    DDP_CHECK(exchange_fps(c, op, c->tmp, sizeof op->fp + bytes, c->scratch, bytes, got, err));
+    DDP_CHECK(
+        exchange_fps(c, op, c->tmp, sizeof op->fp + bytes, NULL, 0, c->scratch, bytes, got, err));
+  } else if (with_fp) {
+    DDP_CHECK(
+        exchange_fps(c, op, &op->fp, sizeof op->fp, op->send, bytes, c->scratch, bytes, got, err));
   }
   for (int j = 0; j < W; j++) {
     srcs[j] = j == r ? op->send : c->scratch + (size_t)j * bytes;
@@ -377,7 +390,7 @@ ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *e
                o.count * es * (size_t)c->size <= c->scratch_bytes;
   bool canonical = o.kind == DDP_COLL_ALLREDUCE && !small && o.algo != DDP_ALGO_RING;
   if (small && c->check_fp && c->ops->stream && c->size > 1 && o.count > 0 &&
-      sizeof o.fp + o.count * es <= DDP_REDUCE_TMP_BYTES)
+      o.count * es <= FP_PIGGYBACK)
     return allreduce_small(c, &o, true, err);
   /* reduce_owned checks fingerprints itself, with the first segment when it is small. */
   bool owned = o.count > 0 && c->size > 1 && (canonical || o.kind == DDP_COLL_REDUCE_SCATTER);

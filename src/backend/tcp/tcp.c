@@ -598,6 +598,12 @@ static ddp_status_t lost_peer_error(tcp_state_t *s, int peer, bool is_send, int 
                           e != 0 ? "" : "closed its connection", how, others);
 }
 
+/* Whether transfer o is complete: its bytes, and a send's tail (a receive's tail is only
+ * taken when it has arrived). */
+static bool xfer_done(const ddp_xfer_t *o) {
+  return o->done == o->bytes && (!o->is_send || !o->tail || o->tail_done == o->tail_bytes);
+}
+
 static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_idle_t *idle,
                              int64_t deadline, ddp_error_t *err) {
   tcp_state_t *s = state;
@@ -613,14 +619,26 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
       ddp_xfer_t *o = &ops[i];
       int fd = s->fds[o->peer];
       uint64_t *word = &busy[o->is_send][o->peer / 64], bit = 1ull << (o->peer % 64);
-      if (o->done < o->bytes && (*word & bit)) continue; /* polled through the earlier one */
+      /* A send's tail is part of the transfer: it is done when both are sent. */
+      bool send_tail = o->is_send && o->tail;
+      if (!xfer_done(o) && (*word & bit)) continue; /* polled through the earlier one */
       char probe;
       if (!o->is_send && o->bytes == 0 && recv(fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
         return lost_peer_error(s, o->peer, false, 0, 0, 0, true, deadline, err);
-      while (o->done < o->bytes) {
+      while (!xfer_done(o)) {
         ssize_t r;
         size_t want = o->bytes - o->done;
-        if (o->is_send) {
+        if (send_tail) { /* one call for what is left of both */
+          struct iovec v[2] = {{(char *)o->buf + o->done, want},
+                               {(char *)o->tail + o->tail_done, o->tail_bytes - o->tail_done}};
+          struct msghdr m = {.msg_iov = want ? v : v + 1, .msg_iovlen = want ? 2 : 1};
+          r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+          if (r > (ssize_t)want) {
+            o->tail_done += (size_t)r - want;
+            r = (ssize_t)want;
+            if (r == 0) continue;
+          }
+        } else if (o->is_send) {
           r = send(fd, (char *)o->buf + o->done, want, MSG_NOSIGNAL | MSG_DONTWAIT);
         } else if (o->tail && o->tail_done < o->tail_bytes) {
           /* The tail shares the call: what arrived beyond the transfer's bytes lands there. */
@@ -652,7 +670,7 @@ static ddp_status_t tcp_xfer(void *state, ddp_xfer_t *ops, size_t n, ddp_xfer_id
         return lost_peer_error(s, o->peer, o->is_send, errno, o->done, o->bytes, false, deadline,
                                err);
       }
-      if (o->done < o->bytes) {
+      if (!xfer_done(o)) {
         *word |= bit;
         pfd[pending] = (struct pollfd){fd, (short)(o->is_send ? POLLOUT : POLLIN), 0};
         map[pending++] = i;
