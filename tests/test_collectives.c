@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -476,6 +477,90 @@ static void *tail_rank_main(void *arg) {
   return NULL;
 }
 
+/* A send's tail (ddp_xfer_t): rank 0 sends `head` bytes from buf and the rest of a
+ * 40 MiB pattern as the tail, more than the socket buffers hold, so tcp's sendmsg returns
+ * short and resumes inside buf, across the join and inside the tail; rank 1 starts
+ * receiving only after 20 ms, in one plain receive, and must see the pattern whole and in
+ * order. */
+#define SEND_TAIL_BYTES (40u << 20)
+
+typedef struct send_tail_case {
+  ddp_store_t *store;
+  size_t head;
+  unsigned char *data[2]; /* rank 0's pattern, rank 1's receive */
+  ddp_status_t st[2];
+  ddp_error_t err[2];
+} send_tail_case_t;
+
+typedef struct send_tail_rank {
+  send_tail_case_t *tc;
+  int rank;
+} send_tail_rank_t;
+
+static void *send_tail_main(void *arg) {
+  send_tail_rank_t *tr = arg;
+  send_tail_case_t *tc = tr->tc;
+  const ddp_backend_ops_t *ops = ddp_backend_find("tcp");
+  ddp_backend_init_t in = {sizeof in, tr->rank, 2, tc->store, 20000, "", 0, 0, 0};
+  ddp_error_t err = {0};
+  void *state = NULL;
+  ddp_status_t st = ops->create(&in, &state, &err);
+  int64_t deadline = ddp_now_ns() + 20000LL * 1000000LL;
+  unsigned char *d = tc->data[tr->rank];
+  ddp_xfer_t x = {.peer = 1, .is_send = true, .buf = d, .bytes = tc->head};
+  if (tr->rank == 0) {
+    x.tail = d + tc->head;
+    x.tail_bytes = SEND_TAIL_BYTES - tc->head;
+  } else {
+    x = (ddp_xfer_t){.peer = 0, .buf = d, .bytes = SEND_TAIL_BYTES};
+    struct timespec ts = {0, 20 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  if (st == DDP_OK) st = ops->xfer(state, &x, 1, NULL, deadline, &err);
+  if (st == DDP_OK && tr->rank == 0 && x.tail_done != x.tail_bytes) {
+    st = DDP_ERR_INTERNAL;
+    snprintf(err.msg, sizeof err.msg, "tail_done %zu of %zu", x.tail_done, x.tail_bytes);
+  }
+  tc->st[tr->rank] = st;
+  tc->err[tr->rank] = err;
+  if (state) ops->destroy(state);
+  return NULL;
+}
+
+static void test_tcp_xfer_send_tail(void **state) {
+  (void)state;
+  const size_t heads[] = {0, 32, 3u << 20};
+  for (size_t k = 0; k < ARRAY_LEN(heads); k++) {
+    send_tail_case_t tc = {.head = heads[k]};
+    ddp_store_options_t so = DDP_STORE_OPTIONS_INIT;
+    so.timeout_ms = 20000;
+    assert_int_equal(ddp_store_create_memory(&so, &tc.store, NULL), DDP_OK);
+    tc.data[0] = malloc(SEND_TAIL_BYTES);
+    tc.data[1] = calloc(1, SEND_TAIL_BYTES);
+    assert_non_null(tc.data[0]);
+    assert_non_null(tc.data[1]);
+    for (size_t i = 0; i < SEND_TAIL_BYTES; i++) tc.data[0][i] = tail_byte(i);
+    pthread_t th[2];
+    send_tail_rank_t tr[2] = {{&tc, 0}, {&tc, 1}};
+    for (int r = 0; r < 2; r++)
+      assert_int_equal(pthread_create(&th[r], NULL, send_tail_main, &tr[r]), 0);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+      if (tc.st[r] != DDP_OK) print_message("head %zu rank %d: %s\n", tc.head, r, tc.err[r].msg);
+      assert_int_equal(tc.st[r], DDP_OK);
+    }
+    size_t i = 0;
+    while (i < SEND_TAIL_BYTES && tc.data[1][i] == tail_byte(i)) i++;
+    if (i < SEND_TAIL_BYTES)
+      print_message("head %zu: byte %zu is %u, expected %u\n", tc.head, i, tc.data[1][i],
+                    tail_byte(i));
+    DDP_ASSERT_EQ(i, (size_t)SEND_TAIL_BYTES);
+    free(tc.data[0]);
+    free(tc.data[1]);
+    ddp_store_destroy(tc.store);
+  }
+}
+
 static void test_tcp_xfer_tail(void **state) {
   (void)state;
   const size_t firsts[] = {0, 1, 1000, TAIL_PAYLOAD};
@@ -727,21 +812,14 @@ static void test_algorithm_table_env(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_threads_matrix),
-      cmocka_unit_test(test_shm_matrix_staged),
-      cmocka_unit_test(test_shm_matrix_direct),
-      cmocka_unit_test(test_shm_matrix_mixed),
-      cmocka_unit_test(test_tcp_matrix),
-      cmocka_unit_test(test_tcp_ring_small_segments),
-      cmocka_unit_test(test_blocking_calls),
-      cmocka_unit_test(test_blocking_on_failed_group),
-      cmocka_unit_test(test_d2_across_backends),
-      cmocka_unit_test(test_tcp_xfer_tail),
-      cmocka_unit_test(test_spawn_threads_and_arguments),
-      cmocka_unit_test(test_backend_list),
-      cmocka_unit_test(test_last_error_copy),
-      cmocka_unit_test(test_create_from_env),
-      cmocka_unit_test(test_algorithm_table_env),
+      cmocka_unit_test(test_threads_matrix),     cmocka_unit_test(test_shm_matrix_staged),
+      cmocka_unit_test(test_shm_matrix_direct),  cmocka_unit_test(test_shm_matrix_mixed),
+      cmocka_unit_test(test_tcp_matrix),         cmocka_unit_test(test_tcp_ring_small_segments),
+      cmocka_unit_test(test_blocking_calls),     cmocka_unit_test(test_blocking_on_failed_group),
+      cmocka_unit_test(test_d2_across_backends), cmocka_unit_test(test_tcp_xfer_tail),
+      cmocka_unit_test(test_tcp_xfer_send_tail), cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_backend_list),       cmocka_unit_test(test_last_error_copy),
+      cmocka_unit_test(test_create_from_env),    cmocka_unit_test(test_algorithm_table_env),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
