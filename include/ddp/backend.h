@@ -26,7 +26,8 @@
 extern "C" {
 #endif
 
-#define DDP_BACKEND_ABI_VERSION 4u
+/* 5: a send may carry a tail (ddp_xfer_t), which stream backends must send. */
+#define DDP_BACKEND_ABI_VERSION 5u
 
 /* The vocabulary of collectives, shared by the algorithm layer, the backends and the
  * process-group API (include/ddp/pg.h): kinds and algorithms here, reduction ops
