@@ -435,15 +435,35 @@ typedef struct tail_rank {
 
 static unsigned char tail_byte(size_t i) { return (unsigned char)(i * 131u + 7u); }
 
+/* Rank `rank` of a two-rank tcp backend on store, without a process group: the xfer tests
+ * drive the backend's table directly. */
+typedef struct tcp_pair {
+  const ddp_backend_ops_t *ops;
+  void *state;
+  ddp_status_t st;
+  ddp_error_t err;
+  int64_t deadline;
+} tcp_pair_t;
+
+static void tcp_pair_open(tcp_pair_t *p, ddp_store_t *store, int rank) {
+  p->ops = ddp_backend_find("tcp");
+  ddp_backend_init_t in = {sizeof in, rank, 2, store, 20000, "", 0, 0, 0};
+  p->state = NULL;
+  p->err = (ddp_error_t){0};
+  p->st = p->ops->create(&in, &p->state, &p->err);
+  p->deadline = ddp_now_ns() + 20000LL * 1000000LL;
+}
+
 static void *tail_rank_main(void *arg) {
   tail_rank_t *tr = arg;
   tail_case_t *tc = tr->tc;
-  const ddp_backend_ops_t *ops = ddp_backend_find("tcp");
-  ddp_backend_init_t in = {sizeof in, tr->rank, 2, tc->store, 20000, "", 0, 0, 0};
-  ddp_error_t err = {0};
-  void *state = NULL;
-  ddp_status_t st = ops->create(&in, &state, &err);
-  int64_t deadline = ddp_now_ns() + 20000LL * 1000000LL;
+  tcp_pair_t p;
+  tcp_pair_open(&p, tc->store, tr->rank);
+  const ddp_backend_ops_t *ops = p.ops;
+  void *state = p.state;
+  ddp_error_t err = p.err;
+  ddp_status_t st = p.st;
+  int64_t deadline = p.deadline;
   unsigned char msg[32 + TAIL_PAYLOAD];
   for (size_t i = 0; i < sizeof msg; i++) msg[i] = tail_byte(i);
   if (tr->rank == 0) {
@@ -500,12 +520,8 @@ typedef struct send_tail_rank {
 static void *send_tail_main(void *arg) {
   send_tail_rank_t *tr = arg;
   send_tail_case_t *tc = tr->tc;
-  const ddp_backend_ops_t *ops = ddp_backend_find("tcp");
-  ddp_backend_init_t in = {sizeof in, tr->rank, 2, tc->store, 20000, "", 0, 0, 0};
-  ddp_error_t err = {0};
-  void *state = NULL;
-  ddp_status_t st = ops->create(&in, &state, &err);
-  int64_t deadline = ddp_now_ns() + 20000LL * 1000000LL;
+  tcp_pair_t p;
+  tcp_pair_open(&p, tc->store, tr->rank);
   unsigned char *d = tc->data[tr->rank];
   ddp_xfer_t x = {.peer = 1, .is_send = true, .buf = d, .bytes = tc->head};
   if (tr->rank == 0) {
@@ -516,14 +532,14 @@ static void *send_tail_main(void *arg) {
     struct timespec ts = {0, 20 * 1000000L};
     nanosleep(&ts, NULL);
   }
-  if (st == DDP_OK) st = ops->xfer(state, &x, 1, NULL, deadline, &err);
-  if (st == DDP_OK && tr->rank == 0 && x.tail_done != x.tail_bytes) {
-    st = DDP_ERR_INTERNAL;
-    snprintf(err.msg, sizeof err.msg, "tail_done %zu of %zu", x.tail_done, x.tail_bytes);
+  if (p.st == DDP_OK) p.st = p.ops->xfer(p.state, &x, 1, NULL, p.deadline, &p.err);
+  if (p.st == DDP_OK && tr->rank == 0 && x.tail_done != x.tail_bytes) {
+    p.st = DDP_ERR_INTERNAL;
+    snprintf(p.err.msg, sizeof p.err.msg, "tail_done %zu of %zu", x.tail_done, x.tail_bytes);
   }
-  tc->st[tr->rank] = st;
-  tc->err[tr->rank] = err;
-  if (state) ops->destroy(state);
+  tc->st[tr->rank] = p.st;
+  tc->err[tr->rank] = p.err;
+  if (p.state) p.ops->destroy(p.state);
   return NULL;
 }
 
