@@ -54,11 +54,10 @@ static ddp_status_t verify_fps(ddp__comm_t *c, const ddp__coll_t *op, const ddp_
  * fingerprint, in msg or as the payload, so that it travels in the same segment (one
  * network round trip fewer); receivers still read only the 32 fingerprint bytes here, so
  * ranks that disagree on the payload size all read each other's fingerprints and all
- * report DESYNC. A receiver
- * may also take what already followed a peer's fingerprint (the payload of the agreed size;
- * ddp_xfer_t's tail): into tail + j * tail_bytes for peer j, up to tail_bytes, with the
- * count in got[j]. What a peer whose fingerprint differs sent past it is never used: DESYNC
- * fails the group. tail NULL = fingerprints only. */
+ * report DESYNC. A receiver may also take what already followed a peer's fingerprint (the
+ * payload of the agreed size; ddp_xfer_t's tail): into tail + j * tail_bytes for peer j, up
+ * to tail_bytes, with the count in got[j]. What a peer whose fingerprint differs sent past it is
+ * never used: DESYNC fails the group. tail NULL = fingerprints only. */
 static ddp_status_t exchange_fps(ddp__comm_t *c, const ddp__coll_t *op, const void *msg,
                                  size_t msg_bytes, const void *payload, size_t payload_bytes,
                                  unsigned char *tail, size_t tail_bytes, size_t *got,
@@ -115,7 +114,7 @@ static ddp_status_t check_fps(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t
  * two of the group's segments (seg elements) goes whole, a longer one in the fewest equal
  * parts of at most seg, rounded up to 64 bytes. On loopback a segment is two copies by the
  * kernel and a fold on a CPU the ranks keep busy, so for two segments the pipeline costs
- * more than the overlap it buys (tools/bench_peers.sh, W = 2, tcp, 256 KiB segments,
+ * more than the overlap it buys (ddp-bench --segment, W = 2, tcp, 256 KiB segments,
  * alternating runs, median ratio of p50 to two segments: slice 384 KiB whole 0.87, 512 KiB
  * 0.78-0.89; a 640 or 768 KiB slice whole was 1.13-1.27x slower than in 256 KiB segments,
  * and parts of 512 KiB made later collectives slower). The fold order does not depend on
