@@ -38,9 +38,11 @@
 /* A survivor enters the collective that times out only after its own step's forward and
  * backward, which the injection does not delay: up to 0.4 s under the soak's load with a
  * kind's three jobs at once (the survivors failed 3.40 s after the injection, reporting
- * 3.04 s waits). So the timeout is checked on the wait the message reports, and the time
- * from the injection only against this much slack. */
-#define REACH_MS 2000.0
+ * 3.04 s waits), and 2.38 s when two copies of the whole suite ran at once (the soak's pair
+ * round: failed 5.38 s after the injection, reporting 3.00 s waits). So the timeout is
+ * checked on the wait the message reports, and the time from the injection only against
+ * this much slack. */
+#define REACH_MS 4000.0
 
 typedef struct job {
   const char *backend, *spec; /* spec NULL: no fault */
