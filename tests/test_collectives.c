@@ -454,28 +454,35 @@ static void tcp_pair_open(tcp_pair_t *p, ddp_store_t *store, int rank) {
   p->deadline = ddp_now_ns() + 20000LL * 1000000LL;
 }
 
+/* One transfer (a batch of one) unless an earlier step failed; the first failure stays. */
+static void tcp_pair_xfer(tcp_pair_t *p, ddp_xfer_t *x) {
+  if (p->st == DDP_OK) p->st = p->ops->xfer(p->state, x, 1, NULL, p->deadline, &p->err);
+}
+
+/* Hands the rank's outcome to the test and destroys the backend. */
+static void tcp_pair_close(tcp_pair_t *p, ddp_status_t *st, ddp_error_t *err) {
+  *st = p->st;
+  *err = p->err;
+  if (p->state) p->ops->destroy(p->state);
+}
+
 static void *tail_rank_main(void *arg) {
   tail_rank_t *tr = arg;
   tail_case_t *tc = tr->tc;
   tcp_pair_t p;
   tcp_pair_open(&p, tc->store, tr->rank);
-  const ddp_backend_ops_t *ops = p.ops;
-  void *state = p.state;
-  ddp_error_t err = p.err;
-  ddp_status_t st = p.st;
-  int64_t deadline = p.deadline;
   unsigned char msg[32 + TAIL_PAYLOAD];
   for (size_t i = 0; i < sizeof msg; i++) msg[i] = tail_byte(i);
   if (tr->rank == 0) {
     ddp_xfer_t a = {.peer = 1, .is_send = true, .buf = msg, .bytes = 32 + tc->first};
-    if (st == DDP_OK) st = ops->xfer(state, &a, 1, NULL, deadline, &err);
+    tcp_pair_xfer(&p, &a);
     pthread_barrier_wait(&tc->bar);
     pthread_barrier_wait(&tc->bar);
     ddp_xfer_t b = {.peer = 1,
                     .is_send = true,
                     .buf = msg + a.bytes,
                     .bytes = sizeof msg - a.bytes};
-    if (st == DDP_OK && b.bytes) st = ops->xfer(state, &b, 1, NULL, deadline, &err);
+    if (b.bytes) tcp_pair_xfer(&p, &b);
   } else {
     pthread_barrier_wait(&tc->bar);
     ddp_xfer_t h = {.peer = 0,
@@ -483,17 +490,15 @@ static void *tail_rank_main(void *arg) {
                     .bytes = 32,
                     .tail = tc->got + 32,
                     .tail_bytes = TAIL_PAYLOAD};
-    if (st == DDP_OK) st = ops->xfer(state, &h, 1, NULL, deadline, &err);
+    tcp_pair_xfer(&p, &h);
     tc->tail_done = h.tail_done;
     pthread_barrier_wait(&tc->bar);
     ddp_xfer_t rest = {.peer = 0,
                        .buf = tc->got + 32 + h.tail_done,
                        .bytes = TAIL_PAYLOAD - h.tail_done};
-    if (st == DDP_OK && rest.bytes) st = ops->xfer(state, &rest, 1, NULL, deadline, &err);
+    if (rest.bytes) tcp_pair_xfer(&p, &rest);
   }
-  tc->st[tr->rank] = st;
-  tc->err[tr->rank] = err;
-  if (state) ops->destroy(state);
+  tcp_pair_close(&p, &tc->st[tr->rank], &tc->err[tr->rank]);
   return NULL;
 }
 
@@ -532,14 +537,12 @@ static void *send_tail_main(void *arg) {
     struct timespec ts = {0, 20 * 1000000L};
     nanosleep(&ts, NULL);
   }
-  if (p.st == DDP_OK) p.st = p.ops->xfer(p.state, &x, 1, NULL, p.deadline, &p.err);
+  tcp_pair_xfer(&p, &x);
   if (p.st == DDP_OK && tr->rank == 0 && x.tail_done != x.tail_bytes) {
     p.st = DDP_ERR_INTERNAL;
     snprintf(p.err.msg, sizeof p.err.msg, "tail_done %zu of %zu", x.tail_done, x.tail_bytes);
   }
-  tc->st[tr->rank] = p.st;
-  tc->err[tr->rank] = p.err;
-  if (p.state) p.ops->destroy(p.state);
+  tcp_pair_close(&p, &tc->st[tr->rank], &tc->err[tr->rank]);
   return NULL;
 }
 
