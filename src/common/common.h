@@ -32,6 +32,26 @@
 #define DDP_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define DDP_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
+/* Function multiversioning for element-wise kernels: on x86-64 with GCC the function is also
+ * compiled for AVX-512 and AVX2 (DDP_VEC_CLONES) or for FMA (DDP_FMA_CLONES), and the
+ * variant is picked when the library loads. The clones may only vectorise what the plain
+ * code computes lane for lane (no contraction, no reassociation), so every variant gives
+ * the same bits. Not under ASan or TSan: the clones' ifunc resolvers run while the binary
+ * loads, before the sanitizer's runtime is ready, and the binary then cannot load at all
+ * (docs/building.md). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && \
+    !defined(__SANITIZE_THREAD__)
+#define DDP_FMA_CLONES __attribute__((target_clones("fma", "default")))
+#if !defined(__clang__)
+#define DDP_VEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DDP_VEC_CLONES
+#endif
+#else
+#define DDP_FMA_CLONES
+#define DDP_VEC_CLONES
+#endif
+
 _Noreturn void ddp__contract_failed(const char *file, int line, const char *expr);
 
 /* Allocation through the replaceable allocator, counted in ddp_alloc_stats. */

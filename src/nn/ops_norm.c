@@ -180,17 +180,11 @@ ddp_status_t ddp_layer_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, ddp_var_t 
  *   forward's float).
  * The fused multiply-adds are those the AVX2 build of PyTorch contracts; fmaf is exact
  * either way, and the FMA clone only makes it an instruction rather than a libm call. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
-#define BN_FMA_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define BN_FMA_CLONES
-#endif
 
 /* Training statistics of x [N, C] (N > 1) into mean, invstd and q (the float sum of squared
  * deviations), each [C]; zeroed scratch s [C]. */
-BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, double eps, float *s,
-                                       float *mean, float *invstd, float *q) {
+DDP_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, double eps, float *s,
+                                        float *mean, float *invstd, float *q) {
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < C; j++) s[j] += x[i * C + j];
   for (int64_t j = 0; j < C; j++) {
@@ -206,9 +200,9 @@ BN_FMA_CLONES static void bn_stats_f32(const float *x, int64_t N, int64_t C, dou
 }
 
 /* y = fma(x, alpha, beta) per channel, alpha = invstd * w, beta = fma(-mean, alpha, b). */
-BN_FMA_CLONES static void bn_affine_f32(const float *x, const float *w, const float *b,
-                                        const float *mean, const float *invstd, int64_t N,
-                                        int64_t C, float *alpha, float *beta, float *y) {
+DDP_FMA_CLONES static void bn_affine_f32(const float *x, const float *w, const float *b,
+                                         const float *mean, const float *invstd, int64_t N,
+                                         int64_t C, float *alpha, float *beta, float *y) {
   for (int64_t j = 0; j < C; j++) {
     alpha[j] = w ? invstd[j] * w[j] : invstd[j];
     beta[j] = fmaf(-mean[j], alpha[j], b ? b[j] : 0.0f);
@@ -219,10 +213,10 @@ BN_FMA_CLONES static void bn_affine_f32(const float *x, const float *w, const fl
 
 /* Backward of f32 batch norm (see above); st holds mean [C] and invstd [C] as doubles;
  * zeroed scratch sum, dotp [C]. Gradients accumulate (+=). */
-BN_FMA_CLONES static void bn_backward_f32(const float *x, const float *dy, const float *w,
-                                          const double *st, int64_t N, int64_t C, bool train,
-                                          float *sum, float *dotp, float *dx, float *dw,
-                                          float *db) {
+DDP_FMA_CLONES static void bn_backward_f32(const float *x, const float *dy, const float *w,
+                                           const double *st, int64_t N, int64_t C, bool train,
+                                           float *sum, float *dotp, float *dx, float *dw,
+                                           float *db) {
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < C; j++) {
       float g = dy[i * C + j];

@@ -187,16 +187,8 @@ void ddp_optim_zero_grad(ddp_optim_t *opt, bool set_to_none) {
 
 /* On x86-64 the baseline ISA has no fused multiply-add, so fmaf() is a libm call per element
  * (about 6 ms for one SGD step over 1.9M parameters). Each kernel is therefore also compiled
- * for the FMA extension and picked at load time (GCC/clang function multiversioning). fma is
- * exactly rounded either way, so both clones give the same bits. Not under ASan or TSan:
- * the clones' ifunc resolver runs while the program is loaded, before the sanitizer's
- * runtime is initialised, and the sanitizer then cannot load the binary at all. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
-#define DDP_FMA_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define DDP_FMA_CLONES
-#endif
+ * for the FMA extension and picked at load time (DDP_FMA_CLONES). fma is exactly rounded
+ * either way, so both clones give the same bits. */
 
 /* One kernel body per dtype: T is float or double, FMA the matching fma. The comments
  * quote the torch 1.13 statement each line reproduces. */

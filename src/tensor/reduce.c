@@ -23,23 +23,26 @@
 #define IMIN_(a, b) ((b) < (a) ? (b) : (a))
 #define IMAX_(a, b) ((b) > (a) ? (b) : (a))
 
-#define ACC_NATIVE_(T, U, MN, MX)                                     \
-  static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) {   \
-    switch (op) {                                                     \
-      case DDP_OP_SUM:                                                \
-      case DDP_OP_AVG:                                                \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]); \
-        break;                                                        \
-      case DDP_OP_PRODUCT:                                            \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]); \
-        break;                                                        \
-      case DDP_OP_MIN:                                                \
-        for (size_t i = 0; i < n; i++) d[i] = MN(d[i], s[i]);         \
-        break;                                                        \
-      case DDP_OP_MAX:                                                \
-        for (size_t i = 0; i < n; i++) d[i] = MX(d[i], s[i]);         \
-        break;                                                        \
-    }                                                                 \
+/* The loops vectorise (DDP_VEC_CLONES: AVX-512 folds 16 floats an instruction against
+ * SSE2's 4; the shm and threads allreduce at 16 KiB-4 MiB, W = 2, 0.59-0.83x the time).
+ * Lane i stays lane i, so every variant gives the same bits. */
+#define ACC_NATIVE_(T, U, MN, MX)                                                  \
+  DDP_VEC_CLONES static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) { \
+    switch (op) {                                                                  \
+      case DDP_OP_SUM:                                                             \
+      case DDP_OP_AVG:                                                             \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);              \
+        break;                                                                     \
+      case DDP_OP_PRODUCT:                                                         \
+        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);              \
+        break;                                                                     \
+      case DDP_OP_MIN:                                                             \
+        for (size_t i = 0; i < n; i++) d[i] = MN(d[i], s[i]);                      \
+        break;                                                                     \
+      case DDP_OP_MAX:                                                             \
+        for (size_t i = 0; i < n; i++) d[i] = MX(d[i], s[i]);                      \
+        break;                                                                     \
+    }                                                                              \
   }
 
 ACC_NATIVE_(float, float, FMIN_, FMAX_)
@@ -53,8 +56,8 @@ typedef void (*narrow_n_fn)(const float *, uint16_t *, size_t);
 
 /* f16/bf16: blocks of 256 widened to float (exact), combined, rounded back once per
  * operation; the array conversions give the element functions' bits, faster. */
-static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n, widen_n_fn w,
-                     narrow_n_fn nr) {
+DDP_VEC_CLONES static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n,
+                                    widen_n_fn w, narrow_n_fn nr) {
   float a[256], b[256];
   for (size_t off = 0; off < n; off += 256) {
     size_t m = DDP_MIN((size_t)256, n - off);
@@ -91,7 +94,7 @@ static void acc_any(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, 
   }
 }
 
-static void avg_any(ddp_dtype_t dt, void *dst, size_t n, int world) {
+DDP_VEC_CLONES static void avg_any(ddp_dtype_t dt, void *dst, size_t n, int world) {
   switch (dt) {
     case DDP_F32: {
       float *d = dst;

@@ -41,15 +41,6 @@
 #define MAGIC 6755399441055744.0 /* 1.5 * 2^52 */
 #define GRID_BITS 50
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && \
-    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-/* Lane for lane the clones compute what the scalar code does (no contraction, no
- * reassociation): the bits do not depend on the variant picked at load time. */
-#define RSUM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define RSUM_CLONES
-#endif
-
 size_t ddp_rsum_blocks(size_t n) { return (n + BLK - 1) / BLK; }
 
 /* 2^k: from its bits inside double's normal range, ldexp outside it. */
@@ -95,7 +86,7 @@ static inline int32_t block_code(uint64_t mx, uint64_t inf_bits, int shift, int 
  * src = 0 for ddp_rsum_take_*, which moves a gradient still in cache into its slot in the
  * same pass instead of three. */
 #define EXPS_(SIGNATURE, SRC, MOVE, U, ABS_MASK, INF_BITS, SHIFT, EB) \
-  RSUM_CLONES void SIGNATURE {                                        \
+  DDP_VEC_CLONES void SIGNATURE {                                     \
     for (size_t b = 0, base = 0; base < n; b++, base += BLK) {        \
       size_t m = DDP_MIN((size_t)BLK, n - base);                      \
       U mx = 0;                                                       \
@@ -132,37 +123,37 @@ EXPS(ddp_rsum_take_f64(int32_t *exps, double *restrict dst, double *restrict src
  * scaled by 2^(-g - 1023), which only moves its bits up, and then by 2^1023
  * (x 2^-g < 2^50), in a loop of its own so that the usual one keeps a single multiply. */
 #define PREFETCH 2048
-#define DEPOSIT_(NAME, T)                                                                       \
-  RSUM_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, bool add, int nsrc,   \
-                        const T *const *srcs, size_t n) {                                       \
-    int c = ceil_log2(terms);                                                                   \
-    const int64_t km = bits_of(MAGIC);                                                          \
-    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                                  \
-      size_t m = DDP_MIN((size_t)BLK, n - base);                                                \
-      int64_t *a = acc + base;                                                                  \
-      if (!add)                                                                                 \
-        for (size_t k = 0; k < m; k++) a[k] = 0;                                                \
-      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                                 \
-      int ks = GRID_BITS - c - (exps[b] - EBIAS);                                               \
-      double pre = ks > 1023 ? pow2(ks - 1023) : 1.0, scale = pow2(ks > 1023 ? 1023 : ks);      \
-      if (ks > 1023) {                                                                          \
-        for (int s = 0; s < nsrc; s++)                                                          \
-          for (size_t k = 0; k < m; k++)                                                        \
-            a[k] += bits_of((double)srcs[s][base + k] * pre * scale + MAGIC) - km;              \
-      } else if (m == BLK) {                                                                    \
-        for (int s = 0; s < nsrc; s++) {                                                        \
-          const T *xb = srcs[s] + base;                                                         \
-          if ((base + BLK) * sizeof(T) + PREFETCH <= n * sizeof(T)) /* inside the source */     \
-            for (size_t o = 0; o < BLK * sizeof(T); o += 64)                                    \
-              __builtin_prefetch((const char *)xb + PREFETCH + o, 0, 0);                        \
-          for (size_t k = 0; k < BLK; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km; \
-        }                                                                                       \
-      } else {                                                                                  \
-        for (int s = 0; s < nsrc; s++)                                                          \
-          for (size_t k = 0; k < m; k++)                                                        \
-            a[k] += bits_of((double)srcs[s][base + k] * scale + MAGIC) - km;                    \
-      }                                                                                         \
-    }                                                                                           \
+#define DEPOSIT_(NAME, T)                                                                        \
+  DDP_VEC_CLONES void NAME(int64_t *acc, const int32_t *exps, int64_t terms, bool add, int nsrc, \
+                           const T *const *srcs, size_t n) {                                     \
+    int c = ceil_log2(terms);                                                                    \
+    const int64_t km = bits_of(MAGIC);                                                           \
+    for (size_t b = 0, base = 0; base < n; b++, base += BLK) {                                   \
+      size_t m = DDP_MIN((size_t)BLK, n - base);                                                 \
+      int64_t *a = acc + base;                                                                   \
+      if (!add)                                                                                  \
+        for (size_t k = 0; k < m; k++) a[k] = 0;                                                 \
+      if (exps[b] == 0 || exps[b] == DDP_RSUM_POISON) continue;                                  \
+      int ks = GRID_BITS - c - (exps[b] - EBIAS);                                                \
+      double pre = ks > 1023 ? pow2(ks - 1023) : 1.0, scale = pow2(ks > 1023 ? 1023 : ks);       \
+      if (ks > 1023) {                                                                           \
+        for (int s = 0; s < nsrc; s++)                                                           \
+          for (size_t k = 0; k < m; k++)                                                         \
+            a[k] += bits_of((double)srcs[s][base + k] * pre * scale + MAGIC) - km;               \
+      } else if (m == BLK) {                                                                     \
+        for (int s = 0; s < nsrc; s++) {                                                         \
+          const T *xb = srcs[s] + base;                                                          \
+          if ((base + BLK) * sizeof(T) + PREFETCH <= n * sizeof(T)) /* inside the source */      \
+            for (size_t o = 0; o < BLK * sizeof(T); o += 64)                                     \
+              __builtin_prefetch((const char *)xb + PREFETCH + o, 0, 0);                         \
+          for (size_t k = 0; k < BLK; k++) a[k] += bits_of((double)xb[k] * scale + MAGIC) - km;  \
+        }                                                                                        \
+      } else {                                                                                   \
+        for (int s = 0; s < nsrc; s++)                                                           \
+          for (size_t k = 0; k < m; k++)                                                         \
+            a[k] += bits_of((double)srcs[s][base + k] * scale + MAGIC) - km;                     \
+      }                                                                                          \
+    }                                                                                            \
   }
 
 DEPOSIT_(ddp_rsum_deposit_f32, float)
@@ -171,8 +162,8 @@ DEPOSIT_(ddp_rsum_deposit_f64, double)
 /* out[k] = acc[k] 2^g / divisor, rounded once to T (the integer and the scaling are
  * exact, barring f64 results outside double's normal range). */
 #define RESULT_(NAME, T)                                                                        \
-  RSUM_CLONES void NAME(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,       \
-                        int64_t divisor, T *out) {                                              \
+  DDP_VEC_CLONES void NAME(const int64_t *acc, const int32_t *exps, int64_t terms, size_t n,    \
+                           int64_t divisor, T *out) {                                           \
     int c = ceil_log2(terms);                                                                   \
     const int64_t km = bits_of(MAGIC);                                                          \
     double div = (double)divisor;                                                               \
