@@ -182,6 +182,16 @@ static ddp_status_t fix_div_factor(ddp_ddp_t *d) {
   return DDP_OK;
 }
 
+/* The F32 bucket copies, in every variant (DDP_VEC_CLONES): a lane computes what the
+ * scalar loop does. */
+DDP_VEC_CLONES static void mul_f32(float *restrict s, const float *restrict g, float r, size_t n) {
+  for (size_t k = 0; k < n; k++) s[k] = g[k] * r;
+}
+
+DDP_VEC_CLONES static void div_f32(float *s, float w, size_t n) {
+  for (size_t k = 0; k < n; k++) s[k] /= w;
+}
+
 /* Parameter i's gradient into its slot: grad * fl(1/W) (or divided in place when the grad
  * already is the slot); with a comm hook undivided, the hook divides (spec §7.1). */
 static void copy_into_slot(ddp_ddp_t *d, ddp_param_t *p, void *slot) {
@@ -194,8 +204,7 @@ static void copy_into_slot(ddp_ddp_t *d, ddp_param_t *p, void *slot) {
   } else if (p->grad.data == slot) {
     /* Bucket-view path: upstream divides in place (true division). */
     if (p->value.dtype == DDP_F32) {
-      float *s = slot;
-      for (size_t k = 0; k < n; k++) s[k] /= (float)d->div_factor;
+      div_f32(slot, (float)d->div_factor, n);
     } else {
       double *s = slot;
       for (size_t k = 0; k < n; k++) s[k] /= (double)d->div_factor;
@@ -203,10 +212,7 @@ static void copy_into_slot(ddp_ddp_t *d, ddp_param_t *p, void *slot) {
   } else {
     /* One multiply by the reciprocal, computed in double and rounded to the dtype. */
     if (p->value.dtype == DDP_F32) {
-      float r = (float)(1.0 / d->div_factor);
-      float *s = slot;
-      const float *g = p->grad.data;
-      for (size_t k = 0; k < n; k++) s[k] = g[k] * r;
+      mul_f32(slot, p->grad.data, (float)(1.0 / d->div_factor), n);
     } else {
       double r = 1.0 / d->div_factor;
       double *s = slot;
