@@ -5,6 +5,7 @@
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +17,8 @@
 
 #include "ddp/tensor.h"
 #include "harness.h"
+
+#define DDP_ARRAY_LEN_(a) (sizeof(a) / sizeof((a)[0]))
 
 /* ---------------------------------------------------------------- dtypes ---------- */
 
@@ -600,6 +603,117 @@ static void test_gemm_beta_zero(void **state) {
   for (int i = 0; i < 4; i++) DDP_ASSERT_EQ(fc[i], (float)want[i]);
 }
 
+/* ---------------------------------------------------------------- reductions ------ */
+
+/* Element j of a source: random bits, with the values that tell operand order apart mixed
+ * in for the float types (NaNs with different payloads, +0 and -0, infinities). */
+static void fold_fill(ddp_dtype_t dt, unsigned char *p, size_t n, uint64_t *seed) {
+  size_t es = ddp_dtype_size(dt);
+  for (size_t i = 0; i < n; i++) {
+    *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint64_t r = *seed >> 11;
+    unsigned char *e = p + i * es;
+    if (dt == DDP_F32) {
+      static const uint32_t special[] = {0x7fc00001u, 0x7fc00002u, 0x80000000u,
+                                         0x00000000u, 0x7f800000u, 0xff800000u};
+      float f = (float)((double)(r % 2001) / 64.0 - 15.6);
+      uint32_t bits;
+      memcpy(&bits, &f, 4);
+      if (r % 7 == 0) bits = special[(r >> 20) % 6];
+      memcpy(e, &bits, 4);
+    } else if (dt == DDP_F64) {
+      static const uint64_t special[] = {0x7ff8000000000001ull, 0x7ff8000000000002ull,
+                                         0x8000000000000000ull, 0};
+      double f = (double)(r % 2001) / 64.0 - 15.6;
+      uint64_t bits;
+      memcpy(&bits, &f, 8);
+      if (r % 7 == 0) bits = special[(r >> 20) % 4];
+      memcpy(e, &bits, 8);
+    } else {
+      memcpy(e, &r, es); /* integers and f16/bf16 patterns, NaNs included */
+    }
+  }
+}
+
+/* Whether the element's bits are a NaN of dt (false for the integer types). */
+static bool fold_is_nan(ddp_dtype_t dt, uint64_t b) {
+  switch (dt) {
+    case DDP_F32: return (b & 0x7f800000u) == 0x7f800000u && (b & 0x7fffffu);
+    case DDP_F64: return (b & 0x7ff0000000000000ull) == 0x7ff0000000000000ull && (b << 12);
+    case DDP_F16: return (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu);
+    case DDP_BF16: return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu);
+    default: return false;
+  }
+}
+
+/* ddp_reduce_fold gives the rank-order left fold, computed here one element at a time
+ * with ddp_reduce_acc, whatever source dst is (none, the first, the second, a later one:
+ * the in-place collective on every rank), for every dtype and operation and W = 2-4, over
+ * more than two of its tmp blocks. Bits are compared: MIN and MAX choose an operand
+ * explicitly, so a swapped order changes the sign of a zero or the payload of a NaN they
+ * return. Sums and products of NaNs only need to be NaN: C leaves the payload open, and the
+ * compiler orders a commutative operation's operands as it likes (x86 returns the first
+ * operand's payload). */
+static void test_reduce_fold_in_place(void **state) {
+  (void)state;
+  static const ddp_dtype_t dts[] = {DDP_F32, DDP_F64, DDP_I32, DDP_I64, DDP_U8, DDP_F16, DDP_BF16};
+  static const ddp_redop_t ops[] = {DDP_OP_SUM, DDP_OP_AVG, DDP_OP_PRODUCT, DDP_OP_MIN, DDP_OP_MAX};
+  unsigned char *tmp = malloc(DDP_REDUCE_TMP_BYTES);
+  assert_non_null(tmp);
+  uint64_t seed = 12345;
+  for (size_t t = 0; t < DDP_ARRAY_LEN_(dts); t++) {
+    ddp_dtype_t dt = dts[t];
+    size_t es = ddp_dtype_size(dt), n = 2 * (DDP_REDUCE_TMP_BYTES / es) + 37, bytes = n * es;
+    for (size_t o = 0; o < DDP_ARRAY_LEN_(ops); o++) {
+      for (int W = 2; W <= 4; W++) {
+        unsigned char *src[4], *want = malloc(bytes), *copy[4], *out = malloc(bytes);
+        assert_non_null(want);
+        assert_non_null(out);
+        for (int j = 0; j < W; j++) {
+          src[j] = malloc(bytes);
+          copy[j] = malloc(bytes);
+          assert_non_null(src[j]);
+          assert_non_null(copy[j]);
+          fold_fill(dt, src[j], n, &seed);
+        }
+        memcpy(want, src[0], bytes);
+        for (int j = 1; j < W; j++)
+          for (size_t i = 0; i < n; i++)
+            ddp_reduce_acc(dt, ops[o], want + i * es, src[j] + i * es, 1);
+        if (ops[o] == DDP_OP_AVG) ddp_reduce_avg(dt, want, n, W);
+        for (int at = -1; at < W; at++) { /* dst is source `at`; -1: its own buffer */
+          const void *srcs[4];
+          for (int j = 0; j < W; j++) {
+            memcpy(copy[j], src[j], bytes);
+            srcs[j] = copy[j];
+          }
+          unsigned char *dst = at < 0 ? out : copy[at];
+          /* the header's contract: tmp only for a later source than the second */
+          ddp_reduce_fold(dt, ops[o], W, srcs, dst, n, at >= 2 ? tmp : NULL, W);
+          for (size_t i = 0; i < n; i++)
+            if (memcmp(dst + i * es, want + i * es, es) != 0) {
+              uint64_t got = 0, exp = 0;
+              memcpy(&got, dst + i * es, es);
+              memcpy(&exp, want + i * es, es);
+              bool arith = ops[o] != DDP_OP_MIN && ops[o] != DDP_OP_MAX;
+              if (arith && fold_is_nan(dt, got) && fold_is_nan(dt, exp)) continue;
+              fail_msg("%s %s W=%d dst=source %d: element %zu is 0x%llx, want 0x%llx",
+                       ddp_dtype_name(dt), ddp_redop_name(ops[o]), W, at, i,
+                       (unsigned long long)got, (unsigned long long)exp);
+            }
+        }
+        for (int j = 0; j < W; j++) {
+          free(src[j]);
+          free(copy[j]);
+        }
+        free(want);
+        free(out);
+      }
+    }
+  }
+  free(tmp);
+}
+
 /* Invalid arguments are refused before BLAS sees them (BLAS would print and exit). */
 static void test_gemm_invalid(void **state) {
   (void)state;
@@ -652,6 +766,7 @@ int main(void) {
       cmocka_unit_test(test_gemm),
       cmocka_unit_test(test_gemm_beta_zero),
       cmocka_unit_test(test_gemm_invalid),
+      cmocka_unit_test(test_reduce_fold_in_place),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

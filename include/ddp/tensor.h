@@ -74,8 +74,9 @@ DDP_API void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world);
 /* The scratch block ddp_reduce_fold folds in. */
 #define DDP_REDUCE_TMP_BYTES (64u * 1024u)
 /* dst[i] = (((srcs[0][i] op srcs[1][i]) op srcs[2][i]) ...), the rank-order left fold over
- * nsrc sources, then the AVG division by world. dst may alias any source: each block of
- * DDP_REDUCE_TMP_BYTES is folded in tmp (that many bytes) before it is written. */
+ * nsrc sources, then the AVG division by world. dst may alias any source. tmp (that is,
+ * DDP_REDUCE_TMP_BYTES) is used block by block unless dst aliases no source or is exactly
+ * srcs[0] or srcs[1] and aliases no other; then it may be NULL. */
 DDP_API void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs,
                              void *dst, size_t n, unsigned char *tmp, int world);
 

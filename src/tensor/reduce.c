@@ -26,23 +26,31 @@
 /* The loops vectorise (DDP_VEC_CLONES: AVX-512 folds 16 floats an instruction against
  * SSE2's 4; the shm and threads allreduce at 16 KiB-4 MiB, W = 2, 0.59-0.83x the time).
  * Lane i stays lane i, so every variant gives the same bits. */
-#define ACC_NATIVE_(T, U, MN, MX)                                                  \
-  DDP_VEC_CLONES static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n) { \
-    switch (op) {                                                                  \
-      case DDP_OP_SUM:                                                             \
-      case DDP_OP_AVG:                                                             \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] + (U)s[i]);              \
-        break;                                                                     \
-      case DDP_OP_PRODUCT:                                                         \
-        for (size_t i = 0; i < n; i++) d[i] = (T)((U)d[i] * (U)s[i]);              \
-        break;                                                                     \
-      case DDP_OP_MIN:                                                             \
-        for (size_t i = 0; i < n; i++) d[i] = MN(d[i], s[i]);                      \
-        break;                                                                     \
-      case DDP_OP_MAX:                                                             \
-        for (size_t i = 0; i < n; i++) d[i] = MX(d[i], s[i]);                      \
-        break;                                                                     \
-    }                                                                              \
+/* acc_<T>(op, d, s, n, rev): d[i] = d[i] op s[i], or with rev d[i] = s[i] op d[i] (s the
+ * left operand, for a fold whose earlier sources are already combined in s). */
+#define ACC_LOOPS_(T, U, MN, MX, L, R)                              \
+  switch (op) {                                                     \
+    case DDP_OP_SUM:                                                \
+    case DDP_OP_AVG:                                                \
+      for (size_t i = 0; i < n; i++) d[i] = (T)((U)L[i] + (U)R[i]); \
+      break;                                                        \
+    case DDP_OP_PRODUCT:                                            \
+      for (size_t i = 0; i < n; i++) d[i] = (T)((U)L[i] * (U)R[i]); \
+      break;                                                        \
+    case DDP_OP_MIN:                                                \
+      for (size_t i = 0; i < n; i++) d[i] = MN(L[i], R[i]);         \
+      break;                                                        \
+    case DDP_OP_MAX:                                                \
+      for (size_t i = 0; i < n; i++) d[i] = MX(L[i], R[i]);         \
+      break;                                                        \
+  }
+#define ACC_NATIVE_(T, U, MN, MX)                                                            \
+  DDP_VEC_CLONES static void acc_##T(ddp_redop_t op, T *d, const T *s, size_t n, bool rev) { \
+    if (rev) {                                                                               \
+      ACC_LOOPS_(T, U, MN, MX, s, d)                                                         \
+    } else {                                                                                 \
+      ACC_LOOPS_(T, U, MN, MX, d, s)                                                         \
+    }                                                                                        \
   }
 
 ACC_NATIVE_(float, float, FMIN_, FMAX_)
@@ -57,12 +65,12 @@ typedef void (*narrow_n_fn)(const float *, uint16_t *, size_t);
 /* f16/bf16: blocks of 256 widened to float (exact), combined, rounded back once per
  * operation; the array conversions give the element functions' bits, faster. */
 DDP_VEC_CLONES static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t *s, size_t n,
-                                    widen_n_fn w, narrow_n_fn nr) {
+                                    bool rev, widen_n_fn w, narrow_n_fn nr) {
   float a[256], b[256];
   for (size_t off = 0; off < n; off += 256) {
     size_t m = DDP_MIN((size_t)256, n - off);
-    w(d + off, a, m);
-    w(s + off, b, m);
+    w((rev ? s : d) + off, a, m);
+    w((rev ? d : s) + off, b, m);
     switch (op) {
       case DDP_OP_PRODUCT:
         for (size_t i = 0; i < m; i++) a[i] = a[i] * b[i];
@@ -81,15 +89,16 @@ DDP_VEC_CLONES static void acc_half(ddp_redop_t op, uint16_t *d, const uint16_t 
   }
 }
 
-static void acc_any(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
+static void acc_any(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n,
+                    bool rev) {
   switch (dt) {
-    case DDP_F32: acc_float(op, dst, src, n); break;
-    case DDP_F64: acc_double(op, dst, src, n); break;
-    case DDP_I32: acc_int32_t(op, dst, src, n); break;
-    case DDP_I64: acc_int64_t(op, dst, src, n); break;
-    case DDP_U8: acc_uint8_t(op, dst, src, n); break;
-    case DDP_F16: acc_half(op, dst, src, n, ddp_f16_to_f32_n, ddp_f32_to_f16_n); break;
-    case DDP_BF16: acc_half(op, dst, src, n, ddp_bf16_to_f32_n, ddp_f32_to_bf16_n); break;
+    case DDP_F32: acc_float(op, dst, src, n, rev); break;
+    case DDP_F64: acc_double(op, dst, src, n, rev); break;
+    case DDP_I32: acc_int32_t(op, dst, src, n, rev); break;
+    case DDP_I64: acc_int64_t(op, dst, src, n, rev); break;
+    case DDP_U8: acc_uint8_t(op, dst, src, n, rev); break;
+    case DDP_F16: acc_half(op, dst, src, n, rev, ddp_f16_to_f32_n, ddp_f32_to_f16_n); break;
+    case DDP_BF16: acc_half(op, dst, src, n, rev, ddp_bf16_to_f32_n, ddp_f32_to_bf16_n); break;
     default: DDP_REQUIRE(!"a reducible dtype (ddp/tensor.h)");
   }
 }
@@ -136,36 +145,60 @@ DDP_VEC_CLONES static void avg_any(ddp_dtype_t dt, void *dst, size_t n, int worl
 }
 
 void ddp_reduce_acc(ddp_dtype_t dt, ddp_redop_t op, void *dst, const void *src, size_t n) {
-  acc_any(dt, op, dst, src, n);
+  acc_any(dt, op, dst, src, n, false);
 }
 
 void ddp_reduce_avg(ddp_dtype_t dt, void *dst, size_t n, int world) { avg_any(dt, dst, n, world); }
 
+/* ddp_reduce_fold: the left fold over the sources in rank order. Where dst aliases only the
+ * first source, or none, it accumulates in dst directly (one pass over memory per source).
+ * Where dst is exactly a later source k (an in-place collective on a rank other than 0) and
+ * aliases nothing else, the sources before k are combined first (in tmp, block by block,
+ * when there are two or more of them) and then into dst as the left operand (acc's rev),
+ * and the rest accumulate in dst: the same operations in the same order, without copying
+ * every block through tmp and back (W = 2: rank 1 folds in one pass, like rank 0).
+ * Anything else is folded block by block in tmp and then written. */
 void ddp_reduce_fold(ddp_dtype_t dt, ddp_redop_t op, int nsrc, const void *const *srcs, void *dst,
                      size_t n, unsigned char *tmp, int world) {
   size_t es = ddp_dtype_size(dt), blk = DDP_REDUCE_TMP_BYTES / es;
-  /* Fast path: when dst overlaps no source but the first, accumulate in dst directly (one
-   * pass less over memory). The additions are the same, in the same order. */
-  bool direct = true;
-  for (int j = 1; j < nsrc && direct; j++) {
-    const unsigned char *s = srcs[j], *d = dst;
-    if (s < d + n * es && d < s + n * es) direct = false;
+  const unsigned char *d0 = dst;
+  int at = -1; /* the source dst is, exactly; -2 when dst overlaps a source otherwise */
+  for (int j = 0; j < nsrc && at != -2; j++) {
+    const unsigned char *s = srcs[j];
+    if (s == d0 && n > 0)
+      at = at == -1 ? j : -2;
+    else if (s < d0 + n * es && d0 < s + n * es)
+      at = -2;
   }
-  const unsigned char *s0 = srcs[0], *d0 = dst;
-  if (direct && s0 != d0 && s0 < d0 + n * es && d0 < s0 + n * es) direct = false;
-  if (direct) {
-    if (s0 != d0) memcpy(dst, s0, n * es);
-    for (int j = 1; j < nsrc; j++) acc_any(dt, op, dst, srcs[j], n);
+  if (at == -1 || at == 0) {
+    if (at == -1 && nsrc > 0) memcpy(dst, srcs[0], n * es);
+    for (int j = 1; j < nsrc; j++) acc_any(dt, op, dst, srcs[j], n, false);
+    if (op == DDP_OP_AVG) avg_any(dt, dst, n, world);
+    return;
+  }
+  if (at == 1) {
+    acc_any(dt, op, dst, srcs[0], n, true);
+    for (int j = 2; j < nsrc; j++) acc_any(dt, op, dst, srcs[j], n, false);
     if (op == DDP_OP_AVG) avg_any(dt, dst, n, world);
     return;
   }
   for (size_t off = 0; off < n; off += blk) {
     size_t m = DDP_MIN(blk, n - off);
+    unsigned char *d = (unsigned char *)dst + off * es;
     memcpy(tmp, (const unsigned char *)srcs[0] + off * es, m * es);
-    for (int j = 1; j < nsrc; j++)
-      acc_any(dt, op, tmp, (const unsigned char *)srcs[j] + off * es, m);
+    for (int j = 1; j < nsrc; j++) {
+      if (j == at)
+        acc_any(dt, op, d, tmp, m, true);
+      else
+        acc_any(dt, op, j < at || at < 0 ? tmp : d, (const unsigned char *)srcs[j] + off * es, m,
+                false);
+    }
+    if (at > 0) {
+      if (op == DDP_OP_AVG) avg_any(dt, d, m, world);
+      continue;
+    }
     if (op == DDP_OP_AVG) avg_any(dt, tmp, m, world);
-    memcpy((unsigned char *)dst + off * es, tmp, m * es);
+    memcpy(d, tmp, m * es);
   }
 }
 
