@@ -23,11 +23,11 @@
 #define IMIN_(a, b) ((b) < (a) ? (b) : (a))
 #define IMAX_(a, b) ((b) > (a) ? (b) : (a))
 
-/* The loops vectorise (DDP_VEC_CLONES: AVX-512 folds 16 floats an instruction against
- * SSE2's 4; the shm and threads allreduce at 16 KiB-4 MiB, W = 2, 0.59-0.83x the time).
- * Lane i stays lane i, so every variant gives the same bits. */
 /* acc_<T>(op, d, s, n, rev): d[i] = d[i] op s[i], or with rev d[i] = s[i] op d[i] (s the
- * left operand, for a fold whose earlier sources are already combined in s). */
+ * left operand, for a fold whose earlier sources are already combined in s). The loops
+ * vectorise (DDP_VEC_CLONES: AVX-512 folds 16 floats an instruction against SSE2's 4; the
+ * shm and threads allreduce at 16 KiB-4 MiB, W = 2, 0.59-0.83x the time). Lane i stays
+ * lane i, so every variant gives the same bits. */
 #define ACC_LOOPS_(T, U, MN, MX, L, R)                              \
   switch (op) {                                                     \
     case DDP_OP_SUM:                                                \
