@@ -1,6 +1,7 @@
 /* Tests of the tensor layer: the dtype table, shape arithmetic, owning tensors and views,
  * dtype conversion (checked against the scalar conversions and exact double arithmetic),
- * and the BLAS wrapper against a naive triple loop. */
+ * the BLAS wrapper against a naive triple loop, and the collectives' fold in place against
+ * an element-by-element left fold. */
 #include <limits.h>
 #include <math.h>
 #include <setjmp.h>
@@ -16,9 +17,8 @@
 #include <cmocka.h>
 
 #include "ddp/tensor.h"
+#include "common/common.h"
 #include "harness.h"
-
-#define DDP_ARRAY_LEN_(a) (sizeof(a) / sizeof((a)[0]))
 
 /* ---------------------------------------------------------------- dtypes ---------- */
 
@@ -661,10 +661,10 @@ static void test_reduce_fold_in_place(void **state) {
   unsigned char *tmp = malloc(DDP_REDUCE_TMP_BYTES);
   assert_non_null(tmp);
   uint64_t seed = 12345;
-  for (size_t t = 0; t < DDP_ARRAY_LEN_(dts); t++) {
+  for (size_t t = 0; t < DDP_ARRAY_LEN(dts); t++) {
     ddp_dtype_t dt = dts[t];
     size_t es = ddp_dtype_size(dt), n = 2 * (DDP_REDUCE_TMP_BYTES / es) + 37, bytes = n * es;
-    for (size_t o = 0; o < DDP_ARRAY_LEN_(ops); o++) {
+    for (size_t o = 0; o < DDP_ARRAY_LEN(ops); o++) {
       for (int W = 2; W <= 4; W++) {
         unsigned char *src[4], *want = malloc(bytes), *copy[4], *out = malloc(bytes);
         assert_non_null(want);

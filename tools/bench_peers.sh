@@ -93,6 +93,7 @@ paired() { # name csv: one size's run of the command that follows, its rows adde
   local name=$1 csv=$2 t0 rc
   shift 2
   t0=$(date +%s)
+  rm -f "$out/one.csv" # a failed run must not pass off an earlier run's rows as its own
   timeout -k 10 900 "$@" --csv "$out/one.csv" >"$out/$name.txt" 2>&1
   rc=$?
   if [ "$rc" -ne 0 ] || [ ! -s "$out/one.csv" ]; then
@@ -106,6 +107,10 @@ paired() { # name csv: one size's run of the command that follows, its rows adde
 }
 sizes=$(awk -F, 'NR > 1 && $1 == "allreduce" && $3 == "auto" && $4 == "in" { print $8 }' \
           "$out/ddp.csv" 2>/dev/null | sort -nu)
+if [ "$rounds" -gt 1 ] && [ -z "$sizes" ]; then
+  echo "## rounds 2..$rounds skipped: step 1 measured no size ($out/ddp.csv)"
+  failed=1
+fi
 for ((k = 2; k <= rounds; k++)); do
   echo
   echo "## round $k: ddp-bench, ompi-vader and ompi-tcp at each size in turn"
