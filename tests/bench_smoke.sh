@@ -14,6 +14,10 @@
 #  - bad flags exit 2 with a message naming the flag;
 #  - --invariant-shards-per-rank 4: 4 passes, and the bytes on the wire of the mode (8 per
 #    element, 4 per 32-element block), computed here;
+#  - tools/ddp_schedule.py on the run's --trace: the wire time of the gradient's bytes and
+#    a tail after backward between the last bucket's and the whole gradient's wire times;
+#    on a trace made here, the tail and first ready time the model gives, the layout and
+#    rank filters, exit 1 naming a corrupt trace and 2 for a bad flag;
 #  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
 #    the parameter count is the config's, and the step time, CPU time and peak RSS are
 #    positive; the PyTorch peer (--world 1) counts the same parameters.
@@ -54,7 +58,8 @@ counts=(--steps 2 --warmup 2 --pairs 3 --ar-iters 2)
 
 export DDP_BLAS_THREADS=1
 timeout -k 5 120 "$ddprun" --nproc_per_node 2 --backend shm --standalone "$bench" \
-  "${counts[@]}" >"$work/ddp.txt" 2>&1 || { cat "$work/ddp.txt"; fail "ddp-bench-ddp failed"; }
+  "${counts[@]}" --trace "$work/trace.json" >"$work/ddp.txt" 2>&1 ||
+  { cat "$work/ddp.txt"; fail "ddp-bench-ddp failed"; }
 ddp=$(grep -o 'RESULT .*' "$work/ddp.txt" | head -1)
 [ -n "$ddp" ] || { cat "$work/ddp.txt"; fail "no RESULT line from ddp-bench-ddp"; }
 echo "libddp: $ddp"
@@ -67,6 +72,56 @@ lb=$(get "$ddp" last_bucket_numel)
 cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # the affinity mask's count
 [ "$(get "$ddp" cpus)" = "$cpus" ] || fail "cpus is not $cpus"
 positive "$ddp" "${keys[@]}"
+
+# tools/ddp_schedule.py (bench_ddp.sh part 3's schedule bound). On this run's trace at
+# 1 Gbit/s: the whole gradient's wire time from its bytes, computed here, and the tail
+# after backward between the last bucket's wire time (it is ready when backward ends) and
+# the whole gradient's (no bucket is ready before backward starts).
+sched=$("$py" "$src/tools/ddp_schedule.py" "$work/trace.json" --rate 1e9 --world 2) ||
+  fail "ddp_schedule.py on the run's trace failed: $sched"
+echo "schedule: $sched"
+awk -v w="$(get "$sched" wire_ms)" -v want="$((grad_numel * 4 * 8))" \
+  'BEGIN { exit !(w - want / 1e6 < 0.001 && want / 1e6 - w < 0.001) }' ||
+  fail "wire_ms is not $((grad_numel * 4 * 8)) bits at 1 Gbit/s"
+awk -v t="$(get "$sched" tail_ms)" -v l="$(get "$sched" last_wire_ms)" \
+  -v w="$(get "$sched" wire_ms)" -v b="$(get "$sched" nosync_backward_ms)" \
+  'BEGIN { exit !(t >= l - 0.01 * b && t <= w + 0.001 && l > 0 && b > 0) }' ||
+  fail "tail_ms outside [last_wire_ms, wire_ms]: $sched"
+# A trace made here, where the answer follows from the model: rank 0's no_sync backward
+# takes B; its first synchronised step has the construction layout (one bucket) and is
+# left out by the layout rule; two more have buckets of 1 MB and 2 MB launched at f0 and
+# at the end of a backward of 2B (step 2) or 4B (step 3). Rank 1's events must not count.
+B=8000 f0=0.25 f0b=0.5
+{
+  printf '[\n'
+  ev() { printf '{"name":"%s","ph":"X","pid":%d,"tid":%d,"ts":%s,"dur":%s,"args":{"bytes":%s}},\n' "$@"; }
+  ev forward 0 0 0 1000 0; ev backward 0 0 1000 $B 0
+  ev forward 0 0 20000 1000 0; ev backward 0 0 21000 40000 0; ev finalize 0 0 37000 4000 0
+  ev "allreduce bucket 0" 0 1 37000 3000 3000000
+  ev forward 0 0 100000 1000 0; ev backward 0 0 101000 40000 0
+  ev "allreduce bucket 0" 0 1 $((101000 + 2 * B / 4)) 9000 1000000
+  ev "allreduce bucket 1" 0 1 $((101000 + 2 * B)) 9000 2000000
+  ev finalize 0 0 $((101000 + 2 * B)) 30000 0
+  ev forward 0 0 200000 1000 0; ev backward 0 0 201000 60000 0
+  ev "allreduce bucket 0" 0 1 $((201000 + 4 * B / 2)) 9000 1000000
+  ev "allreduce bucket 1" 0 1 $((201000 + 4 * B)) 9000 2000000
+  ev finalize 0 0 $((201000 + 4 * B)) 20000 0
+  ev forward 1 0 0 1000 0; ev backward 1 0 1000 100 0
+} >"$work/synthetic.json"
+sched=$("$py" "$src/tools/ddp_schedule.py" "$work/synthetic.json" --rate 1e9 --world 2 \
+  --skip 0) || fail "ddp_schedule.py on the synthetic trace failed: $sched"
+echo "schedule (synthetic): $sched"
+want=$(awk -v B=$B -v f1=$f0 -v f2=$f0b 'function tail(f,  e) {
+    e = f * B + 8000; e = (e > B ? e : B) + 16000; return e - B }
+  BEGIN { printf "%.3f %.3f", (tail(f1) + tail(f2)) / 2 / 1000, (f1 + f2) * B / 2 / 1000 }')
+[ "$(get "$sched" tail_ms) $(get "$sched" first_ready_ms)" = "$want" ] &&
+  [ "$(get "$sched" steps)" = 2 ] && [ "$(get "$sched" buckets)" = 2 ] ||
+  fail "synthetic schedule: want tail_ms first_ready_ms '$want', steps 2, buckets 2: $sched"
+printf '{"name":' >"$work/broken.json"
+msg=$("$py" "$src/tools/ddp_schedule.py" "$work/broken.json" --rate 1e9 --world 2 2>&1)
+[ $? = 1 ] && grep -q "broken.json" <<<"$msg" || fail "a corrupt trace: $msg"
+msg=$("$py" "$src/tools/ddp_schedule.py" "$work/synthetic.json" --rate 0 --world 2 2>&1)
+[ $? = 2 ] && grep -q -- "--rate" <<<"$msg" || fail "--rate 0: $msg"
 
 for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1" "--optim lamb"; do
   # shellcheck disable=SC2086  # the flag and its value are two words
