@@ -60,6 +60,37 @@ DDP_API ddp_status_t ddp_store_create_file(const char *dir, const ddp_store_opti
 DDP_API ddp_status_t ddp_store_create_tcp(const char *host, int port, bool is_server,
                                           const ddp_store_options_t *opts, ddp_store_t **out,
                                           ddp_error_t *err);
+/* A store whose operations are the caller's functions: how a foreign rendezvous (c10d's
+ * Store under the PyTorch backend, src/torch) becomes a ddp_store_t. Every callback is
+ * non-blocking and thread-safe on ctx, returns DDP_OK or a status with its message in err:
+ *   set: stores the value; get: *found = the key exists, and then *v (ddp_malloc'ed) and *n
+ *   hold its value; add: the c10d counter update; check: *all_exist for the keys.
+ * del, num_keys and compare_set may be NULL (those calls are then DDP_ERR_UNSUPPORTED).
+ * get and wait block here, not in the callbacks: the store polls check/get with a backoff of
+ * 1 to 16 ms, so deadlines, cancellation and the timeout message naming the missing keys
+ * behave as in every other kind. destroy (may be NULL) runs once, from ddp_store_destroy. */
+typedef struct ddp_store_callbacks {
+  size_t struct_size; /* sizeof(ddp_store_callbacks_t) */
+  void *ctx;
+  const char *desc; /* for messages ("c10d PrefixStore"); copied; NULL = "callback store" */
+  ddp_status_t (*set)(void *ctx, const char *key, const void *v, size_t n, ddp_error_t *err);
+  ddp_status_t (*get)(void *ctx, const char *key, bool *found, void **v, size_t *n,
+                      ddp_error_t *err);
+  ddp_status_t (*add)(void *ctx, const char *key, int64_t delta, int64_t *result,
+                      ddp_error_t *err);
+  ddp_status_t (*check)(void *ctx, const char *const *keys, size_t nkeys, bool *all_exist,
+                        ddp_error_t *err);
+  ddp_status_t (*del)(void *ctx, const char *key, bool *deleted, ddp_error_t *err);
+  ddp_status_t (*num_keys)(void *ctx, int64_t *n, ddp_error_t *err);
+  ddp_status_t (*compare_set)(void *ctx, const char *key, const void *expected, size_t exp_n,
+                              const void *desired, size_t des_n, void **actual, size_t *act_n,
+                              ddp_error_t *err);
+  void (*destroy)(void *ctx);
+} ddp_store_callbacks_t;
+
+DDP_API ddp_status_t ddp_store_create_callbacks(const ddp_store_callbacks_t *cb,
+                                                const ddp_store_options_t *opts,
+                                                ddp_store_t **out, ddp_error_t *err);
 /* A view whose keys are prefixed with "<prefix>/" (sub-groups). It holds a reference to
  * base, which must outlive it. */
 DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix,

@@ -201,6 +201,7 @@ void ddp__store_server_stop(ddp__store_server_t *srv);
 /* Kind constructors' tables. */
 extern const ddp__store_ops_t ddp__store_memory_ops;
 extern const ddp__store_ops_t ddp__store_file_ops;
+extern const ddp__store_ops_t ddp__store_callbacks_ops;
 extern const ddp__store_ops_t ddp__store_tcp_ops;
 
 #endif /* DDP_SRC_STORE_INTERNAL_H */

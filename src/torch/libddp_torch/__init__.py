@@ -1,0 +1,96 @@
+"""libddp as a torch.distributed backend (docs/torch.md).
+
+    import libddp_torch                      # registers the backend "libddp"
+    dist.init_process_group("libddp")        # instead of "gloo"
+
+Every reduction adds the ranks' values in rank order, so a script's result is the same bit
+for bit on shm and tcp and for any bucket layout; waits are bounded by the group's timeout;
+a mismatched collective fails on every rank naming both calls; the flight recorder and
+DDP_FAULT work as they do for ddp-train.
+
+The transport is shared memory when every rank runs on one host, else tcp. Choose it with
+    dist.init_process_group("libddp", pg_options=libddp_torch.Options(transport="tcp"))
+or with DDP_BACKEND=shm|tcp in the environment (the option wins).
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS"]
+
+ProcessGroupLibddp = _C.ProcessGroupLibddp
+TRANSPORTS = ("auto", "shm", "tcp", "gloo", "mpi")
+ALGORITHMS = ("auto", "canonical", "ring", "small")
+
+
+class Options:
+    """The backend's options, passed as init_process_group(..., pg_options=Options(...)) or
+    new_group(..., pg_options=...). A dict with the same keys is accepted too.
+
+    transport: "auto" (shm on one host, tcp across hosts; DDP_BACKEND overrides auto),
+               "shm", "tcp" ("gloo" is the same) or "mpi" (where libddp was built with it).
+    algorithm: "auto", "canonical" (rank-order sums, the default for large messages),
+               "small" (rank-order, latency-bound) or "ring" (gloo's ring: faster on
+               slow links, deterministic run to run but not rank-order).
+    """
+
+    _KEYS = ("transport", "algorithm")
+
+    def __init__(self, transport="auto", algorithm="auto"):
+        if transport not in TRANSPORTS:
+            raise ValueError(
+                f"libddp: unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"libddp: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        self.transport = transport
+        self.algorithm = algorithm
+
+    @classmethod
+    def of(cls, value):
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls._KEYS))
+            if unknown:
+                raise ValueError(
+                    f"libddp: unknown backend option {unknown[0]!r}; the options are "
+                    f"{', '.join(cls._KEYS)}")
+            return cls(**value)
+        raise TypeError(
+            f"libddp: pg_options must be libddp_torch.Options or a dict, not "
+            f"{type(value).__name__}")
+
+    def __repr__(self):
+        return f"libddp_torch.Options(transport={self.transport!r}, algorithm={self.algorithm!r})"
+
+
+def _timeout_ms(timeout):
+    if isinstance(timeout, datetime.timedelta):
+        return int(timeout.total_seconds() * 1000)
+    return int(float(timeout) * 1000)
+
+
+def _create(backend_opts, pg_options):
+    """torch.distributed's creator for the backend (extended API)."""
+    opts = Options.of(pg_options)
+    source = "libddp_torch.Options" if opts.transport != "auto" else "auto"
+    transport = "tcp" if opts.transport == "gloo" else opts.transport
+    if backend_opts.store is None:
+        raise ValueError("libddp: no store was given to the backend")
+    return _C.create(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+                     _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm)
+
+
+def _register():
+    if "LIBDDP" not in dist.Backend._plugins:
+        dist.Backend.register_backend("libddp", _create, extended_api=True)
+
+
+_register()

@@ -1,0 +1,32 @@
+// The Python module libddp_torch._C: the group class and its factory; libddp_torch/__init__.py
+// registers the factory with torch.distributed (docs/torch.md).
+#include <torch/csrc/utils/pybind.h>
+
+#include "process_group.hpp"
+
+namespace py = pybind11;
+using libddp_torch::Config;
+using libddp_torch::ProcessGroupLibddp;
+
+PYBIND11_MODULE(_C, m) {
+  // c10d's ProcessGroup and Store classes are registered by torch.distributed.
+  py::module::import("torch.distributed");
+  py::class_<ProcessGroupLibddp, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupLibddp>>(
+      m, "ProcessGroupLibddp")
+      .def_property_readonly("transport", &ProcessGroupLibddp::transport,
+                             "The libddp transport this group runs on: shm, tcp or mpi.");
+  m.def(
+      "create",
+      [](const c10::intrusive_ptr<c10d::Store> &store, int rank, int size, int64_t timeout_ms,
+         const std::string &transport, const std::string &source, const std::string &algorithm) {
+        Config cfg;
+        cfg.transport = transport;
+        cfg.transport_source = source;
+        cfg.algorithm = algorithm;
+        return c10::make_intrusive<ProcessGroupLibddp>(
+            store, rank, size, std::chrono::milliseconds(timeout_ms), cfg);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
+      py::arg("transport"), py::arg("source"), py::arg("algorithm"),
+      py::call_guard<py::gil_scoped_release>());
+}

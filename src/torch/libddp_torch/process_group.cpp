@@ -1,0 +1,952 @@
+// ProcessGroupLibddp: see process_group.hpp and docs/torch.md.
+#include "process_group.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <unistd.h>
+
+#include "store_bridge.hpp"
+
+namespace libddp_torch {
+namespace {
+
+using c10d::OpType;
+using c10d::ReduceOp;
+
+// libddp's dtypes for PyTorch's; false for dtypes that travel as bytes.
+bool native_dtype(at::ScalarType t, ddp_dtype_t *dt) {
+  switch (t) {
+  case at::kFloat: *dt = DDP_F32; return true;
+  case at::kDouble: *dt = DDP_F64; return true;
+  case at::kHalf: *dt = DDP_F16; return true;
+  case at::kBFloat16: *dt = DDP_BF16; return true;
+  case at::kInt: *dt = DDP_I32; return true;
+  case at::kLong: *dt = DDP_I64; return true;
+  case at::kByte: *dt = DDP_U8; return true;
+  case at::kBool: *dt = DDP_BOOL; return true;
+  default: return false;
+  }
+}
+
+std::string op_name(const ReduceOp &op) {
+  switch (op.op_) {
+  case ReduceOp::SUM: return "SUM";
+  case ReduceOp::AVG: return "AVG";
+  case ReduceOp::PRODUCT: return "PRODUCT";
+  case ReduceOp::MIN: return "MIN";
+  case ReduceOp::MAX: return "MAX";
+  case ReduceOp::BAND: return "BAND";
+  case ReduceOp::BOR: return "BOR";
+  case ReduceOp::BXOR: return "BXOR";
+  case ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+  default: return "UNUSED";
+  }
+}
+
+std::string describe(const at::Tensor &t) {
+  std::ostringstream s;
+  s << c10::toString(t.scalar_type()) << "[";
+  for (int64_t i = 0; i < t.dim(); i++) s << (i ? ", " : "") << t.size(i);
+  s << "]";
+  return s.str();
+}
+
+// A tensor this backend can hand to libddp: dense, on the CPU, and (where `contiguous`)
+// contiguous. CUDA tensors name their device and the backend that takes them.
+void check_tensor(const at::Tensor &t, const std::string &what, bool contiguous = true) {
+  TORCH_CHECK(t.defined(), "libddp ", what, ": got an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), "libddp ", what, ": the tensor is on ", t.device().str(),
+              "; the libddp backend takes CPU tensors only (move it with .cpu(), or use the "
+              "nccl backend for CUDA tensors)");
+  TORCH_CHECK(t.layout() == at::kStrided, "libddp ", what, ": ", t.layout(),
+              " tensors are not supported (dense tensors only)");
+  TORCH_CHECK(!contiguous || t.is_contiguous(), "libddp ", what, ": the tensor ", describe(t),
+              " is not contiguous (strides ", t.strides(),
+              "); libddp reads tensors in place: pass tensor.contiguous()");
+}
+
+void check_one(const std::vector<at::Tensor> &v, const std::string &what) {
+  TORCH_CHECK(v.size() == 1, "libddp ", what, ": expects a list of exactly one tensor, got ",
+              v.size());
+}
+
+void check_same(const at::Tensor &a, const at::Tensor &b, const std::string &what,
+                const char *how) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.numel() == b.numel(), "libddp ", what,
+              ": ", how, ": ", describe(a), " against ", describe(b));
+}
+
+// How a reduction of this dtype and op runs: natively (libddp's kernels), as an allgather
+// and a fold in rank order with ATen (dtypes and ops libddp's kernels lack), or not at all.
+enum class Path { NATIVE, FOLD };
+
+Path reduce_path(const at::Tensor &t, const ReduceOp &op, const std::string &what,
+                 ddp_dtype_t *dt, ddp_redop_t *rop) {
+  at::ScalarType st = t.scalar_type();
+  bool is_float = at::isFloatingType(st);
+  bool is_int = at::isIntegralType(st, /*includeBool=*/false);
+  bool is_bool = st == at::kBool;
+  bool bitwise = op.op_ == ReduceOp::BAND || op.op_ == ReduceOp::BOR || op.op_ == ReduceOp::BXOR;
+  std::string combo = "ReduceOp." + op_name(op) + " on a " + c10::toString(st) + " tensor";
+  TORCH_CHECK(op.op_ != ReduceOp::PREMUL_SUM && op.op_ != ReduceOp::UNUSED, "libddp ", what,
+              ": ", combo, " is not supported (PREMUL_SUM is NCCL's)");
+  TORCH_CHECK(is_float || is_int || is_bool, "libddp ", what, ": ", combo,
+              " is not supported (reductions take floating-point, integer and bool tensors; "
+              "complex tensors are reduced through torch.view_as_real)");
+  TORCH_CHECK(!(bitwise && is_float), "libddp ", what, ": ", combo,
+              " is not supported (bitwise ops take integer and bool tensors)");
+  TORCH_CHECK(op.op_ != ReduceOp::AVG || is_float, "libddp ", what, ": ", combo,
+              " is not supported (AVG takes floating-point tensors, as in NCCL)");
+  if (is_bool) {
+    // bool's sum and max are OR, its product and min AND, as in gloo: u8 MAX and MIN.
+    if (op.op_ == ReduceOp::SUM || op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::BOR) {
+      *dt = DDP_U8, *rop = DDP_OP_MAX;
+      return Path::NATIVE;
+    }
+    if (op.op_ == ReduceOp::PRODUCT || op.op_ == ReduceOp::MIN || op.op_ == ReduceOp::BAND) {
+      *dt = DDP_U8, *rop = DDP_OP_MIN;
+      return Path::NATIVE;
+    }
+    return Path::FOLD;
+  }
+  if (bitwise) return Path::FOLD;
+  bool known = native_dtype(st, dt);
+  if (!known && st == at::kChar && (op.op_ == ReduceOp::SUM || op.op_ == ReduceOp::PRODUCT)) {
+    // Two's-complement sums and products wrap to the same bits as unsigned ones.
+    *dt = DDP_U8, known = true;
+  } else if (!known || (st == at::kChar)) {
+    return Path::FOLD;
+  }
+  switch (op.op_) {
+  case ReduceOp::SUM: *rop = DDP_OP_SUM; break;
+  case ReduceOp::AVG: *rop = DDP_OP_AVG; break;
+  case ReduceOp::PRODUCT: *rop = DDP_OP_PRODUCT; break;
+  case ReduceOp::MIN: *rop = DDP_OP_MIN; break;
+  case ReduceOp::MAX: *rop = DDP_OP_MAX; break;
+  default: return Path::FOLD;
+  }
+  return Path::NATIVE;
+}
+
+at::Tensor combine(const at::Tensor &a, const at::Tensor &b, const ReduceOp &op) {
+  switch (op.op_) {
+  case ReduceOp::SUM: return a.scalar_type() == at::kBool ? at::logical_or(a, b) : at::add(a, b);
+  case ReduceOp::PRODUCT:
+    return a.scalar_type() == at::kBool ? at::logical_and(a, b) : at::mul(a, b);
+  case ReduceOp::MIN: return at::minimum(a, b);
+  case ReduceOp::MAX: return at::maximum(a, b);
+  case ReduceOp::BAND: return at::bitwise_and(a, b);
+  case ReduceOp::BOR: return at::bitwise_or(a, b);
+  case ReduceOp::BXOR: return at::bitwise_xor(a, b);
+  default: TORCH_CHECK(false, "libddp: no fold for ReduceOp.", op_name(op));
+  }
+}
+
+// Element type and count libddp moves a tensor as: its own dtype where libddp has it (so the
+// fingerprint names it), else bytes.
+void wire_of(const at::Tensor &t, ddp_dtype_t *dt, size_t *count) {
+  if (native_dtype(t.scalar_type(), dt)) {
+    *count = static_cast<size_t>(t.numel());
+  } else {
+    *dt = DDP_U8;
+    *count = static_cast<size_t>(t.numel()) * t.element_size();
+  }
+}
+
+std::string read_boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+std::string host_identity() {
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  return std::string(name) + "/" + read_boot_id();
+}
+
+std::string random_token() {
+  std::random_device rd;
+  std::ostringstream s;
+  for (int i = 0; i < 4; i++) s << std::hex << rd();
+  return s.str();
+}
+
+std::string get_string(c10d::Store &store, const std::string &key) {
+  std::vector<uint8_t> v = store.get(key);
+  return std::string(v.begin(), v.end());
+}
+
+void set_string(c10d::Store &store, const std::string &key, const std::string &v) {
+  store.set(key, std::vector<uint8_t>(v.begin(), v.end()));
+}
+
+} // namespace
+
+// ------------------------------------------------------------------ create / destroy --
+
+ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &store, int rank,
+                                       int size, std::chrono::milliseconds timeout,
+                                       const Config &cfg)
+    : c10d::ProcessGroup(rank, size), store_(store), timeout_ms_(timeout.count()) {
+  TORCH_CHECK(store_, "libddp: no store was given (init_process_group needs an init_method, "
+                      "a store, or MASTER_ADDR/MASTER_PORT in the environment)");
+  // World sizes: every rank checks its own against rank 0's and says so, so both sides of
+  // a disagreement fail at once naming both sizes instead of waiting for a rank that never
+  // comes.
+  set_string(*store_, "libddp/world/" + std::to_string(rank), std::to_string(size));
+  std::string w0 = get_string(*store_, "libddp/world/0");
+  if (rank == 0) {
+    for (int r = 1; r < size; r++) {
+      std::string wr = get_string(*store_, "libddp/world_ok/" + std::to_string(r));
+      TORCH_CHECK(wr == "ok", "libddp: ", wr);
+    }
+  } else {
+    std::string verdict = "ok";
+    if (w0 != std::to_string(size)) {
+      verdict = "the ranks disagree on the world size: rank " + std::to_string(rank) +
+                " has world_size " + std::to_string(size) + ", rank 0 has " + w0;
+    }
+    set_string(*store_, "libddp/world_ok/" + std::to_string(rank), verdict);
+    TORCH_CHECK(verdict == "ok", "libddp: ", verdict);
+  }
+
+  // The transport: the option, else DDP_BACKEND, else shm when every rank runs on this
+  // host (same hostname and boot id), else tcp.
+  std::string transport = cfg.transport, source = cfg.transport_source;
+  if (transport == "auto") {
+    const char *env = getenv("DDP_BACKEND");
+    if (env && env[0]) transport = env, source = "DDP_BACKEND";
+  }
+  if (transport == "gloo") transport = "tcp";
+  if (transport == "auto") {
+    std::string me = host_identity();
+    set_string(*store_, "libddp/host/" + std::to_string(rank), me);
+    bool one_host = true;
+    for (int r = 0; r < size; r++)
+      one_host = one_host && get_string(*store_, "libddp/host/" + std::to_string(r)) == me;
+    // Every rank must choose alike: rank 0's view decides for all.
+    if (rank == 0) set_string(*store_, "libddp/transport", one_host ? "shm" : "tcp");
+    transport = get_string(*store_, "libddp/transport");
+    source = "auto";
+  }
+  TORCH_CHECK(transport == "shm" || transport == "tcp" || transport == "mpi", "libddp: unknown "
+              "transport '", cfg.transport == "auto" ? transport : cfg.transport, "' (from ",
+              source, "); the torch backend takes auto, shm, tcp (alias gloo) or mpi (threads "
+              "ranks cannot be PyTorch ranks: one process is one rank)");
+  TORCH_CHECK(transport != "mpi" || ddp_backend_find("mpi"), "libddp: transport 'mpi' (from ",
+              source, ") is not built into this libddp; built: ", ddp_backend_names());
+  transport_ = transport;
+
+  // tcp connections present a job token: DDP_JOB_TOKEN (ddprun's) or one rank 0 draws.
+  std::string token;
+  const char *env_token = getenv("DDP_JOB_TOKEN");
+  if (env_token && env_token[0]) {
+    token = env_token;
+  } else {
+    if (rank == 0) set_string(*store_, "libddp/token", random_token());
+    token = get_string(*store_, "libddp/token");
+  }
+
+  ddp_algorithm_t algo = DDP_ALGO_AUTO;
+  if (cfg.algorithm == "canonical") algo = DDP_ALGO_CANONICAL;
+  else if (cfg.algorithm == "ring") algo = DDP_ALGO_RING;
+  else if (cfg.algorithm == "small") algo = DDP_ALGO_SMALL;
+  else
+    TORCH_CHECK(cfg.algorithm == "auto", "libddp: unknown algorithm '", cfg.algorithm,
+                "' (auto, canonical, ring or small)");
+
+  ddp_error_t err = {};
+  ddp_store_t *ds = nullptr;
+  ddp_status_t st = make_ddp_store(store_.get(), rank, timeout_ms_, &ds, &err);
+  TORCH_CHECK(st == DDP_OK, "libddp: ", err.msg);
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = transport_.c_str();
+  o.rank = rank;
+  o.world = size;
+  o.store = ds;
+  o.timeout_ms = timeout_ms_;
+  o.algorithm = algo;
+  o.job_token = token.c_str();
+  st = ddp_pg_create(&o, &pg_, &err);
+  ddp_store_destroy(ds);
+  TORCH_CHECK(st == DDP_OK, "libddp: creating the ", transport_, " group of rank ", rank, " of ",
+              size, " failed (", ddp_status_name(st), "): ", err.msg);
+  completer_ = std::thread([this] { completer_main(); });
+}
+
+ProcessGroupLibddp::~ProcessGroupLibddp() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (completer_.joinable()) completer_.join();
+  ddp_pg_destroy(pg_);
+}
+
+// The completer finishes works whose future was asked for (DDP's reducer and comm hooks
+// wait on futures, not on works), in issue order, which is the order they end in.
+void ProcessGroupLibddp::completer_main() {
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    cv_.wait(g, [this] { return stop_ || !pending_.empty(); });
+    if (pending_.empty()) return;
+    c10::intrusive_ptr<WorkLibddp> w = pending_.front();
+    pending_.pop_front();
+    g.unlock();
+    w->complete();
+    w.reset();
+    g.lock();
+  }
+}
+
+void ProcessGroupLibddp::enqueue_completion(c10::intrusive_ptr<WorkLibddp> w) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    pending_.push_back(std::move(w));
+  }
+  cv_.notify_one();
+}
+
+void ProcessGroupLibddp::fail(const std::string &what, ddp_status_t st,
+                              const std::string &msg) const {
+  std::string m = msg;
+  if (m.empty()) {
+    ddp_error_t e = {};
+    ddp_pg_last_error_copy(pg_, &e);
+    m = e.msg[0] ? e.msg : ddp_status_str(st);
+  }
+  TORCH_CHECK(false, "libddp ", what, " on rank ", getRank(), " failed (", ddp_status_name(st),
+              "): ", m);
+}
+
+void ProcessGroupLibddp::check_issue(ddp_status_t st, const std::string &what) const {
+  if (st != DDP_OK) fail(what, st, "");
+}
+
+c10::intrusive_ptr<WorkLibddp> ProcessGroupLibddp::make_work(OpType type, std::string what,
+                                                             std::vector<at::Tensor> outputs,
+                                                             std::chrono::milliseconds timeout) {
+  seq_++;
+  int64_t t = timeout == c10d::kUnsetTimeout ? -1 : timeout.count();
+  return c10::make_intrusive<WorkLibddp>(this, type, std::move(what), std::move(outputs), t);
+}
+
+// ------------------------------------------------------------------ reductions ---------
+
+void ProcessGroupLibddp::issue_allreduce(WorkLibddp &w, at::Tensor t, ReduceOp op,
+                                         const std::string &what) {
+  ddp_dtype_t dt = DDP_F32;
+  ddp_redop_t rop = DDP_OP_SUM;
+  Path path = reduce_path(t, op, what, &dt, &rop);
+  ddp_work_t *h = nullptr;
+  if (path == Path::NATIVE) {
+    check_issue(ddp_allreduce(pg_, t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), dt,
+                              rop, &h),
+                what);
+    w.add_handle(h);
+    w.keep(t);
+    return;
+  }
+  // Every rank's values, then the fold in rank order: ((x0 op x1) op x2) ...
+  at::Tensor all = at::empty({getSize(), t.numel()}, t.options());
+  size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  check_issue(ddp_allgather(pg_, t.data_ptr(), all.data_ptr(), bytes, DDP_U8, &h), what);
+  w.add_handle(h);
+  w.keep(all);
+  w.keep(t);
+  int world = getSize();
+  w.on_success([t, all, op, world]() mutable {
+    at::Tensor acc = all[0];
+    for (int r = 1; r < world; r++) acc = combine(acc, all[r], op);
+    t.view({-1}).copy_(acc);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::allreduce(std::vector<at::Tensor> &tensors,
+                                                             const c10d::AllreduceOptions &opts) {
+  TORCH_CHECK(!tensors.empty(), "libddp allreduce: got an empty tensor list");
+  std::string what = "allreduce of " + describe(tensors[0]) + " (" + op_name(opts.reduceOp) + ")";
+  for (auto &t : tensors) {
+    check_tensor(t, what);
+    check_same(t, tensors[0], what, "the tensors of one call differ");
+  }
+  auto w = make_work(OpType::ALLREDUCE, what, tensors, opts.timeout);
+  if (tensors.size() > 1) {
+    // Several tensors of one rank: gloo's meaning, every tensor gets the reduction of all
+    // of them on all ranks. They are folded locally in list order first.
+    for (size_t i = 1; i < tensors.size(); i++)
+      tensors[0].copy_(combine(tensors[0], tensors[i], opts.reduceOp));
+  }
+  issue_allreduce(*w, tensors[0], opts.reduceOp, what);
+  if (tensors.size() > 1) {
+    std::vector<at::Tensor> ts = tensors;
+    w->on_success([ts]() {
+      for (size_t i = 1; i < ts.size(); i++) ts[i].copy_(ts[0]);
+    });
+  }
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work>
+ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
+                                        const c10d::AllreduceCoalescedOptions &opts) {
+  TORCH_CHECK(!tensors.empty(), "libddp allreduce_coalesced: got an empty tensor list");
+  std::string what = "allreduce_coalesced of " + std::to_string(tensors.size()) + " tensors (" +
+                     op_name(opts.reduceOp) + ")";
+  std::vector<at::Tensor> flat;
+  for (auto &t : tensors) {
+    check_tensor(t, what, false);
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), "libddp ", what,
+                ": the tensors must share one dtype: ", describe(tensors[0]), " and ",
+                describe(t));
+    flat.push_back(t.reshape({-1}));
+  }
+  at::Tensor buf = at::cat(flat);
+  auto w = make_work(OpType::ALLREDUCE, what, tensors, opts.timeout);
+  issue_allreduce(*w, buf, opts.reduceOp, what);
+  std::vector<at::Tensor> ts = tensors;
+  w->on_success([ts, buf]() {
+    int64_t off = 0;
+    for (auto &t : ts) {
+      t.view({-1}).copy_(buf.narrow(0, off, t.numel()));
+      off += t.numel();
+    }
+  });
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::reduce(std::vector<at::Tensor> &tensors,
+                                                          const c10d::ReduceOptions &opts) {
+  check_one(tensors, "reduce");
+  at::Tensor t = tensors[0];
+  std::string what = "reduce of " + describe(t) + " (" + op_name(opts.reduceOp) + ") to root " +
+                     std::to_string(opts.rootRank);
+  check_tensor(t, what);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
+              ": root rank out of range [0, ", getSize(), ")");
+  auto w = make_work(OpType::REDUCE, what, tensors, opts.timeout);
+  // An allreduce, into a scratch copy on the other ranks: their tensors stay as they were.
+  issue_allreduce(*w, getRank() == opts.rootRank ? t : t.clone(), opts.reduceOp, what);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work>
+ProcessGroupLibddp::reduce_scatter(std::vector<at::Tensor> &outputs,
+                                   std::vector<std::vector<at::Tensor>> &inputs,
+                                   const c10d::ReduceScatterOptions &opts) {
+  check_one(outputs, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+              "libddp reduce_scatter: expects one list of world_size (", getSize(),
+              ") input tensors");
+  at::Tensor out = outputs[0];
+  std::string what = "reduce_scatter of " + describe(out) + " (" + op_name(opts.reduceOp) + ")";
+  check_tensor(out, what, false);
+  std::vector<at::Tensor> flat;
+  for (auto &t : inputs[0]) {
+    check_tensor(t, what, false);
+    check_same(t, out, what, "an input differs from the output");
+    flat.push_back(t.reshape({-1}));
+  }
+  at::Tensor buf = at::cat(flat);
+  at::Tensor o = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  auto r = _reduce_scatter_base(o, buf, opts);
+  auto w = c10::static_intrusive_pointer_cast<WorkLibddp>(r);
+  if (!o.is_same(out)) w->on_success([o, out]() mutable { out.copy_(o); });
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work>
+ProcessGroupLibddp::_reduce_scatter_base(at::Tensor &output, at::Tensor &input,
+                                         const c10d::ReduceScatterOptions &opts) {
+  std::string what =
+      "reduce_scatter_tensor of " + describe(input) + " (" + op_name(opts.reduceOp) + ")";
+  check_tensor(output, what);
+  check_tensor(input, what);
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
+                  input.numel() == output.numel() * getSize(),
+              "libddp ", what, ": the input must hold world_size (", getSize(),
+              ") times the output's elements, of the same dtype: input ", describe(input),
+              ", output ", describe(output));
+  auto w = make_work(OpType::REDUCE_SCATTER, what, {output}, opts.timeout);
+  ddp_dtype_t dt = DDP_F32;
+  ddp_redop_t rop = DDP_OP_SUM;
+  if (reduce_path(input, opts.reduceOp, what, &dt, &rop) == Path::NATIVE) {
+    ddp_work_t *h = nullptr;
+    check_issue(ddp_reduce_scatter(pg_, input.data_ptr(), output.data_ptr(),
+                                   static_cast<size_t>(output.numel()), dt, rop, &h),
+                what);
+    w->add_handle(h);
+    w->keep(input);
+    w->keep(output);
+    return w;
+  }
+  at::Tensor all = input.clone();
+  issue_allreduce(*w, all, opts.reduceOp, what);
+  int64_t n = output.numel(), r = getRank();
+  at::Tensor out = output;
+  w->on_success([all, out, n, r]() mutable { out.view({-1}).copy_(all.view({-1}).narrow(0, r * n, n)); });
+  return w;
+}
+
+// ------------------------------------------------------------------ data movement ------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Tensor> &tensors,
+                                                             const c10d::BroadcastOptions &opts) {
+  TORCH_CHECK(!tensors.empty(), "libddp broadcast: got an empty tensor list");
+  std::string what =
+      "broadcast of " + describe(tensors[0]) + " from root " + std::to_string(opts.rootRank);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
+              ": root rank out of range [0, ", getSize(), ")");
+  auto w = make_work(OpType::BROADCAST, what, tensors, opts.timeout);
+  for (auto &t : tensors) {
+    check_tensor(t, what);
+    ddp_dtype_t dt;
+    size_t count;
+    wire_of(t, &dt, &count);
+    ddp_work_t *h = nullptr;
+    check_issue(ddp_broadcast(pg_, t.data_ptr(), count, dt, static_cast<int>(opts.rootRank), &h),
+                what);
+    w->add_handle(h);
+    w->keep(t);
+  }
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::_allgather_base(at::Tensor &output,
+                                                                   at::Tensor &input,
+                                                                   const c10d::AllgatherOptions &opts) {
+  std::string what = "allgather_into_tensor of " + describe(input);
+  check_tensor(output, what);
+  check_tensor(input, what);
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() &&
+                  output.numel() == input.numel() * getSize(),
+              "libddp ", what, ": the output must hold world_size (", getSize(),
+              ") times the input's elements, of the same dtype: input ", describe(input),
+              ", output ", describe(output));
+  auto w = make_work(OpType::_ALLGATHER_BASE, what, {output}, opts.timeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(input, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_allgather(pg_, input.data_ptr(), output.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(input);
+  w->keep(output);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work>
+ProcessGroupLibddp::allgather(std::vector<std::vector<at::Tensor>> &outputs,
+                              std::vector<at::Tensor> &inputs, const c10d::AllgatherOptions &opts) {
+  check_one(inputs, "allgather");
+  at::Tensor in = inputs[0];
+  std::string what = "allgather of " + describe(in);
+  check_tensor(in, what);
+  TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+              "libddp ", what, ": expects one output list of world_size (", getSize(),
+              ") tensors");
+  for (auto &o : outputs[0]) {
+    check_tensor(o, what, false);
+    check_same(o, in, what, "an output differs from the input");
+  }
+  at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
+  auto w = make_work(OpType::ALLGATHER, what, outputs[0], opts.timeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(in, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_allgather(pg_, in.data_ptr(), flat.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(in);
+  w->keep(flat);
+  std::vector<at::Tensor> outs = outputs[0];
+  int64_t n = in.numel();
+  w->on_success([outs, flat, n]() {
+    for (size_t r = 0; r < outs.size(); r++)
+      outs[r].view_as(outs[r]).copy_(flat.narrow(0, r * n, n).view(outs[r].sizes()));
+  });
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work>
+ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &outputs,
+                                        std::vector<at::Tensor> &inputs,
+                                        const c10d::AllgatherOptions &opts) {
+  std::string what = "allgather_coalesced of " + std::to_string(inputs.size()) + " tensors";
+  TORCH_CHECK(!inputs.empty(), "libddp ", what, ": got an empty input list");
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "libddp ", what,
+              ": expects world_size (", getSize(), ") output lists, got ", outputs.size());
+  std::vector<at::Tensor> flat_in;
+  for (auto &t : inputs) {
+    check_tensor(t, what, false);
+    TORCH_CHECK(t.scalar_type() == inputs[0].scalar_type(), "libddp ", what,
+                ": the tensors must share one dtype: ", describe(inputs[0]), " and ",
+                describe(t));
+    flat_in.push_back(t.reshape({-1}));
+  }
+  for (auto &list : outputs) {
+    TORCH_CHECK(list.size() == inputs.size(), "libddp ", what, ": every output list must hold ",
+                inputs.size(), " tensors, one holds ", list.size());
+    for (size_t i = 0; i < list.size(); i++) {
+      check_tensor(list[i], what, false);
+      check_same(list[i], inputs[i], what, "an output differs from its input");
+    }
+  }
+  at::Tensor in = at::cat(flat_in);
+  at::Tensor all = at::empty({getSize() * in.numel()}, in.options());
+  std::vector<at::Tensor> flat_out;
+  for (auto &l : outputs) flat_out.insert(flat_out.end(), l.begin(), l.end());
+  auto w = make_work(OpType::ALLGATHER_COALESCED, what, flat_out, opts.timeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(in, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_allgather(pg_, in.data_ptr(), all.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(in);
+  w->keep(all);
+  std::vector<std::vector<at::Tensor>> outs = outputs;
+  int64_t n = in.numel();
+  w->on_success([outs, all, n]() {
+    for (size_t r = 0; r < outs.size(); r++) {
+      int64_t off = static_cast<int64_t>(r) * n;
+      for (auto &t : outs[r]) {
+        t.copy_(all.narrow(0, off, t.numel()).view(t.sizes()));
+        off += t.numel();
+      }
+    }
+  });
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vector<at::Tensor>> &outputs,
+                                                          std::vector<at::Tensor> &inputs,
+                                                          const c10d::GatherOptions &opts) {
+  check_one(inputs, "gather");
+  at::Tensor in = inputs[0];
+  std::string what = "gather of " + describe(in) + " to root " + std::to_string(opts.rootRank);
+  check_tensor(in, what);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
+              ": root rank out of range [0, ", getSize(), ")");
+  bool root = getRank() == opts.rootRank;
+  if (root) {
+    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+                "libddp ", what, ": the root expects one output list of world_size (", getSize(),
+                ") tensors");
+    for (auto &o : outputs[0]) {
+      check_tensor(o, what, false);
+      check_same(o, in, what, "an output differs from the input");
+    }
+  } else {
+    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "libddp ", what,
+                ": only the root takes output tensors");
+  }
+  // An allgather: every rank's share in one step, the root keeps them.
+  at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
+  auto w = make_work(OpType::GATHER, what, root ? outputs[0] : std::vector<at::Tensor>{},
+                     opts.timeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(in, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_allgather(pg_, in.data_ptr(), flat.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(in);
+  w->keep(flat);
+  if (root) {
+    std::vector<at::Tensor> outs = outputs[0];
+    int64_t n = in.numel();
+    w->on_success([outs, flat, n]() {
+      for (size_t r = 0; r < outs.size(); r++)
+        outs[r].copy_(flat.narrow(0, r * n, n).view(outs[r].sizes()));
+    });
+  }
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tensor> &outputs,
+                                                           std::vector<std::vector<at::Tensor>> &inputs,
+                                                           const c10d::ScatterOptions &opts) {
+  check_one(outputs, "scatter");
+  at::Tensor out = outputs[0];
+  std::string what = "scatter of " + describe(out) + " from root " + std::to_string(opts.rootRank);
+  check_tensor(out, what, false);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
+              ": root rank out of range [0, ", getSize(), ")");
+  int root = static_cast<int>(opts.rootRank);
+  auto w = make_work(OpType::SCATTER, what, outputs, opts.timeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(out, &dt, &count);
+  if (getRank() == root) {
+    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "libddp ",
+                what, ": the root expects one input list of world_size (", getSize(),
+                ") tensors");
+    // The root sends each rank its share, point to point, in rank order.
+    for (int r = 0; r < getSize(); r++) {
+      at::Tensor t = inputs[0][r];
+      check_tensor(t, what, false);
+      check_same(t, out, what, "an input differs from the output");
+      if (r == root) continue;
+      at::Tensor c = t.contiguous();
+      ddp_work_t *h = nullptr;
+      check_issue(ddp_send(pg_, c.data_ptr(), count, dt, r, &h), what);
+      w->add_handle(h);
+      w->keep(c);
+    }
+    at::Tensor mine = inputs[0][root];
+    w->on_success([out, mine]() mutable { out.copy_(mine); });
+  } else {
+    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "libddp ", what,
+                ": only the root takes input tensors");
+    at::Tensor o = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    ddp_work_t *h = nullptr;
+    check_issue(ddp_recv(pg_, o.data_ptr(), count, dt, root, &h), what);
+    w->add_handle(h);
+    w->keep(o);
+    if (!o.is_same(out)) w->on_success([o, out]() mutable { out.copy_(o); });
+  }
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &output, at::Tensor &input,
+                                                                 std::vector<int64_t> &output_splits,
+                                                                 std::vector<int64_t> &input_splits,
+                                                                 const c10d::AllToAllOptions &opts) {
+  std::string what = "all_to_all_single of " + describe(input);
+  check_tensor(output, what);
+  check_tensor(input, what);
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "libddp ", what,
+              ": input and output dtypes differ: ", describe(input), " and ", describe(output));
+  int W = getSize();
+  auto w = make_work(OpType::ALLTOALL_BASE, what, {output}, opts.timeout);
+  int64_t rows_in = input.dim() ? input.size(0) : 1, rows_out = output.dim() ? output.size(0) : 1;
+  int64_t row = rows_in ? input.numel() / rows_in : 0;
+  auto even = [W](const std::vector<int64_t> &s, int64_t rows) {
+    if (s.empty()) return rows % W == 0;
+    for (int64_t v : s)
+      if (v != s[0]) return false;
+    return true;
+  };
+  std::vector<int64_t> in_s = input_splits, out_s = output_splits;
+  TORCH_CHECK(in_s.empty() || static_cast<int>(in_s.size()) == W, "libddp ", what,
+              ": input_split_sizes must have world_size (", W, ") entries");
+  TORCH_CHECK(out_s.empty() || static_cast<int>(out_s.size()) == W, "libddp ", what,
+              ": output_split_sizes must have world_size (", W, ") entries");
+  if (in_s.empty()) {
+    TORCH_CHECK(rows_in % W == 0, "libddp ", what, ": dim 0 (", rows_in,
+                ") does not divide by world_size (", W, ") and no split sizes were given");
+    in_s.assign(W, rows_in / W);
+  }
+  if (out_s.empty()) {
+    TORCH_CHECK(rows_out % W == 0, "libddp ", what, ": dim 0 (", rows_out,
+                ") does not divide by world_size (", W, ") and no split sizes were given");
+    out_s.assign(W, rows_out / W);
+  }
+  int64_t sum_in = 0, sum_out = 0;
+  for (int r = 0; r < W; r++) sum_in += in_s[r], sum_out += out_s[r];
+  TORCH_CHECK(sum_in == rows_in && sum_out == rows_out, "libddp ", what,
+              ": the split sizes add up to ", sum_in, " input and ", sum_out,
+              " output rows, the tensors have ", rows_in, " and ", rows_out);
+  ddp_work_t *h = nullptr;
+  if (even(in_s, rows_in) && even(out_s, rows_out) && in_s[0] == out_s[0]) {
+    // Equal blocks everywhere on this rank; the fingerprint catches a peer that disagrees.
+    ddp_dtype_t dt;
+    size_t count;
+    wire_of(input.narrow(0, 0, in_s[0]), &dt, &count);
+    check_issue(ddp_alltoall(pg_, input.data_ptr(), output.data_ptr(), count, dt, &h), what);
+    w->add_handle(h);
+    w->keep(input);
+    w->keep(output);
+    return w;
+  }
+  // Uneven blocks: every block padded to the largest of the job (one small allreduce to
+  // agree on it), one alltoall, then the blocks unpacked.
+  int64_t most = 0;
+  for (int r = 0; r < W; r++) most = std::max({most, in_s[r], out_s[r]});
+  check_issue(ddp_allreduce(pg_, &most, &most, 1, DDP_I64, DDP_OP_MAX, nullptr), what);
+  at::Tensor send = at::zeros({W, most * row}, input.options());
+  at::Tensor recvb = at::empty({W, most * row}, input.options());
+  int64_t off = 0;
+  at::Tensor in_flat = input.view({-1});
+  for (int r = 0; r < W; r++) {
+    send[r].narrow(0, 0, in_s[r] * row).copy_(in_flat.narrow(0, off, in_s[r] * row));
+    off += in_s[r] * row;
+  }
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(send[0], &dt, &count);
+  check_issue(ddp_alltoall(pg_, send.data_ptr(), recvb.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(send);
+  w->keep(recvb);
+  at::Tensor out = output;
+  w->on_success([out, recvb, out_s, row, W]() mutable {
+    at::Tensor of = out.view({-1});
+    int64_t o = 0;
+    for (int r = 0; r < W; r++) {
+      of.narrow(0, o, out_s[r] * row).copy_(recvb[r].narrow(0, 0, out_s[r] * row));
+      o += out_s[r] * row;
+    }
+  });
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall(std::vector<at::Tensor> &outputs,
+                                                            std::vector<at::Tensor> &inputs,
+                                                            const c10d::AllToAllOptions &opts) {
+  int W = getSize();
+  std::string what = "all_to_all of " + std::to_string(inputs.size()) + " tensors";
+  TORCH_CHECK(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W,
+              "libddp ", what, ": expects world_size (", W, ") input and output tensors, got ",
+              inputs.size(), " and ", outputs.size());
+  int64_t most = 0;
+  for (int r = 0; r < W; r++) {
+    check_tensor(inputs[r], what, false);
+    check_tensor(outputs[r], what, false);
+    TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
+                    outputs[r].scalar_type() == inputs[0].scalar_type(),
+                "libddp ", what, ": the tensors must share one dtype: ", describe(inputs[0]),
+                " and ", describe(inputs[r]), " / ", describe(outputs[r]));
+    most = std::max({most, inputs[r].numel(), outputs[r].numel()});
+  }
+  auto w = make_work(OpType::ALLTOALL, what, outputs, opts.timeout);
+  check_issue(ddp_allreduce(pg_, &most, &most, 1, DDP_I64, DDP_OP_MAX, nullptr), what);
+  at::Tensor send = at::zeros({W, most}, inputs[0].options());
+  at::Tensor recvb = at::empty({W, most}, inputs[0].options());
+  for (int r = 0; r < W; r++)
+    send[r].narrow(0, 0, inputs[r].numel()).copy_(inputs[r].reshape({-1}));
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(send[0], &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_alltoall(pg_, send.data_ptr(), recvb.data_ptr(), count, dt, &h), what);
+  w->add_handle(h);
+  w->keep(send);
+  w->keep(recvb);
+  std::vector<at::Tensor> outs = outputs;
+  w->on_success([outs, recvb]() {
+    for (size_t r = 0; r < outs.size(); r++)
+      outs[r].copy_(recvb[r].narrow(0, 0, outs[r].numel()).view(outs[r].sizes()));
+  });
+  return w;
+}
+
+// ------------------------------------------------------------------ point to point -----
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::send(std::vector<at::Tensor> &tensors, int dst,
+                                                        int tag) {
+  check_one(tensors, "send");
+  at::Tensor t = tensors[0];
+  std::string what = "send of " + describe(t) + " to rank " + std::to_string(dst);
+  check_tensor(t, what);
+  TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "libddp ", what,
+              ": the destination must be another rank of the group [0, ", getSize(), ")");
+  auto w = make_work(OpType::SEND, what, tensors, c10d::kUnsetTimeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(t, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_send(pg_, t.data_ptr(), count, dt, dst, &h), what);
+  w->add_handle(h);
+  w->keep(t);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recv(std::vector<at::Tensor> &tensors, int src,
+                                                        int tag) {
+  check_one(tensors, "recv");
+  at::Tensor t = tensors[0];
+  std::string what = "recv of " + describe(t) + " from rank " + std::to_string(src);
+  check_tensor(t, what);
+  TORCH_CHECK(src >= 0 && src < getSize() && src != getRank(), "libddp ", what,
+              ": the source must be another rank of the group [0, ", getSize(), ")");
+  auto w = make_work(OpType::RECV, what, tensors, c10d::kUnsetTimeout);
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(t, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_recv(pg_, t.data_ptr(), count, dt, src, &h), what);
+  w->add_handle(h);
+  w->keep(t);
+  w->set_source_rank(src);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recvAnysource(std::vector<at::Tensor> &tensors,
+                                                                 int tag) {
+  TORCH_CHECK(false, "libddp recv from any source (src=None) is not supported: libddp matches "
+                     "messages by their sender; name the source rank (docs/torch.md, Limits)");
+}
+
+// ------------------------------------------------------------------ barriers -----------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::barrier(const c10d::BarrierOptions &opts) {
+  auto w = make_work(OpType::BARRIER, "barrier", {}, opts.timeout);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_barrier(pg_, &h), "barrier");
+  w->add_handle(h);
+  return w;
+}
+
+// gloo's monitored barrier, through the store: every rank checks in, rank 0 waits for each
+// within the timeout and names those that did not come, then releases the others. The
+// group's collectives are not involved, so a missing rank does not fail the group.
+void ProcessGroupLibddp::monitoredBarrier(const c10d::BarrierOptions &opts, bool wait_all_ranks) {
+  int64_t ms = opts.timeout == c10d::kUnsetTimeout ? timeout_ms_ : opts.timeout.count();
+  std::string base = "libddp/monitored_barrier/" + std::to_string(monitored_++) + "/";
+  std::chrono::milliseconds t(ms);
+  if (getRank() != 0) {
+    set_string(*store_, base + std::to_string(getRank()), "1");
+    try {
+      store_->wait({base + "done"}, t);
+    } catch (const std::exception &e) {
+      TORCH_CHECK(false, "[Rank ", getRank(), "]: rank 0 did not release monitoredBarrier in ",
+                  ms, " ms: ", e.what());
+    }
+    std::string verdict = get_string(*store_, base + "done");
+    TORCH_CHECK(verdict == "ok", "[Rank ", getRank(), "]: monitoredBarrier failed on rank 0: ",
+                verdict);
+    return;
+  }
+  auto deadline = std::chrono::steady_clock::now() + t;
+  std::vector<int> missing;
+  for (int r = 1; r < getSize(); r++) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    bool came;
+    if (left.count() > 0) {
+      try {
+        store_->wait({base + std::to_string(r)}, left);
+        came = true;
+      } catch (const std::exception &) {
+        came = false;
+      }
+    } else {
+      came = store_->check({base + std::to_string(r)});
+    }
+    if (!came) {
+      missing.push_back(r);
+      if (!wait_all_ranks) break;
+    }
+  }
+  std::string verdict = "ok";
+  if (!missing.empty()) {
+    std::ostringstream s;
+    s << (missing.size() == 1 ? "Rank " : "Ranks ");
+    for (size_t i = 0; i < missing.size(); i++) s << (i ? ", " : "") << missing[i];
+    s << " failed to pass monitoredBarrier in " << ms << " ms";
+    verdict = s.str();
+  }
+  set_string(*store_, base + "done", verdict);
+  TORCH_CHECK(verdict == "ok", "[Rank 0]: ", verdict);
+}
+
+} // namespace libddp_torch

@@ -1,0 +1,144 @@
+// WorkLibddp: see work.hpp.
+#include "work.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "process_group.hpp"
+
+namespace libddp_torch {
+
+WorkLibddp::WorkLibddp(ProcessGroupLibddp *pg, c10d::OpType type, std::string what,
+                       std::vector<at::Tensor> outputs, int64_t timeout_ms)
+    : c10d::Work(pg->getRank(), type), pg_(pg), what_(std::move(what)),
+      outputs_(std::move(outputs)), timeout_ms_(timeout_ms),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+WorkLibddp::~WorkLibddp() {
+  // The handles may still read or write the buffers this work keeps alive: wait for them
+  // (bounded by the collective's deadline) before the buffers go.
+  complete();
+  for (ddp_work_t *h : handles_) ddp_work_free(h);
+}
+
+ddp_status_t WorkLibddp::wait_handles(int64_t timeout_ms, std::string *msg) {
+  for (ddp_work_t *h : handles_) {
+    ddp_status_t st = ddp_work_wait(h, timeout_ms);
+    if (st != DDP_OK) {
+      const char *m = ddp_work_error(h);
+      *msg = m && m[0] ? m : ddp_status_str(st);
+      return st;
+    }
+  }
+  return DDP_OK;
+}
+
+void WorkLibddp::finish(ddp_status_t st, const std::string &msg) {
+  std::unique_lock<std::mutex> g(mu_);
+  if (finished_) return;
+  finished_ = true;
+  if (st == DDP_OK) {
+    try {
+      for (auto &fn : finish_fns_) fn();
+    } catch (const std::exception &e) {
+      st = DDP_ERR_INVALID_USAGE;
+      error_ = std::make_exception_ptr(
+          std::runtime_error("libddp " + what_ + ": finishing failed: " + e.what()));
+    }
+  }
+  if (st != DDP_OK && !error_) {
+    error_ = std::make_exception_ptr(std::runtime_error(
+        "libddp " + what_ + " on rank " + std::to_string(pg_->getRank()) + " failed (" +
+        ddp_status_name(st) + "): " + msg));
+  }
+  finish_fns_.clear();
+  keep_.clear();
+  std::exception_ptr error = error_;
+  // The future's callbacks run inside markCompleted (DDP's, a comm hook's next collective):
+  // never under this work's lock.
+  g.unlock();
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+void WorkLibddp::complete() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (finished_) return;
+  }
+  std::string msg;
+  ddp_status_t st = wait_handles(timeout_ms_ < 0 ? -1 : timeout_ms_, &msg);
+  if (st == DDP_ERR_TIMEOUT && timeout_ms_ >= 0) {
+    // A per-call timeout shorter than the group's: the collective is abandoned, and like a
+    // timed-out gloo context the group cannot be used again; peers are told why.
+    msg = what_ + " timed out after " + std::to_string(timeout_ms_) +
+          " ms (the call's timeout) on rank " + std::to_string(pg_->getRank());
+    ddp_pg_abort_reason(pg_->pg(), msg.c_str());
+  }
+  finish(st, msg);
+}
+
+bool WorkLibddp::isCompleted() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (finished_) return true;
+  }
+  for (ddp_work_t *h : handles_) {
+    bool done = false;
+    ddp_work_test(h, &done);
+    if (!done) return false;
+  }
+  complete(); // every handle has ended: finishing does not block
+  return true;
+}
+
+bool WorkLibddp::isSuccess() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return finished_ && !error_;
+}
+
+std::exception_ptr WorkLibddp::exception() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return error_;
+}
+
+int WorkLibddp::sourceRank() const {
+  TORCH_CHECK(source_rank_ >= 0, "libddp: sourceRank() is only defined for a recv");
+  return source_rank_;
+}
+
+std::vector<at::Tensor> WorkLibddp::result() { return outputs_; }
+
+bool WorkLibddp::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kNoTimeout) {
+    complete();
+  } else {
+    std::string msg;
+    ddp_status_t st = wait_handles(timeout.count(), &msg);
+    if (st == DDP_ERR_TIMEOUT) {
+      msg = what_ + " timed out after " + std::to_string(timeout.count()) +
+            " ms (wait's timeout) on rank " + std::to_string(pg_->getRank());
+      ddp_pg_abort_reason(pg_->pg(), msg.c_str());
+    }
+    finish(st, msg);
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  if (error_) std::rethrow_exception(error_);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkLibddp::getFuture() {
+  bool enqueue = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!finished_ && !future_requested_) enqueue = true;
+    future_requested_ = true;
+  }
+  if (enqueue) pg_->enqueue_completion(c10::intrusive_ptr<WorkLibddp>::reclaim_copy(this));
+  return future_;
+}
+
+} // namespace libddp_torch
