@@ -292,7 +292,14 @@ ProcessGroupLibddp::~ProcessGroupLibddp() {
 
 // The completer finishes works whose future was asked for (DDP's reducer and comm hooks
 // wait on futures, not on works), in issue order, which is the order they end in.
+namespace {
+thread_local bool completer_thread = false;
+}
+
+bool ProcessGroupLibddp::on_completer_thread() { return completer_thread; }
+
 void ProcessGroupLibddp::completer_main() {
+  completer_thread = true;
   std::unique_lock<std::mutex> g(mu_);
   for (;;) {
     cv_.wait(g, [this] { return stop_ || !pending_.empty(); });

@@ -91,6 +91,8 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   ddp_pg_t *pg() const { return pg_; }
   int64_t timeout_ms() const { return timeout_ms_; }
   void enqueue_completion(c10::intrusive_ptr<WorkLibddp> w);
+  // True on any group's completer thread (where futures' callbacks run).
+  static bool on_completer_thread();
   // Throws c10::Error with "libddp <what> on rank R: <msg>", msg from the group if empty.
   [[noreturn]] void fail(const std::string &what, ddp_status_t st, const std::string &msg) const;
 

@@ -131,6 +131,13 @@ bool WorkLibddp::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkLibddp::getFuture() {
+  if (ProcessGroupLibddp::on_completer_thread()) {
+    // Asked from a future's callback that the completer runs (PowerSGD issues its next
+    // allreduce there and waits on it): the completer cannot finish it later, so finish it
+    // now. The group runs collectives in issue order, so this waits for this one only.
+    complete();
+    return future_;
+  }
   bool enqueue = false;
   {
     std::lock_guard<std::mutex> g(mu_);
