@@ -260,12 +260,11 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
   /* Quiet: a bad config file is the caller's usage error to report. */
   ddp_status_t st = ddp__file_read(path, 0, DDP__QUIET, "config file", &text, NULL, err);
   if (st != DDP_OK) return st;
-  root = cJSON_Parse(text);
-  if (!root || !cJSON_IsObject(root)) {
-    const char *where = cJSON_GetErrorPtr();
-    st = ddp__error_quiet(err, DDP_ERR_INVALID_DATA,
-                          "config file %s: not a JSON object (error near byte %ld)", path,
-                          where && root == NULL ? (long)(where - text) : 0L);
+  char src[DDP_TRAIN_STR_MAX + 16];
+  snprintf(src, sizeof src, "config file %s", path);
+  if ((st = ddp__json_read(text, src, DDP__QUIET, &root, err)) != DDP_OK) goto out;
+  if (!cJSON_IsObject(root)) {
+    st = ddp__error_quiet(err, DDP_ERR_INVALID_DATA, "config file %s: not a JSON object", path);
     goto out;
   }
   const cJSON *it;
