@@ -1,6 +1,7 @@
 /* ddp-train as users meet it (issue 38): a broken model file is reported before the data
  * is read, with its line and column; a text corpus with a model that cannot train on it says
- * so.
+ * so; a second run on a live run's output_dir fails at once naming the holder's pid; ranks
+ * given different training arguments fail before step 1 naming the argument and the values.
  *
  * The cases run the built ddp-train (DDP_BUILD_ROOT/tools/ddp-train) in a fresh temporary
  * directory, which the group teardown removes. */
@@ -23,6 +24,7 @@
 static char dir[256];   /* the test's temporary directory */
 static char exe[4096];  /* ddp-train */
 static char root[4096]; /* the source tree (tests/data) */
+static char tools[4096]; /* the built tools (ddprun) */
 
 static int setup_dir(void **state) {
   (void)state;
@@ -34,6 +36,7 @@ static int setup_dir(void **state) {
   }
   snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
   snprintf(root, sizeof root, "%s", src);
+  snprintf(tools, sizeof tools, "%s/tools", build);
   snprintf(dir, sizeof dir, "/tmp/ddp-test-train-users-XXXXXX");
   return mkdtemp(dir) ? 0 : -1;
 }
@@ -123,10 +126,88 @@ static void test_corpus_needs_lm(void **state) {
          "a text or token corpus", "the model mlp.json", NULL);
 }
 
+/* Runs `cd dir && /bin/sh -c SCRIPT 2>&1` (SCRIPT from fmt); *out as run's. */
+static int shell(char **out, const char *fmt, ...) {
+  char script[8192], cmd[16384], err[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(script, sizeof script, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "cd '%s' && { %s ; } 2>&1", dir, script);
+  snprintf(err, sizeof err, "%s/stderr.txt", dir);
+  return ddp_test_proc_run(cmd, err, 120, out);
+}
+
+/* Issue 38, item 2: two runs on one output_dir both exited 0 and mixed their checkpoints
+ * and metrics. The second now fails in under a second naming the directory and the
+ * holder's pid; the lock goes with its holder, so a lock file a dead run left is no lock,
+ * and overwrite_output_dir does not take a live run's directory. */
+static void test_output_dir_lock(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = shell(&out,
+                 "'%s' --threads 2 --max_steps 4 --output_dir shared --disable_tqdm true "
+                 "--ddp_fault rank=0,step=2,kind=slow:4000 > first.log 2>&1 & first=$!; "
+                 "i=0; while [ ! -s shared/.ddp-train.lock ] && [ $i -lt 200 ]; do sleep 0.05; "
+                 "i=$((i+1)); done; t0=$(date +%%s%%N); "
+                 "'%s' --threads 2 --max_steps 4 --output_dir shared --overwrite_output_dir true; "
+                 "echo \"second rc=$? ms=$(( ($(date +%%s%%N) - t0) / 1000000 ))\"; "
+                 "echo \"first pid=$first\"; wait $first; echo \"first rc=$?\"",
+                 exe, exe);
+  assert_int_equal(rc, 0);
+  int pid = 0, ms = -1;
+  const char *p = strstr(out, "first pid="), *q = strstr(out, "second rc=1 ms=");
+  if (!p || !q || sscanf(p, "first pid=%d", &pid) != 1 || sscanf(q, "second rc=1 ms=%d", &ms) != 1)
+    fail_msg("the second run did not fail with exit status 1:\n%s", out);
+  char holder[96];
+  snprintf(holder, sizeof holder, "(pid %d holds shared/.ddp-train.lock)", pid);
+  if (ms >= 1000) fail_msg("the second run took %d ms to fail:\n%s", ms, out);
+  expect("second run", 0, out, 0, "output_dir shared is in use by another run", holder,
+         "first rc=0", NULL);
+  /* The first run's lock file stays, unlocked: a third run takes it. */
+  put("shared/.ddp-train.lock", "999999\n");
+  rc = run(&out, "--threads 2 --max_steps 2 --output_dir shared");
+  expect("stale lock file", rc, out, 0, "last checkpoint shared/checkpoint-2", NULL);
+}
+
+/* Issue 38, item 3: ranks given a different --seed sharded the data differently and ended
+ * with exit 0. They now fail at start-up, before step 1, naming the argument and both
+ * values (ddprun, a wrapper giving rank 1 its own --seed). */
+static void test_ranks_disagree(void **state) {
+  (void)state;
+  char *out = NULL;
+  char wrap[16384];
+  snprintf(wrap, sizeof wrap,
+           "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then exec '%s' \"$@\" --seed 2; fi\n"
+           "exec '%s' \"$@\"\n",
+           exe, exe);
+  put("wrap.sh", wrap);
+  int rc = shell(&out,
+                 "chmod +x wrap.sh && '%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh "
+                 "--max_steps 3 --logging_steps 1 --disable_tqdm true --output_dir disagree",
+                 tools);
+  if (strstr(out, "step      1/")) fail_msg("a step ran:\n%s", out);
+  expect("rank 1 --seed 2", rc, out, 1,
+         "training arguments differ between ranks: seed is 42 on rank 0 and 2 on rank 1", NULL);
+  snprintf(wrap, sizeof wrap,
+           "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then exec '%s' \"$@\" --ddp_bucket_cap_mb 1; fi\n"
+           "exec '%s' \"$@\"\n",
+           exe, exe);
+  put("wrap.sh", wrap);
+  rc = shell(&out,
+             "'%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh --max_steps 3 "
+             "--disable_tqdm true --output_dir disagree",
+             tools);
+  expect("rank 1 --ddp_bucket_cap_mb 1", rc, out, 1,
+         "ddp_bucket_cap_mb is -1 on rank 0 and 1 on rank 1", NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),
       cmocka_unit_test(test_corpus_needs_lm),
+      cmocka_unit_test(test_output_dir_lock),
+      cmocka_unit_test(test_ranks_disagree),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

@@ -397,6 +397,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   if (ddp_env_is_set(DDP_ENV_TRAIN_SAVE_PAUSE_MS))
     DDP_CHECK(ddp_env_int(DDP_ENV_TRAIN_SAVE_PAUSE_MS, 0, 3600000, &t->pause_ms, t->err));
   DDP_CHECK(ddp__train_fault_init(&t->fault, t->rank, t->err));
+  DDP_CHECK(ddp__train_agree(t));
   DDP_CHECK(ddp__trainer_setup(t));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
@@ -715,6 +716,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp__free(t->pairs);
   ddp__free(t->grads);
   ddp__free(t->inv_loss);
+  ddp__train_unlock(t);
 }
 
 /* The loop in named steps: begin; per optimizer step the step, the end of the step (the
@@ -731,6 +733,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
   t->rank = ddp_pg_rank(pg);
   t->world = ddp_pg_size(pg);
   t->model = model;
+  t->lock_fd = -1;
   t->train = train;
   t->eval = eval;
   t->args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;
