@@ -5,6 +5,7 @@
  *
  * The cases run the built ddp-train (DDP_BUILD_ROOT/tools/ddp-train) in a fresh temporary
  * directory, which the group teardown removes. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -21,9 +22,9 @@
 #include "harness.h"
 #include "proc.h"
 
-static char dir[256];   /* the test's temporary directory */
-static char exe[4096];  /* ddp-train */
-static char root[4096]; /* the source tree (tests/data) */
+static char dir[256];    /* the test's temporary directory */
+static char exe[4096];   /* ddp-train */
+static char root[4096];  /* the source tree (tests/data) */
 static char tools[4096]; /* the built tools (ddprun) */
 
 static int setup_dir(void **state) {
@@ -98,8 +99,8 @@ static void test_model_file_first(void **state) {
   expect("missing colon", rc, out, 2, "--model bad2.json", "line 3, column 13", NULL);
   put("typeless.json", "{\"n_layer\": 2, \"n_embd\": 64}");
   rc = run(&out, "--model typeless.json --data '%s/tests/data/kjv_genesis_exodus.txt'", root);
-  expect("no model_type", rc, out, 2, "--model typeless.json", "no \"model_type\"",
-         "no \"layers\"", NULL);
+  expect("no model_type", rc, out, 2, "--model typeless.json", "no \"model_type\"", "no \"layers\"",
+         NULL);
   rc = run(&out, "--model bad.json --data nosuch.safetensors");
   expect("model before data", rc, out, 2, "--model bad.json", "line 1, column 36", NULL);
 }
@@ -202,12 +203,65 @@ static void test_ranks_disagree(void **state) {
          "ddp_bucket_cap_mb is -1 on rank 0 and 1 on rank 1", NULL);
 }
 
+/* Issue 38, item 5: training that turned NaN ran to the end and saved NaN checkpoints. It
+ * now stops at the first non-finite gradient norm naming the step and the first parameter
+ * with a non-finite gradient; the last checkpoint (of the step before) is finite. With
+ * --halt_on_nonfinite false it warns and goes on. */
+static void test_nonfinite_stops(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--threads 2 --learning_rate 1e8 --optim sgd --max_grad_norm 0 "
+                     "--max_steps 10 --save_steps 1 --disable_tqdm true --output_dir nan");
+  expect("lr 1e8", rc, out, 1,
+         "trainer: step 3: the gradient norm is nan; the first parameter with a non-finite "
+         "gradient is 0.weight (element ",
+         "the run stops before the step's update and save", NULL);
+  char path[512];
+  snprintf(path, sizeof path, "%s/nan/checkpoint-3", dir);
+  struct stat sb;
+  assert_int_not_equal(stat(path, &sb), 0);
+  snprintf(path, sizeof path, "%s/nan/checkpoint-2/model.safetensors", dir);
+  ddp_st_file_t *f = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, &err), DDP_OK);
+  for (size_t i = 0; i < ddp_st_count(f); i++) {
+    ddp_tensor_t x;
+    const char *name = ddp_st_name(f, i);
+    assert_int_equal(ddp_st_tensor(f, i, &x), DDP_OK);
+    assert_int_equal(x.dtype, DDP_F32);
+    for (int64_t k = 0; k < x.numel; k++) {
+      if (!isfinite(((const float *)x.data)[k]))
+        fail_msg("%s[%lld] is not finite", name, (long long)k);
+    }
+  }
+  ddp_st_close(f);
+  rc = run(&out, "--learning_rate 1e8 --optim sgd --max_grad_norm 0 --max_steps 4 "
+                 "--halt_on_nonfinite false --save_strategy no --output_dir nan2");
+  expect("halt_on_nonfinite false", rc, out, 0,
+         "the gradient norm is nan; the first parameter with a non-finite gradient is",
+         "(halt_on_nonfinite false: training goes on)", NULL);
+}
+
+/* Issue 38, item 4: a duplicate key took the first value in model files and config.json
+ * and the last in --config files. Both readers now refuse it naming the key and its lines. */
+static void test_duplicate_keys(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("dup.json", "{\"model_type\": \"gpt2\", \"n_layer\": 2,\n \"n_layer\": 3}");
+  int rc = run(&out, "--model dup.json --max_steps 1");
+  expect("config.json", rc, out, 2, "--model dup.json",
+         "line 2: duplicate key \"n_layer\" (first at line 1)", NULL);
+  put("dupargs.json", "{\"seed\": 1,\n\"max_steps\": 2,\n\"seed\": 3}");
+  rc = run(&out, "--config dupargs.json");
+  expect("--config", rc, out, 2,
+         "config file dupargs.json: line 3: duplicate key \"seed\" (first at line 1)", NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_model_file_first),
-      cmocka_unit_test(test_corpus_needs_lm),
-      cmocka_unit_test(test_output_dir_lock),
-      cmocka_unit_test(test_ranks_disagree),
+      cmocka_unit_test(test_model_file_first), cmocka_unit_test(test_corpus_needs_lm),
+      cmocka_unit_test(test_output_dir_lock),  cmocka_unit_test(test_ranks_disagree),
+      cmocka_unit_test(test_nonfinite_stops),  cmocka_unit_test(test_duplicate_keys),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

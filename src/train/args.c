@@ -652,8 +652,8 @@ bool ddp__train_arg_text(const ddp_train_args_t *a, size_t i, char *buf, size_t 
   /* Each rank's own: the progress bar (rank 0 draws it), ddp_timeout (from each process's
    * DDP_TIMEOUT) and the paths, which may name each host's own disk. Every other argument
    * shapes the data, the steps or the collectives, so every rank must be given the same. */
-  static const char *const own[] = {"disable_tqdm", "ddp_timeout", "output_dir",
-                                    "resume_from_checkpoint", "dump_dir", "ddp_trace",
+  static const char *const own[] = {"disable_tqdm",           "ddp_timeout", "output_dir",
+                                    "resume_from_checkpoint", "dump_dir",    "ddp_trace",
                                     "power_sgd_init_q"};
   for (size_t k = 0; k < DDP_ARRAY_LEN(own); k++)
     if (!strcmp(f->name, own[k])) return false;
