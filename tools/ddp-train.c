@@ -256,6 +256,20 @@ static bool ends_with(const char *s, const char *suffix) {
   return a >= b && !strcmp(s + a - b, suffix);
 }
 
+/* A corpus that only a causal LM can train on: a .txt or .bin name, or llm.c's token file
+ * magic (20240520 GPT-2, 20240801 Llama 3) at the start. */
+static bool is_token_corpus(const char *src) {
+  if (ends_with(src, ".txt") || ends_with(src, ".bin")) return true;
+  unsigned char h[4] = {0};
+  FILE *f = fopen(src, "rb");
+  if (!f) return false;
+  size_t n = fread(h, 1, sizeof h, f);
+  fclose(f);
+  uint32_t magic = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 |
+                   (uint32_t)h[3] << 24;
+  return n == 4 && (magic == 20240520u || magic == 20240801u);
+}
+
 static int load_data(tool_t *t) {
   ddp_error_t err = {0};
   ddp_status_t st;
@@ -281,6 +295,13 @@ static int load_data(tool_t *t) {
     if (t->label_column) o.label_column = t->label_column;
     if (t->float_labels) o.label_dtype = DDP_F32;
     st = ddp_dataset_from_csv(src, &o, &t->all, &err);
+  } else if (is_token_corpus(src)) {
+    fprintf(stderr,
+            "ddp-train: --data %s: a text or token corpus trains a causal language model (a "
+            "GPT-2 config.json as --model, or --model_name_or_path DIR); the model %s takes "
+            "a safetensors file of 'features' and 'labels', a CSV or an MNIST directory\n",
+            src, t->model_path ? t->model_path : "(default: an MLP)");
+    return 2;
   } else {
     st = ddp_dataset_from_safetensors(src, NULL, NULL, &t->all, &err);
   }
@@ -470,16 +491,23 @@ int main(int argc, char **argv) {
     }
   }
   if ((rc = train_text_probe(&t.text, t.model_path)) != 0) return rc;
-  if ((rc = load_data(&t)) != 0) return rc;
+  /* The model file before the data: its own error (a JSON syntax error with its line and
+   * column, a missing "layers" or "model_type") is not to be blamed on the data. */
   if (t.model_path) {
     t.model_json = train_read_file(t.model_path);
     if (!t.model_json) {
       fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path, strerror(errno));
       return 2;
     }
-  } else if (!t.text.name_or_path && (rc = build_default_model(&t)) != 0) {
-    return rc;
+    ddp_model_t *m = NULL;
+    if (!t.text.hf && (st = ddp_model_from_json(t.model_json, &m, &err)) != DDP_OK) {
+      fprintf(stderr, "ddp-train: --model %s: %s\n", t.model_path, train_why(st, &err));
+      return 2;
+    }
+    ddp_model_destroy(m);
   }
+  if ((rc = load_data(&t)) != 0) return rc;
+  if (!t.model_path && !t.text.name_or_path && (rc = build_default_model(&t)) != 0) return rc;
   const char *model_desc = t.model_path          ? t.model_path
                            : t.text.name_or_path ? t.text.name_or_path
                                                  : "(default)";

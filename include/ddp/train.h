@@ -113,6 +113,14 @@ typedef struct ddp_train_args {
                                               * each step is K fixed shards and the run's
                                               * bits do not depend on the world size or on
                                               * gradient_accumulation_steps (docs/ddp.md) */
+  bool overwrite_output_dir; /* HF's: "overwrite the content of the output directory"; the
+                              * Trainer only records it (its scripts read it), and libddp
+                              * writes into an existing output_dir either way. It never takes
+                              * a directory that a live run holds (docs/train.md, "Output") */
+  bool halt_on_nonfinite;    /* libddp: true (default): a NaN or Inf loss or gradient norm
+                              * stops the run naming the step and the first parameter with a
+                              * non-finite gradient, before the step's update and save;
+                              * false: a warning, and training goes on */
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -132,7 +140,7 @@ typedef struct ddp_train_args {
     .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800, .ddp_static_graph = DDP_UNSET,        \
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
-    .world_size_invariant_shards = 0                                                               \
+    .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true     \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

@@ -145,6 +145,15 @@ ddp_status_t ddp__mkdirs(const char *path, int rank, const char *what, ddp_error
 ddp_status_t ddp__file_read(const char *path, size_t max, int rank, const char *what, char **out,
                             size_t *len, ddp_error_t *err);
 
+/* Parses text (NUL-terminated) as one JSON value into *out (cJSON_Delete frees it). src
+ * names the text in messages: a path, or "model json". A syntax error, text after the value
+ * included, is DDP_ERR_INVALID_DATA "<src>: line L, column C: JSON syntax error at ..."
+ * (columns count bytes from 1), logged with rank's prefix as ddp__error does, or only
+ * stored in err when rank is DDP__QUIET. (json_read.c) */
+struct cJSON;
+ddp_status_t ddp__json_read(const char *text, const char *src, int rank, struct cJSON **out,
+                            ddp_error_t *err);
+
 /* Reads a caller's options struct (whose first field is size_t struct_size) into dst,
  * which already holds the library's defaults (its ..._INIT), dst_size bytes. One policy for
  * every options struct: src NULL keeps every default; a caller built against an older

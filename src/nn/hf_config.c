@@ -344,12 +344,8 @@ ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_conf
                                  ddp_error_t *err) {
   DDP_REQUIRE(json && cfg);
   memset(cfg, 0, sizeof *cfg);
-  cJSON *root = cJSON_Parse(json);
-  if (!root) {
-    const char *at = cJSON_GetErrorPtr();
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "%s: JSON parse error near \"%.40s\"",
-                      src_name(path), at ? at : "");
-  }
+  cJSON *root = NULL;
+  DDP_CHECK(ddp__json_read(json, src_name(path), -1, &root, err));
   parse_t p = {root, path, err};
   ddp_status_t st = DDP_OK;
   const cJSON *mt = item(&p, "model_type");

@@ -289,11 +289,18 @@ static ddp_status_t build_seq(build_t *b, const cJSON *layers, const char *prefi
 ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_t *err) {
   DDP_REQUIRE(json && out);
   *out = NULL;
-  cJSON *root = cJSON_Parse(json);
-  if (!root) {
-    const char *at = cJSON_GetErrorPtr();
-    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: parse error near \"%.40s\"",
-                      at ? at : "");
+  cJSON *root = NULL;
+  DDP_CHECK(ddp__json_read(json, "model json", -1, &root, err));
+  if (!cJSON_IsObject(root)) {
+    cJSON_Delete(root);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA, "model json: not a JSON object");
+  }
+  if (!cJSON_GetObjectItemCaseSensitive(root, "layers") &&
+      !cJSON_GetObjectItemCaseSensitive(root, "model_type")) {
+    cJSON_Delete(root);
+    return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "model json: neither a libddp model (no \"layers\" array) nor a "
+                      "Transformers config.json (no \"model_type\"; supported: gpt2, bert)");
   }
   if (cJSON_GetObjectItemCaseSensitive(root, "model_type")) {
     /* A Transformers config.json: GPT-2 or BERT (docs/nn.md, "Transformers"). */

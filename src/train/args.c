@@ -104,6 +104,10 @@ static const arg_field_t fields[] = {
           "libddp: torch_reference.py's powersgd_q.safetensors: start PowerSGD from its Qs"),
     F_INT(world_size_invariant_shards, 0, 65536, "0",
           "libddp: K shards per global batch: the same bits for any world size (0: off)"),
+    F_BOOL(overwrite_output_dir, "false",
+           "HF: recorded; output_dir is written either way, never while another run holds it"),
+    F_BOOL(halt_on_nonfinite, "true",
+           "libddp: a NaN/Inf loss or gradient norm stops the run (false: a warning)"),
 };
 
 size_t ddp_train_arg_count(void) { return DDP_ARRAY_LEN(fields); }
@@ -260,12 +264,11 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
   /* Quiet: a bad config file is the caller's usage error to report. */
   ddp_status_t st = ddp__file_read(path, 0, DDP__QUIET, "config file", &text, NULL, err);
   if (st != DDP_OK) return st;
-  root = cJSON_Parse(text);
-  if (!root || !cJSON_IsObject(root)) {
-    const char *where = cJSON_GetErrorPtr();
-    st = ddp__error_quiet(err, DDP_ERR_INVALID_DATA,
-                          "config file %s: not a JSON object (error near byte %ld)", path,
-                          where && root == NULL ? (long)(where - text) : 0L);
+  char src[DDP_TRAIN_STR_MAX + 16];
+  snprintf(src, sizeof src, "config file %s", path);
+  if ((st = ddp__json_read(text, src, DDP__QUIET, &root, err)) != DDP_OK) goto out;
+  if (!cJSON_IsObject(root)) {
+    st = ddp__error_quiet(err, DDP_ERR_INVALID_DATA, "config file %s: not a JSON object", path);
     goto out;
   }
   const cJSON *it;
@@ -628,4 +631,31 @@ ddp_status_t ddp_train_args_to_json(const ddp_train_args_t *in, char **out) {
   if (*out) memcpy(*out, s, n);
   cJSON_free(s);
   return *out ? DDP_OK : DDP_ERR_NO_MEMORY;
+}
+
+bool ddp__train_arg_text(const ddp_train_args_t *a, size_t i, char *buf, size_t cap) {
+  DDP_REQUIRE(a && i < DDP_ARRAY_LEN(fields) && buf && cap > 0);
+  const arg_field_t *f = &fields[i];
+  const char *p = (const char *)a + f->offset;
+  switch (f->kind) {
+    case K_INT: snprintf(buf, cap, "%lld", (long long)*(const int64_t *)p); break;
+    case K_U64: snprintf(buf, cap, "%llu", (unsigned long long)*(const uint64_t *)p); break;
+    case K_FLOAT: snprintf(buf, cap, "%.17g", *(const double *)p); break;
+    case K_BOOL: snprintf(buf, cap, "%s", *(const bool *)p ? "true" : "false"); break;
+    case K_TRI: {
+      ddp_tristate_t t = *(const ddp_tristate_t *)p;
+      snprintf(buf, cap, "%s", t == DDP_UNSET ? "none" : t == DDP_TRUE ? "true" : "false");
+      break;
+    }
+    case K_STR: snprintf(buf, cap, "\"%s\"", p); break;
+  }
+  /* Each rank's own: the progress bar (rank 0 draws it), ddp_timeout (from each process's
+   * DDP_TIMEOUT) and the paths, which may name each host's own disk. Every other argument
+   * shapes the data, the steps or the collectives, so every rank must be given the same. */
+  static const char *const own[] = {"disable_tqdm",           "ddp_timeout", "output_dir",
+                                    "resume_from_checkpoint", "dump_dir",    "ddp_trace",
+                                    "power_sgd_init_q"};
+  for (size_t k = 0; k < DDP_ARRAY_LEN(own); k++)
+    if (!strcmp(f->name, own[k])) return false;
+  return true;
 }

@@ -134,4 +134,10 @@ ddp_status_t ddp__metrics_open(const char *output_dir, int64_t start, ddp__metri
 ddp_status_t ddp__metrics_line(ddp__metrics_t *m, ddp__json_t *j, ddp_error_t *err);
 ddp_status_t ddp__metrics_close(ddp__metrics_t *m, ddp_error_t *err);
 
+/* Training argument i (0 .. ddp_train_arg_count() - 1) of a as text into buf ("42", "1e-05"
+ * as %.17g, "true", "none", strings quoted); returns whether every rank must be given the
+ * same value (all but disable_tqdm, ddp_timeout and the paths: output_dir,
+ * resume_from_checkpoint, dump_dir, ddp_trace, power_sgd_init_q). (args.c) */
+bool ddp__train_arg_text(const ddp_train_args_t *a, size_t i, char *buf, size_t cap);
+
 #endif /* DDP_TRAIN_INTERNAL_H */

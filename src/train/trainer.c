@@ -397,6 +397,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   if (ddp_env_is_set(DDP_ENV_TRAIN_SAVE_PAUSE_MS))
     DDP_CHECK(ddp_env_int(DDP_ENV_TRAIN_SAVE_PAUSE_MS, 0, 3600000, &t->pause_ms, t->err));
   DDP_CHECK(ddp__train_fault_init(&t->fault, t->rank, t->err));
+  DDP_CHECK(ddp__train_agree(t));
   DDP_CHECK(ddp__trainer_setup(t));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
@@ -503,6 +504,53 @@ static ddp_status_t invariant_loss(ddp__trainer_t *t, double *loss) {
   return DDP_OK;
 }
 
+/* The first parameter (model order) whose gradient holds a NaN or an Inf, and the
+ * element's index; SIZE_MAX when none. One pass over the gradients (f32 or f64, the dtypes
+ * clipping takes), before clipping scales them all by a NaN coefficient. */
+static size_t first_nonfinite_grad(const ddp__trainer_t *t, int64_t *elem) {
+  for (size_t i = 0; i < ddp_model_num_params(t->model); i++) {
+    const ddp_param_t *p = ddp_model_param(t->model, i);
+    const ddp_tensor_t *g = &p->grad;
+    if (!p->requires_grad || !g->data) continue;
+    for (int64_t k = 0; k < g->numel; k++) {
+      double x = g->dtype == DDP_F64   ? ((const double *)g->data)[k]
+                 : g->dtype == DDP_F32 ? ((const float *)g->data)[k]
+                                       : 0.0;
+      if (!isfinite(x)) {
+        *elem = k;
+        return i;
+      }
+    }
+  }
+  return SIZE_MAX;
+}
+
+/* halt_on_nonfinite: a NaN or Inf `what` (the gradient norm, the loss) at step `done` stops
+ * the run, naming the first parameter with a non-finite gradient when bad < SIZE_MAX;
+ * false: rank 0 warns and the run goes on. Every rank sees the same all-reduced value, so
+ * every rank stops at the same step. */
+static ddp_status_t nonfinite(ddp__trainer_t *t, int64_t done, const char *what, double v,
+                              size_t bad, int64_t elem) {
+  char where[600] = "";
+  if (bad != SIZE_MAX) {
+    snprintf(where, sizeof where,
+             "; the first parameter with a non-finite gradient is %s (element %lld)",
+             ddp_model_param(t->model, bad)->name, (long long)elem);
+  }
+  if (!t->a->halt_on_nonfinite) {
+    if (t->rank == 0)
+      ddp__log(t->rank, DDP_LOG_WARN,
+               "trainer: step %lld: the %s is %g%s (halt_on_nonfinite false: training goes on)",
+               (long long)done, what, isnan(v) ? fabs(v) : v, where);
+    return DDP_OK;
+  }
+  return ddp__error(t->err, t->rank, DDP_ERR_INVALID_DATA,
+                    "trainer: step %lld: the %s is %g%s; the run stops before the step's "
+                    "update and save, so the last checkpoint is of an earlier step "
+                    "(halt_on_nonfinite false: warn and go on)",
+                    (long long)done, what, isnan(v) ? fabs(v) : v, where);
+}
+
 /* Optimizer step `step` (0-based): its window of micro-batches, then clipping, the lr of
  * the schedule, the optimizer step and zero_grad; the loss is averaged over ranks. */
 static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
@@ -524,9 +572,13 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   ddp__train_fault_after_backward(&t->fault, t->model, step);
   if (t->init_q) DDP_CHECK(ddp__train_q_check(t->init_q, t->err));
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
+  int64_t elem = -1;
+  size_t bad = first_nonfinite_grad(t, &elem);
   DDP_CHECK(ddp_clip_grad_norm(t->grads, t->ntrain,
                                a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY, 2.0, false,
                                &o->grad_norm, t->err));
+  if (!isfinite(o->grad_norm) || bad != SIZE_MAX)
+    DDP_CHECK(nonfinite(t, step + 1, "gradient norm", o->grad_norm, bad, elem));
   o->lr = ddp_lr_at(&t->sched, a->learning_rate, step);
   for (size_t g = 0; g < t->nopt; g++) {
     ddp_optim_set_lr(t->opt[g], o->lr);
@@ -545,6 +597,7 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
                         &w, "loss allreduce"));
   }
   o->loss = local_loss;
+  if (!isfinite(o->loss)) DDP_CHECK(nonfinite(t, step + 1, "loss", o->loss, SIZE_MAX, -1));
   return DDP_OK;
 }
 
@@ -715,6 +768,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp__free(t->pairs);
   ddp__free(t->grads);
   ddp__free(t->inv_loss);
+  ddp__train_unlock(t);
 }
 
 /* The loop in named steps: begin; per optimizer step the step, the end of the step (the
@@ -731,6 +785,7 @@ ddp_status_t ddp__train_run(ddp_pg_t *pg, ddp_model_t *model, const ddp_dataset_
   t->rank = ddp_pg_rank(pg);
   t->world = ddp_pg_size(pg);
   t->model = model;
+  t->lock_fd = -1;
   t->train = train;
   t->eval = eval;
   t->args = (ddp_train_args_t)DDP_TRAIN_ARGS_INIT;

@@ -40,6 +40,7 @@ typedef struct ddp__trainer {
   uint64_t flags;           /* this rank's forward_flags entry */
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
+  int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
 
   /* world_size_invariant_shards (invariant mode; setup.c, trainer.c) */
   int64_t inv_k;    /* K shards per global batch; 0: off */
@@ -65,5 +66,14 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t);
 ddp_status_t ddp__trainer_state_json(ddp__trainer_t *t, int64_t step, char **out);
 /* The "config" object of a dump's meta.json (ddp__free). */
 ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out);
+
+/* The run's start, before the setup's first collective (agree.c): rank 0 creates and locks
+ * output_dir (a second run on it fails naming the directory and the holder's pid); then
+ * every rank all-gathers its start-up status and digests of the training arguments that
+ * must agree and of the model's structure, and fails, naming the first argument that
+ * differs and rank 0's and the other rank's values, or the model. */
+ddp_status_t ddp__train_agree(ddp__trainer_t *t);
+/* Drops rank 0's output_dir lock (a no-op when not held). */
+void ddp__train_unlock(ddp__trainer_t *t);
 
 #endif /* DDP_TRAIN_TRAINER_H */

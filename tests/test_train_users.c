@@ -1,0 +1,267 @@
+/* ddp-train as users meet it (issue 38): a broken model file is reported before the data
+ * is read, with its line and column; a text corpus with a model that cannot train on it says
+ * so; a second run on a live run's output_dir fails at once naming the holder's pid; ranks
+ * given different training arguments fail before step 1 naming the argument and the values.
+ *
+ * The cases run the built ddp-train (DDP_BUILD_ROOT/tools/ddp-train) in a fresh temporary
+ * directory, which the group teardown removes. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ddp.h"
+#include "harness.h"
+#include "proc.h"
+
+static char dir[256];    /* the test's temporary directory */
+static char exe[4096];   /* ddp-train */
+static char root[4096];  /* the source tree (tests/data) */
+static char tools[4096]; /* the built tools (ddprun) */
+
+static int setup_dir(void **state) {
+  (void)state;
+  const char *build = getenv("DDP_BUILD_ROOT");
+  const char *src = getenv("DDP_SOURCE_ROOT");
+  if (!build || !src) {
+    fprintf(stderr, "DDP_BUILD_ROOT or DDP_SOURCE_ROOT is not set (run under meson test)\n");
+    return -1;
+  }
+  snprintf(exe, sizeof exe, "%s/tools/ddp-train", build);
+  snprintf(root, sizeof root, "%s", src);
+  snprintf(tools, sizeof tools, "%s/tools", build);
+  snprintf(dir, sizeof dir, "/tmp/ddp-test-train-users-XXXXXX");
+  return mkdtemp(dir) ? 0 : -1;
+}
+
+static int remove_dir(void **state) {
+  (void)state;
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  return system(cmd) == 0 ? 0 : -1;
+}
+
+static void put(const char *name, const char *text) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
+  assert_int_equal(fclose(f), 0);
+}
+
+/* Runs `cd dir && ddp-train ARGS 2>&1` (ARGS may hold "%R" for the source tree, once);
+ * *out: everything it printed (malloc'd). Returns the exit status. */
+static int run(char **out, const char *fmt, ...) {
+  char args[4096], cmd[16384], err[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(args, sizeof args, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "cd '%s' && '%s' %s 2>&1", dir, exe, args);
+  snprintf(err, sizeof err, "%s/stderr.txt", dir);
+  return ddp_test_proc_run(cmd, err, 120, out);
+}
+
+/* Asserts the exit status and that the output holds every needle (NULL-terminated). */
+static void expect(const char *what, int rc, char *out, int want, ...) {
+  if (rc != want) fail_msg("%s: exit status %d, expected %d; output:\n%s", what, rc, want, out);
+  va_list ap;
+  va_start(ap, want);
+  for (const char *n = va_arg(ap, const char *); n; n = va_arg(ap, const char *)) {
+    if (!strstr(out, n)) fail_msg("%s: the output lacks \"%s\":\n%s", what, n, out);
+  }
+  va_end(ap);
+  free(out);
+}
+
+/* Issue 38, item 1: a config.json with a syntax error, or without "model_type", given with
+ * the text corpus, was blamed on the data ("safetensors 'corpus.txt': header length ...");
+ * the model file is now parsed first and its error names the file, line and column. */
+static void test_model_file_first(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("bad.json", "{\"model_type\": \"gpt2\", \"n_layer\": 2");
+  int rc = run(&out, "--threads 2 --model bad.json --data '%s/tests/data/kjv_genesis_exodus.txt'",
+               root);
+  expect("truncated config.json", rc, out, 2, "--model bad.json",
+         "line 1, column 36: JSON syntax error at the end of the file", NULL);
+  put("bad2.json", "{\n  \"model_type\": \"gpt2\",\n  \"n_layer\" 2\n}\n");
+  rc = run(&out, "--model bad2.json --data '%s/tests/data/kjv_genesis_exodus.txt'", root);
+  expect("missing colon", rc, out, 2, "--model bad2.json", "line 3, column 13", NULL);
+  put("typeless.json", "{\"n_layer\": 2, \"n_embd\": 64}");
+  rc = run(&out, "--model typeless.json --data '%s/tests/data/kjv_genesis_exodus.txt'", root);
+  expect("no model_type", rc, out, 2, "--model typeless.json", "no \"model_type\"", "no \"layers\"",
+         NULL);
+  rc = run(&out, "--model bad.json --data nosuch.safetensors");
+  expect("model before data", rc, out, 2, "--model bad.json", "line 1, column 36", NULL);
+}
+
+/* A text corpus (or an llm.c token file) with the default MLP or a libddp model was read
+ * as safetensors; it is refused, saying what trains on it. */
+static void test_corpus_needs_lm(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--data '%s/tests/data/kjv_genesis_exodus.txt'", root);
+  expect("text with the default MLP", rc, out, 2, "kjv_genesis_exodus.txt",
+         "a text or token corpus trains a causal language model", "(default: an MLP)", NULL);
+  put("mlp.json", "{\"layers\": [{\"type\": \"linear\", \"in\": 4, \"out\": 3}]}");
+  /* llm.c's GPT-2 header: magic 20240520, version 1, 0 tokens. */
+  unsigned char h[1024] = {0x88, 0xd8, 0x34, 0x01, 1};
+  char path[512];
+  snprintf(path, sizeof path, "%s/tokens.data", dir);
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(h, 1, sizeof h, f), sizeof h);
+  assert_int_equal(fclose(f), 0);
+  rc = run(&out, "--model mlp.json --data tokens.data");
+  expect("llm.c tokens with a libddp model", rc, out, 2, "--data tokens.data",
+         "a text or token corpus", "the model mlp.json", NULL);
+}
+
+/* Runs `cd dir && /bin/sh -c SCRIPT 2>&1` (SCRIPT from fmt); *out as run's. */
+static int shell(char **out, const char *fmt, ...) {
+  char script[8192], cmd[16384], err[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(script, sizeof script, fmt, ap);
+  va_end(ap);
+  snprintf(cmd, sizeof cmd, "cd '%s' && { %s ; } 2>&1", dir, script);
+  snprintf(err, sizeof err, "%s/stderr.txt", dir);
+  return ddp_test_proc_run(cmd, err, 120, out);
+}
+
+/* Issue 38, item 2: two runs on one output_dir both exited 0 and mixed their checkpoints
+ * and metrics. The second now fails in under a second naming the directory and the
+ * holder's pid; the lock goes with its holder, so a lock file a dead run left is no lock,
+ * and overwrite_output_dir does not take a live run's directory. */
+static void test_output_dir_lock(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = shell(&out,
+                 "'%s' --threads 2 --max_steps 4 --output_dir shared --disable_tqdm true "
+                 "--ddp_fault rank=0,step=2,kind=slow:4000 > first.log 2>&1 & first=$!; "
+                 "i=0; while [ ! -s shared/.ddp-train.lock ] && [ $i -lt 200 ]; do sleep 0.05; "
+                 "i=$((i+1)); done; t0=$(date +%%s%%N); "
+                 "'%s' --threads 2 --max_steps 4 --output_dir shared --overwrite_output_dir true; "
+                 "echo \"second rc=$? ms=$(( ($(date +%%s%%N) - t0) / 1000000 ))\"; "
+                 "echo \"first pid=$first\"; wait $first; echo \"first rc=$?\"",
+                 exe, exe);
+  assert_int_equal(rc, 0);
+  int pid = 0, ms = -1;
+  const char *p = strstr(out, "first pid="), *q = strstr(out, "second rc=1 ms=");
+  if (!p || !q || sscanf(p, "first pid=%d", &pid) != 1 || sscanf(q, "second rc=1 ms=%d", &ms) != 1)
+    fail_msg("the second run did not fail with exit status 1:\n%s", out);
+  char holder[96];
+  snprintf(holder, sizeof holder, "(pid %d holds shared/.ddp-train.lock)", pid);
+  if (ms >= 1000) fail_msg("the second run took %d ms to fail:\n%s", ms, out);
+  expect("second run", 0, out, 0, "output_dir shared is in use by another run", holder,
+         "first rc=0", NULL);
+  /* The first run's lock file stays, unlocked: a third run takes it. */
+  put("shared/.ddp-train.lock", "999999\n");
+  rc = run(&out, "--threads 2 --max_steps 2 --output_dir shared");
+  expect("stale lock file", rc, out, 0, "last checkpoint shared/checkpoint-2", NULL);
+}
+
+/* Issue 38, item 3: ranks given a different --seed sharded the data differently and ended
+ * with exit 0. They now fail at start-up, before step 1, naming the argument and both
+ * values (ddprun, a wrapper giving rank 1 its own --seed). */
+static void test_ranks_disagree(void **state) {
+  (void)state;
+  char *out = NULL;
+  char wrap[16384];
+  snprintf(wrap, sizeof wrap,
+           "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then exec '%s' \"$@\" --seed 2; fi\n"
+           "exec '%s' \"$@\"\n",
+           exe, exe);
+  put("wrap.sh", wrap);
+  int rc = shell(&out,
+                 "chmod +x wrap.sh && '%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh "
+                 "--max_steps 3 --logging_steps 1 --disable_tqdm true --output_dir disagree",
+                 tools);
+  if (strstr(out, "step      1/")) fail_msg("a step ran:\n%s", out);
+  expect("rank 1 --seed 2", rc, out, 1,
+         "training arguments differ between ranks: seed is 42 on rank 0 and 2 on rank 1", NULL);
+  snprintf(wrap, sizeof wrap,
+           "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then exec '%s' \"$@\" --ddp_bucket_cap_mb 1; fi\n"
+           "exec '%s' \"$@\"\n",
+           exe, exe);
+  put("wrap.sh", wrap);
+  rc = shell(&out,
+             "'%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh --max_steps 3 "
+             "--disable_tqdm true --output_dir disagree",
+             tools);
+  expect("rank 1 --ddp_bucket_cap_mb 1", rc, out, 1,
+         "ddp_bucket_cap_mb is -1 on rank 0 and 1 on rank 1", NULL);
+}
+
+/* Issue 38, item 5: training that turned NaN ran to the end and saved NaN checkpoints. It
+ * now stops at the first non-finite gradient norm naming the step and the first parameter
+ * with a non-finite gradient; the last checkpoint (of the step before) is finite. With
+ * --halt_on_nonfinite false it warns and goes on. */
+static void test_nonfinite_stops(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--threads 2 --learning_rate 1e8 --optim sgd --max_grad_norm 0 "
+                     "--max_steps 10 --save_steps 1 --disable_tqdm true --output_dir nan");
+  expect("lr 1e8", rc, out, 1,
+         "trainer: step 3: the gradient norm is nan; the first parameter with a non-finite "
+         "gradient is 0.weight (element ",
+         "the run stops before the step's update and save", NULL);
+  char path[512];
+  snprintf(path, sizeof path, "%s/nan/checkpoint-3", dir);
+  struct stat sb;
+  assert_int_not_equal(stat(path, &sb), 0);
+  snprintf(path, sizeof path, "%s/nan/checkpoint-2/model.safetensors", dir);
+  ddp_st_file_t *f = NULL;
+  ddp_error_t err = {0};
+  assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, &err), DDP_OK);
+  for (size_t i = 0; i < ddp_st_count(f); i++) {
+    ddp_tensor_t x;
+    const char *name = ddp_st_name(f, i);
+    assert_int_equal(ddp_st_tensor(f, i, &x), DDP_OK);
+    assert_int_equal(x.dtype, DDP_F32);
+    for (int64_t k = 0; k < x.numel; k++) {
+      if (!isfinite(((const float *)x.data)[k]))
+        fail_msg("%s[%lld] is not finite", name, (long long)k);
+    }
+  }
+  ddp_st_close(f);
+  rc = run(&out, "--learning_rate 1e8 --optim sgd --max_grad_norm 0 --max_steps 4 "
+                 "--halt_on_nonfinite false --save_strategy no --output_dir nan2");
+  expect("halt_on_nonfinite false", rc, out, 0,
+         "the gradient norm is nan; the first parameter with a non-finite gradient is",
+         "(halt_on_nonfinite false: training goes on)", NULL);
+}
+
+/* Issue 38, item 4: a duplicate key took the first value in model files and config.json
+ * and the last in --config files. Both readers now refuse it naming the key and its lines. */
+static void test_duplicate_keys(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("dup.json", "{\"model_type\": \"gpt2\", \"n_layer\": 2,\n \"n_layer\": 3}");
+  int rc = run(&out, "--model dup.json --max_steps 1");
+  expect("config.json", rc, out, 2, "--model dup.json",
+         "line 2: duplicate key \"n_layer\" (first at line 1)", NULL);
+  put("dupargs.json", "{\"seed\": 1,\n\"max_steps\": 2,\n\"seed\": 3}");
+  rc = run(&out, "--config dupargs.json");
+  expect("--config", rc, out, 2,
+         "config file dupargs.json: line 3: duplicate key \"seed\" (first at line 1)", NULL);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_model_file_first), cmocka_unit_test(test_corpus_needs_lm),
+      cmocka_unit_test(test_output_dir_lock),  cmocka_unit_test(test_ranks_disagree),
+      cmocka_unit_test(test_nonfinite_stops),  cmocka_unit_test(test_duplicate_keys),
+  };
+  return cmocka_run_group_tests(tests, setup_dir, remove_dir);
+}
