@@ -339,6 +339,11 @@ static void parse_args(int argc, char **argv, options_t *o) {
     o->master_port = 0;
   }
   o->port_auto = o->master_port == 0;
+  /* libddp's rule for the dump location (src/pg/flight_recorder.c): the first one set. */
+  const char *d = getenv("DDP_FR_DUMP_DIR"), *p = getenv("TORCH_FR_DUMP_TEMP_FILE");
+  if (!p || !*p) p = getenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE");
+  o->fr_dir = d && *d ? d : "";
+  o->fr_prefix = o->fr_dir[0] || !p ? "" : p;
   if (o->master_port == 0 && o->nnodes > 1)
     usage_error("--master_port 0 (a port chosen by the OS) works with one node only: the "
                 "other nodes could not know it");
@@ -417,7 +422,9 @@ static int culprit(const launcher_t *L) {
   for (int i = 0; i < L->nranks; i++) {
     const rank_proc_t *r = &L->ranks[i];
     if (i == f || r->state == RANK_RUNNING || r->how == CLD_EXITED) continue;
-    if (r->status != SIGTERM && !(L->killed && r->status == SIGKILL)) return i;
+    if (r->status != SIGTERM && !(L->killed && r->status == SIGKILL) &&
+        !(L->dumping && r->status == SIGUSR1))
+      return i;
   }
   return f;
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
+#include <time.h>
 
 enum {
   EXIT_LAUNCH = 1,        /* ddprun could not start the job */
@@ -21,10 +22,6 @@ enum {
   REAP_MS = 10000,        /* after SIGKILL: wait this long for ranks to go */
   TOKEN_BYTES = 16
 };
-
-#define DEFAULT_MASTER_ADDR "127.0.0.1"
-#define DEFAULT_MASTER_PORT 29500
-#define DEFAULT_GRACE_MS 3000
 
 #define DEFAULT_MASTER_ADDR "127.0.0.1"
 #define DEFAULT_MASTER_PORT 29500
@@ -46,6 +43,10 @@ typedef struct options {
   const char *backend; /* NULL: DDP_BACKEND is left as inherited */
   long timeout_s;      /* 0: DDP_TIMEOUT is left as inherited */
   int64_t grace_ms;
+  /* Where the ranks' flight recorders dump (src/pg/flight_recorder.c's rule): rank r writes
+   * <fr_dir>/fr_rank_<r>.json when fr_dir is set, else <fr_prefix><r>; both "": no dumps. */
+  const char *fr_dir;
+  const char *fr_prefix;
   char **prog_argv;    /* NULL-terminated, points into argv */
   char rdzv_host[256]; /* --rdzv_endpoint's host, master_addr points here when given */
 } options_t;
@@ -86,9 +87,12 @@ typedef struct launcher {
   int first_failed;  /* index into ranks, -1 while none */
   int interrupt_sig; /* first SIGINT/SIGTERM ddprun received, 0 if none */
   bool launch_failed;
+  bool dumping;  /* SIGUSR1 has been sent: waiting for the ranks' flight-recorder dumps */
   bool stopping; /* SIGTERM (or the forwarded signal) has been sent */
   bool killed;   /* SIGKILL has been sent */
   bool gave_up;  /* ranks survived SIGKILL for REAP_MS */
+  int64_t dump_deadline_ns;   /* then SIGTERM, whether or not every dump was written */
+  struct timespec dump_asked; /* CLOCK_REALTIME_COARSE when SIGUSR1 was sent (file times) */
   int64_t kill_deadline_ns;
   int64_t give_up_deadline_ns;
   int restart_count;        /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
