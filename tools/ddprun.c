@@ -40,7 +40,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ddp/backend.h" /* DDP_BACKEND_LIST only: ddprun links no libddp */
+#include "ddp/backend.h" /* DDP_BACKEND_LIST */
 #include "ddprun.h"
 
 __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...) {
@@ -528,8 +528,17 @@ int main(int argc, char **argv) {
       at[kept < 64 ? kept++ : 63] = (attempt_t){.rank = -1, .code = rc};
       break;
     }
+    /* A fresh store for each attempt, so nothing of the failed one is read again (PyTorch's
+     * clients also prefix their keys with the attempt). */
+    if ((rc = serve_store(&L)) != 0) {
+      if (k == 0) goto out;
+      at[kept < 64 ? kept++ : 63] = (attempt_t){.rank = -1, .code = rc};
+      break;
+    }
     L.restart_count = k;
     run_attempt(&L, &orig_mask, &wait_mask);
+    ddp_store_server_stop(L.store);
+    L.store = NULL;
     if (L.listen_fd >= 0) close(L.listen_fd);
     L.listen_fd = -1;
     if (kept == 64) memmove(at, at + 1, 63 * sizeof *at), kept = 63;

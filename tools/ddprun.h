@@ -1,6 +1,7 @@
 /* ddprun's parts, shared by tools/ddprun.c (options, attempts, report), ddprun_proc.c (the
- * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store port and
- * leftovers of a job). ddprun is single-threaded and uses only libc. */
+ * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store's port,
+ * the store, and leftovers of a job). ddprun's own loop is single-threaded; on node 0,
+ * libddp's store server runs beside it in a thread of its own (docs/launcher.md). */
 #ifndef DDPRUN_H
 #define DDPRUN_H
 
@@ -11,6 +12,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 #include <time.h>
+
+#include "ddp/store.h"
 
 enum {
   EXIT_LAUNCH = 1,        /* ddprun could not start the job */
@@ -95,14 +98,15 @@ typedef struct launcher {
   struct timespec dump_asked; /* CLOCK_REALTIME_COARSE when SIGUSR1 was sent (file times) */
   int64_t kill_deadline_ns;
   int64_t give_up_deadline_ns;
-  int restart_count;        /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
-  int listen_fd;            /* the store's listening socket, handed to global rank 0; -1: none */
-  int64_t start_ns;         /* when this attempt started */
-  int64_t failed_ns;        /* when its first failure was seen */
-  bool out_dead[3];         /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
-  struct pollfd *pfds;      /* poll set, 2 per rank, rebuilt every wait */
-  line_stream_t **pstreams; /* the stream behind each pfds entry */
-  rank_proc_t **pranks;     /* and its rank */
+  int restart_count; /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
+  int listen_fd;     /* the store's listening socket (node 0); -1: none */
+  ddp_store_server_t *store; /* this attempt's store, served by ddprun on listen_fd; or NULL */
+  int64_t start_ns;          /* when this attempt started */
+  int64_t failed_ns;         /* when its first failure was seen */
+  bool out_dead[3];          /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
+  struct pollfd *pfds;       /* poll set, 2 per rank, rebuilt every wait */
+  line_stream_t **pstreams;  /* the stream behind each pfds entry */
+  rank_proc_t **pranks;      /* and its rank */
 } launcher_t;
 
 /* One message = one write, so ddprun's own lines never split the ranks' lines. */
@@ -124,12 +128,18 @@ void run_attempt(launcher_t *L, const sigset_t *orig_mask, const sigset_t *wait_
 /* ddprun_net.c */
 /* Node 0's store port: binds master_addr:master_port (port 0: any, chosen by the OS, which
  * is then written into o->master_port) and listens, so that the port is this job's from now
- * on; global rank 0 inherits the socket (DDP_STORE_LISTEN_FD) and serves the store on it.
- * Returns 0, or ddprun's exit code after saying why (a port that another job's store holds
- * is refused here, before any rank starts). Not on other nodes: *fd = -1. */
+ * on; ddprun serves the store on it (serve_store). Returns 0, or ddprun's exit code after saying
+ * why (a port that another job's store holds is refused here, before any rank starts). Not on other
+ * nodes: *fd = -1. */
 int reserve_port(options_t *o, int *fd);
 /* Removes the /dev/shm/ddp-<uid>-<pid>-* segments of the rank with that pid (what the shm
  * backend's rank 0 names its segment), which a rank stopped before it unlinked leaves. */
 void remove_shm_leftovers(const rank_proc_t *r);
+/* Node 0 serves this attempt's store on the reserved socket: libddp's protocol (with the job
+ * token) and PyTorch's TCPStore protocol (TORCHELASTIC_USE_AGENT_STORE=True). Takes the
+ * socket over; returns 0, or ddprun's exit code after saying why. */
+int serve_store(launcher_t *L);
+/* Whether the ranks are told to connect to a store that a launcher serves. */
+bool agent_store(const launcher_t *L);
 
 #endif

@@ -343,8 +343,9 @@ static void handle_signals(launcher_t *L) {
   }
 }
 
-/* Child side of fork: becomes the rank and never returns. ddprun is single-threaded, so
- * the child may call setenv and stdio before exec. */
+/* Child side of fork: becomes the rank and never returns. ddprun's only other thread is
+ * the store server's, which takes no lock the child needs: the child calls setenv (glibc's
+ * fork leaves malloc usable in the child), dup2, dprintf and exec, no stdio stream. */
 __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_rank, int out_fd,
                                                 int err_fd, pid_t parent,
                                                 const sigset_t *orig_mask) {
@@ -380,11 +381,9 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   snprintf(v[6], sizeof v[6], "%ld", o->timeout_s);
   snprintf(v[7], sizeof v[7], "%d", L->restart_count);
   snprintf(v[8], sizeof v[8], "%d", o->max_restarts);
-  /* Global rank 0 serves the store on the socket ddprun reserved (ddprun_net.c). */
-  bool serve = L->listen_fd >= 0 && o->node_rank == 0 && local_rank == 0;
-  char lfd[16];
-  snprintf(lfd, sizeof lfd, "%d", L->listen_fd);
-  if (serve) fcntl(L->listen_fd, F_SETFD, 0);
+  /* ddprun (node 0) serves the store: every rank, rank 0 too, connects to it as to
+   * torchrun's agent store (ddprun_net.c). */
+  bool agent = agent_store(L);
   bool ok = setenv("RANK", v[0], 1) == 0 && setenv("LOCAL_RANK", v[1], 1) == 0 &&
             setenv("WORLD_SIZE", v[2], 1) == 0 && setenv("LOCAL_WORLD_SIZE", v[3], 1) == 0 &&
             setenv("GROUP_RANK", v[4], 1) == 0 && setenv("MASTER_ADDR", o->master_addr, 1) == 0 &&
@@ -393,7 +392,9 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
             (o->timeout_s == 0 || setenv("DDP_TIMEOUT", v[6], 1) == 0) &&
             setenv("TORCHELASTIC_RESTART_COUNT", v[7], 1) == 0 &&
             setenv("TORCHELASTIC_MAX_RESTARTS", v[8], 1) == 0 &&
-            (serve ? setenv("DDP_STORE_LISTEN_FD", lfd, 1) : unsetenv("DDP_STORE_LISTEN_FD")) == 0;
+            unsetenv("DDP_STORE_LISTEN_FD") == 0 &&
+            (agent ? setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1)
+                   : unsetenv("TORCHELASTIC_USE_AGENT_STORE")) == 0;
   if (!ok) {
     dprintf(STDERR_FILENO, "ddprun: setenv: %s\n", strerror(errno));
     _exit(EXIT_LAUNCH);
