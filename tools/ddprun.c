@@ -40,7 +40,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "ddp/backend.h" /* DDP_BACKEND_LIST only: ddprun links no libddp */
+#include "ddp/backend.h" /* DDP_BACKEND_LIST */
 #include "ddprun.h"
 
 __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...) {
@@ -339,6 +339,11 @@ static void parse_args(int argc, char **argv, options_t *o) {
     o->master_port = 0;
   }
   o->port_auto = o->master_port == 0;
+  /* libddp's rule for the dump location (src/pg/flight_recorder.c): the first one set. */
+  const char *d = getenv("DDP_FR_DUMP_DIR"), *p = getenv("TORCH_FR_DUMP_TEMP_FILE");
+  if (!p || !*p) p = getenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE");
+  o->fr_dir = d && *d ? d : "";
+  o->fr_prefix = o->fr_dir[0] || !p ? "" : p;
   if (o->master_port == 0 && o->nnodes > 1)
     usage_error("--master_port 0 (a port chosen by the OS) works with one node only: the "
                 "other nodes could not know it");
@@ -417,7 +422,9 @@ static int culprit(const launcher_t *L) {
   for (int i = 0; i < L->nranks; i++) {
     const rank_proc_t *r = &L->ranks[i];
     if (i == f || r->state == RANK_RUNNING || r->how == CLD_EXITED) continue;
-    if (r->status != SIGTERM && !(L->killed && r->status == SIGKILL)) return i;
+    if (r->status != SIGTERM && !(L->killed && r->status == SIGKILL) &&
+        !(L->dumping && r->status == SIGUSR1))
+      return i;
   }
   return f;
 }
@@ -521,8 +528,17 @@ int main(int argc, char **argv) {
       at[kept < 64 ? kept++ : 63] = (attempt_t){.rank = -1, .code = rc};
       break;
     }
+    /* A fresh store for each attempt, so nothing of the failed one is read again (PyTorch's
+     * clients also prefix their keys with the attempt). */
+    if ((rc = serve_store(&L)) != 0) {
+      if (k == 0) goto out;
+      at[kept < 64 ? kept++ : 63] = (attempt_t){.rank = -1, .code = rc};
+      break;
+    }
     L.restart_count = k;
     run_attempt(&L, &orig_mask, &wait_mask);
+    ddp_store_server_stop(L.store);
+    L.store = NULL;
     if (L.listen_fd >= 0) close(L.listen_fd);
     L.listen_fd = -1;
     if (kept == 64) memmove(at, at + 1, 63 * sizeof *at), kept = 63;

@@ -1,6 +1,7 @@
 /* ddprun's parts, shared by tools/ddprun.c (options, attempts, report), ddprun_proc.c (the
- * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store port and
- * leftovers of a job). ddprun is single-threaded and uses only libc. */
+ * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store's port,
+ * the store, and leftovers of a job). ddprun's own loop is single-threaded; on node 0,
+ * libddp's store server runs beside it in a thread of its own (docs/launcher.md). */
 #ifndef DDPRUN_H
 #define DDPRUN_H
 
@@ -10,6 +11,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
+#include <time.h>
+
+#include "ddp/store.h"
 
 enum {
   EXIT_LAUNCH = 1,        /* ddprun could not start the job */
@@ -21,10 +25,6 @@ enum {
   REAP_MS = 10000,        /* after SIGKILL: wait this long for ranks to go */
   TOKEN_BYTES = 16
 };
-
-#define DEFAULT_MASTER_ADDR "127.0.0.1"
-#define DEFAULT_MASTER_PORT 29500
-#define DEFAULT_GRACE_MS 3000
 
 #define DEFAULT_MASTER_ADDR "127.0.0.1"
 #define DEFAULT_MASTER_PORT 29500
@@ -46,6 +46,10 @@ typedef struct options {
   const char *backend; /* NULL: DDP_BACKEND is left as inherited */
   long timeout_s;      /* 0: DDP_TIMEOUT is left as inherited */
   int64_t grace_ms;
+  /* Where the ranks' flight recorders dump (src/pg/flight_recorder.c's rule): rank r writes
+   * <fr_dir>/fr_rank_<r>.json when fr_dir is set, else <fr_prefix><r>; both "": no dumps. */
+  const char *fr_dir;
+  const char *fr_prefix;
   char **prog_argv;    /* NULL-terminated, points into argv */
   char rdzv_host[256]; /* --rdzv_endpoint's host, master_addr points here when given */
 } options_t;
@@ -86,19 +90,23 @@ typedef struct launcher {
   int first_failed;  /* index into ranks, -1 while none */
   int interrupt_sig; /* first SIGINT/SIGTERM ddprun received, 0 if none */
   bool launch_failed;
+  bool dumping;  /* SIGUSR1 has been sent: waiting for the ranks' flight-recorder dumps */
   bool stopping; /* SIGTERM (or the forwarded signal) has been sent */
   bool killed;   /* SIGKILL has been sent */
   bool gave_up;  /* ranks survived SIGKILL for REAP_MS */
+  int64_t dump_deadline_ns;   /* then SIGTERM, whether or not every dump was written */
+  struct timespec dump_asked; /* CLOCK_REALTIME_COARSE when SIGUSR1 was sent (file times) */
   int64_t kill_deadline_ns;
   int64_t give_up_deadline_ns;
-  int restart_count;        /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
-  int listen_fd;            /* the store's listening socket, handed to global rank 0; -1: none */
-  int64_t start_ns;         /* when this attempt started */
-  int64_t failed_ns;        /* when its first failure was seen */
-  bool out_dead[3];         /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
-  struct pollfd *pfds;      /* poll set, 2 per rank, rebuilt every wait */
-  line_stream_t **pstreams; /* the stream behind each pfds entry */
-  rank_proc_t **pranks;     /* and its rank */
+  int restart_count; /* this attempt: 0 first, then 1, 2, ... (TORCHELASTIC_RESTART_COUNT) */
+  int listen_fd;     /* the store's listening socket (node 0); -1: none */
+  ddp_store_server_t *store; /* this attempt's store, served by ddprun on listen_fd; or NULL */
+  int64_t start_ns;          /* when this attempt started */
+  int64_t failed_ns;         /* when its first failure was seen */
+  bool out_dead[3];          /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
+  struct pollfd *pfds;       /* poll set, 2 per rank, rebuilt every wait */
+  line_stream_t **pstreams;  /* the stream behind each pfds entry */
+  rank_proc_t **pranks;      /* and its rank */
 } launcher_t;
 
 /* One message = one write, so ddprun's own lines never split the ranks' lines. */
@@ -120,12 +128,18 @@ void run_attempt(launcher_t *L, const sigset_t *orig_mask, const sigset_t *wait_
 /* ddprun_net.c */
 /* Node 0's store port: binds master_addr:master_port (port 0: any, chosen by the OS, which
  * is then written into o->master_port) and listens, so that the port is this job's from now
- * on; global rank 0 inherits the socket (DDP_STORE_LISTEN_FD) and serves the store on it.
- * Returns 0, or ddprun's exit code after saying why (a port that another job's store holds
- * is refused here, before any rank starts). Not on other nodes: *fd = -1. */
+ * on; ddprun serves the store on it (serve_store). Returns 0, or ddprun's exit code after saying
+ * why (a port that another job's store holds is refused here, before any rank starts). Not on other
+ * nodes: *fd = -1. */
 int reserve_port(options_t *o, int *fd);
 /* Removes the /dev/shm/ddp-<uid>-<pid>-* segments of the rank with that pid (what the shm
  * backend's rank 0 names its segment), which a rank stopped before it unlinked leaves. */
 void remove_shm_leftovers(const rank_proc_t *r);
+/* Node 0 serves this attempt's store on the reserved socket: libddp's protocol (with the job
+ * token) and PyTorch's TCPStore protocol (TORCHELASTIC_USE_AGENT_STORE=True). Takes the
+ * socket over; returns 0, or ddprun's exit code after saying why. */
+int serve_store(launcher_t *L);
+/* Whether the ranks are told to connect to a store that a launcher serves. */
+bool agent_store(const launcher_t *L);
 
 #endif

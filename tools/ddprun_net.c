@@ -1,5 +1,6 @@
 /* ddprun's resources of a job outside its ranks: the store's port, reserved on node 0
- * before any rank starts, and the shared-memory segments a stopped rank left behind. */
+ * before any rank starts, the store served on it, and the shared-memory segments a stopped
+ * rank left behind. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -105,4 +106,22 @@ void remove_shm_leftovers(const rank_proc_t *r) {
           (int)r->pid);
   }
   closedir(d);
+}
+
+int serve_store(launcher_t *L) {
+  L->store = NULL;
+  if (L->listen_fd < 0) return 0;
+  int fd = L->listen_fd;
+  L->listen_fd = -1; /* the server's now, closed when it stops */
+  ddp_error_t err = {DDP_OK, ""};
+  if (ddp_store_serve_fd(fd, L->token, true, &L->store, &err) != DDP_OK) {
+    say("cannot serve the store on %s:%d: %s", L->opt.master_addr, L->opt.master_port, err.msg);
+    return EXIT_LAUNCH;
+  }
+  return 0;
+}
+
+bool agent_store(const launcher_t *L) {
+  if (L->opt.no_reserve) return false;
+  return L->opt.node_rank != 0 || L->store != NULL;
 }

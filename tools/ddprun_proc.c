@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -20,8 +21,6 @@
 #include <unistd.h>
 
 #include "ddprun.h"
-
-/* ------------------------------------------------------------------ messages -------- */
 
 /* ------------------------------------------------------------------ messages -------- */
 
@@ -229,6 +228,63 @@ static void begin_stop(launcher_t *L, int sig) {
   }
 }
 
+/* ------------------------------------------------------------------ dumps ---------- */
+
+static bool fr_configured(const options_t *o) { return o->fr_dir[0] || o->fr_prefix[0]; }
+
+/* Whether rank r's flight-recorder dump was written since ddprun asked for it. File times
+ * come from the kernel's coarse clock, which dump_asked is read from too. */
+static bool dumped_since_asked(const launcher_t *L, const rank_proc_t *r) {
+  char path[4096];
+  if (L->opt.fr_dir[0])
+    snprintf(path, sizeof path, "%s/fr_rank_%d.json", L->opt.fr_dir, r->rank);
+  else
+    snprintf(path, sizeof path, "%s%d", L->opt.fr_prefix, r->rank);
+  struct stat st;
+  if (stat(path, &st) != 0) return false;
+  const struct timespec *m = &st.st_mtim, *a = &L->dump_asked;
+  return m->tv_sec > a->tv_sec || (m->tv_sec == a->tv_sec && m->tv_nsec >= a->tv_nsec);
+}
+
+/* The first failure, with flight recorders configured: the running ranks get SIGUSR1 first,
+ * on which libddp's recorder dumps every group (docs/errors.md), and SIGTERM only when each
+ * has written its dump, or has exited, or the grace period is over. Stopped at once, a rank
+ * that is stalled (it never fails by itself) or that was still waiting out its timeout
+ * leaves no dump, and the analysis can only call it dead. */
+static void ask_for_dumps(launcher_t *L) {
+  L->dumping = true;
+  clock_gettime(CLOCK_REALTIME_COARSE, &L->dump_asked);
+  L->dump_deadline_ns = now_ns() + L->opt.grace_ms * 1000000;
+  for (int i = 0; i < L->nranks; i++) {
+    rank_proc_t *r = &L->ranks[i];
+    if (r->state == RANK_RUNNING) kill(r->pid, SIGUSR1);
+  }
+}
+
+/* While dumps are awaited: SIGTERM once every running rank has dumped, or at the deadline
+ * (saying which ranks did not dump). */
+static void check_dumps(launcher_t *L) {
+  if (!L->dumping || L->stopping) return;
+  int missing = 0;
+  char list[256] = "";
+  size_t o = 0;
+  for (int i = 0; i < L->nranks; i++) {
+    const rank_proc_t *r = &L->ranks[i];
+    if (r->state != RANK_RUNNING || dumped_since_asked(L, r)) continue;
+    if (o < sizeof list)
+      o += (size_t)snprintf(list + o, sizeof list - o, "%s%d", missing ? ", " : "", r->rank);
+    missing++;
+  }
+  if (missing == 0) {
+    begin_stop(L, SIGTERM);
+    return;
+  }
+  if (now_ns() < L->dump_deadline_ns) return;
+  say("no flight-recorder dump from rank(s) %s %.1f s after SIGUSR1; stopping them", list,
+      (double)L->opt.grace_ms / 1000.0);
+  begin_stop(L, SIGTERM);
+}
+
 /* Looks at every running rank without reaping it (WNOWAIT), so a rank's pid stays ours
  * until the end. The first failure seen before any interrupt is the job's failure. */
 static void check_ranks(launcher_t *L) {
@@ -256,6 +312,13 @@ static void check_ranks(launcher_t *L) {
     describe_exit(r, what, sizeof what);
     int running = 0;
     for (int j = 0; j < L->nranks; j++) running += L->ranks[j].state == RANK_RUNNING;
+    if (running > 0 && fr_configured(&L->opt)) {
+      say("rank %d (pid %d) %s; asking the %d other running rank(s) for their flight-recorder "
+          "dumps (SIGUSR1), then stopping them",
+          r->rank, (int)r->pid, what, running);
+      ask_for_dumps(L);
+      return;
+    }
     if (running > 0)
       say("rank %d (pid %d) %s; stopping the %d other running rank(s)", r->rank, (int)r->pid, what,
           running);
@@ -280,8 +343,9 @@ static void handle_signals(launcher_t *L) {
   }
 }
 
-/* Child side of fork: becomes the rank and never returns. ddprun is single-threaded, so
- * the child may call setenv and stdio before exec. */
+/* Child side of fork: becomes the rank and never returns. ddprun's only other thread is
+ * the store server's, which takes no lock the child needs: the child calls setenv (glibc's
+ * fork leaves malloc usable in the child), dup2, dprintf and exec, no stdio stream. */
 __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_rank, int out_fd,
                                                 int err_fd, pid_t parent,
                                                 const sigset_t *orig_mask) {
@@ -317,11 +381,9 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   snprintf(v[6], sizeof v[6], "%ld", o->timeout_s);
   snprintf(v[7], sizeof v[7], "%d", L->restart_count);
   snprintf(v[8], sizeof v[8], "%d", o->max_restarts);
-  /* Global rank 0 serves the store on the socket ddprun reserved (ddprun_net.c). */
-  bool serve = L->listen_fd >= 0 && o->node_rank == 0 && local_rank == 0;
-  char lfd[16];
-  snprintf(lfd, sizeof lfd, "%d", L->listen_fd);
-  if (serve) fcntl(L->listen_fd, F_SETFD, 0);
+  /* ddprun (node 0) serves the store: every rank, rank 0 too, connects to it as to
+   * torchrun's agent store (ddprun_net.c). */
+  bool agent = agent_store(L);
   bool ok = setenv("RANK", v[0], 1) == 0 && setenv("LOCAL_RANK", v[1], 1) == 0 &&
             setenv("WORLD_SIZE", v[2], 1) == 0 && setenv("LOCAL_WORLD_SIZE", v[3], 1) == 0 &&
             setenv("GROUP_RANK", v[4], 1) == 0 && setenv("MASTER_ADDR", o->master_addr, 1) == 0 &&
@@ -330,7 +392,9 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
             (o->timeout_s == 0 || setenv("DDP_TIMEOUT", v[6], 1) == 0) &&
             setenv("TORCHELASTIC_RESTART_COUNT", v[7], 1) == 0 &&
             setenv("TORCHELASTIC_MAX_RESTARTS", v[8], 1) == 0 &&
-            (serve ? setenv("DDP_STORE_LISTEN_FD", lfd, 1) : unsetenv("DDP_STORE_LISTEN_FD")) == 0;
+            unsetenv("DDP_STORE_LISTEN_FD") == 0 &&
+            (agent ? setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1)
+                   : unsetenv("TORCHELASTIC_USE_AGENT_STORE")) == 0;
   if (!ok) {
     dprintf(STDERR_FILENO, "ddprun: setenv: %s\n", strerror(errno));
     _exit(EXIT_LAUNCH);
@@ -396,6 +460,7 @@ static void supervise(launcher_t *L, const sigset_t *wait_mask) {
     handle_signals(L);
     check_ranks(L);
     if (all_exited(L)) return;
+    check_dumps(L);
     int64_t now = now_ns();
     if (L->stopping && !L->killed && now >= L->kill_deadline_ns) {
       int left = 0;
@@ -415,7 +480,9 @@ static void supervise(launcher_t *L, const sigset_t *wait_mask) {
       return;
     }
     int timeout = -1;
-    if (L->killed)
+    if (L->dumping && !L->stopping)
+      timeout = 10; /* the dumps are files: look again soon */
+    else if (L->killed)
       timeout = ms_until(L->give_up_deadline_ns);
     else if (L->stopping)
       timeout = ms_until(L->kill_deadline_ns);
@@ -476,7 +543,7 @@ void run_attempt(launcher_t *L, const sigset_t *orig_mask, const sigset_t *wait_
   int n = L->opt.nproc_per_node;
   L->nranks = 0;
   L->first_failed = -1;
-  L->stopping = L->killed = L->gave_up = false;
+  L->dumping = L->stopping = L->killed = L->gave_up = false;
   L->start_ns = now_ns();
   L->failed_ns = 0;
   for (int i = 0; i < n; i++) {

@@ -156,6 +156,8 @@ DDP_API void ddp_free(void *ptr);
   X(JOB_TOKEN, "DDP_JOB_TOKEN", "", "Job token presented on every store and peer connection.")     \
   X(STORE_LISTEN_FD, "DDP_STORE_LISTEN_FD", "",                                                    \
     "ddprun: the store's listening socket it reserved, inherited by global rank 0.")               \
+  X(USE_AGENT_STORE, "TORCHELASTIC_USE_AGENT_STORE", "",                                           \
+    "True: the launcher serves the store (torchrun's agent, ddprun); rank 0 connects to it.")      \
   X(RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT", "0",                                              \
     "Restarts of the worker group so far (torchrun, ddprun); ddp_train resumes when > 0.")         \
   X(SOCKET_IFNAME, "DDP_SOCKET_IFNAME", "",                                                        \

@@ -91,6 +91,18 @@ typedef struct ddp_store_callbacks {
 DDP_API ddp_status_t ddp_store_create_callbacks(const ddp_store_callbacks_t *cb,
                                                 const ddp_store_options_t *opts,
                                                 ddp_store_t **out, ddp_error_t *err);
+
+/* A TCP store server alone, serving on listen_fd (a listening TCP socket; it is the
+ * server's from now on, and closed by ddp_store_server_stop) from one background thread,
+ * without a client handle: how ddprun serves its job's store (docs/launcher.md). Clients
+ * present job_token (NULL: DDP_JOB_TOKEN). With torch_clients, a connection whose first
+ * byte is a PyTorch 1.13 TCPStore query type is served with that protocol, in a key space
+ * of its own and without a token (docs/rendezvous.md, "PyTorch's TCPStore clients"). */
+typedef struct ddp__store_server ddp_store_server_t;
+DDP_API ddp_status_t ddp_store_serve_fd(int listen_fd, const char *job_token, bool torch_clients,
+                                        ddp_store_server_t **out, ddp_error_t *err);
+/* Stops serving and closes every connection. NULL is a no-op. */
+DDP_API void ddp_store_server_stop(ddp_store_server_t *srv);
 /* A view whose keys are prefixed with "<prefix>/" (sub-groups). It holds a reference to
  * base, which must outlive it. */
 DDP_API ddp_status_t ddp_store_create_prefix(ddp_store_t *base, const char *prefix,

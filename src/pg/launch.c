@@ -66,8 +66,11 @@ ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out
   so.rank = o.rank;
   ddp_store_t *store = NULL;
   ddp_error_t se = {DDP_OK, ""};
-  st = ddp_store_create_tcp(ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, o.rank == 0, &so, &store,
-                            &se);
+  /* TORCHELASTIC_USE_AGENT_STORE=True: the launcher serves the store (ddprun on node 0, as
+   * torchrun's agent does), and rank 0 is one more client of it. */
+  bool agent_store = strcmp(ddp_env_get(DDP_ENV_USE_AGENT_STORE), "True") == 0;
+  st = ddp_store_create_tcp(ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port,
+                            o.rank == 0 && !agent_store, &so, &store, &se);
   if (st != DDP_OK) /* the store has logged it */
     return ddp__error_quiet(err, st, "rank %d: TCP store at %s:%d: %s", o.rank,
                             ddp_env_get(DDP_ENV_MASTER_ADDR), (int)port, se.msg);

@@ -475,3 +475,13 @@ int ddp_store_port(const ddp_store_t *s) {
   require_valid(s);
   return s->root->ops->port ? s->root->ops->port(s->root) : -1;
 }
+
+ddp_status_t ddp_store_serve_fd(int listen_fd, const char *job_token, bool torch_clients,
+                                ddp_store_server_t **out, ddp_error_t *err) {
+  DDP_REQUIRE(out);
+  *out = NULL;
+  const char *token = job_token ? job_token : ddp_env_get(DDP_ENV_JOB_TOKEN);
+  return ddp__store_server_start_fd(listen_fd, token, torch_clients, -1, err, out);
+}
+
+void ddp_store_server_stop(ddp_store_server_t *srv) { ddp__store_server_stop(srv); }

@@ -191,10 +191,42 @@ void ddp__wire_put_u64(unsigned char *p, uint64_t v);
 uint32_t ddp__wire_get_u32(const unsigned char *p);
 void ddp__wire_put_u32(unsigned char *p, uint32_t v);
 
+/* ---- PyTorch 1.13's TCPStore wire format (tcp_torch.c), served beside libddp's own when
+ * the server is started with torch clients (ddprun). A request is one query-type byte and
+ * its fields, native (little) endian: a string is a u64 length and its bytes, a count a u64,
+ * an add's delta an i64. There is no header, no length of the whole, and no handshake. */
+enum {
+  DDP__TORCH_SET = 0,         /* key, value; no reply */
+  DDP__TORCH_COMPARE_SET = 1, /* key, expected, desired; reply: value (u64 length, bytes) */
+  DDP__TORCH_GET = 2,         /* key; reply: value */
+  DDP__TORCH_ADD = 3,         /* key, i64 delta; reply: i64 */
+  DDP__TORCH_CHECK = 4,       /* u64 n, n keys; reply: u8 0 ready, 1 not ready */
+  DDP__TORCH_WAIT = 5,        /* u64 n, n keys; reply: u8 0 (STOP_WAITING) once all exist */
+  DDP__TORCH_GETNUMKEYS = 6,  /* reply: i64 */
+  DDP__TORCH_WATCH_KEY = 7,   /* key (the callback connection; not served) */
+  DDP__TORCH_DELETE_KEY = 8,  /* key; reply: i64 keys deleted */
+  DDP__TORCH_LAST = 8
+};
+typedef struct ddp__torch_req {
+  unsigned op;
+  size_t nstr;                                       /* strings (keys, values) in str/len */
+  const unsigned char *str[DDP_STORE_MAX_WAIT_KEYS]; /* into the input buffer */
+  size_t len[DDP_STORE_MAX_WAIT_KEYS];
+  int64_t delta; /* ADD */
+} ddp__torch_req_t;
+/* Parses one request at the front of in[0..n): 1 with *used set when it is complete, 0 when
+ * more bytes are needed, -1 with why when it can never be valid (an unknown query type, a
+ * key, value or key count over libddp's limits). Never reads past n. */
+int ddp__torch_parse(const unsigned char *in, size_t n, ddp__torch_req_t *r, size_t *used,
+                     char *why, size_t cap);
+
 /* ---- TCP server (runs its own thread). */
 typedef struct ddp__store_server ddp__store_server_t;
 ddp_status_t ddp__store_server_start(const char *host, int port, const char *token, int rank,
                                      ddp_error_t *err, ddp__store_server_t **out);
+/* On a listening socket the caller hands over; torch: also serve PyTorch's clients. */
+ddp_status_t ddp__store_server_start_fd(int lfd, const char *token, bool torch, int rank,
+                                        ddp_error_t *err, ddp__store_server_t **out);
 int ddp__store_server_port(const ddp__store_server_t *srv);
 void ddp__store_server_stop(ddp__store_server_t *srv);
 

@@ -27,6 +27,10 @@
 #include "store/store_internal.h"
 
 #define MAX_CLIENTS 4096
+#define PROTO_DDP 1
+#define PROTO_TORCH 2
+#define WAIT_TORCH_GET 100 /* wait_op of a parked PyTorch GET or WAIT */
+#define WAIT_TORCH_WAIT 101
 #define READ_CHUNK 65536
 
 typedef struct client {
@@ -37,6 +41,7 @@ typedef struct client {
   size_t in_len, in_cap;
   unsigned char *out;
   size_t out_len, out_off;
+  unsigned char proto; /* 0 until the first byte; PROTO_DDP or PROTO_TORCH */
   bool hello_ok;
   bool closing;     /* close once out is flushed */
   bool dead;        /* close now */
@@ -57,6 +62,8 @@ struct ddp__store_server {
   size_t token_len;
   pthread_t thread;
   ddp__kv_t kv;
+  bool torch;    /* PyTorch's TCPStore clients are served too (ddprun) */
+  ddp__kv_t tkv; /* their keys: a space of their own, which they cannot reach past */
   client_t *clients;
   size_t nclients;
   struct pollfd *pfd; /* poll set, at least 2 entries; grows with the clients */
@@ -102,15 +109,8 @@ static void drop(ddp__store_server_t *srv, client_t *cl, const char *why) {
   cl->dead = true;
 }
 
-/* Queues one reply. Out of memory ends the connection (the client sees it closed). */
-static void reply(ddp__store_server_t *srv, client_t *cl, unsigned code, unsigned nfields,
-                  const void *const *field, const uint32_t *len) {
-  unsigned char *msg;
-  size_t n;
-  if (ddp__wire_build(code, nfields, field, len, &msg, &n) != DDP_OK) {
-    drop(srv, cl, "out of memory building a reply");
-    return;
-  }
+/* Queues msg (a ddp__malloc block, taken over) for sending. */
+static void queue(ddp__store_server_t *srv, client_t *cl, unsigned char *msg, size_t n) {
   if (cl->out_len == cl->out_off) {
     ddp__free(cl->out);
     cl->out = msg;
@@ -131,6 +131,35 @@ static void reply(ddp__store_server_t *srv, client_t *cl, unsigned code, unsigne
   ddp__free(cl->out);
   ddp__free(msg);
   cl->out = joined;
+}
+
+/* Queues one reply. Out of memory ends the connection (the client sees it closed). */
+static void reply(ddp__store_server_t *srv, client_t *cl, unsigned code, unsigned nfields,
+                  const void *const *field, const uint32_t *len) {
+  unsigned char *msg;
+  size_t n;
+  if (ddp__wire_build(code, nfields, field, len, &msg, &n) != DDP_OK) {
+    drop(srv, cl, "out of memory building a reply");
+    return;
+  }
+  queue(srv, cl, msg, n);
+}
+
+/* A PyTorch reply: bytes as they go on the wire, or with `counted` a u64 length first. */
+static void reply_torch(ddp__store_server_t *srv, client_t *cl, const void *v, size_t n,
+                        bool counted) {
+  unsigned char *msg = ddp__malloc(n + 8);
+  if (!msg) {
+    drop(srv, cl, "out of memory building a reply");
+    return;
+  }
+  if (counted) ddp__wire_put_u64(msg, (uint64_t)n);
+  memcpy(msg + (counted ? 8 : 0), v, n);
+  queue(srv, cl, msg, n + (counted ? 8 : 0));
+}
+
+static ddp__kv_t *kv_of(ddp__store_server_t *srv, const client_t *cl) {
+  return cl->proto == PROTO_TORCH ? &srv->tkv : &srv->kv;
 }
 
 static void reply_ok(ddp__store_server_t *srv, client_t *cl, const void *v, uint32_t n) {
@@ -193,8 +222,19 @@ static void park(ddp__store_server_t *srv, client_t *cl, unsigned op, const ddp_
 /* Answers a parked client when its keys exist or its deadline passed. */
 static void service_wait(ddp__store_server_t *srv, client_t *cl, int64_t now) {
   bool all = true;
+  ddp__kv_t *kv = kv_of(srv, cl);
   for (size_t i = 0; i < cl->nwkeys && all; i++) {
-    all = ddp__kv_find(&srv->kv, cl->wkeys[i], strlen(cl->wkeys[i])) != NULL;
+    all = ddp__kv_find(kv, cl->wkeys[i], strlen(cl->wkeys[i])) != NULL;
+  }
+  if (all && cl->wait_op >= WAIT_TORCH_GET) {
+    static const unsigned char stop_waiting = 0;
+    ddp__kv_entry_t *e = ddp__kv_find(kv, cl->wkeys[0], strlen(cl->wkeys[0]));
+    if (cl->wait_op == WAIT_TORCH_GET)
+      reply_torch(srv, cl, e->val, e->val_len, true);
+    else
+      reply_torch(srv, cl, &stop_waiting, 1, false);
+    clear_wait(cl);
+    return;
   }
   if (all) {
     if (cl->wait_op == DDP__OP_GET) {
@@ -328,10 +368,131 @@ static void handle(ddp__store_server_t *srv, client_t *cl, const ddp__wire_msg_t
   }
 }
 
-/* Handles every complete message buffered for cl, unless it is parked or closing. */
+/* Parks a PyTorch GET (one key) or WAIT: PyTorch's client keeps the time, so no deadline. */
+static void park_torch(ddp__store_server_t *srv, client_t *cl, unsigned op,
+                       const ddp__torch_req_t *r) {
+  cl->wkeys = ddp__calloc(r->nstr, sizeof *cl->wkeys);
+  for (size_t i = 0; cl->wkeys && i < r->nstr; i++) {
+    cl->wkeys[i] = ddp__malloc(r->len[i] + 1);
+    if (!cl->wkeys[i]) break;
+    memcpy(cl->wkeys[i], r->str[i], r->len[i]);
+    cl->wkeys[i][r->len[i]] = '\0';
+    cl->nwkeys = i + 1;
+  }
+  if (!cl->wkeys || cl->nwkeys < r->nstr) {
+    clear_wait(cl);
+    drop(srv, cl, "out of memory parking a wait");
+    return;
+  }
+  cl->wait_op = op;
+  cl->wdeadline_ns = INT64_MAX;
+  service_wait(srv, cl, ddp_now_ns());
+}
+
+/* PyTorch 1.13's compare_set: a missing key is set only when `expected` is empty, and the
+ * reply is then `desired`; otherwise the reply is the value after the call, or `expected`
+ * for a key that stays missing (what 1.13's server answers). */
+static void torch_cset(ddp__store_server_t *srv, client_t *cl, const ddp__torch_req_t *r) {
+  const char *key = (const char *)r->str[0];
+  ddp__kv_entry_t *e = ddp__kv_find(&srv->tkv, key, r->len[0]);
+  if (!e && r->len[1] != 0) {
+    reply_torch(srv, cl, r->str[1], r->len[1], true);
+    return;
+  }
+  if (!e || (e->val_len == r->len[1] && memcmp(e->val, r->str[1], r->len[1]) == 0)) {
+    if (ddp__kv_put(&srv->tkv, key, r->len[0], r->str[2], r->len[2]) != DDP_OK) {
+      drop(srv, cl, "out of memory in compare_set");
+      return;
+    }
+    e = ddp__kv_find(&srv->tkv, key, r->len[0]);
+  }
+  reply_torch(srv, cl, e->val, e->val_len, true);
+}
+
+/* One PyTorch request (tcp_torch.c has the format), on the PyTorch clients' own keys. */
+static void handle_torch(ddp__store_server_t *srv, client_t *cl, const ddp__torch_req_t *r) {
+  char why[400];
+  const char *key = r->nstr ? (const char *)r->str[0] : NULL;
+  size_t klen = r->nstr ? r->len[0] : 0;
+  unsigned char b[8];
+  if (r->op <= DDP__TORCH_ADD || r->op == DDP__TORCH_DELETE_KEY) srv->mutations++;
+  switch (r->op) {
+    case DDP__TORCH_SET:
+      if (ddp__kv_put(&srv->tkv, key, klen, r->str[1], r->len[1]) != DDP_OK)
+        drop(srv, cl, "out of memory in set");
+      return;
+    case DDP__TORCH_COMPARE_SET: torch_cset(srv, cl, r); return;
+    case DDP__TORCH_GET: park_torch(srv, cl, WAIT_TORCH_GET, r); return;
+    case DDP__TORCH_WAIT: park_torch(srv, cl, WAIT_TORCH_WAIT, r); return;
+    case DDP__TORCH_ADD: {
+      int64_t v;
+      char kcopy[DDP_STORE_MAX_KEY + 1];
+      memcpy(kcopy, key, klen);
+      kcopy[klen] = '\0';
+      if (ddp__kv_add(&srv->tkv, kcopy, klen, r->delta, &v, why, sizeof why) != DDP_OK) {
+        drop(srv, cl, why); /* PyTorch's server fails the same way: no error reply exists */
+        return;
+      }
+      ddp__wire_put_u64(b, (uint64_t)v);
+      reply_torch(srv, cl, b, 8, false);
+      return;
+    }
+    case DDP__TORCH_CHECK: {
+      unsigned char not_ready = 0;
+      for (size_t i = 0; i < r->nstr && !not_ready; i++)
+        not_ready = ddp__kv_find(&srv->tkv, (const char *)r->str[i], r->len[i]) == NULL;
+      reply_torch(srv, cl, &not_ready, 1, false);
+      return;
+    }
+    case DDP__TORCH_GETNUMKEYS:
+      ddp__wire_put_u64(b, (uint64_t)srv->tkv.count);
+      reply_torch(srv, cl, b, 8, false);
+      return;
+    case DDP__TORCH_DELETE_KEY:
+      ddp__wire_put_u64(b, ddp__kv_del(&srv->tkv, key, klen) ? 1 : 0);
+      reply_torch(srv, cl, b, 8, false);
+      return;
+    default: /* WATCH_KEY: C++ only in 1.13 (no Python binding); not served */
+      drop(srv, cl, "PyTorch TCPStore WATCH_KEY is not served by this store");
+      return;
+  }
+}
+
+/* Handles every complete PyTorch request buffered for cl, unless it is parked. */
+static void process_torch(ddp__store_server_t *srv, client_t *cl) {
+  size_t off = 0, used = 0;
+  char why[200];
+  ddp__torch_req_t *r = ddp__malloc(sizeof *r);
+  if (!r) {
+    drop(srv, cl, "out of memory parsing a request");
+    return;
+  }
+  while (!cl->dead && !cl->closing && !cl->wait_op && off < cl->in_len) {
+    int k = ddp__torch_parse(cl->in + off, cl->in_len - off, r, &used, why, sizeof why);
+    if (k < 0) drop(srv, cl, why);
+    if (k <= 0) break;
+    handle_torch(srv, cl, r);
+    off += used;
+  }
+  ddp__free(r);
+  if (off) {
+    memmove(cl->in, cl->in + off, cl->in_len - off);
+    cl->in_len -= off;
+  }
+}
+
+/* Handles every complete message buffered for cl, unless it is parked or closing. The first
+ * byte tells the protocols apart: libddp's magic starts with 'D', PyTorch's requests with a
+ * query type of 0 to 8. */
 static void process_input(ddp__store_server_t *srv, client_t *cl) {
   size_t off = 0;
   char why[200];
+  if (!cl->proto && cl->in_len > 0)
+    cl->proto = srv->torch && cl->in[0] <= DDP__TORCH_LAST ? PROTO_TORCH : PROTO_DDP;
+  if (cl->proto == PROTO_TORCH) {
+    process_torch(srv, cl);
+    return;
+  }
   while (!cl->dead && !cl->closing && !cl->wait_op && cl->in_len - off >= DDP__WIRE_HDR) {
     ddp__wire_hdr_t h;
     if (!ddp__wire_parse_request_hdr(cl->in + off, &h, why, sizeof why)) {
@@ -616,8 +777,18 @@ static ddp_status_t bind_listener(ddp__store_server_t *srv, const char *bind_hos
   return st;
 }
 
-ddp_status_t ddp__store_server_start(const char *host, int port, const char *token, int rank,
-                                     ddp_error_t *err, ddp__store_server_t **out) {
+static void free_server(ddp__store_server_t *srv) {
+  if (srv->lfd >= 0) close(srv->lfd);
+  if (srv->stop_fd >= 0) close(srv->stop_fd);
+  if (srv->kv.buckets) ddp__kv_fini(&srv->kv);
+  if (srv->tkv.buckets) ddp__kv_fini(&srv->tkv);
+  ddp__free(srv->pfd);
+  ddp__free(srv->token);
+  ddp__free(srv);
+}
+
+static ddp_status_t new_server(const char *token, int rank, ddp_error_t *err,
+                               ddp__store_server_t **out) {
   ddp__store_server_t *srv = ddp__calloc(1, sizeof *srv);
   if (!srv) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
   srv->lfd = -1;
@@ -627,20 +798,61 @@ ddp_status_t ddp__store_server_start(const char *host, int port, const char *tok
   srv->token_len = srv->token ? strlen(token) : 0;
   srv->pfd = ddp__calloc(2, sizeof *srv->pfd);
   srv->pcap = 2;
-  ddp_status_t st = DDP_OK;
-  if (!srv->token || !srv->pfd || ddp__kv_init(&srv->kv) != DDP_OK) {
-    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
-    goto fail;
+  if (!srv->token || !srv->pfd || ddp__kv_init(&srv->kv) != DDP_OK ||
+      ddp__kv_init(&srv->tkv) != DDP_OK) {
+    free_server(srv);
+    return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "tcp store server: out of memory");
   }
+  *out = srv;
+  return DDP_OK;
+}
+
+static ddp_status_t run_server(ddp__store_server_t *srv, const char *bind_host, ddp_error_t *err,
+                               ddp__store_server_t **out);
+ddp_status_t ddp__store_server_start(const char *host, int port, const char *token, int rank,
+                                     ddp_error_t *err, ddp__store_server_t **out) {
+  ddp__store_server_t *srv = NULL;
+  ddp_status_t st = new_server(token, rank, err, &srv);
+  if (st != DDP_OK) return st;
   srv->lfd = inherited_listener(port);
   const char *bind_host = (host && *host) ? host : "0.0.0.0";
   if (srv->lfd < 0) DDP_CHECK_GOTO(bind_listener(srv, bind_host, port, err), st, fail);
+  return run_server(srv, bind_host, err, out);
+fail:
+  free_server(srv);
+  return st;
+}
+
+ddp_status_t ddp__store_server_start_fd(int lfd, const char *token, bool torch, int rank,
+                                        ddp_error_t *err, ddp__store_server_t **out) {
+  ddp__store_server_t *srv = NULL;
+  ddp_status_t st = new_server(token, rank, err, &srv);
+  if (st != DDP_OK) return close(lfd), st;
+  srv->lfd = lfd;
+  srv->torch = torch;
+  fcntl(lfd, F_SETFD, FD_CLOEXEC);
+  fcntl(lfd, F_SETFL, fcntl(lfd, F_GETFL) | O_NONBLOCK);
+  return run_server(srv, "", err, out);
+}
+
+/* Names the server by its address and starts its thread; on failure frees it. */
+static ddp_status_t run_server(ddp__store_server_t *srv, const char *bind_host, ddp_error_t *err,
+                               ddp__store_server_t **out) {
+  int rank = srv->rank;
+  ddp_status_t st = DDP_OK;
   struct sockaddr_storage ss;
   socklen_t sl = sizeof ss;
   getsockname(srv->lfd, (struct sockaddr *)&ss, &sl);
   srv->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                              : ((struct sockaddr_in *)&ss)->sin_port);
-  snprintf(srv->addr, sizeof srv->addr, "%.64s:%d", bind_host, srv->port);
+  if (!*bind_host) { /* a socket handed over: its own address */
+    char host[NI_MAXHOST];
+    if (getnameinfo((struct sockaddr *)&ss, sl, host, sizeof host, NULL, 0, NI_NUMERICHOST) != 0)
+      snprintf(host, sizeof host, "?");
+    snprintf(srv->addr, sizeof srv->addr, "%.64s:%d", host, srv->port);
+  } else {
+    snprintf(srv->addr, sizeof srv->addr, "%.64s:%d", bind_host, srv->port);
+  }
   srv->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (srv->stop_fd < 0) {
     int e = errno;
@@ -658,12 +870,7 @@ ddp_status_t ddp__store_server_start(const char *host, int port, const char *tok
   *out = srv;
   return DDP_OK;
 fail:
-  if (srv->lfd >= 0) close(srv->lfd);
-  if (srv->stop_fd >= 0) close(srv->stop_fd);
-  if (srv->kv.buckets) ddp__kv_fini(&srv->kv);
-  ddp__free(srv->pfd);
-  ddp__free(srv->token);
-  ddp__free(srv);
+  free_server(srv);
   return st;
 }
 
@@ -683,6 +890,7 @@ void ddp__store_server_stop(ddp__store_server_t *srv) {
   close(srv->lfd);
   close(srv->stop_fd);
   ddp__kv_fini(&srv->kv);
+  ddp__kv_fini(&srv->tkv);
   ddp__free(srv->pfd);
   ddp__free(srv->token);
   ddp__free(srv);

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# ddprun launches plain PyTorch scripts as torchrun does (docs/launcher.md, "The store"):
+# ddprun serves the job's store on node 0, speaking PyTorch 1.13's TCPStore protocol beside
+# libddp's own, and tells the ranks TORCHELASTIC_USE_AGENT_STORE=True, so a script's
+# init_process_group("gloo") (env://) connects to it instead of binding MASTER_PORT, which
+# ddprun holds. Checked: a gloo all_reduce at 2 and 3 ranks, with --standalone, and after a
+# restart (--max_restarts 1, rank 1 failing in attempt 0); and libddp programs still work
+# under it (ddp-demo: rank 0 is now a client of ddprun's store, with the job token), two
+# --standalone jobs at once. Before, the script's rank 0 failed binding MASTER_PORT.
+#
+#   tests/ddprun_torch.sh DDPRUN DDP_DEMO
+#
+# The PyTorch parts need torch under /usr/bin/python3 (Debian's; exit 77 without it, after
+# the libddp parts). A few seconds per PyTorch job (importing torch).
+set -u
+ddprun=$(realpath "$1")
+demo=$(realpath "$2")
+py=/usr/bin/python3
+dir=$(mktemp -d "${TMPDIR:-/tmp}/ddp-test-torch-XXXXXX") || exit 1
+trap 'rm -rf "$dir"' EXIT
+cd "$dir" || exit 1
+fail() { echo "FAIL: $*"; exit 1; }
+
+# libddp programs: two --standalone jobs at once, each rank 0 a client of its ddprun's store.
+timeout 120 "$ddprun" --nproc_per_node 2 --backend tcp --standalone "$demo" --steps 20 >demo1 2>&1 &
+p1=$!
+timeout 120 "$ddprun" --nproc_per_node 2 --backend shm --standalone "$demo" --steps 20 >demo2 2>&1
+rc2=$?
+wait $p1
+rc1=$?
+cat demo1 demo2
+[ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] || fail "ddp-demo under ddprun exited $rc1 and $rc2"
+
+if ! "$py" -c 'import torch.distributed' 2>/dev/null; then
+  echo "SKIP: no torch under $py (the libddp parts passed)"
+  exit 77
+fi
+cat >gloo.py <<'PY'
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r, w = dist.get_rank(), dist.get_world_size()
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if os.environ.get("FAIL_RANK_IN_ATTEMPT0") == str(r) and attempt == "0":
+    print("rank %d: failing in attempt 0" % r, flush=True)
+    sys.exit(3)
+t = torch.tensor([float(r + 1)])
+dist.all_reduce(t)
+assert t.item() == w * (w + 1) / 2, (t.item(), w)
+dist.barrier()
+print("rank %d of %d: all_reduce %g ok in attempt %s" % (r, w, t.item(), attempt), flush=True)
+dist.destroy_process_group()
+PY
+# run NAME EXPECTED_OK_LINES ARGS...: ddprun ARGS python3 gloo.py must exit 0 and every rank
+# must print its line.
+run() {
+  local name=$1 n=$2
+  shift 2
+  timeout 120 "$ddprun" "$@" "$py" gloo.py >"$name.log" 2>&1
+  local rc=$?
+  cat "$name.log"
+  [ "$rc" -eq 0 ] || fail "$name: ddprun $* exited $rc"
+  [ "$(grep -c 'all_reduce .* ok' "$name.log")" -eq "$n" ] || fail "$name: not every rank reduced"
+}
+run two 2 --nproc_per_node 2
+run three 3 --nproc_per_node 3
+run standalone 2 --standalone --nproc_per_node 2
+FAIL_RANK_IN_ATTEMPT0=1 run restart 2 --nproc_per_node 2 --standalone --max_restarts 1
+grep -q 'rank 1: failing in attempt 0' restart.log || fail "restart: rank 1 did not fail first"
+grep -q 'ok in attempt 1' restart.log || fail "restart: attempt 1 did not run"
+grep -q '1 restart(s) used of --max_restarts 1; exit status 0' restart.log ||
+  fail "restart: ddprun's report is missing"
+echo PASS
