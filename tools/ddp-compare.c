@@ -14,7 +14,9 @@
  *   largest absolute and relative differences, a histogram of ULP distances (0, 1, 2-3,
  *   4-15, 16-255, >= 256 units in the last place of the tensor's dtype; for integers the
  *   plain difference) and the number of elements beyond tolerance; and the first element
- *   beyond tolerance in the order above, with its flat row-major index and coordinates.
+ *   beyond tolerance in the order above, with its flat row-major index and coordinates,
+ *   and for a grad.* or local_grad.* tensor its DDP bucket when the step file's metadata
+ *   records "buckets" (libddp_capture.py writes it).
  * - Bucket layouts (rank{r}/ddp.json "bucket_layouts" initial and rebuilt) are compared when
  *   both dumps have them; a layout that differs counts as a difference.
  * - local_grad.<name> (each rank's gradient before communication, --dump_local_grads) is
@@ -22,7 +24,8 @@
  *   difference the report says whether the local gradients already differed there or
  *   earlier ("local gradients already differ": the compute side), or only the averaged
  *   grad.* did ("only the averaged gradients differ": communication or a comm hook), or
- *   neither (the optimizer step or the buffers).
+ *   neither (the optimizer step or the buffers). The compute verdict also names the first
+ *   differing input (input.*, input_checksum.*) at or before that step.
  * - grads_none (the names whose .grad was None) must be equal on both sides for every step
  *   and rank where both files record it; a mismatch counts as a difference.
  * - Exit status: 0 when everything is within tolerance, 1 when something is not, 2 for bad

@@ -392,8 +392,8 @@ class Capture(object):
         k = self._step
         pending = [self._pending[i] for i in sorted(self._pending)]
         locals_, avgs, buckets, seen = [], [], [], set()
+        params = dict(self._module.named_parameters())
         for names, local, avg in pending:
-            params = {n: p for n, p in self._module.named_parameters()}
             numels = [params[n].numel() for n in names]
             for what, flat in (("local", local), ("averaged", avg)):
                 if not flat.is_sparse and flat.numel() != sum(numels):
