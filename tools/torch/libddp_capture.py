@@ -244,7 +244,7 @@ class Capture(object):
             ddp_model.forward = self._forward
         self._orig_step = optimizer.step
         self._step_was_own = "step" in optimizer.__dict__  # a scheduler's wrapper
-        step_fn = _make_step(self)
+        step_fn = self._step_fn = _make_step(self)
         for attr in ("_with_counter", "_wrapped_by_lr_sched"):
             if hasattr(self._orig_step, attr):
                 setattr(step_fn, attr, getattr(self._orig_step, attr))
@@ -279,18 +279,23 @@ class Capture(object):
             self._loss = v if self._loss is None else self._loss + v
 
     def close(self):
-        """Stops recording and restores forward and optimizer.step. The comm hook stays
-        registered (PyTorch cannot remove one) and from now on only calls the script's."""
+        """Stops recording and restores forward and optimizer.step (where nothing wrapped
+        them since). The comm hook stays registered (PyTorch cannot remove one) and from
+        now on only calls the script's."""
         if self._closed:
             return
         self._closed = True
         self._recording = False
         if self._ddp.__dict__.get("forward") == self._forward:
             del self._ddp.__dict__["forward"]
-        if self._step_was_own:
-            self._opt.step = self._orig_step
-        else:
-            self._opt.__dict__.pop("step", None)
+        # Restored only while nobody wrapped it after the capture (a scheduler created
+        # later holds the capture's step inside its own wrapper: that one stays, and the
+        # capture's step now passes straight through).
+        if getattr(self._opt.__dict__.get("step"), "__func__", None) is self._step_fn:
+            if self._step_was_own:
+                self._opt.step = self._orig_step
+            else:
+                del self._opt.__dict__["step"]
 
     def __enter__(self):
         return self
@@ -420,7 +425,7 @@ class Capture(object):
         entries = list(self._inputs) + locals_ + avgs + self._state_entries()
         meta = {"step": str(k), "rank": str(self._rank), "producer": PRODUCER,
                 "micro_batches": str(self._forwards),
-                "grads_none": ",".join(n for n in self._none_at_step if n not in seen),
+                "grads_none": ",".join(self._none_at_step),
                 "local_grads_none": "",
                 "buckets": json.dumps(buckets, separators=(",", ":"))}
         if self._loss is not None:
