@@ -5,13 +5,16 @@ torch.multiprocessing (no launcher), small buckets so that the rebuilt layout ha
 
     torch_capture_job.py DUMP_DIR [--scale STEP:BUCKET] [--perturb STEP:RANK]
                                   [--hook_before] [--world W] [--steps N] [--accum M]
+                                  [--backend NAME] [--import MODULE]
 
 --scale: the script's own comm hook (allreduce, then) multiplies bucket BUCKET's averaged
 gradient by 0.999 at step STEP: a planted communication error. --perturb: rank RANK adds
 1e-3 to its first input element at step STEP: a planted compute difference. --hook_before:
 registers the hook before the Capture (refused, with a message). Without --scale the hook
 is the capture's default (PyTorch's allreduce_hook). --accum: M micro-batches per step, all
-but the last under no_sync(). A LambdaLR scheduler is created after the Capture."""
+but the last under no_sync(). A LambdaLR scheduler is created after the Capture.
+--backend (default gloo; CPU tensors) with --import MODULE for a backend that a module
+registers, so that the same script runs on gloo and on another backend."""
 
 import argparse
 import os
@@ -38,8 +41,10 @@ def worker(rank, world, port, a):
     from libddp_capture import Capture, CaptureError
 
     torch.set_num_threads(1)
+    if a.import_module:
+        __import__(a.import_module)  # a module that registers a backend (libddp_torch)
     store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group(a.backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     dist._DEFAULT_FIRST_BUCKET_BYTES = 1024  # several buckets after the rebuild
     torch.manual_seed(0)
@@ -115,6 +120,9 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync)")
+    p.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo)")
+    p.add_argument("--import", dest="import_module", default=None,
+                   help="a module to import first, for a backend it registers")
     a = p.parse_args()
     import torch.distributed as dist
     import torch.multiprocessing as mp
