@@ -14,7 +14,9 @@
  *   largest absolute and relative differences, a histogram of ULP distances (0, 1, 2-3,
  *   4-15, 16-255, >= 256 units in the last place of the tensor's dtype; for integers the
  *   plain difference) and the number of elements beyond tolerance; and the first element
- *   beyond tolerance in the order above, with its flat row-major index and coordinates.
+ *   beyond tolerance in the order above, with its flat row-major index and coordinates,
+ *   and for a grad.* or local_grad.* tensor its DDP bucket when the step file's metadata
+ *   records "buckets" (libddp_capture.py writes it).
  * - Bucket layouts (rank{r}/ddp.json "bucket_layouts" initial and rebuilt) are compared when
  *   both dumps have them; a layout that differs counts as a difference.
  * - local_grad.<name> (each rank's gradient before communication, --dump_local_grads) is
@@ -22,7 +24,8 @@
  *   difference the report says whether the local gradients already differed there or
  *   earlier ("local gradients already differ": the compute side), or only the averaged
  *   grad.* did ("only the averaged gradients differ": communication or a comm hook), or
- *   neither (the optimizer step or the buffers).
+ *   neither (the optimizer step or the buffers). The compute verdict also names the first
+ *   differing input (input.*, input_checksum.*) at or before that step.
  * - grads_none (the names whose .grad was None) must be equal on both sides for every step
  *   and rank where both files record it; a mismatch counts as a difference.
  * - Exit status: 0 when everything is within tolerance, 1 when something is not, 2 for bad
@@ -64,6 +67,7 @@ typedef struct first_fail {
   bool set;
   int step; /* -1: init.safetensors */
   int rank;
+  int bucket; /* the DDP bucket of a grad.* or local_grad.* tensor; -1: not known */
   char tensor[256];
   int64_t index;
   int ndim;
@@ -97,8 +101,12 @@ typedef struct cmp {
   char layout_msg[512];
   /* Where differences start, per kind (INT32_MAX: none): local_grad.*, grad.*. */
   int first_local_step, first_grad_step;
-  int first_local_rank;
+  int first_local_rank, first_local_bucket;
   char first_local_tensor[256];
+  /* The first input (input.*, input_checksum.*) beyond tolerance (step INT32_MAX: none). */
+  int first_input_step, first_input_rank;
+  char first_input_tensor[256];
+  cJSON *cur_buckets;       /* the current A file's "buckets" metadata, parsed; NULL: none */
   bool have_local;          /* both dumps held local_grad.* somewhere */
   int none_step, none_rank; /* the first grads_none mismatch (none_step INT32_MAX: none) */
   char none_msg[512];
@@ -217,6 +225,25 @@ static void step_label(char *buf, size_t n, int step) {
 
 /* ------------------------------------------------------------ tensors ----------------- */
 
+/* The index of the bucket that holds grad.NAME or local_grad.NAME in the current file's
+ * "buckets" metadata (a JSON list, per bucket in reducer order, of parameter names: written
+ * by libddp_capture.py); -1 when the file has none or the tensor is no gradient. */
+static int bucket_of(const cmp_t *c, const char *name) {
+  const char *p = NULL;
+  if (!strncmp(name, "grad.", 5)) p = name + 5;
+  if (!strncmp(name, "local_grad.", 11)) p = name + 11;
+  if (!p || !c->cur_buckets) return -1;
+  int b = 0;
+  const cJSON *bucket, *n;
+  cJSON_ArrayForEach(bucket, c->cur_buckets) {
+    cJSON_ArrayForEach(n, bucket) {
+      if (cJSON_IsString(n) && strcmp(n->valuestring, p) == 0) return b;
+    }
+    b++;
+  }
+  return -1;
+}
+
 /* Compares one tensor pair element by element into its stat and the per-entry record. */
 static int compare_tensor(cmp_t *c, int step, int rank, const char *name, const ddp_tensor_t *a,
                           const ddp_tensor_t *b) {
@@ -273,7 +300,13 @@ static int compare_tensor(cmp_t *c, int step, int rank, const char *name, const 
       if (!strncmp(name, "local_grad.", 11) && step < c->first_local_step) {
         c->first_local_step = step;
         c->first_local_rank = rank;
+        c->first_local_bucket = bucket_of(c, name);
         snprintf(c->first_local_tensor, sizeof c->first_local_tensor, "%s", name);
+      }
+      if (!strncmp(name, "input", 5) && step >= 0 && step < c->first_input_step) {
+        c->first_input_step = step;
+        c->first_input_rank = rank;
+        snprintf(c->first_input_tensor, sizeof c->first_input_tensor, "%s", name);
       }
       if (!strncmp(name, "grad.", 5) && step < c->first_grad_step) c->first_grad_step = step;
       if (!c->first.set) {
@@ -281,6 +314,7 @@ static int compare_tensor(cmp_t *c, int step, int rank, const char *name, const 
         f->set = true;
         f->step = step;
         f->rank = rank;
+        f->bucket = bucket_of(c, name);
         snprintf(f->tensor, sizeof f->tensor, "%s", name);
         f->index = i;
         f->ndim = a->ndim;
@@ -336,6 +370,12 @@ static int compare_files(cmp_t *c, int step, int rank, const char *pa, const cha
   ddp_st_file_t *fa = NULL, *fb = NULL;
   int rc = open_st(c, pa, &fa);
   if (rc == 0) rc = open_st(c, pb, &fb);
+  const char *bk = rc == 0 ? ddp_st_meta_get(fa, "buckets") : NULL;
+  if (bk) {
+    c->cur_buckets = cJSON_Parse(bk);
+    if (!cJSON_IsArray(c->cur_buckets))
+      rc = bad(c, "%s: metadata \"buckets\" is not a JSON list of lists of parameter names", pa);
+  }
   for (size_t i = 0; rc == 0 && fa && i < ddp_st_count(fa); i++) {
     const char *name = ddp_st_name(fa, i);
     size_t j;
@@ -383,6 +423,8 @@ static int compare_files(cmp_t *c, int step, int rank, const char *pa, const cha
       c->loss_seen = true;
     }
   }
+  cJSON_Delete(c->cur_buckets);
+  c->cur_buckets = NULL;
   ddp_st_close(fa);
   ddp_st_close(fb);
   return rc;
@@ -545,10 +587,16 @@ static const char *diagnosis(const cmp_t *c, char *text, size_t cap) {
   if (!c->first.set || c->first.step < 0) return NULL;
   int s = c->first.step;
   if (c->first_local_step <= s) {
+    char where[64] = "", inputs[400] = "";
+    if (c->first_local_bucket >= 0)
+      snprintf(where, sizeof where, "bucket %d, ", c->first_local_bucket);
+    if (c->first_input_step <= c->first_local_step)
+      snprintf(inputs, sizeof inputs, "; the inputs already differ at step %d, rank %d, %s",
+               c->first_input_step, c->first_input_rank, c->first_input_tensor);
     snprintf(text, cap,
              "step %d: local gradients already differ (compute): first at step %d, rank %d, "
-             "%s",
-             s, c->first_local_step, c->first_local_rank, c->first_local_tensor);
+             "%s%s%s",
+             s, c->first_local_step, c->first_local_rank, where, c->first_local_tensor, inputs);
     return "local_gradients_differ";
   }
   if (!c->have_local) {
@@ -557,10 +605,13 @@ static const char *diagnosis(const cmp_t *c, char *text, size_t cap) {
     return "unknown";
   }
   if (c->first_grad_step == s) {
+    char where[64] = "";
+    if (c->first.bucket >= 0)
+      snprintf(where, sizeof where, ", first in bucket %d", c->first.bucket);
     snprintf(text, cap,
-             "step %d: only the averaged gradients differ (communication or hook); the local "
+             "step %d: only the averaged gradients differ (communication or hook)%s; the local "
              "gradients agree",
-             s);
+             s, where);
     return "averaged_gradients_differ";
   }
   snprintf(text, cap, "step %d: the gradients agree; the optimizer step or the buffers differ", s);
@@ -629,8 +680,10 @@ static void print_table(const cmp_t *c, int rc) {
     const first_fail_t *f = &c->first;
     char sl[16];
     step_label(sl, sizeof sl, f->step);
-    printf("\nfirst difference beyond tolerance: step %s, rank %d, tensor %s, index %lld [", sl,
-           f->rank, f->tensor, (long long)f->index);
+    char bl[32] = "";
+    if (f->bucket >= 0) snprintf(bl, sizeof bl, "bucket %d, ", f->bucket);
+    printf("\nfirst difference beyond tolerance: step %s, rank %d, %stensor %s, index %lld [", sl,
+           f->rank, bl, f->tensor, (long long)f->index);
     for (int k = 0; k < f->ndim; k++) printf(k ? ", %lld" : "%lld", (long long)f->coords[k]);
     printf("]: a=%.9g b=%.9g |a-b|=%.4g rel=%.4g ulps=%llu\n", f->a, f->b, f->abs, f->rel,
            (unsigned long long)f->ulps);
@@ -663,6 +716,10 @@ static void print_json(const cmp_t *c, int rc) {
       else
         cJSON_AddNumberToObject(ff, "step", f->step);
       cJSON_AddNumberToObject(ff, "rank", f->rank);
+      if (f->bucket >= 0)
+        cJSON_AddNumberToObject(ff, "bucket", f->bucket);
+      else
+        cJSON_AddNullToObject(ff, "bucket");
       cJSON_AddStringToObject(ff, "tensor", f->tensor);
       cJSON_AddNumberToObject(ff, "index", (double)f->index);
       cJSON *co = cJSON_AddArrayToObject(ff, "coords");
@@ -782,7 +839,7 @@ static int split_only(cmp_t *c, const char *arg) {
 int main(int argc, char **argv) {
   cmp_t c;
   memset(&c, 0, sizeof c);
-  c.first_local_step = c.first_grad_step = c.none_step = INT32_MAX;
+  c.first_local_step = c.first_grad_step = c.none_step = c.first_input_step = INT32_MAX;
   c.o.rtol = 1e-5;
   c.o.atol = 1e-7;
   c.o.layouts = true;
