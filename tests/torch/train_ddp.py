@@ -5,7 +5,8 @@ script runs on gloo and on libddp; rank 0 prints the sha256 of the final paramet
     ddprun --nproc_per_node 2 python3 train_ddp.py --backend libddp --model gpt2
 Flags: --backend gloo|libddp, --transport auto|shm|tcp, --bucket_cap_mb MB,
 --hook none|fp16|bf16|powersgd|batched_powersgd, --zero (ZeroRedundancyOptimizer),
---find_unused, --static_graph, --grad_as_bucket_view, --accumulate K (no_sync), --steps N.
+--find_unused, --static_graph, --grad_as_bucket_view, --accumulate K (no_sync), --steps N;
+--runs "model=gpt2;hook=fp16,zero=1" trains several jobs in one process group, one line each.
 """
 import argparse
 import hashlib
@@ -74,6 +75,64 @@ def batch(model, step, rank, micro):
     return idx[:, :-1], idx[:, 1:]
 
 
+RUN_KEYS = {"model": str, "bucket_cap_mb": float, "hook": str, "zero": int, "find_unused": int,
+            "static_graph": int, "grad_as_bucket_view": int, "accumulate": int, "steps": int}
+
+
+def parse_run(spec, defaults):
+    """'model=gpt2,hook=fp16' -> the defaults with those keys replaced."""
+    run = dict(defaults)
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        if k not in RUN_KEYS:
+            raise SystemExit(f"train_ddp.py: unknown run key {k!r} in {spec!r}")
+        run[k] = RUN_KEYS[k](v)
+    return run
+
+
+def train(run, rank):
+    torch.manual_seed(1234)
+    net = MLP(run["find_unused"]) if run["model"] == "mlp" else GPT2()
+    model = DDP(net, bucket_cap_mb=run["bucket_cap_mb"], find_unused_parameters=bool(run["find_unused"]),
+                static_graph=bool(run["static_graph"]),
+                gradient_as_bucket_view=bool(run["grad_as_bucket_view"]))
+    hook = run["hook"]
+    if hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        if hook == "fp16":
+            model.register_comm_hook(None, dh.fp16_compress_hook)
+        elif hook == "bf16":
+            model.register_comm_hook(None, dh.bf16_compress_hook)
+        else:
+            st = ps.PowerSGDState(process_group=None,
+                                  matrix_approximation_rank=2 if hook == "powersgd" else 1,
+                                  start_powerSGD_iter=2, random_seed=7)
+            model.register_comm_hook(st, ps.powerSGD_hook if hook == "powersgd"
+                                     else ps.batched_powerSGD_hook)
+    if run["zero"]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=1e-3, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for step in range(run["steps"]):
+        for micro in range(run["accumulate"]):
+            x, y = batch(run["model"], step, rank, micro)
+            if micro < run["accumulate"] - 1:
+                with model.no_sync():
+                    model(x, y).backward()
+            else:
+                model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    h = hashlib.sha256()
+    for name, p in model.module.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="libddp")
@@ -87,6 +146,8 @@ def main():
     ap.add_argument("--grad_as_bucket_view", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", default="",
+                    help="runs separated by ';', each a list of key=value changes to the flags")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.backend == "libddp":
@@ -95,45 +156,12 @@ def main():
     else:
         dist.init_process_group(a.backend)
     rank = dist.get_rank()
-    torch.manual_seed(1234)
-    net = MLP(a.find_unused) if a.model == "mlp" else GPT2()
-    model = DDP(net, bucket_cap_mb=a.bucket_cap_mb, find_unused_parameters=a.find_unused,
-                static_graph=a.static_graph, gradient_as_bucket_view=a.grad_as_bucket_view)
-    if a.hook != "none":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-        if a.hook == "fp16":
-            model.register_comm_hook(None, dh.fp16_compress_hook)
-        elif a.hook == "bf16":
-            model.register_comm_hook(None, dh.bf16_compress_hook)
-        else:
-            st = ps.PowerSGDState(process_group=None,
-                                  matrix_approximation_rank=2 if a.hook == "powersgd" else 1,
-                                  start_powerSGD_iter=2, random_seed=7)
-            model.register_comm_hook(st, ps.powerSGD_hook if a.hook == "powersgd"
-                                     else ps.batched_powerSGD_hook)
-    if a.zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                      lr=1e-3, weight_decay=0.01)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    for step in range(a.steps):
-        for micro in range(a.accumulate):
-            x, y = batch(a.model, step, rank, micro)
-            if micro < a.accumulate - 1:
-                with model.no_sync():
-                    model(x, y).backward()
-            else:
-                model(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    h = hashlib.sha256()
-    for name, p in model.module.state_dict().items():
-        h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
-    if rank == 0:
-        print("final parameters sha256", h.hexdigest(), flush=True)
+    defaults = {k: getattr(a, k) for k in RUN_KEYS}
+    defaults = {k: int(v) if isinstance(v, bool) else v for k, v in defaults.items()}
+    for spec in a.runs.split(";") if a.runs else [""]:
+        digest = train(parse_run(spec, defaults), rank)
+        if rank == 0:
+            print(f"final parameters sha256 {digest} run {spec or 'default'}", flush=True)
     dist.destroy_process_group()
 
 

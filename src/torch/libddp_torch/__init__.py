@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS"]
+__all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS", "monitored_barrier"]
 
 ProcessGroupLibddp = _C.ProcessGroupLibddp
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "mpi")
@@ -86,6 +86,18 @@ def _create(backend_opts, pg_options):
         raise ValueError("libddp: no store was given to the backend")
     return _C.create(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
                      _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm)
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """torch.distributed.monitored_barrier for the libddp backend: PyTorch 1.13's Python
+    function refuses every backend but gloo before it reaches the group, so call this one
+    (same arguments). Rank 0 waits up to timeout for every other rank and raises naming the
+    ranks that did not arrive ("Rank 1 failed to pass monitoredBarrier in 1000 ms")."""
+    from torch.distributed import distributed_c10d as c10d
+    pg = group if group is not None else c10d._get_default_group()
+    if timeout is None:
+        timeout = c10d.default_pg_timeout
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
 def _register():

@@ -17,7 +17,8 @@ namespace {
 using c10d::OpType;
 using c10d::ReduceOp;
 
-// libddp's dtypes for PyTorch's; false for dtypes that travel as bytes.
+// libddp's dtypes for PyTorch's; false for dtypes that travel as bytes (bool among them:
+// libddp's collectives move it as u8).
 bool native_dtype(at::ScalarType t, ddp_dtype_t *dt) {
   switch (t) {
   case at::kFloat: *dt = DDP_F32; return true;
@@ -27,7 +28,6 @@ bool native_dtype(at::ScalarType t, ddp_dtype_t *dt) {
   case at::kInt: *dt = DDP_I32; return true;
   case at::kLong: *dt = DDP_I64; return true;
   case at::kByte: *dt = DDP_U8; return true;
-  case at::kBool: *dt = DDP_BOOL; return true;
   default: return false;
   }
 }
@@ -261,10 +261,12 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
     TORCH_CHECK(cfg.algorithm == "auto", "libddp: unknown algorithm '", cfg.algorithm,
                 "' (auto, canonical, ring or small)");
 
+  token_ = token;
   ddp_error_t err = {};
   ddp_store_t *ds = nullptr;
   ddp_status_t st = make_ddp_store(store_.get(), rank, timeout_ms_, &ds, &err);
   TORCH_CHECK(st == DDP_OK, "libddp: ", err.msg);
+  ds_ = ds;
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = transport_.c_str();
   o.rank = rank;
@@ -274,7 +276,10 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
   o.algorithm = algo;
   o.job_token = token.c_str();
   st = ddp_pg_create(&o, &pg_, &err);
-  ddp_store_destroy(ds);
+  if (st != DDP_OK) {
+    ddp_store_destroy(ds_);
+    ds_ = nullptr;
+  }
   TORCH_CHECK(st == DDP_OK, "libddp: creating the ", transport_, " group of rank ", rank, " of ",
               size, " failed (", ddp_status_name(st), "): ", err.msg);
   completer_ = std::thread([this] { completer_main(); });
@@ -287,7 +292,19 @@ ProcessGroupLibddp::~ProcessGroupLibddp() {
   }
   cv_.notify_all();
   if (completer_.joinable()) completer_.join();
+  channels_.clear();
   ddp_pg_destroy(pg_);
+  ddp_store_destroy(ds_);
+}
+
+P2PChannel &ProcessGroupLibddp::channel(int peer, bool is_send) {
+  std::lock_guard<std::mutex> g(channels_mu_);
+  auto &c = channels_[{peer, is_send}];
+  if (!c) {
+    ChannelSetup setup{transport_, token_, timeout_ms_, ds_};
+    c = std::make_unique<P2PChannel>(setup, getRank(), peer, is_send);
+  }
+  return *c;
 }
 
 // The completer finishes works whose future was asked for (DDP's reducer and comm hooks
@@ -857,13 +874,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::send(std::vector<at::Tensor> 
   TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "libddp ", what,
               ": the destination must be another rank of the group [0, ", getSize(), ")");
   auto w = make_work(OpType::SEND, what, tensors, c10d::kUnsetTimeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(t, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_send(pg_, t.data_ptr(), count, dt, dst, &h), what);
-  w->add_handle(h);
+  w->set_external();
   w->keep(t);
+  channel(dst, true).post(t, w);
   return w;
 }
 
@@ -876,14 +889,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recv(std::vector<at::Tensor> 
   TORCH_CHECK(src >= 0 && src < getSize() && src != getRank(), "libddp ", what,
               ": the source must be another rank of the group [0, ", getSize(), ")");
   auto w = make_work(OpType::RECV, what, tensors, c10d::kUnsetTimeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(t, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_recv(pg_, t.data_ptr(), count, dt, src, &h), what);
-  w->add_handle(h);
+  w->set_external();
   w->keep(t);
   w->set_source_rank(src);
+  channel(src, false).post(t, w);
   return w;
 }
 

@@ -15,11 +15,14 @@
 
 #include <condition_variable>
 #include <deque>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
 #include "ddp/pg.h"
+#include "p2p.hpp"
 #include "work.hpp"
 
 namespace libddp_torch {
@@ -106,8 +109,15 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   void issue_allreduce(WorkLibddp &w, at::Tensor t, c10d::ReduceOp op, const std::string &what);
   void completer_main();
 
+  // The channel for messages to (is_send) or from peer, created on first use.
+  P2PChannel &channel(int peer, bool is_send);
+
   ddp_pg_t *pg_ = nullptr;
   c10::intrusive_ptr<c10d::Store> store_;
+  ddp_store_t *ds_ = nullptr; // store_ as a libddp store, for the point-to-point channels
+  std::string token_;
+  std::mutex channels_mu_;
+  std::map<std::pair<int, bool>, std::unique_ptr<P2PChannel>> channels_;
   std::string transport_;
   int64_t timeout_ms_;
   uint64_t seq_ = 0;

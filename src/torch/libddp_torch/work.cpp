@@ -21,7 +21,28 @@ WorkLibddp::~WorkLibddp() {
   for (ddp_work_t *h : handles_) ddp_work_free(h);
 }
 
+void WorkLibddp::external_done(ddp_status_t st, const std::string &msg) {
+  {
+    std::lock_guard<std::mutex> g(ext_mu_);
+    ext_done_ = true;
+    ext_st_ = st;
+    ext_msg_ = msg;
+  }
+  ext_cv_.notify_all();
+}
+
 ddp_status_t WorkLibddp::wait_handles(int64_t timeout_ms, std::string *msg) {
+  if (external_) {
+    // The channel's own libddp wait is bounded by the group's timeout; one more second here.
+    int64_t ms = timeout_ms < 0 ? pg_->timeout_ms() + 1000 : timeout_ms;
+    std::unique_lock<std::mutex> g(ext_mu_);
+    if (!ext_cv_.wait_for(g, std::chrono::milliseconds(ms), [this] { return ext_done_; })) {
+      *msg = "timed out";
+      return DDP_ERR_TIMEOUT;
+    }
+    *msg = ext_msg_;
+    return ext_st_;
+  }
   for (ddp_work_t *h : handles_) {
     ddp_status_t st = ddp_work_wait(h, timeout_ms);
     if (st != DDP_OK) {
@@ -85,6 +106,10 @@ bool WorkLibddp::isCompleted() {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (finished_) return true;
+  }
+  if (external_) {
+    std::lock_guard<std::mutex> g(ext_mu_);
+    if (!ext_done_) return false;
   }
   for (ddp_work_t *h : handles_) {
     bool done = false;

@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -31,6 +32,10 @@ class WorkLibddp : public c10d::Work {
   // Finishing steps, run in order once every handle has succeeded.
   void on_success(std::function<void()> fn) { finish_fns_.push_back(std::move(fn)); }
   void set_source_rank(int r) { source_rank_ = r; }
+  // Point-to-point works run on a channel's thread (p2p.hpp) instead of libddp handles of
+  // the group: the channel reports the end with external_done.
+  void set_external() { external_ = true; }
+  void external_done(ddp_status_t st, const std::string &msg);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -59,6 +64,12 @@ class WorkLibddp : public c10d::Work {
   std::vector<std::function<void()>> finish_fns_;
   int64_t timeout_ms_; // per-call timeout; < 0 = the group's
   int source_rank_ = -1;
+  bool external_ = false;
+  std::mutex ext_mu_;
+  std::condition_variable ext_cv_;
+  bool ext_done_ = false;
+  ddp_status_t ext_st_ = DDP_OK;
+  std::string ext_msg_;
   mutable std::mutex mu_;
   bool finished_ = false;
   std::exception_ptr error_;

@@ -1,0 +1,295 @@
+"""Every torch.distributed call a CPU script uses, on the libddp backend, against values this
+script computes itself (run by tests/torch/test_collectives.py under ddprun, 2 and 3 ranks).
+
+Each rank can make every rank's input (seeded by rank), so it computes what each collective
+must return: reductions folded in rank order in the element's dtype (fp16/bf16 in fp32,
+rounded after every addition), bit for bit. Prints "CHECKS <n>" and exits 0 when all hold;
+the first mismatch raises with both values.
+"""
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "libddp"
+if BACKEND == "libddp":
+    import libddp_torch  # noqa: F401  (registers the backend)
+
+checks = 0
+
+
+def same(what, got, want):
+    global checks
+    checks += 1
+    if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        raise AssertionError(f"rank {R}: {what}: got {got!r}, want {want!r}")
+
+
+def raises(what, fn, *needles):
+    global checks
+    checks += 1
+    try:
+        fn()
+    except Exception as e:  # the backend's errors are RuntimeError or ValueError
+        msg = str(e)
+        for n in needles:
+            if n not in msg:
+                raise AssertionError(f"rank {R}: {what}: message lacks {n!r}: {msg}")
+        return
+    raise AssertionError(f"rank {R}: {what}: no error")
+
+
+def data(rank, dtype, n=37, salt=0):
+    """Rank `rank`'s input: random where rounding order matters, small integers elsewhere."""
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    lo, hi = (-9, 10) if dtype in (torch.int8, torch.int32, torch.int64) else (0, 20)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def fold(op, xs):
+    """The rank-order fold ((x0 op x1) op x2) ..., in the element's dtype."""
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if acc.dtype in (torch.float16, torch.bfloat16):
+            a, b = acc.float(), x.float()
+        else:
+            a, b = acc, x
+        if op == dist.ReduceOp.SUM:
+            r = torch.logical_or(a, b) if a.dtype == torch.bool else a + b
+        elif op == dist.ReduceOp.PRODUCT:
+            r = torch.logical_and(a, b) if a.dtype == torch.bool else a * b
+        elif op == dist.ReduceOp.MIN:
+            r = torch.minimum(a, b)
+        elif op == dist.ReduceOp.MAX:
+            r = torch.maximum(a, b)
+        elif op == dist.ReduceOp.BAND:
+            r = a & b
+        elif op == dist.ReduceOp.BOR:
+            r = a | b
+        else:
+            r = a ^ b
+        acc = r.to(acc.dtype)
+    return acc
+
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
+ALL = FLOATS + INTS + [torch.bool]
+
+
+def reductions():
+    for dt in ALL:
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+        if not dt.is_floating_point:
+            ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+        for k, op in enumerate(ops):
+            xs = [data(r, dt, salt=k) for r in range(W)]
+            t = xs[R].clone()
+            dist.all_reduce(t, op=op)
+            same(f"all_reduce {dt} {op}", t, fold(op, xs))
+            t = xs[R].clone()
+            dist.reduce(t, dst=W - 1, op=op)
+            if R == W - 1:  # gloo leaves scratch values on the other ranks; libddp does not
+                same(f"reduce {dt} {op} (root {W - 1})", t, fold(op, xs))
+        if dt.is_floating_point:
+            xs = [data(r, dt, salt=50) for r in range(W)]
+            t = xs[R].clone()
+            if BACKEND == "gloo":  # "Cannot use ReduceOp.AVG with Gloo"
+                continue
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            want = fold(dist.ReduceOp.SUM, xs)
+            want = (want.float() / W).to(dt) if dt in (torch.float16, torch.bfloat16) else want / W
+            same(f"all_reduce {dt} AVG", t, want)
+    # complex: torch.distributed reduces its real view
+    xs = [torch.complex(data(r, torch.float32), data(r, torch.float32, salt=3)) for r in range(W)]
+    t = xs[R].clone()
+    dist.all_reduce(t)
+    want = torch.view_as_complex(fold(dist.ReduceOp.SUM, [torch.view_as_real(x) for x in xs]))
+    same("all_reduce complex64", t, want)
+    # coalesced and multi-dimensional
+    a = [data(r, torch.float32, 12).view(3, 4) for r in range(W)]
+    b = [data(r, torch.float32, 5, salt=9) for r in range(W)]
+    ta, tb = a[R].clone(), b[R].clone()
+    dist.all_reduce_coalesced([ta, tb])
+    same("all_reduce_coalesced a", ta, fold(dist.ReduceOp.SUM, a))
+    same("all_reduce_coalesced b", tb, fold(dist.ReduceOp.SUM, b))
+
+
+def movement():
+    for dt in ALL + [torch.complex64, torch.int16]:
+        base = data if dt not in (torch.complex64, torch.int16) else \
+            (lambda r, d, n=37, salt=0: torch.arange(n).to(d) * (r + 1))
+        xs = [base(r, dt) for r in range(W)]
+        t = xs[R].clone()
+        dist.broadcast(t, src=W - 1)
+        same(f"broadcast {dt}", t, xs[W - 1])
+        outs = [torch.empty_like(xs[0]) for _ in range(W)]
+        dist.all_gather(outs, xs[R])
+        for r in range(W):
+            same(f"all_gather {dt} [{r}]", outs[r], xs[r])
+    xs = [data(r, torch.float32, 6) for r in range(W)]
+    out = torch.empty(W * 6)
+    dist.all_gather_into_tensor(out, xs[R])
+    same("all_gather_into_tensor", out, torch.cat(xs))
+    ys = [data(r, torch.int64, 3, salt=4) for r in range(W)]
+    outs = [[torch.empty(6), torch.empty(3, dtype=torch.int64)] for _ in range(W)]
+    # all_gather_coalesced takes one dtype per call, as gloo does
+    outs = [[torch.empty(6), torch.empty(6)] for _ in range(W)]
+    dist.all_gather_coalesced(outs, [xs[R], xs[R] * 2])
+    for r in range(W):
+        same(f"all_gather_coalesced [{r}]", torch.cat(outs[r]), torch.cat([xs[r], xs[r] * 2]))
+    # gather and scatter, root 1
+    root = 1 % W
+    g = [torch.empty(6) for _ in range(W)] if R == root else None
+    dist.gather(xs[R], gather_list=g, dst=root)
+    if R == root:
+        for r in range(W):
+            same(f"gather [{r}]", g[r], xs[r])
+    parts = [data(r, torch.float64, 5, salt=7) for r in range(W)]
+    out = torch.empty(5, dtype=torch.float64)
+    dist.scatter(out, scatter_list=parts if R == root else None, src=root)
+    same("scatter", out, parts[R])
+    # reduce_scatter: rank r's block j is data(r, salt=j)
+    blocks = [[data(r, torch.float32, 7, salt=20 + j) for j in range(W)] for r in range(W)]
+    out = torch.empty(7)
+    dist.reduce_scatter(out, blocks[R])
+    same("reduce_scatter", out, fold(dist.ReduceOp.SUM, [blocks[r][R] for r in range(W)]))
+    out = torch.empty(7)
+    dist.reduce_scatter_tensor(out, torch.cat(blocks[R]))
+    same("reduce_scatter_tensor", out, fold(dist.ReduceOp.SUM, [blocks[r][R] for r in range(W)]))
+    out = torch.empty(7, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, torch.cat([b.to(torch.int32) for b in blocks[R]]),
+                               op=dist.ReduceOp.MAX)
+    same("reduce_scatter_tensor int32 MAX", out,
+         fold(dist.ReduceOp.MAX, [blocks[r][R].to(torch.int32) for r in range(W)]))
+
+
+def all_to_all():
+    # even: rank r sends block j (2 rows) = r*100 + j to rank j
+    inp = torch.cat([torch.full((2, 3), float(R * 100 + j)) for j in range(W)])
+    out = torch.empty(2 * W, 3)
+    dist.all_to_all_single(out, inp)
+    same("all_to_all_single even", out, torch.cat([torch.full((2, 3), float(j * 100 + R))
+                                                   for j in range(W)]))
+    # uneven: rank r sends r + j + 1 rows to rank j
+    ins = [r_j + 1 for r_j in (R + j for j in range(W))]
+    outs = [j + R + 1 for j in range(W)]
+    inp = torch.cat([torch.full((ins[j], 2), float(R * 100 + j)) for j in range(W)])
+    out = torch.empty(sum(outs), 2)
+    dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins)
+    same("all_to_all_single uneven", out, torch.cat([torch.full((outs[j], 2), float(j * 100 + R))
+                                                     for j in range(W)]))
+    # list form with tensors of different sizes
+    inl = [torch.arange(R + j + 1, dtype=torch.int64) + 10 * R for j in range(W)]
+    outl = [torch.empty(j + R + 1, dtype=torch.int64) for j in range(W)]
+    dist.all_to_all(outl, inl)
+    for j in range(W):
+        same(f"all_to_all [{j}]", outl[j], torch.arange(j + R + 1, dtype=torch.int64) + 10 * j)
+
+
+def point_to_point_and_async():
+    nxt, prv = (R + 1) % W, (R - 1) % W
+    mine = torch.full((4,), float(R))
+    got = torch.empty(4)
+    if R % 2 == 0:
+        dist.send(mine, nxt)
+        dist.recv(got, prv)
+    else:
+        dist.recv(got, prv)
+        dist.send(mine, nxt)
+    same("send/recv ring", got, torch.full((4,), float(prv)))
+    got = torch.empty(4)
+    reqs = [dist.isend(mine * 2, nxt), dist.irecv(got, prv)]
+    for q in reqs:
+        q.wait()
+    same("isend/irecv", got, torch.full((4,), float(prv) * 2))
+    # async work: wait, is_completed, exception, futures chained as comm hooks do
+    t = torch.ones(5)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future().then(lambda f: f.value()[0] * 2)
+    same("future then", fut.wait(), torch.full((5,), 2.0 * W))
+    work.wait()
+    global checks
+    checks += 1
+    # (Work.exception() has no Python conversion in 1.13, on any backend)
+    assert work.is_completed() and work.is_success()
+    same("async allreduce", t, torch.full((5,), float(W)))
+    dist.barrier()
+    if BACKEND == "libddp":  # 1.13's dist.monitored_barrier refuses any backend but gloo
+        import libddp_torch
+        libddp_torch.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        libddp_torch.monitored_barrier(timeout=datetime.timedelta(seconds=30),
+                                       wait_all_ranks=True)
+    objs = [None] * W
+    dist.all_gather_object(objs, {"rank": R, "name": f"r{R}"})
+    checks += 1
+    assert objs == [{"rank": r, "name": f"r{r}"} for r in range(W)], objs
+    lst = [f"from {R}", R] if R == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    checks += 1
+    assert lst == ["from 0", 0], lst
+
+
+def subgroups():
+    sub = dist.new_group([0, 1])
+    evens = dist.new_group(list(range(0, W, 2)))
+    if R in (0, 1):
+        t = torch.tensor([float(R + 1)])
+        dist.all_reduce(t, group=sub)
+        same("new_group [0, 1]", t, torch.tensor([3.0]))
+    if R % 2 == 0:
+        t = torch.tensor([R + 1], dtype=torch.int64)
+        dist.all_reduce(t, group=evens)
+        same("new_group evens", t, torch.tensor([sum(r + 1 for r in range(0, W, 2))]))
+    dist.barrier()
+
+
+def bad_input():
+    raises("AVG on int64", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64),
+                                                   op=dist.ReduceOp.AVG), "AVG", "Long")
+    raises("BAND on float32", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
+           "BAND", "Float")
+    raises("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 3).t()), "not contiguous")
+    if torch.cuda.is_available():  # a non-CPU tensor reaches the group only where CUDA runs
+        raises("CUDA tensor", lambda: dist.all_reduce(torch.ones(3, device="cuda")), "cuda:0",
+               "nccl backend for CUDA tensors")
+    raises("all_gather size", lambda: dist.all_gather([torch.empty(2) for _ in range(W)],
+                                                      torch.ones(3)), "Float[2]", "Float[3]")
+    raises("recv from any source", lambda: dist.recv(torch.empty(1)), "any source")
+    import libddp_torch
+    raises("unknown option", lambda: libddp_torch.Options.of({"transprot": "tcp"}),
+           "unknown backend option 'transprot'")
+    raises("unknown transport", lambda: libddp_torch.Options(transport="ucx"), "ucx")
+
+
+def main():
+    global R, W
+    torch.set_num_threads(1)
+    dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=60))
+    R, W = dist.get_rank(), dist.get_world_size()
+    parts = os.environ.get("COLL_PARTS", "reductions,movement,all_to_all,p2p").split(",")
+    if "reductions" in parts:
+        reductions()
+    if "movement" in parts:
+        movement()
+    if "all_to_all" in parts:
+        all_to_all()
+    if "p2p" in parts:
+        point_to_point_and_async()
+    if W >= 2:
+        subgroups()
+    if BACKEND == "libddp":
+        bad_input()
+        dist.barrier()
+    print(f"CHECKS {checks} rank {R}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The torch backend against gloo and against itself (suite torch; docs/torch.md).
+
+    test_parity.py DDPRUN PYTHONPATH_DIR
+
+Runs tests/torch/train_ddp.py (plain PyTorch DDP: an MLP and a tiny GPT-2, AdamW, 20 steps)
+under ddprun with no extra flag, and asserts on the parameter hashes rank 0 prints:
+  - 2 ranks: every run (MLP, GPT-2, fp16 hook, ZeroRedundancyOptimizer, PowerSGD,
+    find_unused_parameters with no_sync accumulation, static_graph with
+    gradient_as_bucket_view and tiny buckets) ends with gloo's exact parameters: two-term
+    sums are the same in any order;
+  - 3 ranks: libddp over shm and over tcp, with three bucket caps, ends with one hash per
+    model (plain, fp16 hook, ZeRO), which gloo's ring need not give.
+Skips (77) where /usr/bin/python3 has no torch or the extension was not built.
+"""
+import os
+import re
+import subprocess
+import sys
+
+PY = "/usr/bin/python3"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def job(ddprun, env, nproc, *args):
+    cmd = [ddprun, "--nproc_per_node", str(nproc), PY, os.path.join(HERE, "train_ddp.py"), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        sys.exit(f"FAIL: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    found = re.findall(r"final parameters sha256 ([0-9a-f]{64}) run (\S+)", p.stdout)
+    return dict((run, h) for h, run in found)
+
+
+def expect_equal(what, a, b):
+    if a != b:
+        sys.exit(f"FAIL: {what}: {a} != {b}")
+    print(f"ok: {what}: {a[:16]}")
+
+
+def main():
+    ddprun, pypath = sys.argv[1], sys.argv[2]
+    env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1")
+    if subprocess.run([PY, "-c", "import libddp_torch"], env=env).returncode != 0:
+        print("SKIP: /usr/bin/python3 cannot import torch and libddp_torch")
+        sys.exit(77)
+    runs2 = ["model=mlp", "model=gpt2", "hook=fp16", "zero=1", "hook=powersgd",
+             "find_unused=1,accumulate=3",
+             "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01"]
+    gloo = job(ddprun, env, 2, "--backend", "gloo", "--runs", ";".join(runs2))
+    lib = job(ddprun, env, 2, "--backend", "libddp", "--runs", ";".join(runs2))
+    for r in runs2:
+        expect_equal(f"2 ranks, {r}: gloo against libddp", gloo.get(r), lib.get(r))
+    if gloo["model=mlp"] == gloo["model=gpt2"]:
+        sys.exit("FAIL: the MLP and the GPT-2 ended with one hash: the script trains nothing")
+
+    caps = ["25", "0.05", "0.2"]
+    runs3 = [f"model={m},{extra}bucket_cap_mb={c}" for m, extra in
+             [("gpt2", ""), ("mlp", "hook=fp16,"), ("mlp", "zero=1,")] for c in caps]
+    shm = job(ddprun, env, 3, "--backend", "libddp", "--transport", "shm", "--runs", ";".join(runs3))
+    tcp = job(ddprun, env, 3, "--backend", "libddp", "--transport", "tcp", "--runs", ";".join(runs3))
+    for i in range(0, len(runs3), len(caps)):
+        group = runs3[i:i + len(caps)]
+        for r in group:
+            expect_equal(f"3 ranks, {r}: shm against tcp", shm.get(r), tcp.get(r))
+            expect_equal(f"3 ranks, {r}: against {group[0]}", shm.get(r), shm.get(group[0]))
+
+
+if __name__ == "__main__":
+    main()
