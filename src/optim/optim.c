@@ -462,24 +462,23 @@ void ddp_grad_norms(ddp_tensor_t *const *grads, size_t n, double *norms) {
 }
 
 /* The second half of DEFINE_CLIP (2-norm): the same roundings, from the per-tensor norms. */
-#define DEFINE_CLIP_FROM(NAME, T)                                                      \
-  static double NAME(ddp_tensor_t *const *grads, size_t n, const double *norms,        \
-                     double max_norm) {                                                \
-    double total_acc = 0.0;                                                            \
-    for (size_t i = 0; i < n; i++) {                                                   \
-      T norm = (T)norms[i];                                                            \
-      total_acc += (double)norm * (double)norm;                                        \
-    }                                                                                  \
-    T total = (T)sqrt(total_acc);                                                      \
-    T denom = total + (T)1e-6;                                                         \
-    T coef = ((T)1 / denom) * (T)max_norm;                                             \
-    if (coef > (T)1) coef = (T)1;                                                      \
-    for (size_t i = 0; i < n; i++) {                                                   \
-      if (!grads[i]->data) continue;                                                   \
-      T *x = grads[i]->data;                                                           \
-      for (int64_t k = 0; k < grads[i]->numel; k++) x[k] = x[k] * coef;                \
-    }                                                                                  \
-    return (double)total;                                                              \
+#define DEFINE_CLIP_FROM(NAME, T)                                                                  \
+  static double NAME(ddp_tensor_t *const *grads, size_t n, const double *norms, double max_norm) { \
+    double total_acc = 0.0;                                                                        \
+    for (size_t i = 0; i < n; i++) {                                                               \
+      T norm = (T)norms[i];                                                                        \
+      total_acc += (double)norm * (double)norm;                                                    \
+    }                                                                                              \
+    T total = (T)sqrt(total_acc);                                                                  \
+    T denom = total + (T)1e-6;                                                                     \
+    T coef = ((T)1 / denom) * (T)max_norm;                                                         \
+    if (coef > (T)1) coef = (T)1;                                                                  \
+    for (size_t i = 0; i < n; i++) {                                                               \
+      if (!grads[i]->data) continue;                                                               \
+      T *x = grads[i]->data;                                                                       \
+      for (int64_t k = 0; k < grads[i]->numel; k++) x[k] = x[k] * coef;                            \
+    }                                                                                              \
+    return (double)total;                                                                          \
   }
 DEFINE_CLIP_FROM(clip_from_f32, float)
 DEFINE_CLIP_FROM(clip_from_f64, double)

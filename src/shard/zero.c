@@ -27,12 +27,12 @@ struct ddp_zero {
   size_t ngroups;
   ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
   ddp_dtype_t dt;
-  size_t esz, seg;       /* element size; segment length (elements) */
-  unsigned char *flat;   /* stage 2: W * seg elements */
-  double *norms;         /* [n] */
-  ddp_tensor_t **clip;   /* [n] owned grads; the others point at `none` */
-  ddp_tensor_t none;     /* a None gradient */
-  ddp_work_t **works;    /* [n] */
+  size_t esz, seg;     /* element size; segment length (elements) */
+  unsigned char *flat; /* stage 2: W * seg elements */
+  double *norms;       /* [n] */
+  ddp_tensor_t **clip; /* [n] owned grads; the others point at `none` */
+  ddp_tensor_t none;   /* a None gradient */
+  ddp_work_t **works;  /* [n] */
 };
 
 void ddp_zero_partition(const int64_t *numel, const size_t *group_n, size_t ngroups, int world,
@@ -66,8 +66,8 @@ void ddp_zero_partition(const int64_t *numel, const size_t *group_n, size_t ngro
   ddp__free(sizes);
 }
 
-static ddp_status_t check_params(const ddp_zero_group_t *groups, size_t ngroups,
-                                 ddp_dtype_t *dt, ddp_error_t *err) {
+static ddp_status_t check_params(const ddp_zero_group_t *groups, size_t ngroups, ddp_dtype_t *dt,
+                                 ddp_error_t *err) {
   bool have = false;
   for (size_t g = 0, i = 0; g < ngroups; g++) {
     for (size_t k = 0; k < groups[g].n; k++, i++) {
@@ -134,14 +134,20 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
                       "gradients too; stage 3 is not implemented yet)",
                       opts->stage);
   if (ngroups > DDP_ZERO_MAX_GROUPS)
-    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                      "zero: %zu parameter groups; at most %d", ngroups, DDP_ZERO_MAX_GROUPS);
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "zero: %zu parameter groups; at most %d",
+                      ngroups, DDP_ZERO_MAX_GROUPS);
   ddp_dtype_t dt = DDP_F32;
   DDP_CHECK(check_params(groups, ngroups, &dt, err));
   ddp_zero_t *z = ddp__calloc(1, sizeof *z);
   if (!z) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "zero: out of memory");
-  *z = (ddp_zero_t){.magic = ZERO_MAGIC, .pg = pg, .rank = rank, .world = ddp_pg_size(pg),
-                    .opts = *opts, .ngroups = ngroups, .dt = dt, .esz = ddp_dtype_size(dt)};
+  *z = (ddp_zero_t){.magic = ZERO_MAGIC,
+                    .pg = pg,
+                    .rank = rank,
+                    .world = ddp_pg_size(pg),
+                    .opts = *opts,
+                    .ngroups = ngroups,
+                    .dt = dt,
+                    .esz = ddp_dtype_size(dt)};
   z->none.dtype = dt;
   for (size_t g = 0; g < ngroups; g++) z->n += groups[g].n;
   size_t n1 = z->n ? z->n : 1;
@@ -159,8 +165,7 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   for (size_t g = 0, i = 0; g < ngroups; g++)
     for (size_t k = 0; k < groups[g].n; k++) z->params[i++] = groups[g].params[k];
   DDP_CHECK_GOTO(build(z, groups, err), st, fail);
-  for (size_t i = 0; i < z->n; i++)
-    z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
+  for (size_t i = 0; i < z->n; i++) z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
   if (opts->stage == 2) {
     size_t bytes = (size_t)z->world * (z->seg ? z->seg : 1) * z->esz;
     z->flat = ddp__calloc(1, bytes);
@@ -270,8 +275,7 @@ ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err) {
   }
   unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
   DDP_CHECK(coll(z,
-                 ddp_reduce_scatter(z->pg, z->flat, mine, z->seg, z->dt, DDP_OP_SUM,
-                                    &z->works[0]),
+                 ddp_reduce_scatter(z->pg, z->flat, mine, z->seg, z->dt, DDP_OP_SUM, &z->works[0]),
                  "gradient reduce_scatter", err));
   for (size_t i = 0; i < z->n; i++) {
     ddp_tensor_t *g = z->params[i].grad;
@@ -299,10 +303,9 @@ ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *tot
   DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
   ddp_grad_norms(z->clip, z->n, z->norms); /* 0 for the slots of other owners */
   if (z->n)
-    DDP_CHECK(coll(z,
-                   ddp_allreduce(z->pg, z->norms, z->norms, z->n, DDP_F64, DDP_OP_SUM,
-                                 &z->works[0]),
-                   "gradient norm allreduce", err));
+    DDP_CHECK(
+        coll(z, ddp_allreduce(z->pg, z->norms, z->norms, z->n, DDP_F64, DDP_OP_SUM, &z->works[0]),
+             "gradient norm allreduce", err));
   ddp_clip_grad_norm_from_norms(z->clip, z->n, z->norms, z->dt, max_norm, total_norm);
   return DDP_OK;
 }

@@ -9,8 +9,8 @@
 #include "common/common.h"
 #include "train/trainer.h"
 
-#define FSDP_CHOICES                                                                     \
-  "shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; full_shard, hybrid_shard, "        \
+#define FSDP_CHOICES                                                              \
+  "shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; full_shard, hybrid_shard, " \
   "hybrid_shard_zero2 and offload are not implemented yet"
 
 /* --fsdp: space-separated options (HF's FSDPOption). */
@@ -154,9 +154,10 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp_
     for (int r = 0; r < W; r++) memcpy(all + r * 4, mine, sizeof mine);
   }
   if (st == DDP_OK && j) {
-    ddp__json_str(j, "sharding", !t->zero                         ? "ddp"
-                                 : ddp_zero_stage(t->zero) == 1 ? "zero1"
-                                                                : "zero2");
+    ddp__json_str(j, "sharding",
+                  !t->zero                       ? "ddp"
+                  : ddp_zero_stage(t->zero) == 1 ? "zero1"
+                                                 : "zero2");
     member(j, "param_bytes", all, W, 0);
     member(j, "grad_bytes", all, W, 1);
     member(j, "optim_bytes", all, W, 2);
