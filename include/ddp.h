@@ -12,6 +12,7 @@
 #include "ddp/optim.h"
 #include "ddp/data.h"
 #include "ddp/reducer.h"
+#include "ddp/shard.h"
 #include "ddp/hooks.h"
 #include "ddp/train.h"
 

@@ -128,6 +128,21 @@ DDP_API ddp_status_t ddp_clip_grad_norm(ddp_tensor_t *const *grads, size_t n, do
                                         double norm_type, bool error_if_nonfinite,
                                         double *total_norm, ddp_error_t *err);
 
+/* Clipping in two halves, for sharded optimizers (src/shard) that hold only some gradients:
+ * ddp_grad_norms writes each tensor's L2 norm as ddp_clip_grad_norm computes it (rounded to
+ * the grad's dtype, stored as a double; 0 for a NULL-data grad); ddp_clip_grad_norm_from_norms
+ * takes all n per-tensor norms (gathered from every shard) and finishes exactly as
+ * ddp_clip_grad_norm does: the total from the norms in index order, the coefficient, and
+ * every present grad scaled. So a caller that gathers the norms of the full model gets
+ * ddp_clip_grad_norm's bits whatever the shards. dt is the grads' dtype (f32 or f64). */
+DDP_API void ddp_grad_norms(ddp_tensor_t *const *grads, size_t n, double *norms);
+DDP_API void ddp_clip_grad_norm_from_norms(ddp_tensor_t *const *grads, size_t n,
+                                           const double *norms, ddp_dtype_t dt, double max_norm,
+                                           double *total_norm);
+/* Bytes of per-element optimizer state held now (momentum_buffer, exp_avg, exp_avg_sq,
+ * max_exp_avg_sq); the per-parameter step counters are not counted. */
+DDP_API size_t ddp_optim_state_bytes(const ddp_optim_t *opt);
+
 /* ---------------------------------------------------------------- LR schedules ---- */
 
 /* Hugging Face's SchedulerType names: "constant", "constant_with_warmup", "linear",

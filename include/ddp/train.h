@@ -121,6 +121,12 @@ typedef struct ddp_train_args {
                               * stops the run naming the step and the first parameter with a
                               * non-finite gradient, before the step's update and save;
                               * false: a warning, and training goes on */
+  /* "": off; HF's --deepspeed ds_config.json: zero_optimization.stage 1 or 2 runs ZeRO-1/2
+   * (docs/sharding.md) */
+  char deepspeed[DDP_TRAIN_STR_MAX];
+  /* "": off; HF's --fsdp options: shard_grad_op (ZeRO-2), no_shard (DDP); the others are not
+   * implemented yet */
+  char fsdp[DDP_TRAIN_STR_MAX];
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \

@@ -435,3 +435,71 @@ ddp_status_t ddp_clip_grad_norm(ddp_tensor_t *const *grads, size_t n, double max
   if (total_norm) *total_norm = total;
   return DDP_OK;
 }
+
+/* ---------------------------------------------------------------- sharded clipping  */
+
+#define DEFINE_NORMS(NAME, T)                                                  \
+  static void NAME(const ddp_tensor_t *g, double *norm) {                      \
+    const T *x = g->data;                                                      \
+    double acc = 0.0;                                                          \
+    for (int64_t k = 0; k < g->numel; k++) acc += (double)x[k] * (double)x[k]; \
+    *norm = (double)(T)sqrt(acc);                                              \
+  }
+DEFINE_NORMS(norm_f32, float)
+DEFINE_NORMS(norm_f64, double)
+
+void ddp_grad_norms(ddp_tensor_t *const *grads, size_t n, double *norms) {
+  DDP_REQUIRE((grads && norms) || n == 0);
+  for (size_t i = 0; i < n; i++) {
+    norms[i] = 0.0;
+    if (!grads[i]->data) continue;
+    DDP_REQUIRE(grads[i]->dtype == DDP_F32 || grads[i]->dtype == DDP_F64);
+    if (grads[i]->dtype == DDP_F32)
+      norm_f32(grads[i], &norms[i]);
+    else
+      norm_f64(grads[i], &norms[i]);
+  }
+}
+
+/* The second half of DEFINE_CLIP (2-norm): the same roundings, from the per-tensor norms. */
+#define DEFINE_CLIP_FROM(NAME, T)                                                                  \
+  static double NAME(ddp_tensor_t *const *grads, size_t n, const double *norms, double max_norm) { \
+    double total_acc = 0.0;                                                                        \
+    for (size_t i = 0; i < n; i++) {                                                               \
+      T norm = (T)norms[i];                                                                        \
+      total_acc += (double)norm * (double)norm;                                                    \
+    }                                                                                              \
+    T total = (T)sqrt(total_acc);                                                                  \
+    T denom = total + (T)1e-6;                                                                     \
+    T coef = ((T)1 / denom) * (T)max_norm;                                                         \
+    if (coef > (T)1) coef = (T)1;                                                                  \
+    for (size_t i = 0; i < n; i++) {                                                               \
+      if (!grads[i]->data) continue;                                                               \
+      T *x = grads[i]->data;                                                                       \
+      for (int64_t k = 0; k < grads[i]->numel; k++) x[k] = x[k] * coef;                            \
+    }                                                                                              \
+    return (double)total;                                                                          \
+  }
+DEFINE_CLIP_FROM(clip_from_f32, float)
+DEFINE_CLIP_FROM(clip_from_f64, double)
+
+void ddp_clip_grad_norm_from_norms(ddp_tensor_t *const *grads, size_t n, const double *norms,
+                                   ddp_dtype_t dt, double max_norm, double *total_norm) {
+  DDP_REQUIRE(((grads && norms) || n == 0) && (dt == DDP_F32 || dt == DDP_F64));
+  double t = dt == DDP_F32 ? clip_from_f32(grads, n, norms, max_norm)
+                           : clip_from_f64(grads, n, norms, max_norm);
+  if (total_norm) *total_norm = t;
+}
+
+size_t ddp_optim_state_bytes(const ddp_optim_t *opt) {
+  DDP_REQUIRE(opt && opt->magic == OPTIM_MAGIC);
+  size_t b = 0;
+  for (size_t i = 0; i < opt->n; i++) {
+    const ddp_optim_pstate_t *s = &opt->state[i];
+    if (!s->has_state) continue;
+    const ddp_tensor_t *ts[3] = {&s->buf, &s->sq, &s->maxsq};
+    for (int k = 0; k < 3; k++)
+      if (ts[k]->data) b += (size_t)ts[k]->numel * ddp_dtype_size(ts[k]->dtype);
+  }
+  return b;
+}

@@ -184,6 +184,7 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
     *(double *)t->seed_grad.data = inv;
   }
   DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer, &t->sync, t->err));
+  DDP_CHECK(ddp__train_zero_setup(t));
   ddp_model_set_grads_none(t->model); /* a fresh PyTorch module's gradients are None */
   return DDP_OK;
 }

@@ -220,6 +220,11 @@ static ddp_status_t save_hook_state(ddp__trainer_t *t, int64_t step) {
 /* Rank 0 stages the checkpoint, every rank adds its comm hook state, rank 0 commits; the
  * statuses are broadcast so that every rank fails alike. */
 static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
+  if (t->zero) /* zero.c: sharded checkpoints are the next slice of docs/sharding.md */
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "step %lld: checkpoints of a ZeRO run are not implemented yet; set "
+                      "save_strategy \"no\" or a save_steps past max_steps",
+                      (long long)step);
   int32_t code = DDP_OK;
   char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
   if (t->rank == 0) {
@@ -430,6 +435,7 @@ typedef struct step_out {
   double loss;      /* the step's loss, averaged over ranks */
   double grad_norm; /* before clipping */
   double lr;
+  double bytes[3]; /* this rank's parameter, gradient, optimizer-state bytes after the step */
 } step_out_t;
 
 /* Micro-batch k of step `step`: forward (synchronising only the last of the window, as HF
@@ -444,7 +450,9 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   t->loader_pos++;
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)));
   ddp_ctx_set_rng(t->ctx, t->a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
-  DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1, t->err));
+  /* ZeRO-2 reduce-scatters the accumulated local gradients itself (zero.c) */
+  bool zero2 = t->zero && ddp_zero_stage(t->zero) == 2;
+  DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1 && !zero2, t->err));
   ddp_var_t *y, *l;
   DDP_CHECK(forward(t, &b, &y));
   DDP_CHECK(ddp__sync_post_forward(t->sync, t->ctx, y, t->err));
@@ -572,19 +580,29 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   ddp__train_fault_after_backward(&t->fault, t->model, step);
   if (t->init_q) DDP_CHECK(ddp__train_q_check(t->init_q, t->err));
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
+  if (t->zero) DDP_CHECK(ddp_zero_reduce_grads(t->zero, t->err));
   int64_t elem = -1;
   size_t bad = first_nonfinite_grad(t, &elem);
-  DDP_CHECK(ddp_clip_grad_norm(t->grads, t->ntrain,
-                               a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY, 2.0, false,
-                               &o->grad_norm, t->err));
+  double max_norm = a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY;
+  if (t->zero)
+    DDP_CHECK(ddp_zero_clip_grad_norm(t->zero, max_norm, &o->grad_norm, t->err));
+  else
+    DDP_CHECK(ddp_clip_grad_norm(t->grads, t->ntrain, max_norm, 2.0, false, &o->grad_norm, t->err));
   if (!isfinite(o->grad_norm) || bad != SIZE_MAX)
     DDP_CHECK(nonfinite(t, step + 1, "gradient norm", o->grad_norm, bad, elem));
   o->lr = ddp_lr_at(&t->sched, a->learning_rate, step);
-  for (size_t g = 0; g < t->nopt; g++) {
+  if (t->zero) {
+    DDP_CHECK(ddp_zero_step(t->zero, o->lr, t->err));
+    ddp__train_own_bytes(t, o->bytes);
+    ddp_zero_zero_grad(t->zero, a->zero_grad_set_to_none);
+  }
+  for (size_t g = 0; !t->zero && g < t->nopt; g++) {
     ddp_optim_set_lr(t->opt[g], o->lr);
     DDP_CHECK(ddp_optim_step(t->opt[g], t->err));
-    ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
+    if (g == t->nopt - 1) ddp__train_own_bytes(t, o->bytes);
   }
+  for (size_t g = 0; !t->zero && g < t->nopt; g++)
+    ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
   if (t->inv_k) DDP_CHECK(invariant_loss(t, &local_loss)); /* the step's loss, every rank */
   if (t->dump) {
     int micro = (int)(t->inv_k ? GA * t->inv_sm : GA);
@@ -626,8 +644,11 @@ static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t
     ddp__json_num(&j, "compression_rate", "%.4f", comm_rate);
     ddp__json_num(&j, "samples_per_s", G9, sps);
     param_hash_member(&j, h);
+    DDP_CHECK(ddp__train_state_bytes(t, o->bytes, &j));
     ddp__json_end(&j);
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
+  } else if (t->zero) {
+    DDP_CHECK(ddp__train_state_bytes(t, o->bytes, NULL)); /* collective */
   }
   if (t->ev) {
     ddp_train_event_t e = {.kind = DDP_TRAIN_EV_LOG,
@@ -762,6 +783,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp__train_q_close(t->init_q);
   ddp_tensor_free(&t->seed_grad);
   for (size_t g = 0; g < t->nopt; g++) ddp_optim_destroy(t->opt[g]);
+  ddp_zero_destroy(t->zero);
   ddp_loader_destroy(t->loader);
   ddp_sampler_destroy(t->sampler);
   ddp_ctx_destroy(t->ctx);

@@ -4,6 +4,7 @@
 #define DDP_TRAIN_TRAINER_H
 
 #include "ddp/reducer.h"
+#include "ddp/shard.h"
 #include "train/faults.h"
 #include "train/sync.h"
 #include "train/train_internal.h"
@@ -40,6 +41,7 @@ typedef struct ddp__trainer {
   uint64_t flags;           /* this rank's forward_flags entry */
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
+  ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
 
   /* world_size_invariant_shards (invariant mode; setup.c, trainer.c) */
@@ -75,5 +77,17 @@ ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out);
 ddp_status_t ddp__train_agree(ddp__trainer_t *t);
 /* Drops rank 0's output_dir lock (a no-op when not held). */
 void ddp__train_unlock(ddp__trainer_t *t);
+
+/* zero.c: the ZeRO stage the arguments ask for (0: DDP), from --fsdp and --deepspeed; an
+ * unknown option or stage, stage 3, and both flags at once are errors naming the value. */
+ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *stage,
+                                   ddp_error_t *err);
+/* After the optimizers: t->zero over their groups when a stage is asked for. */
+ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t);
+/* Collective when ZeRO is on: every rank's parameter, gradient and optimizer-state bytes
+ * (measured after the step, before zero_grad) as metrics members on rank 0's line j. */
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j);
+/* This rank's bytes now: parameters, present gradients, optimizer state. */
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]);
 
 #endif /* DDP_TRAIN_TRAINER_H */

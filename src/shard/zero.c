@@ -1,0 +1,382 @@
+/* ZeRO stages 1 and 2 (include/ddp/shard.h): ZeroRedundancyOptimizer's partition, the
+ * owners' optimizers, the stage-2 reduce-scatter of gradients, clipping by the global norm
+ * in parameter order, and the parameters' return to every rank.
+ *
+ * Layout of the stage-2 flat buffer: W segments of `seg` elements (the largest rank's
+ * total), rank r's owned parameters in global index order at the start of segment r, the
+ * rest zero. reduce_scatter sums segment r over the ranks in rank order into rank r (D2),
+ * which is the sum the DDP reducer's allreduce computes for those elements; all-gather
+ * brings every segment back after the step. */
+#include <math.h>
+#include <string.h>
+
+#include "common/common.h"
+#include "ddp/shard.h"
+
+#define ZERO_MAGIC 0x5a45524fu /* "ZERO" */
+
+struct ddp_zero {
+  uint32_t magic;
+  ddp_pg_t *pg;
+  int rank, world;
+  ddp_zero_options_t opts;
+  size_t n;                  /* parameters, all groups */
+  ddp_optim_param_t *params; /* [n] the caller's pairs, global order */
+  int *owner;                /* [n] */
+  size_t *off;               /* [n] element offset in its owner's segment */
+  size_t ngroups;
+  ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
+  ddp_dtype_t dt;
+  size_t esz, seg;     /* element size; segment length (elements) */
+  unsigned char *flat; /* stage 2: W * seg elements */
+  double *norms;       /* [n] */
+  ddp_tensor_t **clip; /* [n] owned grads; the others point at `none` */
+  ddp_tensor_t none;   /* a None gradient */
+  ddp_work_t **works;  /* [n] */
+};
+
+void ddp_zero_partition(const int64_t *numel, const size_t *group_n, size_t ngroups, int world,
+                        int *owner) {
+  DDP_REQUIRE(world >= 1 && (numel || ngroups == 0));
+  int64_t *sizes = ddp__calloc((size_t)world, sizeof *sizes);
+  DDP_REQUIRE(sizes);
+  for (size_t g = 0, base = 0; g < ngroups; base += group_n[g], g++) {
+    size_t m = group_n[g];
+    /* sorted(key=numel, reverse=True) is stable: equal sizes keep their order. Insertion
+     * sort by index (groups are small); ties keep the lower index first. */
+    size_t *ord = ddp__calloc(m ? m : 1, sizeof *ord);
+    DDP_REQUIRE(ord);
+    for (size_t i = 0; i < m; i++) {
+      size_t j = i;
+      while (j > 0 && numel[base + ord[j - 1]] < numel[base + i]) {
+        ord[j] = ord[j - 1];
+        j--;
+      }
+      ord[j] = i;
+    }
+    for (size_t k = 0; k < m; k++) {
+      int r = 0; /* _get_min_index: the first rank with the smallest total */
+      for (int q = 1; q < world; q++)
+        if (sizes[q] < sizes[r]) r = q;
+      owner[base + ord[k]] = r;
+      sizes[r] += numel[base + ord[k]];
+    }
+    ddp__free(ord);
+  }
+  ddp__free(sizes);
+}
+
+static ddp_status_t check_params(const ddp_zero_group_t *groups, size_t ngroups, ddp_dtype_t *dt,
+                                 ddp_error_t *err) {
+  bool have = false;
+  for (size_t g = 0, i = 0; g < ngroups; g++) {
+    for (size_t k = 0; k < groups[g].n; k++, i++) {
+      const ddp_tensor_t *p = groups[g].params[k].param;
+      DDP_REQUIRE(p && groups[g].params[k].grad);
+      if (p->dtype != DDP_F32 && p->dtype != DDP_F64)
+        return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                          "zero: parameter %zu is %s; ZeRO takes f32 or f64 parameters", i,
+                          ddp_dtype_name(p->dtype));
+      if (have && p->dtype != *dt)
+        return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                          "zero: parameter %zu is %s but earlier parameters are %s", i,
+                          ddp_dtype_name(p->dtype), ddp_dtype_name(*dt));
+      *dt = p->dtype;
+      have = true;
+    }
+  }
+  return DDP_OK;
+}
+
+/* The partition, the segment offsets and this rank's optimizers. */
+static ddp_status_t build(ddp_zero_t *z, const ddp_zero_group_t *groups, ddp_error_t *err) {
+  int64_t *numel = ddp__calloc(z->n ? z->n : 1, sizeof *numel);
+  size_t gn[DDP_ZERO_MAX_GROUPS];
+  size_t *load = ddp__calloc((size_t)z->world, sizeof *load);
+  ddp_optim_param_t *mine = ddp__calloc(z->n ? z->n : 1, sizeof *mine);
+  ddp_status_t st = DDP_OK;
+  if (!numel || !load || !mine) {
+    st = ddp__error(err, z->rank, DDP_ERR_NO_MEMORY, "zero: out of memory (%zu parameters)", z->n);
+    goto out;
+  }
+  for (size_t i = 0; i < z->n; i++) numel[i] = z->params[i].param->numel;
+  for (size_t g = 0; g < z->ngroups; g++) gn[g] = groups[g].n;
+  ddp_zero_partition(numel, gn, z->ngroups, z->world, z->owner);
+  for (size_t i = 0; i < z->n; i++) {
+    int r = z->owner[i];
+    z->off[i] = load[r];
+    load[r] += (size_t)numel[i];
+    if (load[r] > z->seg) z->seg = load[r];
+  }
+  for (size_t g = 0, base = 0; g < z->ngroups && st == DDP_OK; base += groups[g].n, g++) {
+    size_t m = 0;
+    for (size_t k = 0; k < groups[g].n; k++)
+      if (z->owner[base + k] == z->rank) mine[m++] = groups[g].params[k];
+    st = ddp_optim_create(&groups[g].opts, mine, m, &z->opt[g], err);
+  }
+out:
+  ddp__free(numel);
+  ddp__free(load);
+  ddp__free(mine);
+  return st;
+}
+
+ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
+                             const ddp_zero_group_t *groups, size_t ngroups, ddp_zero_t **out,
+                             ddp_error_t *err) {
+  DDP_REQUIRE(pg && opts && out && (groups || ngroups == 0));
+  DDP_REQUIRE(opts->struct_size >= sizeof(ddp_zero_options_t));
+  *out = NULL;
+  int rank = ddp_pg_rank(pg);
+  if (opts->stage != 1 && opts->stage != 2)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "zero: stage %d is not supported (1: optimizer state sharded, 2: "
+                      "gradients too; stage 3 is not implemented yet)",
+                      opts->stage);
+  if (ngroups > DDP_ZERO_MAX_GROUPS)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "zero: %zu parameter groups; at most %d",
+                      ngroups, DDP_ZERO_MAX_GROUPS);
+  ddp_dtype_t dt = DDP_F32;
+  DDP_CHECK(check_params(groups, ngroups, &dt, err));
+  ddp_zero_t *z = ddp__calloc(1, sizeof *z);
+  if (!z) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "zero: out of memory");
+  *z = (ddp_zero_t){.magic = ZERO_MAGIC,
+                    .pg = pg,
+                    .rank = rank,
+                    .world = ddp_pg_size(pg),
+                    .opts = *opts,
+                    .ngroups = ngroups,
+                    .dt = dt,
+                    .esz = ddp_dtype_size(dt)};
+  z->none.dtype = dt;
+  for (size_t g = 0; g < ngroups; g++) z->n += groups[g].n;
+  size_t n1 = z->n ? z->n : 1;
+  z->params = ddp__calloc(n1, sizeof *z->params);
+  z->owner = ddp__calloc(n1, sizeof *z->owner);
+  z->off = ddp__calloc(n1, sizeof *z->off);
+  z->norms = ddp__calloc(n1, sizeof *z->norms);
+  z->clip = ddp__calloc(n1, sizeof *z->clip);
+  z->works = ddp__calloc(n1, sizeof *z->works);
+  ddp_status_t st = DDP_OK;
+  if (!z->params || !z->owner || !z->off || !z->norms || !z->clip || !z->works) {
+    st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "zero: out of memory (%zu parameters)", z->n);
+    goto fail;
+  }
+  for (size_t g = 0, i = 0; g < ngroups; g++)
+    for (size_t k = 0; k < groups[g].n; k++) z->params[i++] = groups[g].params[k];
+  DDP_CHECK_GOTO(build(z, groups, err), st, fail);
+  for (size_t i = 0; i < z->n; i++) z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
+  if (opts->stage == 2) {
+    size_t bytes = (size_t)z->world * (z->seg ? z->seg : 1) * z->esz;
+    z->flat = ddp__calloc(1, bytes);
+    if (!z->flat) {
+      st = ddp__error(err, rank, DDP_ERR_NO_MEMORY,
+                      "zero: out of memory for the %zu-byte gradient reduce-scatter buffer", bytes);
+      goto fail;
+    }
+  }
+  *out = z;
+  return DDP_OK;
+fail:
+  ddp_zero_destroy(z);
+  return st;
+}
+
+void ddp_zero_destroy(ddp_zero_t *z) {
+  if (!z) return;
+  DDP_REQUIRE(z->magic == ZERO_MAGIC);
+  for (size_t g = 0; g < z->ngroups; g++) ddp_optim_destroy(z->opt[g]);
+  ddp__free(z->params);
+  ddp__free(z->owner);
+  ddp__free(z->off);
+  ddp__free(z->norms);
+  ddp__free(z->clip);
+  ddp__free(z->works);
+  ddp__free(z->flat);
+  z->magic = 0;
+  ddp__free(z);
+}
+
+int ddp_zero_stage(const ddp_zero_t *z) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  return z->opts.stage;
+}
+
+size_t ddp_zero_num_params(const ddp_zero_t *z) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  return z->n;
+}
+
+int ddp_zero_owner(const ddp_zero_t *z, size_t i) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC && i < z->n);
+  return z->owner[i];
+}
+
+/* Waits for works[0..m) in order; the first failure, with the group's message, is returned
+ * (the later works end by their deadlines and are freed). */
+static ddp_status_t wait_all(ddp_zero_t *z, size_t m, const char *what, ddp_error_t *err) {
+  ddp_status_t st = DDP_OK;
+  for (size_t k = 0; k < m; k++) {
+    ddp_status_t s = ddp_work_wait_free(z->works[k]);
+    z->works[k] = NULL;
+    if (s != DDP_OK && st == DDP_OK) st = s;
+  }
+  if (st == DDP_OK) return DDP_OK;
+  ddp_error_t pe;
+  ddp_pg_last_error_copy(z->pg, &pe);
+  return ddp__error_quiet(err, st, "zero: %s: %s", what, pe.msg);
+}
+
+static ddp_status_t coll(ddp_zero_t *z, ddp_status_t st, const char *what, ddp_error_t *err) {
+  if (st != DDP_OK) {
+    ddp_error_t pe;
+    ddp_pg_last_error_copy(z->pg, &pe);
+    return ddp__error_quiet(err, st, "zero: %s: %s", what, pe.msg);
+  }
+  return wait_all(z, 1, what, err);
+}
+
+/* Segment position of parameter i in the flat buffer. */
+static unsigned char *slot(ddp_zero_t *z, size_t i) {
+  return z->flat + ((size_t)z->owner[i] * z->seg + z->off[i]) * z->esz;
+}
+
+/* The DDP reducer's divide (backward.c copy_into_slot): x * fl(1/W), or x / W in place. */
+static void divided(const ddp_zero_t *z, void *dst, const void *src, int64_t n) {
+  double w = (double)z->world;
+  if (z->dt == DDP_F32) {
+    float *d = dst;
+    const float *s = src;
+    if (z->opts.divide_in_place) {
+      for (int64_t k = 0; k < n; k++) d[k] = s[k] / (float)w;
+    } else {
+      float r = (float)(1.0 / w);
+      for (int64_t k = 0; k < n; k++) d[k] = s[k] * r;
+    }
+  } else {
+    double *d = dst;
+    const double *s = src;
+    if (z->opts.divide_in_place) {
+      for (int64_t k = 0; k < n; k++) d[k] = s[k] / w;
+    } else {
+      double r = 1.0 / w;
+      for (int64_t k = 0; k < n; k++) d[k] = s[k] * r;
+    }
+  }
+}
+
+ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  if (z->opts.stage < 2) return DDP_OK;
+  memset(z->flat, 0, (size_t)z->world * z->seg * z->esz);
+  for (size_t i = 0; i < z->n; i++) {
+    const ddp_tensor_t *g = z->params[i].grad;
+    if (g->data) divided(z, slot(z, i), g->data, g->numel); /* None: zeros, as DDP */
+  }
+  unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
+  DDP_CHECK(coll(z,
+                 ddp_reduce_scatter(z->pg, z->flat, mine, z->seg, z->dt, DDP_OP_SUM, &z->works[0]),
+                 "gradient reduce_scatter", err));
+  for (size_t i = 0; i < z->n; i++) {
+    ddp_tensor_t *g = z->params[i].grad;
+    if (z->owner[i] != z->rank) {
+      if (g->data) { /* None, as ddp_optim_zero_grad(set_to_none) makes it */
+        ddp_tensor_t hdr = *g;
+        ddp_tensor_free(g);
+        *g = hdr;
+        g->data = NULL;
+        g->owns = false;
+      }
+      continue;
+    }
+    if (!g->data)
+      return ddp__error(err, z->rank, DDP_ERR_INVALID_USAGE,
+                        "zero: parameter %zu, owned by rank %d, has no gradient storage", i,
+                        z->rank);
+    memcpy(g->data, slot(z, i), (size_t)g->numel * z->esz);
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *total_norm,
+                                     ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  ddp_grad_norms(z->clip, z->n, z->norms); /* 0 for the slots of other owners */
+  if (z->n)
+    DDP_CHECK(
+        coll(z, ddp_allreduce(z->pg, z->norms, z->norms, z->n, DDP_F64, DDP_OP_SUM, &z->works[0]),
+             "gradient norm allreduce", err));
+  ddp_clip_grad_norm_from_norms(z->clip, z->n, z->norms, z->dt, max_norm, total_norm);
+  return DDP_OK;
+}
+
+static ddp_status_t sync_params(ddp_zero_t *z, ddp_error_t *err) {
+  if (z->opts.stage == 1) { /* _sync_params: each rank's parameters from it, rank by rank */
+    size_t m = 0;
+    ddp_status_t st = DDP_OK;
+    for (int r = 0; r < z->world && st == DDP_OK; r++)
+      for (size_t i = 0; i < z->n && st == DDP_OK; i++) {
+        if (z->owner[i] != r) continue;
+        ddp_tensor_t *p = z->params[i].param;
+        st = ddp_broadcast(z->pg, p->data, (size_t)p->numel, z->dt, r, &z->works[m]);
+        if (st == DDP_OK) m++;
+      }
+    ddp_status_t ws = wait_all(z, m, "parameter broadcast", err);
+    return st != DDP_OK ? coll(z, st, "parameter broadcast", err) : ws;
+  }
+  for (size_t i = 0; i < z->n; i++)
+    if (z->owner[i] == z->rank) {
+      const ddp_tensor_t *p = z->params[i].param;
+      memcpy(slot(z, i), p->data, (size_t)p->numel * z->esz);
+    }
+  unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
+  DDP_CHECK(coll(z, ddp_allgather(z->pg, mine, z->flat, z->seg, z->dt, &z->works[0]),
+                 "parameter allgather", err));
+  for (size_t i = 0; i < z->n; i++)
+    if (z->owner[i] != z->rank) {
+      ddp_tensor_t *p = z->params[i].param;
+      memcpy(p->data, slot(z, i), (size_t)p->numel * z->esz);
+    }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_zero_step(ddp_zero_t *z, double lr, ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  for (size_t g = 0; g < z->ngroups; g++) {
+    ddp_optim_set_lr(z->opt[g], lr);
+    DDP_CHECK(ddp_optim_step(z->opt[g], err));
+  }
+  return sync_params(z, err);
+}
+
+void ddp_zero_zero_grad(ddp_zero_t *z, bool set_to_none) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  for (size_t i = 0; i < z->n; i++) {
+    ddp_tensor_t *g = z->params[i].grad;
+    if (!g->data) continue;
+    if (set_to_none) {
+      ddp_tensor_t hdr = *g;
+      ddp_tensor_free(g);
+      *g = hdr;
+      g->data = NULL;
+      g->owns = false;
+    } else {
+      memset(g->data, 0, (size_t)g->numel * z->esz);
+    }
+  }
+}
+
+void ddp_zero_state_bytes(const ddp_zero_t *z, size_t *param_bytes, size_t *grad_bytes,
+                          size_t *optim_bytes) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  size_t pb = 0, gb = 0, ob = 0;
+  for (size_t i = 0; i < z->n; i++) {
+    pb += (size_t)z->params[i].param->numel * z->esz;
+    const ddp_tensor_t *g = z->params[i].grad;
+    if (g->data) gb += (size_t)g->numel * z->esz;
+  }
+  for (size_t g = 0; g < z->ngroups; g++) ob += ddp_optim_state_bytes(z->opt[g]);
+  if (param_bytes) *param_bytes = pb;
+  if (grad_bytes) *grad_bytes = gb;
+  if (optim_bytes) *optim_bytes = ob;
+}

@@ -1,0 +1,168 @@
+/* Sharded data parallelism in the trainer (docs/sharding.md): Hugging Face's --fsdp and
+ * --deepspeed switches read into a ZeRO stage, the ZeRO handle over the trainer's optimizer
+ * groups, and the state bytes of metrics.jsonl. */
+#include <stdio.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/common.h"
+#include "train/trainer.h"
+
+#define FSDP_CHOICES                                                              \
+  "shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; full_shard, hybrid_shard, " \
+  "hybrid_shard_zero2 and offload are not implemented yet"
+
+/* --fsdp: space-separated options (HF's FSDPOption). */
+static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t *err) {
+  char buf[DDP_TRAIN_STR_MAX];
+  snprintf(buf, sizeof buf, "%s", s);
+  int st = -1;
+  for (char *save = NULL, *w = strtok_r(buf, " ,", &save); w; w = strtok_r(NULL, " ,", &save)) {
+    if (!strcmp(w, "auto_wrap")) continue;
+    int v = !strcmp(w, "shard_grad_op") ? 2 : !strcmp(w, "no_shard") ? 0 : -1;
+    bool later = !strcmp(w, "full_shard") || !strcmp(w, "hybrid_shard") ||
+                 !strcmp(w, "hybrid_shard_zero2") || !strcmp(w, "offload");
+    if (v < 0)
+      return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "--fsdp: option '%s' is %s; %s", w,
+                        later ? "not implemented yet" : "unknown", "choices: " FSDP_CHOICES);
+    if (st >= 0 && st != v)
+      return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                        "--fsdp '%s': shard_grad_op and no_shard are exclusive", s);
+    st = v;
+  }
+  if (st < 0)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp '%s' names no sharding strategy; choices: " FSDP_CHOICES, s);
+  *stage = st;
+  return DDP_OK;
+}
+
+/* --deepspeed: zero_optimization.stage of the JSON file (DeepSpeed's default 0). */
+static ddp_status_t deepspeed_stage(const char *path, int rank, int *stage, ddp_error_t *err) {
+  char *text = NULL;
+  DDP_CHECK(ddp__file_read(path, 1 << 24, rank, "--deepspeed config", &text, NULL, err));
+  cJSON *o = NULL;
+  ddp_status_t st = ddp__json_read(text, path, rank, &o, err);
+  ddp__free(text);
+  if (st != DDP_OK) return st;
+  const cJSON *zo = cJSON_GetObjectItemCaseSensitive(o, "zero_optimization");
+  const cJSON *sv = cJSON_IsObject(zo) ? cJSON_GetObjectItemCaseSensitive(zo, "stage") : NULL;
+  *stage = 0;
+  if (sv) {
+    char *shown = cJSON_PrintUnformatted(sv);
+    double v = cJSON_IsNumber(sv) ? sv->valuedouble : -1;
+    if (v != 0 && v != 1 && v != 2 && v != 3)
+      st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--deepspeed %s: zero_optimization.stage %s is not a ZeRO stage (0, 1, 2 "
+                      "or 3)",
+                      path, shown ? shown : "?");
+    else if (v == 3)
+      st = ddp__error(err, rank, DDP_ERR_UNSUPPORTED,
+                      "--deepspeed %s: zero_optimization.stage 3 (parameters sharded) is not "
+                      "implemented yet; stages 1 and 2 are (docs/sharding.md)",
+                      path);
+    else
+      *stage = (int)v;
+    cJSON_free(shown);
+  }
+  cJSON_Delete(o);
+  return st;
+}
+
+ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *stage,
+                                   ddp_error_t *err) {
+  *stage = 0;
+  if (a->fsdp[0] && a->deepspeed[0])
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp '%s' and --deepspeed %s: only one of FSDP and DeepSpeed can be "
+                      "used (as in transformers' TrainingArguments)",
+                      a->fsdp, a->deepspeed);
+  if (a->fsdp[0]) return fsdp_stage(a->fsdp, rank, stage, err);
+  if (a->deepspeed[0]) return deepspeed_stage(a->deepspeed, rank, stage, err);
+  return DDP_OK;
+}
+
+ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
+  const ddp_train_args_t *a = t->a;
+  int stage = 0;
+  DDP_CHECK(ddp__train_zero_stage(a, t->rank, &stage, t->err));
+  if (stage == 0) return DDP_OK;
+  const char *why = NULL;
+  if (t->inv_k) why = "world_size_invariant_shards";
+  if (stage == 2 && strcmp(a->comm_hook, "no") != 0) why = "a comm_hook (stage 2 has no allreduce)";
+  if (a->resume_from_checkpoint[0]) why = "resume_from_checkpoint";
+  if (why)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "ZeRO stage %d (--%s) does not combine with %s yet", stage,
+                      a->fsdp[0] ? "fsdp" : "deepspeed", why);
+  ddp_zero_group_t groups[DDP__TRAIN_MAX_GROUPS];
+  for (size_t g = 0, off = 0; g < t->nopt; g++) {
+    size_t n = ddp_optim_num_params(t->opt[g]);
+    groups[g] = (ddp_zero_group_t){*ddp_optim_options(t->opt[g]), t->pairs + off, n};
+    off += n;
+  }
+  ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
+  zo.stage = stage;
+  zo.divide_in_place = a->gradient_as_bucket_view;
+  return ddp_zero_create(t->pg, &zo, groups, t->nopt, &t->zero, t->err);
+}
+
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]) {
+  if (t->zero) {
+    size_t p, g, o;
+    ddp_zero_state_bytes(t->zero, &p, &g, &o);
+    own[0] = (double)p, own[1] = (double)g, own[2] = (double)o;
+    return;
+  }
+  own[0] = own[1] = own[2] = 0;
+  for (size_t i = 0; i < t->ntrain; i++) {
+    const ddp_tensor_t *p = t->pairs[i].param, *g = t->pairs[i].grad;
+    own[0] += (double)((size_t)p->numel * ddp_dtype_size(p->dtype));
+    if (g->data) own[1] += (double)((size_t)g->numel * ddp_dtype_size(g->dtype));
+  }
+  for (size_t g = 0; g < t->nopt; g++) own[2] += (double)ddp_optim_state_bytes(t->opt[g]);
+}
+
+/* One metrics member: a JSON array of W integers. */
+static void member(ddp__json_t *j, const char *key, const double *all, int world, int k) {
+  char buf[4096];
+  size_t len = 0;
+  buf[len++] = '[';
+  for (int r = 0; r < world && len + 32 < sizeof buf; r++)
+    len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%.0f", r ? "," : "", all[r * 4 + k]);
+  snprintf(buf + len, sizeof buf - len, "]");
+  ddp__json_raw(j, key, buf);
+}
+
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j) {
+  int W = t->world;
+  double *all = ddp__calloc((size_t)W * 4, sizeof *all);
+  if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
+  ddp_status_t st = DDP_OK;
+  double mine[4] = {own[0], own[1], own[2], own[0] + own[1] + own[2]};
+  if (t->zero) { /* the ranks differ: gather them */
+    ddp_work_t *w = NULL;
+    st = ddp_allgather(t->pg, mine, all, 4, DDP_F64, &w);
+    if (st == DDP_OK) st = ddp_work_wait_free(w);
+    if (st != DDP_OK) {
+      ddp_error_t pe;
+      ddp_pg_last_error_copy(t->pg, &pe);
+      st = ddp__error_quiet(t->err, st, "trainer: state bytes allgather: %s", pe.msg);
+    }
+  } else { /* DDP: every rank holds the same */
+    for (int r = 0; r < W; r++) memcpy(all + r * 4, mine, sizeof mine);
+  }
+  if (st == DDP_OK && j) {
+    ddp__json_str(j, "sharding",
+                  !t->zero                       ? "ddp"
+                  : ddp_zero_stage(t->zero) == 1 ? "zero1"
+                                                 : "zero2");
+    member(j, "param_bytes", all, W, 0);
+    member(j, "grad_bytes", all, W, 1);
+    member(j, "optim_bytes", all, W, 2);
+    member(j, "state_bytes", all, W, 3);
+  }
+  ddp__free(all);
+  return st;
+}
