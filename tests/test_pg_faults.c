@@ -728,7 +728,7 @@ static void test_ddp_train_threads_local_failure(void **state) {
                {"rank 2 fails at step 3 (injected)", outdir, "rank=2,step=3,kind=crash",
                 "fault injection: crash at", "rank 2 aborted the group"},
                {"output_dir under a file (rank 0 only)", bad_out, "", "plain-file",
-                "rank 0 aborted the group: mkdir"}};
+                "rank 0 aborted the group: output_dir: mkdir"}};
   for (int c = 0; c < 2; c++) {
     const char *argv[] = {"--threads",
                           "4",

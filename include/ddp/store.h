@@ -76,8 +76,7 @@ typedef struct ddp_store_callbacks {
   ddp_status_t (*set)(void *ctx, const char *key, const void *v, size_t n, ddp_error_t *err);
   ddp_status_t (*get)(void *ctx, const char *key, bool *found, void **v, size_t *n,
                       ddp_error_t *err);
-  ddp_status_t (*add)(void *ctx, const char *key, int64_t delta, int64_t *result,
-                      ddp_error_t *err);
+  ddp_status_t (*add)(void *ctx, const char *key, int64_t delta, int64_t *result, ddp_error_t *err);
   ddp_status_t (*check)(void *ctx, const char *const *keys, size_t nkeys, bool *all_exist,
                         ddp_error_t *err);
   ddp_status_t (*del)(void *ctx, const char *key, bool *deleted, ddp_error_t *err);
@@ -89,8 +88,8 @@ typedef struct ddp_store_callbacks {
 } ddp_store_callbacks_t;
 
 DDP_API ddp_status_t ddp_store_create_callbacks(const ddp_store_callbacks_t *cb,
-                                                const ddp_store_options_t *opts,
-                                                ddp_store_t **out, ddp_error_t *err);
+                                                const ddp_store_options_t *opts, ddp_store_t **out,
+                                                ddp_error_t *err);
 
 /* A TCP store server alone, serving on listen_fd (a listening TCP socket; it is the
  * server's from now on, and closed by ddp_store_server_stop) from one background thread,

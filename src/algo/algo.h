@@ -120,6 +120,10 @@ void ddp__shared_attach(ddp__comm_t *c, int pid);
  * which the caller prefixes) and the status is returned. */
 ddp_status_t ddp__run_shared(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err);
 ddp_status_t ddp__run_link(ddp__comm_t *c, const ddp__coll_t *op, ddp_error_t *err);
+/* Shared family, from any thread and outside any collective: DDP_OK while no rank has
+ * failed or aborted the group, else that failure (REMOTE naming the rank). A rank that waits
+ * without running a collective (a fault's hang) polls it to learn that the others gave up. */
+ddp_status_t ddp__shared_group_failed(ddp__comm_t *c, ddp_error_t *err);
 
 /* From any thread: makes the running and later operations fail (ABORTED here, REMOTE on
  * peers). */

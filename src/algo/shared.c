@@ -206,6 +206,10 @@ static ddp_status_t check_failed(ddp__comm_t *c, ddp_error_t *err) {
   return ddp__error_quiet(err, DDP_ERR_REMOTE, "rank %d failed the group: %s", by, h->msg);
 }
 
+ddp_status_t ddp__shared_group_failed(ddp__comm_t *c, ddp_error_t *err) {
+  return check_failed(c, err);
+}
+
 typedef bool (*pred_fn)(ddp__comm_t *c, const void *arg);
 /* Appends "who we are waiting for" to buf. */
 typedef void (*describe_fn)(ddp__comm_t *c, const void *arg, char *buf, size_t n);

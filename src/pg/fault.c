@@ -46,12 +46,16 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
                         rank, where);
     case DDP_FAULT_HANG: {
       /* No collective is entered. The hang ends when the group has failed (the others
-       * timed out and told this rank), or after the timeout plus 1 s, so that thread ranks
-       * and an unsupervised process end by themselves. */
+       * timed out and told this rank: on the shared backends the control block says so),
+       * or after the timeout plus 1 s, so that thread ranks and an unsupervised process end
+       * by themselves. */
       int64_t t0 = ddp__fault_log(what, rank, where);
       int64_t end = t0 + (timeout_ms + 1000) * 1000000LL;
-      while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK) sleep_ms(10);
-      ddp_status_t gst = ddp_pg_status(pg);
+      bool told = false;
+      while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK &&
+             !(told = ddp__pg_peers_failed(pg)))
+        sleep_ms(10);
+      ddp_status_t gst = told ? DDP_ERR_REMOTE : ddp_pg_status(pg);
       double ms = (double)(ddp_now_ns() - t0) * 1e-6;
       snprintf(why, sizeof why, "fault injection: hang at %s released after %.0f ms", where, ms);
       ddp_pg_abort_reason(pg, why);

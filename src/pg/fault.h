@@ -33,6 +33,10 @@ ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq,
                                   int64_t timeout_ms, ddp_error_t *err);
 
 /* Runs fault `what` now on this rank (ddp_pg_inject_fault's contract in ddp/pg.h). */
+/* True when a peer has failed the group while this rank does not run a collective (shared
+ * family: the control block says so; other backends cannot tell without a collective, and
+ * answer false). Defined in pg.c, which owns the group's state. */
+bool ddp__pg_peers_failed(ddp_pg_t *pg);
 ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_fault_t *what,
                                 const char *where, int64_t timeout_ms, ddp_error_t *err);
 

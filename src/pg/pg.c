@@ -487,6 +487,12 @@ void ddp_pg_free(ddp_pg_t *pg, void *ptr) {
   }
 }
 
+bool ddp__pg_peers_failed(ddp_pg_t *pg) {
+  if (pg->ops->family != DDP_BACKEND_SHARED || !pg->comm.sh) return false;
+  ddp_error_t e;
+  return ddp__shared_group_failed(&pg->comm, &e) != DDP_OK;
+}
+
 /* ---------------------------------------------------------------- work handles ----- */
 
 /* Wakes the progress thread for lazily queued work (pg->mu held): a caller that polls or

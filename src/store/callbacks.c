@@ -101,8 +101,7 @@ static ddp_status_t cb_cset(ddp_store_t *s, const ddp__store_call_t *c, const ch
   cb_store_t *f = cbs(s);
   if (!f->cb.compare_set) return unsupported(s, c, "compare_set");
   ddp_error_t e = {0};
-  ddp_status_t st =
-      f->cb.compare_set(f->cb.ctx, key, exp, exp_n, des, des_n, actual, actual_n, &e);
+  ddp_status_t st = f->cb.compare_set(f->cb.ctx, key, exp, exp_n, des, des_n, actual, actual_n, &e);
   return st == DDP_OK ? DDP_OK : failed(s, c, st, &e, "compare_set");
 }
 

@@ -134,7 +134,9 @@ static ddp_status_t differ(ddp__trainer_t *t, size_t i, int r, const int64_t *al
 ddp_status_t ddp__train_agree(ddp__trainer_t *t) {
   const size_t nargs = ddp_train_arg_count(), n = nargs + 2;
   ddp_status_t local = t->rank == 0 ? lock_output(t) : DDP_OK;
-  if (t->world == 1) return local;
+  /* A rank that cannot start returns at once: ddp_train aborts the group with its message,
+   * which the peers, waiting in the exchange below, quote (src/train/fail.c). */
+  if (t->world == 1 || local != DDP_OK) return local;
   int64_t *mine = ddp__calloc(n, sizeof *mine);
   int64_t *all = ddp__calloc(n * (size_t)t->world, sizeof *all);
   ddp_status_t st = DDP_OK;
@@ -142,7 +144,7 @@ ddp_status_t ddp__train_agree(ddp__trainer_t *t) {
     st = ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
     goto out;
   }
-  mine[0] = local;
+  mine[0] = 0; /* slot 0 is unused: a rank that cannot start aborts instead (above) */
   for (size_t i = 0; i < nargs; i++) {
     char text[DDP_TRAIN_STR_MAX + 8];
     bool agree = ddp__train_arg_text(t->a, i, text, sizeof text);
@@ -150,17 +152,6 @@ ddp_status_t ddp__train_agree(ddp__trainer_t *t) {
   }
   mine[n - 1] = (int64_t)structure_digest(t->model);
   if ((st = gather(t, mine, all, n, "agreement")) != DDP_OK) goto out;
-  if (local != DDP_OK) { /* logged by lock_output */
-    st = local;
-    goto out;
-  }
-  for (int r = 0; r < t->world; r++) {
-    if (all[(size_t)r * n] != DDP_OK) {
-      st = ddp__error(t->err, t->rank, DDP_ERR_REMOTE, "rank %d failed to start: %s", r,
-                      ddp_status_str((ddp_status_t)all[(size_t)r * n]));
-      goto out;
-    }
-  }
   for (size_t i = 1; i < n; i++) {
     for (int r = 1; r < t->world; r++) {
       if (all[(size_t)r * n + i] != all[i]) {

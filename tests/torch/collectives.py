@@ -273,6 +273,10 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=60))
     R, W = dist.get_rank(), dist.get_world_size()
+    want = os.environ.get("DDP_BACKEND")
+    if BACKEND == "libddp" and want:
+        got = dist.distributed_c10d._get_default_group().transport
+        assert got == want, f"rank {R}: DDP_BACKEND={want} but the group runs on {got}"
     parts = os.environ.get("COLL_PARTS", "reductions,movement,all_to_all,p2p").split(",")
     if "reductions" in parts:
         reductions()
