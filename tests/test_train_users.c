@@ -257,11 +257,115 @@ static void test_duplicate_keys(void **state) {
          "config file dupargs.json: line 3: duplicate key \"seed\" (first at line 1)", NULL);
 }
 
+/* Issue 38, item 7: ddp-fr-trace skipped a corrupt dump and a missing path without a word
+ * ("no flight-recorder dump found"); each is now named with its problem. */
+static void test_fr_trace_names_bad_dumps(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("fr0.json", "{\"rank\": 0, \"entries\": [");
+  put("fr1.json", "");
+  put("fr2.json", "[1, 2]");
+  int rc = shell(&out, "/usr/bin/python3 '%s/tools/ddp-fr-trace' fr0.json fr1.json fr2.json nosuch",
+                 root);
+  expect("corrupt dumps", rc, out, 2,
+         "ddp-fr-trace: fr0.json: corrupt dump: Expecting value: line 1 column 25",
+         "ddp-fr-trace: fr1.json: corrupt dump: the file is empty",
+         "ddp-fr-trace: fr2.json: not a flight-recorder dump (no \"entries\" list)",
+         "ddp-fr-trace: nosuch: no such file or directory", NULL);
+}
+
+/* A fault spec that can never fire (rank >= world size, step >= max_steps) ran the job to
+ * the end as if the fault had been survived; it is refused before step 1. */
+static void test_fault_never_fires(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--threads 2 --max_steps 3 --ddp_fault rank=2,step=1,kind=crash");
+  expect("rank 2 of 2", rc, out, 1,
+         "--ddp_fault (DDP_FAULT) \"rank=2,step=1,kind=crash\" can never fire: rank 2 is "
+         "beyond the world size 2 (ranks 0 to 1)",
+         NULL);
+  rc = run(&out, "--threads 2 --max_steps 3 --ddp_fault rank=1,step=3,kind=hang");
+  expect("step 3 of 3", rc, out, 1,
+         "can never fire: step 3 is beyond the run's last step 2 (steps are 0-based; "
+         "max_steps 3)",
+         NULL);
+}
+
+/* A checkpoint of this version without its checksums.sha256 was resumed unverified, as a
+ * checkpoint from before checksums is; it is refused. */
+static void test_checksums_required(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--threads 2 --max_steps 2 --save_steps 2 --output_dir sums "
+                     "--disable_tqdm true");
+  expect("first run", rc, out, 0, NULL);
+  char path[512];
+  snprintf(path, sizeof path, "%s/sums/checkpoint-2/checksums.sha256", dir);
+  assert_int_equal(unlink(path), 0);
+  rc = run(&out, "--threads 2 --max_steps 4 --output_dir sums --resume_from_checkpoint "
+                 "sums/checkpoint-2");
+  expect("no checksums.sha256", rc, out, 1,
+         "sums/checkpoint-2/checksums.sha256 is missing: the checkpoint was written with "
+         "checksums (its trainer_state.json has checkpoint_format 2)",
+         NULL);
+}
+
+/* Resuming with another batch size, seed or data went on silently. At an epoch boundary it
+ * now warns as Transformers does; mid-epoch, where the rest of the epoch's order cannot be
+ * reproduced, it is refused naming the argument and both values. */
+static void test_resume_changed_args(void **state) {
+  (void)state;
+  char *out = NULL;
+  int rc = run(&out, "--threads 2 --max_steps 2 --save_steps 2 --output_dir mid "
+                     "--disable_tqdm true");
+  expect("mid-epoch checkpoint", rc, out, 0, NULL);
+  rc = run(&out, "--threads 2 --max_steps 4 --output_dir mid --resume_from_checkpoint "
+                 "mid/checkpoint-2 --per_device_train_batch_size 4");
+  expect("batch size mid-epoch", rc, out, 1,
+         "cannot resume mid/checkpoint-2 with a different per_device_train_batch_size (8 "
+         "then, 4 now): the checkpoint is in the middle of epoch 0 (2 of its 113 steps done)",
+         NULL);
+  rc = run(&out, "--threads 2 --max_steps 4 --output_dir mid --resume_from_checkpoint "
+                 "mid/checkpoint-2 --seed 3");
+  expect("seed mid-epoch", rc, out, 1, "with a different seed (42 then, 3 now)", NULL);
+  /* 1797 samples, 2 ranks of 512: 2 steps an epoch, so checkpoint-2 is at a boundary. */
+  rc = run(&out, "--threads 2 --max_steps 2 --save_steps 2 --per_device_train_batch_size 512 "
+                 "--output_dir edge --disable_tqdm true");
+  expect("epoch-boundary checkpoint", rc, out, 0, NULL);
+  rc = run(&out, "--threads 2 --max_steps 3 --output_dir edge --resume_from_checkpoint "
+                 "edge/checkpoint-2 --per_device_train_batch_size 256 --seed 3 "
+                 "--disable_tqdm true");
+  expect("epoch boundary", rc, out, 0,
+         "Warning: The training argument 'per_device_train_batch_size' value (256) does not "
+         "match the trainer state's value (512) in edge/checkpoint-2/trainer_state.json",
+         "Warning: The training argument 'seed' value (3) does not match the trainer state's "
+         "value (42)",
+         NULL);
+  put("g.json", "{\"model_type\": \"gpt2\", \"n_layer\": 1, \"n_embd\": 16, \"n_head\": 2, "
+                "\"n_positions\": 64, \"vocab_size\": 256}");
+  rc = run(&out,
+           "--threads 2 --model g.json --data '%s/tests/data/kjv_genesis_exodus.txt' "
+           "--block_size 32 --max_steps 2 --save_steps 2 --output_dir lm --disable_tqdm true",
+           root);
+  expect("GPT-2 checkpoint", rc, out, 0, NULL);
+  rc = run(&out,
+           "--threads 2 --model g.json --data '%s/tests/data/kjv_genesis_exodus.txt' "
+           "--block_size 16 --max_steps 4 --output_dir lm --resume_from_checkpoint "
+           "lm/checkpoint-2",
+           root);
+  expect("block size mid-epoch", rc, out, 1,
+         "with a different training data (11477 samples of 32 elements then, 22954 of 16 now: "
+         "another --data, --block_size or --max_seq_length)",
+         NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_model_file_first), cmocka_unit_test(test_corpus_needs_lm),
-      cmocka_unit_test(test_output_dir_lock),  cmocka_unit_test(test_ranks_disagree),
-      cmocka_unit_test(test_nonfinite_stops),  cmocka_unit_test(test_duplicate_keys),
+      cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
+      cmocka_unit_test(test_output_dir_lock),          cmocka_unit_test(test_ranks_disagree),
+      cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
+      cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
+      cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

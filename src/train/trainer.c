@@ -279,6 +279,7 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   int world = 0;
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
+  DDP_CHECK(ddp__train_resume_check(t, dir));
   DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt[0], NULL, t->err));
   for (size_t g = 1; g < t->nopt; g++) {
     char path[DDP_TRAIN_STR_MAX + 64];
@@ -399,6 +400,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   DDP_CHECK(ddp__train_fault_init(&t->fault, t->rank, t->err));
   DDP_CHECK(ddp__train_agree(t));
   DDP_CHECK(ddp__trainer_setup(t));
+  DDP_CHECK(ddp__train_fault_check(&t->fault, t->world, t->max_steps, t->err));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
   DDP_CHECK(resume_hook_state(t));

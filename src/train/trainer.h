@@ -41,6 +41,7 @@ typedef struct ddp__trainer {
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
+  char data_digest[17];     /* the training data's digest, "" until computed (resume_check.c) */
 
   /* world_size_invariant_shards (invariant mode; setup.c, trainer.c) */
   int64_t inv_k;    /* K shards per global batch; 0: off */
@@ -75,5 +76,13 @@ ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out);
 ddp_status_t ddp__train_agree(ddp__trainer_t *t);
 /* Drops rank 0's output_dir lock (a no-op when not held). */
 void ddp__train_unlock(ddp__trainer_t *t);
+
+/* The training data's digest (16 hex digits; FNV-1a of every sample's bytes), computed
+ * once (resume_check.c). */
+ddp_status_t ddp__train_data_digest(ddp__trainer_t *t, char hex[17]);
+/* Resuming `dir`: Transformers' warning for a changed per_device_train_batch_size, seed,
+ * data_seed or training data; DDP_ERR_INVALID_ARGUMENT when the checkpoint is mid-epoch and
+ * the change makes the rest of the epoch's data order unreproducible (resume_check.c). */
+ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir);
 
 #endif /* DDP_TRAIN_TRAINER_H */
