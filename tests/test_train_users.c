@@ -184,7 +184,8 @@ static void test_ranks_disagree(void **state) {
            exe, exe);
   put("wrap.sh", wrap);
   int rc = shell(&out,
-                 "chmod +x wrap.sh && '%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh "
+                 "chmod +x wrap.sh && '%s/ddprun' --nproc_per_node 2 --backend shm --standalone "
+                 "./wrap.sh "
                  "--max_steps 3 --logging_steps 1 --disable_tqdm true --output_dir disagree",
                  tools);
   if (strstr(out, "step      1/")) fail_msg("a step ran:\n%s", out);
@@ -196,7 +197,7 @@ static void test_ranks_disagree(void **state) {
            exe, exe);
   put("wrap.sh", wrap);
   rc = shell(&out,
-             "'%s/ddprun' --nproc_per_node 2 --backend shm ./wrap.sh --max_steps 3 "
+             "'%s/ddprun' --nproc_per_node 2 --backend shm --standalone ./wrap.sh --max_steps 3 "
              "--disable_tqdm true --output_dir disagree",
              tools);
   expect("rank 1 --ddp_bucket_cap_mb 1", rc, out, 1,
@@ -359,6 +360,35 @@ static void test_resume_changed_args(void **state) {
          NULL);
 }
 
+/* A BERT CSV's label outside [0, num_labels) was found only in the loss, mid-training
+ * ("cross_entropy: Target 5 is out of bounds (row 0, 2 classes)"); the CSV is checked as it
+ * is read, before training, naming its line. */
+static void test_csv_labels_checked(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("c.csv", "text,label\nhello there,0\ngood day,1\nbad one,5\nfine,1\n");
+  put("b.json", "{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "
+                "\"num_attention_heads\": 2, \"intermediate_size\": 32, "
+                "\"max_position_embeddings\": 64, \"vocab_size\": 256}");
+  int rc = run(&out, "--threads 2 --model b.json --data c.csv --max_seq_length 16 "
+                     "--per_device_train_batch_size 2 --max_steps 2");
+  if (strstr(out, "cross_entropy")) fail_msg("the label reached the loss:\n%s", out);
+  expect("label 5 of 2", rc, out, 1,
+         "--data c.csv: text csv c.csv: line 4 column 2 ('label'): label 5 is not a class id in "
+         "[0, 2) (num_labels 2)",
+         NULL);
+}
+
+/* --config with text after its JSON object is refused (the shared reader), saying so. */
+static void test_config_trailing_text(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("two.json", "{\"max_steps\": 2}\n{\"seed\": 3}\n");
+  int rc = run(&out, "--config two.json");
+  expect("two objects", rc, out, 2,
+         "config file two.json: line 2, column 1: text after the end of the JSON value", NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -366,6 +396,7 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
+      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

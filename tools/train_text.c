@@ -175,7 +175,10 @@ static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = x->max_seq_length;
   o.pad_token_id = x->cfg.bert.pad_token_id >= 0 ? x->cfg.bert.pad_token_id : 0;
-  if (x->cfg.bert.num_labels == 1) o.label_dtype = DDP_F32; /* regression: MSE */
+  if (x->cfg.bert.num_labels == 1)
+    o.label_dtype = DDP_F32; /* regression: MSE */
+  else
+    o.num_labels = x->cfg.bert.num_labels; /* every label checked before training */
   ddp_status_t st = ddp_dataset_from_text_csv(src, &o, all, &err);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;
