@@ -389,6 +389,35 @@ static void test_config_trailing_text(void **state) {
          "config file two.json: line 2, column 1: text after the end of the JSON value", NULL);
 }
 
+/* Out of memory named neither the bytes nor what asked ("from_hf_config: cannot allocate
+ * the parameters", "matmul: arena exhausted"); both now say how many bytes were asked for. */
+static void test_oom_names_bytes(void **state) {
+  (void)state;
+  char *out = NULL;
+  /* 28 tensors of about 1.35 TB with their gradients: no machine here has it. */
+  put("huge.json", "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 65536, \"n_head\": 4, "
+                   "\"n_positions\": 64, \"vocab_size\": 1000000}");
+  int rc = run(&out, "--model huge.json --max_steps 1");
+  expect("huge GPT-2", rc, out, 2,
+         "--model huge.json: from_hf_config: cannot allocate the parameters and their "
+         "gradients: out of memory asking for 1348969955328 bytes (1.35e+03 GB) in one block, "
+         "for 28 tensors",
+         NULL);
+  /* An outer product of 2^22 x 2^22 floats: 64 TiB for matmul's output. */
+  ddp_ctx_t *c = NULL;
+  assert_int_equal(ddp_ctx_create(&c), DDP_OK);
+  int64_t sa[2] = {1 << 22, 1}, sb[2] = {1, 1 << 22};
+  ddp_var_t *a = NULL, *b = NULL, *y = NULL;
+  assert_int_equal(ddp_var_new(c, DDP_F32, 2, sa, NULL, false, &a), DDP_OK);
+  assert_int_equal(ddp_var_new(c, DDP_F32, 2, sb, NULL, false, &b), DDP_OK);
+  assert_int_equal(ddp_matmul(c, a, b, &y), DDP_ERR_NO_MEMORY);
+  ddp_error_t e = {0};
+  ddp_ctx_last_error_copy(c, &e);
+  ddp_ctx_destroy(c);
+  if (!strstr(e.msg, "matmul: arena exhausted (out of memory: 70368744177664 bytes asked for"))
+    fail_msg("matmul's message: %s", e.msg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -396,7 +425,8 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_csv_labels_checked),
+      cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }
