@@ -418,6 +418,31 @@ static void test_oom_names_bytes(void **state) {
     fail_msg("matmul's message: %s", e.msg);
 }
 
+/* Integer limits in config.json: 1e20 and 2.5 were both "must be an integer (got a
+ * number)", and n_layer 2^31 was "gpt2: out of memory". Each now says what is wrong. */
+static void test_config_int_limits(void **state) {
+  (void)state;
+  static const struct {
+    const char *value, *want;
+  } cases[] = {
+      {"2.5", "lim.json: \"n_layer\" must be an integer (got 2.5)"},
+      {"1e20", "lim.json: \"n_layer\" (1e+20) is beyond the integers libddp reads exactly"},
+      {"2147483648", "lim.json: \"n_layer\" (2147483648) is beyond the limit 2147483647 (2^31 - "
+                     "1) for a size or count"},
+      {"0", "lim.json: \"n_layer\" must be a positive integer (got 0)"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[256], *out = NULL;
+    snprintf(text, sizeof text,
+             "{\"model_type\": \"gpt2\", \"n_layer\": %s, \"n_embd\": 16, \"n_head\": 2, "
+             "\"n_positions\": 64, \"vocab_size\": 256}",
+             cases[i].value);
+    put("lim.json", text);
+    int rc = run(&out, "--model lim.json --max_steps 1");
+    expect(cases[i].value, rc, out, 2, cases[i].want, NULL);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -425,8 +450,8 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_csv_labels_checked),
-      cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_config_int_limits),
+      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

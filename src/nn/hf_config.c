@@ -75,10 +75,17 @@ static ddp_status_t bad_key(ddp_error_t *err, ddp_status_t st, const char *path,
   return ddp__error(err, -1, st, "%s: \"%s\" %s", src_name(path), key, what);
 }
 
+/* Sizes and counts: positive, and at most INT32_MAX (a dimension that large is no model
+ * libddp can allocate; above it, a count would fail later as "out of memory" or overflow). */
+#define HF_DIM_MAX 2147483647LL
 static ddp_status_t need_pos(const char *path, const char *key, int64_t v, ddp_error_t *err) {
-  if (v >= 1) return DDP_OK;
-  char w[96];
-  snprintf(w, sizeof w, "must be a positive integer (got %lld)", (long long)v);
+  if (v >= 1 && v <= HF_DIM_MAX) return DDP_OK;
+  char w[128];
+  if (v < 1)
+    snprintf(w, sizeof w, "must be a positive integer (got %lld)", (long long)v);
+  else
+    snprintf(w, sizeof w, "(%lld) is beyond the limit %lld (2^31 - 1) for a size or count",
+             (long long)v, HF_DIM_MAX);
   return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
 }
 
@@ -217,8 +224,20 @@ static ddp_status_t get_int(parse_t *p, const char *key, bool nullable, int64_t 
     *out = null_value;
     return DDP_OK;
   }
-  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || fabs(v->valuedouble) > 9e15)
+  if (!cJSON_IsNumber(v))
     return wrong_type(p, key, v, nullable ? "an integer or null" : "an integer");
+  char w[160];
+  if (v->valuedouble != floor(v->valuedouble)) {
+    snprintf(w, sizeof w, "must be an integer (got %.17g)", v->valuedouble);
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, w);
+  }
+  /* Integers above 2^53 do not survive JSON's doubles (Python's json keeps them, libddp
+   * cannot): a limit, said as one, not "not an integer". */
+  if (fabs(v->valuedouble) > 9007199254740992.0) {
+    snprintf(w, sizeof w, "(%.17g) is beyond the integers libddp reads exactly (|n| <= 2^53)",
+             v->valuedouble);
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, w);
+  }
   *out = (int64_t)v->valuedouble;
   return DDP_OK;
 }
