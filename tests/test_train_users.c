@@ -443,6 +443,27 @@ static void test_config_int_limits(void **state) {
   }
 }
 
+/* A rank waiting for peers that never come was silent until its timeout; it now says
+ * "waiting for rank(s) ..." every 5 s (shm: the store join; tcp: the peers' connections). */
+static void test_waiting_for_ranks(void **state) {
+  (void)state;
+  char *out = NULL;
+  static const char *backends[2] = {"shm", "gloo"};
+  static const char *verbs[2] = {"join the shm group", "connect"};
+  for (int i = 0; i < 2; i++) {
+    char want[128], env[160];
+    snprintf(env, sizeof env,
+             "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+             "MASTER_PORT=%d",
+             20000 + (int)(getpid() % 20000) + i);
+    int rc = shell(&out, "%s '%s' --ddp_backend %s --ddp_timeout 7 --max_steps 1", env, exe,
+                   backends[i]);
+    snprintf(want, sizeof want, "rank 0: waiting for rank(s) 1 to %s (5 s of the 7 s timeout)",
+             verbs[i]);
+    expect(backends[i], rc, out, 1, want, "timed out after 7000 ms waiting for rank(s) 1", NULL);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -450,8 +471,9 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_config_int_limits),
-      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_waiting_for_ranks),        cmocka_unit_test(test_oom_names_bytes),
+      cmocka_unit_test(test_config_int_limits),        cmocka_unit_test(test_csv_labels_checked),
+      cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }
