@@ -464,6 +464,33 @@ static void test_waiting_for_ranks(void **state) {
   }
 }
 
+/* Flags of one kind of model given for another were ignored silently; they are refused
+ * naming the flag and the model, as Transformers' scripts refuse unused arguments. */
+static void test_flags_for_model(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("b.json", "{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "
+                "\"num_attention_heads\": 2, \"intermediate_size\": 32, "
+                "\"max_position_embeddings\": 64, \"vocab_size\": 256}");
+  put("g.json", "{\"model_type\": \"gpt2\", \"n_layer\": 1, \"n_embd\": 16, \"n_head\": 2, "
+                "\"n_positions\": 64, \"vocab_size\": 256}");
+  int rc = run(&out, "--model b.json --data c.csv --sample_prompt hi");
+  expect("--sample_prompt with BERT", rc, out, 2,
+         "--sample_prompt applies to GPT-2 (run_clm's text blocks and the sample after "
+         "training), but the model (b.json) is BERT, a classifier",
+         NULL);
+  rc = run(&out, "--model g.json --max_seq_length 32");
+  expect("--max_seq_length with GPT-2", rc, out, 2,
+         "--max_seq_length applies to BERT (run_glue's CSV texts), but the model (g.json) is "
+         "GPT-2, a causal language model",
+         "(GPT-2's sequence length is --block_size)", NULL);
+  rc = run(&out, "--block_size 8");
+  expect("--block_size with the MLP", rc, out, 2,
+         "--block_size applies to GPT-2 (run_clm's text blocks and the sample after training), "
+         "but the model (no --model) is the default MLP",
+         NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -471,9 +498,9 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_waiting_for_ranks),        cmocka_unit_test(test_oom_names_bytes),
-      cmocka_unit_test(test_config_int_limits),        cmocka_unit_test(test_csv_labels_checked),
-      cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_flags_for_model),          cmocka_unit_test(test_waiting_for_ranks),
+      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_config_int_limits),
+      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }
