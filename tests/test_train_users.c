@@ -491,6 +491,40 @@ static void test_flags_for_model(void **state) {
          NULL);
 }
 
+/* Issue 38, item 8: a config.json read and written back lost every key libddp does not
+ * model (bos_token_id, custom keys, BERT's label names), and a dump's meta.json had
+ * "model": {} for a Transformers model. Both now keep them, keys sorted as save_pretrained. */
+static void test_config_round_trip(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("gx.json", "{\"model_type\": \"gpt2\", \"n_layer\": 1, \"n_embd\": 16, \"n_head\": 2, "
+                 "\"n_positions\": 64, \"vocab_size\": 256, \"bos_token_id\": 50256, "
+                 "\"eos_token_id\": 50256, \"my_custom\": {\"a\": [1, 2]}}");
+  int rc = shell(&out,
+                 "'%s' --threads 2 --model gx.json --data '%s/tests/data/kjv_genesis_exodus.txt' "
+                 "--block_size 16 --max_steps 1 --save_strategy no --output_dir gx --dump_dir dd "
+                 "> gx.log 2>&1 && tr -d '\\n\\t' < gx/config.json && echo && "
+                 "tr -d '\\n\\t' < dd/meta.json",
+                 exe, root);
+  expect("GPT-2 config.json and meta.json", rc, out, 0,
+         "\"attn_pdrop\":0.1,\"bos_token_id\":50256,\"embd_pdrop\":0.1,\"eos_token_id\":50256,",
+         "\"model_type\":\"gpt2\",\"my_custom\":{\"a\":[1, 2]},\"n_embd\":16",
+         "\"model\":{\"activation_function\":\"gelu_new\"", NULL);
+  put("bx.json", "{\"model_type\": \"bert\", \"num_hidden_layers\": 1, \"hidden_size\": 16, "
+                 "\"num_attention_heads\": 2, \"intermediate_size\": 32, "
+                 "\"max_position_embeddings\": 64, \"vocab_size\": 256, \"id2label\": {\"0\": "
+                 "\"neg\", \"1\": \"pos\"}, \"label2id\": {\"neg\": 0, \"pos\": 1}, "
+                 "\"finetuning_task\": \"sst2\"}");
+  put("c2.csv", "text,label\nhello there,0\ngood day,1\nbad one,1\nfine,1\n");
+  rc = shell(&out,
+             "'%s' --threads 1 --model bx.json --data c2.csv --max_seq_length 16 "
+             "--per_device_train_batch_size 2 --max_steps 1 --save_strategy no --output_dir bx "
+             "> bx.log 2>&1 && tr -d '\\n\\t' < bx/config.json",
+             exe);
+  expect("BERT config.json", rc, out, 0, "\"finetuning_task\":\"sst2\"",
+         "\"id2label\":{\"0\":\"neg\",\"1\":\"pos\"}", "\"label2id\":{\"neg\":0,\"pos\":1}", NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -498,9 +532,10 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_flags_for_model),          cmocka_unit_test(test_waiting_for_ranks),
-      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_config_int_limits),
-      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_config_round_trip),        cmocka_unit_test(test_flags_for_model),
+      cmocka_unit_test(test_waiting_for_ranks),        cmocka_unit_test(test_oom_names_bytes),
+      cmocka_unit_test(test_config_int_limits),        cmocka_unit_test(test_csv_labels_checked),
+      cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }
