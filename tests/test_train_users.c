@@ -525,6 +525,36 @@ static void test_config_round_trip(void **state) {
          "\"id2label\":{\"0\":\"neg\",\"1\":\"pos\"}", "\"label2id\":{\"neg\":0,\"pos\":1}", NULL);
 }
 
+/* With zero_grad_set_to_none false, a parameter rank 0 never reaches kept the zeros of
+ * zero_grad, and ddp-train listed no local_grads_none from step 1 on, while
+ * tools/torch_reference.py (tensor hooks) lists it every step; both list it now. */
+static void test_local_grads_none(void **state) {
+  (void)state;
+  char *out = NULL;
+  put("br.json", "{\"layers\": [{\"type\": \"linear\", \"in\": 64, \"out\": 16}, {\"type\": "
+                 "\"branch\", \"flag\": 0, \"layers\": [{\"type\": \"linear\", \"in\": 16, "
+                 "\"out\": 16}]}, {\"type\": \"linear\", \"in\": 16, \"out\": 10}]}");
+  int rc = run(&out, "--threads 2 --model br.json --forward_flags 0,1 --zero_grad_set_to_none "
+                     "false --ddp_find_unused_parameters true --dump_dir dl --dump_local_grads "
+                     "true --max_steps 3 --save_strategy no --output_dir dlo");
+  expect("dump", rc, out, 0, NULL);
+  for (int r = 0; r < 2; r++) {
+    for (int step = 0; step < 3; step++) {
+      char path[512];
+      snprintf(path, sizeof path, "%s/dl/rank%d/step%06d.safetensors", dir, r, step);
+      ddp_st_file_t *f = NULL;
+      ddp_error_t err = {0};
+      assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, &err), DDP_OK);
+      const char *v = ddp_st_meta_get(f, "local_grads_none");
+      const char *want = r == 0 ? "1.body.0.weight,1.body.0.bias" : "";
+      if (!v || strcmp(v, want) != 0)
+        fail_msg("rank %d step %d: local_grads_none \"%s\", expected \"%s\"", r, step,
+                 v ? v : "(absent)", want);
+      ddp_st_close(f);
+    }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_model_file_first),         cmocka_unit_test(test_corpus_needs_lm),
@@ -532,10 +562,10 @@ int main(void) {
       cmocka_unit_test(test_nonfinite_stops),          cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_fr_trace_names_bad_dumps), cmocka_unit_test(test_fault_never_fires),
       cmocka_unit_test(test_checksums_required),       cmocka_unit_test(test_resume_changed_args),
-      cmocka_unit_test(test_config_round_trip),        cmocka_unit_test(test_flags_for_model),
-      cmocka_unit_test(test_waiting_for_ranks),        cmocka_unit_test(test_oom_names_bytes),
-      cmocka_unit_test(test_config_int_limits),        cmocka_unit_test(test_csv_labels_checked),
-      cmocka_unit_test(test_config_trailing_text),
+      cmocka_unit_test(test_local_grads_none),         cmocka_unit_test(test_config_round_trip),
+      cmocka_unit_test(test_flags_for_model),          cmocka_unit_test(test_waiting_for_ranks),
+      cmocka_unit_test(test_oom_names_bytes),          cmocka_unit_test(test_config_int_limits),
+      cmocka_unit_test(test_csv_labels_checked),       cmocka_unit_test(test_config_trailing_text),
   };
   return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }
