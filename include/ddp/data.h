@@ -312,8 +312,9 @@ DDP_API ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n, int
  * UTF-8 byte order mark is skipped; blank lines are allowed only at the end. Every error
  * is DDP_ERR_INVALID_DATA naming the file, the 1-based line and column: an empty file, a
  * missing column, a record of the wrong width, an empty text, a label that is not an
- * integer (or not a number), a class id outside [0, num_labels), an unterminated quote (with the line where it opened), text
- * after a closing quote, a NUL byte, no records. The dataset is named "text_csv". */
+ * integer (or not a number), a class id outside [0, num_labels), an unterminated quote (with the
+ * line where it opened), text after a closing quote, a NUL byte, no records. The dataset is named
+ * "text_csv". */
 typedef struct ddp_text_csv_options {
   size_t struct_size;
   const char *text_column;  /* header name of the text; "text" */
