@@ -364,15 +364,17 @@ static ddp_status_t parse_bert(parse_t *p, ddp_bert_config_t *b) {
 static cJSON *to_json(const ddp_hf_config_t *cfg);
 
 /* cfg->extra: every key of root that to_json does not write, and BERT's id2label/label2id
- * as given (custom label names), as one JSON object. */
+ * as given when they are not the generated ones (custom label names), as one JSON object. */
 static ddp_status_t keep_extra(const cJSON *root, ddp_hf_config_t *cfg, const char *path,
                                ddp_error_t *err) {
   cfg->extra[0] = '\0';
   cJSON *ours = to_json(cfg), *extra = cJSON_CreateObject();
   ddp_status_t st = ours && extra ? DDP_OK : DDP_ERR_NO_MEMORY;
   for (const cJSON *k = root->child; st == DDP_OK && k; k = k->next) {
+    /* id2label/label2id: kept only when they differ from the generated LABEL_i names */
+    const cJSON *mine = cJSON_GetObjectItemCaseSensitive(ours, k->string);
     bool labels = !strcmp(k->string, "id2label") || !strcmp(k->string, "label2id");
-    if (!labels && cJSON_GetObjectItemCaseSensitive(ours, k->string)) continue;
+    if (mine && (!labels || cJSON_Compare(k, mine, true))) continue;
     cJSON *copy = cJSON_Duplicate(k, true);
     if (!copy || !cJSON_AddItemToObject(extra, k->string, copy)) st = DDP_ERR_NO_MEMORY;
   }
