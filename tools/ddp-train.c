@@ -491,6 +491,7 @@ int main(int argc, char **argv) {
     }
   }
   if ((rc = train_text_probe(&t.text, t.model_path)) != 0) return rc;
+  if ((rc = train_text_check_flags(&t.text, t.model_path)) != 0) return rc;
   /* The model file before the data: its own error (a JSON syntax error with its line and
    * column, a missing "layers" or "model_type") is not to be blamed on the data. */
   if (t.model_path) {

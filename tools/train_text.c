@@ -48,6 +48,40 @@ static bool parse_i64(const char *v, int64_t lo, int64_t hi, int64_t *out) {
   return true;
 }
 
+/* Remembers that flag `name` (a static string of this file) was given. */
+static void given(train_text_t *x, const char *name) {
+  for (int i = 0; i < x->ngiven; i++)
+    if (!strcmp(x->given[i], name)) return;
+  if (x->ngiven < (int)(sizeof x->given / sizeof *x->given)) x->given[x->ngiven++] = name;
+}
+
+int train_text_check_flags(const train_text_t *x, const char *model_path) {
+  bool lm = x->hf && x->task == DDP_TASK_CAUSAL_LM;
+  bool bert = x->hf && !lm;
+  const char *model = x->hf        ? (lm ? "GPT-2, a causal language model" : "BERT, a classifier")
+                      : model_path ? "a libddp model file"
+                                   : "the default MLP";
+  for (int i = 0; i < x->ngiven; i++) {
+    const char *f = x->given[i];
+    bool for_lm = strcmp(f, "max_seq_length") != 0; /* block_size and sample_* */
+    if (for_lm ? lm : bert) continue;
+    return say(2,
+               "--%s applies to %s, but the model (%s) is %s; Transformers' scripts refuse an "
+               "argument they do not use, and so does ddp-train%s",
+               f,
+               for_lm ? "GPT-2 (run_clm's text blocks and the sample after training)"
+                      : "BERT (run_glue's CSV texts)",
+               x->model_desc ? x->model_desc
+               : model_path  ? model_path
+                             : "no --model",
+               model,
+               lm                                 ? " (GPT-2's sequence length is --block_size)"
+               : bert && !strcmp(f, "block_size") ? " (BERT's sequence length is --max_seq_length)"
+                                                  : "");
+  }
+  return 0;
+}
+
 bool train_text_flag(train_text_t *x, const char *name, const char *value, int *rc) {
   *rc = 0;
   struct {
@@ -59,6 +93,7 @@ bool train_text_flag(train_text_t *x, const char *name, const char *value, int *
               {"sample_max_new_tokens", &x->sample_max_new_tokens, 0}};
   for (size_t i = 0; i < sizeof ints / sizeof *ints; i++) {
     if (strcmp(name, ints[i].name) != 0) continue;
+    given(x, ints[i].name);
     if (!parse_i64(value, ints[i].lo, INT32_MAX, ints[i].dst)) {
       *rc = say(2, "--%s expects an integer >= %lld, got \"%s\"", name, (long long)ints[i].lo,
                 value);
@@ -70,6 +105,7 @@ bool train_text_flag(train_text_t *x, const char *name, const char *value, int *
     return true;
   }
   if (!strcmp(name, "sample_prompt")) {
+    given(x, "sample_prompt");
     if (!value[0]) *rc = say(2, "--sample_prompt needs at least one character");
     x->sample_prompt = value;
     return true;
@@ -175,7 +211,10 @@ static int csv_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_text_csv_options_t o = DDP_TEXT_CSV_OPTIONS_INIT;
   o.max_length = x->max_seq_length;
   o.pad_token_id = x->cfg.bert.pad_token_id >= 0 ? x->cfg.bert.pad_token_id : 0;
-  if (x->cfg.bert.num_labels == 1) o.label_dtype = DDP_F32; /* regression: MSE */
+  if (x->cfg.bert.num_labels == 1)
+    o.label_dtype = DDP_F32; /* regression: MSE */
+  else
+    o.num_labels = x->cfg.bert.num_labels; /* every label checked before training */
   ddp_status_t st = ddp_dataset_from_text_csv(src, &o, all, &err);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;

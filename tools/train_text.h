@@ -24,6 +24,8 @@ typedef struct train_text {
   const char *sample_prompt;     /* --sample_prompt; NULL: no sample */
   int64_t sample_top_k;          /* --sample_top_k; 0: greedy */
   int64_t sample_max_new_tokens; /* --sample_max_new_tokens; 64 */
+  const char *given[8];          /* the flags above given on the command line, in order */
+  int ngiven;
   /* the model, once probed */
   bool hf; /* a Transformers model (GPT-2 or BERT) */
   ddp_model_task_t task;
@@ -36,6 +38,12 @@ typedef struct train_text {
 
 #define TRAIN_TEXT_INIT \
   { .block_size = -1, .max_seq_length = 128, .sample_max_new_tokens = 64 }
+
+/* After train_text_probe: a flag of one kind of model given for another (--block_size or
+ * --sample_* with BERT, a libddp model or the default MLP; --max_seq_length with GPT-2 or a
+ * libddp model) is a usage error naming the flag and the model, as Transformers' scripts
+ * refuse arguments their parser does not use. model_path: --model, NULL when absent. */
+int train_text_check_flags(const train_text_t *x, const char *model_path);
 
 /* --help lines for these flags. */
 void train_text_usage(FILE *f);

@@ -312,8 +312,9 @@ DDP_API ddp_status_t ddp_dataset_lm_blocks(const int64_t *tokens, int64_t n, int
  * UTF-8 byte order mark is skipped; blank lines are allowed only at the end. Every error
  * is DDP_ERR_INVALID_DATA naming the file, the 1-based line and column: an empty file, a
  * missing column, a record of the wrong width, an empty text, a label that is not an
- * integer (or not a number), an unterminated quote (with the line where it opened), text
- * after a closing quote, a NUL byte, no records. The dataset is named "text_csv". */
+ * integer (or not a number), a class id outside [0, num_labels), an unterminated quote (with the
+ * line where it opened), text after a closing quote, a NUL byte, no records. The dataset is named
+ * "text_csv". */
 typedef struct ddp_text_csv_options {
   size_t struct_size;
   const char *text_column;  /* header name of the text; "text" */
@@ -322,9 +323,11 @@ typedef struct ddp_text_csv_options {
   int64_t pad_token_id;     /* id written past the text; 0 */
   ddp_dtype_t label_dtype;  /* DDP_I64 (classes) or DDP_F32 (regression); DDP_I64 */
   char delimiter;           /* ',' (0 means ','); '\t' reads TSV */
+  int64_t num_labels;       /* > 0 with I64 labels: each must be a class id in [0, num_labels)
+                             * (the model's num_labels), checked as the file is read; 0: any */
 } ddp_text_csv_options_t;
 #define DDP_TEXT_CSV_OPTIONS_INIT \
-  { sizeof(ddp_text_csv_options_t), "text", "label", 128, 0, DDP_I64, ',' }
+  { sizeof(ddp_text_csv_options_t), "text", "label", 128, 0, DDP_I64, ',', 0 }
 DDP_API ddp_status_t ddp_dataset_from_text_csv(const char *path, const ddp_text_csv_options_t *opts,
                                                ddp_dataset_t **out, ddp_error_t *err);
 

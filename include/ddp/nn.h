@@ -382,6 +382,7 @@ typedef enum ddp_hf_model_type {
 } ddp_hf_model_type_t;
 
 #define DDP_HF_NAME_MAX 32
+#define DDP_HF_EXTRA_MAX 16384
 
 /* config.json keys of GPT-2, with Transformers' defaults. */
 typedef struct ddp_gpt2_config {
@@ -429,6 +430,11 @@ typedef struct ddp_hf_config {
                                    * reports its own dtype here */
   ddp_gpt2_config_t gpt2;         /* model_type GPT2 */
   ddp_bert_config_t bert;         /* model_type BERT */
+  /* The keys of the parsed config.json that libddp does not model (bos_token_id,
+   * eos_token_id, task_specific_params, custom keys), and id2label/label2id as given, as
+   * one JSON object ("" when none): ddp_hf_config_write writes them back, as
+   * save_pretrained keeps every attribute of a config. */
+  char extra[DDP_HF_EXTRA_MAX];
 } ddp_hf_config_t;
 
 typedef enum ddp_model_task {
@@ -456,17 +462,22 @@ DDP_API void ddp_hf_config_defaults(ddp_hf_config_t *cfg, ddp_hf_model_type_t mo
  * Transformers settings libddp does not implement. */
 DDP_API ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char *path,
                                          ddp_error_t *err);
-/* config.json text -> config (Transformers' keys and defaults; unknown keys are ignored as
- * Transformers keeps them as plain attributes). An unknown model_type, a wrong JSON type,
- * n_embd % n_head != 0 and the like are DDP_ERR_INVALID_ARGUMENT naming the key; settings that
- * change the model in ways libddp does not implement are DDP_ERR_UNSUPPORTED. path only names
- * the source in messages (may be NULL). */
+/* config.json text -> config (Transformers' keys and defaults; the keys libddp does not model
+ * are kept in cfg->extra, as Transformers keeps them as plain attributes; more than
+ * DDP_HF_EXTRA_MAX bytes of them is DDP_ERR_UNSUPPORTED naming the size). An unknown model_type, a
+ * wrong JSON type, n_embd % n_head != 0 and the like are DDP_ERR_INVALID_ARGUMENT naming the key;
+ * settings that change the model in ways libddp does not implement are DDP_ERR_UNSUPPORTED. path
+ * only names the source in messages (may be NULL). */
 DDP_API ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_config_t *cfg,
                                          ddp_error_t *err);
 /* Writes config.json as save_pretrained does (sorted keys, "architectures", "model_type",
- * "torch_dtype", BERT's id2label/label2id), atomically. */
+ * "torch_dtype", BERT's id2label/label2id), with the keys kept in cfg->extra (which win over
+ * the generated id2label/label2id), atomically. */
 DDP_API ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path,
                                          ddp_error_t *err);
+/* The same config.json text (no trailing newline) into *out, freed with ddp_free. */
+DDP_API ddp_status_t ddp_hf_config_to_json(const ddp_hf_config_t *cfg, char **out,
+                                           ddp_error_t *err);
 /* A finalized model (zero weights: call ddp_model_init) of dtype dt (F32 or F64). */
 DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                                               ddp_model_t **out, ddp_error_t *err);

@@ -146,8 +146,10 @@ DDP_API ddp_status_t ddp_ddp_backward(ddp_ddp_t *ddp, ddp_ctx_t *ctx, ddp_var_t 
 
 /* Observes each managed parameter's local gradient in a synchronised backward: fn(user, p)
  * runs when p is marked ready, before its gradient is copied into (or divided in) its
- * bucket, so p->grad holds this rank's own accumulated gradient (data NULL: None). A
- * locally unused parameter is observed when the unused set is marked ready. NULL removes
+ * bucket, so p->grad holds this rank's own accumulated gradient (data NULL: None, also when
+ * no gradient reached p since its last sync and p->grad holds zero_grad's zeros, as
+ * PyTorch's tensor hooks see nothing then). A locally unused parameter is observed when the
+ * unused set is marked ready. NULL removes
  * the observer. For dumps (ddp_dump_local_grad). */
 typedef void (*ddp_local_grad_fn)(void *user, const ddp_param_t *p);
 DDP_API void ddp_ddp_set_local_grad_fn(ddp_ddp_t *ddp, ddp_local_grad_fn fn, void *user);

@@ -18,9 +18,15 @@ extern const ddp_backend_ops_t ddp__backend_nccl; /* DDP_HAVE_NCCL */
 ddp_status_t ddp__backend_store_failed(ddp_store_t *store, ddp_status_t st, ddp_error_t *err,
                                        const char *fmt, ...) DDP_PRINTF(4, 5);
 
+/* A rank waiting at create for peers that have not come logs "rank R: waiting for rank(s)
+ * ... (S s of the T s timeout)" at WARN every DDP__WAIT_REPORT_MS, so that a job waiting
+ * for a rank that was never started says so long before its timeout. */
+#define DDP__WAIT_REPORT_MS 5000
+
 /* Rendezvous step every backend ends its create with: publishes "<prefix>/joined/<rank>"
  * (value = the process id) and waits until all `size` ranks have, up to timeout_ms. On a
- * timeout the message names the ranks that never joined. pids (optional, size entries)
+ * timeout the message names the ranks that never joined; while it waits it reports every
+ * DDP__WAIT_REPORT_MS. pids (optional, size entries)
  * receives every rank's process id. */
 ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank, int size,
                                int64_t timeout_ms, int *pids, ddp_error_t *err);

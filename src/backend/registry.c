@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backend/backends.h"
@@ -73,8 +74,22 @@ ddp_status_t ddp__backend_store_failed(ddp_store_t *store, ddp_status_t st, ddp_
   return ddp__error_quiet(err, st, "%s: %s", what, se.msg);
 }
 
-/* On a timeout the store has logged the wait that timed out (naming the missing key); the
- * message here names the ranks instead, without logging again. */
+/* " 1 3": the ranks from `from` on whose joined key is not in the store yet. */
+static void missing_ranks(ddp_store_t *store, const char *prefix, int from, int size, char *buf,
+                          size_t cap) {
+  size_t o = 0;
+  buf[0] = '\0';
+  for (int k = from; k < size && o < cap; k++) {
+    char key[128];
+    bool ok = false;
+    snprintf(key, sizeof key, "%s/joined/%d", prefix, k);
+    const char *kk[1] = {key};
+    if (ddp_store_check(store, kk, 1, &ok) == DDP_OK && !ok)
+      o += (size_t)snprintf(buf + o, cap - o, " %d", k);
+  }
+}
+
+/* On a timeout the message names the ranks that never joined. */
 ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank, int size,
                                int64_t timeout_ms, int *pids, ddp_error_t *err) {
   char key[128];
@@ -84,27 +99,45 @@ ddp_status_t ddp__backend_join(ddp_store_t *store, const char *prefix, int rank,
   if (st != DDP_OK)
     return ddp__backend_store_failed(store, DDP_ERR_REMOTE, err, "rank %d: store set %s", rank,
                                      key);
-  int64_t deadline = ddp_deadline_after_ms(timeout_ms);
+  int64_t start = ddp_now_ns(), deadline = ddp_deadline_after_ms(timeout_ms);
+  int64_t next_report = start + (int64_t)DDP__WAIT_REPORT_MS * 1000000;
+  int64_t nap_us = 100;
   for (int j = 0; j < size; j++) {
     snprintf(key, sizeof key, "%s/joined/%d", prefix, j);
     const char *keys[1] = {key};
-    int64_t left = (deadline - ddp_now_ns()) / 1000000;
-    st = ddp_store_wait(store, keys, 1, left > 0 ? left : 0);
+    /* Polled (the store's own wait would log each slice's timeout), so that a rank waiting
+     * for peers that never come says so every DDP__WAIT_REPORT_MS, naming them. */
+    bool here = false;
+    st = DDP_OK;
+    for (;;) {
+      st = ddp_store_check(store, keys, 1, &here);
+      if (st != DDP_OK || here) break;
+      int64_t now = ddp_now_ns();
+      if (now >= deadline) {
+        st = DDP_ERR_TIMEOUT;
+        break;
+      }
+      if (now >= next_report) {
+        char missing[256];
+        missing_ranks(store, prefix, j, size, missing, sizeof missing);
+        ddp__log(rank, DDP_LOG_WARN,
+                 "rank %d: waiting for rank(s)%s to join the %s group (%lld s of the %lld s "
+                 "timeout)",
+                 rank, missing, prefix, (long long)((now - start) / 1000000000),
+                 (long long)(timeout_ms / 1000));
+        next_report = now + (int64_t)DDP__WAIT_REPORT_MS * 1000000;
+      }
+      struct timespec ts = {0, (long)nap_us * 1000};
+      nanosleep(&ts, NULL);
+      nap_us = DDP_MIN(nap_us * 2, 20000);
+    }
     if (st == DDP_ERR_TIMEOUT) {
       char missing[256];
-      size_t o = 0;
-      missing[0] = '\0';
-      for (int k = j; k < size && o < sizeof missing; k++) {
-        bool ok = false;
-        snprintf(key, sizeof key, "%s/joined/%d", prefix, k);
-        const char *kk[1] = {key};
-        if (ddp_store_check(store, kk, 1, &ok) == DDP_OK && !ok)
-          o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", k);
-      }
-      return ddp__error_quiet(err, DDP_ERR_TIMEOUT,
-                              "rank %d: timed out after %lld ms waiting for rank(s)%s to join "
-                              "the %s group",
-                              rank, (long long)timeout_ms, missing, prefix);
+      missing_ranks(store, prefix, j, size, missing, sizeof missing);
+      return ddp__error(err, rank, DDP_ERR_TIMEOUT,
+                        "rank %d: timed out after %lld ms waiting for rank(s)%s to join the %s "
+                        "group",
+                        rank, (long long)timeout_ms, missing, prefix);
     }
     if (st != DDP_OK)
       return ddp__backend_store_failed(store, st, err, "rank %d: waiting for rank %d to join", rank,

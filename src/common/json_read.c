@@ -108,7 +108,13 @@ ddp_status_t ddp__json_read(const char *text, const char *src, int rank, struct 
     char what[64];
     position(text, at, &line, &col);
     near(at, what, sizeof what);
-    const char *fmt = "%s: line %d, column %d: JSON syntax error at %s";
+    /* A whole value followed by more text: say so (Python's json: "Extra data"). */
+    cJSON *head = cJSON_ParseWithOpts(text, NULL, false);
+    bool extra = head != NULL;
+    cJSON_Delete(head);
+    const char *fmt = extra ? "%s: line %d, column %d: text after the end of the JSON value, "
+                              "at %s (a file holds one JSON value)"
+                            : "%s: line %d, column %d: JSON syntax error at %s";
     return rank == DDP__QUIET
                ? ddp__error_quiet(err, DDP_ERR_INVALID_DATA, fmt, src, line, col, what)
                : ddp__error(err, rank, DDP_ERR_INVALID_DATA, fmt, src, line, col, what);

@@ -202,8 +202,8 @@ static ddp_status_t read_header(scanner_t *s, const ddp_text_csv_options_t *o, c
 }
 
 /* Parses the label field of the current record into lab (I64 or F32). */
-static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtype_t dt, void *lab,
-                                ddp_error_t *err) {
+static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtype_t dt,
+                                int64_t num_labels, void *lab, ddp_error_t *err) {
   const field_t *f = &s->fields[c->label];
   const char *b;
   size_t len;
@@ -217,6 +217,13 @@ static ddp_status_t parse_label(const scanner_t *s, const columns_t *c, ddp_dtyp
     errno = 0;
     if (dt == DDP_I64) {
       long long v = strtoll(tmp, &end, 10);
+      if (*end == '\0' && errno == 0 && num_labels > 0 && (v < 0 || v >= num_labels)) {
+        return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                          "text csv %s: line %lld column %lld ('%s'): label %lld is not a "
+                          "class id in [0, %lld) (num_labels %lld)",
+                          s->path, (long long)f->line, (long long)c->label + 1, c->label_name, v,
+                          (long long)num_labels, (long long)num_labels);
+      }
       if (*end == '\0' && errno == 0) {
         *(int64_t *)lab = v;
         return DDP_OK;
@@ -271,7 +278,7 @@ static ddp_status_t scan_records(scanner_t *s, const ddp_text_csv_options_t *o, 
                         "text csv %s: line %lld column %lld ('%s'): empty text", s->path,
                         (long long)t->line, (long long)c->text + 1, c->text_name);
     unsigned char lab[8];
-    DDP_CHECK(parse_label(s, c, o->label_dtype, lab, err));
+    DDP_CHECK(parse_label(s, c, o->label_dtype, o->num_labels, lab, err));
     if (fill) {
       int64_t L = o->max_length;
       int64_t *ids = fill->features + n * 2 * L, *mask = ids + L;
@@ -312,6 +319,9 @@ static ddp_status_t check_options(const ddp_text_csv_options_t *opts, ddp_text_c
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "text csv: label_dtype must be I64 (classes) or F32 (regression), got %s",
                       ddp_dtype_name(o->label_dtype));
+  if (o->num_labels < 0)
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT, "text csv: num_labels %lld is negative",
+                      (long long)o->num_labels);
   if (o->delimiter == '"' || o->delimiter == '\n' || o->delimiter == '\r')
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "text csv: the delimiter cannot be a quote or a line break");

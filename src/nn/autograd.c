@@ -1,6 +1,8 @@
 /* The autograd engine: the arena, the tape, backward with gradient-ready hooks, the graph
  * search for unused parameters, and reentrant activation checkpointing. */
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 #include <stdatomic.h>
 
@@ -41,7 +43,11 @@ void *ddp__arena_alloc(ddp_ctx_t *c, size_t bytes) {
   if (!ch || ch->cap - ch->used < bytes) {
     size_t cap = DDP_MAX(bytes, DDP_MAX(ARENA_MIN_CHUNK, c->total_cap));
     ddp__chunk_t *nc = chunk_new(cap);
-    if (!nc) return NULL;
+    if (!nc) {
+      c->oom_request = bytes;
+      c->oom_chunk = cap;
+      return NULL;
+    }
     nc->next = ch;
     c->chunks = nc;
     c->total_cap += cap;
@@ -136,11 +142,21 @@ void ddp_ctx_last_error_copy(const ddp_ctx_t *c, ddp_error_t *out) {
 }
 
 ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...) {
+  char msg[DDP_ERROR_MSG_MAX];
   va_list ap;
   va_start(ap, fmt);
-  ddp__verror(&c->err, -1, st, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  return st;
+  if (st == DDP_ERR_NO_MEMORY && c->oom_request) {
+    size_t n = strlen(msg);
+    snprintf(msg + n, sizeof msg - n,
+             " (out of memory: %zu bytes asked for, a new arena chunk of %zu bytes (%.3g GB), "
+             "with %zu bytes (%.3g GB) already held by this context)",
+             c->oom_request, c->oom_chunk, (double)c->oom_chunk * 1e-9, c->total_cap,
+             (double)c->total_cap * 1e-9);
+    c->oom_request = c->oom_chunk = 0;
+  }
+  return ddp__error(&c->err, -1, st, "%s", msg);
 }
 
 /* ---------------------------------------------------------------- vars and nodes -- */

@@ -299,7 +299,12 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   /* The model owns b from here on: a failure below frees it with the model. */
   DDP_CHECK(ddp__module_family(m, &bert_family, b, &root));
   ddp_model_set_root(m, root);
-  if (!b->layer || !b->role) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "bert: out of memory");
+  if (!b->layer || !b->role)
+    return ddp__error(err, -1, DDP_ERR_NO_MEMORY,
+                      "bert: out of memory asking for %zu bytes for the %lld layers of "
+                      "num_hidden_layers",
+                      (size_t)cfg->num_hidden_layers * sizeof *b->layer + nparams,
+                      (long long)cfg->num_hidden_layers);
   if (!ddp__hf_activation(cfg->hidden_act, &b->act))
     return ddp__error(err, -1, DDP_ERR_UNSUPPORTED, "bert: hidden_act \"%s\" unknown",
                       cfg->hidden_act);

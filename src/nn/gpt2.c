@@ -203,7 +203,10 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   /* The model owns g from here on: a failure below frees it with the model. */
   DDP_CHECK(ddp__module_family(m, &gpt2_family, g, &root));
   ddp_model_set_root(m, root);
-  if (!g->h || !g->role) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "gpt2: out of memory");
+  if (!g->h || !g->role)
+    return ddp__error(err, -1, DDP_ERR_NO_MEMORY,
+                      "gpt2: out of memory asking for %zu bytes for the %lld layers of n_layer",
+                      (size_t)cfg->n_layer * sizeof *g->h + nparams, (long long)cfg->n_layer);
   if (!ddp__hf_activation(cfg->activation_function, &g->act))
     return ddp__error(err, -1, DDP_ERR_UNSUPPORTED, "gpt2: activation_function \"%s\" unknown",
                       cfg->activation_function);

@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -75,10 +77,17 @@ static ddp_status_t bad_key(ddp_error_t *err, ddp_status_t st, const char *path,
   return ddp__error(err, -1, st, "%s: \"%s\" %s", src_name(path), key, what);
 }
 
+/* Sizes and counts: positive, and at most INT32_MAX (a dimension that large is no model
+ * libddp can allocate; above it, a count would fail later as "out of memory" or overflow). */
+#define HF_DIM_MAX 2147483647LL
 static ddp_status_t need_pos(const char *path, const char *key, int64_t v, ddp_error_t *err) {
-  if (v >= 1) return DDP_OK;
-  char w[96];
-  snprintf(w, sizeof w, "must be a positive integer (got %lld)", (long long)v);
+  if (v >= 1 && v <= HF_DIM_MAX) return DDP_OK;
+  char w[128];
+  if (v < 1)
+    snprintf(w, sizeof w, "must be a positive integer (got %lld)", (long long)v);
+  else
+    snprintf(w, sizeof w, "(%lld) is beyond the limit %lld (2^31 - 1) for a size or count",
+             (long long)v, HF_DIM_MAX);
   return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, key, w);
 }
 
@@ -217,8 +226,20 @@ static ddp_status_t get_int(parse_t *p, const char *key, bool nullable, int64_t 
     *out = null_value;
     return DDP_OK;
   }
-  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || fabs(v->valuedouble) > 9e15)
+  if (!cJSON_IsNumber(v))
     return wrong_type(p, key, v, nullable ? "an integer or null" : "an integer");
+  char w[160];
+  if (v->valuedouble != floor(v->valuedouble)) {
+    snprintf(w, sizeof w, "must be an integer (got %.17g)", v->valuedouble);
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, w);
+  }
+  /* Integers above 2^53 do not survive JSON's doubles (Python's json keeps them, libddp
+   * cannot): a limit, said as one, not "not an integer". */
+  if (fabs(v->valuedouble) > 9007199254740992.0) {
+    snprintf(w, sizeof w, "(%.17g) is beyond the integers libddp reads exactly (|n| <= 2^53)",
+             v->valuedouble);
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, key, w);
+  }
   *out = (int64_t)v->valuedouble;
   return DDP_OK;
 }
@@ -340,6 +361,41 @@ static ddp_status_t parse_bert(parse_t *p, ddp_bert_config_t *b) {
   return refuse_bool(p, "add_cross_attention", "BERT with cross-attention needs an encoder");
 }
 
+static cJSON *to_json(const ddp_hf_config_t *cfg);
+
+/* cfg->extra: every key of root that to_json does not write, and BERT's id2label/label2id
+ * as given when they are not the generated ones (custom label names), as one JSON object. */
+static ddp_status_t keep_extra(const cJSON *root, ddp_hf_config_t *cfg, const char *path,
+                               ddp_error_t *err) {
+  cfg->extra[0] = '\0';
+  cJSON *ours = to_json(cfg), *extra = cJSON_CreateObject();
+  ddp_status_t st = ours && extra ? DDP_OK : DDP_ERR_NO_MEMORY;
+  for (const cJSON *k = root->child; st == DDP_OK && k; k = k->next) {
+    /* id2label/label2id: kept only when they differ from the generated LABEL_i names */
+    const cJSON *mine = cJSON_GetObjectItemCaseSensitive(ours, k->string);
+    bool labels = !strcmp(k->string, "id2label") || !strcmp(k->string, "label2id");
+    if (mine && (!labels || cJSON_Compare(k, mine, true))) continue;
+    cJSON *copy = cJSON_Duplicate(k, true);
+    if (!copy || !cJSON_AddItemToObject(extra, k->string, copy)) st = DDP_ERR_NO_MEMORY;
+  }
+  char *text = st == DDP_OK && extra->child ? cJSON_PrintUnformatted(extra) : NULL;
+  if (st == DDP_OK && extra->child && !text) st = DDP_ERR_NO_MEMORY;
+  cJSON_Delete(ours);
+  cJSON_Delete(extra);
+  if (st != DDP_OK) return ddp__error(err, -1, st, "%s: out of memory", src_name(path));
+  if (text && strlen(text) >= sizeof cfg->extra) {
+    size_t n = strlen(text);
+    cJSON_free(text);
+    return ddp__error(err, -1, DDP_ERR_UNSUPPORTED,
+                      "%s: the keys libddp does not model take %zu bytes as JSON; it keeps at "
+                      "most %d (DDP_HF_EXTRA_MAX) to write them back",
+                      src_name(path), n, DDP_HF_EXTRA_MAX - 1);
+  }
+  if (text) snprintf(cfg->extra, sizeof cfg->extra, "%s", text);
+  cJSON_free(text);
+  return DDP_OK;
+}
+
 ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_config_t *cfg,
                                  ddp_error_t *err) {
   DDP_REQUIRE(json && cfg);
@@ -365,6 +421,7 @@ ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_conf
     if (st == DDP_OK) st = get_str(&p, "torch_dtype", true, dt, sizeof dt);
     cfg->torch_dtype = !strcmp(dt, "float64") ? DDP_F64 : DDP_F32;
     if (st == DDP_OK) st = ddp_hf_config_check(cfg, path, err);
+    if (st == DDP_OK) st = keep_extra(root, cfg, path, err);
   } else {
     char w[128];
     snprintf(w, sizeof w, "is \"%.40s\": unknown model_type (supported: gpt2, bert)",
@@ -464,14 +521,59 @@ static ddp_status_t write_atomic(const char *path, const char *text, ddp_error_t
   return ddp__afile_commit(&f, 0644);
 }
 
+static int cmp_key(const void *a, const void *b) {
+  return strcmp((*(cJSON *const *)a)->string, (*(cJSON *const *)b)->string);
+}
+
+/* The kept keys into o (replacing o's own of the same name), then every key in sorted order
+ * (save_pretrained's sort_keys). On failure o is freed. */
+static ddp_status_t merge_extra(cJSON *o, const char *extra, const char *path, ddp_error_t *err) {
+  cJSON *x = cJSON_Parse(extra);
+  ddp_status_t st = x && cJSON_IsObject(x) ? DDP_OK : DDP_ERR_INVALID_ARGUMENT;
+  while (st == DDP_OK && x->child) {
+    cJSON *k = cJSON_DetachItemViaPointer(x, x->child);
+    cJSON_DeleteItemFromObjectCaseSensitive(o, k->string);
+    cJSON_AddItemToObject(o, k->string, k);
+  }
+  cJSON_Delete(x);
+  size_t n = (size_t)cJSON_GetArraySize(o);
+  cJSON **items = st == DDP_OK ? ddp__calloc(n ? n : 1, sizeof *items) : NULL;
+  if (st == DDP_OK && !items) st = DDP_ERR_NO_MEMORY;
+  for (size_t i = 0; st == DDP_OK && i < n; i++) items[i] = cJSON_DetachItemViaPointer(o, o->child);
+  if (st == DDP_OK) {
+    qsort(items, n, sizeof *items, cmp_key);
+    for (size_t i = 0; i < n; i++) cJSON_AddItemToObject(o, items[i]->string, items[i]);
+  }
+  ddp__free(items);
+  if (st == DDP_OK) return DDP_OK;
+  cJSON_Delete(o);
+  return ddp__error(err, -1, st, "%s: %s", path,
+                    st == DDP_ERR_NO_MEMORY ? "out of memory"
+                                            : "the config's extra keys are not a JSON object");
+}
+
+ddp_status_t ddp_hf_config_to_json(const ddp_hf_config_t *cfg, char **out, ddp_error_t *err) {
+  DDP_REQUIRE(cfg && out);
+  *out = NULL;
+  DDP_CHECK(ddp_hf_config_check(cfg, NULL, err));
+  cJSON *o = to_json(cfg);
+  if (o && cfg->extra[0]) DDP_CHECK(merge_extra(o, cfg->extra, "config.json", err));
+  char *text = o ? cJSON_Print(o) : NULL;
+  cJSON_Delete(o);
+  size_t n = text ? strlen(text) : 0;
+  *out = text ? ddp__malloc(n + 1) : NULL;
+  if (*out) memcpy(*out, text, n + 1);
+  cJSON_free(text);
+  if (!*out) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "config.json: out of memory");
+  return DDP_OK;
+}
+
 ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(cfg && path);
   DDP_CHECK(ddp_hf_config_check(cfg, path, err));
-  cJSON *o = to_json(cfg);
-  char *text = o ? cJSON_Print(o) : NULL;
-  cJSON_Delete(o);
-  if (!text) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "config.json: out of memory");
+  char *text = NULL;
+  DDP_CHECK(ddp_hf_config_to_json(cfg, &text, err));
   ddp_status_t st = write_atomic(path, text, err);
-  cJSON_free(text);
+  ddp__free(text);
   return st;
 }

@@ -340,9 +340,9 @@ ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_
       bytes += 2.0 * (double)v->numel * (double)ddp_dtype_size(v->dtype);
     }
     st = ddp__error(err, -1, st,
-                    "model json: cannot allocate the parameters and their "
-                    "gradients (%zu tensors, %.3g GB): %s",
-                    ddp_model_num_params(b.m), bytes * 1e-9, ddp_status_str(st));
+                    "model json: cannot allocate the parameters and their gradients: out of "
+                    "memory asking for %.0f bytes (%.3g GB) in one block, for %zu tensors",
+                    bytes, bytes * 1e-9, ddp_model_num_params(b.m));
     goto done;
   }
   ddp_model_set_root(b.m, seq);

@@ -56,6 +56,9 @@ struct ddp_ctx {
   void *cb_user[DDP_CTX_MAX_CALLBACKS];
   int ncb;
   ddp_error_t err;
+  /* The last arena request that failed: its bytes and the chunk malloc was asked for (0:
+   * none since reset), for ddp__ctx_error's out-of-memory message. */
+  size_t oom_request, oom_chunk;
 };
 
 void *ddp__arena_alloc(ddp_ctx_t *c, size_t bytes); /* 64-byte aligned, not zeroed */
@@ -74,6 +77,9 @@ ddp_node_t *ddp__node_new(ddp_ctx_t *c, const char *name, ddp__backward_fn bw, d
 bool ddp__needs_grad(const ddp_ctx_t *c, size_t nin, ddp_var_t *const *ins);
 /* v's gradient storage, allocated zeroed on first use. NULL when out of memory. */
 void *ddp__grad(ddp_ctx_t *c, ddp_var_t *v);
+/* Sets the context's error. DDP_ERR_NO_MEMORY after a failed arena request appends the
+ * bytes asked for and what the arena held ("... (out of memory: 4294967296 bytes asked for,
+ * a new arena chunk of ...)"), so the message names what asked (the op) and how much. */
 ddp_status_t ddp__ctx_error(ddp_ctx_t *c, ddp_status_t st, const char *fmt, ...) DDP_PRINTF(3, 4);
 
 /* ---- module families implemented outside model.c (the Transformers models) ---- */

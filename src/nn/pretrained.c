@@ -28,7 +28,17 @@ ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt
                                                    : ddp__bert_build(m, cfg, dt, err);
   if (st == DDP_OK) {
     st = ddp_model_finalize(m);
-    if (st != DDP_OK) ddp__error(err, -1, st, "from_hf_config: cannot allocate the parameters");
+    if (st != DDP_OK) {
+      double bytes = 0; /* values and gradients */
+      for (size_t i = 0; i < ddp_model_num_params(m); i++) {
+        const ddp_tensor_t *v = &ddp_model_param(m, i)->value;
+        bytes += 2.0 * (double)v->numel * (double)ddp_dtype_size(v->dtype);
+      }
+      ddp__error(err, -1, st,
+                 "from_hf_config: cannot allocate the parameters and their gradients: out of "
+                 "memory asking for %.0f bytes (%.3g GB) in one block, for %zu tensors",
+                 bytes, bytes * 1e-9, ddp_model_num_params(m));
+    }
   }
   if (st != DDP_OK) {
     ddp_model_destroy(m);

@@ -232,9 +232,16 @@ static ddp_status_t mark_ready(ddp_ddp_t *d, size_t i) {
   d->require_finalize = true;
   ddp_param_t *p = d->params[i];
   if (!d->inv_k) { /* invariant mode: the shards were stored by the hook */
-    if (d->local_fn) d->local_fn(d->local_user, p);
+    if (d->local_fn && (d->reached[i] || !p->grad.data)) {
+      d->local_fn(d->local_user, p);
+    } else if (d->local_fn) { /* zeros left by zero_grad(set_to_none=False): None locally */
+      ddp_param_t none = *p;
+      none.grad.data = NULL;
+      d->local_fn(d->local_user, &none);
+    }
     copy_into_slot(d, p, ddp__ddp_slot(d, i));
   }
+  d->reached[i] = false;
   ddp__bucket_t *b = &d->buckets[d->param_bucket[i]];
   b->pending--;
   DDP_CHECK(launch_ready(d));
@@ -305,6 +312,7 @@ void ddp__ddp_grad_hook(void *user, ddp_param_t *p, int fire) {
   if (d->hook_status != DDP_OK) return;
   size_t i = p->index < d->nmodel ? d->mindex[p->index] : SIZE_MAX;
   if (i == SIZE_MAX) return;
+  d->reached[i] = true;
   if (d->inv_k && (d->hook_status = ddp__inv_store(d, i)) != DDP_OK) return;
   bool static_first = d->opts.static_graph && !d->static_first_done;
   if ((d->opts.find_unused_parameters && !d->opts.static_graph) || static_first)

@@ -46,6 +46,7 @@ static size_t carve_param_arrays(ddp_ddp_t *d, char *base) {
   CARVE(fire_expected, P);
   CARVE(fire_left, P);
   CARVE(rebuilt, P);
+  CARVE(reached, P);
   return total;
 }
 

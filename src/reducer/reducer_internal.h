@@ -118,6 +118,9 @@ struct ddp_ddp {
   ddp_status_t hook_status;
   ddp_local_grad_fn local_fn; /* ddp_ddp_set_local_grad_fn; NULL: none */
   void *local_user;
+  bool *reached; /* [P] a gradient reached the parameter (its hook fired) since it was last
+                  * marked ready: what local_fn calls None otherwise, as PyTorch's tensor
+                  * hooks see no gradient, even when zero_grad left zeros in .grad */
 
   /* unused parameters (backward.c) */
   bool *unused;        /* [P] from the graph search (dynamic) or iteration 1 (static) */

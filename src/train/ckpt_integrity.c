@@ -5,7 +5,10 @@
  * sha256sum's format ("<64 hex digits>  <name>\n", names sorted), so `sha256sum -c
  * checksums.sha256` inside the directory checks it as well. It is written by rank 0 at
  * commit time, after every rank has added its files, atomically like the others. A
- * checkpoint without it (written before checksums were recorded) is accepted unverified. */
+ * checkpoint without it is accepted unverified only when it was written before checksums
+ * were recorded (its trainer_state.json has no "checkpoint_format" >= 2); one of this
+ * format without it is refused: the file was lost or removed, and nothing vouches for the
+ * rest. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -15,6 +18,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <cjson/cJSON.h>
 
 #include "common/common.h"
 #include "train/train_internal.h"
@@ -221,13 +226,40 @@ ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err) {
   return st;
 }
 
+/* trainer_state.json's "checkpoint_format" (0 when absent: older checkpoints). */
+static ddp_status_t checkpoint_format(const char *dir, bool quiet, int64_t *format,
+                                      ddp_error_t *err) {
+  char path[4600];
+  snprintf(path, sizeof path, "%s/trainer_state.json", dir);
+  char *text = NULL;
+  if (access(path, F_OK) != 0) return DDP_OK; /* reported by whoever reads the state */
+  (void)quiet;
+  DDP_CHECK(ddp__file_read(path, 0, -1, "checkpoint", &text, NULL, err));
+  cJSON *o = cJSON_Parse(text);
+  ddp__free(text);
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "checkpoint_format");
+  *format = cJSON_IsNumber(v) ? (int64_t)v->valuedouble : 0;
+  cJSON_Delete(o);
+  return DDP_OK;
+}
+
 ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error_t *err) {
   char path[4600], line[1024];
   snprintf(path, sizeof path, "%s/%s", dir, DDP__TRAIN_CHECKSUMS);
   FILE *f = fopen(path, "r");
   if (!f) {
-    if (errno == ENOENT) return DDP_OK; /* written before checksums were recorded */
     int e = errno;
+    if (e == ENOENT) {
+      int64_t format = 0;
+      DDP_CHECK(checkpoint_format(dir, quiet, &format, err));
+      if (format < DDP__TRAIN_CHECKPOINT_FORMAT) return DDP_OK; /* before checksums */
+      return fail(quiet, err, DDP_ERR_INVALID_DATA,
+                  "%s is missing: the checkpoint was written with checksums (its "
+                  "trainer_state.json has checkpoint_format %lld), so it is incomplete or was "
+                  "altered, and is not resumed unverified; resume an intact checkpoint, or "
+                  "restore the file",
+                  path, (long long)format);
+    }
     return fail(quiet, err, DDP_ERR_SYSTEM, "open %s: %s (errno %d)", path, strerror(e), e);
   }
   ddp_status_t st = DDP_OK;

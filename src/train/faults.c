@@ -15,6 +15,31 @@ ddp_status_t ddp__train_fault_init(ddp__train_fault_t *f, int rank, ddp_error_t 
   return DDP_OK;
 }
 
+ddp_status_t ddp__train_fault_check(const ddp__train_fault_t *f, int world, int64_t max_steps,
+                                    ddp_error_t *err) {
+  const ddp_fault_t *s = &f->spec;
+  if (s->kind == DDP_FAULT_NONE) return DDP_OK;
+  char why[160] = "";
+  if (s->rank >= world)
+    snprintf(why, sizeof why, "rank %d is beyond the world size %d (ranks 0 to %d)", s->rank, world,
+             world - 1);
+  else if (s->step >= max_steps)
+    snprintf(why, sizeof why,
+             "step %" PRId64 " is beyond the run's last step %" PRId64 " (steps are 0-based; "
+             "max_steps %" PRId64 ")",
+             s->step, max_steps - 1, max_steps);
+  if (!why[0]) return DDP_OK;
+  const char *v = ddp_env_get(DDP_ENV_FAULT);
+  /* Every rank refuses; rank 0 says why (the same line from every rank is noise). */
+  if (f->rank == 0)
+    return ddp__error(err, f->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "trainer: --ddp_fault (DDP_FAULT) \"%.160s\" can never fire: %s", v ? v : "",
+                      why);
+  return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                          "trainer: --ddp_fault (DDP_FAULT) \"%.160s\" can never fire: %s",
+                          v ? v : "", why);
+}
+
 ddp_status_t ddp__train_fault_step(ddp__train_fault_t *f, ddp_pg_t *pg, int64_t step,
                                    ddp_error_t *err) {
   if (!f->mine || step != f->spec.step) return DDP_OK;

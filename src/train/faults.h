@@ -19,6 +19,12 @@ typedef struct ddp__train_fault {
 
 /* Reads DDP_FAULT (a malformed spec is DDP_ERR_INVALID_ARGUMENT naming the field). */
 ddp_status_t ddp__train_fault_init(ddp__train_fault_t *f, int rank, ddp_error_t *err);
+/* A fault that can never fire (its rank >= world, its step >= max_steps) is
+ * DDP_ERR_INVALID_ARGUMENT naming the spec and why; a rehearsal that silently does nothing
+ * would pass for a survived fault. A step before a resumed run's first step is allowed (a
+ * restarted job keeps its DDP_FAULT, and the fault fired before the restart). */
+ddp_status_t ddp__train_fault_check(const ddp__train_fault_t *f, int world, int64_t max_steps,
+                                    ddp_error_t *err);
 /* At the top of optimizer step `step`: crash, hang, slow, wrong_shape and corrupt_bucket
  * (before) of this rank at this step, through ddp_pg_inject_fault. */
 ddp_status_t ddp__train_fault_step(ddp__train_fault_t *f, ddp_pg_t *pg, int64_t step,

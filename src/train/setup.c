@@ -218,9 +218,17 @@ ddp_status_t ddp__trainer_state_json(ddp__trainer_t *t, int64_t step, char **out
   *out = NULL;
   char *args = NULL;
   DDP_CHECK(ddp_train_args_to_json(a, &args));
+  char digest[17];
+  ddp_status_t st = ddp__train_data_digest(t, digest);
+  if (st != DDP_OK) {
+    ddp_free(args);
+    return st;
+  }
   char *groups = groups_json(t);
   ddp__json_t j;
   ddp__json_begin(&j);
+  /* 2: checksums.sha256 is written with every checkpoint (ckpt_integrity.c) */
+  ddp__json_int(&j, "checkpoint_format", DDP__TRAIN_CHECKPOINT_FORMAT);
   ddp__json_int(&j, "global_step", step);
   ddp__json_int(&j, "max_steps", t->max_steps);
   ddp__json_num(&j, "epoch", "%.6f", (double)step / (double)t->steps_per_epoch);
@@ -240,6 +248,12 @@ ddp_status_t ddp__trainer_state_json(ddp__trainer_t *t, int64_t step, char **out
   ddp__json_str(&j, "generator", "philox4x32-10");
   ddp__json_uint(&j, "seed", a->seed);
   ddp__json_int(&j, "dropout_next_step", step * GA);
+  ddp__json_end(&j);
+  ddp__json_object(&j, "dataset"); /* what a resume compares (resume_check.c) */
+  ddp__json_int(&j, "samples", ddp_dataset_length(t->train));
+  ddp__json_int(&j, "feature_numel", ddp_dataset_feature_numel(t->train));
+  ddp__json_int(&j, "label_numel", ddp_dataset_label_numel(t->train));
+  ddp__json_str(&j, "digest", digest);
   ddp__json_end(&j);
   ddp__json_str(&j, "sync", ddp__sync_name(t->sync));
   ddp__json_raw(&j, "optimizer_groups", groups ? groups : "null");

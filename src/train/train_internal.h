@@ -72,9 +72,13 @@ void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank);
 /* Checkpoint integrity (ckpt_integrity.c). Write: records the SHA-256 of every file in dir
  * in dir/checksums.sha256 (sha256sum's format), atomically; called on the staged directory
  * just before it is committed. Verify: recomputes them; a file that differs or is missing
- * is DDP_ERR_INVALID_DATA naming the file. A directory without checksums.sha256 (older
- * checkpoints) verifies. quiet: the failure is not logged (the caller reports it). */
+ * is DDP_ERR_INVALID_DATA naming the file. A directory without checksums.sha256 verifies
+ * only when its trainer_state.json's checkpoint_format is below
+ * DDP__TRAIN_CHECKPOINT_FORMAT (written before checksums). quiet: the failure is not
+ * logged (the caller reports it). */
 #define DDP__TRAIN_CHECKSUMS "checksums.sha256"
+/* trainer_state.json's "checkpoint_format": 2 since checksums.sha256 is always written. */
+#define DDP__TRAIN_CHECKPOINT_FORMAT 2
 ddp_status_t ddp__train_write_checksums(const char *dir, ddp_error_t *err);
 ddp_status_t ddp__train_verify_checkpoint(const char *dir, bool quiet, ddp_error_t *err);
 

@@ -284,6 +284,7 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   int world = 0;
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
+  DDP_CHECK(ddp__train_resume_check(t, dir));
   DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt[0], NULL, t->err));
   for (size_t g = 1; g < t->nopt; g++) {
     char path[DDP_TRAIN_STR_MAX + 64];
@@ -380,14 +381,24 @@ static void param_hash_member(ddp__json_t *j, uint64_t h) {
 
 /* --dump_dir: the dump writer, with the run's configuration and the reducer's layout. */
 static ddp_status_t open_dump(ddp__trainer_t *t) {
-  char *config = NULL;
+  char *config = NULL, *model = NULL;
   DDP_CHECK(ddp__trainer_dump_config(t, &config));
+  /* "model": a Transformers model's config.json, as torch_reference.py inlines the model
+   * file it was given (a libddp model file's text is not known here: {}) */
+  const ddp_hf_config_t *hf = ddp_model_hf_config(t->model);
+  ddp_status_t st = hf ? ddp_hf_config_to_json(hf, &model, t->err) : DDP_OK;
+  if (st != DDP_OK) {
+    ddp__free(config);
+    return st;
+  }
   ddp_dump_options_t o = DDP_DUMP_OPTIONS_INIT;
   o.steps = t->max_steps - t->start;
   o.producer_version = "libddp " DDP_VERSION;
   o.config_json = config;
-  ddp_status_t st = ddp_dump_open(t->a->dump_dir, t->rank, t->world, &o, &t->dump, t->err);
+  o.model_json = model;
+  st = ddp_dump_open(t->a->dump_dir, t->rank, t->world, &o, &t->dump, t->err);
   ddp__free(config);
+  ddp__free(model);
   DDP_CHECK(st);
   DDP_CHECK(dump_check(t, ddp_dump_init(t->dump, t->model, ddp__sync_reducer(t->sync))));
   if (t->a->dump_local_grads) ddp__sync_set_local_grad_fn(t->sync, ddp__train_dump_local, t->dump);
@@ -404,6 +415,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   DDP_CHECK(ddp__train_fault_init(&t->fault, t->rank, t->err));
   DDP_CHECK(ddp__train_agree(t));
   DDP_CHECK(ddp__trainer_setup(t));
+  DDP_CHECK(ddp__train_fault_check(&t->fault, t->world, t->max_steps, t->err));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
   DDP_CHECK(resume_hook_state(t));

@@ -43,6 +43,7 @@ typedef struct ddp__trainer {
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
   ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
+  char data_digest[17];     /* the training data's digest, "" until computed (resume_check.c) */
 
   /* world_size_invariant_shards (invariant mode; setup.c, trainer.c) */
   int64_t inv_k;    /* K shards per global batch; 0: off */
@@ -89,5 +90,12 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t);
 ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j);
 /* This rank's bytes now: parameters, present gradients, optimizer state. */
 void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]);
+/* The training data's digest (16 hex digits; FNV-1a of every sample's bytes), computed
+ * once (resume_check.c). */
+ddp_status_t ddp__train_data_digest(ddp__trainer_t *t, char hex[17]);
+/* Resuming `dir`: Transformers' warning for a changed per_device_train_batch_size, seed,
+ * data_seed or training data; DDP_ERR_INVALID_ARGUMENT when the checkpoint is mid-epoch and
+ * the change makes the rest of the epoch's data order unreproducible (resume_check.c). */
+ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir);
 
 #endif /* DDP_TRAIN_TRAINER_H */

@@ -426,14 +426,24 @@ static bool accept_one(tcp_state_t *s, int lfd, const hello_t *mine, int64_t dea
 static ddp_status_t accept_up(tcp_state_t *s, int lfd, const hello_t *mine, int64_t deadline,
                               int64_t timeout_ms, ddp_error_t *err) {
   int rank = s->rank, W = s->size;
+  int64_t start = ddp_now_ns(), next_report = start + (int64_t)DDP__WAIT_REPORT_MS * 1000000;
   for (int got = 0; got < W - 1 - rank;) {
     struct pollfd p = {lfd, POLLIN, 0};
     int ms = ddp_ms_until(deadline);
-    if (ms <= 0) {
-      char missing[256] = "";
+    char missing[256] = "";
+    if (ms <= 0 || ddp_now_ns() >= next_report) {
       size_t o = 0;
       for (int j = rank + 1; j < W && o < sizeof missing; j++)
         if (s->fds[j] < 0) o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", j);
+    }
+    if (ms > 0 && ddp_now_ns() >= next_report) {
+      ddp__log(rank, DDP_LOG_WARN,
+               "rank %d: waiting for rank(s)%s to connect (%lld s of the %lld s timeout)", rank,
+               missing, (long long)((ddp_now_ns() - start) / 1000000000),
+               (long long)(timeout_ms / 1000));
+      next_report = ddp_now_ns() + (int64_t)DDP__WAIT_REPORT_MS * 1000000;
+    }
+    if (ms <= 0) {
       return ddp__error(err, rank, DDP_ERR_TIMEOUT,
                         "rank %d: timed out after %lld ms waiting for rank(s)%s to connect", rank,
                         (long long)timeout_ms, missing);
