@@ -11,13 +11,16 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
 
+#include "ddp/io.h"
 #include "ddp/optim.h"
 #include "ddp/shard.h"
 #include "harness.h"
+#include "parity.h"
 
 /* ---------------------------------------------------------------- partition ------- */
 
@@ -187,11 +190,100 @@ static void test_clip_stage2(void **state) {
   clip(2, 4, 1.0);
 }
 
+/* ---------------------------------------------------------------- consolidation --- */
+
+/* Shards of one AdamW group (parameters 0 and 2 in one, 1 in the other, saved under their
+ * group indices) consolidate into the bytes ddp_optim_save writes for the whole group with
+ * the same state; a shard given twice and a tensor that is not state are refused naming
+ * the files; ddp_optim_load_indexed takes a subset back. */
+static void test_consolidate(void **state) {
+  (void)state;
+  char dir[256], a[300], b[300], full[300], out[300], bad[300];
+  assert_true(ddp_test_make_scratch(dir, sizeof dir, "zero_consolidate"));
+  snprintf(a, sizeof a, "%s/optimizer-00001-of-00002.safetensors", dir);
+  snprintf(b, sizeof b, "%s/optimizer-00002-of-00002.safetensors", dir);
+  snprintf(full, sizeof full, "%s/full.safetensors", dir);
+  snprintf(out, sizeof out, "%s/optimizer.safetensors", dir);
+  snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+  const int64_t shapes[3] = {7, 3, 5};
+  ddp_tensor_t p[3], g[3];
+  ddp_optim_param_t all[3];
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(ddp_tensor_alloc(&p[i], DDP_F32, 1, &shapes[i]), DDP_OK);
+    assert_int_equal(ddp_tensor_alloc(&g[i], DDP_F32, 1, &shapes[i]), DDP_OK);
+    for (int64_t k = 0; k < shapes[i]; k++) {
+      ((float *)p[i].data)[k] = 0.1f * (float)(k + i);
+      ((float *)g[i].data)[k] = gval(0, (size_t)i, k);
+    }
+    all[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+  ddp_optim_options_t o = DDP_ADAMW_OPTIONS_INIT;
+  ddp_optim_t *whole = NULL, *s0 = NULL, *s1 = NULL;
+  ddp_optim_param_t p02[2] = {all[0], all[2]};
+  assert_int_equal(ddp_optim_create(&o, all, 3, &whole, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_create(&o, p02, 2, &s0, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_create(&o, &all[1], 1, &s1, NULL), DDP_OK);
+  /* The shards step first (on the same parameters), the whole optimizer last; the state
+   * depends only on the gradients, which do not change. */
+  assert_int_equal(ddp_optim_step(s0, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_step(s1, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_step(whole, NULL), DDP_OK);
+  const size_t i02[2] = {0, 2}, i1[1] = {1};
+  assert_int_equal(ddp_optim_save_indexed(s0, a, i02, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save_indexed(s1, b, i1, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save(whole, full, NULL), DDP_OK);
+  const char *shards[2] = {b, a}; /* any order */
+  assert_int_equal(ddp_zero_consolidate(shards, 2, out, NULL), DDP_OK);
+  size_t na = 0, nb = 0;
+  char *x = ddp_test_read_file(out, &na), *y = ddp_test_read_file(full, &nb);
+  assert_non_null(x);
+  assert_non_null(y);
+  assert_int_equal(na, nb);
+  assert_memory_equal(x, y, na);
+  free(x);
+  free(y);
+  /* A subset back from the consolidated file: the same bytes as the shard it came from. */
+  ddp_optim_t *back = NULL;
+  assert_int_equal(ddp_optim_create(&o, p02, 2, &back, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_load_indexed(back, out, i02, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save_indexed(back, bad, i02, NULL), DDP_OK);
+  x = ddp_test_read_file(bad, &na);
+  y = ddp_test_read_file(a, &nb);
+  assert_int_equal(na, nb);
+  assert_memory_equal(x, y, na);
+  free(x);
+  free(y);
+  /* A shard given twice. */
+  ddp_error_t err = {0};
+  const char *twice[2] = {a, a};
+  assert_int_equal(ddp_zero_consolidate(twice, 2, out, &err), DDP_ERR_INVALID_DATA);
+  assert_non_null(strstr(err.msg, "'state.0.step' is in both"));
+  assert_non_null(strstr(err.msg, "optimizer-00001-of-00002.safetensors"));
+  /* A file that is not a shard of this optimizer. */
+  ddp_st_entry_t e = {"model.weight", &p[0]};
+  assert_int_equal(ddp_st_write(bad, &e, 1, NULL, NULL, 0, NULL), DDP_OK);
+  const char *mixed[2] = {bad, a};
+  assert_int_equal(ddp_zero_consolidate(mixed, 2, out, &err), DDP_ERR_INVALID_DATA);
+  print_message("%s\n", err.msg);
+  assert_non_null(strstr(err.msg, "bad.safetensors and "));
+  assert_non_null(strstr(err.msg, "hold different optimizers"));
+  ddp_optim_destroy(whole);
+  ddp_optim_destroy(s0);
+  ddp_optim_destroy(s1);
+  ddp_optim_destroy(back);
+  for (int i = 0; i < 3; i++) {
+    ddp_tensor_free(&p[i]);
+    ddp_tensor_free(&g[i]);
+  }
+  assert_int_equal(ddp_test_remove_scratch(dir, false), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_partition_by_hand),
       cmocka_unit_test(test_clip_stage1),
       cmocka_unit_test(test_clip_stage2),
+      cmocka_unit_test(test_consolidate),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

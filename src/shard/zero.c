@@ -27,10 +27,8 @@ struct ddp_zero {
   int *owner;                /* [n] */
   size_t *off;               /* [n] element offset in its owner's segment */
   size_t ngroups;
-  size_t gn[DDP_ZERO_MAX_GROUPS]; /* parameters per group */
-  ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS];
-      /* this rank's owned parameters of each group */ /* this rank's owned parameters of each group
-                                                        */
+  size_t gn[DDP_ZERO_MAX_GROUPS];        /* parameters per group */
+  ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
   ddp_dtype_t dt;
   size_t esz, seg;     /* element size; segment length (elements) */
   unsigned char *flat; /* stage 2: W * seg elements */
