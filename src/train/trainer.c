@@ -224,8 +224,9 @@ static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
   return st;
 }
 
-/* Rank 0 stages the checkpoint, every rank adds its comm hook state, rank 0 commits; the
- * statuses are broadcast so that every rank fails alike. */
+/* Rank 0 stages the checkpoint, every rank adds its comm hook state and, under ZeRO, its
+ * optimizer shard; rank 0 consolidates the shards (ZeRO) and commits; the statuses are
+ * broadcast so that every rank fails alike. */
 static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
   int32_t code = DDP_OK;
   char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
