@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ZeRO-1/2 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
 # (digits MLP and GPT-2 tiny, AdamW with weight decay and clipping, 20 steps, gradient
-# accumulation 1 and 3, W = 2, 3, 4, threads and shm), the per-rank state bytes of
+# accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
+# consolidation, resume at another W, a flipped bit caught), the per-rank state bytes of
 # metrics.jsonl equal the formulas, and bad input is refused naming the value.
 #
 #   tests/sharding.sh DDP_TRAIN DDPRUN SRC_ROOT
@@ -42,16 +43,21 @@ run() {
     cat "$name.log"
     fail "$name: ddp-train failed"
   }
-  tail -1 "$name/metrics.jsonl" | grep -o '"param_hash": "[0-9a-f]*"'
+  grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
 }
 
 for model in mlp gpt; do
   if [ $model = mlp ]; then margs=("${mlp[@]}"); else margs=("${gpt[@]}"); fi
-  for be in threads shm; do
+  for be in threads shm tcp; do
     for w in 2 3 4; do
-      # GPT-2 on shm: W = 2 and 3 only (two cores; the threads runs cover W = 4)
+      # GPT-2 on shm: W = 2 and 3 only (two cores; the threads runs cover W = 4); tcp: W = 2
+      # and 3, and GPT-2 at W = 2 with GA 3 only (tcp's path is the same reduce-scatter and
+      # all-gather; its sockets and processes are the slow part on two cores)
       [ $model = gpt ] && [ $be = shm ] && [ $w = 4 ] && continue
+      [ $be = tcp ] && [ $w = 4 ] && continue
+      [ $model = gpt ] && [ $be = tcp ] && [ $w = 3 ] && continue
       for ga in 1 3; do
+        [ $model = gpt ] && [ $be = tcp ] && [ $ga = 1 ] && continue
         tag=$model-$be-$w-$ga
         ref=$(run "ddp-$tag" $be $w "${margs[@]}" --gradient_accumulation_steps $ga)
         [ -n "$ref" ] || fail "ddp-$tag: no param_hash"
@@ -64,7 +70,7 @@ for model in mlp gpt; do
       done
     done
   done
-  echo "ok: $model: ZeRO-1/2 end with DDP's param_hash"
+  echo "ok: $model: ZeRO-1/2 end with DDP's param_hash ($n runs so far)"
 done
 
 # State bytes (f32 AdamW, Ψ parameters): per rank params 4Ψ, grads 4Ψ (ZeRO-2: 4Ψ_r), optimizer
@@ -92,6 +98,52 @@ check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 1p)" zero1 3
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 2p)" zero2 3
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 3p)" zero2 3
 
+# Checkpoints (MLP, threads): ZeRO-1 at W = 4 saves at steps 10 and 20, each rank its
+# optimizer shard (optimizer[_group1]-0000r-of-00004.safetensors), rank 0 the consolidated
+# files, byte for byte DDP's; resuming at W = 4 ends as the uninterrupted run; at W = 2 and
+# 3 (ZeRO-1 and ZeRO-2) as DDP resumed from the same checkpoint; a flipped bit in one shard
+# is caught naming it.
+save=(--save_strategy steps --save_steps 10)
+h4=$(run zc-4 threads 4 "${mlp[@]}" --deepspeed ds1.json "${save[@]}")
+d4=$(run zc-ddp-4 threads 4 "${mlp[@]}" "${save[@]}")
+[ "$h4" = "$d4" ] || fail "checkpointed ZeRO-1 W=4 $h4, DDP $d4"
+ck=zc-4/checkpoint-10
+for f in optimizer.safetensors optimizer_group1.safetensors; do
+  cmp -s "$ck/$f" "zc-ddp-4/checkpoint-10/$f" || fail "$ck/$f differs from DDP's"
+done
+for r in 1 2 3 4; do
+  for f in optimizer optimizer_group1; do
+    [ -f "$ck/$f-0000$r-of-00004.safetensors" ] || fail "no $f shard of rank $((r - 1))"
+    grep -q " $f-0000$r-of-00004.safetensors\$" "$ck/checksums.sha256" ||
+      fail "shard $f-0000$r-of-00004 not in checksums.sha256"
+  done
+done
+h=$(run zc-r4 threads 4 "${mlp[@]}" --deepspeed ds1.json --resume_from_checkpoint "$ck")
+[ "$h" = "$h4" ] || fail "ZeRO-1 resumed at W=4: $h, uninterrupted $h4"
+for w in 2 3; do
+  ref=$(run zc-rddp-$w threads $w "${mlp[@]}" --resume_from_checkpoint "$ck")
+  for ds in ds1 ds2; do
+    h=$(run zc-r$w-$ds threads $w "${mlp[@]}" --deepspeed $ds.json --resume_from_checkpoint "$ck")
+    [ "$h" = "$ref" ] || fail "$ds resumed at W=$w from W=4: $h, DDP resumed $ref"
+  done
+done
+cp -r "$ck" flipped
+/usr/bin/env python3 - flipped/optimizer-00002-of-00004.safetensors <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[-5] ^= 0x10
+open(sys.argv[1], "wb").write(bytes(b))
+PY
+if timeout -k 5 60 "$train" --threads 2 "${common[@]}" "${mlp[@]}" --deepspeed ds1.json \
+  --output_dir zc-bad --resume_from_checkpoint flipped >zc-bad.log 2>&1; then
+  fail "resumed from a flipped shard"
+fi
+grep -q "flipped/optimizer-00002-of-00004.safetensors is corrupt" zc-bad.log || {
+  cat zc-bad.log
+  fail "the flipped shard is not named"
+}
+echo "ok: ZeRO checkpoints: shards, consolidated = DDP's bytes, resume at W = 4, 2, 3, flipped bit caught"
+
 # Bad input: each a clear error naming the value.
 expect_err() { # WHAT ARGS...
   local what=$1
@@ -115,6 +167,4 @@ expect_err "--fsdp 'shard_grad_op' and --deepspeed ds1.json: only one of FSDP an
 expect_err "--fsdp: option 'sharded_grad' is unknown; choices: shard_grad_op" --fsdp sharded_grad
 expect_err "--fsdp: option 'full_shard' is not implemented yet" --fsdp "full_shard auto_wrap"
 expect_err "nosuch.json" --deepspeed nosuch.json
-expect_err "checkpoints of a ZeRO run are not implemented yet" --deepspeed ds1.json \
-  --save_strategy steps --save_steps 5
 echo "ok: bad input refused"

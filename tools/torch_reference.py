@@ -27,6 +27,12 @@ trains --steps optimizer steps on batches drawn through torch's DistributedSampl
 each step it writes DIR/rank{r}/step{NNNNNN}.safetensors. Exit status 0 on success, 2 on a
 usage error, 1 when a rank fails.
 
+With --zero the optimizer is PyTorch's ZeroRedundancyOptimizer over the same groups
+(ZeRO-1: DDP's allreduce unchanged, each rank steps the parameters it owns, the owners
+broadcast them), and each rank's ddp.json gets "zero_partition": {parameter name: owning
+rank} as its _partition_parameters computed it; libddp's ZeRO-1 (ddp-train --deepspeed with
+zero_optimization.stage 1) must agree (tests/test_zero_parity.c).
+
 With --comm_hook power_sgd or batched_power_sgd, rank 0 also writes
 DIR/powersgd_q.safetensors, the random Q values PyTorch's hook drew (save_q_draws), which
 the libddp side injects to start from the same Q (docs/hooks.md, "PyTorch parity").
@@ -158,6 +164,9 @@ def parse_args(argv):
                    default="gloo")
     p.add_argument("--timeout", "--ddp_timeout", dest="timeout", type=float, default=300.0,
                    help="process-group timeout, s")
+    p.add_argument("--zero", type=parse_bool, nargs="?", const=True, default=False,
+                   help="wrap the optimizer in torch.distributed.optim.ZeroRedundancyOptimizer "
+                        "(ZeRO-1); ddp.json then has zero_partition, each parameter's owner")
     a = p.parse_args(argv)
     if a.world < 1 or a.steps < 0 or a.batch < 1 or a.gradient_accumulation_steps < 1:
         p.error("--world, --batch and --gradient_accumulation_steps must be >= 1, "
@@ -478,12 +487,23 @@ def worker(rank, world, port, a):
 
     groups = decay_groups(model, a.weight_decay, a.weight_decay_grouping)
     if a.optim == "sgd":
-        opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum, dampening=a.dampening,
-                              nesterov=a.nesterov, weight_decay=a.weight_decay)
+        cls = torch.optim.SGD
+        kw = dict(lr=a.lr, momentum=a.momentum, dampening=a.dampening, nesterov=a.nesterov,
+                  weight_decay=a.weight_decay)
     else:
         cls = torch.optim.AdamW if a.optim == "adamw" else torch.optim.Adam
-        opt = cls(groups, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
-                  eps=a.adam_epsilon, weight_decay=a.weight_decay)
+        kw = dict(lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                  weight_decay=a.weight_decay)
+    zero_partition = None
+    if a.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kw)
+        pname = {id(p): nm for nm, p in model.named_parameters()}
+        zero_partition = {pname[id(p)]: r
+                          for r, rgroups in enumerate(opt._partition_parameters())
+                          for g in rgroups for p in g["params"]}
+    else:
+        opt = cls(groups, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(a, k))
 
     rdir = os.path.join(a.dump_dir, "rank%d" % rank)
@@ -631,6 +651,8 @@ def worker(rank, world, port, a):
         "grad_ready_order": csv_ints(ld.get("prev_iteration_grad_ready_order_indices")) or None,
         "logging_data": ld,
     }
+    if zero_partition is not None:
+        info["zero_partition"] = zero_partition
     with open(os.path.join(rdir, "ddp.json"), "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -113,6 +113,13 @@ DDP_API size_t ddp_optim_num_params(const ddp_optim_t *opt);
  * identically to the one that was saved. */
 DDP_API ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_t *err);
 DDP_API ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err);
+/* The same with parameter i named state.<index[i]> in the file: a sharded optimizer over
+ * some of a group's parameters saves them under the group's indices, and loads its own from
+ * a file that holds the whole group (the file's other entries are skipped). */
+DDP_API ddp_status_t ddp_optim_save_indexed(const ddp_optim_t *opt, const char *path,
+                                            const size_t *index, ddp_error_t *err);
+DDP_API ddp_status_t ddp_optim_load_indexed(ddp_optim_t *opt, const char *path, const size_t *index,
+                                            ddp_error_t *err);
 
 /* ---------------------------------------------------------------- clipping -------- */
 

@@ -322,6 +322,11 @@ DDP_API ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int
  * grad-ready order and the logging data under PyTorch's keys. Rank 0 rewrites meta.json
  * when the number of steps written differs from opts->steps. Call before ddp_ddp_destroy. */
 DDP_API ddp_status_t ddp_dump_finish(ddp_dump_t *d);
+/* Records a sharded optimizer's partition for ddp.json: "zero_partition", an object
+ * {parameter name: owning rank} (as tools/torch_reference.py --zero writes PyTorch
+ * ZeroRedundancyOptimizer's). names[i] and owner[i] for n parameters, copied. */
+DDP_API ddp_status_t ddp_dump_set_partition(ddp_dump_t *d, const char *const *names,
+                                            const int *owner, size_t n);
 /* Frees the handle. NULL is a no-op. */
 DDP_API void ddp_dump_close(ddp_dump_t *d);
 /* Copies into *out the error of the last failed call (status DDP_OK and "" if none). The

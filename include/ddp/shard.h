@@ -100,6 +100,23 @@ DDP_API void ddp_zero_zero_grad(ddp_zero_t *z, bool set_to_none);
 DDP_API void ddp_zero_state_bytes(const ddp_zero_t *z, size_t *param_bytes, size_t *grad_bytes,
                                   size_t *optim_bytes);
 
+/* Checkpoints (docs/sharding.md). ddp_zero_optim_save writes this rank's shard of group
+ * `group`'s optimizer state (ddp_optim_save's layout, each parameter under its index in
+ * the group, so the shards of a group are disjoint pieces of one torch.optim state dict);
+ * every rank writes its own, in parallel. ddp_zero_consolidate merges the shard files of
+ * one group (any number, any order) into `out`: the group's state dict in index order,
+ * byte for byte what ddp_optim_save of an unsharded optimizer with the same state writes
+ * (a duplicate entry, a tensor that is not optimizer state, or shards of different
+ * optimizers are DDP_ERR_INVALID_DATA naming the files). ddp_zero_optim_load loads this
+ * rank's parameters of group `group` from such a full file (consolidated, or a DDP
+ * checkpoint's), whatever the world size that wrote it. Not collective. */
+DDP_API ddp_status_t ddp_zero_optim_save(const ddp_zero_t *z, size_t group, const char *path,
+                                         ddp_error_t *err);
+DDP_API ddp_status_t ddp_zero_consolidate(const char *const *shards, size_t nshards,
+                                          const char *out, ddp_error_t *err);
+DDP_API ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char *path,
+                                         ddp_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -16,7 +16,9 @@ static const char *const kind_names[] = {"sgd", "adam", "adamw"};
 
 #define NAME_MAX_ 64
 
-ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_t *err) {
+/* index: the file index of each parameter (NULL: its position). */
+static ddp_status_t save_impl(const ddp_optim_t *opt, const char *path, const size_t *index,
+                              ddp_error_t *err) {
   DDP_REQUIRE(opt && path);
   const ddp_optim_options_t *o = &opt->opts;
   size_t cap = opt->n * 4 + 1;
@@ -33,12 +35,12 @@ ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_
   for (size_t i = 0; i < opt->n; i++) {
     const ddp_optim_pstate_t *s = &opt->state[i];
     if (!s->has_state) continue;
-#define ADD_(key, tens)                                     \
-  do {                                                      \
-    snprintf(names[ne], NAME_MAX_, "state.%zu.%s", i, key); \
-    entries[ne].name = names[ne];                           \
-    entries[ne].tensor = (tens);                            \
-    ne++;                                                   \
+#define ADD_(key, tens)                                                        \
+  do {                                                                         \
+    snprintf(names[ne], NAME_MAX_, "state.%zu.%s", index ? index[i] : i, key); \
+    entries[ne].name = names[ne];                                              \
+    entries[ne].tensor = (tens);                                               \
+    ne++;                                                                      \
   } while (0)
     if (o->kind == DDP_OPTIM_SGD) {
       ADD_("momentum_buffer", &s->buf);
@@ -75,6 +77,16 @@ out:
   return st;
 }
 
+ddp_status_t ddp_optim_save(const ddp_optim_t *opt, const char *path, ddp_error_t *err) {
+  return save_impl(opt, path, NULL, err);
+}
+
+ddp_status_t ddp_optim_save_indexed(const ddp_optim_t *opt, const char *path, const size_t *index,
+                                    ddp_error_t *err) {
+  DDP_REQUIRE(index || opt->n == 0);
+  return save_impl(opt, path, index, err);
+}
+
 /* Parses "state.<i>.<key>" into i and key; false for any other shape. */
 static bool parse_name(const char *name, size_t *index, const char **key) {
   if (strncmp(name, "state.", 6) != 0) return false;
@@ -92,7 +104,7 @@ static bool parse_name(const char *name, size_t *index, const char **key) {
 static ddp_status_t load_one(const ddp_st_file_t *f, const char *path, size_t i, const char *key,
                              ddp_tensor_t *dst, ddp_error_t *err) {
   char name[NAME_MAX_];
-  snprintf(name, sizeof name, "state.%zu.%s", i, key);
+  snprintf(name, sizeof name, "state.%zu.%s", i, key); /* i: the file's index */
   size_t idx;
   if (ddp_st_find(f, name, &idx) != DDP_OK)
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
@@ -108,7 +120,8 @@ static ddp_status_t load_one(const ddp_st_file_t *f, const char *path, size_t i,
   return DDP_OK;
 }
 
-ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err) {
+static ddp_status_t load_impl(ddp_optim_t *opt, const char *path, const size_t *index,
+                              ddp_error_t *err) {
   DDP_REQUIRE(opt && path);
   const ddp_optim_options_t *o = &opt->opts;
   ddp_st_file_t *f = NULL;
@@ -131,12 +144,13 @@ ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err
                     lr_s ? lr_s : "missing");
     goto out;
   }
-  /* Every name must belong to a parameter of this optimizer. */
+  /* Every name must belong to a parameter of this optimizer (indexed: be a state name;
+   * the file may hold other parameters' state too). */
   for (size_t k = 0; k < ddp_st_count(f); k++) {
     size_t i;
     const char *key;
     const char *name = ddp_st_name(f, k);
-    if (!parse_name(name, &i, &key) || i >= opt->n) {
+    if (!parse_name(name, &i, &key) || (!index && i >= opt->n)) {
       st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "optim load %s: tensor '%s' does not name the state of one of the %zu "
                       "parameters",
@@ -160,12 +174,13 @@ ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err
     char name[NAME_MAX_];
     size_t idx;
     const char *probe = o->kind == DDP_OPTIM_SGD ? "momentum_buffer" : "step";
-    snprintf(name, sizeof name, "state.%zu.%s", i, probe);
+    size_t fi = index ? index[i] : i;
+    snprintf(name, sizeof name, "state.%zu.%s", fi, probe);
     if (ddp_st_find(f, name, &idx) != DDP_OK) continue;
     DDP_CHECK_GOTO(ddp__optim_state_alloc(opt, i), st, restore);
     fresh[i].has_state = true;
     if (o->kind == DDP_OPTIM_SGD) {
-      DDP_CHECK_GOTO(load_one(f, path, i, "momentum_buffer", &fresh[i].buf, err), st, restore);
+      DDP_CHECK_GOTO(load_one(f, path, fi, "momentum_buffer", &fresh[i].buf, err), st, restore);
     } else {
       ddp_tensor_t v;
       DDP_CHECK_GOTO(ddp_st_tensor(f, idx, &v), st, restore);
@@ -178,10 +193,10 @@ ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err
       float stepv;
       memcpy(&stepv, v.data, sizeof stepv);
       fresh[i].step = stepv;
-      DDP_CHECK_GOTO(load_one(f, path, i, "exp_avg", &fresh[i].buf, err), st, restore);
-      DDP_CHECK_GOTO(load_one(f, path, i, "exp_avg_sq", &fresh[i].sq, err), st, restore);
+      DDP_CHECK_GOTO(load_one(f, path, fi, "exp_avg", &fresh[i].buf, err), st, restore);
+      DDP_CHECK_GOTO(load_one(f, path, fi, "exp_avg_sq", &fresh[i].sq, err), st, restore);
       if (o->amsgrad)
-        DDP_CHECK_GOTO(load_one(f, path, i, "max_exp_avg_sq", &fresh[i].maxsq, err), st, restore);
+        DDP_CHECK_GOTO(load_one(f, path, fi, "max_exp_avg_sq", &fresh[i].maxsq, err), st, restore);
     }
   }
   /* Success: drop the old state. */
@@ -197,4 +212,14 @@ out:
   ddp__free(fresh);
   ddp_st_close(f);
   return st;
+}
+
+ddp_status_t ddp_optim_load(ddp_optim_t *opt, const char *path, ddp_error_t *err) {
+  return load_impl(opt, path, NULL, err);
+}
+
+ddp_status_t ddp_optim_load_indexed(ddp_optim_t *opt, const char *path, const size_t *index,
+                                    ddp_error_t *err) {
+  DDP_REQUIRE(index || opt->n == 0);
+  return load_impl(opt, path, index, err);
 }

@@ -64,7 +64,8 @@ struct ddp_dump {
   bool *lset, *lnone;   /* [np]: recorded this step; recorded as None */
   bool have_local;
   dump_col_t x, y, idx;
-  cJSON *initial; /* construction-time layout, recorded at ddp_dump_init */
+  cJSON *initial;   /* construction-time layout, recorded at ddp_dump_init */
+  cJSON *partition; /* ddp_dump_set_partition's {name: owner}, or NULL */
   ddp_error_t err;
 };
 
@@ -172,6 +173,7 @@ void ddp_dump_close(ddp_dump_t *d) {
   ddp__free(d->y.data);
   ddp__free(d->idx.data);
   cJSON_Delete(d->initial);
+  cJSON_Delete(d->partition);
   cJSON_Delete(d->config);
   cJSON_Delete(d->model_json);
   ddp__free(d->producer_version);
@@ -738,11 +740,29 @@ static cJSON *ddp_json(ddp_dump_t *d) {
                                                      ld.num_prev_ready_order)
                                         : cJSON_CreateNull());
   ok = ok && add_item(o, "logging_data", logging_json(&ld));
+  ok = ok && (!d->partition || add_item(o, "zero_partition", cJSON_Duplicate(d->partition, true)));
   if (!ok) {
     cJSON_Delete(o);
     return NULL;
   }
   return o;
+}
+
+ddp_status_t ddp_dump_set_partition(ddp_dump_t *d, const char *const *names, const int *owner,
+                                    size_t n) {
+  DDP_REQUIRE(d && d->magic == DUMP_MAGIC && (n == 0 || (names && owner)));
+  cJSON *o = cJSON_CreateObject();
+  for (size_t i = 0; o && i < n; i++)
+    if (!cJSON_AddNumberToObject(o, names[i], owner[i])) {
+      cJSON_Delete(o);
+      o = NULL;
+    }
+  if (!o)
+    return ddp__error(&d->err, d->rank, DDP_ERR_NO_MEMORY,
+                      "dump: out of memory recording the partition (%zu parameters)", n);
+  cJSON_Delete(d->partition);
+  d->partition = o;
+  return DDP_OK;
 }
 
 ddp_status_t ddp_dump_finish(ddp_dump_t *d) {

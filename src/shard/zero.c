@@ -8,9 +8,11 @@
  * which is the sum the DDP reducer's allreduce computes for those elements; all-gather
  * brings every segment back after the step. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
+#include "ddp/io.h"
 #include "ddp/shard.h"
 
 #define ZERO_MAGIC 0x5a45524fu /* "ZERO" */
@@ -25,6 +27,7 @@ struct ddp_zero {
   int *owner;                /* [n] */
   size_t *off;               /* [n] element offset in its owner's segment */
   size_t ngroups;
+  size_t gn[DDP_ZERO_MAX_GROUPS];        /* parameters per group */
   ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
   ddp_dtype_t dt;
   size_t esz, seg;     /* element size; segment length (elements) */
@@ -149,7 +152,7 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
                     .dt = dt,
                     .esz = ddp_dtype_size(dt)};
   z->none.dtype = dt;
-  for (size_t g = 0; g < ngroups; g++) z->n += groups[g].n;
+  for (size_t g = 0; g < ngroups; g++) z->n += (z->gn[g] = groups[g].n);
   size_t n1 = z->n ? z->n : 1;
   z->params = ddp__calloc(n1, sizeof *z->params);
   z->owner = ddp__calloc(n1, sizeof *z->owner);
@@ -379,4 +382,150 @@ void ddp_zero_state_bytes(const ddp_zero_t *z, size_t *param_bytes, size_t *grad
   if (param_bytes) *param_bytes = pb;
   if (grad_bytes) *grad_bytes = gb;
   if (optim_bytes) *optim_bytes = ob;
+}
+
+/* ---------------------------------------------------------------- checkpoints ----- */
+
+/* The group-local indices of the parameters of group g this rank owns, in order (the
+ * order of its optimizer's parameters): *out malloc'd, *m of them. */
+static ddp_status_t owned_indices(const ddp_zero_t *z, size_t g, size_t **out, size_t *m,
+                                  ddp_error_t *err) {
+  size_t base = 0;
+  for (size_t h = 0; h < g; h++) base += z->gn[h];
+  *out = ddp__calloc(z->gn[g] ? z->gn[g] : 1, sizeof **out);
+  if (!*out) return ddp__error(err, z->rank, DDP_ERR_NO_MEMORY, "zero: out of memory");
+  *m = 0;
+  for (size_t k = 0; k < z->gn[g]; k++)
+    if (z->owner[base + k] == z->rank) (*out)[(*m)++] = k;
+  return DDP_OK;
+}
+
+ddp_status_t ddp_zero_optim_save(const ddp_zero_t *z, size_t group, const char *path,
+                                 ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC && group < z->ngroups && path);
+  size_t *idx, m;
+  DDP_CHECK(owned_indices(z, group, &idx, &m, err));
+  ddp_status_t st = ddp_optim_save_indexed(z->opt[group], path, idx, err);
+  ddp__free(idx);
+  return st;
+}
+
+ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char *path, ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC && group < z->ngroups && path);
+  size_t *idx, m;
+  DDP_CHECK(owned_indices(z, group, &idx, &m, err));
+  ddp_status_t st = ddp_optim_load_indexed(z->opt[group], path, idx, err);
+  ddp__free(idx);
+  return st;
+}
+
+/* One tensor of the consolidated file: its parameter index, the rank of its key in
+ * ddp_optim_save's order, and where it comes from. */
+typedef struct merged {
+  size_t index;
+  int key;
+  size_t file, entry;
+} merged_t;
+
+static int key_rank(const char *key) {
+  static const char *const order[] = {"momentum_buffer", "step", "exp_avg", "exp_avg_sq",
+                                      "max_exp_avg_sq"};
+  for (int k = 0; k < 5; k++)
+    if (!strcmp(key, order[k])) return k;
+  return -1;
+}
+
+static int cmp_merged(const void *a, const void *b) {
+  const merged_t *x = a, *y = b;
+  if (x->index != y->index) return x->index < y->index ? -1 : 1;
+  return (x->key > y->key) - (x->key < y->key);
+}
+
+/* Every tensor name of shard f is "state.<i>.<key>" with a known key. */
+static ddp_status_t collect(ddp_st_file_t *f, const char *path, size_t fi, merged_t *out, size_t *n,
+                            ddp_error_t *err) {
+  for (size_t e = 0; e < ddp_st_count(f); e++) {
+    const char *nm = ddp_st_name(f, e), *dot = NULL;
+    char *end = NULL;
+    unsigned long long i = 0;
+    if (!strncmp(nm, "state.", 6) && nm[6] >= '0' && nm[6] <= '9') {
+      i = strtoull(nm + 6, &end, 10);
+      dot = *end == '.' ? end + 1 : NULL;
+    }
+    int k = dot ? key_rank(dot) : -1;
+    if (k < 0)
+      return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                        "zero consolidate: %s: tensor '%s' is not optimizer state "
+                        "(state.<index>.<key>)",
+                        path, nm);
+    out[(*n)++] = (merged_t){(size_t)i, k, fi, e};
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp_zero_consolidate(const char *const *shards, size_t nshards, const char *out,
+                                  ddp_error_t *err) {
+  DDP_REQUIRE(shards && nshards > 0 && out);
+  ddp_st_file_t **f = ddp__calloc(nshards, sizeof *f);
+  merged_t *m = NULL;
+  ddp_st_entry_t *ent = NULL;
+  ddp_tensor_t *views = NULL;
+  size_t total = 0, n = 0;
+  ddp_status_t st = f ? DDP_OK
+                      : ddp__error(err, -1, DDP_ERR_NO_MEMORY, "zero consolidate: out of memory");
+  for (size_t s = 0; st == DDP_OK && s < nshards; s++) {
+    st = ddp_st_open(shards[s], DDP_ST_READ, &f[s], err);
+    if (st == DDP_OK) total += ddp_st_count(f[s]);
+  }
+  /* The same optimizer and hyper-parameters in every shard (they are one optimizer's). */
+  for (size_t s = 1; st == DDP_OK && s < nshards; s++) {
+    size_t nm = ddp_st_meta_count(f[0]);
+    bool same = nm == ddp_st_meta_count(f[s]);
+    for (size_t k = 0; same && k < nm; k++) {
+      const char *v = ddp_st_meta_get(f[s], ddp_st_meta_key(f[0], k));
+      same = v && !strcmp(v, ddp_st_meta_value(f[0], k));
+    }
+    if (!same)
+      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "zero consolidate: %s and %s hold different optimizers (their metadata "
+                      "differ)",
+                      shards[0], shards[s]);
+  }
+  if (st == DDP_OK) {
+    m = ddp__calloc(total ? total : 1, sizeof *m);
+    ent = ddp__calloc(total ? total : 1, sizeof *ent);
+    views = ddp__calloc(total ? total : 1, sizeof *views);
+    if (!m || !ent || !views)
+      st = ddp__error(err, -1, DDP_ERR_NO_MEMORY, "zero consolidate: out of memory (%zu tensors)",
+                      total);
+  }
+  for (size_t s = 0; st == DDP_OK && s < nshards; s++) st = collect(f[s], shards[s], s, m, &n, err);
+  if (st == DDP_OK) qsort(m, n, sizeof *m, cmp_merged);
+  for (size_t k = 0; st == DDP_OK && k < n; k++) {
+    if (k > 0 && m[k].index == m[k - 1].index && m[k].key == m[k - 1].key) {
+      st = ddp__error(err, -1, DDP_ERR_INVALID_DATA,
+                      "zero consolidate: '%s' is in both %s and %s (shards of one partition are "
+                      "disjoint)",
+                      ddp_st_name(f[m[k].file], m[k].entry), shards[m[k - 1].file],
+                      shards[m[k].file]);
+      break;
+    }
+    st = ddp_st_tensor(f[m[k].file], m[k].entry, &views[k]);
+    ent[k] = (ddp_st_entry_t){ddp_st_name(f[m[k].file], m[k].entry), &views[k]};
+  }
+  if (st == DDP_OK) {
+    size_t nm = ddp_st_meta_count(f[0]);
+    const char *keys[32], *vals[32];
+    for (size_t k = 0; k < nm && k < 32; k++) {
+      keys[k] = ddp_st_meta_key(f[0], k);
+      vals[k] = ddp_st_meta_value(f[0], k);
+    }
+    st = ddp_st_write(out, ent, n, keys, vals, nm < 32 ? nm : 32, err);
+  }
+  for (size_t s = 0; f && s < nshards; s++) ddp_st_close(f[s]);
+  ddp__free(f);
+  ddp__free(m);
+  ddp__free(ent);
+  ddp__free(views);
+  return st;
 }

@@ -191,48 +191,52 @@ static ddp_status_t evaluate(ddp__trainer_t *t, double *loss, double *acc) {
   return DDP_OK;
 }
 
-/* Every rank writes its comm hook's state, when the hook keeps one (rank-local: PowerSGD's
- * error feedback differs per rank), into the staged checkpoint directory; the statuses are
- * all-gathered so that every rank fails alike, naming the first rank that failed. */
-static ddp_status_t save_hook_state(ddp__trainer_t *t, int64_t step) {
-  if (!ddp__sync_hook_has_state(t->sync)) return DDP_OK;
+/* Every rank writes its own files into the staged checkpoint directory: its comm hook's
+ * state, when the hook keeps one (rank-local: PowerSGD's error feedback differs per rank),
+ * and under ZeRO its shard of the optimizer state (zero.c). The statuses are all-gathered
+ * so that every rank fails alike, naming the first rank that failed. */
+static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
+  if (!ddp__sync_hook_has_state(t->sync) && !t->zero) return DDP_OK;
   char tmp[DDP_TRAIN_STR_MAX + 64], file[DDP_TRAIN_STR_MAX + 128];
   snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", t->a->output_dir, (long long)step);
-  ddp__train_hook_file(file, sizeof file, tmp, t->rank);
-  int32_t mine = ddp__sync_hook_save(t->sync, file, t->err);
+  int32_t mine = DDP_OK;
+  if (ddp__sync_hook_has_state(t->sync)) {
+    ddp__train_hook_file(file, sizeof file, tmp, t->rank);
+    mine = ddp__sync_hook_save(t->sync, file, t->err);
+  }
+  if (mine == DDP_OK && t->zero) mine = ddp__train_zero_save_shard(t, tmp);
   int32_t *all = ddp__calloc((size_t)t->world, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
   ddp_work_t *w = NULL;
   ddp_status_t st = coll_wait(t, ddp_allgather(t->pg, &mine, all, 1, DDP_I32, &w), &w,
-                              "hook state status allgather");
+                              "checkpoint rank files status allgather");
   for (int r = 0; st == DDP_OK && r < t->world; r++) {
     if (all[r] == DDP_OK) continue;
-    st = r == t->rank ? (ddp_status_t)all[r]
-                      : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
-                                   "trainer: rank %d failed to save its comm hook state into "
-                                   "checkpoint-%lld",
-                                   r, (long long)step);
+    st = r == t->rank
+             ? (ddp_status_t)all[r]
+             : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
+                          "trainer: rank %d failed to save its %s into "
+                          "checkpoint-%lld",
+                          r, t->zero ? "optimizer shard or comm hook state" : "comm hook state",
+                          (long long)step);
   }
   ddp__free(all);
   return st;
 }
 
-/* Rank 0 stages the checkpoint, every rank adds its comm hook state, rank 0 commits; the
- * statuses are broadcast so that every rank fails alike. */
+/* Rank 0 stages the checkpoint, every rank adds its comm hook state and, under ZeRO, its
+ * optimizer shard; rank 0 consolidates the shards (ZeRO) and commits; the statuses are
+ * broadcast so that every rank fails alike. */
 static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
-  if (t->zero) /* zero.c: sharded checkpoints are the next slice of docs/sharding.md */
-    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
-                      "step %lld: checkpoints of a ZeRO run are not implemented yet; set "
-                      "save_strategy \"no\" or a save_steps past max_steps",
-                      (long long)step);
   int32_t code = DDP_OK;
   char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
   if (t->rank == 0) {
     char *js = NULL;
     code = ddp__trainer_state_json(t, step, &js);
     if (code == DDP_OK) {
-      code = ddp__train_save_stage(t->a->output_dir, step, t->model, t->opt, t->nopt, js,
-                                   t->pause_ms, tmp, sizeof tmp, t->err);
+      /* ZeRO: the optimizer files come from the ranks' shards (save_rank_files) */
+      code = ddp__train_save_stage(t->a->output_dir, step, t->model, t->opt, t->zero ? 0 : t->nopt,
+                                   js, t->pause_ms, tmp, sizeof tmp, t->err);
     }
     ddp__free(js);
   }
@@ -240,8 +244,9 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
   DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
                       "checkpoint status broadcast"));
   if (code == DDP_OK) {
-    DDP_CHECK(save_hook_state(t, step));
-    if (t->rank == 0) {
+    DDP_CHECK(save_rank_files(t, step));
+    if (t->rank == 0 && t->zero) code = ddp__train_zero_consolidate(t, tmp);
+    if (t->rank == 0 && code == DDP_OK) {
       code = ddp__train_save_commit(t->a->output_dir, step, t->a->save_total_limit, dir, sizeof dir,
                                     t->err);
     }
@@ -285,11 +290,13 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
   DDP_CHECK(ddp__train_resume_check(t, dir));
-  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->opt[0], NULL, t->err));
-  for (size_t g = 1; g < t->nopt; g++) {
+  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->zero ? NULL : t->opt[0], NULL, t->err));
+  for (size_t g = t->zero ? 0 : 1; g < t->nopt; g++) {
     char path[DDP_TRAIN_STR_MAX + 64];
     ddp__train_optim_file(path, sizeof path, dir, g);
-    DDP_CHECK(ddp_optim_load(t->opt[g], path, t->err));
+    /* ZeRO: this rank's parameters from the consolidated file, at any world size */
+    DDP_CHECK(t->zero ? ddp_zero_optim_load(t->zero, g, path, t->err)
+                      : ddp_optim_load(t->opt[g], path, t->err));
   }
   if (world != t->world && !t->inv_k) { /* invariant mode: the same run for any W */
     ddp__log(t->rank, DDP_LOG_WARN,
@@ -402,6 +409,7 @@ static ddp_status_t open_dump(ddp__trainer_t *t) {
   DDP_CHECK(st);
   DDP_CHECK(dump_check(t, ddp_dump_init(t->dump, t->model, ddp__sync_reducer(t->sync))));
   if (t->a->dump_local_grads) ddp__sync_set_local_grad_fn(t->sync, ddp__train_dump_local, t->dump);
+  if (t->zero) DDP_CHECK(ddp__train_zero_dump(t));
   return DDP_OK;
 }
 

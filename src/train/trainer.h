@@ -85,6 +85,14 @@ ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *sta
                                    ddp_error_t *err);
 /* After the optimizers: t->zero over their groups when a stage is asked for. */
 ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t);
+/* --dump_dir with ZeRO: the partition, by parameter name, into the dump's ddp.json. */
+ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t);
+/* Checkpoints: this rank's optimizer shards into the staged directory tmp
+ * (optimizer[_group<g>]-<r+1>-of-<W>.safetensors, HF's 5-digit numbering), and rank 0's
+ * consolidation of them into the files a DDP checkpoint has (optimizer.safetensors,
+ * optimizer_group<g>.safetensors). */
+ddp_status_t ddp__train_zero_save_shard(ddp__trainer_t *t, const char *tmp);
+ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp);
 /* Collective when ZeRO is on: every rank's parameter, gradient and optimizer-state bytes
  * (measured after the step, before zero_grad) as metrics members on rank 0's line j. */
 ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j);

@@ -91,7 +91,6 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   const char *why = NULL;
   if (t->inv_k) why = "world_size_invariant_shards";
   if (stage == 2 && strcmp(a->comm_hook, "no") != 0) why = "a comm_hook (stage 2 has no allreduce)";
-  if (a->resume_from_checkpoint[0]) why = "resume_from_checkpoint";
   if (why)
     return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
                       "ZeRO stage %d (--%s) does not combine with %s yet", stage,
@@ -106,6 +105,71 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   zo.stage = stage;
   zo.divide_in_place = a->gradient_as_bucket_view;
   return ddp_zero_create(t->pg, &zo, groups, t->nopt, &t->zero, t->err);
+}
+
+ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
+  size_t n = ddp_zero_num_params(t->zero), np = ddp_model_num_params(t->model);
+  const char **names = ddp__calloc(n ? n : 1, sizeof *names);
+  int *owner = ddp__calloc(n ? n : 1, sizeof *owner);
+  ddp_status_t st = DDP_OK;
+  if (!names || !owner) {
+    st = ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
+    goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    owner[i] = ddp_zero_owner(t->zero, i);
+    for (size_t k = 0; k < np && !names[i]; k++) {
+      ddp_param_t *p = ddp_model_param(t->model, k);
+      if (&p->value == t->pairs[i].param) names[i] = p->name;
+    }
+    DDP_REQUIRE(names[i]);
+  }
+  st = ddp_dump_set_partition(t->dump, names, owner, n);
+  if (st != DDP_OK) {
+    ddp_error_t de;
+    ddp_dump_last_error_copy(t->dump, &de);
+    st = ddp__error_quiet(t->err, st, "trainer: dump_dir %s: %s", t->a->dump_dir, de.msg);
+  }
+out:
+  ddp__free(names);
+  ddp__free(owner);
+  return st;
+}
+
+/* tmp/optimizer[_group<g>]-0000<r+1>-of-0000<W>.safetensors */
+static void shard_file(char *buf, size_t cap, const char *tmp, size_t g, int r, int W) {
+  char grp[32] = "";
+  if (g > 0) snprintf(grp, sizeof grp, "_group%zu", g);
+  snprintf(buf, cap, "%s/optimizer%s-%05d-of-%05d.safetensors", tmp, grp, r + 1, W);
+}
+
+ddp_status_t ddp__train_zero_save_shard(ddp__trainer_t *t, const char *tmp) {
+  char file[DDP_TRAIN_STR_MAX + 160];
+  for (size_t g = 0; g < t->nopt; g++) {
+    shard_file(file, sizeof file, tmp, g, t->rank, t->world);
+    DDP_CHECK(ddp_zero_optim_save(t->zero, g, file, t->err));
+  }
+  return DDP_OK;
+}
+
+ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp) {
+  size_t cap = DDP_TRAIN_STR_MAX + 160;
+  char *buf = ddp__calloc((size_t)t->world + 1, cap);
+  const char **shards = ddp__calloc((size_t)t->world, sizeof *shards);
+  ddp_status_t st = DDP_OK;
+  if (!buf || !shards) st = ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
+  for (size_t g = 0; st == DDP_OK && g < t->nopt; g++) {
+    for (int r = 0; r < t->world; r++) {
+      shard_file(buf + (size_t)r * cap, cap, tmp, g, r, t->world);
+      shards[r] = buf + (size_t)r * cap;
+    }
+    char *out = buf + (size_t)t->world * cap;
+    ddp__train_optim_file(out, cap, tmp, g);
+    st = ddp_zero_consolidate(shards, (size_t)t->world, out, t->err);
+  }
+  ddp__free(buf);
+  ddp__free(shards);
+  return st;
 }
 
 void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]) {

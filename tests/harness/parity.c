@@ -173,12 +173,12 @@ int ddp_test_parity_train(const ddp_test_pcfg_t *c, const char *torch_dir, const
       "--optim_args momentum=%.17g --max_grad_norm 0 --lr_scheduler_type constant --seed %d "
       "--forward_flags '%s' %s --ddp_find_unused_parameters %s --ddp_broadcast_buffers %s "
       "--ddp_static_graph %s --gradient_as_bucket_view %s --ddp_timeout 60 "
-      "--save_strategy no --disable_tqdm --output_dir '%s.out' --dump_dir '%s' %s %s %s %s",
+      "--save_strategy no --disable_tqdm --output_dir '%s.out' --dump_dir '%s' %s %s %s %s %s",
       g_train, c->world, g_scratch, c->name, init, c->data ? c->data : g_data, c->steps, c->batch,
       c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED, c->flags ? c->flags : "0", cap,
       tf(c->find_unused), tf(c->broadcast_buffers), tf(c->static_graph), tf(c->grad_as_bucket_view),
       dump_dir, dump_dir, c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "", q,
-      extra ? extra : "");
+      c->train_args ? c->train_args : "", extra ? extra : "");
 }
 
 /* ---------------------------------------------------------------- parity ---------- */
@@ -209,12 +209,13 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
                        "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
                        "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
                        "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
-                       "--timeout 60 %s %s",
+                       "--timeout 60 %s %s %s",
                        g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world,
                        c->steps, c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED,
                        c->flags ? c->flags : "0", cap, tf(c->find_unused), tf(c->broadcast_buffers),
                        tf(c->static_graph), tf(c->grad_as_bucket_view),
-                       c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "");
+                       c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "",
+                       c->torch_args ? c->torch_args : "");
   if (rc != 0) {
     ddp_test_print_cmd_stderr();
     fail_msg("%s: torch_reference.py exited %d: %s", c->name, rc, out);

@@ -61,6 +61,10 @@ typedef struct ddp_test_pcfg {
   const char *data;
   const char *data_args;
   double first_bucket_mb;
+  /* Optional: arguments for one side only, after the shared ones (torch_reference.py
+   * --zero; ddp-train --deepspeed ds.json). */
+  const char *torch_args;
+  const char *train_args;
 } ddp_test_pcfg_t;
 
 /* The largest differences ddp-compare reported, over every step, rank and element. */

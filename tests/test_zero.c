@@ -1,0 +1,289 @@
+/* src/shard (include/ddp/shard.h) on its own: ddp_zero_partition on sizes whose greedy
+ * result is worked out by hand below (PyTorch 1.13 ZeroRedundancyOptimizer
+ * _partition_parameters: per group, largest first with a stable sort, each to the first
+ * rank with the smallest total, totals shared across groups), and the sharded clip
+ * (ddp_zero_clip_grad_norm) against ddp_clip_grad_norm over the full averaged gradients,
+ * bit for bit, at stage 1 (gradients already averaged) and stage 2 (after the
+ * reduce-scatter of local gradients, against DDP's x fl(1/W) rank-order sum). */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ddp/io.h"
+#include "ddp/optim.h"
+#include "ddp/shard.h"
+#include "harness.h"
+#include "parity.h"
+
+/* ---------------------------------------------------------------- partition ------- */
+
+static void partition(const int64_t *numel, const size_t *gn, size_t ng, int world, const int *want,
+                      size_t n) {
+  int owner[16];
+  memset(owner, 0xff, sizeof owner);
+  ddp_zero_partition(numel, gn, ng, world, owner);
+  for (size_t i = 0; i < n; i++) {
+    if (owner[i] != want[i])
+      fail_msg("W=%d: parameter %zu (numel %lld) owned by rank %d, expected %d", world, i,
+               (long long)numel[i], owner[i], want[i]);
+  }
+}
+
+/* Sizes whose greedy partition is known by hand. */
+static void test_partition_by_hand(void **state) {
+  (void)state;
+  /* 40 -> r0; 30 -> r1; 20 -> r1 (30 < 40); 10 -> r0 (40 < 50). */
+  const int64_t a[] = {10, 40, 30, 20};
+  const size_t an[] = {4};
+  partition(a, an, 1, 2, (const int[]){0, 0, 1, 1}, 4);
+  /* Ties: equal sizes keep their order, and a tie between ranks goes to the first. */
+  const int64_t b[] = {5, 5, 5};
+  const size_t bn[] = {3};
+  partition(b, bn, 1, 2, (const int[]){0, 1, 0}, 3);
+  /* Totals shared across groups: group 0 puts 100 on r0; group 1's ones go to r1, r2, r1. */
+  const int64_t c[] = {100, 1, 1, 1};
+  const size_t cn[] = {1, 3};
+  partition(c, cn, 2, 3, (const int[]){0, 1, 2, 1}, 4);
+  /* More ranks than parameters: the largest to r0, the next to r1, r2 and r3 own nothing. */
+  const int64_t d[] = {3, 7};
+  const size_t dn[] = {2};
+  partition(d, dn, 1, 4, (const int[]){1, 0}, 2);
+  /* One rank owns everything. */
+  partition(a, an, 1, 1, (const int[]){0, 0, 0, 0}, 4);
+  /* test_zero_parity.c's MLP 64-32-32-10 in Transformers' groups (weights, then biases):
+   * W = 3: 2048 -> r0, 1024 -> r1, 320 -> r2; the biases 32, 32, 10 all to r2 (352, 384,
+   * 394 stay below 1024). W = 2: 2048 -> r0, then everything to r1 (at most 1408). */
+  const int64_t e[] = {2048, 1024, 320, 32, 32, 10};
+  const size_t en[] = {3, 3};
+  partition(e, en, 2, 3, (const int[]){0, 1, 2, 2, 2, 2}, 6);
+  partition(e, en, 2, 2, (const int[]){0, 1, 1, 1, 1, 1}, 6);
+}
+
+/* ---------------------------------------------------------------- sharded clip ---- */
+
+#define NP 5
+static const int64_t SHAPES[NP] = {37, 300, 5, 64, 1};
+
+typedef struct clip_cfg {
+  int stage;
+  double max_norm;
+  ddp_store_t *store;
+} clip_cfg_t;
+
+/* Deterministic, rank-dependent local gradients and rank-independent parameters. */
+static float gval(int rank, size_t i, int64_t k) {
+  return (float)sin(0.37 * (double)(k + 1) * (double)(i + 2) + 0.9 * rank) *
+         (float)(1.0 + 0.25 * (double)i);
+}
+
+static int clip_rank(ddp_test_rank_t *tr, void *arg) {
+  const clip_cfg_t *cfg = arg;
+  int rank = ddp_test_rank(tr), W = ddp_test_world_size(tr);
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "threads";
+  o.store = cfg->store;
+  o.timeout_ms = 20000;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  if (st != DDP_OK) return st;
+  ddp_tensor_t p[NP], g[NP], ref[NP];
+  ddp_tensor_t *refp[NP];
+  ddp_optim_param_t pairs[NP];
+  for (size_t i = 0; i < NP; i++) {
+    ddp_tensor_alloc(&p[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&g[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&ref[i], DDP_F32, 1, &SHAPES[i]);
+    float *gd = g[i].data, *rd = ref[i].data;
+    float inv = (float)(1.0 / W);
+    for (int64_t k = 0; k < SHAPES[i]; k++) {
+      /* DDP's average: each rank's gradient x fl(1/W), summed in rank order. */
+      float avg = 0;
+      for (int q = 0; q < W; q++) avg = q ? avg + gval(q, i, k) * inv : gval(q, i, k) * inv;
+      rd[k] = avg;
+      gd[k] = cfg->stage == 1 ? avg : gval(rank, i, k);
+    }
+    refp[i] = &ref[i];
+    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+  ddp_zero_group_t grp = {DDP_ADAMW_OPTIONS_INIT, pairs, NP};
+  ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
+  zo.stage = cfg->stage;
+  ddp_zero_t *z = NULL;
+  ddp_error_t err = {0};
+  double total = -1, want = -2;
+  st = ddp_zero_create(pg, &zo, &grp, 1, &z, &err);
+  if (st == DDP_OK) st = ddp_zero_reduce_grads(z, &err);
+  if (st == DDP_OK) st = ddp_zero_clip_grad_norm(z, cfg->max_norm, &total, &err);
+  if (st != DDP_OK) ddp_test_say(tr, "%s", err.msg);
+  if (st == DDP_OK) st = ddp_clip_grad_norm(refp, NP, cfg->max_norm, 2.0, false, &want, &err);
+  int bad = 0;
+  for (size_t i = 0; st == DDP_OK && i < NP && !bad; i++) {
+    bool mine = ddp_zero_owner(z, i) == rank;
+    if (!mine && cfg->stage == 2 && g[i].data) {
+      ddp_test_say(tr, "stage 2: parameter %zu is not rank %d's but kept its gradient", i, rank);
+      bad = 1;
+    }
+    if (!mine) continue;
+    if (memcmp(g[i].data, ref[i].data, ddp_tensor_nbytes(&ref[i])) != 0) {
+      ddp_test_say(tr, "parameter %zu: clipped gradient differs from ddp_clip_grad_norm's", i);
+      bad = 1;
+    }
+  }
+  if (st == DDP_OK && !bad && memcmp(&total, &want, sizeof total) != 0) {
+    ddp_test_say(tr, "total norm %.17g, ddp_clip_grad_norm %.17g", total, want);
+    bad = 1;
+  }
+  double vals[2] = {total, want};
+  ddp_test_put(tr, vals, sizeof vals);
+  ddp_zero_destroy(z);
+  for (size_t i = 0; i < NP; i++) {
+    ddp_tensor_free(&p[i]);
+    ddp_tensor_free(&g[i]);
+    ddp_tensor_free(&ref[i]);
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st != DDP_OK ? (int)st : bad ? 1 : 0;
+}
+
+static void clip(int stage, int world, double max_norm) {
+  clip_cfg_t cfg = {stage, max_norm, ddp_test_memory_store()};
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = world;
+  ddp_test_results_t *res = ddp_test_spawn(&o, clip_rank, &cfg);
+  ddp_test_expect_all(res, 0);
+  double first[2];
+  memcpy(first, ddp_test_result(res, 0)->values, sizeof first);
+  for (int r = 1; r < world; r++) {
+    double v[2];
+    memcpy(v, ddp_test_result(res, r)->values, sizeof v);
+    assert_memory_equal(v, first, sizeof v); /* the same norm on every rank */
+  }
+  print_message("stage %d W=%d max_norm %g: total norm %.9g (ddp_clip_grad_norm %.9g)\n", stage,
+                world, max_norm, first[0], first[1]);
+  assert_true(first[0] > max_norm); /* the clip scaled something */
+  ddp_test_results_free(res);
+  ddp_store_destroy(cfg.store);
+}
+
+/* Stage 1: the owners' gradients after the sharded clip are ddp_clip_grad_norm's bits. */
+static void test_clip_stage1(void **state) {
+  (void)state;
+  clip(1, 2, 0.5);
+  clip(1, 3, 0.5);
+}
+
+/* Stage 2: reduce-scatter then the sharded clip give the owners DDP's averaged and clipped
+ * gradients bit for bit, and the others None. */
+static void test_clip_stage2(void **state) {
+  (void)state;
+  clip(2, 2, 0.5);
+  clip(2, 3, 0.5);
+  clip(2, 4, 1.0);
+}
+
+/* ---------------------------------------------------------------- consolidation --- */
+
+/* Shards of one AdamW group (parameters 0 and 2 in one, 1 in the other, saved under their
+ * group indices) consolidate into the bytes ddp_optim_save writes for the whole group with
+ * the same state; a shard given twice and a tensor that is not state are refused naming
+ * the files; ddp_optim_load_indexed takes a subset back. */
+static void test_consolidate(void **state) {
+  (void)state;
+  char dir[256], a[300], b[300], full[300], out[300], bad[300];
+  assert_true(ddp_test_make_scratch(dir, sizeof dir, "zero_consolidate"));
+  snprintf(a, sizeof a, "%s/optimizer-00001-of-00002.safetensors", dir);
+  snprintf(b, sizeof b, "%s/optimizer-00002-of-00002.safetensors", dir);
+  snprintf(full, sizeof full, "%s/full.safetensors", dir);
+  snprintf(out, sizeof out, "%s/optimizer.safetensors", dir);
+  snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+  const int64_t shapes[3] = {7, 3, 5};
+  ddp_tensor_t p[3], g[3];
+  ddp_optim_param_t all[3];
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(ddp_tensor_alloc(&p[i], DDP_F32, 1, &shapes[i]), DDP_OK);
+    assert_int_equal(ddp_tensor_alloc(&g[i], DDP_F32, 1, &shapes[i]), DDP_OK);
+    for (int64_t k = 0; k < shapes[i]; k++) {
+      ((float *)p[i].data)[k] = 0.1f * (float)(k + i);
+      ((float *)g[i].data)[k] = gval(0, (size_t)i, k);
+    }
+    all[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+  ddp_optim_options_t o = DDP_ADAMW_OPTIONS_INIT;
+  ddp_optim_t *whole = NULL, *s0 = NULL, *s1 = NULL;
+  ddp_optim_param_t p02[2] = {all[0], all[2]};
+  assert_int_equal(ddp_optim_create(&o, all, 3, &whole, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_create(&o, p02, 2, &s0, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_create(&o, &all[1], 1, &s1, NULL), DDP_OK);
+  /* The shards step first (on the same parameters), the whole optimizer last; the state
+   * depends only on the gradients, which do not change. */
+  assert_int_equal(ddp_optim_step(s0, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_step(s1, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_step(whole, NULL), DDP_OK);
+  const size_t i02[2] = {0, 2}, i1[1] = {1};
+  assert_int_equal(ddp_optim_save_indexed(s0, a, i02, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save_indexed(s1, b, i1, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save(whole, full, NULL), DDP_OK);
+  const char *shards[2] = {b, a}; /* any order */
+  assert_int_equal(ddp_zero_consolidate(shards, 2, out, NULL), DDP_OK);
+  size_t na = 0, nb = 0;
+  char *x = ddp_test_read_file(out, &na), *y = ddp_test_read_file(full, &nb);
+  assert_non_null(x);
+  assert_non_null(y);
+  assert_int_equal(na, nb);
+  assert_memory_equal(x, y, na);
+  free(x);
+  free(y);
+  /* A subset back from the consolidated file: the same bytes as the shard it came from. */
+  ddp_optim_t *back = NULL;
+  assert_int_equal(ddp_optim_create(&o, p02, 2, &back, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_load_indexed(back, out, i02, NULL), DDP_OK);
+  assert_int_equal(ddp_optim_save_indexed(back, bad, i02, NULL), DDP_OK);
+  x = ddp_test_read_file(bad, &na);
+  y = ddp_test_read_file(a, &nb);
+  assert_int_equal(na, nb);
+  assert_memory_equal(x, y, na);
+  free(x);
+  free(y);
+  /* A shard given twice. */
+  ddp_error_t err = {0};
+  const char *twice[2] = {a, a};
+  assert_int_equal(ddp_zero_consolidate(twice, 2, out, &err), DDP_ERR_INVALID_DATA);
+  assert_non_null(strstr(err.msg, "'state.0.step' is in both"));
+  assert_non_null(strstr(err.msg, "optimizer-00001-of-00002.safetensors"));
+  /* A file that is not a shard of this optimizer. */
+  ddp_st_entry_t e = {"model.weight", &p[0]};
+  assert_int_equal(ddp_st_write(bad, &e, 1, NULL, NULL, 0, NULL), DDP_OK);
+  const char *mixed[2] = {bad, a};
+  assert_int_equal(ddp_zero_consolidate(mixed, 2, out, &err), DDP_ERR_INVALID_DATA);
+  print_message("%s\n", err.msg);
+  assert_non_null(strstr(err.msg, "bad.safetensors and "));
+  assert_non_null(strstr(err.msg, "hold different optimizers"));
+  ddp_optim_destroy(whole);
+  ddp_optim_destroy(s0);
+  ddp_optim_destroy(s1);
+  ddp_optim_destroy(back);
+  for (int i = 0; i < 3; i++) {
+    ddp_tensor_free(&p[i]);
+    ddp_tensor_free(&g[i]);
+  }
+  assert_int_equal(ddp_test_remove_scratch(dir, false), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_partition_by_hand),
+      cmocka_unit_test(test_clip_stage1),
+      cmocka_unit_test(test_clip_stage2),
+      cmocka_unit_test(test_consolidate),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
