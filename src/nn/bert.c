@@ -228,8 +228,9 @@ static ddp_status_t bert_init(void *state, uint64_t seed) {
   return DDP_OK;
 }
 
-static const ddp__family_t bert_family = {"bert", DDP_TASK_SEQ_CLASSIFICATION, bert_forward,
-                                          bert_init, bert_destroy, NULL};
+static const ddp__family_t bert_family = {"bert",       DDP_TASK_SEQ_CLASSIFICATION,
+                                          bert_forward, bert_init,
+                                          bert_destroy, NULL};
 
 /* ---------------------------------------------------------------- build ----------- */
 

@@ -465,13 +465,7 @@ static ddp_status_t parse_llama(parse_t *p, ddp_llama_config_t *l) {
   DDP_CHECK(get_bool(p, "attention_bias", &l->attention_bias));
   DDP_CHECK(get_num(p, "attention_dropout", false, 0, &l->attention_dropout));
   DDP_CHECK(get_bool(p, "mlp_bias", &l->mlp_bias));
-  int64_t tp = 1;
-  DDP_CHECK(get_int(p, "pretraining_tp", false, 0, &tp));
-  if (tp != 1)
-    return ddp__error(p->err, -1, DDP_ERR_UNSUPPORTED,
-                      "%s: \"pretraining_tp\": %lld is not supported (only 1: Transformers' "
-                      "sliced projections compute the same function up to rounding)",
-                      src_name(p->path), (long long)tp);
+  /* pretraining_tp > 1 only slices the projections in Transformers: the same function. */
   return DDP_OK;
 }
 
@@ -533,8 +527,8 @@ static cJSON *llama_json(cJSON *o, const ddp_llama_config_t *l, bool f64) {
   add_num(o, "attention_dropout", l->attention_dropout);
   add_id(o, "bos_token_id", l->bos_token_id);
   add_id(o, "eos_token_id", l->eos_token_id);
-  add_num(o, "head_dim", (double)(l->head_dim ? l->head_dim
-                                              : l->hidden_size / l->num_attention_heads));
+  add_num(o, "head_dim",
+          (double)(l->head_dim ? l->head_dim : l->hidden_size / l->num_attention_heads));
   cJSON_AddStringToObject(o, "hidden_act", l->hidden_act);
   add_num(o, "hidden_size", (double)l->hidden_size);
   add_num(o, "initializer_range", l->initializer_range);

@@ -55,8 +55,7 @@ static bool llama_is_norm(void *state, size_t index) {
 
 /* ---------------------------------------------------------------- forward --------- */
 
-static ddp_status_t lin(ddp_ctx_t *c, llama_t *l, size_t w, size_t b, ddp_var_t *x,
-                        ddp_var_t **y) {
+static ddp_status_t lin(ddp_ctx_t *c, llama_t *l, size_t w, size_t b, ddp_var_t *x, ddp_var_t **y) {
   ddp_var_t *wv, *bv = NULL;
   DDP_CHECK(ddp__pvar(c, l->m, w, &wv));
   if (b != NONE) DDP_CHECK(ddp__pvar(c, l->m, b, &bv));
@@ -93,8 +92,7 @@ static ddp_status_t attention(ddp_ctx_t *c, llama_t *l, const layer_t *L, ddp_va
 }
 
 /* LlamaMLP: down_proj(act(gate_proj(x)) * up_proj(x)), in Transformers' evaluation order. */
-static ddp_status_t mlp(ddp_ctx_t *c, llama_t *l, const layer_t *L, ddp_var_t *x,
-                        ddp_var_t **out) {
+static ddp_status_t mlp(ddp_ctx_t *c, llama_t *l, const layer_t *L, ddp_var_t *x, ddp_var_t **out) {
   ddp_var_t *g, *u;
   DDP_CHECK(lin(c, l, L->gate_w, L->gate_b, x, &g));
   DDP_CHECK(ddp_activation(c, l->act, g, &g));
@@ -183,8 +181,8 @@ static ddp_status_t add(builder_t *b, const char *name, int ndim, const int64_t 
 }
 
 /* nn.Linear(in, out, bias): weight [out, in], then bias [out] (NONE without). */
-static ddp_status_t add_linear(builder_t *b, const char *prefix, int64_t in, int64_t out,
-                               bool bias, size_t *w, size_t *bi) {
+static ddp_status_t add_linear(builder_t *b, const char *prefix, int64_t in, int64_t out, bool bias,
+                               size_t *w, size_t *bi) {
   char n[300];
   int64_t ws[2] = {out, in};
   snprintf(n, sizeof n, "%s.weight", prefix);

@@ -46,15 +46,16 @@ ddp_status_t ddp_rms_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, double eps, 
   DDP_CHECK(check_float(c, "rms_norm", x));
   int64_t d = last_dim(x), rows = d ? x->value.numel / d : 0;
   if (x->value.ndim < 1 || (w && (w->value.numel != d || w->value.dtype != x->value.dtype)))
-    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT, "rms_norm: weight must have %lld elements of %s",
-                          (long long)d, ddp_dtype_name(x->value.dtype));
+    return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
+                          "rms_norm: weight must have %lld elements of %s", (long long)d,
+                          ddp_dtype_name(x->value.dtype));
   if (!(eps >= 0) || !isfinite(eps))
     return ddp__ctx_error(c, DDP_ERR_INVALID_ARGUMENT,
                           "rms_norm: eps must be a finite non-negative number (got %g)", eps);
   ddp_var_t *ins[2] = {x, w};
   ddp_node_t *n;
-  DDP_CHECK(make_out_raw(c, "rms_norm", bw_rms_norm, x->value.dtype, x->value.ndim,
-                         x->value.shape, 2, ins, y, &n));
+  DDP_CHECK(make_out_raw(c, "rms_norm", bw_rms_norm, x->value.dtype, x->value.ndim, x->value.shape,
+                         2, ins, y, &n));
   double *rstd = ddp__arena_alloc(c, (size_t)(rows + 1) * sizeof(double));
   if (!rstd) return OOM(c, "rms_norm");
   if (n) n->saved = rstd;
@@ -83,9 +84,9 @@ void ddp_rope_inv_freq(double theta, int64_t head_dim, const ddp_rope_scaling_t 
   double d = (double)head_dim, base = theta;
   ddp_rope_type_t type = s ? s->type : DDP_ROPE_DEFAULT;
   if (type == DDP_ROPE_DYNAMIC && seq_len > max_position_embeddings)
-    base = theta * pow(s->factor * (double)seq_len / (double)max_position_embeddings -
-                           (s->factor - 1.0),
-                       d / (d - 2.0));
+    base = theta *
+           pow(s->factor * (double)seq_len / (double)max_position_embeddings - (s->factor - 1.0),
+               d / (d - 2.0));
   for (int64_t i = 0; i < head_dim / 2; i++) {
     double f = 1.0 / pow(base, (double)(2 * i) / d);
     if (type == DDP_ROPE_LINEAR) f /= s->factor;
@@ -225,6 +226,7 @@ ddp_status_t ddp_repeat_kv(ddp_ctx_t *c, ddp_var_t *x, int64_t n_rep, ddp_var_t 
   const char *src = x->value.data;
   char *dst = (*y)->value.data;
   for (int64_t bk = 0; bk < B * KV; bk++)
-    for (int64_t r = 0; r < n_rep; r++) memcpy(dst + (size_t)(bk * n_rep + r) * blk, src + (size_t)bk * blk, blk);
+    for (int64_t r = 0; r < n_rep; r++)
+      memcpy(dst + (size_t)(bk * n_rep + r) * blk, src + (size_t)bk * blk, blk);
   return DDP_OK;
 }
