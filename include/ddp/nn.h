@@ -311,8 +311,8 @@ DDP_API bool ddp_model_finalized(const ddp_model_t *m);
 DDP_API size_t ddp_model_num_params(const ddp_model_t *m);
 DDP_API ddp_param_t *ddp_model_param(ddp_model_t *m, size_t i);
 DDP_API ddp_param_t *ddp_model_find_param(ddp_model_t *m, const char *name);
-/* Whether parameter `index` is the weight or bias of a LayerNorm module (Hugging Face's
- * Trainer exempts those from weight decay). */
+/* Whether parameter `index` is the weight or bias of a LayerNorm module, or a Llama RMSNorm
+ * weight (Hugging Face's Trainer exempts those from weight decay). */
 DDP_API bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index);
 DDP_API size_t ddp_model_num_buffers(const ddp_model_t *m);
 DDP_API ddp_buffer_t *ddp_model_buffer(ddp_model_t *m, size_t i);
@@ -536,10 +536,10 @@ DDP_API ddp_status_t ddp_hf_config_write(const ddp_hf_config_t *cfg, const char 
 DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                                               ddp_model_t **out, ddp_error_t *err);
 /* DIR/config.json + DIR/model.safetensors, strict by name with PyTorch's wording, except what
- * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias and
- * bert.embeddings.position_ids buffers are ignored, a tied lm_head.weight must only match
- * in shape (wte's values are used), and a base-model checkpoint's keys (no "transformer." /
- * "bert." prefix) get the prefix. Floating dtypes convert to dt. */
+ * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias,
+ * bert.embeddings.position_ids and Llama's rotary_emb.inv_freq buffers are ignored, a tied
+ * lm_head.weight must only match in shape (wte's values are used), and a base-model checkpoint's
+ * keys (no "transformer." / "bert." prefix) get the prefix. Floating dtypes convert to dt. */
 DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_model_t **out,
                                                ddp_error_t *err);
 /* Writes DIR/config.json and DIR/model.safetensors (metadata {"format": "pt"}; the tied
