@@ -38,7 +38,14 @@ static const char *const GPT2 =
     "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 64, \"n_head\": 4, "
     "\"vocab_size\": 256, \"n_positions\": 64}";
 
-static char g_dir[512], g_cfg[600], g_corpus[600], g_train[600], g_ddprun[600];
+/* The tiny Llama (GQA: 4 heads, 2 KV heads; untied head). */
+static const char *const LLAMA =
+    "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+    "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"vocab_size\": 256, "
+    "\"intermediate_size\": 172, \"max_position_embeddings\": 64}";
+
+static char g_dir[512], g_cfg[600], g_corpus[600], g_train[600], g_ddprun[600], g_llama[600];
+static const char *g_model = g_cfg; /* the --model of train() */
 
 /* The scratch directory's files, written once: the config and a 12 KB text. */
 static void setup_files(void) {
@@ -50,6 +57,8 @@ static void setup_files(void) {
   snprintf(g_cfg, sizeof g_cfg, "%s/gpt2.json", g_dir);
   snprintf(g_corpus, sizeof g_corpus, "%s/corpus.txt", g_dir);
   ddp_test_write_text(g_cfg, GPT2);
+  snprintf(g_llama, sizeof g_llama, "%s/llama.json", g_dir);
+  ddp_test_write_text(g_llama, LLAMA);
   static const char *const w[] = {"the", "cat", "sat", "on", "a",    "mat",  "and",   "the",
                                   "dog", "ran", "to",  "it", "then", "both", "slept", "well"};
   static char text[13000];
@@ -70,7 +79,7 @@ static int train(char **out, const char *launcher, const char *outdir, const cha
                           "'%s' --block_size 32 --per_device_train_batch_size 4 "
                           "--learning_rate 3e-3 --logging_steps 2 --disable_tqdm --output_dir "
                           "'%s/%s' %s",
-                          launcher ? launcher : "", g_train, g_cfg, g_corpus, g_dir, outdir,
+                          launcher ? launcher : "", g_train, g_model, g_corpus, g_dir, outdir,
                           extra ? extra : "");
 }
 
@@ -140,6 +149,32 @@ static void test_determinism(void **state) {
                 hc);
   assert_string_equal(ht, hs);
   assert_string_equal(ht, hc);
+}
+
+/* Llama through ddp-train: threads x4, ddprun shm x4 and tcp x4 end with one parameter
+ * hash, the loss falls, and the saved directory loads strictly in the PyTorch twin. */
+static void test_llama(void **state) {
+  (void)state;
+  const char *common = "--max_steps 6 --save_strategy no --ddp_find_unused_parameters false";
+  char ht[64], hs[64], hc[64];
+  g_model = g_llama;
+  train_ok(NULL, NULL, "llama_threads",
+           "--threads 4 --max_steps 6 --save_strategy no --ddp_find_unused_parameters false");
+  ddprun_train("shm", 4, "llama_shm", common);
+  ddprun_train("tcp", 4, "llama_tcp", common);
+  g_model = g_cfg;
+  summary_hash("llama_threads", ht, sizeof ht);
+  summary_hash("llama_shm", hs, sizeof hs);
+  summary_hash("llama_tcp", hc, sizeof hc);
+  print_message("Llama tiny, 6 steps: threads x4 %s, ddprun shm x4 %s, ddprun tcp x4 %s\n", ht, hs,
+                hc);
+  assert_string_equal(ht, hs);
+  assert_string_equal(ht, hc);
+  cJSON *s = summary("llama_threads");
+  double first = ddp_test_json_get(s, "first_loss")->valuedouble;
+  double last = ddp_test_json_get(s, "last_loss")->valuedouble;
+  cJSON_Delete(s);
+  if (!(last < first)) fail_msg("Llama loss did not fall: %g -> %g", first, last);
 }
 
 /* ---------------------------------------------------------------- checkpoints ----- */
@@ -414,7 +449,7 @@ static void test_bad_input(void **state) {
   ddp_test_write_text(bad_div, "{\"model_type\": \"gpt2\", \"n_layer\": 1, \"n_embd\": 30, "
                                "\"n_head\": 4, \"vocab_size\": 256, \"n_positions\": 64}");
   snprintf(unknown, sizeof unknown, "%s/unknown.json", g_dir);
-  ddp_test_write_text(unknown, "{\"model_type\": \"llama\", \"hidden_size\": 16}");
+  ddp_test_write_text(unknown, "{\"model_type\": \"t5\", \"hidden_size\": 16}");
   snprintf(bert, sizeof bert, "%s/bert.json", g_dir);
   ddp_test_write_text(bert, "{\"model_type\": \"bert\", \"num_hidden_layers\": 1, "
                             "\"hidden_size\": 16, \"num_attention_heads\": 2, "
@@ -440,7 +475,7 @@ static void test_bad_input(void **state) {
               "%s '%s' --model '%s' --data '%s/nonexistent.txt'", base, g_train, g_cfg, g_dir);
   expect_exit("n_embd % n_head", 2, "n_head", "%s '%s' --model '%s' --data '%s'", base, g_train,
               bad_div, g_corpus);
-  expect_exit("unknown model_type", 2, "llama", "%s '%s' --model '%s' --data '%s'", base, g_train,
+  expect_exit("unknown model_type", 2, "t5", "%s '%s' --model '%s' --data '%s'", base, g_train,
               unknown, g_corpus);
   expect_exit("block longer than n_positions", 1, "n_positions",
               "%s '%s' --model '%s' --data '%s' --block_size 65", base, g_train, g_cfg, g_corpus);
@@ -473,6 +508,7 @@ static void test_bad_input(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_llama),
       cmocka_unit_test(test_generate),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_learns_eval_and_sample),

@@ -253,6 +253,53 @@ static void test_bert_torch_init_regression(void **state) {
   compare("bert_regression2_f32", reg2, DDP_F32, &b, false, TOL_F32);
 }
 
+/* Llama (LlamaForCausalLM): each rope_scaling variant, tied and untied heads, GQA (4 heads, 2
+ * KV heads), on libddp's weights and on PyTorch's. The dynamic case runs 40 tokens past
+ * max_position_embeddings 32, where its base changes; llama3's bands are placed so that
+ * head_dim 16's wavelengths fall in all three. */
+static const char *llama_variants[][2] = {
+    {"none", ""},
+    {"linear", ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4.0}"},
+    {"dynamic", ", \"rope_scaling\": {\"rope_type\": \"dynamic\", \"factor\": 2.0}"},
+    {"llama3", ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, "
+               "\"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+               "\"original_max_position_embeddings\": 64}"},
+};
+
+static void llama_case(const char *variant, const char *extra, ddp_dtype_t dt, bool torch_init,
+                       bool tied, int64_t T, uint64_t seed) {
+  char ex[512], tag[64];
+  snprintf(ex, sizeof ex, "%s%s", extra, tied ? ", \"tie_word_embeddings\": true" : "");
+  snprintf(tag, sizeof tag, "llama_%s_%s%s%s", variant, dt == DDP_F32 ? "f32" : "f64",
+           tied ? "_tied" : "", torch_init ? "_torch_init" : "");
+  batch_t b;
+  gpt2_batch(&b, 2, T, seed);
+  compare(tag, cfg_text(LLAMA_JSON, ex), dt, &b, torch_init, dt == DDP_F32 ? TOL_F32 : TOL_F64);
+}
+
+static void test_llama_f32(void **state) {
+  (void)state;
+  for (size_t i = 0; i < NELEM(llama_variants); i++)
+    llama_case(llama_variants[i][0], llama_variants[i][1], DDP_F32, false, false,
+               !strcmp(llama_variants[i][0], "dynamic") ? 40 : 16, 20 + i);
+}
+
+static void test_llama_f64(void **state) {
+  (void)state;
+  for (size_t i = 0; i < NELEM(llama_variants); i++)
+    llama_case(llama_variants[i][0], llama_variants[i][1], DDP_F64, false, false,
+               !strcmp(llama_variants[i][0], "dynamic") ? 40 : 16, 30 + i);
+}
+
+/* Tied head, biases on and a padding row, on PyTorch's initialisation (from_pretrained). */
+static void test_llama_tied_torch_init(void **state) {
+  (void)state;
+  const char *ex = ", \"attention_bias\": true, \"mlp_bias\": true, \"pad_token_id\": 0";
+  llama_case("bias", ex, DDP_F64, true, true, 12, 40);
+  llama_case("bias", ex, DDP_F32, true, true, 12, 41);
+  llama_case("none", "", DDP_F32, false, true, 16, 42);
+}
+
 /* libddp's checkpoint directories load in PyTorch with strict=True, and a directory either
  * side refuses is refused by both in the same words. */
 static void test_checkpoint_wording(void **state) {
@@ -348,6 +395,9 @@ int main(void) {
       cmocka_unit_test(test_bert_f64),
       cmocka_unit_test(test_bert_torch_init_regression),
       cmocka_unit_test(test_checkpoint_wording),
+      cmocka_unit_test(test_llama_f32),
+      cmocka_unit_test(test_llama_f64),
+      cmocka_unit_test(test_llama_tied_torch_init),
       cmocka_unit_test(test_summary),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
-"""PyTorch twins of Hugging Face Transformers' GPT2LMHeadModel and
-BertForSequenceClassification, for checking libddp's GPT-2 and BERT families (src/nn/gpt2.c,
-src/nn/bert.c) and for tools/torch_reference.py. Transformers is not packaged in Debian, so the
+"""PyTorch twins of Hugging Face Transformers' GPT2LMHeadModel,
+BertForSequenceClassification and LlamaForCausalLM (the latter in tools/hf_llama.py), for
+checking libddp's GPT-2, BERT and Llama families (src/nn/gpt2.c, src/nn/bert.c,
+src/nn/llama.c) and for tools/torch_reference.py. Transformers is not packaged in Debian, so the
 modules are written here from Transformers' modeling semantics (docs/nn.md, "Transformers"),
 with the same module names, the same parameters() order and the same state_dict keys, so that a
 checkpoint directory moves between this file, libddp and Transformers itself.
@@ -51,6 +52,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import safetensors as st  # noqa: E402  (tools/safetensors.py)
+import hf_llama  # noqa: E402  (tools/hf_llama.py)
 
 # ---------------------------------------------------------------- configuration --------
 
@@ -100,10 +102,14 @@ def load_config(src):
         vals = dict(GPT2_DEFAULTS)
     elif mt == "bert":
         vals = dict(BERT_DEFAULTS)
+    elif mt == "llama":
+        vals = dict(hf_llama.LLAMA_DEFAULTS)
     else:
-        raise ValueError("unknown model_type %r (gpt2, bert)" % (mt,))
+        raise ValueError("unknown model_type %r (gpt2, bert, llama)" % (mt,))
     vals.update({k: v for k, v in d.items() if k in vals})
     vals["model_type"] = mt
+    if mt == "llama":
+        vals = hf_llama.fill_config(vals)
     if mt == "bert":
         if "id2label" in d:
             vals["num_labels"] = len(d["id2label"])
@@ -120,6 +126,9 @@ def config_dict(cfg, dtype=torch.float32):
     if cfg.model_type == "gpt2":
         out.update({k: d[k] for k in GPT2_DEFAULTS})
         out["architectures"] = ["GPT2LMHeadModel"]
+    elif cfg.model_type == "llama":
+        out.update({k: d[k] for k in hf_llama.LLAMA_DEFAULTS})
+        out["architectures"] = ["LlamaForCausalLM"]
     else:
         out.update({k: d[k] for k in BERT_DEFAULTS})
         out["architectures"] = ["BertForSequenceClassification"]
@@ -144,6 +153,7 @@ ACTIVATIONS = {
     "gelu": F.gelu, "gelu_python": F.gelu, "gelu_new": gelu_new,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "silu": F.silu, "swish": F.silu,
 }
 
 
@@ -438,7 +448,12 @@ class BertForSequenceClassification(nn.Module):
 def build(cfg, dtype=torch.float32):
     if not isinstance(cfg, Config):
         cfg = load_config(cfg)
-    model = GPT2LMHeadModel(cfg) if cfg.model_type == "gpt2" else BertForSequenceClassification(cfg)
+    if cfg.model_type == "llama":
+        model = hf_llama.LlamaForCausalLM(cfg, activation(cfg.hidden_act))
+    elif cfg.model_type == "gpt2":
+        model = GPT2LMHeadModel(cfg)
+    else:
+        model = BertForSequenceClassification(cfg)
     return model.to(dtype)
 
 
@@ -448,6 +463,9 @@ def init_weights(model):
     biases 0, padding rows 0, LayerNorm 1 and 0; GPT-2's c_proj weights then
     N(0, initializer_range / sqrt(2 n_layer))."""
     cfg = model.config
+    if cfg.model_type == "llama":
+        hf_llama.init_weights(model)
+        return
     std = cfg.initializer_range
     for mod in model.modules():
         if isinstance(mod, (nn.Linear, Conv1D)):
@@ -478,7 +496,7 @@ def split_ddp_layout(model, x):
 
 def forward_ddp_layout(model, x):
     ids, mask, tt = split_ddp_layout(model, x)
-    if model.config.model_type == "gpt2":
+    if model.config.model_type in ("gpt2", "llama"):
         return model(ids)
     return model(ids, mask, tt)
 
@@ -486,7 +504,7 @@ def forward_ddp_layout(model, x):
 def compute_loss(model, logits, labels):
     """GPT-2: logits [..., :-1, :] against labels [..., 1:], mean cross-entropy over labels
     != -100. BERT: MSE for num_labels == 1 or problem_type "regression", else cross-entropy."""
-    if model.config.model_type == "gpt2":
+    if model.config.model_type in ("gpt2", "llama"):
         v = logits.size(-1)
         return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, v),
                                labels[..., 1:].contiguous().view(-1), ignore_index=-100)
@@ -505,13 +523,20 @@ def compute_loss(model, logits, labels):
 
 # ---------------------------------------------------------------- checkpoint dirs ------
 
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids")
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "embeddings.position_ids",
+                    ".rotary_emb.inv_freq")
+# The embedding a tied lm_head.weight is, per model_type.
+TIED_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+
+
+def tied(cfg):
+    return cfg.model_type in TIED_EMBEDDING and cfg.tie_word_embeddings
 
 
 def state_for_save(model):
     """state_dict without the tied lm_head.weight (save_pretrained drops shared tensors)."""
     sd = model.state_dict()
-    if model.config.model_type == "gpt2" and model.config.tie_word_embeddings:
+    if tied(model.config):
         sd.pop("lm_head.weight", None)
     return sd
 
@@ -536,14 +561,15 @@ def load_state(model, state):
     if state and not any(k.startswith(prefix) for k in state):
         state = {prefix + k: v for k, v in state.items()}
     own = model.state_dict()
-    if model.config.model_type == "gpt2" and model.config.tie_word_embeddings:
+    if tied(model.config):
+        emb = TIED_EMBEDDING[model.config.model_type]
         lm = state.pop("lm_head.weight", None)
         if lm is not None and lm.shape != own["lm_head.weight"].shape:
             raise RuntimeError("size mismatch for lm_head.weight: copying a param with shape %s "
                                "from checkpoint, the shape in current model is %s."
                                % (lm.shape, own["lm_head.weight"].shape))
-        if "transformer.wte.weight" in state:
-            state["lm_head.weight"] = state["transformer.wte.weight"]
+        if emb in state:
+            state["lm_head.weight"] = state[emb]
     model.load_state_dict(state, strict=True)
 
 

@@ -165,16 +165,19 @@ static bool ends_with(const char *s, const char *suffix) {
   return a >= b && !strcmp(s + a - b, suffix);
 }
 
-/* GPT-2: a token stream cut into blocks (run_clm's group_texts). */
+/* GPT-2 and Llama: a token stream cut into blocks (run_clm's group_texts). */
 static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_error_t err = {0};
-  int64_t npos = x->cfg.gpt2.n_positions;
+  bool llama = x->cfg.model_type == DDP_HF_LLAMA;
+  int64_t npos = llama ? x->cfg.llama.max_position_embeddings : x->cfg.gpt2.n_positions;
+  int64_t vocab = llama ? x->cfg.llama.vocab_size : x->cfg.gpt2.vocab_size;
   if (x->block_size < 0) x->block_size = npos < 1024 ? npos : 1024;
   if (x->block_size > npos) {
     return say(1,
                "--block_size %lld: a sequence of %lld tokens is longer than the model's "
-               "n_positions %lld (%s)",
-               (long long)x->block_size, (long long)x->block_size, (long long)npos, x->model_desc);
+               "%s %lld (%s)",
+               (long long)x->block_size, (long long)x->block_size,
+               llama ? "max_position_embeddings" : "n_positions", (long long)npos, x->model_desc);
   }
   int64_t *tok = NULL, n = 0;
   ddp_status_t st = ddp_tokens_read(src, &tok, &n, &err);
@@ -184,7 +187,7 @@ static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
     return say(1, "--data %s: %lld tokens, fewer than one block of --block_size %lld", src,
                (long long)n, (long long)x->block_size);
   }
-  st = ddp_dataset_lm_blocks(tok, n, x->block_size, x->cfg.gpt2.vocab_size, all, &err);
+  st = ddp_dataset_lm_blocks(tok, n, x->block_size, vocab, all, &err);
   ddp_tokens_free(tok);
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;

@@ -165,7 +165,8 @@ typedef enum ddp_act {
   DDP_ACT_GELU = 1,      /* erf form (approximate='none') */
   DDP_ACT_GELU_TANH = 2, /* approximate='tanh' */
   DDP_ACT_TANH = 3,
-  DDP_ACT_SIGMOID = 4
+  DDP_ACT_SIGMOID = 4,
+  DDP_ACT_SILU = 5 /* x * sigmoid(x) (Transformers' "silu", Llama's MLP) */
 } ddp_act_t;
 DDP_API ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t act, ddp_var_t *x, ddp_var_t **y);
 DDP_API ddp_status_t ddp_relu(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t **y);
@@ -254,6 +255,44 @@ DDP_API ddp_status_t ddp_attention(ddp_ctx_t *c, ddp_var_t *q, ddp_var_t *k, ddp
 DDP_API ddp_status_t ddp_causal_lm_loss(ddp_ctx_t *c, ddp_var_t *logits, ddp_var_t *labels,
                                         int64_t ignore_index, ddp_var_t **y);
 
+/* Llama operations (src/nn/ops_llama.c), as Transformers' modeling_llama.py computes them. */
+
+/* Llama's RMSNorm over the last dim: y = w * (x * rsqrt(mean(x^2) + eps)); w [x.shape[-1]]
+ * or NULL. The statistics are taken in double, the output rounded to x's dtype once. */
+DDP_API ddp_status_t ddp_rms_norm(ddp_ctx_t *c, ddp_var_t *x, ddp_var_t *w, double eps,
+                                  ddp_var_t **y);
+/* rope_scaling's "rope_type" (or "type"): none/"default", "linear", "dynamic", "llama3". */
+typedef enum ddp_rope_type {
+  DDP_ROPE_DEFAULT = 0,
+  DDP_ROPE_LINEAR = 1,
+  DDP_ROPE_DYNAMIC = 2,
+  DDP_ROPE_LLAMA3 = 3
+} ddp_rope_type_t;
+typedef struct ddp_rope_scaling {
+  ddp_rope_type_t type;
+  double factor;                            /* LINEAR, DYNAMIC, LLAMA3 */
+  int64_t original_max_position_embeddings; /* LLAMA3 */
+  double low_freq_factor, high_freq_factor; /* LLAMA3 */
+} ddp_rope_scaling_t;
+/* Transformers' inverse frequencies for head_dim (even) and a sequence of seq_len tokens:
+ * inv_freq[i] = 1 / theta^(2i / head_dim), i < head_dim / 2, then the scaling (s NULL: none):
+ * LINEAR divides by factor; DYNAMIC, only when seq_len > max_position_embeddings, uses the
+ * base theta * (factor * seq_len / max_pos - (factor - 1))^(d / (d - 2)); LLAMA3 keeps the
+ * wavelengths below original_max / high_freq_factor, divides those above
+ * original_max / low_freq_factor by factor and interpolates between. Computed in double and
+ * rounded to float once (Transformers keeps inv_freq in float32). */
+DDP_API void ddp_rope_inv_freq(double theta, int64_t head_dim, const ddp_rope_scaling_t *s,
+                               int64_t max_position_embeddings, int64_t seq_len, float *inv_freq);
+/* Rotary position embedding of x [B, H, T, D] at positions 0..T-1, rotate-half layout:
+ * with h = D / 2, f = fl32(inv_freq[j] * t), c = fl32(cos f), s = fl32(sin f) (float32 tables,
+ * as Transformers computes them, widened to x's dtype): y[j] = x[j] c - x[j + h] s and
+ * y[j + h] = x[j + h] c + x[j] s, each product and sum rounded in x's dtype. inv_freq holds
+ * D / 2 floats (copied). */
+DDP_API ddp_status_t ddp_rotary(ddp_ctx_t *c, ddp_var_t *x, const float *inv_freq, ddp_var_t **y);
+/* Transformers' repeat_kv: x [B, KV, T, D] -> y [B, KV * n_rep, T, D], head h of y being head
+ * h / n_rep of x (grouped-query attention); the gradient sums over the repeats. */
+DDP_API ddp_status_t ddp_repeat_kv(ddp_ctx_t *c, ddp_var_t *x, int64_t n_rep, ddp_var_t **y);
+
 /* ---------------------------------------------------------------- models ---------- */
 
 DDP_API ddp_status_t ddp_model_create(ddp_model_t **out);
@@ -272,8 +311,8 @@ DDP_API bool ddp_model_finalized(const ddp_model_t *m);
 DDP_API size_t ddp_model_num_params(const ddp_model_t *m);
 DDP_API ddp_param_t *ddp_model_param(ddp_model_t *m, size_t i);
 DDP_API ddp_param_t *ddp_model_find_param(ddp_model_t *m, const char *name);
-/* Whether parameter `index` is the weight or bias of a LayerNorm module (Hugging Face's
- * Trainer exempts those from weight decay). */
+/* Whether parameter `index` is the weight or bias of a LayerNorm module, or a Llama RMSNorm
+ * weight (Hugging Face's Trainer exempts those from weight decay). */
 DDP_API bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index);
 DDP_API size_t ddp_model_num_buffers(const ddp_model_t *m);
 DDP_API ddp_buffer_t *ddp_model_buffer(ddp_model_t *m, size_t i);
@@ -378,7 +417,8 @@ DDP_API ddp_status_t ddp_model_from_json_file(const char *path, ddp_model_t **ou
 typedef enum ddp_hf_model_type {
   DDP_HF_NONE = 0,
   DDP_HF_GPT2 = 1, /* "gpt2": GPT2LMHeadModel */
-  DDP_HF_BERT = 2  /* "bert": BertForSequenceClassification */
+  DDP_HF_BERT = 2, /* "bert": BertForSequenceClassification */
+  DDP_HF_LLAMA = 3 /* "llama": LlamaForCausalLM (Llama 1-3, SmolLM, TinyLlama) */
 } ddp_hf_model_type_t;
 
 #define DDP_HF_NAME_MAX 32
@@ -424,12 +464,37 @@ typedef struct ddp_bert_config {
   char problem_type[DDP_HF_NAME_MAX];  /* "" = null, "regression", "single_label_classification" */
 } ddp_bert_config_t;
 
+/* config.json keys of Llama (LlamaConfig), with Transformers' defaults. */
+typedef struct ddp_llama_config {
+  int64_t vocab_size;               /* 32000 */
+  int64_t hidden_size;              /* 4096 */
+  int64_t intermediate_size;        /* 11008 */
+  int64_t num_hidden_layers;        /* 32 */
+  int64_t num_attention_heads;      /* 32 */
+  int64_t num_key_value_heads;      /* null = num_attention_heads; must divide it */
+  int64_t head_dim;                 /* null = hidden_size / num_attention_heads; even */
+  char hidden_act[DDP_HF_NAME_MAX]; /* "silu" */
+  int64_t max_position_embeddings;  /* 2048 (a longer sequence is allowed, as in Transformers) */
+  double initializer_range;         /* 0.02 */
+  double rms_norm_eps;              /* 1e-6 */
+  int64_t pad_token_id;             /* -1 = null; else that embedding row starts at zero */
+  int64_t bos_token_id;             /* 1 */
+  int64_t eos_token_id;             /* 2 */
+  bool tie_word_embeddings;         /* false */
+  double rope_theta;                /* 10000 */
+  ddp_rope_scaling_t rope_scaling;  /* null: DDP_ROPE_DEFAULT */
+  bool attention_bias;              /* false: q/k/v/o_proj without bias */
+  double attention_dropout;         /* 0.0 */
+  bool mlp_bias;                    /* false: gate/up/down_proj without bias */
+} ddp_llama_config_t;
+
 typedef struct ddp_hf_config {
   ddp_hf_model_type_t model_type; /* "model_type" */
   ddp_dtype_t torch_dtype;        /* "torch_dtype": F64 for "float64", else F32; a model
                                    * reports its own dtype here */
   ddp_gpt2_config_t gpt2;         /* model_type GPT2 */
   ddp_bert_config_t bert;         /* model_type BERT */
+  ddp_llama_config_t llama;       /* model_type LLAMA */
   /* The keys of the parsed config.json that libddp does not model (bos_token_id,
    * eos_token_id, task_specific_params, custom keys), and id2label/label2id as given, as
    * one JSON object ("" when none): ddp_hf_config_write writes them back, as
@@ -439,7 +504,7 @@ typedef struct ddp_hf_config {
 
 typedef enum ddp_model_task {
   DDP_TASK_DEFAULT = 0,           /* loss chosen by the label dtype (the MLP files) */
-  DDP_TASK_CAUSAL_LM = 1,         /* GPT2LMHeadModel: ddp_causal_lm_loss(logits, labels) */
+  DDP_TASK_CAUSAL_LM = 1,         /* GPT2LMHeadModel, LlamaForCausalLM: ddp_causal_lm_loss */
   DDP_TASK_SEQ_CLASSIFICATION = 2 /* BertForSequenceClassification: CE (num_labels > 1) or
                                    * MSE (num_labels == 1) on logits [B, num_labels] */
 } ddp_model_task_t;
@@ -482,10 +547,10 @@ DDP_API ddp_status_t ddp_hf_config_to_json(const ddp_hf_config_t *cfg, char **ou
 DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                                               ddp_model_t **out, ddp_error_t *err);
 /* DIR/config.json + DIR/model.safetensors, strict by name with PyTorch's wording, except what
- * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias and
- * bert.embeddings.position_ids buffers are ignored, a tied lm_head.weight must only match
- * in shape (wte's values are used), and a base-model checkpoint's keys (no "transformer." /
- * "bert." prefix) get the prefix. Floating dtypes convert to dt. */
+ * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias,
+ * bert.embeddings.position_ids and Llama's rotary_emb.inv_freq buffers are ignored, a tied
+ * lm_head.weight must only match in shape (wte's values are used), and a base-model checkpoint's
+ * keys (no "transformer." / "bert." prefix) get the prefix. Floating dtypes convert to dt. */
 DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_model_t **out,
                                                ddp_error_t *err);
 /* Writes DIR/config.json and DIR/model.safetensors (metadata {"format": "pt"}; the tied

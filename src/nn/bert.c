@@ -66,8 +66,8 @@ static ddp_status_t bw_embed_padded(ddp_ctx_t *c, ddp_node_t *n) {
 }
 
 /* ids I64 [B, T] (checked against the table by the caller), w [V, D] -> [B, T, D]. */
-static ddp_status_t embed_padded(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, int64_t pad,
-                                 ddp_var_t **y) {
+ddp_status_t ddp__embedding_padded(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, int64_t pad,
+                                   ddp_var_t **y) {
   int64_t D = w->value.shape[1];
   int64_t shape[3] = {ids->value.shape[0], ids->value.shape[1], D};
   ddp_var_t *out = ddp__var_alloc(c, w->value.dtype, 3, shape);
@@ -198,7 +198,7 @@ static ddp_status_t bert_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool t
   for (int64_t k = 0; k < T; k++) ((int64_t *)pos->value.data)[k] = k;
   /* Transformers' order: words, token types, their sum, then positions added. */
   DDP_CHECK(ddp__pvar(c, b->m, b->word, &w));
-  DDP_CHECK(embed_padded(c, ids, w, cfg->pad_token_id, &e));
+  DDP_CHECK(ddp__embedding_padded(c, ids, w, cfg->pad_token_id, &e));
   DDP_CHECK(ddp__pvar(c, b->m, b->token_type, &w));
   DDP_CHECK(ddp_embedding(c, tt, w, &t));
   DDP_CHECK(ddp_add(c, e, t, &e));
@@ -228,8 +228,9 @@ static ddp_status_t bert_init(void *state, uint64_t seed) {
   return DDP_OK;
 }
 
-static const ddp__family_t bert_family = {"bert", DDP_TASK_SEQ_CLASSIFICATION, bert_forward,
-                                          bert_init, bert_destroy};
+static const ddp__family_t bert_family = {"bert",       DDP_TASK_SEQ_CLASSIFICATION,
+                                          bert_forward, bert_init,
+                                          bert_destroy, NULL};
 
 /* ---------------------------------------------------------------- build ----------- */
 

@@ -126,8 +126,8 @@ static ddp_status_t gpt2_init(void *state, uint64_t seed) {
   return DDP_OK;
 }
 
-static const ddp__family_t gpt2_family = {"gpt2", DDP_TASK_CAUSAL_LM, gpt2_forward, gpt2_init,
-                                          gpt2_destroy};
+static const ddp__family_t gpt2_family = {"gpt2",    DDP_TASK_CAUSAL_LM, gpt2_forward,
+                                          gpt2_init, gpt2_destroy,       NULL};
 
 /* ---------------------------------------------------------------- build ----------- */
 

@@ -1,6 +1,6 @@
-/* Transformers' config.json for GPT-2 and BERT: defaults, parsing with errors that name the
- * key, validation, and writing as save_pretrained does. The keys and defaults are those of
- * Transformers' GPT2Config and BertConfig (docs/nn.md, "Transformers"). */
+/* Transformers' config.json for GPT-2, BERT and Llama: defaults, parsing with errors that name
+ * the key, validation, and writing as save_pretrained does. The keys and defaults are those of
+ * Transformers' GPT2Config, BertConfig and LlamaConfig (docs/nn.md, "Transformers"). */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -20,9 +20,11 @@ static const struct {
     {"gelu", DDP_ACT_GELU},          {"gelu_python", DDP_ACT_GELU},
     {"gelu_new", DDP_ACT_GELU_TANH}, {"gelu_pytorch_tanh", DDP_ACT_GELU_TANH},
     {"relu", DDP_ACT_RELU},          {"tanh", DDP_ACT_TANH},
-    {"sigmoid", DDP_ACT_SIGMOID},
+    {"sigmoid", DDP_ACT_SIGMOID},    {"silu", DDP_ACT_SILU},
+    {"swish", DDP_ACT_SILU},
 };
-#define ACT_LIST "gelu, gelu_python, gelu_new, gelu_pytorch_tanh, relu, tanh, sigmoid"
+#define MODEL_TYPES "gpt2, bert, llama"
+#define ACT_LIST "gelu, gelu_python, gelu_new, gelu_pytorch_tanh, relu, tanh, sigmoid, silu, swish"
 
 bool ddp__hf_activation(const char *name, ddp_act_t *act) {
   for (size_t i = 0; i < DDP_ARRAY_LEN(acts); i++)
@@ -34,7 +36,7 @@ bool ddp__hf_activation(const char *name, ddp_act_t *act) {
 }
 
 void ddp_hf_config_defaults(ddp_hf_config_t *cfg, ddp_hf_model_type_t model_type) {
-  DDP_REQUIRE(cfg && (model_type == DDP_HF_GPT2 || model_type == DDP_HF_BERT));
+  DDP_REQUIRE(cfg && model_type >= DDP_HF_GPT2 && model_type <= DDP_HF_LLAMA);
   memset(cfg, 0, sizeof *cfg);
   cfg->model_type = model_type;
   cfg->torch_dtype = DDP_F32;
@@ -66,6 +68,27 @@ void ddp_hf_config_defaults(ddp_hf_config_t *cfg, ddp_hf_model_type_t model_type
   b->pad_token_id = 0;
   b->num_labels = 2;
   b->classifier_dropout = -1;
+  ddp_llama_config_t *l = &cfg->llama;
+  l->vocab_size = 32000;
+  l->hidden_size = 4096;
+  l->intermediate_size = 11008;
+  l->num_hidden_layers = 32;
+  l->num_attention_heads = 32;
+  l->num_key_value_heads = 0; /* null: num_attention_heads */
+  l->head_dim = 0;            /* null: hidden_size / num_attention_heads */
+  snprintf(l->hidden_act, sizeof l->hidden_act, "silu");
+  l->max_position_embeddings = 2048;
+  l->initializer_range = 0.02;
+  l->rms_norm_eps = 1e-6;
+  l->pad_token_id = -1;
+  l->bos_token_id = 1;
+  l->eos_token_id = 2;
+  l->tie_word_embeddings = false;
+  l->rope_theta = 10000.0;
+  l->rope_scaling.type = DDP_ROPE_DEFAULT;
+  l->attention_bias = false;
+  l->attention_dropout = 0.0;
+  l->mlp_bias = false;
 }
 
 /* ---------------------------------------------------------------- checks ---------- */
@@ -178,6 +201,52 @@ static ddp_status_t check_bert(const ddp_bert_config_t *b, const char *path, ddp
   return DDP_OK;
 }
 
+static ddp_status_t check_llama(const ddp_llama_config_t *l, const char *path, ddp_error_t *err) {
+  DDP_CHECK(need_pos(path, "vocab_size", l->vocab_size, err));
+  DDP_CHECK(need_pos(path, "hidden_size", l->hidden_size, err));
+  DDP_CHECK(need_pos(path, "intermediate_size", l->intermediate_size, err));
+  DDP_CHECK(need_pos(path, "num_hidden_layers", l->num_hidden_layers, err));
+  DDP_CHECK(need_pos(path, "num_attention_heads", l->num_attention_heads, err));
+  DDP_CHECK(need_pos(path, "num_key_value_heads", l->num_key_value_heads, err));
+  DDP_CHECK(need_pos(path, "max_position_embeddings", l->max_position_embeddings, err));
+  if (l->head_dim) {
+    DDP_CHECK(need_pos(path, "head_dim", l->head_dim, err));
+  } else {
+    DDP_CHECK(need_heads(path, "hidden_size", l->hidden_size, "num_attention_heads",
+                         l->num_attention_heads, err));
+  }
+  int64_t d = l->head_dim ? l->head_dim : l->hidden_size / l->num_attention_heads;
+  if (d % 2)
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "%s: the head dimension (%lld: \"head_dim\", or \"hidden_size\" / "
+                      "\"num_attention_heads\") must be even for rotary embeddings",
+                      src_name(path), (long long)d);
+  DDP_CHECK(need_heads(path, "num_attention_heads", l->num_attention_heads, "num_key_value_heads",
+                       l->num_key_value_heads, err));
+  DDP_CHECK(need_act(path, "hidden_act", l->hidden_act, err));
+  DDP_CHECK(need_prob(path, "attention_dropout", l->attention_dropout, err));
+  DDP_CHECK(need_nonneg(path, "rms_norm_eps", l->rms_norm_eps, false, err));
+  DDP_CHECK(need_nonneg(path, "initializer_range", l->initializer_range, false, err));
+  DDP_CHECK(need_nonneg(path, "rope_theta", l->rope_theta, true, err));
+  const ddp_rope_scaling_t *r = &l->rope_scaling;
+  if (r->type != DDP_ROPE_DEFAULT && !(isfinite(r->factor) && r->factor >= 1))
+    return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "rope_scaling",
+                   "needs a \"factor\" >= 1 (Transformers' _validate_*_rope_parameters)");
+  if (r->type == DDP_ROPE_LLAMA3 &&
+      (r->original_max_position_embeddings < 1 || !(r->low_freq_factor > 0) ||
+       !(r->high_freq_factor > r->low_freq_factor)))
+    return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "rope_scaling",
+                   "of type \"llama3\" needs \"original_max_position_embeddings\" >= 1 and "
+                   "0 < \"low_freq_factor\" < \"high_freq_factor\"");
+  if (l->pad_token_id < -1 || l->pad_token_id >= l->vocab_size) {
+    char w[128];
+    snprintf(w, sizeof w, "(%lld) must be null or an id below vocab_size (%lld)",
+             (long long)l->pad_token_id, (long long)l->vocab_size);
+    return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "pad_token_id", w);
+  }
+  return DDP_OK;
+}
+
 ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(cfg);
   if (cfg->torch_dtype != DDP_F32 && cfg->torch_dtype != DDP_F64)
@@ -185,8 +254,9 @@ ddp_status_t ddp_hf_config_check(const ddp_hf_config_t *cfg, const char *path, d
                    "must be float32 or float64");
   if (cfg->model_type == DDP_HF_GPT2) return check_gpt2(&cfg->gpt2, path, err);
   if (cfg->model_type == DDP_HF_BERT) return check_bert(&cfg->bert, path, err);
+  if (cfg->model_type == DDP_HF_LLAMA) return check_llama(&cfg->llama, path, err);
   return bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type",
-                 "is not set (supported: gpt2, bert)");
+                 "is not set (supported: " MODEL_TYPES ")");
 }
 
 /* ---------------------------------------------------------------- parse ----------- */
@@ -396,6 +466,65 @@ static ddp_status_t keep_extra(const cJSON *root, ddp_hf_config_t *cfg, const ch
   return DDP_OK;
 }
 
+/* "rope_scaling": null, or an object whose "rope_type" (or legacy "type", which Transformers
+ * copies to "rope_type") is default, linear, dynamic or llama3. */
+static ddp_status_t parse_rope_scaling(parse_t *p, ddp_rope_scaling_t *r) {
+  const cJSON *o = item(p, "rope_scaling");
+  if (!o || cJSON_IsNull(o)) return DDP_OK;
+  if (!cJSON_IsObject(o)) return wrong_type(p, "rope_scaling", o, "an object or null");
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "rope_type");
+  if (!t) t = cJSON_GetObjectItemCaseSensitive(o, "type");
+  if (!cJSON_IsString(t))
+    return bad_key(p->err, DDP_ERR_INVALID_ARGUMENT, p->path, "rope_scaling",
+                   "needs a string \"rope_type\" (or \"type\")");
+  static const char *names[] = {"default", "linear", "dynamic", "llama3"};
+  size_t k = 0;
+  while (k < DDP_ARRAY_LEN(names) && strcmp(names[k], t->valuestring)) k++;
+  if (k == DDP_ARRAY_LEN(names)) {
+    char w[200];
+    snprintf(w, sizeof w,
+             "has rope_type \"%.40s\": libddp supports default, linear, dynamic and llama3",
+             t->valuestring);
+    return bad_key(p->err, DDP_ERR_UNSUPPORTED, p->path, "rope_scaling", w);
+  }
+  r->type = (ddp_rope_type_t)k;
+  parse_t sub = {o, p->path, p->err};
+  r->factor = 1.0;
+  DDP_CHECK(get_num(&sub, "factor", false, 0, &r->factor));
+  DDP_CHECK(get_int(&sub, "original_max_position_embeddings", false, 0,
+                    &r->original_max_position_embeddings));
+  DDP_CHECK(get_num(&sub, "low_freq_factor", false, 0, &r->low_freq_factor));
+  return get_num(&sub, "high_freq_factor", false, 0, &r->high_freq_factor);
+}
+
+static ddp_status_t parse_llama(parse_t *p, ddp_llama_config_t *l) {
+  DDP_CHECK(get_int(p, "vocab_size", false, 0, &l->vocab_size));
+  DDP_CHECK(get_int(p, "hidden_size", false, 0, &l->hidden_size));
+  DDP_CHECK(get_int(p, "intermediate_size", false, 0, &l->intermediate_size));
+  DDP_CHECK(get_int(p, "num_hidden_layers", false, 0, &l->num_hidden_layers));
+  DDP_CHECK(get_int(p, "num_attention_heads", false, 0, &l->num_attention_heads));
+  DDP_CHECK(get_int(p, "num_key_value_heads", true, 0, &l->num_key_value_heads));
+  if (!l->num_key_value_heads) l->num_key_value_heads = l->num_attention_heads;
+  DDP_CHECK(get_int(p, "head_dim", true, 0, &l->head_dim));
+  if (item(p, "head_dim") && !cJSON_IsNull(item(p, "head_dim")) && l->head_dim < 1)
+    return need_pos(p->path, "head_dim", l->head_dim, p->err);
+  DDP_CHECK(get_str(p, "hidden_act", false, l->hidden_act, sizeof l->hidden_act));
+  DDP_CHECK(get_int(p, "max_position_embeddings", false, 0, &l->max_position_embeddings));
+  DDP_CHECK(get_num(p, "initializer_range", false, 0, &l->initializer_range));
+  DDP_CHECK(get_num(p, "rms_norm_eps", false, 0, &l->rms_norm_eps));
+  DDP_CHECK(get_int(p, "pad_token_id", true, -1, &l->pad_token_id));
+  DDP_CHECK(get_int(p, "bos_token_id", true, -1, &l->bos_token_id));
+  DDP_CHECK(get_int(p, "eos_token_id", true, -1, &l->eos_token_id));
+  DDP_CHECK(get_bool(p, "tie_word_embeddings", &l->tie_word_embeddings));
+  DDP_CHECK(get_num(p, "rope_theta", false, 0, &l->rope_theta));
+  DDP_CHECK(parse_rope_scaling(p, &l->rope_scaling));
+  DDP_CHECK(get_bool(p, "attention_bias", &l->attention_bias));
+  DDP_CHECK(get_num(p, "attention_dropout", false, 0, &l->attention_dropout));
+  DDP_CHECK(get_bool(p, "mlp_bias", &l->mlp_bias));
+  /* pretraining_tp > 1 only slices the projections in Transformers: the same function. */
+  return DDP_OK;
+}
+
 ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_config_t *cfg,
                                  ddp_error_t *err) {
   DDP_REQUIRE(json && cfg);
@@ -410,13 +539,18 @@ ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_conf
                     src_name(path));
   } else if (!mt) {
     st = bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type",
-                 "is missing (supported: gpt2, bert)");
+                 "is missing (supported: " MODEL_TYPES ")");
   } else if (!cJSON_IsString(mt)) {
     st = wrong_type(&p, "model_type", mt, "a string");
-  } else if (!strcmp(mt->valuestring, "gpt2") || !strcmp(mt->valuestring, "bert")) {
-    bool gpt2 = !strcmp(mt->valuestring, "gpt2");
-    ddp_hf_config_defaults(cfg, gpt2 ? DDP_HF_GPT2 : DDP_HF_BERT);
-    st = gpt2 ? parse_gpt2(&p, &cfg->gpt2) : parse_bert(&p, &cfg->bert);
+  } else if (!strcmp(mt->valuestring, "gpt2") || !strcmp(mt->valuestring, "bert") ||
+             !strcmp(mt->valuestring, "llama")) {
+    ddp_hf_model_type_t t = !strcmp(mt->valuestring, "gpt2")   ? DDP_HF_GPT2
+                            : !strcmp(mt->valuestring, "bert") ? DDP_HF_BERT
+                                                               : DDP_HF_LLAMA;
+    ddp_hf_config_defaults(cfg, t);
+    st = t == DDP_HF_GPT2   ? parse_gpt2(&p, &cfg->gpt2)
+         : t == DDP_HF_BERT ? parse_bert(&p, &cfg->bert)
+                            : parse_llama(&p, &cfg->llama);
     char dt[DDP_HF_NAME_MAX] = "";
     if (st == DDP_OK) st = get_str(&p, "torch_dtype", true, dt, sizeof dt);
     cfg->torch_dtype = !strcmp(dt, "float64") ? DDP_F64 : DDP_F32;
@@ -424,7 +558,7 @@ ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_conf
     if (st == DDP_OK) st = keep_extra(root, cfg, path, err);
   } else {
     char w[128];
-    snprintf(w, sizeof w, "is \"%.40s\": unknown model_type (supported: gpt2, bert)",
+    snprintf(w, sizeof w, "is \"%.40s\": unknown model_type (supported: " MODEL_TYPES ")",
              mt->valuestring);
     st = bad_key(err, DDP_ERR_INVALID_ARGUMENT, path, "model_type", w);
   }
@@ -435,6 +569,56 @@ ddp_status_t ddp_hf_config_parse(const char *json, const char *path, ddp_hf_conf
 /* ---------------------------------------------------------------- write ----------- */
 
 static void add_num(cJSON *o, const char *key, double v) { cJSON_AddNumberToObject(o, key, v); }
+
+static void add_id(cJSON *o, const char *key, int64_t v) {
+  if (v >= 0)
+    add_num(o, key, (double)v);
+  else
+    cJSON_AddNullToObject(o, key);
+}
+
+static cJSON *llama_json(cJSON *o, const ddp_llama_config_t *l, bool f64) {
+  cJSON *a = cJSON_AddArrayToObject(o, "architectures");
+  cJSON_AddItemToArray(a, cJSON_CreateString("LlamaForCausalLM"));
+  cJSON_AddBoolToObject(o, "attention_bias", l->attention_bias);
+  add_num(o, "attention_dropout", l->attention_dropout);
+  add_id(o, "bos_token_id", l->bos_token_id);
+  add_id(o, "eos_token_id", l->eos_token_id);
+  add_num(o, "head_dim",
+          (double)(l->head_dim ? l->head_dim : l->hidden_size / l->num_attention_heads));
+  cJSON_AddStringToObject(o, "hidden_act", l->hidden_act);
+  add_num(o, "hidden_size", (double)l->hidden_size);
+  add_num(o, "initializer_range", l->initializer_range);
+  add_num(o, "intermediate_size", (double)l->intermediate_size);
+  add_num(o, "max_position_embeddings", (double)l->max_position_embeddings);
+  cJSON_AddBoolToObject(o, "mlp_bias", l->mlp_bias);
+  cJSON_AddStringToObject(o, "model_type", "llama");
+  add_num(o, "num_attention_heads", (double)l->num_attention_heads);
+  add_num(o, "num_hidden_layers", (double)l->num_hidden_layers);
+  add_num(o, "num_key_value_heads", (double)l->num_key_value_heads);
+  add_id(o, "pad_token_id", l->pad_token_id);
+  add_num(o, "pretraining_tp", 1);
+  add_num(o, "rms_norm_eps", l->rms_norm_eps);
+  const ddp_rope_scaling_t *r = &l->rope_scaling;
+  if (r->type == DDP_ROPE_DEFAULT) {
+    cJSON_AddNullToObject(o, "rope_scaling");
+  } else {
+    static const char *names[] = {"default", "linear", "dynamic", "llama3"};
+    cJSON *rs = cJSON_AddObjectToObject(o, "rope_scaling");
+    add_num(rs, "factor", r->factor);
+    if (r->type == DDP_ROPE_LLAMA3) {
+      add_num(rs, "high_freq_factor", r->high_freq_factor);
+      add_num(rs, "low_freq_factor", r->low_freq_factor);
+      add_num(rs, "original_max_position_embeddings", (double)r->original_max_position_embeddings);
+    }
+    cJSON_AddStringToObject(rs, "rope_type", names[r->type]);
+  }
+  add_num(o, "rope_theta", l->rope_theta);
+  cJSON_AddBoolToObject(o, "tie_word_embeddings", l->tie_word_embeddings);
+  cJSON_AddStringToObject(o, "torch_dtype", f64 ? "float64" : "float32");
+  add_num(o, "vocab_size", (double)l->vocab_size);
+  return o;
+}
 
 /* The config as save_pretrained writes it: Transformers' keys in sorted order. */
 static cJSON *to_json(const ddp_hf_config_t *cfg) {
@@ -468,6 +652,7 @@ static cJSON *to_json(const ddp_hf_config_t *cfg) {
     add_num(o, "vocab_size", (double)g->vocab_size);
     return o;
   }
+  if (cfg->model_type == DDP_HF_LLAMA) return llama_json(o, &cfg->llama, f64);
   const ddp_bert_config_t *b = &cfg->bert;
   cJSON *a = cJSON_AddArrayToObject(o, "architectures");
   cJSON_AddItemToArray(a, cJSON_CreateString("BertForSequenceClassification"));

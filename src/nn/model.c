@@ -396,7 +396,7 @@ ddp_status_t ddp_module_dropout(ddp_model_t *m, double p, ddp_module_t **mod) {
 }
 
 ddp_status_t ddp_module_activation(ddp_model_t *m, ddp_act_t act, ddp_module_t **mod) {
-  DDP_REQUIRE(m && mod && act >= DDP_ACT_RELU && act <= DDP_ACT_SIGMOID);
+  DDP_REQUIRE(m && mod && act >= DDP_ACT_RELU && act <= DDP_ACT_SILU);
   DDP_CHECK(mod_new(m, MOD_ACT, mod));
   (*mod)->act = act;
   return DDP_OK;
@@ -826,5 +826,7 @@ bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {
   DDP_REQUIRE(m);
   for (const ddp_module_t *mod = m->mod_head; mod; mod = mod->next_owned)
     if (mod->kind == MOD_LAYER_NORM && (mod->p[0] == index || mod->p[1] == index)) return true;
-  return false;
+  void *state;
+  const ddp__family_t *fam = ddp__model_family(m, &state);
+  return fam && fam->is_norm && fam->is_norm(state, index);
 }

@@ -300,7 +300,7 @@ ddp_status_t ddp_model_from_json(const char *json, ddp_model_t **out, ddp_error_
     cJSON_Delete(root);
     return ddp__error(err, -1, DDP_ERR_INVALID_DATA,
                       "model json: neither a libddp model (no \"layers\" array) nor a "
-                      "Transformers config.json (no \"model_type\"; supported: gpt2, bert)");
+                      "Transformers config.json (no \"model_type\"; supported: gpt2, bert, llama)");
   }
   if (cJSON_GetObjectItemCaseSensitive(root, "model_type")) {
     /* A Transformers config.json: GPT-2 or BERT (docs/nn.md, "Transformers"). */

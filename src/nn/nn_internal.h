@@ -93,6 +93,9 @@ typedef struct ddp__family {
   ddp_status_t (*forward)(void *state, ddp_ctx_t *c, ddp_var_t *x, bool training, ddp_var_t **y);
   ddp_status_t (*init)(void *state, uint64_t seed);
   void (*destroy)(void *state);
+  /* Optional: whether parameter index is a normalisation weight that is not a LayerNorm
+   * module's (Llama's RMSNorm), for ddp_model_param_in_layer_norm. */
+  bool (*is_norm)(void *state, size_t index);
 } ddp__family_t;
 
 /* A family module holding state (owned by m from this call on, also when it fails). */
@@ -115,11 +118,17 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
 bool ddp__hf_activation(const char *name, ddp_act_t *act);
 ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                              ddp_error_t *err);
+ddp_status_t ddp__llama_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
+                              ddp_error_t *err);
 ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                              ddp_error_t *err);
 /* ddp_model_from_json's branch for a Transformers config.json (a "model_type" key): the
  * model in the config's torch_dtype, zero weights. */
 ddp_status_t ddp__model_from_hf_json(const char *json, ddp_model_t **out, ddp_error_t *err);
+/* nn.Embedding with padding_idx pad (bert.c): ids I64 [B, T] (checked by the caller), w [V, D]
+ * -> [B, T, D]; the backward leaves row pad's gradient alone. */
+ddp_status_t ddp__embedding_padded(ddp_ctx_t *c, ddp_var_t *ids, ddp_var_t *w, int64_t pad,
+                                   ddp_var_t **y);
 /* What Transformers' _init_weights does to one parameter. */
 typedef enum ddp__init_role {
   DDP__INIT_NORMAL = 0, /* N(0, initializer_range): Linear/Conv1D weights, embeddings */

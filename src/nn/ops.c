@@ -165,6 +165,7 @@ static double act_fwd(ddp_act_t a, double x) {
     case DDP_ACT_GELU_TANH: return 0.5 * x * (1.0 + tanh(GELU_K0 * (x + GELU_K1 * x * x * x)));
     case DDP_ACT_TANH: return tanh(x);
     case DDP_ACT_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case DDP_ACT_SILU: return x / (1.0 + exp(-x));
   }
   return x;
 }
@@ -181,6 +182,10 @@ static double act_bwd(ddp_act_t a, double x, double y) {
     }
     case DDP_ACT_TANH: return 1.0 - y * y;
     case DDP_ACT_SIGMOID: return y * (1.0 - y);
+    case DDP_ACT_SILU: {
+      double sg = 1.0 / (1.0 + exp(-x));
+      return sg * (1.0 + x * (1.0 - sg));
+    }
   }
   return 1;
 }
@@ -247,7 +252,7 @@ static ddp_status_t bw_act(ddp_ctx_t *c, ddp_node_t *n) {
 
 ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t a, ddp_var_t *x, ddp_var_t **y) {
   DDP_REQUIRE(c && x && y);
-  DDP_REQUIRE(a >= DDP_ACT_RELU && a <= DDP_ACT_SIGMOID);
+  DDP_REQUIRE(a >= DDP_ACT_RELU && a <= DDP_ACT_SILU);
   DDP_CHECK(check_float(c, "activation", x));
   ddp_node_t *n;
   DDP_CHECK(make_out_raw(c, "activation", bw_act, x->value.dtype, x->value.ndim, x->value.shape, 1,

@@ -1,7 +1,7 @@
 /* The Transformers families as models: building from a config, the task and its loss,
  * Transformers' _init_weights, and checkpoint directories as save_pretrained and
  * from_pretrained lay them out (config.json + model.safetensors). The families themselves are
- * gpt2.c and bert.c; config.json is hf_config.c. */
+ * gpt2.c, bert.c and llama.c; config.json is hf_config.c. */
 #include <errno.h>
 #include <math.h>
 #include <string.h>
@@ -24,8 +24,9 @@ ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt
   ddp_model_t *m;
   if (ddp_model_create(&m) != DDP_OK)
     return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "from_hf_config: out of memory");
-  ddp_status_t st = cfg->model_type == DDP_HF_GPT2 ? ddp__gpt2_build(m, cfg, dt, err)
-                                                   : ddp__bert_build(m, cfg, dt, err);
+  ddp_status_t st = cfg->model_type == DDP_HF_GPT2   ? ddp__gpt2_build(m, cfg, dt, err)
+                    : cfg->model_type == DDP_HF_BERT ? ddp__bert_build(m, cfg, dt, err)
+                                                     : ddp__llama_build(m, cfg, dt, err);
   if (st == DDP_OK) {
     st = ddp_model_finalize(m);
     if (st != DDP_OK) {
@@ -160,7 +161,8 @@ ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_erro
   const ddp_hf_config_t *hf = ddp_model_hf_config(m);
   if (!hf)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "save_pretrained: the model is not a Transformers model (gpt2, bert); "
+                      "save_pretrained: the model is not a Transformers model (gpt2, bert, "
+                      "llama); "
                       "use ddp_model_save");
   char path[4096];
   DDP_CHECK(ddp__mkdirs(dir, -1, "save_pretrained", err)); /* os.makedirs(exist_ok=True) */
@@ -187,9 +189,9 @@ ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_erro
 
 /* How the checkpoint's keys map onto the model's names. */
 typedef struct keymap {
-  const char *prefix; /* "transformer." or "bert." */
+  const char *prefix; /* "transformer.", "bert." or "model." */
   bool add_prefix;    /* a base-model checkpoint: no key carries the prefix */
-  bool tied;          /* GPT-2 with lm_head.weight = transformer.wte.weight */
+  const char *tied;   /* the embedding a tied lm_head.weight is (NULL: untied) */
 } keymap_t;
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -197,14 +199,16 @@ static bool ends_with(const char *s, const char *suffix) {
   return a >= b && !strcmp(s + a - b, suffix);
 }
 
-/* Transformers' tolerances (modeling_gpt2.py, modeling_bert.py): non-persistent buffers that
- * older checkpoints hold are dropped; a tied lm_head.weight names wte. */
+/* Transformers' tolerances (modeling_gpt2.py, modeling_bert.py, modeling_llama.py):
+ * non-persistent buffers that older checkpoints hold (GPT-2's causal mask, BERT's
+ * position_ids, Llama's rotary inv_freq) are dropped; a tied lm_head.weight names the
+ * embedding. */
 static const char *map_key(void *user, const char *key, char *buf, size_t len) {
   const keymap_t *km = user;
   if (ends_with(key, ".attn.bias") || ends_with(key, ".attn.masked_bias") ||
-      ends_with(key, "embeddings.position_ids"))
+      ends_with(key, "embeddings.position_ids") || ends_with(key, ".rotary_emb.inv_freq"))
     return NULL;
-  if (km->tied && !strcmp(key, "lm_head.weight")) return "transformer.wte.weight";
+  if (km->tied && !strcmp(key, "lm_head.weight")) return km->tied;
   if (!km->add_prefix || !strncmp(key, "lm_head.", 8) || !strncmp(key, "classifier.", 11))
     return key;
   int k = snprintf(buf, len, "%s%s", km->prefix, key);
@@ -225,12 +229,18 @@ ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_mode
   DDP_CHECK(st);
   ddp_model_t *m;
   DDP_CHECK(ddp_model_from_hf_config(&cfg, dt, &m, err));
-  keymap_t km = {cfg.model_type == DDP_HF_GPT2 ? "transformer." : "bert.", false,
-                 cfg.model_type == DDP_HF_GPT2 && cfg.gpt2.tie_word_embeddings};
+  keymap_t km = {"bert.", false, NULL};
+  if (cfg.model_type == DDP_HF_GPT2) {
+    km.prefix = "transformer.";
+    km.tied = cfg.gpt2.tie_word_embeddings ? "transformer.wte.weight" : NULL;
+  } else if (cfg.model_type == DDP_HF_LLAMA) {
+    km.prefix = "model.";
+    km.tied = cfg.llama.tie_word_embeddings ? "model.embed_tokens.weight" : NULL;
+  }
   ddp_st_file_t *f = NULL;
   DDP_CHECK_GOTO(join(path, sizeof path, dir, "model.safetensors", err), st, fail);
   DDP_CHECK_GOTO(ddp_st_open(path, DDP_ST_MMAP, &f, err), st, fail);
-  /* A base-model checkpoint (GPT2Model, BertModel) names "wte.weight", not
+  /* A base-model checkpoint (GPT2Model, BertModel, LlamaModel) names "wte.weight", not
    * "transformer.wte.weight": Transformers adds the prefix when no key carries it. */
   km.add_prefix = ddp_st_count(f) > 0;
   for (size_t i = 0; i < ddp_st_count(f); i++)

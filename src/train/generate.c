@@ -81,12 +81,13 @@ ddp_status_t ddp_generate(ddp_model_t *m, const int64_t *prompt, int64_t n,
   int64_t ctxlen = o.context;
   if (ctxlen == 0) {
     const ddp_hf_config_t *cfg = ddp_model_hf_config(m);
-    if (!cfg || cfg->model_type != DDP_HF_GPT2) {
+    if (!cfg || (cfg->model_type != DDP_HF_GPT2 && cfg->model_type != DDP_HF_LLAMA)) {
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "generate: the model is no GPT-2 (no n_positions to crop the context "
-                        "to); give options.context");
+                        "generate: the model is no GPT-2 or Llama (no n_positions or "
+                        "max_position_embeddings to crop the context to); give options.context");
     }
-    ctxlen = cfg->gpt2.n_positions;
+    ctxlen = cfg->model_type == DDP_HF_LLAMA ? cfg->llama.max_position_embeddings
+                                             : cfg->gpt2.n_positions;
   }
   int64_t total = n + o.max_new_tokens;
   int64_t *seq = ddp__malloc((size_t)total * sizeof *seq);

@@ -28,6 +28,13 @@
   "\"max_position_embeddings\": 64, \"num_labels\": 3, \"hidden_dropout_prob\": 0, " \
   "\"attention_probs_dropout_prob\": 0%s}"
 
+/* Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (head_dim 16), vocab 256, intermediate 172,
+ * rope_theta 10000, max_position 32 (the issue's tiny Llama). */
+#define LLAMA_JSON                                                                \
+  "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "   \
+  "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"vocab_size\": 256, " \
+  "\"intermediate_size\": 172, \"rope_theta\": 10000, \"max_position_embeddings\": 32%s}"
+
 /* The config text of GPT2_JSON / BERT_JSON with extra members (", \"k\": v") appended. */
 static inline const char *cfg_text(const char *fmt, const char *extra) {
   static char buf[1024];
