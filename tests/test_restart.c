@@ -230,12 +230,6 @@ static void test_standalone_together(void **state) {
   assert_true(port[0] > 0 && port[1] > 0 && port[0] != port[1]);
 }
 
-static int count_fd_none(const char *out) {
-  int n = 0;
-  for (const char *p = out; (p = strstr(p, "fd=none")) != NULL; p++) n++;
-  return n;
-}
-
 /* --master_port 0 and --rdzv_endpoint HOST:PORT reach every rank as MASTER_ADDR and
  * MASTER_PORT; malformed endpoints and contradictions are usage errors. */
 static void test_port_flags(void **state) {
@@ -266,16 +260,24 @@ static void test_port_flags(void **state) {
   expect(out, want);
   free(out);
 
-  /* Rank 0, and only rank 0, inherits the reserved socket; --no_reserve_port leaves it out. */
+  /* ddprun serves the store on the port it reserved: every rank is told to connect to it
+   * (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent) and none inherits a socket;
+   * with --no_reserve_port rank 0 serves it, and no rank is told otherwise. */
   for (int k = 0; k < 2; k++) {
     snprintf(cmd, sizeof cmd,
              "'%s' --standalone --nproc_per_node 2 %s sh -c "
-             "'echo \"fd=${DDP_STORE_LISTEN_FD:-none}\"'",
+             "'echo \"fd=${DDP_STORE_LISTEN_FD:-none} "
+             "agent=${TORCHELASTIC_USE_AGENT_STORE:-none}\"'",
              g_ddprun, k ? "--no_reserve_port" : "");
     assert_int_equal(run(cmd, 30, &out), 0);
-    if (k == 0 && (strstr(out, "[rank0]: fd=none") || !strstr(out, "[rank1]: fd=none")))
-      fail_msg("rank 0 should hold the socket, rank 1 not:\n%s", out);
-    if (k == 1 && count_fd_none(out) != 2) fail_msg("--no_reserve_port:\n%s", out);
+    const char *want = k ? "fd=none agent=none" : "fd=none agent=True";
+    for (int r = 0; r < 2; r++) {
+      char line[64];
+      snprintf(line, sizeof line, "[rank%d]: %s", r, want);
+      if (!strstr(out, line))
+        fail_msg("%s: rank %d should print '%s':\n%s", k ? "--no_reserve_port" : "default", r, want,
+                 out);
+    }
     free(out);
   }
 

@@ -455,7 +455,7 @@ static void test_waiting_for_ranks(void **state) {
     snprintf(env, sizeof env,
              "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
              "MASTER_PORT=%d",
-             20000 + (int)(getpid() % 20000) + i);
+             ddp_test_free_port());
     int rc = shell(&out, "%s '%s' --ddp_backend %s --ddp_timeout 7 --max_steps 1", env, exe,
                    backends[i]);
     snprintf(want, sizeof want, "rank 0: waiting for rank(s) 1 to %s (5 s of the 7 s timeout)",
