@@ -194,6 +194,7 @@ def all_to_all():
 
 
 def point_to_point_and_async():
+    global checks
     nxt, prv = (R + 1) % W, (R - 1) % W
     mine = torch.full((4,), float(R))
     got = torch.empty(4)
@@ -209,13 +210,31 @@ def point_to_point_and_async():
     for q in reqs:
         q.wait()
     same("isend/irecv", got, torch.full((4,), float(prv) * 2))
+    # any source: every other rank sends its rank to rank 0 twice (recv, then irecv)
+    if R == 0:
+        senders = []
+        for k in range(2 * (W - 1)):
+            t = torch.empty(3)
+            if k % 2 == 0:
+                s = dist.recv(t)
+            else:
+                wk = dist.irecv(t)
+                wk.wait()
+                s = wk._source_rank()
+            same(f"recv from any source #{k} (rank {s})", t, torch.full((3,), float(s)))
+            senders.append(s)
+        global checks
+        checks += 1
+        assert sorted(senders) == sorted(list(range(1, W)) * 2), senders
+    else:
+        dist.send(torch.full((3,), float(R)), 0)
+        dist.send(torch.full((3,), float(R)), 0)
     # async work: wait, is_completed, exception, futures chained as comm hooks do
     t = torch.ones(5)
     work = dist.all_reduce(t, async_op=True)
     fut = work.get_future().then(lambda f: f.value()[0] * 2)
     same("future then", fut.wait(), torch.full((5,), 2.0 * W))
     work.wait()
-    global checks
     checks += 1
     # (Work.exception() has no Python conversion in 1.13, on any backend)
     assert work.is_completed() and work.is_success()
@@ -261,7 +280,6 @@ def bad_input():
                "nccl backend for CUDA tensors")
     raises("all_gather size", lambda: dist.all_gather([torch.empty(2) for _ in range(W)],
                                                       torch.ones(3)), "Float[2]", "Float[3]")
-    raises("recv from any source", lambda: dist.recv(torch.empty(1)), "any source")
     import libddp_torch
     raises("unknown option", lambda: libddp_torch.Options.of({"transprot": "tcp"}),
            "unknown backend option 'transprot'")

@@ -75,15 +75,6 @@ KNOWN_DIFFERENCES = {
     "test_monitored_barrier_gloo_subgroup": _GATE_GLOO,
     "test_scatter_object_list": _GATE_GLOO,
     "test_sparse_all_reduce_sum": _GATE_GLOO,
-    "test_send_recv_any_source":
-        "libddp matches every message by its sender: recv without src (recvAnysource) is "
-        "refused with a message naming the limit (docs/torch.md, Limits)",
-    "test_send_recv_any_source_autograd_profiler":
-        "libddp matches every message by its sender: recv without src (recvAnysource) is "
-        "refused with a message naming the limit (docs/torch.md, Limits)",
-    "test_send_recv_any_source_torch_profiler":
-        "libddp matches every message by its sender: recv without src (recvAnysource) is "
-        "refused with a message naming the limit (docs/torch.md, Limits)",
 }
 
 # CI's subset (--ci; tests/meson.build, torch_suite): every DDP test that runs on CPU at 2
@@ -102,7 +93,8 @@ CI_TESTS = {
     "test_all_gather", "test_all_gather_complex", "test_all_gather_full_group",
     "test_broadcast", "test_broadcast_full_group", "test_reduce_sum", "test_reduce_max",
     "test_reduce_product", "test_gather", "test_gather_checks", "test_scatter",
-    "test_scatter_checks", "test_scatter_complex", "test_send_recv", "test_send_recv_with_tag", "test_isend", "test_irecv", "test_barrier",
+    "test_scatter_checks", "test_scatter_complex", "test_send_recv", "test_send_recv_with_tag",
+    "test_send_recv_any_source", "test_isend", "test_irecv", "test_barrier",
     "test_barrier_full_group", "test_destroy_group", "test_get_rank", "test_get_backend",
     "test_Backend_enum_class",
 }

@@ -3,6 +3,10 @@
 
 namespace libddp_torch {
 
+std::string sent_key(int from, int to) {
+  return "libddp/p2p/sent/" + std::to_string(from) + "-" + std::to_string(to);
+}
+
 P2PChannel::P2PChannel(const ChannelSetup &setup, int me, int peer, bool is_send)
     : setup_(setup), me_(me), peer_(peer), is_send_(is_send) {
   thread_ = std::thread([this] { main(); });

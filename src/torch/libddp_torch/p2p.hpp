@@ -9,9 +9,16 @@
 // matched). Each channel has a thread that creates the group (a rendezvous the other side
 // joins whenever it first sends or receives in that direction) and runs the channel's
 // operations one by one, so issuing never blocks.
+//
+// A receive from any source (PyTorch's src=None) learns who sent first from the store:
+// every send adds one to a counter of its (sender, receiver) pair when it is issued (before
+// the channel exists, which the receiver creates only then), and the
+// receiver takes the lowest rank whose counter is ahead of the messages it has taken from
+// that rank, then receives on that rank's channel. It costs every send one store update.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <condition_variable>
 #include <deque>
@@ -29,6 +36,9 @@ struct ChannelSetup {
   int64_t timeout_ms;
   ddp_store_t *store; // the group's bridge store; the channel takes a prefix view of it
 };
+
+// The store key that counts the messages `from` has sent to `to` (any-source receives).
+std::string sent_key(int from, int to);
 
 class P2PChannel {
  public:

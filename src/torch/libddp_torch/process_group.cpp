@@ -876,6 +876,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::send(std::vector<at::Tensor> 
   auto w = make_work(OpType::SEND, what, tensors, c10d::kUnsetTimeout);
   w->set_external();
   w->keep(t);
+  store_->add(sent_key(getRank(), dst), 1); // for a receive from any source (p2p.hpp)
   channel(dst, true).post(t, w);
   return w;
 }
@@ -892,14 +893,45 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recv(std::vector<at::Tensor> 
   w->set_external();
   w->keep(t);
   w->set_source_rank(src);
+  {
+    std::lock_guard<std::mutex> g(channels_mu_);
+    taken_[src]++;
+  }
   channel(src, false).post(t, w);
   return w;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recvAnysource(std::vector<at::Tensor> &tensors,
                                                                  int tag) {
-  TORCH_CHECK(false, "libddp recv from any source (src=None) is not supported: libddp matches "
-                     "messages by their sender; name the source rank (docs/torch.md, Limits)");
+  check_one(tensors, "recv");
+  at::Tensor t = tensors[0];
+  std::string what = "recv of " + describe(t) + " from any source";
+  check_tensor(t, what);
+  TORCH_CHECK(getSize() > 1, "libddp ", what, ": no other rank in the group");
+  // Wait for the first rank whose announced sends are ahead of what was taken from it
+  // (p2p.hpp), then receive from it as recv(src) does.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+  int sleep_us = 50;
+  for (;;) {
+    for (int src = 0; src < getSize(); src++) {
+      if (src == getRank()) continue;
+      int64_t sent = store_->add(sent_key(src, getRank()), 0);
+      int64_t taken;
+      {
+        std::lock_guard<std::mutex> g(channels_mu_);
+        taken = taken_[src];
+      }
+      if (sent > taken) {
+        auto w = recv(tensors, src, tag);
+        return w;
+      }
+    }
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "libddp ", what, " on rank ",
+                getRank(), ": no rank sent to this rank within the timeout (", timeout_ms_,
+                " ms)");
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, 10000);
+  }
 }
 
 // ------------------------------------------------------------------ barriers -----------

@@ -118,6 +118,7 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   std::string token_;
   std::mutex channels_mu_;
   std::map<std::pair<int, bool>, std::unique_ptr<P2PChannel>> channels_;
+  std::map<int, int64_t> taken_; // messages received (or being received) from each rank
   std::string transport_;
   int64_t timeout_ms_;
   uint64_t seq_ = 0;
