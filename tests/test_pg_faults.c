@@ -723,7 +723,7 @@ static void test_ddp_train_threads_local_failure(void **state) {
   fclose(f);
   struct {
     const char *what, *out, *fault, *needle, *culprit;
-  } cases[] = {/* ddp-train refuses a bad label before any rank starts (tools/train_checks.c),
+  } cases[] = {/* ddp-train refuses a bad label before any rank starts (tools/programs/train_checks.c),
                 * so a failure on one rank mid-run is injected (docs/errors.md) */
                {"rank 2 fails at step 3 (injected)", outdir, "rank=2,step=3,kind=crash",
                 "fault injection: crash at", "rank 2 aborted the group"},

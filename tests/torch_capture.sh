@@ -45,7 +45,7 @@ run_job accum --accum 2
 run_job accum2 --accum 2
 grep -q "overridden" "$work/accum.out" && fail "scheduler warning: $(cat "$work/accum.out")"
 
-# The layout, checked with tools/safetensors.py (the capture itself does not use it).
+# The layout, checked with tools/torch/safetensors.py (the capture itself does not use it).
 "$py" - "$src/tools" "$work/a" "$work/accum" <<'EOF' || fail "dump layout (above)"
 import json, os, struct, sys
 sys.path.insert(0, sys.argv[1])

@@ -204,7 +204,7 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
   char *out = NULL;
   int rc =
       ddp_test_run_cmd(&out,
-                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
+                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch/torch_reference.py "
                        "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
                        "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
                        "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The layering and size rules of docs/design.md, checked (meson test suite "lint").
 
-    tools/check_layers.py [--root DIR] [--list]
+    tools/maint/check_layers.py [--root DIR] [--list]
 
 Scans every #include of src/ and include/ddp/ against the layer list in docs/design.md, the
 length of every file in src/, and the length of every function in src/ (universal-ctags).
@@ -315,8 +315,8 @@ def report(title, errors, hint):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                   ".."),
-                    help="the source tree (default: this script's ..)")
+                                                   "..", ".."),
+                    help="the source tree (default: this script's ../..)")
     ap.add_argument("--list", action="store_true", help="print the parsed layer list")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
