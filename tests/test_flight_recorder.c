@@ -103,7 +103,8 @@ static const char *jstr(const cJSON *o, const char *key) {
     }                                                             \
   } while (0)
 
-/* Runs tools/programs/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3. */
+/* Runs tools/programs/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3.
+ */
 static cJSON *analyze(const char *dir) {
   const char *root = ddp_test_source_root();
   if (access("/usr/bin/python3", X_OK) != 0 || !root) return NULL;

@@ -266,8 +266,10 @@ static void test_fr_trace_names_bad_dumps(void **state) {
   put("fr0.json", "{\"rank\": 0, \"entries\": [");
   put("fr1.json", "");
   put("fr2.json", "[1, 2]");
-  int rc = shell(&out, "/usr/bin/python3 '%s/tools/programs/ddp-fr-trace' fr0.json fr1.json fr2.json nosuch",
-                 root);
+  int rc =
+      shell(&out,
+            "/usr/bin/python3 '%s/tools/programs/ddp-fr-trace' fr0.json fr1.json fr2.json nosuch",
+            root);
   expect("corrupt dumps", rc, out, 2,
          "ddp-fr-trace: fr0.json: corrupt dump: Expecting value: line 1 column 25",
          "ddp-fr-trace: fr1.json: corrupt dump: the file is empty",

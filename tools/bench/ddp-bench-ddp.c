@@ -470,7 +470,8 @@ int main(int argc, char **argv) {
       cfg.grad_view = true;
       continue;
     }
-    if (!strcmp(a, "--blas-core")) { /* for tools/bench/bench_ddp.sh: give PyTorch the same kernels */
+    if (!strcmp(a,
+                "--blas-core")) { /* for tools/bench/bench_ddp.sh: give PyTorch the same kernels */
       printf("%s\n", ddp_blas_core());
       return 0;
     }
