@@ -34,4 +34,3 @@ void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double 
   size_t row = (size_t)w->shape[1] * ddp_dtype_size(w->dtype);
   memset((char *)w->data + (size_t)pad_row * row, 0, row);
 }
-
