@@ -3,7 +3,7 @@
 #
 #   tests/bench_smoke.sh DDPRUN DDP_BENCH_DDP SOURCE_ROOT DDP_BENCH
 #
-# Runs ddp-bench-ddp on 2 shm ranks with a few steps, and tools/peer_torch_ddp.py (PyTorch
+# Runs ddp-bench-ddp on 2 shm ranks with a few steps, and tools/bench/peer_torch_ddp.py (PyTorch
 # DDP over gloo) where /usr/bin/python3 has torch, then checks the RESULT lines:
 #  - the gradient size is the model's (784-1024-1024-1024-10, computed here from the dims);
 #  - the last gradient to become ready is the first layer's weight, and libddp's last
@@ -14,18 +14,18 @@
 #  - bad flags exit 2 with a message naming the flag;
 #  - --invariant-shards-per-rank 4: 4 passes, and the bytes on the wire of the mode (8 per
 #    element, 4 per 32-element block), computed here;
-#  - tools/ddp_schedule.py on the run's --trace: the wire time of the gradient's bytes and
+#  - tools/bench/ddp_schedule.py on the run's --trace: the wire time of the gradient's bytes and
 #    a tail after backward between the last bucket's and the whole gradient's wire times;
 #    on a trace made here, the tail and first ready time the model gives, the layout and
 #    rank filters, exit 1 naming a corrupt trace and 2 for a bad flag;
 #  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
 #    the parameter count is the config's, and the step time, CPU time and peak RSS are
 #    positive; the PyTorch peer (--world 1) counts the same parameters.
-# And the allreduce benchmark ddp-bench (tools/bench_peers.sh's libddp part): threads, shm
+# And the allreduce benchmark ddp-bench (tools/bench/bench_peers.sh's libddp part): threads, shm
 # and tcp with --bind-to core at 4 sizes give one row each with every element right and a
 # positive p50; bad flags exit 2 naming the flag.
-# Timings are not compared with goals here: speed is measured by tools/bench_ddp.sh and
-# tools/bench_gpt2.sh.
+# Timings are not compared with goals here: speed is measured by tools/bench/bench_ddp.sh and
+# tools/bench/bench_gpt2.sh.
 set -u -o pipefail
 ddprun=$1
 bench=$2
@@ -73,11 +73,11 @@ cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # the affinity mask's c
 [ "$(get "$ddp" cpus)" = "$cpus" ] || fail "cpus is not $cpus"
 positive "$ddp" "${keys[@]}"
 
-# tools/ddp_schedule.py (bench_ddp.sh part 3's schedule bound). On this run's trace at
+# tools/bench/ddp_schedule.py (bench_ddp.sh part 3's schedule bound). On this run's trace at
 # 1 Gbit/s: the whole gradient's wire time from its bytes, computed here, and the tail
 # after backward between the last bucket's wire time (it is ready when backward ends) and
 # the whole gradient's (no bucket is ready before backward starts).
-sched=$("$py" "$src/tools/ddp_schedule.py" "$work/trace.json" --rate 1e9 --world 2) ||
+sched=$("$py" "$src/tools/bench/ddp_schedule.py" "$work/trace.json" --rate 1e9 --world 2) ||
   fail "ddp_schedule.py on the run's trace failed: $sched"
 echo "schedule: $sched"
 awk -v w="$(get "$sched" wire_ms)" -v want="$((grad_numel * 4 * 8))" \
@@ -108,7 +108,7 @@ B=8000 f0=0.25 f0b=0.5
   ev finalize 0 0 $((201000 + 4 * B)) 20000 0
   ev forward 1 0 0 1000 0; ev backward 1 0 1000 100 0
 } >"$work/synthetic.json"
-sched=$("$py" "$src/tools/ddp_schedule.py" "$work/synthetic.json" --rate 1e9 --world 2 \
+sched=$("$py" "$src/tools/bench/ddp_schedule.py" "$work/synthetic.json" --rate 1e9 --world 2 \
   --skip 0) || fail "ddp_schedule.py on the synthetic trace failed: $sched"
 echo "schedule (synthetic): $sched"
 want=$(awk -v B=$B -v f1=$f0 -v f2=$f0b 'function tail(f,  e) {
@@ -118,9 +118,9 @@ want=$(awk -v B=$B -v f1=$f0 -v f2=$f0b 'function tail(f,  e) {
   [ "$(get "$sched" steps)" = 2 ] && [ "$(get "$sched" buckets)" = 2 ] ||
   fail "synthetic schedule: want tail_ms first_ready_ms '$want', steps 2, buckets 2: $sched"
 printf '{"name":' >"$work/broken.json"
-msg=$("$py" "$src/tools/ddp_schedule.py" "$work/broken.json" --rate 1e9 --world 2 2>&1)
+msg=$("$py" "$src/tools/bench/ddp_schedule.py" "$work/broken.json" --rate 1e9 --world 2 2>&1)
 [ $? = 1 ] && grep -q "broken.json" <<<"$msg" || fail "a corrupt trace: $msg"
-msg=$("$py" "$src/tools/ddp_schedule.py" "$work/synthetic.json" --rate 0 --world 2 2>&1)
+msg=$("$py" "$src/tools/bench/ddp_schedule.py" "$work/synthetic.json" --rate 0 --world 2 2>&1)
 [ $? = 2 ] && grep -q -- "--rate" <<<"$msg" || fail "--rate 0: $msg"
 
 for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1" "--optim lamb"; do
@@ -131,7 +131,7 @@ for bad in "--steps 0" "--pairs x" "--bucket-cap-mb -1" "--optim lamb"; do
   grep -q -- "${bad%% *}" <<<"$msg" || fail "'$bad': the message does not name the flag: $msg"
 done
 
-# world_size_invariant_shards (tools/bench_invariant.sh's mode): 4 shards per rank, so 4
+# world_size_invariant_shards (tools/bench/bench_invariant.sh's mode): 4 shards per rank, so 4
 # passes per step; on the wire 8 bytes per element plus 4 per 32-element block of each
 # parameter (the exponents), computed here from the dims.
 blocks=0
@@ -152,7 +152,7 @@ msg=$(RANK=0 WORLD_SIZE=1 "$bench" --invariant-shards-per-rank 3 2>&1)
 [ $? = 2 ] && grep -q "not a multiple of 3 passes" <<<"$msg" ||
   fail "--invariant-shards-per-rank 3 with batch 64: $msg"
 
-# GPT-2 (tools/bench_gpt2.sh's mode), tiny: C = 64, 2 layers, vocab 256, 64 positions.
+# GPT-2 (tools/bench/bench_gpt2.sh's mode), tiny: C = 64, 2 layers, vocab 256, 64 positions.
 printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64,' \
   '"n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}' \
   >"$work/gpt2.json"
@@ -176,14 +176,14 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
   echo "SKIP: the PyTorch part ($py without torch); libddp's half passed"
   exit 77
 fi
-timeout -k 5 180 "$py" "$src/tools/peer_torch_ddp.py" --world 1 "${gpt2_args[@]}" \
+timeout -k 5 180 "$py" "$src/tools/bench/peer_torch_ddp.py" --world 1 "${gpt2_args[@]}" \
   >"$work/gpt2_torch.txt" 2>&1 ||
   { cat "$work/gpt2_torch.txt"; fail "peer_torch_ddp.py --model failed"; }
 gt=$(grep -o 'RESULT .*' "$work/gpt2_torch.txt" | head -1)
 echo "PyTorch GPT-2: $gt"
 [ "$(get "$gt" grad_numel)" = "$gpt2_numel" ] || fail "PyTorch GPT-2 grad_numel is not $gpt2_numel"
 positive "$gt" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
-OPENBLAS_CORETYPE=$("$bench" --blas-core) timeout -k 5 180 "$py" "$src/tools/peer_torch_ddp.py" \
+OPENBLAS_CORETYPE=$("$bench" --blas-core) timeout -k 5 180 "$py" "$src/tools/bench/peer_torch_ddp.py" \
   --world 2 "${counts[@]}" >"$work/torch.txt" 2>&1 ||
   { cat "$work/torch.txt"; fail "peer_torch_ddp.py failed"; }
 torch=$(grep -o 'RESULT .*' "$work/torch.txt" | head -1)

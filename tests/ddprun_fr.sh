@@ -2,7 +2,7 @@
 # The flight recorder under ddprun (docs/launcher.md "Failures", docs/errors.md "Flight
 # recorder"): when rank 1 hangs (DDP_FAULT kind hang) and rank 0 times out, ddprun asks the
 # running ranks for their dumps (SIGUSR1) before it stops them, so every rank leaves a
-# dump and tools/ddp-fr-trace names rank 1 as the culprit that never entered the
+# dump and tools/programs/ddp-fr-trace names rank 1 as the culprit that never entered the
 # collective, as with --threads; without the grace, rank 1 was stopped before it dumped and
 # the verdict was "no_dump" (rank 1 "died"). Also: a rank killed with SIGKILL (a crash,
 # which writes nothing) still leaves the survivors' dumps.
@@ -15,7 +15,7 @@ ddprun=$(realpath "$1")
 train=$(realpath "$2")
 root=${DDP_SOURCE_ROOT:?DDP_SOURCE_ROOT is not set}
 py=/usr/bin/python3
-[ -x "$py" ] || { echo "SKIP: no $py for tools/ddp-fr-trace"; exit 77; }
+[ -x "$py" ] || { echo "SKIP: no $py for tools/programs/ddp-fr-trace"; exit 77; }
 dir=$(mktemp -d "${TMPDIR:-/tmp}/ddp-test-fr-XXXXXX") || exit 1
 trap 'rm -rf "$dir"' EXIT
 cd "$dir" || exit 1
@@ -33,12 +33,12 @@ cat log1
 grep -q 'asking the 1 other running rank(s) for their flight-recorder dumps (SIGUSR1)' log1 ||
   fail "ddprun did not ask for the dumps"
 for r in 0 1; do [ -s fr/fr_rank_$r.json ] || fail "no dump from rank $r in $dir/fr"; done
-"$py" "$root/tools/ddp-fr-trace" fr >verdict || fail "ddp-fr-trace failed on $dir/fr"
+"$py" "$root/tools/programs/ddp-fr-trace" fr >verdict || fail "ddp-fr-trace failed on $dir/fr"
 cat verdict
 grep -q '2 of 2 ranks dumped' verdict || fail "not every rank dumped"
 grep -q 'Culprit: rank 1 never entered collective #[0-9]*, which rank 0 entered' verdict ||
   fail "ddp-fr-trace does not name rank 1 as the rank that never entered the collective"
-"$py" "$root/tools/ddp-fr-trace" --json fr >verdict.json || fail "ddp-fr-trace --json failed"
+"$py" "$root/tools/programs/ddp-fr-trace" --json fr >verdict.json || fail "ddp-fr-trace --json failed"
 "$py" - verdict.json <<'PY' || fail "the JSON verdict is not a hang of rank 1"
 import json, sys
 v = json.load(open(sys.argv[1]))

@@ -1,4 +1,4 @@
-/* tools/ddp-compare and tools/torch_reference.py (docs/compare.md, docs/dumps.md).
+/* tools/ddp-compare and tools/torch/torch_reference.py (docs/compare.md, docs/dumps.md).
  *
  * Without torch: dumps written here with ddp_st_write, whose differences the test plants
  * and therefore knows (ULP distances, the first element beyond tolerance, layouts), and
@@ -527,12 +527,12 @@ static void test_ranks_vs_single_process(void **state) {
 
 static int reference_run(const char *dir, int world, int batch) {
   char *out = NULL;
-  int rc =
-      ddp_test_run_cmd(&out,
-                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-                       "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
-                       "--shuffle false --lr 0.5",
-                       ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
+  int rc = ddp_test_run_cmd(&out,
+                            "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s "
+                            "%s/tools/torch/torch_reference.py "
+                            "--model %s/mlp.json --dump_dir '%s' --world %d --steps 3 --batch %d "
+                            "--shuffle false --lr 0.5",
+                            ddp_test_python(), ddp_test_source_root(), g_tmp, dir, world, batch);
   if (rc != 0) {
     char *err = stderr_text();
     print_error("torch_reference.py failed (%d): %s\n%s\n", rc, out, err);

@@ -1,4 +1,4 @@
-/* Data layer: DistributedSampler and randperm equal torch's (tools/data_oracle.py), the
+/* Data layer: DistributedSampler and randperm equal torch's (tools/torch/data_oracle.py), the
  * sources load the values that were written (in-memory, safetensors, CSV, MNIST idx,
  * the shipped digits against scikit-learn), corrupt files give clear errors, synthetic
  * tasks are reproducible and equal their defining formulas, and the loader's batches

@@ -1,7 +1,7 @@
 /* PyTorch parity of the DDP reducer (issue 5, "PyTorch parity, in CI"; issue 8: through
  * ddp-train), and the dump writer (src/reducer/dump.c, docs/dumps.md).
  *
- * For each configuration, tools/torch_reference.py runs real PyTorch 1.13 DDP over gloo
+ * For each configuration, tools/torch/torch_reference.py runs real PyTorch 1.13 DDP over gloo
  * (Debian's /usr/bin/python3) and writes dump A. Then tools/ddp-train runs the same job on
  * thread ranks: the same model file and the weights A recorded after DDP's initial
  * broadcast, the same samples (DistributedSampler with the same seed), the same

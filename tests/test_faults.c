@@ -52,7 +52,7 @@ typedef struct job {
   double t_fail[WORLD];  /* each rank's failure time; < 0 when it did not fail */
   char msg[WORLD][2048]; /* each rank's failure message */
   char hash[WORLD][32];  /* "every rank holds parameters X" of a successful run */
-  char fr_verdict[2048]; /* tools/ddp-fr-trace's verdict on the flight-recorder dumps */
+  char fr_verdict[2048]; /* tools/programs/ddp-fr-trace's verdict on the flight-recorder dumps */
   int fr_culprits[WORLD + 1], fr_n; /* the ranks it names; fr_n < 0: it did not run */
   char *log;                        /* every rank's stderr, concatenated */
 } job_t;
@@ -96,12 +96,12 @@ static void parse_log(job_t *j, const char *text) {
   }
 }
 
-/* tools/ddp-fr-trace --json on the job's dumps: its verdict and culprits. */
+/* tools/programs/ddp-fr-trace --json on the job's dumps: its verdict and culprits. */
 static void fr_trace(job_t *j) {
   j->fr_n = -1;
   if (access("/usr/bin/python3", X_OK) != 0) return;
   char cmd[1024], err[300], *out = NULL;
-  snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s/tools/ddp-fr-trace' --json '%s/fr'",
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 '%s/tools/programs/ddp-fr-trace' --json '%s/fr'",
            ddp_test_source_root(), j->dir);
   snprintf(err, sizeof err, "%s/fr.err", j->dir);
   int rc = ddp_test_proc_run(cmd, err, 30, &out);

@@ -5,7 +5,7 @@
  *  - work the group never ran, because it had failed, stays "scheduled";
  *  - a stalled rank (threads, shm, tcp; 1.5 s timeout): every rank leaves a dump, the stalled
  *    one from the trigger file while it still stands outside the collective, and
- *    tools/ddp-fr-trace names it and the collective number it never entered;
+ *    tools/programs/ddp-fr-trace names it and the collective number it never entered;
  *  - a mismatched collective (desync): the analyzer names the rank whose #k differs;
  *  - a killed rank (shm): the analyzer names the rank that left no dump, also when a slow
  *    survivor issued the collective only after the group had failed (written dumps);
@@ -103,12 +103,13 @@ static const char *jstr(const cJSON *o, const char *key) {
     }                                                             \
   } while (0)
 
-/* Runs tools/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3. */
+/* Runs tools/programs/ddp-fr-trace --json on dir; NULL (the test skips) without /usr/bin/python3.
+ */
 static cJSON *analyze(const char *dir) {
   const char *root = ddp_test_source_root();
   if (access("/usr/bin/python3", X_OK) != 0 || !root) return NULL;
   char cmd[1024], errp[600];
-  snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/tools/ddp-fr-trace --json %s", root, dir);
+  snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/tools/programs/ddp-fr-trace --json %s", root, dir);
   snprintf(errp, sizeof errp, "%s/analyzer.stderr", dir);
   char *out = NULL;
   int rc = ddp_test_proc_run(cmd, errp, 60, &out);

@@ -1,7 +1,7 @@
 /* PyTorch parity of the communication hooks (issue 6, "PyTorch parity in CI"; issue 8:
  * through ddp-train).
  *
- * Each configuration runs tools/torch_reference.py (real PyTorch 1.13 DDP over gloo, W = 2)
+ * Each configuration runs tools/torch/torch_reference.py (real PyTorch 1.13 DDP over gloo, W = 2)
  * with a hook, then the same job through tools/ddp-train with the same --comm_hook,
  * --comm_wrapper and --comm_state_option on thread ranks, and compares the per-step dumps
  * with ddp-compare (the driver is tests/harness/parity.c, shared with test_ddp_parity):

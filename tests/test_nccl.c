@@ -9,7 +9,7 @@
  *    strings the libraries themselves return);
  *  - on a machine where cudaGetDeviceCount fails or finds no device, ddp_pg_create with
  *    backend "nccl" fails cleanly with that status and names the CUDA error.
- * With GPUs (tools/gpu_check.sh), for W = 1 and W = min(2, GPUs) (NCCL allows one rank per
+ * With GPUs (tools/maint/gpu_check.sh), for W = 1 and W = min(2, GPUs) (NCCL allows one rank per
  * GPU): every collective on host buffers (staged) and on device buffers, with exact data
  * computed by closed formulas, and D2: random fp32/fp16/bf16 allreduce results bitwise equal
  * to a serial rank-order fold. GPU detection runs in a forked child so that this parent never
@@ -391,7 +391,7 @@ int main(void) {
   g_gpus = probe_gpus(&e);
   if (g_gpus <= 0) {
     printf("skip: no usable GPU (cudaGetDeviceCount: %s); the GPU tests run under "
-           "tools/gpu_check.sh\n",
+           "tools/maint/gpu_check.sh\n",
            g_gpus < 0 ? cudaGetErrorString((cudaError_t)e) : "0 devices");
     return 77;
   }

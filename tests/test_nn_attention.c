@@ -5,7 +5,7 @@
  * ddp_dropout, forward and backward using one mask) and its equality with the same
  * computation composed of separate ops; the causal-LM loss against ddp_cross_entropy on
  * shifted rows; error cases; forward and gradients against PyTorch 1.13 in f64 and f32
- * (tools/nn_oracle.py, skipped without torch); and the time of attention at GPT-2 124M's
+ * (tools/torch/nn_oracle.py, skipped without torch); and the time of attention at GPT-2 124M's
  * shape (printed, with a loose bound). */
 #include <math.h>
 #include <setjmp.h>

@@ -1,4 +1,4 @@
-/* The nn layer against PyTorch 1.13 (tools/nn_oracle.py under /usr/bin/python3): every
+/* The nn layer against PyTorch 1.13 (tools/torch/nn_oracle.py under /usr/bin/python3): every
  * op's forward and backward on the same inputs in f64 and f32, and a whole model file's
  * forward, loss, gradients, buffers and gradient-hook order. Also prints (does not assert)
  * the time of one forward+backward step of a 784-1024-1024-10 MLP at batch 64, libddp vs
@@ -42,7 +42,7 @@ static int setup(void **state) {
   char line[512];
   snprintf(line, sizeof line, "%s -c 'import torch, numpy' >/dev/null 2>&1", py);
   if (system(line) != 0) return 0;
-  snprintf(g_oracle, sizeof g_oracle, "%s/tools/nn_oracle.py", root);
+  snprintf(g_oracle, sizeof g_oracle, "%s/tools/torch/nn_oracle.py", root);
   snprintf(g_dir, sizeof g_dir, "/tmp/ddp_nn_torch_XXXXXX");
   if (!mkdtemp(g_dir)) g_dir[0] = 0;
   return 0;

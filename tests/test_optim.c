@@ -1,4 +1,4 @@
-/* Optimizers, clipping and LR schedules against PyTorch 1.13 (tools/optim_oracle.py):
+/* Optimizers, clipping and LR schedules against PyTorch 1.13 (tools/torch/optim_oracle.py):
  * ten steps of every SGD/Adam/AdamW configuration equal torch.optim bit for bit, the HF
  * schedule multipliers equal the Python formulas, state saved and loaded continues
  * bitwise, and bad hyper-parameters give torch's messages. */
@@ -181,7 +181,7 @@ static int parse_hex(char *s, double *out, int64_t max, bool f64) {
   return (int)n;
 }
 
-/* Runs tools/optim_oracle.py in `mode` from in to out and opens out for reading. NULL when
+/* Runs tools/torch/optim_oracle.py in `mode` from in to out and opens out for reading. NULL when
  * torch is unavailable: in and out are then removed and the caller skips. */
 static FILE *run_oracle(const char *mode, const char *in, const char *out) {
   char args[512];

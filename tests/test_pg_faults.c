@@ -723,12 +723,13 @@ static void test_ddp_train_threads_local_failure(void **state) {
   fclose(f);
   struct {
     const char *what, *out, *fault, *needle, *culprit;
-  } cases[] = {/* ddp-train refuses a bad label before any rank starts (tools/train_checks.c),
-                * so a failure on one rank mid-run is injected (docs/errors.md) */
-               {"rank 2 fails at step 3 (injected)", outdir, "rank=2,step=3,kind=crash",
-                "fault injection: crash at", "rank 2 aborted the group"},
-               {"output_dir under a file (rank 0 only)", bad_out, "", "plain-file",
-                "rank 0 aborted the group: output_dir: mkdir"}};
+  } cases[] =
+      {/* ddp-train refuses a bad label before any rank starts (tools/programs/train_checks.c),
+        * so a failure on one rank mid-run is injected (docs/errors.md) */
+       {"rank 2 fails at step 3 (injected)", outdir, "rank=2,step=3,kind=crash",
+        "fault injection: crash at", "rank 2 aborted the group"},
+       {"output_dir under a file (rank 0 only)", bad_out, "", "plain-file",
+        "rank 0 aborted the group: output_dir: mkdir"}};
   for (int c = 0; c < 2; c++) {
     const char *argv[] = {"--threads",
                           "4",

@@ -2,7 +2,7 @@
  *
  * Oracles: the bytes written must equal the reference implementation's published test
  * vectors; every dtype round-trips bit-exactly through write + read (buffered, mmap and
- * in-memory parse); an independent Python implementation (tools/safetensors.py, written from
+ * in-memory parse); an independent Python implementation (tools/torch/safetensors.py, written from
  * the format description) reads what libddp writes and writes what libddp reads; and each
  * kind of hostile file is rejected with DDP_ERR_INVALID_DATA and a message naming the
  * problem. Allocations go through CMocka's allocator, so a leak fails the test. */
@@ -124,13 +124,13 @@ static size_t dir_entries(const char *dir) {
   return n;
 }
 
-/* Runs /usr/bin/python3 tools/safetensors.py args... (NULL-terminated, at most 254) with
+/* Runs /usr/bin/python3 tools/torch/safetensors.py args... (NULL-terminated, at most 254) with
  * stdout to out_path (or /dev/null); returns the exit code. */
 static int run_tool(const char *const *args, const char *out_path) {
   char script[1024];
   const char *root = ddp_test_source_root();
   assert_non_null(root);
-  snprintf(script, sizeof script, "%s/tools/safetensors.py", root);
+  snprintf(script, sizeof script, "%s/tools/torch/safetensors.py", root);
   char *argv[256] = {(char *)PYTHON, script};
   size_t n = 2;
   for (; args[n - 2]; n++) {
@@ -798,7 +798,7 @@ static void test_open_errors(void **state) {
 /* ------------------------------------------------------------------ Python ---------- */
 
 /* Element i of the sample file's tensors, computed here independently from the formulas in
- * tools/safetensors.py's sample_tensors() docstring. */
+ * tools/torch/safetensors.py's sample_tensors() docstring. */
 static void expect_sample_values(const char *name, const ddp_tensor_t *v) {
   for (int64_t i = 0; i < v->numel; i++) {
     switch (v->dtype) {
@@ -869,7 +869,7 @@ static void test_python_writes_c_reads(void **state) {
     }
     assert_int_equal(ddp_st_meta_count(f), 3);
     assert_string_equal(ddp_st_meta_get(f, "format"), "pt");
-    assert_string_equal(ddp_st_meta_get(f, "writer"), "tools/safetensors.py");
+    assert_string_equal(ddp_st_meta_get(f, "writer"), "tools/torch/safetensors.py");
     assert_string_equal(ddp_st_meta_get(f, "note"), "h\xc3\xa9llo \xe2\x9c\x93");
     ddp_st_close(f);
   }

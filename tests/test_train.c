@@ -1237,7 +1237,7 @@ static void test_progress_output(void **state) {
   rm_tree(dir);
 }
 
-/* PyTorch oracle: tools/torch_reference.py runs real DDP (gloo, 3 ranks) with AdamW, weight
+/* PyTorch oracle: tools/torch/torch_reference.py runs real DDP (gloo, 3 ranks) with AdamW, weight
  * decay, accumulation 2, clipping and a linear warmup schedule; ddp-train started from the
  * same weights with the same HF arguments dumps every step, and ddp-compare finds inputs,
  * averaged gradients and parameters within its default tolerance (rtol 1e-5, atol 1e-7). */
@@ -1265,7 +1265,7 @@ static void test_dump_vs_torch(void **state) {
                    "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
                    "--ddp_find_unused_parameters false";
   snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' '%s/tools/torch_reference.py' "
+           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' '%s/tools/torch/torch_reference.py' "
            "--model '%s' --dump_dir '%s/torch' --world 3 --steps 6 --batch 4 --lr 1e-3 %s "
            ">'%s/torch.log' 2>&1",
            py, root, model, dir, hf, dir);

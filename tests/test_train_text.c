@@ -4,7 +4,7 @@
  *    ends with the same parameter hash; the store port comes from the kernel, never from a
  *    formula or a constant;
  *  - checkpoints: a checkpoint directory and the final model written by ddp-train load in
- *    the PyTorch oracle module (tools/hf_models.py) by name with strict=True; a directory
+ *    the PyTorch oracle module (tools/torch/hf_models.py) by name with strict=True; a directory
  *    the oracle wrote with save_pretrained loads in ddp-train (--model_name_or_path) with
  *    every tensor bitwise; resuming from a checkpoint ends bitwise where the uninterrupted
  *    run ended;
@@ -179,10 +179,10 @@ static void test_llama(void **state) {
 
 /* ---------------------------------------------------------------- checkpoints ----- */
 
-/* Runs tools/hf_models.py check on dir: the oracle loads it by name, strict. */
+/* Runs tools/torch/hf_models.py check on dir: the oracle loads it by name, strict. */
 static void oracle_loads(const char *dir) {
   char *out = NULL;
-  int rc = ddp_test_run_cmd(&out, "OMP_NUM_THREADS=1 %s %s/tools/hf_models.py check '%s'",
+  int rc = ddp_test_run_cmd(&out, "OMP_NUM_THREADS=1 %s %s/tools/torch/hf_models.py check '%s'",
                             ddp_test_python(), ddp_test_source_root(), dir);
   if (rc != 0 || !out || strncmp(out, "ok", 2) != 0) {
     ddp_test_print_cmd_stderr();
@@ -242,7 +242,7 @@ static void test_oracle_to_libddp(void **state) {
   snprintf(cfg, sizeof cfg, "%s/config.json", dir);
   ddp_test_write_text(cfg, GPT2);
   char *out = NULL;
-  int rc = ddp_test_run_cmd(&out, "OMP_NUM_THREADS=1 %s %s/tools/hf_models.py init '%s' 5",
+  int rc = ddp_test_run_cmd(&out, "OMP_NUM_THREADS=1 %s %s/tools/torch/hf_models.py init '%s' 5",
                             ddp_test_python(), ddp_test_source_root(), dir);
   free(out);
   if (rc != 0) {

@@ -266,8 +266,10 @@ static void test_fr_trace_names_bad_dumps(void **state) {
   put("fr0.json", "{\"rank\": 0, \"entries\": [");
   put("fr1.json", "");
   put("fr2.json", "[1, 2]");
-  int rc = shell(&out, "/usr/bin/python3 '%s/tools/ddp-fr-trace' fr0.json fr1.json fr2.json nosuch",
-                 root);
+  int rc =
+      shell(&out,
+            "/usr/bin/python3 '%s/tools/programs/ddp-fr-trace' fr0.json fr1.json fr2.json nosuch",
+            root);
   expect("corrupt dumps", rc, out, 2,
          "ddp-fr-trace: fr0.json: corrupt dump: Expecting value: line 1 column 25",
          "ddp-fr-trace: fr1.json: corrupt dump: the file is empty",
@@ -527,7 +529,7 @@ static void test_config_round_trip(void **state) {
 
 /* With zero_grad_set_to_none false, a parameter rank 0 never reaches kept the zeros of
  * zero_grad, and ddp-train listed no local_grads_none from step 1 on, while
- * tools/torch_reference.py (tensor hooks) lists it every step; both list it now. */
+ * tools/torch/torch_reference.py (tensor hooks) lists it every step; both list it now. */
 static void test_local_grads_none(void **state) {
   (void)state;
   char *out = NULL;

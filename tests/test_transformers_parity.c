@@ -1,5 +1,5 @@
 /* PyTorch parity of DDP on Transformers models through the binaries (issue 13, item 8):
- * tools/torch_reference.py runs real PyTorch 1.13 DDP over gloo on tools/hf_models.py's
+ * tools/torch/torch_reference.py runs real PyTorch 1.13 DDP over gloo on tools/torch/hf_models.py's
  * GPT2LMHeadModel / BertForSequenceClassification, ddp-train runs the same job on thread
  * ranks from the weights PyTorch broadcast, and ddp-compare must find every input, averaged
  * gradient and parameter of every step and rank within tolerance, with the initial and

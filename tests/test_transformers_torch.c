@@ -1,4 +1,4 @@
-/* libddp's GPT-2 and BERT against their PyTorch twins (tools/hf_models.py under
+/* libddp's GPT-2 and BERT against their PyTorch twins (tools/torch/hf_models.py under
  * /usr/bin/python3, torch 1.13): the same weights on both sides (libddp's Transformers init
  * written by save_pretrained and loaded by PyTorch with strict=True, or PyTorch's init loaded
  * by libddp's from_pretrained), then one training step with dropout 0: logits, loss, every
@@ -342,7 +342,7 @@ static void test_checkpoint_wording(void **state) {
     char cmd[1400], errpath[512];
     snprintf(errpath, sizeof errpath, "%s/check_err.txt", g_dir);
     snprintf(cmd, sizeof cmd,
-             "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/hf_models.py check '%s' >/dev/null "
+             "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/torch/hf_models.py check '%s' >/dev/null "
              "2>'%s'",
              ddp_test_source_root(), dir, errpath);
     int rc = system(cmd);

@@ -1,6 +1,6 @@
 /* PyTorch parity of ZeRO-1 (issue 39, "Against PyTorch 1.13 in CI"; docs/sharding.md).
  *
- * tools/torch_reference.py --zero runs PyTorch 1.13's ZeroRedundancyOptimizer (AdamW over
+ * tools/torch/torch_reference.py --zero runs PyTorch 1.13's ZeroRedundancyOptimizer (AdamW over
  * Transformers' decay and no-decay groups, weight decay, clipping) under DDP on gloo and
  * records each parameter's owner as its _partition_parameters computed it; ddp-train
  * --deepspeed (zero_optimization.stage 1) runs the same job from the same weights

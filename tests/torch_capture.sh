@@ -45,8 +45,8 @@ run_job accum --accum 2
 run_job accum2 --accum 2
 grep -q "overridden" "$work/accum.out" && fail "scheduler warning: $(cat "$work/accum.out")"
 
-# The layout, checked with tools/safetensors.py (the capture itself does not use it).
-"$py" - "$src/tools" "$work/a" "$work/accum" <<'EOF' || fail "dump layout (above)"
+# The layout, checked with tools/torch/safetensors.py (the capture itself does not use it).
+"$py" - "$src/tools/torch" "$work/a" "$work/accum" <<'EOF' || fail "dump layout (above)"
 import json, os, struct, sys
 sys.path.insert(0, sys.argv[1])
 import safetensors as st
@@ -91,7 +91,7 @@ grep -q "rank 1 initial equal, rebuilt equal" <<<"$out" || fail "layouts: $out"
 out=$("$compare" "$work/accum" "$work/accum2") || fail "accumulation runs: exit $?: $out"
 
 # The planted communication error: bucket 1's first parameter at step 2.
-first=$("$py" - "$src/tools" "$work/scaled/rank0/step000002.safetensors" <<'EOF'
+first=$("$py" - "$src/tools/torch" "$work/scaled/rank0/step000002.safetensors" <<'EOF'
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import safetensors as st

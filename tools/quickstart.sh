@@ -59,14 +59,14 @@ echo
 # weights, compared tensor by tensor (docs/compare.md). Needs Debian's python3-torch, which
 # tools/test.sh installs; skipped with a note when it is missing.
 if /usr/bin/python3 -c 'import torch' >/dev/null 2>&1; then
-  echo "== against PyTorch: tools/torch_reference.py (real DDP, gloo, 4 ranks), ddp-train from its"
+  echo "== against PyTorch: tools/torch/torch_reference.py (real DDP, gloo, 4 ranks), ddp-train from its"
   echo "   initial weights, then ddp-compare of every step's inputs, gradients and parameters"
   cat >"$out/model.json" <<'JSON'
 {"dtype": "f32", "layers": [{"type": "linear", "in": 64, "out": 64}, {"type": "relu"},
                             {"type": "linear", "in": 64, "out": 10}]}
 JSON
   common=(--seed 42 --optim sgd --max_grad_norm 0)
-  /usr/bin/python3 tools/torch_reference.py --model "$out/model.json" --dump_dir "$out/torch" \
+  /usr/bin/python3 tools/torch/torch_reference.py --model "$out/model.json" --dump_dir "$out/torch" \
     --world 4 --max_steps 10 --per_device_train_batch_size 16 --learning_rate 0.05 \
     "${common[@]}" >"$out/torch.log" 2>&1 || { cat "$out/torch.log"; exit 1; }
   build/tools/ddp-train --threads 4 --model "$out/model.json" --init "$out/torch/weights.safetensors" \

@@ -126,7 +126,7 @@ DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, con
 /* ---- flight recorder (docs/errors.md, "Flight recorder"): every group keeps its last
  * DDP_FR_BUFFER_SIZE collectives (default 2000; 0 = off) and dumps them as JSON when it fails,
  * when another rank of the job dumped, and on SIGUSR1, where DDP_FR_DUMP_DIR or PyTorch's
- * TORCH_FR_DUMP_TEMP_FILE says. tools/ddp-fr-trace reads every rank's dump. ---- */
+ * TORCH_FR_DUMP_TEMP_FILE says. tools/programs/ddp-fr-trace reads every rank's dump. ---- */
 
 /* The next collective issued on this group is recorded with `bucket` (a DDP bucket index, or
  * -1) and `text` (the bucket's parameter names, comma-separated; past 255 bytes the names

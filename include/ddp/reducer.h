@@ -256,7 +256,7 @@ DDP_API void ddp_ddp_get_comm_stats(ddp_ddp_t *ddp, ddp_ddp_comm_stats_t *out);
 /* ---------------------------------------------------------------- dumps ----------- */
 
 /* The per-step dump writer (docs/dumps.md, format "libddp-dump-1"): the layout
- * tools/torch_reference.py writes, for tools/ddp-compare. One handle per rank, all ranks
+ * tools/torch/torch_reference.py writes, for tools/ddp-compare. One handle per rank, all ranks
  * writing into the same directory DIR:
  *     ddp_dump_open(DIR, rank, world, &o, &d, &err);   // rank 0 writes DIR/meta.json
  *     ddp_dump_init(d, model, ddp);                   // after ddp_ddp_create: init.safetensors
@@ -323,7 +323,7 @@ DDP_API ddp_status_t ddp_dump_step(ddp_dump_t *d, int64_t step, double loss, int
  * when the number of steps written differs from opts->steps. Call before ddp_ddp_destroy. */
 DDP_API ddp_status_t ddp_dump_finish(ddp_dump_t *d);
 /* Records a sharded optimizer's partition for ddp.json: "zero_partition", an object
- * {parameter name: owning rank} (as tools/torch_reference.py --zero writes PyTorch
+ * {parameter name: owning rank} (as tools/torch/torch_reference.py --zero writes PyTorch
  * ZeroRedundancyOptimizer's). names[i] and owner[i] for n parameters, copied. */
 DDP_API ddp_status_t ddp_dump_set_partition(ddp_dump_t *d, const char *const *names,
                                             const int *owner, size_t n);

@@ -333,3 +333,5 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   DDP_REQUIRE(ddp_model_num_params(m) == nparams);
   return DDP_OK;
 }
+
+const ddp__hf_family_t ddp__bert_family = {DDP_HF_BERT, ddp__bert_build};

@@ -239,3 +239,5 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   DDP_REQUIRE(ddp_model_num_params(m) == nparams);
   return DDP_OK;
 }
+
+const ddp__hf_family_t ddp__gpt2_family = {DDP_HF_GPT2, ddp__gpt2_build};

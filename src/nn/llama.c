@@ -250,3 +250,5 @@ ddp_status_t ddp__llama_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dty
   DDP_REQUIRE(ddp_model_num_params(m) == nparams);
   return DDP_OK;
 }
+
+const ddp__hf_family_t ddp__llama_family = {DDP_HF_LLAMA, ddp__llama_build};

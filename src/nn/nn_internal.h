@@ -114,8 +114,18 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
                                     ddp__load_key_fn map, void *user, size_t *n_missing,
                                     size_t *n_unexpected, ddp_error_t *err);
 
-/* Transformers' families (gpt2.c, bert.c, hf_config.c, pretrained.c). */
+/* Transformers' families (gpt2.c, bert.c, llama.c; hf_config.c, pretrained.c). */
 bool ddp__hf_activation(const char *name, ddp_act_t *act);
+/* A family registers itself with a descriptor beside its builder, listed in hf_families.c's
+ * table; pretrained.c builds a config's model through ddp__hf_family_find. */
+typedef struct ddp__hf_family {
+  ddp_hf_model_type_t type; /* DDP_HF_GPT2, ... */
+  ddp_status_t (*build)(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
+                        ddp_error_t *err);
+} ddp__hf_family_t;
+extern const ddp__hf_family_t ddp__gpt2_family, ddp__bert_family, ddp__llama_family;
+/* The registered family of type; NULL when none is. */
+const ddp__hf_family_t *ddp__hf_family_find(ddp_hf_model_type_t type);
 ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                              ddp_error_t *err);
 ddp_status_t ddp__llama_build(ddp_model_t *m, const ddp_hf_config_t *cfg, ddp_dtype_t dt,

@@ -1,15 +1,15 @@
 /* The Transformers families as models: building from a config, the task and its loss,
  * Transformers' _init_weights, and checkpoint directories as save_pretrained and
  * from_pretrained lay them out (config.json + model.safetensors). The families themselves are
- * gpt2.c, bert.c and llama.c; config.json is hf_config.c. */
+ * gpt2.c, bert.c and llama.c, each registered in hf_families.c's table, which this file reads
+ * (the families call only hf_init.c below them, never this file); config.json is
+ * hf_config.c. */
 #include <errno.h>
 #include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 
 #include "nn/nn_internal.h"
-
-#define NONE ((size_t)-1)
 
 /* ---------------------------------------------------------------- families -------- */
 
@@ -24,9 +24,14 @@ ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt
   ddp_model_t *m;
   if (ddp_model_create(&m) != DDP_OK)
     return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "from_hf_config: out of memory");
-  ddp_status_t st = cfg->model_type == DDP_HF_GPT2   ? ddp__gpt2_build(m, cfg, dt, err)
-                    : cfg->model_type == DDP_HF_BERT ? ddp__bert_build(m, cfg, dt, err)
-                                                     : ddp__llama_build(m, cfg, dt, err);
+  const ddp__hf_family_t *fam = ddp__hf_family_find(cfg->model_type);
+  if (!fam) {
+    ddp_model_destroy(m);
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "from_hf_config: no model family registered for model_type %d",
+                      (int)cfg->model_type);
+  }
+  ddp_status_t st = fam->build(m, cfg, dt, err);
   if (st == DDP_OK) {
     st = ddp_model_finalize(m);
     if (st != DDP_OK) {
@@ -63,12 +68,6 @@ ddp_model_task_t ddp_model_task(const ddp_model_t *m) {
 const ddp_hf_config_t *ddp_model_hf_config(const ddp_model_t *m) {
   void *state;
   return ddp__model_family(m, &state) ? (const ddp_hf_config_t *)state : NULL;
-}
-
-ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v) {
-  *v = ddp_param_var(c, ddp_model_param(m, i));
-  if (!*v) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "forward: arena exhausted");
-  return DDP_OK;
 }
 
 /* ---------------------------------------------------------------- loss ------------ */
@@ -120,30 +119,6 @@ ddp_status_t ddp_model_loss(ddp_model_t *m, ddp_ctx_t *c, ddp_var_t *logits, ddp
   ddp_var_t *t;
   DDP_CHECK(float_labels(c, logits, labels, &t));
   return ddp_mse_loss(c, logits, t, loss);
-}
-
-/* ---------------------------------------------------------------- init ------------ */
-
-void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double proj_std,
-                  size_t pad_param, int64_t pad_row, uint64_t seed) {
-  ddp_rng_t r;
-  ddp_rng_init(&r, seed, ddp_rng_stream(DDP_RNG_INIT, 0, 0));
-  for (size_t i = 0; i < ddp_model_num_params(m); i++) {
-    ddp_tensor_t *t = &ddp_model_param(m, i)->value;
-    for (int64_t k = 0; k < t->numel; k++) {
-      double v = role[i] == DDP__INIT_ONE ? 1.0 : 0.0;
-      if (role[i] == DDP__INIT_NORMAL) v = std * ddp_rng_normal(&r);
-      if (role[i] == DDP__INIT_PROJ) v = proj_std * ddp_rng_normal(&r);
-      if (t->dtype == DDP_F32)
-        ((float *)t->data)[k] = (float)v;
-      else
-        ((double *)t->data)[k] = v;
-    }
-  }
-  if (pad_param == NONE) return;
-  ddp_tensor_t *w = &ddp_model_param(m, pad_param)->value;
-  size_t row = (size_t)w->shape[1] * ddp_dtype_size(w->dtype);
-  memset((char *)w->data + (size_t)pad_row * row, 0, row);
 }
 
 /* ---------------------------------------------------------------- directories ----- */

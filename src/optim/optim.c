@@ -3,7 +3,7 @@
  *
  * How the arithmetic is matched. torch.optim (1.13, foreach=False) runs a few ATen CPU
  * kernels per parameter; each kernel rounds once per element except where its vectorised
- * body fuses a multiply and an add. Measured on Debian's torch 1.13 (tools/optim_oracle.py
+ * body fuses a multiply and an add. Measured on Debian's torch 1.13 (tools/torch/optim_oracle.py
  * checks every case bit for bit):
  *   x.add_(y, alpha=a)          -> fma(a, y, x)                 (one rounding)
  *   x.mul_(s)                   -> x * s

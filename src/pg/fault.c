@@ -10,8 +10,10 @@
 
 #include "common/common.h"
 
-ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp_error_t *err) {
+ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp__pg_peers_failed_fn peers_failed,
+                                ddp_error_t *err) {
   memset(f, 0, sizeof *f);
+  f->peers_failed = peers_failed;
   ddp_fault_t spec;
   ddp_error_t e = {DDP_OK, ""};
   ddp_status_t st = ddp_fault_from_env(&spec, &e); /* quiet: logged here, once */
@@ -52,8 +54,7 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
       int64_t t0 = ddp__fault_log(what, rank, where);
       int64_t end = t0 + (timeout_ms + 1000) * 1000000LL;
       bool told = false;
-      while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK &&
-             !(told = ddp__pg_peers_failed(pg)))
+      while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK && !(told = f->peers_failed(pg)))
         sleep_ms(10);
       ddp_status_t gst = told ? DDP_ERR_REMOTE : ddp_pg_status(pg);
       double ms = (double)(ddp_now_ns() - t0) * 1e-6;

@@ -7,15 +7,23 @@
 #include "algo/algo.h"
 #include "ddp/pg.h"
 
+/* True when a peer has failed the group while this rank does not run a collective (shared
+ * family: the control block says so; other backends cannot tell without a collective, and
+ * answer false). pg.c, which owns the group's state, gives it at init: this file includes
+ * nothing of pg.c's and calls nothing of it but the public API. */
+typedef bool (*ddp__pg_peers_failed_fn)(ddp_pg_t *pg);
+
 typedef struct ddp__pg_fault {
   ddp_fault_t spec;   /* this rank's collective=K fault; kind NONE when there is none */
   bool shape_armed;   /* the next collective with a count > 0 gets count - 1 */
   bool corrupt_armed; /* the next floating-point allreduce gets bits flipped in its input */
+  ddp__pg_peers_failed_fn peers_failed; /* ends an injected hang early */
 } ddp__pg_fault_t;
 
 /* Reads DDP_FAULT; keeps it when it names this rank and a collective (a step= fault is
  * ddp_train's). A malformed spec is DDP_ERR_INVALID_ARGUMENT naming the field. */
-ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp_error_t *err);
+ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp__pg_peers_failed_fn peers_failed,
+                                ddp_error_t *err);
 
 /* Whether ddp__pg_fault_submit has anything to do. */
 static inline bool ddp__pg_fault_active(const ddp__pg_fault_t *f) {
@@ -33,10 +41,6 @@ ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq,
                                   int64_t timeout_ms, ddp_error_t *err);
 
 /* Runs fault `what` now on this rank (ddp_pg_inject_fault's contract in ddp/pg.h). */
-/* True when a peer has failed the group while this rank does not run a collective (shared
- * family: the control block says so; other backends cannot tell without a collective, and
- * answer false). Defined in pg.c, which owns the group's state. */
-bool ddp__pg_peers_failed(ddp_pg_t *pg);
 ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_fault_t *what,
                                 const char *where, int64_t timeout_ms, ddp_error_t *err);
 

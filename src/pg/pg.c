@@ -28,6 +28,8 @@
 #include "pg/flight_recorder.h"
 #include "pg/pg_internal.h"
 
+static bool peers_failed(ddp_pg_t *pg);
+
 /* w's error record, made on its first failure; NULL when even that allocation fails (the
  * status is still set, the message is then only in the log). */
 static ddp_error_t *work_err(ddp_work_t *w) {
@@ -278,7 +280,7 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   pg->p2p_recv_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq || !pg->p2p_recv_seq)
     return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
-  return ddp__pg_fault_init(&pg->fault, rank, err);
+  return ddp__pg_fault_init(&pg->fault, rank, peers_failed, err);
 }
 
 /* Step 3: the backend joins the group. Each group gets its own key space: the k-th group
@@ -487,7 +489,8 @@ void ddp_pg_free(ddp_pg_t *pg, void *ptr) {
   }
 }
 
-bool ddp__pg_peers_failed(ddp_pg_t *pg) {
+/* The fault layer's ddp__pg_peers_failed_fn (fault.h). */
+static bool peers_failed(ddp_pg_t *pg) {
   if (pg->ops->family != DDP_BACKEND_SHARED || !pg->comm.sh) return false;
   ddp_error_t e;
   return ddp__shared_group_failed(&pg->comm, &e) != DDP_OK;

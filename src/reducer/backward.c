@@ -70,14 +70,6 @@ void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t
 
 /* ---------------------------------------------------------------- launch ---------- */
 
-void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b) {
-  if (!ddp_pg_flight_recorder_enabled(d->pg)) return;
-  const ddp__bucket_t *x = &d->buckets[b];
-  char names[512] = "";
-  ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
-  ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
-}
-
 /* Launching means one allreduce SUM of the whole flat buffer (no comm hook: the copy-in
  * already multiplied by 1/W), or a call of the registered comm hook. Buckets go strictly
  * in index order (§3.5): a ready bucket waits for every lower-indexed one. */

@@ -303,3 +303,11 @@ const size_t *ddp_ddp_bucket_params(const ddp_ddp_t *d, size_t b, size_t *n) {
   *n = d->buckets[b].nvars;
   return d->buckets[b].vars;
 }
+
+void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b) {
+  if (!ddp_pg_flight_recorder_enabled(d->pg)) return;
+  const ddp__bucket_t *x = &d->buckets[b];
+  char names[512] = "";
+  ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
+  ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
+}

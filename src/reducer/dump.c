@@ -1,5 +1,5 @@
 /* The per-step dump writer: docs/dumps.md's layout ("libddp-dump-1"), the one
- * tools/torch_reference.py writes for PyTorch, so that tools/ddp-compare can set a libddp
+ * tools/torch/torch_reference.py writes for PyTorch, so that tools/ddp-compare can set a libddp
  * run beside a PyTorch one tensor by tensor and compare the reducers' bucket layouts.
  *
  * Each rank owns one handle and writes only DIR/rank{r}/ (rank 0 also DIR/meta.json), so

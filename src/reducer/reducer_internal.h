@@ -246,6 +246,10 @@ bool ddp__ddp_should_rebuild(const ddp_ddp_t *d);
 /* Frees n buckets, waiting for any work in flight, and the array itself. */
 void ddp__ddp_free_buckets(ddp_ddp_t *d, ddp__bucket_t *b, size_t n);
 void ddp__ddp_layout_free(ddp__layout_t *ls);
+/* The flight recorder's tag for the next collective: bucket b and its parameter names
+ * (nothing when the recorder is off). Here, below both launch paths (backward.c's and
+ * invariant.c's), so that backward.c calls into invariant.c and nothing calls back. */
+void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b);
 
 /* ---------------------------------------------------------------- backward.c ------ */
 
@@ -253,9 +257,6 @@ void ddp__ddp_layout_free(ddp__layout_t *ls);
 void ddp__ddp_grad_hook(void *user, ddp_param_t *p, int fire);
 /* prepare_for_backward (§3.2) with the unused-parameter search of §4.1. */
 void ddp__ddp_prepare_backward(ddp_ddp_t *d, ddp_ctx_t *ctx, size_t n, ddp_var_t *const *outputs);
-/* The flight recorder's tag for the next collective: bucket b and its parameter names
- * (nothing when the recorder is off). */
-void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b);
 
 /* ---------------------------------------------------------------- finalize.c ------ */
 

@@ -44,7 +44,7 @@ ddp_status_t ddp__train_q_open(const char *path, int rank, ddp__train_q_t **out,
     ddp__train_q_close(q);
     return ddp__error(err, rank, DDP_ERR_INVALID_DATA,
                       "power_sgd_init_q %s: no \"draws\" in the metadata; expected the "
-                      "powersgd_q.safetensors that tools/torch_reference.py writes",
+                      "powersgd_q.safetensors that tools/torch/torch_reference.py writes",
                       path);
   }
   q->draws = n;

@@ -33,7 +33,7 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
                                    ddp_error_t *err);
 
 /* PyTorch's PowerSGD Q draws for power_sgd_init_q (init_q.c): the safetensors file
- * tools/torch_reference.py writes, tensor "draw{k}" holding the k-th random initialisation
+ * tools/torch/torch_reference.py writes, tensor "draw{k}" holding the k-th random initialisation
  * (every Q of the bucket, concatenated), metadata "bucket{k}" its bucket index and "draws"
  * their count. ddp__train_q_fill is a ddp_powersgd_options_t.init_q callback (user: the
  * ddp__train_q_t); it cannot fail, so a draw that is missing or has another bucket or

@@ -528,8 +528,8 @@ bool ddp_test_run_tool(const char *script, const char *args) {
   if (!root || access("/usr/bin/python3", X_OK) != 0) return false;
   char cmd[4096];
   snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/%s %s", root, script,
-           args);
+           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 /usr/bin/python3 %s/tools/torch/%s %s", root,
+           script, args);
   int rc = system(cmd);
   if (rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 77) return false;
   DDP_ASSERT_EXITED(rc, 0);

@@ -131,9 +131,10 @@ const char *ddp_test_tool(const char *name);
  * NULL); NULL when it cannot be opened. Free with free(). */
 char *ddp_test_read_file(const char *path, size_t *len);
 
-/* Parent side: runs tools/<script> <args> with /usr/bin/python3 (one BLAS thread). False
- * when the interpreter or the source root is missing or the script exits 77 (what it needs
- * is absent: the test skips); any other failure fails the test. */
+/* Parent side: runs tools/torch/<script> <args> (an oracle of the PyTorch side) with
+ * /usr/bin/python3 (one BLAS thread). False when the interpreter or the source root is
+ * missing or the script exits 77 (what it needs is absent: the test skips); any other
+ * failure fails the test. */
 bool ddp_test_run_tool(const char *script, const char *args);
 /* Parent side: makes a fresh empty file /tmp/ddp_<suite>_<stem>_XXXXXX (mkstemp) and writes
  * its path into buf; the file is removed at exit if still there (cleanup.h). */

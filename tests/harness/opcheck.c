@@ -1,5 +1,5 @@
 /* nn operation checks (opcheck.h): finite differences in f64 and parity with PyTorch 1.13
- * through tools/nn_oracle.py. */
+ * through tools/torch/nn_oracle.py. */
 #include "opcheck.h"
 
 #include <math.h>

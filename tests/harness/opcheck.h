@@ -1,7 +1,7 @@
 /* Checks of nn operations shared by tests/test_nn.c, tests/test_nn_torch.c and
  * tests/test_nn_attention.c: each op's input gradients against central finite differences
  * in f64, and each op's forward and input gradients against PyTorch 1.13 through
- * tools/nn_oracle.py's `ops` command. Parent side: these assert (CMocka). */
+ * tools/torch/nn_oracle.py's `ops` command. Parent side: these assert (CMocka). */
 #ifndef DDP_TEST_OPCHECK_H
 #define DDP_TEST_OPCHECK_H
 

@@ -202,20 +202,19 @@ void ddp_test_parity(const ddp_test_pcfg_t *c, ddp_test_parity_result_t *res) {
              c->first_bucket_mb);
   }
   char *out = NULL;
-  int rc =
-      ddp_test_run_cmd(&out,
-                       "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch_reference.py "
-                       "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
-                       "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
-                       "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
-                       "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
-                       "--timeout 60 %s %s %s",
-                       g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world,
-                       c->steps, c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED,
-                       c->flags ? c->flags : "0", cap, tf(c->find_unused), tf(c->broadcast_buffers),
-                       tf(c->static_graph), tf(c->grad_as_bucket_view),
-                       c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "",
-                       c->torch_args ? c->torch_args : "");
+  int rc = ddp_test_run_cmd(
+      &out,
+      "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 %s %s/tools/torch/torch_reference.py "
+      "--model '%s' --dump_dir '%s' --data '%s' --world %d --steps %d --batch %d "
+      "--gradient_accumulation_steps %d --lr %.17g --momentum %.17g --optim sgd "
+      "--seed %d --shuffle true --flags %s %s --find_unused_parameters %s "
+      "--broadcast_buffers %s --static_graph %s --gradient_as_bucket_view %s "
+      "--timeout 60 %s %s %s",
+      g_py, ddp_test_source_root(), model, A, c->data ? c->data : g_data, c->world, c->steps,
+      c->batch, c->accum, c->lr, c->momentum, DDP_TEST_PARITY_SEED, c->flags ? c->flags : "0", cap,
+      tf(c->find_unused), tf(c->broadcast_buffers), tf(c->static_graph), tf(c->grad_as_bucket_view),
+      c->hook_args ? c->hook_args : "", c->data_args ? c->data_args : "",
+      c->torch_args ? c->torch_args : "");
   if (rc != 0) {
     ddp_test_print_cmd_stderr();
     fail_msg("%s: torch_reference.py exited %d: %s", c->name, rc, out);

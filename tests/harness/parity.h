@@ -1,7 +1,7 @@
 /* PyTorch parity driver shared by tests/test_ddp_parity.c and tests/test_hooks_parity.c.
  *
  * ddp_test_parity() runs one configuration end to end, each side as its real tool:
- * tools/torch_reference.py (real PyTorch 1.13 DDP over gloo, /usr/bin/python3) writes dump
+ * tools/torch/torch_reference.py (real PyTorch 1.13 DDP over gloo, /usr/bin/python3) writes dump
  * A; $DDP_BUILD_ROOT/tools/ddp-train --threads W then runs the same job from the weights A
  * recorded after DDP's initial broadcast, with the same samples (DistributedSampler, same
  * seed), micro-batching, loss scaling, SGD, DDP options, forward flags and comm hook, and

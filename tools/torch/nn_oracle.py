@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """PyTorch oracle for libddp's nn layer (tests/test_nn_torch.c), and the reference builder
-of libddp model files (docs/nn.md) that tools/torch_reference.py can reuse.
+of libddp model files (docs/nn.md) that tools/torch/torch_reference.py can reuse.
 
 Run with Debian's interpreter (/usr/bin/python3, which has torch 1.13). Tensors travel as
 raw little-endian files (row-major, the dtype named beside them) and safetensors files.
@@ -202,9 +202,9 @@ def build_model(spec):
 
 
 def load_safetensors(path):
-    """name -> tensor, via tools/safetensors.py (pure Python, no extra package)."""
+    """name -> tensor, via tools/torch/safetensors.py (pure Python, no extra package)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import safetensors as st  # tools/safetensors.py
+    import safetensors as st  # tools/torch/safetensors.py
     loaded = st.load_torch(path)
     return loaded[0] if isinstance(loaded, tuple) else loaded
 
@@ -425,7 +425,7 @@ def cmd_model(root):
         json.dump({"order": order, "names": names}, f)
     # PyTorch's own state_dict after the step (buffers updated), for libddp to load by name.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import safetensors as st  # tools/safetensors.py
+    import safetensors as st  # tools/torch/safetensors.py
     st.save_torch(os.path.join(root, "state_after.safetensors"), list(model.state_dict().items()))
 
 

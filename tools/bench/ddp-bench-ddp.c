@@ -44,10 +44,10 @@
  * adamw replaces SGD by AdamW (PyTorch's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8,
  * weight_decay 0.01). Started without a launcher (RANK and WORLD_SIZE unset), the program is
  * one process without a process group or DDP: zero_grad, forward, loss, ddp_backward and the
- * optimizer step, phase 1 only (tools/bench_gpt2.sh's one-thread comparison).
+ * optimizer step, phase 1 only (tools/bench/bench_gpt2.sh's one-thread comparison).
  *
- * Rank 0 prints one line "RESULT key=value ..." that tools/bench_ddp.sh and
- * tools/bench_gpt2.sh parse; peak_rss_mb is the process's peak resident set
+ * Rank 0 prints one line "RESULT key=value ..." that tools/bench/bench_ddp.sh and
+ * tools/bench/bench_gpt2.sh parse; peak_rss_mb is the process's peak resident set
  * (getrusage ru_maxrss) at the end of the run.
  *
  *   ddprun --nproc_per_node 2 --backend shm ddp-bench-ddp [--steps N] [--warmup N]
@@ -470,7 +470,8 @@ int main(int argc, char **argv) {
       cfg.grad_view = true;
       continue;
     }
-    if (!strcmp(a, "--blas-core")) { /* for tools/bench_ddp.sh: give PyTorch the same kernels */
+    if (!strcmp(a,
+                "--blas-core")) { /* for tools/bench/bench_ddp.sh: give PyTorch the same kernels */
       printf("%s\n", ddp_blas_core());
       return 0;
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the nccl backend on a machine with NVIDIA GPUs (docs/nccl.md).
 #
-#   tools/gpu_check.sh [BUILD_DIR]      (default /tmp/ddp-gpu-check)
+#   tools/maint/gpu_check.sh [BUILD_DIR]      (default /tmp/ddp-gpu-check)
 #
 # 1. Configures with -Dnccl=enabled (fails clearly when CUDA or NCCL is missing) and builds.
 # 2. Runs tests/test_nccl directly and requires exit 0: 77 (no usable GPU) is a failure here.
@@ -14,7 +14,7 @@
 # Ranks: one per GPU, at most 2 (NCCL allows one rank per GPU in a communicator).
 # Exit 0 when every step passed; the first failure stops the script with its output.
 set -euo pipefail
-src="$(cd "$(dirname "$0")/.." && pwd)"
+src="$(cd "$(dirname "$0")/../.." && pwd)"
 build="${1:-/tmp/ddp-gpu-check}"
 say() { printf '\n== %s\n' "$*"; }
 

@@ -1,4 +1,4 @@
-/* ddp-train's Transformers models and text data (tools/train_text.c; docs/train.md,
+/* ddp-train's Transformers models and text data (tools/programs/train_text.c; docs/train.md,
  * "Language models and BERT"): the flags of Transformers' example scripts
  * (--model_name_or_path, --block_size of run_clm, --max_seq_length of run_glue) and
  * libddp's sampling flags, the model built from a config.json or a save_pretrained

@@ -2,14 +2,14 @@
 # bench_gpt2.sh: libddp against PyTorch 1.13 on GPT-2 training steps (docs/benchmarks.md,
 # "GPT-2"; issue 13's speed point). A benchmark, not a test: it prints figures and verdicts.
 #
-#   tools/bench_gpt2.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-s STEPS] [-S DDP_STEPS]
+#   tools/bench/bench_gpt2.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-s STEPS] [-S DDP_STEPS]
 #                       [-p a|b|ab]
 #
 # Part a: GPT-2 124M (n_layer 12, n_embd 768, n_head 12, vocab 50257, n_positions 1024,
 # dropout 0 on both sides), batch 4 x 64 tokens, one process and one thread, a step being
 # zero_grad, forward, causal-LM loss, backward and AdamW (PyTorch's defaults): libddp's
-# ddp-bench-ddp --model without a launcher against tools/peer_torch_ddp.py --world 1
-# (tools/hf_models.py's GPT2LMHeadModel), Debian's /usr/bin/python3. Each system runs with
+# ddp-bench-ddp --model without a launcher against tools/bench/peer_torch_ddp.py --world 1
+# (tools/torch/hf_models.py's GPT2LMHeadModel), Debian's /usr/bin/python3. Each system runs with
 # two OpenBLAS kernel settings: the environment's OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE as
 # they are, and both unset (OpenBLAS picks for the CPU itself); the best is reported.
 # Figures: p50 wall time and CPU time of STEPS timed steps (after 2 warm-up steps) and the
@@ -26,7 +26,7 @@
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
+repo=$(cd "$here/../.." && pwd)
 build="$repo/build"
 out=""
 rounds=3

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch gloo's all_reduce on ddp-bench's sweep, for tools/bench_peers.sh.
+"""PyTorch gloo's all_reduce on ddp-bench's sweep, for tools/bench/bench_peers.sh.
 
 Same schedule, data and timing as ddp-bench (docs/benchmarks.md): f32 sum, in place; 0.5 s
 of untimed 4-byte all-reduces to settle; then at each size, warm-up then timed iterations,
@@ -8,7 +8,7 @@ from the call to its return and checked element by element against W(W+1)/2 * g.
 iteration's time is the slowest rank's.
 Rank 0 prints a table and writes ddp-bench's CSV columns.
 
-    /usr/bin/python3 tools/peer_gloo_allreduce.py [--world 2] [-b 4] [-e 256M] [-f 2]
+    /usr/bin/python3 tools/bench/peer_gloo_allreduce.py [--world 2] [-b 4] [-e 256M] [-f 2]
         [-n 200] [--min-iters 5] [--budget 256M] [--warmup 5] [--csv FILE] [--label gloo]
 
 Without RANK in the environment it starts --world copies of itself on 127.0.0.1 (a free

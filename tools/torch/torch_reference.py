@@ -11,7 +11,7 @@ PyTorch on GPUs with --backend nccl (TF32 is switched off there: docs/compare.md
     torch_reference.py --model bert-config.json --data texts.csv --max_seq_length 32 ...
 
 A model file with a top-level "model_type" is a Transformers config.json: the model is then
-tools/hf_models.py's GPT2LMHeadModel or BertForSequenceClassification (Transformers' names
+tools/torch/hf_models.py's GPT2LMHeadModel or BertForSequenceClassification (Transformers' names
 and semantics), trained on text data prepared exactly as ddp-train prepares it: for GPT-2 a
 token stream (a UTF-8 text through the byte tokenizer, llm.c's .bin, or a safetensors
 "tokens" tensor) cut into --block_size blocks (labels = the block; the model shifts), for
@@ -60,7 +60,7 @@ import blas_kernels  # noqa: E402
 blas_kernels.match_libddp()  # before torch loads OpenBLAS: libddp's GEMM kernels
 
 FORMAT = "libddp-dump-1"
-DEFAULT_DATA = os.path.join(os.path.dirname(TOOLS), "tests", "data", "digits.safetensors")
+DEFAULT_DATA = os.path.join(TOOLS, "..", "..", "tests", "data", "digits.safetensors")
 
 
 def parse_bool(text):

@@ -2,13 +2,13 @@
 # bench_ddp.sh: libddp's DDP training step beside PyTorch DDP (gloo), and the comm hooks,
 # on this machine, in one go (docs/benchmarks.md, "DDP steps").
 #
-#   tools/bench_ddp.sh [-B BUILD_DIR] [-o OUT_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-n RATE]
+#   tools/bench/bench_ddp.sh [-B BUILD_DIR] [-o OUT_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-n RATE]
 #                      [-c BUCKET_CAP_MB]
 #
 # Setup: 2 ranks as 2 processes, each with one BLAS/OpenMP thread, the MLP
 # 784-1024-1024-1024-10, SGD, batch BATCH (64) per rank, a fixed random batch.
 # Part 1, ROUNDS (3) rounds of, in this order: PyTorch DDP over gloo
-# (tools/peer_torch_ddp.py with /usr/bin/python3), libddp on shm, libddp on tcp
+# (tools/bench/peer_torch_ddp.py with /usr/bin/python3), libddp on shm, libddp on tcp
 # (ddp-bench-ddp under ddprun). Each run measures steps/s over STEPS (30) consecutive
 # steps, p50 of STEPS barrier-aligned synced and no_sync steps, and p50 of the
 # whole-gradient allreduce alone; per system the round with the highest steps/s is kept.
@@ -29,12 +29,12 @@
 # the table and the lower bounds of part 1 for a link where the wire sets the pace, then
 # the goals libddp / PyTorch >= 1.5 and libddp / (1 / max(compute, wire)) >= 0.8 with
 # PASS/FAIL (net_goals below says how the bound is computed), and the same 0.8 against
-# the bound DDP's schedule allows (tools/ddp_schedule.py on libddp's trace, sched_goals).
+# the bound DDP's schedule allows (tools/bench/ddp_schedule.py on libddp's trace, sched_goals).
 # Exit status: 0 when every run finished (whatever the ratios), 1 otherwise, 2 usage.
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
+repo=$(cd "$here/../.." && pwd)
 build="$repo/build"
 out=""
 steps=30
@@ -323,7 +323,7 @@ net_goals() { # torch-name libddp-name
 }
 # The bound above assumes that all of compute can overlap the wire, but DDP sends a
 # gradient only once backward has produced it and starts the next forward only when every
-# average is in. tools/ddp_schedule.py replays the trace of libddp's best round: the
+# average is in. tools/bench/ddp_schedule.py replays the trace of libddp's best round: the
 # buckets ready when they were (as a fraction of backward), crossing the link one after
 # the other at RATE; tail = the part of that which ends after backward. The schedule
 # bound 1 / (compute + tail) is the fastest step this bucket layout allows on a perfect

@@ -1,6 +1,6 @@
 """PyTorch twin of Hugging Face Transformers' LlamaForCausalLM (modeling_llama.py and
 modeling_rope_utils.py, 4.48), for checking libddp's Llama family (src/nn/llama.c). Used
-through tools/hf_models.py (load_config, build, init_weights, save_pretrained, ...), which
+through tools/torch/hf_models.py (load_config, build, init_weights, save_pretrained, ...), which
 imports this module; the module names, parameters() order and state_dict keys are
 Transformers'.
 

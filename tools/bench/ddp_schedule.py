@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The fastest step DDP's schedule allows over a link, from a libddp reducer trace.
 
-    tools/ddp_schedule.py TRACE --rate BITS_PER_S --world W [--rank R] [--skip N]
+    tools/bench/ddp_schedule.py TRACE --rate BITS_PER_S --world W [--rank R] [--skip N]
 
 TRACE is the Chrome trace of ddp-bench-ddp --trace (docs/ddp.md, "Timeline"): per rank,
 forward, backward and finalize on tid 0 and each bucket's allreduce on tid 1, its

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """PyTorch twins of Hugging Face Transformers' GPT2LMHeadModel,
-BertForSequenceClassification and LlamaForCausalLM (the latter in tools/hf_llama.py), for
+BertForSequenceClassification and LlamaForCausalLM (the latter in tools/torch/hf_llama.py), for
 checking libddp's GPT-2, BERT and Llama families (src/nn/gpt2.c, src/nn/bert.c,
-src/nn/llama.c) and for tools/torch_reference.py. Transformers is not packaged in Debian, so the
+src/nn/llama.c) and for tools/torch/torch_reference.py. Transformers is not packaged in Debian, so the
 modules are written here from Transformers' modeling semantics (docs/nn.md, "Transformers"),
 with the same module names, the same parameters() order and the same state_dict keys, so that a
 checkpoint directory moves between this file, libddp and Transformers itself.
@@ -51,8 +51,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import safetensors as st  # noqa: E402  (tools/safetensors.py)
-import hf_llama  # noqa: E402  (tools/hf_llama.py)
+import safetensors as st  # noqa: E402  (tools/torch/safetensors.py)
+import hf_llama  # noqa: E402  (tools/torch/hf_llama.py)
 
 # ---------------------------------------------------------------- configuration --------
 

@@ -1,4 +1,4 @@
-# bench_lib.sh: the run-and-table helpers tools/bench_ddp.sh and tools/bench_gpt2.sh share.
+# bench_lib.sh: the run-and-table helpers tools/bench/bench_ddp.sh and tools/bench/bench_gpt2.sh share.
 # Sourced, not run. The sourcing script sets, before calling them:
 #   out            the folder each run's output (<name>.txt) and RESULT line (<name>.res) go to
 #   failed         set to 1 here when a run fails

@@ -109,7 +109,8 @@ static void usage(FILE *f) {
           "  ddp-train --threads 4 --model model.json --data data.csv --max_steps 1000 \\\n"
           "            --output_dir run1 --resume_from_checkpoint true     (continue run1)\n"
           "\n"
-          "Against PyTorch (docs/compare.md): the same job as tools/torch_reference.py, from its\n"
+          "Against PyTorch (docs/compare.md): the same job as tools/torch/torch_reference.py, from "
+          "its\n"
           "weights, with its defaults and names spelled out, then ddp-compare T L:\n"
           "  ddp-train --threads 2 --model m.json --init T/weights.safetensors --optim sgd \\\n"
           "            --optim_args momentum=0.9 --max_grad_norm 0 \\\n"
@@ -542,7 +543,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ddp-train: --power_sgd_init_q %s: %s\n", q_path,
               st != DDP_OK ? train_why(st, &err)
                            : "no \"draws\" in the metadata; expected the "
-                             "powersgd_q.safetensors that tools/torch_reference.py writes");
+                             "powersgd_q.safetensors that tools/torch/torch_reference.py writes");
       ddp_st_close(qf);
       return 2;
     }

@@ -337,7 +337,7 @@ def sample_tensors():
         for d in shape:
             numel *= d
         tensors.append((name, (dtype, shape, encode(dtype, gen(numel)))))
-    metadata = collections.OrderedDict([("format", "pt"), ("writer", "tools/safetensors.py"),
+    metadata = collections.OrderedDict([("format", "pt"), ("writer", "tools/torch/safetensors.py"),
                                         ("note", "h\u00e9llo \u2713")])
     return tensors, metadata
 

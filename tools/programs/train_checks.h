@@ -1,5 +1,5 @@
 /* ddp-train's checks of the data against the model before any rank starts
- * (tools/train_checks.c; docs/train.md, "Errors"): a bad class label is reported with the
+ * (tools/programs/train_checks.c; docs/train.md, "Errors"): a bad class label is reported with the
  * data file and its row, not later as a loss error on one rank (or, with the default model,
  * as a model error), and the default model refuses feature dtypes it cannot take.
  *

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The C sources are formatted as .clang-format says (CI runs this: .ci/run).
-#   tools/check_format.sh             checks every tracked .c and .h; exit 1 listing the files
-#                                     clang-format would change, with how many lines
-#   tools/check_format.sh FILE...     checks only these
-#   tools/check_format.sh --fix [FILE...]   reformats them in place instead
+#   tools/maint/check_format.sh                  checks every tracked .c and .h; exit 1 listing
+#                                                the files clang-format would change, with
+#                                                how many lines
+#   tools/maint/check_format.sh FILE...          checks only these
+#   tools/maint/check_format.sh --fix [FILE...]  reformats them in place instead
 # Installs clang-format through tools/deps.sh when it is missing. .clang-format was tuned
 # against Debian's clang-format 14 (bookworm); another major version may lay some lines out
 # differently, so the version used is printed. CLANG_FORMAT=/path/to/clang-format picks one.
 # Nothing is vendored today; a third-party file would be listed in EXCLUDE below.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 EXCLUDE='^$' # extended regex of paths never checked (third-party code), e.g. '^src/vendor/'
 
@@ -35,7 +36,7 @@ fi
 
 if [ "$fix" = 1 ]; then
   "$cf" -i --style=file "${files[@]}"
-  echo "tools/check_format.sh: formatted ${#files[@]} files ($("$cf" --version))"
+  echo "tools/maint/check_format.sh: formatted ${#files[@]} files ($("$cf" --version))"
   exit 0
 fi
 
@@ -48,12 +49,12 @@ for f in "${files[@]}"; do
   fi
 done
 if [ ${#bad[@]} -eq 0 ]; then
-  echo "tools/check_format.sh: ${#files[@]} files formatted ($("$cf" --version))"
+  echo "tools/maint/check_format.sh: ${#files[@]} files formatted ($("$cf" --version))"
   exit 0
 fi
-echo "tools/check_format.sh: ${#bad[@]} of ${#files[@]} files are not formatted as" \
+echo "tools/maint/check_format.sh: ${#bad[@]} of ${#files[@]} files are not formatted as" \
      ".clang-format says ($("$cf" --version)):"
 printf '  %s\n' "${bad[@]}"
 echo "See the changes with: $cf --style=file FILE | diff FILE -"
-echo "Apply them with:      tools/check_format.sh --fix [FILE...]"
+echo "Apply them with:      tools/maint/check_format.sh --fix [FILE...]"
 exit 1

@@ -11,18 +11,18 @@ CC BY 4.0 (https://creativecommons.org/licenses/by/4.0/). The attribution travel
 file's metadata; docs/data.md states it too.
 
 Usage: make_digits.py [SRC.csv.gz] [OUT.safetensors]
-Standard library only, plus tools/safetensors.py beside this script.
+Standard library only, plus tools/torch/safetensors.py beside this script.
 """
 import gzip
 import os
 import struct
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import safetensors  # noqa: E402  (tools/safetensors.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
+import safetensors  # noqa: E402  (tools/torch/safetensors.py)
 
 DEFAULT_SRC = "/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz"
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data",
                            "digits.safetensors")
 
 

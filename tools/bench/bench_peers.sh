@@ -2,14 +2,14 @@
 # bench_peers.sh: libddp's all-reduce beside Open MPI's and PyTorch gloo's, on this machine,
 # in one go, on the same sizes, with the same data, barrier and timing (docs/benchmarks.md).
 #
-#   tools/bench_peers.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-- SWEEP_ARGS...]
+#   tools/bench/bench_peers.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-- SWEEP_ARGS...]
 #
 # Runs, in order:
 #   1. ddp-bench: backends threads, shm, tcp; algorithms auto, canonical, ring, small; the
 #      reference lines (memcpy, TCP loopback); CSV and plot;
 #   2. peer_mpi_allreduce under mpirun -np 2 with Open MPI's default transport (vader);
 #   3. the same with --mca btl self,tcp;
-#   4. tools/peer_gloo_allreduce.py: 2 processes of /usr/bin/python3 with torch's gloo on lo;
+#   4. tools/bench/peer_gloo_allreduce.py: 2 processes of /usr/bin/python3 with torch's gloo on lo;
 # then prints two side-by-side tables (p50 latency and busbw per size per implementation),
 # the acceptance ratios of the issues, and per size the p50 ratio libddp / Open MPI (shm and
 # threads against vader, tcp against its tcp BTL) with PASS/FAIL. SWEEP_ARGS (default: the
@@ -26,7 +26,7 @@
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
+repo=$(cd "$here/../.." && pwd)
 build="$repo/build"
 out=""
 rounds=1

@@ -3,7 +3,7 @@
 # in a row and under pressure, then two copies of the whole suite at once. Not part of CI
 # (hours at the full counts); run it after changing the harness, a launcher or a backend.
 #
-#   tools/soak.sh [-n N] [-m M] [-k K] [-j J] [--tests "NAME..."] [--pair-args "ARGS"]
+#   tools/maint/soak.sh [-n N] [-m M] [-k K] [-j J] [--tests "NAME..."] [--pair-args "ARGS"]
 #                 [--no-asan] [--logdir DIR] [--resume]
 #
 #   -n N   rounds of the tests in the normal build (build/), default 50
@@ -30,7 +30,7 @@
 # full log is kept under build/soak/. Exits 1 when any test failed or timed out, 0
 # otherwise.
 set -u -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 . tools/deps.sh
 
 runs=50

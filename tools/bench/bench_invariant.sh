@@ -2,10 +2,10 @@
 # bench_invariant.sh: the cost of world_size_invariant_shards (docs/ddp.md), beside normal
 # DDP in the same run (docs/benchmarks.md, "World-size-invariant training").
 #
-#   tools/bench_invariant.sh [-B BUILD_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-k SHARDS]
+#   tools/bench/bench_invariant.sh [-B BUILD_DIR] [-s STEPS] [-r ROUNDS] [-b BATCH] [-k SHARDS]
 #
 # Setup: 2 ranks as 2 processes on shm (ddprun), the benchmark MLP 784-1024-1024-1024-10 of
-# tools/bench_ddp.sh, SGD, BATCH (64) samples per rank per step. Three configurations, run
+# tools/bench/bench_ddp.sh, SGD, BATCH (64) samples per rank per step. Three configurations, run
 # in turn in each of ROUNDS (3) rounds so that they share the machine's state:
 #   normal      DDP, one pass of BATCH per step;
 #   micro       DDP, SHARDS (8) passes of BATCH / SHARDS per step, all but the last under
@@ -19,7 +19,7 @@
 # Exit status: 0 when every run finished, 1 otherwise, 2 usage.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
+repo=$(cd "$here/../.." && pwd)
 build="$repo/build"
 steps=30
 rounds=3

@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "..", "tests", "data")
+DATA = os.path.join(HERE, "..", "..", "tests", "data")
 
 BOOKS = [("Genesis", "gen", 50, 26), ("Exodus", "exo", 40, 38)]
 

@@ -1,4 +1,4 @@
-/* peer_mpi_allreduce: Open MPI's MPI_Allreduce on ddp-bench's sweep, so tools/bench_peers.sh
+/* peer_mpi_allreduce: Open MPI's MPI_Allreduce on ddp-bench's sweep, so tools/bench/bench_peers.sh
  * can put the two side by side. Same schedule, data and timing as ddp-bench
  * (docs/benchmarks.md): f32 sum, in place; 0.5 s of untimed 4-byte all-reduces to settle;
  * then at each size, warm-up then timed iterations, each one refilled with (rank+1) * g,

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """PyTorch DDP peer of ddp-bench-ddp (docs/benchmarks.md, "DDP steps").
 
-Runs the same measurement as tools/ddp-bench-ddp.c with real PyTorch DistributedDataParallel
+Runs the same measurement as tools/bench/ddp-bench-ddp.c with real PyTorch DistributedDataParallel
 over gloo: W processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), one intra-op and one inter-op
 thread each, the MLP 784-1024-1024-1024-10, SGD (lr 0.01), a fixed random batch per rank,
 cross-entropy. Phases, in order, timed on rank 0:
@@ -13,9 +13,9 @@ cross-entropy. Phases, in order, timed on rank 0:
 
 A step is zero_grad, forward, loss, backward and optimizer step. Prints one line
 "RESULT key=value ..." with the keys ddp-bench-ddp uses. Run it with Debian's interpreter:
-    /usr/bin/python3 tools/peer_torch_ddp.py [--world 2] [--steps 30] ...
+    /usr/bin/python3 tools/bench/peer_torch_ddp.py [--world 2] [--steps 30] ...
 
-With --model CONFIG.json (a Transformers GPT-2 config) the model is tools/hf_models.py's
+With --model CONFIG.json (a Transformers GPT-2 config) the model is tools/torch/hf_models.py's
 GPT2LMHeadModel with Transformers' initialisation, the input fixed random token ids
 [--batch, --seq] and the loss the causal-LM loss with labels = the ids, as ddp-bench-ddp
 --model. --optim adamw: torch.optim.AdamW with its defaults (lr 1e-3, weight_decay 0.01).
@@ -32,6 +32,8 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the PyTorch side (tools/torch/): blas_kernels, hf_models
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch"))
 sys.dont_write_bytecode = True  # leave no __pycache__ in the source tree
 import blas_kernels  # noqa: E402
 

@@ -1,6 +1,6 @@
 /* ddprun's ranks of one attempt: starting them with the torchrun environment, relaying their
  * output line by line, noticing the first failure, stopping the rest (SIGTERM, then SIGKILL
- * after the grace period) and reaping them. The contract is in tools/ddprun.c. */
+ * after the grace period) and reaping them. The contract is in tools/programs/ddprun.c. */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>

@@ -1,4 +1,4 @@
-/* ddprun's parts, shared by tools/ddprun.c (options, attempts, report), ddprun_proc.c (the
+/* ddprun's parts, shared by tools/programs/ddprun.c (options, attempts, report), ddprun_proc.c (the
  * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store's port,
  * the store, and leftovers of a job). ddprun's own loop is single-threaded; on node 0,
  * libddp's store server runs beside it in a thread of its own (docs/launcher.md). */

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The layering and size rules of docs/design.md, checked (meson test suite "lint").
 
-    tools/check_layers.py [--root DIR] [--list]
+    tools/maint/check_layers.py [--root DIR] [--list]
 
 Scans every #include of src/ and include/ddp/ against the layer list in docs/design.md, the
 length of every file in src/, and the length of every function in src/ (universal-ctags).
@@ -44,6 +44,19 @@ src/):
     layer below: another layer's vocabulary comes from its public header;
   - no public header includes a private one, and nothing in src/ or include/ddp/ includes
     the umbrella include/ddp.h (only tools/ may).
+
+Include cycles: the files of src/ and include/ddp/ grouped by module (a path without its
+extension: src/pg/fault.c and src/pg/fault.h are the module src/pg/fault), an edge from one
+module to another for each #include; any cycle among two or more modules is reported with
+the includes that close it. A file's own header is its module, so "x.c includes x.h" is no
+edge.
+
+Folders of tools/ by kind (tools/README.md): each file of tools/ must sit in its kind's
+folder. TOOLS_KINDS below says, per folder, which names belong there ("accept") and which
+names are that kind's wherever they are ("claim"): a file claimed by a kind outside its
+folder (a benchmark beside the programs, an oracle beside a shipped program), a file a
+folder does not accept, a file at the top of tools/ other than TOOLS_TOP, and a folder that
+is no kind are violations.
 
 Sizes: no file in src/ above 900 lines; no function in src/ above 120 lines, measured as
 universal-ctags reports it (its end line minus its start line, the line of its name),
@@ -297,6 +310,129 @@ def check_functions(root, files):
     return sorted(errors, key=sort_key), nfunc
 
 
+# tools/<folder>: (accept, claim), regular expressions on a file's name.
+TOOLS_KINDS = {
+    "programs": (r"^(README\.md|[a-z_-]+\.[ch]|ddp-[a-z-]+)$", None),
+    "bench": (r"^(README\.md|ddp-bench[a-z-]*\.c|bench[a-z0-9_]*\.(c|h|sh)|peer_[a-z_]+\.(c|py)|"
+              r"ddp_schedule\.py)$", r"^(ddp-bench|bench[_.]|peer_)"),
+    "torch": (r"^(README\.md|[a-z_]+\.py)$",
+              r"(_oracle\.py|^torch_reference\.py|^hf_[a-z_]+\.py|^libddp_capture\.py|"
+              r"^blas_kernels\.py)$"),
+    "maint": (r"^(README\.md|check[_-][a-z_-]+\.(sh|py)|soak\.sh|gpu_check\.sh)$",
+              r"^(check[_-]|soak)"),
+    "data": (r"^(README\.md|make_[a-z_]+\.py)$", r"^make_[a-z_]+\.py$"),
+}
+TOOLS_TOP = {"README.md", "meson.build", "test.sh", "quickstart.sh", "deps.sh"}
+
+
+def check_tools(root):
+    """Violations of the folders of tools/ by kind."""
+    errors = []
+    top = os.path.join(root, "tools")
+    if not os.path.isdir(top):
+        return errors
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        rel = os.path.relpath(dirpath, top)
+        parts = [] if rel == "." else rel.split(os.sep)
+        if len(parts) == 1 and parts[0] not in TOOLS_KINDS:
+            errors.append("tools/%s/README.md:1: tools/%s is no kind of tools/ (%s)" %
+                          (rel, rel, ", ".join(sorted(TOOLS_KINDS))))
+            dirnames[:] = []
+            continue
+        for name in sorted(filenames):
+            if name.startswith(".") or name.endswith(".pyc"):
+                continue
+            path = "tools/" + "/".join(parts + [name])
+            if not parts:
+                if name not in TOOLS_TOP:
+                    kind = [k for k, (_, claim) in TOOLS_KINDS.items()
+                            if claim and re.search(claim, name)]
+                    errors.append("%s:1: only %s sit at the top of tools/; this file belongs "
+                                  "in %s" % (path, ", ".join(sorted(TOOLS_TOP)),
+                                             "tools/%s/" % kind[0] if kind else "its kind's folder"))
+                continue
+            folder = parts[0]
+            claimed = [k for k, (_, claim) in TOOLS_KINDS.items()
+                       if claim and k != folder and re.search(claim, name)]
+            if claimed:
+                errors.append("%s:1: a file of tools/%s/ in tools/%s/" % (path, claimed[0], folder))
+            elif not re.search(TOOLS_KINDS[folder][0], name):
+                errors.append("%s:1: not of the kind of tools/%s/ (tools/%s/README.md)" %
+                              (path, folder, folder))
+    return errors
+
+
+def module_of(path):
+    return os.path.splitext(path)[0]
+
+
+def check_cycles(root, files):
+    """Include cycles between the modules of src/ and include/ddp/ (module_of)."""
+    graph = {}
+    where = {}
+    for src in files:
+        a = module_of(src)
+        graph.setdefault(a, set())
+        with open(os.path.join(root, src), encoding="utf-8", errors="replace") as f:
+            for ln, line in enumerate(f, 1):
+                m = INCLUDE.match(line)
+                if not m:
+                    continue
+                hdr = resolve(root, src, m.group(2), m.group(1) == '"')
+                if hdr is None or not hdr.startswith(("src/", "include/ddp/")):
+                    continue
+                b = module_of(hdr)
+                if b != a:
+                    graph[a].add(b)
+                    where.setdefault((a, b), "%s:%d" % (src, ln))
+    # Tarjan's strongly connected components, iteratively.
+    index, low, on, stack, comps, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on:
+                    low[v] = min(low[v], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    errors = []
+    for comp in sorted(comps):
+        inside = set(comp)
+        edges = sorted("%s (%s -> %s)" % (where[(a, b)], a, b)
+                       for a in comp for b in graph[a] if b in inside)
+        first = edges[0].split(" ")[0]
+        errors.append("%s: include cycle among %s: %s" % (first, ", ".join(comp),
+                                                          "; ".join(edges)))
+    return errors
+
+
 def sort_key(err):
     path, line = err.split(":")[:2]
     return path, int(line)
@@ -315,8 +451,8 @@ def report(title, errors, hint):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                   ".."),
-                    help="the source tree (default: this script's ..)")
+                                                   "..", ".."),
+                    help="the source tree (default: this script's ../..)")
     ap.add_argument("--list", action="store_true", help="print the parsed layer list")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
@@ -338,12 +474,21 @@ def main():
         if layer != "tools" and not os.path.isdir(os.path.join(root, layer)):
             inc_errors.insert(0, "docs/design.md:1: lists %s, which is not a directory" % layer)
     len_errors = check_file_lengths(root, files)
+    cyc_errors = check_cycles(root, files)
+    tools_errors = check_tools(root)
     fn_errors, nfunc = check_functions(root, files)
     print("check_layers: %d layers in %d rows (docs/design.md), %d files, %d includes, "
           "%d functions" % (len(layers.rank), len(layers.rows), len(files), nincl, nfunc))
     report("includes against the layers of docs/design.md", inc_errors,
            "a layer includes public headers of the layers below it and its own private "
            "headers; anything else is a legitimate edge listed in docs/design.md or a bug")
+    report("include cycles between the files of src/", cyc_errors,
+           "one of the two sides includes the other; what both need goes into a file below "
+           "them, and a call back up becomes a function pointer the upper side gives")
+    report("folders of tools/ by kind", tools_errors,
+           "a program users run goes in tools/programs/, a benchmark or peer in tools/bench/, "
+           "the PyTorch side in tools/torch/, maintenance in tools/maint/, a data maker in "
+           "tools/data/ (tools/README.md)")
     report("files in src/ above %d lines" % MAX_FILE_LINES, len_errors,
            "split the file along its concepts")
     if fn_errors is None:
@@ -352,7 +497,8 @@ def main():
     else:
         report("functions above %d lines" % MAX_FUNC_LINES, fn_errors,
                'split it, or say why in a comment just above it: "%s ..."' % MARKER)
-    total = len(inc_errors) + len(len_errors) + len(fn_errors or [])
+    total = len(inc_errors) + len(len_errors) + len(fn_errors or []) + len(cyc_errors) + \
+        len(tools_errors)
     if total:
         print("FAIL: %d violation%s" % (total, "" if total == 1 else "s"))
         return 1
