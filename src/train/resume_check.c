@@ -89,6 +89,9 @@ ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir) {
   int64_t consumed = num(smp, "batches_consumed", 0), epoch = num(smp, "epoch", 0);
   int64_t spe = num(o, "steps_per_epoch", t->steps_per_epoch);
   int64_t bs = num(args, "per_device_train_batch_size", a->per_device_train_batch_size);
+  int64_t ga = num(args, "gradient_accumulation_steps", a->gradient_accumulation_steps);
+  int64_t world_then = num(o, "world_size", t->world);
+  int64_t inv_then = num(args, "world_size_invariant_shards", 0);
   int64_t seed = num(args, "seed", (int64_t)a->seed), dseed = num(args, "data_seed", a->data_seed);
   bool shuffle = num(args, "dataloader_shuffle", a->dataloader_shuffle) != 0;
   int64_t samples = num(ds, "samples", -1), fn = num(ds, "feature_numel", -1);
@@ -117,10 +120,19 @@ ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir) {
                digest_then, now_hex);
   }
 
-  /* Mid-epoch: what decides the rest of the epoch's order must not have changed. */
+  /* Mid-epoch: what decides the rest of the epoch's order must not have changed. With
+   * --world_size_invariant_shards the order is the global batch's (docs/ddp.md): any world
+   * size, per-device batch and accumulation that keep the global batch continue it. */
+  bool invariant = a->world_size_invariant_shards > 0 && inv_then == a->world_size_invariant_shards;
+  int64_t global_then = bs * world_then * ga;
+  int64_t global_now = a->per_device_train_batch_size * t->world * a->gradient_accumulation_steps;
   const char *arg = NULL;
   char values[320] = "";
-  if (consumed > 0 && bs != a->per_device_train_batch_size) {
+  if (consumed > 0 && invariant && global_then != global_now) {
+    arg = "global batch (per_device_train_batch_size x world size x "
+          "gradient_accumulation_steps)";
+    snprintf(values, sizeof values, "%" PRId64 " then, %" PRId64 " now", global_then, global_now);
+  } else if (consumed > 0 && !invariant && bs != a->per_device_train_batch_size) {
     arg = "per_device_train_batch_size";
     snprintf(values, sizeof values, "%" PRId64 " then, %" PRId64 " now", bs,
              a->per_device_train_batch_size);
@@ -143,8 +155,9 @@ ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir) {
     if (t->rank == 0) return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
     return ddp__error_quiet(t->err, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
   }
-  warn_arg(t, path, "per_device_train_batch_size", a->per_device_train_batch_size, bs,
-           "the run differs from an uninterrupted one");
+  if (!(invariant && global_then == global_now))
+    warn_arg(t, path, "per_device_train_batch_size", a->per_device_train_batch_size, bs,
+             "the run differs from an uninterrupted one");
   warn_arg(t, path, "seed", (int64_t)a->seed, seed,
            "dropout (and the data order, without data_seed) differ from an uninterrupted run");
   if (dseed != a->data_seed)
