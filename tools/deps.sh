@@ -25,8 +25,11 @@ DDP_BUILD_PACKAGES=(gcc libc6-dev meson ninja-build pkg-config libopenblas-dev l
 # iproute2 (ip, tc) for the simulated multi-host test (tests/hosts_netns.sh), Slurm's
 # daemons and srun for tests/slurm.sh (about 3 MB; 27 s to install on a 2-core machine), and
 # universal-ctags for the function lengths of tools/maint/check_layers.py (suite lint).
+# The torch.distributed backend (src/torch, docs/torch.md) builds against Debian's
+# libtorch-dev with pybind11 and Python's headers, in C++.
 DDP_TEST_PACKAGES=(python3 python3-torch python3-numpy python3-sklearn gnuplot-nox iproute2
-                   slurmctld slurmd slurm-client universal-ctags)
+                   slurmctld slurmd slurm-client universal-ctags
+                   g++ libtorch-dev pybind11-dev python3-dev)
 # What CI's format check needs (tools/maint/check_format.sh): Debian's clang-format (14 on
 # bookworm), whose output .clang-format was tuned against.
 DDP_LINT_PACKAGES=(clang-format)

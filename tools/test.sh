@@ -17,12 +17,15 @@ tsan=0
 if [ "${1:-}" = "--sanitize" ]; then
   shift
   builddir=build/sanitize
-  setup_args=(-Db_sanitize=address,undefined -Db_lundef=false)
+  # The torch backend is a Python extension: loading it into an uninstrumented python3
+  # needs the sanitizer runtimes preloaded, so the sanitized builds leave it out; its own
+  # tests run in the normal build.
+  setup_args=(-Db_sanitize=address,undefined -Db_lundef=false -Dtorch=disabled)
 elif [ "${1:-}" = "--tsan" ]; then
   shift
   tsan=1
   builddir=build/tsan
-  setup_args=(-Db_sanitize=thread)
+  setup_args=(-Db_sanitize=thread -Dtorch=disabled)
 fi
 [ "${1:-}" = "--" ] && shift
 
@@ -41,6 +44,12 @@ if [ "$tsan" = 1 ]; then
     --timeout-multiplier 3 "$@" "${tsan_tests[@]}"
   echo "tools/test.sh --tsan: the concurrency tests ran in $(( $(date +%s) - start )) s"
   exit 0
+fi
+if [ "$builddir" = build ]; then
+  # The packages above include the torch backend's: build it here even where an earlier
+  # configure (the quickstart's, before they were installed) found them missing.
+  setup_args=(-Dtorch=enabled)
+  [ -f build/build.ninja ] && meson configure build -Dtorch=enabled >/dev/null
 fi
 ddp_build "$builddir" "${setup_args[@]}"
 # Ranks are processes and threads on 2 cores: run test programs two at a time.
