@@ -58,6 +58,9 @@ typedef struct ddp_pg_options {
   size_t shm_heap_bytes;     /* shm: per-rank area for ddp_pg_alloc; 0 = the host's physical
                               * memory (address space only: each block is reserved in
                               * /dev/shm when ddp_pg_alloc hands it out) */
+  bool no_flight_recorder;   /* true: this group records nothing and never dumps (helper groups
+                              * beside a job's own, such as the torch backend's point-to-point
+                              * channels, whose dumps would take their ranks' file names) */
 } ddp_pg_options_t;
 
 /* segment_bytes 0: 256 KiB. On loopback with 2 ranks, 4-64 MiB allreduces ran 1.3-2x
@@ -65,7 +68,7 @@ typedef struct ddp_pg_options {
 #define DDP_PG_SEGMENT_BYTES_DEFAULT (256u * 1024u)
 
 #define DDP_PG_OPTIONS_INIT \
-  { sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0 }
+  { sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0, false }
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).

@@ -361,7 +361,7 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_err
   int64_t k = 0;
   ddp_status_t st = pg_new(&o, ops, &pg, err);
   if (st == DDP_OK) st = join_backend(pg, &o, staging, &k, err);
-  if (st == DDP_OK) {
+  if (st == DDP_OK && !o.no_flight_recorder) {
     ddp__fr_info_t fri = {o.rank, o.world, ops->name, k, o.timeout_ms, &pg->mu};
     st = ddp__fr_create(&fri, &pg->fr, err);
   }

@@ -313,7 +313,7 @@ def check_functions(root, files):
 # tools/<folder>: (accept, claim), regular expressions on a file's name.
 TOOLS_KINDS = {
     "programs": (r"^(README\.md|[a-z_-]+\.[ch]|ddp-[a-z-]+)$", None),
-    "bench": (r"^(README\.md|ddp-bench[a-z-]*\.c|bench[a-z0-9_]*\.(c|h|sh)|peer_[a-z_]+\.(c|py)|"
+    "bench": (r"^(README\.md|ddp-bench[a-z-]*\.c|bench[a-z0-9_]*\.(c|h|sh|py)|peer_[a-z_]+\.(c|py)|"
               r"ddp_schedule\.py)$", r"^(ddp-bench|bench[_.]|peer_)"),
     "torch": (r"^(README\.md|[a-z_]+\.py)$",
               r"(_oracle\.py|^torch_reference\.py|^hf_[a-z_]+\.py|^libddp_capture\.py|"

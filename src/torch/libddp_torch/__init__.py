@@ -84,8 +84,16 @@ def _create(backend_opts, pg_options):
     transport = "tcp" if opts.transport == "gloo" else opts.transport
     if backend_opts.store is None:
         raise ValueError("libddp: no store was given to the backend")
+    # The flight recorder records the process's first group (the default group): every
+    # group dumps under its own rank's file name, so a subgroup's dump would replace it.
+    global _recording
+    record, _recording = not _recording, True
     return _C.create(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
-                     _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm)
+                     _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm,
+                     record)
+
+
+_recording = False
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):

@@ -18,8 +18,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "create",
       [](const c10::intrusive_ptr<c10d::Store> &store, int rank, int size, int64_t timeout_ms,
-         const std::string &transport, const std::string &source, const std::string &algorithm) {
+         const std::string &transport, const std::string &source, const std::string &algorithm,
+         bool flight_recorder) {
         Config cfg;
+        cfg.flight_recorder = flight_recorder;
         cfg.transport = transport;
         cfg.transport_source = source;
         cfg.algorithm = algorithm;
@@ -28,5 +30,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
       py::arg("transport"), py::arg("source"), py::arg("algorithm"),
+      py::arg("flight_recorder") = true,
       py::call_guard<py::gil_scoped_release>());
 }

@@ -58,6 +58,7 @@ void P2PChannel::main() {
     o.store = view;
     o.timeout_ms = setup_.timeout_ms;
     o.job_token = setup_.token.c_str();
+    o.no_flight_recorder = true; // the job's dumps are the process group's (docs/torch.md)
     st = ddp_pg_create(&o, &pg, &err);
     std::lock_guard<std::mutex> g(mu_);
     view_ = nullptr;

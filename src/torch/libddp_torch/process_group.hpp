@@ -31,6 +31,7 @@ struct Config {
   std::string transport = "auto"; // auto | shm | tcp (gloo) | mpi
   std::string transport_source;   // where the choice came from, for messages
   std::string algorithm = "auto"; // auto | canonical | ring | small
+  bool flight_recorder = true;    // false for groups whose dumps would take the job's names
 };
 
 class ProcessGroupLibddp : public c10d::ProcessGroup {

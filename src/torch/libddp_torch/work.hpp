@@ -56,7 +56,7 @@ class WorkLibddp : public c10d::Work {
   // Waits for the handles; timeout_ms < 0 means the collective's own deadline.
   ddp_status_t wait_handles(int64_t timeout_ms, std::string *msg);
 
-  ProcessGroupLibddp *pg_;
+  ProcessGroupLibddp *pg_; // must outlive the work (docs/torch.md, Limits)
   std::string what_;
   std::vector<ddp_work_t *> handles_;
   std::vector<at::Tensor> keep_;

@@ -1,0 +1,252 @@
+#!/usr/bin/python3
+"""The torch.distributed backend "libddp" against gloo, and against libddp's own ddp-bench
+(docs/benchmarks.md, "The torch backend"; docs/torch.md).
+
+    tools/bench/bench_torch.py [--build build] [--rounds 3] [--max-bytes 256M] [--steps 30]
+
+Part 1, all_reduce: one ddprun job of 2 ranks (1 thread each) holds a libddp group (shm, the
+default on one host) and a gloo group side by side; for every size from 4 B up (x4), each
+round times torch.distributed.all_reduce on the libddp group and then on gloo, each call
+after the previous one, p50 over the round's calls. After each torch job, libddp's own
+ddp-bench (2 shm ranks, blocking calls, in place) times the same sizes. The table gives the
+median over rounds of each p50, libddp/gloo (goal: never above 1) and libddp through torch
+over native ddp-bench (goal: at most 1.2 from 64 KiB up).
+
+Part 2, DDP steps: the benchmark MLP of ddp-bench-ddp (784-1024-1024-1024-10, batch 64,
+SGD), real PyTorch DistributedDataParallel on 2 ranks with 1 thread each, over gloo, libddp
+shm and libddp tcp, interleaved in one job: steps/s of each (goals: shm at least 1.3x gloo,
+tcp at least 1.1x). Prints the lines and exits 0; goals that fail are marked FAIL (a
+benchmark, not a test: the exit status only says whether it ran).
+"""
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PY = "/usr/bin/python3"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def sizes_up_to(top):
+    out, b = [], 4
+    while b <= top:
+        out.append(b)
+        b *= 4
+    return out
+
+
+def human(b):
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= k:
+            return f"{b // k} {unit}"
+    return f"{b} B"
+
+
+# ---------------------------------------------------------------- the ranks' side ------
+
+def worker(args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+    import libddp_torch
+    torch.set_num_threads(1)
+    dist.init_process_group("libddp")
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    groups = {"libddp": None, "gloo": gloo}
+    if args.part == "allreduce":
+        for size in sizes_up_to(args.max_bytes):
+            n = max(1, size // 4)
+            t = torch.ones(n)
+            iters = max(5, min(2000, (64 << 20) // size))
+            for name, g in groups.items():
+                for _ in range(3):  # warm-up
+                    dist.all_reduce(t, group=g)
+                dist.barrier(group=g)
+                times = []
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t, group=g)
+                    times.append(time.perf_counter() - t0)
+                if rank == 0:
+                    print(f"AR {name} {size} {statistics.median(times) * 1e6:.3f}", flush=True)
+    else:
+        tcp = dist.new_group(backend="libddp", pg_options=libddp_torch.Options(transport="tcp"))
+        groups = {"gloo": gloo, "libddp-shm": None, "libddp-tcp": tcp}
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.rand(64, 784, generator=g) * 2 - 1
+        y = torch.randint(0, 10, (64,), generator=g)
+        for _ in range(args.rounds):
+            for name, pg in groups.items():
+                torch.manual_seed(0)
+                net = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+                                          torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                          torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                          torch.nn.Linear(1024, 10))
+                model = DDP(net, process_group=pg)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+                def step():
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                for _ in range(5):
+                    step()
+                dist.barrier(group=pg)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                dist.barrier(group=pg)
+                el = time.perf_counter() - t0
+                if rank == 0:
+                    print(f"DDP {name} {args.steps / el:.3f}", flush=True)
+    dist.destroy_process_group()
+
+
+def dispatch(iters=20000):
+    """Per-call cost of a process group's dispatch, one rank, no communication: libddp's
+    C++ group against a Python ProcessGroup subclass whose allreduce returns a completed
+    work at once (PyTorch's test_c10d_pypg pattern), both called as pg.allreduce([t]).wait()."""
+    import torch
+    import torch.distributed as dist
+    import libddp_torch  # noqa: F401
+
+    class DoneWork(dist._Work):
+        def __init__(self, result):
+            super().__init__()
+            self.fut = torch.futures.Future()
+            self.fut.set_result(result)
+
+        def wait(self, timeout=None):
+            return True
+
+        def get_future(self):
+            return self.fut
+
+    class PythonGroup(dist.ProcessGroup):
+        def __init__(self):
+            super().__init__(0, 1)
+            self.works = []
+
+        def allreduce(self, tensors, opts):
+            w = DoneWork(tensors)
+            self.works.append(w)  # 1.13: C++ must not outlive a Python work (spec)
+            if len(self.works) > 64:
+                del self.works[:32]
+            return w
+
+        def getBackendName(self):
+            return "python"
+    torch.set_num_threads(1)
+    store = dist.HashStore()
+    lib = libddp_torch._C.create(dist.PrefixStore("b", store), 0, 1, 60000, "shm", "bench",
+                                 "auto", False)
+    groups = {"libddp (C++)": lib, "Python group (no work)": PythonGroup()}
+    t = torch.ones(1)
+    out = {}
+    for _ in range(3):
+        for name, pg in groups.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                pg.allreduce([t]).wait()
+            out.setdefault(name, []).append((time.perf_counter() - t0) / iters * 1e6)
+    print("dispatch, one rank, pg.allreduce([4 B]).wait(), best of 3 (us per call):")
+    for name, v in out.items():
+        print(f"  {name:24} {min(v):7.2f}")
+
+
+# ---------------------------------------------------------------- the driver ----------
+
+def run_job(args, part):
+    env = dict(os.environ, PYTHONPATH=os.path.join(args.build, "src", "torch"),
+               OMP_NUM_THREADS="1")
+    env.pop("DDP_BACKEND", None)
+    cmd = [os.path.join(args.build, "tools", "ddprun"), "--nproc_per_node", "2", PY,
+           os.path.abspath(__file__), "--worker", part, "--max-bytes", str(args.max_bytes),
+           "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"bench_torch: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return [line.split(": ", 1)[-1].split() for line in p.stdout.splitlines()]
+
+
+def native(args, tmp):
+    path = os.path.join(tmp, "native.csv")
+    cmd = [os.path.join(args.build, "tools", "ddp-bench"), "-w", "2", "--backends", "shm",
+           "--algos", "auto", "-b", "4", "-e", str(args.max_bytes), "-f", "4", "--no-calib",
+           "--csv", path]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"bench_torch: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-2000:]}")
+    with open(path) as f:
+        return {int(r["bytes"]): float(r["p50_us"]) for r in csv.DictReader(f)
+                if r["kind"] == "allreduce"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-bytes", default="256M")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--worker", choices=["allreduce", "ddp"])
+    ap.add_argument("--part", default="dispatch,allreduce,ddp",
+                    help="comma-separated: dispatch, allreduce, ddp")
+    args = ap.parse_args()
+    args.max_bytes = parse_size(str(args.max_bytes))
+    if args.worker:
+        args.part = args.worker
+        return worker(args)
+    parts = args.part.split(",")
+    if "dispatch" in parts:
+        dispatch()
+    if "allreduce" in parts:
+        lib, gloo, nat = {}, {}, {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                for kind, name, size, us in run_job(args, "allreduce"):
+                    if kind == "AR":
+                        (lib if name == "libddp" else gloo).setdefault(int(size), []).append(
+                            float(us))
+                for size, us in native(args, tmp).items():
+                    nat.setdefault(size, []).append(us)
+                print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        print("all_reduce p50 (us), 2 ranks, median over rounds:")
+        print(f"{'size':>9} {'libddp':>10} {'gloo':>10} {'native':>10} {'lib/gloo':>9} "
+              f"{'lib/native':>10}")
+        for size in sorted(lib):
+            L, G = statistics.median(lib[size]), statistics.median(gloo[size])
+            N = statistics.median(nat[size]) if size in nat else float("nan")
+            g_ok = "ok" if L <= G else "FAIL"
+            n_ok = "" if size < (64 << 10) else ("ok" if L <= 1.2 * N else "FAIL")
+            print(f"{human(size):>9} {L:10.1f} {G:10.1f} {N:10.1f} {L / G:7.2f} {g_ok:<4} "
+                  f"{L / N:6.2f} {n_ok}")
+    if "ddp" in parts:
+        rates = {}
+        for kind, name, sps in run_job(args, "ddp"):
+            if kind == "DDP":
+                rates.setdefault(name, []).append(float(sps))
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        print(f"DDP steps/s, MLP 784-1024x3-10, 2 ranks x 1 thread, median of {args.rounds} "
+              f"interleaved rounds:")
+        for name in ("gloo", "libddp-shm", "libddp-tcp"):
+            print(f"  {name:11} {med[name]:7.2f}  (rounds: "
+                  f"{', '.join(f'{v:.2f}' for v in rates[name])})")
+        for name, goal in (("libddp-shm", 1.3), ("libddp-tcp", 1.1)):
+            ratio = med[name] / med["gloo"]
+            print(f"  {name} / gloo {ratio:.2f} (goal {goal}) {'ok' if ratio >= goal else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
