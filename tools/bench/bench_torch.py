@@ -117,7 +117,8 @@ def worker(args):
 def dispatch(iters=20000):
     """Per-call cost of a process group's dispatch, one rank, no communication: libddp's
     C++ group against a Python ProcessGroup subclass whose allreduce returns a completed
-    work at once (PyTorch's test_c10d_pypg pattern), both called as pg.allreduce([t]).wait()."""
+    work at once (PyTorch's test_c10d_pypg pattern), both called through the C++ virtual
+    (ProcessGroup.allreduce(pg, [t]).wait()), the way DDP's reducer calls a group."""
     import torch
     import torch.distributed as dist
     import libddp_torch  # noqa: F401
@@ -159,9 +160,10 @@ def dispatch(iters=20000):
         for name, pg in groups.items():
             t0 = time.perf_counter()
             for _ in range(iters):
-                pg.allreduce([t]).wait()
+                dist.ProcessGroup.allreduce(pg, [t]).wait()
             out.setdefault(name, []).append((time.perf_counter() - t0) / iters * 1e6)
-    print("dispatch, one rank, pg.allreduce([4 B]).wait(), best of 3 (us per call):")
+    print("dispatch, one rank, ProcessGroup.allreduce(pg, [4 B]).wait(), best of 3 (us per "
+          "call):")
     for name, v in out.items():
         print(f"  {name:24} {min(v):7.2f}")
 
@@ -181,11 +183,11 @@ def run_job(args, part):
     return [line.split(": ", 1)[-1].split() for line in p.stdout.splitlines()]
 
 
-def native(args, tmp):
-    path = os.path.join(tmp, "native.csv")
+def native(args, tmp, memory):
+    path = os.path.join(tmp, f"native-{memory}.csv")
     cmd = [os.path.join(args.build, "tools", "ddp-bench"), "-w", "2", "--backends", "shm",
            "--algos", "auto", "-b", "4", "-e", str(args.max_bytes), "-f", "4", "--no-calib",
-           "--csv", path]
+           "--memory", memory, "--csv", path]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"bench_torch: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-2000:]}")
@@ -210,28 +212,33 @@ def main():
         return worker(args)
     parts = args.part.split(",")
     if "dispatch" in parts:
+        sys.path.insert(0, os.path.join(args.build, "src", "torch"))
         dispatch()
     if "allreduce" in parts:
-        lib, gloo, nat = {}, {}, {}
+        lib, gloo, seg, prv = {}, {}, {}, {}
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 for kind, name, size, us in run_job(args, "allreduce"):
                     if kind == "AR":
                         (lib if name == "libddp" else gloo).setdefault(int(size), []).append(
                             float(us))
-                for size, us in native(args, tmp).items():
-                    nat.setdefault(size, []).append(us)
+                for memory, into in (("private", prv), ("group", seg)):
+                    for size, us in native(args, tmp, memory).items():
+                        into.setdefault(size, []).append(us)
                 print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-        print("all_reduce p50 (us), 2 ranks, median over rounds:")
-        print(f"{'size':>9} {'libddp':>10} {'gloo':>10} {'native':>10} {'lib/gloo':>9} "
-              f"{'lib/native':>10}")
+        print("all_reduce p50 (us), 2 ranks, median over rounds. native: ddp-bench on shm with "
+              "private memory (as torch's tensors) and with the group's segment memory")
+        print(f"{'size':>9} {'libddp':>10} {'gloo':>10} {'private':>10} {'segment':>10} "
+              f"{'lib/gloo':>9} {'lib/private':>12} {'lib/segment':>11}")
+        med = statistics.median
         for size in sorted(lib):
-            L, G = statistics.median(lib[size]), statistics.median(gloo[size])
-            N = statistics.median(nat[size]) if size in nat else float("nan")
+            L, G = med(lib[size]), med(gloo[size])
+            P = med(prv[size]) if size in prv else float("nan")
+            S = med(seg[size]) if size in seg else float("nan")
             g_ok = "ok" if L <= G else "FAIL"
-            n_ok = "" if size < (64 << 10) else ("ok" if L <= 1.2 * N else "FAIL")
-            print(f"{human(size):>9} {L:10.1f} {G:10.1f} {N:10.1f} {L / G:7.2f} {g_ok:<4} "
-                  f"{L / N:6.2f} {n_ok}")
+            n_ok = "" if size < (64 << 10) else ("ok" if L <= 1.2 * P else "FAIL")
+            print(f"{human(size):>9} {L:10.1f} {G:10.1f} {P:10.1f} {S:10.1f} {L / G:7.2f} "
+                  f"{g_ok:<4} {L / P:6.2f} {n_ok:<4} {L / S:9.2f}")
     if "ddp" in parts:
         rates = {}
         for kind, name, sps in run_job(args, "ddp"):

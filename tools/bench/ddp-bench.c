@@ -71,6 +71,7 @@ typedef struct bench_cfg {
   bool desync_cost; /* --desync-cost: the fingerprint check against a group without it */
   bool bind_core;   /* --bind-to core: rank r runs on the r-th allowed CPU (Open MPI's default) */
   bool async;       /* --async: time the work-handle path instead of the blocking call */
+  bool private_mem; /* --memory private: buffers from ddp_malloc, not ddp_pg_alloc */
   const char *csv, *plot;
   uint64_t sizes[MAX_SIZES];
   int nsizes;
@@ -145,6 +146,9 @@ static void print_help(void) {
          "                         gnuplot, or SVG when FILE ends in .svg or gnuplot is missing\n"
          "      --calib-bytes SIZE buffer of the memcpy and loopback lines (default 256M)\n"
          "      --no-calib         skip the reference lines\n"
+         "      --memory WHERE     group (default): buffers from ddp_pg_alloc (shm: in the shared\n"
+         "                         segment, read in place by peers); private: ordinary memory,\n"
+         "                         as a framework's tensors (shm then copies through staging)\n"
          "      --bind-to WHAT     core: rank r runs on the r-th CPU this process may use (modulo\n"
          "                         their number), as Open MPI binds its ranks by default; none\n"
          "                         (default): the scheduler places them\n"
@@ -247,6 +251,7 @@ enum {
   O_DESYNC_COST,
   O_BIND_TO,
   O_ASYNC_CALLS,
+  O_MEMORY,
   O_HELP
 };
 
@@ -279,6 +284,7 @@ static const struct {
     {"desync-cost", 0, O_DESYNC_COST, false},
     {"bind-to", 0, O_BIND_TO, true},
     {"async", 0, O_ASYNC_CALLS, false},
+    {"memory", 0, O_MEMORY, true},
 };
 
 static void parse_args(int argc, char **argv, bench_cfg_t *c) {
@@ -413,6 +419,11 @@ static void parse_args(int argc, char **argv, bench_cfg_t *c) {
       case O_NO_CALIB: c->calib = false; break;
       case O_DESYNC_COST: c->desync_cost = true; break;
       case O_ASYNC_CALLS: c->async = true; break;
+      case O_MEMORY:
+        if (strcmp(val, "group") != 0 && strcmp(val, "private") != 0)
+          usage_error("--memory: '%s' is not group or private", val);
+        c->private_mem = strcmp(val, "private") == 0;
+        break;
       case O_BIND_TO:
         if (strcmp(val, "core") != 0 && strcmp(val, "none") != 0)
           usage_error("--bind-to: '%s' is not core or none", val);
@@ -676,6 +687,19 @@ static void bind_rank(const bench_cfg_t *c, int rank) {
             strerror(errno));
 }
 
+/* The timed buffers: the group's memory (shm: the shared segment), or --memory private. */
+static void *buf_alloc(ddp_pg_t *pg, const bench_cfg_t *c, uint64_t bytes) {
+  return c->private_mem ? ddp_malloc((size_t)bytes) : ddp_pg_alloc(pg, (size_t)bytes);
+}
+
+static void buf_free(ddp_pg_t *pg, const bench_cfg_t *c, void *p) {
+  if (c->private_mem) {
+    ddp_free(p);
+  } else {
+    ddp_pg_free(pg, p);
+  }
+}
+
 static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
   const rank_ctx_t *x = arg;
   const bench_cfg_t *c = x->cfg;
@@ -685,7 +709,7 @@ static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
   uint64_t maxb = c->sizes[c->nsizes - 1];
   ddp_status_t st = DDP_OK;
   int max_iters = iters_for(c, c->sizes[0]);
-  void *a = ddp_pg_alloc(pg, maxb), *b = c->place_out ? ddp_pg_alloc(pg, maxb) : NULL;
+  void *a = buf_alloc(pg, c, maxb), *b = c->place_out ? buf_alloc(pg, c, maxb) : NULL;
   double *times = ddp_malloc(sizeof(double) * (size_t)max_iters);
   if (!a || (c->place_out && !b) || !times) {
     fprintf(stderr, "ddp-bench: %s rank %d: cannot allocate 2 x %llu bytes\n", x->backend, rank,
@@ -711,8 +735,8 @@ static ddp_status_t bench_rank(ddp_pg_t *pg, void *arg) {
   }
 out:
   ddp_free(times);
-  if (b) ddp_pg_free(pg, b);
-  if (a) ddp_pg_free(pg, a);
+  if (b) buf_free(pg, c, b);
+  if (a) buf_free(pg, c, a);
   return st;
 }
 

@@ -6,13 +6,21 @@
 #include "process_group.hpp"
 
 namespace libddp_torch {
+namespace {
+
+// The future's value type, made once: List[Tensor].
+const c10::TypePtr &tensor_list_type() {
+  static const c10::TypePtr t = c10::ListType::create(c10::TensorType::get());
+  return t;
+}
+
+} // namespace
 
 WorkLibddp::WorkLibddp(ProcessGroupLibddp *pg, c10d::OpType type, std::string what,
                        std::vector<at::Tensor> outputs, int64_t timeout_ms)
     : c10d::Work(pg->getRank(), type), pg_(pg), what_(std::move(what)),
       outputs_(std::move(outputs)), timeout_ms_(timeout_ms),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())) {}
 
 WorkLibddp::~WorkLibddp() {
   // The handles may still read or write the buffers this work keeps alive: wait for them
