@@ -200,6 +200,38 @@ static void test_llmc_round_trip(void **state) {
   assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
   expect_ids(ids, n, want, 5);
   ddp_tokens_free(ids);
+
+  /* libddp's Llama 3 writer: the header, uint32 payload (ids above 65535 and up to 2^32 - 1),
+   * read back; numpy reads it as llm.c's HEADERS_INFO["llama-3"] says and writes the reverse. */
+  int64_t wide[6] = {0, 65535, 65536, 128000, 128255, 4294967295LL};
+  tmp_path(&t, "llama3.bin", p, sizeof p);
+  assert_int_equal(ddp_tokens_write_llmc_llama3(p, wide, 6, &err), DDP_OK);
+  b = read_bytes(p, &len);
+  assert_int_equal(len, 1024 + 4 * 6);
+  /* 20240801 = 0x0134d9a1, little-endian; version 7; count 6. */
+  static const unsigned char head3[12] = {0xa1, 0xd9, 0x34, 0x01, 7, 0, 0, 0, 6, 0, 0, 0};
+  assert_memory_equal(b, head3, sizeof head3);
+  for (size_t i = 12; i < 1024; i++) assert_int_equal(b[i], 0);
+  static const unsigned char tok3[8] = {0x00, 0xf4, 0x01, 0x00, 0xff, 0xf4, 0x01, 0x00};
+  assert_memory_equal(b + 1024 + 12, tok3, sizeof tok3); /* 128000, 128255 */
+  free(b);
+  assert_int_equal(ddp_tokens_read(p, &ids, &n, &err), DDP_OK);
+  expect_ids(ids, n, wide, 6);
+  ddp_tokens_free(ids);
+  tmp_path(&t, "numpy3.bin", q, sizeof q);
+  snprintf(args, sizeof args, "llmc %s %s", p, q);
+  if (ddp_test_run_tool("data_oracle.py", args)) {
+    assert_int_equal(ddp_tokens_read(q, &ids, &n, &err), DDP_OK);
+    int64_t rev[6];
+    for (int i = 0; i < 6; i++) rev[i] = wide[5 - i];
+    expect_ids(ids, n, rev, 6);
+    ddp_tokens_free(ids);
+  }
+  int64_t big[2] = {1, 4294967296LL};
+  EXPECT_ERR(ddp_tokens_write_llmc_llama3(p, big, 2, &err), DDP_ERR_INVALID_ARGUMENT, &err,
+             "token 4294967296 at position 1", "[0, 4294967295]", "Llama 3", "uint32");
+  EXPECT_ERR(ddp_tokens_write_llmc(p, wide, 6, &err), DDP_ERR_INVALID_ARGUMENT, &err,
+             "token 65536 at position 2", "GPT-2", "uint16");
   tmp_done(&t);
   assert_int_equal(ddp_test_live_allocs(), live0);
 }

@@ -282,6 +282,10 @@ DDP_API void ddp_tokens_free(int64_t *tokens);
  * [0, 65535]; otherwise DDP_ERR_INVALID_ARGUMENT naming the count or the id's position. */
 DDP_API ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int64_t n,
                                            ddp_error_t *err);
+/* Writes llm.c's Llama 3 format (magic 20240801, version 7, uint32 tokens) the same way:
+ * every id in [0, 2^32 - 1]. */
+DDP_API ddp_status_t ddp_tokens_write_llmc_llama3(const char *path, const int64_t *tokens,
+                                                  int64_t n, ddp_error_t *err);
 
 /* Byte-level tokenizer. encode: ids[i] = (unsigned char)text[i] for i < len (ids has len
  * entries; always DDP_OK). decode: text[i] = ids[i] for i < n and text[n] = '\0' (text has

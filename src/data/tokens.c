@@ -4,7 +4,7 @@
  *  - llm.c's .bin (karpathy/llm.c dev/data/data_common.py): 256 little-endian int32 of
  *    header -- magic, version, token count, zeros -- then the tokens: uint16 in the GPT-2
  *    format (magic 20240520, version 1), uint32 in the Llama 3 one (20240801, version 7).
- *    The file size must be exactly header + count * element size.
+ *    The file size must be exactly header + count * element size. Both are written too.
  *  - safetensors: a 1-D integer tensor named "tokens", or the file's only tensor. The
  *    whole file goes through libddp's safetensors reader (ddp_st_parse), so a corrupt
  *    layout is refused there with its own message.
@@ -124,38 +124,51 @@ ddp_status_t ddp__tokens_parse_llmc(const char *path, const unsigned char *b, si
   return DDP_OK;
 }
 
-ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int64_t n,
-                                   ddp_error_t *err) {
+/* Both of llm.c's formats: uint16 tokens (GPT-2) or uint32 (Llama 3, wide). */
+static ddp_status_t write_llmc(const char *path, const int64_t *tokens, int64_t n, bool wide,
+                               ddp_error_t *err) {
   DDP_REQUIRE(path && (tokens || n <= 0));
+  const char *fmt = wide ? "Llama 3" : "GPT-2";
+  size_t esize = wide ? 4 : 2;
+  int64_t maxid = wide ? (int64_t)UINT32_MAX : 65535;
   if (n < 1 || n > INT32_MAX)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "tokens write %s: %lld tokens; llm.c's format holds 1 to %d", path,
                       (long long)n, INT32_MAX);
   for (int64_t i = 0; i < n; i++)
-    if (tokens[i] < 0 || tokens[i] > 65535)
+    if (tokens[i] < 0 || tokens[i] > maxid)
       return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                        "tokens write %s: token %lld at position %lld is outside [0, 65535] "
-                        "(llm.c's GPT-2 format stores uint16)",
-                        path, (long long)tokens[i], (long long)i);
+                        "tokens write %s: token %lld at position %lld is outside [0, %lld] "
+                        "(llm.c's %s format stores uint%zu)",
+                        path, (long long)tokens[i], (long long)i, (long long)maxid, fmt, esize * 8);
   char what[160];
   snprintf(what, sizeof what, "tokens write %s", path);
   ddp__afile_t f;
   ddp__afile_open(&f, path, -1, what, err);
   unsigned char chunk[8192];
   memset(chunk, 0, LLMC_HEADER_BYTES);
-  put_le32(chunk, DDP_LLMC_MAGIC);
-  put_le32(chunk + 4, DDP_LLMC_VERSION);
+  put_le32(chunk, wide ? DDP_LLMC_MAGIC_U32 : DDP_LLMC_MAGIC);
+  put_le32(chunk + 4, wide ? DDP_LLMC_VERSION_U32 : DDP_LLMC_VERSION);
   put_le32(chunk + 8, (uint32_t)n);
   ddp__afile_write(&f, chunk, LLMC_HEADER_BYTES);
   for (int64_t i = 0; i < n && f.st == DDP_OK;) {
     size_t k = 0;
-    for (; k < sizeof chunk / 2 && i < n; k++, i++) {
-      chunk[2 * k] = (unsigned char)(tokens[i] & 0xff);
-      chunk[2 * k + 1] = (unsigned char)(tokens[i] >> 8);
-    }
-    ddp__afile_write(&f, chunk, 2 * k);
+    for (; k < sizeof chunk / esize && i < n; k++, i++)
+      for (size_t j = 0; j < esize; j++)
+        chunk[esize * k + j] = (unsigned char)((uint64_t)tokens[i] >> (8 * j));
+    ddp__afile_write(&f, chunk, esize * k);
   }
   return ddp__afile_commit(&f, 0644);
+}
+
+ddp_status_t ddp_tokens_write_llmc(const char *path, const int64_t *tokens, int64_t n,
+                                   ddp_error_t *err) {
+  return write_llmc(path, tokens, n, false, err);
+}
+
+ddp_status_t ddp_tokens_write_llmc_llama3(const char *path, const int64_t *tokens, int64_t n,
+                                          ddp_error_t *err) {
+  return write_llmc(path, tokens, n, true, err);
 }
 
 /* ---------------------------------------------------------------- safetensors ----- */

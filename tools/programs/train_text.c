@@ -165,6 +165,18 @@ static bool ends_with(const char *s, const char *suffix) {
   return a >= b && !strcmp(s + a - b, suffix);
 }
 
+/* llm.c's format of a token file by its magic: "GPT-2", "Llama 3", or NULL for another. */
+static const char *llmc_format(const char *path) {
+  unsigned char m[4] = {0};
+  FILE *f = fopen(path, "rb");
+  size_t got = f ? fread(m, 1, sizeof m, f) : 0;
+  if (f) fclose(f);
+  if (got != sizeof m) return NULL;
+  int32_t magic = (int32_t)((uint32_t)m[0] | (uint32_t)m[1] << 8 | (uint32_t)m[2] << 16 |
+                            (uint32_t)m[3] << 24);
+  return magic == DDP_LLMC_MAGIC ? "GPT-2" : magic == DDP_LLMC_MAGIC_U32 ? "Llama 3" : NULL;
+}
+
 /* GPT-2 and Llama: a token stream cut into blocks (run_clm's group_texts). */
 static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   ddp_error_t err = {0};
@@ -189,6 +201,17 @@ static int lm_data(train_text_t *x, const char *src, ddp_dataset_t **all) {
   }
   st = ddp_dataset_lm_blocks(tok, n, x->block_size, vocab, all, &err);
   ddp_tokens_free(tok);
+  if (st != DDP_OK && strstr(err.msg, "outside the vocabulary")) {
+    /* A token the model cannot embed: name the model, and a Llama 3 file given to GPT-2. */
+    const char *fmt = llmc_format(src);
+    bool wrong = fmt && !llama && !strcmp(fmt, "Llama 3");
+    return say(1, "--data %s: %s of the model %s (%s)%s", src, err.msg, x->model_desc,
+               llama ? "llama" : "gpt2",
+               wrong ? "; the file is llm.c's Llama 3 format (magic 20240801, version 7, "
+                       "uint32 ids of a Llama 3 tokenizer) and GPT-2 reads llm.c's GPT-2 "
+                       "format (magic 20240520, version 1, uint16 ids)"
+                     : "");
+  }
   if (st != DDP_OK) return say(1, "--data %s: %s", src, err.msg);
   return 0;
 }

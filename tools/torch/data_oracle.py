@@ -10,9 +10,10 @@ Exit status 77: torch (or, for `digits`, scikit-learn) is not available; the tes
   data_oracle.py digits OUT
       scikit-learn's load_digits(): one line per sample "LABEL PIXEL_SUM" (raw 0..16 pixels).
   data_oracle.py llmc IN OUT
-      Reads IN, an llm.c GPT-2 token file, with numpy as llm.c's loader lays it out (256
-      int32 header: magic 20240520, version 1, count, zeros; then uint16 tokens), checks the
-      header, and writes the tokens reversed to OUT the way llm.c's write_datafile does.
+      Reads IN, an llm.c token file, with numpy as llm.c's loader lays it out (256 int32
+      header: magic, version, count, zeros; then the tokens: 20240520, 1 and uint16 for GPT-2,
+      20240801, 7 and uint32 for Llama 3), checks the header, and writes the tokens reversed
+      to OUT in the same format, the way llm.c's write_datafile does.
       Needs only numpy (exit 77 without it).
 """
 import os
@@ -60,6 +61,10 @@ def digits_mode(outp):
             out.write("%d %d\n" % (int(y), int(round(float(x.sum())))))
 
 
+# llm.c's dev/data/data_common.py HEADERS_INFO: magic -> (version, token dtype).
+LLMC_FORMATS = {20240520: (1, "<u2"), 20240801: (7, "<u4")}
+
+
 def llmc_mode(inp, outp):
     try:
         import numpy as np
@@ -67,15 +72,18 @@ def llmc_mode(inp, outp):
         sys.exit(77)
     with open(inp, "rb") as f:
         header = np.frombuffer(f.read(256 * 4), dtype="<i4")
-        toks = np.frombuffer(f.read(), dtype="<u2")
-    assert header[0] == 20240520 and header[1] == 1, header[:3]
+        magic = int(header[0])
+        assert magic in LLMC_FORMATS, header[:3]
+        version, dtype = LLMC_FORMATS[magic]
+        toks = np.frombuffer(f.read(), dtype=dtype)
+    assert header[1] == version, header[:3]
     assert header[2] == len(toks), (header[2], len(toks))
     assert not header[3:].any(), "reserved header ints are not zero"
     out_header = np.zeros(256, dtype="<i4")
-    out_header[0], out_header[1], out_header[2] = 20240520, 1, len(toks)
+    out_header[0], out_header[1], out_header[2] = magic, version, len(toks)
     with open(outp, "wb") as f:
         f.write(out_header.tobytes())
-        f.write(np.ascontiguousarray(toks[::-1]).astype("<u2").tobytes())
+        f.write(np.ascontiguousarray(toks[::-1]).astype(dtype).tobytes())
 
 
 if __name__ == "__main__":
