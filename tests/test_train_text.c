@@ -177,6 +177,68 @@ static void test_llama(void **state) {
   if (!(last < first)) fail_msg("Llama loss did not fall: %g -> %g", first, last);
 }
 
+/* llm.c's Llama 3 token files (magic 20240801, version 7, uint32 ids) train a Llama as the
+ * same ids from text do: the corpus written by ddp_tokens_write_llmc_llama3 ends with the
+ * parameter hash of the corpus read as bytes. Ids beyond the vocabulary are refused naming
+ * the file, the id, its position, the limit and the model; a Llama 3 file given to GPT-2 says
+ * which format GPT-2 reads. */
+static void test_llama_llmc_tokens(void **state) {
+  (void)state;
+  setup_files();
+  char bin[600], big[600], h_txt[64], h_bin[64], saved[600];
+  size_t len = 0;
+  char *text = NULL;
+  FILE *f = fopen(g_corpus, "rb");
+  assert_non_null(f);
+  text = malloc(16384);
+  len = fread(text, 1, 16384, f);
+  fclose(f);
+  int64_t *ids = malloc(len * sizeof *ids);
+  for (size_t i = 0; i < len; i++) ids[i] = (unsigned char)text[i];
+  free(text);
+  ddp_error_t err = {0};
+  snprintf(bin, sizeof bin, "%s/corpus_llama3.bin", g_dir);
+  assert_int_equal(ddp_tokens_write_llmc_llama3(bin, ids, (int64_t)len, &err), DDP_OK);
+  ids[1] = 128000; /* Llama 3's <|begin_of_text|>, beyond a byte vocabulary */
+  snprintf(big, sizeof big, "%s/llama3_vocab.bin", g_dir);
+  assert_int_equal(ddp_tokens_write_llmc_llama3(big, ids, (int64_t)len, &err), DDP_OK);
+  free(ids);
+
+  const char *common = "--max_steps 2 --save_strategy no --ddp_find_unused_parameters false";
+  g_model = g_llama;
+  train_ok(NULL, NULL, "llama_txt", common);
+  snprintf(saved, sizeof saved, "%s", g_corpus);
+  snprintf(g_corpus, sizeof g_corpus, "%s", bin);
+  train_ok(NULL, NULL, "llama_bin", common);
+  summary_hash("llama_txt", h_txt, sizeof h_txt);
+  summary_hash("llama_bin", h_bin, sizeof h_bin);
+  print_message("Llama tiny, 2 steps: text %s, llm.c Llama 3 file %s\n", h_txt, h_bin);
+  assert_string_equal(h_txt, h_bin);
+
+  /* An id beyond vocab_size 256, for the Llama and for GPT-2. */
+  snprintf(g_corpus, sizeof g_corpus, "%s", big);
+  for (int k = 0; k < 2; k++) {
+    g_model = k == 0 ? g_llama : g_cfg;
+    int rc = train(NULL, NULL, "llama_vocab", common);
+    char *e = ddp_test_cmd_stderr();
+    char want[1200];
+    snprintf(want, sizeof want,
+             "--data %s: lm blocks: token id 128000 at position 1 is outside the vocabulary "
+             "[0, vocab_size 256) of the model %s (%s)",
+             big, g_model, k == 0 ? "llama" : "gpt2");
+    bool hint = e && strstr(e, "the file is llm.c's Llama 3 format (magic 20240801, version 7");
+    if (rc != 1 || !e || !strstr(e, want) || hint != (k == 1))
+      fail_msg("%s on ids beyond the vocabulary: exit %d (want 1), stderr lacks \"%s\"%s: %s",
+               k == 0 ? "Llama" : "GPT-2", rc, want,
+               k == 1 ? " and the format hint" : " or has GPT-2's hint", e ? e : "");
+    const char *line = strstr(e, "ddp-train: --data");
+    print_message("%s: %.*s\n", k == 0 ? "Llama" : "GPT-2", (int)strcspn(line, "\n"), line);
+    free(e);
+  }
+  g_model = g_cfg;
+  snprintf(g_corpus, sizeof g_corpus, "%s", saved);
+}
+
 /* ---------------------------------------------------------------- checkpoints ----- */
 
 /* Runs tools/torch/hf_models.py check on dir: the oracle loads it by name, strict. */
@@ -306,6 +368,31 @@ static void test_resume_bitwise(void **state) {
   print_message("8 steps: uninterrupted %s, resumed at step 4 %s\n", h1, h2);
   assert_string_equal(h1, h2);
   cJSON *s = summary("resume_half");
+  assert_int_equal(ddp_test_json_get(s, "start_step")->valueint, 4);
+  cJSON_Delete(s);
+}
+
+/* The same for the tiny Llama (untied head, GQA): saved at step 4 of 8, resumed, the
+ * uninterrupted run's hash. */
+static void test_llama_resume_bitwise(void **state) {
+  (void)state;
+  const char *common = "--threads 2 --max_steps 8 --gradient_accumulation_steps 2 "
+                       "--warmup_steps 2 --ddp_find_unused_parameters false";
+  char extra[1200], h1[64], h2[64];
+  g_model = g_llama;
+  snprintf(extra, sizeof extra, "%s --save_steps 4", common);
+  train_ok(NULL, NULL, "llama_resume_full", extra);
+  snprintf(extra, sizeof extra,
+           "%s --save_strategy no --resume_from_checkpoint "
+           "'%s/llama_resume_full/checkpoint-4'",
+           common, g_dir);
+  train_ok(NULL, NULL, "llama_resume_half", extra);
+  g_model = g_cfg;
+  summary_hash("llama_resume_full", h1, sizeof h1);
+  summary_hash("llama_resume_half", h2, sizeof h2);
+  print_message("Llama, 8 steps: uninterrupted %s, resumed at step 4 %s\n", h1, h2);
+  assert_string_equal(h1, h2);
+  cJSON *s = summary("llama_resume_half");
   assert_int_equal(ddp_test_json_get(s, "start_step")->valueint, 4);
   cJSON_Delete(s);
 }
@@ -509,6 +596,8 @@ static void test_bad_input(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_llama),
+      cmocka_unit_test(test_llama_llmc_tokens),
+      cmocka_unit_test(test_llama_resume_bitwise),
       cmocka_unit_test(test_generate),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_learns_eval_and_sample),

@@ -57,6 +57,8 @@ static int group_teardown(void **state) {
 
 int ddp_test_parity_main(const char *name, const struct CMUnitTest *tests, size_t n) {
   g_group = name;
+  const char *filter = getenv("DDP_TEST_FILTER");
+  if (filter && *filter) cmocka_set_test_filter(filter);
   return _cmocka_run_group_tests("tests", tests, n, group_setup, group_teardown);
 }
 

@@ -81,7 +81,9 @@ typedef struct ddp_test_parity_result {
 bool ddp_test_parity_init(const char *scratch_dir);
 /* A parity test file's main: runs tests (n of them) as one CMocka group between making the
  * scratch directory /tmp/<name>_XXXXXX with ddp_test_parity_init and removing it (kept when
- * DDP_PARITY_KEEP is set); returns what cmocka_run_group_tests returns. */
+ * DDP_PARITY_KEEP is set); returns what cmocka_run_group_tests returns. DDP_TEST_FILTER, when
+ * set, is cmocka's test filter (a name or a glob: DDP_TEST_FILTER='test_llama*'), to run
+ * some of a long file's tests by hand. */
 struct CMUnitTest;
 int ddp_test_parity_main(const char *name, const struct CMUnitTest *tests, size_t n);
 /* The scratch directory given to ddp_test_parity_init. */
