@@ -16,6 +16,9 @@
  * world size 3.
  * BERT tiny (2 layers, hidden 32, 4 heads, vocab 256) on a text,label CSV: texts at least
  * max_seq_length long (no padding), and short texts padded with attention masks.
+ * Llama tiny (issue 40: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 172, vocab
+ * 256, rope_theta 10000) on the GPT-2 text and blocks, 2 ranks, 4 steps: untied (defaults)
+ * and tied head, against tools/torch/hf_llama.py's LlamaForCausalLM.
  *
  * Tolerances: ddp-compare's defaults (rtol 1e-5, atol 1e-7) except two hooks.
  * - fp16: a local f32 gradient a few ULPs from PyTorch's, next to an fp16 rounding
@@ -55,6 +58,16 @@ static const char *const GPT2 =
     "{\"model_type\": \"gpt2\", \"n_layer\": 2, \"n_embd\": 64, \"n_head\": 4, "
     "\"vocab_size\": 256, \"n_positions\": 64, \"resid_pdrop\": 0.0, \"embd_pdrop\": 0.0, "
     "\"attn_pdrop\": 0.0}";
+/* The issue's tiny Llama: GQA (4 heads, 2 KV heads), SwiGLU 172, untied head by default. */
+static const char *const LLAMA =
+    "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+    "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"vocab_size\": 256, "
+    "\"intermediate_size\": 172, \"max_position_embeddings\": 64, \"rope_theta\": 10000.0}";
+static const char *const LLAMA_TIED =
+    "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+    "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"vocab_size\": 256, "
+    "\"intermediate_size\": 172, \"max_position_embeddings\": 64, \"rope_theta\": 10000.0, "
+    "\"tie_word_embeddings\": true}";
 static const char *const BERT =
     "{\"model_type\": \"bert\", \"num_hidden_layers\": 2, \"hidden_size\": 32, "
     "\"num_attention_heads\": 4, \"intermediate_size\": 64, \"vocab_size\": 256, "
@@ -255,6 +268,40 @@ static void test_gpt2_world3(void **state) {
   run(&c, 1, 1);
 }
 
+/* The tiny Llama: 2 ranks, defaults (untied: embed_tokens and lm_head are two parameters),
+ * then tied (lm_head is embed_tokens: once in the names and in a bucket). */
+static void llama_run(const char *name, const char *model, int want_params, bool tied) {
+  ddp_test_pcfg_t c = gpt2_cfg(name);
+  c.model = model;
+  run(&c, 1, 1);
+  char path[800];
+  snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(), name);
+  cJSON *j = ddp_test_read_json(path);
+  const cJSON *n;
+  int emb = 0, lm = 0, total = 0;
+  cJSON_ArrayForEach(n, ddp_test_json_get(j, "param_names")) {
+    emb += strcmp(n->valuestring, "model.embed_tokens.weight") == 0;
+    lm += strcmp(n->valuestring, "lm_head.weight") == 0;
+    total++;
+  }
+  cJSON_Delete(j);
+  if (emb != 1 || lm != (tied ? 0 : 1) || total != want_params) {
+    fail_msg("%s: %d parameters, embed_tokens %d times, lm_head %d times (want %d, 1, %d)", name,
+             total, emb, lm, want_params, tied ? 0 : 1);
+  }
+}
+
+static void test_llama_defaults(void **state) {
+  (void)state;
+  /* embed_tokens, 9 per layer (2 norms, q/k/v/o, gate/up/down), norm, lm_head. */
+  llama_run("llama_defaults", LLAMA, 1 + 2 * 9 + 1 + 1, false);
+}
+
+static void test_llama_tied(void **state) {
+  (void)state;
+  llama_run("llama_tied", LLAMA_TIED, 1 + 2 * 9 + 1, true);
+}
+
 static void test_bert_defaults(void **state) {
   (void)state;
   ddp_test_pcfg_t c = bert_cfg("bert_defaults");
@@ -280,6 +327,8 @@ int main(void) {
       cmocka_unit_test(test_gpt2_world3),
       cmocka_unit_test(test_bert_defaults),
       cmocka_unit_test(test_bert_padding),
+      cmocka_unit_test(test_llama_defaults),
+      cmocka_unit_test(test_llama_tied),
   };
   return ddp_test_parity_main("transformers_parity", tests, sizeof tests / sizeof *tests);
 }

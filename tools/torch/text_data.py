@@ -24,8 +24,12 @@ def is_hf_config(spec):
     return isinstance(spec, dict) and "model_type" in spec
 
 
+# Causal LMs train on a token stream in blocks (run_clm); the others on a text,label CSV.
+CAUSAL_LM = ("gpt2", "llama")
+
+
 def loss_kind(spec):
-    if spec["model_type"] == "gpt2":
+    if spec["model_type"] in CAUSAL_LM:
         return "causal_lm"
     return "mse" if int(spec.get("num_labels", 2)) == 1 else "ce"
 
@@ -110,14 +114,18 @@ def text_csv(path, max_len, pad_id):
 
 def dataset(a, spec, torch, st):
     """(features, labels) tensors of --data for the config spec."""
-    if spec["model_type"] == "gpt2":
-        npos = int(spec.get("n_positions", 1024))
+    if spec["model_type"] in CAUSAL_LM:
+        # Transformers' defaults: GPT2Config's n_positions 1024 and vocab 50257,
+        # LlamaConfig's max_position_embeddings 2048 and vocab 32000.
+        llama = spec["model_type"] == "llama"
+        pos_key = "max_position_embeddings" if llama else "n_positions"
+        npos = int(spec.get(pos_key, 2048 if llama else 1024))
         block = a.block_size if a.block_size is not None else min(1024, npos)
         if block > npos:
-            raise SystemExit("text_data: --block_size %d is longer than n_positions %d"
-                             % (block, npos))
+            raise SystemExit("text_data: --block_size %d is longer than %s %d"
+                             % (block, pos_key, npos))
         blocks = lm_blocks(read_tokens(a.data, torch, st), block,
-                           int(spec.get("vocab_size", 50257)), a.data)
+                           int(spec.get("vocab_size", 32000 if llama else 50257)), a.data)
         x = torch.tensor(blocks, dtype=torch.int64)
         return x, x.clone()
     feats, labels = text_csv(a.data, a.max_seq_length, int(spec.get("pad_token_id", 0) or 0))

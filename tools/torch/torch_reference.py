@@ -11,8 +11,9 @@ PyTorch on GPUs with --backend nccl (TF32 is switched off there: docs/compare.md
     torch_reference.py --model bert-config.json --data texts.csv --max_seq_length 32 ...
 
 A model file with a top-level "model_type" is a Transformers config.json: the model is then
-tools/torch/hf_models.py's GPT2LMHeadModel or BertForSequenceClassification (Transformers' names
-and semantics), trained on text data prepared exactly as ddp-train prepares it: for GPT-2 a
+tools/torch/hf_models.py's GPT2LMHeadModel, LlamaForCausalLM (tools/torch/hf_llama.py) or
+BertForSequenceClassification (Transformers' names and semantics), trained on text data
+prepared exactly as ddp-train prepares it: for GPT-2 and Llama a
 token stream (a UTF-8 text through the byte tokenizer, llm.c's .bin, or a safetensors
 "tokens" tensor) cut into --block_size blocks (labels = the block; the model shifts), for
 BERT a text,label CSV byte-tokenized, truncated and padded to --max_seq_length with an
@@ -387,10 +388,11 @@ def register_hook(a, ddp, params, drawn=None):
 
 def hf_forward(ddp, model, x):
     """A Transformers oracle module through DDP, on a batch in ddp_model_forward's layout
-    (GPT-2: ids [B, T]; BERT: [B, T], [B, 2, T] with the attention mask, [B, 3, T])."""
+    (GPT-2 and Llama: ids [B, T]; BERT: [B, T], [B, 2, T] with the attention mask,
+    [B, 3, T])."""
     import hf_models
     ids, mask, types = hf_models.split_ddp_layout(model, x)
-    if model.config.model_type == "gpt2":
+    if model.config.model_type in ("gpt2", "llama"):
         return ddp(ids)
     return ddp(ids, mask, types)
 
