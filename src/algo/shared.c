@@ -99,7 +99,7 @@ typedef struct pair_cell {
  * all its stamped lines in each poll, so their transfers between cores overlap; a box read
  * after the barrier would be a second transfer, after the first. Polling the lines while
  * their writer fills them costs that writer a re-fetch of each, which is why the path stops
- * at EXT_LINES (measured: docs/benchmarks.md, "seventh pass"). */
+ * at EXT_LINES (measured: docs/benchmarks.md, "What made libddp fast"). */
 #define EXT_BYTES 56
 #define EXT_LINES 2
 #define STAMPED_BYTES (INLINE_BYTES + EXT_LINES * EXT_BYTES)
