@@ -51,7 +51,7 @@ module to another for each #include; any cycle among two or more modules is repo
 the includes that close it. A file's own header is its module, so "x.c includes x.h" is no
 edge.
 
-Folders of tools/ by kind (tools/README.md): each file of tools/ must sit in its kind's
+Folders of tools/ by kind (docs/tools.md): each file of tools/ must sit in its kind's
 folder. TOOLS_KINDS below says, per folder, which names belong there ("accept") and which
 names are that kind's wherever they are ("claim"): a file claimed by a kind outside its
 folder (a benchmark beside the programs, an oracle beside a shipped program), a file a
@@ -488,7 +488,7 @@ def main():
     report("folders of tools/ by kind", tools_errors,
            "a program users run goes in tools/programs/, a benchmark or peer in tools/bench/, "
            "the PyTorch side in tools/torch/, maintenance in tools/maint/, a data maker in "
-           "tools/data/ (tools/README.md)")
+           "tools/data/ (docs/tools.md)")
     report("files in src/ above %d lines" % MAX_FILE_LINES, len_errors,
            "split the file along its concepts")
     if fn_errors is None:

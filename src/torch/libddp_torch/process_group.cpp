@@ -866,40 +866,40 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall(std::vector<at::Tens
 
 // ------------------------------------------------------------------ point to point -----
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::send(std::vector<at::Tensor> &tensors, int dst,
-                                                        int tag) {
-  check_one(tensors, "send");
+// One point-to-point transfer with `peer`, queued on that direction's channel (p2p.hpp).
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::p2p(std::vector<at::Tensor> &tensors, int peer,
+                                                       bool is_send) {
+  const char *name = is_send ? "send" : "recv";
+  check_one(tensors, name);
   at::Tensor t = tensors[0];
-  std::string what = "send of " + describe(t) + " to rank " + std::to_string(dst);
+  std::string what = std::string(name) + " of " + describe(t) + (is_send ? " to" : " from") +
+                     " rank " + std::to_string(peer);
   check_tensor(t, what);
-  TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "libddp ", what,
-              ": the destination must be another rank of the group [0, ", getSize(), ")");
-  auto w = make_work(OpType::SEND, what, tensors, c10d::kUnsetTimeout);
+  TORCH_CHECK(peer >= 0 && peer < getSize() && peer != getRank(), "libddp ", what, ": the ",
+              is_send ? "destination" : "source", " must be another rank of the group [0, ",
+              getSize(), ")");
+  auto w = make_work(is_send ? OpType::SEND : OpType::RECV, what, tensors, c10d::kUnsetTimeout);
   w->set_external();
   w->keep(t);
-  store_->add(sent_key(getRank(), dst), 1); // for a receive from any source (p2p.hpp)
-  channel(dst, true).post(t, w);
+  if (is_send) {
+    store_->add(sent_key(getRank(), peer), 1); // for a receive from any source (p2p.hpp)
+  } else {
+    w->set_source_rank(peer);
+    std::lock_guard<std::mutex> g(channels_mu_);
+    taken_[peer]++;
+  }
+  channel(peer, is_send).post(t, w);
   return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::send(std::vector<at::Tensor> &tensors, int dst,
+                                                        int tag) {
+  return p2p(tensors, dst, true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recv(std::vector<at::Tensor> &tensors, int src,
                                                         int tag) {
-  check_one(tensors, "recv");
-  at::Tensor t = tensors[0];
-  std::string what = "recv of " + describe(t) + " from rank " + std::to_string(src);
-  check_tensor(t, what);
-  TORCH_CHECK(src >= 0 && src < getSize() && src != getRank(), "libddp ", what,
-              ": the source must be another rank of the group [0, ", getSize(), ")");
-  auto w = make_work(OpType::RECV, what, tensors, c10d::kUnsetTimeout);
-  w->set_external();
-  w->keep(t);
-  w->set_source_rank(src);
-  {
-    std::lock_guard<std::mutex> g(channels_mu_);
-    taken_[src]++;
-  }
-  channel(src, false).post(t, w);
-  return w;
+  return p2p(tensors, src, false);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recvAnysource(std::vector<at::Tensor> &tensors,

@@ -110,6 +110,7 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   void issue_allreduce(WorkLibddp &w, at::Tensor t, c10d::ReduceOp op, const std::string &what);
   void completer_main();
 
+  c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor> &tensors, int peer, bool is_send);
   // The channel for messages to (is_send) or from peer, created on first use.
   P2PChannel &channel(int peer, bool is_send);
 
