@@ -714,13 +714,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tenso
     TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(), "libddp ",
                 what, ": the root expects one input list of world_size (", getSize(),
                 ") tensors");
-    // The root sends each rank its share, point to point, in rank order.
-    for (int r = 0; r < getSize(); r++) {
-      at::Tensor t = inputs[0][r];
+    for (const at::Tensor &t : inputs[0]) { // all checked before anything is sent
       check_tensor(t, what, false);
       check_same(t, out, what, "an input differs from the output");
+    }
+    // The root sends each rank its share, point to point, in rank order.
+    for (int r = 0; r < getSize(); r++) {
       if (r == root) continue;
-      at::Tensor c = t.contiguous();
+      at::Tensor c = inputs[0][r].contiguous();
       ddp_work_t *h = nullptr;
       check_issue(ddp_send(pg_, c.data_ptr(), count, dt, r, &h), what);
       w->add_handle(h);
