@@ -28,10 +28,10 @@
  * their 200 points). So the next wait that polls after waking a sleeper yields for up to the
  * after-wake budget (1 ms at first) before it sleeps: it sees the late peer arrive, neither rank
  * sleeps, and the two run in step again (3 of 400 points stuck against 126 of 400, in runs
- * alternating with the old policy's; docs/benchmarks.md, "What made libddp fast"). A wake-up slower than that
- * budget would keep the pattern going at a slower pace, so a budget that ran out doubles, up to 8
- * ms, and one that sufficed goes back to 1 ms. The cost is bounded by one such window of polling
- * per wake-up, and the polling yields its CPU to anything runnable. */
+ * alternating with the old policy's; docs/benchmarks.md, "What made libddp fast"). A wake-up slower
+ * than that budget would keep the pattern going at a slower pace, so a budget that ran out doubles,
+ * up to 8 ms, and one that sufficed goes back to 1 ms. The cost is bounded by one such window of
+ * polling per wake-up, and the polling yields its CPU to anything runnable. */
 #include "algo/algo.h"
 
 int64_t ddp__wait_spin_ns(const ddp__wait_policy_t *p) {
