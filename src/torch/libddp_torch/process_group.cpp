@@ -522,6 +522,20 @@ ProcessGroupLibddp::_reduce_scatter_base(at::Tensor &output, at::Tensor &input,
 
 // ------------------------------------------------------------------ data movement ------
 
+// The allgather every gathering call runs: `out` (contiguous, world_size times `in`'s bytes)
+// receives every rank's `in` in rank order; both stay alive until the work ends.
+void ProcessGroupLibddp::issue_allgather(WorkLibddp &w, const at::Tensor &in,
+                                         const at::Tensor &out, const std::string &what) {
+  ddp_dtype_t dt;
+  size_t count;
+  wire_of(in, &dt, &count);
+  ddp_work_t *h = nullptr;
+  check_issue(ddp_allgather(pg_, in.data_ptr(), out.data_ptr(), count, dt, &h), what);
+  w.add_handle(h);
+  w.keep(in);
+  w.keep(out);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Tensor> &tensors,
                                                              const c10d::BroadcastOptions &opts) {
   TORCH_CHECK(!tensors.empty(), "libddp broadcast: got an empty tensor list");
@@ -556,14 +570,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::_allgather_base(at::Tensor &o
               ") times the input's elements, of the same dtype: input ", describe(input),
               ", output ", describe(output));
   auto w = make_work(OpType::_ALLGATHER_BASE, what, {output}, opts.timeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(input, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_allgather(pg_, input.data_ptr(), output.data_ptr(), count, dt, &h), what);
-  w->add_handle(h);
-  w->keep(input);
-  w->keep(output);
+  issue_allgather(*w, input, output, what);
   return w;
 }
 
@@ -583,14 +590,7 @@ ProcessGroupLibddp::allgather(std::vector<std::vector<at::Tensor>> &outputs,
   }
   at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
   auto w = make_work(OpType::ALLGATHER, what, outputs[0], opts.timeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(in, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_allgather(pg_, in.data_ptr(), flat.data_ptr(), count, dt, &h), what);
-  w->add_handle(h);
-  w->keep(in);
-  w->keep(flat);
+  issue_allgather(*w, in, flat, what);
   std::vector<at::Tensor> outs = outputs[0];
   int64_t n = in.numel();
   w->on_success([outs, flat, n]() {
@@ -629,14 +629,7 @@ ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &ou
   std::vector<at::Tensor> flat_out;
   for (auto &l : outputs) flat_out.insert(flat_out.end(), l.begin(), l.end());
   auto w = make_work(OpType::ALLGATHER_COALESCED, what, flat_out, opts.timeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(in, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_allgather(pg_, in.data_ptr(), all.data_ptr(), count, dt, &h), what);
-  w->add_handle(h);
-  w->keep(in);
-  w->keep(all);
+  issue_allgather(*w, in, all, what);
   std::vector<std::vector<at::Tensor>> outs = outputs;
   int64_t n = in.numel();
   w->on_success([outs, all, n]() {
@@ -677,14 +670,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vecto
   at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
   auto w = make_work(OpType::GATHER, what, root ? outputs[0] : std::vector<at::Tensor>{},
                      opts.timeout);
-  ddp_dtype_t dt;
-  size_t count;
-  wire_of(in, &dt, &count);
-  ddp_work_t *h = nullptr;
-  check_issue(ddp_allgather(pg_, in.data_ptr(), flat.data_ptr(), count, dt, &h), what);
-  w->add_handle(h);
-  w->keep(in);
-  w->keep(flat);
+  issue_allgather(*w, in, flat, what);
   if (root) {
     std::vector<at::Tensor> outs = outputs[0];
     int64_t n = in.numel();

@@ -108,6 +108,8 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   void check_issue(ddp_status_t st, const std::string &what) const;
   // The reduction every reducing collective uses: in place on `t` (contiguous, CPU).
   void issue_allreduce(WorkLibddp &w, at::Tensor t, c10d::ReduceOp op, const std::string &what);
+  void issue_allgather(WorkLibddp &w, const at::Tensor &in, const at::Tensor &out,
+                       const std::string &what);
   void completer_main();
 
   c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor> &tensors, int peer, bool is_send);
