@@ -4,7 +4,7 @@
 # Copies docs/design.md, src/, include/ and tools/ of the tree into a temporary directory,
 # checks that the copy passes, then plants one violation at a time and asserts that the
 # check exits 1 naming the file and the rule: an include cycle in src/ (fault.h including
-# pg_internal.h, which includes fault.h), a Python oracle beside the shipped programs, a
+# pg_internal.h, which includes fault.h), a call cycle (fault.c calling pg.c's ddp_pg_rank), a Python oracle beside the shipped programs, a
 # benchmark at the top of tools/, a benchmark among the maintenance scripts, and a folder of
 # tools/ that is no kind. Python 3 standard library only; a few seconds.
 set -uo pipefail
@@ -38,6 +38,13 @@ sed -i 's|#include "ddp/pg.h"|#include "ddp/pg.h"\n#include "pg/pg_internal.h"|'
 expect_violation "include cycle" \
   '^  src/pg/(fault|pg_internal)\.h:[0-9]+: include cycle among src/pg/fault, src/pg/pg_internal'
 cp "$work/fault.h.orig" "$work/src/pg/fault.h"
+
+cp "$work/src/pg/fault.c" "$work/fault.c.orig"
+sed -i '0,/int rank = f->rank;/s//int rank = ddp_pg_rank(pg);/' "$work/src/pg/fault.c"
+grep -q 'ddp_pg_rank(pg)' "$work/src/pg/fault.c" || fail "the call cycle was not planted"
+expect_violation "call cycle" \
+  '^  src/pg/(fault|pg)\.c:[0-9]+: call cycle among src/pg/fault, src/pg/pg: .*calls ddp_pg_rank of src/pg/pg'
+cp "$work/fault.c.orig" "$work/src/pg/fault.c"
 
 touch "$work/tools/programs/layer_oracle.py"
 expect_violation "oracle beside the programs" \

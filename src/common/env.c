@@ -1,8 +1,8 @@
 /* The one place libddp reads its environment. The list of variables is DDP_ENV_MAP in
  * ddp/common.h; docs/environment.md mirrors it and tests/test_common.c checks that the two
- * agree. Values are read at each call (no cache), so a test may change them. */
-#include <errno.h>
-#include <inttypes.h>
+ * agree. Values are read at each call (no cache), so a test may change them. The logger reads
+ * its level here, so this file reports nothing; typed reads that report a bad value are in
+ * env_int.c, above the status layer. */
 #include <stdlib.h>
 
 #include "common/common.h"
@@ -36,19 +36,4 @@ bool ddp_env_is_set(ddp_env_id_t id) {
 const char *ddp_env_get(ddp_env_id_t id) {
   const char *v = getenv(param(id)->name);
   return (v && *v) ? v : param(id)->def;
-}
-
-ddp_status_t ddp_env_int(ddp_env_id_t id, int64_t lo, int64_t hi, int64_t *out, ddp_error_t *err) {
-  const char *v = ddp_env_get(id);
-  char *end = NULL;
-  errno = 0;
-  long long x = strtoll(v, &end, 10);
-  if (errno || end == v || *end != '\0' || x < lo || x > hi) {
-    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
-                      "environment variable %s=\"%s\" is not an integer in [%" PRId64 ", %" PRId64
-                      "]",
-                      param(id)->name, v, lo, hi);
-  }
-  *out = x;
-  return DDP_OK;
 }

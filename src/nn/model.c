@@ -254,27 +254,6 @@ ddp_tensor_t ddp_model_flat_grads(ddp_model_t *m, ddp_dtype_t dt) {
   return flat_view(m, dt, m->gflat);
 }
 
-void ddp_param_set_grad_data(ddp_param_t *p, void *data) {
-  DDP_REQUIRE(p && p->value.data);
-  p->grad.data = data ? data : p->grad_home_;
-}
-
-void ddp_param_set_grad_none(ddp_param_t *p) {
-  DDP_REQUIRE(p && p->value.data);
-  p->grad.data = NULL;
-}
-
-bool ddp_param_grad_defined(const ddp_param_t *p) {
-  DDP_REQUIRE(p);
-  return p->grad.data != NULL;
-}
-
-void ddp_param_set_hook(ddp_param_t *p, ddp_grad_ready_fn fn, void *user) {
-  DDP_REQUIRE(p);
-  p->hook = fn;
-  p->hook_user = user;
-}
-
 void ddp_model_set_hook(ddp_model_t *m, ddp_grad_ready_fn fn, void *user) {
   DDP_REQUIRE(m);
   for (size_t i = 0; i < m->nparams; i++) ddp_param_set_hook(&m->params[i], fn, user);

@@ -10,10 +10,12 @@
 
 #include "common/common.h"
 
-ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp__pg_peers_failed_fn peers_failed,
-                                ddp_error_t *err) {
+ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, bool threads,
+                                const ddp__pg_fault_ops_t *ops, ddp_error_t *err) {
   memset(f, 0, sizeof *f);
-  f->peers_failed = peers_failed;
+  f->rank = rank;
+  f->threads = threads;
+  f->ops = *ops;
   ddp_fault_t spec;
   ddp_error_t e = {DDP_OK, ""};
   ddp_status_t st = ddp_fault_from_env(&spec, &e); /* quiet: logged here, once */
@@ -30,9 +32,8 @@ static void sleep_ms(int64_t ms) {
 
 ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_fault_t *what,
                                 const char *where, int64_t timeout_ms, ddp_error_t *err) {
-  int rank = ddp_pg_rank(pg);
-  const ddp_backend_info_t *bi = ddp_backend_info(ddp_pg_backend_name(pg));
-  bool threads = bi && bi->ranks == DDP_RANKS_THREADS; /* ranks share this process */
+  int rank = f->rank;
+  bool threads = f->threads;
   char why[192];
   switch (what->kind) {
     case DDP_FAULT_CRASH:
@@ -41,7 +42,7 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
        * that the others fail at once (they see "rank R aborted the group"). */
       ddp__fault_log(what, rank, where);
       snprintf(why, sizeof why, "fault injection: crash at %s", where);
-      ddp_pg_abort_reason(pg, why);
+      f->ops.abort(pg, why);
       return ddp__error(err, rank, DDP_ERR_ABORTED,
                         "rank %d: fault injection: crash at %s (threads backend: the rank "
                         "aborted its group)",
@@ -54,12 +55,12 @@ ddp_status_t ddp__pg_fault_fire(ddp_pg_t *pg, ddp__pg_fault_t *f, const ddp_faul
       int64_t t0 = ddp__fault_log(what, rank, where);
       int64_t end = t0 + (timeout_ms + 1000) * 1000000LL;
       bool told = false;
-      while (ddp_now_ns() < end && ddp_pg_status(pg) == DDP_OK && !(told = f->peers_failed(pg)))
+      while (ddp_now_ns() < end && f->ops.status(pg) == DDP_OK && !(told = f->ops.peers_failed(pg)))
         sleep_ms(10);
-      ddp_status_t gst = told ? DDP_ERR_REMOTE : ddp_pg_status(pg);
+      ddp_status_t gst = told ? DDP_ERR_REMOTE : f->ops.status(pg);
       double ms = (double)(ddp_now_ns() - t0) * 1e-6;
       snprintf(why, sizeof why, "fault injection: hang at %s released after %.0f ms", where, ms);
-      ddp_pg_abort_reason(pg, why);
+      f->ops.abort(pg, why);
       return ddp__error(err, rank, DDP_ERR_ABORTED,
                         "rank %d: fault injection: hang at %s released after %.0f ms (%s)", rank,
                         where, ms, gst != DDP_OK ? "the group had failed" : "timeout + 1 s");
@@ -89,7 +90,7 @@ static bool float_dtype(ddp_dtype_t dt) {
 
 ddp_status_t ddp__pg_fault_submit(ddp_pg_t *pg, ddp__pg_fault_t *f, int64_t seq, ddp__coll_t *c,
                                   int64_t timeout_ms, ddp_error_t *err) {
-  int rank = ddp_pg_rank(pg);
+  int rank = f->rank;
   const char *what = ddp_coll_kind_name(c->kind);
   if (f->spec.kind != DDP_FAULT_NONE && seq >= 0 && seq == f->spec.collective) {
     char where[96];

@@ -7,23 +7,31 @@
 #include "algo/algo.h"
 #include "ddp/pg.h"
 
-/* True when a peer has failed the group while this rank does not run a collective (shared
- * family: the control block says so; other backends cannot tell without a collective, and
- * answer false). pg.c, which owns the group's state, gives it at init: this file includes
- * nothing of pg.c's and calls nothing of it but the public API. */
-typedef bool (*ddp__pg_peers_failed_fn)(ddp_pg_t *pg);
+/* What the fault layer needs of its group, given by pg.c (which owns the group's state) at
+ * init: this file includes nothing of pg.c's and calls nothing of it, so pg.c calls down
+ * into it and never the other way round (tools/maint/check_layers.py checks both). */
+typedef struct ddp__pg_fault_ops {
+  /* True when a peer has failed the group while this rank runs no collective (shared
+   * family: the control block says so; other backends cannot tell without a collective,
+   * and answer false). */
+  bool (*peers_failed)(ddp_pg_t *pg);
+  ddp_status_t (*status)(const ddp_pg_t *pg);      /* ddp_pg_status's contract */
+  void (*abort)(ddp_pg_t *pg, const char *reason); /* ddp_pg_abort_reason's contract */
+} ddp__pg_fault_ops_t;
 
 typedef struct ddp__pg_fault {
   ddp_fault_t spec;   /* this rank's collective=K fault; kind NONE when there is none */
   bool shape_armed;   /* the next collective with a count > 0 gets count - 1 */
   bool corrupt_armed; /* the next floating-point allreduce gets bits flipped in its input */
-  ddp__pg_peers_failed_fn peers_failed; /* ends an injected hang early */
+  int rank;
+  bool threads; /* the ranks are threads of one process: a crash aborts instead */
+  ddp__pg_fault_ops_t ops;
 } ddp__pg_fault_t;
 
 /* Reads DDP_FAULT; keeps it when it names this rank and a collective (a step= fault is
  * ddp_train's). A malformed spec is DDP_ERR_INVALID_ARGUMENT naming the field. */
-ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, ddp__pg_peers_failed_fn peers_failed,
-                                ddp_error_t *err);
+ddp_status_t ddp__pg_fault_init(ddp__pg_fault_t *f, int rank, bool threads,
+                                const ddp__pg_fault_ops_t *ops, ddp_error_t *err);
 
 /* Whether ddp__pg_fault_submit has anything to do. */
 static inline bool ddp__pg_fault_active(const ddp__pg_fault_t *f) {

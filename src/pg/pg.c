@@ -280,7 +280,10 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
   pg->p2p_recv_seq = ddp__calloc((size_t)o->world, sizeof(uint64_t));
   if (!c->scratch || !c->tmp || !c->p2p_tx || !c->p2p_rx || !pg->p2p_send_seq || !pg->p2p_recv_seq)
     return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "process group buffers");
-  return ddp__pg_fault_init(&pg->fault, rank, peers_failed, err);
+  static const ddp__pg_fault_ops_t fault_ops = {peers_failed, ddp_pg_status, ddp_pg_abort_reason};
+  const ddp_backend_info_t *bi = ddp_backend_info(ddp_pg_backend_name(pg));
+  bool threads = bi && bi->ranks == DDP_RANKS_THREADS;
+  return ddp__pg_fault_init(&pg->fault, rank, threads, &fault_ops, err);
 }
 
 /* Step 3: the backend joins the group. Each group gets its own key space: the k-th group
@@ -489,7 +492,7 @@ void ddp_pg_free(ddp_pg_t *pg, void *ptr) {
   }
 }
 
-/* The fault layer's ddp__pg_peers_failed_fn (fault.h). */
+/* The fault layer's peers_failed (fault.h). */
 static bool peers_failed(ddp_pg_t *pg) {
   if (pg->ops->family != DDP_BACKEND_SHARED || !pg->comm.sh) return false;
   ddp_error_t e;

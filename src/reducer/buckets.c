@@ -21,14 +21,6 @@ void ddp__ddp_free_buckets(ddp_ddp_t *d, ddp__bucket_t *b, size_t n) {
   ddp__free(b);
 }
 
-void ddp__ddp_layout_free(ddp__layout_t *ls) {
-  ddp__free(ls->sizes);
-  ddp__free(ls->limits);
-  ddp__free(ls->offs);
-  ddp__free(ls->idx);
-  memset(ls, 0, sizeof *ls);
-}
-
 /* Bucket b of layout a into x: its parameters, their offsets and its zeroed buffer. */
 static ddp_status_t fill_bucket(ddp_ddp_t *d, const ddp_bucket_assignment_t *a, size_t b,
                                 ddp__bucket_t *x) {
@@ -302,12 +294,4 @@ const size_t *ddp_ddp_bucket_params(const ddp_ddp_t *d, size_t b, size_t *n) {
   DDP_REQUIRE(d && d->magic == DDP__DDP_MAGIC && b < d->nbuckets && n);
   *n = d->buckets[b].nvars;
   return d->buckets[b].vars;
-}
-
-void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b) {
-  if (!ddp_pg_flight_recorder_enabled(d->pg)) return;
-  const ddp__bucket_t *x = &d->buckets[b];
-  char names[512] = "";
-  ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
-  ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
 }

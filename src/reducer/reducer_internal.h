@@ -13,7 +13,7 @@
  *   join.c       join() for uneven inputs
  *   comm_hook.c  registering a comm hook, running it on a bucket, resolving its future
  *   stats.c      get_ddp_logging_data, comm statistics, the sampled timings and INFO lines
- *   trace.c      the Chrome-trace timeline
+ *   trace.c      the Chrome-trace timeline and the flight recorder's bucket tags
  *   error.c      the handle's last error, waits on works, message helpers
  * Beside them, assign.c is the bucket rule (a pure function) and dump.c the per-step dump
  * writer; both use only the public header.
@@ -245,11 +245,6 @@ ddp_status_t ddp__ddp_rebuild_buckets(ddp_ddp_t *d);
 bool ddp__ddp_should_rebuild(const ddp_ddp_t *d);
 /* Frees n buckets, waiting for any work in flight, and the array itself. */
 void ddp__ddp_free_buckets(ddp_ddp_t *d, ddp__bucket_t *b, size_t n);
-void ddp__ddp_layout_free(ddp__layout_t *ls);
-/* The flight recorder's tag for the next collective: bucket b and its parameter names
- * (nothing when the recorder is off). Here, below both launch paths (backward.c's and
- * invariant.c's), so that backward.c calls into invariant.c and nothing calls back. */
-void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b);
 
 /* ---------------------------------------------------------------- backward.c ------ */
 
@@ -313,7 +308,8 @@ ddp_status_t ddp__ddp_resolve_comm_hook(ddp_ddp_t *d, size_t b, bool report);
 void ddp__ddp_describe_dtypes(ddp_ddp_t *d);
 /* The INFO lines of a constructed reducer. */
 void ddp__ddp_log_initialized(const ddp_ddp_t *d);
-/* Records a layout for get_ddp_logging_data. */
+/* Records a layout for get_ddp_logging_data; frees one. */
+void ddp__ddp_layout_free(ddp__layout_t *ls);
 void ddp__ddp_record_layout(ddp_ddp_t *d, ddp__layout_t *ls, const ddp_bucket_assignment_t *a);
 /* The timings of a finalized backward, on sampled iterations. */
 void ddp__ddp_stats_sample_end(ddp_ddp_t *d);
@@ -327,5 +323,9 @@ void ddp__ddp_trace(ddp_ddp_t *d, const char *name, int64_t t0, int64_t t1, int 
                     int64_t bytes);
 /* Appends the recorded events to the file and frees them. */
 void ddp__ddp_trace_close(ddp_ddp_t *d);
+/* The flight recorder's tag for the next collective: bucket b and its parameter names
+ * (nothing when the recorder is off). Below both launch paths (backward.c's and
+ * invariant.c's), so that neither calls the other for it. */
+void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b);
 
 #endif /* DDP_SRC_REDUCER_INTERNAL_H */

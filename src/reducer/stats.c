@@ -33,6 +33,14 @@ void ddp__ddp_log_initialized(const ddp_ddp_t *d) {
            o->gradient_as_bucket_view, o->static_graph, o->init_sync);
 }
 
+void ddp__ddp_layout_free(ddp__layout_t *ls) {
+  ddp__free(ls->sizes);
+  ddp__free(ls->limits);
+  ddp__free(ls->offs);
+  ddp__free(ls->idx);
+  memset(ls, 0, sizeof *ls);
+}
+
 void ddp__ddp_record_layout(ddp_ddp_t *d, ddp__layout_t *ls, const ddp_bucket_assignment_t *a) {
   ddp__ddp_layout_free(ls);
   ls->nb = a->nbuckets;

@@ -82,3 +82,12 @@ void ddp__ddp_trace_close(ddp_ddp_t *d) {
   d->ev = NULL;
   d->nev = d->cap_ev = 0;
 }
+
+/* The flight recorder's tag for bucket b's collective: its index and parameter names. */
+void ddp__ddp_tag_bucket(ddp_ddp_t *d, size_t b) {
+  if (!ddp_pg_flight_recorder_enabled(d->pg)) return;
+  const ddp__bucket_t *x = &d->buckets[b];
+  char names[512] = "";
+  ddp__ddp_append_names(names, sizeof names, d, x->vars, x->nvars, ",");
+  ddp_pg_set_next_collective_tag(d->pg, (int64_t)b, names);
+}

@@ -51,6 +51,12 @@ module to another for each #include; any cycle among two or more modules is repo
 the includes that close it. A file's own header is its module, so "x.c includes x.h" is no
 edge.
 
+Call cycles: the same between the modules of src/, with an edge from one module to
+another for each call of a function the other defines (not static; definitions and calls
+read from the code with comments, literals and preprocessor lines blanked). A name that two
+modules define (a backend's table entries) makes no edge, nor does a call through a
+function pointer: that is how a lower file calls back up.
+
 Folders of tools/ by kind (docs/tools.md): each file of tools/ must sit in its kind's
 folder. TOOLS_KINDS below says, per folder, which names belong there ("accept") and which
 names are that kind's wherever they are ("claim"): a file claimed by a kind outside its
@@ -367,26 +373,8 @@ def module_of(path):
     return os.path.splitext(path)[0]
 
 
-def check_cycles(root, files):
-    """Include cycles between the modules of src/ and include/ddp/ (module_of)."""
-    graph = {}
-    where = {}
-    for src in files:
-        a = module_of(src)
-        graph.setdefault(a, set())
-        with open(os.path.join(root, src), encoding="utf-8", errors="replace") as f:
-            for ln, line in enumerate(f, 1):
-                m = INCLUDE.match(line)
-                if not m:
-                    continue
-                hdr = resolve(root, src, m.group(2), m.group(1) == '"')
-                if hdr is None or not hdr.startswith(("src/", "include/ddp/")):
-                    continue
-                b = module_of(hdr)
-                if b != a:
-                    graph[a].add(b)
-                    where.setdefault((a, b), "%s:%d" % (src, ln))
-    # Tarjan's strongly connected components, iteratively.
+def cycles_of(graph):
+    """The strongly connected components of two or more nodes (Tarjan's, iteratively)."""
     index, low, on, stack, comps, counter = {}, {}, set(), [], [], [0]
     for start in sorted(graph):
         if start in index:
@@ -422,6 +410,29 @@ def check_cycles(root, files):
                         break
                 if len(comp) > 1:
                     comps.append(sorted(comp))
+    return comps
+
+
+def check_cycles(root, files):
+    """Include cycles between the modules of src/ and include/ddp/ (module_of)."""
+    graph = {}
+    where = {}
+    for src in files:
+        a = module_of(src)
+        graph.setdefault(a, set())
+        with open(os.path.join(root, src), encoding="utf-8", errors="replace") as f:
+            for ln, line in enumerate(f, 1):
+                m = INCLUDE.match(line)
+                if not m:
+                    continue
+                hdr = resolve(root, src, m.group(2), m.group(1) == '"')
+                if hdr is None or not hdr.startswith(("src/", "include/ddp/")):
+                    continue
+                b = module_of(hdr)
+                if b != a:
+                    graph[a].add(b)
+                    where.setdefault((a, b), "%s:%d" % (src, ln))
+    comps = cycles_of(graph)
     errors = []
     for comp in sorted(comps):
         inside = set(comp)
@@ -430,6 +441,140 @@ def check_cycles(root, files):
         first = edges[0].split(" ")[0]
         errors.append("%s: include cycle among %s: %s" % (first, ", ".join(comp),
                                                           "; ".join(edges)))
+    return errors
+
+
+C_WORD = re.compile(r"[A-Za-z_]\w*")
+C_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "defined", "_Alignof",
+              "alignof", "_Static_assert", "__attribute__", "__typeof__", "typeof"}
+
+
+def c_code(text):
+    """The text with comments, string and character literals and preprocessor lines
+    blanked (newlines kept, so offsets still give line numbers)."""
+    out, i, n = [], 0, len(text)
+    line_start = True
+    while i < n:
+        c = text[i]
+        if line_start and c == "#":
+            j = i
+            while j < n and (text[j] != "\n" or text[j - 1] == "\\"):
+                j += 1
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+            continue
+        if c == "/" and text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+            continue
+        if c == "/" and text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+            continue
+        if c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(" " * (min(j + 1, n) - i))
+            i = j + 1
+            continue
+        if c == "\n":
+            line_start = True
+        elif not c.isspace():
+            line_start = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def c_functions(code):
+    """(definitions, calls) of C code from c_code(): definitions as (name, offset, static)
+    for each NAME(...) { at brace depth 0, calls as (name, offset) for each NAME( inside a
+    brace."""
+    defs, calls = [], []
+    depth, decl_start, i, n = 0, 0, 0, len(code)
+    while i < n:
+        c = code[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                decl_start = i + 1
+        elif c == ";" and depth == 0:
+            decl_start = i + 1
+        elif c.isalpha() or c == "_":
+            m = C_WORD.match(code, i)
+            name, j = m.group(0), m.end()
+            k = j
+            while k < n and code[k] in " \t\n":
+                k += 1
+            if k < n and code[k] == "(" and name not in C_KEYWORDS:
+                if depth > 0:
+                    calls.append((name, i))
+                else:
+                    level, e = 0, k
+                    while e < n:
+                        level += {"(": 1, ")": -1}.get(code[e], 0)
+                        if level == 0:
+                            break
+                        e += 1
+                    e += 1
+                    while e < n and code[e] in " \t\n":
+                        e += 1
+                    if e < n and code[e] == "{":
+                        static = re.search(r"\bstatic\b", code[decl_start:i]) is not None
+                        defs.append((name, i, static))
+            i = j
+            continue
+        i += 1
+    return defs, calls
+
+
+def check_calls(root, files):
+    """Call cycles between the modules of src/: an edge from module A to module B for each
+    call in A of a function that B defines (not static); a name defined by two modules (the
+    backends' tables name their functions alike) makes no edge. Calls through a function
+    pointer are no edge: that is how a lower layer calls back up."""
+    owner, seen = {}, {}
+    parsed = {}
+    for src in files:
+        if not src.startswith("src/") or not src.endswith((".c", ".h")):
+            continue
+        with open(os.path.join(root, src), encoding="utf-8", errors="replace") as f:
+            code = c_code(f.read())
+        defs, calls = c_functions(code)
+        parsed[src] = (code, calls)
+        for name, _, static in defs:
+            if static:
+                continue
+            seen.setdefault(name, set()).add(module_of(src))
+    for name, mods in seen.items():
+        if len(mods) == 1:
+            owner[name] = next(iter(mods))
+    graph, where = {}, {}
+    for src in sorted(parsed):
+        code, calls = parsed[src]
+        a = module_of(src)
+        graph.setdefault(a, set())
+        for name, off in calls:
+            b = owner.get(name)
+            if b is None or b == a:
+                continue
+            graph[a].add(b)
+            where.setdefault((a, b), "%s:%d" % (src, code.count("\n", 0, off) + 1))
+            where.setdefault((a, b, "name"), name)
+    errors = []
+    for comp in sorted(cycles_of(graph)):
+        inside = set(comp)
+        edges = sorted("%s (%s calls %s of %s)" % (where[(a, b)], a, where[(a, b, "name")], b)
+                       for a in comp for b in graph[a] if b in inside)
+        errors.append("%s: call cycle among %s: %s" % (edges[0].split(" ")[0], ", ".join(comp),
+                                                       "; ".join(edges)))
     return errors
 
 
@@ -475,6 +620,7 @@ def main():
             inc_errors.insert(0, "docs/design.md:1: lists %s, which is not a directory" % layer)
     len_errors = check_file_lengths(root, files)
     cyc_errors = check_cycles(root, files)
+    call_errors = check_calls(root, files)
     tools_errors = check_tools(root)
     fn_errors, nfunc = check_functions(root, files)
     print("check_layers: %d layers in %d rows (docs/design.md), %d files, %d includes, "
@@ -485,6 +631,9 @@ def main():
     report("include cycles between the files of src/", cyc_errors,
            "one of the two sides includes the other; what both need goes into a file below "
            "them, and a call back up becomes a function pointer the upper side gives")
+    report("call cycles between the files of src/", call_errors,
+           "the lower side gets a function pointer (a table or a callback) from the upper "
+           "side instead of calling it by name")
     report("folders of tools/ by kind", tools_errors,
            "a program users run goes in tools/programs/, a benchmark or peer in tools/bench/, "
            "the PyTorch side in tools/torch/, maintenance in tools/maint/, a data maker in "
@@ -498,7 +647,7 @@ def main():
         report("functions above %d lines" % MAX_FUNC_LINES, fn_errors,
                'split it, or say why in a comment just above it: "%s ..."' % MARKER)
     total = len(inc_errors) + len(len_errors) + len(fn_errors or []) + len(cyc_errors) + \
-        len(tools_errors)
+        len(call_errors) + len(tools_errors)
     if total:
         print("FAIL: %d violation%s" % (total, "" if total == 1 else "s"))
         return 1
