@@ -269,6 +269,44 @@ def subgroups():
     dist.barrier()
 
 
+def group_memory():
+    """libddp_torch.empty: tensors in the group's communication memory (the shm segment, or
+    ordinary memory on tcp) behave as any tensor in every collective; the memory outlives
+    destroy_process_group while a tensor holds it. Returns such a tensor."""
+    import libddp_torch
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        t = libddp_torch.empty(5, 7, dtype=dtype)
+        same(f"empty {dtype} shape", torch.tensor(t.shape), torch.tensor([5, 7]))
+        checks_dtype = t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0
+        same(f"empty {dtype} dtype, contiguous, 64-byte aligned", torch.tensor(checks_dtype),
+             torch.tensor(True))
+        xs = [data(r, dtype, 35, salt=7).view(5, 7) for r in range(W)]
+        t.copy_(xs[R])
+        dist.all_reduce(t)
+        same(f"all_reduce on empty {dtype}", t, fold(dist.ReduceOp.SUM, xs))
+        outs = [libddp_torch.empty(5, 7, dtype=dtype) for _ in range(W)]
+        t.copy_(xs[R])
+        dist.all_gather(outs, t)
+        for r in range(W):
+            same(f"all_gather into empty {dtype}, from rank {r}", outs[r], xs[r])
+    b = libddp_torch.empty((3,), dtype=torch.int32)
+    b.fill_(R + 10)
+    dist.broadcast(b, src=W - 1)
+    same("broadcast on empty", b, torch.full((3,), W - 1 + 10, dtype=torch.int32))
+    sub = dist.new_group([0, 1], backend="libddp")
+    if R in (0, 1):
+        s = libddp_torch.empty(4, group=sub)
+        s.fill_(R + 1)
+        dist.all_reduce(s, group=sub)
+        same("empty in a subgroup", s, torch.full((4,), 3.0))
+    gloo = dist.new_group(backend="gloo")
+    raises("empty on a gloo group", lambda: libddp_torch.empty(3, group=gloo),
+           "not a libddp group")
+    kept = libddp_torch.empty(1000, dtype=torch.float64)
+    kept.fill_(R)
+    return kept
+
+
 def bad_input():
     raises("AVG on int64", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64),
                                                    op=dist.ReduceOp.AVG), "AVG", "Long")
@@ -306,11 +344,19 @@ def main():
         point_to_point_and_async()
     if W >= 2:
         subgroups()
+    kept = None
     if BACKEND == "libddp":
+        kept = group_memory()
         bad_input()
         dist.barrier()
-    print(f"CHECKS {checks} rank {R}", flush=True)
     dist.destroy_process_group()
+    if kept is not None:
+        # The group's memory outlives the group while a tensor holds it.
+        kept += 1
+        same("empty after destroy_process_group", kept, torch.full((1000,), R + 1.0,
+                                                                    dtype=torch.float64))
+        del kept
+    print(f"CHECKS {checks} rank {R}", flush=True)
 
 
 if __name__ == "__main__":

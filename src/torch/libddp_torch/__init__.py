@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS", "monitored_barrier"]
+__all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS", "monitored_barrier",
+           "empty"]
 
 ProcessGroupLibddp = _C.ProcessGroupLibddp
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "mpi")
@@ -106,6 +107,26 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     if timeout is None:
         timeout = c10d.default_pg_timeout
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def empty(*size, dtype=torch.float32, group=None):
+    """An uninitialised tensor in the libddp group's communication memory, as torch.empty
+    makes one in ordinary memory. On shm that memory is the shared segment every rank maps:
+    a collective on such a tensor reads the peers' tensors in place, where one on an
+    ordinary tensor copies it into the segment and back (docs/torch.md, "Tensors in the
+    group's memory"); on tcp it is ordinary memory. The tensor keeps the group's memory
+    alive after destroy_process_group until it is freed. group: a libddp group (default:
+    the default group)."""
+    from torch.distributed import distributed_c10d as c10d
+    pg = group if group is not None else c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupLibddp):
+        raise TypeError(f"libddp_torch.empty: the group is a {type(pg).__name__}, not a libddp "
+                        f"group (init_process_group(\"libddp\") or new_group(backend=\"libddp\"))")
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    shape = torch.Size(size)
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return _C.alloc(pg, nbytes).view(dtype).view(shape)
 
 
 def _register():

@@ -32,4 +32,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("transport"), py::arg("source"), py::arg("algorithm"),
       py::arg("flight_recorder") = true,
       py::call_guard<py::gil_scoped_release>());
+  // A tensor of nbytes bytes in the group's communication memory (ddp_pg_alloc: on shm the
+  // shared segment, which peers read in place, so a collective on it skips the staging
+  // copies). The storage keeps the group alive and goes back to it when the tensor dies.
+  m.def(
+      "alloc",
+      [](const c10::intrusive_ptr<ProcessGroupLibddp> &pg, int64_t nbytes) {
+        TORCH_CHECK(nbytes >= 0, "libddp_torch.empty: ", nbytes, " bytes");
+        void *p = ddp_pg_alloc(pg->pg(), static_cast<size_t>(nbytes));
+        if (!p) {
+          ddp_error_t e = {};
+          ddp_pg_last_error_copy(pg->pg(), &e);
+          TORCH_CHECK(false, "libddp_torch.empty: ", e.msg[0] ? e.msg : "out of memory");
+        }
+        c10::intrusive_ptr<ProcessGroupLibddp> keep = pg;
+        return at::from_blob(
+            p, {nbytes}, [keep](void *q) { ddp_pg_free(keep->pg(), q); },
+            at::TensorOptions().dtype(at::kByte));
+      },
+      py::arg("group"), py::arg("nbytes"));
 }
