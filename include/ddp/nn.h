@@ -415,6 +415,8 @@ DDP_API void ddp_model_set_block_hooks(ddp_model_t *m, const ddp_block_hooks_t *
  * grad.data become NULL until a caller (the shard layer) points them at storage it owns.
  * Irreversible; ddp_model_flat_params/grads are empty from then on. */
 DDP_API void ddp_model_release_storage(ddp_model_t *m);
+/* After release: new flat buffers (zeros), every parameter pointing into them again. */
+DDP_API ddp_status_t ddp_model_restore_storage(ddp_model_t *m);
 
 /* PyTorch's default initialisation of every module, drawn from ddp_rng stream
  * (DDP_RNG_INIT, 0, 0) under seed in registration order: Linear weight and bias

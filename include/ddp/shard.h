@@ -118,7 +118,6 @@ DDP_API ddp_status_t ddp_zero_consolidate(const char *const *shards, size_t nsha
 DDP_API ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char *path,
                                          ddp_error_t *err);
 
-
 /* ---------------------------------------------------------------- ZeRO-3 / FSDP ---- */
 
 /* ZeRO-3, FSDP's FULL_SHARD (docs/sharding.md): the model's parameters are cut into units
@@ -193,6 +192,9 @@ DDP_API void ddp_fsdp_zero_grad(ddp_fsdp_t *f);
  * parameter hash or a save; ddp_fsdp_free_all frees them again. */
 DDP_API ddp_status_t ddp_fsdp_gather_all(ddp_fsdp_t *f, ddp_error_t *err);
 DDP_API void ddp_fsdp_free_all(ddp_fsdp_t *f);
+/* Collective, at the end of training: the model gets its own storage back holding the full
+ * parameters (FULL_STATE_DICT), the hooks are removed; only destroy may follow. */
+DDP_API ddp_status_t ddp_fsdp_unshard(ddp_fsdp_t *f, ddp_error_t *err);
 /* This rank's sharded state (the real elements of its shards; the padding of each unit,
  * under W elements, not counted): parameters, gradients present, optimizer state; and
  * the largest full copy (parameters and gradients of the units gathered at once) held

@@ -519,6 +519,34 @@ ddp_status_t ddp_checkpoint(ddp_ctx_t *c, ddp_segment_fn fn, void *user, size_t 
 
 /* ---------------------------------------------------------------- block hooks ----- */
 
+size_t ddp__block_of_child(ddp_model_t *m, size_t child) {
+  ddp__blocks_t *b = ddp__model_blocks(m);
+  if (!b->hooked) return (size_t)-1;
+  for (size_t k = 0; k < b->n; k++)
+    if (b->b[k].child == child) return k;
+  return (size_t)-1;
+}
+
+size_t ddp_model_num_blocks(ddp_model_t *m) {
+  DDP_REQUIRE(m);
+  return ddp__model_blocks(m)->n;
+}
+
+void ddp_model_block(ddp_model_t *m, size_t k, const char **cls, size_t *first, size_t *count) {
+  DDP_REQUIRE(m && k < ddp__model_blocks(m)->n);
+  const ddp__block_t *b = &ddp__model_blocks(m)->b[k];
+  if (cls) *cls = b->cls;
+  if (first) *first = b->first;
+  if (count) *count = b->count;
+}
+
+void ddp_model_set_block_hooks(ddp_model_t *m, const ddp_block_hooks_t *hooks) {
+  DDP_REQUIRE(m);
+  ddp__blocks_t *b = ddp__model_blocks(m);
+  b->hooked = hooks != NULL;
+  if (hooks) b->hooks = *hooks;
+}
+
 /* The identity nodes around a block (nn_internal.h): i0 = the block, saved = the model. */
 static ddp_status_t pass_grad(ddp_ctx_t *c, ddp_node_t *n) {
   ddp_var_t *in = n->ins[0];
@@ -531,8 +559,7 @@ static ddp_status_t pass_grad(ddp_ctx_t *c, ddp_node_t *n) {
 
 static ddp_status_t hook_status(ddp_ctx_t *c, ddp_status_t st, const char *what, size_t k) {
   if (st == DDP_OK) return DDP_OK;
-  return ddp__ctx_error(c, st, "block %zu: the %s hook failed (%s)", k, what,
-                        ddp_status_name(st));
+  return ddp__ctx_error(c, st, "block %zu: the %s hook failed (%s)", k, what, ddp_status_name(st));
 }
 
 static ddp_status_t bw_block_input(ddp_ctx_t *c, ddp_node_t *n) {

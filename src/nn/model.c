@@ -838,15 +838,11 @@ bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {
 }
 
 /* ---------------------------------------------------------------- blocks ---------- */
-
 static const char *kind_class(mod_kind_t k) {
-  static const char *const names[] = {"Linear",     "LayerNorm",  "BatchNorm1d", "Embedding",
-                                      "Dropout",    "Activation", "Flatten",     "Sequential",
-                                      "Residual",   "Branch",     "Checkpoint",  "Add",
-                                      "FamilyModel"};
-  return names[k];
+  return (const char *const[]){"Linear",     "LayerNorm", "BatchNorm1d", "Embedding", "Dropout",
+                               "Activation", "Flatten",   "Sequential",  "Residual",  "Branch",
+                               "Checkpoint", "Add",       "FamilyModel"}[k];
 }
-
 /* Parameters of mod's subtree: their count, smallest and largest index. */
 static void subtree_params(const ddp_module_t *mod, size_t *n, size_t *lo, size_t *hi) {
   for (int j = 0; j < 2; j++)
@@ -883,34 +879,6 @@ ddp__blocks_t *ddp__model_blocks(ddp_model_t *m) {
   return b;
 }
 
-size_t ddp__block_of_child(ddp_model_t *m, size_t child) {
-  ddp__blocks_t *b = &m->blocks;
-  if (!b->hooked) return NONE;
-  for (size_t k = 0; k < b->n; k++)
-    if (b->b[k].child == child) return k;
-  return NONE;
-}
-
-size_t ddp_model_num_blocks(ddp_model_t *m) {
-  DDP_REQUIRE(m);
-  return ddp__model_blocks(m)->n;
-}
-
-void ddp_model_block(ddp_model_t *m, size_t k, const char **cls, size_t *first, size_t *count) {
-  DDP_REQUIRE(m && k < ddp__model_blocks(m)->n);
-  const ddp__block_t *b = &m->blocks.b[k];
-  if (cls) *cls = b->cls;
-  if (first) *first = b->first;
-  if (count) *count = b->count;
-}
-
-void ddp_model_set_block_hooks(ddp_model_t *m, const ddp_block_hooks_t *hooks) {
-  DDP_REQUIRE(m);
-  ddp__model_blocks(m);
-  m->blocks.hooked = hooks != NULL;
-  if (hooks) m->blocks.hooks = *hooks;
-}
-
 void ddp_model_release_storage(ddp_model_t *m) {
   DDP_REQUIRE(m && m->finalized);
   for (int d = 0; d < DDP_DTYPE_COUNT_; d++) {
@@ -922,4 +890,11 @@ void ddp_model_release_storage(ddp_model_t *m) {
     ddp_param_t *p = &m->params[i];
     p->value.data = p->grad.data = p->grad_home_ = NULL;
   }
+}
+ddp_status_t ddp_model_restore_storage(ddp_model_t *m) {
+  DDP_REQUIRE(m && m->finalized);
+  for (int d = 0; d < DDP_DTYPE_COUNT_; d++)
+    if (m->flat[d] || m->gflat[d]) return DDP_OK; /* never released */
+  m->finalized = false;
+  return ddp_model_finalize(m);
 }

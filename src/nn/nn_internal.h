@@ -154,7 +154,6 @@ void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double 
 /* The leaf var of parameter i of m in c (an error on the context when the arena is full). */
 ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v);
 
-
 /* ---- blocks (include/ddp/nn.h "Blocks") ---- */
 
 typedef struct ddp__block {

@@ -24,11 +24,11 @@
 #define FSDP_MAGIC 0x46534450u /* "FSDP" */
 
 typedef struct unit {
-  size_t *idx;  /* [np] model parameter indices */
-  size_t *off;  /* [np] element offsets in the flat buffer */
+  size_t *idx; /* [np] model parameter indices */
+  size_t *off; /* [np] element offsets in the flat buffer */
   size_t np;
   size_t numel, padded, S;
-  unsigned char *shard; /* [S] this rank's parameters */
+  unsigned char *shard;  /* [S] this rank's parameters */
   unsigned char *gshard; /* [S] this rank's reduced gradient; NULL: None */
   unsigned char *full;   /* [padded] gathered parameters; NULL: freed */
   unsigned char *gfull;  /* [padded] full local gradient during backward; NULL: freed */
@@ -44,24 +44,24 @@ struct ddp_fsdp {
   ddp_dtype_t dt;
   size_t esz;
   size_t nunits;
-  unit_t *u;          /* [nunits], u[0] the root */
-  size_t *unit_of;    /* [nparams] */
-  size_t *blk_unit;   /* [nblocks] unit of block k, 0: not wrapped */
+  unit_t *u;        /* [nunits], u[0] the root */
+  size_t *unit_of;  /* [nparams] */
+  size_t *blk_unit; /* [nblocks] unit of block k, 0: not wrapped */
   size_t nparams;
   /* the optimizer pieces: one per (parameter, this rank's shard) that meet */
   size_t npieces;
-  ddp_tensor_t *pv, *pg_; /* [npieces] value and gradient views */
+  ddp_tensor_t *pv, *pg_;        /* [npieces] value and gradient views */
   size_t *piece_unit, *piece_at; /* [npieces] unit, element offset in the shard */
   size_t *piece_of;              /* [nparams] piece index, SIZE_MAX: none here */
   size_t ngroups;
   ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS];
-  int *group; /* [nparams] */
+  int *group;          /* [nparams] */
   double *norms;       /* [nparams] gradient norms taken at reduction */
   ddp_tensor_t **clip; /* [ntrain] piece gradients or &none, trainable parameters in order */
   size_t ntrain;
   ddp_tensor_t none;
   bool train, sync;
-  bool summoned; /* gather_all holds every unit: the hooks do nothing */
+  bool summoned;         /* gather_all holds every unit: the hooks do nothing */
   size_t gathered, peak; /* bytes of full copies held now, and the most since reset */
   ddp_error_t *err;      /* the running call's, for the hooks */
 };
@@ -186,8 +186,10 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     for (size_t q = 0; q < f->npieces; q++)
       if (f->piece_unit[q] == ui) f->pg_[q].data = u->gshard + f->piece_at[q] * f->esz;
   }
-  if (f->sync || !f->train) grads_off(f, ui);
-  else point_params(f, u, NULL, true);
+  if (f->sync || !f->train)
+    grads_off(f, ui);
+  else
+    point_params(f, u, NULL, true);
   release(f, ui);
   return DDP_OK;
 }
@@ -307,8 +309,8 @@ static ddp_status_t layout(ddp_fsdp_t *f) {
       size_t a = u->off[k], b = a + (size_t)p->value.numel;
       size_t s = a > lo ? a : lo, e = b < hi ? b : hi;
       if (s < e)
-        memcpy(u->shard + (s - lo) * f->esz, (const unsigned char *)p->value.data + (s - a) * f->esz,
-               (e - s) * f->esz);
+        memcpy(u->shard + (s - lo) * f->esz,
+               (const unsigned char *)p->value.data + (s - a) * f->esz, (e - s) * f->esz);
     }
   }
   return DDP_OK;
@@ -557,4 +559,32 @@ void ddp_fsdp_state_bytes(ddp_fsdp_t *f, size_t *param_bytes, size_t *grad_bytes
   if (optim_bytes) *optim_bytes = ob;
   if (peak_gathered_bytes) *peak_gathered_bytes = f->peak;
   f->peak = f->gathered;
+}
+
+ddp_status_t ddp_fsdp_unshard(ddp_fsdp_t *f, ddp_error_t *err) {
+  DDP_REQUIRE(f && f->magic == FSDP_MAGIC);
+  DDP_CHECK(ddp_fsdp_gather_all(f, err));
+  void **at = ddp__calloc(f->nparams ? f->nparams : 1, sizeof *at);
+  if (!at) return ddp__error(err, f->rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory");
+  for (size_t i = 0; i < f->nparams; i++) at[i] = ddp_model_param(f->model, i)->value.data;
+  ddp_status_t st = ddp_model_restore_storage(f->model);
+  if (st != DDP_OK) {
+    ddp__free(at);
+    return ddp__error(err, f->rank, st, "fsdp: out of memory restoring the model's storage");
+  }
+  /* restore pointed the parameters at the model's buffers: copy the gathered values in */
+  for (size_t i = 0; i < f->nparams; i++) {
+    ddp_param_t *p = ddp_model_param(f->model, i);
+    memcpy(p->value.data, at[i], ddp_tensor_nbytes(&p->value));
+  }
+  ddp__free(at);
+  for (size_t ui = 0; ui < f->nunits; ui++) {
+    unit_t *u = &f->u[ui];
+    ddp__aligned_free(u->full);
+    u->full = NULL;
+  }
+  f->gathered = 0;
+  f->summoned = false;
+  ddp_model_set_block_hooks(f->model, NULL);
+  return DDP_OK;
 }

@@ -788,6 +788,11 @@ static ddp_status_t finish(ddp__trainer_t *t) {
                          ? t->samples_per_step * (double)(t->max_steps - t->start) / r->seconds
                          : 0;
   r->comm_seconds = (double)t->comm_total * 1e-9;
+  if (t->fsdp) { /* the full model back in its own storage, for the caller's save */
+    DDP_CHECK(ddp_fsdp_unshard(t->fsdp, t->err));
+    ddp_fsdp_destroy(t->fsdp);
+    t->fsdp = NULL;
+  }
   DDP_CHECK(replica_check(t, t->max_steps, &r->param_hash));
   r->replica_checks++;
   if (!t->metrics) return DDP_OK;

@@ -9,7 +9,7 @@
 #include "common/common.h"
 #include "train/trainer.h"
 
-#define FSDP_CHOICES                                                                  \
+#define FSDP_CHOICES                                                                       \
   "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; hybrid_shard, " \
   "hybrid_shard_zero2 and offload are not implemented yet"
 
@@ -24,8 +24,8 @@ static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t 
             : !strcmp(w, "shard_grad_op") ? 2
             : !strcmp(w, "no_shard")      ? 0
                                           : -1;
-    bool later = !strcmp(w, "hybrid_shard") ||
-                 !strcmp(w, "hybrid_shard_zero2") || !strcmp(w, "offload");
+    bool later = !strcmp(w, "hybrid_shard") || !strcmp(w, "hybrid_shard_zero2") ||
+                 !strcmp(w, "offload");
     if (v < 0)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "--fsdp: option '%s' is %s; %s", w,
                         later ? "not implemented yet" : "unknown", "choices: " FSDP_CHOICES);
@@ -320,8 +320,7 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
         if (&ddp_model_param(t->model, i)->value == t->pairs[k].param) group[i] = (int)g;
     off += n;
   }
-  ddp_status_t st =
-      ddp_fsdp_create(t->pg, t->model, &o, gopts, group, t->nopt, &t->fsdp, t->err);
+  ddp_status_t st = ddp_fsdp_create(t->pg, t->model, &o, gopts, group, t->nopt, &t->fsdp, t->err);
   ddp__free(group);
   return st;
 }
