@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ZeRO-1/2 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
+# ZeRO-1/2/3 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
 # (digits MLP and GPT-2 tiny, AdamW with weight decay and clipping, 20 steps, gradient
 # accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
 # consolidation, resume at another W, a flipped bit caught), the per-rank state bytes of
@@ -22,6 +22,7 @@ printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_e
   '"n_layer": 2, "n_head": 4}' >gpt2.json
 echo '{"zero_optimization": {"stage": 1}}' >ds1.json
 echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}' >ds2.json
+echo '{"zero_optimization": {"stage": 3}}' >ds3.json
 common=(--max_steps 20 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
   --logging_steps 20 --save_strategy no)
 mlp=(--learning_rate 1e-2)
@@ -61,7 +62,8 @@ for model in mlp gpt; do
         tag=$model-$be-$w-$ga
         ref=$(run "ddp-$tag" $be $w "${margs[@]}" --gradient_accumulation_steps $ga)
         [ -n "$ref" ] || fail "ddp-$tag: no param_hash"
-        for mode in "--deepspeed ds1.json" "--deepspeed ds2.json" "--fsdp shard_grad_op"; do
+        for mode in "--deepspeed ds1.json" "--deepspeed ds2.json" "--fsdp shard_grad_op" \
+          "--deepspeed ds3.json"; do
           # shellcheck disable=SC2086
           h=$(run "z$n-$tag" $be $w "${margs[@]}" --gradient_accumulation_steps $ga $mode)
           [ "$h" = "$ref" ] || fail "$tag $mode: $h, DDP $ref"
@@ -70,8 +72,25 @@ for model in mlp gpt; do
       done
     done
   done
-  echo "ok: $model: ZeRO-1/2 end with DDP's param_hash ($n runs so far)"
+  echo "ok: $model: ZeRO-1/2/3 end with DDP's param_hash ($n runs so far)"
 done
+
+# ZeRO-3 through --fsdp with an explicit wrap policy: the MLP's Linear layers as units by
+# size (min_num_params), GPT-2 one unit per GPT2Block (transformer_layer_cls_to_wrap), W = 3.
+for model in mlp gpt; do
+  if [ $model = mlp ]; then
+    margs=("${mlp[@]}" --fsdp_config '{"min_num_params": 1000}')
+  else
+    margs=("${gpt[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}')
+  fi
+  for ga in 1 3; do
+    ref=$(grep -o '"param_hash": "[0-9a-f]*"' "ddp-$model-threads-3-$ga/metrics.jsonl" | tail -1)
+    h=$(run "zf-$model-$ga" threads 3 "${margs[@]}" --gradient_accumulation_steps $ga \
+      --fsdp "full_shard auto_wrap")
+    [ "$h" = "$ref" ] || fail "$model GA $ga --fsdp full_shard auto_wrap: $h, DDP $ref"
+  done
+done
+echo "ok: --fsdp full_shard auto_wrap (size and class policies) ends with DDP's param_hash"
 
 # State bytes (f32 AdamW, Ψ parameters): per rank params 4Ψ, grads 4Ψ (ZeRO-2: 4Ψ_r), optimizer
 # state 8Ψ (ZeRO-1/2: 8Ψ_r) where Ψ_r is the rank's partition, so the mean over the ranks is
@@ -82,8 +101,12 @@ import json, sys
 path, kind, W = sys.argv[1], sys.argv[2], int(sys.argv[3])
 line = [json.loads(l) for l in open(path) if '"param_bytes"' in l][-1]
 psi = line["param_bytes"][0] // 4
-assert all(p == 4 * psi for p in line["param_bytes"]), line
-f = {"ddp": (16, 0), "zero1": (8, 8), "zero2": (4, 12)}[kind]
+if kind == "zero3":  # every byte sharded: Ψ is the sum of the ranks' parameter elements
+    psi = sum(line["param_bytes"]) // 4
+    assert len(line["gathered_bytes"]) == W and min(line["gathered_bytes"]) > 0, line
+else:
+    assert all(p == 4 * psi for p in line["param_bytes"]), line
+f = {"ddp": (16, 0), "zero1": (8, 8), "zero2": (4, 12), "zero3": (0, 16)}[kind]
 total = sum(line["state_bytes"])
 assert line["sharding"] == kind, line["sharding"]
 assert total == W * f[0] * psi + f[1] * psi, (kind, total, W * f[0] * psi + f[1] * psi)
@@ -97,6 +120,8 @@ check_bytes z0-mlp-threads-2-1 zero1 2
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 1p)" zero1 3
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 2p)" zero2 3
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 3p)" zero2 3
+check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 4p)" zero3 3
+check_bytes zf-gpt-1 zero3 3
 
 # Checkpoints (MLP, threads): ZeRO-1 at W = 4 saves at steps 10 and 20, each rank its
 # optimizer shard (optimizer[_group1]-0000r-of-00004.safetensors), rank 0 the consolidated
@@ -156,15 +181,20 @@ expect_err() { # WHAT ARGS...
     fail "no '$what' for: $*"
   }
 }
-echo '{"zero_optimization": {"stage": 3}}' >ds3.json
 echo '{"zero_optimization": {"stage": 7}}' >ds7.json
 echo '{"zero_optimization": {"stage": "two"}}' >dsx.json
-expect_err "zero_optimization.stage 3 (parameters sharded) is not implemented yet" --deepspeed ds3.json
+expect_err "ZeRO stage 3 (--deepspeed) does not combine with saving checkpoints (ZeRO-3 checkpoints are not implemented yet" \
+  --deepspeed ds3.json --save_strategy steps
+expect_err "transformer_layer_cls_to_wrap names 'GPT2Layer', which is no module of the model (its wrappable modules: GPT2Block)" \
+  "${gpt[@]}" --fsdp "full_shard auto_wrap" --fsdp_config '{"transformer_layer_cls_to_wrap": "GPT2Layer"}'
+expect_err "--fsdp_config: key 'backward_prefetch'" --fsdp full_shard \
+  --fsdp_config '{"backward_prefetch": "backward_pre"}'
 expect_err 'zero_optimization.stage 7 is not a ZeRO stage (0, 1, 2 or 3)' --deepspeed ds7.json
 expect_err 'zero_optimization.stage "two" is not a ZeRO stage' --deepspeed dsx.json
 expect_err "--fsdp 'shard_grad_op' and --deepspeed ds1.json: only one of FSDP and DeepSpeed" \
   --fsdp shard_grad_op --deepspeed ds1.json
-expect_err "--fsdp: option 'sharded_grad' is unknown; choices: shard_grad_op" --fsdp sharded_grad
-expect_err "--fsdp: option 'full_shard' is not implemented yet" --fsdp "full_shard auto_wrap"
+expect_err "--fsdp: option 'sharded_grad' is unknown; choices: full_shard (ZeRO-3), shard_grad_op" \
+  --fsdp sharded_grad
+expect_err "--fsdp: option 'hybrid_shard' is not implemented yet" --fsdp "hybrid_shard auto_wrap"
 expect_err "nosuch.json" --deepspeed nosuch.json
 echo "ok: bad input refused"

@@ -383,6 +383,41 @@ DDP_API ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *ctx, ddp_v
 DDP_API ddp_status_t ddp_model_forward(ddp_model_t *m, ddp_ctx_t *ctx, ddp_var_t *x, uint64_t flags,
                                        ddp_var_t **y);
 
+/* Blocks: the modules a sharding wrap policy may make units of (FSDP's auto_wrap), in
+ * forward order. A Transformers family registers one per layer, class named as
+ * Transformers names it ("GPT2Block", "BertLayer", "LlamaDecoderLayer"); a Sequential
+ * root offers each child holding parameters, class named by its kind ("Linear",
+ * "LayerNorm", "Sequential", ...). Block k holds parameters first .. first + count - 1.
+ * Everything else belongs to no block (the root unit). */
+DDP_API size_t ddp_model_num_blocks(ddp_model_t *m);
+DDP_API void ddp_model_block(ddp_model_t *m, size_t k, const char **cls, size_t *first,
+                             size_t *count);
+
+/* Calls around block k, for sharding (nn never calls the shard layer: the caller passes
+ * this table). pre_forward runs before the block's forward, post_forward after it;
+ * pre_backward when backward reaches the block's output (before any of its ops' backward),
+ * post_backward when backward has passed the block's input (every gradient of its
+ * parameters is then final). A block whose input needs no gradient (the first layer of an
+ * MLP) gets no post_backward: the caller finishes it after backward. A hook may point its
+ * parameters' value.data at new storage: the parameter leaves of the running backward are
+ * re-read after pre_backward. A failing hook's status stops the forward or backward (its
+ * message is the caller's). NULL clears; the table is copied. */
+typedef struct ddp_block_hooks {
+  void *user;
+  ddp_status_t (*pre_forward)(void *user, size_t block);
+  ddp_status_t (*post_forward)(void *user, size_t block);
+  ddp_status_t (*pre_backward)(void *user, size_t block);
+  ddp_status_t (*post_backward)(void *user, size_t block);
+} ddp_block_hooks_t;
+DDP_API void ddp_model_set_block_hooks(ddp_model_t *m, const ddp_block_hooks_t *hooks);
+
+/* Frees the model's flat parameter and gradient buffers: every parameter's value.data and
+ * grad.data become NULL until a caller (the shard layer) points them at storage it owns.
+ * Irreversible; ddp_model_flat_params/grads are empty from then on. */
+DDP_API void ddp_model_release_storage(ddp_model_t *m);
+/* After release: new flat buffers (zeros), every parameter pointing into them again. */
+DDP_API ddp_status_t ddp_model_restore_storage(ddp_model_t *m);
+
 /* PyTorch's default initialisation of every module, drawn from ddp_rng stream
  * (DDP_RNG_INIT, 0, 0) under seed in registration order: Linear weight and bias
  * U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a = sqrt(5)); LayerNorm and

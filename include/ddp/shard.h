@@ -22,6 +22,7 @@
 #ifndef DDP_SHARD_H
 #define DDP_SHARD_H
 
+#include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/pg.h"
 
@@ -116,6 +117,90 @@ DDP_API ddp_status_t ddp_zero_consolidate(const char *const *shards, size_t nsha
                                           const char *out, ddp_error_t *err);
 DDP_API ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char *path,
                                          ddp_error_t *err);
+
+/* ---------------------------------------------------------------- ZeRO-3 / FSDP ---- */
+
+/* ZeRO-3, FSDP's FULL_SHARD (docs/sharding.md): the model's parameters are cut into units
+ * by the wrap policy (one per block the policy names, ddp_model_block; everything else in
+ * the root unit). Each unit's parameters are one flat buffer (registration order, padded
+ * to a multiple of W); rank r keeps elements [r S, (r + 1) S) of it (S = padded / W) as
+ * its parameter shard, its gradient shard and, through ordinary optimizers over the
+ * pieces of parameters in its shard, its optimizer state. The model's own storage is
+ * freed (ddp_model_release_storage).
+ *
+ * Per micro-batch: ddp_fsdp_begin all-gathers the root unit; each block unit is
+ * all-gathered before its forward and freed after it (reshard_after_forward), all-gathered
+ * again when backward reaches it, and, when its backward is done, on a synchronising
+ * micro-batch its full local gradient is divided as DDP divides (x * float(1/W), or / W)
+ * and reduce-scattered in rank order (the sum DDP's allreduce computes); on the others
+ * (no_sync) the full local gradient is kept and accumulated, as FSDP's no_sync does, so
+ * the accumulated gradient is summed in DDP's order. ddp_fsdp_end_backward finishes the
+ * root unit (and any unit whose input needed no gradient). Each reduced shard is then
+ * all-gathered once into the unit's freed gradient buffer to take every parameter's
+ * gradient norm on the full gradient (clipping's norm in DDP's order, whatever W).
+ * So ZeRO-3 ends with DDP's parameters bit for bit.
+ *
+ * The hooks run inside the model's forward and backward (ddp_model_set_block_hooks, set
+ * by create); every call is collective in the same order on every rank. */
+typedef struct ddp_fsdp_options {
+  size_t struct_size;
+  /* Transformers' transformer_layer_cls_to_wrap: block classes (comma or space
+   * separated) made units; "" none. */
+  const char *wrap_cls;
+  /* size_based_auto_wrap_policy: blocks with at least this many parameters are units;
+   * 0 off. Both 0 / "": the whole model is the root unit. */
+  int64_t min_num_params;
+  bool reshard_after_forward; /* true (FULL_SHARD) */
+  bool divide_in_place;       /* as ddp_zero_options_t */
+} ddp_fsdp_options_t;
+
+#define DDP_FSDP_OPTIONS_INIT \
+  { sizeof(ddp_fsdp_options_t), "", 0, true, false }
+
+typedef struct ddp_fsdp ddp_fsdp_t;
+
+/* Shards model (finalised, parameters f32 or f64, equal on every rank) over pg. group[i]
+ * is parameter i's optimizer group (< ngroups; -1: frozen, no optimizer), gopts[g] its
+ * options. A wrap class naming no block of the model is DDP_ERR_INVALID_ARGUMENT naming
+ * it and the model's block classes. */
+DDP_API ddp_status_t ddp_fsdp_create(ddp_pg_t *pg, ddp_model_t *model,
+                                     const ddp_fsdp_options_t *opts,
+                                     const ddp_optim_options_t *gopts, const int *group,
+                                     size_t ngroups, ddp_fsdp_t **out, ddp_error_t *err);
+/* Restores nothing: the model's parameters stay unmaterialised (gather them with
+ * ddp_fsdp_gather_all before destroying if they are needed). */
+DDP_API void ddp_fsdp_destroy(ddp_fsdp_t *f);
+
+DDP_API size_t ddp_fsdp_num_units(const ddp_fsdp_t *f);
+/* Unit of parameter i (0: the root unit). */
+DDP_API size_t ddp_fsdp_unit_of(const ddp_fsdp_t *f, size_t i);
+
+/* Before a micro-batch's forward (sync: its backward reduces, as DDP's last micro-batch of
+ * a window), or an evaluation forward (train false: nothing is kept for backward). */
+DDP_API ddp_status_t ddp_fsdp_begin(ddp_fsdp_t *f, bool train, bool sync, ddp_error_t *err);
+/* After the backward (or, train false, after the forward): the units left (root). */
+DDP_API ddp_status_t ddp_fsdp_end(ddp_fsdp_t *f, ddp_error_t *err);
+/* clip_grad_norm_ (norm 2) over the reduced gradients: the norms taken at reduction,
+ * summed in parameter order; equal bit for bit to ddp_clip_grad_norm over DDP's
+ * gradients. */
+DDP_API ddp_status_t ddp_fsdp_clip_grad_norm(ddp_fsdp_t *f, double max_norm, double *total_norm,
+                                             ddp_error_t *err);
+/* Steps this rank's shard at lr (no communication: the next forward gathers). */
+DDP_API ddp_status_t ddp_fsdp_step(ddp_fsdp_t *f, double lr, ddp_error_t *err);
+DDP_API void ddp_fsdp_zero_grad(ddp_fsdp_t *f);
+/* Collective: every unit gathered into the parameters (summon_full_params), for a
+ * parameter hash or a save; ddp_fsdp_free_all frees them again. */
+DDP_API ddp_status_t ddp_fsdp_gather_all(ddp_fsdp_t *f, ddp_error_t *err);
+DDP_API void ddp_fsdp_free_all(ddp_fsdp_t *f);
+/* Collective, at the end of training: the model gets its own storage back holding the full
+ * parameters (FULL_STATE_DICT), the hooks are removed; only destroy may follow. */
+DDP_API ddp_status_t ddp_fsdp_unshard(ddp_fsdp_t *f, ddp_error_t *err);
+/* This rank's sharded state (the real elements of its shards; the padding of each unit,
+ * under W elements, not counted): parameters, gradients present, optimizer state; and
+ * the largest full copy (parameters and gradients of the units gathered at once) held
+ * since the last call, which resets it. */
+DDP_API void ddp_fsdp_state_bytes(ddp_fsdp_t *f, size_t *param_bytes, size_t *grad_bytes,
+                                  size_t *optim_bytes, size_t *peak_gathered_bytes);
 
 #ifdef __cplusplus
 }

@@ -124,9 +124,13 @@ typedef struct ddp_train_args {
   /* "": off; HF's --deepspeed ds_config.json: zero_optimization.stage 1 or 2 runs ZeRO-1/2
    * (docs/sharding.md) */
   char deepspeed[DDP_TRAIN_STR_MAX];
-  /* "": off; HF's --fsdp options: shard_grad_op (ZeRO-2), no_shard (DDP); the others are not
-   * implemented yet */
+  /* "": off; HF's --fsdp options: full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard
+   * (DDP), auto_wrap; hybrid_shard, hybrid_shard_zero2 and offload are not implemented yet */
   char fsdp[DDP_TRAIN_STR_MAX];
+  /* "": defaults; HF's --fsdp_config: a JSON file or inline JSON object with
+   * transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward (ZeRO-3's wrap
+   * policy; docs/sharding.md) */
+  char fsdp_config[DDP_TRAIN_STR_MAX];
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \

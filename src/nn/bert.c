@@ -207,8 +207,11 @@ static ddp_status_t bert_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool t
   DDP_CHECK(ddp_add(c, e, p, &e));
   DDP_CHECK(ln(c, b, b->emb_ln, e, &e));
   DDP_CHECK(ddp_dropout(c, e, cfg->hidden_dropout_prob, training, &e));
-  for (int64_t l = 0; l < cfg->num_hidden_layers; l++)
+  for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
+    DDP_CHECK(ddp__block_enter(c, b->m, (size_t)l, &e));
     DDP_CHECK(layer_forward(c, b, &b->layer[l], e, mask, training, &e));
+    DDP_CHECK(ddp__block_leave(c, b->m, (size_t)l, &e));
+  }
   /* Pooler: dense + tanh on the first token; then dropout and the classifier. */
   int64_t bc[2] = {ids->value.shape[0], cfg->hidden_size};
   DDP_CHECK(ddp_narrow(c, e, 1, 0, 1, &e));
@@ -319,6 +322,7 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   DDP_CHECK(add_ln(&bd, nm(&bd, -1, "bert.embeddings.LayerNorm"), &b->emb_ln));
   for (int64_t i = 0; i < cfg->num_hidden_layers; i++) {
     layer_t *L = &b->layer[i];
+    size_t first = ddp_model_num_params(m);
     DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.query"), C, C, &L->query));
     DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.key"), C, C, &L->key));
     DDP_CHECK(add_linear(&bd, nm(&bd, i, "attention.self.value"), C, C, &L->value));
@@ -327,6 +331,8 @@ ddp_status_t ddp__bert_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
     DDP_CHECK(add_linear(&bd, nm(&bd, i, "intermediate.dense"), C, I, &L->inter));
     DDP_CHECK(add_linear(&bd, nm(&bd, i, "output.dense"), I, C, &L->out_dense));
     DDP_CHECK(add_ln(&bd, nm(&bd, i, "output.LayerNorm"), &L->out_ln));
+    if (ddp__model_add_block(m, "BertLayer", first, ddp_model_num_params(m) - first) != DDP_OK)
+      return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "bert: out of memory");
   }
   DDP_CHECK(add_linear(&bd, nm(&bd, -1, "bert.pooler.dense"), C, C, &b->pooler));
   DDP_CHECK(add_linear(&bd, nm(&bd, -1, "classifier"), C, cfg->num_labels, &b->classifier));

@@ -112,7 +112,11 @@ static ddp_status_t gpt2_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool t
   DDP_CHECK(ddp_embedding(c, pos, wpe, &pe));
   DDP_CHECK(ddp_add(c, tok, pe, &h));
   DDP_CHECK(ddp_dropout(c, h, cfg->embd_pdrop, training, &h));
-  for (int64_t l = 0; l < cfg->n_layer; l++) DDP_CHECK(block_forward(c, g, l, h, training, &h));
+  for (int64_t l = 0; l < cfg->n_layer; l++) {
+    DDP_CHECK(ddp__block_enter(c, g->m, (size_t)l, &h));
+    DDP_CHECK(block_forward(c, g, l, h, training, &h));
+    DDP_CHECK(ddp__block_leave(c, g->m, (size_t)l, &h));
+  }
   DDP_CHECK(ln(c, g, g->ln_f, h, &h));
   DDP_CHECK(ddp__pvar(c, g->m, g->lm_head, &head));
   return ddp_linear(c, h, head, NULL, y);
@@ -216,6 +220,7 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
   DDP_CHECK(add_embedding(&b, "transformer.wpe", cfg->n_positions, &g->wpe));
   for (int64_t i = 0; i < cfg->n_layer; i++) {
     block_t *k = &g->h[i];
+    size_t first = ddp_model_num_params(m);
     DDP_CHECK(add_ln(&b, nm(&b, i, "ln_1"), &k->ln_1));
     DDP_CHECK(add_conv1d(&b, nm(&b, i, "attn.c_attn"), C, 3 * C, DDP__INIT_NORMAL, &k->c_attn_w,
                          &k->c_attn_b));
@@ -226,6 +231,8 @@ ddp_status_t ddp__gpt2_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dtyp
         add_conv1d(&b, nm(&b, i, "mlp.c_fc"), C, inner, DDP__INIT_NORMAL, &k->c_fc_w, &k->c_fc_b));
     DDP_CHECK(add_conv1d(&b, nm(&b, i, "mlp.c_proj"), inner, C, DDP__INIT_PROJ, &k->mlp_proj_w,
                          &k->mlp_proj_b));
+    if (ddp__model_add_block(m, "GPT2Block", first, ddp_model_num_params(m) - first) != DDP_OK)
+      return fail(&b, "transformer.h", DDP_ERR_NO_MEMORY);
   }
   DDP_CHECK(add_ln(&b, "transformer.ln_f", &g->ln_f));
   g->lm_head = g->wte;

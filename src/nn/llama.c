@@ -131,12 +131,14 @@ static ddp_status_t llama_forward(void *state, ddp_ctx_t *c, ddp_var_t *x, bool 
     DDP_CHECK(ddp_embedding(c, x, emb, &h));
   for (int64_t i = 0; i < cfg->num_hidden_layers; i++) {
     const layer_t *L = &l->layers[i];
+    DDP_CHECK(ddp__block_enter(c, l->m, (size_t)i, &h));
     DDP_CHECK(rms(c, l, L->in_norm, h, &a));
     DDP_CHECK(attention(c, l, L, a, training, &a));
     DDP_CHECK(ddp_add(c, h, a, &h));
     DDP_CHECK(rms(c, l, L->post_norm, h, &a));
     DDP_CHECK(mlp(c, l, L, a, &a));
     DDP_CHECK(ddp_add(c, h, a, &h));
+    DDP_CHECK(ddp__block_leave(c, l->m, (size_t)i, &h));
   }
   DDP_CHECK(rms(c, l, l->norm, h, &h));
   DDP_CHECK(ddp__pvar(c, l->m, l->lm_head, &head));
@@ -242,7 +244,13 @@ ddp_status_t ddp__llama_build(ddp_model_t *m, const ddp_hf_config_t *hf, ddp_dty
   builder_t b = {l, dt, err, ""};
   int64_t es[2] = {cfg->vocab_size, cfg->hidden_size};
   DDP_CHECK(add(&b, "model.embed_tokens.weight", 2, es, DDP__INIT_NORMAL, &l->embed));
-  for (int64_t i = 0; i < cfg->num_hidden_layers; i++) DDP_CHECK(add_layer(&b, i, &l->layers[i]));
+  for (int64_t i = 0; i < cfg->num_hidden_layers; i++) {
+    size_t first = ddp_model_num_params(m);
+    DDP_CHECK(add_layer(&b, i, &l->layers[i]));
+    if (ddp__model_add_block(m, "LlamaDecoderLayer", first, ddp_model_num_params(m) - first) !=
+        DDP_OK)
+      return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "llama: out of memory");
+  }
   DDP_CHECK(add_norm(&b, "model.norm", &l->norm));
   l->lm_head = l->embed;
   if (!cfg->tie_word_embeddings)

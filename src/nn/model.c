@@ -61,6 +61,7 @@ struct ddp_model {
   bool training;
   ddp_module_t *mod_head, *mod_tail;
   ddp_module_t *root;
+  ddp__blocks_t blocks; /* blocks.c */
 };
 
 /* ---------------------------------------------------------------- registry -------- */
@@ -91,6 +92,7 @@ void ddp_model_destroy(ddp_model_t *m) {
     ddp__free(mod);
     mod = next;
   }
+  ddp__free(m->blocks.b);
   ddp__free(m->params);
   ddp__free(m->buffers);
   ddp__free(m->entries);
@@ -237,7 +239,7 @@ static ddp_tensor_t flat_view(ddp_model_t *m, ddp_dtype_t dt, void *const *arr) 
   ddp_tensor_t t;
   memset(&t, 0, sizeof t);
   t.dtype = dt;
-  if (ddp_dtype_valid((int)dt) && m->finalized && m->flat_numel[dt]) {
+  if (ddp_dtype_valid((int)dt) && m->finalized && m->flat_numel[dt] && arr[dt]) {
     int64_t n = m->flat_numel[dt];
     ddp_tensor_view(&t, dt, 1, &n, arr[dt]);
   }
@@ -540,8 +542,12 @@ ddp_status_t ddp_module_forward(ddp_module_t *mod, ddp_ctx_t *c, ddp_var_t *x, u
     }
     case MOD_SEQ: {
       ddp_var_t *h = x;
-      for (size_t i = 0; i < mod->nchildren; i++)
+      for (size_t i = 0; i < mod->nchildren; i++) {
+        size_t k = mod == m->root ? ddp__block_of_child(m, i) : NONE;
+        if (k != NONE) DDP_CHECK(ddp__block_enter(c, m, k, &h));
         DDP_CHECK(ddp_module_forward(mod->children[i], c, h, flags, &h));
+        if (k != NONE) DDP_CHECK(ddp__block_leave(c, m, k, &h));
+      }
       *y = h;
       return DDP_OK;
     }
@@ -808,4 +814,66 @@ bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {
   void *state;
   const ddp__family_t *fam = ddp__model_family(m, &state);
   return fam && fam->is_norm && fam->is_norm(state, index);
+}
+
+/* ---------------------------------------------------------------- blocks ---------- */
+static const char *kind_class(mod_kind_t k) {
+  return (const char *const[]){"Linear",     "LayerNorm", "BatchNorm1d", "Embedding", "Dropout",
+                               "Activation", "Flatten",   "Sequential",  "Residual",  "Branch",
+                               "Checkpoint", "Add",       "FamilyModel"}[k];
+}
+/* Parameters of mod's subtree: their count, smallest and largest index. */
+static void subtree_params(const ddp_module_t *mod, size_t *n, size_t *lo, size_t *hi) {
+  for (int j = 0; j < 2; j++)
+    if (mod->p[j] != NONE) {
+      (*n)++;
+      if (mod->p[j] < *lo) *lo = mod->p[j];
+      if (mod->p[j] > *hi) *hi = mod->p[j];
+    }
+  if (mod->body) subtree_params(mod->body, n, lo, hi);
+  for (size_t i = 0; i < mod->nchildren; i++) subtree_params(mod->children[i], n, lo, hi);
+}
+
+ddp_status_t ddp__model_add_block(ddp_model_t *m, const char *cls, size_t first, size_t count) {
+  ddp__blocks_t *b = &m->blocks;
+  if (!grow((void **)&b->b, &b->cap, b->n + 1, sizeof *b->b)) return DDP_ERR_NO_MEMORY;
+  b->b[b->n++] = (ddp__block_t){cls, first, count, NONE};
+  return DDP_OK;
+}
+
+ddp__blocks_t *ddp__model_blocks(ddp_model_t *m) {
+  ddp__blocks_t *b = &m->blocks;
+  if (!b->scanned && b->n == 0 && m->root && m->root->kind == MOD_SEQ) {
+    /* A Sequential root: each child whose parameters are contiguous is a block. */
+    for (size_t i = 0; i < m->root->nchildren; i++) {
+      const ddp_module_t *ch = m->root->children[i];
+      size_t n = 0, lo = NONE, hi = 0;
+      subtree_params(ch, &n, &lo, &hi);
+      if (n == 0 || hi - lo + 1 != n) continue;
+      if (ddp__model_add_block(m, kind_class(ch->kind), lo, n) != DDP_OK) break;
+      b->b[b->n - 1].child = i;
+    }
+  }
+  b->scanned = true;
+  return b;
+}
+
+void ddp_model_release_storage(ddp_model_t *m) {
+  DDP_REQUIRE(m && m->finalized);
+  for (int d = 0; d < DDP_DTYPE_COUNT_; d++) {
+    ddp__aligned_free(m->flat[d]);
+    ddp__aligned_free(m->gflat[d]);
+    m->flat[d] = m->gflat[d] = NULL;
+  }
+  for (size_t i = 0; i < m->nparams; i++) {
+    ddp_param_t *p = &m->params[i];
+    p->value.data = p->grad.data = p->grad_home_ = NULL;
+  }
+}
+ddp_status_t ddp_model_restore_storage(ddp_model_t *m) {
+  DDP_REQUIRE(m && m->finalized);
+  for (int d = 0; d < DDP_DTYPE_COUNT_; d++)
+    if (m->flat[d] || m->gflat[d]) return DDP_OK; /* never released */
+  m->finalized = false;
+  return ddp_model_finalize(m);
 }

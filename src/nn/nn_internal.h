@@ -154,4 +154,32 @@ void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double 
 /* The leaf var of parameter i of m in c (an error on the context when the arena is full). */
 ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v);
 
+/* ---- blocks (include/ddp/nn.h "Blocks") ---- */
+
+typedef struct ddp__block {
+  const char *cls; /* static string */
+  size_t first, count;
+  size_t child; /* Sequential root: the child's index; families: (size_t)-1 */
+} ddp__block_t;
+
+typedef struct ddp__blocks {
+  ddp__block_t *b;
+  size_t n, cap;
+  bool scanned; /* a Sequential root's children looked at */
+  bool hooked;
+  ddp_block_hooks_t hooks;
+} ddp__blocks_t;
+
+/* A family registers its layer k (in forward order) after registering its parameters. */
+ddp_status_t ddp__model_add_block(ddp_model_t *m, const char *cls, size_t first, size_t count);
+ddp__blocks_t *ddp__model_blocks(ddp_model_t *m);
+/* The block that child i of a Sequential root is; (size_t)-1 when none or no hooks. */
+size_t ddp__block_of_child(ddp_model_t *m, size_t child);
+/* Around block k's forward (autograd.c): enter calls pre_forward and, when *h needs a
+ * gradient, records an identity node whose backward calls post_backward; leave calls
+ * post_forward and records an identity node whose backward calls pre_backward and re-reads
+ * the parameter leaves. *h becomes the identity's output. No-ops without hooks. */
+ddp_status_t ddp__block_enter(ddp_ctx_t *c, ddp_model_t *m, size_t k, ddp_var_t **h);
+ddp_status_t ddp__block_leave(ddp_ctx_t *c, ddp_model_t *m, size_t k, ddp_var_t **h);
+
 #endif /* DDP_NN_INTERNAL_H */

@@ -102,8 +102,11 @@ static const arg_field_t fields[] = {
     F_STR(comm_state_option, "", "JSON object of PowerSGD state options"),
     F_STR(power_sgd_init_q, "",
           "libddp: torch_reference.py's powersgd_q.safetensors: start PowerSGD from its Qs"),
-    F_STR(deepspeed, "", "HF: a DeepSpeed config; zero_optimization.stage 1|2: ZeRO-1/2"),
-    F_STR(fsdp, "", "HF: FSDP options; shard_grad_op (ZeRO-2) or no_shard (DDP)"),
+    F_STR(deepspeed, "", "HF: a DeepSpeed config; zero_optimization.stage 1|2|3: ZeRO-1/2/3"),
+    F_STR(fsdp, "", "HF: FSDP options; full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard"),
+    F_STR(fsdp_config, "",
+          "HF: FSDP config (JSON file or object): transformer_layer_cls_to_wrap, "
+          "min_num_params, reshard_after_forward"),
     F_INT(world_size_invariant_shards, 0, 65536, "0",
           "libddp: K shards per global batch: the same bits for any world size (0: off)"),
     F_BOOL(overwrite_output_dir, "false",

@@ -10,12 +10,17 @@ uint64_t ddp_train_param_hash(ddp_model_t *model) {
   DDP_REQUIRE(model);
   uint64_t h = 1469598103934665603ull;
   static const ddp_dtype_t dts[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16};
-  for (size_t d = 0; d < DDP_ARRAY_LEN(dts); d++) {
-    ddp_tensor_t p = ddp_model_flat_params(model, dts[d]);
-    const unsigned char *b = p.data;
-    size_t n = p.numel ? ddp_tensor_nbytes(&p) : 0;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  }
+  /* Per dtype, the parameters in registration order: the bytes of the dtype's flat buffer
+   * (offsets follow registration), read through each parameter so that parameters whose
+   * storage a sharding layer gathered elsewhere (ZeRO-3) hash the same. */
+  for (size_t d = 0; d < DDP_ARRAY_LEN(dts); d++)
+    for (size_t k = 0; k < ddp_model_num_params(model); k++) {
+      const ddp_param_t *p = ddp_model_param(model, k);
+      if (p->value.dtype != dts[d] || !p->value.data) continue;
+      const unsigned char *b = p->value.data;
+      size_t n = ddp_tensor_nbytes(&p->value);
+      for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    }
   return h;
 }
 

@@ -183,7 +183,10 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
   } else {
     *(double *)t->seed_grad.data = inv;
   }
-  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer, &t->sync, t->err));
+  /* ZeRO-3 reduces its gradients itself, unit by unit (zero.c): no DDP reducer */
+  int stage = 0;
+  DDP_CHECK(ddp__train_zero_stage(a, t->rank, &stage, t->err));
+  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer && stage != 3, &t->sync, t->err));
   DDP_CHECK(ddp__train_zero_setup(t));
   ddp_model_set_grads_none(t->model); /* a fresh PyTorch module's gradients are None */
   return DDP_OK;

@@ -131,6 +131,9 @@ static ddp_status_t evaluate(ddp__trainer_t *t, double *loss, double *acc) {
   ddp_status_t st = idx ? DDP_OK : DDP_ERR_NO_MEMORY;
   if (st == DDP_OK) st = ddp_tensor_alloc(&f, sp->feature_dtype, sp->feature_ndim + 1, fs);
   if (st == DDP_OK) st = ddp_tensor_alloc(&l, sp->label_dtype, sp->label_ndim + 1, ls);
+  /* ZeRO-3: the ranks run different numbers of batches, so the whole model is gathered
+   * once (summon_full_params) instead of per unit */
+  if (st == DDP_OK && t->fsdp) st = ddp_fsdp_gather_all(t->fsdp, t->err);
   bool prev = ddp_ctx_set_grad_enabled(t->ctx, false);
   ddp_model_train(t->model, false);
   for (int64_t start = t->rank; st == DDP_OK && start < n;) {
@@ -178,6 +181,7 @@ static ddp_status_t evaluate(ddp__trainer_t *t, double *loss, double *acc) {
   }
   ddp_model_train(t->model, true);
   ddp_ctx_set_grad_enabled(t->ctx, prev);
+  if (t->fsdp) ddp_fsdp_free_all(t->fsdp);
   ddp_tensor_free(&f);
   ddp_tensor_free(&l);
   ddp__free(idx);
@@ -426,6 +430,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   DDP_CHECK(ddp__train_fault_check(&t->fault, t->world, t->max_steps, t->err));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
+  DDP_CHECK(ddp__train_fsdp_setup(t)); /* ZeRO-3 shards the broadcast parameters */
   DDP_CHECK(resume_hook_state(t));
   DDP_CHECK(open_init_q(t));
   t->res->start_step = t->start;
@@ -455,7 +460,8 @@ typedef struct step_out {
   double loss;      /* the step's loss, averaged over ranks */
   double grad_norm; /* before clipping */
   double lr;
-  double bytes[3]; /* this rank's parameter, gradient, optimizer-state bytes after the step */
+  double bytes[4]; /* this rank's parameter, gradient, optimizer-state bytes after the step;
+                    * ZeRO-3: the most held in gathered full copies during it */
 } step_out_t;
 
 /* Micro-batch k of step `step`: forward (synchronising only the last of the window, as HF
@@ -472,7 +478,9 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   ddp_ctx_set_rng(t->ctx, t->a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
   /* ZeRO-2 reduce-scatters the accumulated local gradients itself (zero.c) */
   bool zero2 = t->zero && ddp_zero_stage(t->zero) == 2;
-  DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1 && !zero2, t->err));
+  DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1 && !zero2 && !t->fsdp, t->err));
+  /* ZeRO-3: the root unit gathered; its backward reduces on the window's last micro-batch */
+  if (t->fsdp) DDP_CHECK(ddp_fsdp_begin(t->fsdp, true, k == GA - 1, t->err));
   ddp_var_t *y, *l;
   DDP_CHECK(forward(t, &b, &y));
   DDP_CHECK(ddp__sync_post_forward(t->sync, t->ctx, y, t->err));
@@ -481,6 +489,7 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   if (!ddp__train_fault_skips(&t->fault, step, k)) {
     DDP_CHECK(ddp__sync_backward(t->sync, t->ctx, l, GA > 1 ? &t->seed_grad : NULL, comm, t->err));
   }
+  if (t->fsdp) DDP_CHECK(ddp_fsdp_end(t->fsdp, t->err));
   ddp_ctx_reset(t->ctx);
   return DDP_OK;
 }
@@ -606,6 +615,8 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   double max_norm = a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY;
   if (t->zero)
     DDP_CHECK(ddp_zero_clip_grad_norm(t->zero, max_norm, &o->grad_norm, t->err));
+  else if (t->fsdp)
+    DDP_CHECK(ddp_fsdp_clip_grad_norm(t->fsdp, max_norm, &o->grad_norm, t->err));
   else
     DDP_CHECK(ddp_clip_grad_norm(t->grads, t->ntrain, max_norm, 2.0, false, &o->grad_norm, t->err));
   if (!isfinite(o->grad_norm) || bad != SIZE_MAX)
@@ -616,12 +627,17 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
     ddp__train_own_bytes(t, o->bytes);
     ddp_zero_zero_grad(t->zero, a->zero_grad_set_to_none);
   }
-  for (size_t g = 0; !t->zero && g < t->nopt; g++) {
+  if (t->fsdp) {
+    DDP_CHECK(ddp_fsdp_step(t->fsdp, o->lr, t->err));
+    ddp__train_own_bytes(t, o->bytes);
+    ddp_fsdp_zero_grad(t->fsdp);
+  }
+  for (size_t g = 0; !t->zero && !t->fsdp && g < t->nopt; g++) {
     ddp_optim_set_lr(t->opt[g], o->lr);
     DDP_CHECK(ddp_optim_step(t->opt[g], t->err));
     if (g == t->nopt - 1) ddp__train_own_bytes(t, o->bytes);
   }
-  for (size_t g = 0; !t->zero && g < t->nopt; g++)
+  for (size_t g = 0; !t->zero && !t->fsdp && g < t->nopt; g++)
     ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
   if (t->inv_k) DDP_CHECK(invariant_loss(t, &local_loss)); /* the step's loss, every rank */
   if (t->dump) {
@@ -639,6 +655,14 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   return DDP_OK;
 }
 
+/* The replica check and parameter hash; ZeRO-3 gathers every unit for it first. */
+static ddp_status_t replica_check(ddp__trainer_t *t, int64_t step, uint64_t *h) {
+  if (t->fsdp) DDP_CHECK(ddp_fsdp_gather_all(t->fsdp, t->err));
+  ddp_status_t st = ddp__train_replica_check(t->pg, t->model, step, h, t->err);
+  if (t->fsdp) ddp_fsdp_free_all(t->fsdp);
+  return st;
+}
+
 /* A logging step: the replica check, the window's means as a metrics.jsonl line and rank
  * 0's LOG event; the window starts again. */
 static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t *o, double eta) {
@@ -649,7 +673,7 @@ static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t
   int64_t comm_bytes = 0;
   double comm_rate = 1.0;
   ddp__sync_comm_stats(t->sync, &comm_bytes, &comm_rate);
-  DDP_CHECK(ddp__train_replica_check(t->pg, t->model, done, &h, t->err));
+  DDP_CHECK(replica_check(t, done, &h));
   t->res->replica_checks++;
   if (t->metrics) {
     ddp__json_t j;
@@ -667,7 +691,7 @@ static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t
     DDP_CHECK(ddp__train_state_bytes(t, o->bytes, &j));
     ddp__json_end(&j);
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
-  } else if (t->zero) {
+  } else if (t->zero || t->fsdp) {
     DDP_CHECK(ddp__train_state_bytes(t, o->bytes, NULL)); /* collective */
   }
   if (t->ev) {
@@ -764,7 +788,12 @@ static ddp_status_t finish(ddp__trainer_t *t) {
                          ? t->samples_per_step * (double)(t->max_steps - t->start) / r->seconds
                          : 0;
   r->comm_seconds = (double)t->comm_total * 1e-9;
-  DDP_CHECK(ddp__train_replica_check(t->pg, t->model, t->max_steps, &r->param_hash, t->err));
+  if (t->fsdp) { /* the full model back in its own storage, for the caller's save */
+    DDP_CHECK(ddp_fsdp_unshard(t->fsdp, t->err));
+    ddp_fsdp_destroy(t->fsdp);
+    t->fsdp = NULL;
+  }
+  DDP_CHECK(replica_check(t, t->max_steps, &r->param_hash));
   r->replica_checks++;
   if (!t->metrics) return DDP_OK;
   ddp__json_t j;
@@ -804,6 +833,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp_tensor_free(&t->seed_grad);
   for (size_t g = 0; g < t->nopt; g++) ddp_optim_destroy(t->opt[g]);
   ddp_zero_destroy(t->zero);
+  ddp_fsdp_destroy(t->fsdp);
   ddp_loader_destroy(t->loader);
   ddp_sampler_destroy(t->sampler);
   ddp_ctx_destroy(t->ctx);

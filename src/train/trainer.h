@@ -42,6 +42,8 @@ typedef struct ddp__trainer {
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
   ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
+  ddp_fsdp_t *fsdp;         /* ZeRO-3 (zero.c), created after the initial broadcast */
+  bool zero3;               /* ZeRO-3 asked for */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
   char data_digest[17];     /* the training data's digest, "" until computed (resume_check.c) */
 
@@ -85,6 +87,9 @@ ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *sta
                                    ddp_error_t *err);
 /* After the optimizers: t->zero over their groups when a stage is asked for. */
 ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t);
+/* ZeRO-3: t->fsdp over the model, once the initial broadcast has made it equal on every
+ * rank (the model's storage is released). */
+ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t);
 /* --dump_dir with ZeRO: the partition, by parameter name, into the dump's ddp.json. */
 ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t);
 /* Checkpoints: this rank's optimizer shards into the staged directory tmp
@@ -95,9 +100,9 @@ ddp_status_t ddp__train_zero_save_shard(ddp__trainer_t *t, const char *tmp);
 ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp);
 /* Collective when ZeRO is on: every rank's parameter, gradient and optimizer-state bytes
  * (measured after the step, before zero_grad) as metrics members on rank 0's line j. */
-ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j);
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[4], ddp__json_t *j);
 /* This rank's bytes now: parameters, present gradients, optimizer state. */
-void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]);
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[4]);
 /* The training data's digest (16 hex digits; FNV-1a of every sample's bytes), computed
  * once (resume_check.c). */
 ddp_status_t ddp__train_data_digest(ddp__trainer_t *t, char hex[17]);

@@ -9,8 +9,8 @@
 #include "common/common.h"
 #include "train/trainer.h"
 
-#define FSDP_CHOICES                                                              \
-  "shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; full_shard, hybrid_shard, " \
+#define FSDP_CHOICES                                                                       \
+  "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; hybrid_shard, " \
   "hybrid_shard_zero2 and offload are not implemented yet"
 
 /* --fsdp: space-separated options (HF's FSDPOption). */
@@ -20,15 +20,18 @@ static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t 
   int st = -1;
   for (char *save = NULL, *w = strtok_r(buf, " ,", &save); w; w = strtok_r(NULL, " ,", &save)) {
     if (!strcmp(w, "auto_wrap")) continue;
-    int v = !strcmp(w, "shard_grad_op") ? 2 : !strcmp(w, "no_shard") ? 0 : -1;
-    bool later = !strcmp(w, "full_shard") || !strcmp(w, "hybrid_shard") ||
-                 !strcmp(w, "hybrid_shard_zero2") || !strcmp(w, "offload");
+    int v = !strcmp(w, "full_shard")      ? 3
+            : !strcmp(w, "shard_grad_op") ? 2
+            : !strcmp(w, "no_shard")      ? 0
+                                          : -1;
+    bool later = !strcmp(w, "hybrid_shard") || !strcmp(w, "hybrid_shard_zero2") ||
+                 !strcmp(w, "offload");
     if (v < 0)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "--fsdp: option '%s' is %s; %s", w,
                         later ? "not implemented yet" : "unknown", "choices: " FSDP_CHOICES);
     if (st >= 0 && st != v)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                        "--fsdp '%s': shard_grad_op and no_shard are exclusive", s);
+                        "--fsdp '%s': full_shard, shard_grad_op and no_shard are exclusive", s);
     st = v;
   }
   if (st < 0)
@@ -57,11 +60,6 @@ static ddp_status_t deepspeed_stage(const char *path, int rank, int *stage, ddp_
                       "--deepspeed %s: zero_optimization.stage %s is not a ZeRO stage (0, 1, 2 "
                       "or 3)",
                       path, shown ? shown : "?");
-    else if (v == 3)
-      st = ddp__error(err, rank, DDP_ERR_UNSUPPORTED,
-                      "--deepspeed %s: zero_optimization.stage 3 (parameters sharded) is not "
-                      "implemented yet; stages 1 and 2 are (docs/sharding.md)",
-                      path);
     else
       *stage = (int)v;
     cJSON_free(shown);
@@ -90,11 +88,24 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   if (stage == 0) return DDP_OK;
   const char *why = NULL;
   if (t->inv_k) why = "world_size_invariant_shards";
-  if (stage == 2 && strcmp(a->comm_hook, "no") != 0) why = "a comm_hook (stage 2 has no allreduce)";
+  if (stage >= 2 && strcmp(a->comm_hook, "no") != 0)
+    why = stage == 2 ? "a comm_hook (stage 2 has no allreduce)"
+                     : "a comm_hook (stage 3 has no allreduce)";
+  if (stage == 3 && a->dump_dir[0]) why = "--dump_dir (the dump reads the model's full buffers)";
+  if (stage == 3 && a->resume_from_checkpoint[0])
+    why = "--resume_from_checkpoint (ZeRO-3 checkpoints are not implemented yet)";
+  if (stage == 3 && strcmp(a->save_strategy, "no") != 0)
+    why = "saving checkpoints (ZeRO-3 checkpoints are not implemented yet: pass --save_strategy "
+          "no)";
+  if (stage == 3 && a->power_sgd_init_q[0]) why = "--power_sgd_init_q";
   if (why)
     return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
                       "ZeRO stage %d (--%s) does not combine with %s yet", stage,
                       a->fsdp[0] ? "fsdp" : "deepspeed", why);
+  if (stage == 3) {
+    t->zero3 = true;
+    return DDP_OK; /* ddp__train_fsdp_setup, after the initial broadcast */
+  }
   ddp_zero_group_t groups[DDP__TRAIN_MAX_GROUPS];
   for (size_t g = 0, off = 0; g < t->nopt; g++) {
     size_t n = ddp_optim_num_params(t->opt[g]);
@@ -172,11 +183,18 @@ ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp) {
   return st;
 }
 
-void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]) {
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[4]) {
+  own[3] = 0;
   if (t->zero) {
     size_t p, g, o;
     ddp_zero_state_bytes(t->zero, &p, &g, &o);
     own[0] = (double)p, own[1] = (double)g, own[2] = (double)o;
+    return;
+  }
+  if (t->fsdp) {
+    size_t p, g, o, peak;
+    ddp_fsdp_state_bytes(t->fsdp, &p, &g, &o, &peak);
+    own[0] = (double)p, own[1] = (double)g, own[2] = (double)o, own[3] = (double)peak;
     return;
   }
   own[0] = own[1] = own[2] = 0;
@@ -188,26 +206,26 @@ void ddp__train_own_bytes(ddp__trainer_t *t, double own[3]) {
   for (size_t g = 0; g < t->nopt; g++) own[2] += (double)ddp_optim_state_bytes(t->opt[g]);
 }
 
-/* One metrics member: a JSON array of W integers. */
+/* One metrics member: a JSON array of W integers (all: 5 values per rank). */
 static void member(ddp__json_t *j, const char *key, const double *all, int world, int k) {
   char buf[4096];
   size_t len = 0;
   buf[len++] = '[';
   for (int r = 0; r < world && len + 32 < sizeof buf; r++)
-    len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%.0f", r ? "," : "", all[r * 4 + k]);
+    len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%.0f", r ? "," : "", all[r * 5 + k]);
   snprintf(buf + len, sizeof buf - len, "]");
   ddp__json_raw(j, key, buf);
 }
 
-ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp__json_t *j) {
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[4], ddp__json_t *j) {
   int W = t->world;
-  double *all = ddp__calloc((size_t)W * 4, sizeof *all);
+  double *all = ddp__calloc((size_t)W * 5, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
   ddp_status_t st = DDP_OK;
-  double mine[4] = {own[0], own[1], own[2], own[0] + own[1] + own[2]};
-  if (t->zero) { /* the ranks differ: gather them */
+  double mine[5] = {own[0], own[1], own[2], own[0] + own[1] + own[2], own[3]};
+  if (t->zero || t->fsdp) { /* the ranks differ: gather them */
     ddp_work_t *w = NULL;
-    st = ddp_allgather(t->pg, mine, all, 4, DDP_F64, &w);
+    st = ddp_allgather(t->pg, mine, all, 5, DDP_F64, &w);
     if (st == DDP_OK) st = ddp_work_wait_free(w);
     if (st != DDP_OK) {
       ddp_error_t pe;
@@ -215,18 +233,94 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[3], ddp_
       st = ddp__error_quiet(t->err, st, "trainer: state bytes allgather: %s", pe.msg);
     }
   } else { /* DDP: every rank holds the same */
-    for (int r = 0; r < W; r++) memcpy(all + r * 4, mine, sizeof mine);
+    for (int r = 0; r < W; r++) memcpy(all + r * 5, mine, sizeof mine);
   }
   if (st == DDP_OK && j) {
     ddp__json_str(j, "sharding",
-                  !t->zero                       ? "ddp"
+                  t->fsdp                        ? "zero3"
+                  : !t->zero                     ? "ddp"
                   : ddp_zero_stage(t->zero) == 1 ? "zero1"
                                                  : "zero2");
     member(j, "param_bytes", all, W, 0);
     member(j, "grad_bytes", all, W, 1);
     member(j, "optim_bytes", all, W, 2);
     member(j, "state_bytes", all, W, 3);
+    /* ZeRO-3: the full copies of the units in flight, apart from the sharded state */
+    if (t->fsdp) member(j, "gathered_bytes", all, W, 4);
   }
   ddp__free(all);
+  return st;
+}
+
+/* ---------------------------------------------------------------- ZeRO-3 ---------- */
+
+/* --fsdp_config: a JSON object inline or a file's; Transformers' keys, with or without
+ * their "fsdp_" prefix. */
+static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *cls, size_t cap) {
+  const char *src = t->a->fsdp_config;
+  char *text = NULL;
+  if (src[0] != '{')
+    DDP_CHECK(ddp__file_read(src, 1 << 20, t->rank, "--fsdp_config", &text, NULL, t->err));
+  cJSON *j = NULL;
+  ddp_status_t st = ddp__json_read(text ? text : src, text ? src : "--fsdp_config", t->rank, &j,
+                                   t->err);
+  ddp__free(text);
+  if (st != DDP_OK) return st;
+  const cJSON *it = NULL;
+  cJSON_ArrayForEach(it, j) {
+    const char *k = it->string;
+    if (!strncmp(k, "fsdp_", 5)) k += 5;
+    if (!strcmp(k, "transformer_layer_cls_to_wrap") && cJSON_IsString(it)) {
+      snprintf(cls, cap, "%s", it->valuestring);
+    } else if (!strcmp(k, "transformer_layer_cls_to_wrap") && cJSON_IsArray(it)) {
+      size_t len = 0;
+      const cJSON *e = NULL;
+      cls[0] = 0;
+      cJSON_ArrayForEach(e, it) if (cJSON_IsString(e) && len + strlen(e->valuestring) + 2 < cap)
+          len += (size_t)snprintf(cls + len, cap - len, "%s%s", len ? "," : "", e->valuestring);
+    } else if (!strcmp(k, "min_num_params") && cJSON_IsNumber(it) && it->valuedouble >= 0) {
+      o->min_num_params = (int64_t)it->valuedouble;
+    } else if (!strcmp(k, "reshard_after_forward") && cJSON_IsBool(it)) {
+      o->reshard_after_forward = cJSON_IsTrue(it);
+    } else {
+      char *shown = cJSON_PrintUnformatted(it);
+      st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp_config: key '%s' = %s is not supported (supported: "
+                      "transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward)",
+                      it->string, shown ? shown : "?");
+      cJSON_free(shown);
+      break;
+    }
+  }
+  cJSON_Delete(j);
+  return st;
+}
+
+ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
+  if (!t->zero3) return DDP_OK;
+  ddp_fsdp_options_t o = DDP_FSDP_OPTIONS_INIT;
+  char cls[DDP_TRAIN_STR_MAX] = "";
+  /* auto_wrap's default, as Transformers': the model's layer class (_no_split_modules) */
+  size_t nb = ddp_model_num_blocks(t->model);
+  if (nb && ddp_model_hf_config(t->model)) ddp_model_block(t->model, 0, &o.wrap_cls, NULL, NULL);
+  if (o.wrap_cls) snprintf(cls, sizeof cls, "%s", o.wrap_cls);
+  if (t->a->fsdp_config[0]) DDP_CHECK(fsdp_config(t, &o, cls, sizeof cls));
+  o.wrap_cls = cls;
+  o.divide_in_place = t->a->gradient_as_bucket_view;
+  size_t np = ddp_model_num_params(t->model);
+  int *group = ddp__calloc(np ? np : 1, sizeof *group);
+  ddp_optim_options_t gopts[DDP__TRAIN_MAX_GROUPS];
+  if (!group) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
+  for (size_t i = 0; i < np; i++) group[i] = -1;
+  for (size_t g = 0, off = 0; g < t->nopt; g++) {
+    size_t n = ddp_optim_num_params(t->opt[g]);
+    gopts[g] = *ddp_optim_options(t->opt[g]);
+    for (size_t k = off; k < off + n; k++)
+      for (size_t i = 0; i < np; i++)
+        if (&ddp_model_param(t->model, i)->value == t->pairs[k].param) group[i] = (int)g;
+    off += n;
+  }
+  ddp_status_t st = ddp_fsdp_create(t->pg, t->model, &o, gopts, group, t->nopt, &t->fsdp, t->err);
+  ddp__free(group);
   return st;
 }
