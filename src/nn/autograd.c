@@ -248,8 +248,7 @@ void *ddp__grad(ddp_ctx_t *c, ddp_var_t *v) {
   return v->grad.data;
 }
 
-/* dst += src, elementwise, in dt. */
-static void accumulate(ddp_dtype_t dt, void *dst, const void *src, int64_t n) {
+void ddp__accumulate(ddp_dtype_t dt, void *dst, const void *src, int64_t n) {
   if (dt == DDP_F32) {
     float *d = dst;
     const float *s = src;
@@ -277,7 +276,7 @@ static void accumulate(ddp_dtype_t dt, void *dst, const void *src, int64_t n) {
 static ddp_status_t finalize_param(ddp_ctx_t *c, ddp_var_t *leaf) {
   ddp_param_t *p = leaf->param;
   if (leaf->grad.data && leaf->grad.data != p->grad.data)
-    accumulate(p->value.dtype, p->grad.data, leaf->grad.data, p->value.numel);
+    ddp__accumulate(p->value.dtype, p->grad.data, leaf->grad.data, p->value.numel);
   if (p->fire_bwd_ != c->bwd_id) {
     p->fire_bwd_ = c->bwd_id;
     p->fires_ = 0;
@@ -331,7 +330,7 @@ static ddp_status_t run_backward(ddp_ctx_t *c, size_t nroots, ddp_var_t *const *
     ddp_var_t *v = roots[r];
     if (!ddp__grad(c, v)) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "backward: arena exhausted");
     if (grads && grads[r].data) {
-      accumulate(v->value.dtype, v->grad.data, grads[r].data, v->value.numel);
+      ddp__accumulate(v->value.dtype, v->grad.data, grads[r].data, v->value.numel);
     } else if (v->value.dtype == DDP_F32) {
       for (int64_t i = 0; i < v->value.numel; i++) ((float *)v->grad.data)[i] += 1.0f;
     } else {
@@ -483,7 +482,7 @@ static ddp_status_t bw_checkpoint(ddp_ctx_t *c, ddp_node_t *n) {
       st = ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "checkpoint: arena exhausted");
       break;
     }
-    accumulate(det[i]->value.dtype, g, det[i]->grad.data, det[i]->value.numel);
+    ddp__accumulate(det[i]->value.dtype, g, det[i]->grad.data, det[i]->value.numel);
   }
   c->tail = saved_tail;
   return st;
@@ -515,103 +514,4 @@ ddp_status_t ddp_checkpoint(ddp_ctx_t *c, ddp_segment_fn fn, void *user, size_t 
   }
   *out = v;
   return DDP_OK;
-}
-
-/* ---------------------------------------------------------------- block hooks ----- */
-
-size_t ddp__block_of_child(ddp_model_t *m, size_t child) {
-  ddp__blocks_t *b = ddp__model_blocks(m);
-  if (!b->hooked) return (size_t)-1;
-  for (size_t k = 0; k < b->n; k++)
-    if (b->b[k].child == child) return k;
-  return (size_t)-1;
-}
-
-size_t ddp_model_num_blocks(ddp_model_t *m) {
-  DDP_REQUIRE(m);
-  return ddp__model_blocks(m)->n;
-}
-
-void ddp_model_block(ddp_model_t *m, size_t k, const char **cls, size_t *first, size_t *count) {
-  DDP_REQUIRE(m && k < ddp__model_blocks(m)->n);
-  const ddp__block_t *b = &ddp__model_blocks(m)->b[k];
-  if (cls) *cls = b->cls;
-  if (first) *first = b->first;
-  if (count) *count = b->count;
-}
-
-void ddp_model_set_block_hooks(ddp_model_t *m, const ddp_block_hooks_t *hooks) {
-  DDP_REQUIRE(m);
-  ddp__blocks_t *b = ddp__model_blocks(m);
-  b->hooked = hooks != NULL;
-  if (hooks) b->hooks = *hooks;
-}
-
-/* The identity nodes around a block (nn_internal.h): i0 = the block, saved = the model. */
-static ddp_status_t pass_grad(ddp_ctx_t *c, ddp_node_t *n) {
-  ddp_var_t *in = n->ins[0];
-  if (!in->requires_grad) return DDP_OK;
-  void *g = ddp__grad(c, in);
-  if (!g) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "block hook: arena exhausted");
-  accumulate(in->value.dtype, g, n->out->grad.data, in->value.numel);
-  return DDP_OK;
-}
-
-static ddp_status_t hook_status(ddp_ctx_t *c, ddp_status_t st, const char *what, size_t k) {
-  if (st == DDP_OK) return DDP_OK;
-  return ddp__ctx_error(c, st, "block %zu: the %s hook failed (%s)", k, what, ddp_status_name(st));
-}
-
-static ddp_status_t bw_block_input(ddp_ctx_t *c, ddp_node_t *n) {
-  DDP_CHECK(pass_grad(c, n));
-  ddp__blocks_t *b = ddp__model_blocks(n->saved);
-  if (!b->hooked || !b->hooks.post_backward) return DDP_OK;
-  return hook_status(c, b->hooks.post_backward(b->hooks.user, (size_t)n->i0), "post-backward",
-                     (size_t)n->i0);
-}
-
-static ddp_status_t bw_block_output(ddp_ctx_t *c, ddp_node_t *n) {
-  ddp_model_t *m = n->saved;
-  ddp__blocks_t *b = ddp__model_blocks(m);
-  if (b->hooked && b->hooks.pre_backward) {
-    DDP_CHECK(hook_status(c, b->hooks.pre_backward(b->hooks.user, (size_t)n->i0), "pre-backward",
-                          (size_t)n->i0));
-    /* The hook may have moved the parameters: the leaves of this step follow them. */
-    for (size_t i = 0; i < ddp_model_num_params(m); i++) {
-      ddp_param_t *p = ddp_model_param(m, i);
-      if (p->leaf_ && p->leaf_gen_ == c->gen) p->leaf_->value.data = p->value.data;
-    }
-  }
-  return pass_grad(c, n);
-}
-
-static ddp_status_t block_marker(ddp_ctx_t *c, ddp_model_t *m, size_t k, ddp__backward_fn bw,
-                                 ddp_var_t **h) {
-  ddp_var_t *x = *h;
-  if (!ddp__needs_grad(c, 1, &x)) return DDP_OK;
-  ddp_var_t *y = ddp__arena_zalloc(c, sizeof *y);
-  ddp_node_t *n = y ? ddp__node_new(c, "block_hook", bw, y, 1, &x) : NULL;
-  if (!n) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "block hook: arena exhausted");
-  y->value = x->value;
-  y->value.owns = false;
-  n->saved = m;
-  n->i0 = (int64_t)k;
-  *h = y;
-  return DDP_OK;
-}
-
-ddp_status_t ddp__block_enter(ddp_ctx_t *c, ddp_model_t *m, size_t k, ddp_var_t **h) {
-  ddp__blocks_t *b = ddp__model_blocks(m);
-  if (!b->hooked) return DDP_OK;
-  if (b->hooks.pre_forward)
-    DDP_CHECK(hook_status(c, b->hooks.pre_forward(b->hooks.user, k), "pre-forward", k));
-  return block_marker(c, m, k, bw_block_input, h);
-}
-
-ddp_status_t ddp__block_leave(ddp_ctx_t *c, ddp_model_t *m, size_t k, ddp_var_t **h) {
-  ddp__blocks_t *b = ddp__model_blocks(m);
-  if (!b->hooked) return DDP_OK;
-  if (b->hooks.post_forward)
-    DDP_CHECK(hook_status(c, b->hooks.post_forward(b->hooks.user, k), "post-forward", k));
-  return block_marker(c, m, k, bw_block_output, h);
 }

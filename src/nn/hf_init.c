@@ -5,8 +5,6 @@
 
 #include "nn/nn_internal.h"
 
-#define NONE ((size_t)-1)
-
 ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v) {
   *v = ddp_param_var(c, ddp_model_param(m, i));
   if (!*v) return ddp__ctx_error(c, DDP_ERR_NO_MEMORY, "forward: arena exhausted");

@@ -19,8 +19,6 @@
 
 #include "nn/nn_internal.h"
 
-#define NONE ((size_t)-1)
-
 /* Parameter indices of one decoder layer; a bias is NONE when the config has none. */
 typedef struct layer {
   size_t q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;

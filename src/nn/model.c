@@ -5,65 +5,6 @@
 
 #include "nn/nn_internal.h"
 
-typedef enum mod_kind {
-  MOD_LINEAR,
-  MOD_LAYER_NORM,
-  MOD_BATCH_NORM,
-  MOD_EMBEDDING,
-  MOD_DROPOUT,
-  MOD_ACT,
-  MOD_FLATTEN,
-  MOD_SEQ,
-  MOD_RESIDUAL,
-  MOD_BRANCH,
-  MOD_CHECKPOINT,
-  MOD_ADD,
-  MOD_FAMILY /* forward and init in a family's own file (nn_internal.h) */
-} mod_kind_t;
-
-#define NONE ((size_t)-1)
-
-struct ddp_module {
-  mod_kind_t kind;
-  ddp_model_t *model;
-  ddp_module_t *next_owned; /* creation order */
-  size_t p[2];              /* weight, bias parameter indices, NONE when absent */
-  size_t buf[3];            /* running_mean, running_var, num_batches_tracked */
-  int64_t in, out;
-  double eps, momentum, prob;
-  ddp_act_t act;
-  unsigned flag;
-  ddp_module_t *body;
-  ddp_module_t **children;
-  size_t nchildren, cap;
-  int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
-  const ddp__family_t *family;           /* MOD_FAMILY */
-  void *fstate;
-};
-
-/* A state_dict entry in registration order. */
-typedef struct entry {
-  bool is_param;
-  size_t index;
-} entry_t;
-
-struct ddp_model {
-  ddp_param_t *params;
-  size_t nparams, cap_params;
-  ddp_buffer_t *buffers;
-  size_t nbuffers, cap_buffers;
-  entry_t *entries;
-  size_t nentries, cap_entries;
-  void *flat[DDP_DTYPE_COUNT_];
-  void *gflat[DDP_DTYPE_COUNT_];
-  int64_t flat_numel[DDP_DTYPE_COUNT_];
-  bool finalized;
-  bool training;
-  ddp_module_t *mod_head, *mod_tail;
-  ddp_module_t *root;
-  ddp__blocks_t blocks; /* blocks.c */
-};
-
 /* ---------------------------------------------------------------- registry -------- */
 
 ddp_status_t ddp_model_create(ddp_model_t **out) {
@@ -814,48 +755,6 @@ bool ddp_model_param_in_layer_norm(const ddp_model_t *m, size_t index) {
   void *state;
   const ddp__family_t *fam = ddp__model_family(m, &state);
   return fam && fam->is_norm && fam->is_norm(state, index);
-}
-
-/* ---------------------------------------------------------------- blocks ---------- */
-static const char *kind_class(mod_kind_t k) {
-  return (const char *const[]){"Linear",     "LayerNorm", "BatchNorm1d", "Embedding", "Dropout",
-                               "Activation", "Flatten",   "Sequential",  "Residual",  "Branch",
-                               "Checkpoint", "Add",       "FamilyModel"}[k];
-}
-/* Parameters of mod's subtree: their count, smallest and largest index. */
-static void subtree_params(const ddp_module_t *mod, size_t *n, size_t *lo, size_t *hi) {
-  for (int j = 0; j < 2; j++)
-    if (mod->p[j] != NONE) {
-      (*n)++;
-      if (mod->p[j] < *lo) *lo = mod->p[j];
-      if (mod->p[j] > *hi) *hi = mod->p[j];
-    }
-  if (mod->body) subtree_params(mod->body, n, lo, hi);
-  for (size_t i = 0; i < mod->nchildren; i++) subtree_params(mod->children[i], n, lo, hi);
-}
-
-ddp_status_t ddp__model_add_block(ddp_model_t *m, const char *cls, size_t first, size_t count) {
-  ddp__blocks_t *b = &m->blocks;
-  if (!grow((void **)&b->b, &b->cap, b->n + 1, sizeof *b->b)) return DDP_ERR_NO_MEMORY;
-  b->b[b->n++] = (ddp__block_t){cls, first, count, NONE};
-  return DDP_OK;
-}
-
-ddp__blocks_t *ddp__model_blocks(ddp_model_t *m) {
-  ddp__blocks_t *b = &m->blocks;
-  if (!b->scanned && b->n == 0 && m->root && m->root->kind == MOD_SEQ) {
-    /* A Sequential root: each child whose parameters are contiguous is a block. */
-    for (size_t i = 0; i < m->root->nchildren; i++) {
-      const ddp_module_t *ch = m->root->children[i];
-      size_t n = 0, lo = NONE, hi = 0;
-      subtree_params(ch, &n, &lo, &hi);
-      if (n == 0 || hi - lo + 1 != n) continue;
-      if (ddp__model_add_block(m, kind_class(ch->kind), lo, n) != DDP_OK) break;
-      b->b[b->n - 1].child = i;
-    }
-  }
-  b->scanned = true;
-  return b;
 }
 
 void ddp_model_release_storage(ddp_model_t *m) {

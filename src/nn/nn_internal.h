@@ -154,7 +154,7 @@ void ddp__hf_init(ddp_model_t *m, const unsigned char *role, double std, double 
 /* The leaf var of parameter i of m in c (an error on the context when the arena is full). */
 ddp_status_t ddp__pvar(ddp_ctx_t *c, ddp_model_t *m, size_t i, ddp_var_t **v);
 
-/* ---- blocks (include/ddp/nn.h "Blocks") ---- */
+/* ---- the model and its modules: model.c's, read by blocks.c ---- */
 
 typedef struct ddp__block {
   const char *cls; /* static string */
@@ -170,12 +170,76 @@ typedef struct ddp__blocks {
   ddp_block_hooks_t hooks;
 } ddp__blocks_t;
 
+typedef enum mod_kind {
+  MOD_LINEAR,
+  MOD_LAYER_NORM,
+  MOD_BATCH_NORM,
+  MOD_EMBEDDING,
+  MOD_DROPOUT,
+  MOD_ACT,
+  MOD_FLATTEN,
+  MOD_SEQ,
+  MOD_RESIDUAL,
+  MOD_BRANCH,
+  MOD_CHECKPOINT,
+  MOD_ADD,
+  MOD_FAMILY /* forward and init in a family's own file (nn_internal.h) */
+} mod_kind_t;
+
+#define NONE ((size_t)-1)
+
+struct ddp_module {
+  mod_kind_t kind;
+  ddp_model_t *model;
+  ddp_module_t *next_owned; /* creation order */
+  size_t p[2];              /* weight, bias parameter indices, NONE when absent */
+  size_t buf[3];            /* running_mean, running_var, num_batches_tracked */
+  int64_t in, out;
+  double eps, momentum, prob;
+  ddp_act_t act;
+  unsigned flag;
+  ddp_module_t *body;
+  ddp_module_t **children;
+  size_t nchildren, cap;
+  int8_t add_flag[DDP_ADD_MAX_BRANCHES]; /* MOD_ADD: child k's flag bit, -1 = always */
+  const ddp__family_t *family;           /* MOD_FAMILY */
+  void *fstate;
+};
+
+/* A state_dict entry in registration order. */
+typedef struct entry {
+  bool is_param;
+  size_t index;
+} entry_t;
+
+struct ddp_model {
+  ddp_param_t *params;
+  size_t nparams, cap_params;
+  ddp_buffer_t *buffers;
+  size_t nbuffers, cap_buffers;
+  entry_t *entries;
+  size_t nentries, cap_entries;
+  void *flat[DDP_DTYPE_COUNT_];
+  void *gflat[DDP_DTYPE_COUNT_];
+  int64_t flat_numel[DDP_DTYPE_COUNT_];
+  bool finalized;
+  bool training;
+  ddp_module_t *mod_head, *mod_tail;
+  ddp_module_t *root;
+  ddp__blocks_t blocks; /* blocks.c */
+};
+
+/* dst += src, elementwise, in dt (F32 or F64): how autograd sums gradients (autograd.c). */
+void ddp__accumulate(ddp_dtype_t dt, void *dst, const void *src, int64_t n);
+
+/* ---- blocks (include/ddp/nn.h "Blocks"; blocks.c) ---- */
+
 /* A family registers its layer k (in forward order) after registering its parameters. */
 ddp_status_t ddp__model_add_block(ddp_model_t *m, const char *cls, size_t first, size_t count);
 ddp__blocks_t *ddp__model_blocks(ddp_model_t *m);
 /* The block that child i of a Sequential root is; (size_t)-1 when none or no hooks. */
 size_t ddp__block_of_child(ddp_model_t *m, size_t child);
-/* Around block k's forward (autograd.c): enter calls pre_forward and, when *h needs a
+/* Around block k's forward: enter calls pre_forward and, when *h needs a
  * gradient, records an identity node whose backward calls post_backward; leave calls
  * post_forward and records an identity node whose backward calls pre_backward and re-reads
  * the parameter leaves. *h becomes the identity's output. No-ops without hooks. */
