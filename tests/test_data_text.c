@@ -273,11 +273,19 @@ static void test_llmc_errors(void **state) {
   EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
              "wrong version: expected 1", "found 2");
 
+  /* The two formats' headers crossed (issue 40): Llama 3's magic with GPT-2's version 1,
+   * and GPT-2's magic with Llama 3's version 7; each names the file and the element type
+   * the magic implies. */
   b = llmc_image(20240801, 1, 4, 16, true, 1, &len);
   write_file(p, b, len);
   free(b);
-  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err,
-             "wrong version: expected 7 for magic 20240801", "found 1");
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
+             "wrong version: expected 7 for magic 20240801 (uint32 tokens)", "found 1");
+  b = llmc_image(20240520, 7, 4, 8, false, 1, &len);
+  write_file(p, b, len);
+  free(b);
+  EXPECT_ERR(ddp_tokens_read(p, &ids, &n, &err), DDP_ERR_INVALID_DATA, &err, p,
+             "wrong version: expected 1 for magic 20240520 (uint16 tokens)", "found 7");
 
   b = llmc_image(20240520, 1, 10, 15, false, 1, &len);
   write_file(p, b, len);

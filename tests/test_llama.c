@@ -1,7 +1,12 @@
 /* Llama's operations and configuration (src/nn/ops_llama.c, src/nn/llama.c, hf_config.c):
  * every input gradient of ddp_rms_norm, ddp_rotary (each rope_scaling variant's
  * frequencies), ddp_repeat_kv, SiLU and the gated MLP against central finite differences in
- * f64; the rope_scaling variants' inverse frequencies against their formulas; the model's
+ * f64; the same operations forward and backward against PyTorch 1.13 in f32 (rel 1e-5) and
+ * f64 (rel 1e-10) through tools/torch/nn_oracle.py, which computes them with
+ * tools/torch/hf_llama.py's functions (RMSNorm with and without weight, rotary with no,
+ * linear, dynamic and llama3 rope_scaling, repeat_kv, SiLU, the gated MLP with and without
+ * mlp_bias, grouped-query attention with the causal mask and padding, with and without
+ * rotary); the rope_scaling variants' inverse frequencies against their formulas; the model's
  * names, parameters() order and no-decay set; config.json round trips; and the bad inputs the
  * issue names (KV heads not dividing the heads, hidden_size not divisible, an unknown
  * rope_scaling type, a token id beyond the vocabulary), each naming the key. The model
@@ -14,16 +19,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
+#include <cjson/cJSON.h>
 #include <cmocka.h>
 
 #include "ddp/nn.h"
 #include "harness.h"
 #include "opcheck.h"
+#include "parity.h"
 #include "transformers.h"
 
 #define F(n, ...) \
   { n, {__VA_ARGS__}, DDP_TEST_IN_FLOAT, 0, true }
+#define PAD(b, t) \
+  { 2, {b, t}, DDP_TEST_IN_PAD, 0, false }
 
 /* ---------------------------------------------------------------- finite differences */
 
@@ -97,6 +107,165 @@ static void test_gradcheck(void **state) {
   set_freqs();
   double worst = ddp_test_gradcheck(gcases, NELEM(gcases), 1e-6);
   print_message("finite differences, %zu cases: max rel err %.3g\n", NELEM(gcases), worst);
+}
+
+/* ---------------------------------------------------------------- against PyTorch -- */
+
+/* Each op forward and backward against tools/torch/nn_oracle.py, which computes it with
+ * tools/torch/hf_llama.py's functions (Transformers' modeling_llama.py): rms_norm is
+ * LlamaRMSNorm, rotary is LlamaRotaryEmbedding's tables applied by apply_rotary_pos_emb
+ * (libddp's inverse frequencies from ddp_rope_inv_freq, torch's from hf_llama.inv_freq),
+ * gqa_attention is eager_attention_forward after the projections (repeat_kv, the additive
+ * causal mask with padding from _prepare_4d_causal_attention_mask_with_cache_position). */
+#define ROPE_L3                                                                               \
+  "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, " \
+  "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 64}"
+#define QKV F(4, 2, 4, 5, 6), F(4, 2, 2, 5, 6), F(4, 2, 2, 5, 6)
+#define SCALING "\"scaling\": 0.40824829046386296" /* 6 ** -0.5 */
+
+static const ddp_test_tcase_t tcases[] = {
+    {"rms_norm", "rms_norm", "{\"eps\": 1e-6}", 2, {F(3, 2, 3, 7), F(1, 7)}},
+    {"rms_norm_eps", "rms_norm", "{\"eps\": 0.1}", 2, {F(2, 4, 5), F(1, 5)}},
+    {"rms_norm_no_weight", "rms_norm", "{\"eps\": 1e-5}", 1, {F(2, 4, 5)}},
+    {"rotary_default", "rotary", "{\"theta\": 10000.0}", 1, {F(4, 2, 3, 6, 8)}},
+    {"rotary_linear",
+     "rotary",
+     "{\"theta\": 10000.0, \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4.0}}",
+     1,
+     {F(4, 2, 3, 6, 8)}},
+    /* T 6 beyond max_position_embeddings 4: the rescaled base. */
+    {"rotary_dynamic",
+     "rotary",
+     "{\"theta\": 10000.0, \"max_position_embeddings\": 4, \"rope_scaling\": {\"rope_type\": "
+     "\"dynamic\", \"factor\": 2.0}}",
+     1,
+     {F(4, 2, 3, 6, 8)}},
+    /* head_dim 8, theta 10000: wavelengths 6.3, 63, 628, 6283 against the bands 16 and 64. */
+    {"rotary_llama3", "rotary", "{\"theta\": 10000.0, " ROPE_L3 "}", 1, {F(4, 2, 3, 6, 8)}},
+    {"repeat_kv", "repeat_kv", "{\"n_rep\": 3}", 1, {F(4, 2, 2, 3, 4)}},
+    {"silu", "silu", "{}", 1, {F(3, 2, 3, 5)}},
+    {"gated_mlp", "gated_mlp", "{}", 4, {F(3, 2, 3, 5), F(2, 7, 5), F(2, 7, 5), F(2, 5, 7)}},
+    {"gated_mlp_bias",
+     "gated_mlp",
+     "{}",
+     7,
+     {F(3, 2, 3, 5), F(2, 7, 5), F(2, 7, 5), F(2, 5, 7), F(1, 7), F(1, 7), F(1, 5)}},
+    {"gqa_causal", "gqa_attention", "{" SCALING "}", 3, {QKV}},
+    {"gqa_causal_padding",
+     "gqa_attention",
+     "{" SCALING ", \"key_mask\": true}",
+     4,
+     {QKV, PAD(2, 5)}},
+    {"gqa_rotary_llama3_padding",
+     "gqa_attention",
+     "{" SCALING ", \"key_mask\": true, \"rope\": true, \"theta\": 100.0, " ROPE_L3 "}",
+     4,
+     {QKV, PAD(2, 5)}},
+};
+
+static double jnum(const cJSON *o, const char *key, double dflt) {
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsNumber(x) ? x->valuedouble : cJSON_IsBool(x) ? cJSON_IsTrue(x) : dflt;
+}
+
+/* The inverse frequencies of a case's attrs, as llama.c computes them from config.json. */
+static void case_inv_freq(const cJSON *a, int64_t head_dim, int64_t seq_len, float *f) {
+  ddp_rope_scaling_t s = {DDP_ROPE_DEFAULT, 1, 0, 1, 1};
+  const cJSON *rs = cJSON_GetObjectItemCaseSensitive(a, "rope_scaling");
+  if (cJSON_IsObject(rs)) {
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(rs, "rope_type");
+    if (!t) t = cJSON_GetObjectItemCaseSensitive(rs, "type");
+    assert_true(cJSON_IsString(t));
+    s.type = !strcmp(t->valuestring, "linear")    ? DDP_ROPE_LINEAR
+             : !strcmp(t->valuestring, "dynamic") ? DDP_ROPE_DYNAMIC
+             : !strcmp(t->valuestring, "llama3")  ? DDP_ROPE_LLAMA3
+                                                  : DDP_ROPE_DEFAULT;
+    s.factor = jnum(rs, "factor", 1);
+    s.original_max_position_embeddings = (int64_t)jnum(rs, "original_max_position_embeddings", 0);
+    s.low_freq_factor = jnum(rs, "low_freq_factor", 1);
+    s.high_freq_factor = jnum(rs, "high_freq_factor", 1);
+  }
+  ddp_rope_inv_freq(jnum(a, "theta", 10000), head_dim, &s,
+                    (int64_t)jnum(a, "max_position_embeddings", 2048), seq_len, f);
+}
+
+static ddp_status_t run_case(ddp_ctx_t *c, const ddp_test_tcase_t *tc, const cJSON *a,
+                             ddp_var_t **in, ddp_var_t **y) {
+  const char *op = tc->op;
+  if (!strcmp(op, "rms_norm"))
+    return ddp_rms_norm(c, in[0], tc->nin > 1 ? in[1] : NULL, jnum(a, "eps", 0), y);
+  if (!strcmp(op, "rotary") || !strcmp(op, "gqa_attention")) {
+    float f[64];
+    int64_t D = in[0]->value.shape[3], T = in[0]->value.shape[2];
+    assert_true(D / 2 <= 64);
+    case_inv_freq(a, D, T, f);
+    if (!strcmp(op, "rotary")) return ddp_rotary(c, in[0], f, y);
+    ddp_var_t *q = in[0], *k = in[1], *v = in[2];
+    int64_t rep = q->value.shape[1] / k->value.shape[1];
+    ddp_status_t st = DDP_OK;
+    if (jnum(a, "rope", 0)) st = ddp_rotary(c, q, f, &q);
+    if (!st && jnum(a, "rope", 0)) st = ddp_rotary(c, k, f, &k);
+    if (!st) st = ddp_repeat_kv(c, k, rep, &k);
+    if (!st) st = ddp_repeat_kv(c, v, rep, &v);
+    return st ? st
+              : ddp_attention(c, q, k, v, jnum(a, "key_mask", 0) ? in[3] : NULL, true,
+                              jnum(a, "scaling", 0), 0, true, y);
+  }
+  if (!strcmp(op, "repeat_kv")) return ddp_repeat_kv(c, in[0], (int64_t)jnum(a, "n_rep", 1), y);
+  if (!strcmp(op, "silu")) return ddp_activation(c, DDP_ACT_SILU, in[0], y);
+  if (!strcmp(op, "gated_mlp")) {
+    bool b = tc->nin > 4;
+    ddp_var_t *g, *u;
+    ddp_status_t st = ddp_linear(c, in[0], in[1], b ? in[4] : NULL, &g);
+    if (!st) st = ddp_activation(c, DDP_ACT_SILU, g, &g);
+    if (!st) st = ddp_linear(c, in[0], in[2], b ? in[5] : NULL, &u);
+    if (!st) st = ddp_mul(c, g, u, &g);
+    return st ? st : ddp_linear(c, g, in[3], b ? in[6] : NULL, y);
+  }
+  fail_msg("unknown op %s", op);
+  return DDP_ERR_INTERNAL;
+}
+
+static ddp_status_t run_op(void *user, ddp_ctx_t *c, const ddp_test_tcase_t *tc, ddp_var_t **in,
+                           ddp_var_t **y) {
+  (void)user;
+  cJSON *a = cJSON_Parse(tc->attrs);
+  assert_non_null(a);
+  ddp_status_t st = run_case(c, tc, a, in, y);
+  cJSON_Delete(a);
+  return st;
+}
+
+static char g_scratch[256];
+
+static int setup(void **state) {
+  (void)state;
+  return ddp_test_make_scratch(g_scratch, sizeof g_scratch, "ddp_llama_ops") ? 0 : 1;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  return ddp_test_remove_scratch(g_scratch, true);
+}
+
+static void ops_vs_torch(ddp_dtype_t dt, double tol) {
+  char root[400];
+  snprintf(root, sizeof root, "%s/ops_%s", g_scratch, dt == DDP_F32 ? "f32" : "f64");
+  assert_int_equal(mkdir(root, 0700), 0);
+  ddp_test_torch_ops_t o = {.cases = tcases, .n = NELEM(tcases), .run = run_op};
+  ddp_test_ops_vs_torch(&o, root, dt, tol, NULL);
+}
+
+/* Forward and every input gradient equal torch's in f64: rel 1e-10. */
+static void test_torch_f64(void **state) {
+  (void)state;
+  ops_vs_torch(DDP_F64, 1e-10);
+}
+
+/* The same in f32: rel 1e-5. */
+static void test_torch_f32(void **state) {
+  (void)state;
+  ops_vs_torch(DDP_F32, 1e-5);
 }
 
 /* ---------------------------------------------------------------- frequencies ----- */
@@ -260,9 +429,10 @@ static void test_errors(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_gradcheck), cmocka_unit_test(test_inv_freq),
+      cmocka_unit_test(test_gradcheck), cmocka_unit_test(test_torch_f64),
+      cmocka_unit_test(test_torch_f32), cmocka_unit_test(test_inv_freq),
       cmocka_unit_test(test_names),     cmocka_unit_test(test_config),
       cmocka_unit_test(test_errors),
   };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  return cmocka_run_group_tests(tests, setup, teardown);
 }

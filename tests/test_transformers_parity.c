@@ -17,8 +17,11 @@
  * BERT tiny (2 layers, hidden 32, 4 heads, vocab 256) on a text,label CSV: texts at least
  * max_seq_length long (no padding), and short texts padded with attention masks.
  * Llama tiny (issue 40: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 172, vocab
- * 256, rope_theta 10000) on the GPT-2 text and blocks, 2 ranks, 4 steps: untied (defaults)
- * and tied head, against tools/torch/hf_llama.py's LlamaForCausalLM.
+ * 256, rope_theta 10000; 0.5 MB) on the GPT-2 text and blocks, against
+ * tools/torch/hf_llama.py's LlamaForCausalLM: untied (defaults) and tied head, then GPT-2's
+ * matrix on the untied model through the same helpers (lm_small_buckets ... lm_world3):
+ * small buckets (4 after the rebuild), gradient accumulation 4, the fp16 hook, PowerSGD rank
+ * 2 with Q injected, world size 3.
  *
  * Tolerances: ddp-compare's defaults (rtol 1e-5, atol 1e-7) except two hooks.
  * - fp16: a local f32 gradient a few ULPs from PyTorch's, next to an fp16 rounding
@@ -27,7 +30,9 @@
  *   2^-16 to 2^-15 for the largest entries here (wte's, about 0.02), so where the two ranks'
  *   halves nearly cancel the relative difference is large. rtol 2e-3 (two fp16 ULPs),
  *   atol 3.1e-5 (2^-15), and at least 99 % of the gradient elements bit-equal (measured
- *   99.3 %) so that a hook skipping a rounding step would still fail.
+ *   99.3 %) so that a hook skipping a rounding step would still fail. The Llama: the same
+ *   tolerances and floor for the same reason (measured max abs 3.05e-5 = 2^-15, 99.6 %
+ *   bit-equal).
  * - PowerSGD rank 2: every tensor but one stays within 2e-7 at the first compressed step;
  *   the tied wte [256, 64] differs by up to 3.9e-6 (1e-4 relative). Its averaged gradient
  *   at that step has singular values 1.77, 0.0502, 0.0486, ... (measured from
@@ -37,6 +42,9 @@
  *   rounding differences of the products (libddp sums the norms in double, PyTorch in
  *   float). atol 5e-6 covers it. A skipped error feedback or a wrong Q gives differences of
  *   the size of the gradient itself (the injected-Q control of test_hooks_parity shows it).
+ *   The untied Llama: again the output head, [256, 64] lm_head, differs most (up to 8.0e-7,
+ *   0.8 % relative, at the compressed steps; its spectrum was not measured), then layer 1's
+ *   o_proj (2.3e-7); every other tensor by at most 4e-8. atol 1e-6.
  * Each configuration is 3 or 4 steps of batch 4 so that the file stays within CI's time.
  * Without torch the tests skip. */
 #include <setjmp.h>
@@ -116,10 +124,27 @@ static void data_files(void) {
   }
 }
 
-static ddp_test_pcfg_t gpt2_cfg(const char *name) {
+/* A causal LM of the matrix: its config, and what its parameter names must show (the
+ * embedding once; lm_head once when untied, never when tied). */
+typedef struct lm {
+  const char *prefix; /* of the case names */
+  const char *config;
+  const char *embed; /* the embedding's parameter name */
+  int params;        /* parameters() count */
+  bool tied;
+} lm_t;
+
+static const lm_t LM_GPT2 = {"gpt2", GPT2, "transformer.wte.weight", 28, true};
+/* embed_tokens, 9 per layer (2 norms, q/k/v/o, gate/up/down), norm, lm_head. */
+static const lm_t LM_LLAMA = {"llama", LLAMA, "model.embed_tokens.weight", 1 + 2 * 9 + 1 + 1,
+                              false};
+static const lm_t LM_LLAMA_TIED = {"llama", LLAMA_TIED, "model.embed_tokens.weight", 1 + 2 * 9 + 1,
+                                   true};
+
+static ddp_test_pcfg_t lm_cfg(const lm_t *m, const char *name) {
   data_files();
   ddp_test_pcfg_t c = {.name = name,
-                       .model = GPT2,
+                       .model = m->config,
                        .world = 2,
                        .steps = 4,
                        .batch = 4,
@@ -151,9 +176,29 @@ static ddp_test_pcfg_t bert_cfg(const char *name) {
   return c;
 }
 
+/* The reducer's parameter names (rank 0's ddp.json): the embedding once, lm_head once when
+ * untied and never when tied (a tied head is one parameter, in one bucket). */
+static void check_names(const ddp_test_pcfg_t *c, const lm_t *m) {
+  char path[800];
+  snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(), c->name);
+  cJSON *j = ddp_test_read_json(path);
+  const cJSON *n;
+  int emb = 0, lm = 0, total = 0;
+  cJSON_ArrayForEach(n, ddp_test_json_get(j, "param_names")) {
+    emb += strcmp(n->valuestring, m->embed) == 0;
+    lm += strstr(n->valuestring, "lm_head") != NULL;
+    total++;
+  }
+  cJSON_Delete(j);
+  if (emb != 1 || lm != (m->tied ? 0 : 1) || total != m->params) {
+    fail_msg("%s: %d parameters, %s %d times, lm_head %d times (want %d, 1, %d)", c->name, total,
+             m->embed, emb, lm, m->params, m->tied ? 0 : 1);
+  }
+}
+
 /* want_initial > 0: exactly that many buckets at construction; < 0: at least -want_initial.
- * want_rebuilt_min < 0: no rebuild. */
-static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min,
+ * want_rebuilt_min < 0: no rebuild. m: the causal LM whose names to check, or NULL. */
+static void run_r(const ddp_test_pcfg_t *c, const lm_t *m, int want_initial, int want_rebuilt_min,
                   ddp_test_parity_result_t *out) {
   ddp_test_parity_result_t r;
   ddp_test_parity(c, &r);
@@ -169,24 +214,7 @@ static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_m
   } else if (r.buckets_initial < -want_initial) {
     fail_msg("%s: %d initial buckets, want at least %d", c->name, r.buckets_initial, -want_initial);
   }
-  /* The tied wte/lm_head is one parameter: once in the reducer's list, no lm_head. */
-  if (c->model == GPT2) {
-    char path[800];
-    snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(), c->name);
-    cJSON *j = ddp_test_read_json(path);
-    const cJSON *n;
-    int wte = 0, lm = 0, total = 0;
-    cJSON_ArrayForEach(n, ddp_test_json_get(j, "param_names")) {
-      wte += strcmp(n->valuestring, "transformer.wte.weight") == 0;
-      lm += strstr(n->valuestring, "lm_head") != NULL;
-      total++;
-    }
-    cJSON_Delete(j);
-    if (wte != 1 || lm != 0 || total != 28) {
-      fail_msg("%s: %d parameters, wte %d times, lm_head %d times (want 28, 1, 0)", c->name, total,
-               wte, lm);
-    }
-  }
+  if (m) check_names(c, m);
   if (want_rebuilt_min < 0) {
     assert_int_equal(r.buckets_rebuilt, -1);
   } else if (r.buckets_rebuilt < want_rebuilt_min) {
@@ -196,110 +224,163 @@ static void run_r(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_m
 }
 
 static void run(const ddp_test_pcfg_t *c, int want_initial, int want_rebuilt_min) {
-  run_r(c, want_initial, want_rebuilt_min, NULL);
+  run_r(c, NULL, want_initial, want_rebuilt_min, NULL);
+}
+
+/* ---------------------------------------------------------------- the LM matrix --- */
+
+/* Each case of the causal-LM matrix, for GPT-2 and Llama alike: the case is named
+ * <prefix>_<suffix>. Both tiny models (0.5 MB) fit PyTorch 1.13's 1 MiB first bucket: one
+ * bucket at construction, several after the rebuild only with a small cap. */
+typedef struct lm_case {
+  char name[64];
+  ddp_test_pcfg_t c;
+} lm_case_t;
+
+static void lm_case(lm_case_t *k, const lm_t *m, const char *suffix) {
+  snprintf(k->name, sizeof k->name, "%s_%s", m->prefix, suffix);
+  k->c = lm_cfg(m, k->name);
+}
+
+static void lm_defaults(const lm_t *m, const char *suffix) {
+  lm_case_t k;
+  lm_case(&k, m, suffix);
+  run_r(&k.c, m, 1, 1, NULL);
+}
+
+/* A 64 KiB first bucket and a 128 KiB cap: one bucket at construction (PyTorch 1.13 builds
+ * the first layout with the default limits), at least 3 after the rebuild. */
+static void lm_small_buckets(const lm_t *m) {
+  lm_case_t k;
+  lm_case(&k, m, "small_buckets");
+  k.c.bucket_cap_mb = 0.125;
+  k.c.first_bucket_mb = 0.0625;
+  run_r(&k.c, m, 1, 3, NULL);
+}
+
+static void lm_grad_accum(const lm_t *m) {
+  lm_case_t k;
+  lm_case(&k, m, "grad_accum_4");
+  k.c.accum = 4;
+  k.c.steps = 3;
+  run_r(&k.c, m, 1, 1, NULL);
+}
+
+/* The fp16 hook within rtol / atol, and at least min_bitwise of the gradient elements
+ * bit-equal, so that a hook skipping a rounding step would still fail. */
+static void lm_fp16(const lm_t *m, double rtol, double atol, double min_bitwise) {
+  lm_case_t k;
+  lm_case(&k, m, "fp16_hook");
+  k.c.hook_args = "--comm_hook fp16";
+  k.c.rtol = rtol;
+  k.c.atol = atol;
+  ddp_test_parity_result_t r;
+  run_r(&k.c, m, 1, 1, &r);
+  if ((double)r.grad_bitwise < min_bitwise * (double)r.grad_elements) {
+    fail_msg("%s: %lld of %lld gradient elements bit-equal, want %.3g %%", k.name,
+             (long long)r.grad_bitwise, (long long)r.grad_elements, 100 * min_bitwise);
+  }
+}
+
+/* PowerSGD rank 2 from step 2, with PyTorch's Q injected. */
+static void lm_powersgd(const lm_t *m, double atol) {
+  lm_case_t k;
+  lm_case(&k, m, "powersgd_r2");
+  k.c.hook_args = "--comm_hook power_sgd --comm_state_option "
+                  "'{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 2}'";
+  k.c.inject_q = true;
+  k.c.atol = atol;
+  k.c.steps = 4;
+  run_r(&k.c, m, 1, 1, NULL);
+}
+
+static void lm_world3(const lm_t *m) {
+  lm_case_t k;
+  lm_case(&k, m, "world_3");
+  k.c.world = 3;
+  k.c.steps = 3;
+  run_r(&k.c, m, 1, 1, NULL);
 }
 
 static void test_gpt2_defaults(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_defaults");
-  run(&c, 1, 1);
+  lm_defaults(&LM_GPT2, "defaults");
 }
 
 static void test_gpt2_small_buckets(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_small_buckets");
-  c.bucket_cap_mb = 0.125;
-  c.first_bucket_mb = 0.0625;
-  run(&c, 1, 3);
+  lm_small_buckets(&LM_GPT2);
 }
 
 /* find_unused_parameters: the limits [first bucket, cap] apply at construction already. */
 static void test_gpt2_small_buckets_unused(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_buckets_unused");
+  ddp_test_pcfg_t c = lm_cfg(&LM_GPT2, "gpt2_buckets_unused");
   c.bucket_cap_mb = 0.125;
   c.first_bucket_mb = 0.0625;
   c.find_unused = true;
   c.rebuilt = false;
   c.steps = 3;
-  run(&c, -3, -1);
+  run_r(&c, &LM_GPT2, -3, -1, NULL);
 }
 
 static void test_gpt2_grad_accum(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_grad_accum_4");
-  c.accum = 4;
-  c.steps = 3;
-  run(&c, 1, 1);
+  lm_grad_accum(&LM_GPT2);
 }
 
+/* Beyond one rounding flip here and there, the arithmetic is PyTorch's: measured 99.3 % of
+ * the gradient elements bit-equal over the 4 steps. */
 static void test_gpt2_fp16(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_fp16_hook");
-  c.hook_args = "--comm_hook fp16";
-  c.rtol = 2e-3;
-  c.atol = 3.1e-5;
-  ddp_test_parity_result_t r;
-  run_r(&c, 1, 1, &r);
-  /* Beyond one rounding flip here and there, the arithmetic is PyTorch's: measured 99.3 %
-   * of the gradient elements bit-equal over the 4 steps. */
-  if ((double)r.grad_bitwise < 0.99 * (double)r.grad_elements) {
-    fail_msg("fp16 hook: %lld of %lld gradient elements bit-equal, want 99 %%",
-             (long long)r.grad_bitwise, (long long)r.grad_elements);
-  }
+  lm_fp16(&LM_GPT2, 2e-3, 3.1e-5, 0.99);
 }
 
 static void test_gpt2_powersgd(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_powersgd_r2");
-  c.hook_args = "--comm_hook power_sgd --comm_state_option "
-                "'{\"matrix_approximation_rank\": 2, \"start_powerSGD_iter\": 2}'";
-  c.inject_q = true;
-  c.atol = 5e-6;
-  c.steps = 4;
-  run(&c, 1, 1);
+  lm_powersgd(&LM_GPT2, 5e-6);
 }
 
 static void test_gpt2_world3(void **state) {
   (void)state;
-  ddp_test_pcfg_t c = gpt2_cfg("gpt2_world_3");
-  c.world = 3;
-  c.steps = 3;
-  run(&c, 1, 1);
+  lm_world3(&LM_GPT2);
 }
 
-/* The tiny Llama: 2 ranks, defaults (untied: embed_tokens and lm_head are two parameters),
- * then tied (lm_head is embed_tokens: once in the names and in a bucket). */
-static void llama_run(const char *name, const char *model, int want_params, bool tied) {
-  ddp_test_pcfg_t c = gpt2_cfg(name);
-  c.model = model;
-  run(&c, 1, 1);
-  char path[800];
-  snprintf(path, sizeof path, "%s/%s/libddp/rank0/ddp.json", ddp_test_parity_scratch(), name);
-  cJSON *j = ddp_test_read_json(path);
-  const cJSON *n;
-  int emb = 0, lm = 0, total = 0;
-  cJSON_ArrayForEach(n, ddp_test_json_get(j, "param_names")) {
-    emb += strcmp(n->valuestring, "model.embed_tokens.weight") == 0;
-    lm += strcmp(n->valuestring, "lm_head.weight") == 0;
-    total++;
-  }
-  cJSON_Delete(j);
-  if (emb != 1 || lm != (tied ? 0 : 1) || total != want_params) {
-    fail_msg("%s: %d parameters, embed_tokens %d times, lm_head %d times (want %d, 1, %d)", name,
-             total, emb, lm, want_params, tied ? 0 : 1);
-  }
-}
-
+/* The tiny Llama: defaults (untied: embed_tokens and lm_head are two parameters), tied
+ * (lm_head is embed_tokens: once in the names and in a bucket), then GPT-2's matrix. */
 static void test_llama_defaults(void **state) {
   (void)state;
-  /* embed_tokens, 9 per layer (2 norms, q/k/v/o, gate/up/down), norm, lm_head. */
-  llama_run("llama_defaults", LLAMA, 1 + 2 * 9 + 1 + 1, false);
+  lm_defaults(&LM_LLAMA, "defaults");
 }
 
 static void test_llama_tied(void **state) {
   (void)state;
-  llama_run("llama_tied", LLAMA_TIED, 1 + 2 * 9 + 1, true);
+  lm_defaults(&LM_LLAMA_TIED, "tied");
+}
+
+static void test_llama_small_buckets(void **state) {
+  (void)state;
+  lm_small_buckets(&LM_LLAMA);
+}
+
+static void test_llama_grad_accum(void **state) {
+  (void)state;
+  lm_grad_accum(&LM_LLAMA);
+}
+
+static void test_llama_fp16(void **state) {
+  (void)state;
+  lm_fp16(&LM_LLAMA, 2e-3, 3.1e-5, 0.99);
+}
+
+static void test_llama_powersgd(void **state) {
+  (void)state;
+  lm_powersgd(&LM_LLAMA, 1e-6);
+}
+
+static void test_llama_world3(void **state) {
+  (void)state;
+  lm_world3(&LM_LLAMA);
 }
 
 static void test_bert_defaults(void **state) {
@@ -329,6 +410,11 @@ int main(void) {
       cmocka_unit_test(test_bert_padding),
       cmocka_unit_test(test_llama_defaults),
       cmocka_unit_test(test_llama_tied),
+      cmocka_unit_test(test_llama_small_buckets),
+      cmocka_unit_test(test_llama_grad_accum),
+      cmocka_unit_test(test_llama_fp16),
+      cmocka_unit_test(test_llama_powersgd),
+      cmocka_unit_test(test_llama_world3),
   };
   return ddp_test_parity_main("transformers_parity", tests, sizeof tests / sizeof *tests);
 }

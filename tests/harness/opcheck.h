@@ -29,7 +29,7 @@ typedef struct ddp_test_opin {
   bool rg;    /* requires grad (FLOAT only) */
 } ddp_test_opin_t;
 
-#define DDP_TEST_OP_MAX_IN 6
+#define DDP_TEST_OP_MAX_IN 7 /* Llama's gated MLP with mlp_bias: x, 3 weights, 3 biases */
 
 /* Element count of an input. */
 int64_t ddp_test_opin_numel(const ddp_test_opin_t *in);

@@ -81,11 +81,16 @@ class LlamaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, h):
-        dtype = h.dtype
-        h = h.to(torch.promote_types(dtype, torch.float32))
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return rms_norm(h, self.weight, self.variance_epsilon)
+
+
+def rms_norm(h, weight, eps):
+    """LlamaRMSNorm.forward with its weight given (None: the normalisation alone)."""
+    dtype = h.dtype
+    h = h.to(torch.promote_types(dtype, torch.float32))
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(dtype) if weight is None else weight * h.to(dtype)
 
 
 class LlamaRotaryEmbedding(nn.Module):
@@ -139,15 +144,34 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(h).view(b, t, -1, d).transpose(1, 2)
         v = self.v_proj(h).view(b, t, -1, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
-        w = torch.matmul(q, k.transpose(2, 3)) * self.scaling
-        causal = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
-        w = w + torch.where(causal, torch.zeros([], dtype=w.dtype),
-                            torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype))
-        w = F.softmax(w, dim=-1, dtype=torch.promote_types(w.dtype, torch.float32)).to(q.dtype)
-        w = F.dropout(w, p=self.cfg.attention_dropout, training=self.training)
-        a = torch.matmul(w, v).transpose(1, 2).reshape(b, t, -1).contiguous()
+        a = eager_attention(q, k, v, causal_mask(t, q.dtype), self.scaling, self.n_rep,
+                            self.cfg.attention_dropout, self.training)
+        a = a.transpose(1, 2).reshape(b, t, -1).contiguous()
         return self.o_proj(a)
+
+
+def causal_mask(t, dtype, attention_mask=None):
+    """The additive mask Transformers' LlamaModel builds
+    (_prepare_4d_causal_attention_mask_with_cache_position, no cache): 0 where query i may see
+    key j (j <= i and attention_mask[b, j] != 0), the dtype's most negative finite value
+    elsewhere; [1, 1, t, t], or [B, 1, t, t] with attention_mask [B, t] (1 = attend)."""
+    lowest = torch.finfo(dtype).min
+    allowed = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+    if attention_mask is not None:
+        allowed = allowed & (attention_mask != 0).view(-1, 1, 1, t)
+    return torch.where(allowed, torch.zeros([], dtype=dtype), torch.full([], lowest, dtype=dtype))
+
+
+def eager_attention(q, k, v, mask, scaling, n_rep, dropout=0.0, training=False):
+    """Transformers' eager_attention_forward: KV heads repeated, q k^T * scaling plus the
+    additive mask, softmax in at least float32, dropout, @ v. q [B, H, T, D], k and v
+    [B, H / n_rep, T, D]; returns [B, H, T, D]."""
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    w = w + mask
+    w = F.softmax(w, dim=-1, dtype=torch.promote_types(w.dtype, torch.float32)).to(q.dtype)
+    w = F.dropout(w, p=dropout, training=training)
+    return torch.matmul(w, v)
 
 
 class LlamaMLP(nn.Module):

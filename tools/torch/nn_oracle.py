@@ -31,6 +31,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
+import hf_llama  # noqa: E402  (tools/torch/hf_llama.py: Transformers' Llama, functional parts)
+
 torch.set_num_threads(1)
 try:
     torch.set_num_interop_threads(1)
@@ -334,6 +336,59 @@ def op_causal_lm_loss(attrs, xs):
                            ignore_index=attrs.get("ignore_index", -100))
 
 
+# The Llama ops of libddp (src/nn/ops_llama.c, and the compositions src/nn/llama.c makes),
+# through tools/torch/hf_llama.py's functions, which its LlamaForCausalLM uses: Transformers'
+# modeling_llama.py and modeling_rope_utils.py.
+
+def rope_config(attrs, head_dim):
+    """The config fields hf_llama.inv_freq reads; rope_scaling's legacy "type" as "rope_type"."""
+    class Cfg:
+        pass
+    cfg = Cfg()
+    cfg.head_dim = head_dim
+    cfg.rope_theta = attrs.get("theta", 10000.0)
+    cfg.max_position_embeddings = attrs.get("max_position_embeddings", 2048)
+    rs = attrs.get("rope_scaling")
+    if rs is not None and "type" in rs and "rope_type" not in rs:
+        rs = dict(rs, rope_type=rs["type"])
+    cfg.rope_scaling = rs
+    return cfg
+
+
+def rope(attrs, q, k):
+    """LlamaRotaryEmbedding's cos and sin for positions 0..T-1, applied to q and k."""
+    cos, sin = hf_llama.LlamaRotaryEmbedding(rope_config(attrs, q.shape[-1]))(q, q.shape[2])
+    return hf_llama.apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def op_rotary(attrs, xs):
+    """x [B, H, T, D] rotated as a query is (apply_rotary_pos_emb's q * cos +
+    rotate_half(q) * sin)."""
+    return rope(attrs, xs[0], xs[0])[0]
+
+
+def op_gated_mlp(attrs, xs):
+    """LlamaMLP: down_proj(silu(gate_proj(x)) * up_proj(x)); inputs x, the gate, up and down
+    weights [out, in], then (mlp_bias) their three biases."""
+    x, wg, wu, wd = xs[:4]
+    bg, bu, bd = xs[4:7] if len(xs) > 4 else (None, None, None)
+    return F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+
+
+def op_gqa_attention(attrs, xs):
+    """LlamaAttention after the projections: q [B, H, T, D], k, v [B, KV, T, D], then the
+    attention mask [B, T] (1 = attend) when attrs.key_mask; rotary on q and k when attrs.rope;
+    eager_attention_forward with Transformers' additive causal (and padding) mask: Llama is
+    always causal."""
+    q, k, v = xs[0], xs[1], xs[2]
+    if attrs.get("rope"):
+        q, k = rope(attrs, q, k)
+    t = q.shape[2]
+    am = xs[3] if attrs.get("key_mask") else None
+    mask = hf_llama.causal_mask(t, q.dtype, am)
+    return hf_llama.eager_attention(q, k, v, mask, attrs["scaling"], q.shape[1] // k.shape[1])
+
+
 TRANSFORMER_OPS = {
     "conv1d": op_conv1d,
     "bmm": op_bmm,
@@ -345,6 +400,13 @@ TRANSFORMER_OPS = {
     "merge_heads": op_merge_heads,
     "attention": op_attention,
     "causal_lm_loss": op_causal_lm_loss,
+    "rms_norm": lambda attrs, xs: hf_llama.rms_norm(xs[0], xs[1] if len(xs) > 1 else None,
+                                                    attrs["eps"]),
+    "rotary": op_rotary,
+    "repeat_kv": lambda attrs, xs: hf_llama.repeat_kv(xs[0], attrs["n_rep"]),
+    "silu": lambda attrs, xs: F.silu(xs[0]),
+    "gated_mlp": op_gated_mlp,
+    "gqa_attention": op_gqa_attention,
 }
 
 
