@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ZeRO-1/2/3 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
-# (digits MLP and GPT-2 tiny, AdamW with weight decay and clipping, 20 steps, gradient
+# (digits MLP, GPT-2 tiny and BERT tiny, AdamW with weight decay and clipping, 20 steps, gradient
 # accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
 # consolidation, resume at another W, a flipped bit caught), the per-rank state bytes of
 # metrics.jsonl equal the formulas, and bad input is refused naming the value.
@@ -20,6 +20,9 @@ fail() {
 
 printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 32,' \
   '"n_layer": 2, "n_head": 4}' >gpt2.json
+printf '%s\n' '{"model_type": "bert", "num_hidden_layers": 2, "hidden_size": 32,' \
+  '"num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256,' \
+  '"max_position_embeddings": 64, "num_labels": 3}' >bert.json
 echo '{"zero_optimization": {"stage": 1}}' >ds1.json
 echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}' >ds2.json
 echo '{"zero_optimization": {"stage": 3}}' >ds3.json
@@ -27,6 +30,8 @@ common=(--max_steps 20 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.
   --logging_steps 20 --save_strategy no)
 mlp=(--learning_rate 1e-2)
 gpt=(--model gpt2.json --data "$root/tests/data/kjv_genesis_exodus.txt" --block_size 16
+  --per_device_train_batch_size 2 --learning_rate 1e-3)
+bert=(--model bert.json --data "$root/tests/data/text_topics.csv" --max_seq_length 16
   --per_device_train_batch_size 2 --learning_rate 1e-3)
 n=0
 
@@ -47,8 +52,12 @@ run() {
   grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
 }
 
-for model in mlp gpt; do
-  if [ $model = mlp ]; then margs=("${mlp[@]}"); else margs=("${gpt[@]}"); fi
+for model in mlp gpt bert; do
+  case $model in
+    mlp) margs=("${mlp[@]}") ;;
+    gpt) margs=("${gpt[@]}") ;;
+    bert) margs=("${bert[@]}") ;;
+  esac
   for be in threads shm tcp; do
     for w in 2 3 4; do
       # GPT-2 on shm: W = 2 and 3 only (two cores; the threads runs cover W = 4); tcp: W = 2
@@ -57,6 +66,10 @@ for model in mlp gpt; do
       [ $model = gpt ] && [ $be = shm ] && [ $w = 4 ] && continue
       [ $be = tcp ] && [ $w = 4 ] && continue
       [ $model = gpt ] && [ $be = tcp ] && [ $w = 3 ] && continue
+      # BERT: threads at W = 2 and 3 and shm at W = 2 (its units are BertLayers, the path
+      # the other two models cover on every backend)
+      [ $model = bert ] && { [ $be = tcp ] || [ $w = 4 ] || { [ $be = shm ] && [ $w = 3 ]; }; } &&
+        continue
       for ga in 1 3; do
         [ $model = gpt ] && [ $be = tcp ] && [ $ga = 1 ] && continue
         tag=$model-$be-$w-$ga
@@ -76,13 +89,14 @@ for model in mlp gpt; do
 done
 
 # ZeRO-3 through --fsdp with an explicit wrap policy: the MLP's Linear layers as units by
-# size (min_num_params), GPT-2 one unit per GPT2Block (transformer_layer_cls_to_wrap), W = 3.
-for model in mlp gpt; do
-  if [ $model = mlp ]; then
-    margs=("${mlp[@]}" --fsdp_config '{"min_num_params": 1000}')
-  else
-    margs=("${gpt[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}')
-  fi
+# size (min_num_params), GPT-2 one unit per GPT2Block and BERT per BertLayer
+# (transformer_layer_cls_to_wrap), W = 3.
+for model in mlp gpt bert; do
+  case $model in
+    mlp) margs=("${mlp[@]}" --fsdp_config '{"min_num_params": 1000}') ;;
+    gpt) margs=("${gpt[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}') ;;
+    bert) margs=("${bert[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": "BertLayer"}') ;;
+  esac
   for ga in 1 3; do
     ref=$(grep -o '"param_hash": "[0-9a-f]*"' "ddp-$model-threads-3-$ga/metrics.jsonl" | tail -1)
     h=$(run "zf-$model-$ga" threads 3 "${margs[@]}" --gradient_accumulation_steps $ga \
