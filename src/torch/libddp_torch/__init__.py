@@ -14,6 +14,7 @@ or with DDP_BACKEND=shm|tcp in the environment (the option wins).
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from . import _C
 
 __all__ = ["Options", "ProcessGroupLibddp", "TRANSPORTS", "ALGORITHMS", "monitored_barrier",
-           "empty"]
+           "empty", "launcher_env"]
 
 ProcessGroupLibddp = _C.ProcessGroupLibddp
 TRANSPORTS = ("auto", "shm", "tcp", "gloo", "mpi")
@@ -129,9 +130,41 @@ def empty(*size, dtype=torch.float32, group=None):
     return _C.alloc(pg, nbytes).view(dtype).view(shape)
 
 
+# Where an MPI or Slurm launcher puts rank and size, in the order Accelerate reads them;
+# torch.distributed's env:// reads only RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
+_LAUNCHER_ENV = (
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("mpiexec (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def launcher_env(environ=None):
+    """Under mpirun, srun or an MPICH mpiexec, which set their own rank variables and not
+    RANK, fill RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from them, so that
+    init_process_group's default env:// works as under torchrun or ddprun (MASTER_ADDR and
+    MASTER_PORT still come from the user: `mpirun -x MASTER_ADDR=host -x MASTER_PORT=port`).
+    Runs at import; a variable already set is never changed. Returns the launcher's name, or
+    None when RANK was set or no launcher is recognised."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env:
+        return None
+    for name, rank, size, local_rank, local_size in _LAUNCHER_ENV:
+        if rank in env and size in env:
+            env["RANK"] = env[rank]
+            env.setdefault("WORLD_SIZE", env[size])
+            env.setdefault("LOCAL_RANK", env.get(local_rank, "0"))
+            # Slurm's per-node count may read "2(x3)"; the leading count is this node's.
+            env.setdefault("LOCAL_WORLD_SIZE", env.get(local_size, env[size]).split("(")[0])
+            return name
+    return None
+
+
 def _register():
     if "LIBDDP" not in dist.Backend._plugins:
         dist.Backend.register_backend("libddp", _create, extended_api=True)
 
 
+launcher_env()
 _register()
