@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ZeRO-1/2/3 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
-# (digits MLP, GPT-2 tiny and BERT tiny, AdamW with weight decay and clipping, 20 steps, gradient
+# (digits MLP, GPT-2 tiny, BERT tiny and Llama tiny, AdamW with weight decay and clipping, 20 steps, gradient
 # accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
 # consolidation, resume at another W, a flipped bit caught), the per-rank state bytes of
 # metrics.jsonl equal the formulas, and bad input is refused naming the value.
@@ -23,6 +23,9 @@ printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_e
 printf '%s\n' '{"model_type": "bert", "num_hidden_layers": 2, "hidden_size": 32,' \
   '"num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256,' \
   '"max_position_embeddings": 64, "num_labels": 3}' >bert.json
+printf '%s\n' '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,' \
+  '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,' \
+  '"intermediate_size": 172, "max_position_embeddings": 64}' >llama.json
 echo '{"zero_optimization": {"stage": 1}}' >ds1.json
 echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}' >ds2.json
 echo '{"zero_optimization": {"stage": 3}}' >ds3.json
@@ -32,6 +35,8 @@ mlp=(--learning_rate 1e-2)
 gpt=(--model gpt2.json --data "$root/tests/data/kjv_genesis_exodus.txt" --block_size 16
   --per_device_train_batch_size 2 --learning_rate 1e-3)
 bert=(--model bert.json --data "$root/tests/data/text_topics.csv" --max_seq_length 16
+  --per_device_train_batch_size 2 --learning_rate 1e-3)
+llama=(--model llama.json --data "$root/tests/data/kjv_genesis_exodus.txt" --block_size 16
   --per_device_train_batch_size 2 --learning_rate 1e-3)
 n=0
 
@@ -52,11 +57,12 @@ run() {
   grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
 }
 
-for model in mlp gpt bert; do
+for model in mlp gpt bert llama; do
   case $model in
     mlp) margs=("${mlp[@]}") ;;
     gpt) margs=("${gpt[@]}") ;;
     bert) margs=("${bert[@]}") ;;
+    llama) margs=("${llama[@]}") ;;
   esac
   for be in threads shm tcp; do
     for w in 2 3 4; do
@@ -70,6 +76,8 @@ for model in mlp gpt bert; do
       # the other two models cover on every backend)
       [ $model = bert ] && { [ $be = tcp ] || [ $w = 4 ] || { [ $be = shm ] && [ $w = 3 ]; }; } &&
         continue
+      # Llama: threads at W = 2 and 3 (its units are LlamaDecoderLayers)
+      [ $model = llama ] && { [ $be != threads ] || [ $w = 4 ]; } && continue
       for ga in 1 3; do
         [ $model = gpt ] && [ $be = tcp ] && [ $ga = 1 ] && continue
         tag=$model-$be-$w-$ga
@@ -89,11 +97,13 @@ for model in mlp gpt bert; do
 done
 
 # ZeRO-3 through --fsdp with an explicit wrap policy: the MLP's Linear layers as units by
-# size (min_num_params), GPT-2 one unit per GPT2Block and BERT per BertLayer
+# size (min_num_params), GPT-2 one unit per GPT2Block, BERT per BertLayer, Llama per
+# LlamaDecoderLayer
 # (transformer_layer_cls_to_wrap), W = 3.
-for model in mlp gpt bert; do
+for model in mlp gpt bert llama; do
   case $model in
     mlp) margs=("${mlp[@]}" --fsdp_config '{"min_num_params": 1000}') ;;
+    llama) margs=("${llama[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}') ;;
     gpt) margs=("${gpt[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}') ;;
     bert) margs=("${bert[@]}" --fsdp_config '{"transformer_layer_cls_to_wrap": "BertLayer"}') ;;
   esac
