@@ -177,6 +177,35 @@ static void test_llama(void **state) {
   if (!(last < first)) fail_msg("Llama loss did not fall: %g -> %g", first, last);
 }
 
+/* Llama under --world_size_invariant_shards 8 (8 samples per step in 8 shards): threads x1,
+ * x2 and x4 end with one hash; the normal DDP run at x4 ends with another (its sums differ by
+ * world size, which is what the mode removes). */
+static void test_llama_invariant(void **state) {
+  (void)state;
+  char h1[64], h2[64], h4[64], hd[64];
+  const char *common = "--max_steps 4 --save_strategy no --world_size_invariant_shards 8";
+  char extra[256];
+  g_model = g_llama;
+  for (int w = 1; w <= 4; w *= 2) {
+    char dir[32];
+    snprintf(dir, sizeof dir, "llama_inv_%d", w);
+    snprintf(extra, sizeof extra, "--threads %d %s --per_device_train_batch_size %d", w, common,
+             8 / w);
+    train_ok(NULL, NULL, dir, extra);
+  }
+  train_ok(NULL, NULL, "llama_inv_ddp4",
+           "--threads 4 --max_steps 4 --save_strategy no --per_device_train_batch_size 2");
+  g_model = g_cfg;
+  summary_hash("llama_inv_1", h1, sizeof h1);
+  summary_hash("llama_inv_2", h2, sizeof h2);
+  summary_hash("llama_inv_4", h4, sizeof h4);
+  summary_hash("llama_inv_ddp4", hd, sizeof hd);
+  print_message("Llama invariant: x1 %s, x2 %s, x4 %s; normal DDP x4 %s\n", h1, h2, h4, hd);
+  assert_string_equal(h1, h2);
+  assert_string_equal(h1, h4);
+  assert_string_not_equal(h4, hd);
+}
+
 /* llm.c's Llama 3 token files (magic 20240801, version 7, uint32 ids) train a Llama as the
  * same ids from text do: the corpus written by ddp_tokens_write_llmc_llama3 ends with the
  * parameter hash of the corpus read as bytes. Ids beyond the vocabulary are refused naming
@@ -596,6 +625,7 @@ static void test_bad_input(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_llama),
+      cmocka_unit_test(test_llama_invariant),
       cmocka_unit_test(test_llama_llmc_tokens),
       cmocka_unit_test(test_llama_resume_bitwise),
       cmocka_unit_test(test_generate),
