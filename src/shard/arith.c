@@ -112,8 +112,7 @@ static ddp_status_t arith_hook(void *state, ddp_pg_t *pg, ddp_grad_bucket_t *b,
   if (b->dtype != DDP_F32 && b->dtype != DDP_F64) return DDP_ERR_UNSUPPORTED;
   arith_call_t *c = ddp__calloc(1, sizeof *c);
   if (!c) return DDP_ERR_NO_MEMORY;
-  *c = (arith_call_t){((arith_state_t *)state)->a, ddp_pg_size(pg), b->buffer, b->numel,
-                      b->dtype};
+  *c = (arith_call_t){((arith_state_t *)state)->a, ddp_pg_size(pg), b->buffer, b->numel, b->dtype};
   ddp_grad_arith_pre(c->a, c->world, true, c->buf, c->buf, c->n, c->dt);
   ddp_comm_work_t *w = NULL;
   ddp_status_t st = ddp_comm_work_create(&w);
