@@ -22,6 +22,7 @@
 #ifndef DDP_SHARD_H
 #define DDP_SHARD_H
 
+#include "ddp/hooks.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/pg.h"
@@ -31,6 +32,48 @@ extern "C" {
 #endif
 
 #define DDP_ZERO_MAX_GROUPS 8
+
+/* Where the gradient reduction divides by W: each framework's own arithmetic, per element
+ * (docs/sharding.md, "Framework arithmetic"). g_r is rank r's local gradient, the sum is
+ * libddp's, in rank order; f32 operations round once each, as PyTorch's CPU kernels do.
+ *
+ *   DDP          g_r * fl(1/W) (g_r / W with divide_in_place), then SUM: PyTorch DDP's
+ *                reducer, the default, what every sharded mode's bits are promised to be
+ *   FSDP1        g_r / f, SUM, then / (W / f) when W / f > 1; f = 1 doubled while
+ *                W % f == 0 and W / f > f (FSDP1's gradient pre/post-divide factors)
+ *   FSDP2        SUM, then / W (fully_shard in f32 with a SUM-only backend; NCCL's AVG
+ *                is DDP's arithmetic)
+ *   DEEPSPEED    g_r / W, then SUM (ZeRO-1/2 average_tensor; ZeRO-3's
+ *                reduce_scatter_coalesced divides its chunks the same way)
+ *   DEEPSPEED_ALLREDUCE  SUM, then * fl(1/W) (ZeRO-1/2 with "reduce_scatter": false) */
+typedef enum ddp_grad_arith {
+  DDP_GRAD_ARITH_DDP = 0,
+  DDP_GRAD_ARITH_FSDP1,
+  DDP_GRAD_ARITH_FSDP2,
+  DDP_GRAD_ARITH_DEEPSPEED,
+  DDP_GRAD_ARITH_DEEPSPEED_ALLREDUCE,
+} ddp_grad_arith_t;
+
+#define DDP_GRAD_ARITH_CHOICES "ddp, fsdp1, fsdp2, deepspeed, deepspeed_allreduce"
+
+/* "ddp", "fsdp1", ...; parse returns false for any other name (out unchanged). */
+DDP_API const char *ddp_grad_arith_name(ddp_grad_arith_t a);
+DDP_API bool ddp_grad_arith_parse(const char *name, ddp_grad_arith_t *out);
+/* The divisors before and after the sum at world size `world` (1: none; DDP's pre is W,
+ * applied as a multiply by fl(1/W) unless divide_in_place; DEEPSPEED_ALLREDUCE's post is
+ * W, applied as a multiply by fl(1/W)). */
+DDP_API void ddp_grad_arith_factors(ddp_grad_arith_t a, int world, double *pre, double *post);
+/* dst[k] = src[k] divided as arithmetic a does before the sum (dst == src allowed); n
+ * elements of dt (DDP_F32 or DDP_F64). */
+DDP_API void ddp_grad_arith_pre(ddp_grad_arith_t a, int world, bool divide_in_place, void *dst,
+                                const void *src, size_t n, ddp_dtype_t dt);
+/* buf[k] divided as arithmetic a does after the sum, in place. */
+DDP_API void ddp_grad_arith_post(ddp_grad_arith_t a, int world, void *buf, size_t n,
+                                 ddp_dtype_t dt);
+/* A DDP comm hook (ddp_ddp_register_comm_hook) that reduces each bucket with arithmetic a:
+ * pre, allreduce SUM in place, post (FSDP1's NO_SHARD allreduce_hook, DeepSpeed's
+ * allreduce). The DDP handle owns the state once registered (free_state). */
+DDP_API ddp_status_t ddp_grad_arith_hook(ddp_grad_arith_t a, ddp_comm_hook_t *out);
 
 /* One parameter group: its optimizer's options and its (parameter, gradient) pairs, which
  * stay the caller's. Parameters of all groups are indexed globally: group 0's, then group
@@ -48,10 +91,13 @@ typedef struct ddp_zero_options {
    * reducer it replaces does: false multiplies by float(1/W) (DDP's default), true divides
    * by W (gradient_as_bucket_view). Equal for W a power of two. */
   bool divide_in_place;
+  /* Stage 2: where the reduce-scatter divides (DDP: as above). Stage 1 uses the DDP
+   * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. */
+  ddp_grad_arith_t arith;
 } ddp_zero_options_t;
 
 #define DDP_ZERO_OPTIONS_INIT \
-  { sizeof(ddp_zero_options_t), 1, false }
+  { sizeof(ddp_zero_options_t), 1, false, DDP_GRAD_ARITH_DDP }
 
 typedef struct ddp_zero ddp_zero_t;
 
@@ -152,10 +198,11 @@ typedef struct ddp_fsdp_options {
   int64_t min_num_params;
   bool reshard_after_forward; /* true (FULL_SHARD) */
   bool divide_in_place;       /* as ddp_zero_options_t */
+  ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post */
 } ddp_fsdp_options_t;
 
 #define DDP_FSDP_OPTIONS_INIT \
-  { sizeof(ddp_fsdp_options_t), "", 0, true, false }
+  { sizeof(ddp_fsdp_options_t), "", 0, true, false, DDP_GRAD_ARITH_DDP }
 
 typedef struct ddp_fsdp ddp_fsdp_t;
 

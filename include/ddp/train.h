@@ -131,6 +131,10 @@ typedef struct ddp_train_args {
    * transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward (ZeRO-3's wrap
    * policy; docs/sharding.md) */
   char fsdp_config[DDP_TRAIN_STR_MAX];
+  /* libddp: where the gradient reduction divides by W (ddp_grad_arith_t): "ddp" (default,
+   * DDP's bits in every sharded mode), "fsdp1", "fsdp2", "deepspeed", "deepspeed_allreduce"
+   * (docs/sharding.md, "Framework arithmetic") */
+  char sharding_arithmetic[DDP_TRAIN_STR_MAX];
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -150,7 +154,8 @@ typedef struct ddp_train_args {
     .ddp_broadcast_buffers = DDP_UNSET, .ddp_timeout = 1800, .ddp_static_graph = DDP_UNSET,        \
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
-    .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true     \
+    .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true,    \
+    .sharding_arithmetic = "ddp"                                                                   \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

@@ -147,18 +147,6 @@ static void grads_off(ddp_fsdp_t *f, size_t ui) {
 
 /* ---------------------------------------------------------------- reduction ------- */
 
-/* The DDP reducer's divide (as zero.c's): x * fl(1/W), or x / W in place. */
-static void divide(const ddp_fsdp_t *f, void *buf, size_t n) {
-  double w = (double)f->world;
-  if (f->dt == DDP_F32) {
-    float *d = buf, r = (float)(1.0 / w);
-    for (size_t k = 0; k < n; k++) d[k] = f->opts.divide_in_place ? d[k] / (float)w : d[k] * r;
-  } else {
-    double *d = buf;
-    for (size_t k = 0; k < n; k++) d[k] = f->opts.divide_in_place ? d[k] / w : d[k] * (1.0 / w);
-  }
-}
-
 /* Unit ui's backward is done: on a synchronising micro-batch its gradient is divided,
  * reduce-scattered into the shard, all-gathered back for the norms, and freed; otherwise
  * kept for the next micro-batch. Its parameters are freed either way. */
@@ -170,10 +158,12 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     size_t bytes = u->S * f->esz;
     if (!u->gshard && !(u->gshard = ddp__aligned_alloc(bytes)))
       return no_memory(f, bytes, "gradient shard", ui);
-    divide(f, u->gfull, u->padded);
+    ddp_grad_arith_pre(f->opts.arith, f->world, f->opts.divide_in_place, u->gfull, u->gfull,
+                       u->padded, f->dt);
     ddp_work_t *w = NULL;
     ddp_status_t st = ddp_reduce_scatter(f->pg, u->gfull, u->gshard, u->S, f->dt, DDP_OP_SUM, &w);
     DDP_CHECK(coll(f, st, w, "gradient reduce_scatter", ui));
+    ddp_grad_arith_post(f->opts.arith, f->world, u->gshard, u->S, f->dt);
     st = ddp_allgather(f->pg, u->gshard, u->gfull, u->S, f->dt, &w);
     DDP_CHECK(coll(f, st, w, "gradient all_gather for the norm", ui));
     for (size_t k = 0; k < u->np; k++) {
@@ -367,6 +357,10 @@ ddp_status_t ddp_fsdp_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_fsdp_op
   *out = NULL;
   int rank = ddp_pg_rank(pg);
   size_t n = ddp_model_num_params(model);
+  if (!strcmp(ddp_grad_arith_name(opts->arith), "?"))
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "fsdp: gradient arithmetic %d is not one of " DDP_GRAD_ARITH_CHOICES,
+                      (int)opts->arith);
   if (ngroups > DDP_ZERO_MAX_GROUPS)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "fsdp: %zu parameter groups; at most %d",
                       ngroups, DDP_ZERO_MAX_GROUPS);

@@ -136,6 +136,10 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
                       "zero: stage %d is not supported (1: optimizer state sharded, 2: "
                       "gradients too; stage 3 is not implemented yet)",
                       opts->stage);
+  if (!strcmp(ddp_grad_arith_name(opts->arith), "?"))
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "zero: gradient arithmetic %d is not one of " DDP_GRAD_ARITH_CHOICES,
+                      (int)opts->arith);
   if (ngroups > DDP_ZERO_MAX_GROUPS)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "zero: %zu parameter groups; at most %d",
                       ngroups, DDP_ZERO_MAX_GROUPS);
@@ -244,42 +248,21 @@ static unsigned char *slot(ddp_zero_t *z, size_t i) {
   return z->flat + ((size_t)z->owner[i] * z->seg + z->off[i]) * z->esz;
 }
 
-/* The DDP reducer's divide (backward.c copy_into_slot): x * fl(1/W), or x / W in place. */
-static void divided(const ddp_zero_t *z, void *dst, const void *src, int64_t n) {
-  double w = (double)z->world;
-  if (z->dt == DDP_F32) {
-    float *d = dst;
-    const float *s = src;
-    if (z->opts.divide_in_place) {
-      for (int64_t k = 0; k < n; k++) d[k] = s[k] / (float)w;
-    } else {
-      float r = (float)(1.0 / w);
-      for (int64_t k = 0; k < n; k++) d[k] = s[k] * r;
-    }
-  } else {
-    double *d = dst;
-    const double *s = src;
-    if (z->opts.divide_in_place) {
-      for (int64_t k = 0; k < n; k++) d[k] = s[k] / w;
-    } else {
-      double r = 1.0 / w;
-      for (int64_t k = 0; k < n; k++) d[k] = s[k] * r;
-    }
-  }
-}
-
 ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err) {
   DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
   if (z->opts.stage < 2) return DDP_OK;
   memset(z->flat, 0, (size_t)z->world * z->seg * z->esz);
   for (size_t i = 0; i < z->n; i++) {
     const ddp_tensor_t *g = z->params[i].grad;
-    if (g->data) divided(z, slot(z, i), g->data, g->numel); /* None: zeros, as DDP */
+    if (g->data) /* None: zeros, as DDP; the DDP reducer's divide unless another arith */
+      ddp_grad_arith_pre(z->opts.arith, z->world, z->opts.divide_in_place, slot(z, i), g->data,
+                         (size_t)g->numel, z->dt);
   }
   unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
   DDP_CHECK(coll(z,
                  ddp_reduce_scatter(z->pg, z->flat, mine, z->seg, z->dt, DDP_OP_SUM, &z->works[0]),
                  "gradient reduce_scatter", err));
+  ddp_grad_arith_post(z->opts.arith, z->world, mine, z->seg, z->dt);
   for (size_t i = 0; i < z->n; i++) {
     ddp_tensor_t *g = z->params[i].grad;
     if (z->owner[i] != z->rank) {

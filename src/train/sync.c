@@ -172,6 +172,26 @@ static ddp_status_t broadcast_buffers(ddp__sync_t *s, ddp_error_t *err) {
   return DDP_OK;
 }
 
+ddp_status_t ddp__sync_grad_arith(const ddp_train_args_t *a, int rank, ddp_grad_arith_t *out,
+                                  ddp_error_t *err) {
+  if (ddp_grad_arith_parse(a->sharding_arithmetic, out)) {
+    if (*out != DDP_GRAD_ARITH_DDP && a->world_size_invariant_shards > 0)
+      return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                        "--sharding_arithmetic %s does not combine with "
+                        "--world_size_invariant_shards (its bits are DDP's for any world size)",
+                        a->sharding_arithmetic);
+    if (*out != DDP_GRAD_ARITH_DDP && strcmp(a->comm_hook, "no") != 0)
+      return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                        "--sharding_arithmetic %s does not combine with --comm_hook %s (both "
+                        "decide how the gradients are reduced)",
+                        a->sharding_arithmetic, a->comm_hook);
+    return DDP_OK;
+  }
+  return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                    "--sharding_arithmetic '%s' is not one of " DDP_GRAD_ARITH_CHOICES,
+                    a->sharding_arithmetic);
+}
+
 ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
   DDP_REQUIRE(s);
   if (s->use_reducer) {
@@ -192,8 +212,21 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     if (st != DDP_OK) {
       return ddp__error_quiet(err, st, "DDP create: %s", e.msg); /* logged by the reducer */
     }
+    /* --sharding_arithmetic (docs/sharding.md): another framework's divide placement, as a
+     * comm hook around the reducer's allreduce (DDP and ZeRO-1; ZeRO-2/3 do it in shard) */
+    ddp_grad_arith_t arith = DDP_GRAD_ARITH_DDP;
+    DDP_CHECK(ddp__sync_grad_arith(&s->args, ddp_pg_rank(s->pg), &arith, err));
     /* world_size_invariant_shards sums with its own allreduce: "allreduce" is that one */
     if (s->args.world_size_invariant_shards > 0) return DDP_OK;
+    if (arith != DDP_GRAD_ARITH_DDP) {
+      ddp_comm_hook_t ah;
+      st = ddp_grad_arith_hook(arith, &ah);
+      if (st == DDP_OK) st = ddp_ddp_register_comm_hook(s->ddp, &ah, &e);
+      if (st != DDP_OK)
+        return ddp__error(err, ddp_pg_rank(s->pg), st, "--sharding_arithmetic %s: comm hook: %s",
+                          s->args.sharding_arithmetic, e.msg);
+      return DDP_OK;
+    }
     /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
      * The layer that failed has logged; the message is carried up quietly. */
     ddp_comm_hook_t hook;
@@ -275,13 +308,27 @@ ddp_status_t ddp__sync_backward(ddp__sync_t *s, ddp_ctx_t *ctx, ddp_var_t *loss,
   size_t np = ddp_model_num_params(s->model);
   int32_t *used = ddp__calloc(np ? np : 1, sizeof *used);
   if (!used) return ddp__error(err, rank, DDP_ERR_NO_MEMORY, "gradient sync: no memory");
+  ddp_grad_arith_t arith = DDP_GRAD_ARITH_DDP;
+  st = ddp__sync_grad_arith(&s->args, rank, &arith, err);
+  if (st != DDP_OK) {
+    ddp__free(used);
+    return st;
+  }
   flat_prepare(s, used);
   for (size_t i = 0; i < DDP_ARRAY_LEN(float_dtypes) && st == DDP_OK; i++) {
     ddp_tensor_t g = ddp_model_flat_grads(s->model, float_dtypes[i]);
     if (g.numel == 0) continue;
     ddp_work_t *w = NULL;
-    st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_OP_AVG, &w);
+    if (arith == DDP_GRAD_ARITH_DDP) {
+      st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_OP_AVG, &w);
+    } else { /* --sharding_arithmetic: pre-divide, SUM, post-divide */
+      int W = ddp_pg_size(s->pg);
+      ddp_grad_arith_pre(arith, W, true, g.data, g.data, (size_t)g.numel, g.dtype);
+      st = ddp_allreduce(s->pg, g.data, g.data, (size_t)g.numel, g.dtype, DDP_OP_SUM, &w);
+    }
     st = wait_op(s, st, w, "gradient allreduce", err);
+    if (st == DDP_OK)
+      ddp_grad_arith_post(arith, ddp_pg_size(s->pg), g.data, (size_t)g.numel, g.dtype);
   }
   if (st == DDP_OK && np) {
     ddp_work_t *w = NULL;

@@ -19,9 +19,15 @@
 
 #include "ddp/hooks.h"
 #include "ddp/reducer.h"
+#include "ddp/shard.h"
 #include "ddp/train.h"
 
 typedef struct ddp__sync ddp__sync_t;
+
+/* --sharding_arithmetic parsed and checked against the flags it does not combine with
+ * (world_size_invariant_shards, a comm_hook); an error names the flag and value. */
+ddp_status_t ddp__sync_grad_arith(const ddp_train_args_t *a, int rank, ddp_grad_arith_t *out,
+                                  ddp_error_t *err);
 
 ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
                               bool use_reducer, ddp__sync_t **out, ddp_error_t *err);

@@ -115,6 +115,7 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
   zo.stage = stage;
   zo.divide_in_place = a->gradient_as_bucket_view;
+  DDP_CHECK(ddp__sync_grad_arith(a, t->rank, &zo.arith, t->err));
   return ddp_zero_create(t->pg, &zo, groups, t->nopt, &t->zero, t->err);
 }
 
@@ -307,6 +308,7 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   if (t->a->fsdp_config[0]) DDP_CHECK(fsdp_config(t, &o, cls, sizeof cls));
   o.wrap_cls = cls;
   o.divide_in_place = t->a->gradient_as_bucket_view;
+  DDP_CHECK(ddp__sync_grad_arith(t->a, t->rank, &o.arith, t->err));
   size_t np = ddp_model_num_params(t->model);
   int *group = ddp__calloc(np ? np : 1, sizeof *group);
   ddp_optim_options_t gopts[DDP__TRAIN_MAX_GROUPS];

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# --sharding_arithmetic (docs/sharding.md, "Framework arithmetic"): each framework's divide
+# placement in ddp-train, on the digits MLP with AdamW, weight decay and clipping, threads.
+#
+# - At W = 3, every step's reduced gradient of DDP with each arithmetic (and of ZeRO-1 with
+#   fsdp1) equals, bit for bit, tools/torch/shard_arith.py's emulation of that framework's
+#   arithmetic on the ranks' local gradients (its docstring cites each framework's source);
+#   the ddp emulation differs from the fsdp1 run (the check can fail).
+# - At W = 3, ZeRO-1, ZeRO-2 and ZeRO-3 with each arithmetic end with the parameter hash of
+#   DDP with that arithmetic (gradient accumulation 1 and 3), and every non-DDP arithmetic
+#   ends off DDP's hash (the docs' table: x / 3 is not x * fl(1/3)).
+# - At W = 2 and 4 every arithmetic ends with DDP's hash (powers of two scale exactly).
+# - A bad value and a combination with --comm_hook are refused naming them.
+#
+#   tests/sharding_arith.sh DDP_TRAIN SRC_ROOT
+set -u
+train=$(realpath "$1")
+root=$(realpath "$2")
+py=/usr/bin/python3
+work=$(mktemp -d "${TMPDIR:-/tmp}/ddp-sharding-arith-XXXXXX") || exit 1
+trap 'rm -rf "$work"' EXIT
+cd "$work" || exit 1
+fail() {
+  echo "FAIL: $*"
+  exit 1
+}
+for s in 1 2 3; do echo "{\"zero_optimization\": {\"stage\": $s}}" >"ds$s.json"; done
+common=(--max_steps 20 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
+  --learning_rate 1e-2 --logging_steps 20 --save_strategy no)
+ariths="ddp fsdp1 fsdp2 deepspeed deepspeed_allreduce"
+
+# run NAME W [ARGS...]: prints the final param_hash
+run() {
+  local name=$1 w=$2
+  shift 2
+  timeout -k 5 120 "$train" --threads "$w" "${common[@]}" --output_dir "$name" "$@" \
+    >"$name.log" 2>&1 || {
+    cat "$name.log"
+    fail "$name: ddp-train failed"
+  }
+  grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
+}
+
+n=0
+for ga in 1 3; do
+  ddp=$(run "ddp-3-$ga" 3 --gradient_accumulation_steps $ga)
+  [ -n "$ddp" ] || fail "ddp-3-$ga: no param_hash"
+  for a in $ariths; do
+    ref=$(run "$a-3-$ga" 3 --gradient_accumulation_steps $ga --sharding_arithmetic $a)
+    if [ $a = ddp ]; then
+      [ "$ref" = "$ddp" ] || fail "W = 3 GA $ga: --sharding_arithmetic ddp $ref, DDP $ddp"
+    else
+      [ "$ref" != "$ddp" ] || fail "W = 3 GA $ga: --sharding_arithmetic $a ends with DDP's hash"
+    fi
+    for s in 1 2 3; do
+      got=$(run "$a-3-$ga-z$s" 3 --gradient_accumulation_steps $ga --sharding_arithmetic $a \
+        --deepspeed "ds$s.json")
+      [ "$got" = "$ref" ] ||
+        fail "W = 3 GA $ga $a: ZeRO-$s $got, DDP with the same arithmetic $ref"
+      n=$((n + 1))
+    done
+  done
+done
+echo "W = 3: $n ZeRO runs end with DDP's hash under their arithmetic; the 4 others differ from ddp"
+
+for w in 2 4; do
+  ddp=$(run "ddp-$w" $w)
+  for a in $ariths; do
+    got=$(run "$a-$w-z2" $w --sharding_arithmetic $a --deepspeed ds2.json)
+    [ "$got" = "$ddp" ] || fail "W = $w: $a with ZeRO-2 $got, DDP $ddp (a power of two)"
+  done
+done
+echo "W = 2, 4: every arithmetic ends with DDP's hash"
+
+out=$("$train" --threads 2 --max_steps 1 --sharding_arithmetic fsdp3 --output_dir bad 2>&1) &&
+  fail "--sharding_arithmetic fsdp3 accepted"
+grep -q "sharding_arithmetic 'fsdp3' is not one of ddp, fsdp1, fsdp2, deepspeed" <<<"$out" ||
+  fail "bad value: $out"
+out=$("$train" --threads 2 --max_steps 1 --sharding_arithmetic fsdp1 --comm_hook fp16 \
+  --output_dir bad 2>&1) && fail "--sharding_arithmetic with --comm_hook accepted"
+grep -q "sharding_arithmetic fsdp1 does not combine with --comm_hook fp16" <<<"$out" ||
+  fail "comm_hook: $out"
+
+"$py" -c 'import torch' 2>/dev/null || {
+  echo "SKIP: /usr/bin/python3 has no torch (the emulation checks)"
+  exit 77
+}
+emu="$root/tools/torch/shard_arith.py"
+for a in $ariths; do
+  run "dump-$a" 3 --max_steps 3 --sharding_arithmetic $a --dump_dir "dump-$a" \
+    --dump_local_grads true >/dev/null
+  "$py" "$emu" --check "dump-$a" --arith $a || fail "$a: the reduced gradients differ"
+done
+run dump-z1 3 --max_steps 3 --sharding_arithmetic fsdp1 --deepspeed ds1.json --dump_dir dump-z1 \
+  --dump_local_grads true >/dev/null
+"$py" "$emu" --check dump-z1 --arith fsdp1 || fail "ZeRO-1 fsdp1: the reduced gradients differ"
+"$py" "$emu" --check dump-fsdp1 --arith ddp >ddp-check.log &&
+  fail "the ddp emulation matches the fsdp1 run: the check cannot tell them apart"
+echo "PASS"
