@@ -1,5 +1,6 @@
 """tests/torch/collectives.py on the libddp backend at 2 and 3 ranks under ddprun, with no
-extra flag (suite torch). Every rank must report its checks; the checks themselves are in
+extra flag but --standalone (the store's port from the OS, so a job that holds 29500 does
+not matter; suite torch). Every rank must report its checks; the checks themselves are in
 collectives.py (every collective, dtype and op against rank-order folds, bad input).
 
     test_collectives.py DDPRUN PYTHONPATH_DIR
@@ -23,7 +24,7 @@ def main():
     fails = 0
     for world, transport in ((2, "shm"), (3, "shm"), (2, "tcp"), (3, "tcp")):
         e = dict(env, DDP_BACKEND=transport)
-        p = subprocess.run([ddprun, "--nproc_per_node", str(world), PY,
+        p = subprocess.run([ddprun, "--standalone", "--nproc_per_node", str(world), PY,
                             os.path.join(HERE, "collectives.py"), "libddp"],
                            env=e, capture_output=True, text=True, timeout=600)
         ranks = sorted(int(r) for r in re.findall(r"CHECKS \d+ rank (\d+)", p.stdout))

@@ -22,7 +22,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def job(ddprun, env, nproc, *args):
-    cmd = [ddprun, "--nproc_per_node", str(nproc), PY, os.path.join(HERE, "train_ddp.py"), *args]
+    # --standalone: the store's port from the OS (29500 may be another job's)
+    cmd = [ddprun, "--standalone", "--nproc_per_node", str(nproc), PY,
+           os.path.join(HERE, "train_ddp.py"), *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         sys.exit(f"FAIL: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")

@@ -178,7 +178,7 @@ def run_job(args, part):
     env = dict(os.environ, PYTHONPATH=os.path.join(args.build, "src", "torch"),
                OMP_NUM_THREADS="1")
     env.pop("DDP_BACKEND", None)
-    cmd = [os.path.join(args.build, "tools", "ddprun"), "--nproc_per_node", "2", PY,
+    cmd = [os.path.join(args.build, "tools", "ddprun"), "--standalone", "--nproc_per_node", "2", PY,
            os.path.abspath(__file__), "--worker", part, "--max-bytes", str(args.max_bytes),
            "--steps", str(args.steps), "--rounds", str(args.rounds)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
