@@ -233,7 +233,7 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
   double *all = ddp__calloc((size_t)W * NV, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
   ddp_status_t st = DDP_OK;
-  double mine[NV] = {own[0], own[1],      own[2], own[0] + own[1] + own[2],
+  double mine[NV] = {own[0], own[1],        own[2], own[0] + own[1] + own[2],
                      own[3], peak_rss_mb(), own[4]};
   if (W > 1) { /* the ranks differ (their shards, their processes): gather them */
     ddp_work_t *w = NULL;
