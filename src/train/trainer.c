@@ -460,11 +460,8 @@ typedef struct step_out {
   double loss;      /* the step's loss, averaged over ranks */
   double grad_norm; /* before clipping */
   double lr;
-  double bytes[5]; /* this rank's parameter, gradient, optimizer-state bytes after the step;
-                    * ZeRO-3: the most held in gathered full copies during it; the bytes it
-                    * sent from the step's start to its optimizer step (ddp_pg_bytes_sent: the
-                    * gradients' and parameters' collectives, not the loss's; -1 when the
-                    * flight recorder is off) */
+  double bytes[5]; /* parameter, gradient, optimizer-state bytes after the step; ZeRO-3's
+                    * gathered peak; bytes sent up to the optimizer step (-1: no recorder) */
 } step_out_t;
 
 /* Micro-batch k of step `step`: forward (synchronising only the last of the window, as HF
