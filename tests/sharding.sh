@@ -147,6 +147,46 @@ check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 3p)" zero2 3
 check_bytes "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 4p)" zero3 3
 check_bytes zf-gpt-1 zero3 3
 
+# Traffic: the bytes each rank sent in the last step (metrics.jsonl sent_bytes, the flight
+# recorder's ring-model count: all-reduce 2(W-1)/W S, all-gather, reduce-scatter and broadcast
+# (W-1)/W S), GPT-2 tiny at W = 3 (Ψ = 35712 in P = 28 tensors, 4 bytes each), exactly:
+#   DDP     2Ψ(W-1)/W, plus the reducer's used-parameter map (P int32, all-reduced);
+#   ZeRO-1  DDP's, plus the owners' broadcasts Ψ(W-1)/W (ZeroRedundancyOptimizer's: 1.5x DDP's)
+#           and the clipping norms (P f64, all-reduced);
+#   ZeRO-2  2Ψ'(W-1)/W, Ψ' = W max_r Ψ_r (the reduce-scatter's equal segments), plus the norms;
+#   ZeRO-3  3Ψ'(W-1)/W (all-gather in forward, reduce-scatter; Ψ' the padded units) less the
+#           root unit (no re-gather in backward), which is FSDP's, plus Ψ'(W-1)/W (the gradient
+#           all-gather that takes the norm in DDP's order).
+check_sent() { # DIR KIND W
+  /usr/bin/env python3 - "$1/metrics.jsonl" "$2" "$3" <<'PY' || fail "sent bytes of $1"
+import json, sys
+path, kind, W = sys.argv[1], sys.argv[2], int(sys.argv[3])
+line = [json.loads(l) for l in open(path) if '"sent_bytes"' in l][-1]
+psi, P, root = 35712, 28, 256 * 32 + 64 * 32 + 2 * 32  # wte, wpe, ln_f: ZeRO-3's root unit
+f = (W - 1) / W
+ar = lambda b: 2 * f * b
+if kind == "ddp":
+    want = ar(4 * psi) + ar(4 * P)
+elif kind == "zero1":
+    want = ar(4 * psi) + ar(4 * P) + f * 4 * psi + ar(8 * P)
+elif kind == "zero2":
+    want = ar(W * max(line["grad_bytes"])) + ar(8 * P)
+else:
+    pad = lambda n: -(-n // W) * W
+    psi_pad = W * line["param_bytes"][0] // 4  # rank 0 holds every unit's full shard
+    want = f * 4 * (4 * psi_pad - pad(root))
+sent = line["sent_bytes"]
+assert len(sent) == W and all(abs(s - want) < 0.01 for s in sent), (kind, sent, want)
+print("ok: %s W=%d sent %.2f bytes per rank per step = %.4f x DDP's 2Ψ(W-1)/W" %
+      (kind, W, sent[0], sent[0] / ar(4 * psi)))
+PY
+}
+check_sent ddp-gpt-threads-3-1 ddp 3
+check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 1p)" zero1 3
+check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 2p)" zero2 3
+check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 4p)" zero3 3
+check_sent zf-gpt-1 zero3 3
+
 # Checkpoints (MLP, threads): ZeRO-1 at W = 4 saves at steps 10 and 20, each rank its
 # optimizer shard (optimizer[_group1]-0000r-of-00004.safetensors), rank 0 the consolidated
 # files, byte for byte DDP's; resuming at W = 4 ends as the uninterrupted run; at W = 2 and

@@ -136,6 +136,14 @@ DDP_API ddp_status_t ddp_pg_inject_fault(ddp_pg_t *pg, const ddp_fault_t *f, con
  * that fit, then "...").
  * DDP calls it before each bucket's allreduce or comm hook. No-op when recording is off. */
 DDP_API void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const char *text);
+/* The bytes this rank has sent in the collectives issued on this group so far, counted by
+ * the flight recorder as the bandwidth-optimal ring algorithms send them, whatever algorithm
+ * the backend ran (nccl-tests' bus bytes, the Ultra-Scale Playbook's accounting): per call
+ * of S bytes (all-gather and reduce-scatter: S the full buffer), all-reduce 2(W-1)/W S,
+ * all-gather, reduce-scatter, all-to-all and broadcast (W-1)/W S, send S, receive and
+ * barrier 0; W = 1 sends nothing. The dump shows each entry's share (ddp_sent_bytes).
+ * -1 when the group records nothing (DDP_FR_BUFFER_SIZE=0). Safe from any thread. */
+DDP_API double ddp_pg_bytes_sent(const ddp_pg_t *pg);
 /* True when this group records its collectives. */
 DDP_API bool ddp_pg_flight_recorder_enabled(const ddp_pg_t *pg);
 /* Writes the dump now, to path (NULL = the configured location), through a temporary file and

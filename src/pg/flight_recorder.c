@@ -78,6 +78,8 @@ struct ddp__fr {
                 * much as a tenth of a small collective's bookkeeping */
   fr_entry_t *ring;
   uint64_t next_id;
+  uint64_t sent_xw; /* W times the bytes this rank sent, in ring_sent_xw's model, over every
+                     * recorded collective */
   int64_t last_enqueued, last_started, last_completed; /* collective seq, -1 = none */
   int64_t inflight;                                    /* recorded and not yet ended */
   int64_t tag_bucket;
@@ -265,6 +267,26 @@ static cJSON *dtypes(const fr_entry_t *e) {
   return a;
 }
 
+/* W times the bytes one rank sends in a collective of `count` elements of `esz` bytes under
+ * the bandwidth-optimal ring algorithms, whatever algorithm the backend ran (nccl-tests' bus
+ * bytes; the Ultra-Scale Playbook's accounting), so ranks and backends count alike: all-reduce
+ * 2(W-1)/W S, all-gather and reduce-scatter (W-1)/W of the full buffer, broadcast (W-1)/W S
+ * (a pipelined ring: every rank but the last forwards S; the mean), all-to-all (W-1)/W of the
+ * buffer, send S; receive and barrier nothing. Times W so the sum stays an exact integer. */
+static uint64_t ring_sent_xw(int kind, uint64_t count, uint64_t esz, uint64_t W) {
+  uint64_t S = count * esz;
+  if (W < 2 && kind != DDP_COLL_SEND) return 0;
+  switch (kind) {
+    case DDP_COLL_ALLREDUCE: return 2 * (W - 1) * S;
+    case DDP_COLL_ALLGATHER: /* count is one rank's part */
+    case DDP_COLL_REDUCE_SCATTER:
+    case DDP_COLL_ALLTOALL: return W * (W - 1) * S;
+    case DDP_COLL_BROADCAST: return (W - 1) * S;
+    case DDP_COLL_SEND: return W * S;
+    default: return 0;
+  }
+}
+
 static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *pg_name) {
   uint64_t W = (uint64_t)fr->info.world, n = e->count;
   uint64_t in = n, out = n;
@@ -311,6 +333,10 @@ static cJSON *entry_json(const ddp__fr_t *fr, const fr_entry_t *e, const char *p
   cJSON_AddStringToObject(o, "ddp_dtype",
                           e->kind == DDP_COLL_BARRIER ? "" : ddp_dtype_name((ddp_dtype_t)e->dtype));
   add_i64(o, "ddp_count", (int64_t)e->count);
+  cJSON_AddNumberToObject(o, "ddp_sent_bytes",
+                          (double)ring_sent_xw(e->kind, e->count,
+                                               ddp_dtype_size((ddp_dtype_t)e->dtype), W) /
+                              (double)W);
   cJSON_AddStringToObject(o, "ddp_algorithm", ddp_algorithm_name((ddp_algorithm_t)e->algo));
   add_i64(o, "ddp_root", e->root);
   cJSON_AddStringToObject(o, "ddp_status", ddp_status_name(e->status));
@@ -614,6 +640,7 @@ uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   e->record_id = id;
   e->seq = c->fp.seq;
   e->count = c->count;
+  fr->sent_xw += ring_sent_xw(c->kind, c->count, ddp_dtype_size(c->dt), (uint64_t)fr->info.world);
   e->kind = (uint8_t)c->kind;
   e->dtype = (uint8_t)c->dt;
   e->op = (uint8_t)c->op;
@@ -635,6 +662,13 @@ uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now) {
   if (c->kind != DDP_COLL_SEND && c->kind != DDP_COLL_RECV) fr->last_enqueued = (int64_t)c->fp.seq;
   fr->inflight++;
   return id;
+}
+
+double ddp__fr_sent_bytes(ddp__fr_t *fr) {
+  pthread_mutex_lock(fr->mu);
+  double v = (double)fr->sent_xw / (double)(fr->info.world > 0 ? fr->info.world : 1);
+  pthread_mutex_unlock(fr->mu);
+  return v;
 }
 
 /* The live entry of record id, or NULL when the ring has moved past it (*fr->mu held). */

@@ -56,6 +56,9 @@ int64_t ddp__fr_now(const ddp__fr_t *fr);
 /* A collective was queued at stamp `now` (ddp__fr_now): records it (state "scheduled") and
  * returns its record id. This call and the next two: info.lock held. */
 uint64_t ddp__fr_record(ddp__fr_t *fr, const ddp__coll_t *c, int64_t now);
+/* The bytes this rank sent in every collective recorded so far, in the ring model of
+ * ddp_pg_bytes_sent (pg.h). Takes info.lock. */
+double ddp__fr_sent_bytes(ddp__fr_t *fr);
 /* The collective began running at stamp `now` (state "started"). */
 void ddp__fr_start(ddp__fr_t *fr, uint64_t id, int64_t now);
 /* The collective ended: st == DDP_OK is state "completed"; otherwise the state stays where it

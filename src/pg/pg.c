@@ -422,6 +422,11 @@ void ddp_pg_set_next_collective_tag(ddp_pg_t *pg, int64_t bucket, const char *te
   ddp__fr_set_tag(pg->fr, bucket, text);
 }
 
+double ddp_pg_bytes_sent(const ddp_pg_t *pg) {
+  DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
+  return pg->fr ? ddp__fr_sent_bytes(pg->fr) : -1.0;
+}
+
 bool ddp_pg_flight_recorder_enabled(const ddp_pg_t *pg) {
   DDP_REQUIRE(pg && pg->magic == PG_MAGIC);
   return pg->fr != NULL;

@@ -460,8 +460,8 @@ typedef struct step_out {
   double loss;      /* the step's loss, averaged over ranks */
   double grad_norm; /* before clipping */
   double lr;
-  double bytes[4]; /* this rank's parameter, gradient, optimizer-state bytes after the step;
-                    * ZeRO-3: the most held in gathered full copies during it */
+  double bytes[5]; /* parameter, gradient, optimizer-state bytes after the step; ZeRO-3's
+                    * gathered peak; bytes sent up to the optimizer step (-1: no recorder) */
 } step_out_t;
 
 /* Micro-batch k of step `step`: forward (synchronising only the last of the window, as HF
@@ -594,6 +594,7 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   const ddp_train_args_t *a = t->a;
   const int64_t GA = a->gradient_accumulation_steps;
   *o = (step_out_t){.t0 = ddp_now_ns()};
+  double sent0 = ddp_pg_bytes_sent(t->pg);
   int64_t epoch = step / t->steps_per_epoch;
   if (!t->inv_k) DDP_CHECK(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA));
   ddp__train_forward_flags_at(a->forward_flags, t->rank, step, &t->flags); /* validated */
@@ -639,6 +640,7 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   }
   for (size_t g = 0; !t->zero && !t->fsdp && g < t->nopt; g++)
     ddp_optim_zero_grad(t->opt[g], a->zero_grad_set_to_none);
+  o->bytes[4] = sent0 >= 0 ? ddp_pg_bytes_sent(t->pg) - sent0 : -1;
   if (t->inv_k) DDP_CHECK(invariant_loss(t, &local_loss)); /* the step's loss, every rank */
   if (t->dump) {
     int micro = (int)(t->inv_k ? GA * t->inv_sm : GA);
@@ -691,7 +693,7 @@ static ddp_status_t log_window(ddp__trainer_t *t, int64_t done, const step_out_t
     DDP_CHECK(ddp__train_state_bytes(t, o->bytes, &j));
     ddp__json_end(&j);
     DDP_CHECK(ddp__metrics_line(t->metrics, &j, t->err));
-  } else if (t->zero || t->fsdp) {
+  } else if (t->world > 1) {
     DDP_CHECK(ddp__train_state_bytes(t, o->bytes, NULL)); /* collective */
   }
   if (t->ev) {

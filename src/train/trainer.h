@@ -98,11 +98,13 @@ ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t);
  * optimizer_group<g>.safetensors). */
 ddp_status_t ddp__train_zero_save_shard(ddp__trainer_t *t, const char *tmp);
 ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp);
-/* Collective when ZeRO is on: every rank's parameter, gradient and optimizer-state bytes
- * (measured after the step, before zero_grad) as metrics members on rank 0's line j. */
-ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[4], ddp__json_t *j);
+/* Collective when W > 1: every rank's parameter, gradient and optimizer-state bytes
+ * (measured after the step, before zero_grad), own[3] the ZeRO-3 gathered peak, own[4] the
+ * bytes the rank sent in the step (flight recorder; -1 when off), and the process's peak RSS,
+ * as metrics members on rank 0's line j. */
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp__json_t *j);
 /* This rank's bytes now: parameters, present gradients, optimizer state. */
-void ddp__train_own_bytes(ddp__trainer_t *t, double own[4]);
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[5]);
 /* The training data's digest (16 hex digits; FNV-1a of every sample's bytes), computed
  * once (resume_check.c). */
 ddp_status_t ddp__train_data_digest(ddp__trainer_t *t, char hex[17]);

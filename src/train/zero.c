@@ -3,6 +3,7 @@
  * groups, and the state bytes of metrics.jsonl. */
 #include <stdio.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include <cjson/cJSON.h>
 
@@ -184,7 +185,7 @@ ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp) {
   return st;
 }
 
-void ddp__train_own_bytes(ddp__trainer_t *t, double own[4]) {
+void ddp__train_own_bytes(ddp__trainer_t *t, double own[5]) {
   own[3] = 0;
   if (t->zero) {
     size_t p, g, o;
@@ -207,34 +208,45 @@ void ddp__train_own_bytes(ddp__trainer_t *t, double own[4]) {
   for (size_t g = 0; g < t->nopt; g++) own[2] += (double)ddp_optim_state_bytes(t->opt[g]);
 }
 
-/* One metrics member: a JSON array of W integers (all: 5 values per rank). */
-static void member(ddp__json_t *j, const char *key, const double *all, int world, int k) {
+/* One metrics member: a JSON array of W numbers (all: NV values per rank). */
+#define NV 7
+static void member(ddp__json_t *j, const char *key, const double *all, int world, int k,
+                   const char *fmt) {
   char buf[4096];
   size_t len = 0;
   buf[len++] = '[';
-  for (int r = 0; r < world && len + 32 < sizeof buf; r++)
-    len += (size_t)snprintf(buf + len, sizeof buf - len, "%s%.0f", r ? "," : "", all[r * 5 + k]);
+  for (int r = 0; r < world && len + 32 < sizeof buf; r++) {
+    if (r) buf[len++] = ',';
+    len += (size_t)snprintf(buf + len, sizeof buf - len, fmt, all[r * NV + k]);
+  }
   snprintf(buf + len, sizeof buf - len, "]");
   ddp__json_raw(j, key, buf);
 }
 
-ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[4], ddp__json_t *j) {
+/* This process's peak resident set (getrusage ru_maxrss), in MiB. */
+static double peak_rss_mb(void) {
+  struct rusage ru;
+  return getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
+}
+
+ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp__json_t *j) {
   int W = t->world;
-  double *all = ddp__calloc((size_t)W * 5, sizeof *all);
+  double *all = ddp__calloc((size_t)W * NV, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
   ddp_status_t st = DDP_OK;
-  double mine[5] = {own[0], own[1], own[2], own[0] + own[1] + own[2], own[3]};
-  if (t->zero || t->fsdp) { /* the ranks differ: gather them */
+  double mine[NV] = {own[0], own[1],        own[2], own[0] + own[1] + own[2],
+                     own[3], peak_rss_mb(), own[4]};
+  if (W > 1) { /* the ranks differ (their shards, their processes): gather them */
     ddp_work_t *w = NULL;
-    st = ddp_allgather(t->pg, mine, all, 5, DDP_F64, &w);
+    st = ddp_allgather(t->pg, mine, all, NV, DDP_F64, &w);
     if (st == DDP_OK) st = ddp_work_wait_free(w);
     if (st != DDP_OK) {
       ddp_error_t pe;
       ddp_pg_last_error_copy(t->pg, &pe);
       st = ddp__error_quiet(t->err, st, "trainer: state bytes allgather: %s", pe.msg);
     }
-  } else { /* DDP: every rank holds the same */
-    for (int r = 0; r < W; r++) memcpy(all + r * 5, mine, sizeof mine);
+  } else {
+    memcpy(all, mine, sizeof mine);
   }
   if (st == DDP_OK && j) {
     ddp__json_str(j, "sharding",
@@ -242,12 +254,15 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[4], ddp_
                   : !t->zero                     ? "ddp"
                   : ddp_zero_stage(t->zero) == 1 ? "zero1"
                                                  : "zero2");
-    member(j, "param_bytes", all, W, 0);
-    member(j, "grad_bytes", all, W, 1);
-    member(j, "optim_bytes", all, W, 2);
-    member(j, "state_bytes", all, W, 3);
+    member(j, "param_bytes", all, W, 0, "%.0f");
+    member(j, "grad_bytes", all, W, 1, "%.0f");
+    member(j, "optim_bytes", all, W, 2, "%.0f");
+    member(j, "state_bytes", all, W, 3, "%.0f");
     /* ZeRO-3: the full copies of the units in flight, apart from the sharded state */
-    if (t->fsdp) member(j, "gathered_bytes", all, W, 4);
+    if (t->fsdp) member(j, "gathered_bytes", all, W, 4, "%.0f");
+    /* the flight recorder's count of the last step's sends (absent when it is off) */
+    if (own[4] >= 0) member(j, "sent_bytes", all, W, 6, "%.2f");
+    member(j, "peak_rss_mb", all, W, 5, "%.1f");
   }
   ddp__free(all);
   return st;
