@@ -38,8 +38,8 @@
  * ddp_ddp_get_comm_stats. Phases 2 and 3 are skipped when their count is 0.
  *
  * With --model FILE (a Transformers config.json of a causal LM: GPT-2 or Llama) the model is
- * that model instead of the MLP: the input of a step is I64 token ids [batch, --seq] (fixed random ids, different
- * on every rank) and the loss is the causal-LM loss on the same ids as labels
+ * that model instead of the MLP: the input of a step is I64 token ids [batch, --seq] (fixed random
+ * ids, different on every rank) and the loss is the causal-LM loss on the same ids as labels
  * (ddp_causal_lm_loss, as Transformers' GPT2LMHeadModel or LlamaForCausalLM with
  * labels = input_ids). --optim
  * adamw replaces SGD by AdamW (PyTorch's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8,
@@ -234,8 +234,8 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
     uint64_t s = 77 + (uint64_t)rank;
     for (size_t i = 0; i < (size_t)cfg->batch * (size_t)cfg->seq; i++)
       r->ids[i] = (int64_t)(mix(&s) % (uint64_t)(hf->model_type == DDP_HF_LLAMA
-                                                      ? hf->llama.vocab_size
-                                                      : hf->gpt2.vocab_size));
+                                                     ? hf->llama.vocab_size
+                                                     : hf->gpt2.vocab_size));
   }
   ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
   o.trace_path = cfg->trace;
