@@ -18,9 +18,10 @@
 #    a tail after backward between the last bucket's and the whole gradient's wire times;
 #    on a trace made here, the tail and first ready time the model gives, the layout and
 #    rank filters, exit 1 naming a corrupt trace and 2 for a bad flag;
-#  - --model (a tiny GPT-2 config.json) with --optim adamw in one process (no launcher):
-#    the parameter count is the config's, and the step time, CPU time and peak RSS are
-#    positive; the PyTorch peer (--world 1) counts the same parameters.
+#  - --model (a tiny GPT-2 config.json, then a tiny Llama's) with --optim adamw in one
+#    process (no launcher): the parameter count is the config's, and the step time, CPU time
+#    and peak RSS are positive; the PyTorch peer (--world 1; Llama with --mkldnn on and off)
+#    counts the same parameters.
 # And the allreduce benchmark ddp-bench (tools/bench/bench_peers.sh's libddp part): threads, shm
 # and tcp with --bind-to core at 4 sizes give one row each with every element right and a
 # positive p50; bad flags exit 2 naming the flag.
@@ -170,6 +171,23 @@ echo "libddp GPT-2: $g"
   [ "$(get "$g" world)" = 1 ] || fail "GPT-2 run: model/optim/world are not gpt2/adamw/1"
 positive "$g" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
 
+# Llama (bench_gpt2.sh -m llama), tiny: H = 64, 2 layers, 4 heads, 2 KV heads, I = 172, vocab
+# 256, untied head.
+printf '%s\n' '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,' \
+  '"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 172,' \
+  '"max_position_embeddings": 64}' >"$work/llama.json"
+H=64; I=172; KV=32
+# embed_tokens, lm_head; per layer q, k, v, o, gate, up, down, two norms; model.norm
+llama_numel=$((2 * V * H + L * (2 * H * H + 2 * KV * H + 3 * I * H + 2 * H) + H))
+llama_args=(--model "$work/llama.json" --optim adamw --batch 2 --seq 16 --steps 2 --warmup 2)
+timeout -k 5 120 env -u RANK -u WORLD_SIZE "$bench" "${llama_args[@]}" >"$work/llama.txt" 2>&1 ||
+  { cat "$work/llama.txt"; fail "ddp-bench-ddp --model (Llama) failed"; }
+l=$(grep -o 'RESULT .*' "$work/llama.txt" | head -1)
+echo "libddp Llama: $l"
+[ "$(get "$l" grad_numel)" = "$llama_numel" ] || fail "Llama grad_numel is not $llama_numel"
+[ "$(get "$l" model)" = llama ] || fail "Llama run: model is not llama"
+positive "$l" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
+
 # Without torch the comparison with PyTorch cannot run: the test reports SKIP (77, meson's
 # skip code), not a pass, though libddp's own half above has passed.
 if ! "$py" -c 'import torch' 2>/dev/null; then
@@ -183,6 +201,17 @@ gt=$(grep -o 'RESULT .*' "$work/gpt2_torch.txt" | head -1)
 echo "PyTorch GPT-2: $gt"
 [ "$(get "$gt" grad_numel)" = "$gpt2_numel" ] || fail "PyTorch GPT-2 grad_numel is not $gpt2_numel"
 positive "$gt" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
+for k in on off; do
+  timeout -k 5 180 "$py" "$src/tools/bench/peer_torch_ddp.py" --world 1 --mkldnn "$k" \
+    "${llama_args[@]}" >"$work/llama_torch.txt" 2>&1 ||
+    { cat "$work/llama_torch.txt"; fail "peer_torch_ddp.py --model (Llama) --mkldnn $k failed"; }
+  lt=$(grep -o 'RESULT .*' "$work/llama_torch.txt" | head -1)
+  echo "PyTorch Llama (mkldnn $k): $lt"
+  [ "$(get "$lt" grad_numel)" = "$llama_numel" ] &&
+    [ "$(get "$lt" model)" = llama ] && [ "$(get "$lt" mkldnn)" = "$k" ] ||
+    fail "PyTorch Llama: grad_numel/model/mkldnn are not $llama_numel/llama/$k"
+  positive "$lt" steps_per_s step_p50_ms step_cpu_p50_ms peak_rss_mb
+done
 OPENBLAS_CORETYPE=$("$bench" --blas-core) timeout -k 5 180 "$py" "$src/tools/bench/peer_torch_ddp.py" \
   --world 2 "${counts[@]}" >"$work/torch.txt" 2>&1 ||
   { cat "$work/torch.txt"; fail "peer_torch_ddp.py failed"; }

@@ -459,6 +459,8 @@ static void test_tool_errors(void **state) {
       {{"--optim", "sgd", "--optim_args", "nesterov=true"}, "Nesterov momentum requires"},
       {{"--ddp_first_bucket_mb", "0", NULL}, "ddp_first_bucket_mb must be positive"},
       {{"--power_sgd_init_q", "q.safetensors", NULL}, "power_sgd_init_q needs comm_hook"},
+      {{"--max_shard_size", "10XB", NULL}, "max_shard_size: '10XB' is not a valid size"},
+      {{"--save_safetensors", "false", NULL}, "save_safetensors false would save pytorch_model"},
       {{"--comm_hook", "power_sgd", "--power_sgd_init_q", "/nonexistent/q.safetensors"},
        "--power_sgd_init_q /nonexistent/q.safetensors"},
   };

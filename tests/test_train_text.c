@@ -401,16 +401,26 @@ static void test_resume_bitwise(void **state) {
   cJSON_Delete(s);
 }
 
-/* The same for the tiny Llama (untied head, GQA): saved at step 4 of 8, resumed, the
- * uninterrupted run's hash. */
+/* The same for the tiny Llama (untied head, GQA): saved at step 4 of 8 in 20KB shards
+ * (--max_shard_size: model-0000K-of-0000N.safetensors and the index, checkpoint and final
+ * model alike), resumed from the shards, the uninterrupted run's hash. */
 static void test_llama_resume_bitwise(void **state) {
   (void)state;
   const char *common = "--threads 2 --max_steps 8 --gradient_accumulation_steps 2 "
                        "--warmup_steps 2 --ddp_find_unused_parameters false";
   char extra[1200], h1[64], h2[64];
   g_model = g_llama;
-  snprintf(extra, sizeof extra, "%s --save_steps 4", common);
+  snprintf(extra, sizeof extra, "%s --save_steps 4 --max_shard_size 20KB", common);
   train_ok(NULL, NULL, "llama_resume_full", extra);
+  static const char *const where[] = {"llama_resume_full/checkpoint-4", "llama_resume_full"};
+  for (size_t i = 0; i < 2; i++) {
+    char p[900];
+    struct stat sb;
+    snprintf(p, sizeof p, "%s/%s/model.safetensors.index.json", g_dir, where[i]);
+    if (stat(p, &sb) != 0) fail_msg("no %s", p);
+    snprintf(p, sizeof p, "%s/%s/model.safetensors", g_dir, where[i]);
+    assert_int_equal(stat(p, &sb), -1);
+  }
   snprintf(extra, sizeof extra,
            "%s --save_strategy no --resume_from_checkpoint "
            "'%s/llama_resume_full/checkpoint-4'",

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <cmocka.h>
 
 #include "ddp/nn.h"
@@ -671,6 +672,257 @@ static void test_pretrained_errors(void **state) {
   ddp_model_destroy(m);
 }
 
+/* ---------------------------------------------------------------- sharded --------- */
+
+/* Transformers' convert_file_size_to_int; anything else names the parameter. */
+static void test_file_size(void **state) {
+  (void)state;
+  static const struct {
+    const char *text;
+    int64_t bytes;
+  } ok[] = {{"5GB", 5000000000LL}, {"10MB", 10000000},  {"100KB", 100000},
+            {"100kb", 12500},      {"2GiB", 1LL << 31}, {"64MiB", 64 << 20},
+            {"512KiB", 512 << 10}, {"40Mb", 5000000},   {"12345", 12345}};
+  for (size_t i = 0; i < NELEM(ok); i++) {
+    int64_t b = 0;
+    ddp_error_t err = {0};
+    if (ddp_parse_file_size(ok[i].text, "max_shard_size", &b, &err) != DDP_OK)
+      fail_msg("%s: %s", ok[i].text, err.msg);
+    assert_int_equal(b, ok[i].bytes);
+  }
+  static const char *bad[] = {"",  "GB",    "10XB", "5 GB",         "-5GB",
+                              "0", "1.5GB", "7b",   "99999999999GB"};
+  for (size_t i = 0; i < NELEM(bad); i++) {
+    int64_t b = 0;
+    ddp_error_t err = {0};
+    expect_err(ddp_parse_file_size(bad[i], "--max_shard_size", &b, &err), DDP_ERR_INVALID_ARGUMENT,
+               err.msg, "--max_shard_size", "not a valid size", "'5GB'", NULL);
+    char quoted[64];
+    snprintf(quoted, sizeof quoted, "'%s'", bad[i]);
+    expect_err(DDP_ERR_INVALID_ARGUMENT, DDP_ERR_INVALID_ARGUMENT, err.msg, quoted, NULL);
+  }
+}
+
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) fail_msg("cannot open %s", path);
+  static char text[1 << 17];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = 0;
+  return text;
+}
+
+static void write_text(const char *path, const char *text) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+static bool exists(const char *dir, const char *file) {
+  char path[600];
+  struct stat sb;
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  return stat(path, &sb) == 0;
+}
+
+/* A Llama of about 500 KB in 100 KB shards: the files and index Transformers' shard_checkpoint
+ * gives (greedy in state_dict order, sorted keys, indent 2), every tensor where the index says,
+ * and from_pretrained reads it back; GPT-2 (tied head) through the same code; a later save of
+ * the other layout removes the stale files. */
+static void test_pretrained_sharded(void **state) {
+  (void)state;
+  ddp_model_t *m = model_of(cfg_text(LLAMA_JSON, NULL), DDP_F32), *m2;
+  assert_int_equal(ddp_model_init(m, 5), DDP_OK);
+  char dir[400], path[600];
+  snprintf(dir, sizeof dir, "%s/sharded", g_dir);
+  ddp_error_t err = {0};
+  const int64_t cap = 100000;
+  if (ddp_model_save_pretrained_sharded(m, dir, cap, &err) != DDP_OK) fail_msg("%s", err.msg);
+  /* The expected layout, computed here from the rule. */
+  size_t np = ddp_model_num_params(m), shard[128], nshards = 1, in = 0;
+  int64_t block = 0, total = 0;
+  for (size_t i = 0; i < np; i++) {
+    int64_t b = (int64_t)ddp_tensor_nbytes(&ddp_model_param(m, i)->value);
+    if (block + b > cap && in > 0) nshards++, block = 0, in = 0;
+    shard[i] = nshards - 1;
+    block += b, total += b, in++;
+  }
+  assert_true(nshards >= 4);
+  assert_false(exists(dir, "model.safetensors"));
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  char *text = read_text(path), head[256];
+  snprintf(head, sizeof head,
+           "{\n  \"metadata\": {\n    \"total_size\": %lld\n  },\n  \"weight_map\": {\n    "
+           "\"lm_head.weight\": \"model-%05zu-of-%05zu.safetensors\",\n    "
+           "\"model.embed_tokens.weight\": \"model-00001-of-%05zu.safetensors\",\n",
+           (long long)total, nshards, nshards, nshards);
+  if (strncmp(text, head, strlen(head))) fail_msg("index starts\n%.300s\nexpected\n%s", text, head);
+  assert_string_equal(text + strlen(text) - 7, "\n  }\n}\n");
+  cJSON *j = cJSON_Parse(text);
+  cJSON *map = cJSON_GetObjectItem(j, "weight_map");
+  assert_int_equal(cJSON_GetArraySize(map), np);
+  for (size_t i = 0; i < np; i++) {
+    const char *name = ddp_model_param(m, i)->name;
+    char want[64];
+    snprintf(want, sizeof want, "model-%05zu-of-%05zu.safetensors", shard[i] + 1, nshards);
+    assert_string_equal(cJSON_GetObjectItem(map, name)->valuestring, want);
+    ddp_st_file_t *f;
+    snprintf(path, sizeof path, "%s/%s", dir, want);
+    assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, NULL), DDP_OK);
+    assert_string_equal(ddp_st_meta_get(f, "format"), "pt");
+    size_t at;
+    assert_int_equal(ddp_st_find(f, name, &at), DDP_OK);
+    ddp_st_close(f);
+  }
+  cJSON_Delete(j);
+  if (ddp_model_from_pretrained(dir, DDP_F32, &m2, &err) != DDP_OK) fail_msg("%s", err.msg);
+  expect_same_params(m, m2);
+  ddp_model_destroy(m2);
+  /* One file: the index and the shards go; sharded again: model.safetensors goes. */
+  assert_int_equal(ddp_model_save_pretrained(m, dir, &err), DDP_OK);
+  assert_true(exists(dir, "model.safetensors"));
+  assert_false(exists(dir, "model.safetensors.index.json"));
+  assert_false(exists(dir, "model-00001-of-00004.safetensors") ||
+               exists(dir, "model-00001-of-00005.safetensors") ||
+               exists(dir, "model-00001-of-00006.safetensors"));
+  assert_int_equal(ddp_model_save_pretrained_sharded(m, dir, 200000, &err), DDP_OK);
+  assert_false(exists(dir, "model.safetensors"));
+  assert_int_equal(ddp_model_save_pretrained_sharded(m, dir, cap, &err), DDP_OK);
+  char last[64];
+  snprintf(last, sizeof last, "model-%05zu-of-%05zu.safetensors", nshards, nshards);
+  assert_true(exists(dir, last));
+  DIR *d = opendir(dir);
+  size_t files = 0;
+  for (struct dirent *e; (e = readdir(d));) files += e->d_name[0] != '.';
+  closedir(d);
+  assert_int_equal(files, nshards + 2); /* + config.json and the index */
+  expect_err(ddp_model_save_pretrained_sharded(m, dir, 0, &err), DDP_ERR_INVALID_ARGUMENT, err.msg,
+             "max_shard_size", NULL);
+  ddp_model_destroy(m);
+
+  m = model_of(cfg_text(GPT2_JSON, NULL), DDP_F32);
+  assert_int_equal(ddp_model_init(m, 6), DDP_OK);
+  snprintf(dir, sizeof dir, "%s/sharded_gpt2", g_dir);
+  assert_int_equal(ddp_model_save_pretrained_sharded(m, dir, 30000, &err), DDP_OK);
+  assert_true(exists(dir, "model.safetensors.index.json"));
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  assert_null(strstr(read_text(path), "lm_head.weight")); /* tied: not saved */
+  if (ddp_model_from_pretrained(dir, DDP_F32, &m2, &err) != DDP_OK) fail_msg("%s", err.msg);
+  expect_same_params(m, m2);
+  ddp_model_destroy(m2);
+  ddp_model_destroy(m);
+}
+
+/* Rewrites DIR/FILE without tensor `drop` and with `add` (NULL: none). */
+static void rewrite_shard(const char *dir, const char *file, const char *drop,
+                          const ddp_st_entry_t *add) {
+  char path[600];
+  snprintf(path, sizeof path, "%s/%s", dir, file);
+  ddp_st_file_t *f;
+  assert_int_equal(ddp_st_open(path, DDP_ST_READ, &f, NULL), DDP_OK);
+  ddp_st_entry_t es[64];
+  ddp_tensor_t ts[64];
+  size_t n = 0;
+  for (size_t i = 0; i < ddp_st_count(f); i++) {
+    if (drop && !strcmp(ddp_st_name(f, i), drop)) continue;
+    assert_int_equal(ddp_st_tensor(f, i, &ts[n]), DDP_OK);
+    es[n] = (ddp_st_entry_t){ddp_st_name(f, i), &ts[n]};
+    n++;
+  }
+  if (add) es[n++] = *add;
+  const char *mk[1] = {"format"}, *mv[1] = {"pt"};
+  ddp_error_t err = {0};
+  if (ddp_st_write(path, es, n, mk, mv, 1, &err) != DDP_OK) fail_msg("%s", err.msg);
+  ddp_st_close(f);
+}
+
+/* Sets weight_map[name] to file (NULL: removes the entry). */
+static void edit_index(const char *dir, const char *name, const char *file) {
+  char path[600];
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  cJSON *j = cJSON_Parse(read_text(path)), *map = cJSON_GetObjectItem(j, "weight_map");
+  cJSON_DeleteItemFromObjectCaseSensitive(map, name);
+  if (file) cJSON_AddStringToObject(map, name, file);
+  char *t = cJSON_Print(j);
+  write_text(path, t);
+  cJSON_free(t);
+  cJSON_Delete(j);
+}
+
+/* A sharded directory is checked whole, strictly, before anything is copied: each error
+ * names the file and the tensor. */
+static void test_pretrained_sharded_errors(void **state) {
+  (void)state;
+  ddp_model_t *m = model_of(cfg_text(LLAMA_JSON, NULL), DDP_F32), *m2 = NULL;
+  assert_int_equal(ddp_model_init(m, 5), DDP_OK);
+  char dir[400], path[600];
+  snprintf(dir, sizeof dir, "%s/sharded_bad", g_dir);
+  ddp_error_t err = {0};
+  const char *first = "model-00001-of-00006.safetensors",
+             *last = "model-00006-of-00006.safetensors";
+  const char *norm = "model-00005-of-00006.safetensors"; /* model.norm.weight's; lm_head: last */
+#define RESAVE() assert_int_equal(ddp_model_save_pretrained_sharded(m, dir, 100000, &err), DDP_OK)
+  RESAVE();
+  assert_true(exists(dir, last));
+  /* A file the index names is absent. */
+  snprintf(path, sizeof path, "%s/%s", dir, last);
+  assert_int_equal(unlink(path), 0);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_NOT_FOUND, err.msg,
+             "model.safetensors.index.json names model-00006-of-00006.safetensors",
+             "(for tensor 'lm_head.weight')", "which is not in", dir, NULL);
+  assert_null(m2);
+  /* A tensor in another file than the index says. */
+  RESAVE();
+  edit_index(dir, "model.norm.weight", first);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "tensor 'model.norm.weight' is in", norm, "but", "puts it in", first, NULL);
+  /* A tensor the index does not list. */
+  RESAVE();
+  edit_index(dir, "model.norm.weight", NULL);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "tensor 'model.norm.weight' in", norm, "is not in the weight_map of",
+             "model.safetensors.index.json", NULL);
+  /* A tensor the index lists in a file that lacks it. */
+  RESAVE();
+  edit_index(dir, "model.layers.0.mlp.extra.weight", first);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "puts tensor 'model.layers.0.mlp.extra.weight' in", first, "does not hold it", NULL);
+  /* A model tensor absent from both: PyTorch's strict wording, naming the index. */
+  RESAVE();
+  rewrite_shard(dir, norm, "model.norm.weight", NULL);
+  edit_index(dir, "model.norm.weight", NULL);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "Error(s) in loading state_dict from", "model.safetensors.index.json",
+             "Missing key(s) in state_dict: \"model.norm.weight\". ", NULL);
+  /* An extra tensor in both. */
+  RESAVE();
+  ddp_st_entry_t extra = {"model.layers.2.input_layernorm.weight", &ddp_model_param(m, 1)->value};
+  rewrite_shard(dir, first, NULL, &extra);
+  edit_index(dir, extra.name, first);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "Unexpected key(s) in state_dict: \"model.layers.2.input_layernorm.weight\". ", NULL);
+  /* A malformed index, and a file name that leaves the directory. */
+  RESAVE();
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  write_text(path, "{\"metadata\": {}}");
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "model.safetensors.index.json has no \"weight_map\"", NULL);
+  RESAVE();
+  edit_index(dir, "model.norm.weight", "../model-00006-of-00006.safetensors");
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_INVALID_DATA, err.msg,
+             "weight_map[\"model.norm.weight\"]", "not a file name in", NULL);
+  /* Neither layout. */
+  RESAVE();
+  assert_int_equal(unlink(path), 0);
+  expect_err(ddp_model_from_pretrained(dir, DDP_F32, &m2, &err), DDP_ERR_NOT_FOUND, err.msg,
+             "no file named model.safetensors or model.safetensors.index.json", dir, NULL);
+  assert_null(m2);
+#undef RESAVE
+  ddp_model_destroy(m);
+}
+
 /* ddp_model_from_json: a top-level "model_type" is a Transformers config; other models have
  * no HF config and the default task; ddp_model_save_pretrained refuses them. */
 static void test_model_json_dispatch(void **state) {
@@ -721,6 +973,9 @@ int main(void) {
       cmocka_unit_test(test_pretrained_roundtrip),
       cmocka_unit_test(test_pretrained_tolerated),
       cmocka_unit_test(test_pretrained_errors),
+      cmocka_unit_test(test_file_size),
+      cmocka_unit_test(test_pretrained_sharded),
+      cmocka_unit_test(test_pretrained_sharded_errors),
       cmocka_unit_test(test_model_json_dispatch),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -25,8 +25,9 @@
 #include "opcheck.h"
 #include "transformers.h"
 
-static char g_dir[256];   /* empty when torch is absent */
-static double g_worst[2]; /* largest relative error seen: [0] f32, [1] f64 */
+static char g_dir[256];     /* empty when torch is absent */
+static const char *g_shard; /* weights(): save_pretrained's max_shard_size ("": one file) */
+static double g_worst[2];   /* largest relative error seen: [0] f32, [1] f64 */
 
 #define NEED_TORCH()                                                              \
   do {                                                                            \
@@ -88,7 +89,9 @@ static ddp_model_t *weights(const char *dir, const char *cfg_json, ddp_dtype_t d
   if (!torch_init) {
     m = model_of(cfg_json, dt);
     assert_int_equal(ddp_model_init(m, 17), DDP_OK);
-    if (ddp_model_save_pretrained(m, mdir, &err) != DDP_OK) fail_msg("%s", err.msg);
+    int64_t cap = DDP_MAX_SHARD_SIZE_DEFAULT;
+    if (g_shard) assert_int_equal(ddp_parse_file_size(g_shard, "max_shard_size", &cap, NULL), 0);
+    if (ddp_model_save_pretrained_sharded(m, mdir, cap, &err) != DDP_OK) fail_msg("%s", err.msg);
     return m;
   }
   ddp_hf_config_t cfg;
@@ -99,7 +102,7 @@ static ddp_model_t *weights(const char *dir, const char *cfg_json, ddp_dtype_t d
   snprintf(path, sizeof path, "%s/config.json", mdir);
   assert_int_equal(ddp_hf_config_write(&cfg, path, NULL), DDP_OK);
   char args[600];
-  snprintf(args, sizeof args, "init '%s' 7", mdir);
+  snprintf(args, sizeof args, "init '%s' 7 %s", mdir, g_shard ? g_shard : "");
   assert_true(ddp_test_run_tool("hf_models.py", args));
   if (ddp_model_from_pretrained(mdir, dt, &m, &err) != DDP_OK) fail_msg("%s", err.msg);
   return m;
@@ -300,6 +303,65 @@ static void test_llama_tied_torch_init(void **state) {
   llama_case("none", "", DDP_F32, false, true, 16, 42);
 }
 
+/* Sharded directories (100KB shards, as save_pretrained(max_shard_size="100KB") writes them)
+ * both ways: PyTorch's sharded init loads in libddp and its step matches; libddp's sharded
+ * save loads strictly in PyTorch, its step matches, and its tensors equal, bit for bit, those
+ * PyTorch reads from libddp's single-file save of the same model. Llama (untied, tied) and
+ * GPT-2 through the one code path. */
+static void test_sharded(void **state) {
+  (void)state;
+  NEED_TORCH();
+  g_shard = "100KB";
+  batch_t b;
+  gpt2_batch(&b, 2, 16, 50);
+  compare("sharded_llama_torch_init", cfg_text(LLAMA_JSON, NULL), DDP_F32, &b, true, TOL_F32);
+  compare("sharded_llama", cfg_text(LLAMA_JSON, NULL), DDP_F32, &b, false, TOL_F32);
+  compare("sharded_llama_tied_f64", cfg_text(LLAMA_JSON, ", \"tie_word_embeddings\": true"),
+          DDP_F64, &b, true, TOL_F64);
+  g_shard = "30KB";
+  compare("sharded_gpt2_torch_init", cfg_text(GPT2_JSON, NULL), DDP_F32, &b, true, TOL_F32);
+  compare("sharded_gpt2", cfg_text(GPT2_JSON, NULL), DDP_F32, &b, false, TOL_F32);
+  g_shard = NULL;
+  char one[400], many[400], args[2000];
+  snprintf(many, sizeof many, "%s/sharded_llama/model", g_dir);
+  struct stat sb;
+  char idx[600];
+  snprintf(idx, sizeof idx, "%s/model.safetensors.index.json", many);
+  assert_int_equal(stat(idx, &sb), 0);
+  ddp_model_t *m;
+  ddp_error_t err = {0};
+  if (ddp_model_from_pretrained(many, DDP_F32, &m, &err) != DDP_OK) fail_msg("%s", err.msg);
+  snprintf(one, sizeof one, "%s/sharded_llama_one", g_dir);
+  assert_int_equal(ddp_model_save_pretrained(m, one, &err), DDP_OK);
+  snprintf(args, sizeof args, "same '%s' '%s' >/dev/null", one, many);
+  assert_true(ddp_test_run_tool("hf_models.py", args));
+  /* And the check can fail: one tensor's last bit differs. */
+  float *w = ddp_model_param(m, 0)->value.data;
+  uint32_t bits;
+  memcpy(&bits, &w[0], 4);
+  bits ^= 1;
+  memcpy(&w[0], &bits, 4);
+  assert_int_equal(ddp_model_save_pretrained(m, one, &err), DDP_OK);
+  snprintf(args, sizeof args,
+           "OMP_NUM_THREADS=1 /usr/bin/python3 %s/tools/torch/hf_models.py same '%s' '%s' "
+           ">/dev/null 2>&1",
+           ddp_test_source_root(), one, many);
+  DDP_ASSERT_EXITED(system(args), 1);
+  ddp_model_destroy(m);
+  /* PyTorch's sharded directory: libddp's save of the same weights writes the same index,
+   * byte for byte, and the same shard files. */
+  snprintf(many, sizeof many, "%s/sharded_llama_torch_init/model", g_dir);
+  if (ddp_model_from_pretrained(many, DDP_F32, &m, &err) != DDP_OK) fail_msg("%s", err.msg);
+  snprintf(one, sizeof one, "%s/sharded_llama_again", g_dir);
+  assert_int_equal(ddp_model_save_pretrained_sharded(m, one, 100000, &err), DDP_OK);
+  snprintf(args, sizeof args,
+           "cmp '%s/model.safetensors.index.json' '%s/model.safetensors.index.json' && "
+           "test \"$(cd '%s' && ls model-*)\" = \"$(cd '%s' && ls model-*)\"",
+           many, one, many, one);
+  assert_int_equal(system(args), 0);
+  ddp_model_destroy(m);
+}
+
 /* libddp's checkpoint directories load in PyTorch with strict=True, and a directory either
  * side refuses is refused by both in the same words. */
 static void test_checkpoint_wording(void **state) {
@@ -398,6 +460,7 @@ int main(void) {
       cmocka_unit_test(test_llama_f32),
       cmocka_unit_test(test_llama_f64),
       cmocka_unit_test(test_llama_tied_torch_init),
+      cmocka_unit_test(test_sharded),
       cmocka_unit_test(test_summary),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -581,16 +581,45 @@ DDP_API ddp_status_t ddp_hf_config_to_json(const ddp_hf_config_t *cfg, char **ou
 /* A finalized model (zero weights: call ddp_model_init) of dtype dt (F32 or F64). */
 DDP_API ddp_status_t ddp_model_from_hf_config(const ddp_hf_config_t *cfg, ddp_dtype_t dt,
                                               ddp_model_t **out, ddp_error_t *err);
-/* DIR/config.json + DIR/model.safetensors, strict by name with PyTorch's wording, except what
- * Transformers tolerates: the transformer.h.N.attn.bias / attn.masked_bias,
- * bert.embeddings.position_ids and Llama's rotary_emb.inv_freq buffers are ignored, a tied
- * lm_head.weight must only match in shape (wte's values are used), and a base-model checkpoint's
- * keys (no "transformer." / "bert." prefix) get the prefix. Floating dtypes convert to dt. */
+/* DIR/config.json + the weights: DIR/model.safetensors, or else the shards that
+ * DIR/model.safetensors.index.json names ({"metadata": {"total_size": N}, "weight_map":
+ * {tensor: file}}), as Transformers' from_pretrained looks for them. Strict by name with
+ * PyTorch's wording, except what Transformers tolerates: the transformer.h.N.attn.bias /
+ * attn.masked_bias, bert.embeddings.position_ids and Llama's rotary_emb.inv_freq buffers are
+ * ignored, a tied lm_head.weight must only match in shape (wte's values are used), and a
+ * base-model checkpoint's keys (no "transformer." / "bert." prefix) get the prefix. Floating
+ * dtypes convert to dt. A sharded directory is checked whole before anything is copied: a
+ * file the index names that is absent (DDP_ERR_NOT_FOUND), a tensor the index does not list,
+ * one that sits in another file than the index says, or one the index lists in a file that
+ * lacks it (DDP_ERR_INVALID_DATA) are errors naming the file and the tensor. */
 DDP_API ddp_status_t ddp_model_from_pretrained(const char *dir, ddp_dtype_t dt, ddp_model_t **out,
                                                ddp_error_t *err);
-/* Writes DIR/config.json and DIR/model.safetensors (metadata {"format": "pt"}; the tied
- * lm_head.weight left out), as save_pretrained does; creates DIR (and its parents). */
+/* The weights of DIR (as ddp_model_from_pretrained reads them, single file or sharded) into
+ * an existing Transformers model m built from the same config; config.json is not read. A
+ * failed load leaves m untouched. */
+DDP_API ddp_status_t ddp_model_load_pretrained(ddp_model_t *m, const char *dir, ddp_error_t *err);
+
+/* save_pretrained's default max_shard_size ("5GB", Transformers 4.35 and later). */
+#define DDP_MAX_SHARD_SIZE_DEFAULT 5000000000LL
+/* Transformers' convert_file_size_to_int: "5GB" (10^9), "10MB", "100KB", "2GiB", "64MiB",
+ * "512KiB", a trailing lower-case "b" meaning bits ("40Mb" = 5 MB), or plain bytes "12345".
+ * Anything else, or a size < 1, is DDP_ERR_INVALID_ARGUMENT naming `what` (the flag or
+ * parameter) and the value. */
+DDP_API ddp_status_t ddp_parse_file_size(const char *text, const char *what, int64_t *bytes,
+                                         ddp_error_t *err);
+/* Writes DIR/config.json and the state_dict (metadata {"format": "pt"}; the tied
+ * lm_head.weight left out), as save_pretrained(max_shard_size="5GB") does; creates DIR (and
+ * its parents). */
 DDP_API ddp_status_t ddp_model_save_pretrained(ddp_model_t *m, const char *dir, ddp_error_t *err);
+/* The same with Transformers' max_shard_size in bytes (> 0): tensors go in state_dict order
+ * into model-0000K-of-0000N.safetensors files, a new file starting when the next tensor
+ * would take the current one over max_shard_size (a tensor larger than that gets a file of
+ * its own), and model.safetensors.index.json lists them (keys sorted, indent 2, as
+ * Transformers writes it); with one file it is model.safetensors and no index. Files of an
+ * earlier save that the new one does not write (model-*-of-*.safetensors, and the single file
+ * or the index of the other layout) are removed, so from_pretrained cannot pick stale ones. */
+DDP_API ddp_status_t ddp_model_save_pretrained_sharded(ddp_model_t *m, const char *dir,
+                                                       int64_t max_shard_size, ddp_error_t *err);
 
 #ifdef __cplusplus
 }

@@ -135,6 +135,14 @@ typedef struct ddp_train_args {
    * DDP's bits in every sharded mode), "fsdp1", "fsdp2", "deepspeed", "deepspeed_allreduce"
    * (docs/sharding.md, "Framework arithmetic") */
   char sharding_arithmetic[DDP_TRAIN_STR_MAX];
+  /* HF's save_safetensors: true (default); false would be pytorch_model.bin, a pickle, which
+   * libddp does not write, and is an error */
+  bool save_safetensors;
+  /* save_pretrained's max_shard_size for checkpoints and the final model: "5GB" (default),
+   * "10MB", "2GiB" or bytes; a larger state_dict is written as model-0000K-of-0000N
+   * .safetensors files with model.safetensors.index.json (libddp: the Trainer itself has no
+   * such argument and always uses save_pretrained's default) */
+  char max_shard_size[DDP_TRAIN_STR_MAX];
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -155,7 +163,7 @@ typedef struct ddp_train_args {
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
     .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true,    \
-    .sharding_arithmetic = "ddp"                                                                   \
+    .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB"             \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

@@ -664,23 +664,38 @@ ddp_status_t ddp_model_load(ddp_model_t *m, const char *path, bool strict, size_
   return ddp__model_load_mapped(m, path, strict, NULL, NULL, n_missing, n_unexpected, err);
 }
 
-/* Two passes: the first checks every key and collects PyTorch's error list (missing keys,
- * unexpected keys, size mismatches); the second copies, only when the first found nothing
- * fatal, so a failed load leaves the model untouched. src[j] is the checkpoint tensor that
- * fills entry j (NONE: missing), hit[i] the entry checkpoint key i maps to (NONE: skipped or
- * unexpected). */
 ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool strict,
                                     ddp__load_key_fn map, void *user, size_t *n_missing,
                                     size_t *n_unexpected, ddp_error_t *err) {
-  DDP_REQUIRE(m && m->finalized && path);
+  DDP_REQUIRE(path);
   ddp_st_file_t *f = NULL;
   DDP_CHECK(ddp_st_open(path, DDP_ST_READ, &f, err));
-  size_t nkeys = ddp_st_count(f);
-  size_t *src = ddp__malloc((m->nentries + nkeys + 1) * sizeof *src), *hit = src + m->nentries;
-  if (!src) {
-    ddp_st_close(f);
-    return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "load_state_dict: out of memory");
-  }
+  ddp_status_t st = ddp__model_load_files(m, &f, 1, path, strict, map, user, n_missing,
+                                          n_unexpected, err);
+  ddp_st_close(f);
+  return st;
+}
+
+/* Two passes: the first checks every key and collects PyTorch's error list (missing keys,
+ * unexpected keys, size mismatches); the second copies, only when the first found nothing
+ * fatal, so a failed load leaves the model untouched. Keys are numbered across the files in
+ * order (key i is tensor loc[i] of file fi[i]); src[j] is the key that fills entry j (NONE:
+ * missing), hit[i] the entry key i maps to (NONE: skipped or unexpected). */
+ddp_status_t ddp__model_load_files(ddp_model_t *m, ddp_st_file_t *const *files, size_t nfiles,
+                                   const char *source, bool strict, ddp__load_key_fn map,
+                                   void *user, size_t *n_missing, size_t *n_unexpected,
+                                   ddp_error_t *err) {
+  DDP_REQUIRE(m && m->finalized && source && (files || nfiles == 0));
+  size_t nkeys = 0;
+  for (size_t f = 0; f < nfiles; f++) nkeys += ddp_st_count(files[f]);
+  size_t *src = ddp__malloc((m->nentries + 3 * nkeys + 1) * sizeof *src), *hit = src + m->nentries;
+  if (!src) return ddp__error(err, -1, DDP_ERR_NO_MEMORY, "load_state_dict: out of memory");
+  size_t *fi = hit + nkeys, *loc = fi + nkeys;
+  for (size_t f = 0, i = 0; f < nfiles; f++)
+    for (size_t k = 0; k < ddp_st_count(files[f]); k++, i++) {
+      fi[i] = f;
+      loc[i] = k;
+    }
   char msg[DDP_ERROR_MSG_MAX * 4];
   char miss[DDP_ERROR_MSG_MAX], unexp[DDP_ERROR_MSG_MAX], size[DDP_ERROR_MSG_MAX * 2];
   size_t pm = 0, pu = 0, ps = 0, nmiss = 0, nunexp = 0, nsize = 0;
@@ -688,7 +703,7 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
   ddp_status_t st = DDP_OK;
   for (size_t j = 0; j < m->nentries; j++) src[j] = NONE;
   for (size_t i = 0; i < nkeys; i++) {
-    const char *key = ddp_st_name(f, i);
+    const char *key = ddp_st_name(files[fi[i]], loc[i]);
     char buf[NAME_MAX_];
     const char *name = map ? map(user, key, buf, sizeof buf) : key;
     hit[i] = name ? find_entry(m, name) : NONE;
@@ -710,20 +725,19 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
     }
     if (!entry && (j == NONE || src[j] == k)) continue;
     ddp_tensor_t t;
-    st = ddp_st_tensor(f, k, &t);
+    const char *key = ddp_st_name(files[fi[k]], loc[k]);
+    st = ddp_st_tensor(files[fi[k]], loc[k], &t);
     if (st != DDP_OK) {
-      st = ddp__error(err, -1, st, "load_state_dict: cannot read '%s' from %s", ddp_st_name(f, k),
-                      path);
+      st = ddp__error(err, -1, st, "load_state_dict: cannot read '%s' from %s", key, source);
       goto out;
     }
-    if (mismatch(ddp_st_name(f, k), &t, entry_tensor(m, &m->entries[j]), size, sizeof size, &ps))
-      nsize++;
+    if (mismatch(key, &t, entry_tensor(m, &m->entries[j]), size, sizeof size, &ps)) nsize++;
   }
   if (n_missing) *n_missing = nmiss;
   if (n_unexpected) *n_unexpected = nunexp;
   if (nsize > 0 || (strict && (nmiss || nunexp))) {
     size_t pos = 0;
-    app(msg, sizeof msg, &pos, "Error(s) in loading state_dict from %s:", path);
+    app(msg, sizeof msg, &pos, "Error(s) in loading state_dict from %s:", source);
     if (strict && nmiss) app(msg, sizeof msg, &pos, "\n\tMissing key(s) in state_dict: %s. ", miss);
     if (strict && nunexp)
       app(msg, sizeof msg, &pos, "\n\tUnexpected key(s) in state_dict: %s. ", unexp);
@@ -734,7 +748,7 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
   for (size_t j = 0; j < m->nentries; j++) {
     if (src[j] == NONE) continue;
     ddp_tensor_t t;
-    st = ddp_st_tensor(f, src[j], &t);
+    st = ddp_st_tensor(files[fi[src[j]]], loc[src[j]], &t);
     if (st == DDP_OK) st = ddp_tensor_copy(entry_tensor(m, &m->entries[j]), &t);
     if (st != DDP_OK) {
       st = ddp__error(err, -1, st, "load_state_dict: copying '%s' failed",
@@ -744,7 +758,6 @@ ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool stric
   }
 out:
   ddp__free(src);
-  ddp_st_close(f);
   return st;
 }
 

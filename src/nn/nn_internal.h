@@ -113,6 +113,12 @@ typedef const char *(*ddp__load_key_fn)(void *user, const char *key, char *buf, 
 ddp_status_t ddp__model_load_mapped(ddp_model_t *m, const char *path, bool strict,
                                     ddp__load_key_fn map, void *user, size_t *n_missing,
                                     size_t *n_unexpected, ddp_error_t *err);
+/* The same over several open files taken as one state_dict (a sharded checkpoint; the
+ * caller has checked that no key is in two of them); source names them in messages. */
+ddp_status_t ddp__model_load_files(ddp_model_t *m, ddp_st_file_t *const *files, size_t nfiles,
+                                   const char *source, bool strict, ddp__load_key_fn map,
+                                   void *user, size_t *n_missing, size_t *n_unexpected,
+                                   ddp_error_t *err);
 
 /* Transformers' families (gpt2.c, bert.c, llama.c; hf_config.c, pretrained.c). */
 bool ddp__hf_activation(const char *name, ddp_act_t *act);

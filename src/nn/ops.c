@@ -216,6 +216,23 @@ DDP__VEC_KERNEL static void gelu_tanh_bwd_f32(const float *x, const float *gy, f
   }
 }
 
+/* SiLU in F32, the gated MLP's activation of Llama (6.3M elements per step at 124M, batch
+ * 4 x 64): silu(x) = x s with s = sigmoid(x) = 1 / (1 + e), e = exp(-x), and its derivative
+ * s (1 + x (1 - s)) = s + x s (e s), as 1 - s = e s (no subtraction of nearly equal
+ * numbers). libm's double exp per element was 4% of a Llama step (perf); through ddp__vexpf
+ * the loops vectorize. Float throughout: within a few ulps of the double evaluation, as
+ * close to it as PyTorch's own float SiLU. */
+DDP__VEC_KERNEL static void silu_f32(const float *x, float *y, int64_t n) {
+  for (int64_t k = 0; k < n; k++) y[k] = x[k] / (1.0f + ddp__vexpf(-x[k]));
+}
+
+DDP__VEC_KERNEL static void silu_bwd_f32(const float *x, const float *gy, float *gx, int64_t n) {
+  for (int64_t k = 0; k < n; k++) {
+    float xk = x[k], e = ddp__vexpf(-xk), s = 1.0f / (1.0f + e);
+    gx[k] += gy[k] * (s + xk * (s * (e * s)));
+  }
+}
+
 /* ReLU's backward in F32: where x > 0 the output's gradient is added, elsewhere the
  * element is stored back unchanged (bitwise what a branch would do, -0.0 included). The
  * sign of x is as good as random, so a branch mispredicts about every other element (5%
@@ -235,6 +252,10 @@ static ddp_status_t bw_act(ddp_ctx_t *c, ddp_node_t *n) {
   }
   if (a == DDP_ACT_RELU && x->value.dtype == DDP_F32) {
     relu_bwd_f32(x->value.data, n->out->grad.data, g, x->value.numel);
+    return DDP_OK;
+  }
+  if (a == DDP_ACT_SILU && x->value.dtype == DDP_F32) {
+    silu_bwd_f32(x->value.data, n->out->grad.data, g, x->value.numel);
     return DDP_OK;
   }
   DISPATCH(x->value.dtype, {
@@ -260,6 +281,10 @@ ddp_status_t ddp_activation(ddp_ctx_t *c, ddp_act_t a, ddp_var_t *x, ddp_var_t *
   if (n) n->i0 = a;
   if (a == DDP_ACT_GELU_TANH && x->value.dtype == DDP_F32) {
     gelu_tanh_f32(x->value.data, (*y)->value.data, x->value.numel);
+    return DDP_OK;
+  }
+  if (a == DDP_ACT_SILU && x->value.dtype == DDP_F32) {
+    silu_f32(x->value.data, (*y)->value.data, x->value.numel);
     return DDP_OK;
   }
   DISPATCH(x->value.dtype, {

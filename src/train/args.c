@@ -76,6 +76,9 @@ static const arg_field_t fields[] = {
     F_STR(save_strategy, "steps", "steps, epoch, no"),
     F_FLT(save_steps, 0, 1e15, "500", "save a checkpoint every N steps; < 1: fraction"),
     F_INT(save_total_limit, -1, 1e9, "-1", "keep at most N checkpoints (-1: all)"),
+    F_BOOL(save_safetensors, "true", "HF: model weights as safetensors (false is unsupported)"),
+    F_STR(max_shard_size, "5GB",
+          "save_pretrained's: shard the saved weights above this size (10MB, 2GiB, bytes)"),
     F_STR(output_dir, "trainer_output", "checkpoints, metrics.jsonl, loss.svg"),
     F_STR(resume_from_checkpoint, "", "a checkpoint directory, or true for the latest"),
     F_BOOL(gradient_checkpointing, "false", "enters ddp_find_unused_parameters' default only"),
@@ -567,6 +570,13 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
                             a->comm_hook);
   }
   DDP_CHECK(validate_invariant(a, err));
+  if (!a->save_safetensors) {
+    return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
+                            "save_safetensors false would save pytorch_model.bin (a pickle), "
+                            "which libddp does not write; keep save_safetensors true");
+  }
+  int64_t shard_bytes;
+  DDP_CHECK(ddp_parse_file_size(a->max_shard_size, "max_shard_size", &shard_bytes, err));
   if (!a->ddp_reducer && strcmp(a->comm_hook, "no") != 0) {
     return ddp__error_quiet(err, DDP_ERR_UNSUPPORTED,
                             "comm_hook \"%s\" runs inside the DDP reducer; it needs ddp_reducer "

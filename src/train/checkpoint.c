@@ -199,8 +199,9 @@ void ddp__train_hook_file(char *buf, size_t cap, const char *dir, int rank) {
 }
 
 ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_model_t *model,
-                                   ddp_optim_t *const *opts, size_t nopt, const char *state_json,
-                                   int64_t pause, char *tmp, size_t cap, ddp_error_t *err) {
+                                   int64_t max_shard_size, ddp_optim_t *const *opts, size_t nopt,
+                                   const char *state_json, int64_t pause, char *tmp, size_t cap,
+                                   ddp_error_t *err) {
   char file[4200];
   snprintf(tmp, cap, "%s/tmp-checkpoint-%lld", output_dir, (long long)step);
   DDP_CHECK(ddp__mkdirs(output_dir, -1, "checkpoint", err));
@@ -210,8 +211,9 @@ ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_mod
   snprintf(file, sizeof file, "%s/model.safetensors", tmp);
   if (ddp_model_hf_config(model)) {
     /* A Transformers model: save_pretrained's layout (config.json, model.safetensors
-     * without the tied lm_head), so that from_pretrained loads the checkpoint. */
-    DDP_CHECK(ddp_model_save_pretrained(model, tmp, err));
+     * without the tied lm_head, or its shards and their index), so that from_pretrained
+     * loads the checkpoint. */
+    DDP_CHECK(ddp_model_save_pretrained_sharded(model, tmp, max_shard_size, err));
   } else {
     DDP_CHECK(ddp_model_save(model, file, err));
   }
@@ -293,7 +295,10 @@ ddp_status_t ddp_train_checkpoint_load(const char *dir, ddp_model_t *model, ddp_
   DDP_CHECK(ddp__train_verify_checkpoint(dir, false, err));
   DDP_CHECK(ddp__train_read_state(dir, &s, NULL, err));
   snprintf(path, sizeof path, "%s/model.safetensors", dir);
-  DDP_CHECK(ddp_model_load(model, path, true, NULL, NULL, err));
+  if (ddp_model_hf_config(model))
+    DDP_CHECK(ddp_model_load_pretrained(model, dir, err)); /* single file or sharded */
+  else
+    DDP_CHECK(ddp_model_load(model, path, true, NULL, NULL, err));
   if (opt) {
     snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
     DDP_CHECK(ddp_optim_load(opt, path, err));

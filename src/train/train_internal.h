@@ -60,8 +60,9 @@ void ddp__train_q_close(ddp__train_q_t *q);
  * fsyncs output_dir, then deletes the oldest checkpoint-* directories beyond limit
  * (limit < 0: keep all). dir receives the final path. */
 ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_model_t *model,
-                                   ddp_optim_t *const *opts, size_t nopt, const char *state_json,
-                                   int64_t pause_ms, char *tmp, size_t cap, ddp_error_t *err);
+                                   int64_t max_shard_size, ddp_optim_t *const *opts, size_t nopt,
+                                   const char *state_json, int64_t pause_ms, char *tmp, size_t cap,
+                                   ddp_error_t *err);
 ddp_status_t ddp__train_save_commit(const char *output_dir, int64_t step, int64_t limit, char *dir,
                                     size_t cap, ddp_error_t *err);
 /* dir/optimizer.safetensors for group 0, dir/optimizer_group<g>.safetensors after. */

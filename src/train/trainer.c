@@ -239,8 +239,12 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
     code = ddp__trainer_state_json(t, step, &js);
     if (code == DDP_OK) {
       /* ZeRO: the optimizer files come from the ranks' shards (save_rank_files) */
-      code = ddp__train_save_stage(t->a->output_dir, step, t->model, t->opt, t->zero ? 0 : t->nopt,
-                                   js, t->pause_ms, tmp, sizeof tmp, t->err);
+      int64_t shard = DDP_MAX_SHARD_SIZE_DEFAULT; /* validated with the arguments */
+      code = ddp_parse_file_size(t->a->max_shard_size, "max_shard_size", &shard, t->err);
+      if (code == DDP_OK)
+        code = ddp__train_save_stage(t->a->output_dir, step, t->model, shard, t->opt,
+                                     t->zero ? 0 : t->nopt, js, t->pause_ms, tmp, sizeof tmp,
+                                     t->err);
     }
     ddp__free(js);
   }

@@ -1,9 +1,10 @@
 #!/bin/bash
-# bench_gpt2.sh: libddp against PyTorch 1.13 on GPT-2 training steps (docs/benchmarks.md,
-# "GPT-2"; issue 13's speed point). A benchmark, not a test: it prints figures and verdicts.
+# bench_gpt2.sh: libddp against PyTorch 1.13 on GPT-2 (or, with -m llama, Llama) training
+# steps (docs/benchmarks.md, "GPT-2" and "Llama training step"; issues 13 and 40's speed
+# points). A benchmark, not a test: it prints figures and verdicts.
 #
-#   tools/bench/bench_gpt2.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-s STEPS] [-S DDP_STEPS]
-#                       [-p a|b|ab]
+#   tools/bench/bench_gpt2.sh [-m gpt2|llama] [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS]
+#                       [-s STEPS] [-S DDP_STEPS] [-p a|b|ab]
 #
 # Part a: GPT-2 124M (n_layer 12, n_embd 768, n_head 12, vocab 50257, n_positions 1024,
 # dropout 0 on both sides), batch 4 x 64 tokens, one process and one thread, a step being
@@ -19,8 +20,17 @@
 # n_head 6, vocab 8192, n_positions 128), batch 4 x 64 tokens per rank, AdamW: steps/s of
 # libddp under ddprun (shm and tcp) against PyTorch DDP over gloo, DDP_STEPS timed steps
 # after 5 warm-up ones, both kernel settings. Goal: libddp steps/s / PyTorch's >= 1.3.
-# Every figure is the best of ROUNDS rounds (default 3) per system. Runs and outputs go to
-# OUT_DIR (default a fresh /tmp/bench-gpt2.XXXXXX).
+# -m llama: the same parts on LlamaForCausalLM (tools/torch/hf_llama.py on PyTorch's side):
+# part a a Llama of 124.7M parameters (hidden 768, 12 layers, 12 heads, 4 KV heads,
+# intermediate 2048, vocab 32000, untied head), goal libddp p50 / PyTorch p50 <= 0.8; part b
+# a Llama of 10.2M (hidden 384, 4 layers, 6 heads, 2 KV heads, intermediate 1024, vocab
+# 5120), goal >= 1.3. PyTorch also runs with torch.backends.mkldnn.enabled off beside its
+# default on (peer_torch_ddp.py --mkldnn), and the faster of the two is its figure.
+# Every figure is the best of ROUNDS rounds (default 3) per system. The systems run side by
+# side in each round, so each round also gives a ratio (libddp's best over PyTorch's best in
+# that round); the min and median of those per-round ratios are printed as well, the
+# figures to trust on a shared machine. Runs and outputs go to OUT_DIR (default a fresh
+# /tmp/bench-gpt2.XXXXXX).
 # Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed,
 # 2 on bad usage.
 set -u
@@ -33,14 +43,15 @@ rounds=3
 steps=5
 ddp_steps=20
 parts=ab
+family=gpt2
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    -B|-o|-r|-s|-S|-p)
+    -B|-o|-r|-s|-S|-p|-m)
       [ $# -ge 2 ] || { echo "bench_gpt2.sh: $1 needs a value (try --help)" >&2; exit 2; }
       case "$1" in
         -B) build=$2 ;; -o) out=$2 ;; -r) rounds=$2 ;; -s) steps=$2 ;; -S) ddp_steps=$2 ;;
-        -p) parts=$2 ;;
+        -p) parts=$2 ;; -m) family=$2 ;;
       esac
       shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -52,6 +63,7 @@ for v in "$rounds" "$steps" "$ddp_steps"; do
                                 exit 2 ;; esac
 done
 case "$parts" in a|b|ab|ba) ;; *) echo "bench_gpt2.sh: -p takes a, b or ab" >&2; exit 2 ;; esac
+case "$family" in gpt2|llama) ;; *) echo "bench_gpt2.sh: -m takes gpt2 or llama" >&2; exit 2 ;; esac
 tool="$build/tools/ddp-bench-ddp"
 ddprun="$build/tools/ddprun"
 py=/usr/bin/python3
@@ -60,7 +72,7 @@ for f in "$tool" "$ddprun"; do
 done
 [ -x "$py" ] || { echo "bench_gpt2.sh: $py (Debian's python3 with python3-torch) not found" >&2
                   exit 2; }
-[ -n "$out" ] || out=$(mktemp -d /tmp/bench-gpt2.XXXXXX)
+[ -n "$out" ] || out=$(mktemp -d "/tmp/bench-$family.XXXXXX")
 mkdir -p "$out" || exit 2
 failed=0
 export DDP_BLAS_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo
@@ -74,6 +86,18 @@ with_setting() { # setting -> the env command that runs a program under it
   if [ "$1" = unset ]; then echo "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE"; else echo env; fi
 }
 
+cat >"$out/llama-124m.json" <<'EOF'
+{"model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
+ "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
+ "max_position_embeddings": 2048, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+ "initializer_range": 0.02, "tie_word_embeddings": false}
+EOF
+cat >"$out/llama-10m.json" <<'EOF'
+{"model_type": "llama", "vocab_size": 5120, "hidden_size": 384, "intermediate_size": 1024,
+ "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2,
+ "max_position_embeddings": 128, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+ "initializer_range": 0.02, "tie_word_embeddings": false}
+EOF
 cat >"$out/gpt2-124m.json" <<'EOF'
 {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
  "n_head": 12, "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -87,7 +111,16 @@ cat >"$out/gpt2-10m.json" <<'EOF'
  "tie_word_embeddings": true}
 EOF
 
-echo "# bench_gpt2: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+if [ "$family" = llama ]; then
+  big="$out/llama-124m.json" small="$out/llama-10m.json" name_a="Llama 124.7M" name_b="Llama 10.2M"
+  goal_a=0.8 tag_a=124M tag_b=10M mkldnn=(on off)
+else
+  big="$out/gpt2-124m.json" small="$out/gpt2-10m.json" name_a="GPT-2 124M" name_b="GPT-2 10.3M"
+  goal_a=1.0 tag_a=124M tag_b=10M mkldnn=(on)
+fi
+tsys=(); for k in "${mkldnn[@]}"; do tsys+=("torch-mkldnn_$k"); done
+
+echo "# bench_gpt2 -m $family: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "# libddp git $(git -C "$repo" describe --always --dirty 2>/dev/null || echo unknown);" \
      "$(getconf _NPROCESSORS_ONLN) CPUs; $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 echo "# kernel settings: ${settings[*]} (env: OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset}" \
@@ -99,35 +132,54 @@ bench_timeout=900 bench_name_w=26 bench_secs_w=4
 . "$here/bench_lib.sh"
 setting_of() { basename "$1" | cut -d. -f2; } # <system>.<setting>.r<k>.res
 rounds_of() { # key system setting -> the values of every round, slash-separated
-  local f
-  for f in "$out/$2.$3".r*.res; do [ -f "$f" ] && get "$f" "$1"; done | paste -sd/
+  local f r
+  for r in $(seq 1 "$rounds"); do
+    f="$out/$2.$3.r$r.res"; [ -f "$f" ] && get "$f" "$1"
+  done | paste -sd/
+}
+round_ratios() { # key min|max prefix_a prefix_b -> per round, a's best over b's best, a line each
+  local key=$1 how=$2 r fa fb va vb
+  for r in $(seq 1 "$rounds"); do
+    fa=$(shopt -s nullglob; best "$key" "$how" "$out"/$3.*.r"$r".res)
+    fb=$(shopt -s nullglob; best "$key" "$how" "$out"/$4.*.r"$r".res)
+    va=$(get "${fa:-/dev/null}" "$key"); vb=$(get "${fb:-/dev/null}" "$key")
+    if [ -n "$va" ] && [ -n "$vb" ]; then calc "$va / $vb"; echo; fi
+  done
+}
+min_median() { # values on stdin -> "min M median D (sorted: a/b/c)"
+  sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) { print "-"; exit }
+    m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
+    s = v[1]; for (i = 2; i <= NR; i++) s = s "/" v[i]
+    printf "min %.3f median %.3f (sorted: %s)\n", v[1], m, s }'
 }
 
 if [[ "$parts" == *a* ]]; then
   echo
-  echo "## part a: GPT-2 124M, batch 4 x 64, one thread, forward + backward + AdamW"
-  a_args=(--model "$out/gpt2-124m.json" --optim adamw --batch 4 --seq 64 --steps "$steps"
-          --warmup 2)
+  echo "## part a: $name_a, batch 4 x 64, one thread, forward + backward + AdamW"
+  a_args=(--model "$big" --optim adamw --batch 4 --seq 64 --steps "$steps" --warmup 2)
   for r in $(seq 1 "$rounds"); do
     for s in "${settings[@]}"; do
-      run "torch.$s.r$r" $(with_setting "$s") "$py" "$here/peer_torch_ddp.py" --world 1 \
-        "${a_args[@]}"
+      for k in "${mkldnn[@]}"; do
+        run "torch-mkldnn_$k.$s.r$r" $(with_setting "$s") "$py" "$here/peer_torch_ddp.py" \
+          --world 1 --mkldnn "$k" "${a_args[@]}"
+      done
       run "libddp.$s.r$r" $(with_setting "$s") "$tool" "${a_args[@]}"
     done
   done
   echo
-  printf '%-8s %-7s %-11s %12s %12s %12s  %s\n' system setting kernels "p50 ms" "cpu p50 ms" \
-    "peak RSS MB" "p50 per round (ms)"
+  printf '%-17s %-7s %-11s %12s %12s %12s  %s\n' system setting kernels "p50 ms" \
+    "cpu p50 ms" "peak RSS MB" "p50 per round (ms)"
   declare -A besta
-  for sys in torch libddp; do
+  for sys in "${tsys[@]}" libddp; do
     for s in "${settings[@]}"; do
       f=$(best step_p50_ms min "$out/$sys.$s".r*.res)
-      printf '%-8s %-7s %-11s %12s %12s %12s  %s\n' "$sys" "$s" "$(get "$f" blas_core)" \
+      printf '%-17s %-7s %-11s %12s %12s %12s  %s\n' "$sys" "$s" "$(get "$f" blas_core)" \
         "$(get "$f" step_p50_ms)" "$(get "$f" step_cpu_p50_ms)" "$(get "$f" peak_rss_mb)" \
         "$(rounds_of step_p50_ms "$sys" "$s")"
     done
-    besta[$sys]=$(best step_p50_ms min "$out/$sys".*.r*.res)
   done
+  besta[torch]=$(best step_p50_ms min "$out"/torch-*.r*.res)
+  besta[libddp]=$(best step_p50_ms min "$out"/libddp.*.r*.res)
   tp=$(get "${besta[torch]:-/dev/null}" step_p50_ms)
   lp=$(get "${besta[libddp]:-/dev/null}" step_p50_ms)
   tm=$(get "${besta[torch]:-/dev/null}" peak_rss_mb)
@@ -140,16 +192,20 @@ if [[ "$parts" == *a* ]]; then
        "$(get "${besta[libddp]:-/dev/null}" blas_core)), PyTorch $tp ms" \
        "($(setting_of "${besta[torch]:-x.none}") kernels," \
        "$(get "${besta[torch]:-/dev/null}" blas_core))"
-  printf '%-52s %8s  goal %-7s %s\n' "libddp step p50 / PyTorch step p50 (124M)" "${rt:--}" \
-    "<= 1.0" "$(verdict "$rt" '<=' 1.0)"
-  printf '%-52s %8s  goal %-7s %s\n' "libddp peak RSS / PyTorch peak RSS (124M)" "${rm_:--}" \
+  printf '%-52s %8s  goal %-7s %s\n' "libddp step p50 / PyTorch step p50 ($tag_a)" "${rt:--}" \
+    "<= $goal_a" "$(verdict "$rt" '<=' "$goal_a")"
+  printf '%-52s %8s  goal %-7s %s\n' "libddp peak RSS / PyTorch peak RSS ($tag_a)" "${rm_:--}" \
     "<= 1.0" "$(verdict "$rm_" '<=' 1.0)"
+  echo "per-round ratios, libddp / PyTorch (each round's best of each side):"
+  echo "  step p50:     $(round_ratios step_p50_ms min libddp 'torch-*' | min_median)"
+  echo "  step cpu p50: $(round_ratios step_cpu_p50_ms min libddp 'torch-*' | min_median)"
+  echo "  peak RSS:     $(round_ratios peak_rss_mb min libddp 'torch-*' | min_median)"
 fi
 
 if [[ "$parts" == *b* ]]; then
   echo
-  echo "## part b: 2 ranks x 1 thread DDP, GPT-2 10.3M, batch 4 x 64 per rank, AdamW"
-  b_args=(--model "$out/gpt2-10m.json" --optim adamw --batch 4 --seq 64 --steps "$ddp_steps"
+  echo "## part b: 2 ranks x 1 thread DDP, $name_b, batch 4 x 64 per rank, AdamW"
+  b_args=(--model "$small" --optim adamw --batch 4 --seq 64 --steps "$ddp_steps"
           --warmup 5 --pairs 0 --ar-iters 0)
   for r in $(seq 1 "$rounds"); do
     for s in "${settings[@]}"; do
@@ -180,8 +236,12 @@ if [[ "$parts" == *b* ]]; then
     q=$(get "${bestb[$be]:-/dev/null}" steps_per_s)
     ratio=""
     [ -n "$tq" ] && [ -n "$q" ] && ratio=$(calc "$q / $tq")
-    printf '%-52s %8s  goal %-7s %s\n' "libddp $be steps/s / PyTorch gloo steps/s (10M)" \
+    printf '%-52s %8s  goal %-7s %s\n' "libddp $be steps/s / PyTorch gloo steps/s ($tag_b)" \
       "${ratio:--}" ">= 1.3" "$(verdict "$ratio" '>=' 1.3)"
+  done
+  echo "per-round ratios, libddp / PyTorch gloo steps/s (each round's best of each side):"
+  for be in shm tcp; do
+    echo "  $be: $(round_ratios steps_per_s max "ddp-$be" ddp-torch | min_median)"
   done
 fi
 echo "# load average at end: $(cut -d' ' -f1-3 /proc/loadavg); total $(( $(date +%s) - start )) s"

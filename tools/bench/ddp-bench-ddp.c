@@ -37,10 +37,11 @@
  * payload bytes the last synchronised step handed to collectives come from
  * ddp_ddp_get_comm_stats. Phases 2 and 3 are skipped when their count is 0.
  *
- * With --model FILE (a Transformers config.json; GPT-2) the model is that GPT-2 instead of
- * the MLP: the input of a step is I64 token ids [batch, --seq] (fixed random ids, different
- * on every rank) and the loss is the causal-LM loss on the same ids as labels
- * (ddp_causal_lm_loss, as Transformers' GPT2LMHeadModel with labels = input_ids). --optim
+ * With --model FILE (a Transformers config.json of a causal LM: GPT-2 or Llama) the model is
+ * that model instead of the MLP: the input of a step is I64 token ids [batch, --seq] (fixed random
+ * ids, different on every rank) and the loss is the causal-LM loss on the same ids as labels
+ * (ddp_causal_lm_loss, as Transformers' GPT2LMHeadModel or LlamaForCausalLM with
+ * labels = input_ids). --optim
  * adamw replaces SGD by AdamW (PyTorch's defaults: lr 1e-3, betas 0.9/0.999, eps 1e-8,
  * weight_decay 0.01). Started without a launcher (RANK and WORLD_SIZE unset), the program is
  * one process without a process group or DDP: zero_grad, forward, loss, ddp_backward and the
@@ -138,6 +139,13 @@ static int cpus_allowed(void) {
 }
 
 /* Peak resident set of this process so far, MiB. */
+/* The RESULT line's model= value: the config's model_type, or mlp. */
+static const char *model_name(const ddp_model_t *m) {
+  const ddp_hf_config_t *hf = m ? ddp_model_hf_config(m) : NULL;
+  if (!hf) return "mlp";
+  return hf->model_type == DDP_HF_LLAMA ? "llama" : hf->model_type == DDP_HF_GPT2 ? "gpt2" : "hf";
+}
+
 static double peak_rss_mb(void) {
   struct rusage ru;
   return getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
@@ -214,7 +222,9 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
   }
   const ddp_hf_config_t *hf = ddp_model_hf_config(r->model);
   if (cfg->model && (!hf || ddp_model_task(r->model) != DDP_TASK_CAUSAL_LM)) {
-    fprintf(stderr, "ddp-bench-ddp: %s: --model takes a GPT-2 config.json (model_type gpt2)\n",
+    fprintf(stderr,
+            "ddp-bench-ddp: %s: --model takes a causal-LM config.json (model_type gpt2 or "
+            "llama)\n",
             cfg->model);
     return DDP_ERR_INVALID_ARGUMENT;
   }
@@ -223,7 +233,9 @@ static ddp_status_t setup(bench_rank_t *r, const bench_config_t *cfg) {
     if (!r->ids) return DDP_ERR_NO_MEMORY;
     uint64_t s = 77 + (uint64_t)rank;
     for (size_t i = 0; i < (size_t)cfg->batch * (size_t)cfg->seq; i++)
-      r->ids[i] = (int64_t)(mix(&s) % (uint64_t)hf->gpt2.vocab_size);
+      r->ids[i] = (int64_t)(mix(&s) % (uint64_t)(hf->model_type == DDP_HF_LLAMA
+                                                     ? hf->llama.vocab_size
+                                                     : hf->gpt2.vocab_size));
   }
   ddp_ddp_options_t o = DDP_DDP_OPTIONS_INIT;
   o.trace_path = cfg->trace;
@@ -406,7 +418,7 @@ static ddp_status_t run(ddp_pg_t *pg, const bench_config_t *cfg) {
            cs.rate);
     printf(" step_cpu_p50_ms=%.3f model=%s batch=%d seq=%d optim=%s blas_core=%s"
            " peak_rss_mb=%.1f\n",
-           step_cpu_p50, cfg->model ? "gpt2" : "mlp", cfg->batch, cfg->model ? cfg->seq : 0,
+           step_cpu_p50, model_name(r.model), cfg->batch, cfg->model ? cfg->seq : 0,
            cfg->adamw ? "adamw" : "sgd", ddp_blas_core(), peak_rss_mb());
     fflush(stdout);
   }
@@ -433,7 +445,7 @@ static void usage(FILE *f) {
              "  --trace writes the reducer's Chrome trace of every step (docs/ddp.md);\n"
              "  --bucket-cap-mb sets both caps (default: PyTorch's 25 MiB, 1 MiB first);\n"
              "  --grad-as-bucket-view: gradient_as_bucket_view=True (no bucket copies);\n"
-             "  --model: a Transformers GPT-2 config.json instead of the MLP: token ids\n"
+             "  --model: a Transformers GPT-2 or Llama config.json instead of the MLP: ids\n"
              "  [batch, seq] (--seq 64), causal-LM loss; --optim adamw: PyTorch's AdamW\n"
              "  --invariant-shards-per-rank S: world_size_invariant_shards S x W, each step\n"
              "  S passes of batch / S samples (docs/ddp.md); no no_sync pairs;\n"

@@ -15,8 +15,9 @@ A step is zero_grad, forward, loss, backward and optimizer step. Prints one line
 "RESULT key=value ..." with the keys ddp-bench-ddp uses. Run it with Debian's interpreter:
     /usr/bin/python3 tools/bench/peer_torch_ddp.py [--world 2] [--steps 30] ...
 
-With --model CONFIG.json (a Transformers GPT-2 config) the model is tools/torch/hf_models.py's
-GPT2LMHeadModel with Transformers' initialisation, the input fixed random token ids
+With --model CONFIG.json (a Transformers GPT-2 or Llama config) the model is
+tools/torch/hf_models.py's GPT2LMHeadModel or LlamaForCausalLM with Transformers'
+initialisation, the input fixed random token ids
 [--batch, --seq] and the loss the causal-LM loss with labels = the ids, as ddp-bench-ddp
 --model. --optim adamw: torch.optim.AdamW with its defaults (lr 1e-3, weight_decay 0.01).
 --world 1 runs in this process without torch.distributed or DDP (phase 1 only), as
@@ -66,6 +67,13 @@ def last_ready(ld, params):
     return params[last].numel(), sum(params[i].numel() for i in home)
 
 
+def model_name(args):
+    if not args.model:
+        return "mlp"
+    import hf_models
+    return hf_models.load_config(args.model).model_type
+
+
 def build_model(args, rank):
     """(model, inputs, targets, loss function): the MLP, or --model's GPT-2."""
     import torch
@@ -73,8 +81,8 @@ def build_model(args, rank):
     if args.model:
         import hf_models
         cfg = hf_models.load_config(args.model)
-        if cfg.model_type != "gpt2":
-            raise SystemExit(f"{args.model}: --model takes a GPT-2 config.json")
+        if cfg.model_type not in ("gpt2", "llama"):
+            raise SystemExit(f"{args.model}: --model takes a GPT-2 or Llama config.json")
         model = hf_models.build(cfg, torch.float32)
         hf_models.init_weights(model)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
@@ -96,6 +104,7 @@ def rank_main(args):
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    torch.backends.mkldnn.enabled = args.mkldnn == "on"
     rank = int(os.environ.get("RANK", "0"))
     single = "RANK" not in os.environ  # --world 1 in this process: no group, no DDP
     if not single:
@@ -142,10 +151,10 @@ def rank_main(args):
         print(f"RESULT backend=none world=1 hook=no wrapper=no grad_numel="
               f"{sum(p.numel() for p in model.parameters())} steps={args.steps} "
               f"steps_per_s={steps_per_s:.3f} step_p50_ms={step_p50:.3f} "
-              f"step_cpu_p50_ms={p50_ms(cs):.3f} model={'gpt2' if args.model else 'mlp'} "
+              f"step_cpu_p50_ms={p50_ms(cs):.3f} model={model_name(args)} "
               f"batch={args.batch} seq={args.seq if args.model else 0} optim={args.optim} "
               f"blas_core={blas_kernels.core_name()} peak_rss_mb={rss:.1f} "
-              f"torch={torch.__version__}", flush=True)
+              f"mkldnn={args.mkldnn} torch={torch.__version__}", flush=True)
         return 0
 
     # process_time: CPU time of every thread of the process, gloo's included.
@@ -200,12 +209,12 @@ def rank_main(args):
                           f"{ar_bucket:.3f} floor_bucket_ratio={ar_bucket / ar:.3f}"
                           f" last_tensor_numel={tensor_numel} allreduce_last_tensor_p50_ms="
                           f"{ar_tensor:.3f} floor_tensor_ratio={ar_tensor / ar:.3f}")
-        fields.append(f"step_cpu_p50_ms={p50_ms(cs):.3f} model={'gpt2' if args.model else 'mlp'}"
+        fields.append(f"step_cpu_p50_ms={p50_ms(cs):.3f} model={model_name(args)}"
                       f" batch={args.batch} seq={args.seq if args.model else 0}"
                       f" optim={args.optim} blas_core={blas_kernels.core_name()}"
                       f" peak_rss_mb="
                       f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0:.1f}")
-        fields.append(f"torch={torch.__version__}")
+        fields.append(f"mkldnn={args.mkldnn} torch={torch.__version__}")
         print("RESULT " + " ".join(fields), flush=True)
     dist.barrier()
     # Leave without the interpreter's teardown: with gloo's threads still up it can spin
@@ -223,7 +232,9 @@ def main():
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--ar-iters", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--model", help="a Transformers GPT-2 config.json instead of the MLP")
+    ap.add_argument("--model", help="a Transformers GPT-2 or Llama config.json instead of the MLP")
+    ap.add_argument("--mkldnn", choices=("on", "off"), default="on",
+                    help="torch.backends.mkldnn.enabled (PyTorch's default on)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sample with --model")
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,

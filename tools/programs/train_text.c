@@ -263,7 +263,9 @@ ddp_status_t train_text_build(const train_text_t *x, const char *model_json, uin
 ddp_status_t train_text_finish(train_text_t *x, ddp_model_t *m, const ddp_train_args_t *a,
                                ddp_error_t *err) {
   if (!x->hf) return DDP_OK;
-  ddp_status_t st = ddp_model_save_pretrained(m, a->output_dir, err);
+  int64_t shard;
+  ddp_status_t st = ddp_parse_file_size(a->max_shard_size, "--max_shard_size", &shard, err);
+  if (st == DDP_OK) st = ddp_model_save_pretrained_sharded(m, a->output_dir, shard, err);
   if (st != DDP_OK) return st;
   if (!x->sample_prompt || x->task != DDP_TASK_CAUSAL_LM) return DDP_OK;
   size_t len = strlen(x->sample_prompt);

@@ -12,7 +12,8 @@ Run with Debian's interpreter (/usr/bin/python3, torch 1.13). Library use:
     cfg = load_config(path_or_dict)          # Transformers' keys and defaults
     model = build(cfg, torch.float32)        # GPT2LMHeadModel / BertForSequenceClassification
     init_weights(model)                      # Transformers' _init_weights (torch's RNG)
-    save_pretrained(model, DIR)              # DIR/config.json + DIR/model.safetensors
+    save_pretrained(model, DIR, max_shard_size="5GB")  # DIR/config.json + DIR/model.safetensors
+                                             # (or shards + model.safetensors.index.json)
     model = from_pretrained(DIR, dtype)      # strict by name (see load_state)
     logits = forward_ddp_layout(model, x)    # x as libddp's ddp_model_forward takes it
     loss = compute_loss(model, logits, labels)
@@ -22,8 +23,12 @@ Command line (tests/test_transformers.c):
     hf_models.py step DIR     DIR/model (a pretrained dir), DIR/run.json, DIR/x.bin,
                               DIR/labels.bin -> logits.bin, loss.bin, grads.bin (parameters()
                               order, concatenated), order.json (AccumulateGrad hook order)
-    hf_models.py init DIR SEED   DIR/config.json -> a model with Transformers' init from
-                              torch.manual_seed(SEED), saved into DIR (save_pretrained)
+    hf_models.py init DIR SEED [MAX_SHARD_SIZE]
+                              DIR/config.json -> a model with Transformers' init from
+                              torch.manual_seed(SEED), saved into DIR (save_pretrained with
+                              max_shard_size, default "5GB": shards + index when larger)
+    hf_models.py same DIR_A DIR_B  loads both strictly; exit 0 when every state_dict tensor
+                              is bitwise equal, else 1 naming the first that differs
     hf_models.py check DIR    loads DIR strictly; prints "ok" and the parameter names, or
                               exits 3 with the load error's text on stderr
     hf_models.py names CONFIG prints {"names": [...], "shapes": [...]} in parameters() order
@@ -541,15 +546,96 @@ def state_for_save(model):
     return sd
 
 
-def save_pretrained(model, directory):
+def convert_file_size_to_int(size):
+    """Transformers' convert_file_size_to_int: an int is bytes; "5GB" is 5 * 10**9, "2GiB"
+    2 * 2**30, and a lower-case "b" after a decimal unit means bits ("40Mb" = 5 * 10**6)."""
+    if isinstance(size, int):
+        return size
+    if size.upper().endswith("GIB"):
+        return int(size[:-3]) * (2**30)
+    if size.upper().endswith("MIB"):
+        return int(size[:-3]) * (2**20)
+    if size.upper().endswith("KIB"):
+        return int(size[:-3]) * (2**10)
+    for unit, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if size.upper().endswith(unit):
+            int_size = int(size[:-2]) * factor
+            return int_size // 8 if size.endswith("b") else int_size
+    raise ValueError("`size` is not in a valid format. Use an integer followed by the unit, "
+                     "e.g., '5GB'.")
+
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def shard_checkpoint(state_dict, max_shard_size="5GB"):
+    """Transformers' shard_checkpoint (modeling_utils.py, 4.3x): tensors in state_dict order; a
+    new shard starts when the next tensor would take the current one over max_shard_size and
+    the current one holds a tensor. Returns ({file: {name: tensor}}, index or None)."""
+    max_shard_size = convert_file_size_to_int(max_shard_size)
+    blocks, last_block_size, total_size = [{}], 0, 0
+    for key, weight in state_dict.items():
+        weight_size = weight.numel() * weight.element_size()
+        if last_block_size + weight_size > max_shard_size and len(blocks[-1]) > 0:
+            blocks.append({})
+            last_block_size = 0
+        blocks[-1][key] = weight
+        last_block_size += weight_size
+        total_size += weight_size
+    if len(blocks) == 1:
+        return {SAFE_WEIGHTS_NAME: blocks[0]}, None
+    shards, weight_map = {}, {}
+    for idx, block in enumerate(blocks):
+        name = SAFE_WEIGHTS_NAME.replace(
+            ".safetensors", f"-{idx + 1:05d}-of-{len(blocks):05d}.safetensors")
+        shards[name] = block
+        for key in block:
+            weight_map[key] = name
+    return shards, {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+
+
+def save_pretrained(model, directory, max_shard_size="5GB"):
     os.makedirs(directory, exist_ok=True)
     dtype = next(model.parameters()).dtype
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config_dict(model.config, dtype), f, indent=2)
         f.write("\n")
-    st.save_torch(os.path.join(directory, "model.safetensors"),
-                  [(k, v.contiguous()) for k, v in state_for_save(model).items()],
-                  {"format": "pt"})
+    state = {k: v.contiguous() for k, v in state_for_save(model).items()}
+    shards, index = shard_checkpoint(state, max_shard_size)
+    for name, block in shards.items():
+        st.save_torch(os.path.join(directory, name), list(block.items()), {"format": "pt"})
+    if index is not None:
+        with open(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def load_weights(directory):
+    """from_pretrained's weights: model.safetensors, else the files the index names
+    (load_sharded_checkpoint), each checked against the index: a missing file, a tensor the
+    index does not list or places in another file, a listed tensor absent from its file."""
+    single = os.path.join(directory, SAFE_WEIGHTS_NAME)
+    if os.path.exists(single):
+        return st.load_torch(single)[0]
+    index_file = os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+    with open(index_file, "r", encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    state = {}
+    for name in sorted(set(weight_map.values())):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError("%s names %s, which is not in %s" % (index_file, name, directory))
+        tensors, _ = st.load_torch(path)
+        for key, value in tensors.items():
+            if weight_map.get(key) != name:
+                raise ValueError("tensor '%s' is in %s, but %s puts it in %s"
+                                 % (key, path, index_file, weight_map.get(key)))
+            state[key] = value
+    for key, name in weight_map.items():
+        if key not in state:
+            raise ValueError("%s puts tensor '%s' in %s, which does not hold it"
+                             % (index_file, key, name))
+    return state
 
 
 def load_state(model, state):
@@ -575,8 +661,7 @@ def load_state(model, state):
 
 def from_pretrained(directory, dtype=torch.float32):
     model = build(load_config(directory), dtype)
-    state, _ = st.load_torch(os.path.join(directory, "model.safetensors"))
-    load_state(model, state)
+    load_state(model, load_weights(directory))
     return model
 
 
@@ -625,14 +710,14 @@ def cmd_step(root):
         json.dump({"order": order, "names": names}, f)
 
 
-def cmd_init(root, seed):
+def cmd_init(root, seed, max_shard_size="5GB"):
     cfg = load_config(root)
     with open(os.path.join(root, "config.json")) as f:
         dtype = torch.float64 if json.load(f).get("torch_dtype") == "float64" else torch.float32
     torch.manual_seed(seed)
     model = build(cfg, dtype)
     init_weights(model)
-    save_pretrained(model, root)
+    save_pretrained(model, root, max_shard_size)
 
 
 def cmd_check(root):
@@ -647,6 +732,19 @@ def cmd_check(root):
     return 0
 
 
+def cmd_same(a, b):
+    """Loads two directories strictly and compares every state_dict tensor bit for bit."""
+    ma, mb = from_pretrained(a), from_pretrained(b)
+    sa, sb = ma.state_dict(), mb.state_dict()
+    for k, v in sa.items():
+        if v.dtype != sb[k].dtype or not torch.equal(v.view(-1).view(torch.uint8),
+                                                     sb[k].view(-1).view(torch.uint8)):
+            sys.stderr.write("%s differs between %s and %s\n" % (k, a, b))
+            return 1
+    print("ok: %d tensors bitwise equal" % len(sa))
+    return 0
+
+
 def cmd_names(path):
     model = build(load_config(path))
     print(json.dumps({"names": [n for n, _ in model.named_parameters()],
@@ -657,8 +755,10 @@ def main(argv):
     torch.set_num_threads(1)
     if len(argv) == 3 and argv[1] == "step":
         cmd_step(argv[2])
-    elif len(argv) == 4 and argv[1] == "init":
-        cmd_init(argv[2], int(argv[3]))
+    elif len(argv) in (4, 5) and argv[1] == "init":
+        cmd_init(argv[2], int(argv[3]), *argv[4:])
+    elif len(argv) == 4 and argv[1] == "same":
+        return cmd_same(argv[2], argv[3])
     elif len(argv) == 3 and argv[1] == "check":
         return cmd_check(argv[2])
     elif len(argv) == 3 and argv[1] == "names":
