@@ -266,6 +266,8 @@ static void test_torch_f64(void **state) {
 static void test_torch_f32(void **state) {
   (void)state;
   ops_vs_torch(DDP_F32, 1e-5);
+}
+
 /* SiLU in F32 (its vectorized float path) against the same model in F64 (libm's exp): the
  * value within 4e-7 relative (a few float ulps) plus 1e-30 absolute (far below -87, where
  * exp(-x) overflows a float, both are tiny); the input gradient (output gradient 1.5) within

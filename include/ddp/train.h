@@ -163,7 +163,7 @@ typedef struct ddp_train_args {
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
     .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true,    \
-    .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB"             \
+    .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB"                \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

@@ -545,53 +545,6 @@ static ddp_status_t invariant_loss(ddp__trainer_t *t, double *loss) {
   return DDP_OK;
 }
 
-/* The first parameter (model order) whose gradient holds a NaN or an Inf, and the
- * element's index; SIZE_MAX when none. One pass over the gradients (f32 or f64, the dtypes
- * clipping takes), before clipping scales them all by a NaN coefficient. */
-static size_t first_nonfinite_grad(const ddp__trainer_t *t, int64_t *elem) {
-  for (size_t i = 0; i < ddp_model_num_params(t->model); i++) {
-    const ddp_param_t *p = ddp_model_param(t->model, i);
-    const ddp_tensor_t *g = &p->grad;
-    if (!p->requires_grad || !g->data) continue;
-    for (int64_t k = 0; k < g->numel; k++) {
-      double x = g->dtype == DDP_F64   ? ((const double *)g->data)[k]
-                 : g->dtype == DDP_F32 ? ((const float *)g->data)[k]
-                                       : 0.0;
-      if (!isfinite(x)) {
-        *elem = k;
-        return i;
-      }
-    }
-  }
-  return SIZE_MAX;
-}
-
-/* halt_on_nonfinite: a NaN or Inf `what` (the gradient norm, the loss) at step `done` stops
- * the run, naming the first parameter with a non-finite gradient when bad < SIZE_MAX;
- * false: rank 0 warns and the run goes on. Every rank sees the same all-reduced value, so
- * every rank stops at the same step. */
-static ddp_status_t nonfinite(ddp__trainer_t *t, int64_t done, const char *what, double v,
-                              size_t bad, int64_t elem) {
-  char where[600] = "";
-  if (bad != SIZE_MAX) {
-    snprintf(where, sizeof where,
-             "; the first parameter with a non-finite gradient is %s (element %lld)",
-             ddp_model_param(t->model, bad)->name, (long long)elem);
-  }
-  if (!t->a->halt_on_nonfinite) {
-    if (t->rank == 0)
-      ddp__log(t->rank, DDP_LOG_WARN,
-               "trainer: step %lld: the %s is %g%s (halt_on_nonfinite false: training goes on)",
-               (long long)done, what, isnan(v) ? fabs(v) : v, where);
-    return DDP_OK;
-  }
-  return ddp__error(t->err, t->rank, DDP_ERR_INVALID_DATA,
-                    "trainer: step %lld: the %s is %g%s; the run stops before the step's "
-                    "update and save, so the last checkpoint is of an earlier step "
-                    "(halt_on_nonfinite false: warn and go on)",
-                    (long long)done, what, isnan(v) ? fabs(v) : v, where);
-}
-
 /* Optimizer step `step` (0-based): its window of micro-batches, then clipping, the lr of
  * the schedule, the optimizer step and zero_grad; the loss is averaged over ranks. */
 static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
@@ -616,7 +569,7 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
   if (t->zero) DDP_CHECK(ddp_zero_reduce_grads(t->zero, t->err));
   int64_t elem = -1;
-  size_t bad = first_nonfinite_grad(t, &elem);
+  size_t bad = ddp__train_first_nonfinite_grad(t, &elem);
   double max_norm = a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY;
   if (t->zero)
     DDP_CHECK(ddp_zero_clip_grad_norm(t->zero, max_norm, &o->grad_norm, t->err));
@@ -625,7 +578,7 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   else
     DDP_CHECK(ddp_clip_grad_norm(t->grads, t->ntrain, max_norm, 2.0, false, &o->grad_norm, t->err));
   if (!isfinite(o->grad_norm) || bad != SIZE_MAX)
-    DDP_CHECK(nonfinite(t, step + 1, "gradient norm", o->grad_norm, bad, elem));
+    DDP_CHECK(ddp__train_nonfinite(t, step + 1, "gradient norm", o->grad_norm, bad, elem));
   o->lr = ddp_lr_at(&t->sched, a->learning_rate, step);
   if (t->zero) {
     DDP_CHECK(ddp_zero_step(t->zero, o->lr, t->err));
@@ -657,7 +610,8 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
                         &w, "loss allreduce"));
   }
   o->loss = local_loss;
-  if (!isfinite(o->loss)) DDP_CHECK(nonfinite(t, step + 1, "loss", o->loss, SIZE_MAX, -1));
+  if (!isfinite(o->loss))
+    DDP_CHECK(ddp__train_nonfinite(t, step + 1, "loss", o->loss, SIZE_MAX, -1));
   return DDP_OK;
 }
 

@@ -113,4 +113,15 @@ ddp_status_t ddp__train_data_digest(ddp__trainer_t *t, char hex[17]);
  * the change makes the rest of the epoch's data order unreproducible (resume_check.c). */
 ddp_status_t ddp__train_resume_check(ddp__trainer_t *t, const char *dir);
 
+/* halt_on_nonfinite (nonfinite.c). The first parameter (model order) whose gradient holds a
+ * NaN or an Inf, and the element's index (*elem); SIZE_MAX when none: one pass over the f32
+ * and f64 gradients, before clipping scales them all by a NaN coefficient. */
+size_t ddp__train_first_nonfinite_grad(const ddp__trainer_t *t, int64_t *elem);
+/* A NaN or Inf `what` (the gradient norm, the loss) of value v at step `done`: with
+ * halt_on_nonfinite an error naming the step and parameter `bad` (SIZE_MAX: none), else a
+ * warning on rank 0 and DDP_OK. Every rank sees the same all-reduced value, so every rank
+ * stops at the same step. */
+ddp_status_t ddp__train_nonfinite(ddp__trainer_t *t, int64_t done, const char *what, double v,
+                                  size_t bad, int64_t elem);
+
 #endif /* DDP_TRAIN_TRAINER_H */
