@@ -251,8 +251,8 @@ expect_err "ZeRO stage 3 (--deepspeed) does not combine with saving checkpoints 
   --deepspeed ds3.json --save_strategy steps
 expect_err "transformer_layer_cls_to_wrap names 'GPT2Layer', which is no module of the model (its wrappable modules: GPT2Block)" \
   "${gpt[@]}" --fsdp "full_shard auto_wrap" --fsdp_config '{"transformer_layer_cls_to_wrap": "GPT2Layer"}'
-expect_err "--fsdp_config: key 'backward_prefetch'" --fsdp full_shard \
-  --fsdp_config '{"backward_prefetch": "backward_pre"}'
+expect_err "--fsdp_config: key 'sync_module_states'" --fsdp full_shard \
+  --fsdp_config '{"sync_module_states": true}'
 expect_err 'zero_optimization.stage 7 is not a ZeRO stage (0, 1, 2 or 3)' --deepspeed ds7.json
 expect_err 'zero_optimization.stage "two" is not a ZeRO stage' --deepspeed dsx.json
 expect_err "--fsdp 'shard_grad_op' and --deepspeed ds1.json: only one of FSDP and DeepSpeed" \

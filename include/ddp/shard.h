@@ -187,7 +187,16 @@ DDP_API ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char
  * So ZeRO-3 ends with DDP's parameters bit for bit.
  *
  * The hooks run inside the model's forward and backward (ddp_model_set_block_hooks, set
- * by create); every call is collective in the same order on every rank. */
+ * by create); every call is collective in the same order on every rank. With the flight
+ * recorder on, each collective is tagged (its dump's ddp_tag) with the unit, what it is
+ * for and the unit's first parameter names: "fsdp unit 2 all_gather (forward prefetch),
+ * 12 params: transformer.h.1.ln_1.weight,...". */
+typedef enum ddp_fsdp_prefetch {
+  DDP_FSDP_NO_PREFETCH = 0, /* Transformers' NO_PREFETCH, FSDP's backward_prefetch=None */
+  DDP_FSDP_BACKWARD_PRE,
+  DDP_FSDP_BACKWARD_POST,
+} ddp_fsdp_prefetch_t;
+
 typedef struct ddp_fsdp_options {
   size_t struct_size;
   /* Transformers' transformer_layer_cls_to_wrap: block classes (comma or space
@@ -199,10 +208,30 @@ typedef struct ddp_fsdp_options {
   bool reshard_after_forward; /* true (FULL_SHARD) */
   bool divide_in_place;       /* as ddp_zero_options_t */
   ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post */
+  /* Prefetch (docs/sharding.md, "Prefetch"): which unit's all-gather is issued early, as
+   * an asynchronous collective that runs while this rank computes. They move collectives
+   * in the group's issue order, never what they compute: every setting ends with the same
+   * bits. backward_prefetch (PyTorch FSDP's BackwardPrefetch, default BACKWARD_PRE): PRE
+   * issues the next unit in backward order (the one before in this iteration's forward
+   * order) when a unit's backward starts, before its own gradient is computed; POST issues
+   * it when the unit's backward is done, after its parameters are freed and before its
+   * reduce-scatter; NONE gathers each unit when its backward starts. */
+  ddp_fsdp_prefetch_t backward_prefetch;
+  /* forward_prefetch: when a unit's forward starts, issue the next unit's all-gather (the
+   * next in the previous iteration's forward order; none in the first). false. */
+  bool forward_prefetch;
+  /* limit_all_gathers: at most 2 units' all-gathers in flight (issued, not yet waited
+   * for); an all-gather beyond them waits for the oldest first. true, as FSDP's. The
+   * prefetches above look one unit ahead, so they never hold more than 2 (the unit's own
+   * and the next): the limit is kept for the API and binds nothing today. */
+  bool limit_all_gathers;
 } ddp_fsdp_options_t;
 
-#define DDP_FSDP_OPTIONS_INIT \
-  { sizeof(ddp_fsdp_options_t), "", 0, true, false, DDP_GRAD_ARITH_DDP }
+#define DDP_FSDP_OPTIONS_INIT                                                                  \
+  {                                                                                            \
+    sizeof(ddp_fsdp_options_t), "", 0, true, false, DDP_GRAD_ARITH_DDP, DDP_FSDP_BACKWARD_PRE, \
+        false, true                                                                            \
+  }
 
 typedef struct ddp_fsdp ddp_fsdp_t;
 

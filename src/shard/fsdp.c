@@ -14,7 +14,12 @@
  * DDP's and the reduce-scatter sums in rank order, which is DDP's allreduce element for
  * element. The gradient norm needs each parameter's norm over its whole gradient in
  * element order, so the reduced shards are all-gathered once into the unit's gradient
- * buffer before it is freed (Ψ(W-1)/W more bytes than FSDP's 3Ψ(W-1)/W per step). */
+ * buffer before it is freed (Ψ(W-1)/W more bytes than FSDP's 3Ψ(W-1)/W per step).
+ *
+ * Prefetch (forward_prefetch, backward_prefetch, limit_all_gathers) issues a unit's
+ * all-gather as asynchronous work earlier than its use and waits for it when the unit is
+ * needed; the group runs collectives in issue order on every rank, and an all-gather
+ * copies, so the bits are those without prefetch. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +38,8 @@ typedef struct unit {
   unsigned char *full;   /* [padded] gathered parameters; NULL: freed */
   unsigned char *gfull;  /* [padded] full local gradient during backward; NULL: freed */
   bool done;             /* its backward finished in this micro-batch */
+  ddp_work_t *work;      /* its parameters' all-gather in flight; NULL: none */
+  uint64_t issued;       /* when (issue count) that all-gather was issued */
 } unit_t;
 
 struct ddp_fsdp {
@@ -63,7 +70,14 @@ struct ddp_fsdp {
   bool train, sync;
   bool summoned;         /* gather_all holds every unit: the hooks do nothing */
   size_t gathered, peak; /* bytes of full copies held now, and the most since reset */
-  ddp_error_t *err;      /* the running call's, for the hooks */
+  /* the forward order of the units (prefetch's "next"): this micro-batch's so far and the
+   * previous one's */
+  size_t *fwd, nfwd; /* [nunits] units in the order their forward started */
+  size_t *pos;       /* [nunits] position in fwd, SIZE_MAX: not yet */
+  size_t *fnext;     /* [nunits] next unit in the previous forward order, SIZE_MAX: none */
+  size_t inflight;   /* parameter all-gathers issued and not yet waited for */
+  uint64_t nissued;
+  ddp_error_t *err; /* the running call's, for the hooks */
 };
 
 /* ---------------------------------------------------------------- memory ---------- */
@@ -98,24 +112,82 @@ static ddp_status_t coll(ddp_fsdp_t *f, ddp_status_t st, ddp_work_t *w, const ch
   return ddp__error_quiet(f->err, st, "fsdp: unit %zu: %s: %s", unit, what, pe.msg);
 }
 
-/* All-gathers unit ui's parameters into a new full buffer and points them at it. */
-static ddp_status_t gather(ddp_fsdp_t *f, size_t ui) {
+/* The flight recorder's tag for unit ui's next collective: the unit, what the collective
+ * is for, and its first parameter names (whole names that fit, then "..."). */
+static void tag(ddp_fsdp_t *f, size_t ui, const char *what) {
+  if (!ddp_pg_flight_recorder_enabled(f->pg)) return;
+  const unit_t *u = &f->u[ui];
+  char text[240];
+  size_t len = (size_t)snprintf(text, sizeof text, "fsdp unit %zu %s, %zu params: ", ui, what,
+                                u->np);
+  for (size_t k = 0; k < u->np && len < sizeof text; k++) {
+    const char *name = ddp_model_param(f->model, u->idx[k])->name;
+    size_t n = strlen(name) + (k ? 1 : 0);
+    if (len + n + 5 > sizeof text) {
+      snprintf(text + len, sizeof text - len, "%s...", k ? "," : "");
+      break;
+    }
+    len += (size_t)snprintf(text + len, sizeof text - len, "%s%s", k ? "," : "", name);
+  }
+  ddp_pg_set_next_collective_tag(f->pg, -1, text);
+}
+
+static ddp_status_t await(ddp_fsdp_t *f, size_t ui);
+
+/* Issues unit ui's parameter all-gather into a new full buffer (asynchronous; await
+ * waits for it and points the parameters at it). Nothing when it is gathered or in
+ * flight already. */
+static ddp_status_t issue(ddp_fsdp_t *f, size_t ui, const char *what) {
   unit_t *u = &f->u[ui];
   if (u->full) return DDP_OK;
+  while (f->opts.limit_all_gathers && f->inflight >= 2) { /* FSDP's rate limiter */
+    size_t old = SIZE_MAX;
+    for (size_t v = 0; v < f->nunits; v++)
+      if (f->u[v].work && (old == SIZE_MAX || f->u[v].issued < f->u[old].issued)) old = v;
+    DDP_CHECK(await(f, old));
+  }
   size_t bytes = u->padded * f->esz;
   u->full = ddp__aligned_alloc(bytes);
   if (!u->full) return no_memory(f, bytes, "parameter all-gather", ui);
   track(f, bytes, true);
-  ddp_work_t *w = NULL;
-  ddp_status_t st = ddp_allgather(f->pg, u->shard, u->full, u->S, f->dt, &w);
-  DDP_CHECK(coll(f, st, w, "parameter all_gather", ui));
+  char full[64];
+  snprintf(full, sizeof full, "all_gather (%s)", what);
+  tag(f, ui, full);
+  ddp_status_t st = ddp_allgather(f->pg, u->shard, u->full, u->S, f->dt, &u->work);
+  if (st != DDP_OK) {
+    u->work = NULL;
+    return coll(f, st, NULL, "parameter all_gather", ui);
+  }
+  f->inflight++;
+  u->issued = ++f->nissued;
+  return DDP_OK;
+}
+
+static ddp_status_t await(ddp_fsdp_t *f, size_t ui) {
+  unit_t *u = &f->u[ui];
+  if (!u->work) return DDP_OK;
+  ddp_work_t *w = u->work;
+  u->work = NULL;
+  f->inflight--;
+  DDP_CHECK(coll(f, DDP_OK, w, "parameter all_gather", ui));
   point_params(f, u, u->full, false);
   return DDP_OK;
+}
+
+/* All-gathers unit ui's parameters (unless prefetched) and points them at the copy. */
+static ddp_status_t gather(ddp_fsdp_t *f, size_t ui, const char *what) {
+  DDP_CHECK(issue(f, ui, what));
+  return await(f, ui);
 }
 
 static void release(ddp_fsdp_t *f, size_t ui) {
   unit_t *u = &f->u[ui];
   if (!u->full) return;
+  if (u->work) { /* a prefetch never used: the buffer is the group's until it ends */
+    (void)ddp_work_wait_free(u->work); /* a failure is the group's, reported by its user */
+    u->work = NULL;
+    f->inflight--;
+  }
   point_params(f, u, NULL, false);
   ddp__aligned_free(u->full);
   u->full = NULL;
@@ -161,9 +233,11 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     ddp_grad_arith_pre(f->opts.arith, f->world, f->opts.divide_in_place, u->gfull, u->gfull,
                        u->padded, f->dt);
     ddp_work_t *w = NULL;
+    tag(f, ui, "reduce_scatter (gradient)");
     ddp_status_t st = ddp_reduce_scatter(f->pg, u->gfull, u->gshard, u->S, f->dt, DDP_OP_SUM, &w);
     DDP_CHECK(coll(f, st, w, "gradient reduce_scatter", ui));
     ddp_grad_arith_post(f->opts.arith, f->world, u->gshard, u->S, f->dt);
+    tag(f, ui, "all_gather (gradient, for the norm)");
     st = ddp_allgather(f->pg, u->gshard, u->gfull, u->S, f->dt, &w);
     DDP_CHECK(coll(f, st, w, "gradient all_gather for the norm", ui));
     for (size_t k = 0; k < u->np; k++) {
@@ -189,7 +263,21 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
 static ddp_status_t pre_forward(void *user, size_t block) {
   ddp_fsdp_t *f = user;
   size_t ui = f->blk_unit[block];
-  return ui && !f->summoned ? gather(f, ui) : DDP_OK;
+  if (!ui || f->summoned) return DDP_OK;
+  if (f->pos[ui] == SIZE_MAX) {
+    f->pos[ui] = f->nfwd;
+    f->fwd[f->nfwd++] = ui;
+  }
+  DDP_CHECK(issue(f, ui, "forward"));
+  if (f->opts.forward_prefetch && f->fnext[ui] != SIZE_MAX)
+    DDP_CHECK(issue(f, f->fnext[ui], "forward prefetch"));
+  return await(f, ui);
+}
+
+/* The unit after ui in backward order: the one before it in this forward's order. */
+static size_t backward_next(const ddp_fsdp_t *f, size_t ui) {
+  size_t p = f->pos[ui];
+  return p != SIZE_MAX && p > 0 ? f->fwd[p - 1] : SIZE_MAX;
 }
 
 static ddp_status_t post_forward(void *user, size_t block) {
@@ -203,14 +291,25 @@ static ddp_status_t pre_backward(void *user, size_t block) {
   ddp_fsdp_t *f = user;
   size_t ui = f->blk_unit[block];
   if (!ui) return DDP_OK;
-  DDP_CHECK(gather(f, ui));
+  DDP_CHECK(issue(f, ui, "backward"));
+  size_t next = backward_next(f, ui);
+  if (f->opts.backward_prefetch == DDP_FSDP_BACKWARD_PRE && next != SIZE_MAX)
+    DDP_CHECK(issue(f, next, "backward_pre prefetch"));
+  DDP_CHECK(await(f, ui));
   return grads_on(f, ui);
 }
 
 static ddp_status_t post_backward(void *user, size_t block) {
   ddp_fsdp_t *f = user;
   size_t ui = f->blk_unit[block];
-  return ui ? finish_unit(f, ui) : DDP_OK;
+  if (!ui) return DDP_OK;
+  size_t next = backward_next(f, ui);
+  if (f->opts.backward_prefetch == DDP_FSDP_BACKWARD_POST && next != SIZE_MAX &&
+      !f->u[ui].done) { /* FSDP's order: free this unit, gather the next, then reduce */
+    release(f, ui);
+    DDP_CHECK(issue(f, next, "backward_post prefetch"));
+  }
+  return finish_unit(f, ui);
 }
 
 /* ---------------------------------------------------------------- create ---------- */
@@ -393,13 +492,18 @@ ddp_status_t ddp_fsdp_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_fsdp_op
   f->group = ddp__calloc(n1, sizeof *f->group);
   f->norms = ddp__calloc(n1, sizeof *f->norms);
   f->clip = ddp__calloc(n1, sizeof *f->clip);
+  f->fwd = ddp__calloc(nb + 1, sizeof *f->fwd);
+  f->pos = ddp__calloc(nb + 1, sizeof *f->pos);
+  f->fnext = ddp__calloc(nb + 1, sizeof *f->fnext);
   ddp_status_t st = DDP_OK;
-  if (!f->blk_unit || !f->unit_of || !f->piece_of || !f->group || !f->norms || !f->clip) {
+  if (!f->blk_unit || !f->unit_of || !f->piece_of || !f->group || !f->norms || !f->clip ||
+      !f->fwd || !f->pos || !f->fnext) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory (%zu parameters)", n);
     goto fail;
   }
   memcpy(f->group, group, n * sizeof *group);
   DDP_CHECK_GOTO(policy(f, nb, &f->nunits), st, fail);
+  for (size_t ui = 0; ui <= nb; ui++) f->pos[ui] = f->fnext[ui] = SIZE_MAX;
   for (size_t k = 0; k < nb; k++) {
     size_t first, count;
     ddp_model_block(model, k, NULL, &first, &count);
@@ -447,6 +551,9 @@ void ddp_fsdp_destroy(ddp_fsdp_t *f) {
   ddp__free(f->group);
   ddp__free(f->norms);
   ddp__free(f->clip);
+  ddp__free(f->fwd);
+  ddp__free(f->pos);
+  ddp__free(f->fnext);
   ddp__free(f->pv);
   ddp__free(f->pg_);
   ddp__free(f->piece_unit);
@@ -472,8 +579,14 @@ ddp_status_t ddp_fsdp_begin(ddp_fsdp_t *f, bool train, bool sync, ddp_error_t *e
   f->err = err;
   f->train = train;
   f->sync = sync && train;
-  for (size_t ui = 0; ui < f->nunits; ui++) f->u[ui].done = false;
-  ddp_status_t st = gather(f, 0);
+  for (size_t ui = 0; ui < f->nunits; ui++) {
+    f->u[ui].done = false;
+    f->fnext[ui] = f->pos[ui] = SIZE_MAX;
+  }
+  /* the previous forward's order is forward_prefetch's guess at this one's */
+  for (size_t p = 0; p + 1 < f->nfwd; p++) f->fnext[f->fwd[p]] = f->fwd[p + 1];
+  f->nfwd = 0;
+  ddp_status_t st = gather(f, 0, "root");
   if (st == DDP_OK && train) st = grads_on(f, 0);
   /* Units kept with their gradients over no_sync micro-batches point at them again when
    * their backward starts (pre_backward). */
@@ -528,7 +641,7 @@ void ddp_fsdp_zero_grad(ddp_fsdp_t *f) {
 ddp_status_t ddp_fsdp_gather_all(ddp_fsdp_t *f, ddp_error_t *err) {
   DDP_REQUIRE(f && f->magic == FSDP_MAGIC);
   f->err = err;
-  for (size_t ui = 0; ui < f->nunits; ui++) DDP_CHECK(gather(f, ui));
+  for (size_t ui = 0; ui < f->nunits; ui++) DDP_CHECK(gather(f, ui, "summon_full_params"));
   f->summoned = true;
   return DDP_OK;
 }

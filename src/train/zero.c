@@ -3,6 +3,7 @@
  * groups, and the state bytes of metrics.jsonl. */
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/resource.h>
 
 #include <cjson/cJSON.h>
@@ -270,6 +271,33 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
 
 /* ---------------------------------------------------------------- ZeRO-3 ---------- */
 
+#define FSDP_KEYS                                                                             \
+  "transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward, backward_prefetch, " \
+  "forward_prefetch, limit_all_gathers, version"
+
+/* A switch of --fsdp_config: JSON true/false or Transformers' strings "true"/"false" (any
+ * case); -1: neither. */
+static int switch_value(const cJSON *it) {
+  if (cJSON_IsBool(it)) return cJSON_IsTrue(it);
+  if (!cJSON_IsString(it)) return -1;
+  if (!strcasecmp(it->valuestring, "true")) return 1;
+  if (!strcasecmp(it->valuestring, "false")) return 0;
+  return -1;
+}
+
+/* backward_prefetch: Transformers' and Accelerate's spellings (upper-cased there), PyTorch's
+ * BackwardPrefetch names; false / null / NO_PREFETCH / NONE for none. -1: none of them. */
+static int prefetch_value(const cJSON *it) {
+  if (cJSON_IsNull(it) || cJSON_IsFalse(it)) return DDP_FSDP_NO_PREFETCH;
+  if (!cJSON_IsString(it)) return -1;
+  const char *v = it->valuestring;
+  if (!strncasecmp(v, "BackwardPrefetch.", 17)) v += 17;
+  if (!strcasecmp(v, "backward_pre")) return DDP_FSDP_BACKWARD_PRE;
+  if (!strcasecmp(v, "backward_post")) return DDP_FSDP_BACKWARD_POST;
+  if (!strcasecmp(v, "no_prefetch") || !strcasecmp(v, "none")) return DDP_FSDP_NO_PREFETCH;
+  return -1;
+}
+
 /* --fsdp_config: a JSON object inline or a file's; Transformers' keys, with or without
  * their "fsdp_" prefix. */
 static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *cls, size_t cap) {
@@ -283,9 +311,13 @@ static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *
   ddp__free(text);
   if (st != DDP_OK) return st;
   const cJSON *it = NULL;
+  const char *v1_only = NULL; /* an FSDP1 prefetch key given, for version 2's check */
+  int version = 1;
   cJSON_ArrayForEach(it, j) {
     const char *k = it->string;
     if (!strncmp(k, "fsdp_", 5)) k += 5;
+    int sw = switch_value(it), pf = prefetch_value(it);
+    const char *bad = NULL; /* the choices of a known key given a value outside them */
     if (!strcmp(k, "transformer_layer_cls_to_wrap") && cJSON_IsString(it)) {
       snprintf(cls, cap, "%s", it->valuestring);
     } else if (!strcmp(k, "transformer_layer_cls_to_wrap") && cJSON_IsArray(it)) {
@@ -296,17 +328,60 @@ static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *
           len += (size_t)snprintf(cls + len, cap - len, "%s%s", len ? "," : "", e->valuestring);
     } else if (!strcmp(k, "min_num_params") && cJSON_IsNumber(it) && it->valuedouble >= 0) {
       o->min_num_params = (int64_t)it->valuedouble;
-    } else if (!strcmp(k, "reshard_after_forward") && cJSON_IsBool(it)) {
-      o->reshard_after_forward = cJSON_IsTrue(it);
+    } else if (!strcmp(k, "reshard_after_forward")) {
+      /* FSDP2's bool; Accelerate's FSDP1 spelling is the sharding strategy it implies */
+      if (cJSON_IsString(it) && !strcasecmp(it->valuestring, "FULL_SHARD")) sw = 1;
+      if (cJSON_IsString(it) && !strcasecmp(it->valuestring, "SHARD_GRAD_OP")) sw = 0;
+      o->reshard_after_forward = sw == 1;
+      bad = sw < 0 ? "true or false (or FULL_SHARD, SHARD_GRAD_OP)" : NULL;
+    } else if (!strcmp(k, "backward_prefetch") || !strcmp(k, "backward_prefetch_policy")) {
+      if (pf >= 0) o->backward_prefetch = (ddp_fsdp_prefetch_t)pf;
+      bad = pf < 0 ? "backward_pre, backward_post or no_prefetch (any case), or false" : NULL;
+      if (pf > 0) v1_only = it->string;
+    } else if (!strcmp(k, "forward_prefetch")) {
+      o->forward_prefetch = sw == 1;
+      bad = sw < 0 ? "true or false" : NULL;
+      if (sw == 1) v1_only = it->string;
+    } else if (!strcmp(k, "limit_all_gathers")) {
+      o->limit_all_gathers = sw == 1;
+      bad = sw < 0 ? "true or false" : NULL;
+    } else if (!strcmp(k, "version")) {
+      double v = cJSON_IsNumber(it)   ? it->valuedouble
+                 : cJSON_IsString(it) ? (!strcmp(it->valuestring, "1")   ? 1
+                                         : !strcmp(it->valuestring, "2") ? 2
+                                                                         : 0)
+                                      : 0;
+      version = (int)v;
+      bad = v != 1 && v != 2 ? "1 or 2" : NULL;
     } else {
       char *shown = cJSON_PrintUnformatted(it);
       st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                      "--fsdp_config: key '%s' = %s is not supported (supported: "
-                      "transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward)",
+                      "--fsdp_config: key '%s' = %s is not supported (supported: " FSDP_KEYS ")",
                       it->string, shown ? shown : "?");
       cJSON_free(shown);
       break;
     }
+    if (bad) {
+      char *shown = cJSON_PrintUnformatted(it);
+      st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp_config: '%s' = %s; expected %s", it->string, shown ? shown : "?",
+                      bad);
+      cJSON_free(shown);
+      break;
+    }
+  }
+  /* FSDP2 (fully_shard) has no backward_prefetch or forward_prefetch switch: it prefetches
+   * in backward in reverse forward order (BACKWARD_PRE's unit) and relies on implicit
+   * forward prefetch; Accelerate refuses the FSDP1 keys with version 2. */
+  if (st == DDP_OK && version == 2 && v1_only)
+    st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                    "--fsdp_config: '%s' is an FSDP1 option; with \"version\": 2 (FSDP2) "
+                    "prefetch is fixed (backward: the next unit when a unit's backward "
+                    "starts); remove it or use version 1",
+                    v1_only);
+  if (st == DDP_OK && version == 2) {
+    o->backward_prefetch = DDP_FSDP_BACKWARD_PRE;
+    o->forward_prefetch = false;
   }
   cJSON_Delete(j);
   return st;
@@ -320,6 +395,9 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   size_t nb = ddp_model_num_blocks(t->model);
   if (nb && ddp_model_hf_config(t->model)) ddp_model_block(t->model, 0, &o.wrap_cls, NULL, NULL);
   if (o.wrap_cls) snprintf(cls, sizeof cls, "%s", o.wrap_cls);
+  /* Transformers' default backward_prefetch is NO_PREFETCH (PyTorch FSDP's own is
+   * BACKWARD_PRE, ddp_fsdp_options_t's) */
+  o.backward_prefetch = DDP_FSDP_NO_PREFETCH;
   if (t->a->fsdp_config[0]) DDP_CHECK(fsdp_config(t, &o, cls, sizeof cls));
   o.wrap_cls = cls;
   o.divide_in_place = t->a->gradient_as_bucket_view;
