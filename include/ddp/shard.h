@@ -254,11 +254,11 @@ DDP_API void ddp_fsdp_state_bytes(ddp_fsdp_t *f, size_t *param_bytes, size_t *gr
  * FULL_STATE_DICT: ddp_fsdp_gather_all gives the model its full parameters and
  * ddp_fsdp_optim_gather (collective) fills full[g], an ordinary optimizer over group g's
  * whole parameters (parameter i at position pos[i]; pos of a frozen parameter unused), with
- * the state gathered from every rank's pieces and the shards' lr; ddp_optim_save of full[g] then writes, byte
- * for byte, the file DDP's optimizer with the same state writes. ddp_fsdp_optim_scatter
- * (not collective) is the way back: this rank's pieces take their slices of full[g]'s state
- * and its lr
- * (loaded from a FULL checkpoint written at any world size, or from DDP's).
+ * the state gathered from every rank's pieces and the shards' lr; ddp_optim_save of full[g] then
+ * writes, byte for byte, the file DDP's optimizer with the same state writes.
+ * ddp_fsdp_optim_scatter (not collective) is the way back: this rank's pieces take their slices of
+ * full[g]'s state and its lr (loaded from a FULL checkpoint written at any world size, or from
+ * DDP's).
  *
  * SHARDED_STATE_DICT: ddp_fsdp_save_sharded (not collective: every rank in parallel) writes
  * this rank's flat shards, model_path "unit.<u>" (S elements of unit u's parameters) and

@@ -469,8 +469,8 @@ size_t ddp_fsdp_unit_of(const ddp_fsdp_t *f, size_t i) {
 /* fsdp_internal.h: the handle as the checkpoint code (fsdp_state.c) sees it */
 void ddp__fsdp_view(ddp_fsdp_t *f, ddp__fsdp_view_t *v) {
   DDP_REQUIRE(f && f->magic == FSDP_MAGIC && v);
-  *v = (ddp__fsdp_view_t){f->pg,      f->model,    f->rank,     f->world,    f->dt,
-                          f->esz,     f->nunits,   f->nparams,  f->ngroups,  f->group,
+  *v = (ddp__fsdp_view_t){f->pg,       f->model,    f->rank,    f->world,   f->dt,
+                          f->esz,      f->nunits,   f->nparams, f->ngroups, f->group,
                           f->piece_of, f->piece_at, f->opt};
 }
 

@@ -17,9 +17,9 @@ typedef struct ddp__fsdp_view {
   int rank, world;
   ddp_dtype_t dt;
   size_t esz, nunits, nparams, ngroups;
-  const int *group;      /* [nparams] optimizer group, -1 frozen */
-  const size_t *piece_of; /* [nparams] this rank's piece of parameter i, SIZE_MAX none */
-  const size_t *piece_at; /* [npieces] element offset of the piece in its unit's shard */
+  const int *group;        /* [nparams] optimizer group, -1 frozen */
+  const size_t *piece_of;  /* [nparams] this rank's piece of parameter i, SIZE_MAX none */
+  const size_t *piece_at;  /* [npieces] element offset of the piece in its unit's shard */
   ddp_optim_t *const *opt; /* [ngroups], over this rank's pieces in parameter order */
 } ddp__fsdp_view_t;
 

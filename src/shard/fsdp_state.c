@@ -139,8 +139,7 @@ ddp_status_t ddp_fsdp_optim_gather(ddp_fsdp_t *f, ddp_optim_t *const *full, cons
         double step;
         ddp_tensor_t *t[3];
         if (c.local[i] == SIZE_MAX || !piece_state(&c, i, &step, t, &at) || !t[s]) continue;
-        memcpy(mine + (at - (size_t)c.v.rank * u.S) * c.v.esz, t[s]->data,
-               ddp_tensor_nbytes(t[s]));
+        memcpy(mine + (at - (size_t)c.v.rank * u.S) * c.v.esz, t[s]->data, ddp_tensor_nbytes(t[s]));
       }
       ddp_work_t *w = NULL;
       st = coll(&c, ddp_allgather(c.v.pg, mine, all, u.S, c.v.dt, &w), &w,
@@ -329,8 +328,8 @@ static ddp_status_t copy_flat(const ctx_t *c, const old_t *o, bool optim, size_t
     if (ddp_st_find(fl, nm, &idx) != DDP_OK || ddp_st_tensor(fl, idx, &v) != DDP_OK ||
         v.dtype != c->v.dt || (size_t)v.numel != S)
       return ddp__error(c->err, c->v.rank, DDP_ERR_INVALID_DATA,
-                        "fsdp: %s has no %s[%zu] '%s' (a shard of unit %zu at world size %d)",
-                        path, ddp_dtype_name(c->v.dt), S, nm, ui, o->W);
+                        "fsdp: %s has no %s[%zu] '%s' (a shard of unit %zu at world size %d)", path,
+                        ddp_dtype_name(c->v.dt), S, nm, ui, o->W);
     memcpy(dst + (p - from) * c->v.esz, (unsigned char *)v.data + (p - q * S) * c->v.esz,
            (e - p) * c->v.esz);
     p = e;
@@ -349,8 +348,9 @@ ddp_status_t ddp_fsdp_load_sharded(ddp_fsdp_t *f, const char *const *model_paths
   size_t ns = slots(&c, names);
   char units[8192], w_[16], np[24];
   meta(&c, units, sizeof units, w_, np);
-  ddp_status_t st = o.m && o.o ? DDP_OK
-                               : ddp__error(err, c.v.rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory");
+  ddp_status_t st = o.m && o.o
+                        ? DDP_OK
+                        : ddp__error(err, c.v.rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory");
   for (int q = 0; st == DDP_OK && q < world; q++) {
     st = ddp_st_open(model_paths[q], DDP_ST_READ, &o.m[q], err);
     if (st == DDP_OK) st = ddp_st_open(optim_paths[q], DDP_ST_READ, &o.o[q], err);

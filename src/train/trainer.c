@@ -249,8 +249,8 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
       code = ddp_parse_file_size(t->a->max_shard_size, "max_shard_size", &shard, t->err);
       if (code == DDP_OK)
         code = ddp__train_save_stage(t->a->output_dir, step, shards ? NULL : t->model, shard,
-                                     t->opt, t->zero || shards ? 0 : t->nopt, js, t->pause_ms,
-                                     tmp, sizeof tmp, t->err);
+                                     t->opt, t->zero || shards ? 0 : t->nopt, js, t->pause_ms, tmp,
+                                     sizeof tmp, t->err);
     }
     ddp__free(js);
   }
@@ -444,7 +444,7 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   DDP_CHECK(ddp__train_fault_check(&t->fault, t->world, t->max_steps, t->err));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
-  DDP_CHECK(ddp__train_fsdp_setup(t)); /* ZeRO-3 shards the broadcast parameters */
+  DDP_CHECK(ddp__train_fsdp_setup(t));  /* ZeRO-3 shards the broadcast parameters */
   DDP_CHECK(ddp__train_fsdp_resume(t)); /* ... and takes the checkpoint's state */
   DDP_CHECK(resume_hook_state(t));
   DDP_CHECK(open_init_q(t));

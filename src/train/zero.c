@@ -352,9 +352,7 @@ static void fsdp_file(char *buf, size_t cap, const char *dir, bool optim, int r,
            optim ? "optimizer_0" : "pytorch_model_fsdp_0", r + 1, W);
 }
 
-bool ddp__train_fsdp_sharded_save(const ddp__trainer_t *t) {
-  return t->fsdp && t->fsdp_sharded_sd;
-}
+bool ddp__train_fsdp_sharded_save(const ddp__trainer_t *t) { return t->fsdp && t->fsdp_sharded_sd; }
 
 /* pos[i]: model parameter i's position in its group's optimizer (the trainer's order). */
 static ddp_status_t fsdp_pos(ddp__trainer_t *t, size_t **out) {
@@ -411,14 +409,16 @@ ddp_status_t ddp__train_fsdp_probe(ddp__trainer_t *t, const char *dir, int world
   if (!*sharded) return DDP_OK;
   if (!t->zero3)
     return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
-                      "%s is a ZeRO-3 SHARDED_STATE_DICT checkpoint (pytorch_model_fsdp_0-*-of-%05d "
+                      "%s is a ZeRO-3 SHARDED_STATE_DICT checkpoint "
+                      "(pytorch_model_fsdp_0-*-of-%05d "
                       "shards, no model.safetensors), which only ZeRO-3 (--fsdp full_shard or "
                       "--deepspeed stage 3) resumes; to go on with DDP or ZeRO-1/2, resume it "
                       "with ZeRO-3 and save with --fsdp_config "
                       "'{\"state_dict_type\": \"FULL_STATE_DICT\"}'",
                       dir, world);
   t->resume_shards = world;
-  return DDP_OK;
+  /* every shard against checksums.sha256, as ddp_train_checkpoint_load does for DDP's */
+  return ddp__train_verify_checkpoint(dir, false, t->err);
 }
 
 ddp_status_t ddp__train_fsdp_resume(ddp__trainer_t *t) {
