@@ -2,7 +2,8 @@
 # ZeRO-1/2/3 in ddp-train (docs/sharding.md): the final parameter hash equals DDP's bit for bit
 # (digits MLP, GPT-2 tiny, BERT tiny and Llama tiny, AdamW with weight decay and clipping, 20 steps, gradient
 # accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
-# consolidation, resume at another W, a flipped bit caught), the per-rank state bytes of
+# consolidation, resume at another W, a flipped bit caught; ZeRO-3's FULL_STATE_DICT and
+# SHARDED_STATE_DICT), the per-rank state bytes of
 # metrics.jsonl equal the formulas, and bad input is refused naming the value.
 #
 #   tests/sharding.sh DDP_TRAIN DDPRUN SRC_ROOT
@@ -233,6 +234,60 @@ grep -q "flipped/optimizer-00002-of-00004.safetensors is corrupt" zc-bad.log || 
 }
 echo "ok: ZeRO checkpoints: shards, consolidated = DDP's bytes, resume at W = 4, 2, 3, flipped bit caught"
 
+# ZeRO-3 checkpoints (MLP, threads, units by size): FULL_STATE_DICT (the default) at W = 4
+# gathers the units and writes DDP's files byte for byte; SHARDED_STATE_DICT has each rank
+# write its flat shards (pytorch_model_fsdp_0-0000r-of-00004, optimizer_0-0000r-of-00004, in
+# checksums.sha256, no model.safetensors). Each resumes at W = 4 as the uninterrupted run and
+# at W = 2 and 3 as DDP resumed from DDP's checkpoint (zc-rddp-W above); the flipped bit, the
+# refusals and another wrap policy are in "Bad input" below.
+z3=(--fsdp full_shard --fsdp_config '{"min_num_params": 1000}')
+z3s=(--fsdp full_shard --fsdp_config '{"min_num_params": 1000, "state_dict_type": "SHARDED_STATE_DICT"}')
+h=$(run z3c-full threads 4 "${mlp[@]}" "${z3[@]}" "${save[@]}")
+[ "$h" = "$d4" ] || fail "checkpointed ZeRO-3 W=4 $h, DDP $d4"
+h=$(run z3c-sharded threads 4 "${mlp[@]}" "${z3s[@]}" "${save[@]}")
+[ "$h" = "$d4" ] || fail "checkpointed ZeRO-3 (SHARDED_STATE_DICT) W=4 $h, DDP $d4"
+for f in model.safetensors optimizer.safetensors optimizer_group1.safetensors; do
+  cmp -s "z3c-full/checkpoint-10/$f" "zc-ddp-4/checkpoint-10/$f" ||
+    fail "ZeRO-3 FULL_STATE_DICT $f differs from DDP's"
+done
+ck=z3c-sharded/checkpoint-10
+[ -e $ck/model.safetensors ] && fail "$ck has a model.safetensors"
+for r in 1 2 3 4; do
+  for f in pytorch_model_fsdp_0 optimizer_0; do
+    [ -f "$ck/$f-0000$r-of-00004.safetensors" ] || fail "no $f shard of rank $((r - 1))"
+    grep -q " $f-0000$r-of-00004.safetensors\$" "$ck/checksums.sha256" ||
+      fail "shard $f-0000$r-of-00004 not in checksums.sha256"
+  done
+done
+for kind in full sharded; do
+  h=$(run z3c-r4-$kind threads 4 "${mlp[@]}" "${z3[@]}" --resume_from_checkpoint z3c-$kind/checkpoint-10)
+  [ "$h" = "$d4" ] || fail "ZeRO-3 resumed ($kind) at W=4: $h, uninterrupted $d4"
+  for w in 2 3; do
+    ref=$(grep -o '"param_hash": "[0-9a-f]*"' "zc-rddp-$w/metrics.jsonl" | tail -1)
+    h=$(run z3c-r$w-$kind threads $w "${mlp[@]}" "${z3[@]}" --resume_from_checkpoint z3c-$kind/checkpoint-10)
+    [ "$h" = "$ref" ] || fail "ZeRO-3 resumed ($kind) at W=$w from W=4: $h, DDP resumed $ref"
+  done
+done
+# GPT-2 tiny at W = 3 (a unit per GPT2Block): FULL_STATE_DICT in Hugging Face's sharded layout
+# (--max_shard_size) equal to DDP's files; SHARDED_STATE_DICT resumed at W = 2 as DDP resumed.
+gsave=("${save[@]}" --max_shard_size 50KB)
+d=$(run z3g-ddp threads 3 "${gpt[@]}" "${gsave[@]}")
+h=$(run z3g-full threads 3 "${gpt[@]}" "${gsave[@]}" --fsdp "full_shard auto_wrap")
+[ "$h" = "$d" ] || fail "checkpointed GPT-2 ZeRO-3 W=3 $h, DDP $d"
+[ -f z3g-ddp/checkpoint-10/model-00002-of-00004.safetensors ] || fail "GPT-2: no HF shards"
+for f in $(cd z3g-ddp/checkpoint-10 && ls | grep -v -e trainer_state.json -e checksums.sha256); do
+  cmp -s "z3g-full/checkpoint-10/$f" "z3g-ddp/checkpoint-10/$f" ||
+    fail "GPT-2 ZeRO-3 FULL_STATE_DICT $f differs from DDP's"
+done
+h=$(run z3g-sharded threads 3 "${gpt[@]}" "${gsave[@]}" --fsdp "full_shard auto_wrap" \
+  --fsdp_config '{"state_dict_type": "SHARDED_STATE_DICT"}')
+[ "$h" = "$d" ] || fail "checkpointed GPT-2 ZeRO-3 (SHARDED_STATE_DICT) W=3 $h, DDP $d"
+ref=$(run z3g-rddp threads 2 "${gpt[@]}" --resume_from_checkpoint z3g-ddp/checkpoint-10)
+h=$(run z3g-r2 threads 2 "${gpt[@]}" --fsdp "full_shard auto_wrap" \
+  --resume_from_checkpoint z3g-sharded/checkpoint-10)
+[ "$h" = "$ref" ] || fail "GPT-2 ZeRO-3 resumed (SHARDED) at W=2 from W=3: $h, DDP resumed $ref"
+echo "ok: ZeRO-3 checkpoints: FULL = DDP's bytes (MLP, GPT-2 HF shards), SHARDED per-rank shards, resume at W = 4, 2, 3"
+
 # Bad input: each a clear error naming the value.
 expect_err() { # WHAT ARGS...
   local what=$1
@@ -247,8 +302,21 @@ expect_err() { # WHAT ARGS...
 }
 echo '{"zero_optimization": {"stage": 7}}' >ds7.json
 echo '{"zero_optimization": {"stage": "two"}}' >dsx.json
-expect_err "ZeRO stage 3 (--deepspeed) does not combine with saving checkpoints (ZeRO-3 checkpoints are not implemented yet" \
-  --deepspeed ds3.json --save_strategy steps
+cp -r z3c-sharded/checkpoint-10 z3flip
+/usr/bin/env python3 - z3flip/pytorch_model_fsdp_0-00003-of-00004.safetensors <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[-5] ^= 0x10
+open(sys.argv[1], "wb").write(bytes(b))
+PY
+expect_err "z3flip/pytorch_model_fsdp_0-00003-of-00004.safetensors is corrupt" "${mlp[@]}" "${z3[@]}" \
+  --resume_from_checkpoint z3flip
+expect_err "z3c-sharded/checkpoint-10 is a ZeRO-3 SHARDED_STATE_DICT checkpoint (pytorch_model_fsdp_0-*-of-00004 shards, no model.safetensors), which only ZeRO-3" \
+  --deepspeed ds1.json --resume_from_checkpoint z3c-sharded/checkpoint-10
+expect_err "pytorch_model_fsdp_0-00001-of-00004.safetensors was written for another model or wrap policy: units of 0,8320,16512,1290 elements (6 parameters), this model's 26122" \
+  --deepspeed ds3.json --resume_from_checkpoint z3c-sharded/checkpoint-10
+expect_err "--fsdp_config: 'state_dict_type' = \"LOCAL_STATE_DICT\"; expected FULL_STATE_DICT or SHARDED_STATE_DICT" \
+  --fsdp full_shard --fsdp_config '{"state_dict_type": "LOCAL_STATE_DICT"}'
 expect_err "transformer_layer_cls_to_wrap names 'GPT2Layer', which is no module of the model (its wrappable modules: GPT2Block)" \
   "${gpt[@]}" --fsdp "full_shard auto_wrap" --fsdp_config '{"transformer_layer_cls_to_wrap": "GPT2Layer"}'
 expect_err "--fsdp_config: key 'sync_module_states'" --fsdp full_shard \

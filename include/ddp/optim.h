@@ -120,6 +120,16 @@ DDP_API ddp_status_t ddp_optim_save_indexed(const ddp_optim_t *opt, const char *
                                             const size_t *index, ddp_error_t *err);
 DDP_API ddp_status_t ddp_optim_load_indexed(ddp_optim_t *opt, const char *path, const size_t *index,
                                             ddp_error_t *err);
+/* One parameter's state, for sharded checkpoints (src/shard): false when parameter i has
+ * none yet; else *step (Adam/AdamW's count; 0 for SGD) and its tensors in ddp_optim_save's
+ * key order, t[0] momentum_buffer (SGD) or exp_avg, t[1] exp_avg_sq, t[2] max_exp_avg_sq
+ * (amsgrad), NULL where the optimizer keeps none. The tensors stay the optimizer's. */
+DDP_API bool ddp_optim_param_state(const ddp_optim_t *opt, size_t i, double *step,
+                                   ddp_tensor_t *t[3]);
+/* Replaces parameter i's state: none (has_state false), or zeroed tensors at count step,
+ * returned in t as ddp_optim_param_state returns them, for the caller to fill. */
+DDP_API ddp_status_t ddp_optim_param_state_set(ddp_optim_t *opt, size_t i, bool has_state,
+                                               double step, ddp_tensor_t *t[3], ddp_error_t *err);
 
 /* ---------------------------------------------------------------- clipping -------- */
 

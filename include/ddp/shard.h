@@ -278,6 +278,36 @@ DDP_API ddp_status_t ddp_fsdp_unshard(ddp_fsdp_t *f, ddp_error_t *err);
 DDP_API void ddp_fsdp_state_bytes(ddp_fsdp_t *f, size_t *param_bytes, size_t *grad_bytes,
                                   size_t *optim_bytes, size_t *peak_gathered_bytes);
 
+/* ZeRO-3 checkpoints (docs/sharding.md, "Checkpoints").
+ *
+ * FULL_STATE_DICT: ddp_fsdp_gather_all gives the model its full parameters and
+ * ddp_fsdp_optim_gather (collective) fills full[g], an ordinary optimizer over group g's
+ * whole parameters (parameter i at position pos[i]; pos of a frozen parameter unused), with
+ * the state gathered from every rank's pieces and the shards' lr; ddp_optim_save of full[g] then
+ * writes, byte for byte, the file DDP's optimizer with the same state writes.
+ * ddp_fsdp_optim_scatter (not collective) is the way back: this rank's pieces take their slices of
+ * full[g]'s state and its lr (loaded from a FULL checkpoint written at any world size, or from
+ * DDP's).
+ *
+ * SHARDED_STATE_DICT: ddp_fsdp_save_sharded (not collective: every rank in parallel) writes
+ * this rank's flat shards, model_path "unit.<u>" (S elements of unit u's parameters) and
+ * optim_path "unit.<u>.<key>" (S elements of each state key, zeros in the padding) with
+ * "step" (F64 [nparams], -1 where a parameter has no state), the world size, the rank and
+ * every unit's element count in the metadata. ddp_fsdp_load_sharded (not collective) reads
+ * the `world` files of each kind written by ranks 0..world-1, at any world size: flat
+ * positions do not depend on W, so each element of this rank's shards is copied from the
+ * old shard that holds it. Files of another model or wrap policy, a missing tensor or a
+ * shard of the wrong rank are DDP_ERR_INVALID_DATA naming the file. */
+DDP_API ddp_status_t ddp_fsdp_optim_gather(ddp_fsdp_t *f, ddp_optim_t *const *full,
+                                           const size_t *pos, ddp_error_t *err);
+DDP_API ddp_status_t ddp_fsdp_optim_scatter(ddp_fsdp_t *f, ddp_optim_t *const *full,
+                                            const size_t *pos, ddp_error_t *err);
+DDP_API ddp_status_t ddp_fsdp_save_sharded(ddp_fsdp_t *f, const char *model_path,
+                                           const char *optim_path, ddp_error_t *err);
+DDP_API ddp_status_t ddp_fsdp_load_sharded(ddp_fsdp_t *f, const char *const *model_paths,
+                                           const char *const *optim_paths, int world,
+                                           ddp_error_t *err);
+
 #ifdef __cplusplus
 }
 #endif

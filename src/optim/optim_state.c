@@ -223,3 +223,29 @@ ddp_status_t ddp_optim_load_indexed(ddp_optim_t *opt, const char *path, const si
   DDP_REQUIRE(index || opt->n == 0);
   return load_impl(opt, path, index, err);
 }
+
+bool ddp_optim_param_state(const ddp_optim_t *opt, size_t i, double *step, ddp_tensor_t *t[3]) {
+  DDP_REQUIRE(opt && i < opt->n && step && t);
+  ddp_optim_pstate_t *s = &opt->state[i];
+  *step = s->has_state ? s->step : 0.0;
+  t[0] = s->has_state && s->buf.data ? &s->buf : NULL;
+  t[1] = s->has_state && s->sq.data ? &s->sq : NULL;
+  t[2] = s->has_state && s->maxsq.data ? &s->maxsq : NULL;
+  return s->has_state;
+}
+
+ddp_status_t ddp_optim_param_state_set(ddp_optim_t *opt, size_t i, bool has_state, double step,
+                                       ddp_tensor_t *t[3], ddp_error_t *err) {
+  DDP_REQUIRE(opt && i < opt->n && t);
+  ddp_optim_pstate_t *s = &opt->state[i];
+  ddp__optim_state_clear(s);
+  t[0] = t[1] = t[2] = NULL;
+  if (!has_state) return DDP_OK;
+  if (ddp__optim_state_alloc(opt, i) != DDP_OK)
+    return ddp__error(err, -1, DDP_ERR_NO_MEMORY,
+                      "optim: out of memory for parameter %zu's state (%lld elements)", i,
+                      (long long)s->numel);
+  s->has_state = true;
+  s->step = step;
+  return ddp_optim_param_state(opt, i, &step, t) ? DDP_OK : DDP_ERR_INTERNAL;
+}

@@ -25,6 +25,7 @@
 
 #include "common/common.h"
 #include "ddp/shard.h"
+#include "shard/fsdp_internal.h"
 
 #define FSDP_MAGIC 0x46534450u /* "FSDP" */
 
@@ -570,6 +571,20 @@ size_t ddp_fsdp_num_units(const ddp_fsdp_t *f) {
 size_t ddp_fsdp_unit_of(const ddp_fsdp_t *f, size_t i) {
   DDP_REQUIRE(f && f->magic == FSDP_MAGIC && i < f->nparams);
   return f->unit_of[i];
+}
+
+/* fsdp_internal.h: the handle as the checkpoint code (fsdp_state.c) sees it */
+void ddp__fsdp_view(ddp_fsdp_t *f, ddp__fsdp_view_t *v) {
+  DDP_REQUIRE(f && f->magic == FSDP_MAGIC && v);
+  *v = (ddp__fsdp_view_t){f->pg,       f->model,    f->rank,    f->world,   f->dt,
+                          f->esz,      f->nunits,   f->nparams, f->ngroups, f->group,
+                          f->piece_of, f->piece_at, f->opt};
+}
+
+void ddp__fsdp_unit(ddp_fsdp_t *f, size_t ui, ddp__fsdp_unit_view_t *u) {
+  DDP_REQUIRE(f && f->magic == FSDP_MAGIC && ui < f->nunits && u);
+  const unit_t *x = &f->u[ui];
+  *u = (ddp__fsdp_unit_view_t){x->idx, x->off, x->np, x->numel, x->S, x->shard};
 }
 
 /* ---------------------------------------------------------------- the step -------- */

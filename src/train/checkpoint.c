@@ -209,7 +209,9 @@ ddp_status_t ddp__train_save_stage(const char *output_dir, int64_t step, ddp_mod
   if (mkdir(tmp, 0755) != 0) return sys_error(err, "mkdir", tmp);
 
   snprintf(file, sizeof file, "%s/model.safetensors", tmp);
-  if (ddp_model_hf_config(model)) {
+  if (!model) {
+    /* ZeRO-3 SHARDED_STATE_DICT: every rank writes its shards instead */
+  } else if (ddp_model_hf_config(model)) {
     /* A Transformers model: save_pretrained's layout (config.json, model.safetensors
      * without the tied lm_head, or its shards and their index), so that from_pretrained
      * loads the checkpoint. */

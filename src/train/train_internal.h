@@ -55,7 +55,8 @@ void ddp__train_q_close(ddp__train_q_t *q);
  * path) and writes model.safetensors, the optimizer file of each parameter group
  * (ddp__train_optim_file) and trainer_state.json holding state_json, each atomically;
  * pause_ms > 0 sleeps between the files (the kill-during-save test hook,
- * DDP_TRAIN_SAVE_PAUSE_MS). Then each rank may write into tmp (its comm hook state,
+ * DDP_TRAIN_SAVE_PAUSE_MS); model NULL writes no model (ZeRO-3 SHARDED_STATE_DICT: the
+ * ranks write their shards). Then each rank may write into tmp (its comm hook state,
  * ddp__train_hook_file). Commit (rank 0): fsyncs tmp, renames it to checkpoint-<step>/,
  * fsyncs output_dir, then deletes the oldest checkpoint-* directories beyond limit
  * (limit < 0: keep all). dir receives the final path. */

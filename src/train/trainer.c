@@ -200,7 +200,8 @@ static ddp_status_t evaluate(ddp__trainer_t *t, double *loss, double *acc) {
  * and under ZeRO its shard of the optimizer state (zero.c). The statuses are all-gathered
  * so that every rank fails alike, naming the first rank that failed. */
 static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
-  if (!ddp__sync_hook_has_state(t->sync) && !t->zero) return DDP_OK;
+  bool shards = ddp__train_fsdp_sharded_save(t);
+  if (!ddp__sync_hook_has_state(t->sync) && !t->zero && !shards) return DDP_OK;
   char tmp[DDP_TRAIN_STR_MAX + 64], file[DDP_TRAIN_STR_MAX + 128];
   snprintf(tmp, sizeof tmp, "%s/tmp-checkpoint-%lld", t->a->output_dir, (long long)step);
   int32_t mine = DDP_OK;
@@ -209,6 +210,7 @@ static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
     mine = ddp__sync_hook_save(t->sync, file, t->err);
   }
   if (mine == DDP_OK && t->zero) mine = ddp__train_zero_save_shard(t, tmp);
+  if (mine == DDP_OK && shards) mine = ddp__train_fsdp_save_shard(t, tmp);
   int32_t *all = ddp__calloc((size_t)t->world, sizeof *all);
   if (!all) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
   ddp_work_t *w = NULL;
@@ -221,7 +223,7 @@ static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
              : ddp__error(t->err, t->rank, (ddp_status_t)all[r],
                           "trainer: rank %d failed to save its %s into "
                           "checkpoint-%lld",
-                          r, t->zero ? "optimizer shard or comm hook state" : "comm hook state",
+                          r, t->zero || shards ? "shards or comm hook state" : "comm hook state",
                           (long long)step);
   }
   ddp__free(all);
@@ -234,6 +236,10 @@ static ddp_status_t save_rank_files(ddp__trainer_t *t, int64_t step) {
 static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
   int32_t code = DDP_OK;
   char dir[DDP_TRAIN_STR_MAX] = "", tmp[DDP_TRAIN_STR_MAX + 64];
+  /* ZeRO-3 FULL_STATE_DICT: the full parameters and optimizer state, gathered (zero.c) */
+  ddp_status_t gst = ddp__train_fsdp_save_begin(t);
+  if (gst != DDP_OK) return gst;
+  bool shards = ddp__train_fsdp_sharded_save(t);
   if (t->rank == 0) {
     char *js = NULL;
     code = ddp__trainer_state_json(t, step, &js);
@@ -242,12 +248,13 @@ static ddp_status_t save(ddp__trainer_t *t, int64_t step) {
       int64_t shard = DDP_MAX_SHARD_SIZE_DEFAULT; /* validated with the arguments */
       code = ddp_parse_file_size(t->a->max_shard_size, "max_shard_size", &shard, t->err);
       if (code == DDP_OK)
-        code = ddp__train_save_stage(t->a->output_dir, step, t->model, shard, t->opt,
-                                     t->zero ? 0 : t->nopt, js, t->pause_ms, tmp, sizeof tmp,
-                                     t->err);
+        code = ddp__train_save_stage(t->a->output_dir, step, shards ? NULL : t->model, shard,
+                                     t->opt, t->zero || shards ? 0 : t->nopt, js, t->pause_ms, tmp,
+                                     sizeof tmp, t->err);
     }
     ddp__free(js);
   }
+  ddp__train_fsdp_save_end(t);
   ddp_work_t *w = NULL;
   DDP_CHECK(coll_wait(t, ddp_broadcast(t->pg, &code, 1, DDP_I32, 0, &w), &w,
                       "checkpoint status broadcast"));
@@ -298,8 +305,11 @@ static ddp_status_t resume(ddp__trainer_t *t, int64_t *start) {
   int64_t step = 0;
   DDP_CHECK(ddp__train_read_state(dir, &step, &world, t->err));
   DDP_CHECK(ddp__train_resume_check(t, dir));
-  DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->zero ? NULL : t->opt[0], NULL, t->err));
-  for (size_t g = t->zero ? 0 : 1; g < t->nopt; g++) {
+  bool sharded = false; /* ZeRO-3 SHARDED_STATE_DICT: loaded once sharded (zero.c) */
+  DDP_CHECK(ddp__train_fsdp_probe(t, dir, world, &sharded));
+  if (!sharded)
+    DDP_CHECK(ddp_train_checkpoint_load(dir, t->model, t->zero ? NULL : t->opt[0], NULL, t->err));
+  for (size_t g = t->zero ? 0 : 1; !sharded && g < t->nopt; g++) {
     char path[DDP_TRAIN_STR_MAX + 64];
     ddp__train_optim_file(path, sizeof path, dir, g);
     /* ZeRO: this rank's parameters from the consolidated file, at any world size */
@@ -434,7 +444,8 @@ static ddp_status_t begin(ddp__trainer_t *t) {
   DDP_CHECK(ddp__train_fault_check(&t->fault, t->world, t->max_steps, t->err));
   DDP_CHECK(resume(t, &t->start));
   DDP_CHECK(ddp__sync_begin(t->sync, t->err));
-  DDP_CHECK(ddp__train_fsdp_setup(t)); /* ZeRO-3 shards the broadcast parameters */
+  DDP_CHECK(ddp__train_fsdp_setup(t));  /* ZeRO-3 shards the broadcast parameters */
+  DDP_CHECK(ddp__train_fsdp_resume(t)); /* ... and takes the checkpoint's state */
   DDP_CHECK(resume_hook_state(t));
   DDP_CHECK(open_init_q(t));
   t->res->start_step = t->start;

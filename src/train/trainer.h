@@ -44,6 +44,8 @@ typedef struct ddp__trainer {
   ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
   ddp_fsdp_t *fsdp;         /* ZeRO-3 (zero.c), created after the initial broadcast */
   bool zero3;               /* ZeRO-3 asked for */
+  bool fsdp_sharded_sd;     /* ZeRO-3 checkpoints: SHARDED_STATE_DICT (else FULL) */
+  int resume_shards;        /* resuming a SHARDED checkpoint of that many ranks; 0: not */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
   char data_digest[17];     /* the training data's digest, "" until computed (resume_check.c) */
 
@@ -98,6 +100,18 @@ ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t);
  * optimizer_group<g>.safetensors). */
 ddp_status_t ddp__train_zero_save_shard(ddp__trainer_t *t, const char *tmp);
 ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp);
+/* ZeRO-3 checkpoints (zero.c). save_begin, collective, before rank 0 stages the checkpoint:
+ * FULL_STATE_DICT gathers the parameters into the model and the optimizer state into the
+ * trainer's own optimizers, so that the checkpoint is DDP's; save_end frees them again.
+ * save_shard: SHARDED_STATE_DICT, this rank's shard files. probe: whether dir (written by
+ * world ranks) is a SHARDED checkpoint (refused unless ZeRO-3 resumes it); resume, after
+ * ddp__train_fsdp_setup: the shards, or the loaded full optimizer state, into the handle. */
+bool ddp__train_fsdp_sharded_save(const ddp__trainer_t *t);
+ddp_status_t ddp__train_fsdp_save_begin(ddp__trainer_t *t);
+void ddp__train_fsdp_save_end(ddp__trainer_t *t);
+ddp_status_t ddp__train_fsdp_save_shard(ddp__trainer_t *t, const char *tmp);
+ddp_status_t ddp__train_fsdp_probe(ddp__trainer_t *t, const char *dir, int world, bool *sharded);
+ddp_status_t ddp__train_fsdp_resume(ddp__trainer_t *t);
 /* Collective when W > 1: every rank's parameter, gradient and optimizer-state bytes
  * (measured after the step, before zero_grad), own[3] the ZeRO-3 gathered peak, own[4] the
  * bytes the rank sent in the step (flight recorder; -1 when off), and the process's peak RSS,

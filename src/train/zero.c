@@ -5,6 +5,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -94,11 +95,6 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
     why = stage == 2 ? "a comm_hook (stage 2 has no allreduce)"
                      : "a comm_hook (stage 3 has no allreduce)";
   if (stage == 3 && a->dump_dir[0]) why = "--dump_dir (the dump reads the model's full buffers)";
-  if (stage == 3 && a->resume_from_checkpoint[0])
-    why = "--resume_from_checkpoint (ZeRO-3 checkpoints are not implemented yet)";
-  if (stage == 3 && strcmp(a->save_strategy, "no") != 0)
-    why = "saving checkpoints (ZeRO-3 checkpoints are not implemented yet: pass --save_strategy "
-          "no)";
   if (stage == 3 && a->power_sgd_init_q[0]) why = "--power_sgd_init_q";
   if (why)
     return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
@@ -273,7 +269,7 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
 
 #define FSDP_KEYS                                                                             \
   "transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward, backward_prefetch, " \
-  "forward_prefetch, limit_all_gathers, version"
+  "forward_prefetch, limit_all_gathers, version, state_dict_type"
 
 /* A switch of --fsdp_config: JSON true/false or Transformers' strings "true"/"false" (any
  * case); -1: neither. */
@@ -353,6 +349,12 @@ static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *
                                       : 0;
       version = (int)v;
       bad = v != 1 && v != 2 ? "1 or 2" : NULL;
+    } else if (!strcmp(k, "state_dict_type")) {
+      /* LOCAL_STATE_DICT (FSDP1's flat local shards) has no layout here */
+      bool full = cJSON_IsString(it) && !strcmp(it->valuestring, "FULL_STATE_DICT");
+      bool sharded = cJSON_IsString(it) && !strcmp(it->valuestring, "SHARDED_STATE_DICT");
+      if (full || sharded) t->fsdp_sharded_sd = sharded;
+      bad = full || sharded ? NULL : "FULL_STATE_DICT or SHARDED_STATE_DICT";
     } else {
       char *shown = cJSON_PrintUnformatted(it);
       st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
@@ -417,5 +419,109 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   }
   ddp_status_t st = ddp_fsdp_create(t->pg, t->model, &o, gopts, group, t->nopt, &t->fsdp, t->err);
   ddp__free(group);
+  return st;
+}
+
+/* ---------------------------------------------------------------- ZeRO-3 checkpoints */
+
+/* tmp/pytorch_model_fsdp_0-0000<r+1>-of-0000<W>.safetensors (optim: optimizer_0-...), the
+ * names of Accelerate's sharded FSDP checkpoint directories, flattened into files */
+static void fsdp_file(char *buf, size_t cap, const char *dir, bool optim, int r, int W) {
+  snprintf(buf, cap, "%s/%s-%05d-of-%05d.safetensors", dir,
+           optim ? "optimizer_0" : "pytorch_model_fsdp_0", r + 1, W);
+}
+
+bool ddp__train_fsdp_sharded_save(const ddp__trainer_t *t) { return t->fsdp && t->fsdp_sharded_sd; }
+
+/* pos[i]: model parameter i's position in its group's optimizer (the trainer's order). */
+static ddp_status_t fsdp_pos(ddp__trainer_t *t, size_t **out) {
+  size_t np = ddp_model_num_params(t->model);
+  size_t *pos = ddp__calloc(np ? np : 1, sizeof *pos);
+  if (!pos) return ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: out of memory");
+  for (size_t g = 0, off = 0; g < t->nopt; g++) {
+    size_t n = ddp_optim_num_params(t->opt[g]);
+    for (size_t k = off; k < off + n; k++)
+      for (size_t i = 0; i < np; i++)
+        if (&ddp_model_param(t->model, i)->value == t->pairs[k].param) pos[i] = k - off;
+    off += n;
+  }
+  *out = pos;
+  return DDP_OK;
+}
+
+/* The trainer's own optimizers hold no state while ZeRO-3 steps the shards. */
+static void clear_full(ddp__trainer_t *t) {
+  for (size_t g = 0; g < t->nopt; g++)
+    for (size_t k = 0; k < ddp_optim_num_params(t->opt[g]); k++) {
+      ddp_tensor_t *v[3];
+      ddp_optim_param_state_set(t->opt[g], k, false, 0, v, NULL);
+    }
+}
+
+ddp_status_t ddp__train_fsdp_save_begin(ddp__trainer_t *t) {
+  if (!t->fsdp || t->fsdp_sharded_sd) return DDP_OK;
+  size_t *pos = NULL;
+  DDP_CHECK(ddp_fsdp_gather_all(t->fsdp, t->err));
+  DDP_CHECK(fsdp_pos(t, &pos));
+  ddp_status_t st = ddp_fsdp_optim_gather(t->fsdp, t->opt, pos, t->err);
+  ddp__free(pos);
+  return st;
+}
+
+void ddp__train_fsdp_save_end(ddp__trainer_t *t) {
+  if (!t->fsdp || t->fsdp_sharded_sd) return;
+  ddp_fsdp_free_all(t->fsdp);
+  clear_full(t);
+}
+
+ddp_status_t ddp__train_fsdp_save_shard(ddp__trainer_t *t, const char *tmp) {
+  char m[DDP_TRAIN_STR_MAX + 160], o[DDP_TRAIN_STR_MAX + 160];
+  fsdp_file(m, sizeof m, tmp, false, t->rank, t->world);
+  fsdp_file(o, sizeof o, tmp, true, t->rank, t->world);
+  return ddp_fsdp_save_sharded(t->fsdp, m, o, t->err);
+}
+
+ddp_status_t ddp__train_fsdp_probe(ddp__trainer_t *t, const char *dir, int world, bool *sharded) {
+  char m[DDP_TRAIN_STR_MAX + 160];
+  fsdp_file(m, sizeof m, dir, false, 0, world > 0 ? world : 1);
+  *sharded = world > 0 && access(m, F_OK) == 0;
+  if (!*sharded) return DDP_OK;
+  if (!t->zero3)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "%s is a ZeRO-3 SHARDED_STATE_DICT checkpoint "
+                      "(pytorch_model_fsdp_0-*-of-%05d "
+                      "shards, no model.safetensors), which only ZeRO-3 (--fsdp full_shard or "
+                      "--deepspeed stage 3) resumes; to go on with DDP or ZeRO-1/2, resume it "
+                      "with ZeRO-3 and save with --fsdp_config "
+                      "'{\"state_dict_type\": \"FULL_STATE_DICT\"}'",
+                      dir, world);
+  t->resume_shards = world;
+  /* every shard against checksums.sha256, as ddp_train_checkpoint_load does for DDP's */
+  return ddp__train_verify_checkpoint(dir, false, t->err);
+}
+
+ddp_status_t ddp__train_fsdp_resume(ddp__trainer_t *t) {
+  if (!t->fsdp || !t->resume_dir[0]) return DDP_OK;
+  if (!t->resume_shards) { /* FULL (or DDP's, ZeRO-1/2's): the loaded optimizer state */
+    size_t *pos = NULL;
+    DDP_CHECK(fsdp_pos(t, &pos));
+    ddp_status_t st = ddp_fsdp_optim_scatter(t->fsdp, t->opt, pos, t->err);
+    ddp__free(pos);
+    clear_full(t);
+    return st;
+  }
+  int W = t->resume_shards;
+  size_t cap = DDP_TRAIN_STR_MAX + 160;
+  char *buf = ddp__calloc((size_t)W * 2, cap);
+  const char **paths = ddp__calloc((size_t)W * 2, sizeof *paths);
+  ddp_status_t st = DDP_OK;
+  if (!buf || !paths) st = ddp__error(t->err, t->rank, DDP_ERR_NO_MEMORY, "trainer: no memory");
+  for (int r = 0; st == DDP_OK && r < 2 * W; r++) {
+    fsdp_file(buf + (size_t)r * cap, cap, t->resume_dir, r >= W, r % W, W);
+    paths[r] = buf + (size_t)r * cap;
+  }
+  if (st == DDP_OK) st = ddp_fsdp_load_sharded(t->fsdp, paths, paths + W, W, t->err);
+  ddp__free(buf);
+  ddp__free(paths);
   return st;
 }
