@@ -3,8 +3,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
 
 #include <fstream>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <unistd.h>
@@ -287,6 +289,15 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
 }
 
 ProcessGroupLibddp::~ProcessGroupLibddp() {
+  // Python usually drops the last reference (destroy_process_group, the object's dealloc)
+  // holding the GIL, while the completer and channel threads joined below may need the GIL
+  // to release a tensor or future that a Python object shares (the last reference to an
+  // irecv's work, a comm hook's future): joining them with the GIL held deadlocked a rank
+  // at exit (PyTorch's test_send_recv_any_source under CPU load). c10d's own bindings
+  // release the GIL in their groups' destructors for the same reason.
+  std::unique_ptr<pybind11::gil_scoped_release> nogil;
+  if (Py_IsInitialized() && PyGILState_Check())
+    nogil = std::make_unique<pybind11::gil_scoped_release>();
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
