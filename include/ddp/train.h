@@ -125,7 +125,7 @@ typedef struct ddp_train_args {
    * (docs/sharding.md) */
   char deepspeed[DDP_TRAIN_STR_MAX];
   /* "": off; HF's --fsdp options: full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard
-   * (DDP), auto_wrap; hybrid_shard, hybrid_shard_zero2 and offload are not implemented yet */
+   * (DDP), auto_wrap; libddp has no hybrid_shard, hybrid_shard_zero2 or offload */
   char fsdp[DDP_TRAIN_STR_MAX];
   /* "": defaults; HF's --fsdp_config: a JSON file or inline JSON object with
    * transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward (ZeRO-3's wrap

@@ -134,7 +134,7 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   if (opts->stage != 1 && opts->stage != 2)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "zero: stage %d is not supported (1: optimizer state sharded, 2: "
-                      "gradients too; stage 3 is not implemented yet)",
+                      "gradients too; stage 3 is ddp_fsdp_create)",
                       opts->stage);
   if (!strcmp(ddp_grad_arith_name(opts->arith), "?"))
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,

@@ -13,8 +13,8 @@
 #include "train/trainer.h"
 
 #define FSDP_CHOICES                                                                       \
-  "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; hybrid_shard, " \
-  "hybrid_shard_zero2 and offload are not implemented yet"
+  "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; libddp has no " \
+  "hybrid_shard, hybrid_shard_zero2 or offload (docs/sharding.md)"
 
 /* --fsdp: space-separated options (HF's FSDPOption). */
 static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t *err) {
@@ -31,7 +31,7 @@ static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t 
                  !strcmp(w, "offload");
     if (v < 0)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "--fsdp: option '%s' is %s; %s", w,
-                        later ? "not implemented yet" : "unknown", "choices: " FSDP_CHOICES);
+                        later ? "not supported by libddp" : "unknown", "choices: " FSDP_CHOICES);
     if (st >= 0 && st != v)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                         "--fsdp '%s': full_shard, shard_grad_op and no_shard are exclusive", s);
