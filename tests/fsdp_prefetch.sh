@@ -17,10 +17,8 @@ py=/usr/bin/python3
 work=$(mktemp -d "${TMPDIR:-/tmp}/ddp-fsdp-prefetch-XXXXXX") || exit 1
 trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 1
-fail() {
-  echo "FAIL: $*"
-  exit 1
-}
+. "$root/tests/train_run.sh"
+TRAIN_TIMEOUT=120
 printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 32,' \
   '"n_layer": 3, "n_head": 4}' >gpt2.json
 common=(--max_steps 8 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
@@ -28,21 +26,7 @@ common=(--max_steps 8 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
   --data "$root/tests/data/kjv_genesis_exodus.txt" --block_size 16
   --per_device_train_batch_size 2 --learning_rate 1e-3 --gradient_accumulation_steps 2)
 
-run() { # NAME BACKEND W [ARGS...]: prints the final param_hash
-  local name=$1 be=$2 w=$3
-  shift 3
-  if [ "$be" = threads ]; then
-    timeout -k 5 120 "$train" --threads "$w" "${common[@]}" --output_dir "$name" "$@" \
-      >"$name.log" 2>&1
-  else
-    timeout -k 5 120 "$ddprun" --nproc_per_node "$w" --backend "$be" --standalone "$train" \
-      "${common[@]}" --output_dir "$name" "$@" >"$name.log" 2>&1
-  fi || {
-    cat "$name.log"
-    fail "$name: ddp-train failed"
-  }
-  grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
-}
+run() { train_run "$@"; }
 
 configs=('{"backward_prefetch": "backward_pre"}'
   '{"fsdp_backward_prefetch": "BACKWARD_POST", "limit_all_gathers": "false"}'
@@ -102,25 +86,15 @@ for path in sys.argv[1:]:
 print("ok: each ZeRO-3 collective in the dumps carries its unit and parameters")
 PY
 
-expect_err() { # WHAT ARGS...
-  local what=$1
-  shift
-  if timeout -k 5 60 "$train" --threads 2 "${common[@]}" --output_dir bad --fsdp full_shard \
-    "$@" >bad.log 2>&1; then
-    fail "accepted: $*"
-  fi
-  grep -qF -- "$what" bad.log || {
-    cat bad.log
-    fail "no '$what' for: $*"
-  }
-}
-expect_err "--fsdp_config: 'backward_prefetch' = \"backward_mid\"; expected backward_pre, backward_post or no_prefetch" \
+# Bad values of the prefetch keys, each refused naming it.
+fsdp_err() { expect_err "$1" --fsdp full_shard "${@:2}"; }
+fsdp_err "--fsdp_config: 'backward_prefetch' = \"backward_mid\"; expected backward_pre, backward_post or no_prefetch" \
   --fsdp_config '{"backward_prefetch": "backward_mid"}'
-expect_err "--fsdp_config: 'forward_prefetch' = 1; expected true or false" \
+fsdp_err "--fsdp_config: 'forward_prefetch' = 1; expected true or false" \
   --fsdp_config '{"forward_prefetch": 1}'
-expect_err "--fsdp_config: 'version' = 3; expected 1 or 2" --fsdp_config '{"version": 3}'
-expect_err "--fsdp_config: 'forward_prefetch' is an FSDP1 option; with \"version\": 2 (FSDP2)" \
+fsdp_err "--fsdp_config: 'version' = 3; expected 1 or 2" --fsdp_config '{"version": 3}'
+fsdp_err "--fsdp_config: 'forward_prefetch' is an FSDP1 option; with \"version\": 2 (FSDP2)" \
   --fsdp_config '{"version": 2, "forward_prefetch": true}'
-expect_err "--fsdp_config: key 'activation_checkpointing' = true is not supported" \
+fsdp_err "--fsdp_config: key 'activation_checkpointing' = true is not supported" \
   --fsdp_config '{"activation_checkpointing": true}'
 echo "ok: bad --fsdp_config values refused"

@@ -20,26 +20,15 @@ py=/usr/bin/python3
 work=$(mktemp -d "${TMPDIR:-/tmp}/ddp-sharding-arith-XXXXXX") || exit 1
 trap 'rm -rf "$work"' EXIT
 cd "$work" || exit 1
-fail() {
-  echo "FAIL: $*"
-  exit 1
-}
+. "$root/tests/train_run.sh"
+TRAIN_TIMEOUT=120
 for s in 1 2 3; do echo "{\"zero_optimization\": {\"stage\": $s}}" >"ds$s.json"; done
 common=(--max_steps 20 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
   --learning_rate 1e-2 --logging_steps 20 --save_strategy no)
 ariths="ddp fsdp1 fsdp2 deepspeed deepspeed_allreduce"
 
-# run NAME W [ARGS...]: prints the final param_hash
-run() {
-  local name=$1 w=$2
-  shift 2
-  timeout -k 5 120 "$train" --threads "$w" "${common[@]}" --output_dir "$name" "$@" \
-    >"$name.log" 2>&1 || {
-    cat "$name.log"
-    fail "$name: ddp-train failed"
-  }
-  grep -o '"param_hash": "[0-9a-f]*"' "$name/metrics.jsonl" | tail -1
-}
+# run NAME W [ARGS...]: thread ranks; prints the final param_hash
+run() { train_run "$1" threads "${@:2}"; }
 
 n=0
 for ga in 1 3; do
