@@ -672,15 +672,12 @@ static int teardown(void **state) {
 }
 
 static void ops_vs_torch(ddp_dtype_t dt, double tol) {
-  char root[400];
-  snprintf(root, sizeof root, "%s/ops_%s", g_scratch, dt == DDP_F32 ? "f32" : "f64");
-  assert_int_equal(mkdir(root, 0700), 0);
   ddp_test_torch_ops_t o = {.cases = tcases,
                             .n = sizeof tcases / sizeof tcases[0],
                             .run = run_op,
                             .prepare = prepare_op};
   ddp_test_torch_err_t e;
-  ddp_test_ops_vs_torch(&o, root, dt, tol, &e);
+  ddp_test_ops_vs_torch(&o, g_scratch, dt, tol, &e);
 }
 
 /* Forward and every input gradient equal torch's in f64: rel 1e-10. */

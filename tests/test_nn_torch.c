@@ -253,9 +253,6 @@ static void check_op(void *user, const ddp_test_tcase_t *tc, ddp_dtype_t dt, con
 
 static void ops_vs_torch(ddp_dtype_t dt, double tol) {
   NEED_TORCH();
-  char root[300];
-  snprintf(root, sizeof root, "%s/ops_%s", g_dir, dt == DDP_F32 ? "f32" : "f64");
-  assert_int_equal(mkdir(root, 0700), 0);
   bn_state_t bn;
   static const char *const exact[] = {"batch_norm", NULL};
   ddp_test_torch_ops_t o = {.cases = tcases,
@@ -265,7 +262,7 @@ static void ops_vs_torch(ddp_dtype_t dt, double tol) {
                             .check = check_op,
                             .user = &bn,
                             .f32_exact_ops = exact};
-  ddp_test_ops_vs_torch(&o, root, dt, tol, NULL);
+  ddp_test_ops_vs_torch(&o, g_dir, dt, tol, NULL);
 }
 
 /* Every op's forward and input gradients equal torch's in f64 (rel 1e-10). */

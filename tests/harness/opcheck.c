@@ -337,12 +337,15 @@ static void write_case(const ddp_test_tcase_t *tc, ddp_dtype_t dt, double **data
   free(gb);
 }
 
-void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *root, ddp_dtype_t dt,
+void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *scratch, ddp_dtype_t dt,
                            double tol, ddp_test_torch_err_t *err) {
   if (!ddp_test_have_torch()) {
     print_message("torch (under /usr/bin/python3) absent: skipped\n");
     skip();
   }
+  char root[400];
+  snprintf(root, sizeof root, "%s/ops_%s", scratch, dt == DDP_F32 ? "f32" : "f64");
+  assert_int_equal(mkdir(root, 0700), 0);
   ddp_test_torch_err_t worst = {0, 0, "", ""};
   ddp_ctx_t *c;
   assert_int_equal(ddp_ctx_create(&c), DDP_OK);

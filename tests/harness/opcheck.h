@@ -95,13 +95,14 @@ typedef struct ddp_test_torch_err {
 /* Whether /usr/bin/python3 imports torch and numpy (else the torch tests skip). */
 bool ddp_test_have_torch(void);
 
-/* Writes every case into root/<NN>_<name>/ (case.json, inK.bin, gout.bin with a random
+/* Writes every case into root/<NN>_<name>/, root being scratch/ops_f32 or ops_f64 (made
+ * here; it must not exist yet) (case.json, inK.bin, gout.bin with a random
  * output gradient), runs `nn_oracle.py ops root`, then runs each case in libddp with dtype
  * dt and that output gradient. The forward and every rg input's gradient must match:
  * max|libddp - torch| / max(max|torch|, 1e-3) < tol, else the test fails naming the case,
- * the tensor and both values at the worst element. root must exist and be empty. Skips
+ * the tensor and both values at the worst element. Skips
  * the test (cmocka skip) when torch is absent. err (may be NULL) gets the largest errors. */
-void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *root, ddp_dtype_t dt,
+void ddp_test_ops_vs_torch(const ddp_test_torch_ops_t *o, const char *scratch, ddp_dtype_t dt,
                            double tol, ddp_test_torch_err_t *err);
 
 /* Raw file helpers of the driver: write, and read exactly n bytes (fails otherwise). */
