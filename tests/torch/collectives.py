@@ -41,6 +41,25 @@ def raises(what, fn, *needles):
     raise AssertionError(f"rank {R}: {what}: no error")
 
 
+class ClaimsCuda(torch.Tensor):
+    """A storage-less tensor whose device is cuda:0 (a wrapper subclass): on a CPU-only
+    PyTorch it carries c10d's calls to the group the way a real CUDA tensor does; any other
+    operation on it fails."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32,
+                                                   device=torch.device("cuda", 0))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.namespace != "c10d":
+            raise RuntimeError(f"ClaimsCuda has no data for {func}")
+        from torch.utils._mode_utils import no_dispatch
+        with no_dispatch():
+            return func(*args, **(kwargs or {}))
+
+
 def data(rank, dtype, n=37, salt=0):
     """Rank `rank`'s input: random where rounding order matters, small integers elsewhere."""
     g = torch.Generator().manual_seed(1000 * salt + rank)
@@ -313,9 +332,18 @@ def bad_input():
     raises("BAND on float32", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
            "BAND", "Float")
     raises("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 3).t()), "not contiguous")
-    if torch.cuda.is_available():  # a non-CPU tensor reaches the group only where CUDA runs
+    if torch.cuda.is_available():
         raises("CUDA tensor", lambda: dist.all_reduce(torch.ones(3, device="cuda")), "cuda:0",
                "nccl backend for CUDA tensors")
+    # Without CUDA, a tensor that only claims cuda:0 takes the same road: c10d's ops are
+    # dispatcher operators, and below the Python key a cuda:0 tensor reaches their CUDA
+    # kernels, which call the group's collective with it.
+    for name, call in [("all_reduce", lambda t: dist.all_reduce(t)),
+                       ("broadcast", lambda t: dist.broadcast(t, src=0)),
+                       ("all_gather", lambda t: dist.all_gather([torch.empty(3)] * W, t)),
+                       ("send", lambda t: dist.send(t, dst=(R + 1) % W))]:
+        raises(f"{name} of a cuda:0 tensor", lambda: call(ClaimsCuda((3,))),
+               "the tensor is on cuda:0", "CPU tensors only", "nccl backend for CUDA tensors")
     raises("all_gather size", lambda: dist.all_gather([torch.empty(2) for _ in range(W)],
                                                       torch.ones(3)), "Float[2]", "Float[3]")
     import libddp_torch
