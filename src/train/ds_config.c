@@ -337,6 +337,63 @@ static int64_t hidden_size(const ddp_model_t *model) {
   }
 }
 
+/* The top-level keys Transformers fills from its arguments (trainer_config_process and
+ * _finalize) against ddp-train's flags, and the DeepSpeed scheduler's warm-up shape. */
+static ddp_status_t top_level(ddp__trainer_t *t, const cJSON *o, const char *path) {
+  const ddp_train_args_t *a = t->a;
+  /* the keys Transformers fills from its arguments (trainer_config_process/_finalize) */
+  mismatch_t m = {.len = 0, .n = 0};
+  double v[2];
+  v[0] = (double)a->per_device_train_batch_size;
+  match(&m, o, "train_micro_batch_size_per_gpu", v, 1, true, "per_device_train_batch_size");
+  v[0] = (double)a->gradient_accumulation_steps;
+  match(&m, o, "gradient_accumulation_steps", v, 1, true, "gradient_accumulation_steps");
+  v[0] = (double)(t->world * a->per_device_train_batch_size * a->gradient_accumulation_steps);
+  match(&m, o, "train_batch_size", v, 1, true, "train_batch_size (calculated)");
+  v[0] = a->max_grad_norm;
+  match(&m, o, "gradient_clipping", v, 1, false, "max_grad_norm");
+  v[0] = a->learning_rate;
+  match(&m, o, "optimizer.params.lr", v, 1, false, "learning_rate");
+  v[0] = a->adam_beta1, v[1] = a->adam_beta2;
+  match(&m, o, "optimizer.params.betas", v, 2, false, "adam_beta1+adam_beta2");
+  v[0] = a->adam_epsilon;
+  match(&m, o, "optimizer.params.eps", v, 1, false, "adam_epsilon");
+  v[0] = a->weight_decay;
+  match(&m, o, "optimizer.params.weight_decay", v, 1, false, "weight_decay");
+  /* Transformers fill_only's warmup_min_lr with 0: libddp's schedules start from 0 */
+  v[0] = 0;
+  match(&m, o, "scheduler.params.warmup_min_lr", v, 1, false, "(libddp's warmup start) lr");
+  v[0] = a->learning_rate;
+  match(&m, o, "scheduler.params.warmup_max_lr", v, 1, false, "learning_rate");
+  v[0] = (double)t->max_steps;
+  match(&m, o, "scheduler.params.total_num_steps", v, 1, true, "num_training_steps (calculated)");
+  v[0] = (double)t->sched.num_warmup_steps;
+  match(&m, o, "scheduler.params.warmup_num_steps", v, 1, true, "warmup_steps");
+  match_names(&m, o, a);
+  if (m.n)
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--deepspeed %s: Please correct the following DeepSpeed config values that "
+                      "mismatch TrainingArguments values: %s. The easiest method is to set these "
+                      "DeepSpeed config values to 'auto'.",
+                      path, m.text);
+  /* DeepSpeed's WarmupLR/WarmupDecayLR warm up logarithmically unless warmup_type says
+   * linear; libddp's (Transformers') warmup is linear */
+  const cJSON *wt = node(o, "scheduler.params.warmup_type");
+  if (node(o, "scheduler") && t->sched.num_warmup_steps > 0 &&
+      !(cJSON_IsString(wt) && !strcmp(wt->valuestring, "linear"))) {
+    char *shown = wt ? cJSON_PrintUnformatted(wt) : NULL;
+    ddp_status_t st =
+        ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                   "--deepspeed %s: scheduler.params.warmup_type = %s with %lld warmup steps: "
+                   "libddp's warmup is linear (Transformers'); set \"warmup_type\": \"linear\"",
+                   path, shown ? shown : "absent (DeepSpeed's default \"log\")",
+                   (long long)t->sched.num_warmup_steps);
+    cJSON_free(shown);
+    return st;
+  }
+  return DDP_OK;
+}
+
 ddp_status_t ddp__train_ds_config_apply(ddp__trainer_t *t) {
   ddp_train_args_t *a = &t->args;
   if (!a->deepspeed[0]) return DDP_OK;
@@ -372,60 +429,12 @@ ddp_status_t ddp__train_ds_config_apply(ddp__trainer_t *t) {
   if (c->persistence_threshold == DDP__DS_AUTO)
     c->persistence_threshold = c->stage == 3 ? 10 * h : -1;
 
-  /* the keys Transformers fills from its arguments (trainer_config_process/_finalize) */
-  mismatch_t m = {.len = 0, .n = 0};
-  double v[2];
-  v[0] = (double)a->per_device_train_batch_size;
-  match(&m, o, "train_micro_batch_size_per_gpu", v, 1, true, "per_device_train_batch_size");
-  v[0] = (double)a->gradient_accumulation_steps;
-  match(&m, o, "gradient_accumulation_steps", v, 1, true, "gradient_accumulation_steps");
-  v[0] = (double)(t->world * a->per_device_train_batch_size * a->gradient_accumulation_steps);
-  match(&m, o, "train_batch_size", v, 1, true, "train_batch_size (calculated)");
-  v[0] = a->max_grad_norm;
-  match(&m, o, "gradient_clipping", v, 1, false, "max_grad_norm");
-  v[0] = a->learning_rate;
-  match(&m, o, "optimizer.params.lr", v, 1, false, "learning_rate");
-  v[0] = a->adam_beta1, v[1] = a->adam_beta2;
-  match(&m, o, "optimizer.params.betas", v, 2, false, "adam_beta1+adam_beta2");
-  v[0] = a->adam_epsilon;
-  match(&m, o, "optimizer.params.eps", v, 1, false, "adam_epsilon");
-  v[0] = a->weight_decay;
-  match(&m, o, "optimizer.params.weight_decay", v, 1, false, "weight_decay");
-  /* Transformers fill_only's warmup_min_lr with 0: libddp's schedules start from 0 */
-  v[0] = 0;
-  match(&m, o, "scheduler.params.warmup_min_lr", v, 1, false, "(libddp's warmup start) lr");
-  v[0] = a->learning_rate;
-  match(&m, o, "scheduler.params.warmup_max_lr", v, 1, false, "learning_rate");
-  v[0] = (double)t->max_steps;
-  match(&m, o, "scheduler.params.total_num_steps", v, 1, true, "num_training_steps (calculated)");
-  v[0] = (double)t->sched.num_warmup_steps;
-  match(&m, o, "scheduler.params.warmup_num_steps", v, 1, true, "warmup_steps");
-  match_names(&m, o, a);
-  if (m.n) {
-    st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                    "--deepspeed %s: Please correct the following DeepSpeed config values that "
-                    "mismatch TrainingArguments values: %s. The easiest method is to set these "
-                    "DeepSpeed config values to 'auto'.",
-                    path, m.text);
-    goto out;
-  }
-  /* DeepSpeed's WarmupLR/WarmupDecayLR warm up logarithmically unless warmup_type says
-   * linear; libddp's (Transformers') warmup is linear */
-  const cJSON *wt = node(o, "scheduler.params.warmup_type");
-  if (node(o, "scheduler") && t->sched.num_warmup_steps > 0 &&
-      !(cJSON_IsString(wt) && !strcmp(wt->valuestring, "linear"))) {
-    char *shown = wt ? cJSON_PrintUnformatted(wt) : NULL;
-    st = ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
-                    "--deepspeed %s: scheduler.params.warmup_type = %s with %lld warmup steps: "
-                    "libddp's warmup is linear (Transformers'); set \"warmup_type\": \"linear\"",
-                    path, shown ? shown : "absent (DeepSpeed's default \"log\")",
-                    (long long)t->sched.num_warmup_steps);
-    cJSON_free(shown);
-    goto out;
-  }
+  st = top_level(t, o, path);
+  if (st != DDP_OK) goto out;
 
   /* reduce_bucket_size (elements) -> the reducer's bucket cap at stages 1 and 2 (bytes =
-   * elements x the gradients' element size), no smaller first bucket (DeepSpeed has none) */
+   * elements x the gradients' element size), no smaller first bucket (DeepSpeed has none);
+   * ZeRO-1 reduces through the reducer, today's ZeRO-2 does not (zero.c) */
   if (c->reduce_bucket_size > 0 && (c->stage == 1 || c->stage == 2)) {
     double esz = ddp_model_flat_params(t->model, DDP_F32).numel ? 4.0 : 8.0;
     double mb = (double)c->reduce_bucket_size * esz / (1024.0 * 1024.0);
