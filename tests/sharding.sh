@@ -25,7 +25,8 @@ printf '%s\n' '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2
   '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,' \
   '"intermediate_size": 172, "max_position_embeddings": 64}' >llama.json
 echo '{"zero_optimization": {"stage": 1}}' >ds1.json
-echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}' >ds2.json
+# reduce_bucket_size: the reducer's bucket cap (elements; tests/ds_config.sh checks it)
+echo '{"zero_optimization": {"stage": 2, "reduce_bucket_size": 5000}}' >ds2.json
 echo '{"zero_optimization": {"stage": 3}}' >ds3.json
 common=(--max_steps 20 --optim adamw_torch --weight_decay 0.1 --max_grad_norm 0.5
   --logging_steps 20 --save_strategy no)

@@ -225,12 +225,17 @@ typedef struct ddp_fsdp_options {
    * prefetches above look one unit ahead, so they never hold more than 2 (the unit's own
    * and the next): the limit is kept for the API and binds nothing today. */
   bool limit_all_gathers;
+  /* DeepSpeed's stage3_param_persistence_threshold: a unit of fewer elements than this
+   * stays gathered from its forward until its gradient is reduced (the window's last
+   * micro-batch), as DeepSpeed keeps such parameters whole: no re-gather in backward or
+   * between no_sync micro-batches. The bits do not change. 0 (off). */
+  int64_t persistence_threshold;
 } ddp_fsdp_options_t;
 
 #define DDP_FSDP_OPTIONS_INIT                                                                  \
   {                                                                                            \
     sizeof(ddp_fsdp_options_t), "", 0, true, false, DDP_GRAD_ARITH_DDP, DDP_FSDP_BACKWARD_PRE, \
-        false, true                                                                            \
+        false, true, 0                                                                         \
   }
 
 typedef struct ddp_fsdp ddp_fsdp_t;

@@ -218,6 +218,11 @@ static void grads_off(ddp_fsdp_t *f, size_t ui) {
   track(f, u->padded * f->esz, false);
 }
 
+/* A unit smaller than persistence_threshold: kept gathered while training. */
+static bool persistent(const ddp_fsdp_t *f, size_t ui) {
+  return f->train && (int64_t)f->u[ui].numel < f->opts.persistence_threshold;
+}
+
 /* ---------------------------------------------------------------- reduction ------- */
 
 /* Unit ui's backward is done: on a synchronising micro-batch its gradient is divided,
@@ -255,7 +260,7 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     grads_off(f, ui);
   else
     point_params(f, u, NULL, true);
-  release(f, ui);
+  if (f->sync || !persistent(f, ui)) release(f, ui);
   return DDP_OK;
 }
 
@@ -284,7 +289,8 @@ static size_t backward_next(const ddp_fsdp_t *f, size_t ui) {
 static ddp_status_t post_forward(void *user, size_t block) {
   ddp_fsdp_t *f = user;
   size_t ui = f->blk_unit[block];
-  if (ui && !f->summoned && (f->opts.reshard_after_forward || !f->train)) release(f, ui);
+  if (ui && !f->summoned && !persistent(f, ui) && (f->opts.reshard_after_forward || !f->train))
+    release(f, ui);
   return DDP_OK;
 }
 
@@ -617,7 +623,8 @@ ddp_status_t ddp_fsdp_end(ddp_fsdp_t *f, ddp_error_t *err) {
   for (size_t ui = f->nunits; ui-- > 1 && st == DDP_OK;)
     if (f->train && (f->u[ui].full || f->u[ui].gfull) && !f->u[ui].done) st = finish_unit(f, ui);
   if (st == DDP_OK && f->train) st = finish_unit(f, 0);
-  for (size_t ui = 0; ui < f->nunits; ui++) release(f, ui);
+  for (size_t ui = 0; ui < f->nunits; ui++)
+    if (f->sync || !persistent(f, ui)) release(f, ui); /* persistent: to the window's end */
   return st;
 }
 

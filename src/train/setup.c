@@ -183,6 +183,8 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
   } else {
     *(double *)t->seed_grad.data = inv;
   }
+  /* --deepspeed's keys onto the arguments the sync and ZeRO read (ds_config.c) */
+  DDP_CHECK(ddp__train_ds_config_apply(t));
   /* ZeRO-3 reduces its gradients itself, unit by unit (zero.c): no DDP reducer */
   int stage = 0;
   DDP_CHECK(ddp__train_zero_stage(a, t->rank, &stage, t->err));

@@ -9,6 +9,19 @@
 #include "train/sync.h"
 #include "train/train_internal.h"
 
+/* --deepspeed's ds_config.json as read (ds_config.c; docs/sharding.md "Flags"). */
+#define DDP__DS_AUTO (-2) /* "auto", before ddp__train_ds_config_apply fills it */
+typedef struct ddp__ds_config {
+  int stage;                     /* zero_optimization.stage; 0 when absent */
+  int64_t reduce_bucket_size;    /* elements; -1: absent */
+  int64_t allgather_bucket_size; /* elements; -1: absent (read, no libddp knob) */
+  int64_t prefetch_bucket_size;  /* stage3_prefetch_bucket_size; -1: absent */
+  int64_t persistence_threshold; /* stage3_param_persistence_threshold; -1: absent */
+  int reduce_scatter;            /* -1: absent, else false 0 / true 1 */
+} ddp__ds_config_t;
+#define DDP__DS_CONFIG_INIT \
+  { 0, -1, -1, -1, -1, -1 }
+
 typedef struct ddp__trainer {
   ddp_pg_t *pg;
   int rank, world;
@@ -44,6 +57,7 @@ typedef struct ddp__trainer {
   ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
   ddp_fsdp_t *fsdp;         /* ZeRO-3 (zero.c), created after the initial broadcast */
   bool zero3;               /* ZeRO-3 asked for */
+  ddp__ds_config_t ds;      /* --deepspeed's config, "auto" filled (ds_config.c) */
   bool fsdp_sharded_sd;     /* ZeRO-3 checkpoints: SHARDED_STATE_DICT (else FULL) */
   int resume_shards;        /* resuming a SHARDED checkpoint of that many ranks; 0: not */
   int lock_fd;              /* rank 0: output_dir's lock (agree.c); -1 when not held */
@@ -82,6 +96,20 @@ ddp_status_t ddp__trainer_dump_config(ddp__trainer_t *t, char **out);
 ddp_status_t ddp__train_agree(ddp__trainer_t *t);
 /* Drops rank 0's output_dir lock (a no-op when not held). */
 void ddp__train_unlock(ddp__trainer_t *t);
+
+/* ds_config.c: --deepspeed's file read and every key checked (a bad value, a key libddp
+ * does not read, fp16/bf16 enabled, offload to NVMe: an error naming the key and value);
+ * "auto" is left as DDP__DS_AUTO. */
+ddp_status_t ddp__ds_config_read(const char *path, int rank, ddp__ds_config_t *out,
+                                 ddp_error_t *err);
+/* Setup, before the gradient sync is created (needs the model and t->max_steps, t->sched):
+ * fills "auto" from the model's hidden size, refuses top-level keys that conflict with the
+ * flags (Transformers' "ds KEY=VAL vs hf ARG=VAL"), and applies the config to t->args
+ * (reduce_bucket_size: the reducer's bucket cap; reduce_scatter false: deepspeed_allreduce
+ * arithmetic) and t->ds. A no-op without --deepspeed. */
+ddp_status_t ddp__train_ds_config_apply(ddp__trainer_t *t);
+/* ZeRO-3 under --deepspeed: stage3_prefetch_bucket_size onto the prefetch options. */
+void ddp__train_ds_fsdp_options(const ddp__trainer_t *t, ddp_fsdp_options_t *o);
 
 /* zero.c: the ZeRO stage the arguments ask for (0: DDP), from --fsdp and --deepspeed; an
  * unknown option or stage, stage 3, and both flags at once are errors naming the value. */

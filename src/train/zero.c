@@ -44,31 +44,14 @@ static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t 
   return DDP_OK;
 }
 
-/* --deepspeed: zero_optimization.stage of the JSON file (DeepSpeed's default 0). */
+/* --deepspeed: zero_optimization.stage of the JSON file (DeepSpeed's default 0); the file's
+ * other keys are checked there too (ds_config.c). */
 static ddp_status_t deepspeed_stage(const char *path, int rank, int *stage, ddp_error_t *err) {
-  char *text = NULL;
-  DDP_CHECK(ddp__file_read(path, 1 << 24, rank, "--deepspeed config", &text, NULL, err));
-  cJSON *o = NULL;
-  ddp_status_t st = ddp__json_read(text, path, rank, &o, err);
-  ddp__free(text);
-  if (st != DDP_OK) return st;
-  const cJSON *zo = cJSON_GetObjectItemCaseSensitive(o, "zero_optimization");
-  const cJSON *sv = cJSON_IsObject(zo) ? cJSON_GetObjectItemCaseSensitive(zo, "stage") : NULL;
+  ddp__ds_config_t c;
   *stage = 0;
-  if (sv) {
-    char *shown = cJSON_PrintUnformatted(sv);
-    double v = cJSON_IsNumber(sv) ? sv->valuedouble : -1;
-    if (v != 0 && v != 1 && v != 2 && v != 3)
-      st = ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                      "--deepspeed %s: zero_optimization.stage %s is not a ZeRO stage (0, 1, 2 "
-                      "or 3)",
-                      path, shown ? shown : "?");
-    else
-      *stage = (int)v;
-    cJSON_free(shown);
-  }
-  cJSON_Delete(o);
-  return st;
+  DDP_CHECK(ddp__ds_config_read(path, rank, &c, err));
+  *stage = c.stage;
+  return DDP_OK;
 }
 
 ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *stage,
@@ -400,6 +383,7 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   /* Transformers' default backward_prefetch is NO_PREFETCH (PyTorch FSDP's own is
    * BACKWARD_PRE, ddp_fsdp_options_t's) */
   o.backward_prefetch = DDP_FSDP_NO_PREFETCH;
+  ddp__train_ds_fsdp_options(t, &o); /* --deepspeed's stage3_prefetch_bucket_size */
   if (t->a->fsdp_config[0]) DDP_CHECK(fsdp_config(t, &o, cls, sizeof cls));
   o.wrap_cls = cls;
   o.divide_in_place = t->a->gradient_as_bucket_view;

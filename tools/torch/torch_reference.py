@@ -34,6 +34,10 @@ broadcast them), and each rank's ddp.json gets "zero_partition": {parameter name
 rank} as its _partition_parameters computed it; libddp's ZeRO-1 (ddp-train --deepspeed with
 zero_optimization.stage 1) must agree (tests/test_zero_parity.c).
 
+With --optim_state CHECKPOINT (and --init CHECKPOINT/model.safetensors, --start_step K) the
+optimizer starts from a ddp-train checkpoint's optimizer state (tools/torch/libddp_optim.py)
+and the run from its step K: PyTorch continues ddp-train's run (tests/zero_optim_torch.sh).
+
 With --comm_hook power_sgd or batched_power_sgd, rank 0 also writes
 DIR/powersgd_q.safetensors, the random Q values PyTorch's hook drew (save_q_draws), which
 the libddp side injects to start from the same Q (docs/hooks.md, "PyTorch parity").
@@ -114,6 +118,14 @@ def parse_args(argv):
                    help="torch.manual_seed for the initial weights and synthetic data")
     p.add_argument("--init", default=None,
                    help="safetensors state_dict to start from (loaded by name, strict)")
+    p.add_argument("--optim_state", default=None,
+                   help="a ddp-train checkpoint directory whose optimizer state (consolidated "
+                        "under ZeRO) the optimizer loads (libddp_optim.load_into) before "
+                        "training; with --start_step and --init CKPT/model.safetensors it "
+                        "continues that run")
+    p.add_argument("--start_step", type=int, default=0,
+                   help="the first optimizer step to run (data and schedule as the run's "
+                        "step of that index; dumps from it on); default 0")
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="safetensors dataset, or 'synthetic' (default: tests/data/digits)")
     p.add_argument("--block_size", type=int, default=None,
@@ -172,6 +184,10 @@ def parse_args(argv):
     if a.world < 1 or a.steps < 0 or a.batch < 1 or a.gradient_accumulation_steps < 1:
         p.error("--world, --batch and --gradient_accumulation_steps must be >= 1, "
                 "--steps >= 0")
+    if a.start_step < 0 or a.start_step > a.steps:
+        p.error("--start_step must be within 0..--steps")
+    if a.optim_state is not None and a.zero:
+        p.error("--optim_state loads into a plain torch.optim optimizer, not with --zero")
     if a.data_seed is None:
         a.data_seed = a.seed
     if a.optim == "adamw_torch":
@@ -233,6 +249,8 @@ def config_dict(a):
     d = {k: v for k, v in vars(a).items() if k not in ("flags_list", "dump_dir", "comm_state")}
     if d["init"] is not None:
         d["init"] = os.path.abspath(d["init"])
+    if d["optim_state"] is not None:
+        d["optim_state"] = os.path.abspath(d["optim_state"])
     if d["data"] != "synthetic":
         d["data"] = os.path.abspath(d["data"])
     d["model"] = os.path.abspath(d["model"])
@@ -506,7 +524,11 @@ def worker(rank, world, port, a):
                           for g in rgroups for p in g["params"]}
     else:
         opt = cls(groups, **kw)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(a, k))
+    if a.optim_state:
+        import libddp_optim
+        libddp_optim.load_into(opt, model, a.optim_state)  # initial_lr: the run's lr
+    # resumed at start_step: LambdaLR's step j is the run's step start_step + j
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(a, k + a.start_step))
 
     rdir = os.path.join(a.dump_dir, "rank%d" % rank)
     os.makedirs(rdir, exist_ok=True)
@@ -578,7 +600,7 @@ def worker(rank, world, port, a):
         for nm, p in model.named_parameters():
             if p.requires_grad:
                 p.register_hook(local_hook(nm))
-    for k in range(a.steps):
+    for k in range(a.start_step, a.steps):
         flags = flags_at(a, rank, k)
         local.clear()
         xs, ys, ids, total = [], [], [], 0.0
