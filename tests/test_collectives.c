@@ -327,9 +327,11 @@ static int split_rank(ddp_test_rank_t *tr, void *arg) {
     st = ddp_allreduce(node, &a, &a, 1, DDP_I32, DDP_OP_SUM, NULL);
     if (st == DDP_OK) st = ddp_allreduce(rep, &b, &b, 1, DDP_I32, DDP_OP_SUM, NULL);
     int32_t wa = (r / 2) * 4 + 1, wb = 2 * (r % 2) + 2;
-    if (st == DDP_OK && (ddp_pg_size(node) != 2 || ddp_pg_rank(node) != r % 2 ||
-                         ddp_pg_size(rep) != 2 || ddp_pg_rank(rep) != r / 2 || a != wa || b != wb)) {
-      ddp_test_say(tr, "split %d: node rank %d of %d sum %d, replica rank %d of %d sum %d; want "
+    if (st == DDP_OK &&
+        (ddp_pg_size(node) != 2 || ddp_pg_rank(node) != r % 2 || ddp_pg_size(rep) != 2 ||
+         ddp_pg_rank(rep) != r / 2 || a != wa || b != wb)) {
+      ddp_test_say(tr,
+                   "split %d: node rank %d of %d sum %d, replica rank %d of %d sum %d; want "
                    "%d of 2 sum %d, %d of 2 sum %d",
                    round, ddp_pg_rank(node), ddp_pg_size(node), a, ddp_pg_rank(rep),
                    ddp_pg_size(rep), b, r % 2, wa, r / 2, wb);
@@ -889,14 +891,23 @@ static void test_algorithm_table_env(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_threads_matrix),     cmocka_unit_test(test_shm_matrix_staged),
-      cmocka_unit_test(test_shm_matrix_direct),  cmocka_unit_test(test_shm_matrix_mixed),
-      cmocka_unit_test(test_tcp_matrix),         cmocka_unit_test(test_tcp_ring_small_segments),
-      cmocka_unit_test(test_blocking_calls),     cmocka_unit_test(test_split),     cmocka_unit_test(test_blocking_on_failed_group),
-      cmocka_unit_test(test_d2_across_backends), cmocka_unit_test(test_tcp_xfer_tail),
-      cmocka_unit_test(test_tcp_xfer_send_tail), cmocka_unit_test(test_spawn_threads_and_arguments),
-      cmocka_unit_test(test_backend_list),       cmocka_unit_test(test_last_error_copy),
-      cmocka_unit_test(test_create_from_env),    cmocka_unit_test(test_algorithm_table_env),
+      cmocka_unit_test(test_threads_matrix),
+      cmocka_unit_test(test_shm_matrix_staged),
+      cmocka_unit_test(test_shm_matrix_direct),
+      cmocka_unit_test(test_shm_matrix_mixed),
+      cmocka_unit_test(test_tcp_matrix),
+      cmocka_unit_test(test_tcp_ring_small_segments),
+      cmocka_unit_test(test_blocking_calls),
+      cmocka_unit_test(test_split),
+      cmocka_unit_test(test_blocking_on_failed_group),
+      cmocka_unit_test(test_d2_across_backends),
+      cmocka_unit_test(test_tcp_xfer_tail),
+      cmocka_unit_test(test_tcp_xfer_send_tail),
+      cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_backend_list),
+      cmocka_unit_test(test_last_error_copy),
+      cmocka_unit_test(test_create_from_env),
+      cmocka_unit_test(test_algorithm_table_env),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

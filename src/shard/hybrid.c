@@ -89,7 +89,8 @@ ddp_status_t ddp__hybrid_reduce(const ddp__hybrid_t *h, ddp_grad_arith_t a, bool
   unsigned char *perm = ddp__aligned_alloc((padded + P) * esz);
   if (!perm)
     return ddp__error(err, ddp_pg_rank(h->world), DDP_ERR_NO_MEMORY,
-                      "fsdp: out of memory for the hybrid gradient (%zu bytes)", (padded + P) * esz);
+                      "fsdp: out of memory for the hybrid gradient (%zu bytes)",
+                      (padded + P) * esz);
   for (int j = 0; j < h->W; j++) {
     size_t piece = (size_t)(j % h->L) * (size_t)h->N + (size_t)(j / h->L);
     ddp_grad_arith_pre(a, h->W, divide_in_place, perm + (size_t)j * P * esz,

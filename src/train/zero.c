@@ -20,8 +20,7 @@
 /* --fsdp: space-separated options (HF's FSDPOption). *stage: the ZeRO stage (hybrid_shard
  * and hybrid_shard_zero2 are ZeRO-3's machinery, fsdp.c); *hybrid (may be NULL): 1
  * hybrid_shard, 2 hybrid_shard_zero2, 0 neither. */
-static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, int *hybrid,
-                               ddp_error_t *err) {
+static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, int *hybrid, ddp_error_t *err) {
   char buf[DDP_TRAIN_STR_MAX];
   snprintf(buf, sizeof buf, "%s", s);
   int st = -1;
