@@ -4,9 +4,11 @@
  *
  * Layout of unit u: its parameters in registration order at offsets off[k] of a flat
  * buffer of `padded` elements (numel rounded up to a multiple of W, the tail zero); rank r
- * owns [r S, (r + 1) S), S = padded / W. A parameter meets a rank's shard in at most one
- * contiguous piece; the optimizer of the parameter's group steps that piece (AdamW and the
- * others are elementwise, so a piece steps as the whole parameter would, bit for bit).
+ * owns [r S, (r + 1) S), S = padded / W. Under hybrid sharding (hybrid.c) the shards are
+ * over the node's ranks instead: local rank l owns [l S, (l + 1) S), S = padded / L. A parameter
+ * meets a rank's shard in at most one contiguous piece; the optimizer of the parameter's group
+ * steps that piece (AdamW and the others are elementwise, so a piece steps as the whole parameter
+ * would, bit for bit).
  *
  * Numerics (the reason for each choice): the gradient of a unit is reduced once per
  * optimizer step, on the synchronising micro-batch, from the full local gradient summed
@@ -238,11 +240,10 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     ddp_work_t *w = NULL;
     ddp_status_t st = DDP_OK;
     if (f->hy.replica) { /* hybrid.c: DDP's order, or FSDP's two stages */
-      const char *what = "";
       bool fsdp = f->opts.arith == DDP_GRAD_ARITH_FSDP1 || f->opts.arith == DDP_GRAD_ARITH_FSDP2;
       if (!fsdp) tag(f, ui, "reduce_scatter (gradient, all ranks)");
       st = ddp__hybrid_reduce(&f->hy, f->opts.arith, f->opts.divide_in_place, u->gfull, u->gshard,
-                              u->padded, f->dt, &what, f->err);
+                              u->padded, f->dt, f->err);
       if (st != DDP_OK) {
         ddp_error_t why = f->err ? *f->err : (ddp_error_t){st, ""};
         return ddp__error_quiet(f->err, st, "fsdp: unit %zu: %s", ui, why.msg);

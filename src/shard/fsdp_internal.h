@@ -41,11 +41,12 @@ ddp_status_t ddp__hybrid_create(ddp_pg_t *pg, int L, ddp__hybrid_t *h, ddp_error
 void ddp__hybrid_destroy(ddp__hybrid_t *h);
 /* Collective: a unit's full local gradient gfull (padded elements, a multiple of W; its
  * contents are consumed) reduced into this rank's node shard gshard (padded / L elements,
- * [l S, (l + 1) S)) with arithmetic a (docs/sharding.md, "Hybrid sharding"). tag, when
- * not NULL, is called before each collective on the world group. */
+ * [l S, (l + 1) S)) with arithmetic a (docs/sharding.md, "Hybrid sharding"). Of its
+ * collectives only the default order's reduce-scatter is on the world group (the one a
+ * flight-recorder tag set before the call names). */
 ddp_status_t ddp__hybrid_reduce(const ddp__hybrid_t *h, ddp_grad_arith_t a, bool divide_in_place,
                                 unsigned char *gfull, unsigned char *gshard, size_t padded,
-                                ddp_dtype_t dt, const char **what, ddp_error_t *err);
+                                ddp_dtype_t dt, ddp_error_t *err);
 void ddp__fsdp_unit(ddp_fsdp_t *f, size_t ui, ddp__fsdp_unit_view_t *u);
 
 #endif /* DDP_SRC_SHARD_FSDP_INTERNAL_H */

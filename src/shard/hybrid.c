@@ -21,11 +21,12 @@
  * with the pieces permuted so that rank n L + l receives piece l N + n; then the N pieces
  * of the replica group are all-gathered, giving rank l of every node pieces l N .. l N +
  * N - 1, which is its node shard [l S, (l + 1) S), S = N P. Every element is then DDP's
- * sum, bit for bit. The traffic per rank: (W - 1) P sent by the reduce-scatter and (N - 1)
- * P by the all-gather, against FSDP's (L - 1) S / L ... both about the padded size.
- * Under --sharding_arithmetic fsdp1 and fsdp2 the two-stage order is FSDP's own:
- * pre-divide (FSDP1: by f of W), reduce-scatter in the node, all-reduce SUM across nodes,
- * post-divide (FSDP1: W / f; FSDP2 with a SUM-only backend: W, after the all-reduce). */
+ * sum, bit for bit. Each rank sends (W - 1) P + (N - 1) P = (W + N - 2) P, what FSDP's
+ * (L - 1) P N + 2 (N - 1) P sends too, but (N - 1)(L + 1) P of it crosses nodes against
+ * FSDP's 2 (N - 1) P: the price of DDP's bits on real nodes (docs/sharding.md). Under
+ * --sharding_arithmetic fsdp1 and fsdp2 the two-stage order is FSDP's own: pre-divide (FSDP1: by f
+ * of W), reduce-scatter in the node, all-reduce SUM across nodes, post-divide (FSDP1: W / f; FSDP2
+ * with a SUM-only backend: W, after the all-reduce). */
 #include <string.h>
 
 #include "common/common.h"
@@ -70,17 +71,15 @@ static ddp_status_t coll(ddp_pg_t *pg, ddp_status_t st, const char *what, ddp_er
 
 ddp_status_t ddp__hybrid_reduce(const ddp__hybrid_t *h, ddp_grad_arith_t a, bool divide_in_place,
                                 unsigned char *gfull, unsigned char *gshard, size_t padded,
-                                ddp_dtype_t dt, const char **what, ddp_error_t *err) {
+                                ddp_dtype_t dt, ddp_error_t *err) {
   size_t esz = ddp_dtype_size(dt), S = padded / (size_t)h->L;
   bool fsdp = a == DDP_GRAD_ARITH_FSDP1 || a == DDP_GRAD_ARITH_FSDP2;
   if (fsdp) { /* FSDP's order: inside the node, then across nodes */
     ddp_grad_arith_pre(a, h->W, divide_in_place, gfull, gfull, padded, dt);
-    *what = "gradient reduce_scatter in the node";
     DDP_CHECK(coll(h->node, ddp_reduce_scatter(h->node, gfull, gshard, S, dt, DDP_OP_SUM, NULL),
-                   *what, err));
-    *what = "gradient all_reduce across nodes";
+                   "gradient reduce_scatter in the node", err));
     DDP_CHECK(coll(h->replica, ddp_allreduce(h->replica, gshard, gshard, S, dt, DDP_OP_SUM, NULL),
-                   *what, err));
+                   "gradient all_reduce across nodes", err));
     ddp_grad_arith_post(a, h->W, gshard, S, dt);
     return DDP_OK;
   }
@@ -97,13 +96,13 @@ ddp_status_t ddp__hybrid_reduce(const ddp__hybrid_t *h, ddp_grad_arith_t a, bool
                        gfull + piece * P * esz, P, dt);
   }
   unsigned char *mine = perm + (size_t)h->W * P * esz; /* [P]: this rank's piece */
-  *what = "gradient reduce_scatter over all ranks";
-  ddp_status_t st =
-      coll(h->world, ddp_reduce_scatter(h->world, perm, mine, P, dt, DDP_OP_SUM, NULL), *what, err);
+  ddp_status_t st = coll(h->world,
+                         ddp_reduce_scatter(h->world, perm, mine, P, dt, DDP_OP_SUM, NULL),
+                         "gradient reduce_scatter over all ranks", err);
   if (st == DDP_OK) {
     ddp_grad_arith_post(a, h->W, mine, P, dt);
-    *what = "gradient all_gather across nodes";
-    st = coll(h->replica, ddp_allgather(h->replica, mine, gshard, P, dt, NULL), *what, err);
+    st = coll(h->replica, ddp_allgather(h->replica, mine, gshard, P, dt, NULL),
+              "gradient all_gather across nodes", err);
   }
   ddp__aligned_free(perm);
   return st;
