@@ -14,7 +14,7 @@
 #   DDP run's local gradients of the same step; the one-sum emulation (ddp) differs from it
 #   (the check can fail). Skips (77) without torch.
 # - Bad input: a node size that does not divide W, dp_shard_size without hybrid, hybrid
-#   with SHARDED_STATE_DICT, two strategies at once.
+#   with SHARDED_STATE_DICT (saving, and resuming a ZeRO-3 one), two strategies at once.
 #
 #   tests/sharding_hybrid.sh DDP_TRAIN DDPRUN SRC_ROOT
 set -u
@@ -115,6 +115,11 @@ expect_err "--fsdp_config: 'dp_shard_size' = 0; expected a whole number of ranks
   --fsdp hybrid_shard --fsdp_config '{"dp_shard_size": 0}'
 expect_err "--fsdp hybrid_shard_zero2: SHARDED_STATE_DICT checkpoints are not built for hybrid sharding" \
   --fsdp hybrid_shard_zero2 --fsdp_config '{"state_dict_type": "SHARDED_STATE_DICT"}'
+train_run z3s threads 2 "${mlp[@]}" "${save[@]}" --fsdp full_shard \
+  --fsdp_config '{"min_num_params": 1000, "state_dict_type": "SHARDED_STATE_DICT"}' >/dev/null
+expect_err "--fsdp hybrid_shard: resuming z3s/checkpoint-10, a SHARDED_STATE_DICT checkpoint, is not built for hybrid sharding" \
+  "${mlp[@]}" --fsdp hybrid_shard --fsdp_config '{"min_num_params": 1000}' \
+  --resume_from_checkpoint z3s/checkpoint-10
 expect_err "--fsdp 'full_shard hybrid_shard': full_shard, shard_grad_op, hybrid_shard, hybrid_shard_zero2 and no_shard are exclusive" \
   --fsdp "full_shard hybrid_shard"
 echo "ok: bad input refused"
