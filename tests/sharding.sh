@@ -301,6 +301,6 @@ expect_err "--fsdp 'shard_grad_op' and --deepspeed ds1.json: only one of FSDP an
   --fsdp shard_grad_op --deepspeed ds1.json
 expect_err "--fsdp: option 'sharded_grad' is unknown; choices: full_shard (ZeRO-3), shard_grad_op" \
   --fsdp sharded_grad
-expect_err "--fsdp: option 'hybrid_shard' is not supported by libddp" --fsdp "hybrid_shard auto_wrap"
+expect_err "--fsdp: option 'offload' is not supported by libddp" --fsdp "full_shard offload"
 expect_err "nosuch.json" --deepspeed nosuch.json
 echo "ok: bad input refused"

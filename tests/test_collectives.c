@@ -305,6 +305,66 @@ static void test_blocking_calls(void **state) {
   }
 }
 
+/* ddp_pg_split (hybrid sharding's node and replica groups): W = 4 ranks split by r / 2
+ * (two "nodes") and by r % 2 (two replica groups), twice in a row (the second split gets its
+ * own key space): each sub-group has 2 ranks in parent order, and a sum over it is the sum
+ * of its members' ranks; a negative color is refused naming it. */
+static int split_rank(ddp_test_rank_t *tr, void *arg) {
+  const cfg_t *cfg = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL, *node = NULL, *rep = NULL;
+  ddp_status_t st = make_pg(tr, cfg, &store, &pg, 20000);
+  int r = st == DDP_OK ? ddp_pg_rank(pg) : -1;
+  ddp_error_t e = {DDP_OK, ""};
+  for (int round = 0; round < 2 && st == DDP_OK; round++) {
+    st = ddp_pg_split(pg, r / 2, &node, &e);
+    if (st == DDP_OK) st = ddp_pg_split(pg, r % 2, &rep, &e);
+    if (st != DDP_OK) {
+      ddp_test_say(tr, "split %d: %s: %s", round, ddp_status_name(st), e.msg);
+      break;
+    }
+    int32_t a = r, b = r;
+    st = ddp_allreduce(node, &a, &a, 1, DDP_I32, DDP_OP_SUM, NULL);
+    if (st == DDP_OK) st = ddp_allreduce(rep, &b, &b, 1, DDP_I32, DDP_OP_SUM, NULL);
+    int32_t wa = (r / 2) * 4 + 1, wb = 2 * (r % 2) + 2;
+    if (st == DDP_OK &&
+        (ddp_pg_size(node) != 2 || ddp_pg_rank(node) != r % 2 || ddp_pg_size(rep) != 2 ||
+         ddp_pg_rank(rep) != r / 2 || a != wa || b != wb)) {
+      ddp_test_say(tr,
+                   "split %d: node rank %d of %d sum %d, replica rank %d of %d sum %d; want "
+                   "%d of 2 sum %d, %d of 2 sum %d",
+                   round, ddp_pg_rank(node), ddp_pg_size(node), a, ddp_pg_rank(rep),
+                   ddp_pg_size(rep), b, r % 2, wa, r / 2, wb);
+      st = DDP_ERR_INTERNAL;
+    }
+    ddp_pg_destroy(node);
+    ddp_pg_destroy(rep);
+    node = rep = NULL;
+  }
+  if (st == DDP_OK && ddp_pg_split(pg, -1, &node, &e) != DDP_ERR_INVALID_ARGUMENT) {
+    ddp_test_say(tr, "color -1 accepted");
+    st = DDP_ERR_INTERNAL;
+  } else if (st == DDP_OK && !strstr(e.msg, "color -1 is negative")) {
+    ddp_test_say(tr, "color -1: \"%s\"", e.msg);
+    st = DDP_ERR_INTERNAL;
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static void test_split(void **state) {
+  (void)state;
+  static const struct {
+    const char *backend;
+    ddp_test_mode_t mode;
+  } runs[] = {{"threads", DDP_TEST_THREADS}, {"shm", DDP_TEST_FORK}, {"tcp", DDP_TEST_FORK}};
+  for (size_t k = 0; k < ARRAY_LEN(runs); k++) {
+    cfg_t cfg = {runs[k].backend, runs[k].mode, 4, NULL, 0, DDP_ALGO_AUTO, 0, false, NULL};
+    run_cfg(&cfg, split_rank);
+  }
+}
+
 /* A blocking call on a failed group returns the failure, and the message is the group's:
  * rank 1 aborts, the others' blocking allreduce fails naming it. */
 static ddp_status_t blocking_fail_fn(ddp_pg_t *pg, void *arg) {
@@ -831,14 +891,23 @@ static void test_algorithm_table_env(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_threads_matrix),     cmocka_unit_test(test_shm_matrix_staged),
-      cmocka_unit_test(test_shm_matrix_direct),  cmocka_unit_test(test_shm_matrix_mixed),
-      cmocka_unit_test(test_tcp_matrix),         cmocka_unit_test(test_tcp_ring_small_segments),
-      cmocka_unit_test(test_blocking_calls),     cmocka_unit_test(test_blocking_on_failed_group),
-      cmocka_unit_test(test_d2_across_backends), cmocka_unit_test(test_tcp_xfer_tail),
-      cmocka_unit_test(test_tcp_xfer_send_tail), cmocka_unit_test(test_spawn_threads_and_arguments),
-      cmocka_unit_test(test_backend_list),       cmocka_unit_test(test_last_error_copy),
-      cmocka_unit_test(test_create_from_env),    cmocka_unit_test(test_algorithm_table_env),
+      cmocka_unit_test(test_threads_matrix),
+      cmocka_unit_test(test_shm_matrix_staged),
+      cmocka_unit_test(test_shm_matrix_direct),
+      cmocka_unit_test(test_shm_matrix_mixed),
+      cmocka_unit_test(test_tcp_matrix),
+      cmocka_unit_test(test_tcp_ring_small_segments),
+      cmocka_unit_test(test_blocking_calls),
+      cmocka_unit_test(test_split),
+      cmocka_unit_test(test_blocking_on_failed_group),
+      cmocka_unit_test(test_d2_across_backends),
+      cmocka_unit_test(test_tcp_xfer_tail),
+      cmocka_unit_test(test_tcp_xfer_send_tail),
+      cmocka_unit_test(test_spawn_threads_and_arguments),
+      cmocka_unit_test(test_backend_list),
+      cmocka_unit_test(test_last_error_copy),
+      cmocka_unit_test(test_create_from_env),
+      cmocka_unit_test(test_algorithm_table_env),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -50,7 +50,8 @@ typedef struct ddp_pg_options {
                               * env, else threads. mpi needs no store; nccl needs one. */
   int rank;                  /* 0..world-1 */
   int world;                 /* 1..DDP_PG_MAX_WORLD */
-  ddp_store_t *store;        /* rendezvous; borrowed, must outlive create (not the group) */
+  ddp_store_t *store;        /* rendezvous; borrowed, must outlive create (not the group),
+                              * and every ddp_pg_split of the group */
   int64_t timeout_ms;        /* every wait; <0 = DDP_TIMEOUT env (default 1800 s) */
   ddp_algorithm_t algorithm; /* AUTO = DDP_ALGORITHM env, else the size table */
   size_t segment_bytes;      /* pipelining segment of ring/canonical; 0 = the default */
@@ -84,6 +85,18 @@ DDP_API ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out,
  * connected the ranks. opts may be NULL; its rank, world and store are ignored. */
 DDP_API ddp_status_t ddp_pg_create_from_env(const ddp_pg_options_t *opts, ddp_pg_t **out,
                                             ddp_error_t *err);
+
+/* Collective over pg (every rank calls it, in the same order as pg's collectives): a new
+ * group of the ranks of pg that pass the same color (>= 0), ranked in their order in pg,
+ * as NCCL's ncclCommSplit(color, key = rank) and torch.distributed.new_group do. It runs on
+ * pg's backend with pg's options (timeout, algorithm, segment, job token) and meets through
+ * the store pg was created on (ddp_pg_create_from_env's own, ddp_spawn_threads' or the
+ * caller's, which must still be alive), in a key space of its own: the n-th split of a
+ * group uses the prefix "ddp_pg/<k>/split/<n>/<color>" of that store. The new group records
+ * no flight-recorder dump (its dumps would take its ranks' file names; no_flight_recorder).
+ * Destroy it before pg. A negative color is DDP_ERR_INVALID_ARGUMENT; a group with no
+ * store (the mpi backend) is DDP_ERR_UNSUPPORTED. */
+DDP_API ddp_status_t ddp_pg_split(ddp_pg_t *pg, int color, ddp_pg_t **out, ddp_error_t *err);
 
 /* Waits for queued work to finish (each bounded by the timeout), stops the progress thread
  * and frees everything. Work handles not yet freed stay valid until ddp_work_free. NULL is a

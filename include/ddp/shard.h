@@ -230,12 +230,21 @@ typedef struct ddp_fsdp_options {
    * micro-batch), as DeepSpeed keeps such parameters whole: no re-gather in backward or
    * between no_sync micro-batches. The bits do not change. 0 (off). */
   int64_t persistence_threshold;
+  /* Hybrid sharding (FSDP's HYBRID_SHARD; with reshard_after_forward false,
+   * _HYBRID_SHARD_ZERO2): the ranks per node L, a divisor of W. Ranks r with equal r / L
+   * (a node) shard each unit over L ranks as FULL_SHARD does over W; ranks with equal r % L
+   * hold the same shard (replicas). Parameters are all-gathered in the node only. The
+   * gradient: by default one rank-order reduce-scatter over all W ranks and an all-gather
+   * across nodes, so it stays DDP's bits; with arith FSDP1 or FSDP2, FSDP's order (reduce-
+   * scatter in the node, all-reduce SUM across nodes). 0 or W: FULL_SHARD over every rank.
+   * Create makes the node and replica groups with ddp_pg_split (pg needs its store). */
+  int shard_size;
 } ddp_fsdp_options_t;
 
 #define DDP_FSDP_OPTIONS_INIT                                                                  \
   {                                                                                            \
     sizeof(ddp_fsdp_options_t), "", 0, true, false, DDP_GRAD_ARITH_DDP, DDP_FSDP_BACKWARD_PRE, \
-        false, true, 0                                                                         \
+        false, true, 0, 0                                                                      \
   }
 
 typedef struct ddp_fsdp ddp_fsdp_t;

@@ -194,6 +194,7 @@ static void pg_free(ddp_pg_t *pg) {
   pthread_cond_destroy(&pg->cv_queue);
   pthread_cond_destroy(&pg->cv_done);
   ddp_store_destroy(pg->owned_store);
+  ddp__free((char *)pg->opts.job_token);
   pg->magic = 0;
   ddp__free(pg);
 }
@@ -364,6 +365,15 @@ ddp_status_t ddp_pg_create(const ddp_pg_options_t *opts, ddp_pg_t **out, ddp_err
   int64_t k = 0;
   ddp_status_t st = pg_new(&o, ops, &pg, err);
   if (st == DDP_OK) st = join_backend(pg, &o, staging, &k, err);
+  if (st == DDP_OK) { /* for ddp_pg_split (split.c) */
+    pg->store = o.store;
+    pg->store_k = k;
+    pg->opts = o;
+    pg->opts.segment_bytes = seg_requested;
+    pg->opts.job_token = o.job_token ? ddp__strdup(o.job_token) : NULL;
+    if (o.job_token && !pg->opts.job_token)
+      st = ddp__error(err, o.rank, DDP_ERR_NO_MEMORY, "process group: job token");
+  }
   if (st == DDP_OK && !o.no_flight_recorder) {
     ddp__fr_info_t fri = {o.rank, o.world, ops->name, k, o.timeout_ms, &pg->mu};
     st = ddp__fr_create(&fri, &pg->fr, err);

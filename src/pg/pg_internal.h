@@ -85,6 +85,13 @@ struct ddp_pg {
   ddp_store_t *owned_store; /* ddp_pg_create_from_env */
   ddp__pg_fault_t fault;    /* DDP_FAULT (fault.h) */
   ddp__fr_t *fr;            /* flight recorder; NULL when off */
+  /* What ddp_pg_split (split.c) needs to create sub-groups as this one was created: the
+   * store (borrowed, or owned_store), this group's key space on it ("ddp_pg/<store_k>"),
+   * the resolved options (job_token a copy, owned), and the splits made so far. */
+  ddp_store_t *store;
+  int64_t store_k;
+  ddp_pg_options_t opts;
+  uint64_t nsplits;
 };
 
 /* Runs w (the group's `running` claimed by the caller, pg->mu not held), its deadline

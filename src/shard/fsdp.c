@@ -4,9 +4,11 @@
  *
  * Layout of unit u: its parameters in registration order at offsets off[k] of a flat
  * buffer of `padded` elements (numel rounded up to a multiple of W, the tail zero); rank r
- * owns [r S, (r + 1) S), S = padded / W. A parameter meets a rank's shard in at most one
- * contiguous piece; the optimizer of the parameter's group steps that piece (AdamW and the
- * others are elementwise, so a piece steps as the whole parameter would, bit for bit).
+ * owns [r S, (r + 1) S), S = padded / W. Under hybrid sharding (hybrid.c) the shards are
+ * over the node's ranks instead: local rank l owns [l S, (l + 1) S), S = padded / L. A parameter
+ * meets a rank's shard in at most one contiguous piece; the optimizer of the parameter's group
+ * steps that piece (AdamW and the others are elementwise, so a piece steps as the whole parameter
+ * would, bit for bit).
  *
  * Numerics (the reason for each choice): the gradient of a unit is reduced once per
  * optimizer step, on the synchronising micro-batch, from the full local gradient summed
@@ -49,6 +51,10 @@ struct ddp_fsdp {
   ddp_model_t *model;
   int rank, world;
   ddp_fsdp_options_t opts;
+  /* hybrid sharding (hybrid.c): the shards are over the node group hy.node, of ssize
+   * ranks, this one its srank-th; without it hy.node is pg, ssize W, srank rank */
+  ddp__hybrid_t hy;
+  int srank, ssize;
   ddp_dtype_t dt;
   size_t esz;
   size_t nunits;
@@ -153,8 +159,8 @@ static ddp_status_t issue(ddp_fsdp_t *f, size_t ui, const char *what) {
   track(f, bytes, true);
   char full[64];
   snprintf(full, sizeof full, "all_gather (%s)", what);
-  tag(f, ui, full);
-  ddp_status_t st = ddp_allgather(f->pg, u->shard, u->full, u->S, f->dt, &u->work);
+  if (f->hy.node == f->pg) tag(f, ui, full); /* sub-groups record nothing */
+  ddp_status_t st = ddp_allgather(f->hy.node, u->shard, u->full, u->S, f->dt, &u->work);
   if (st != DDP_OK) {
     u->work = NULL;
     return coll(f, st, NULL, "parameter all_gather", ui);
@@ -236,15 +242,27 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
     size_t bytes = u->S * f->esz;
     if (!u->gshard && !(u->gshard = ddp__aligned_alloc(bytes)))
       return no_memory(f, bytes, "gradient shard", ui);
-    ddp_grad_arith_pre(f->opts.arith, f->world, f->opts.divide_in_place, u->gfull, u->gfull,
-                       u->padded, f->dt);
     ddp_work_t *w = NULL;
-    tag(f, ui, "reduce_scatter (gradient)");
-    ddp_status_t st = ddp_reduce_scatter(f->pg, u->gfull, u->gshard, u->S, f->dt, DDP_OP_SUM, &w);
-    DDP_CHECK(coll(f, st, w, "gradient reduce_scatter", ui));
-    ddp_grad_arith_post(f->opts.arith, f->world, u->gshard, u->S, f->dt);
-    tag(f, ui, "all_gather (gradient, for the norm)");
-    st = ddp_allgather(f->pg, u->gshard, u->gfull, u->S, f->dt, &w);
+    ddp_status_t st = DDP_OK;
+    if (f->hy.replica) { /* hybrid.c: DDP's order, or FSDP's two stages */
+      bool fsdp = f->opts.arith == DDP_GRAD_ARITH_FSDP1 || f->opts.arith == DDP_GRAD_ARITH_FSDP2;
+      if (!fsdp) tag(f, ui, "reduce_scatter (gradient, all ranks)");
+      st = ddp__hybrid_reduce(&f->hy, f->opts.arith, f->opts.divide_in_place, u->gfull, u->gshard,
+                              u->padded, f->dt, f->err);
+      if (st != DDP_OK) {
+        ddp_error_t why = f->err ? *f->err : (ddp_error_t){st, ""};
+        return ddp__error_quiet(f->err, st, "fsdp: unit %zu: %s", ui, why.msg);
+      }
+    } else {
+      ddp_grad_arith_pre(f->opts.arith, f->world, f->opts.divide_in_place, u->gfull, u->gfull,
+                         u->padded, f->dt);
+      tag(f, ui, "reduce_scatter (gradient)");
+      st = ddp_reduce_scatter(f->pg, u->gfull, u->gshard, u->S, f->dt, DDP_OP_SUM, &w);
+      DDP_CHECK(coll(f, st, w, "gradient reduce_scatter", ui));
+      ddp_grad_arith_post(f->opts.arith, f->world, u->gshard, u->S, f->dt);
+    }
+    if (f->hy.node == f->pg) tag(f, ui, "all_gather (gradient, for the norm)");
+    st = ddp_allgather(f->hy.node, u->gshard, u->gfull, u->S, f->dt, &w);
     DDP_CHECK(coll(f, st, w, "gradient all_gather for the norm", ui));
     for (size_t k = 0; k < u->np; k++) {
       ddp_param_t *p = ddp_model_param(f->model, u->idx[k]);
@@ -378,6 +396,8 @@ static ddp_status_t policy(ddp_fsdp_t *f, size_t nb, size_t *nunits) {
 static ddp_status_t layout(ddp_fsdp_t *f) {
   size_t n = f->nparams, W = (size_t)f->world;
   for (size_t i = 0; i < n; i++) f->u[f->unit_of[i]].np++;
+  /* padded to a multiple of W (hybrid.c cuts it into W pieces); each of the ssize ranks of
+   * the node group holds padded / ssize (W / ssize pieces; one without hybrid) */
   for (size_t ui = 0; ui < f->nunits; ui++) {
     unit_t *u = &f->u[ui];
     u->idx = ddp__calloc(u->np ? u->np : 1, sizeof *u->idx);
@@ -393,13 +413,14 @@ static ddp_status_t layout(ddp_fsdp_t *f) {
   }
   for (size_t ui = 0; ui < f->nunits; ui++) {
     unit_t *u = &f->u[ui];
-    u->S = (u->numel + W - 1) / W;
-    if (!u->S) u->S = 1;
-    u->padded = u->S * W;
+    size_t P = (u->numel + W - 1) / W;
+    if (!P) P = 1;
+    u->padded = P * W;
+    u->S = u->padded / (size_t)f->ssize;
     u->shard = ddp__aligned_alloc(u->S * f->esz);
     if (!u->shard) return no_memory(f, u->S * f->esz, "parameter shard", ui);
     memset(u->shard, 0, u->S * f->esz);
-    size_t lo = (size_t)f->rank * u->S, hi = lo + u->S;
+    size_t lo = (size_t)f->srank * u->S, hi = lo + u->S;
     for (size_t k = 0; k < u->np; k++) {
       const ddp_param_t *p = ddp_model_param(f->model, u->idx[k]);
       size_t a = u->off[k], b = a + (size_t)p->value.numel;
@@ -430,7 +451,7 @@ static ddp_status_t pieces(ddp_fsdp_t *f, const ddp_optim_options_t *gopts) {
     size_t k = 0;
     while (u->idx[k] != i) k++;
     const ddp_param_t *p = ddp_model_param(f->model, i);
-    size_t lo = (size_t)f->rank * u->S, hi = lo + u->S;
+    size_t lo = (size_t)f->srank * u->S, hi = lo + u->S;
     size_t a = u->off[k], b = a + (size_t)p->value.numel;
     size_t s = a > lo ? a : lo, e = b < hi ? b : hi;
     if (s >= e) continue;
@@ -492,6 +513,11 @@ ddp_status_t ddp_fsdp_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_fsdp_op
                     .ngroups = ngroups,
                     .err = err};
   f->none.dtype = dt;
+  f->hy = (ddp__hybrid_t){pg, pg, NULL, f->world, f->world, 1, 0, rank};
+  ddp_status_t st = ddp__hybrid_create(pg, opts->shard_size, &f->hy, err);
+  if (st != DDP_OK) goto fail;
+  f->srank = f->hy.l;
+  f->ssize = f->hy.L;
   size_t nb = ddp_model_num_blocks(model), n1 = n ? n : 1;
   f->blk_unit = ddp__calloc(nb ? nb : 1, sizeof *f->blk_unit);
   f->unit_of = ddp__calloc(n1, sizeof *f->unit_of);
@@ -502,7 +528,6 @@ ddp_status_t ddp_fsdp_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_fsdp_op
   f->fwd = ddp__calloc(nb + 1, sizeof *f->fwd);
   f->pos = ddp__calloc(nb + 1, sizeof *f->pos);
   f->fnext = ddp__calloc(nb + 1, sizeof *f->fnext);
-  ddp_status_t st = DDP_OK;
   if (!f->blk_unit || !f->unit_of || !f->piece_of || !f->group || !f->norms || !f->clip ||
       !f->fwd || !f->pos || !f->fnext) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory (%zu parameters)", n);
@@ -551,6 +576,7 @@ void ddp_fsdp_destroy(ddp_fsdp_t *f) {
     ddp__aligned_free(u->gshard);
   }
   for (size_t g = 0; g < f->ngroups; g++) ddp_optim_destroy(f->opt[g]);
+  if (f->hy.world) ddp__hybrid_destroy(&f->hy);
   ddp__free(f->u);
   ddp__free(f->blk_unit);
   ddp__free(f->unit_of);
@@ -582,7 +608,8 @@ size_t ddp_fsdp_unit_of(const ddp_fsdp_t *f, size_t i) {
 /* fsdp_internal.h: the handle as the checkpoint code (fsdp_state.c) sees it */
 void ddp__fsdp_view(ddp_fsdp_t *f, ddp__fsdp_view_t *v) {
   DDP_REQUIRE(f && f->magic == FSDP_MAGIC && v);
-  *v = (ddp__fsdp_view_t){f->pg,       f->model,    f->rank,    f->world,   f->dt,
+  /* the checkpoint code sees the shard group: the node group under hybrid sharding */
+  *v = (ddp__fsdp_view_t){f->hy.node,  f->model,    f->srank,   f->ssize,   f->dt,
                           f->esz,      f->nunits,   f->nparams, f->ngroups, f->group,
                           f->piece_of, f->piece_at, f->opt};
 }

@@ -12,35 +12,42 @@
 #include "common/common.h"
 #include "train/trainer.h"
 
-#define FSDP_CHOICES                                                                       \
-  "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), no_shard (DDP), auto_wrap; libddp has no " \
-  "hybrid_shard, hybrid_shard_zero2 or offload (docs/sharding.md)"
+#define FSDP_CHOICES                                                                           \
+  "full_shard (ZeRO-3), shard_grad_op (ZeRO-2), hybrid_shard (ZeRO-3 in a node, replicated "   \
+  "across nodes), hybrid_shard_zero2 (the same, parameters kept gathered from forward to the " \
+  "end of backward), no_shard (DDP), auto_wrap; libddp has no offload (docs/sharding.md)"
 
-/* --fsdp: space-separated options (HF's FSDPOption). */
-static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, ddp_error_t *err) {
+/* --fsdp: space-separated options (HF's FSDPOption). *stage: the ZeRO stage (hybrid_shard
+ * and hybrid_shard_zero2 are ZeRO-3's machinery, fsdp.c); *hybrid (may be NULL): 1
+ * hybrid_shard, 2 hybrid_shard_zero2, 0 neither. */
+static ddp_status_t fsdp_stage(const char *s, int rank, int *stage, int *hybrid, ddp_error_t *err) {
   char buf[DDP_TRAIN_STR_MAX];
   snprintf(buf, sizeof buf, "%s", s);
   int st = -1;
   for (char *save = NULL, *w = strtok_r(buf, " ,", &save); w; w = strtok_r(NULL, " ,", &save)) {
     if (!strcmp(w, "auto_wrap")) continue;
-    int v = !strcmp(w, "full_shard")      ? 3
-            : !strcmp(w, "shard_grad_op") ? 2
-            : !strcmp(w, "no_shard")      ? 0
-                                          : -1;
-    bool later = !strcmp(w, "hybrid_shard") || !strcmp(w, "hybrid_shard_zero2") ||
-                 !strcmp(w, "offload");
+    int v = !strcmp(w, "full_shard")           ? 3
+            : !strcmp(w, "shard_grad_op")      ? 2
+            : !strcmp(w, "no_shard")           ? 0
+            : !strcmp(w, "hybrid_shard")       ? 4
+            : !strcmp(w, "hybrid_shard_zero2") ? 5
+                                               : -1;
+    bool later = !strcmp(w, "offload");
     if (v < 0)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "--fsdp: option '%s' is %s; %s", w,
                         later ? "not supported by libddp" : "unknown", "choices: " FSDP_CHOICES);
     if (st >= 0 && st != v)
       return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
-                        "--fsdp '%s': full_shard, shard_grad_op and no_shard are exclusive", s);
+                        "--fsdp '%s': full_shard, shard_grad_op, hybrid_shard, "
+                        "hybrid_shard_zero2 and no_shard are exclusive",
+                        s);
     st = v;
   }
   if (st < 0)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "--fsdp '%s' names no sharding strategy; choices: " FSDP_CHOICES, s);
-  *stage = st;
+  *stage = st > 3 ? 3 : st;
+  if (hybrid) *hybrid = st > 3 ? st - 3 : 0;
   return DDP_OK;
 }
 
@@ -62,7 +69,7 @@ ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *sta
                       "--fsdp '%s' and --deepspeed %s: only one of FSDP and DeepSpeed can be "
                       "used (as in transformers' TrainingArguments)",
                       a->fsdp, a->deepspeed);
-  if (a->fsdp[0]) return fsdp_stage(a->fsdp, rank, stage, err);
+  if (a->fsdp[0]) return fsdp_stage(a->fsdp, rank, stage, NULL, err);
   if (a->deepspeed[0]) return deepspeed_stage(a->deepspeed, rank, stage, err);
   return DDP_OK;
 }
@@ -228,9 +235,13 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
   } else {
     memcpy(all, mine, sizeof mine);
   }
+  int stage = 0, hybrid = 0;
+  if (t->fsdp && t->a->fsdp[0]) (void)fsdp_stage(t->a->fsdp, t->rank, &stage, &hybrid, NULL);
   if (st == DDP_OK && j) {
     ddp__json_str(j, "sharding",
-                  t->fsdp                        ? "zero3"
+                  hybrid == 1                    ? "hybrid_shard"
+                  : hybrid == 2                  ? "hybrid_shard_zero2"
+                  : t->fsdp                      ? "zero3"
                   : !t->zero                     ? "ddp"
                   : ddp_zero_stage(t->zero) == 1 ? "zero1"
                                                  : "zero2");
@@ -252,7 +263,7 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
 
 #define FSDP_KEYS                                                                             \
   "transformer_layer_cls_to_wrap, min_num_params, reshard_after_forward, backward_prefetch, " \
-  "forward_prefetch, limit_all_gathers, version, state_dict_type"
+  "forward_prefetch, limit_all_gathers, version, state_dict_type, dp_shard_size"
 
 /* A switch of --fsdp_config: JSON true/false or Transformers' strings "true"/"false" (any
  * case); -1: neither. */
@@ -332,6 +343,11 @@ static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *
                                       : 0;
       version = (int)v;
       bad = v != 1 && v != 2 ? "1 or 2" : NULL;
+    } else if (!strcmp(k, "dp_shard_size")) {
+      /* hybrid sharding's node size (Accelerate's ParallelismConfig name; libddp) */
+      double v = cJSON_IsNumber(it) ? it->valuedouble : 0;
+      if (v >= 1 && v <= DDP_PG_MAX_WORLD && v == (int)v) o->shard_size = (int)v;
+      bad = o->shard_size ? NULL : "a whole number of ranks per node, at least 1";
     } else if (!strcmp(k, "state_dict_type")) {
       /* LOCAL_STATE_DICT (FSDP1's flat local shards) has no layout here */
       bool full = cJSON_IsString(it) && !strcmp(it->valuestring, "FULL_STATE_DICT");
@@ -372,8 +388,51 @@ static ddp_status_t fsdp_config(ddp__trainer_t *t, ddp_fsdp_options_t *o, char *
   return st;
 }
 
+/* --fsdp hybrid_shard / hybrid_shard_zero2 (docs/sharding.md, "Hybrid sharding"): the
+ * node size is fsdp_config's dp_shard_size, else the launcher's LOCAL_WORLD_SIZE, else W
+ * (ranks as threads are one process on one host: one node, FULL_SHARD's layout). */
+static ddp_status_t hybrid_setup(ddp__trainer_t *t, int hybrid, ddp_fsdp_options_t *o) {
+  const char *mode = hybrid == 2 ? "hybrid_shard_zero2" : "hybrid_shard";
+  if (!hybrid && o->shard_size)
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp_config: dp_shard_size %d applies to --fsdp hybrid_shard and "
+                      "hybrid_shard_zero2 only (--fsdp '%s')",
+                      o->shard_size, t->a->fsdp);
+  if (!hybrid) return DDP_OK;
+  const char *from = "--fsdp_config dp_shard_size";
+  if (!o->shard_size && strcmp(ddp_pg_backend_name(t->pg), "threads") != 0 &&
+      ddp_env_is_set(DDP_ENV_LOCAL_WORLD_SIZE)) {
+    int64_t v = 0;
+    DDP_CHECK(ddp_env_int(DDP_ENV_LOCAL_WORLD_SIZE, 1, DDP_PG_MAX_WORLD, &v, t->err));
+    o->shard_size = (int)v;
+    from = "the launcher's LOCAL_WORLD_SIZE";
+  }
+  if (!o->shard_size) {
+    o->shard_size = t->world;
+    from = "all ranks in one process: one node";
+  }
+  if (t->world % o->shard_size != 0)
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--fsdp %s: the node size %d (%s) does not divide the world size %d; "
+                      "every node must hold the same number of ranks",
+                      mode, o->shard_size, from, t->world);
+  if (t->fsdp_sharded_sd)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "--fsdp %s: SHARDED_STATE_DICT checkpoints are not built for hybrid "
+                      "sharding (every node holds the same shards); use \"state_dict_type\": "
+                      "\"FULL_STATE_DICT\"",
+                      mode);
+  if (hybrid == 2) o->reshard_after_forward = false; /* SHARD_GRAD_OP inside the node */
+  if (t->rank == 0)
+    ddp__log(t->rank, DDP_LOG_INFO, "fsdp: %s: %d node(s) of %d ranks (node size from %s)", mode,
+             t->world / o->shard_size, o->shard_size, from);
+  return DDP_OK;
+}
+
 ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   if (!t->zero3) return DDP_OK;
+  int stage = 0, hybrid = 0;
+  if (t->a->fsdp[0]) DDP_CHECK(fsdp_stage(t->a->fsdp, t->rank, &stage, &hybrid, t->err));
   ddp_fsdp_options_t o = DDP_FSDP_OPTIONS_INIT;
   char cls[DDP_TRAIN_STR_MAX] = "";
   /* auto_wrap's default, as Transformers': the model's layer class (_no_split_modules) */
@@ -385,6 +444,7 @@ ddp_status_t ddp__train_fsdp_setup(ddp__trainer_t *t) {
   o.backward_prefetch = DDP_FSDP_NO_PREFETCH;
   ddp__train_ds_fsdp_options(t, &o); /* --deepspeed's stage3_prefetch_bucket_size */
   if (t->a->fsdp_config[0]) DDP_CHECK(fsdp_config(t, &o, cls, sizeof cls));
+  DDP_CHECK(hybrid_setup(t, hybrid, &o));
   o.wrap_cls = cls;
   o.divide_in_place = t->a->gradient_as_bucket_view;
   DDP_CHECK(ddp__sync_grad_arith(t->a, t->rank, &o.arith, t->err));
@@ -494,6 +554,14 @@ ddp_status_t ddp__train_fsdp_resume(ddp__trainer_t *t) {
     clear_full(t);
     return st;
   }
+  int stage = 0, hybrid = 0;
+  if (t->a->fsdp[0]) DDP_CHECK(fsdp_stage(t->a->fsdp, t->rank, &stage, &hybrid, t->err));
+  if (hybrid)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "--fsdp %s: resuming %s, a SHARDED_STATE_DICT checkpoint, is not built for "
+                      "hybrid sharding; resume it with --fsdp full_shard and save with "
+                      "\"state_dict_type\": \"FULL_STATE_DICT\"",
+                      t->a->fsdp, t->resume_dir);
   int W = t->resume_shards;
   size_t cap = DDP_TRAIN_STR_MAX + 160;
   char *buf = ddp__calloc((size_t)W * 2, cap);

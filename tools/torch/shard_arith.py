@@ -9,6 +9,13 @@
         a ddp-train dump written with --dump_local_grads and --sharding_arithmetic NAME:
         every step's reduced gradient (grad.*) must equal, bit for bit, NAME's arithmetic
         applied here to the ranks' local gradients (local_grad.*); exit 1 otherwise
+    tools/torch/shard_arith.py --check_sgd DUMP MODEL --arith NAME --node_size L
+        hybrid sharding (--fsdp hybrid_shard): DUMP is a DDP run's one-step dump with
+        --dump_local_grads (its rank0/init.safetensors the weights), --optim sgd
+        --learning_rate 1 and no clipping; MODEL the
+        model.safetensors that the hybrid run of the same job saved after that step. Every
+        parameter must equal, bit for bit, weights - 1 * g, g NAME's arithmetic over nodes
+        of L ranks applied here to the local gradients
 
 Written from each framework's source (the division placement only; the sum is libddp's,
 in rank order, ((g_0 + g_1) + g_2) + ..., as every emulation below spells out):
@@ -32,6 +39,18 @@ in rank order, ((g_0 + g_1) + g_2) + ..., as every emulation below spells out):
 - deepspeed_allreduce: the same file with `"reduce_scatter": false`
   (`gradient_reduction_w_predivide`, postscale_gradients, predivide factor 1): allreduce
   SUM, then `tensor.mul_(1 / dp_world_size)`.
+
+Hybrid sharding (nodes of L ranks; `reduce(..., node_size=L)`): FSDP reduce-scatters
+inside the node and then all-reduces the shard across nodes, PyTorch 2.x
+`torch/distributed/fsdp/_runtime_utils.py` `_reduce_grad` (`_div_if_needed(grad,
+predivide)`, `reduce_scatter_tensor` over the node's `process_group`, `all_reduce` over
+`_inter_node_pg`, `_div_if_needed(grad, postdivide)`), with FSDP1's factors of the whole
+data-parallel size (`_init_utils.py` `_init_process_group_state`: `data_parallel_world_size
+*= state._inter_node_pg.size()`); FSDP2's `foreach_reduce` (`_fsdp_collectives.py`) with a
+`reduce_scatter_group` and an `all_reduce_group`, SUM-only: both sums, then `div_(W)`. The
+sum is ((g_0 + ... + g_(L-1)) + (g_L + ... + g_(2L-1))) + ..., each node's in rank order,
+then the nodes' in node order. ddp, deepspeed and deepspeed_allreduce are one sum over all
+ranks, which libddp's hybrid mode keeps (rank order), so node_size changes nothing for them.
 
 `tensor.div_(python_float)` on a CPU f32 tensor is a true division by the float rounded to
 f32 (aten's div_true_kernel); `tensor.mul_(python_float)` multiplies by it rounded to f32.
@@ -64,10 +83,21 @@ def rank_order_sum(parts):
     return acc
 
 
-def reduce(arith, grads, divide_in_place=False):
-    """The reduced gradient every rank ends with; grads[r] is rank r's local f32 gradient."""
+def reduce(arith, grads, divide_in_place=False, node_size=0):
+    """The reduced gradient every rank ends with; grads[r] is rank r's local f32 gradient;
+    node_size L (0: all ranks): hybrid sharding's nodes of L ranks."""
     world = len(grads)
     g = [x.clone() for x in grads]
+    if node_size and node_size != world and arith in ("fsdp1", "fsdp2"):
+        pre, post = fsdp1_factors(world) if arith == "fsdp1" else (1.0, float(world))
+        if pre > 1:
+            for x in g:
+                x.div_(pre)
+        nodes = [rank_order_sum(g[n:n + node_size]) for n in range(0, world, node_size)]
+        s = rank_order_sum(nodes)  # the all-reduce across nodes, in node order
+        if post > 1:
+            s.div_(post)
+        return s
     if arith == "ddp":  # reducer.cpp: bucket = grad * (1 / W); bucket view: bucket /= W
         for x in g:
             if divide_in_place:
@@ -154,6 +184,30 @@ def check(dump, arith, divide_in_place):
     return 1 if differ else 0
 
 
+def check_sgd(dump, model, arith, node_size):
+    ranks = sorted(glob.glob(os.path.join(dump, "rank*")))
+    steps = sorted(glob.glob(os.path.join(ranks[0], "step*.safetensors")))
+    if len(ranks) < 2 or len(steps) != 1:
+        raise SystemExit("%s: want a one-step dump of two or more ranks" % dump)
+    step = os.path.basename(steps[0])
+    local = [load_dump_step(os.path.join(r, step), "local_grad.") for r in ranks]
+    w0 = load_dump_step(os.path.join(ranks[0], "init.safetensors"), "param.")
+    got = load_dump_step(model, "")
+    checked = differ = 0
+    for name in local[0]:
+        g = reduce(arith, [lg[name] for lg in local], node_size=node_size)
+        want = w0[name].clone().add_(g, alpha=-1.0)  # torch.optim.SGD, lr 1
+        bad = int((got[name].view(torch.int32) != want.view(torch.int32)).sum())
+        checked += want.numel()
+        if bad:
+            differ += bad
+            print("%s: %d of %d elements differ from weights - %s's gradient over nodes of %d"
+                  % (name, bad, want.numel(), arith, node_size))
+    print("%s, nodes of %d: %d ranks, %d elements checked, %d differ"
+          % (arith, node_size, len(ranks), checked, differ))
+    return 1 if differ else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", action="store_true")
@@ -163,7 +217,12 @@ def main():
     ap.add_argument("--arith", choices=ARITHS)
     ap.add_argument("--divide_in_place", action="store_true",
                     help="ddp with gradient_as_bucket_view (x / W)")
+    ap.add_argument("--check_sgd", nargs=2, metavar=("DUMP", "MODEL"))
+    ap.add_argument("--node_size", type=int, default=0,
+                    help="hybrid sharding: ranks per node (0: one node)")
     a = ap.parse_args()
+    if a.check_sgd and a.arith:
+        return check_sgd(a.check_sgd[0], a.check_sgd[1], a.arith, a.node_size)
     if a.table:
         return table(a.n, a.seed)
     if a.check and a.arith:
