@@ -75,6 +75,53 @@ DDP_API void ddp_grad_arith_post(ddp_grad_arith_t a, int world, void *buf, size_
  * allreduce). The DDP handle owns the state once registered (free_state). */
 DDP_API ddp_status_t ddp_grad_arith_hook(ddp_grad_arith_t a, ddp_comm_hook_t *out);
 
+/* Each framework's clipping (docs/sharding.md, "Framework arithmetic"), the 2-norm only.
+ * Every norm below is libddp's kernel: the squares summed in f64 in element order, the
+ * square root rounded to the gradients' dtype (ddp_grad_norms), or, where DeepSpeed takes
+ * `g.double().norm(2)`, left in f64. The coefficient and the scaling of the gradients
+ * follow each framework's tensor operations, each rounded once.
+ *
+ * ddp_grad_arith_norm: the 2-norm of x[0..n) (f64: not rounded to dt).
+ * ddp_grad_arith_param_norm: the norm of the part of the full gradient g that rank owns
+ * in the framework's own layout, as its clipping takes it: FSDP2 the parameter's dim-0
+ * shard (torch.chunk, ceil(rows / W) rows a rank), DeepSpeed (both arithmetics) ZeRO-3's
+ * partition (ceil(numel / W) elements a rank, f64), any other the whole gradient. */
+DDP_API double ddp_grad_arith_norm(const void *x, size_t n, ddp_dtype_t dt, bool f64);
+DDP_API double ddp_grad_arith_param_norm(ddp_grad_arith_t a, int rank, int world,
+                                         const ddp_tensor_t *g);
+/* Collective. FSDP1's FullyShardedDataParallel.clip_grad_norm_ (local[k]: the norms of
+ * this rank's flat gradient shards, one per unit) and FSDP2's clip_grad_norm_ over DTensor
+ * shards (local[k]: each parameter's shard norm, _NormPartial): this rank's norm is the
+ * norm of its m norms, its square (in dt) is all-reduced (SUM, rank order), the total is
+ * the square root, and the n grads are multiplied by clip_grad_norm_'s coefficient
+ * (max_norm / (total + 1e-6), clamped to 1). *total_norm: the total. */
+DDP_API ddp_status_t ddp_grad_arith_clip_sharded(ddp_pg_t *pg, const double *local, size_t m,
+                                                 ddp_tensor_t *const *grads, size_t n,
+                                                 ddp_dtype_t dt, double max_norm,
+                                                 double *total_norm, ddp_error_t *err);
+/* Collective. DeepSpeed ZeRO-1/2 (stage_1_and_2.py scaled_global_norm,
+ * get_grad_norm_direct, unscale_and_clip_grads): grads[i] is every parameter's gradient
+ * (global order; groups of group_n[g]), holder[i] the one rank whose grads[i] counts (NULL:
+ * every rank holds every gradient). Each group's flat buffer is padded to a multiple of 2 W
+ * and cut into W partitions; each rank's pieces' f64 norms are squared and summed in f64,
+ * rounded to f32, summed over the ranks in rank order, square-rooted: the group's norm;
+ * the total is the norm of the groups' norms; the grads in scale[0..n) are multiplied by
+ * 1 / max(1, (total + 1e-6) / max_norm). */
+DDP_API ddp_status_t ddp_grad_arith_clip_deepspeed(ddp_pg_t *pg, ddp_tensor_t *const *grads,
+                                                   const int *holder, const size_t *group_n,
+                                                   size_t ngroups, ddp_tensor_t *const *scale,
+                                                   ddp_dtype_t dt, double max_norm,
+                                                   double *total_norm, ddp_error_t *err);
+/* Collective. DeepSpeed ZeRO-3 (stage3.py get_grad_norm_direct): sq[g] is this rank's sum,
+ * in f64, of the squared f64 norms of its partitions of group g's parameters (ngroups,
+ * overwritten); the sums are all-reduced in f64, each group's norm is their square root,
+ * the total the f64 norm of those, and the n grads are multiplied by the coefficient above
+ * computed in f64 and rounded to their dtype. */
+DDP_API ddp_status_t ddp_grad_arith_clip_deepspeed3(ddp_pg_t *pg, double *sq, size_t ngroups,
+                                                    ddp_tensor_t *const *grads, size_t n,
+                                                    double max_norm, double *total_norm,
+                                                    ddp_error_t *err);
+
 /* One parameter group: its optimizer's options and its (parameter, gradient) pairs, which
  * stay the caller's. Parameters of all groups are indexed globally: group 0's, then group
  * 1's, ... (torch.optim's state-dict indices). */
