@@ -239,10 +239,9 @@ static double deepspeed_coef(double total, double max_norm, bool f64) {
 }
 
 ddp_status_t ddp_grad_arith_clip_deepspeed(ddp_pg_t *pg, ddp_tensor_t *const *grads,
-                                           const int *holder, const size_t *group_n,
-                                           size_t ngroups, ddp_tensor_t *const *scale,
-                                           ddp_dtype_t dt, double max_norm, double *total_norm,
-                                           ddp_error_t *err) {
+                                           const int *holder, const size_t *group_n, size_t ngroups,
+                                           ddp_tensor_t *const *scale, ddp_dtype_t dt,
+                                           double max_norm, double *total_norm, ddp_error_t *err) {
   DDP_REQUIRE(pg && (grads || ngroups == 0) && group_n && scale && total_norm);
   DDP_REQUIRE(dt == DDP_F32 || dt == DDP_F64);
   int W = ddp_pg_size(pg), rank = ddp_pg_rank(pg);
@@ -283,7 +282,8 @@ ddp_status_t ddp_grad_arith_clip_deepspeed(ddp_pg_t *pg, ddp_tensor_t *const *gr
         size_t b = (a / psz[g] + 1) * psz[g];
         if (b > off + numel) b = off + numel;
         if (t->data && (!holder || holder[i] == rank))
-          pn[q] = ddp_grad_arith_norm((const unsigned char *)t->data + (a - off) * ddp_dtype_size(dt),
+          pn[q] = ddp_grad_arith_norm((const unsigned char *)t->data +
+                                          (a - off) * ddp_dtype_size(dt),
                                       b - a, dt, true);
         a = b;
       }

@@ -639,11 +639,10 @@ static ddp_status_t clip_framework(ddp_fsdp_t *f, double max_norm, double *total
     else if (f->group[i] >= 0) /* each optimizer group is a sub-group */
       v[f->group[i]] += f->norms[i] * f->norms[i];
   }
-  ddp_status_t st =
-      ds ? ddp_grad_arith_clip_deepspeed3(f->pg, v, f->ngroups, f->clip, f->ntrain, max_norm,
-                                          total_norm, err)
-         : ddp_grad_arith_clip_sharded(f->pg, v, m, f->clip, f->ntrain, f->dt, max_norm,
-                                       total_norm, err);
+  ddp_status_t st = ds ? ddp_grad_arith_clip_deepspeed3(f->pg, v, f->ngroups, f->clip, f->ntrain,
+                                                        max_norm, total_norm, err)
+                       : ddp_grad_arith_clip_sharded(f->pg, v, m, f->clip, f->ntrain, f->dt,
+                                                     max_norm, total_norm, err);
   ddp__free(v);
   return st;
 }
