@@ -151,7 +151,53 @@ def table(n, seed):
             diff = int((got.view(torch.int32) != ref.view(torch.int32)).sum())
             cells.append("yes" if diff == 0 else "no (%d of %d differ)" % (diff, n))
         print("| %s | %s |" % (arith, " | ".join(cells)))
+    clip_table(gen, worlds)
     return 0
+
+
+# the digits MLP's parameters (registration order), for the clipping table
+MLP = (("0.weight", (128, 64)), ("0.bias", (128,)), ("2.weight", (128, 128)), ("2.bias", (128,)),
+       ("4.weight", (10, 128)), ("4.bias", (10,)))
+
+
+def clip_coef(framework, total, max_norm):
+    """The coefficient each framework multiplies the gradients by, as its tensor ops round."""
+    if framework == "deepspeed":  # unscale_and_clip_grads, loss_scale 1, total's dtype
+        clip = torch.clamp(((total / 1.0) + 1e-6) / max_norm, min=1.0)
+        return (1.0 / clip).float()
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_ (and FSDP's)
+
+
+def clip_table(gen, worlds, trials=20, max_norm=0.5):
+    """With clipping active: whether each arithmetic and mode ends with DDP's clipped
+    gradients, bit for bit, over `trials` draws of the MLP's gradients on each rank."""
+    names = [n for n, _ in MLP]
+    shapes = dict(MLP)
+    rows = (("fsdp1", "zero1", "zero2"), ("fsdp1", "zero3"), ("fsdp2", "zero3"),
+            ("deepspeed", "zero1", "zero2"), ("deepspeed", "zero3"),
+            ("deepspeed_allreduce", "zero1", "zero2"))
+    print()
+    print("| arithmetic, modes (clipping active) | " + " | ".join("W = %d" % w for w in worlds) + " |")
+    print("|---|" + "---|" * len(worlds))
+    for row in rows:
+        arith, mode = row[0], row[1]
+        cells = []
+        for w in worlds:
+            bad = 0
+            for _ in range(trials):
+                local = [{n: torch.randn(shapes[n], generator=gen) * 10 ** (torch.rand((), generator=gen) * 2 - 1)
+                          for n in names} for _ in range(w)]
+                out = {}
+                for a, m in ((arith, mode), ("ddp", "ddp")):
+                    grads = {n: reduce(a, [lg[n].flatten() for lg in local]) for n in names}
+                    total, _ = total_norm(a, m, grads, shapes, names, w, [names])
+                    fw = "deepspeed" if a.startswith("deepspeed") else "torch"
+                    coef = clip_coef(fw, total, max_norm)
+                    out[a] = torch.cat([grads[n] * coef for n in names])
+                got, ref = out[arith], out["ddp"]
+                bad += int(bool((got.view(torch.int32) != ref.view(torch.int32)).any()))
+            cells.append("yes" if bad == 0 else "no (%d of %d draws differ)" % (bad, trials))
+        print("| %s %s | %s |" % (arith, "/".join("ZeRO-" + m[-1] for m in row[1:]), " | ".join(cells)))
 
 
 def load_dump_step(path, prefix):
