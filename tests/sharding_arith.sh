@@ -13,7 +13,7 @@
 #   and deepspeed (FSDP1's flat-shard norm, FSDP2's DTensor norm, DeepSpeed ZeRO-3's
 #   partition norm), from the dump of DDP under the same arithmetic without clipping
 #   (ZeRO-3 writes no dump; without clipping both runs hold the same parameters), equals
-#   the emulation's; DDP's order differs from DeepSpeed's on that dump (the check can fail).
+#   the emulation's; DDP's order differs from each on some step (the check can fail).
 # - At W = 3, ZeRO-1, ZeRO-2 and ZeRO-3 with each arithmetic end with the parameter hash of
 #   DDP with that arithmetic where the framework clips in DDP's order (ddp; fsdp1 and fsdp2
 #   at ZeRO-1/2), and off it, with clipping active, where its own order changes the norm
@@ -139,5 +139,8 @@ for a in fsdp1 fsdp2 deepspeed; do
     --sharding_arithmetic $a --deepspeed ds3.json >/dev/null
   "$py" "$emu" --check_norms "dnorm-$a" --arith $a --mode zero3 \
     --metrics "norm-$a-z3/metrics.jsonl" || fail "$a ZeRO-3: the gradient norms differ"
+  "$py" "$emu" --check_norms "dnorm-$a" --arith $a --mode ddp \
+    --metrics "norm-$a-z3/metrics.jsonl" >"$a-ddp-order.log" &&
+    fail "$a ZeRO-3: DDP's norm order matches on every step: the check cannot tell them apart"
 done
 echo "PASS"

@@ -139,7 +139,9 @@ typedef struct ddp_zero_options {
    * by W (gradient_as_bucket_view). Equal for W a power of two. */
   bool divide_in_place;
   /* Stage 2: where the reduce-scatter divides (DDP: as above). Stage 1 uses the DDP
-   * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. */
+   * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. Both
+   * stages: DEEPSPEED and DEEPSPEED_ALLREDUCE clip as DeepSpeed ZeRO-1/2 does
+   * (ddp_grad_arith_clip_deepspeed); the others in DDP's order. */
   ddp_grad_arith_t arith;
 } ddp_zero_options_t;
 
@@ -254,7 +256,8 @@ typedef struct ddp_fsdp_options {
   int64_t min_num_params;
   bool reshard_after_forward; /* true (FULL_SHARD) */
   bool divide_in_place;       /* as ddp_zero_options_t */
-  ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post */
+  ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post;
+                               * and clipping: FSDP1, FSDP2 and DeepSpeed ZeRO-3's orders */
   /* Prefetch (docs/sharding.md, "Prefetch"): which unit's all-gather is issued early, as
    * an asynchronous collective that runs while this rank computes. They move collectives
    * in the group's issue order, never what they compute: every setting ends with the same
@@ -305,7 +308,9 @@ DDP_API ddp_status_t ddp_fsdp_begin(ddp_fsdp_t *f, bool train, bool sync, ddp_er
 DDP_API ddp_status_t ddp_fsdp_end(ddp_fsdp_t *f, ddp_error_t *err);
 /* clip_grad_norm_ (norm 2) over the reduced gradients: the norms taken at reduction,
  * summed in parameter order; equal bit for bit to ddp_clip_grad_norm over DDP's
- * gradients. */
+ * gradients. With another arith, that framework's clipping (docs/sharding.md, "Clipping"):
+ * FSDP1 over each unit's flat shard, FSDP2 over each parameter's dim-0 shard, DeepSpeed
+ * (both arithmetics) over ZeRO-3's per-parameter partitions. */
 DDP_API ddp_status_t ddp_fsdp_clip_grad_norm(ddp_fsdp_t *f, double max_norm, double *total_norm,
                                              ddp_error_t *err);
 /* Steps this rank's shard at lr (no communication: the next forward gathers). */
