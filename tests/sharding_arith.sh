@@ -13,7 +13,8 @@
 #   and deepspeed (FSDP1's flat-shard norm, FSDP2's DTensor norm, DeepSpeed ZeRO-3's
 #   partition norm), from the dump of DDP under the same arithmetic without clipping
 #   (ZeRO-3 writes no dump; without clipping both runs hold the same parameters), equals
-#   the emulation's; DDP's order differs from each on some step (the check can fail).
+#   the emulation's; DDP's order differs from each on some step (the check can fail); the
+#   ZeRO-3 ones again on GPT-2 tiny (three units, two parameter groups).
 # - At W = 3, ZeRO-1, ZeRO-2 and ZeRO-3 with each arithmetic end with the parameter hash of
 #   DDP with that arithmetic where the framework clips in DDP's order (ddp; fsdp1 and fsdp2
 #   at ZeRO-1/2), and off it, with clipping active, where its own order changes the norm
@@ -142,5 +143,25 @@ for a in fsdp1 fsdp2 deepspeed; do
   "$py" "$emu" --check_norms "dnorm-$a" --arith $a --mode ddp \
     --metrics "norm-$a-z3/metrics.jsonl" >"$a-ddp-order.log" &&
     fail "$a ZeRO-3: DDP's norm order matches on every step: the check cannot tell them apart"
+done
+# GPT-2 tiny: three ZeRO-3 units (the root: embeddings and ln_f; one per GPT2Block) and
+# Transformers' two groups (LayerNorm weights and biases without decay)
+printf '%s\n' '{"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 32,' \
+  '"n_layer": 2, "n_head": 4}' >gpt2.json
+gpt=(--model gpt2.json --data "$root/tests/data/kjv_genesis_exodus.txt" --block_size 16
+  --per_device_train_batch_size 2 --learning_rate 1e-3 --max_steps 4 --logging_steps 1
+  --max_grad_norm 0)
+for a in fsdp1 fsdp2 deepspeed; do
+  run "gnorm-$a" 3 "${gpt[@]}" --sharding_arithmetic $a --dump_dir "dgnorm-$a" \
+    --dump_local_grads true >/dev/null
+  run "gnorm-$a-z3" 3 "${gpt[@]}" --sharding_arithmetic $a --deepspeed ds3.json >/dev/null
+  units=$("$py" -c 'import json, sys
+names = json.load(open(sys.argv[1]))["param_names"]
+blocks = sorted({".".join(n.split(".")[:3]) for n in names if n.startswith("transformer.h.")})
+units = [[n for n in names if not n.startswith("transformer.h.")]]
+units += [[n for n in names if n.startswith(b + ".")] for b in blocks]
+print(";".join(",".join(u) for u in units))' "dgnorm-$a/rank0/ddp.json")
+  "$py" "$emu" --check_norms "dgnorm-$a" --arith $a --mode zero3 --units "$units" \
+    --metrics "gnorm-$a-z3/metrics.jsonl" || fail "GPT-2 $a ZeRO-3: the gradient norms differ"
 done
 echo "PASS"
