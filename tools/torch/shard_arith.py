@@ -303,7 +303,7 @@ def total_norm(arith, mode, grads, shapes, names, world, units):
         return lnorm(torch.stack(gns), True), True
     if mode in ("zero1", "zero2") and ds:
         gns = []
-        for grp in decay_groups(names):
+        for grp in [g for g in decay_groups(names) if g]:
             flat = torch.cat([grads[n].flatten() for n in grp])
             align = 2 * world
             psz = -(-flat.numel() // align) * align // world
