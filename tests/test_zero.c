@@ -4,7 +4,9 @@
  * rank with the smallest total, totals shared across groups), and the sharded clip
  * (ddp_zero_clip_grad_norm) against ddp_clip_grad_norm over the full averaged gradients,
  * bit for bit, at stage 1 (gradients already averaged) and stage 2 (after the
- * reduce-scatter of local gradients, against DDP's x fl(1/W) rank-order sum). */
+ * reduce-scatter of local gradients, against DDP's x fl(1/W) rank-order sum); with
+ * --sharding_arithmetic deepspeed, DeepSpeed ZeRO-1/2's clipping (written out below) at
+ * both stages. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -190,6 +192,130 @@ static void test_clip_stage2(void **state) {
   clip(2, 4, 1.0);
 }
 
+/* ---------------------------------------------------------------- DeepSpeed's clip  */
+
+/* DeepSpeed ZeRO-1/2's clipping (stage_1_and_2.py), written out for one group of the
+ * SHAPES above: the flat group padded to a multiple of 2 W and cut into W partitions;
+ * rank r's share is the f32 rounding of the f64 sum of its pieces' squared f64 norms; the
+ * group norm the f32 square root of the shares summed in rank order; the total that norm
+ * (the norm of one group norm); the coefficient 1 / max(1, (total + 1e-6) / max_norm) in
+ * f32. avg[i] are the averaged gradients. */
+static float deepspeed_ref(float *const *avg, int W, double max_norm, float *coef) {
+  size_t total = 0, align = 2 * (size_t)W;
+  for (size_t i = 0; i < NP; i++) total += (size_t)SHAPES[i];
+  size_t psz = (total + align - 1) / align * align / (size_t)W;
+  float sum = 0;
+  for (int r = 0; r < W; r++) {
+    double share = 0;
+    for (size_t i = 0, off = 0; i < NP; off += (size_t)SHAPES[i], i++) {
+      size_t lo = off > (size_t)r * psz ? off : (size_t)r * psz;
+      size_t hi = off + (size_t)SHAPES[i] < (size_t)(r + 1) * psz ? off + (size_t)SHAPES[i]
+                                                                  : (size_t)(r + 1) * psz;
+      if (lo >= hi) continue;
+      double acc = 0;
+      for (size_t k = lo; k < hi; k++) acc += (double)avg[i][k - off] * avg[i][k - off];
+      share += sqrt(acc) * sqrt(acc);
+    }
+    sum = r ? sum + (float)share : (float)share;
+  }
+  float gn = sqrtf(sum), t = (float)sqrt((double)gn * gn);
+  float c = (t + 1e-6f) / (float)max_norm;
+  *coef = 1.0f / (c < 1.0f ? 1.0f : c);
+  return t;
+}
+
+static int ds_clip_rank(ddp_test_rank_t *tr, void *arg) {
+  const clip_cfg_t *cfg = arg;
+  int rank = ddp_test_rank(tr), W = ddp_test_world_size(tr);
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "threads";
+  o.store = cfg->store;
+  o.timeout_ms = 20000;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  if (st != DDP_OK) return st;
+  ddp_tensor_t p[NP], g[NP], ref[NP];
+  float *refd[NP];
+  ddp_optim_param_t pairs[NP];
+  for (size_t i = 0; i < NP; i++) {
+    ddp_tensor_alloc(&p[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&g[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&ref[i], DDP_F32, 1, &SHAPES[i]);
+    float *gd = g[i].data, *rd = ref[i].data;
+    for (int64_t k = 0; k < SHAPES[i]; k++) {
+      /* DeepSpeed's average (average_tensor): each rank's gradient / W, rank-order sum */
+      float avg = 0;
+      for (int q = 0; q < W; q++)
+        avg = q ? avg + gval(q, i, k) / (float)W : gval(q, i, k) / (float)W;
+      rd[k] = avg;
+      gd[k] = cfg->stage == 1 ? avg : gval(rank, i, k);
+    }
+    refd[i] = rd;
+    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+  float coef, want = deepspeed_ref(refd, W, cfg->max_norm, &coef);
+  for (size_t i = 0; i < NP; i++)
+    for (int64_t k = 0; k < SHAPES[i]; k++) refd[i][k] = refd[i][k] * coef;
+  ddp_zero_group_t grp = {DDP_ADAMW_OPTIONS_INIT, pairs, NP};
+  ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
+  zo.stage = cfg->stage;
+  zo.arith = DDP_GRAD_ARITH_DEEPSPEED;
+  ddp_zero_t *z = NULL;
+  ddp_error_t err = {0};
+  double total = -1;
+  st = ddp_zero_create(pg, &zo, &grp, 1, &z, &err);
+  if (st == DDP_OK) st = ddp_zero_reduce_grads(z, &err);
+  if (st == DDP_OK) st = ddp_zero_clip_grad_norm(z, cfg->max_norm, &total, &err);
+  if (st != DDP_OK) ddp_test_say(tr, "%s", err.msg);
+  int bad = 0;
+  if (st == DDP_OK && total != (double)want) {
+    ddp_test_say(tr, "total norm %.9g, DeepSpeed's %.9g", total, (double)want);
+    bad = 1;
+  }
+  for (size_t i = 0; st == DDP_OK && i < NP && !bad; i++)
+    if (ddp_zero_owner(z, i) == rank &&
+        memcmp(g[i].data, ref[i].data, ddp_tensor_nbytes(&ref[i])) != 0) {
+      ddp_test_say(tr, "parameter %zu: clipped gradient differs from DeepSpeed's", i);
+      bad = 1;
+    }
+  ddp_test_put(tr, &total, sizeof total);
+  ddp_zero_destroy(z);
+  for (size_t i = 0; i < NP; i++) {
+    ddp_tensor_free(&p[i]);
+    ddp_tensor_free(&g[i]);
+    ddp_tensor_free(&ref[i]);
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st != DDP_OK ? (int)st : bad ? 1 : 0;
+}
+
+/* --sharding_arithmetic deepspeed at stages 1 (every rank takes every piece's norm) and 2
+ * (each owner its own, all-reduced): DeepSpeed's per-partition norm and coefficient above,
+ * bit for bit, the same total on every rank (at W = 3 both partition boundaries cut
+ * parameter 1, 300 elements). */
+static void test_clip_deepspeed(void **state) {
+  (void)state;
+  const int worlds[] = {2, 3, 4};
+  for (int stage = 1; stage <= 2; stage++)
+    for (size_t w = 0; w < sizeof worlds / sizeof *worlds; w++) {
+      clip_cfg_t cfg = {stage, 0.5, ddp_test_memory_store()};
+      ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+      o.world = worlds[w];
+      ddp_test_results_t *res = ddp_test_spawn(&o, ds_clip_rank, &cfg);
+      ddp_test_expect_all(res, 0);
+      double first;
+      memcpy(&first, ddp_test_result(res, 0)->values, sizeof first);
+      for (int r = 1; r < worlds[w]; r++)
+        assert_memory_equal(ddp_test_result(res, r)->values, &first, sizeof first);
+      print_message("deepspeed stage %d W=%d: total norm %.9g\n", stage, worlds[w], first);
+      assert_true(first > 0.5);
+      ddp_test_results_free(res);
+      ddp_store_destroy(cfg.store);
+    }
+}
+
 /* ---------------------------------------------------------------- consolidation --- */
 
 /* Shards of one AdamW group (parameters 0 and 2 in one, 1 in the other, saved under their
@@ -280,9 +406,8 @@ static void test_consolidate(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_partition_by_hand),
-      cmocka_unit_test(test_clip_stage1),
-      cmocka_unit_test(test_clip_stage2),
+      cmocka_unit_test(test_partition_by_hand), cmocka_unit_test(test_clip_stage1),
+      cmocka_unit_test(test_clip_stage2),       cmocka_unit_test(test_clip_deepspeed),
       cmocka_unit_test(test_consolidate),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

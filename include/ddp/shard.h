@@ -75,6 +75,53 @@ DDP_API void ddp_grad_arith_post(ddp_grad_arith_t a, int world, void *buf, size_
  * allreduce). The DDP handle owns the state once registered (free_state). */
 DDP_API ddp_status_t ddp_grad_arith_hook(ddp_grad_arith_t a, ddp_comm_hook_t *out);
 
+/* Each framework's clipping (docs/sharding.md, "Framework arithmetic"), the 2-norm only.
+ * Every norm below is libddp's kernel: the squares summed in f64 in element order, the
+ * square root rounded to the gradients' dtype (ddp_grad_norms), or, where DeepSpeed takes
+ * `g.double().norm(2)`, left in f64. The coefficient and the scaling of the gradients
+ * follow each framework's tensor operations, each rounded once.
+ *
+ * ddp_grad_arith_norm: the 2-norm of x[0..n) (f64: not rounded to dt).
+ * ddp_grad_arith_param_norm: the norm of the part of the full gradient g that rank owns
+ * in the framework's own layout, as its clipping takes it: FSDP2 the parameter's dim-0
+ * shard (torch.chunk, ceil(rows / W) rows a rank), DeepSpeed (both arithmetics) ZeRO-3's
+ * partition (ceil(numel / W) elements a rank, f64), any other the whole gradient. */
+DDP_API double ddp_grad_arith_norm(const void *x, size_t n, ddp_dtype_t dt, bool f64);
+DDP_API double ddp_grad_arith_param_norm(ddp_grad_arith_t a, int rank, int world,
+                                         const ddp_tensor_t *g);
+/* Collective. FSDP1's FullyShardedDataParallel.clip_grad_norm_ (local[k]: the norms of
+ * this rank's flat gradient shards, one per unit) and FSDP2's clip_grad_norm_ over DTensor
+ * shards (local[k]: each parameter's shard norm, _NormPartial): this rank's norm is the
+ * norm of its m norms, its square (in dt) is all-reduced (SUM, rank order), the total is
+ * the square root, and the n grads are multiplied by clip_grad_norm_'s coefficient
+ * (max_norm / (total + 1e-6), clamped to 1). *total_norm: the total. */
+DDP_API ddp_status_t ddp_grad_arith_clip_sharded(ddp_pg_t *pg, const double *local, size_t m,
+                                                 ddp_tensor_t *const *grads, size_t n,
+                                                 ddp_dtype_t dt, double max_norm,
+                                                 double *total_norm, ddp_error_t *err);
+/* Collective. DeepSpeed ZeRO-1/2 (stage_1_and_2.py scaled_global_norm,
+ * get_grad_norm_direct, unscale_and_clip_grads): grads[i] is every parameter's gradient
+ * (global order; groups of group_n[g]), holder[i] the one rank whose grads[i] counts (NULL:
+ * every rank holds every gradient). Each group's flat buffer is padded to a multiple of 2 W
+ * and cut into W partitions; each rank's pieces' f64 norms are squared and summed in f64,
+ * rounded to f32, summed over the ranks in rank order, square-rooted: the group's norm;
+ * the total is the norm of the groups' norms; the grads in scale[0..n) are multiplied by
+ * 1 / max(1, (total + 1e-6) / max_norm). */
+DDP_API ddp_status_t ddp_grad_arith_clip_deepspeed(ddp_pg_t *pg, ddp_tensor_t *const *grads,
+                                                   const int *holder, const size_t *group_n,
+                                                   size_t ngroups, ddp_tensor_t *const *scale,
+                                                   ddp_dtype_t dt, double max_norm,
+                                                   double *total_norm, ddp_error_t *err);
+/* Collective. DeepSpeed ZeRO-3 (stage3.py get_grad_norm_direct): sq[g] is this rank's sum,
+ * in f64, of the squared f64 norms of its partitions of group g's parameters (ngroups,
+ * overwritten); the sums are all-reduced in f64, each group's norm is their square root,
+ * the total the f64 norm of those, and the n grads are multiplied by the coefficient above
+ * computed in f64 and rounded to their dtype. */
+DDP_API ddp_status_t ddp_grad_arith_clip_deepspeed3(ddp_pg_t *pg, double *sq, size_t ngroups,
+                                                    ddp_tensor_t *const *grads, size_t n,
+                                                    double max_norm, double *total_norm,
+                                                    ddp_error_t *err);
+
 /* One parameter group: its optimizer's options and its (parameter, gradient) pairs, which
  * stay the caller's. Parameters of all groups are indexed globally: group 0's, then group
  * 1's, ... (torch.optim's state-dict indices). */
@@ -92,7 +139,9 @@ typedef struct ddp_zero_options {
    * by W (gradient_as_bucket_view). Equal for W a power of two. */
   bool divide_in_place;
   /* Stage 2: where the reduce-scatter divides (DDP: as above). Stage 1 uses the DDP
-   * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. */
+   * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. Both
+   * stages: DEEPSPEED and DEEPSPEED_ALLREDUCE clip as DeepSpeed ZeRO-1/2 does
+   * (ddp_grad_arith_clip_deepspeed); the others in DDP's order. */
   ddp_grad_arith_t arith;
 } ddp_zero_options_t;
 
@@ -207,7 +256,8 @@ typedef struct ddp_fsdp_options {
   int64_t min_num_params;
   bool reshard_after_forward; /* true (FULL_SHARD) */
   bool divide_in_place;       /* as ddp_zero_options_t */
-  ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post */
+  ddp_grad_arith_t arith;     /* as ddp_zero_options_t: pre-divide, reduce-scatter, post;
+                               * and clipping: FSDP1, FSDP2 and DeepSpeed ZeRO-3's orders */
   /* Prefetch (docs/sharding.md, "Prefetch"): which unit's all-gather is issued early, as
    * an asynchronous collective that runs while this rank computes. They move collectives
    * in the group's issue order, never what they compute: every setting ends with the same
@@ -272,7 +322,9 @@ DDP_API ddp_status_t ddp_fsdp_begin(ddp_fsdp_t *f, bool train, bool sync, ddp_er
 DDP_API ddp_status_t ddp_fsdp_end(ddp_fsdp_t *f, ddp_error_t *err);
 /* clip_grad_norm_ (norm 2) over the reduced gradients: the norms taken at reduction,
  * summed in parameter order; equal bit for bit to ddp_clip_grad_norm over DDP's
- * gradients. */
+ * gradients. With another arith, that framework's clipping (docs/sharding.md, "Clipping"):
+ * FSDP1 over each unit's flat shard, FSDP2 over each parameter's dim-0 shard, DeepSpeed
+ * (both arithmetics) over ZeRO-3's per-parameter partitions. */
 DDP_API ddp_status_t ddp_fsdp_clip_grad_norm(ddp_fsdp_t *f, double max_norm, double *total_norm,
                                              ddp_error_t *err);
 /* Steps this rank's shard at lr (no communication: the next forward gathers). */

@@ -268,8 +268,7 @@ static ddp_status_t finish_unit(ddp_fsdp_t *f, size_t ui) {
       ddp_param_t *p = ddp_model_param(f->model, u->idx[k]);
       ddp_tensor_t g = p->value;
       g.data = u->gfull + u->off[k] * f->esz;
-      ddp_tensor_t *gp = &g;
-      ddp_grad_norms(&gp, 1, &f->norms[u->idx[k]]);
+      f->norms[u->idx[k]] = ddp_grad_arith_param_norm(f->opts.arith, f->rank, f->world, &g);
     }
     for (size_t q = 0; q < f->npieces; q++)
       if (f->piece_unit[q] == ui) f->pg_[q].data = u->gshard + f->piece_at[q] * f->esz;
@@ -655,10 +654,37 @@ ddp_status_t ddp_fsdp_end(ddp_fsdp_t *f, ddp_error_t *err) {
   return st;
 }
 
+/* --sharding_arithmetic's clipping (arith.c): FSDP1's over each unit's flat gradient
+ * shard, FSDP2's and DeepSpeed ZeRO-3's over the norms finish_unit took of each
+ * parameter's shard in their layouts. */
+static ddp_status_t clip_framework(ddp_fsdp_t *f, double max_norm, double *total_norm,
+                                   ddp_error_t *err) {
+  ddp_grad_arith_t a = f->opts.arith;
+  bool ds = a == DDP_GRAD_ARITH_DEEPSPEED || a == DDP_GRAD_ARITH_DEEPSPEED_ALLREDUCE;
+  size_t m = 0, cap = ds ? f->ngroups : a == DDP_GRAD_ARITH_FSDP1 ? f->nunits : f->ntrain;
+  double *v = ddp__calloc(cap ? cap : 1, sizeof *v);
+  if (!v) return ddp__error(err, f->rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory");
+  for (size_t ui = 0; a == DDP_GRAD_ARITH_FSDP1 && ui < f->nunits; ui++)
+    if (f->u[ui].gshard) v[m++] = ddp_grad_arith_norm(f->u[ui].gshard, f->u[ui].S, f->dt, false);
+  for (size_t i = 0; a != DDP_GRAD_ARITH_FSDP1 && i < f->nparams; i++) {
+    if (!ddp_model_param(f->model, i)->requires_grad) continue;
+    if (!ds)
+      v[m++] = f->norms[i];
+    else if (f->group[i] >= 0) /* each optimizer group is a sub-group */
+      v[f->group[i]] += f->norms[i] * f->norms[i];
+  }
+  ddp_status_t st = ds ? ddp_grad_arith_clip_deepspeed3(f->pg, v, f->ngroups, f->clip, f->ntrain,
+                                                        max_norm, total_norm, err)
+                       : ddp_grad_arith_clip_sharded(f->pg, v, m, f->clip, f->ntrain, f->dt,
+                                                     max_norm, total_norm, err);
+  ddp__free(v);
+  return st;
+}
+
 ddp_status_t ddp_fsdp_clip_grad_norm(ddp_fsdp_t *f, double max_norm, double *total_norm,
                                      ddp_error_t *err) {
   DDP_REQUIRE(f && f->magic == FSDP_MAGIC && total_norm);
-  (void)err;
+  if (f->opts.arith != DDP_GRAD_ARITH_DDP) return clip_framework(f, max_norm, total_norm, err);
   double *norms = ddp__calloc(f->ntrain ? f->ntrain : 1, sizeof *norms);
   if (!norms) return ddp__error(err, f->rank, DDP_ERR_NO_MEMORY, "fsdp: out of memory");
   for (size_t i = 0, t = 0; i < f->nparams; i++)

@@ -284,9 +284,26 @@ ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err) {
   return DDP_OK;
 }
 
+/* --sharding_arithmetic deepspeed or deepspeed_allreduce: DeepSpeed ZeRO-1/2's clipping
+ * (arith.c); stage 2's gradients are held by their owners. */
+static ddp_status_t clip_deepspeed(ddp_zero_t *z, double max_norm, double *total_norm,
+                                   ddp_error_t *err) {
+  ddp_tensor_t **g = ddp__calloc(z->n ? z->n : 1, sizeof *g);
+  if (!g) return ddp__error(err, z->rank, DDP_ERR_NO_MEMORY, "zero: out of memory");
+  for (size_t i = 0; i < z->n; i++) g[i] = z->params[i].grad;
+  ddp_status_t st = ddp_grad_arith_clip_deepspeed(z->pg, g, z->opts.stage == 2 ? z->owner : NULL,
+                                                  z->gn, z->ngroups, z->clip, z->dt, max_norm,
+                                                  total_norm, err);
+  ddp__free(g);
+  return st;
+}
+
 ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *total_norm,
                                      ddp_error_t *err) {
   DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  if (z->opts.arith == DDP_GRAD_ARITH_DEEPSPEED ||
+      z->opts.arith == DDP_GRAD_ARITH_DEEPSPEED_ALLREDUCE)
+    return clip_deepspeed(z, max_norm, total_norm, err);
   ddp_grad_norms(z->clip, z->n, z->norms); /* 0 for the slots of other owners */
   if (z->n)
     DDP_CHECK(

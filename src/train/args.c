@@ -111,8 +111,8 @@ static const arg_field_t fields[] = {
           "HF: FSDP config (JSON file or object): transformer_layer_cls_to_wrap, "
           "min_num_params, reshard_after_forward"),
     F_STR(sharding_arithmetic, "ddp",
-          "libddp: where the gradient reduction divides: ddp, fsdp1, fsdp2, deepspeed, "
-          "deepspeed_allreduce"),
+          "libddp: whose gradient arithmetic (where the reduction divides, the clipping "
+          "norm's order): ddp, fsdp1, fsdp2, deepspeed, deepspeed_allreduce"),
     F_INT(world_size_invariant_shards, 0, 65536, "0",
           "libddp: K shards per global batch: the same bits for any world size (0: off)"),
     F_BOOL(overwrite_output_dir, "false",

@@ -54,10 +54,46 @@ ranks, which libddp's hybrid mode keeps (rank order), so node_size changes nothi
 
 `tensor.div_(python_float)` on a CPU f32 tensor is a true division by the float rounded to
 f32 (aten's div_true_kernel); `tensor.mul_(python_float)` multiplies by it rounded to f32.
+
+    tools/torch/shard_arith.py --check_norms DUMP --arith NAME --mode MODE --metrics FILE
+        every step's total gradient norm, as NAME's framework takes it for clipping in MODE
+        (ddp, zero1, zero2, zero3), from the ranks' local gradients of DUMP (local_grad.*;
+        a ZeRO-2 dump's grad.* are its local gradients), reduced as above, must equal the
+        grad_norm FILE (a metrics.jsonl written with --logging_steps 1) logged for that
+        step, to the log's 9 significant digits (every bit of an f32 norm); exit 1
+        otherwise. --units 'a,b;c,d' names ZeRO-3's units (default: one unit, the model).
+
+Each framework's clipping (the 2-norm), written from its source; every norm here is
+libddp's kernel (`lnorm`: the squares summed in f64 in element order, the square root
+rounded to f32, or kept in f64 where DeepSpeed takes `g.double().norm(2)`), the sums over
+ranks are rank order:
+
+- ddp (and FSDP1 NO_SHARD, FSDP at ZeRO-1/2 here): PyTorch 1.13
+  `torch/nn/utils/clip_grad.py` `clip_grad_norm_`: the norm of the per-tensor norms.
+- fsdp1 at ZeRO-3: `torch/distributed/fsdp/fully_sharded_data_parallel.py`
+  `FullyShardedDataParallel.clip_grad_norm_` (use_orig_params=False): each rank's
+  `_get_grad_norm` over its flat gradient shards (one per unit; PyTorch iterates a set of
+  them, libddp takes unit order), `local ** 2` all-reduced, `** (1 / 2)`.
+- fsdp2 at ZeRO-3: `clip_grad_norm_` over DTensor gradients sharded on dim 0
+  (`torch.chunk`, ceil(rows / W) rows a rank): each rank's norm of its shards' norms is a
+  `_NormPartial` (`torch/distributed/tensor/_ops/_math_ops.py`): `** 2`, all-reduce SUM,
+  `** (1 / 2)`.
+- deepspeed, deepspeed_allreduce at ZeRO-1/2: DeepSpeed `runtime/zero/stage_1_and_2.py`
+  `scaled_global_norm` / `get_grad_norm_direct`: per parameter group, the flat group
+  padded to a multiple of 2 W (`nccl_start_alignment_factor`), cut into W partitions
+  (`get_data_parallel_partitions`, `get_partition_info`); each rank's pieces'
+  `g.double()` norms squared and summed in f64, `.float()`, all-reduced, `** (1 / 2)`;
+  the total the norm of the groups' norms. `unscale_and_clip_grads`: the gradients times
+  1 / max(1, (total + 1e-6) / clip_grad).
+- deepspeed at ZeRO-3: DeepSpeed `runtime/zero/stage3.py` `get_grad_norm_direct`: each
+  parameter's partition (ceil(numel / W) elements a rank), f64 norms, squared and summed
+  in f64, all-reduced in f64, `** (1 / 2)` per group; the total an f64 norm.
 """
 import argparse
 import glob
+import json
 import os
+import re
 import sys
 
 import torch
@@ -145,7 +181,53 @@ def table(n, seed):
             diff = int((got.view(torch.int32) != ref.view(torch.int32)).sum())
             cells.append("yes" if diff == 0 else "no (%d of %d differ)" % (diff, n))
         print("| %s | %s |" % (arith, " | ".join(cells)))
+    clip_table(gen, worlds)
     return 0
+
+
+# the digits MLP's parameters (registration order), for the clipping table
+MLP = (("0.weight", (128, 64)), ("0.bias", (128,)), ("2.weight", (128, 128)), ("2.bias", (128,)),
+       ("4.weight", (10, 128)), ("4.bias", (10,)))
+
+
+def clip_coef(framework, total, max_norm):
+    """The coefficient each framework multiplies the gradients by, as its tensor ops round."""
+    if framework == "deepspeed":  # unscale_and_clip_grads, loss_scale 1, total's dtype
+        clip = torch.clamp(((total / 1.0) + 1e-6) / max_norm, min=1.0)
+        return (1.0 / clip).float()
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_ (and FSDP's)
+
+
+def clip_table(gen, worlds, trials=20, max_norm=0.5):
+    """With clipping active: whether each arithmetic and mode ends with DDP's clipped
+    gradients, bit for bit, over `trials` draws of the MLP's gradients on each rank."""
+    names = [n for n, _ in MLP]
+    shapes = dict(MLP)
+    rows = (("fsdp1", "zero1", "zero2"), ("fsdp1", "zero3"), ("fsdp2", "zero3"),
+            ("deepspeed", "zero1", "zero2"), ("deepspeed", "zero3"),
+            ("deepspeed_allreduce", "zero1", "zero2"))
+    print()
+    print("| arithmetic, modes (clipping active) | " + " | ".join("W = %d" % w for w in worlds) + " |")
+    print("|---|" + "---|" * len(worlds))
+    for row in rows:
+        arith, mode = row[0], row[1]
+        cells = []
+        for w in worlds:
+            bad = 0
+            for _ in range(trials):
+                local = [{n: torch.randn(shapes[n], generator=gen) * 10 ** (torch.rand((), generator=gen) * 2 - 1)
+                          for n in names} for _ in range(w)]
+                out = {}
+                for a, m in ((arith, mode), ("ddp", "ddp")):
+                    grads = {n: reduce(a, [lg[n].flatten() for lg in local]) for n in names}
+                    total, _ = total_norm(a, m, grads, shapes, names, w, [names])
+                    fw = "deepspeed" if a.startswith("deepspeed") else "torch"
+                    coef = clip_coef(fw, total, max_norm)
+                    out[a] = torch.cat([grads[n] * coef for n in names])
+                got, ref = out[arith], out["ddp"]
+                bad += int(bool((got.view(torch.int32) != ref.view(torch.int32)).any()))
+            cells.append("yes" if bad == 0 else "no (%d of %d draws differ)" % (bad, trials))
+        print("| %s %s | %s |" % (arith, "/".join("ZeRO-" + m[-1] for m in row[1:]), " | ".join(cells)))
 
 
 def load_dump_step(path, prefix):
@@ -208,6 +290,133 @@ def check_sgd(dump, model, arith, node_size):
     return 1 if differ else 0
 
 
+def lnorm(x, f64=False):
+    """libddp's norm: squares in f64 summed in element order (cumsum is sequential), sqrt."""
+    x = x.double().flatten()
+    acc = torch.cumsum(x * x, 0)[-1] if x.numel() else torch.zeros((), dtype=torch.float64)
+    r = acc.sqrt()
+    return r if f64 else r.float()
+
+
+def rank_sum(vals):
+    """all_reduce SUM in libddp's rank order."""
+    acc = vals[0].clone()
+    for v in vals[1:]:
+        acc = acc + v
+    return acc
+
+
+def decay_groups(names):
+    """Transformers' create_optimizer groups: weight decay (not biases, not LayerNorm), then
+    no decay; registration order within each."""
+    def nodecay(n):
+        return n.endswith("bias") or "norm" in n.lower() or ".ln_" in n or n.startswith("ln_")
+    return [[n for n in names if not nodecay(n)], [n for n in names if nodecay(n)]]
+
+
+def chunk(x, r, w, rows):
+    """Rank r's part of x when dim 0 (rows) is cut into ceil(rows / w) row chunks."""
+    c = -(-rows // w)
+    row = x.numel() // rows if rows else 0
+    lo = min(r * c, rows)
+    hi = min(lo + c, rows)
+    return x.flatten()[lo * row:hi * row]
+
+
+def total_norm(arith, mode, grads, shapes, names, world, units):
+    """The norm NAME's framework clips by in MODE; grads: name -> reduced f32 gradient."""
+    ds = arith in ("deepspeed", "deepspeed_allreduce")
+    if mode == "zero3" and arith in ("fsdp1", "fsdp2"):
+        locs = []
+        for r in range(world):
+            if arith == "fsdp1":
+                parts = []
+                for u in units:
+                    flat = torch.cat([grads[n].flatten() for n in u])
+                    s = -(-flat.numel() // world)
+                    flat = torch.cat([flat, torch.zeros(s * world - flat.numel())])
+                    parts.append(lnorm(flat[r * s:(r + 1) * s]))
+            else:
+                parts = [lnorm(chunk(grads[n], r, world, shapes[n][0] if shapes[n] else 1))
+                         for n in names]
+            loc = lnorm(torch.stack(parts))
+            locs.append(loc * loc)
+        return rank_sum(locs).sqrt(), False
+    if mode == "zero3" and ds:
+        gns = []
+        for grp in decay_groups(names):
+            sums = []
+            for r in range(world):
+                acc = torch.zeros((), dtype=torch.float64)
+                for n in grp:
+                    v = lnorm(chunk(grads[n], r, world, grads[n].numel()), True)
+                    acc = acc + v * v
+                sums.append(acc)
+            gn = rank_sum(sums).sqrt()
+            gns.append(gn if torch.isfinite(gn) else torch.tensor(-1.0, dtype=torch.float64))
+        return lnorm(torch.stack(gns), True), True
+    if mode in ("zero1", "zero2") and ds:
+        gns = []
+        for grp in [g for g in decay_groups(names) if g]:
+            flat = torch.cat([grads[n].flatten() for n in grp])
+            align = 2 * world
+            psz = -(-flat.numel() // align) * align // world
+            sums = []
+            for r in range(world):
+                acc = torch.zeros((), dtype=torch.float64)
+                off = 0
+                for n in grp:  # the pieces of partition r, in flat order
+                    lo, hi = max(off, r * psz), min(off + grads[n].numel(), (r + 1) * psz)
+                    if lo < hi:
+                        v = lnorm(flat[lo:hi], True)
+                        acc = acc + v * v
+                    off += grads[n].numel()
+                sums.append(acc.float())
+            gn = rank_sum(sums).sqrt()
+            gns.append(gn if torch.isfinite(gn) else torch.tensor(-1.0))
+        return lnorm(torch.stack(gns)), False
+    return lnorm(torch.stack([lnorm(grads[n]) for n in names])), False
+
+
+def logged_norms(metrics):
+    out = {}
+    with open(metrics) as f:
+        for line in f:
+            m_step = re.search(r'"step": (\d+)', line)
+            m_norm = re.search(r'"grad_norm": ([^,}]+)', line)
+            if m_step and m_norm:
+                out[int(m_step.group(1))] = m_norm.group(1).strip()
+    return out
+
+
+def check_norms(dump, arith, mode, metrics, units_spec):
+    ranks = sorted(glob.glob(os.path.join(dump, "rank*")))
+    with open(os.path.join(ranks[0], "ddp.json")) as f:
+        meta = json.load(f)
+    names = meta["param_names"]
+    shapes = dict(zip(names, meta["param_shapes"]))
+    units = [u.split(",") for u in units_spec.split(";")] if units_spec else [names]
+    logged = logged_norms(metrics)
+    steps = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ranks[0], "step*.safetensors")))
+    differ = 0
+    for k, step in enumerate(steps):
+        local = [load_dump_step(os.path.join(r, step), "local_grad.") for r in ranks]
+        if not local[0]:  # ZeRO-2 dumps its local gradients as grad.*
+            local = [load_dump_step(os.path.join(r, step), "grad.") for r in ranks]
+        grads = {n: reduce(arith, [lg[n] for lg in local]) for n in names}
+        got, f64 = total_norm(arith, mode, grads, shapes, names, len(ranks), units)
+        want = logged.get(k + 1)
+        text = "%.9g" % float(got)
+        ddp_text = "%.9g" % float(total_norm("ddp", "ddp", grads, shapes, names, len(ranks), units)[0])
+        ok = want == text
+        differ += 0 if ok else 1
+        print("%s %s %s: emulated %s%s, logged %s (DDP's order: %s)%s"
+              % (arith, mode, step, text, " (f64)" if f64 else "", want, ddp_text,
+                 "" if ok else "  DIFFERS"))
+    print("%s %s: %d steps, %d differ" % (arith, mode, len(steps), differ))
+    return 1 if differ or not steps else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", action="store_true")
@@ -220,11 +429,17 @@ def main():
     ap.add_argument("--check_sgd", nargs=2, metavar=("DUMP", "MODEL"))
     ap.add_argument("--node_size", type=int, default=0,
                     help="hybrid sharding: ranks per node (0: one node)")
+    ap.add_argument("--check_norms", metavar="DUMP")
+    ap.add_argument("--mode", choices=("ddp", "zero1", "zero2", "zero3"), default="ddp")
+    ap.add_argument("--metrics", metavar="FILE")
+    ap.add_argument("--units", default="", help="ZeRO-3's units: 'a,b;c,d' (default one)")
     a = ap.parse_args()
     if a.check_sgd and a.arith:
         return check_sgd(a.check_sgd[0], a.check_sgd[1], a.arith, a.node_size)
     if a.table:
         return table(a.n, a.seed)
+    if a.check_norms and a.arith and a.metrics:
+        return check_norms(a.check_norms, a.arith, a.mode, a.metrics, a.units)
     if a.check and a.arith:
         return check(a.check, a.arith, a.divide_in_place)
     ap.error("give --table, or --check DUMP --arith NAME")
