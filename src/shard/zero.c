@@ -160,8 +160,15 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   DDP_CHECK_GOTO(build(z, groups, err), st, fail);
   for (size_t i = 0; i < z->n; i++) z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
   if (opts->stage == 2) {
-    ddp__zero2_cfg_t c = {pg,    rank, z->world,   z->n, z->params, z->owner,
-                          z->dt, opts->arith, opts->divide_in_place};
+    ddp__zero2_cfg_t c = {.pg = pg,
+                          .rank = rank,
+                          .world = z->world,
+                          .n = z->n,
+                          .params = z->params,
+                          .owner = z->owner,
+                          .dt = z->dt,
+                          .arith = opts->arith,
+                          .divide_in_place = opts->divide_in_place};
     DDP_CHECK_GOTO(ddp__zero2_create(&c, DDP_ZERO_BUCKET_BYTES, DDP_ZERO_FIRST_BUCKET_BYTES, &z->z2,
                                      err),
                    st, fail);

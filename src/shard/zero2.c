@@ -51,11 +51,11 @@ typedef struct bucket {
 struct ddp__zero2 {
   ddp__zero2_cfg_t c;
   size_t esz;
-  size_t *ord;    /* [n] parameters in bucket order */
-  size_t *where;  /* [n] parameter i's bucket */
-  size_t *poff;   /* [n] parameter i's offset in its owner's segment */
-  bool *ready;    /* [n] marked in this backward */
-  bucket_t *b;    /* [nb] */
+  size_t *ord;   /* [n] parameters in bucket order */
+  size_t *where; /* [n] parameter i's bucket */
+  size_t *poff;  /* [n] parameter i's offset in its owner's segment */
+  bool *ready;   /* [n] marked in this backward */
+  bucket_t *b;   /* [nb] */
   size_t nb;
   size_t next_launch, next_done;
   /* attached (ddp__zero2_attach): */
@@ -219,8 +219,8 @@ static void sum_in_rank_order(ddp__zero2_t *z2, bucket_t *x, unsigned char *acc)
   size_t n = x->cnt[c->rank];
   unsigned char *recv = x->buf + x->numel * z2->esz;
   for (int q = 0; q < c->world; q++) {
-    const unsigned char *p =
-        q == c->rank ? x->buf + x->seg[c->rank] * z2->esz : recv + (size_t)q * n * z2->esz;
+    const unsigned char *p = q == c->rank ? x->buf + x->seg[c->rank] * z2->esz
+                                          : recv + (size_t)q * n * z2->esz;
     if (q == 0) {
       memcpy(acc, p, n * z2->esz);
     } else if (c->dt == DDP_F32) {
@@ -275,8 +275,7 @@ static ddp_status_t finish(ddp__zero2_t *z2, size_t b, ddp_error_t *err) {
     if (!g->data && z2->model) ddp_param_set_grad_data(z2->mp[i], NULL);
     if (!g->data)
       st = ddp__error(err, c->rank, DDP_ERR_INVALID_USAGE,
-                      "zero: parameter %zu, owned by rank %d, has no gradient storage", i,
-                      c->rank);
+                      "zero: parameter %zu, owned by rank %d, has no gradient storage", i, c->rank);
     else
       memcpy(g->data, acc + z2->poff[i] * z2->esz, (size_t)g->numel * z2->esz);
   }
