@@ -315,7 +315,8 @@ static int attach_rank(ddp_test_rank_t *tr, void *arg) {
   for (size_t i = 0, off = 0; i < MLP_NP && !bad; off += (size_t)pairs[i].param->numel, i++) {
     const ddp_tensor_t *g = pairs[i].grad;
     if (ddp_zero_owner(z, i) != rank) {
-      if (g->data) ddp_test_say(tr, "parameter %zu is not rank %d's but kept its gradient", i, rank);
+      if (g->data)
+        ddp_test_say(tr, "parameter %zu is not rank %d's but kept its gradient", i, rank);
       bad = g->data != NULL;
     } else if (!g->data || memcmp(g->data, ref + off, ddp_tensor_nbytes(g)) != 0) {
       ddp_test_say(tr, "parameter %zu: reduced gradient differs from DDP's average", i);
@@ -440,10 +441,8 @@ static void test_consolidate(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_partition_by_hand),
-      cmocka_unit_test(test_clip_stage1),
-      cmocka_unit_test(test_clip_stage2),
-      cmocka_unit_test(test_stage2_attached),
+      cmocka_unit_test(test_partition_by_hand), cmocka_unit_test(test_clip_stage1),
+      cmocka_unit_test(test_clip_stage2),       cmocka_unit_test(test_stage2_attached),
       cmocka_unit_test(test_consolidate),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
