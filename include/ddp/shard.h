@@ -141,8 +141,9 @@ DDP_API ddp_status_t ddp_zero_attach_model(ddp_zero_t *z, ddp_model_t *model, do
  * full size). Nothing at stage 1. */
 DDP_API void ddp_zero_set_sync(ddp_zero_t *z, bool sync);
 /* Stage 2, collective: the local gradients (each the sum of this rank's micro-batches) are
- * divided as DDP divides, summed over the ranks in rank order by the owner of each
- * parameter, and written into the owned gradients; the others become None (data NULL).
+ * divided as DDP divides, summed over the ranks in rank order bucket by bucket (a
+ * reduce-scatter over the owners' segments, or an allreduce where padding would cost more),
+ * and written into the owned gradients; the others become None (data NULL).
  * Attached and armed: the buckets the backward's hooks launched are completed and the rest
  * launched (a parameter no backward reached contributes zeros); otherwise every bucket is
  * reduced here. Stage 1: nothing (the DDP reducer has averaged every gradient). */
