@@ -3,8 +3,9 @@
  * _partition_parameters: per group, largest first with a stable sort, each to the first
  * rank with the smallest total, totals shared across groups), and the sharded clip
  * (ddp_zero_clip_grad_norm) against ddp_clip_grad_norm over the full averaged gradients,
- * bit for bit, at stage 1 (gradients already averaged) and stage 2 (after the
- * reduce-scatter of local gradients, against DDP's x fl(1/W) rank-order sum). */
+ * bit for bit, at stage 1 (gradients already averaged) and stage 2 (after the reduction of
+ * local gradients, against DDP's x fl(1/W) rank-order sum); stage 2 attached to a model,
+ * its buckets launched from the backward's gradient-ready hooks. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
