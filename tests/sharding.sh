@@ -79,6 +79,17 @@ for model in mlp gpt bert llama; do
   echo "ok: $model: ZeRO-1/2/3 end with DDP's param_hash ($n runs so far)"
 done
 
+# ZeRO-2 with gradient_as_bucket_view at W = 3 (where x fl(1/3) and / 3 differ): the reducer
+# multiplies gradients into its buckets and divides in place only those still bucket views
+# (zero_grad(set_to_none=False), from the second step on); ZeRO-2 divides the same way.
+for ztn in true false; do
+  gav=(--gradient_as_bucket_view true --zero_grad_set_to_none $ztn)
+  ref=$(run "ddp-gav-$ztn" threads 3 "${mlp[@]}" "${gav[@]}")
+  h=$(run "z2-gav-$ztn" threads 3 "${mlp[@]}" "${gav[@]}" --deepspeed ds2.json)
+  [ "$h" = "$ref" ] || fail "ZeRO-2 gradient_as_bucket_view, set_to_none $ztn: $h, DDP $ref"
+done
+echo "ok: ZeRO-2 with gradient_as_bucket_view ends with DDP's param_hash"
+
 # ZeRO-3 through --fsdp with an explicit wrap policy: the MLP's Linear layers as units by
 # size (min_num_params), GPT-2 one unit per GPT2Block, BERT per BertLayer, Llama per
 # LlamaDecoderLayer

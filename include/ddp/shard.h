@@ -90,7 +90,10 @@ typedef struct ddp_zero_options {
   int stage; /* 1 or 2 */
   /* Stage 2: how each local gradient is divided by W before the rank-order sum, as the DDP
    * reducer it replaces does: false multiplies by float(1/W) (DDP's default), true divides
-   * by W (gradient_as_bucket_view). Equal for W a power of two. */
+   * by W from the second reduction on (gradient_as_bucket_view with gradients that stay
+   * bucket views, zero_grad(set_to_none=False): the reducer multiplies the first backward's
+   * gradients into its buckets and divides later ones in place). Equal for W a power of
+   * two. */
   bool divide_in_place;
   /* Stage 2: where the reduction to the owners divides (DDP: as above). Stage 1 uses the DDP
    * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. */

@@ -10,7 +10,8 @@
  * partition is ZeroRedundancyOptimizer's, whole parameters). When the model's
  * gradient-ready hook has seen every parameter of a bucket (and of every bucket before it:
  * buckets go in index order on every rank), this rank writes its local gradients into the
- * bucket, divided as DDP divides (x * fl(1/W), or x / W with divide_in_place;
+ * bucket, divided as DDP divides (x * fl(1/W), or x / W with divide_in_place from the
+ * second reduction on, as the reducer's bucket-view gradients;
  * --sharding_arithmetic's pre-divide otherwise), and launches the bucket's collective, in a
  * buffer from ddp_pg_alloc (shm reduces it in place):
  *   - a reduce-scatter when the owners' segments, each padded to the largest one (m
@@ -76,6 +77,7 @@ struct ddp__zero2 {
   size_t nb;
   size_t next_launch, next_done;
   size_t inflight, budget; /* bytes of the buffers launched and not done; their bound */
+  size_t reductions;       /* completed: cfg.divide_in_place applies from the second on */
   /* attached (ddp__zero2_attach): */
   ddp_model_t *model;
   ddp_param_t **mp; /* [n] the model parameter behind parameter i */
@@ -239,7 +241,7 @@ static ddp_status_t launch(ddp__zero2_t *z2, size_t b, ddp_error_t *err) {
     const ddp_tensor_t *g = c->params[q->param].grad;
     unsigned char *dst = x->buf + (x->seg[c->owner[q->param]] + q->off) * z2->esz;
     if (g->data)
-      ddp_grad_arith_pre(c->arith, c->world, c->divide_in_place, dst,
+      ddp_grad_arith_pre(c->arith, c->world, c->divide_in_place && z2->reductions > 0, dst,
                          (const unsigned char *)g->data + q->lo * z2->esz, q->len, c->dt);
     else
       memset(dst, 0, q->len * z2->esz);
@@ -423,6 +425,7 @@ ddp_status_t ddp__zero2_reduce(ddp__zero2_t *z2, ddp_error_t *err) {
   }
   z2->inflight = 0;
   z2->armed = false;
+  if (st == DDP_OK) z2->reductions++;
   restart(z2);
   return st;
 }
