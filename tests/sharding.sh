@@ -80,6 +80,17 @@ for model in mlp gpt bert llama; do
   echo "ok: $model: ZeRO-1/2/3 end with DDP's param_hash ($n runs so far)"
 done
 
+# ZeRO-2 with gradient_as_bucket_view at W = 3 (where x fl(1/3) and / 3 differ): the reducer
+# multiplies gradients into its buckets and divides in place only those still bucket views
+# (zero_grad(set_to_none=False), from the second step on); ZeRO-2 divides the same way.
+for ztn in true false; do
+  gav=(--gradient_as_bucket_view true --zero_grad_set_to_none $ztn)
+  ref=$(run "ddp-gav-$ztn" threads 3 "${mlp[@]}" "${gav[@]}")
+  h=$(run "z2-gav-$ztn" threads 3 "${mlp[@]}" "${gav[@]}" --deepspeed ds2.json)
+  [ "$h" = "$ref" ] || fail "ZeRO-2 gradient_as_bucket_view, set_to_none $ztn: $h, DDP $ref"
+done
+echo "ok: ZeRO-2 with gradient_as_bucket_view ends with DDP's param_hash"
+
 # ZeRO-3 through --fsdp with an explicit wrap policy: the MLP's Linear layers as units by
 # size (min_num_params), GPT-2 one unit per GPT2Block, BERT per BertLayer, Llama per
 # LlamaDecoderLayer
@@ -137,7 +148,10 @@ check_bytes zf-gpt-1 zero3 3
 #   DDP     2Ψ(W-1)/W, plus the reducer's used-parameter map (P int32, all-reduced);
 #   ZeRO-1  DDP's, plus the owners' broadcasts Ψ(W-1)/W (ZeroRedundancyOptimizer's: 1.5x DDP's)
 #           and the clipping norms (P f64, all-reduced);
-#   ZeRO-2  2Ψ'(W-1)/W, Ψ' = W max_r Ψ_r (the reduce-scatter's equal segments), plus the norms;
+#   ZeRO-2  (--fsdp shard_grad_op: DDP's bucket caps, not ds2.json's 5000 elements) one bucket
+#           here (Ψ < 1 MiB), reduce-scattered over the owners' segments padded to
+#           the largest, Ψ_r = max_r grad_bytes / 4: 4WΨ_r(W-1)/W, then the owners' broadcasts
+#           4Ψ(W-1)/W, plus the norms;
 #   ZeRO-3  3Ψ'(W-1)/W (all-gather in forward, reduce-scatter; Ψ' the padded units) less the
 #           root unit (no re-gather in backward), which is FSDP's, plus Ψ'(W-1)/W (the gradient
 #           all-gather that takes the norm in DDP's order).
@@ -154,20 +168,21 @@ if kind == "ddp":
 elif kind == "zero1":
     want = ar(4 * psi) + ar(4 * P) + f * 4 * psi + ar(8 * P)
 elif kind == "zero2":
-    want = ar(W * max(line["grad_bytes"])) + ar(8 * P)
+    want = f * W * max(line["grad_bytes"]) + f * 4 * psi + ar(8 * P)
 else:
     pad = lambda n: -(-n // W) * W
     psi_pad = W * line["param_bytes"][0] // 4  # rank 0 holds every unit's full shard
     want = f * 4 * (4 * psi_pad - pad(root))
 sent = line["sent_bytes"]
-assert len(sent) == W and all(abs(s - want) < 0.01 for s in sent), (kind, sent, want)
-print("ok: %s W=%d sent %.2f bytes per rank per step = %.4f x DDP's 2Ψ(W-1)/W" %
-      (kind, W, sent[0], sent[0] / ar(4 * psi)))
+want = want if isinstance(want, list) else [want] * W
+assert len(sent) == W and all(abs(s - w) < 0.01 for s, w in zip(sent, want)), (kind, sent, want)
+print("ok: %s W=%d sent %.2f bytes per rank per step (mean) = %.4f x DDP's 2Ψ(W-1)/W" %
+      (kind, W, sum(sent) / W, sum(sent) / W / ar(4 * psi)))
 PY
 }
 check_sent ddp-gpt-threads-3-1 ddp 3
 check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 1p)" zero1 3
-check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 2p)" zero2 3
+check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 3p)" zero2 3
 check_sent "$(ls -d z*-gpt-threads-3-1 | sort -t z -k2 -n | sed -n 4p)" zero3 3
 check_sent zf-gpt-1 zero3 3
 

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -1125,6 +1126,69 @@ static void test_threads_independent(void **state) {
   ddp_test_results_free(res);
 }
 
+/* ddp_param_release_grad: the gradient becomes None and the whole pages inside the
+ * parameter's slice of the flat gradient buffer are no longer resident (mincore), while
+ * the neighbouring parameter's gradient keeps its values; the next backward defines the
+ * gradient again with the same values as before the release. */
+static void test_param_release_grad(void **state) {
+  (void)state;
+  ddp_model_t *m = NULL;
+  ddp_module_t *lin = NULL;
+  assert_int_equal(ddp_model_create(&m), DDP_OK);
+  assert_int_equal(ddp_module_linear(m, "", 512, 256, true, DDP_F32, &lin), DDP_OK);
+  ddp_model_set_root(m, lin);
+  assert_int_equal(ddp_model_finalize(m), DDP_OK);
+  assert_int_equal(ddp_model_init(m, 3), DDP_OK);
+  ddp_ctx_t *ctx = NULL;
+  assert_int_equal(ddp_ctx_create(&ctx), DDP_OK);
+  float x[2 * 512];
+  for (int k = 0; k < 2 * 512; k++) x[k] = (float)sin(0.01 * k);
+  float *before = NULL;
+  for (int pass = 0; pass < 2; pass++) {
+    ddp_var_t *vx, *y, *loss;
+    assert_int_equal(ddp_var_new(ctx, DDP_F32, 2, (int64_t[]){2, 512}, x, false, &vx), DDP_OK);
+    assert_int_equal(ddp_module_forward(lin, ctx, vx, 0, &y), DDP_OK);
+    ddp_var_t *sq;
+    assert_int_equal(ddp_mul(ctx, y, y, &sq), DDP_OK);
+    assert_int_equal(ddp_sum(ctx, sq, &loss), DDP_OK);
+    assert_int_equal(ddp_backward(ctx, loss), DDP_OK);
+    ddp_ctx_reset(ctx);
+    ddp_param_t *w = ddp_model_param(m, 0), *b = ddp_model_param(m, 1);
+    size_t nb = ddp_tensor_nbytes(&w->value);
+    if (pass == 1) { /* defined again, the same values as before the release */
+      assert_non_null(w->grad.data);
+      assert_memory_equal(w->grad.data, before, nb);
+      break;
+    }
+    before = malloc(nb);
+    assert_non_null(before);
+    memcpy(before, w->grad.data, nb);
+    float bias0 = *(float *)b->grad.data;
+    long ps = sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)w->grad.data + (uintptr_t)ps - 1) & ~(uintptr_t)(ps - 1);
+    uintptr_t hi = ((uintptr_t)w->grad.data + nb) & ~(uintptr_t)(ps - 1);
+    size_t npages = (hi - lo) / (size_t)ps;
+    assert_true(npages > 100);
+    unsigned char *vec = calloc(npages, 1);
+    assert_non_null(vec);
+    assert_int_equal(mincore((void *)lo, hi - lo, vec), 0);
+    assert_int_equal(vec[0] & 1, 1); /* resident while the gradient is defined */
+    ddp_param_release_grad(w);
+    assert_null(w->grad.data);
+    assert_int_equal(mincore((void *)lo, hi - lo, vec), 0);
+    size_t resident = 0;
+    for (size_t k = 0; k < npages; k++) resident += vec[k] & 1;
+    print_message("released %zu pages, %zu still resident\n", npages, resident);
+    assert_int_equal(resident, 0);
+    assert_true(*(float *)b->grad.data == bias0); /* the neighbour keeps its gradient */
+    free(vec);
+    ddp_model_set_grads_none(m); /* the next backward starts from None everywhere */
+  }
+  free(before);
+  ddp_ctx_destroy(ctx);
+  ddp_model_destroy(m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_gradcheck),
@@ -1146,6 +1210,7 @@ int main(void) {
       cmocka_unit_test(test_model_json_fields),
       cmocka_unit_test(test_threads_independent),
       cmocka_unit_test(test_model_gradcheck),
+      cmocka_unit_test(test_param_release_grad),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,7 +6,8 @@
  * bit for bit, at stage 1 (gradients already averaged) and stage 2 (after the
  * reduce-scatter of local gradients, against DDP's x fl(1/W) rank-order sum); with
  * --sharding_arithmetic deepspeed, DeepSpeed ZeRO-1/2's clipping (written out below) at
- * both stages. */
+ * both stages; stage 2 attached to a model, its buckets launched from the backward's
+ * gradient-ready hooks. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,8 +20,10 @@
 #include <cmocka.h>
 
 #include "ddp/io.h"
+#include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/shard.h"
+#include "common/common.h"
 #include "harness.h"
 #include "parity.h"
 
@@ -316,6 +319,165 @@ static void test_clip_deepspeed(void **state) {
     }
 }
 
+/* ---------------------------------------------------------------- stage 2 on a model */
+
+/* A 6-40-30-5 MLP (six parameters), the same weights on every rank. */
+static ddp_status_t mlp(ddp_model_t **out) {
+  ddp_model_t *m = NULL;
+  ddp_module_t *seq, *mod;
+  static const int64_t dims[4] = {6, 40, 30, 5};
+  DDP_CHECK(ddp_model_create(&m));
+  ddp_status_t st;
+  DDP_CHECK_GOTO(ddp_module_sequential(m, &seq), st, fail);
+  for (int l = 0; l < 3; l++) {
+    char name[8];
+    snprintf(name, sizeof name, "%d", 2 * l);
+    DDP_CHECK_GOTO(ddp_module_linear(m, name, dims[l], dims[l + 1], true, DDP_F32, &mod), st, fail);
+    DDP_CHECK_GOTO(ddp_module_append(seq, mod), st, fail);
+    if (l == 2) break;
+    DDP_CHECK_GOTO(ddp_module_activation(m, DDP_ACT_TANH, &mod), st, fail);
+    DDP_CHECK_GOTO(ddp_module_append(seq, mod), st, fail);
+  }
+  ddp_model_set_root(m, seq);
+  DDP_CHECK_GOTO(ddp_model_finalize(m), st, fail);
+  DDP_CHECK_GOTO(ddp_model_init(m, 11), st, fail);
+  *out = m;
+  return DDP_OK;
+fail:
+  ddp_model_destroy(m);
+  return st;
+}
+
+/* Forward and backward of the MSE loss on micro-batch `mb` of this rank (rank-dependent
+ * inputs and targets). */
+static ddp_status_t mlp_step(ddp_model_t *m, ddp_ctx_t *ctx, int rank, int mb) {
+  float x[4 * 6], y[4 * 5];
+  for (int k = 0; k < 4 * 6; k++) x[k] = (float)sin(0.3 * k + 1.7 * rank + 0.45 * mb);
+  for (int k = 0; k < 4 * 5; k++) y[k] = (float)cos(0.2 * k - 0.6 * rank + 0.8 * mb);
+  ddp_var_t *vx, *vy, *out, *loss;
+  DDP_CHECK(ddp_var_new(ctx, DDP_F32, 2, (int64_t[]){4, 6}, x, false, &vx));
+  DDP_CHECK(ddp_var_new(ctx, DDP_F32, 2, (int64_t[]){4, 5}, y, false, &vy));
+  DDP_CHECK(ddp_model_forward(m, ctx, vx, 0, &out));
+  DDP_CHECK(ddp_mse_loss(ctx, out, vy, &loss));
+  DDP_CHECK(ddp_backward(ctx, loss));
+  ddp_ctx_reset(ctx);
+  return DDP_OK;
+}
+
+#define MLP_NP 6
+#define MLP_PSI (6 * 40 + 40 + 40 * 30 + 30 + 30 * 5 + 5)
+
+typedef struct attach_cfg {
+  ddp_store_t *store;
+  int ga; /* micro-batches: the first ga - 1 with sync off */
+} attach_cfg_t;
+
+/* The reference: every rank's local gradient (the sum of its ga micro-batches, flat, in
+ * model order), all-gathered, each x fl(1/W) and summed in rank order: DDP's average. */
+static ddp_status_t attach_reference(ddp_pg_t *pg, ddp_model_t *m, ddp_ctx_t *ctx, int ga,
+                                     float *ref) {
+  int rank = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  for (int mb = 0; mb < ga; mb++) DDP_CHECK(mlp_step(m, ctx, rank, mb));
+  float *all = calloc((size_t)W * MLP_PSI, sizeof *all);
+  if (!all) return DDP_ERR_NO_MEMORY;
+  ddp_tensor_t g = ddp_model_flat_grads(m, DDP_F32);
+  ddp_work_t *w = NULL;
+  ddp_status_t st = ddp_allgather(pg, g.data, all, MLP_PSI, DDP_F32, &w);
+  if (st == DDP_OK) st = ddp_work_wait_free(w);
+  float inv = (float)(1.0 / W);
+  for (size_t k = 0; k < MLP_PSI; k++) {
+    ref[k] = all[k] * inv;
+    for (int q = 1; q < W; q++) ref[k] += all[(size_t)q * MLP_PSI + k] * inv;
+  }
+  free(all);
+  ddp_model_set_grads_none(m);
+  return st;
+}
+
+static int attach_rank(ddp_test_rank_t *tr, void *arg) {
+  const attach_cfg_t *cfg = arg;
+  int rank = ddp_test_rank(tr);
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "threads";
+  o.store = cfg->store;
+  o.timeout_ms = 20000;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_model_t *m = NULL;
+  ddp_ctx_t *ctx = NULL;
+  ddp_zero_t *z = NULL;
+  ddp_error_t err = {0};
+  float ref[MLP_PSI];
+  int bad = 0;
+  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  if (st != DDP_OK) return st;
+  DDP_CHECK_GOTO(mlp(&m), st, out);
+  DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
+  DDP_CHECK_GOTO(attach_reference(pg, m, ctx, cfg->ga, ref), st, out);
+  ddp_optim_param_t pairs[MLP_NP];
+  for (size_t i = 0; i < MLP_NP; i++) {
+    ddp_param_t *p = ddp_model_param(m, i);
+    pairs[i] = (ddp_optim_param_t){&p->value, &p->grad};
+  }
+  ddp_zero_group_t grp = {DDP_ADAMW_OPTIONS_INIT, pairs, MLP_NP};
+  ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
+  zo.stage = 2;
+  DDP_CHECK_GOTO(ddp_zero_create(pg, &zo, &grp, 1, &z, &err), st, out);
+  /* 0.002 MiB: 524 floats a bucket, so the six parameters make several buckets */
+  DDP_CHECK_GOTO(ddp_zero_attach_model(z, m, 0.002, &err), st, out);
+  double sent0 = ddp_pg_bytes_sent(pg);
+  for (int mb = 0; mb < cfg->ga; mb++) {
+    ddp_zero_set_sync(z, mb == cfg->ga - 1);
+    DDP_CHECK_GOTO(mlp_step(m, ctx, rank, mb), st, out);
+  }
+  /* every bucket was launched from the hooks, inside backward: the reduction after it
+   * sends nothing more */
+  double in_backward = ddp_pg_bytes_sent(pg) - sent0;
+  DDP_CHECK_GOTO(ddp_zero_reduce_grads(z, &err), st, out);
+  double after = ddp_pg_bytes_sent(pg) - sent0 - in_backward;
+  if (!(in_backward > 0) || after != 0) {
+    ddp_test_say(tr, "sent %.0f bytes during backward, %.0f after it", in_backward, after);
+    bad = 1;
+  }
+  for (size_t i = 0, off = 0; i < MLP_NP && !bad; off += (size_t)pairs[i].param->numel, i++) {
+    const ddp_tensor_t *g = pairs[i].grad;
+    if (ddp_zero_owner(z, i) != rank) {
+      if (g->data)
+        ddp_test_say(tr, "parameter %zu is not rank %d's but kept its gradient", i, rank);
+      bad = g->data != NULL;
+    } else if (!g->data || memcmp(g->data, ref + off, ddp_tensor_nbytes(g)) != 0) {
+      ddp_test_say(tr, "parameter %zu: reduced gradient differs from DDP's average", i);
+      bad = 1;
+    }
+  }
+out:
+  if (st != DDP_OK) ddp_test_say(tr, "%s", err.msg[0] ? err.msg : ddp_status_name(st));
+  ddp_zero_destroy(z);
+  ddp_ctx_destroy(ctx);
+  ddp_model_destroy(m);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st != DDP_OK ? (int)st : bad;
+}
+
+/* Stage 2 attached to a model: the buckets are launched from the gradient-ready hooks during
+ * backward (their bytes are all sent before ddp_zero_reduce_grads), and ddp_zero_reduce_grads
+ * leaves the owners DDP's averaged gradients bit for bit and the others None, with gradient
+ * accumulation (sync off, then on) too. */
+static void test_stage2_attached(void **state) {
+  (void)state;
+  for (int world = 2; world <= 4; world++)
+    for (int ga = 1; ga <= 3; ga += 2) {
+      attach_cfg_t cfg = {ddp_test_memory_store(), ga};
+      ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+      o.world = world;
+      ddp_test_results_t *res = ddp_test_spawn(&o, attach_rank, &cfg);
+      ddp_test_expect_all(res, 0);
+      ddp_test_results_free(res);
+      ddp_store_destroy(cfg.store);
+    }
+}
+
 /* ---------------------------------------------------------------- consolidation --- */
 
 /* Shards of one AdamW group (parameters 0 and 2 in one, 1 in the other, saved under their
@@ -408,7 +570,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_partition_by_hand), cmocka_unit_test(test_clip_stage1),
       cmocka_unit_test(test_clip_stage2),       cmocka_unit_test(test_clip_deepspeed),
-      cmocka_unit_test(test_consolidate),
+      cmocka_unit_test(test_stage2_attached),   cmocka_unit_test(test_consolidate),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

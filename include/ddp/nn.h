@@ -327,6 +327,12 @@ DDP_API void ddp_param_set_grad_data(ddp_param_t *p, void *data);
 /* p.grad = None: p->grad.data becomes NULL; dtype and shape stay. The next backward that
  * reaches p defines it again (zeros in the flat gradient buffer, then accumulation). */
 DDP_API void ddp_param_set_grad_none(ddp_param_t *p);
+/* p.grad = None, and the memory of its storage in the model's flat gradient buffer (the
+ * whole pages inside p's slice) handed back to the operating system (madvise
+ * MADV_DONTNEED), as freeing PyTorch's .grad frees it: what ZeRO-2 does with the gradients
+ * of parameters another rank owns once they are reduced. The next backward that reaches p
+ * defines it again (zeros, then accumulation) and the pages come back. */
+DDP_API void ddp_param_release_grad(ddp_param_t *p);
 /* Whether p's gradient is defined (PyTorch: p.grad is not None). */
 DDP_API bool ddp_param_grad_defined(const ddp_param_t *p);
 DDP_API void ddp_param_set_hook(ddp_param_t *p, ddp_grad_ready_fn fn, void *user);

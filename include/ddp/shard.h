@@ -4,9 +4,10 @@
  *   stage 1  optimizer state sharded (PyTorch ZeroRedundancyOptimizer): gradients are averaged
  *            by the DDP reducer as in plain DDP; each rank steps only the parameters it owns
  *            with the ordinary optimizers (src/optim); each owner broadcasts them.
- *   stage 2  gradients sharded too: the ranks' local gradients are reduce-scattered (rank-order
- *            sums, DDP's divide), each rank keeps only its shard of gradients and optimizer
- *            state, and the updated parameters are all-gathered.
+ *   stage 2  gradients sharded too: each bucket of the ranks' local gradients is reduced to
+ *            the ranks that own its parameters (rank-order sums, DDP's divide) as backward
+ *            finishes it, each rank keeps only its shard of gradients and optimizer state,
+ *            and each owner broadcasts the updated parameters.
  *
  * The partition is ZeroRedundancyOptimizer's (1.13 `_partition_parameters`): per parameter
  * group in order, the group's parameters sorted by numel, largest first (a stable sort), each
@@ -136,9 +137,12 @@ typedef struct ddp_zero_options {
   int stage; /* 1 or 2 */
   /* Stage 2: how each local gradient is divided by W before the rank-order sum, as the DDP
    * reducer it replaces does: false multiplies by float(1/W) (DDP's default), true divides
-   * by W (gradient_as_bucket_view). Equal for W a power of two. */
+   * by W from the second reduction on (gradient_as_bucket_view with gradients that stay
+   * bucket views, zero_grad(set_to_none=False): the reducer multiplies the first backward's
+   * gradients into its buckets and divides later ones in place). Equal for W a power of
+   * two. */
   bool divide_in_place;
-  /* Stage 2: where the reduce-scatter divides (DDP: as above). Stage 1 uses the DDP
+  /* Stage 2: where the reduction to the owners divides (DDP: as above). Stage 1 uses the DDP
    * reducer's gradients: register ddp_grad_arith_hook there for another arithmetic. Both
    * stages: DEEPSPEED and DEEPSPEED_ALLREDUCE clip as DeepSpeed ZeRO-1/2 does
    * (ddp_grad_arith_clip_deepspeed); the others in DDP's order. */
@@ -169,10 +173,32 @@ DDP_API size_t ddp_zero_num_params(const ddp_zero_t *z);
 /* The rank that owns (steps, and holds the state of) global parameter i. */
 DDP_API int ddp_zero_owner(const ddp_zero_t *z, size_t i);
 
+/* Stage 2's buckets: DDP's default caps (25 MiB, the first 1 MiB). */
+#define DDP_ZERO_BUCKET_BYTES ((size_t)25 * 1024 * 1024)
+#define DDP_ZERO_FIRST_BUCKET_BYTES ((size_t)1024 * 1024)
+
+/* Stage 2 over a model's backward (docs/sharding.md, "ZeRO-2"): the handle's parameters
+ * must be model's (param == &p->value, grad == &p->grad, any order). Sets the model's
+ * gradient-ready hooks (held until destroy; not with a DDP reducer on the same model),
+ * lays out buckets in reverse model order (bucket_cap_mb <= 0: DDP's 25 MiB with a 1 MiB
+ * first bucket; else both caps), and makes the gradients of parameters other ranks own
+ * None, their pages returned (ddp_param_release_grad). Then, in a backward after
+ * ddp_zero_set_sync(z, true), each bucket is reduced to its owners as soon as backward has
+ * finished it, and the non-owned gradients go back to None as their buckets complete;
+ * ddp_zero_reduce_grads ends the reduction. A handle of stage 1 is DDP_ERR_INVALID_USAGE. */
+DDP_API ddp_status_t ddp_zero_attach_model(ddp_zero_t *z, ddp_model_t *model, double bucket_cap_mb,
+                                           ddp_error_t *err);
+/* Before each forward of an attached stage-2 handle: whether its backward reduces (true:
+ * the last micro-batch of a window; false: no_sync, the gradients accumulate locally at
+ * full size). Nothing at stage 1. */
+DDP_API void ddp_zero_set_sync(ddp_zero_t *z, bool sync);
 /* Stage 2, collective: the local gradients (each the sum of this rank's micro-batches) are
- * divided as DDP divides, reduce-scattered in rank order over the owners' segments, and
- * written into the owned gradients; the others become None (data NULL). Stage 1: nothing
- * (the DDP reducer has averaged every gradient). */
+ * divided as DDP divides, summed over the ranks in rank order bucket by bucket (a
+ * reduce-scatter over the owners' segments, or an allreduce where padding would cost more),
+ * and written into the owned gradients; the others become None (data NULL).
+ * Attached and armed: the buckets the backward's hooks launched are completed and the rest
+ * launched (a parameter no backward reached contributes zeros); otherwise every bucket is
+ * reduced here. Stage 1: nothing (the DDP reducer has averaged every gradient). */
 DDP_API ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err);
 /* Collective: clip_grad_norm_ (norm 2) over the whole model's averaged gradients: each rank
  * computes the norms of the gradients it owns, the norms are all-reduced (exact: every slot
@@ -182,9 +208,8 @@ DDP_API ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err);
 DDP_API ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *total_norm,
                                              ddp_error_t *err);
 /* Collective: every rank steps the parameters it owns at learning rate lr, then the owners
- * send them to every rank (stage 1: a broadcast per parameter from its owner, rank by rank,
- * as ZeroRedundancyOptimizer._sync_params; stage 2: one all-gather of the owners' flat
- * segments). */
+ * send them to every rank: a broadcast per parameter from its owner, rank by rank, as
+ * ZeroRedundancyOptimizer._sync_params (both stages). */
 DDP_API ddp_status_t ddp_zero_step(ddp_zero_t *z, double lr, ddp_error_t *err);
 /* zero_grad over every present gradient (set_to_none as ddp_optim_zero_grad). */
 DDP_API void ddp_zero_zero_grad(ddp_zero_t *z, bool set_to_none);

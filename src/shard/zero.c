@@ -1,12 +1,7 @@
 /* ZeRO stages 1 and 2 (include/ddp/shard.h): ZeroRedundancyOptimizer's partition, the
- * owners' optimizers, the stage-2 reduce-scatter of gradients, clipping by the global norm
- * in parameter order, and the parameters' return to every rank.
- *
- * Layout of the stage-2 flat buffer: W segments of `seg` elements (the largest rank's
- * total), rank r's owned parameters in global index order at the start of segment r, the
- * rest zero. reduce_scatter sums segment r over the ranks in rank order into rank r (D2),
- * which is the sum the DDP reducer's allreduce computes for those elements; all-gather
- * brings every segment back after the step. */
+ * owners' optimizers, clipping by the global norm in parameter order, and the parameters'
+ * return to every rank (a broadcast per parameter from its owner). Stage 2's reduction of
+ * the gradients to their owners, bucket by bucket during backward, is zero2.c. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +9,7 @@
 #include "common/common.h"
 #include "ddp/io.h"
 #include "ddp/shard.h"
+#include "shard/zero2.h"
 
 #define ZERO_MAGIC 0x5a45524fu /* "ZERO" */
 
@@ -25,13 +21,12 @@ struct ddp_zero {
   size_t n;                  /* parameters, all groups */
   ddp_optim_param_t *params; /* [n] the caller's pairs, global order */
   int *owner;                /* [n] */
-  size_t *off;               /* [n] element offset in its owner's segment */
   size_t ngroups;
   size_t gn[DDP_ZERO_MAX_GROUPS];        /* parameters per group */
   ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
   ddp_dtype_t dt;
-  size_t esz, seg;     /* element size; segment length (elements) */
-  unsigned char *flat; /* stage 2: W * seg elements */
+  size_t esz;
+  ddp__zero2_t *z2;    /* stage 2: the gradient reduction (zero2.c) */
   double *norms;       /* [n] */
   ddp_tensor_t **clip; /* [n] owned grads; the others point at `none` */
   ddp_tensor_t none;   /* a None gradient */
@@ -91,26 +86,19 @@ static ddp_status_t check_params(const ddp_zero_group_t *groups, size_t ngroups,
   return DDP_OK;
 }
 
-/* The partition, the segment offsets and this rank's optimizers. */
+/* The partition and this rank's optimizers. */
 static ddp_status_t build(ddp_zero_t *z, const ddp_zero_group_t *groups, ddp_error_t *err) {
   int64_t *numel = ddp__calloc(z->n ? z->n : 1, sizeof *numel);
   size_t gn[DDP_ZERO_MAX_GROUPS];
-  size_t *load = ddp__calloc((size_t)z->world, sizeof *load);
   ddp_optim_param_t *mine = ddp__calloc(z->n ? z->n : 1, sizeof *mine);
   ddp_status_t st = DDP_OK;
-  if (!numel || !load || !mine) {
+  if (!numel || !mine) {
     st = ddp__error(err, z->rank, DDP_ERR_NO_MEMORY, "zero: out of memory (%zu parameters)", z->n);
     goto out;
   }
   for (size_t i = 0; i < z->n; i++) numel[i] = z->params[i].param->numel;
   for (size_t g = 0; g < z->ngroups; g++) gn[g] = groups[g].n;
   ddp_zero_partition(numel, gn, z->ngroups, z->world, z->owner);
-  for (size_t i = 0; i < z->n; i++) {
-    int r = z->owner[i];
-    z->off[i] = load[r];
-    load[r] += (size_t)numel[i];
-    if (load[r] > z->seg) z->seg = load[r];
-  }
   for (size_t g = 0, base = 0; g < z->ngroups && st == DDP_OK; base += groups[g].n, g++) {
     size_t m = 0;
     for (size_t k = 0; k < groups[g].n; k++)
@@ -119,7 +107,6 @@ static ddp_status_t build(ddp_zero_t *z, const ddp_zero_group_t *groups, ddp_err
   }
 out:
   ddp__free(numel);
-  ddp__free(load);
   ddp__free(mine);
   return st;
 }
@@ -160,12 +147,11 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   size_t n1 = z->n ? z->n : 1;
   z->params = ddp__calloc(n1, sizeof *z->params);
   z->owner = ddp__calloc(n1, sizeof *z->owner);
-  z->off = ddp__calloc(n1, sizeof *z->off);
   z->norms = ddp__calloc(n1, sizeof *z->norms);
   z->clip = ddp__calloc(n1, sizeof *z->clip);
   z->works = ddp__calloc(n1, sizeof *z->works);
   ddp_status_t st = DDP_OK;
-  if (!z->params || !z->owner || !z->off || !z->norms || !z->clip || !z->works) {
+  if (!z->params || !z->owner || !z->norms || !z->clip || !z->works) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "zero: out of memory (%zu parameters)", z->n);
     goto fail;
   }
@@ -174,13 +160,18 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   DDP_CHECK_GOTO(build(z, groups, err), st, fail);
   for (size_t i = 0; i < z->n; i++) z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
   if (opts->stage == 2) {
-    size_t bytes = (size_t)z->world * (z->seg ? z->seg : 1) * z->esz;
-    z->flat = ddp__calloc(1, bytes);
-    if (!z->flat) {
-      st = ddp__error(err, rank, DDP_ERR_NO_MEMORY,
-                      "zero: out of memory for the %zu-byte gradient reduce-scatter buffer", bytes);
-      goto fail;
-    }
+    ddp__zero2_cfg_t c = {.pg = pg,
+                          .rank = rank,
+                          .world = z->world,
+                          .n = z->n,
+                          .params = z->params,
+                          .owner = z->owner,
+                          .dt = z->dt,
+                          .arith = opts->arith,
+                          .divide_in_place = opts->divide_in_place};
+    DDP_CHECK_GOTO(ddp__zero2_create(&c, DDP_ZERO_BUCKET_BYTES, DDP_ZERO_FIRST_BUCKET_BYTES, &z->z2,
+                                     err),
+                   st, fail);
   }
   *out = z;
   return DDP_OK;
@@ -195,11 +186,10 @@ void ddp_zero_destroy(ddp_zero_t *z) {
   for (size_t g = 0; g < z->ngroups; g++) ddp_optim_destroy(z->opt[g]);
   ddp__free(z->params);
   ddp__free(z->owner);
-  ddp__free(z->off);
   ddp__free(z->norms);
   ddp__free(z->clip);
   ddp__free(z->works);
-  ddp__free(z->flat);
+  ddp__zero2_destroy(z->z2);
   z->magic = 0;
   ddp__free(z);
 }
@@ -243,45 +233,27 @@ static ddp_status_t coll(ddp_zero_t *z, ddp_status_t st, const char *what, ddp_e
   return wait_all(z, 1, what, err);
 }
 
-/* Segment position of parameter i in the flat buffer. */
-static unsigned char *slot(ddp_zero_t *z, size_t i) {
-  return z->flat + ((size_t)z->owner[i] * z->seg + z->off[i]) * z->esz;
+ddp_status_t ddp_zero_attach_model(ddp_zero_t *z, ddp_model_t *model, double bucket_cap_mb,
+                                   ddp_error_t *err) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC && model);
+  if (z->opts.stage != 2)
+    return ddp__error(err, z->rank, DDP_ERR_INVALID_USAGE,
+                      "zero: ddp_zero_attach_model is for stage 2 (this handle is stage %d)",
+                      z->opts.stage);
+  size_t cap = DDP_ZERO_BUCKET_BYTES, first = DDP_ZERO_FIRST_BUCKET_BYTES;
+  if (bucket_cap_mb > 0) cap = first = (size_t)(bucket_cap_mb * 1024 * 1024);
+  return ddp__zero2_attach(z->z2, model, cap, first, err);
+}
+
+void ddp_zero_set_sync(ddp_zero_t *z, bool sync) {
+  DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
+  if (z->z2) ddp__zero2_set_sync(z->z2, sync);
 }
 
 ddp_status_t ddp_zero_reduce_grads(ddp_zero_t *z, ddp_error_t *err) {
   DDP_REQUIRE(z && z->magic == ZERO_MAGIC);
   if (z->opts.stage < 2) return DDP_OK;
-  memset(z->flat, 0, (size_t)z->world * z->seg * z->esz);
-  for (size_t i = 0; i < z->n; i++) {
-    const ddp_tensor_t *g = z->params[i].grad;
-    if (g->data) /* None: zeros, as DDP; the DDP reducer's divide unless another arith */
-      ddp_grad_arith_pre(z->opts.arith, z->world, z->opts.divide_in_place, slot(z, i), g->data,
-                         (size_t)g->numel, z->dt);
-  }
-  unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
-  DDP_CHECK(coll(z,
-                 ddp_reduce_scatter(z->pg, z->flat, mine, z->seg, z->dt, DDP_OP_SUM, &z->works[0]),
-                 "gradient reduce_scatter", err));
-  ddp_grad_arith_post(z->opts.arith, z->world, mine, z->seg, z->dt);
-  for (size_t i = 0; i < z->n; i++) {
-    ddp_tensor_t *g = z->params[i].grad;
-    if (z->owner[i] != z->rank) {
-      if (g->data) { /* None, as ddp_optim_zero_grad(set_to_none) makes it */
-        ddp_tensor_t hdr = *g;
-        ddp_tensor_free(g);
-        *g = hdr;
-        g->data = NULL;
-        g->owns = false;
-      }
-      continue;
-    }
-    if (!g->data)
-      return ddp__error(err, z->rank, DDP_ERR_INVALID_USAGE,
-                        "zero: parameter %zu, owned by rank %d, has no gradient storage", i,
-                        z->rank);
-    memcpy(g->data, slot(z, i), (size_t)g->numel * z->esz);
-  }
-  return DDP_OK;
+  return ddp__zero2_reduce(z->z2, err);
 }
 
 /* --sharding_arithmetic deepspeed or deepspeed_allreduce: DeepSpeed ZeRO-1/2's clipping
@@ -313,34 +285,19 @@ ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *tot
   return DDP_OK;
 }
 
+/* _sync_params: each rank's parameters from it, rank by rank (both stages). */
 static ddp_status_t sync_params(ddp_zero_t *z, ddp_error_t *err) {
-  if (z->opts.stage == 1) { /* _sync_params: each rank's parameters from it, rank by rank */
-    size_t m = 0;
-    ddp_status_t st = DDP_OK;
-    for (int r = 0; r < z->world && st == DDP_OK; r++)
-      for (size_t i = 0; i < z->n && st == DDP_OK; i++) {
-        if (z->owner[i] != r) continue;
-        ddp_tensor_t *p = z->params[i].param;
-        st = ddp_broadcast(z->pg, p->data, (size_t)p->numel, z->dt, r, &z->works[m]);
-        if (st == DDP_OK) m++;
-      }
-    ddp_status_t ws = wait_all(z, m, "parameter broadcast", err);
-    return st != DDP_OK ? coll(z, st, "parameter broadcast", err) : ws;
-  }
-  for (size_t i = 0; i < z->n; i++)
-    if (z->owner[i] == z->rank) {
-      const ddp_tensor_t *p = z->params[i].param;
-      memcpy(slot(z, i), p->data, (size_t)p->numel * z->esz);
-    }
-  unsigned char *mine = z->flat + (size_t)z->rank * z->seg * z->esz;
-  DDP_CHECK(coll(z, ddp_allgather(z->pg, mine, z->flat, z->seg, z->dt, &z->works[0]),
-                 "parameter allgather", err));
-  for (size_t i = 0; i < z->n; i++)
-    if (z->owner[i] != z->rank) {
+  size_t m = 0;
+  ddp_status_t st = DDP_OK;
+  for (int r = 0; r < z->world && st == DDP_OK; r++)
+    for (size_t i = 0; i < z->n && st == DDP_OK; i++) {
+      if (z->owner[i] != r) continue;
       ddp_tensor_t *p = z->params[i].param;
-      memcpy(p->data, slot(z, i), (size_t)p->numel * z->esz);
+      st = ddp_broadcast(z->pg, p->data, (size_t)p->numel, z->dt, r, &z->works[m]);
+      if (st == DDP_OK) m++;
     }
-  return DDP_OK;
+  ddp_status_t ws = wait_all(z, m, "parameter broadcast", err);
+  return st != DDP_OK ? coll(z, st, "parameter broadcast", err) : ws;
 }
 
 ddp_status_t ddp_zero_step(ddp_zero_t *z, double lr, ddp_error_t *err) {

@@ -185,10 +185,11 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
   }
   /* --deepspeed's keys onto the arguments the sync and ZeRO read (ds_config.c) */
   DDP_CHECK(ddp__train_ds_config_apply(t));
-  /* ZeRO-3 reduces its gradients itself, unit by unit (zero.c): no DDP reducer */
+  /* ZeRO-2 and ZeRO-3 reduce their gradients themselves, bucket by bucket and unit by unit
+   * (zero.c): no DDP reducer (its buckets would be 4Ψ of memory for nothing) */
   int stage = 0;
   DDP_CHECK(ddp__train_zero_stage(a, t->rank, &stage, t->err));
-  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer && stage != 3, &t->sync, t->err));
+  DDP_CHECK(ddp__sync_create(t->pg, t->model, a, a->ddp_reducer && stage < 2, &t->sync, t->err));
   DDP_CHECK(ddp__train_zero_setup(t));
   ddp_model_set_grads_none(t->model); /* a fresh PyTorch module's gradients are None */
   return DDP_OK;

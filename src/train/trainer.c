@@ -491,8 +491,10 @@ static ddp_status_t micro_step(ddp__trainer_t *t, int64_t step, int64_t k, doubl
   t->loader_pos++;
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_input(t->dump, &b.features, &b.labels, b.indices)));
   ddp_ctx_set_rng(t->ctx, t->a->seed, (uint32_t)t->rank, (uint64_t)(step * GA + k));
-  /* ZeRO-2 reduce-scatters the accumulated local gradients itself (zero.c) */
+  /* ZeRO-2 reduces the accumulated local gradients itself, from the last micro-batch's
+   * backward on (zero.c) */
   bool zero2 = t->zero && ddp_zero_stage(t->zero) == 2;
+  if (zero2) ddp_zero_set_sync(t->zero, k == GA - 1);
   DDP_CHECK(ddp__sync_pre_forward(t->sync, t->ctx, k == GA - 1 && !zero2 && !t->fsdp, t->err));
   /* ZeRO-3: the root unit gathered; its backward reduces on the window's last micro-batch */
   if (t->fsdp) DDP_CHECK(ddp_fsdp_begin(t->fsdp, true, k == GA - 1, t->err));
@@ -577,8 +579,8 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   }
   ddp__train_fault_after_backward(&t->fault, t->model, step);
   if (t->init_q) DDP_CHECK(ddp__train_q_check(t->init_q, t->err));
-  if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
   if (t->zero) DDP_CHECK(ddp_zero_reduce_grads(t->zero, t->err));
+  if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_grads(t->dump)));
   int64_t elem = -1;
   size_t bad = ddp__train_first_nonfinite_grad(t, &elem);
   double max_norm = a->max_grad_norm > 0 ? a->max_grad_norm : INFINITY;

@@ -102,9 +102,14 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   }
   ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
   zo.stage = stage;
-  zo.divide_in_place = a->gradient_as_bucket_view;
+  /* the reducer divides in place only gradients that are still bucket views: with
+   * zero_grad(set_to_none=True) each backward defines them anew and they are multiplied */
+  zo.divide_in_place = a->gradient_as_bucket_view && !a->zero_grad_set_to_none;
   DDP_CHECK(ddp__sync_grad_arith(a, t->rank, &zo.arith, t->err));
-  return ddp_zero_create(t->pg, &zo, groups, t->nopt, &t->zero, t->err);
+  DDP_CHECK(ddp_zero_create(t->pg, &zo, groups, t->nopt, &t->zero, t->err));
+  /* ZeRO-2: its buckets reduce during backward, from the model's gradient-ready hooks */
+  if (stage == 2) return ddp_zero_attach_model(t->zero, t->model, a->ddp_bucket_cap_mb, t->err);
+  return DDP_OK;
 }
 
 ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
