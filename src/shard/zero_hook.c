@@ -298,7 +298,7 @@ static int min_rank(const ddp_zero_overlap_t *z, const size_t *load, size_t b) {
 
 /* _bucket_assignments_per_rank with shard_buckets: buckets by increasing size (stable),
  * each cut before the parameter that would bring the run to total / W (never empty). */
-static ddp_status_t shard_buckets(ddp_zero_overlap_t *z) {
+static ddp_status_t shard_buckets(ddp_zero_overlap_t *z, char *msg, size_t cap) {
   size_t *ord = ddp__calloc(z->nb, sizeof *ord),
          *load = ddp__calloc((size_t)z->world, sizeof *load);
   ddp_status_t st = ord && load ? DDP_OK : DDP_ERR_NO_MEMORY;
@@ -319,16 +319,29 @@ static ddp_status_t shard_buckets(ddp_zero_overlap_t *z) {
       size_t numel = (size_t)z->params[z->bk[b].idx[k]].param->numel;
       if ((double)(size + numel) >= threshold && k > first) {
         int r = min_rank(z, load, b);
-        st = r < 0 ? DDP_ERR_INTERNAL : add_assignment(z, b, first, k - first, r);
+        if (r < 0)
+          snprintf(msg, cap,
+                   "zero overlap: shard_buckets cut DDP bucket %zu (%zu elements) into more "
+                   "than %d runs below total / W = %.0f elements, one per rank (PyTorch: \"All "
+                   "indices "
+                   "are disallowed\"); use shard_buckets false or smaller buckets",
+                   b, z->bk[b].numel, z->world, threshold);
+        st = r < 0 ? DDP_ERR_INVALID_USAGE : add_assignment(z, b, first, k - first, r);
         if (r >= 0) load[r] += size;
         first = k;
         size = 0;
       }
       size += numel;
     }
-    int r = min_rank(z, load, b);
+    int r = st == DDP_OK ? min_rank(z, load, b) : 0;
+    if (st == DDP_OK && r < 0)
+      snprintf(msg, cap,
+               "zero overlap: shard_buckets cut DDP bucket %zu (%zu elements) into more than "
+               "%d runs below total / W = %.0f elements, one per rank (PyTorch: \"All indices are "
+               "disallowed\"); use shard_buckets false or smaller buckets",
+               b, z->bk[b].numel, z->world, threshold);
     if (st == DDP_OK)
-      st = r < 0 ? DDP_ERR_INTERNAL : add_assignment(z, b, first, z->bk[b].n - first, r);
+      st = r < 0 ? DDP_ERR_INVALID_USAGE : add_assignment(z, b, first, z->bk[b].n - first, r);
     if (r >= 0) load[r] += size;
   }
   ddp__free(ord);
@@ -374,13 +387,14 @@ static ddp_status_t init_overlap(ddp_zero_overlap_t *z, char *msg, size_t cap) {
   }
   ddp_status_t st = DDP_OK;
   if (z->opts.shard_buckets)
-    st = shard_buckets(z);
+    st = shard_buckets(z, msg, cap);
   else /* _get_assigned_rank: bucket_index % world_size */
     for (size_t b = 0; st == DDP_OK && b < z->nb; b++)
       st = add_assignment(z, b, 0, z->bk[b].n, (int)(b % (size_t)z->world));
   if (st != DDP_OK) {
-    snprintf(msg, cap, "zero overlap: the DDP buckets do not partition the parameters (%s)",
-             ddp_status_str(st));
+    if (!msg[0])
+      snprintf(msg, cap, "zero overlap: the DDP buckets do not partition the parameters (%s)",
+               ddp_status_str(st));
     return st;
   }
   for (size_t i = 0; i < z->n; i++)
