@@ -755,6 +755,8 @@ static ddp_status_t finish(ddp__trainer_t *t) {
     DDP_CHECK(
         ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)), t->err));
   }
+  /* the overlapped ZeRO-1's partition exists once its warm-up is over */
+  if (t->dump && t->zovl) DDP_CHECK(ddp__train_zero_dump(t));
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_finish(t->dump)));
   r->steps = t->max_steps;
   r->seconds = (double)(ddp_now_ns() - t->t_start) * 1e-9;

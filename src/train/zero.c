@@ -142,8 +142,6 @@ static ddp_status_t overlap_setup(ddp__trainer_t *t, int stage, const ddp_zero_g
           "partitioned by DDP bucket and created after the warm-up; pass --save_strategy no)";
   else if (a->power_sgd_init_q[0])
     why = "--power_sgd_init_q";
-  else if (a->dump_dir[0])
-    why = "--dump_dir (the dump's step record expects the trainer's own step)";
   if (why)
     return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
                       "--zero_comm_hook %s (ZeRO stage %d) does not combine with %s",
@@ -201,7 +199,8 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
 }
 
 ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
-  size_t n = ddp_zero_num_params(t->zero), np = ddp_model_num_params(t->model);
+  size_t n = t->zero ? ddp_zero_num_params(t->zero) : t->ntrain,
+         np = ddp_model_num_params(t->model);
   const char **names = ddp__calloc(n ? n : 1, sizeof *names);
   int *owner = ddp__calloc(n ? n : 1, sizeof *owner);
   ddp_status_t st = DDP_OK;
@@ -210,7 +209,7 @@ ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
     goto out;
   }
   for (size_t i = 0; i < n; i++) {
-    owner[i] = ddp_zero_owner(t->zero, i);
+    owner[i] = t->zero ? ddp_zero_owner(t->zero, i) : ddp_zero_overlap_owner(t->zovl, i);
     for (size_t k = 0; k < np && !names[i]; k++) {
       ddp_param_t *p = ddp_model_param(t->model, k);
       if (&p->value == t->pairs[i].param) names[i] = p->name;
