@@ -8,7 +8,9 @@
  * step skipped in the first 2 iterations (3 with static_graph) and the lr of iteration t at
  * iteration t. The parameters are unchanged through the warm-up, the hook reports T - 2
  * updates, every rank ends with the same parameters, and the buckets (a tiny bucket cap:
- * several per rank) go to ranks i % W, or, with shard_buckets, by PyTorch's threshold. */
+ * several per rank) go to ranks i % W, or, with shard_buckets, by PyTorch's threshold.
+ * Also ZeRO-1's parameters_as_bucket_view: the buckets' layout, the bits of the
+ * per-parameter broadcasts, the parameters restored by destroy. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -286,12 +288,108 @@ static void test_static_graph(void **state) {
   parity(2, 1, false, true, false);
 }
 
+/* ---------------------------------------------------------------- bucket view ----- */
+
+/* parameters_as_bucket_view at stage 1: five parameters of sizes 37, 300, 5, 64, 1 in one
+ * group; W = 3 gives rank 0 {300}, rank 1 {64}, rank 2 {37, 5, 1} (numel descending). Each
+ * rank's parameters must be consecutive in that order in one buffer, a step must leave
+ * every rank with the bits of the same step without the view, and destroy must point the
+ * parameters back at their own storage with the values kept. */
+#define NV 5
+static const int64_t VSHAPES[NV] = {37, 300, 5, 64, 1};
+
+typedef struct view_cfg {
+  bool view;
+  ddp_store_t *store;
+} view_cfg_t;
+
+static int view_rank(ddp_test_rank_t *tr, void *arg) {
+  const view_cfg_t *cfg = arg;
+  int rank = ddp_test_rank(tr);
+  ddp_pg_options_t po = DDP_PG_OPTIONS_INIT;
+  po.backend = "threads";
+  po.store = cfg->store;
+  po.timeout_ms = 20000;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_status_t st = ddp_test_pg_create(tr, &po, "pg create", &store, &pg);
+  if (st != DDP_OK) return st;
+  ddp_tensor_t p[NV], g[NV];
+  void *own[NV];
+  ddp_optim_param_t pairs[NV];
+  for (size_t i = 0; i < NV; i++) {
+    ddp_tensor_alloc(&p[i], DDP_F32, 1, &VSHAPES[i]);
+    ddp_tensor_alloc(&g[i], DDP_F32, 1, &VSHAPES[i]);
+    for (int64_t k = 0; k < VSHAPES[i]; k++) {
+      ((float *)p[i].data)[k] = (float)cos(0.1 * (double)k + (double)i);
+      ((float *)g[i].data)[k] = (float)sin(0.3 * (double)k - (double)i); /* averaged already */
+    }
+    own[i] = p[i].data;
+    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+  ddp_zero_group_t grp = {DDP_ADAMW_OPTIONS_INIT, pairs, NV};
+  ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
+  zo.parameters_as_bucket_view = cfg->view;
+  ddp_zero_t *z = NULL;
+  ddp_error_t err = {0};
+  int bad = 0;
+  st = ddp_zero_create(pg, &zo, &grp, 1, &z, &err);
+  if (st == DDP_OK && cfg->view) { /* rank r's parameters back to back, largest first */
+    static const int order[3][3] = {{1, -1, -1}, {3, -1, -1}, {0, 2, 4}};
+    for (int r = 0; r < 3; r++)
+      for (int k = 1; k < 3 && order[r][k] >= 0; k++) {
+        const ddp_tensor_t *a = &p[order[r][k - 1]], *b = &p[order[r][k]];
+        if ((char *)a->data + a->numel * 4 != (char *)b->data) bad = 1;
+      }
+    for (size_t i = 0; i < NV; i++)
+      if (p[i].data == own[i] || ddp_zero_owner(z, i) != (i == 1 ? 0 : i == 3 ? 1 : 2)) bad = 1;
+    if (bad) ddp_test_say(tr, "rank %d: the buckets' layout is not the partition's", rank);
+  }
+  for (int it = 0; st == DDP_OK && it < 3; it++) st = ddp_zero_step(z, 1e-2, &err);
+  if (st != DDP_OK) ddp_test_say(tr, "%s", err.msg);
+  float vals[407];
+  size_t o = 0;
+  for (size_t i = 0; i < NV; i++, o += (size_t)VSHAPES[i - 1])
+    memcpy(vals + o, p[i].data, (size_t)VSHAPES[i] * 4);
+  ddp_zero_destroy(z);
+  for (size_t i = 0, off = 0; i < NV; off += (size_t)VSHAPES[i], i++)
+    if (p[i].data != own[i] || memcmp(p[i].data, vals + off, (size_t)VSHAPES[i] * 4) != 0) {
+      ddp_test_say(tr, "rank %d: parameter %zu not restored by destroy", rank, i);
+      bad = 1;
+    }
+  ddp_test_put(tr, vals, sizeof vals);
+  for (size_t i = 0; i < NV; i++) {
+    ddp_tensor_free(&p[i]);
+    ddp_tensor_free(&g[i]);
+  }
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st != DDP_OK ? (int)st : bad;
+}
+
+static void test_bucket_view(void **state) {
+  (void)state;
+  view_cfg_t a = {false, ddp_test_memory_store()}, b = {true, ddp_test_memory_store()};
+  ddp_test_opts_t o = DDP_TEST_OPTS_INIT;
+  o.world = 3;
+  ddp_test_results_t *ra = ddp_test_spawn(&o, view_rank, &a),
+                     *rb = ddp_test_spawn(&o, view_rank, &b);
+  ddp_test_expect_all(ra, 0);
+  ddp_test_expect_all(rb, 0);
+  for (int r = 0; r < 3; r++) /* every rank: the per-parameter broadcasts' bits */
+    assert_memory_equal(ddp_test_result(rb, r)->values, ddp_test_result(ra, 0)->values,
+                        ddp_test_result(ra, 0)->nvalues);
+  ddp_test_results_free(ra);
+  ddp_test_results_free(rb);
+  ddp_store_destroy(a.store);
+  ddp_store_destroy(b.store);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_step),
-      cmocka_unit_test(test_interleaved),
-      cmocka_unit_test(test_shard_buckets),
-      cmocka_unit_test(test_static_graph),
+      cmocka_unit_test(test_step),          cmocka_unit_test(test_interleaved),
+      cmocka_unit_test(test_shard_buckets), cmocka_unit_test(test_static_graph),
+      cmocka_unit_test(test_bucket_view),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -142,8 +142,8 @@ DDP_API ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, dou
                                              ddp_error_t *err);
 /* Collective: every rank steps the parameters it owns at learning rate lr, then the owners
  * send them to every rank (stage 1: a broadcast per parameter from its owner, rank by rank,
- * as ZeroRedundancyOptimizer._sync_params; stage 2: one all-gather of the owners' flat
- * segments). */
+ * as ZeroRedundancyOptimizer._sync_params, or with parameters_as_bucket_view one broadcast
+ * of each rank's bucket; stage 2: one all-gather of the owners' flat segments). */
 DDP_API ddp_status_t ddp_zero_step(ddp_zero_t *z, double lr, ddp_error_t *err);
 /* zero_grad over every present gradient (set_to_none as ddp_optim_zero_grad). */
 DDP_API void ddp_zero_zero_grad(ddp_zero_t *z, bool set_to_none);
