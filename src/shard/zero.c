@@ -31,12 +31,13 @@ struct ddp_zero {
   size_t gn[DDP_ZERO_MAX_GROUPS];        /* parameters per group */
   ddp_optim_t *opt[DDP_ZERO_MAX_GROUPS]; /* this rank's owned parameters of each group */
   ddp_dtype_t dt;
-  size_t esz, seg;       /* element size; segment length (elements) */
-  unsigned char *flat;   /* stage 2: W * seg elements */
-  double *norms;         /* [n] */
-  ddp_tensor_t **clip;   /* [n] owned grads; the others point at `none` */
-  ddp_tensor_t none;     /* a None gradient */
-  ddp_work_t **works;    /* [max(n, W)] */
+  size_t esz, seg;     /* element size; segment length (elements) */
+  unsigned char *flat; /* stage 2: W * seg elements */
+  double *norms;       /* [n] */
+  ddp_tensor_t **clip; /* [n] owned grads; the others point at `none` */
+  ddp_tensor_t none;   /* a None gradient */
+  ddp_work_t **works;  /* [max(n, W)] */
+
   ddp__zero_view_t view; /* stage 1 with parameters_as_bucket_view */
 };
 
