@@ -148,11 +148,26 @@ static void test_zero1_hook_w3_ga3(void **state) {
   zero_parity_v("zero1_hook_w3_ga3", 3, 1, 3, &v);
 }
 
+/* shard_buckets: the two buckets (1386 and 2080 elements) against the threshold 3466 / 2:
+ * the smaller whole to rank 0, the larger cut before 0.weight (0.bias to rank 1, then
+ * 0.weight to rank 0, the one rank not yet holding part of it). */
+static void test_zero1_hook_shard_buckets_w2(void **state) {
+  (void)state;
+  variant_t v = {HOOK_ARGS, "--zero_comm_hook hook_with_zero_step --zero_shard_buckets true",
+                 "--zero_comm_hook hook_with_zero_step --zero_shard_buckets true",
+                 4096.0 / 1048576.0};
+  zero_parity_v("zero1_hook_sb_w2", 2, 1, 1, &v);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_zero1_w2),      cmocka_unit_test(test_zero1_w3),
-      cmocka_unit_test(test_zero1_w2_ga3),  cmocka_unit_test(test_zero1_bucket_view_w3),
-      cmocka_unit_test(test_zero1_hook_w2), cmocka_unit_test(test_zero1_hook_w3_ga3),
+      cmocka_unit_test(test_zero1_w2),
+      cmocka_unit_test(test_zero1_w3),
+      cmocka_unit_test(test_zero1_w2_ga3),
+      cmocka_unit_test(test_zero1_bucket_view_w3),
+      cmocka_unit_test(test_zero1_hook_w2),
+      cmocka_unit_test(test_zero1_hook_w3_ga3),
+      cmocka_unit_test(test_zero1_hook_shard_buckets_w2),
   };
   return ddp_test_parity_main("zero_parity", tests, sizeof tests / sizeof *tests);
 }

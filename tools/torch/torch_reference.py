@@ -180,6 +180,8 @@ def parse_args(argv):
     p.add_argument("--zero_comm_hook", choices=("no", "hook_with_zero_step"), default="no",
                    help="ZeroRedundancyOptimizer(overlap_with_ddp=True) with this ddp_zero_hook "
                         "around --comm_hook (gloo: the NCCL-only check bypassed)")
+    p.add_argument("--zero_shard_buckets", type=parse_bool, default=False,
+                   help="the ddp_zero_hook's shard_buckets")
     a = p.parse_args(argv)
     if a.world < 1 or a.steps < 0 or a.batch < 1 or a.gradient_accumulation_steps < 1:
         p.error("--world, --batch and --gradient_accumulation_steps must be >= 1, "
@@ -400,7 +402,8 @@ def register_hook(a, ddp, params, drawn=None):
         real = dist.get_backend
         dist.get_backend = lambda group=None: "nccl"  # 1.13 refuses gloo (pytorch#62300)
         try:
-            hook = dz.hook_with_zero_step(hook, ddp, a.zero_optimizer)
+            hook = dz.hook_with_zero_step(hook, ddp, a.zero_optimizer,
+                                          shard_buckets=a.zero_shard_buckets)
         finally:
             dist.get_backend = real
     ddp.register_comm_hook(state, hook)
