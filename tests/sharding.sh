@@ -357,4 +357,7 @@ expect_err "--zero_parameters_as_bucket_view is PyTorch ZeroRedundancyOptimizer'
   --deepspeed ds2.json --zero_parameters_as_bucket_view true
 expect_err "--zero_comm_hook is PyTorch ZeroRedundancyOptimizer's (ZeRO-1)" \
   --zero_comm_hook hook_with_zero_step
+# GPT-2 tiny in one bucket: shard_buckets would need more runs than ranks (PyTorch asserts)
+expect_err "shard_buckets cut DDP bucket 0 (35712 elements) into more than 2 runs" "${gpt[@]}" \
+  "${ovl[@]}" --zero_comm_hook hook_with_zero_step --zero_shard_buckets true
 echo "ok: bad input refused"
