@@ -288,7 +288,14 @@ for model in mlp gpt; do
     done
   done
 done
-echo "ok: ZeRO-1 --zero_parameters_as_bucket_view ends with DDP's param_hash"
+# and a checkpoint of it resumes bit for bit (the buckets are views: save and load follow them)
+bv=(--deepspeed ds1.json --zero_parameters_as_bucket_view true)
+ref=$(run bv-full threads 2 "${mlp[@]}" "${bv[@]}")
+run bv-save threads 2 "${mlp[@]}" "${bv[@]}" --save_strategy steps --save_steps 10 >/dev/null
+h=$(run bv-save threads 2 "${mlp[@]}" "${bv[@]}" --resume_from_checkpoint bv-save/checkpoint-10)
+[ "$h" = "$ref" ] || fail "bucket view resumed from step 10: $h, uninterrupted $ref"
+grep -q "(from step 10)" bv-save.log || fail "bucket view: the second run did not resume"
+echo "ok: ZeRO-1 --zero_parameters_as_bucket_view ends with DDP's param_hash, and resumes"
 
 # The overlapped ZeRO-1 (--zero_comm_hook, PyTorch's hook_with_zero_step): its first 2 steps
 # update nothing, so it cannot end with DDP's hash (test_zero_hook checks it against DDP
