@@ -284,7 +284,7 @@ for model in mlp gpt; do
       tag=bv-$model-$be-$w
       ref=$(run "ddp-$tag" $be $w "${margs[@]}")
       h=$(run "$tag" $be $w "${margs[@]}" --deepspeed ds1.json --zero_parameters_as_bucket_view true)
-      [ -n "$ref" ] && [ "$h" = "$ref" ] || fail "$tag: $h, DDP $ref"
+      if [ -z "$ref" ] || [ "$h" != "$ref" ]; then fail "$tag: $h, DDP $ref"; fi
     done
   done
 done
