@@ -4,7 +4,9 @@
 # accumulation 1 and 3, W = 2, 3, 4, threads, shm and tcp), checkpoints (shards,
 # consolidation, resume at another W, a flipped bit caught; ZeRO-3's FULL_STATE_DICT and
 # SHARDED_STATE_DICT), the per-rank state bytes of
-# metrics.jsonl equal the formulas, and bad input is refused naming the value.
+# metrics.jsonl equal the formulas, ZeRO-1's --zero_parameters_as_bucket_view (DDP's hash) and
+# --zero_comm_hook (the overlapped hooks agree with each other), and bad input is refused
+# naming the value.
 #
 #   tests/sharding.sh DDP_TRAIN DDPRUN SRC_ROOT
 set -u
@@ -289,6 +291,56 @@ h=$(run z3g-r2 threads 2 "${gpt[@]}" --fsdp "full_shard auto_wrap" \
 echo "ok: ZeRO-3 checkpoints: FULL = DDP's bytes (MLP, GPT-2 HF shards), SHARDED per-rank shards, resume at W = 4, 2, 3"
 
 # Bad input: each a clear error naming the value.
+# ZeRO-1 with PyTorch's parameters_as_bucket_view (one flat bucket per rank, one broadcast
+# each): DDP's param_hash. MLP and GPT-2 tiny, W = 2 and 3, threads and shm.
+for model in mlp gpt; do
+  [ $model = mlp ] && margs=("${mlp[@]}") || margs=("${gpt[@]}")
+  for be in threads shm; do
+    for w in 2 3; do
+      tag=bv-$model-$be-$w
+      ref=$(run "ddp-$tag" $be $w "${margs[@]}")
+      h=$(run "$tag" $be $w "${margs[@]}" --deepspeed ds1.json --zero_parameters_as_bucket_view true)
+      if [ -z "$ref" ] || [ "$h" != "$ref" ]; then fail "$tag: $h, DDP $ref"; fi
+    done
+  done
+done
+# and a checkpoint of it resumes bit for bit (the buckets are views: save and load follow them)
+bv=(--deepspeed ds1.json --zero_parameters_as_bucket_view true)
+ref=$(run bv-full threads 2 "${mlp[@]}" "${bv[@]}")
+run bv-save threads 2 "${mlp[@]}" "${bv[@]}" --save_strategy steps --save_steps 10 >/dev/null
+h=$(run bv-save threads 2 "${mlp[@]}" "${bv[@]}" --resume_from_checkpoint bv-save/checkpoint-10)
+[ "$h" = "$ref" ] || fail "bucket view resumed from step 10: $h, uninterrupted $ref"
+grep -q "(from step 10)" bv-save.log || fail "bucket view: the second run did not resume"
+echo "ok: ZeRO-1 --zero_parameters_as_bucket_view ends with DDP's param_hash, and resumes"
+
+# The overlapped ZeRO-1 (--zero_comm_hook, PyTorch's hook_with_zero_step): its first 2 steps
+# update nothing, so it cannot end with DDP's hash (test_zero_hook checks it against DDP
+# with those 2 updates skipped, bit for bit). Here: both hooks, with and without
+# shard_buckets, on threads and shm, end with the same bits, and not DDP's.
+ovl=(--deepspeed ds1.json --max_grad_norm 0 --ddp_find_unused_parameters false)
+for model in mlp gpt; do
+  [ $model = mlp ] && margs=("${mlp[@]}" --ddp_bucket_cap_mb 0.01) ||
+    margs=("${gpt[@]}" --ddp_bucket_cap_mb 0.05 --gradient_accumulation_steps 3)
+  for w in 2 3; do
+    ref=$(run "ovl-ddp-$model-$w" threads $w "${margs[@]}" --max_grad_norm 0)
+    first=
+    for be in threads shm; do
+      for hk in hook_with_zero_step hook_with_zero_step_interleaved; do
+        for sb in false true; do
+          [ $be = shm ] && [ $sb = true ] && continue
+          tag=ovl-$model-$be-$w-$hk-$sb
+          h=$(run "$tag" $be $w "${margs[@]}" "${ovl[@]}" --zero_comm_hook $hk --zero_shard_buckets $sb)
+          [ -n "$h" ] || fail "$tag: no param_hash"
+          [ -n "$first" ] || first=$h
+          [ "$h" = "$first" ] || fail "$tag: $h, the first hook run $first"
+          [ "$h" != "$ref" ] || fail "$tag: DDP's hash $ref although 2 steps update nothing"
+        done
+      done
+    done
+  done
+done
+echo "ok: --zero_comm_hook hook_with_zero_step and _interleaved (shard_buckets or not) agree bit for bit"
+
 echo '{"zero_optimization": {"stage": 7}}' >ds7.json
 echo '{"zero_optimization": {"stage": "two"}}' >dsx.json
 cp -r z3c-sharded/checkpoint-10 z3flip
@@ -318,4 +370,17 @@ expect_err "--fsdp: option 'sharded_grad' is unknown; choices: full_shard (ZeRO-
   --fsdp sharded_grad
 expect_err "--fsdp: option 'offload' is not supported by libddp" --fsdp "full_shard offload"
 expect_err "nosuch.json" --deepspeed nosuch.json
+expect_err "--zero_comm_hook hook_with_zero_step (ZeRO stage 1) does not combine with find_unused_parameters" \
+  --deepspeed ds1.json --max_grad_norm 0 --zero_comm_hook hook_with_zero_step
+expect_err "does not combine with --max_grad_norm > 0" --deepspeed ds1.json \
+  --ddp_find_unused_parameters false --zero_comm_hook hook_with_zero_step_interleaved
+expect_err "--zero_comm_hook 'hook_with_zero' is not one of no, hook_with_zero_step" \
+  --deepspeed ds1.json --zero_comm_hook hook_with_zero
+expect_err "--zero_parameters_as_bucket_view is PyTorch ZeroRedundancyOptimizer's (ZeRO-1): it needs --deepspeed with zero_optimization.stage 1 (the ZeRO stage is 2)" \
+  --deepspeed ds2.json --zero_parameters_as_bucket_view true
+expect_err "--zero_comm_hook is PyTorch ZeroRedundancyOptimizer's (ZeRO-1)" \
+  --zero_comm_hook hook_with_zero_step
+# GPT-2 tiny in one bucket: shard_buckets would need more runs than ranks (PyTorch asserts)
+expect_err "shard_buckets cut DDP bucket 0 (35712 elements) into more than 2 runs" "${gpt[@]}" \
+  "${ovl[@]}" --zero_comm_hook hook_with_zero_step --zero_shard_buckets true
 echo "ok: bad input refused"

@@ -147,10 +147,18 @@ typedef struct ddp_zero_options {
    * stages: DEEPSPEED and DEEPSPEED_ALLREDUCE clip as DeepSpeed ZeRO-1/2 does
    * (ddp_grad_arith_clip_deepspeed); the others in DDP's order. */
   ddp_grad_arith_t arith;
+  /* Stage 1: ZeroRedundancyOptimizer's parameters_as_bucket_view (false). Each rank's
+   * parameters are copied into one flat bucket per rank (per group in order, the group's
+   * parameters in the partition's order: numel descending) and the parameters' data point
+   * into it; ddp_zero_step then broadcasts one bucket per rank instead of one tensor per
+   * parameter (an empty rank's bucket is one zero element, as torch.zeros(1)). The same
+   * bits; ddp_zero_destroy copies the values back and points the parameters at their
+   * former storage. Stage 2: DDP_ERR_INVALID_ARGUMENT. */
+  bool parameters_as_bucket_view;
 } ddp_zero_options_t;
 
 #define DDP_ZERO_OPTIONS_INIT \
-  { sizeof(ddp_zero_options_t), 1, false, DDP_GRAD_ARITH_DDP }
+  { sizeof(ddp_zero_options_t), 1, false, DDP_GRAD_ARITH_DDP, false }
 
 typedef struct ddp_zero ddp_zero_t;
 
@@ -209,7 +217,8 @@ DDP_API ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, dou
                                              ddp_error_t *err);
 /* Collective: every rank steps the parameters it owns at learning rate lr, then the owners
  * send them to every rank: a broadcast per parameter from its owner, rank by rank, as
- * ZeroRedundancyOptimizer._sync_params (both stages). */
+ * ZeroRedundancyOptimizer._sync_params (both stages), or at stage 1 with
+ * parameters_as_bucket_view one broadcast of each rank's bucket. */
 DDP_API ddp_status_t ddp_zero_step(ddp_zero_t *z, double lr, ddp_error_t *err);
 /* zero_grad over every present gradient (set_to_none as ddp_optim_zero_grad). */
 DDP_API void ddp_zero_zero_grad(ddp_zero_t *z, bool set_to_none);
@@ -237,6 +246,93 @@ DDP_API ddp_status_t ddp_zero_consolidate(const char *const *shards, size_t nsha
                                           const char *out, ddp_error_t *err);
 DDP_API ddp_status_t ddp_zero_optim_load(ddp_zero_t *z, size_t group, const char *path,
                                          ddp_error_t *err);
+
+/* ------------------------------------------------- ZeRO-1 overlapped with DDP ---- */
+
+/* PyTorch 1.13's ZeroRedundancyOptimizer(overlap_with_ddp=True) with the DDP comm hook
+ * hook_with_zero_step or hook_with_zero_step_interleaved (ddp_zero_hook.py;
+ * docs/sharding.md, "ZeRO-1 overlapped with DDP"). The optimizer step runs inside DDP's
+ * comm hook; the caller never steps.
+ *
+ *   warm-up    until DDP has rebuilt its buckets (has_rebuilt_buckets: after the first
+ *              synchronised iteration, the second with static_graph) the hook only runs
+ *              the inner hook. In the first iteration after the rebuild it records each
+ *              bucket's parameters. At bucket 0 of the next iteration it partitions the
+ *              buckets, flattens each assignment's parameters into one tensor (the
+ *              parameters become views into it) and creates this rank's optimizers. So
+ *              the first 2 synchronised iterations (3 with static_graph) update nothing;
+ *              DDP with find_unused_parameters and no static_graph never rebuilds, so the
+ *              hook never updates (as in PyTorch).
+ *   partition  bucket i to rank i % W whole (shard_buckets false), or PyTorch's
+ *              shard_buckets: buckets by increasing size, each cut into runs of parameters
+ *              below total / W, each run to the least-loaded rank not yet holding a run of
+ *              that bucket. Not ZeroRedundancyOptimizer's greedy partition (ddp_zero_partition).
+ *   STEP       when the last bucket's hook runs (all gradients computed), for every bucket
+ *              in order: its owners wait for its reduction, step its parameters with the
+ *              reduced gradients, then every rank issues the broadcast of the bucket's
+ *              assignments from their owners (in rank order); all broadcasts are waited
+ *              for before the hook returns.
+ *   INTERLEAVED each bucket's work gets a continuation (run when the reducer resolves the
+ *              bucket, in bucket order): the owners step the bucket's parameters, every
+ *              rank broadcasts them; the last bucket's continuation waits for all.
+ *
+ * The step uses the inner hook's result as the gradient, the bits DDP with that hook copies
+ * into .grad: with the default inner (DDP's own arithmetic, fl(1/W) pre-multiply, or / W
+ * with divide_in_place) an iteration after the warm-up updates every parameter bit for bit
+ * as DDP followed by the same optimizer does. Not PyTorch's limits: any number of parameter
+ * groups (each parameter keeps its group's options; PyTorch asserts one group), and any
+ * backend (PyTorch refuses all but NCCL/HCCL, because gloo may hang: pytorch#62300). No
+ * gradient clipping is possible (the step runs before every gradient is reduced). */
+typedef enum ddp_zero_hook_kind {
+  DDP_ZERO_HOOK_STEP = 0,         /* hook_with_zero_step */
+  DDP_ZERO_HOOK_STEP_INTERLEAVED, /* hook_with_zero_step_interleaved */
+} ddp_zero_hook_kind_t;
+
+typedef struct ddp_zero_overlap_options {
+  size_t struct_size;
+  ddp_zero_hook_kind_t kind;
+  bool shard_buckets; /* false: each bucket wholly to rank index % W */
+  /* DDP's _has_rebuilt_buckets, asked at every bucket (the reducer is a layer above: the
+   * caller answers, e.g. from ddp_ddp_get_logging_data). Required. */
+  bool (*has_rebuilt_buckets)(void *user);
+  void *user;
+  /* The default inner hook's divide (inner NULL): false multiplies by fl(1/W) (DDP's
+   * default), true divides by W (DDP with gradient_as_bucket_view). */
+  bool divide_in_place;
+} ddp_zero_overlap_options_t;
+
+#define DDP_ZERO_OVERLAP_OPTIONS_INIT \
+  { sizeof(ddp_zero_overlap_options_t), DDP_ZERO_HOOK_STEP, false, NULL, NULL, false }
+
+typedef struct ddp_zero_overlap ddp_zero_overlap_t;
+
+/* "hook_with_zero_step", "hook_with_zero_step_interleaved"; parse: false for other names. */
+DDP_API const char *ddp_zero_hook_kind_name(ddp_zero_hook_kind_t k);
+DDP_API bool ddp_zero_hook_kind_parse(const char *name, ddp_zero_hook_kind_t *out);
+
+/* groups: the optimizer groups over the trainable parameters (each pair's param is a
+ * ddp_param_t's value, so that the buckets' parameters are found in them); f32 or f64.
+ * inner: PyTorch's `hook` argument (the overlap handle owns its state from here, also on
+ * failure); NULL: DDP's own arithmetic (above). Registered through ddp_zero_overlap_hook;
+ * the handle outlives the DDP handle it is registered with. */
+DDP_API ddp_status_t ddp_zero_overlap_create(ddp_pg_t *pg, const ddp_zero_overlap_options_t *opts,
+                                             const ddp_zero_group_t *groups, size_t ngroups,
+                                             const ddp_comm_hook_t *inner, ddp_zero_overlap_t **out,
+                                             ddp_error_t *err);
+/* Copies the parameters back to their former storage (the model's flat buffer) and points
+ * them there again; frees the optimizers and the inner hook's state. NULL: no-op. */
+DDP_API void ddp_zero_overlap_destroy(ddp_zero_overlap_t *z);
+/* The hook to register (ddp_ddp_register_comm_hook): state is z, free_state NULL (z stays
+ * the caller's); stats and save/load_state are the inner hook's. */
+DDP_API void ddp_zero_overlap_hook(ddp_zero_overlap_t *z, ddp_comm_hook_t *out);
+/* The learning rate of the next update (before the backward that runs it). */
+DDP_API void ddp_zero_overlap_set_lr(ddp_zero_overlap_t *z, double lr);
+/* Iterations that updated the parameters so far (0 during the warm-up). */
+DDP_API int64_t ddp_zero_overlap_updates(const ddp_zero_overlap_t *z);
+/* The rank that steps global parameter i; -1 before the delayed initialisation. */
+DDP_API int ddp_zero_overlap_owner(const ddp_zero_overlap_t *z, size_t i);
+/* Bytes of this rank's optimizer state (ddp_optim_state_bytes of its optimizers). */
+DDP_API size_t ddp_zero_overlap_optim_bytes(const ddp_zero_overlap_t *z);
 
 /* ---------------------------------------------------------------- ZeRO-3 / FSDP ---- */
 

@@ -143,6 +143,16 @@ typedef struct ddp_train_args {
    * .safetensors files with model.safetensors.index.json (libddp: the Trainer itself has no
    * such argument and always uses save_pretrained's default) */
   char max_shard_size[DDP_TRAIN_STR_MAX];
+  /* ZeRO-1 (--deepspeed with zero_optimization.stage 1; docs/sharding.md): PyTorch
+   * ZeroRedundancyOptimizer's parameters_as_bucket_view (false: one broadcast per
+   * parameter after the step; true: one per rank's flat bucket) */
+  bool zero_parameters_as_bucket_view;
+  /* ZeRO-1's step inside DDP's comm hook: "no" (default), "hook_with_zero_step",
+   * "hook_with_zero_step_interleaved" (PyTorch's ddp_zero_hook around --comm_hook, with
+   * ZeroRedundancyOptimizer(overlap_with_ddp=True): the first 2 steps, 3 with static_graph,
+   * update nothing) */
+  char zero_comm_hook[40];
+  bool zero_shard_buckets; /* the hook's shard_buckets (false: bucket i to rank i % W) */
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -163,7 +173,8 @@ typedef struct ddp_train_args {
     .gradient_as_bucket_view = false, .ddp_reducer = true, .comm_hook = "no",                      \
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
     .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true,    \
-    .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB"                \
+    .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB",               \
+    .zero_parameters_as_bucket_view = false, .zero_comm_hook = "no", .zero_shard_buckets = false   \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"

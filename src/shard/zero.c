@@ -10,6 +10,7 @@
 #include "ddp/io.h"
 #include "ddp/shard.h"
 #include "shard/zero2.h"
+#include "shard/zero_view.h"
 
 #define ZERO_MAGIC 0x5a45524fu /* "ZERO" */
 
@@ -30,7 +31,9 @@ struct ddp_zero {
   double *norms;       /* [n] */
   ddp_tensor_t **clip; /* [n] owned grads; the others point at `none` */
   ddp_tensor_t none;   /* a None gradient */
-  ddp_work_t **works;  /* [n] */
+  ddp_work_t **works;  /* [max(n, W)] */
+
+  ddp__zero_view_t view; /* stage 1 with parameters_as_bucket_view */
 };
 
 void ddp_zero_partition(const int64_t *numel, const size_t *group_n, size_t ngroups, int world,
@@ -127,6 +130,11 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
                       "zero: gradient arithmetic %d is not one of " DDP_GRAD_ARITH_CHOICES,
                       (int)opts->arith);
+  if (opts->parameters_as_bucket_view && opts->stage != 1)
+    return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT,
+                      "zero: parameters_as_bucket_view is ZeroRedundancyOptimizer's (stage 1); "
+                      "stage %d keeps its own flat buffer",
+                      opts->stage);
   if (ngroups > DDP_ZERO_MAX_GROUPS)
     return ddp__error(err, rank, DDP_ERR_INVALID_ARGUMENT, "zero: %zu parameter groups; at most %d",
                       ngroups, DDP_ZERO_MAX_GROUPS);
@@ -149,7 +157,7 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
   z->owner = ddp__calloc(n1, sizeof *z->owner);
   z->norms = ddp__calloc(n1, sizeof *z->norms);
   z->clip = ddp__calloc(n1, sizeof *z->clip);
-  z->works = ddp__calloc(n1, sizeof *z->works);
+  z->works = ddp__calloc(n1 > (size_t)z->world ? n1 : (size_t)z->world, sizeof *z->works);
   ddp_status_t st = DDP_OK;
   if (!z->params || !z->owner || !z->norms || !z->clip || !z->works) {
     st = ddp__error(err, rank, DDP_ERR_NO_MEMORY, "zero: out of memory (%zu parameters)", z->n);
@@ -159,6 +167,10 @@ ddp_status_t ddp_zero_create(ddp_pg_t *pg, const ddp_zero_options_t *opts,
     for (size_t k = 0; k < groups[g].n; k++) z->params[i++] = groups[g].params[k];
   DDP_CHECK_GOTO(build(z, groups, err), st, fail);
   for (size_t i = 0; i < z->n; i++) z->clip[i] = z->owner[i] == rank ? z->params[i].grad : &z->none;
+  if (opts->parameters_as_bucket_view)
+    DDP_CHECK_GOTO(ddp__zero_view_build(&z->view, z->params, z->n, z->owner, z->gn, ngroups,
+                                        z->world, rank, err),
+                   st, fail);
   if (opts->stage == 2) {
     ddp__zero2_cfg_t c = {.pg = pg,
                           .rank = rank,
@@ -184,6 +196,7 @@ void ddp_zero_destroy(ddp_zero_t *z) {
   if (!z) return;
   DDP_REQUIRE(z->magic == ZERO_MAGIC);
   for (size_t g = 0; g < z->ngroups; g++) ddp_optim_destroy(z->opt[g]);
+  ddp__zero_view_free(&z->view);
   ddp__free(z->params);
   ddp__free(z->owner);
   ddp__free(z->norms);
@@ -289,6 +302,11 @@ ddp_status_t ddp_zero_clip_grad_norm(ddp_zero_t *z, double max_norm, double *tot
 static ddp_status_t sync_params(ddp_zero_t *z, ddp_error_t *err) {
   size_t m = 0;
   ddp_status_t st = DDP_OK;
+  if (z->opts.parameters_as_bucket_view) { /* stage 1: one broadcast per rank's bucket */
+    st = ddp__zero_view_sync(&z->view, z->pg, z->dt, z->works, &m);
+    ddp_status_t ws = wait_all(z, m, "parameter bucket broadcast", err);
+    return st != DDP_OK ? coll(z, st, "parameter bucket broadcast", err) : ws;
+  }
   for (int r = 0; r < z->world && st == DDP_OK; r++)
     for (size_t i = 0; i < z->n && st == DDP_OK; i++) {
       if (z->owner[i] != r) continue;

@@ -113,6 +113,14 @@ static const arg_field_t fields[] = {
     F_STR(sharding_arithmetic, "ddp",
           "libddp: whose gradient arithmetic (where the reduction divides, the clipping "
           "norm's order): ddp, fsdp1, fsdp2, deepspeed, deepspeed_allreduce"),
+    F_BOOL(zero_parameters_as_bucket_view, "false",
+           "PyTorch ZeRO-1 (--deepspeed stage 1): one flat parameter bucket per rank, one "
+           "broadcast each"),
+    F_STR(zero_comm_hook, "no",
+          "PyTorch ZeRO-1's step inside DDP's comm hook: no, hook_with_zero_step, "
+          "hook_with_zero_step_interleaved (wraps --comm_hook; the first 2 steps update nothing)"),
+    F_BOOL(zero_shard_buckets, "false",
+           "PyTorch hook_with_zero_step's shard_buckets (false: bucket i to rank i % W)"),
     F_INT(world_size_invariant_shards, 0, 65536, "0",
           "libddp: K shards per global batch: the same bits for any world size (0: off)"),
     F_BOOL(overwrite_output_dir, "false",

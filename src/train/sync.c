@@ -15,6 +15,7 @@
  *    does. Kept as the reference the reducer is tested against (tests/test_train.c). */
 #include "train/sync.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -31,7 +32,9 @@ struct ddp__sync {
   bool armed;                 /* flat mode: the last forward was a synchronising one */
   ddp_local_grad_fn local_fn; /* ddp__sync_set_local_grad_fn; NULL: none */
   void *local_user;
-  int64_t syncs; /* synchronised backwards so far */
+  int64_t syncs;               /* synchronised backwards so far */
+  ddp__sync_hook_wrap_fn wrap; /* ddp__sync_set_hook_wrap; NULL: none */
+  void *wrap_user;
 };
 
 static const ddp_dtype_t float_dtypes[] = {DDP_F32, DDP_F64};
@@ -92,6 +95,12 @@ struct ddp_ddp *ddp__sync_reducer(ddp__sync_t *s) {
 
 ddp_powersgd_state_t *ddp__sync_powersgd(ddp__sync_t *s) {
   return s->hook.fn ? ddp_hooks_powersgd(&s->hook) : NULL;
+}
+
+void ddp__sync_set_hook_wrap(ddp__sync_t *s, ddp__sync_hook_wrap_fn fn, void *user) {
+  DDP_REQUIRE(s && !s->ddp);
+  s->wrap = fn;
+  s->wrap_user = user;
 }
 
 bool ddp__sync_hook_has_state(const ddp__sync_t *s) {
@@ -218,25 +227,29 @@ ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err) {
     DDP_CHECK(ddp__sync_grad_arith(&s->args, ddp_pg_rank(s->pg), &arith, err));
     /* world_size_invariant_shards sums with its own allreduce: "allreduce" is that one */
     if (s->args.world_size_invariant_shards > 0) return DDP_OK;
+    ddp_comm_hook_t hook = {0};
+    char what[DDP_TRAIN_STR_MAX + 48] = "DDP comm hook";
     if (arith != DDP_GRAD_ARITH_DDP) {
-      ddp_comm_hook_t ah;
-      st = ddp_grad_arith_hook(arith, &ah);
-      if (st == DDP_OK) st = ddp_ddp_register_comm_hook(s->ddp, &ah, &e);
-      if (st != DDP_OK)
-        return ddp__error(err, ddp_pg_rank(s->pg), st, "--sharding_arithmetic %s: comm hook: %s",
-                          s->args.sharding_arithmetic, e.msg);
-      return DDP_OK;
+      st = ddp_grad_arith_hook(arith, &hook);
+      snprintf(what, sizeof what, "--sharding_arithmetic %s: comm hook",
+               s->args.sharding_arithmetic);
+    } else {
+      /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
+       * The layer that failed has logged; the message is carried up quietly. */
+      st = ddp_hooks_create(s->args.comm_hook, s->args.comm_wrapper, s->args.comm_state_option,
+                            ddp_pg_rank(s->pg), &hook, &e);
     }
-    /* Accelerate's comm_hook / comm_wrapper / comm_state_option ("no" registers nothing).
-     * The layer that failed has logged; the message is carried up quietly. */
-    ddp_comm_hook_t hook;
-    st = ddp_hooks_create(s->args.comm_hook, s->args.comm_wrapper, s->args.comm_state_option,
-                          ddp_pg_rank(s->pg), &hook, &e);
+    if (st == DDP_OK && s->wrap) { /* the wrapper owns the inner hook's state from here */
+      ddp_comm_hook_t outer = {0};
+      st = s->wrap(s->wrap_user, hook.fn ? &hook : NULL, &outer, &e);
+      hook = st == DDP_OK ? outer : (ddp_comm_hook_t){0};
+      snprintf(what, sizeof what, "--zero_comm_hook %s", s->args.zero_comm_hook);
+    }
     if (st == DDP_OK && hook.fn) {
       st = ddp_ddp_register_comm_hook(s->ddp, &hook, &e);
-      if (st != DDP_OK) hook.free_state(hook.state); /* not registered: still ours */
+      if (st != DDP_OK && hook.free_state) hook.free_state(hook.state); /* still ours */
     }
-    if (st != DDP_OK) return ddp__error_quiet(err, st, "DDP comm hook: %s", e.msg);
+    if (st != DDP_OK) return ddp__error_quiet(err, st, "%s: %s", what, e.msg);
     s->hook = hook;
     return DDP_OK;
   }

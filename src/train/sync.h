@@ -32,6 +32,13 @@ ddp_status_t ddp__sync_grad_arith(const ddp_train_args_t *a, int rank, ddp_grad_
 ddp_status_t ddp__sync_create(ddp_pg_t *pg, ddp_model_t *model, const ddp_train_args_t *args,
                               bool use_reducer, ddp__sync_t **out, ddp_error_t *err);
 void ddp__sync_destroy(ddp__sync_t *s);
+/* Reducer mode, before ddp__sync_begin: the comm hook begin would register (the
+ * --sharding_arithmetic hook, --comm_hook's, or none: inner NULL) is handed to fn, which
+ * takes its state and returns the hook to register instead (ZeRO-1's hook_with_zero_step,
+ * src/train/zero.c); a failure's message goes to err. */
+typedef ddp_status_t (*ddp__sync_hook_wrap_fn)(void *user, const ddp_comm_hook_t *inner,
+                                               ddp_comm_hook_t *out, ddp_error_t *err);
+void ddp__sync_set_hook_wrap(ddp__sync_t *s, ddp__sync_hook_wrap_fn fn, void *user);
 /* Rank 0's parameters and buffers to every rank (DDP's constructor broadcast; the
  * reducer's handle is created here). */
 ddp_status_t ddp__sync_begin(ddp__sync_t *s, ddp_error_t *err);

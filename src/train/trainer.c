@@ -569,6 +569,8 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
   if (!t->inv_k) DDP_CHECK(seek_loader(t, epoch, (step % t->steps_per_epoch) * GA));
   ddp__train_forward_flags_at(a->forward_flags, t->rank, step, &t->flags); /* validated */
   DDP_CHECK(ddp__train_fault_step(&t->fault, t->pg, step, t->err));
+  /* --zero_comm_hook: the update runs in the last micro-batch's backward, at this lr */
+  if (t->zovl) ddp_zero_overlap_set_lr(t->zovl, ddp_lr_at(&t->sched, a->learning_rate, step));
   double local_loss = 0;
   for (int64_t k = 0; k < GA; k++) {
     if (!t->inv_k) {
@@ -603,7 +605,8 @@ static ddp_status_t train_step(ddp__trainer_t *t, int64_t step, step_out_t *o) {
     ddp__train_own_bytes(t, o->bytes);
     ddp_fsdp_zero_grad(t->fsdp);
   }
-  for (size_t g = 0; !t->zero && !t->fsdp && g < t->nopt; g++) {
+  if (t->zovl) ddp__train_own_bytes(t, o->bytes); /* stepped inside the backward */
+  for (size_t g = 0; !t->zero && !t->fsdp && !t->zovl && g < t->nopt; g++) {
     ddp_optim_set_lr(t->opt[g], o->lr);
     DDP_CHECK(ddp_optim_step(t->opt[g], t->err));
     if (g == t->nopt - 1) ddp__train_own_bytes(t, o->bytes);
@@ -754,6 +757,8 @@ static ddp_status_t finish(ddp__trainer_t *t) {
     DDP_CHECK(
         ddp__train_q_finish(t->init_q, ddp_powersgd_draws(ddp__sync_powersgd(t->sync)), t->err));
   }
+  /* the overlapped ZeRO-1's partition exists once its warm-up is over */
+  if (t->dump && t->zovl) DDP_CHECK(ddp__train_zero_dump(t));
   if (t->dump) DDP_CHECK(dump_check(t, ddp_dump_finish(t->dump)));
   r->steps = t->max_steps;
   r->seconds = (double)(ddp_now_ns() - t->t_start) * 1e-9;
@@ -806,6 +811,7 @@ static void teardown(ddp__trainer_t *t, ddp_status_t st) {
   ddp_tensor_free(&t->seed_grad);
   for (size_t g = 0; g < t->nopt; g++) ddp_optim_destroy(t->opt[g]);
   ddp_zero_destroy(t->zero);
+  ddp_zero_overlap_destroy(t->zovl); /* after the reducer that called it */
   ddp_fsdp_destroy(t->fsdp);
   ddp_loader_destroy(t->loader);
   ddp_sampler_destroy(t->sampler);

@@ -55,6 +55,7 @@ typedef struct ddp__trainer {
   ddp__train_q_t *init_q;   /* power_sgd_init_q; NULL when off */
   ddp__train_fault_t fault; /* DDP_FAULT (faults.h) */
   ddp_zero_t *zero;         /* --deepspeed / --fsdp ZeRO-1/2 (zero.c); NULL: DDP */
+  ddp_zero_overlap_t *zovl; /* ZeRO-1 with --zero_comm_hook: the step runs in DDP's hook */
   ddp_fsdp_t *fsdp;         /* ZeRO-3 (zero.c), created after the initial broadcast */
   bool zero3;               /* ZeRO-3 asked for */
   ddp__ds_config_t ds;      /* --deepspeed's config, "auto" filled (ds_config.c) */

@@ -74,10 +74,89 @@ ddp_status_t ddp__train_zero_stage(const ddp_train_args_t *a, int rank, int *sta
   return DDP_OK;
 }
 
+/* ---------------------------------------------------------------- ZeRO-1 overlapped */
+
+static bool has_rebuilt_buckets(void *user) {
+  ddp__trainer_t *t = user;
+  ddp_ddp_logging_data_t ld;
+  ddp_ddp_get_logging_data(ddp__sync_reducer(t->sync), &ld);
+  return ld.has_rebuilt_buckets;
+}
+
+/* ddp__sync_hook_wrap_fn: the hook begin would register becomes PyTorch's `hook` argument. */
+static ddp_status_t wrap_hook(void *user, const ddp_comm_hook_t *inner, ddp_comm_hook_t *out,
+                              ddp_error_t *err) {
+  ddp__trainer_t *t = user;
+  ddp_zero_hook_kind_t kind = DDP_ZERO_HOOK_STEP;
+  ddp_zero_hook_kind_parse(t->a->zero_comm_hook, &kind); /* checked by overlap_setup */
+  ddp_zero_overlap_options_t o = DDP_ZERO_OVERLAP_OPTIONS_INIT;
+  o.kind = kind;
+  o.shard_buckets = t->a->zero_shard_buckets;
+  o.has_rebuilt_buckets = has_rebuilt_buckets;
+  o.user = t;
+  o.divide_in_place = t->a->gradient_as_bucket_view;
+  ddp_zero_group_t groups[DDP__TRAIN_MAX_GROUPS];
+  for (size_t g = 0, off = 0; g < t->nopt; g++) {
+    size_t n = ddp_optim_num_params(t->opt[g]);
+    groups[g] = (ddp_zero_group_t){*ddp_optim_options(t->opt[g]), t->pairs + off, n};
+    off += n;
+  }
+  DDP_CHECK(ddp_zero_overlap_create(t->pg, &o, groups, t->nopt, inner, &t->zovl, err));
+  ddp_zero_overlap_hook(t->zovl, out);
+  return DDP_OK;
+}
+
+/* --zero_comm_hook: what PyTorch's overlap cannot do is refused naming the flag; the hook
+ * itself is made when the reducer exists (wrap_hook, from ddp__sync_begin). */
+static ddp_status_t overlap_setup(ddp__trainer_t *t, int stage, const ddp_zero_group_t *groups) {
+  (void)groups;
+  const ddp_train_args_t *a = t->a;
+  ddp_zero_hook_kind_t kind;
+  const char *why = NULL;
+  if (!ddp_zero_hook_kind_parse(a->zero_comm_hook, &kind))
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "--zero_comm_hook '%s' is not one of no, hook_with_zero_step, "
+                      "hook_with_zero_step_interleaved",
+                      a->zero_comm_hook);
+  if (!a->ddp_reducer)
+    why = "--ddp_reducer false (the step runs inside the DDP reducer's comm hook)";
+  else if (ddp_train_find_unused(a) && !ddp_train_static_graph(a))
+    why = "find_unused_parameters (DDP then never rebuilds its buckets, so PyTorch's hook "
+          "never updates the parameters; pass --ddp_find_unused_parameters false or "
+          "--ddp_static_graph true)";
+  else if (a->max_grad_norm > 0)
+    why = "--max_grad_norm > 0 (the step runs before every gradient is reduced: there is "
+          "no global norm to clip by; pass --max_grad_norm 0)";
+  else if (strcmp(a->save_strategy, "no") != 0 || a->resume_from_checkpoint[0])
+    why = "checkpoints (not built for the overlapped ZeRO-1: its optimizer state is "
+          "partitioned by DDP bucket and created after the warm-up; pass --save_strategy no)";
+  else if (a->power_sgd_init_q[0])
+    why = "--power_sgd_init_q";
+  if (why)
+    return ddp__error(t->err, t->rank, DDP_ERR_UNSUPPORTED,
+                      "--zero_comm_hook %s (ZeRO stage %d) does not combine with %s",
+                      a->zero_comm_hook, stage, why);
+  if (a->zero_parameters_as_bucket_view)
+    ddp__log(t->rank, DDP_LOG_WARN,
+             "`parameters_as_bucket_view=True` will be ignored since `overlap_with_ddp=True`; "
+             "instead, a different bucketing strategy will be used");
+  ddp__sync_set_hook_wrap(t->sync, wrap_hook, t);
+  return DDP_OK;
+}
+
 ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
   const ddp_train_args_t *a = t->a;
   int stage = 0;
   DDP_CHECK(ddp__train_zero_stage(a, t->rank, &stage, t->err));
+  const char *z1 = a->zero_parameters_as_bucket_view      ? "--zero_parameters_as_bucket_view"
+                   : strcmp(a->zero_comm_hook, "no") != 0 ? "--zero_comm_hook"
+                   : a->zero_shard_buckets                ? "--zero_shard_buckets"
+                                                          : NULL;
+  if (z1 && stage != 1)
+    return ddp__error(t->err, t->rank, DDP_ERR_INVALID_ARGUMENT,
+                      "%s is PyTorch ZeroRedundancyOptimizer's (ZeRO-1): it needs --deepspeed "
+                      "with zero_optimization.stage 1 (the ZeRO stage is %d)",
+                      z1, stage);
   if (stage == 0) return DDP_OK;
   const char *why = NULL;
   if (t->inv_k) why = "world_size_invariant_shards";
@@ -100,8 +179,10 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
     groups[g] = (ddp_zero_group_t){*ddp_optim_options(t->opt[g]), t->pairs + off, n};
     off += n;
   }
+  if (strcmp(a->zero_comm_hook, "no") != 0) return overlap_setup(t, stage, groups);
   ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
   zo.stage = stage;
+  zo.parameters_as_bucket_view = a->zero_parameters_as_bucket_view;
   /* the reducer divides in place only gradients that are still bucket views: with
    * zero_grad(set_to_none=True) each backward defines them anew and they are multiplied */
   zo.divide_in_place = a->gradient_as_bucket_view && !a->zero_grad_set_to_none;
@@ -113,7 +194,8 @@ ddp_status_t ddp__train_zero_setup(ddp__trainer_t *t) {
 }
 
 ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
-  size_t n = ddp_zero_num_params(t->zero), np = ddp_model_num_params(t->model);
+  size_t n = t->zero ? ddp_zero_num_params(t->zero) : t->ntrain,
+         np = ddp_model_num_params(t->model);
   const char **names = ddp__calloc(n ? n : 1, sizeof *names);
   int *owner = ddp__calloc(n ? n : 1, sizeof *owner);
   ddp_status_t st = DDP_OK;
@@ -122,7 +204,7 @@ ddp_status_t ddp__train_zero_dump(ddp__trainer_t *t) {
     goto out;
   }
   for (size_t i = 0; i < n; i++) {
-    owner[i] = ddp_zero_owner(t->zero, i);
+    owner[i] = t->zero ? ddp_zero_owner(t->zero, i) : ddp_zero_overlap_owner(t->zovl, i);
     for (size_t k = 0; k < np && !names[i]; k++) {
       ddp_param_t *p = ddp_model_param(t->model, k);
       if (&p->value == t->pairs[i].param) names[i] = p->name;
@@ -179,6 +261,16 @@ ddp_status_t ddp__train_zero_consolidate(ddp__trainer_t *t, const char *tmp) {
 
 void ddp__train_own_bytes(ddp__trainer_t *t, double own[5]) {
   own[3] = 0;
+  if (t->zovl) { /* DDP's parameters and gradients; the state of this rank's buckets */
+    own[0] = own[1] = 0;
+    for (size_t i = 0; i < t->ntrain; i++) {
+      const ddp_tensor_t *p = t->pairs[i].param, *g = t->pairs[i].grad;
+      own[0] += (double)((size_t)p->numel * ddp_dtype_size(p->dtype));
+      if (g->data) own[1] += (double)((size_t)g->numel * ddp_dtype_size(g->dtype));
+    }
+    own[2] = (double)ddp_zero_overlap_optim_bytes(t->zovl);
+    return;
+  }
   if (t->zero) {
     size_t p, g, o;
     ddp_zero_state_bytes(t->zero, &p, &g, &o);
@@ -247,6 +339,7 @@ ddp_status_t ddp__train_state_bytes(ddp__trainer_t *t, const double own[5], ddp_
                   hybrid == 1                    ? "hybrid_shard"
                   : hybrid == 2                  ? "hybrid_shard_zero2"
                   : t->fsdp                      ? "zero3"
+                  : t->zovl                      ? "zero1_overlap"
                   : !t->zero                     ? "ddp"
                   : ddp_zero_stage(t->zero) == 1 ? "zero1"
                                                  : "zero2");

@@ -4,6 +4,7 @@
 # A benchmark, not a test: it prints figures and verdicts.
 #
 #   tools/bench/bench_zero.sh [-B BUILD_DIR] [-o OUT_DIR] [-r ROUNDS] [-s STEPS] [-p a|b|ab]
+#                             [-m "MODE ..."]
 #
 # Modes: DDP, ZeRO-1 and ZeRO-2 (--deepspeed with zero_optimization.stage 1 and 2) and ZeRO-3
 # (--fsdp "full_shard auto_wrap"), ranks as processes (ddprun --backend shm), AdamW
@@ -22,7 +23,14 @@
 # interleaved in each of ROUNDS rounds (default 3); each mode's best round against DDP's
 # (goals: ZeRO-1, ZeRO-2 <= 1.1, ZeRO-3 <= 1.5), every round's figure shown. Also the bytes
 # each rank sent in the step (metrics.jsonl sent_bytes, the flight recorder's count) against
-# DDP's. STEPS defaults to 5. Runs and outputs go to OUT_DIR (default a fresh
+# DDP's. Part b also runs ZeRO-1 with --zero_parameters_as_bucket_view (zero1bv: one broadcast
+# per rank instead of one per parameter) and with --zero_comm_hook hook_with_zero_step
+# (zero1hk: the step inside DDP's comm hook; it cannot clip and needs
+# --ddp_find_unused_parameters false, so it runs without clipping and with that flag, and its
+# first 2 steps update nothing: the warm-up steps cover them). -m runs only those part-b
+# modes (ddp zero1 zero1bv zero1hk zero2 zero3; ddp is added when absent, every ratio
+# is against it). STEPS defaults to 5. Runs and
+# outputs go to OUT_DIR (default a fresh
 # /tmp/bench-zero.XXXXXX).
 # Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed,
 # 2 on bad usage or too little free memory for part a.
@@ -35,13 +43,20 @@ out=""
 rounds=3
 steps=5
 parts=ab
+bmodes=(ddp zero1 zero1bv zero1hk zero2 zero3)
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    -B|-o|-r|-s|-p)
+    -B|-o|-r|-s|-p|-m)
       [ $# -ge 2 ] || { echo "bench_zero.sh: $1 needs a value (try --help)" >&2; exit 2; }
       case "$1" in
         -B) build=$2 ;; -o) out=$2 ;; -r) rounds=$2 ;; -s) steps=$2 ;; -p) parts=$2 ;;
+        -m) read -r -a bmodes <<<"$2"
+            for m in "${bmodes[@]}"; do
+              case $m in ddp|zero1|zero1bv|zero1hk|zero2|zero3) ;;
+                *) echo "bench_zero.sh: -m: unknown mode '$m'" >&2; exit 2 ;; esac
+            done
+            [[ " ${bmodes[*]} " == *" ddp "* ]] || bmodes=(ddp "${bmodes[@]}") ;;
       esac
       shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -105,6 +120,9 @@ mode_args() { # mode [mlp] -> ddp-train's switches in the array margs (ZeRO-3 on
   margs=()
   case "$1" in
     zero1) margs=(--deepspeed "$out/ds1.json") ;;
+    zero1bv) margs=(--deepspeed "$out/ds1.json" --zero_parameters_as_bucket_view true) ;;
+    zero1hk) margs=(--deepspeed "$out/ds1.json" --zero_comm_hook hook_with_zero_step
+                    --max_grad_norm 0 --ddp_find_unused_parameters false) ;;
     zero2) margs=(--deepspeed "$out/ds2.json") ;;
     zero3) margs=(--fsdp "full_shard auto_wrap")
            [ "${2:-}" = mlp ] && margs+=(--fsdp_config '{"min_num_params": 100000}') ;;
@@ -183,7 +201,7 @@ if [[ "$parts" == *b* ]]; then
   echo "## part b: W = 2 processes (shm), step time, the mean of $steps steps after $steps" \
        "warm-up steps; rounds interleaved"
   for r in $(seq 1 "$rounds"); do
-    for m in "${modes[@]}"; do
+    for m in "${bmodes[@]}"; do
       mode_args "$m" mlp
       train_run "mlp-$m.r$r" 2 $((2 * steps)) "$steps" --model "$out/mlp.json" \
         --data "$out/mlp.csv" --per_device_train_batch_size 64 --learning_rate 1e-3 \
@@ -195,13 +213,13 @@ if [[ "$parts" == *b* ]]; then
     done
   done
   echo
-  printf '%-10s %-6s %12s %8s  %-13s %-24s %12s %8s\n' model mode "best ms" ratio goal \
+  printf '%-10s %-7s %12s %8s  %-13s %-24s %12s %8s\n' model mode "best ms" ratio goal \
     "ms per round" "sent B/step" "/DDP's"
   for model in mlp gpt; do
     dbest=$(best step_time_ms min "$out/$model-ddp".r*.res)
     dms=$(get "${dbest:-/dev/null}" step_time_ms)
     dsent=$(get "${dbest:-/dev/null}" sent_bytes | cut -d, -f1)
-    for m in "${modes[@]}"; do
+    for m in "${bmodes[@]}"; do
       fb=$(best step_time_ms min "$out/$model-$m".r*.res)
       ms=$(get "${fb:-/dev/null}" step_time_ms)
       per=$(for f in "$out/$model-$m".r*.res; do
@@ -211,7 +229,7 @@ if [[ "$parts" == *b* ]]; then
       srat=""; [ -n "$sent" ] && [ -n "$dsent" ] && srat=$(calc "$sent / $dsent")
       case $m in ddp) goal="" ;; zero3) goal=1.5 ;; *) goal=1.1 ;; esac
       v=""; [ -n "$goal" ] && v="<= $goal $(verdict "$ratio" '<=' "$goal")"
-      printf '%-10s %-6s %12s %8s  %-13s %-24s %12s %8s\n' \
+      printf '%-10s %-7s %12s %8s  %-13s %-24s %12s %8s\n' \
         "$([ $model = mlp ] && echo MLP || echo GPT-2-10M)" "$m" "$(printf '%.1f' "${ms:-0}")" \
         "${ratio:--}" "$v" "$per" "${sent:--}" "${srat:--}"
     done

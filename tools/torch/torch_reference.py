@@ -32,7 +32,14 @@ With --zero the optimizer is PyTorch's ZeroRedundancyOptimizer over the same gro
 (ZeRO-1: DDP's allreduce unchanged, each rank steps the parameters it owns, the owners
 broadcast them), and each rank's ddp.json gets "zero_partition": {parameter name: owning
 rank} as its _partition_parameters computed it; libddp's ZeRO-1 (ddp-train --deepspeed with
-zero_optimization.stage 1) must agree (tests/test_zero_parity.c).
+zero_optimization.stage 1) must agree (tests/test_zero_parity.c). --zero_parameters_as_bucket_view
+passes parameters_as_bucket_view=True. --zero_comm_hook hook_with_zero_step (or _interleaved)
+builds it with overlap_with_ddp=True and registers PyTorch's ddp_zero_hook around the
+--comm_hook hook (one parameter group only, as PyTorch requires); PyTorch 1.13 refuses any
+backend but NCCL/HCCL there (gloo may hang, pytorch#62300), so on gloo the backend check is
+bypassed for that one call, and only hook_with_zero_step is run (the interleaved form issues
+its broadcasts from gloo's completion thread, in an order that may differ between ranks).
+zero_partition is then the bucket partition, recorded after the delayed initialisation.
 
 With --optim_state CHECKPOINT (and --init CHECKPOINT/model.safetensors, --start_step K) the
 optimizer starts from a ddp-train checkpoint's optimizer state (tools/torch/libddp_optim.py)
@@ -180,6 +187,13 @@ def parse_args(argv):
     p.add_argument("--zero", type=parse_bool, nargs="?", const=True, default=False,
                    help="wrap the optimizer in torch.distributed.optim.ZeroRedundancyOptimizer "
                         "(ZeRO-1); ddp.json then has zero_partition, each parameter's owner")
+    p.add_argument("--zero_parameters_as_bucket_view", type=parse_bool, default=False,
+                   help="ZeroRedundancyOptimizer(parameters_as_bucket_view=...)")
+    p.add_argument("--zero_comm_hook", choices=("no", "hook_with_zero_step"), default="no",
+                   help="ZeroRedundancyOptimizer(overlap_with_ddp=True) with this ddp_zero_hook "
+                        "around --comm_hook (gloo: the NCCL-only check bypassed)")
+    p.add_argument("--zero_shard_buckets", type=parse_bool, default=False,
+                   help="the ddp_zero_hook's shard_buckets")
     a = p.parse_args(argv)
     if a.world < 1 or a.steps < 0 or a.batch < 1 or a.gradient_accumulation_steps < 1:
         p.error("--world, --batch and --gradient_accumulation_steps must be >= 1, "
@@ -401,6 +415,15 @@ def register_hook(a, ddp, params, drawn=None):
         hook = dh.fp16_compress_wrapper(hook)
     elif a.comm_wrapper == "bf16":
         hook = dh.bf16_compress_wrapper(hook)
+    if getattr(a, "zero_optimizer", None) is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as dz
+        real = dist.get_backend
+        dist.get_backend = lambda group=None: "nccl"  # 1.13 refuses gloo (pytorch#62300)
+        try:
+            hook = dz.hook_with_zero_step(hook, ddp, a.zero_optimizer,
+                                          shard_buckets=a.zero_shard_buckets)
+        finally:
+            dist.get_backend = real
     ddp.register_comm_hook(state, hook)
 
 
@@ -490,7 +513,8 @@ def worker(rank, world, port, a):
               static_graph=a.static_graph)
 
     q_draws = []
-    register_hook(a, ddp, params, q_draws)
+    if a.zero_comm_hook == "no":
+        register_hook(a, ddp, params, q_draws)
 
     # The initial layout, recomputed exactly as 1.13's _ddp_init_helper does it, then checked
     # against the bucket sizes the reducer itself reports.
@@ -517,11 +541,21 @@ def worker(rank, world, port, a):
     zero_partition = None
     if a.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kw)
+        overlap = a.zero_comm_hook != "no"
+        if overlap and (len(groups) != 1 or a.comm_hook == "no"):
+            raise SystemExit("torch_reference: --zero_comm_hook needs one parameter group "
+                             "(--weight_decay_grouping all) and a --comm_hook to wrap")
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, overlap_with_ddp=overlap,
+                                      parameters_as_bucket_view=a.zero_parameters_as_bucket_view,
+                                      **kw)
         pname = {id(p): nm for nm, p in model.named_parameters()}
-        zero_partition = {pname[id(p)]: r
-                          for r, rgroups in enumerate(opt._partition_parameters())
-                          for g in rgroups for p in g["params"]}
+        if overlap:
+            a.zero_optimizer = opt
+            register_hook(a, ddp, params, q_draws)
+        else:
+            zero_partition = {pname[id(p)]: r
+                              for r, rgroups in enumerate(opt._partition_parameters())
+                              for g in rgroups for p in g["params"]}
     else:
         opt = cls(groups, **kw)
     if a.optim_state:
@@ -636,7 +670,8 @@ def worker(rank, world, port, a):
         none = [nm for nm, p in model.named_parameters() if p.grad is None]
         if a.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
-        opt.step()
+        if a.zero_comm_hook == "no":  # overlap_with_ddp: the hook steps
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=a.zero_grad_set_to_none)
         entries += grads + state_entries(False)
@@ -675,6 +710,10 @@ def worker(rank, world, port, a):
         "grad_ready_order": csv_ints(ld.get("prev_iteration_grad_ready_order_indices")) or None,
         "logging_data": ld,
     }
+    if a.zero and a.zero_comm_hook != "no":  # the bucket partition, made after the warm-up
+        zero_partition = {pname[id(p)]: r
+                          for r, rgroups in enumerate(opt._partition_parameters())
+                          for g in rgroups for p in g["params"]}
     if zero_partition is not None:
         info["zero_partition"] = zero_partition
     with open(os.path.join(rdir, "ddp.json"), "w") as f:
