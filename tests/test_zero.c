@@ -88,16 +88,22 @@ static float gval(int rank, size_t i, int64_t k) {
          (float)(1.0 + 0.25 * (double)i);
 }
 
+/* This rank's member of a threads group over the shared store (20 s timeout). */
+static ddp_status_t threads_group(ddp_test_rank_t *tr, ddp_store_t *shared, ddp_store_t **store,
+                                  ddp_pg_t **pg) {
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = "threads";
+  o.store = shared;
+  o.timeout_ms = 20000;
+  return ddp_test_pg_create(tr, &o, "create", store, pg);
+}
+
 static int clip_rank(ddp_test_rank_t *tr, void *arg) {
   const clip_cfg_t *cfg = arg;
   int rank = ddp_test_rank(tr), W = ddp_test_world_size(tr);
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  o.backend = "threads";
-  o.store = cfg->store;
-  o.timeout_ms = 20000;
   ddp_store_t *store = NULL;
   ddp_pg_t *pg = NULL;
-  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  ddp_status_t st = threads_group(tr, cfg->store, &store, &pg);
   if (st != DDP_OK) return st;
   ddp_tensor_t p[NP], g[NP], ref[NP];
   ddp_tensor_t *refp[NP];
@@ -230,13 +236,9 @@ static float deepspeed_ref(float *const *avg, int W, double max_norm, float *coe
 static int ds_clip_rank(ddp_test_rank_t *tr, void *arg) {
   const clip_cfg_t *cfg = arg;
   int rank = ddp_test_rank(tr), W = ddp_test_world_size(tr);
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  o.backend = "threads";
-  o.store = cfg->store;
-  o.timeout_ms = 20000;
   ddp_store_t *store = NULL;
   ddp_pg_t *pg = NULL;
-  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  ddp_status_t st = threads_group(tr, cfg->store, &store, &pg);
   if (st != DDP_OK) return st;
   ddp_tensor_t p[NP], g[NP], ref[NP];
   float *refd[NP];
@@ -397,10 +399,6 @@ static ddp_status_t attach_reference(ddp_pg_t *pg, ddp_model_t *m, ddp_ctx_t *ct
 static int attach_rank(ddp_test_rank_t *tr, void *arg) {
   const attach_cfg_t *cfg = arg;
   int rank = ddp_test_rank(tr);
-  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
-  o.backend = "threads";
-  o.store = cfg->store;
-  o.timeout_ms = 20000;
   ddp_store_t *store = NULL;
   ddp_pg_t *pg = NULL;
   ddp_model_t *m = NULL;
@@ -409,7 +407,7 @@ static int attach_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_error_t err = {0};
   float ref[MLP_PSI];
   int bad = 0;
-  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  ddp_status_t st = threads_group(tr, cfg->store, &store, &pg);
   if (st != DDP_OK) return st;
   DDP_CHECK_GOTO(mlp(&m), st, out);
   DDP_CHECK_GOTO(ddp_ctx_create(&ctx), st, out);
