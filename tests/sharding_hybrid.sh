@@ -63,7 +63,9 @@ grep -q "1 node(s) of 4 ranks (node size from all ranks in one process: one node
 # two "nodes" of 2 processes on localhost over tcp: the node size is LOCAL_WORLD_SIZE
 export DDP_JOB_TOKEN
 DDP_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-port=$((20000 + RANDOM % 20000))
+# the store's port from the kernel (node 0's ddprun then holds it until its ranks start)
+port=$(/usr/bin/env python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])') ||
+  fail "no free port from the kernel"
 for nr in 0 1; do
   DDP_DEBUG=INFO timeout -k 5 "$TRAIN_TIMEOUT" "$ddprun" --nnodes 2 --node_rank $nr \
     --nproc_per_node 2 --master_addr 127.0.0.1 --master_port $port --backend tcp \
