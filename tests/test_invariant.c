@@ -119,10 +119,15 @@ static void expect_invariant(const char *job, const char *what) {
   }
   const char *backends[] = {"shm", "tcp", "mpi"};
   bool mpi = have_mpi();
+  const char *cut_env = getenv("DDP_TEST_CUT");
+  bool cut = cut_env && !strcmp(cut_env, "1");
   for (int b = 0; b < 3; b++)
     for (size_t i = 0; i < sizeof splits / sizeof splits[0]; i++) {
       int W = splits[i][0], A = splits[i][1];
       if (W < 2 || W > 4 || (b == 2 && (!mpi || A != 1))) continue;
+      /* DDP_TEST_CUT (tools/test.sh --sanitize): on processes, W = 2 with accumulation and
+       * W = 3 without, which still take every path of the backend once */
+      if (cut && !((W == 2 && A == 2) || (W == 3 && A == 1) || (b == 2 && W == 2))) continue;
       train(job, backends[b], W, A, true, NULL, h, sizeof h);
       print_message("%s: %s W=%d A=%d: %s\n", what, backends[b], W, A, h);
       assert_string_equal(h, ref);

@@ -57,5 +57,8 @@ ddp_build "$builddir" "${setup_args[@]}"
 # tests/meson.build); the normal run has every test.
 skip=()
 [ "$builddir" = build/sanitize ] && skip=(--no-suite oracle)
+# ... and the long matrices (test_invariant, sharding.sh) take a cut of their runs under it
+# (DDP_TEST_CUT=1: each path once; the normal run has them all).
+[ "$builddir" = build/sanitize ] && export DDP_TEST_CUT=1
 # Ranks are processes and threads on 2 cores: run test programs two at a time.
 meson test -C "$builddir" -v --print-errorlogs --num-processes 2 "${skip[@]}" "$@"
