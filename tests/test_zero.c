@@ -98,6 +98,31 @@ static ddp_status_t threads_group(ddp_test_rank_t *tr, ddp_store_t *shared, ddp_
   return ddp_test_pg_create(tr, &o, "create", store, pg);
 }
 
+/* This rank's parameters p, gradients g and the expected averaged gradients ref, one per
+ * SHAPES entry, and the optimizer pairs over them. ref is DDP's average (each rank's
+ * gradient x fl(1/W), summed in rank order) or, with divide, DeepSpeed's average_tensor
+ * (each gradient / W, rank-order sum). At stage 1 the gradients are already averaged. */
+static void fill(int rank, int W, int stage, bool divide, ddp_tensor_t *p, ddp_tensor_t *g,
+                 ddp_tensor_t *ref, ddp_optim_param_t *pairs) {
+  float inv = (float)(1.0 / W);
+  for (size_t i = 0; i < NP; i++) {
+    ddp_tensor_alloc(&p[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&g[i], DDP_F32, 1, &SHAPES[i]);
+    ddp_tensor_alloc(&ref[i], DDP_F32, 1, &SHAPES[i]);
+    float *gd = g[i].data, *rd = ref[i].data;
+    for (int64_t k = 0; k < SHAPES[i]; k++) {
+      float avg = 0;
+      for (int q = 0; q < W; q++) {
+        float t = divide ? gval(q, i, k) / (float)W : gval(q, i, k) * inv;
+        avg = q ? avg + t : t;
+      }
+      rd[k] = avg;
+      gd[k] = stage == 1 ? avg : gval(rank, i, k);
+    }
+    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
+  }
+}
+
 static int clip_rank(ddp_test_rank_t *tr, void *arg) {
   const clip_cfg_t *cfg = arg;
   int rank = ddp_test_rank(tr), W = ddp_test_world_size(tr);
@@ -108,22 +133,8 @@ static int clip_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_tensor_t p[NP], g[NP], ref[NP];
   ddp_tensor_t *refp[NP];
   ddp_optim_param_t pairs[NP];
-  for (size_t i = 0; i < NP; i++) {
-    ddp_tensor_alloc(&p[i], DDP_F32, 1, &SHAPES[i]);
-    ddp_tensor_alloc(&g[i], DDP_F32, 1, &SHAPES[i]);
-    ddp_tensor_alloc(&ref[i], DDP_F32, 1, &SHAPES[i]);
-    float *gd = g[i].data, *rd = ref[i].data;
-    float inv = (float)(1.0 / W);
-    for (int64_t k = 0; k < SHAPES[i]; k++) {
-      /* DDP's average: each rank's gradient x fl(1/W), summed in rank order. */
-      float avg = 0;
-      for (int q = 0; q < W; q++) avg = q ? avg + gval(q, i, k) * inv : gval(q, i, k) * inv;
-      rd[k] = avg;
-      gd[k] = cfg->stage == 1 ? avg : gval(rank, i, k);
-    }
-    refp[i] = &ref[i];
-    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
-  }
+  fill(rank, W, cfg->stage, false, p, g, ref, pairs);
+  for (size_t i = 0; i < NP; i++) refp[i] = &ref[i];
   ddp_zero_group_t grp = {DDP_ADAMW_OPTIONS_INIT, pairs, NP};
   ddp_zero_options_t zo = DDP_ZERO_OPTIONS_INIT;
   zo.stage = cfg->stage;
@@ -243,22 +254,8 @@ static int ds_clip_rank(ddp_test_rank_t *tr, void *arg) {
   ddp_tensor_t p[NP], g[NP], ref[NP];
   float *refd[NP];
   ddp_optim_param_t pairs[NP];
-  for (size_t i = 0; i < NP; i++) {
-    ddp_tensor_alloc(&p[i], DDP_F32, 1, &SHAPES[i]);
-    ddp_tensor_alloc(&g[i], DDP_F32, 1, &SHAPES[i]);
-    ddp_tensor_alloc(&ref[i], DDP_F32, 1, &SHAPES[i]);
-    float *gd = g[i].data, *rd = ref[i].data;
-    for (int64_t k = 0; k < SHAPES[i]; k++) {
-      /* DeepSpeed's average (average_tensor): each rank's gradient / W, rank-order sum */
-      float avg = 0;
-      for (int q = 0; q < W; q++)
-        avg = q ? avg + gval(q, i, k) / (float)W : gval(q, i, k) / (float)W;
-      rd[k] = avg;
-      gd[k] = cfg->stage == 1 ? avg : gval(rank, i, k);
-    }
-    refd[i] = rd;
-    pairs[i] = (ddp_optim_param_t){&p[i], &g[i]};
-  }
+  fill(rank, W, cfg->stage, true, p, g, ref, pairs);
+  for (size_t i = 0; i < NP; i++) refd[i] = ref[i].data;
   float coef, want = deepspeed_ref(refd, W, cfg->max_norm, &coef);
   for (size_t i = 0; i < NP; i++)
     for (int64_t k = 0; k < SHAPES[i]; k++) refd[i][k] = refd[i][k] * coef;
