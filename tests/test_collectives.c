@@ -305,6 +305,76 @@ static void test_blocking_calls(void **state) {
   }
 }
 
+/* ddp_pg_options_t.defer_start: asynchronous work above the start-at-once limits, in a
+ * group created with it, gives exact sums when waited for (on the waiting thread), and
+ * work nobody waits for or tests still ends: its status is polled (ddp_work_status, which
+ * starts nothing) until it is done, within 30 s. */
+static int defer_rank(ddp_test_rank_t *tr, void *arg) {
+  const cfg_t *cfg = arg;
+  ddp_store_t *store = NULL;
+  ddp_pg_t *pg = NULL;
+  ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
+  o.backend = cfg->backend;
+  o.store = cfg->store;
+  o.timeout_ms = 20000;
+  o.defer_start = true;
+  ddp_status_t st = ddp_test_pg_create(tr, &o, "create", &store, &pg);
+  if (st != DDP_OK) {
+    ddp_store_destroy(store);
+    return st;
+  }
+  int r = ddp_pg_rank(pg), W = ddp_pg_size(pg);
+  int32_t want = W * (W - 1) / 2;
+  size_t big = 600000; /* 2.4 MB: above 1 MiB (shm) and 256 KiB (links) */
+  int32_t *a = malloc(big * sizeof *a);
+  ddp_work_t *w = NULL;
+  if (!a) st = DDP_ERR_NO_MEMORY;
+  for (int round = 0; round < 2 && st == DDP_OK; round++) {
+    for (size_t i = 0; i < big; i++) a[i] = r;
+    st = ddp_allreduce(pg, a, a, big, DDP_I32, DDP_OP_SUM, &w);
+    if (st != DDP_OK) break;
+    if (round == 0) {
+      st = ddp_work_wait(w, -1);
+    } else {
+      int64_t give_up = ddp_now_ns() + 30 * 1000000000LL;
+      while (ddp_work_status(w) == DDP_ERR_INVALID_USAGE && ddp_now_ns() < give_up) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+      }
+      if (ddp_work_status(w) == DDP_ERR_INVALID_USAGE) {
+        ddp_test_say(tr, "deferred work nobody waited for had not ended after 30 s");
+        st = DDP_ERR_INTERNAL;
+      } else {
+        st = ddp_work_wait(w, -1);
+      }
+    }
+    ddp_status_t ws = ddp_work_wait_free(w);
+    w = NULL;
+    if (st == DDP_OK) st = ws;
+    if (st == DDP_OK && (a[0] != want || a[big - 1] != want)) {
+      ddp_test_say(tr, "deferred allreduce (%s): %d, %d, want %d",
+                   round ? "not waited for" : "waited for", a[0], a[big - 1], want);
+      st = DDP_ERR_INTERNAL;
+    }
+  }
+  if (st != DDP_OK && st != DDP_ERR_INTERNAL)
+    ddp_test_say(tr, "deferred allreduce: %s: %s", ddp_status_name(st), pg_err(pg).msg);
+  free(a);
+  ddp_pg_destroy(pg);
+  ddp_store_destroy(store);
+  return st;
+}
+
+static void test_defer_start(void **state) {
+  (void)state;
+  cfg_t threads = {"threads", DDP_TEST_THREADS, 3, NULL, 0, DDP_ALGO_AUTO, 0, false, NULL};
+  cfg_t shm = {"shm", DDP_TEST_FORK, 2, NULL, 0, DDP_ALGO_AUTO, 0, false, NULL};
+  cfg_t tcp = {"tcp", DDP_TEST_FORK, 2, NULL, 0, DDP_ALGO_AUTO, 0, false, NULL};
+  run_cfg(&threads, defer_rank);
+  run_cfg(&shm, defer_rank);
+  run_cfg(&tcp, defer_rank);
+}
+
 /* ddp_pg_split (hybrid sharding's node and replica groups): W = 4 ranks split by r / 2
  * (two "nodes") and by r % 2 (two replica groups), twice in a row (the second split gets its
  * own key space): each sub-group has 2 ranks in parent order, and a sum over it is the sum
@@ -898,6 +968,7 @@ int main(void) {
       cmocka_unit_test(test_tcp_matrix),
       cmocka_unit_test(test_tcp_ring_small_segments),
       cmocka_unit_test(test_blocking_calls),
+      cmocka_unit_test(test_defer_start),
       cmocka_unit_test(test_split),
       cmocka_unit_test(test_blocking_on_failed_group),
       cmocka_unit_test(test_d2_across_backends),

@@ -62,6 +62,14 @@ typedef struct ddp_pg_options {
   bool no_flight_recorder;   /* true: this group records nothing and never dumps (helper groups
                               * beside a job's own, such as the torch backend's point-to-point
                               * channels, whose dumps would take their ranks' file names) */
+  bool defer_start;          /* true: work of any size, issued while the group is idle, waits
+                              * for its caller (ddp_work_wait runs it on the caller's thread;
+                              * ddp_work_test starts it in the background) instead of waking
+                              * the progress thread, which otherwise takes work above 1 MiB
+                              * (shm) or 256 KiB (links) at once. For callers that usually wait
+                              * at once (torch.distributed's synchronous calls): it saves two
+                              * thread hand-offs a call. Work nobody waits for or tests starts
+                              * within 1 ms, at the progress thread's next look. */
 } ddp_pg_options_t;
 
 /* segment_bytes 0: 256 KiB. On loopback with 2 ranks, 4-64 MiB allreduces ran 1.3-2x
@@ -69,7 +77,7 @@ typedef struct ddp_pg_options {
 #define DDP_PG_SEGMENT_BYTES_DEFAULT (256u * 1024u)
 
 #define DDP_PG_OPTIONS_INIT \
-  { sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0, false }
+  { sizeof(ddp_pg_options_t), NULL, 0, 1, NULL, -1, DDP_ALGO_AUTO, 0, NULL, 0, false, false }
 
 /* Creates this rank's member of a group. Blocks until every rank has joined (rendezvous
  * through opts->store) or the timeout passes (DDP_ERR_TIMEOUT naming the missing ranks).

@@ -252,7 +252,9 @@ static ddp_status_t pg_new(const ddp_pg_options_t *o, const ddp_backend_ops_t *o
                   : ops->stream && o->world == 2    ? SMALL_STREAM_PAIR
                                                     : SMALL_LINK;
   pg->log_detail = ddp__log_enabled(DDP_LOG_DETAIL); /* read once: it reads the environment */
-  pg->lazy_max = ops->family == DDP_BACKEND_SHARED ? LAZY_SHARED : LAZY_LINK;
+  pg->lazy_max = o->defer_start                      ? SIZE_MAX
+                 : ops->family == DDP_BACKEND_SHARED ? LAZY_SHARED
+                                                     : LAZY_LINK;
   pthread_mutex_init(&pg->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -9,6 +9,7 @@ the first mismatch raises with both values.
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -326,6 +327,39 @@ def group_memory():
     return kept
 
 
+def deferred_start():
+    """libddp_torch.Options(defer_start=...): a synchronous call gives the same values either
+    way, and work that nobody waits for, tests or asks a future of still runs: the tensor
+    is polled, the work left alone, until the reduction lands."""
+    global checks
+    import libddp_torch
+    eager = dist.new_group(backend="libddp", pg_options={"defer_start": False})
+    n = (2 << 20) // 4  # above both transports' start-at-once limits
+    for name, g in (("deferred", None), ("eager", eager)):
+        t = torch.arange(n, dtype=torch.float32) + R
+        dist.all_reduce(t, group=g)
+        same(f"{name}: synchronous all_reduce", t,
+             torch.arange(n, dtype=torch.float32) * W + sum(range(W)))
+        t = torch.full((n,), float(R + 1))
+        work = dist.all_reduce(t, async_op=True, group=g)
+        want = float(sum(range(1, W + 1)))
+        deadline = time.monotonic() + 30
+        while t[n - 1].item() != want and time.monotonic() < deadline:
+            time.sleep(0.001)
+        checks += 1
+        assert t[n - 1].item() == want, (
+            f"rank {R}: {name}: an async all_reduce nobody waited for did not run in 30 s "
+            f"(last element {t[n - 1].item()}, want {want})")
+        work.wait()
+        same(f"{name}: async all_reduce, never waited for until done", t,
+             torch.full((n,), want))
+    raises("defer_start not a bool", lambda: libddp_torch.Options(defer_start="yes"),
+           "defer_start", "'yes'")
+    checks += 1
+    got = repr(libddp_torch.Options.of({"defer_start": False}))
+    assert "defer_start=False" in got, got
+
+
 def bad_input():
     raises("AVG on int64", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64),
                                                    op=dist.ReduceOp.AVG), "AVG", "Long")
@@ -375,6 +409,7 @@ def main():
     kept = None
     if BACKEND == "libddp":
         kept = group_memory()
+        deferred_start()
         bad_input()
         dist.barrier()
     dist.destroy_process_group()

@@ -5,14 +5,16 @@
     tools/bench/bench_torch.py [--build build] [--rounds 3] [--max-bytes 256M] [--steps 30]
 
 Part 1, all_reduce: one ddprun job of 2 ranks (1 thread each) holds a libddp group (shm, the
-default on one host) and a gloo group side by side; for every size from 4 B up (x4), each
-round times torch.distributed.all_reduce on the libddp group and then on gloo, each call
-after the previous one, p50 over the round's calls. After each torch job, libddp's own
-ddp-bench (2 shm ranks, blocking calls, in place) times the same sizes on private memory
-and on the group's segment. The libddp group is timed twice: on an ordinary torch tensor
-and on one from libddp_torch.empty (in the segment). The table gives the median over rounds
-of each p50, libddp/gloo (goal: never above 1) and each torch series over native ddp-bench
-on the same memory (goal: at most 1.2 from 64 KiB up).
+default on one host) and a gloo group side by side. For every size from 4 B up (x4) it times,
+interleaved in five chunks so that each series sees the same moments of the machine:
+torch.distributed.all_reduce on the libddp group, on an ordinary tensor and on one from
+libddp_torch.empty (in the group's segment); libddp's own blocking ddp_allreduce on the same
+group and the same two tensors (the call ddp-bench times, made from C++ with no Python in the
+loop: libddp_torch._C._bench_allreduce); and gloo. After each job, ddp-bench (2 shm ranks,
+blocking calls, in place) times the same sizes in its own processes, on private memory and
+on the segment, for reference. The table gives the median over rounds of each p50,
+torch/gloo (goal: never above 1) and each torch series over the native call on the same
+memory in the same job (goal: at most 1.2 from 64 KiB up).
 
 Part 2, DDP steps: the benchmark MLP of ddp-bench-ddp (784-1024-1024-1024-10, batch 64,
 SGD), real PyTorch DistributedDataParallel on 2 ranks with 1 thread each, over gloo, libddp
@@ -67,23 +69,43 @@ def worker(args):
     gloo = dist.new_group(backend="gloo")
     groups = {"libddp": None, "gloo": gloo}
     if args.part == "allreduce":
+        pg = dist.distributed_c10d._get_default_group()
         for size in sizes_up_to(args.max_bytes):
             n = max(1, size // 4)
             iters = max(5, min(2000, (64 << 20) // size))
-            # "libddp-seg": the same group on a tensor in its own memory (libddp_torch.empty).
-            for name, g in (("libddp", None), ("libddp-seg", None), ("gloo", gloo)):
-                t = torch.ones(n) if name != "libddp-seg" else libddp_torch.empty(n).fill_(1)
-                for _ in range(3):  # warm-up
-                    dist.all_reduce(t, group=g)
-                dist.barrier(group=g)
-                times = []
-                for _ in range(iters):
-                    t0 = time.perf_counter()
-                    dist.all_reduce(t, group=g)
-                    times.append(time.perf_counter() - t0)
-                if rank == 0:
-                    print(f"AR {name} {size} {statistics.median(times) * 1e6:.3f}", flush=True)
-                del t
+            chunks = 5 if iters >= 25 else 1
+            plain, seg = torch.ones(n), libddp_torch.empty(n).fill_(1)
+            # Five series, interleaved in chunks so that each sees the same moments of the
+            # machine: torch.distributed.all_reduce on the libddp group (an ordinary tensor,
+            # then one in the group's segment), libddp's own blocking ddp_allreduce on the
+            # same group and the same two tensors (the call ddp-bench times), and gloo.
+            series = {
+                "libddp": lambda: dist.all_reduce(plain),
+                "native": lambda: libddp_torch._C._bench_allreduce(pg, plain, 1),
+                "libddp-seg": lambda: dist.all_reduce(seg),
+                "native-seg": lambda: libddp_torch._C._bench_allreduce(pg, seg, 1),
+                "gloo": lambda: dist.all_reduce(plain, group=gloo),
+            }
+            times = {name: [] for name in series}
+            for name, call in series.items():  # warm-up
+                for _ in range(3):
+                    call()
+            for c in range(chunks):
+                for name, call in series.items():
+                    dist.barrier(group=gloo)
+                    k = iters // chunks
+                    if name.startswith("native"):
+                        times[name] += libddp_torch._C._bench_allreduce(
+                            pg, plain if name == "native" else seg, k)
+                        continue
+                    for _ in range(k):
+                        t0 = time.perf_counter()
+                        call()
+                        times[name].append((time.perf_counter() - t0) * 1e6)
+            if rank == 0:
+                for name, v in times.items():
+                    print(f"AR {name} {size} {statistics.median(v):.3f}", flush=True)
+            del plain, seg
     else:
         tcp = dist.new_group(backend="libddp", pg_options=libddp_torch.Options(transport="tcp"))
         groups = {"gloo": gloo, "libddp-shm": None, "libddp-tcp": tcp}
@@ -219,37 +241,43 @@ def main():
         sys.path.insert(0, os.path.join(args.build, "src", "torch"))
         dispatch()
     if "allreduce" in parts:
-        lib, libseg, gloo, seg, prv = {}, {}, {}, {}, {}
+        names = ("libddp", "libddp-seg", "native", "native-seg", "gloo")
+        job = {name: {} for name in names}
+        bench = {"private": {}, "group": {}}
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 for kind, name, size, us in run_job(args, "allreduce"):
                     if kind == "AR":
-                        into = {"libddp": lib, "libddp-seg": libseg, "gloo": gloo}[name]
-                        into.setdefault(int(size), []).append(float(us))
-                for memory, into in (("private", prv), ("group", seg)):
+                        job[name].setdefault(int(size), []).append(float(us))
+                for memory, into in bench.items():
                     for size, us in native(args, tmp, memory).items():
                         into.setdefault(size, []).append(us)
                 print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-        print("all_reduce p50 (us), 2 ranks, median over rounds. libddp: a torch tensor "
-              "(ordinary memory); libddp-seg: a tensor from libddp_torch.empty (the group's "
-              "segment). native: ddp-bench on shm with private memory and with the segment; "
-              "each torch series against native on the same memory (goal 1.2 from 64 KiB)")
-        print(f"{'size':>9} {'libddp':>9} {'lib-seg':>9} {'gloo':>9} {'private':>9} "
-              f"{'segment':>9} {'lib/gloo':>9} {'lib/private':>12} {'seg/segment':>12}")
+        print("all_reduce p50 (us), 2 ranks, median over rounds. torch: "
+              "torch.distributed.all_reduce on the libddp group, on an ordinary tensor and on "
+              "one from libddp_torch.empty (the group's segment, 'seg'); native: libddp's own "
+              "blocking ddp_allreduce on the same group and tensors, interleaved with them in "
+              "the same job; ddp-bench: the same sizes in a separate ddp-bench run (private "
+              "memory, segment). Goals: torch/gloo <= 1 everywhere, torch/native <= 1.2 from "
+              "64 KiB")
+        print(f"{'size':>9} {'torch':>9} {'torch-seg':>9} {'gloo':>9} {'native':>9} "
+              f"{'nat-seg':>9} {'bench':>9} {'bench-seg':>9} {'torch/gloo':>10} "
+              f"{'torch/native':>13} {'seg/nat-seg':>12}")
         med = statistics.median
         nan = float("nan")
-        for size in sorted(lib):
-            L, G = med(lib[size]), med(gloo[size])
-            LS = med(libseg[size]) if size in libseg else nan
-            P = med(prv[size]) if size in prv else nan
-            S = med(seg[size]) if size in seg else nan
+
+        def m(series, size):
+            return med(series[size]) if size in series else nan
+        for size in sorted(job["libddp"]):
+            L, LS, N, NS, G = (m(job[k], size) for k in names)
+            P, S = m(bench["private"], size), m(bench["group"], size)
             g_ok = "ok" if max(L, LS) <= G else "FAIL"
 
             def verdict(x, native):
                 return "" if size < (64 << 10) else ("ok" if x <= 1.2 * native else "FAIL")
-            print(f"{human(size):>9} {L:9.1f} {LS:9.1f} {G:9.1f} {P:9.1f} {S:9.1f} "
-                  f"{L / G:5.2f} {g_ok:<4} {L / P:6.2f} {verdict(L, P):<5} {LS / S:6.2f} "
-                  f"{verdict(LS, S):<5}")
+            print(f"{human(size):>9} {L:9.1f} {LS:9.1f} {G:9.1f} {N:9.1f} {NS:9.1f} {P:9.1f} "
+                  f"{S:9.1f} {L / G:5.2f} {g_ok:<4} {L / N:7.2f} {verdict(L, N):<5} "
+                  f"{LS / NS:6.2f} {verdict(LS, NS):<5}")
     if "ddp" in parts:
         rates = {}
         for kind, name, sps in run_job(args, "ddp"):

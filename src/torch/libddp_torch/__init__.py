@@ -38,19 +38,28 @@ class Options:
     algorithm: "auto", "canonical" (rank-order sums, the default for large messages),
                "small" (rank-order, latency-bound) or "ring" (gloo's ring: faster on
                slow links, deterministic run to run but not rank-order).
+    defer_start: True (the default): a collective issued while the group is idle starts
+               when its work is waited on (on the waiting thread), tested, or its future
+               asked for (DDP's reducer and comm hooks ask at once), or else within 1 ms;
+               a synchronous call then runs on the caller's thread with no hand-off to
+               libddp's progress thread. False: collectives above 1 MiB (shm) or 256 KiB
+               (tcp) start on the progress thread at once.
     """
 
-    _KEYS = ("transport", "algorithm")
+    _KEYS = ("transport", "algorithm", "defer_start")
 
-    def __init__(self, transport="auto", algorithm="auto"):
+    def __init__(self, transport="auto", algorithm="auto", defer_start=True):
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"libddp: unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if algorithm not in ALGORITHMS:
             raise ValueError(
                 f"libddp: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if not isinstance(defer_start, bool):
+            raise TypeError(f"libddp: defer_start must be True or False, not {defer_start!r}")
         self.transport = transport
         self.algorithm = algorithm
+        self.defer_start = defer_start
 
     @classmethod
     def of(cls, value):
@@ -70,7 +79,8 @@ class Options:
             f"{type(value).__name__}")
 
     def __repr__(self):
-        return f"libddp_torch.Options(transport={self.transport!r}, algorithm={self.algorithm!r})"
+        return (f"libddp_torch.Options(transport={self.transport!r}, "
+                f"algorithm={self.algorithm!r}, defer_start={self.defer_start!r})")
 
 
 def _timeout_ms(timeout):
@@ -92,7 +102,7 @@ def _create(backend_opts, pg_options):
     record, _recording = not _recording, True
     return _C.create(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
                      _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm,
-                     record)
+                     record, opts.defer_start)
 
 
 _recording = False

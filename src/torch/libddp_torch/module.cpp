@@ -2,6 +2,9 @@
 // registers the factory with torch.distributed (docs/torch.md).
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
+#include <vector>
+
 #include "process_group.hpp"
 
 namespace py = pybind11;
@@ -19,9 +22,10 @@ PYBIND11_MODULE(_C, m) {
       "create",
       [](const c10::intrusive_ptr<c10d::Store> &store, int rank, int size, int64_t timeout_ms,
          const std::string &transport, const std::string &source, const std::string &algorithm,
-         bool flight_recorder) {
+         bool flight_recorder, bool defer_start) {
         Config cfg;
         cfg.flight_recorder = flight_recorder;
+        cfg.defer_start = defer_start;
         cfg.transport = transport;
         cfg.transport_source = source;
         cfg.algorithm = algorithm;
@@ -30,7 +34,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
       py::arg("transport"), py::arg("source"), py::arg("algorithm"),
-      py::arg("flight_recorder") = true,
+      py::arg("flight_recorder") = true, py::arg("defer_start") = true,
       py::call_guard<py::gil_scoped_release>());
   // A tensor of nbytes bytes in the group's communication memory (ddp_pg_alloc: on shm the
   // shared segment, which peers read in place, so a collective on it skips the staging
@@ -51,4 +55,29 @@ PYBIND11_MODULE(_C, m) {
             at::TensorOptions().dtype(at::kByte));
       },
       py::arg("group"), py::arg("nbytes"));
+  // For tools/bench/bench_torch.py: times `iters` blocking ddp_allreduce calls (SUM, in
+  // place) on this group and tensor, the call ddp-bench makes, each call timed alone
+  // (microseconds). It lets the benchmark time libddp's own path in the same job, on the
+  // same memory and interleaved with the torch.distributed calls, instead of in another
+  // process at another moment.
+  m.def(
+      "_bench_allreduce",
+      [](const c10::intrusive_ptr<ProcessGroupLibddp> &pg, const at::Tensor &t, int64_t iters) {
+        TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat,
+                    "libddp_torch._C._bench_allreduce: takes a contiguous float32 CPU tensor");
+        TORCH_CHECK(iters >= 0, "libddp_torch._C._bench_allreduce: ", iters, " iterations");
+        std::vector<double> us(static_cast<size_t>(iters));
+        void *p = t.data_ptr();
+        size_t n = static_cast<size_t>(t.numel());
+        py::gil_scoped_release nogil;
+        for (auto &u : us) {
+          auto t0 = std::chrono::steady_clock::now();
+          ddp_status_t st = ddp_allreduce(pg->pg(), p, p, n, DDP_F32, DDP_OP_SUM, nullptr);
+          auto t1 = std::chrono::steady_clock::now();
+          TORCH_CHECK(st == DDP_OK, "libddp_torch._C._bench_allreduce: ", ddp_status_name(st));
+          u = std::chrono::duration<double, std::micro>(t1 - t0).count();
+        }
+        return us;
+      },
+      py::arg("group"), py::arg("tensor"), py::arg("iters"));
 }

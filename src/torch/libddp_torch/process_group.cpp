@@ -278,6 +278,7 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
   o.algorithm = algo;
   o.job_token = token.c_str();
   o.no_flight_recorder = !cfg.flight_recorder;
+  o.defer_start = cfg.defer_start;
   st = ddp_pg_create(&o, &pg_, &err);
   if (st != DDP_OK) {
     ddp_store_destroy(ds_);

@@ -32,6 +32,7 @@ struct Config {
   std::string transport_source;   // where the choice came from, for messages
   std::string algorithm = "auto"; // auto | canonical | ring | small
   bool flight_recorder = true;    // false for groups whose dumps would take the job's names
+  bool defer_start = true;        // ddp_pg_options_t.defer_start (libddp_torch.Options)
 };
 
 class ProcessGroupLibddp : public c10d::ProcessGroup {
