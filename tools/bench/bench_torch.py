@@ -72,8 +72,10 @@ def worker(args):
         pg = dist.distributed_c10d._get_default_group()
         for size in sizes_up_to(args.max_bytes):
             n = max(1, size // 4)
-            iters = max(5, min(2000, (64 << 20) // size))
-            chunks = 5 if iters >= 25 else 1
+            # at least 20 calls a series (5 chunks of 4) even at 256 MiB: the p50 of five
+            # calls let one slow call in a chunk move a large size's figure by 1.5x
+            iters = max(20, min(2000, (64 << 20) // size))
+            chunks = 5
             plain, seg = torch.ones(n), libddp_torch.empty(n).fill_(1)
             # Five series, interleaved in chunks so that each sees the same moments of the
             # machine: torch.distributed.all_reduce on the libddp group (an ordinary tensor,
