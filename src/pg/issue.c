@@ -148,11 +148,10 @@ static void stamp_fp(ddp_pg_t *pg, ddp__coll_t *c) {
 
 /* Step 4 (pg->mu held): appends w to the queue. Lazy start: small work (work of any size
  * in a group created with defer_start) that finds the group idle is queued without waking
- * the progress thread, because its caller usually
- * waits for it next and then runs it itself (ddp_work_wait); the wake-up would cost a
- * futex call here and a context switch that competes for the CPU the collective needs. If
- * the caller does not wait, the progress thread's next poll slice starts it
- * (progress_main). */
+ * the progress thread, because its caller usually waits for it next and then runs it
+ * itself (ddp_work_wait); the wake-up would cost a futex call here and a context switch
+ * that competes for the CPU the collective needs. If the caller does not wait, the
+ * progress thread's next poll slice starts it (progress_main). */
 static void enqueue(ddp_pg_t *pg, ddp_work_t *w, int64_t now) {
   bool idle = !pg->head && !pg->running;
   if (pg->tail) {
