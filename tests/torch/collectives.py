@@ -259,6 +259,14 @@ def point_to_point_and_async():
     # (Work.exception() has no Python conversion in 1.13, on any backend)
     assert work.is_completed() and work.is_success()
     same("async allreduce", t, torch.full((5,), float(W)))
+    # a future asked for only after the work ended (the backend makes it then, completed)
+    t = torch.full((6,), 3.0)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    fut = work.get_future()
+    checks += 1
+    assert fut.done(), f"rank {R}: the future of a finished work is not done"
+    same("future asked after wait", fut.wait()[0], torch.full((6,), 3.0 * W))
     dist.barrier()
     if BACKEND == "libddp":  # 1.13's dist.monitored_barrier refuses any backend but gloo
         import libddp_torch

@@ -19,8 +19,7 @@ const c10::TypePtr &tensor_list_type() {
 WorkLibddp::WorkLibddp(ProcessGroupLibddp *pg, c10d::OpType type, std::string what,
                        std::vector<at::Tensor> outputs, int64_t timeout_ms)
     : c10d::Work(pg->getRank(), type), pg_(pg), what_(std::move(what)),
-      outputs_(std::move(outputs)), timeout_ms_(timeout_ms),
-      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())) {}
+      outputs_(std::move(outputs)), timeout_ms_(timeout_ms) {}
 
 WorkLibddp::~WorkLibddp() {
   // The handles may still read or write the buffers this work keeps alive: wait for them
@@ -82,14 +81,20 @@ void WorkLibddp::finish(ddp_status_t st, const std::string &msg) {
   }
   finish_fns_.clear();
   keep_.clear();
-  std::exception_ptr error = error_;
-  // The future's callbacks run inside markCompleted (DDP's, a comm hook's next collective):
-  // never under this work's lock.
+  // The future exists only once asked for (getFuture): a synchronous call never makes one.
+  // Its callbacks run inside markCompleted (DDP's, a comm hook's next collective): never
+  // under this work's lock.
+  c10::intrusive_ptr<c10::ivalue::Future> fut = future_;
   g.unlock();
+  if (fut) settle(fut);
+}
+
+void WorkLibddp::settle(const c10::intrusive_ptr<c10::ivalue::Future> &fut) {
+  std::exception_ptr error = exception();
   if (error) {
-    future_->setError(error);
+    fut->setError(error);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    fut->markCompleted(c10::IValue(outputs_));
   }
 }
 
@@ -164,12 +169,26 @@ bool WorkLibddp::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkLibddp::getFuture() {
+  // Made here, under the lock that finish() reads it under: a future made before the work
+  // finished is settled by finish(), one made after it by this call.
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  bool made = false, finished = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
+      made = true;
+    }
+    fut = future_;
+    finished = finished_;
+  }
+  if (made && finished) settle(fut);
   if (ProcessGroupLibddp::on_completer_thread()) {
     // Asked from a future's callback that the completer runs (PowerSGD issues its next
     // allreduce there and waits on it): the completer cannot finish it later, so finish it
     // now. The group runs collectives in issue order, so this waits for this one only.
     complete();
-    return future_;
+    return fut;
   }
   bool enqueue = false;
   {
@@ -178,7 +197,7 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkLibddp::getFuture() {
     future_requested_ = true;
   }
   if (enqueue) pg_->enqueue_completion(c10::intrusive_ptr<WorkLibddp>::reclaim_copy(this));
-  return future_;
+  return fut;
 }
 
 } // namespace libddp_torch

@@ -53,6 +53,7 @@ class WorkLibddp : public c10d::Work {
   // Runs the finishing step and completes the future; idempotent. st is the first failed
   // handle's status (DDP_OK when all succeeded), msg its message.
   void finish(ddp_status_t st, const std::string &msg);
+  void settle(const c10::intrusive_ptr<c10::ivalue::Future> &fut); // completes or fails fut
   // Waits for the handles; timeout_ms < 0 means the collective's own deadline.
   ddp_status_t wait_handles(int64_t timeout_ms, std::string *msg);
 
@@ -73,7 +74,7 @@ class WorkLibddp : public c10d::Work {
   mutable std::mutex mu_;
   bool finished_ = false;
   std::exception_ptr error_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_; // made by getFuture, settled once
   bool future_requested_ = false;
 };
 
