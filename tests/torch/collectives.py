@@ -330,9 +330,44 @@ def group_memory():
     gloo = dist.new_group(backend="gloo")
     raises("empty on a gloo group", lambda: libddp_torch.empty(3, group=gloo),
            "not a libddp group")
+    moving(gloo)
     kept = libddp_torch.empty(1000, dtype=torch.float64)
     kept.fill_(R)
     return kept
+
+
+def moving(gloo):
+    """libddp_torch.to_group_memory_: an ordinary tensor's storage moves into the group's
+    memory (on shm; tcp's is ordinary memory and nothing moves) with its values, and its
+    views follow; memory lent by numpy stays, with an error that says why."""
+    import numpy
+    import libddp_torch
+    shm = dist.distributed_c10d._get_default_group().transport == "shm"
+    xs = [data(r, torch.float64, 40, salt=11) for r in range(W)]
+    t = xs[R].clone()
+    view = t[5:9]
+    got = libddp_torch.to_group_memory_(t)
+    same("to_group_memory_ returns the tensor", torch.tensor(got is t), torch.tensor(True))
+    same("to_group_memory_ keeps the values", t, xs[R])
+    same("to_group_memory_: in the group's memory on shm only",
+         torch.tensor([libddp_torch.in_group_memory(t), libddp_torch.in_group_memory(view)]),
+         torch.tensor([shm, shm]))
+    view.fill_(R + 0.5)  # the view writes into the moved storage
+    dist.all_reduce(t)
+    want = fold(dist.ReduceOp.SUM, [torch.cat([x[:5], torch.full((4,), r + 0.5, dtype=x.dtype),
+                                               x[9:]]) for r, x in enumerate(xs)])
+    same("all_reduce after to_group_memory_ (a view written)", t, want)
+    same("the view of a moved tensor", view, want[5:9])
+    libddp_torch.to_group_memory_(t)  # there already: nothing changes
+    same("to_group_memory_ twice", t, want)
+    same("a tensor not moved is not in the group's memory",
+         torch.tensor(libddp_torch.in_group_memory(torch.ones(3))), torch.tensor(False))
+    lent = torch.from_numpy(numpy.zeros(6, dtype=numpy.float32))
+    if shm:
+        raises("to_group_memory_ of numpy's memory", lambda: libddp_torch.to_group_memory_(lent),
+               "to_group_memory_", "lent", "torch.from_numpy")
+    raises("to_group_memory_ on a gloo group",
+           lambda: libddp_torch.to_group_memory_(torch.ones(2), group=gloo), "not a libddp group")
 
 
 def deferred_start():

@@ -4,7 +4,8 @@ script runs on gloo and on libddp; rank 0 prints the sha256 of the final paramet
 
     ddprun --nproc_per_node 2 python3 train_ddp.py --backend libddp --model gpt2
 Flags: --backend gloo|libddp, --transport auto|shm|tcp, --bucket_cap_mb MB,
---hook none|fp16|bf16|powersgd|batched_powersgd, --zero (ZeroRedundancyOptimizer),
+--hook none|allreduce|libddp|fp16|bf16|powersgd|batched_powersgd (allreduce: PyTorch's
+default_hooks.allreduce_hook; libddp: libddp_torch.allreduce_hook), --zero (ZeroRedundancyOptimizer),
 --find_unused, --static_graph, --grad_as_bucket_view, --accumulate K (no_sync), --steps N;
 --runs "model=gpt2;hook=fp16,zero=1" trains several jobs in one process group, one line each.
 """
@@ -91,6 +92,9 @@ def parse_run(spec, defaults):
 
 
 def train(run, rank):
+    """The sha256 of the final parameters, and on libddp how many of the last step's
+    gradients were in the group's memory ("K of N")."""
+    where = None
     torch.manual_seed(1234)
     net = MLP(run["find_unused"]) if run["model"] == "mlp" else GPT2()
     model = DDP(net, bucket_cap_mb=run["bucket_cap_mb"], find_unused_parameters=bool(run["find_unused"]),
@@ -100,7 +104,12 @@ def train(run, rank):
     if hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-        if hook == "fp16":
+        if hook == "allreduce":
+            model.register_comm_hook(None, dh.allreduce_hook)
+        elif hook == "libddp":
+            import libddp_torch
+            model.register_comm_hook(None, libddp_torch.allreduce_hook)
+        elif hook == "fp16":
             model.register_comm_hook(None, dh.fp16_compress_hook)
         elif hook == "bf16":
             model.register_comm_hook(None, dh.bf16_compress_hook)
@@ -125,12 +134,18 @@ def train(run, rank):
             else:
                 model(x, y).backward()
         opt.step()
+        if step == run["steps"] - 1 and dist.get_backend() == "libddp":
+            # where the last step's gradients live (libddp's hook moves the buckets, and
+            # with gradient_as_bucket_view the .grad views follow)
+            import libddp_torch
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            where = f"{sum(libddp_torch.in_group_memory(g) for g in grads)} of {len(grads)}"
         opt.zero_grad(set_to_none=True)
     h = hashlib.sha256()
     for name, p in model.module.state_dict().items():
         h.update(name.encode())
         h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return h.hexdigest(), where
 
 
 def main():
@@ -159,9 +174,12 @@ def main():
     defaults = {k: getattr(a, k) for k in RUN_KEYS}
     defaults = {k: int(v) if isinstance(v, bool) else v for k, v in defaults.items()}
     for spec in a.runs.split(";") if a.runs else [""]:
-        digest = train(parse_run(spec, defaults), rank)
+        digest, where = train(parse_run(spec, defaults), rank)
         if rank == 0:
             print(f"final parameters sha256 {digest} run {spec or 'default'}", flush=True)
+        if where is not None:
+            print(f"rank {rank} gradients in group memory {where} run {spec or 'default'}",
+                  flush=True)
     dist.destroy_process_group()
 
 

@@ -1,8 +1,11 @@
 // The Python module libddp_torch._C: the group class and its factory; libddp_torch/__init__.py
 // registers the factory with torch.distributed (docs/torch.md).
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "process_group.hpp"
@@ -10,6 +13,74 @@
 namespace py = pybind11;
 using libddp_torch::Config;
 using libddp_torch::ProcessGroupLibddp;
+
+namespace {
+
+// The context of a DataPtr to a block of a group's memory: the group stays alive as long as
+// the block, which goes back to it when the storage dies.
+struct GroupBlock {
+  c10::intrusive_ptr<ProcessGroupLibddp> pg;
+  void *p;
+};
+
+void free_group_block(void *ctx) {
+  auto *b = static_cast<GroupBlock *>(ctx);
+  ddp_pg_free(b->pg->pg(), b->p);
+  delete b;
+}
+
+// nbytes of the group's memory as a CPU DataPtr; empty, with the reason in *why, when the
+// group has none to give (on shm: /dev/shm is full).
+c10::DataPtr group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &pg, size_t nbytes,
+                          std::string *why) {
+  if (nbytes == 0) return c10::DataPtr(nullptr, c10::Device(c10::kCPU));
+  void *p = ddp_pg_alloc(pg->pg(), nbytes);
+  if (!p) {
+    ddp_error_t e = {};
+    ddp_pg_last_error_copy(pg->pg(), &e);
+    *why = e.msg[0] ? e.msg : "out of memory";
+    return c10::DataPtr(nullptr, c10::Device(c10::kCPU));
+  }
+  return c10::DataPtr(p, new GroupBlock{pg, p}, &free_group_block, c10::Device(c10::kCPU));
+}
+
+bool in_group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &pg, const at::Tensor &t) {
+  if (!t.has_storage()) return false;
+  const c10::DataPtr &dp = t.storage().data_ptr();
+  return dp.get_deleter() == &free_group_block &&
+         static_cast<GroupBlock *>(dp.get_context())->pg.get() == pg.get();
+}
+
+// Moves t's whole storage into pg's memory, where its collectives read the peers' memory in
+// place (shm), as Tensor.share_memory_() moves a storage into shared memory (it swaps the
+// storage's DataPtr the same way): every tensor that views the storage follows; raw pointers
+// taken from it before (tensor.numpy(), data_ptr()) do not, which is why it is the caller's
+// choice. Only storages the CPU allocator gave the tensor move: memory that numpy, from_blob
+// or a shared mapping lent it belongs to the lender. "" when the storage is in pg's memory
+// afterwards or there is nothing to gain (tcp: ordinary memory), else why it stays.
+std::string move_to_group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &pg,
+                                 const at::Tensor &t) {
+  if (!t.device().is_cpu())
+    return "the tensor is on " + t.device().str() + "; only CPU tensors live in a group's memory";
+  if (!t.has_storage()) return "the tensor has no storage of its own (sparse, or a wrapper)";
+  if (in_group_memory(pg, t) || pg->transport() != "shm") return "";
+  c10::StorageImpl *s = t.storage().unsafeGetStorageImpl();
+  const c10::DataPtr &dp = s->data_ptr();
+  if (dp.get_deleter() == &free_group_block) return "the tensor is in another libddp group's memory";
+  if (s->nbytes() == 0) return "";
+  c10::DeleterFnPtr own = c10::GetCPUAllocator()->raw_deleter();
+  if (!own || dp.get_deleter() != own)
+    return "the tensor's memory is lent to it (torch.from_numpy, from_blob, a shared mapping) "
+           "and stays with its owner; copy it into libddp_torch.empty(...) instead";
+  std::string why;
+  c10::DataPtr moved = group_memory(pg, s->nbytes(), &why);
+  if (!moved) return why;
+  std::memcpy(moved.get(), s->data(), s->nbytes());
+  s->set_data_ptr_noswap(std::move(moved));
+  return "";
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   // c10d's ProcessGroup and Store classes are registered by torch.distributed.
@@ -43,18 +114,17 @@ PYBIND11_MODULE(_C, m) {
       "alloc",
       [](const c10::intrusive_ptr<ProcessGroupLibddp> &pg, int64_t nbytes) {
         TORCH_CHECK(nbytes >= 0, "libddp_torch.empty: ", nbytes, " bytes");
-        void *p = ddp_pg_alloc(pg->pg(), static_cast<size_t>(nbytes));
-        if (!p) {
-          ddp_error_t e = {};
-          ddp_pg_last_error_copy(pg->pg(), &e);
-          TORCH_CHECK(false, "libddp_torch.empty: ", e.msg[0] ? e.msg : "out of memory");
-        }
-        c10::intrusive_ptr<ProcessGroupLibddp> keep = pg;
-        return at::from_blob(
-            p, {nbytes}, [keep](void *q) { ddp_pg_free(keep->pg(), q); },
-            at::TensorOptions().dtype(at::kByte));
+        std::string why;
+        c10::DataPtr dp = group_memory(pg, static_cast<size_t>(nbytes), &why);
+        TORCH_CHECK(dp || nbytes == 0, "libddp_torch.empty: ", why);
+        c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                             std::move(dp), nullptr, false);
+        return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
       },
       py::arg("group"), py::arg("nbytes"));
+  // libddp_torch.to_group_memory_ and allreduce_hook: "" or why the storage stays.
+  m.def("move_to_group_memory", &move_to_group_memory, py::arg("group"), py::arg("tensor"));
+  m.def("in_group_memory", &in_group_memory, py::arg("group"), py::arg("tensor"));
   // For tools/bench/bench_torch.py: times `iters` blocking ddp_allreduce calls (SUM, in
   // place) on this group and tensor, the call ddp-bench makes, each call timed alone
   // (microseconds). It lets the benchmark time libddp's own path in the same job, on the
