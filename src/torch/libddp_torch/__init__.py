@@ -176,7 +176,7 @@ def allreduce_hook(process_group, bucket):
     hook sees it. DDP keeps its buckets from step to step (it builds them again once, after
     the first step), so from then on every bucket is reduced in place with no staging copy;
     with gradient_as_bucket_view=True the parameters' .grad, views of the buckets, move
-    with them. On the MLP of docs/benchmarks.md this saves about 3 ms of a 29 ms step.
+    with them (docs/torch.md; docs/benchmarks.md, "The torch backend", for its speed).
 
         model.register_comm_hook(None, libddp_torch.allreduce_hook)
 
