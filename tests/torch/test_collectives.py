@@ -1,7 +1,9 @@
 """tests/torch/collectives.py on the libddp backend at 2 and 3 ranks under ddprun, with no
 extra flag but --standalone (the store's port from the OS, so a job that holds 29500 does
 not matter; suite torch). Every rank must report its checks; the checks themselves are in
-collectives.py (every collective, dtype and op against rank-order folds, bad input).
+collectives.py (every collective, dtype and op against rank-order folds, bad input). Then
+tests/torch/exit_after_hook.py: a script that ends right after a DDP step with a Python comm
+hook exits 0 on both ranks.
 
     test_collectives.py DDPRUN PYTHONPATH_DIR
 Skips (77) where /usr/bin/python3 cannot import torch and libddp_torch."""
@@ -34,6 +36,23 @@ def main():
         if not ok:
             fails += 1
             print(p.stdout[-2000:], p.stderr[-4000:])
+    # A script that ends right after a DDP step whose Python comm hook's callback the
+    # completer thread is still dropping (tests/torch/exit_after_hook.py) exits 0 on both
+    # ranks: libddp_torch's exit hook waits for the completer. Without it both ranks abort
+    # with "terminate called without an active exception" in 5 runs of 6 (checked by hand:
+    # --no-quiesce), so two runs catch it nearly always.
+    for attempt in (1, 2):
+        p = subprocess.run([ddprun, "--standalone", "--nproc_per_node", "2", PY,
+                            os.path.join(HERE, "exit_after_hook.py")],
+                           env=dict(env, DDP_BACKEND="shm"), capture_output=True, text=True,
+                           timeout=300)
+        stepped = p.stdout.count("STEPPED rank")
+        ok = p.returncode == 0 and stepped == 2
+        print(f"{'ok' if ok else 'FAIL'}: exit right after a step with a Python comm hook "
+              f"(run {attempt}): exit {p.returncode}, {stepped} ranks stepped")
+        if not ok:
+            fails += 1
+            print(p.stdout[-2000:], p.stderr[-3000:])
     sys.exit(1 if fails else 0)
 
 

@@ -13,6 +13,7 @@ The transport is shared memory when every rank runs on one host, else tcp. Choos
 or with DDP_BACKEND=shm|tcp in the environment (the option wins).
 """
 
+import atexit
 import datetime
 import os
 
@@ -106,6 +107,12 @@ def _create(backend_opts, pg_options):
 
 
 _recording = False
+
+# Before the interpreter finalizes, let every group's completer finish the futures it is
+# completing (ProcessGroupLibddp::quiesce in process_group.hpp: otherwise a script whose last
+# DDP step ran a Python comm hook can die at exit with "terminate called without an active
+# exception"). Bounded, so that a collective stuck at exit cannot hold the process.
+atexit.register(_C._quiesce, 10000)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):

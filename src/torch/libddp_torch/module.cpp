@@ -16,16 +16,17 @@ using libddp_torch::ProcessGroupLibddp;
 
 namespace {
 
-// The context of a DataPtr to a block of a group's memory: the group stays alive as long as
-// the block, which goes back to it when the storage dies.
+// The context of a DataPtr to a block of a group's memory: the C group stays alive as long
+// as the block, which goes back to it when the storage dies (ProcessGroupLibddp::pg_owner
+// says why the block holds the C group rather than the torch group).
 struct GroupBlock {
-  c10::intrusive_ptr<ProcessGroupLibddp> pg;
+  std::shared_ptr<ddp_pg_t> pg;
   void *p;
 };
 
 void free_group_block(void *ctx) {
   auto *b = static_cast<GroupBlock *>(ctx);
-  ddp_pg_free(b->pg->pg(), b->p);
+  ddp_pg_free(b->pg.get(), b->p);
   delete b;
 }
 
@@ -41,14 +42,15 @@ c10::DataPtr group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &pg, size
     *why = e.msg[0] ? e.msg : "out of memory";
     return c10::DataPtr(nullptr, c10::Device(c10::kCPU));
   }
-  return c10::DataPtr(p, new GroupBlock{pg, p}, &free_group_block, c10::Device(c10::kCPU));
+  return c10::DataPtr(p, new GroupBlock{pg->pg_owner(), p}, &free_group_block,
+                      c10::Device(c10::kCPU));
 }
 
 bool in_group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &pg, const at::Tensor &t) {
   if (!t.has_storage()) return false;
   const c10::DataPtr &dp = t.storage().data_ptr();
   return dp.get_deleter() == &free_group_block &&
-         static_cast<GroupBlock *>(dp.get_context())->pg.get() == pg.get();
+         static_cast<GroupBlock *>(dp.get_context())->pg.get() == pg->pg();
 }
 
 // Moves t's whole storage into pg's memory, where its collectives read the peers' memory in
@@ -122,6 +124,9 @@ PYBIND11_MODULE(_C, m) {
         return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
       },
       py::arg("group"), py::arg("nbytes"));
+  // Registered with atexit by libddp_torch (ProcessGroupLibddp::quiesce says why).
+  m.def("_quiesce", &ProcessGroupLibddp::quiesce, py::arg("timeout_ms"),
+        py::call_guard<py::gil_scoped_release>());
   // libddp_torch.to_group_memory_ and allreduce_hook: "" or why the storage stays.
   m.def("move_to_group_memory", &move_to_group_memory, py::arg("group"), py::arg("tensor"));
   m.def("in_group_memory", &in_group_memory, py::arg("group"), py::arg("tensor"));

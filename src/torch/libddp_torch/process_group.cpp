@@ -291,6 +291,7 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
   }
   TORCH_CHECK(st == DDP_OK, "libddp: creating the ", transport_, " group of rank ", rank, " of ",
               size, " failed (", ddp_status_name(st), "): ", err.msg);
+  pg_owner_ = std::shared_ptr<ddp_pg_t>(pg_, ddp_pg_destroy);
   completer_ = std::thread([this] { completer_main(); });
 }
 
@@ -311,7 +312,7 @@ ProcessGroupLibddp::~ProcessGroupLibddp() {
   cv_.notify_all();
   if (completer_.joinable()) completer_.join();
   channels_.clear();
-  ddp_pg_destroy(pg_);
+  pg_owner_.reset(); /* the C group goes now, or with the last block of its memory in use */
   ddp_store_destroy(ds_);
 }
 
@@ -329,9 +330,25 @@ P2PChannel &ProcessGroupLibddp::channel(int peer, bool is_send) {
 // wait on futures, not on works), in issue order, which is the order they end in.
 namespace {
 thread_local bool completer_thread = false;
+// Completions queued or running on every group's completer, for quiesce(): process-wide,
+// as the interpreter's exit that it guards is.
+std::mutex busy_mu;
+std::condition_variable busy_cv;
+int64_t busy = 0;
+
+void count_busy(int64_t d) {
+  std::lock_guard<std::mutex> g(busy_mu);
+  busy += d;
+  if (busy == 0) busy_cv.notify_all();
 }
+} // namespace
 
 bool ProcessGroupLibddp::on_completer_thread() { return completer_thread; }
+
+void ProcessGroupLibddp::quiesce(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> g(busy_mu);
+  busy_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [] { return busy == 0; });
+}
 
 void ProcessGroupLibddp::completer_main() {
   completer_thread = true;
@@ -343,12 +360,14 @@ void ProcessGroupLibddp::completer_main() {
     pending_.pop_front();
     g.unlock();
     w->complete();
-    w.reset();
+    w.reset(); /* the future's callbacks and their Python objects go here */
+    count_busy(-1);
     g.lock();
   }
 }
 
 void ProcessGroupLibddp::enqueue_completion(c10::intrusive_ptr<WorkLibddp> w) {
+  count_busy(1);
   {
     std::lock_guard<std::mutex> g(mu_);
     pending_.push_back(std::move(w));

@@ -94,10 +94,23 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
 
   // For WorkLibddp.
   ddp_pg_t *pg() const { return pg_; }
+  // The C group's owner. Blocks of its memory in use (libddp_torch.empty, to_group_memory_)
+  // share it, so the group they live in outlives this object until the last is freed. They
+  // do not keep this object, and its threads, alive: the last such block is often freed by
+  // Python's garbage collector at interpreter exit, when a thread of this object that wanted
+  // the GIL would be ended by Python in the middle of C++ frames (std::terminate).
+  const std::shared_ptr<ddp_pg_t> &pg_owner() const { return pg_owner_; }
   int64_t timeout_ms() const { return timeout_ms_; }
   void enqueue_completion(c10::intrusive_ptr<WorkLibddp> w);
   // True on any group's completer thread (where futures' callbacks run).
   static bool on_completer_thread();
+  // Waits, up to timeout_ms, until no group's completer has a completion queued or running.
+  // For Python's exit (libddp_torch registers it with atexit): a completer that runs a
+  // future's Python callback takes the GIL once more after the callback has released the
+  // waiter (to drop the callback), and if the main thread has meanwhile reached interpreter
+  // finalization, Python ends that thread inside C++ frames: std::terminate, "terminate
+  // called without an active exception", after a script's last step with a Python comm hook.
+  static void quiesce(int64_t timeout_ms);
   // Throws c10::Error with "libddp <what> on rank R: <msg>", msg from the group if empty.
   [[noreturn]] void fail(const std::string &what, ddp_status_t st, const std::string &msg) const;
 
@@ -118,6 +131,7 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   P2PChannel &channel(int peer, bool is_send);
 
   ddp_pg_t *pg_ = nullptr;
+  std::shared_ptr<ddp_pg_t> pg_owner_; // destroys pg_ (ddp_pg_destroy)
   c10::intrusive_ptr<c10d::Store> store_;
   ddp_store_t *ds_ = nullptr; // store_ as a libddp store, for the point-to-point channels
   std::string token_;
