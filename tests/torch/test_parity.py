@@ -62,16 +62,19 @@ def main():
     if subprocess.run([PY, "-c", "import libddp_torch"], env=env).returncode != 0:
         print("SKIP: /usr/bin/python3 cannot import torch and libddp_torch")
         sys.exit(77)
+    # The last run uses no Python hook: on gloo, PyTorch's worker thread drops a Python
+    # hook's callback after the step returns and aborts the process if the interpreter is
+    # finalizing by then (docs/torch.md, "Limits"; libddp's groups wait for theirs at exit).
     hooked = "hook=libddp,grad_as_bucket_view=1,bucket_cap_mb=0.05"
-    runs2 = ["model=mlp", "model=gpt2", "hook=fp16", "zero=1", "hook=powersgd",
-             "find_unused=1,accumulate=3",
-             "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01", hooked]
+    no_hook = "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01"
+    runs2 = ["model=mlp", "model=gpt2", "hook=fp16", "zero=1", "hook=powersgd", hooked,
+             "find_unused=1,accumulate=3", no_hook]
     gloo = job(ddprun, env, 2, "--backend", "gloo", "--runs", ";".join(runs2))
     lib = job(ddprun, env, 2, "--backend", "libddp", "--runs", ";".join(runs2))
     for r in runs2:
         expect_equal(f"2 ranks, {r}: gloo against libddp", gloo.get(r), lib.get(r))
     expect_moved(f"2 ranks, shm, {hooked}", lib, hooked, 2, True)
-    expect_moved(f"2 ranks, shm, {runs2[-2]} (no hook)", lib, runs2[-2], 2, False)
+    expect_moved(f"2 ranks, shm, {no_hook} (no hook)", lib, no_hook, 2, False)
     if gloo["model=mlp"] == gloo["model=gpt2"]:
         sys.exit("FAIL: the MLP and the GPT-2 ended with one hash: the script trains nothing")
 
