@@ -401,6 +401,8 @@ def deferred_start():
     checks += 1
     got = repr(libddp_torch.Options.of({"defer_start": False}))
     assert "defer_start=False" in got, got
+    raises("bucket_memory unknown", lambda: libddp_torch.Options(bucket_memory="shared"),
+           "bucket_memory", "'shared'", "group, ordinary")
 
 
 def bad_input():

@@ -10,9 +10,11 @@ under ddprun with no extra flag, and asserts on the parameter hashes rank 0 prin
     sums are the same in any order;
   - 3 ranks: libddp over shm and over tcp, with three bucket caps, ends with one hash per
     model (plain, fp16 hook, ZeRO), which gloo's ring need not give;
+  - DDP's buckets on shm: made in the group's memory by default (every rank's last-step
+    gradients, bucket views, are there), in ordinary memory with
+    Options(bucket_memory="ordinary") (none there), with gloo's bits either way;
   - libddp_torch.allreduce_hook: the bits of PyTorch's allreduce_hook (on gloo at 2 ranks,
-    against PyTorch's hook at 3), with every rank's gradients (bucket views) in the group's
-    memory on shm after the last step, and none of them there without the hook.
+    against PyTorch's hook at 3), with the ordinary buckets moved into the group's memory.
 Skips (77) where /usr/bin/python3 has no torch or the extension was not built.
 """
 import os
@@ -65,16 +67,18 @@ def main():
     # The last run uses no Python hook: on gloo, PyTorch's worker thread drops a Python
     # hook's callback after the step returns and aborts the process if the interpreter is
     # finalizing by then (docs/torch.md, "Limits"; libddp's groups wait for theirs at exit).
-    hooked = "hook=libddp,grad_as_bucket_view=1,bucket_cap_mb=0.05"
-    no_hook = "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01"
+    hooked = "hook=libddp,grad_as_bucket_view=1,bucket_cap_mb=0.05,bucket_memory=ordinary"
+    ordinary = "find_unused=1,accumulate=3,grad_as_bucket_view=1,bucket_memory=ordinary"
+    born = "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01"
     runs2 = ["model=mlp", "model=gpt2", "hook=fp16", "zero=1", "hook=powersgd", hooked,
-             "find_unused=1,accumulate=3", no_hook]
+             ordinary, born]
     gloo = job(ddprun, env, 2, "--backend", "gloo", "--runs", ";".join(runs2))
     lib = job(ddprun, env, 2, "--backend", "libddp", "--runs", ";".join(runs2))
     for r in runs2:
         expect_equal(f"2 ranks, {r}: gloo against libddp", gloo.get(r), lib.get(r))
-    expect_moved(f"2 ranks, shm, {hooked}", lib, hooked, 2, True)
-    expect_moved(f"2 ranks, shm, {no_hook} (no hook)", lib, no_hook, 2, False)
+    expect_moved(f"2 ranks, shm, {hooked} (moved by the hook)", lib, hooked, 2, True)
+    expect_moved(f"2 ranks, shm, {ordinary}", lib, ordinary, 2, False)
+    expect_moved(f"2 ranks, shm, {born} (made there)", lib, born, 2, True)
     if gloo["model=mlp"] == gloo["model=gpt2"]:
         sys.exit("FAIL: the MLP and the GPT-2 ended with one hash: the script trains nothing")
 
@@ -84,14 +88,14 @@ def main():
     # libddp's hook is PyTorch's allreduce_hook with the buckets in the group's memory: the
     # same bits, at 3 ranks too (x / 3, where DDP's own reduction multiplies by 1/3)
     view = "model=gpt2,grad_as_bucket_view=1,bucket_cap_mb=0.05,"
-    runs3 += [view + "hook=allreduce", view + "hook=libddp"]
+    runs3 += [view + "hook=allreduce", view + "hook=libddp,bucket_memory=ordinary"]
     shm = job(ddprun, env, 3, "--backend", "libddp", "--transport", "shm", "--runs", ";".join(runs3))
-    expect_moved(f"3 ranks, shm, {view}hook=libddp", shm, view + "hook=libddp", 3, True)
+    expect_moved(f"3 ranks, shm, {runs3[-1]}", shm, runs3[-1], 3, True)
     tcp = job(ddprun, env, 3, "--backend", "libddp", "--transport", "tcp", "--runs", ";".join(runs3))
     for r in runs3[-2:]:
         expect_equal(f"3 ranks, {r}: shm against tcp", shm.get(r), tcp.get(r))
     expect_equal(f"3 ranks, {view}: libddp's hook against PyTorch's allreduce_hook",
-                 shm.get(view + "hook=libddp"), shm.get(view + "hook=allreduce"))
+                 shm.get(runs3[-1]), shm.get(view + "hook=allreduce"))
     runs3 = runs3[:-2]
     for i in range(0, len(runs3), len(caps)):
         group = runs3[i:i + len(caps)]

@@ -6,7 +6,8 @@ script runs on gloo and on libddp; rank 0 prints the sha256 of the final paramet
 Flags: --backend gloo|libddp, --transport auto|shm|tcp, --bucket_cap_mb MB,
 --hook none|allreduce|libddp|fp16|bf16|powersgd|batched_powersgd (allreduce: PyTorch's
 default_hooks.allreduce_hook; libddp: libddp_torch.allreduce_hook), --zero (ZeroRedundancyOptimizer),
---find_unused, --static_graph, --grad_as_bucket_view, --accumulate K (no_sync), --steps N;
+--find_unused, --static_graph, --grad_as_bucket_view, --accumulate K (no_sync), --steps N,
+--bucket_memory group|ordinary (libddp_torch.Options; ordinary: DDP on a new libddp group);
 --runs "model=gpt2;hook=fp16,zero=1" trains several jobs in one process group, one line each.
 """
 import argparse
@@ -77,7 +78,8 @@ def batch(model, step, rank, micro):
 
 
 RUN_KEYS = {"model": str, "bucket_cap_mb": float, "hook": str, "zero": int, "find_unused": int,
-            "static_graph": int, "grad_as_bucket_view": int, "accumulate": int, "steps": int}
+            "static_graph": int, "grad_as_bucket_view": int, "accumulate": int, "steps": int,
+            "bucket_memory": str}
 
 
 def parse_run(spec, defaults):
@@ -91,30 +93,35 @@ def parse_run(spec, defaults):
     return run
 
 
-def train(run, rank):
+def train(run, rank, transport):
     """The sha256 of the final parameters, and on libddp how many of the last step's
     gradients were in the group's memory ("K of N")."""
     where = None
+    group = None  # DDP's group: the default one, or on libddp one with the run's bucket_memory
+    if dist.get_backend() == "libddp" and run["bucket_memory"] != "group":
+        import libddp_torch
+        group = dist.new_group(backend="libddp", pg_options=libddp_torch.Options(
+            transport=transport, bucket_memory=run["bucket_memory"]))
     torch.manual_seed(1234)
     net = MLP(run["find_unused"]) if run["model"] == "mlp" else GPT2()
     model = DDP(net, bucket_cap_mb=run["bucket_cap_mb"], find_unused_parameters=bool(run["find_unused"]),
                 static_graph=bool(run["static_graph"]),
-                gradient_as_bucket_view=bool(run["grad_as_bucket_view"]))
+                gradient_as_bucket_view=bool(run["grad_as_bucket_view"]), process_group=group)
     hook = run["hook"]
     if hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         if hook == "allreduce":
-            model.register_comm_hook(None, dh.allreduce_hook)
+            model.register_comm_hook(group, dh.allreduce_hook)
         elif hook == "libddp":
             import libddp_torch
-            model.register_comm_hook(None, libddp_torch.allreduce_hook)
+            model.register_comm_hook(group, libddp_torch.allreduce_hook)
         elif hook == "fp16":
-            model.register_comm_hook(None, dh.fp16_compress_hook)
+            model.register_comm_hook(group, dh.fp16_compress_hook)
         elif hook == "bf16":
-            model.register_comm_hook(None, dh.bf16_compress_hook)
+            model.register_comm_hook(group, dh.bf16_compress_hook)
         else:
-            st = ps.PowerSGDState(process_group=None,
+            st = ps.PowerSGDState(process_group=group,
                                   matrix_approximation_rank=2 if hook == "powersgd" else 1,
                                   start_powerSGD_iter=2, random_seed=7)
             model.register_comm_hook(st, ps.powerSGD_hook if hook == "powersgd"
@@ -135,11 +142,13 @@ def train(run, rank):
                 model(x, y).backward()
         opt.step()
         if step == run["steps"] - 1 and dist.get_backend() == "libddp":
-            # where the last step's gradients live (libddp's hook moves the buckets, and
-            # with gradient_as_bucket_view the .grad views follow)
+            # where the last step's gradients live (with gradient_as_bucket_view they are
+            # views of the buckets: made in the group's memory, or moved there by libddp's
+            # hook)
             import libddp_torch
             grads = [p.grad for p in model.parameters() if p.grad is not None]
-            where = f"{sum(libddp_torch.in_group_memory(g) for g in grads)} of {len(grads)}"
+            where = sum(libddp_torch.in_group_memory(g, group=group) for g in grads)
+            where = f"{where} of {len(grads)}"
         opt.zero_grad(set_to_none=True)
     h = hashlib.sha256()
     for name, p in model.module.state_dict().items():
@@ -160,6 +169,8 @@ def main():
     ap.add_argument("--static_graph", action="store_true")
     ap.add_argument("--grad_as_bucket_view", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--bucket_memory", default="group", choices=["group", "ordinary"],
+                    help="libddp: Options.bucket_memory of DDP's group (ordinary: a new group)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", default="",
                     help="runs separated by ';', each a list of key=value changes to the flags")
@@ -174,7 +185,7 @@ def main():
     defaults = {k: getattr(a, k) for k in RUN_KEYS}
     defaults = {k: int(v) if isinstance(v, bool) else v for k, v in defaults.items()}
     for spec in a.runs.split(";") if a.runs else [""]:
-        digest, where = train(parse_run(spec, defaults), rank)
+        digest, where = train(parse_run(spec, defaults), rank, a.transport)
         if rank == 0:
             print(f"final parameters sha256 {digest} run {spec or 'default'}", flush=True)
         if where is not None:

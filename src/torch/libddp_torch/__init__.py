@@ -45,11 +45,17 @@ class Options:
                a synchronous call then runs on the caller's thread with no hand-off to
                libddp's progress thread. False: collectives above 1 MiB (shm) or 256 KiB
                (tcp) start on the progress thread at once.
+    bucket_memory: "group" (the default): DDP on a shm group builds its gradient buckets
+               in the group's shared memory, so its reduction reads the peers' buckets in
+               place (no staging copy); "ordinary": in ordinary memory, as gloo's. Nothing
+               else changes: the sums and the bits are the same. tcp: always ordinary.
     """
 
-    _KEYS = ("transport", "algorithm", "defer_start")
+    _KEYS = ("transport", "algorithm", "defer_start", "bucket_memory")
+    _BUCKET_MEMORY = ("group", "ordinary")
 
-    def __init__(self, transport="auto", algorithm="auto", defer_start=True):
+    def __init__(self, transport="auto", algorithm="auto", defer_start=True,
+                 bucket_memory="group"):
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"libddp: unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
@@ -58,9 +64,13 @@ class Options:
                 f"libddp: unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if not isinstance(defer_start, bool):
             raise TypeError(f"libddp: defer_start must be True or False, not {defer_start!r}")
+        if bucket_memory not in self._BUCKET_MEMORY:
+            raise ValueError(f"libddp: unknown bucket_memory {bucket_memory!r}; choose one of "
+                             f"{', '.join(self._BUCKET_MEMORY)}")
         self.transport = transport
         self.algorithm = algorithm
         self.defer_start = defer_start
+        self.bucket_memory = bucket_memory
 
     @classmethod
     def of(cls, value):
@@ -81,7 +91,8 @@ class Options:
 
     def __repr__(self):
         return (f"libddp_torch.Options(transport={self.transport!r}, "
-                f"algorithm={self.algorithm!r}, defer_start={self.defer_start!r})")
+                f"algorithm={self.algorithm!r}, defer_start={self.defer_start!r}, "
+                f"bucket_memory={self.bucket_memory!r})")
 
 
 def _timeout_ms(timeout):
@@ -103,7 +114,7 @@ def _create(backend_opts, pg_options):
     record, _recording = not _recording, True
     return _C.create(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
                      _timeout_ms(backend_opts.timeout), transport, source, opts.algorithm,
-                     record, opts.defer_start)
+                     record, opts.defer_start, opts.bucket_memory == "group")
 
 
 _recording = False
@@ -203,6 +214,44 @@ def allreduce_hook(process_group, bucket):
     return default_hooks.allreduce_hook(process_group, bucket)
 
 
+class _Reducer(dist.Reducer):
+    """DDP's reducer (torch.distributed.Reducer, which DistributedDataParallel builds), with
+    its gradient buckets made in the libddp group's shared memory when its group is a shm
+    group with Options(bucket_memory="group"): while the reducer builds buckets (here and in
+    _rebuild_buckets, after the first step) this thread's allocations come from the group's
+    memory (module.cpp, BucketAllocator). DDP's default reduction then reads the peers'
+    buckets in place instead of copying them through the staging area: the speed of
+    allreduce_hook without a hook, and without moving any memory. On any other group it is
+    PyTorch's reducer unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        pg = kwargs["process_group"] if "process_group" in kwargs else (
+            args[3] if len(args) > 3 else None)
+        group = pg if isinstance(pg, ProcessGroupLibddp) and pg.bucket_memory == "group" else None
+        with _buckets_of(group):
+            super().__init__(*args, **kwargs)
+        self._libddp_group = group
+
+    def _rebuild_buckets(self):
+        with _buckets_of(self._libddp_group):
+            return super()._rebuild_buckets()
+
+
+class _buckets_of:
+    """This thread's allocations in the group's memory for the block (None: no change)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __enter__(self):
+        if self.group is not None:
+            _C._open_bucket_window(self.group)
+
+    def __exit__(self, *exc):
+        if self.group is not None:
+            _C._close_bucket_window()
+
+
 # Where an MPI or Slurm launcher puts rank and size, in the order Accelerate reads them;
 # torch.distributed's env:// reads only RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
 _LAUNCHER_ENV = (
@@ -241,3 +290,7 @@ def _register():
 
 launcher_env()
 _register()
+# DistributedDataParallel builds its reducer as torch.distributed.Reducer(...): this one makes
+# DDP's buckets in a shm group's memory (_Reducer).
+if dist.Reducer.__module__ != __name__:
+    dist.Reducer = _Reducer

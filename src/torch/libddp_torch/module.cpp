@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,47 @@ std::string move_to_group_memory(const c10::intrusive_ptr<ProcessGroupLibddp> &p
   return "";
 }
 
+// DDP's buckets, born in the group's memory. While a libddp_torch reducer (__init__.py) of a
+// shm group builds its buckets (the Reducer's constructor, _rebuild_buckets) on this thread,
+// the CPU allocator hands out the group's memory, so DDP's default reduction then reads the
+// peers' buckets in place with no staging copy, the way libddp_torch.allreduce_hook gets
+// there by moving each bucket. Nothing moves: no pointer anyone holds changes, which is what
+// makes it safe to do without asking. Every other allocation, on every thread, and one the
+// group cannot hold (its memory is full) goes to the allocator that was there before, which
+// also keeps its raw deleter, so "memory the CPU allocator gave" still means what it did.
+class BucketAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) const override {
+    if (window && n > 0) {
+      std::string why;
+      c10::DataPtr dp = group_memory(window, n, &why);
+      if (dp) return dp;
+    }
+    return base->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return base->raw_deleter(); }
+
+  c10::Allocator *base = nullptr;
+  // The group whose reducer is building buckets on this thread; the caller holds it.
+  static thread_local c10::intrusive_ptr<ProcessGroupLibddp> window;
+};
+thread_local c10::intrusive_ptr<ProcessGroupLibddp> BucketAllocator::window;
+
+// Opens this thread's window on pg. False where it cannot work: not shm, or a CPU allocator
+// of higher priority was set before libddp's could be (then buckets are staged, as before).
+bool open_bucket_window(const c10::intrusive_ptr<ProcessGroupLibddp> &pg) {
+  static BucketAllocator alloc;
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    alloc.base = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&alloc, /*priority=*/0);
+  });
+  BucketAllocator::window.reset();
+  if (!pg->group_buckets() || c10::GetCPUAllocator() != &alloc) return false;
+  BucketAllocator::window = pg;
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -90,13 +132,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroupLibddp, c10d::ProcessGroup, c10::intrusive_ptr<ProcessGroupLibddp>>(
       m, "ProcessGroupLibddp")
       .def_property_readonly("transport", &ProcessGroupLibddp::transport,
-                             "The libddp transport this group runs on: shm, tcp or mpi.");
+                             "The libddp transport this group runs on: shm, tcp or mpi.")
+      .def_property_readonly(
+          "bucket_memory",
+          [](const ProcessGroupLibddp &pg) { return pg.group_buckets() ? "group" : "ordinary"; },
+          "Where DDP's reducer builds its buckets on this group: \"group\" (its shared "
+          "memory; shm) or \"ordinary\".");
   m.def(
       "create",
       [](const c10::intrusive_ptr<c10d::Store> &store, int rank, int size, int64_t timeout_ms,
          const std::string &transport, const std::string &source, const std::string &algorithm,
-         bool flight_recorder, bool defer_start) {
+         bool flight_recorder, bool defer_start, bool group_buckets) {
         Config cfg;
+        cfg.group_buckets = group_buckets;
         cfg.flight_recorder = flight_recorder;
         cfg.defer_start = defer_start;
         cfg.transport = transport;
@@ -108,6 +156,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
       py::arg("transport"), py::arg("source"), py::arg("algorithm"),
       py::arg("flight_recorder") = true, py::arg("defer_start") = true,
+      py::arg("group_buckets") = true,
       py::call_guard<py::gil_scoped_release>());
   // A tensor of nbytes bytes in the group's communication memory (ddp_pg_alloc: on shm the
   // shared segment, which peers read in place, so a collective on it skips the staging
@@ -127,6 +176,10 @@ PYBIND11_MODULE(_C, m) {
   // Registered with atexit by libddp_torch (ProcessGroupLibddp::quiesce says why).
   m.def("_quiesce", &ProcessGroupLibddp::quiesce, py::arg("timeout_ms"),
         py::call_guard<py::gil_scoped_release>());
+  // libddp_torch's reducer: this thread's allocations in the group's memory while it builds
+  // DDP's buckets (BucketAllocator above).
+  m.def("_open_bucket_window", &open_bucket_window, py::arg("group"));
+  m.def("_close_bucket_window", [] { BucketAllocator::window.reset(); });
   // libddp_torch.to_group_memory_ and allreduce_hook: "" or why the storage stays.
   m.def("move_to_group_memory", &move_to_group_memory, py::arg("group"), py::arg("tensor"));
   m.def("in_group_memory", &in_group_memory, py::arg("group"), py::arg("tensor"));

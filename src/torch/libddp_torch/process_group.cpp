@@ -249,6 +249,7 @@ ProcessGroupLibddp::ProcessGroupLibddp(const c10::intrusive_ptr<c10d::Store> &st
   TORCH_CHECK(transport != "mpi" || ddp_backend_find("mpi"), "libddp: transport 'mpi' (from ",
               source, ") is not built into this libddp; built: ", ddp_backend_names());
   transport_ = transport;
+  group_buckets_ = cfg.group_buckets;
 
   // tcp connections present a job token: DDP_JOB_TOKEN (ddprun's) or one rank 0 draws.
   std::string token;

@@ -33,6 +33,7 @@ struct Config {
   std::string algorithm = "auto"; // auto | canonical | ring | small
   bool flight_recorder = true;    // false for groups whose dumps would take the job's names
   bool defer_start = true;        // ddp_pg_options_t.defer_start (libddp_torch.Options)
+  bool group_buckets = true;      // DDP's buckets in the group's memory (Options.bucket_memory)
 };
 
 class ProcessGroupLibddp : public c10d::ProcessGroup {
@@ -43,6 +44,9 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
 
   const std::string getBackendName() const override { return "libddp"; }
   const std::string &transport() const { return transport_; }
+  // Whether DDP's reducer builds its buckets in this group's memory (module.cpp,
+  // BucketAllocator): Options(bucket_memory="group"), and only on shm.
+  bool group_buckets() const { return group_buckets_ && transport_ == "shm"; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor> &tensors,
                                            const c10d::BroadcastOptions &opts) override;
@@ -139,6 +143,7 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   std::map<std::pair<int, bool>, std::unique_ptr<P2PChannel>> channels_;
   std::map<int, int64_t> taken_; // messages received (or being received) from each rank
   std::string transport_;
+  bool group_buckets_ = true;
   int64_t timeout_ms_;
   uint64_t seq_ = 0;
   uint64_t monitored_ = 0;
