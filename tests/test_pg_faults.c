@@ -799,8 +799,8 @@ typedef struct shm_case {
   float sum;
 } shm_case_t;
 
-/* This case's rank's shm group, or NULL with create_st and create_msg saying why. */
-static ddp_pg_t *shm_case_group(shm_case_t *c) {
+static void *shm_case_rank(void *p) {
+  shm_case_t *c = p;
   ddp_pg_options_t o = DDP_PG_OPTIONS_INIT;
   o.backend = "shm";
   o.rank = c->rank;
@@ -812,13 +812,7 @@ static ddp_pg_t *shm_case_group(shm_case_t *c) {
   ddp_error_t err = {0};
   c->create_st = ddp_pg_create(&o, &pg, &err);
   snprintf(c->create_msg, sizeof c->create_msg, "%s", err.msg);
-  return c->create_st == DDP_OK ? pg : NULL;
-}
-
-static void *shm_case_rank(void *p) {
-  shm_case_t *c = p;
-  ddp_pg_t *pg = shm_case_group(c);
-  if (!pg) return NULL;
+  if (c->create_st != DDP_OK) return NULL;
   float *keep = NULL;
   size_t keep_n = 0;
   for (int k = 0; k < 2 && c->alloc_bytes[k]; k++) {
@@ -848,70 +842,24 @@ static void *shm_case_rank(void *p) {
   return NULL;
 }
 
-static void fill_pages(float *b, size_t bytes, float v) {
-  for (size_t i = 0; i < bytes / sizeof *b; i += 1024) b[i] = v; /* every 4 KiB page */
-}
-
-/* Case (c) of test_shm_small_dev_shm: a freed block's memory goes back to /dev/shm. Each rank
- * takes A (alloc_bytes[0]) and a small B after it, frees A, then asks for C (alloc_bytes[1]),
- * larger than A, so first fit places it after B: granted only if A's pages were returned.
- * granted[0] says A was granted, granted[1] C; coll_st and sum are an allreduce over C. */
-static void *shm_free_rank(void *p) {
-  shm_case_t *c = p;
-  ddp_pg_t *pg = shm_case_group(c);
-  if (!pg) return NULL;
-  c->coll_st = DDP_ERR_INTERNAL;
-  float *a = ddp_pg_alloc(pg, c->alloc_bytes[0]), *b = ddp_pg_alloc(pg, 64u << 10);
-  c->granted[0] = a && b;
-  if (a && b) {
-    fill_pages(a, c->alloc_bytes[0], 1.0f);
-    fill_pages(b, 64u << 10, 1.0f);
-    ddp_pg_free(pg, a);
-    a = NULL;
-    float *cb = ddp_pg_alloc(pg, c->alloc_bytes[1]);
-    c->granted[1] = cb != NULL;
-    snprintf(c->alloc_msg[1], sizeof c->alloc_msg[1], "%s", cb ? "" : pg_err(pg).msg);
-    /* both ranks reach the allreduce (a rank refused C reduces B) so neither waits out
-     * its timeout for the other */
-    float *x = cb ? cb : b;
-    size_t n = (cb ? c->alloc_bytes[1] : 64u << 10) / sizeof(float);
-    fill_pages(x, n * sizeof(float), (float)(c->rank + 1));
-    x[n - 1] = (float)(c->rank + 1);
-    ddp_work_t *w = NULL;
-    c->coll_st = ddp_allreduce(pg, x + n - 1024, x + n - 1024, 1024, DDP_F32, DDP_OP_SUM, &w);
-    if (c->coll_st == DDP_OK) c->coll_st = ddp_work_wait_free(w);
-    c->sum = x[n - 1];
-    if (cb) ddp_pg_free(pg, cb);
-  }
-  if (a) ddp_pg_free(pg, a);
-  if (b) ddp_pg_free(pg, b);
-  ddp_pg_destroy(pg);
-  return NULL;
-}
-
 /* Runs `world` shm ranks as threads of this process (one memory store). */
-static void run_ranks(shm_case_t *proto, shm_case_t *out, void *(*fn)(void *)) {
+static void run_shm_case(shm_case_t *proto, shm_case_t *out) {
   proto->store = ddp_test_memory_store();
   pthread_t th[4];
   for (int r = 0; r < proto->world; r++) {
     out[r] = *proto;
     out[r].rank = r;
-    pthread_create(&th[r], NULL, fn, &out[r]);
+    pthread_create(&th[r], NULL, shm_case_rank, &out[r]);
   }
   for (int r = 0; r < proto->world; r++) pthread_join(th[r], NULL);
   ddp_store_destroy(proto->store);
 }
 
-static void run_shm_case(shm_case_t *proto, shm_case_t *out) {
-  run_ranks(proto, out, shm_case_rank);
-}
-
 /* In a child with its own mount namespace and an 8 MiB tmpfs on /dev/shm (as root; exits 77
  * when that cannot be set up): (a) 2 ranks with the default 4 MiB staging each need more
  * than 8 MiB at create; (b) 2 ranks with 64 KiB staging, each asking ddp_pg_alloc for
- * 16 MiB (refused) and then 1 MiB (granted, and an allreduce over it works); (c) memory a
- * rank frees goes back to /dev/shm (shm_free_rank). The child writes the cases' rank
- * results to the pipe. Before posix_fallocate, (a) created a
+ * 16 MiB (refused) and then 1 MiB (granted, and an allreduce over it works). The child
+ * writes both cases' rank results to the pipe. Before posix_fallocate, (a) created a
  * sparse segment and (b) granted 16 MiB, and the first touch killed the child with
  * SIGBUS. */
 static void small_shm_child(int wfd) {
@@ -927,16 +875,11 @@ static void small_shm_child(int wfd) {
     if (write(wfd, why, strlen(why) + 1) < 0) _exit(78);
     _exit(77);
   }
-  shm_case_t res[3][2];
+  shm_case_t res[2][2];
   shm_case_t a = {.world = 2, .alloc_bytes = {1u << 20, 0}};
   run_shm_case(&a, res[0]);
   shm_case_t b = {.world = 2, .segment_bytes = 64u << 10, .alloc_bytes = {16u << 20, 1u << 20}};
   run_shm_case(&b, res[1]);
-  /* 2 MiB freed, then 2.5 MiB: 2 x 4.56 MiB would not fit in 8 MiB had A stayed reserved */
-  shm_case_t c = {.world = 2,
-                  .segment_bytes = 64u << 10,
-                  .alloc_bytes = {2u << 20, (5u << 20) / 2}};
-  run_ranks(&c, res[2], shm_free_rank);
   if (write(wfd, res, sizeof res) != (ssize_t)sizeof res) _exit(78);
   _exit(0);
 }
@@ -951,7 +894,7 @@ static void test_shm_small_dev_shm(void **state) {
     small_shm_child(fds[1]);
   }
   close(fds[1]);
-  static shm_case_t res[3][2];
+  static shm_case_t res[2][2];
   size_t got = 0;
   ssize_t n;
   while (got < sizeof res && (n = read(fds[0], (char *)res + got, sizeof res - got)) > 0)
@@ -990,20 +933,6 @@ static void test_shm_small_dev_shm(void **state) {
     assert_non_null(strstr(x->alloc_msg[0], "/dev/shm"));
     assert_non_null(strstr(x->alloc_msg[0], "16777216"));
     assert_non_null(strstr(x->alloc_msg[0], "bytes free"));
-    assert_true(x->granted[1]);
-    assert_int_equal(x->coll_st, DDP_OK);
-    DDP_ASSERT_EQ(x->sum, 3.0f);
-  }
-  /* (c) a freed 2 MiB block went back to /dev/shm: 2.5 MiB granted after it */
-  for (int r = 0; r < 2; r++) {
-    const shm_case_t *x = &res[2][r];
-    print_message("(c) rank %d: create %s; 2 MiB %s; after freeing it, 2.5 MiB %s%s%s; "
-                  "allreduce %s, sum %g (expected 3)\n",
-                  r, ddp_status_name(x->create_st), x->granted[0] ? "granted" : "refused",
-                  x->granted[1] ? "granted" : "refused", x->granted[1] ? "" : ": ", x->alloc_msg[1],
-                  ddp_status_name(x->coll_st), (double)x->sum);
-    assert_int_equal(x->create_st, DDP_OK);
-    assert_true(x->granted[0]);
     assert_true(x->granted[1]);
     assert_int_equal(x->coll_st, DDP_OK);
     DDP_ASSERT_EQ(x->sum, 3.0f);

@@ -321,25 +321,12 @@ static void shm_alloc_error(void *state, ddp_error_t *out) {
   pthread_mutex_unlock(&s->heap_mu);
 }
 
-/* A freed block's whole pages go back to /dev/shm (a hole punched in the segment; its first
- * and last page may hold a neighbour's bytes and stay), so the memory a process gave back is
- * free for other jobs, and shm_alloc reserves it again when it hands the range out. Without
- * this the segment kept its high-water mark until the group went: the torch backend makes
- * DDP's buckets here, and a script that builds one model after another kept them all.
- * No rank reads a freed block, so the pages vanishing from the peers' mappings is harmless. */
 static void shm_free(void *state, void *p) {
   shm_state_t *s = state;
   unsigned char *q = (unsigned char *)p - BLOCK_HDR;
   DDP_REQUIRE(q >= s->base + s->heap_lo && q < s->base + s->heap_hi);
   size_t off = (size_t)(q - s->base), len;
   memcpy(&len, q, sizeof len);
-  size_t lo = round_up(off, PAGE), hi = (off + len) / PAGE * PAGE;
-  if (hi > lo && fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)lo,
-                           (off_t)(hi - lo)) != 0)
-    ddp__log(s->rank, DDP_LOG_WARN,
-             "rank %d: returning %zu bytes of a freed block to /dev/shm "
-             "failed (%s); they stay reserved until the group is destroyed",
-             s->rank, hi - lo, strerror(errno));
   pthread_mutex_lock(&s->heap_mu);
   size_t i = 0;
   while (i < s->nfree && s->free_list[i].off < off) i++;
