@@ -10,7 +10,9 @@ DDP_FAULT work as they do for ddp-train.
 
 The transport is shared memory when every rank runs on one host, else tcp. Choose it with
     dist.init_process_group("libddp", pg_options=libddp_torch.Options(transport="tcp"))
-or with DDP_BACKEND=shm|tcp in the environment (the option wins).
+or with DDP_BACKEND=shm|tcp in the environment (the option wins). On shm, DDP's gradient
+buckets are made in the group's shared memory and reduced there in place (_Reducer;
+Options(bucket_memory="ordinary") keeps them in ordinary memory).
 """
 
 import atexit
