@@ -1,6 +1,7 @@
 // The Python module libddp_torch._C: the group class and its factory; libddp_torch/__init__.py
 // registers the factory with torch.distributed (docs/torch.md).
 #include <c10/core/CPUAllocator.h>
+#include <sys/statvfs.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -95,9 +96,22 @@ class BucketAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) const override {
     if (window && n > 0) {
-      std::string why;
-      c10::DataPtr dp = group_memory(window, n, &why);
-      if (dp) return dp;
+      // A full /dev/shm is not an error here, only the slower path: asked anyway, the shm
+      // backend would log one per bucket. Said once, with what to do about it. Every rank
+      // makes its bucket at about the same moment, so room for all of them is asked for.
+      struct statvfs v;
+      unsigned long long free_bytes = ~0ull;
+      if (statvfs("/dev/shm", &v) == 0) free_bytes = (unsigned long long)v.f_bavail * v.f_frsize;
+      if (free_bytes >= (unsigned long long)n * window->getSize() + (1u << 20)) {
+        std::string why;
+        c10::DataPtr dp = group_memory(window, n, &why);
+        if (dp) return dp;
+      } else {
+        TORCH_WARN_ONCE("libddp: DDP's bucket of ", n, " bytes is made in ordinary memory and "
+                        "reduced through the staging area, since /dev/shm has ", free_bytes,
+                        " bytes free (enlarge /dev/shm, or pass libddp_torch.Options("
+                        "bucket_memory=\"ordinary\") to choose this)");
+      }
     }
     return base->allocate(n);
   }
