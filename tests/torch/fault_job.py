@@ -3,10 +3,13 @@
     fault_job.py MODE RANK WORLD INIT_FILE [TIMEOUT_S]
 
 MODE: kill (rank 1 SIGKILLs itself at iteration 5), hang (DDP_FAULT set by the driver),
-shape (rank 1 reduces one element fewer), world (rank 1 believes the world is one larger).
+shape (rank 1 reduces one element fewer), world (rank 1 believes the world is one larger),
+ddp (3 DDP steps of a 1024 x 1024 linear layer, one 4.2 MB bucket, gradient_as_bucket_view;
+prints "GRADS <k> of <n> in group memory" and "HASH <sha256 of the parameters>").
 Prints "LOOP <monotonic>" when the loop starts, and on a failure "FAILED <elapsed s> <msg>";
 exits 0 when the loop ends, 3 after a failure.
 """
+import hashlib
 import datetime
 import os
 import signal
@@ -16,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import libddp_torch  # noqa: F401
+import libddp_torch
 
 mode, rank, world, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
@@ -29,7 +32,24 @@ try:
                             timeout=datetime.timedelta(seconds=timeout))
     t0 = time.monotonic()
     print(f"LOOP {t0}", flush=True)
-    for i in range(40):
+    if mode == "ddp":
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1024, 1024),
+                                                          gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.rand(8, 1024, generator=torch.Generator().manual_seed(rank))
+        for step in range(3):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        grads = [p.grad for p in model.parameters()]
+        k = sum(libddp_torch.in_group_memory(g) for g in grads)
+        print(f"GRADS {k} of {len(grads)} in group memory", flush=True)
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        print(f"HASH {h.hexdigest()}", flush=True)
+    for i in range(40 if mode != "ddp" else 0):
         if mode == "kill" and rank == 1 and i == 5:
             os.kill(os.getpid(), signal.SIGKILL)
         n = 4 if (mode == "shape" and rank == 1) else 5

@@ -10,7 +10,11 @@ port) and asserts, in this parent:
     + 10% of entering the loop, and ddp-fr-trace on their dumps names rank 1;
   - shape: rank 1 reduces 4 elements, rank 0 5: both fail at the first call, naming both
     counts (DESYNC);
-  - world: rank 1 thinks the world has 3 ranks: both fail at creation naming both sizes.
+  - world: rank 1 thinks the world has 3 ranks: both fail at creation naming both sizes;
+  - small /dev/shm: DDP's 4.2 MB bucket, made in the group's memory on an ordinary /dev/shm,
+    is made in ordinary memory when a 16 MiB tmpfs (in a private mount namespace: as root,
+    else the case is skipped) has no room for it, with one warning per rank naming /dev/shm
+    and no error, and the job ends with the same parameters.
 Skips (77) where /usr/bin/python3 cannot import torch and libddp_torch.
 """
 import json
@@ -49,6 +53,29 @@ def run(mode, world, env, tmp, timeout=10.0, limit=60):
             so, se = p.communicate()
             se += "\n(killed by the test: no exit within %d s)" % limit
         out.append((p.returncode, so, se))
+    return out
+
+
+def run_small_shm(env, tmp, size="16m"):
+    """The ddp job's two ranks in one private mount namespace whose /dev/shm is a tmpfs of
+    `size`: [(exit status, stdout, stderr)] per rank, or None where the namespace cannot be
+    made (not root)."""
+    init = os.path.join(tmp, "init-small-shm")
+    ranks = " ".join(
+        f"{PY} {os.path.join(HERE, 'fault_job.py')} ddp {r} 2 {init} >{tmp}/o{r} 2>{tmp}/e{r} & "
+        f"p{r}=$!;" for r in range(2))
+    script = (f"mount --make-rprivate / && mount -t tmpfs -o size={size} tmpfs /dev/shm "
+              f"|| exit 77; {ranks} wait $p0; echo $? >{tmp}/s0; wait $p1; echo $? >{tmp}/s1")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True,
+                       text=True, timeout=120)
+    if p.returncode != 0:
+        print(f"skipped: small /dev/shm: cannot make a private mount namespace "
+              f"({p.returncode}): {p.stderr.strip()[:200]}")
+        return None
+    out = []
+    for r in range(2):
+        with open(f"{tmp}/s{r}") as s, open(f"{tmp}/o{r}") as o, open(f"{tmp}/e{r}") as e:
+            out.append((int(s.read()), o.read(), e.read()))
     return out
 
 
@@ -100,6 +127,27 @@ def main():
             el, msg = failed_line(so)
             check(rc == 3 and "world_size 3" in msg and "rank 0 has 2" in msg,
                   f"world: rank {r} names both sizes: {msg[:300]}")
+
+        # a /dev/shm with no room for DDP's bucket: ordinary memory, one warning, same result
+        normal = run("ddp", 2, env, tmp)
+        small = run_small_shm(env, tmp)
+        hashes = [re.search(r"^HASH (\S+)", so, re.M) for _, so, _ in normal]
+        for r, (rc, so, se) in enumerate(normal):
+            ok = rc == 0 and "GRADS 2 of 2 in group memory" in so
+            check(ok, f"ddp: rank {r}: the bucket in the group's memory (exit {rc})"
+                      + ("" if ok else f": {so[-200:]} {se[-300:]}"))
+        for r, (rc, so, se) in enumerate(small or []):
+            h = re.search(r"^HASH (\S+)", so, re.M)
+            ok = rc == 0 and "GRADS 0 of 2 in group memory" in so
+            check(ok, f"small /dev/shm: rank {r}: the bucket in ordinary memory (exit {rc})"
+                      + ("" if ok else f": {so[-200:]} {se[-300:]}"))
+            warned = se.count("is made in ordinary memory")
+            ok = warned == 1 and "/dev/shm has" in se and "libddp ERROR" not in se
+            check(ok, f"small /dev/shm: rank {r}: {warned} warning naming /dev/shm, no error"
+                      + ("" if ok else f": {se[-600:]}"))
+            check(h and hashes[r] and h.group(1) == hashes[r].group(1),
+                  f"small /dev/shm: rank {r}: the parameters of the ordinary run "
+                  f"({h and h.group(1)[:16]} against {hashes[r] and hashes[r].group(1)[:16]})")
     sys.exit(1 if fails else 0)
 
 
