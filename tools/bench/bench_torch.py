@@ -7,15 +7,19 @@
 
 Part 1, all_reduce: one ddprun job of 2 ranks (1 thread each) holds a libddp group (shm, the
 default on one host) and a gloo group side by side. For every size from 4 B up (x4) it times,
-interleaved in five chunks so that each series sees the same moments of the machine:
+interleaved in six chunks (the series' order rotating from chunk to chunk) so that each
+series sees the same moments of the machine:
 torch.distributed.all_reduce on the libddp group, on an ordinary tensor and on one from
 libddp_torch.empty (in the group's segment); libddp's own blocking ddp_allreduce on the same
 group and the same two tensors (the call ddp-bench times, made from C++ with no Python in the
-loop: libddp_torch._C._bench_allreduce); and gloo. After each job, ddp-bench (2 shm ranks,
+loop: libddp_torch._C._bench_allreduce); the group's ProcessGroup::allreduce and Work::wait
+called from that same C++ loop ("c10d": the plugin's whole path, as DDP's reducer calls it,
+without PyTorch's Python wrapper and bindings); and gloo. After each job, ddp-bench (2 shm ranks,
 blocking calls, in place) times the same sizes in its own processes, on private memory and
 on the segment, for reference. The table gives the median over rounds of each p50,
-torch/gloo (goal: never above 1) and each torch series over the native call on the same
-memory in the same job (goal: at most 1.2 from 64 KiB up).
+torch/gloo (goal: never above 1), each torch series over the native call on the same
+memory in the same job (goal: at most 1.2 from 64 KiB up), and c10d over native (the same
+goal, for what the plugin itself adds).
 
 Part 2, DDP steps: the benchmark MLP of ddp-bench-ddp (784-1024-1024-1024-10, batch 64,
 SGD), real PyTorch DistributedDataParallel on 2 ranks with 1 thread each, over gloo, libddp
@@ -78,33 +82,43 @@ def worker(args):
         pg = dist.distributed_c10d._get_default_group()
         for size in sizes_up_to(args.max_bytes):
             n = max(1, size // 4)
-            # at least 20 calls a series (5 chunks of 4) even at 256 MiB: the p50 of five
+            # at least 24 calls a series (6 chunks of 4) even at 256 MiB: the p50 of five
             # calls let one slow call in a chunk move a large size's figure by 1.5x
-            iters = max(20, min(2000, (64 << 20) // size))
-            chunks = 5
+            iters = max(24, min(2000, (64 << 20) // size))
             plain, seg = torch.ones(n), libddp_torch.empty(n).fill_(1)
-            # Five series, interleaved in chunks so that each sees the same moments of the
+            # Six series, interleaved in chunks so that each sees the same moments of the
             # machine: torch.distributed.all_reduce on the libddp group (an ordinary tensor,
             # then one in the group's segment), libddp's own blocking ddp_allreduce on the
-            # same group and the same two tensors (the call ddp-bench times), and gloo.
+            # same group and the same two tensors (the call ddp-bench times) and the group's
+            # c10d allreduce, both timed in a C++ loop (None), and gloo. The order rotates
+            # from chunk to chunk, so that every series takes every place once: the first
+            # calls after the barrier run slower on this VM (1 MiB: the first ten of a chunk
+            # 1.2-1.7x its last ten), which a fixed order made one series pay more than the
+            # others.
             series = {
                 "libddp": lambda: dist.all_reduce(plain),
-                "native": lambda: libddp_torch._C._bench_allreduce(pg, plain, 1),
+                "native": None,
+                "c10d": None,
                 "libddp-seg": lambda: dist.all_reduce(seg),
-                "native-seg": lambda: libddp_torch._C._bench_allreduce(pg, seg, 1),
+                "native-seg": None,
                 "gloo": lambda: dist.all_reduce(plain, group=gloo),
             }
             times = {name: [] for name in series}
+            bench = libddp_torch._C._bench_allreduce
             for name, call in series.items():  # warm-up
                 for _ in range(3):
-                    call()
+                    call() if call else bench(pg, seg if name == "native-seg" else plain, 1,
+                                              name == "c10d")
+            order = list(series)
+            chunks = len(order)
             for c in range(chunks):
-                for name, call in series.items():
+                for name in order[c:] + order[:c]:
+                    call = series[name]
                     dist.barrier(group=gloo)
                     k = iters // chunks
-                    if name.startswith("native"):
-                        times[name] += libddp_torch._C._bench_allreduce(
-                            pg, plain if name == "native" else seg, k)
+                    if call is None:
+                        times[name] += bench(pg, seg if name == "native-seg" else plain, k,
+                                             name == "c10d")
                         continue
                     for _ in range(k):
                         t0 = time.perf_counter()
@@ -268,7 +282,7 @@ def main():
         sys.path.insert(0, os.path.join(args.build, "src", "torch"))
         dispatch()
     if "allreduce" in parts:
-        names = ("libddp", "libddp-seg", "native", "native-seg", "gloo")
+        names = ("libddp", "libddp-seg", "native", "native-seg", "gloo", "c10d")
         job = {name: {} for name in names}
         bench = {"private": {}, "group": {}}
         with tempfile.TemporaryDirectory() as tmp:
@@ -285,26 +299,28 @@ def main():
               "one from libddp_torch.empty (the group's segment, 'seg'); native: libddp's own "
               "blocking ddp_allreduce on the same group and tensors, interleaved with them in "
               "the same job; ddp-bench: the same sizes in a separate ddp-bench run (private "
-              "memory, segment). Goals: torch/gloo <= 1 everywhere, torch/native <= 1.2 from "
-              "64 KiB")
+              "memory, segment); c10d: the group's ProcessGroup::allreduce and Work::wait from "
+              "C++ (the plugin without PyTorch's Python layer) on the ordinary tensor. Goals: "
+              "torch/gloo <= 1 everywhere, torch/native <= 1.2 from 64 KiB, the same for "
+              "c10d/native")
         print(f"{'size':>9} {'torch':>9} {'torch-seg':>9} {'gloo':>9} {'native':>9} "
-              f"{'nat-seg':>9} {'bench':>9} {'bench-seg':>9} {'torch/gloo':>10} "
-              f"{'torch/native':>13} {'seg/nat-seg':>12}")
+              f"{'nat-seg':>9} {'c10d':>9} {'bench':>9} {'bench-seg':>9} {'torch/gloo':>10} "
+              f"{'torch/native':>13} {'seg/nat-seg':>12} {'c10d/native':>12}")
         med = statistics.median
         nan = float("nan")
 
         def m(series, size):
             return med(series[size]) if size in series else nan
         for size in sorted(job["libddp"]):
-            L, LS, N, NS, G = (m(job[k], size) for k in names)
+            L, LS, N, NS, G, C = (m(job[k], size) for k in names)
             P, S = m(bench["private"], size), m(bench["group"], size)
             g_ok = "ok" if max(L, LS) <= G else "FAIL"
 
             def verdict(x, native):
                 return "" if size < (64 << 10) else ("ok" if x <= 1.2 * native else "FAIL")
-            print(f"{human(size):>9} {L:9.1f} {LS:9.1f} {G:9.1f} {N:9.1f} {NS:9.1f} {P:9.1f} "
-                  f"{S:9.1f} {L / G:5.2f} {g_ok:<4} {L / N:7.2f} {verdict(L, N):<5} "
-                  f"{LS / NS:6.2f} {verdict(LS, NS):<5}")
+            print(f"{human(size):>9} {L:9.1f} {LS:9.1f} {G:9.1f} {N:9.1f} {NS:9.1f} {C:9.1f} "
+                  f"{P:9.1f} {S:9.1f} {L / G:5.2f} {g_ok:<4} {L / N:7.2f} {verdict(L, N):<5} "
+                  f"{LS / NS:6.2f} {verdict(LS, NS):<5} {C / N:6.2f} {verdict(C, N):<5}")
     if "ddp" in parts:
         rates = {}
         ddp_args = argparse.Namespace(**vars(args))

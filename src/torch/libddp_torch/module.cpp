@@ -197,29 +197,37 @@ PYBIND11_MODULE(_C, m) {
   // libddp_torch.to_group_memory_ and allreduce_hook: "" or why the storage stays.
   m.def("move_to_group_memory", &move_to_group_memory, py::arg("group"), py::arg("tensor"));
   m.def("in_group_memory", &in_group_memory, py::arg("group"), py::arg("tensor"));
-  // For tools/bench/bench_torch.py: times `iters` blocking ddp_allreduce calls (SUM, in
-  // place) on this group and tensor, the call ddp-bench makes, each call timed alone
-  // (microseconds). It lets the benchmark time libddp's own path in the same job, on the
-  // same memory and interleaved with the torch.distributed calls, instead of in another
-  // process at another moment.
+  // For tools/bench/bench_torch.py: times `iters` blocking all-reduces (SUM, in place) of
+  // this tensor on this group, each call timed alone (microseconds), in one of two ways:
+  // libddp's own ddp_allreduce, the call ddp-bench makes; or (c10d) the group's
+  // ProcessGroup::allreduce and Work::wait from C++, the call DDP's reducer makes, which is
+  // the plugin's whole path without PyTorch's Python wrapper and bindings. It lets the
+  // benchmark time both in the same job, on the same memory and interleaved with the
+  // torch.distributed calls, instead of in another process at another moment.
   m.def(
       "_bench_allreduce",
-      [](const c10::intrusive_ptr<ProcessGroupLibddp> &pg, const at::Tensor &t, int64_t iters) {
+      [](const c10::intrusive_ptr<ProcessGroupLibddp> &pg, const at::Tensor &t, int64_t iters,
+         bool c10d) {
         TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat,
                     "libddp_torch._C._bench_allreduce: takes a contiguous float32 CPU tensor");
         TORCH_CHECK(iters >= 0, "libddp_torch._C._bench_allreduce: ", iters, " iterations");
         std::vector<double> us(static_cast<size_t>(iters));
         void *p = t.data_ptr();
         size_t n = static_cast<size_t>(t.numel());
+        std::vector<at::Tensor> list{t};
         py::gil_scoped_release nogil;
         for (auto &u : us) {
           auto t0 = std::chrono::steady_clock::now();
-          ddp_status_t st = ddp_allreduce(pg->pg(), p, p, n, DDP_F32, DDP_OP_SUM, nullptr);
+          if (c10d) {
+            pg->allreduce(list, c10d::AllreduceOptions())->wait();
+          } else {
+            ddp_status_t st = ddp_allreduce(pg->pg(), p, p, n, DDP_F32, DDP_OP_SUM, nullptr);
+            TORCH_CHECK(st == DDP_OK, "libddp_torch._C._bench_allreduce: ", ddp_status_name(st));
+          }
           auto t1 = std::chrono::steady_clock::now();
-          TORCH_CHECK(st == DDP_OK, "libddp_torch._C._bench_allreduce: ", ddp_status_name(st));
           u = std::chrono::duration<double, std::micro>(t1 - t0).count();
         }
         return us;
       },
-      py::arg("group"), py::arg("tensor"), py::arg("iters"));
+      py::arg("group"), py::arg("tensor"), py::arg("iters"), py::arg("c10d") = false);
 }
