@@ -9,7 +9,9 @@ Runs `torch.testing._internal.distributed.distributed_test.DistributedTest._Dist
 shipped with Debian's python3-torch, the way PyTorch's CI runs a backend
 (test/distributed/test_distributed_spawn.py): BACKEND, WORLD_SIZE, TEMP_DIR and
 INIT_METHOD=env:// in the environment, a TestDistBackend subclass whose setUp spawns the
-ranks. libddp joins DistTestCases.backend_feature's "ddp", "subgroup" and "plugin" sets, as
+ranks (or, with --start fork, forks them: what CI's --ci run does, since most of a spawned
+test's 2-3 s here is its ranks importing torch and the suite; the counts of the whole suite
+on gloo and libddp at WORLD_SIZE 2 and 3 were the same both ways). libddp joins DistTestCases.backend_feature's "ddp", "subgroup" and "plugin" sets, as
 ucc does in PyTorch's CI. Each backend and world size runs in its own worker process (the
 suite reads BACKEND when it is imported); the driver prints pass/fail/skip counts per backend
 and world size, the tests that pass on gloo but not on libddp, and which of those are in
@@ -85,28 +87,6 @@ KNOWN_DIFFERENCES = {
     "test_monitored_barrier_wait_all_ranks": _GATE_GLOO,
 }
 
-# CI's subset (--ci; tests/meson.build, torch_suite): every DDP test that runs on CPU at 2
-# ranks and one or two tests per collective, point to point and group call; about 40
-# spawns, about 2 minutes on 2 busy cores. (The
-# suite's all_to_all tests skip for every backend but MPI on CPU.)
-CI_TESTS = {
-    # ddp
-    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
-    "test_DistributedDataParallel_requires_grad", "test_ddp_create_graph",
-    "test_ddp_logging_data_cpu", "test_static_graph_api_cpu",
-    # collectives
-    "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_min",
-    "test_all_reduce_product", "test_all_reduce_sum_async", "test_all_reduce_sum_complex",
-    "test_all_reduce_complex_unsupported_ops", "test_all_reduce_full_group_sum",
-    "test_all_gather", "test_all_gather_complex", "test_all_gather_full_group",
-    "test_broadcast", "test_broadcast_full_group", "test_reduce_sum", "test_reduce_max",
-    "test_reduce_product", "test_gather", "test_gather_checks", "test_scatter",
-    "test_scatter_checks", "test_scatter_complex", "test_send_recv", "test_send_recv_with_tag",
-    "test_send_recv_any_source", "test_isend", "test_irecv", "test_barrier",
-    "test_barrier_full_group", "test_destroy_group", "test_get_rank", "test_get_backend",
-    "test_Backend_enum_class",
-}
-
 # --part: DDP and what rides on it (SyncBatchNorm, model averagers, samplers); the rest are
 # collectives, point to point, groups and the API around them.
 DDP_PATTERN = re.compile(
@@ -127,7 +107,7 @@ def in_part(name, parts):
 # A worker (LIBDDP_SUITE_WORKER=1, BACKEND and WORLD_SIZE set) runs the suite for one backend
 # and world size. The ranks are spawned processes that import this file as __mp_main__, so
 # the set-up below runs at import in the worker and in every rank, and the test class is a
-# module-level name the ranks can unpickle.
+# module-level name the ranks can unpickle (forked ranks inherit both from the worker).
 
 
 def _stub_expecttest():
@@ -234,7 +214,12 @@ def _worker_setup():
             if reason:
                 raise unittest.SkipTest(reason)
             super().setUp()
-            self._spawn_processes()
+            if os.environ.get("LIBDDP_SUITE_START") == "fork":
+                # --start fork: the ranks are forks of this worker, which has imported
+                # torch and the suite already (about 2 s a test less here: the --ci run).
+                self._start_processes(torch.multiprocessing.get_context("fork").Process)
+            else:
+                self._spawn_processes()
 
     _Spawn.__name__ = _Spawn.__qualname__ = "TestDistBackendWithSpawn"
     TestDistBackendWithSpawn = _Spawn
@@ -314,7 +299,7 @@ def run_worker(backend, world, names, args, ext_path):
     env = dict(os.environ)
     env.update({"LIBDDP_SUITE_WORKER": "1", "BACKEND": backend, "WORLD_SIZE": str(world),
                 "TEMP_DIR": tmp, "INIT_METHOD": "env://",
-                "LIBDDP_SUITE_TIMEOUT": str(args.timeout)})
+                "LIBDDP_SUITE_TIMEOUT": str(args.timeout), "LIBDDP_SUITE_START": args.start})
     if args.gates_as:
         env["LIBDDP_SUITE_GATES"] = args.gates_as
     if ext_path:
@@ -381,9 +366,15 @@ def main():
                     help="import the suite as for BACKEND (its skip gates), run the tests on "
                          "--backend: e.g. --gates-as gloo --backend libddp runs the tests "
                          "the suite gates on BACKEND == 'gloo'")
+    ap.add_argument("--start", choices=("spawn", "fork"), default="spawn",
+                    help="how a test starts its ranks: spawn (default; as PyTorch's CI, "
+                         "each rank imports torch and the suite afresh) or fork (the ranks "
+                         "are forks of the worker: the same results, measured, in a sixth "
+                         "of the time)")
     ap.add_argument("--ci", action="store_true",
-                    help="CI's run (tests/meson.build, torch_suite): libddp, WORLD_SIZE 2, "
-                         "the CI_TESTS subset of the collectives and ddp parts, --check")
+                    help="CI's run (tests/meson.build, torch_suite): libddp, WORLD_SIZE 2 "
+                         "and 3, the collectives and ddp parts (the whole suite), --start "
+                         "fork, --check")
     ap.add_argument("--json", metavar="FILE", help="write every result to FILE")
     ap.add_argument("--verbose", "-v", action="store_true",
                     help="print the failure of every libddp test that fails")
@@ -400,7 +391,8 @@ def main():
         return 0
 
     if args.ci:
-        args.backend, args.world_size, args.part, args.check = "libddp", "2", "collectives,ddp", True
+        args.backend, args.world_size, args.part = "libddp", "2,3", "collectives,ddp"
+        args.check, args.start = True, "fork"
     backends = [b for b in args.backend.split(",") if b]
     worlds = [int(w) for w in args.world_size.split(",") if w]
     parts = [p for p in args.part.split(",") if p]
@@ -419,8 +411,6 @@ def main():
 
     names = list_tests(backends[0], worlds[0], ext_path)
     names = [n for n in names if in_part(n, parts) and (not args.k or any(k in n for k in args.k))]
-    if args.ci:
-        names = [n for n in names if n in CI_TESTS]
     if not names:
         print("run_torch_suite: no test matches the filter")
         return 1
