@@ -11,8 +11,9 @@ shipped with Debian's python3-torch, the way PyTorch's CI runs a backend
 INIT_METHOD=env:// in the environment, a TestDistBackend subclass whose setUp spawns the
 ranks (or, with --start fork, forks them: what CI's --ci run does, since most of a spawned
 test's 2-3 s here is its ranks importing torch and the suite; the counts of the whole suite
-on gloo and libddp at WORLD_SIZE 2 and 3 were the same both ways). libddp joins DistTestCases.backend_feature's "ddp", "subgroup" and "plugin" sets, as
-ucc does in PyTorch's CI. Each backend and world size runs in its own worker process (the
+on gloo and libddp at WORLD_SIZE 2 and 3 were the same both ways). libddp joins
+DistTestCases.backend_feature's "ddp", "subgroup" and "plugin" sets, as ucc does in PyTorch's
+CI. Each backend and world size runs in its own worker process (the
 suite reads BACKEND when it is imported); the driver prints pass/fail/skip counts per backend
 and world size, the tests that pass on gloo but not on libddp, and which of those are in
 KNOWN_DIFFERENCES (the documented list below) and which are not.
