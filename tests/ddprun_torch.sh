@@ -69,4 +69,32 @@ grep -q 'rank 1: failing in attempt 0' restart.log || fail "restart: rank 1 did 
 grep -q 'ok in attempt 1' restart.log || fail "restart: attempt 1 did not run"
 grep -q '1 restart(s) used of --max_restarts 1; exit status 0' restart.log ||
   fail "restart: ddprun's report is missing"
+# A store.wait that times out at the client (PyTorch's TCPStore client on ddprun's store):
+# the connection's next requests are served, and answered with their own replies, also
+# after the keys the abandoned wait named appear. Before, ddprun held the connection's
+# requests behind the abandoned wait: rank 1's set never arrived and rank 0 timed out.
+cat >store.py <<'PY'
+import datetime, torch.distributed as dist
+dist.init_process_group("gloo")
+st, r = dist.distributed_c10d._get_default_store(), dist.get_rank()
+if r == 1:
+    try:
+        st.wait(["late"], datetime.timedelta(milliseconds=300))
+        raise SystemExit("rank 1: the wait for a missing key returned")
+    except RuntimeError:
+        pass
+    st.set("after", "x")
+else:
+    st.wait(["after"], datetime.timedelta(seconds=20))
+    st.set("late", "y")
+dist.barrier()
+got = (st.get("after"), st.add("n", 5), st.get("late"))
+assert got == (b"x", 5 if r == 0 else 10, b"y") or got == (b"x", 10 if r == 0 else 5, b"y"), got
+print("rank %d: store after an abandoned wait ok %r" % (r, got), flush=True)
+PY
+timeout 120 "$ddprun" --standalone --nproc_per_node 2 "$py" store.py >store.log 2>&1
+rc=$?
+cat store.log
+[ "$rc" -eq 0 ] || fail "store: ddprun exited $rc"
+[ "$(grep -c 'abandoned wait ok' store.log)" -eq 2 ] || fail "store: not every rank checked"
 echo PASS
