@@ -141,6 +141,77 @@ def reductions():
     same("all_reduce_coalesced b", tb, fold(dist.ReduceOp.SUM, b))
 
 
+def sparse():
+    """all_reduce of sparse COO tensors (DDP's gradients of a sparse nn.Embedding): every
+    index any rank holds, its values summed in rank order from zero (gloo's sparse sum)."""
+    global checks
+    for dt in (torch.float32, torch.float64):
+        parts = []
+        for r in range(W):
+            g = torch.Generator().manual_seed(70 + r)
+            idx = torch.randint(0, 9, (2, 5 + r), generator=g)  # duplicates, overlaps
+            val = torch.randn(5 + r, 3, generator=g, dtype=torch.float64).to(dt)
+            parts.append(torch.sparse_coo_tensor(idx, val, (9, 9, 3)))
+        t = parts[R].clone()
+        dist.all_reduce(t)
+        dense = [p.coalesce().to_dense() for p in parts]  # each rank coalesces first
+        same(f"sparse all_reduce {dt}", t.to_dense(), fold(dist.ReduceOp.SUM,
+                                                           [torch.zeros_like(dense[0])] + dense))
+        held = torch.unique(torch.cat([p._indices() for p in parts], 1), dim=1)
+        same(f"sparse all_reduce {dt}: indices", t._indices(), held)
+        checks += 1
+        assert t.is_coalesced(), f"rank {R}: the sparse sum is not coalesced"
+    t = parts[R].clone()
+    raises("sparse all_reduce MAX", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), "SUM")
+
+
+def timeout_wording():
+    """A collective that times out says so in a word scripts (and PyTorch's suite, after
+    gloo's "Timed out") look for: rank 0 alone in a barrier of a group with a 1 s timeout."""
+    g = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    if R == 0:
+        raises("barrier alone, 1 s", lambda: dist.barrier(group=g), " with a timeout ",
+               "DDP_ERR_TIMEOUT", "waiting for rank 1")
+    dist.barrier()
+
+
+def monitored_failures():
+    """dist.monitored_barrier with ranks missing, gloo's messages: rank 0 names the first
+    missing rank (every one with wait_all_ranks), or its own timeout; the ranks that came
+    fail too, pointing at rank 0. Last of the script: a missing rank leaves its count of
+    monitored barriers behind the others'."""
+    sec = datetime.timedelta
+
+    def at_zero(timeout, wait_all, *needles):
+        raises(f"monitored_barrier, rank 0, timeout {timeout}", lambda: dist.monitored_barrier(
+            timeout=timeout, wait_all_ranks=wait_all), *needles)
+
+    def came(timeout, wait_all=False):
+        raises(f"monitored_barrier, rank {R} came", lambda: dist.monitored_barrier(
+            timeout=timeout, wait_all_ranks=wait_all),
+            f"Rank {R} successfully reached monitoredBarrier, but received errors while "
+            f"waiting for send/recv from rank 0")
+    # rank 0's own timeout ran out before it heard from anyone
+    if R == 0:
+        at_zero(sec(seconds=0), False, "Rank 0 timed out in monitoredBarrier after 0 ms",
+                "No ranks successfully processed")
+    else:
+        came(sec(seconds=0))
+    dist.barrier()
+    # rank 1 does not come
+    if R == 0:
+        at_zero(sec(seconds=1), False, "[Rank 0]: Rank 1 failed to pass monitoredBarrier in "
+                "1000 ms")
+    elif R != 1:
+        came(sec(seconds=1))
+    dist.barrier()
+    # wait_all_ranks: every rank but 0 stays away, and all are named
+    if R == 0:
+        at_zero(sec(seconds=0.5), True, "[Rank 0]: Ranks " + ", ".join(map(str, range(1, W))) +
+                " failed to pass monitoredBarrier in 500 ms")
+    dist.barrier()
+
+
 def movement():
     for dt in ALL + [torch.complex64, torch.int16]:
         base = data if dt not in (torch.complex64, torch.int16) else \
@@ -268,11 +339,10 @@ def point_to_point_and_async():
     assert fut.done(), f"rank {R}: the future of a finished work is not done"
     same("future asked after wait", fut.wait()[0], torch.full((6,), 3.0 * W))
     dist.barrier()
-    if BACKEND == "libddp":  # 1.13's dist.monitored_barrier refuses any backend but gloo
-        import libddp_torch
-        libddp_torch.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-        libddp_torch.monitored_barrier(timeout=datetime.timedelta(seconds=30),
-                                       wait_all_ranks=True)
+    # 1.13's own dist.monitored_barrier refuses every backend but gloo; importing libddp_torch
+    # puts one in its place that takes libddp groups too
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
     objs = [None] * W
     dist.all_gather_object(objs, {"rank": R, "name": f"r{R}"})
     checks += 1
@@ -443,6 +513,7 @@ def main():
     parts = os.environ.get("COLL_PARTS", "reductions,movement,all_to_all,p2p").split(",")
     if "reductions" in parts:
         reductions()
+        sparse()
     if "movement" in parts:
         movement()
     if "all_to_all" in parts:
@@ -456,7 +527,9 @@ def main():
         kept = group_memory()
         deferred_start()
         bad_input()
-        dist.barrier()
+        timeout_wording()
+    if "p2p" in parts:
+        monitored_failures()
     dist.destroy_process_group()
     if kept is not None:
         # The group's memory outlives the group while a tensor holds it.

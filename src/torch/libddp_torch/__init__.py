@@ -129,12 +129,17 @@ atexit.register(_C._quiesce, 10000)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
-    """torch.distributed.monitored_barrier for the libddp backend: PyTorch 1.13's Python
-    function refuses every backend but gloo before it reaches the group, so call this one
-    (same arguments). Rank 0 waits up to timeout for every other rank and raises naming the
-    ranks that did not arrive ("Rank 1 failed to pass monitoredBarrier in 1000 ms")."""
+    """torch.distributed.monitored_barrier that a libddp group accepts: PyTorch 1.13's own
+    function refuses every backend but gloo before it reaches the group ("monitored_barrier
+    is only implemented for GLOO backend."), so importing libddp_torch puts this one in its
+    place (torch.distributed.monitored_barrier is this function afterwards). Same arguments
+    and defaults. On a libddp group, rank 0 waits up to timeout for every other rank and
+    raises naming the ranks that did not arrive ("Rank 1 failed to pass monitoredBarrier in
+    1000 ms"); any other group, and a rank outside the group, get PyTorch's function."""
     from torch.distributed import distributed_c10d as c10d
     pg = group if group is not None else c10d._get_default_group()
+    if c10d._rank_not_in_group(group) or not isinstance(pg, ProcessGroupLibddp):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
     if timeout is None:
         timeout = c10d.default_pg_timeout
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
@@ -292,6 +297,11 @@ def _register():
 
 launcher_env()
 _register()
+# torch.distributed.monitored_barrier refuses every backend but gloo in 1.13's Python; this
+# module's takes libddp groups and hands any other group to PyTorch's (monitored_barrier).
+if dist.monitored_barrier.__module__ != __name__:
+    _torch_monitored_barrier = dist.monitored_barrier
+    dist.monitored_barrier = dist.distributed_c10d.monitored_barrier = monitored_barrier
 # DistributedDataParallel builds its reducer as torch.distributed.Reducer(...): this one makes
 # DDP's buckets in a shm group's memory (_Reducer).
 if dist.Reducer.__module__ != __name__:

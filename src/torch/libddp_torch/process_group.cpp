@@ -19,6 +19,12 @@ namespace {
 using c10d::OpType;
 using c10d::ReduceOp;
 
+std::string join_ints(const std::vector<int> &v) { // "1, 2, 3"
+  std::string out;
+  for (size_t i = 0; i < v.size(); i++) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out;
+}
+
 // libddp's dtypes for PyTorch's; false for dtypes that travel as bytes (bool among them:
 // libddp's collectives move it as u8).
 bool native_dtype(at::ScalarType t, ddp_dtype_t *dt) {
@@ -84,15 +90,19 @@ std::string call_name(const char *kind, const at::Tensor &t, const ReduceOp *op 
   return s;
 }
 
-// A tensor this backend can hand to libddp: dense, on the CPU, and (where `contiguous`)
-// contiguous. CUDA tensors name their device and the backend that takes them.
-void check_tensor(const at::Tensor &t, const std::string &what, bool contiguous = true) {
+// A tensor this backend can hand to libddp: dense (or, where `sparse_ok`, sparse COO), on the
+// CPU, and (where `contiguous`, for dense tensors) contiguous. CUDA tensors name their device
+// and the backend that takes them.
+void check_tensor(const at::Tensor &t, const std::string &what, bool contiguous = true,
+                  bool sparse_ok = false) {
   TORCH_CHECK(t.defined(), "libddp ", what, ": got an undefined tensor");
   TORCH_CHECK(t.device().is_cpu(), "libddp ", what, ": the tensor is on ", t.device().str(),
               "; the libddp backend takes CPU tensors only (move it with .cpu(), or use the "
               "nccl backend for CUDA tensors)");
-  TORCH_CHECK(t.layout() == at::kStrided, "libddp ", what, ": ", t.layout(),
-              " tensors are not supported (dense tensors only)");
+  if (sparse_ok && t.layout() == at::kSparse) return;
+  TORCH_CHECK(t.layout() == at::kStrided, "libddp ", what, ": ", t.layout(), " tensors are not ",
+              sparse_ok ? "supported (dense and sparse COO tensors only)"
+                        : "supported here (dense tensors only; all_reduce also takes sparse COO)");
   TORCH_CHECK(!contiguous || t.is_contiguous(), "libddp ", what, ": the tensor ", describe(t),
               " is not contiguous (strides ", t.strides(),
               "); libddp reads tensors in place: pass tensor.contiguous()");
@@ -216,6 +226,22 @@ std::string get_string(c10d::Store &store, const std::string &key) {
 
 void set_string(c10d::Store &store, const std::string &key, const std::string &v) {
   store.set(key, std::vector<uint8_t>(v.begin(), v.end()));
+}
+
+// Whether `key` appears in the store before `deadline`, polled with check() from 50 us to
+// 10 ms apart. Not store.wait(keys, timeout): a wait that times out leaves its request
+// pending at a TCPStore server, whose late answer 1.13's client then reads as the reply to
+// its next request (and ddprun's store, as torchrun's agent store, holds the connection's
+// next requests behind it).
+bool poll_key(c10d::Store &store, const std::string &key,
+              std::chrono::steady_clock::time_point deadline) {
+  int sleep_us = 50;
+  for (;;) {
+    if (store.check({key})) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, 10000);
+  }
 }
 
 } // namespace
@@ -409,8 +435,7 @@ void ProcessGroupLibddp::fail(const std::string &what, ddp_status_t st,
     ddp_pg_last_error_copy(pg_, &e);
     m = e.msg[0] ? e.msg : ddp_status_str(st);
   }
-  TORCH_CHECK(false, "libddp ", what, " on rank ", getRank(), " failed (", ddp_status_name(st),
-              "): ", m);
+  TORCH_CHECK(false, failure_text(what, getRank(), st, m));
 }
 
 void ProcessGroupLibddp::check_issue(ddp_status_t st, const std::string &what) const {
@@ -461,9 +486,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::allreduce(std::vector<at::Ten
   TORCH_CHECK(!tensors.empty(), "libddp allreduce: got an empty tensor list");
   std::string what = call_name("allreduce", tensors[0], &opts.reduceOp);
   for (auto &t : tensors) {
-    check_tensor(t, what);
+    check_tensor(t, what, true, true);
     check_same(t, tensors[0], what, "the tensors of one call differ");
+    TORCH_CHECK(t.layout() == tensors[0].layout(), "libddp ", what,
+                ": the tensors of one call mix sparse and dense tensors");
   }
+  if (tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts, what);
   auto w = make_work(OpType::ALLREDUCE, what, tensors, opts.timeout);
   if (tensors.size() > 1) {
     // Several tensors of one rank: gloo's meaning, every tensor gets the reduction of all
@@ -994,57 +1022,59 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::barrier(const c10d::BarrierOp
   return w;
 }
 
-// gloo's monitored barrier, through the store: every rank checks in, rank 0 waits for each
-// within the timeout and names those that did not come, then releases the others. The
-// group's collectives are not involved, so a missing rank does not fail the group.
+// gloo's monitored barrier, through the store, with gloo's messages (scripts and PyTorch's
+// suite match them): every rank checks in, rank 0 waits for each in turn and names the first
+// that did not come (wait_all_ranks: every one, each given the whole timeout), then posts its
+// verdict, which releases the others or fails them. Unlike gloo's, a failing rank 0 still
+// posts it, so the others fail at once instead of at their own timeout; they wait for it up
+// to the barrier's timeout plus the group's. The group's collectives are not involved, so a
+// missing rank does not fail the group.
 void ProcessGroupLibddp::monitoredBarrier(const c10d::BarrierOptions &opts, bool wait_all_ranks) {
   int64_t ms = opts.timeout == c10d::kUnsetTimeout ? timeout_ms_ : opts.timeout.count();
   std::string base = "libddp/monitored_barrier/" + std::to_string(monitored_++) + "/";
   std::chrono::milliseconds t(ms);
+  auto start = std::chrono::steady_clock::now();
   if (getRank() != 0) {
     set_string(*store_, base + std::to_string(getRank()), "1");
-    try {
-      store_->wait({base + "done"}, t);
-    } catch (const std::exception &e) {
-      TORCH_CHECK(false, "[Rank ", getRank(), "]: rank 0 did not release monitoredBarrier in ",
-                  ms, " ms: ", e.what());
-    }
-    std::string verdict = get_string(*store_, base + "done");
-    TORCH_CHECK(verdict == "ok", "[Rank ", getRank(), "]: monitoredBarrier failed on rank 0: ",
-                verdict);
+    std::string verdict = "no verdict from rank 0 within " +
+                          std::to_string(ms + timeout_ms_) + " ms";
+    if (poll_key(*store_, base + "done", start + t + std::chrono::milliseconds(timeout_ms_)))
+      verdict = get_string(*store_, base + "done");
+    TORCH_CHECK(verdict == "ok", "Rank ", getRank(),
+                " successfully reached monitoredBarrier, but received errors while waiting for "
+                "send/recv from rank 0. Please check rank 0 logs for faulty rank. (rank 0: ",
+                verdict, ")");
     return;
   }
-  auto deadline = std::chrono::steady_clock::now() + t;
-  std::vector<int> missing;
-  for (int r = 1; r < getSize(); r++) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    bool came;
-    if (left.count() > 0) {
-      try {
-        store_->wait({base + std::to_string(r)}, left);
-        came = true;
-      } catch (const std::exception &) {
-        came = false;
-      }
+  std::vector<int> came, missing;
+  std::string verdict;
+  for (int r = 1; r < getSize() && verdict.empty(); r++) {
+    auto left = wait_all_ranks ? t
+                               : t - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         std::chrono::steady_clock::now() - start);
+    if (left.count() <= 0) { // gloo checks the time left before each rank
+      std::ostringstream s;
+      s << "Rank 0 timed out in monitoredBarrier after " << ms << " ms.\n";
+      if (came.empty()) s << "No ranks successfully processed in monitoredBarrier.";
+      else s << "Successfully processed ranks: " << join_ints(came);
+      verdict = s.str();
+      break;
+    }
+    if (poll_key(*store_, base + std::to_string(r), std::chrono::steady_clock::now() + left)) {
+      came.push_back(r);
     } else {
-      came = store_->check({base + std::to_string(r)});
-    }
-    if (!came) {
       missing.push_back(r);
-      if (!wait_all_ranks) break;
+      if (!wait_all_ranks)
+        verdict = "[Rank 0]: Rank " + std::to_string(r) + " failed to pass monitoredBarrier in " +
+                  std::to_string(ms) + " ms";
     }
   }
-  std::string verdict = "ok";
-  if (!missing.empty()) {
-    std::ostringstream s;
-    s << (missing.size() == 1 ? "Rank " : "Ranks ");
-    for (size_t i = 0; i < missing.size(); i++) s << (i ? ", " : "") << missing[i];
-    s << " failed to pass monitoredBarrier in " << ms << " ms";
-    verdict = s.str();
-  }
+  if (verdict.empty() && !missing.empty())
+    verdict = "[Rank 0]: Ranks " + join_ints(missing) + " failed to pass monitoredBarrier in " +
+              std::to_string(ms) + " ms";
+  if (verdict.empty()) verdict = "ok";
   set_string(*store_, base + "done", verdict);
-  TORCH_CHECK(verdict == "ok", "[Rank 0]: ", verdict);
+  TORCH_CHECK(verdict == "ok", verdict);
 }
 
 } // namespace libddp_torch

@@ -128,6 +128,10 @@ class ProcessGroupLibddp : public c10d::ProcessGroup {
   void issue_allreduce(WorkLibddp &w, at::Tensor t, c10d::ReduceOp op, const std::string &what);
   void issue_allgather(WorkLibddp &w, const at::Tensor &in, const at::Tensor &out,
                        const std::string &what);
+  // all_reduce of sparse COO tensors (sparse.cpp).
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor> &tensors,
+                                                  const c10d::AllreduceOptions &opts,
+                                                  const std::string &what);
   void completer_main();
 
   c10::intrusive_ptr<c10d::Work> p2p(std::vector<at::Tensor> &tensors, int peer, bool is_send);

@@ -28,6 +28,12 @@ WorkLibddp::~WorkLibddp() {
   for (ddp_work_t *h : handles_) ddp_work_free(h);
 }
 
+std::string failure_text(const std::string &what, int rank, ddp_status_t st,
+                         const std::string &msg) {
+  return "libddp " + what + " on rank " + std::to_string(rank) + " failed" +
+         (st == DDP_ERR_TIMEOUT ? " with a timeout (" : " (") + ddp_status_name(st) + "): " + msg;
+}
+
 void WorkLibddp::external_done(ddp_status_t st, const std::string &msg) {
   {
     std::lock_guard<std::mutex> g(ext_mu_);
@@ -75,9 +81,8 @@ void WorkLibddp::finish(ddp_status_t st, const std::string &msg) {
     }
   }
   if (st != DDP_OK && !error_) {
-    error_ = std::make_exception_ptr(std::runtime_error(
-        "libddp " + what_ + " on rank " + std::to_string(pg_->getRank()) + " failed (" +
-        ddp_status_name(st) + "): " + msg));
+    error_ = std::make_exception_ptr(
+        std::runtime_error(failure_text(what_, pg_->getRank(), st, msg)));
   }
   finish_fns_.clear();
   keep_.clear();

@@ -19,6 +19,13 @@ namespace libddp_torch {
 
 class ProcessGroupLibddp;
 
+// The text of a failed call, raised as a RuntimeError: "libddp allreduce of float[4] (SUM) on
+// rank 0 failed (DDP_ERR_REMOTE): <libddp's message>". A timeout says "failed with a timeout
+// (DDP_ERR_TIMEOUT)": scripts and PyTorch's own suite look for the word, as gloo's "Timed
+// out" and NCCL's "timeout" carry it.
+std::string failure_text(const std::string &what, int rank, ddp_status_t st,
+                         const std::string &msg);
+
 class WorkLibddp : public c10d::Work {
  public:
   // `what` names the collective for messages ("allreduce of float32[1000] (SUM)").
