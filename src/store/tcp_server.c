@@ -462,12 +462,8 @@ static void handle_torch(ddp__store_server_t *srv, client_t *cl, const ddp__torc
 static void process_torch(ddp__store_server_t *srv, client_t *cl) {
   size_t off = 0, used = 0;
   char why[200];
-  /* A parked GET or WAIT whose client sends again was given up: 1.13's client makes one
-   * request at a time, and a wait that timed out at the client (store.wait(keys, timeout))
-   * stays parked here. It is dropped unanswered, so that the client's next requests are
-   * served and its next reply answers its next request. (PyTorch's own server serves them
-   * too, but answers the dead wait once its keys appear, a reply the client then takes for
-   * another's.) */
+  /* A parked GET or WAIT whose client sends again was given up (1.13's client makes one
+   * request at a time; a timed-out store.wait leaves it here): dropped unanswered. */
   if (cl->wait_op >= WAIT_TORCH_GET && cl->in_len > 0) clear_wait(cl);
   ddp__torch_req_t *r = ddp__malloc(sizeof *r);
   if (!r) {

@@ -42,6 +42,17 @@ ProcessGroupLibddp::allreduce_sparse(std::vector<at::Tensor> &tensors,
                                      const c10d::AllreduceOptions &opts, const std::string &what) {
   TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "libddp ", what,
               ": sparse tensors are reduced with SUM only (as gloo)");
+  // ATen's sparse addition lacks some dtypes on the CPU (Half): refused before any exchange,
+  // by a sum of two one-element tensors of the dtype.
+  try {
+    auto one = at::sparse_coo_tensor(at::zeros({1, 1}, at::kLong),
+                                     at::ones({1}, tensors[0].options().layout(at::kStrided)),
+                                     {1}, tensors[0].options());
+    (void)(one + one);
+  } catch (const c10::Error &e) {
+    TORCH_CHECK(false, "libddp ", what, ": sparse ", tensors[0].scalar_type(),
+                " tensors cannot be summed on the CPU (", e.what_without_backtrace(), ")");
+  }
   at::Tensor input = tensors[0];
   for (size_t i = 1; i < tensors.size(); i++) input = input + tensors[i];
   input = input.coalesce();
