@@ -2,14 +2,15 @@
 
     test_parity.py DDPRUN PYTHONPATH_DIR
 
-Runs tests/torch/train_ddp.py (plain PyTorch DDP: an MLP and a tiny GPT-2, AdamW, 20 steps)
-under ddprun with no extra flag, and asserts on the parameter hashes rank 0 prints:
-  - 2 ranks: every run (MLP, GPT-2, fp16 hook, ZeroRedundancyOptimizer, PowerSGD,
-    find_unused_parameters with no_sync accumulation, static_graph with
-    gradient_as_bucket_view and tiny buckets) ends with gloo's exact parameters: two-term
-    sums are the same in any order;
+Runs tests/torch/train_ddp.py (plain PyTorch DDP: an MLP and a tiny GPT-2, AdamW, and a
+sparse EmbeddingBag, SGD; 20 steps) under ddprun with no extra flag, and asserts on the
+parameter hashes rank 0 prints:
+  - 2 ranks: every run (MLP, GPT-2, the bag (the backend's sparse all_reduce), fp16 hook,
+    ZeroRedundancyOptimizer, PowerSGD, find_unused_parameters with no_sync accumulation,
+    static_graph with gradient_as_bucket_view and tiny buckets) ends with gloo's exact
+    parameters: two-term sums are the same in any order;
   - 3 ranks: libddp over shm and over tcp, with three bucket caps, ends with one hash per
-    model (plain, fp16 hook, ZeRO), which gloo's ring need not give;
+    model (plain, fp16 hook, ZeRO, the sparse bag), which gloo's ring need not give;
   - DDP's buckets on shm: made in the group's memory by default (every rank's last-step
     gradients, bucket views, are there), in ordinary memory with
     Options(bucket_memory="ordinary") (none there), with gloo's bits either way;
@@ -70,8 +71,8 @@ def main():
     hooked = "hook=libddp,grad_as_bucket_view=1,bucket_cap_mb=0.05,bucket_memory=ordinary"
     ordinary = "find_unused=1,accumulate=3,grad_as_bucket_view=1,bucket_memory=ordinary"
     born = "static_graph=1,grad_as_bucket_view=1,bucket_cap_mb=0.01"
-    runs2 = ["model=mlp", "model=gpt2", "hook=fp16", "zero=1", "hook=powersgd", hooked,
-             ordinary, born]
+    runs2 = ["model=mlp", "model=gpt2", "model=bag", "hook=fp16", "zero=1", "hook=powersgd",
+             hooked, ordinary, born]
     gloo = job(ddprun, env, 2, "--backend", "gloo", "--runs", ";".join(runs2))
     lib = job(ddprun, env, 2, "--backend", "libddp", "--runs", ";".join(runs2))
     for r in runs2:
@@ -81,10 +82,14 @@ def main():
     expect_moved(f"2 ranks, shm, {born} (made there)", lib, born, 2, True)
     if gloo["model=mlp"] == gloo["model=gpt2"]:
         sys.exit("FAIL: the MLP and the GPT-2 ended with one hash: the script trains nothing")
+    bag0 = job(ddprun, env, 2, "--backend", "libddp", "--runs", "model=bag,steps=0")
+    if bag0["model=bag,steps=0"] == lib["model=bag"]:
+        sys.exit("FAIL: the sparse EmbeddingBag model's parameters did not change in training")
 
     caps = ["25", "0.05", "0.2"]
     runs3 = [f"model={m},{extra}bucket_cap_mb={c}" for m, extra in
-             [("gpt2", ""), ("mlp", "hook=fp16,"), ("mlp", "zero=1,")] for c in caps]
+             [("gpt2", ""), ("mlp", "hook=fp16,"), ("mlp", "zero=1,"), ("bag", "")]
+             for c in caps]
     # libddp's hook is PyTorch's allreduce_hook with the buckets in the group's memory: the
     # same bits, at 3 ranks too (x / 3, where DDP's own reduction multiplies by 1/3)
     view = "model=gpt2,grad_as_bucket_view=1,bucket_cap_mb=0.05,"

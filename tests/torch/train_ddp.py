@@ -1,5 +1,6 @@
 """A plain PyTorch DDP training script, as a user writes one: an MLP or a tiny GPT-2 in
-plain PyTorch, AdamW, 20 steps, under ddprun (env://). The backend is a flag, so the same
+plain PyTorch, AdamW (or a sparse EmbeddingBag before an MLP, SGD: --model bag), 20 steps,
+under ddprun (env://). The backend is a flag, so the same
 script runs on gloo and on libddp; rank 0 prints the sha256 of the final parameters.
 
     ddprun --nproc_per_node 2 python3 train_ddp.py --backend libddp --model gpt2
@@ -32,6 +33,19 @@ class MLP(nn.Module):
 
     def forward(self, x, y):
         return F.cross_entropy(self.net(x), y)
+
+
+class Bag(nn.Module):
+    """A sparse EmbeddingBag before an MLP: DDP reduces the bag's sparse gradient in a bucket
+    of its own (the backend's sparse all_reduce), the rest as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(500, 32, mode="sum", sparse=True)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(self.emb(x)), y)
 
 
 class Block(nn.Module):
@@ -73,6 +87,8 @@ def batch(model, step, rank, micro):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     if model == "mlp":
         return torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+    if model == "bag":  # bags of 6 of 500 ids: ranks share some rows, each has its own
+        return torch.randint(0, 500, (16, 6), generator=g), torch.randint(0, 10, (16,), generator=g)
     idx = torch.randint(0, 256, (4, 33), generator=g)
     return idx[:, :-1], idx[:, 1:]
 
@@ -103,7 +119,7 @@ def train(run, rank, transport):
         group = dist.new_group(backend="libddp", pg_options=libddp_torch.Options(
             transport=transport, bucket_memory=run["bucket_memory"]))
     torch.manual_seed(1234)
-    net = MLP(run["find_unused"]) if run["model"] == "mlp" else GPT2()
+    net = {"mlp": lambda: MLP(run["find_unused"]), "bag": Bag, "gpt2": GPT2}[run["model"]]()
     model = DDP(net, bucket_cap_mb=run["bucket_cap_mb"], find_unused_parameters=bool(run["find_unused"]),
                 static_graph=bool(run["static_graph"]),
                 gradient_as_bucket_view=bool(run["grad_as_bucket_view"]), process_group=group)
@@ -130,6 +146,8 @@ def train(run, rank, transport):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                       lr=1e-3, weight_decay=0.01)
+    elif run["model"] == "bag":  # AdamW takes no sparse gradients
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     for step in range(run["steps"]):
@@ -146,7 +164,8 @@ def train(run, rank, transport):
             # views of the buckets: made in the group's memory, or moved there by libddp's
             # hook)
             import libddp_torch
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grads = [p.grad for p in model.parameters() if p.grad is not None and
+                     not p.grad.is_sparse]
             where = sum(libddp_torch.in_group_memory(g, group=group) for g in grads)
             where = f"{where} of {len(grads)}"
         opt.zero_grad(set_to_none=True)
@@ -161,7 +180,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="libddp")
     ap.add_argument("--transport", default="auto")
-    ap.add_argument("--model", default="mlp", choices=["mlp", "gpt2"])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "bag", "gpt2"])
     ap.add_argument("--bucket_cap_mb", type=float, default=25.0)
     ap.add_argument("--hook", default="none")
     ap.add_argument("--zero", action="store_true")
