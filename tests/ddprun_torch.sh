@@ -4,7 +4,9 @@
 # libddp's own, and tells the ranks TORCHELASTIC_USE_AGENT_STORE=True, so a script's
 # init_process_group("gloo") (env://) connects to it instead of binding MASTER_PORT, which
 # ddprun holds. Checked: a gloo all_reduce at 2 and 3 ranks, with --standalone, and after a
-# restart (--max_restarts 1, rank 1 failing in attempt 0); and libddp programs still work
+# restart (--max_restarts 1, rank 1 failing in attempt 0), with torchrun's worker
+# environment (ROLE_*, GROUP_WORLD_SIZE, TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1 unless
+# exported); and libddp programs still work
 # under it (ddp-demo: rank 0 is now a client of ddprun's store, with the job token), two
 # --standalone jobs at once. Before, the script's rank 0 failed binding MASTER_PORT.
 #
@@ -43,6 +45,15 @@ attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 if os.environ.get("FAIL_RANK_IN_ATTEMPT0") == str(r) and attempt == "0":
     print("rank %d: failing in attempt 0" % r, flush=True)
     sys.exit(3)
+# torchrun's worker environment, and its OMP_NUM_THREADS default (1 unless exported)
+env = {k: os.environ.get(k) for k in ("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                                      "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                                      "OMP_NUM_THREADS")}
+want = {"ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(w), "ROLE_NAME": "default",
+        "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none",
+        "OMP_NUM_THREADS": os.environ.get("EXPECT_OMP", "1")}
+assert env == want, (env, want)
+assert torch.get_num_threads() == int(want["OMP_NUM_THREADS"]), torch.get_num_threads()
 t = torch.tensor([float(r + 1)])
 dist.all_reduce(t)
 assert t.item() == w * (w + 1) / 2, (t.item(), w)
@@ -61,8 +72,11 @@ run() {
   [ "$rc" -eq 0 ] || fail "$name: ddprun $* exited $rc"
   [ "$(grep -c 'all_reduce .* ok' "$name.log")" -eq "$n" ] || fail "$name: not every rank reduced"
 }
-run two 2 --nproc_per_node 2
-run three 3 --nproc_per_node 3
+(unset OMP_NUM_THREADS && run two 2 --nproc_per_node 2) || exit 1 # meson test sets it
+grep -q 'ddprun: OMP_NUM_THREADS is not set: each of the 2 ranks gets OMP_NUM_THREADS=1' two.log ||
+  fail "two: ddprun did not say it set OMP_NUM_THREADS"
+OMP_NUM_THREADS=2 EXPECT_OMP=2 run three 3 --nproc_per_node 3
+grep -q 'OMP_NUM_THREADS is not set' three.log && fail "three: an exported OMP_NUM_THREADS was overridden"
 run standalone 2 --standalone --nproc_per_node 2
 FAIL_RANK_IN_ATTEMPT0=1 run restart 2 --nproc_per_node 2 --standalone --max_restarts 1
 grep -q 'rank 1: failing in attempt 0' restart.log || fail "restart: rank 1 did not fail first"

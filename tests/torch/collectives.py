@@ -269,6 +269,34 @@ def movement():
          fold(dist.ReduceOp.MAX, [blocks[r][R].to(torch.int32) for r in range(W)]))
 
 
+def leaf_outputs_and_profiler():
+    """Parameters synced by hand: every call writes a leaf that requires grad as data (no
+    autograd error, as a raw write); torch.profiler shows each call as libddp:<name>."""
+    from torch.profiler import profile, ProfilerActivity
+    xs = [data(r, torch.float32, 6) for r in range(W)]
+    p = torch.nn.Parameter(torch.zeros(6))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outs = [torch.nn.Parameter(torch.zeros(6)) for _ in range(W)]
+        dist.all_gather(outs, xs[R])
+        for r in range(W):
+            same(f"all_gather into parameters [{r}]", outs[r].detach(), xs[r])
+        dist.scatter(p, scatter_list=xs if R == 0 else None, src=0)
+        same("scatter into a parameter", p.detach(), xs[R])
+        q = [torch.nn.Parameter(xs[R].clone()), torch.nn.Parameter(xs[R][:3].clone())]
+        dist.all_reduce_coalesced(q)
+        same("all_reduce_coalesced of parameters", q[1].detach(),
+             fold(dist.ReduceOp.SUM, [x[:3] for x in xs]))
+        ins = [torch.nn.Parameter(torch.zeros(6)) for _ in range(W)]
+        dist.all_to_all(ins, [xs[R] + j for j in range(W)])
+        same("all_to_all into parameters", ins[W - 1].detach(), xs[W - 1] + R)
+    global checks
+    names = {e.name for e in prof.events()}
+    for want in ("libddp:all_gather", "libddp:scatter", "libddp:all_reduce_coalesced",
+                 "libddp:all_to_all"):
+        checks += 1
+        assert want in names, f"rank {R}: profiler events lack {want}: {sorted(names)[:20]}"
+
+
 def all_to_all():
     # even: rank r sends block j (2 rows) = r*100 + j to rank j
     inp = torch.cat([torch.full((2, 3), float(R * 100 + j)) for j in range(W)])
@@ -534,6 +562,7 @@ def main():
     if BACKEND == "libddp":
         kept = group_memory()
         deferred_start()
+        leaf_outputs_and_profiler()
         bad_input()
         timeout_wording()
     if "p2p" in parts:

@@ -8,8 +8,10 @@
  * Contract (docs/launcher.md is the user-facing copy):
  * - Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
  *   MASTER_PORT, DDP_JOB_TOKEN, TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS,
- *   plus DDP_BACKEND and DDP_TIMEOUT when the flags are given. The token is taken from the
- *   environment, else drawn from /dev/urandom once per job.
+ *   plus DDP_BACKEND and DDP_TIMEOUT when the flags are given, and the rest of torchrun's
+ *   worker environment (ROLE_*, GROUP_WORLD_SIZE, TORCHELASTIC_RUN_ID; OMP_NUM_THREADS=1
+ *   when unset and N > 1). The token is taken from the environment, else drawn from
+ *   /dev/urandom once per job.
  * - Node 0 reserves the store's port before starting anything (bind and listen; port 0 =
  *   chosen by the OS) and hands the socket to global rank 0: a port another job's store
  *   holds fails the launch at once, and the port stays this job's across restarts.
@@ -115,8 +117,10 @@ static void print_help(void) {
       "  -h, --help           this text\n"
       "\n"
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
-      "MASTER_PORT and DDP_JOB_TOKEN. A multi-node job needs the same DDP_JOB_TOKEN exported\n"
-      "on every node. Output lines are prefixed with [rankN]. When a rank fails, the others\n"
+      "MASTER_PORT and DDP_JOB_TOKEN, and torchrun's ROLE_*, GROUP_WORLD_SIZE and\n"
+      "TORCHELASTIC_* variables; with N > 1, OMP_NUM_THREADS=1 unless it is set. A multi-node\n"
+      "job needs the same DDP_JOB_TOKEN exported on every node. Output lines are prefixed with "
+      "[rankN]. When a rank fails, the others\n"
       "are stopped; with restarts left all are started again (TORCHELASTIC_RESTART_COUNT\n"
       "counts them), else ddprun exits with the first failed rank's code (128+signal).\n";
   /* text holds one %s, the backend choices: written in three pieces (no printf of text) */
@@ -494,6 +498,16 @@ int main(int argc, char **argv) {
   if (rc != 0) return rc;
 
   int n = L.opt.nproc_per_node;
+  /* torchrun's default: several ranks on one node would each start a thread per core */
+  if (n > 1 && !getenv("OMP_NUM_THREADS")) {
+    if (setenv("OMP_NUM_THREADS", "1", 1) != 0) {
+      say("setenv OMP_NUM_THREADS: %s", strerror(errno));
+      return EXIT_LAUNCH;
+    }
+    say("OMP_NUM_THREADS is not set: each of the %d ranks gets OMP_NUM_THREADS=1, as under "
+        "torchrun; export it to choose another count",
+        n);
+  }
   int max_attempts = L.opt.max_restarts + 1;
   L.ranks = calloc((size_t)n, sizeof *L.ranks);
   L.pfds = calloc((size_t)2 * n, sizeof *L.pfds);

@@ -371,7 +371,7 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   sigaction(SIGPIPE, &dfl, NULL);
   sigprocmask(SIG_SETMASK, orig_mask, NULL);
 
-  char v[9][32];
+  char v[10][32];
   snprintf(v[0], sizeof v[0], "%d", o->node_rank * o->nproc_per_node + local_rank);
   snprintf(v[1], sizeof v[1], "%d", local_rank);
   snprintf(v[2], sizeof v[2], "%d", o->nnodes * o->nproc_per_node);
@@ -381,6 +381,7 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   snprintf(v[6], sizeof v[6], "%ld", o->timeout_s);
   snprintf(v[7], sizeof v[7], "%d", L->restart_count);
   snprintf(v[8], sizeof v[8], "%d", o->max_restarts);
+  snprintf(v[9], sizeof v[9], "%d", o->nnodes);
   /* ddprun (node 0) serves the store: every rank, rank 0 too, connects to it as to
    * torchrun's agent store (ddprun_net.c). */
   bool agent = agent_store(L);
@@ -392,6 +393,11 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
             (o->timeout_s == 0 || setenv("DDP_TIMEOUT", v[6], 1) == 0) &&
             setenv("TORCHELASTIC_RESTART_COUNT", v[7], 1) == 0 &&
             setenv("TORCHELASTIC_MAX_RESTARTS", v[8], 1) == 0 &&
+            /* the rest of what torchrun's agent gives a worker: one role, "default" */
+            setenv("ROLE_RANK", v[0], 1) == 0 && setenv("ROLE_NAME", "default", 1) == 0 &&
+            setenv("ROLE_WORLD_SIZE", v[2], 1) == 0 && setenv("GROUP_WORLD_SIZE", v[9], 1) == 0 &&
+            setenv("TORCHELASTIC_RUN_ID", "none", 1) == 0 &&
+            setenv("NCCL_ASYNC_ERROR_HANDLING", "1", 0) == 0 &&
             unsetenv("DDP_STORE_LISTEN_FD") == 0 &&
             (agent ? setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1)
                    : unsetenv("TORCHELASTIC_USE_AGENT_STORE")) == 0;

@@ -442,6 +442,12 @@ void ProcessGroupLibddp::check_issue(ddp_status_t st, const std::string &what) c
   if (st != DDP_OK) fail(what, st, "");
 }
 
+// A collective writes its outputs as data, below autograd, as gloo's and NCCL's memcpy do:
+// every entry point holds a NoGradGuard for the copies it makes on the caller's thread, and
+// WorkLibddp::finish one for those it makes when the data has arrived. A parameter (a leaf
+// that requires grad) synced by hand can then be an output of any call, not only of those
+// that write it through its pointer; its version counter still moves, so autograd still
+// sees a tensor it saved being overwritten.
 c10::intrusive_ptr<WorkLibddp> ProcessGroupLibddp::make_work(OpType type, std::string what,
                                                              std::vector<at::Tensor> outputs,
                                                              std::chrono::milliseconds timeout) {
@@ -483,6 +489,7 @@ void ProcessGroupLibddp::issue_allreduce(WorkLibddp &w, at::Tensor t, ReduceOp o
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::allreduce(std::vector<at::Tensor> &tensors,
                                                              const c10d::AllreduceOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   TORCH_CHECK(!tensors.empty(), "libddp allreduce: got an empty tensor list");
   std::string what = call_name("allreduce", tensors[0], &opts.reduceOp);
   for (auto &t : tensors) {
@@ -512,6 +519,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::allreduce(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work>
 ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
                                         const c10d::AllreduceCoalescedOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   TORCH_CHECK(!tensors.empty(), "libddp allreduce_coalesced: got an empty tensor list");
   std::string what = "allreduce_coalesced of " + std::to_string(tensors.size()) + " tensors (" +
                      op_name(opts.reduceOp) + ")";
@@ -524,7 +532,7 @@ ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
     flat.push_back(t.reshape({-1}));
   }
   at::Tensor buf = at::cat(flat);
-  auto w = make_work(OpType::ALLREDUCE, what, tensors, opts.timeout);
+  auto w = make_work(OpType::ALLREDUCE_COALESCED, what, tensors, opts.timeout);
   issue_allreduce(*w, buf, opts.reduceOp, what);
   std::vector<at::Tensor> ts = tensors;
   w->on_success([ts, buf]() {
@@ -539,6 +547,7 @@ ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::reduce(std::vector<at::Tensor> &tensors,
                                                           const c10d::ReduceOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(tensors, "reduce");
   at::Tensor t = tensors[0];
   std::string what = "reduce of " + describe(t) + " (" + op_name(opts.reduceOp) + ") to root " +
@@ -556,6 +565,7 @@ c10::intrusive_ptr<c10d::Work>
 ProcessGroupLibddp::reduce_scatter(std::vector<at::Tensor> &outputs,
                                    std::vector<std::vector<at::Tensor>> &inputs,
                                    const c10d::ReduceScatterOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(outputs, "reduce_scatter");
   TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
               "libddp reduce_scatter: expects one list of world_size (", getSize(),
@@ -580,6 +590,7 @@ ProcessGroupLibddp::reduce_scatter(std::vector<at::Tensor> &outputs,
 c10::intrusive_ptr<c10d::Work>
 ProcessGroupLibddp::_reduce_scatter_base(at::Tensor &output, at::Tensor &input,
                                          const c10d::ReduceScatterOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   std::string what =
       "reduce_scatter_tensor of " + describe(input) + " (" + op_name(opts.reduceOp) + ")";
   check_tensor(output, what);
@@ -628,6 +639,7 @@ void ProcessGroupLibddp::issue_allgather(WorkLibddp &w, const at::Tensor &in,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Tensor> &tensors,
                                                              const c10d::BroadcastOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   TORCH_CHECK(!tensors.empty(), "libddp broadcast: got an empty tensor list");
   std::string what =
       "broadcast of " + describe(tensors[0]) + " from root " + std::to_string(opts.rootRank);
@@ -651,6 +663,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::_allgather_base(at::Tensor &output,
                                                                    at::Tensor &input,
                                                                    const c10d::AllgatherOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   std::string what = call_name("allgather_into_tensor", input);
   check_tensor(output, what);
   check_tensor(input, what);
@@ -667,6 +680,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::_allgather_base(at::Tensor &o
 c10::intrusive_ptr<c10d::Work>
 ProcessGroupLibddp::allgather(std::vector<std::vector<at::Tensor>> &outputs,
                               std::vector<at::Tensor> &inputs, const c10d::AllgatherOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "allgather");
   at::Tensor in = inputs[0];
   std::string what = call_name("allgather", in);
@@ -694,6 +708,7 @@ c10::intrusive_ptr<c10d::Work>
 ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &outputs,
                                         std::vector<at::Tensor> &inputs,
                                         const c10d::AllgatherOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   std::string what = "allgather_coalesced of " + std::to_string(inputs.size()) + " tensors";
   TORCH_CHECK(!inputs.empty(), "libddp ", what, ": got an empty input list");
   TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "libddp ", what,
@@ -737,6 +752,7 @@ ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &ou
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vector<at::Tensor>> &outputs,
                                                           std::vector<at::Tensor> &inputs,
                                                           const c10d::GatherOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "gather");
   at::Tensor in = inputs[0];
   std::string what = "gather of " + describe(in) + " to root " + std::to_string(opts.rootRank);
@@ -775,6 +791,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vecto
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tensor> &outputs,
                                                            std::vector<std::vector<at::Tensor>> &inputs,
                                                            const c10d::ScatterOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(outputs, "scatter");
   at::Tensor out = outputs[0];
   std::string what = "scatter of " + describe(out) + " from root " + std::to_string(opts.rootRank);
@@ -822,6 +839,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &out
                                                                  std::vector<int64_t> &output_splits,
                                                                  std::vector<int64_t> &input_splits,
                                                                  const c10d::AllToAllOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   std::string what = call_name("all_to_all_single", input);
   check_tensor(output, what);
   check_tensor(input, what);
@@ -904,6 +922,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &out
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall(std::vector<at::Tensor> &outputs,
                                                             std::vector<at::Tensor> &inputs,
                                                             const c10d::AllToAllOptions &opts) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   int W = getSize();
   std::string what = "all_to_all of " + std::to_string(inputs.size()) + " tensors";
   TORCH_CHECK(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W,
@@ -946,6 +965,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall(std::vector<at::Tens
 // One point-to-point transfer with `peer`, queued on that direction's channel (p2p.hpp).
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::p2p(std::vector<at::Tensor> &tensors, int peer,
                                                        bool is_send) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   const char *name = is_send ? "send" : "recv";
   check_one(tensors, name);
   at::Tensor t = tensors[0];
@@ -981,6 +1001,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recv(std::vector<at::Tensor> 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::recvAnysource(std::vector<at::Tensor> &tensors,
                                                                  int tag) {
+  at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(tensors, "recv");
   at::Tensor t = tensors[0];
   std::string what = "recv of " + describe(t) + " from any source";

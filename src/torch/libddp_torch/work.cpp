@@ -1,6 +1,7 @@
 // WorkLibddp: see work.hpp.
 #include "work.hpp"
 
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include "process_group.hpp"
@@ -14,12 +15,40 @@ const c10::TypePtr &tensor_list_type() {
   return t;
 }
 
+// The name torch.profiler shows for a call, in gloo's pattern ("gloo:all_reduce"), or none
+// while nothing records: c10d::Work then skips making its RecordFunction.
+const char *profiling_title(c10d::OpType type) {
+  if (!at::hasCallbacks()) return nullptr;
+  switch (type) {
+  case c10d::OpType::BROADCAST: return "libddp:broadcast";
+  case c10d::OpType::ALLREDUCE: return "libddp:all_reduce";
+  case c10d::OpType::ALLREDUCE_COALESCED: return "libddp:all_reduce_coalesced";
+  case c10d::OpType::REDUCE: return "libddp:reduce";
+  case c10d::OpType::ALLGATHER: return "libddp:all_gather";
+  case c10d::OpType::_ALLGATHER_BASE: return "libddp:_all_gather_base";
+  case c10d::OpType::ALLGATHER_COALESCED: return "libddp:all_gather_coalesced";
+  case c10d::OpType::GATHER: return "libddp:gather";
+  case c10d::OpType::SCATTER: return "libddp:scatter";
+  case c10d::OpType::REDUCE_SCATTER: return "libddp:reduce_scatter";
+  case c10d::OpType::_REDUCE_SCATTER_BASE: return "libddp:_reduce_scatter_base";
+  case c10d::OpType::ALLTOALL_BASE: return "libddp:all_to_all_single";
+  case c10d::OpType::ALLTOALL: return "libddp:all_to_all";
+  case c10d::OpType::SEND: return "libddp:send";
+  case c10d::OpType::RECV: return "libddp:recv";
+  case c10d::OpType::RECVANYSOURCE: return "libddp:recvAnySource";
+  case c10d::OpType::BARRIER: return "libddp:barrier";
+  default: return "libddp:unknown";
+  }
+}
+
 } // namespace
 
 WorkLibddp::WorkLibddp(ProcessGroupLibddp *pg, c10d::OpType type, std::string what,
                        std::vector<at::Tensor> outputs, int64_t timeout_ms)
-    : c10d::Work(pg->getRank(), type), pg_(pg), what_(std::move(what)),
-      outputs_(std::move(outputs)), timeout_ms_(timeout_ms) {}
+    : c10d::Work(pg->getRank(), type, profiling_title(type),
+                 at::hasCallbacks() ? c10::optional<std::vector<at::Tensor>>(outputs)
+                                    : c10::nullopt),
+      pg_(pg), what_(std::move(what)), outputs_(std::move(outputs)), timeout_ms_(timeout_ms) {}
 
 WorkLibddp::~WorkLibddp() {
   // The handles may still read or write the buffers this work keeps alive: wait for them
@@ -73,6 +102,7 @@ void WorkLibddp::finish(ddp_status_t st, const std::string &msg) {
   finished_ = true;
   if (st == DDP_OK) {
     try {
+      at::NoGradGuard no_grad; // outputs are written as data (process_group.cpp, make_work)
       for (auto &fn : finish_fns_) fn();
     } catch (const std::exception &e) {
       st = DDP_ERR_INVALID_USAGE;
@@ -86,6 +116,11 @@ void WorkLibddp::finish(ddp_status_t st, const std::string &msg) {
   }
   finish_fns_.clear();
   keep_.clear();
+  // The profiler's event (c10d::Work's constructor began it) ends with the call.
+  if (recordFunctionEndCallback_) {
+    recordFunctionEndCallback_();
+    recordFunctionEndCallback_ = nullptr;
+  }
   // The future exists only once asked for (getFuture): a synchronous call never makes one.
   // Its callbacks run inside markCompleted (DDP's, a comm hook's next collective): never
   // under this work's lock.
