@@ -119,10 +119,10 @@ static void print_help(void) {
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
       "MASTER_PORT and DDP_JOB_TOKEN, and torchrun's ROLE_*, GROUP_WORLD_SIZE and\n"
       "TORCHELASTIC_* variables; with N > 1, OMP_NUM_THREADS=1 unless it is set. A multi-node\n"
-      "job needs the same DDP_JOB_TOKEN exported on every node. Output lines are prefixed with "
-      "[rankN]. When a rank fails, the others\n"
-      "are stopped; with restarts left all are started again (TORCHELASTIC_RESTART_COUNT\n"
-      "counts them), else ddprun exits with the first failed rank's code (128+signal).\n";
+      "job needs the same DDP_JOB_TOKEN exported on every node. Output lines are prefixed\n"
+      "with [rankN]. When a rank fails, the others are stopped; with restarts left all are\n"
+      "started again (TORCHELASTIC_RESTART_COUNT counts them), else ddprun exits with the\n"
+      "first failed rank's code (128+signal).\n";
   /* text holds one %s, the backend choices: written in three pieces (no printf of text) */
   const char *at = strstr(text, "%s");
   backend_choices(choices, sizeof choices, " or ");
