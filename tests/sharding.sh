@@ -54,10 +54,12 @@ for model in mlp gpt bert llama; do
   for be in threads shm tcp; do
     for w in 2 3 4; do
       # SHARDING_FULL=1 (outside CI): every model, backend, W and GA; CI runs the cut below,
-      # and under DDP_TEST_CUT=1 (tools/test.sh --sanitize) the MLP and GPT-2 on threads
-      # and shm at W = 2 and 3 (shm with GA 3 only), BERT and Llama on threads at W = 3:
-      # every sharded path once under ASan, and the runs the checks below read
+      # and under DDP_TEST_CUT=1 (tools/test.sh --sanitize) every model on threads at W = 3,
+      # the MLP and GPT-2 on shm at W = 2 with GA 3, and the MLP on threads at W = 2 with
+      # GA 1: every sharded path once under ASan, and the runs the checks below read
       if [ "${DDP_TEST_CUT:-0}" = 1 ] && { [ $be = tcp ] || [ $w = 4 ] ||
+        { [ $be = shm ] && [ $w = 3 ]; } ||
+        { [ $be = threads ] && [ $w = 2 ] && [ $model != mlp ]; } ||
         { { [ $model = bert ] || [ $model = llama ]; } && { [ $be != threads ] || [ $w != 3 ]; }; }; }; then
         continue
       fi
@@ -79,6 +81,7 @@ for model in mlp gpt bert llama; do
         [ "${SHARDING_FULL:-0}" != 1 ] && [ $model = gpt ] && [ $be = tcp ] && [ $ga = 1 ] &&
           continue
         [ "${DDP_TEST_CUT:-0}" = 1 ] && [ $be = shm ] && [ $ga = 1 ] && continue
+        [ "${DDP_TEST_CUT:-0}" = 1 ] && [ $be = threads ] && [ $w = 2 ] && [ $ga = 3 ] && continue
         tag=$model-$be-$w-$ga
         ref=$(run "ddp-$tag" $be $w "${margs[@]}" --gradient_accumulation_steps $ga)
         [ -n "$ref" ] || fail "ddp-$tag: no param_hash"
