@@ -297,6 +297,95 @@ def leaf_outputs_and_profiler():
         assert want in names, f"rank {R}: profiler events lack {want}: {sorted(names)[:20]}"
 
 
+def views():
+    """Strided tensors (slices, transposes, channels_last) as inputs and outputs of every
+    call: the result is the same call's on contiguous copies, written through the view, and
+    the base's other elements stay as they were."""
+    def bases(dt=torch.float32, salt=30):
+        return [data(r, dt, 24, salt=salt).reshape(4, 6) for r in range(W)]
+
+    def cols(b):  # a 4 x 3 view with strides (6, 2)
+        return b[:, 1::2]
+
+    def after(b, view_of, value):  # b with view_of(b) replaced by value
+        b = b.clone()
+        view_of(b).copy_(value)
+        return b
+
+    bs = bases()
+    mine = bs[R].clone()
+    dist.all_reduce(cols(mine))
+    same("all_reduce of a slice", mine,
+         after(bs[R], cols, fold(dist.ReduceOp.SUM, [cols(b) for b in bs])))
+    ib = bases(torch.int64, 31)
+    mine = ib[R].clone()
+    dist.all_reduce(mine.t(), op=dist.ReduceOp.MAX)
+    same("all_reduce MAX of a transpose", mine, fold(dist.ReduceOp.MAX, ib))
+    cl = [b.reshape(1, 4, 2, 3).contiguous(memory_format=torch.channels_last) for b in bs]
+    mine = cl[R].clone()
+    dist.all_reduce(mine)
+    same("all_reduce of channels_last", mine.contiguous(),
+         fold(dist.ReduceOp.SUM, [c.contiguous() for c in cl]))
+    mine = bs[R].clone()
+    dist.broadcast(cols(mine), src=W - 1)
+    same("broadcast into a slice", mine, after(bs[R], cols, cols(bs[W - 1])))
+    mine = bs[R].clone()
+    dist.reduce(mine[:, 2], dst=0)
+    want = after(bs[R], lambda b: b[:, 2], fold(dist.ReduceOp.SUM, [b[:, 2] for b in bs]))
+    same("reduce into a slice", mine, want if R == 0 else bs[R])
+    outs = [torch.zeros(6, 4).t() for _ in range(W)]
+    dist.all_gather(outs, bs[R].t().contiguous().t())  # bs[R]'s values, strides (1, 4)
+    for r in range(W):
+        same(f"all_gather into transposes [{r}]", outs[r].contiguous(), bs[r])
+    out = torch.zeros(6, 4 * W).t()
+    dist.all_gather_into_tensor(out, bs[R].t().contiguous().t())
+    same("all_gather_into_tensor into a transpose", out.contiguous(), torch.cat(bs))
+    outs = [torch.zeros(3, 4).t() for _ in range(W)]
+    dist.all_gather(outs, cols(bs[R]))
+    for r in range(W):
+        same(f"all_gather of a slice [{r}]", outs[r], cols(bs[r]))
+    # reduce_scatter_tensor: rank r's block j is bs[r].view(-1)[6j:6j + 6], the input held
+    # transposed, the output a column
+    out = torch.zeros(6, W + 1)
+    dist.reduce_scatter_tensor(out[:, 1], bs[R].reshape(-1)[:6 * W].reshape(W, 6).t()
+                               .contiguous().t())
+    same("reduce_scatter_tensor into a column", out,
+         after(torch.zeros(6, W + 1), lambda b: b[:, 1],
+               fold(dist.ReduceOp.SUM, [b.reshape(-1)[6 * R:6 * R + 6] for b in bs])))
+    # all_to_all_single, even blocks, a transposed input and output: rank r's input rows
+    # are (2W x 3) = bs[r][:2W rows of its 6 x 4 transpose]
+    inp = bs[R].t()[:, :3] if 2 * W <= 6 else None
+    if inp is not None:
+        out = torch.zeros(3, 2 * W).t()
+        dist.all_to_all_single(out, inp[:2 * W])
+        want = torch.cat([bs[j].t()[2 * R:2 * R + 2, :3] for j in range(W)])
+        same("all_to_all_single of transposes", out.contiguous(), want)
+    nxt, prv = (R + 1) % W, (R - 1) % W
+    got = torch.zeros(4, 6)  # received through got.t(), 6 x 4 as the sender's
+    if R % 2 == 0:
+        dist.send(bs[R].t(), nxt)
+        dist.recv(got.t(), prv)
+    else:
+        dist.recv(got.t(), prv)
+        dist.send(bs[R].t(), nxt)
+    same("send and recv of transposes", got, bs[prv])
+    root = W - 1
+    mine = torch.zeros(4, 6)
+    dist.scatter(mine[:, ::2], scatter_list=[cols(b) for b in bs] if R == root else None,
+                 src=root)
+    same("scatter into a slice", mine, after(torch.zeros(4, 6), lambda b: b[:, ::2], cols(bs[R])))
+    g = [torch.zeros(3, 4).t() for _ in range(W)] if R == root else None
+    dist.gather(cols(bs[R]), gather_list=g, dst=root)
+    if R == root:
+        for r in range(W):
+            same(f"gather of slices [{r}]", g[r], cols(bs[r]))
+    q = [bs[R].clone().t(), bs[R][1:3, ::3].clone()]
+    dist.all_reduce_coalesced(q)
+    same("all_reduce_coalesced of a transpose", q[0], fold(dist.ReduceOp.SUM, bs).t())
+    raises("an expanded output", lambda: dist.all_reduce(torch.ones(1).expand(4)),
+           "elements that share memory", "strides [0]")
+
+
 def all_to_all():
     # even: rank r sends block j (2 rows) = r*100 + j to rank j
     inp = torch.cat([torch.full((2, 3), float(R * 100 + j)) for j in range(W)])
@@ -516,7 +605,6 @@ def bad_input():
                                                    op=dist.ReduceOp.AVG), "AVG", "Long")
     raises("BAND on float32", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
            "BAND", "Float")
-    raises("non-contiguous", lambda: dist.all_reduce(torch.ones(4, 3).t()), "not contiguous")
     if torch.cuda.is_available():
         raises("CUDA tensor", lambda: dist.all_reduce(torch.ones(3, device="cuda")), "cuda:0",
                "nccl backend for CUDA tensors")
@@ -561,6 +649,7 @@ def main():
     kept = None
     if BACKEND == "libddp":
         kept = group_memory()
+        views()
         deferred_start()
         leaf_outputs_and_profiler()
         bad_input()

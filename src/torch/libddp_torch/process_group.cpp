@@ -11,6 +11,7 @@
 #include <sstream>
 #include <unistd.h>
 
+#include "staging.hpp"
 #include "store_bridge.hpp"
 
 namespace libddp_torch {
@@ -90,11 +91,10 @@ std::string call_name(const char *kind, const at::Tensor &t, const ReduceOp *op 
   return s;
 }
 
-// A tensor this backend can hand to libddp: dense (or, where `sparse_ok`, sparse COO), on the
-// CPU, and (where `contiguous`, for dense tensors) contiguous. CUDA tensors name their device
-// and the backend that takes them.
-void check_tensor(const at::Tensor &t, const std::string &what, bool contiguous = true,
-                  bool sparse_ok = false) {
+// A tensor this backend can take: dense (or, where `sparse_ok`, sparse COO) and on the CPU,
+// of any strides (staging.hpp). CUDA tensors name their device and the backend that takes
+// them.
+void check_tensor(const at::Tensor &t, const std::string &what, bool sparse_ok = false) {
   TORCH_CHECK(t.defined(), "libddp ", what, ": got an undefined tensor");
   TORCH_CHECK(t.device().is_cpu(), "libddp ", what, ": the tensor is on ", t.device().str(),
               "; the libddp backend takes CPU tensors only (move it with .cpu(), or use the "
@@ -103,9 +103,6 @@ void check_tensor(const at::Tensor &t, const std::string &what, bool contiguous 
   TORCH_CHECK(t.layout() == at::kStrided, "libddp ", what, ": ", t.layout(), " tensors are not ",
               sparse_ok ? "supported (dense and sparse COO tensors only)"
                         : "supported here (dense tensors only; all_reduce also takes sparse COO)");
-  TORCH_CHECK(!contiguous || t.is_contiguous(), "libddp ", what, ": the tensor ", describe(t),
-              " is not contiguous (strides ", t.strides(),
-              "); libddp reads tensors in place: pass tensor.contiguous()");
 }
 
 void check_one(const std::vector<at::Tensor> &v, const std::string &what) {
@@ -493,20 +490,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::allreduce(std::vector<at::Ten
   TORCH_CHECK(!tensors.empty(), "libddp allreduce: got an empty tensor list");
   std::string what = call_name("allreduce", tensors[0], &opts.reduceOp);
   for (auto &t : tensors) {
-    check_tensor(t, what, true, true);
+    check_tensor(t, what, true);
     check_same(t, tensors[0], what, "the tensors of one call differ");
     TORCH_CHECK(t.layout() == tensors[0].layout(), "libddp ", what,
                 ": the tensors of one call mix sparse and dense tensors");
   }
   if (tensors[0].layout() == at::kSparse) return allreduce_sparse(tensors, opts, what);
   auto w = make_work(OpType::ALLREDUCE, what, tensors, opts.timeout);
+  Staging st;
+  at::Tensor t0 = st.out(tensors[0], what);
   if (tensors.size() > 1) {
     // Several tensors of one rank: gloo's meaning, every tensor gets the reduction of all
     // of them on all ranks. They are folded locally in list order first.
     for (size_t i = 1; i < tensors.size(); i++)
-      tensors[0].copy_(combine(tensors[0], tensors[i], opts.reduceOp));
+      t0.copy_(combine(t0, tensors[i], opts.reduceOp));
   }
-  issue_allreduce(*w, tensors[0], opts.reduceOp, what);
+  issue_allreduce(*w, t0, opts.reduceOp, what);
+  st.commit(*w);
   if (tensors.size() > 1) {
     std::vector<at::Tensor> ts = tensors;
     w->on_success([ts]() {
@@ -525,7 +525,7 @@ ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
                      op_name(opts.reduceOp) + ")";
   std::vector<at::Tensor> flat;
   for (auto &t : tensors) {
-    check_tensor(t, what, false);
+    check_tensor(t, what);
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), "libddp ", what,
                 ": the tensors must share one dtype: ", describe(tensors[0]), " and ",
                 describe(t));
@@ -537,8 +537,8 @@ ProcessGroupLibddp::allreduce_coalesced(std::vector<at::Tensor> &tensors,
   std::vector<at::Tensor> ts = tensors;
   w->on_success([ts, buf]() {
     int64_t off = 0;
-    for (auto &t : ts) {
-      t.view({-1}).copy_(buf.narrow(0, off, t.numel()));
+    for (auto &t : ts) { // t may be any view: copy_ follows its strides
+      t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
   });
@@ -557,7 +557,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::reduce(std::vector<at::Tensor
               ": root rank out of range [0, ", getSize(), ")");
   auto w = make_work(OpType::REDUCE, what, tensors, opts.timeout);
   // An allreduce, into a scratch copy on the other ranks: their tensors stay as they were.
-  issue_allreduce(*w, getRank() == opts.rootRank ? t : t.clone(), opts.reduceOp, what);
+  Staging st;
+  issue_allreduce(*w, getRank() == opts.rootRank ? st.out(t, what) : t.clone(at::MemoryFormat::Contiguous),
+                  opts.reduceOp, what);
+  st.commit(*w);
   return w;
 }
 
@@ -572,19 +575,15 @@ ProcessGroupLibddp::reduce_scatter(std::vector<at::Tensor> &outputs,
               ") input tensors");
   at::Tensor out = outputs[0];
   std::string what = call_name("reduce_scatter", out, &opts.reduceOp);
-  check_tensor(out, what, false);
+  check_tensor(out, what);
   std::vector<at::Tensor> flat;
   for (auto &t : inputs[0]) {
-    check_tensor(t, what, false);
+    check_tensor(t, what);
     check_same(t, out, what, "an input differs from the output");
     flat.push_back(t.reshape({-1}));
   }
   at::Tensor buf = at::cat(flat);
-  at::Tensor o = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-  auto r = _reduce_scatter_base(o, buf, opts);
-  auto w = c10::static_intrusive_pointer_cast<WorkLibddp>(r);
-  if (!o.is_same(out)) w->on_success([o, out]() mutable { out.copy_(o); });
-  return w;
+  return _reduce_scatter_base(out, buf, opts); // stages `out` if it is a view
 }
 
 c10::intrusive_ptr<c10d::Work>
@@ -601,23 +600,26 @@ ProcessGroupLibddp::_reduce_scatter_base(at::Tensor &output, at::Tensor &input,
               ") times the output's elements, of the same dtype: input ", describe(input),
               ", output ", describe(output));
   auto w = make_work(OpType::REDUCE_SCATTER, what, {output}, opts.timeout);
+  Staging st;
+  at::Tensor in = Staging::in(input), out = st.out(output, what, false);
   ddp_dtype_t dt = DDP_F32;
   ddp_redop_t rop = DDP_OP_SUM;
-  if (reduce_path(input, opts.reduceOp, what, &dt, &rop) == Path::NATIVE) {
+  if (reduce_path(in, opts.reduceOp, what, &dt, &rop) == Path::NATIVE) {
     ddp_work_t *h = nullptr;
-    check_issue(ddp_reduce_scatter(pg_, input.data_ptr(), output.data_ptr(),
-                                   static_cast<size_t>(output.numel()), dt, rop, &h),
+    check_issue(ddp_reduce_scatter(pg_, in.data_ptr(), out.data_ptr(),
+                                   static_cast<size_t>(out.numel()), dt, rop, &h),
                 what);
     w->add_handle(h);
-    w->keep(input);
-    w->keep(output);
+    w->keep(in);
+    w->keep(out);
+    st.commit(*w);
     return w;
   }
-  at::Tensor all = input.clone();
+  at::Tensor all = in.clone();
   issue_allreduce(*w, all, opts.reduceOp, what);
-  int64_t n = output.numel(), r = getRank();
-  at::Tensor out = output;
+  int64_t n = out.numel(), r = getRank();
   w->on_success([all, out, n, r]() mutable { out.view({-1}).copy_(all.view({-1}).narrow(0, r * n, n)); });
+  st.commit(*w);
   return w;
 }
 
@@ -646,8 +648,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Ten
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
               ": root rank out of range [0, ", getSize(), ")");
   auto w = make_work(OpType::BROADCAST, what, tensors, opts.timeout);
-  for (auto &t : tensors) {
-    check_tensor(t, what);
+  Staging st;
+  for (auto &view : tensors) {
+    check_tensor(view, what);
+    at::Tensor t = st.out(view, what, getRank() == opts.rootRank);
     ddp_dtype_t dt;
     size_t count;
     wire_of(t, &dt, &count);
@@ -657,6 +661,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::broadcast(std::vector<at::Ten
     w->add_handle(h);
     w->keep(t);
   }
+  st.commit(*w);
   return w;
 }
 
@@ -673,7 +678,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::_allgather_base(at::Tensor &o
               ") times the input's elements, of the same dtype: input ", describe(input),
               ", output ", describe(output));
   auto w = make_work(OpType::_ALLGATHER_BASE, what, {output}, opts.timeout);
-  issue_allgather(*w, input, output, what);
+  Staging st;
+  issue_allgather(*w, Staging::in(input), st.out(output, what, false), what);
+  st.commit(*w);
   return w;
 }
 
@@ -682,14 +689,14 @@ ProcessGroupLibddp::allgather(std::vector<std::vector<at::Tensor>> &outputs,
                               std::vector<at::Tensor> &inputs, const c10d::AllgatherOptions &opts) {
   at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "allgather");
-  at::Tensor in = inputs[0];
+  at::Tensor in = Staging::in(inputs[0]);
   std::string what = call_name("allgather", in);
   check_tensor(in, what);
   TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
               "libddp ", what, ": expects one output list of world_size (", getSize(),
               ") tensors");
   for (auto &o : outputs[0]) {
-    check_tensor(o, what, false);
+    check_tensor(o, what);
     check_same(o, in, what, "an output differs from the input");
   }
   at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
@@ -715,7 +722,7 @@ ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &ou
               ": expects world_size (", getSize(), ") output lists, got ", outputs.size());
   std::vector<at::Tensor> flat_in;
   for (auto &t : inputs) {
-    check_tensor(t, what, false);
+    check_tensor(t, what);
     TORCH_CHECK(t.scalar_type() == inputs[0].scalar_type(), "libddp ", what,
                 ": the tensors must share one dtype: ", describe(inputs[0]), " and ",
                 describe(t));
@@ -725,7 +732,7 @@ ProcessGroupLibddp::allgather_coalesced(std::vector<std::vector<at::Tensor>> &ou
     TORCH_CHECK(list.size() == inputs.size(), "libddp ", what, ": every output list must hold ",
                 inputs.size(), " tensors, one holds ", list.size());
     for (size_t i = 0; i < list.size(); i++) {
-      check_tensor(list[i], what, false);
+      check_tensor(list[i], what);
       check_same(list[i], inputs[i], what, "an output differs from its input");
     }
   }
@@ -754,7 +761,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vecto
                                                           const c10d::GatherOptions &opts) {
   at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "gather");
-  at::Tensor in = inputs[0];
+  at::Tensor in = Staging::in(inputs[0]);
   std::string what = "gather of " + describe(in) + " to root " + std::to_string(opts.rootRank);
   check_tensor(in, what);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
@@ -765,7 +772,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vecto
                 "libddp ", what, ": the root expects one output list of world_size (", getSize(),
                 ") tensors");
     for (auto &o : outputs[0]) {
-      check_tensor(o, what, false);
+      check_tensor(o, what);
       check_same(o, in, what, "an output differs from the input");
     }
   } else {
@@ -795,7 +802,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tenso
   check_one(outputs, "scatter");
   at::Tensor out = outputs[0];
   std::string what = "scatter of " + describe(out) + " from root " + std::to_string(opts.rootRank);
-  check_tensor(out, what, false);
+  check_tensor(out, what);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
               ": root rank out of range [0, ", getSize(), ")");
   int root = static_cast<int>(opts.rootRank);
@@ -808,7 +815,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tenso
                 what, ": the root expects one input list of world_size (", getSize(),
                 ") tensors");
     for (const at::Tensor &t : inputs[0]) { // all checked before anything is sent
-      check_tensor(t, what, false);
+      check_tensor(t, what);
       check_same(t, out, what, "an input differs from the output");
     }
     // The root sends each rank its share, point to point, in rank order.
@@ -825,28 +832,33 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::scatter(std::vector<at::Tenso
   } else {
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "libddp ", what,
                 ": only the root takes input tensors");
-    at::Tensor o = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    Staging st;
+    at::Tensor o = st.out(out, what, false);
     ddp_work_t *h = nullptr;
     check_issue(ddp_recv(pg_, o.data_ptr(), count, dt, root, &h), what);
     w->add_handle(h);
     w->keep(o);
-    if (!o.is_same(out)) w->on_success([o, out]() mutable { out.copy_(o); });
+    st.commit(*w);
   }
   return w;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &output, at::Tensor &input,
+c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &output_view,
+                                                                 at::Tensor &input_view,
                                                                  std::vector<int64_t> &output_splits,
                                                                  std::vector<int64_t> &input_splits,
                                                                  const c10d::AllToAllOptions &opts) {
   at::NoGradGuard no_grad; // outputs are written as data: see make_work
-  std::string what = call_name("all_to_all_single", input);
-  check_tensor(output, what);
-  check_tensor(input, what);
-  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "libddp ", what,
-              ": input and output dtypes differ: ", describe(input), " and ", describe(output));
+  std::string what = call_name("all_to_all_single", input_view);
+  check_tensor(output_view, what);
+  check_tensor(input_view, what);
+  TORCH_CHECK(input_view.scalar_type() == output_view.scalar_type(), "libddp ", what,
+              ": input and output dtypes differ: ", describe(input_view), " and ",
+              describe(output_view));
   int W = getSize();
-  auto w = make_work(OpType::ALLTOALL_BASE, what, {output}, opts.timeout);
+  auto w = make_work(OpType::ALLTOALL_BASE, what, {output_view}, opts.timeout);
+  Staging st;
+  at::Tensor input = Staging::in(input_view), output = st.out(output_view, what, false);
   int64_t rows_in = input.dim() ? input.size(0) : 1, rows_out = output.dim() ? output.size(0) : 1;
   int64_t row = rows_in ? input.numel() / rows_in : 0;
   auto even = [W](const std::vector<int64_t> &s, int64_t rows) {
@@ -885,6 +897,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &out
     w->add_handle(h);
     w->keep(input);
     w->keep(output);
+    st.commit(*w);
     return w;
   }
   // Uneven blocks: every block padded to the largest of the job (one small allreduce to
@@ -916,6 +929,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall_base(at::Tensor &out
       o += out_s[r] * row;
     }
   });
+  st.commit(*w);
   return w;
 }
 
@@ -930,8 +944,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::alltoall(std::vector<at::Tens
               inputs.size(), " and ", outputs.size());
   int64_t most = 0;
   for (int r = 0; r < W; r++) {
-    check_tensor(inputs[r], what, false);
-    check_tensor(outputs[r], what, false);
+    check_tensor(inputs[r], what);
+    check_tensor(outputs[r], what);
     TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
                     outputs[r].scalar_type() == inputs[0].scalar_type(),
                 "libddp ", what, ": the tensors must share one dtype: ", describe(inputs[0]),
@@ -977,6 +991,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::p2p(std::vector<at::Tensor> &
               getSize(), ")");
   auto w = make_work(is_send ? OpType::SEND : OpType::RECV, what, tensors, c10d::kUnsetTimeout);
   w->set_external();
+  Staging st;
+  t = is_send ? Staging::in(t) : st.out(t, what, false);
+  st.commit(*w);
   w->keep(t);
   if (is_send) {
     store_->add(sent_key(getRank(), peer), 1); // for a receive from any source (p2p.hpp)
