@@ -6,7 +6,7 @@
 # ddprun holds. Checked: a gloo all_reduce at 2 and 3 ranks, with --standalone, and after a
 # restart (--max_restarts 1, rank 1 failing in attempt 0), with torchrun's worker
 # environment (ROLE_*, GROUP_WORLD_SIZE, TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1 unless
-# exported); and libddp programs still work
+# exported), and named as torchrun takes it (`ddprun ... gloo.py`); and libddp programs still work
 # under it (ddp-demo: rank 0 is now a client of ddprun's store, with the job token), two
 # --standalone jobs at once. Before, the script's rank 0 failed binding MASTER_PORT.
 #
@@ -78,6 +78,13 @@ grep -q 'ddprun: OMP_NUM_THREADS is not set: each of the 2 ranks gets OMP_NUM_TH
 OMP_NUM_THREADS=2 EXPECT_OMP=2 run three 3 --nproc_per_node 3
 grep -q 'OMP_NUM_THREADS is not set' three.log && fail "three: an exported OMP_NUM_THREADS was overridden"
 run standalone 2 --standalone --nproc_per_node 2
+# torchrun's own form, the script named without its interpreter: ddprun runs a *.py file
+# with `python3 -u` (before, "cannot execute 'gloo.py'")
+timeout 120 "$ddprun" --standalone --nproc_per_node 2 gloo.py >script.log 2>&1
+rc=$?
+cat script.log
+[ "$rc" -eq 0 ] || fail "script: ddprun --nproc_per_node 2 gloo.py exited $rc"
+[ "$(grep -c 'all_reduce .* ok' script.log)" -eq 2 ] || fail "script: not every rank reduced"
 FAIL_RANK_IN_ATTEMPT0=1 run restart 2 --nproc_per_node 2 --standalone --max_restarts 1
 grep -q 'rank 1: failing in attempt 0' restart.log || fail "restart: rank 1 did not fail first"
 grep -q 'ok in attempt 1' restart.log || fail "restart: attempt 1 did not run"

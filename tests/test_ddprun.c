@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -510,6 +511,89 @@ static void test_exec_failure(void **state) {
   run_free(&res);
 }
 
+/* A file of `text` at dir/name, made executable. */
+static void write_exec(const char *dir, const char *name, const char *text, char *path,
+                       size_t cap) {
+  snprintf(path, cap, "%s/%s", dir, name);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  assert_int_equal(fclose(f), 0);
+  assert_int_equal(chmod(path, 0755), 0);
+}
+
+/* torchrun's command forms: a *.py file and -m/--module run through `python -u [-m]`
+ * ($PYTHON_EXEC, here a stand-in that prints its arguments), --no_python runs the file
+ * itself, --run_path any name through Python; --role and --rdzv_id reach ROLE_NAME and
+ * TORCHELASTIC_RUN_ID, torchrun's other rendezvous flags are accepted; a program in the
+ * current directory but not on PATH gets a hint. */
+static void test_python_programs(void **state) {
+  (void)state;
+  char dir[] = "/tmp/ddprun-test-py-XXXXXX", py[256], script[256], other[256];
+  assert_non_null(mkdtemp(dir));
+  write_exec(dir, "fakepy", "#!/bin/sh\necho \"py $* role=$ROLE_NAME run=$TORCHELASTIC_RUN_ID\"\n",
+             py, sizeof py);
+  write_exec(dir, "train.py", "#!/bin/sh\necho \"self $*\"\n", script, sizeof script);
+  write_exec(dir, "train", "#!/bin/sh\necho \"self $*\"\n", other, sizeof other);
+  run_opts_t o = {.env = {{"PYTHON_EXEC", py}}};
+  char want[512];
+  static const char *const mod_flags[] = {"--nproc_per_node",
+                                          "2",
+                                          "--module",
+                                          "--role",
+                                          "trainer",
+                                          "--rdzv_id",
+                                          "job7",
+                                          "--rdzv_backend",
+                                          "c10d",
+                                          "--monitor_interval",
+                                          "1",
+                                          "--start_method",
+                                          "fork",
+                                          "--rdzv_conf",
+                                          "join_timeout=5",
+                                          "pkg.mod",
+                                          NULL};
+  struct {
+    const char *args[8];
+    const char *line; /* what each of the 2 ranks prints; %s: the script's path */
+  } cases[] = {
+      {{"--nproc_per_node", "2", script, "x", NULL}, "py -u %s x role=default run=none"},
+      {{"--nproc_per_node", "2", "-m", "pkg.mod", "y", NULL}, "py -u -m pkg.mod y role=default"},
+      {{"--nproc_per_node", "2", "--no_python", script, "z", NULL}, "self z"},
+      {{"--nproc_per_node", "2", "--run_path", other, NULL}, "py -u %s role=default"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    run_result_t res;
+    run_ddprun(cases[i].args, &o, &res);
+    snprintf(want, sizeof want, cases[i].line, i == 3 ? other : script);
+    if (res.exit_code != 0 || count_of(res.out, want) != 2)
+      fail_msg("case %zu: exit %d, stdout:\n%s(expected 2 lines with \"%s\")", i, res.exit_code,
+               res.out, want);
+    run_free(&res);
+  }
+  run_result_t res;
+  run_ddprun(mod_flags, &o, &res);
+  assert_int_equal(res.exit_code, 0);
+  assert_int_equal(count_of(res.out, "py -u -m pkg.mod role=trainer run=job7\n"), 2);
+  run_free(&res);
+
+  char cwd[4096];
+  assert_non_null(getcwd(cwd, sizeof cwd));
+  assert_int_equal(chdir(dir), 0);
+  const char *rel[] = {"train", NULL};
+  run_ddprun(rel, NULL, &res);
+  assert_int_equal(chdir(cwd), 0);
+  assert_int_equal(res.exit_code, 127);
+  assert_contains(res.err, "'train' is in the current directory but not on PATH: run it as "
+                           "'./train'");
+  run_free(&res);
+  unlink(py);
+  unlink(script);
+  unlink(other);
+  rmdir(dir);
+}
+
 /* ---------------------------------------------------------------- signals --------- */
 
 /* SIGTERM and SIGINT sent to ddprun reach every rank (which trap it and say so); ddprun
@@ -563,6 +647,12 @@ static void test_usage_errors(void **state) {
       {{"--grace-period", "-1", "true"}, "--grace_period: '-1'"},
       {{"--timeout", "0", "true"}, "--timeout: '0'"},
       {{"--nproc_per_node", "2"}, "no program to run"},
+      {{"--nnodes", "1:2", "true"}, "--nnodes 1:2: ddprun runs a fixed number of nodes"},
+      {{"--rdzv_backend", "etcd", "true"}, "--rdzv_backend etcd"},
+      {{"--no_python", "-m", "mod"}, "--no_python and -m/--module"},
+      {{"--start_method", "thread", "true"}, "--start_method 'thread'"},
+      {{"--log_dir", "logs", "true"}, "--log_dir: ddprun writes no per-rank log files"},
+      {{"-t", "3", "true"}, "-t (torchrun's --tee): ddprun writes no per-rank log files"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     run_result_t res;
@@ -591,6 +681,7 @@ int main(void) {
       cmocka_unit_test(test_killed_rank_tears_down),
       cmocka_unit_test(test_grace_period_then_sigkill),
       cmocka_unit_test(test_exec_failure),
+      cmocka_unit_test(test_python_programs),
       cmocka_unit_test(test_signals_forwarded),
       cmocka_unit_test(test_usage_errors),
   };

@@ -3,7 +3,7 @@
  *
  *   ddprun --nproc_per_node N [--nnodes K --node_rank R --master_addr A --master_port P |
  *          --rdzv_endpoint A[:P] | --standalone] [--max_restarts M] [--backend B]
- *          [--timeout S] [--grace_period S] prog args...
+ *          [--timeout S] [--grace_period S] [-m | --no_python | --run_path] prog args...
  *
  * Contract (docs/launcher.md is the user-facing copy):
  * - Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
@@ -43,6 +43,10 @@
 #include <unistd.h>
 
 #include "ddp/backend.h" /* DDP_BACKEND_LIST */
+
+#ifndef DDPRUN_PYTHON /* tools/meson.build: the Python of the torch backend, or python3 */
+#define DDPRUN_PYTHON "python3"
+#endif
 #include "ddprun.h"
 
 __attribute__((format(printf, 1, 2), noreturn)) static void usage_error(const char *fmt, ...) {
@@ -100,6 +104,9 @@ static void print_help(void) {
       "\n"
       "Starts the ranks of one node of a libddp job and watches them (torchrun's contract).\n"
       "Flags accept '-' or '_' (--nproc-per-node) and '--flag value' or '--flag=value'.\n"
+      "prog is a program, or, as under torchrun, a *.py script or (-m) a module, which\n"
+      "run as 'PYTHON -u [-m] prog args': PYTHON is $PYTHON_EXEC if set, else " DDPRUN_PYTHON "\n"
+      "(the Python libddp's torch backend was built for).\n"
       "\n"
       "  --nproc_per_node N   ranks on this node, 1..1024, or 'cpu'/'auto' (online CPUs) [1]\n"
       "  --nnodes K           nodes in the job [1]\n"
@@ -114,6 +121,13 @@ static void print_help(void) {
       "  --backend B          sets DDP_BACKEND: %s\n"
       "  --timeout S          sets DDP_TIMEOUT, the collective timeout in seconds\n"
       "  --grace_period S     after a failure, seconds between SIGTERM and SIGKILL [3]\n"
+      "  -m, --module         prog is a Python module\n"
+      "  --no_python          run prog itself, even a *.py file\n"
+      "  --run_path           run prog with Python whatever its name\n"
+      "  --rdzv_backend B     c10d or static: the ranks meet at ddprun's store either way\n"
+      "  --rdzv_id ID         sets TORCHELASTIC_RUN_ID [none]\n"
+      "  --role R             sets ROLE_NAME [default]\n"
+      "  --rdzv_conf, --monitor_interval, --start_method: accepted, no effect\n"
       "  -h, --help           this text\n"
       "\n"
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
@@ -214,7 +228,19 @@ typedef enum flag_id {
   F_MAX_RESTARTS,
   F_STANDALONE,
   F_RDZV_ENDPOINT,
-  F_NO_RESERVE
+  F_NO_RESERVE,
+  F_MODULE,
+  F_NO_PYTHON,
+  F_RUN_PATH,
+  F_RDZV_BACKEND,
+  F_RDZV_ID,
+  F_RDZV_CONF,
+  F_ROLE,
+  F_MONITOR,
+  F_START_METHOD,
+  F_LOG_DIR,
+  F_REDIRECTS,
+  F_TEE
 } flag_id_t;
 
 static const struct {
@@ -235,7 +261,45 @@ static const struct {
     {"standalone", F_STANDALONE, false},
     {"rdzv_endpoint", F_RDZV_ENDPOINT, true},
     {"no_reserve_port", F_NO_RESERVE, false},
+    /* torchrun's other flags: how the program runs, and rendezvous settings that ddprun's
+     * own store makes moot (accepted so that torchrun's command lines run unchanged) */
+    {"module", F_MODULE, false},
+    {"no_python", F_NO_PYTHON, false},
+    {"run_path", F_RUN_PATH, false},
+    {"rdzv_backend", F_RDZV_BACKEND, true},
+    {"rdzv_id", F_RDZV_ID, true},
+    {"rdzv_conf", F_RDZV_CONF, true},
+    {"role", F_ROLE, true},
+    {"monitor_interval", F_MONITOR, true},
+    {"start_method", F_START_METHOD, true},
+    {"log_dir", F_LOG_DIR, true},
+    {"redirects", F_REDIRECTS, true},
+    {"tee", F_TEE, true},
 };
+
+/* --nnodes K, or torchrun's MIN:MAX when MIN == MAX (a fixed size; ddprun has no elastic
+ * membership). */
+static int parse_nnodes(const char *v) {
+  const char *colon = strchr(v, ':');
+  if (!colon) return (int)parse_long("nnodes", v, 1, 1 << 16);
+  char lo[32];
+  size_t n = (size_t)(colon - v);
+  if (n >= sizeof lo) usage_error("--nnodes '%s': expected K or K:K", v);
+  memcpy(lo, v, n);
+  lo[n] = '\0';
+  int a = (int)parse_long("nnodes", lo, 1, 1 << 16),
+      b = (int)parse_long("nnodes", colon + 1, 1, 1 << 16);
+  if (a != b)
+    usage_error("--nnodes %s: ddprun runs a fixed number of nodes (no elastic membership); give "
+                "one count, such as --nnodes %d",
+                v, b);
+  return a;
+}
+
+#define NO_LOG_FILES                                                                         \
+  "ddprun writes no per-rank log files: every rank's lines come out on ddprun's stdout "     \
+  "and stderr, prefixed [rankN]: (redirect or tee them in the shell: ddprun ... 2>&1 | tee " \
+  "job.log)"
 
 /* Parses argv up to the program. Options end at the first argument that does not start
  * with '-', or after "--". Any usage error exits 2 with a message naming the argument. */
@@ -246,7 +310,9 @@ static void parse_args(int argc, char **argv, options_t *o) {
                    .master_addr = DEFAULT_MASTER_ADDR,
                    .master_port = DEFAULT_MASTER_PORT,
                    .grace_ms = DEFAULT_GRACE_MS};
-  bool node_rank_given = false;
+  bool node_rank_given = false, no_python = false, run_path = false;
+  o->role = "default";
+  o->run_id = "none";
   int i = 1;
   while (i < argc) {
     const char *a = argv[i];
@@ -259,6 +325,13 @@ static void parse_args(int argc, char **argv, options_t *o) {
       print_help();
       exit(0);
     }
+    if (strcmp(a, "-m") == 0) {
+      o->module = true;
+      i++;
+      continue;
+    }
+    if (strcmp(a, "-r") == 0 || strcmp(a, "-t") == 0)
+      usage_error("%s (torchrun's --%s): %s", a, a[1] == 'r' ? "redirects" : "tee", NO_LOG_FILES);
     if (a[1] != '-' || a[2] == '\0') usage_error("unknown flag '%s'", a);
 
     /* Normalise the name: the part before '=', with '-' read as '_'. */
@@ -295,7 +368,7 @@ static void parse_args(int argc, char **argv, options_t *o) {
           o->nproc_per_node = (int)parse_long(name, val, 1, MAX_LOCAL_RANKS);
         }
         break;
-      case F_NNODES: o->nnodes = (int)parse_long(name, val, 1, 1 << 16); break;
+      case F_NNODES: o->nnodes = parse_nnodes(val); break;
       case F_NODE_RANK:
         o->node_rank = (int)parse_long(name, val, 0, (1 << 16) - 1);
         node_rank_given = true;
@@ -317,10 +390,47 @@ static void parse_args(int argc, char **argv, options_t *o) {
       case F_TIMEOUT: o->timeout_s = parse_long(name, val, 1, INT32_MAX); break;
       case F_GRACE: o->grace_ms = parse_seconds_ms(name, val, 3600.0); break;
       case F_HELP: print_help(); exit(0);
+      case F_MODULE: o->module = true; break;
+      case F_NO_PYTHON: no_python = true; break;
+      case F_RUN_PATH: run_path = true; break;
+      case F_RDZV_BACKEND:
+        if (strcmp(val, "c10d") != 0 && strcmp(val, "static") != 0)
+          usage_error("--rdzv_backend %s: ddprun's ranks meet at its own store (node 0 serves "
+                      "it at --master_addr/--rdzv_endpoint); use c10d or static",
+                      val);
+        break;
+      case F_RDZV_ID:
+        if (*val == '\0') usage_error("--rdzv_id: empty id");
+        o->run_id = val;
+        break;
+      case F_RDZV_CONF:
+        break; /* torchrun's rendezvous timeouts: ddprun's ranks wait at the
+                  store up to the collective timeout instead */
+      case F_ROLE:
+        if (*val == '\0') usage_error("--role: empty name");
+        o->role = val;
+        break;
+      case F_MONITOR: parse_seconds_ms(name, val, 3600.0); break; /* exits are seen at once */
+      case F_START_METHOD:
+        if (strcmp(val, "spawn") != 0 && strcmp(val, "fork") != 0 && strcmp(val, "forkserver") != 0)
+          usage_error("--start_method '%s': expected spawn, fork or forkserver", val);
+        break; /* as with torchrun for a program: every rank is a new process either way */
+      case F_LOG_DIR:
+      case F_REDIRECTS:
+      case F_TEE: usage_error("--%s: %s", name, NO_LOG_FILES);
     }
   }
   if (i >= argc) usage_error("no program to run (usage: ddprun [options] prog [args...])");
   o->prog_argv = argv + i;
+  if (no_python && o->module)
+    usage_error("--no_python and -m/--module: a module runs in Python; drop one of them");
+  if (no_python && run_path) usage_error("--no_python and --run_path: drop one of them");
+  size_t plen = strlen(o->prog_argv[0]);
+  bool py_file = plen > 3 && strcmp(o->prog_argv[0] + plen - 3, ".py") == 0;
+  if (o->module || run_path || (py_file && !no_python)) {
+    const char *exe = getenv("PYTHON_EXEC");
+    o->python = exe && *exe ? exe : DDPRUN_PYTHON;
+  }
 
   if (o->node_rank >= o->nnodes)
     usage_error("--node_rank %d is out of range for --nnodes %d (0..%d)", o->node_rank, o->nnodes,

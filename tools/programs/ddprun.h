@@ -50,7 +50,14 @@ typedef struct options {
    * <fr_dir>/fr_rank_<r>.json when fr_dir is set, else <fr_prefix><r>; both "": no dumps. */
   const char *fr_dir;
   const char *fr_prefix;
-  char **prog_argv;    /* NULL-terminated, points into argv */
+  char **prog_argv; /* NULL-terminated, points into argv */
+  /* How prog runs, as torchrun runs it: through `python -u [-m]` (python: $PYTHON_EXEC,
+   * else DDPRUN_PYTHON, the torch backend's Python) for -m, --run_path or a prog named *.py
+   * unless --no_python; else prog itself. NULL: prog itself. */
+  const char *python;
+  bool module;         /* -m: prog is a module, run as `python -u -m prog` */
+  const char *role;    /* --role: ROLE_NAME ["default"] */
+  const char *run_id;  /* --rdzv_id: TORCHELASTIC_RUN_ID ["none"] */
   char rdzv_host[256]; /* --rdzv_endpoint's host, master_addr points here when given */
 } options_t;
 

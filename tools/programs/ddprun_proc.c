@@ -394,9 +394,9 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
             setenv("TORCHELASTIC_RESTART_COUNT", v[7], 1) == 0 &&
             setenv("TORCHELASTIC_MAX_RESTARTS", v[8], 1) == 0 &&
             /* the rest of what torchrun's agent gives a worker: one role, "default" */
-            setenv("ROLE_RANK", v[0], 1) == 0 && setenv("ROLE_NAME", "default", 1) == 0 &&
+            setenv("ROLE_RANK", v[0], 1) == 0 && setenv("ROLE_NAME", o->role, 1) == 0 &&
             setenv("ROLE_WORLD_SIZE", v[2], 1) == 0 && setenv("GROUP_WORLD_SIZE", v[9], 1) == 0 &&
-            setenv("TORCHELASTIC_RUN_ID", "none", 1) == 0 &&
+            setenv("TORCHELASTIC_RUN_ID", o->run_id, 1) == 0 &&
             setenv("NCCL_ASYNC_ERROR_HANDLING", "1", 0) == 0 &&
             unsetenv("DDP_STORE_LISTEN_FD") == 0 &&
             (agent ? setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1)
@@ -405,10 +405,31 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
     dprintf(STDERR_FILENO, "ddprun: setenv: %s\n", strerror(errno));
     _exit(EXIT_LAUNCH);
   }
-  execvp(o->prog_argv[0], o->prog_argv);
+  /* The command: prog and its arguments, after `python -u [-m]` when prog runs in Python. */
+  size_t nprog = 0;
+  while (o->prog_argv[nprog]) nprog++;
+  char **cmd = malloc((nprog + 4) * sizeof *cmd); /* the child execs or _exits: never freed */
+  if (!cmd) {
+    dprintf(STDERR_FILENO, "ddprun: out of memory for the command line\n");
+    _exit(EXIT_LAUNCH);
+  }
+  size_t c = 0;
+  if (o->python) {
+    cmd[c++] = (char *)o->python;
+    cmd[c++] = (char *)"-u";
+    if (o->module) cmd[c++] = (char *)"-m";
+  }
+  memcpy(cmd + c, o->prog_argv, (nprog + 1) * sizeof *cmd);
+  execvp(cmd[0], cmd);
   int e = errno;
-  dprintf(STDERR_FILENO, "ddprun: cannot execute '%s': %s (errno %d)\n", o->prog_argv[0],
-          strerror(e), e);
+  dprintf(STDERR_FILENO, "ddprun: cannot execute '%s': %s (errno %d)%s%s%s\n", cmd[0], strerror(e),
+          e, o->python ? "; set PYTHON_EXEC to the Python that runs '" : "",
+          o->python ? o->prog_argv[0] : "", o->python ? "'" : "");
+  if (!o->python && e == ENOENT && !strchr(cmd[0], '/') && access(cmd[0], F_OK) == 0)
+    dprintf(STDERR_FILENO,
+            "ddprun: '%s' is in the current directory but not on PATH: run it as './%s', or "
+            "through its interpreter (ddprun runs *.py files and -m modules in Python)\n",
+            cmd[0], cmd[0]);
   _exit(e == ENOENT ? 127 : 126);
 }
 
