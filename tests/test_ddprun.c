@@ -594,6 +594,73 @@ static void test_python_programs(void **state) {
   rmdir(dir);
 }
 
+/* The whole content of a file, or "" when it cannot be read; malloc'd. */
+static char *slurp(const char *path) {
+  char *buf = calloc(1, 1);
+  size_t len = 0, cap = 1;
+  FILE *f = fopen(path, "r");
+  if (f) {
+    char chunk[512];
+    size_t k;
+    while ((k = fread(chunk, 1, sizeof chunk, f)) > 0) append(&buf, &len, &cap, chunk, k);
+    fclose(f);
+  }
+  return buf;
+}
+
+/* torchrun's --log_dir, --redirects and --tee: each logged stream in
+ * <dir>/<run_id>_<pid>/attempt_<n>/<local_rank>/std{out,err}.log, byte for byte; redirected
+ * streams only there, teed ones also on ddprun's output; a restart writes attempt_1. */
+static void test_log_files(void **state) {
+  (void)state;
+  char dir[] = "/tmp/ddprun-test-logs-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  const char *script = "echo \"out $RANK $TORCHELASTIC_RESTART_COUNT\"; echo \"err $RANK\" >&2; "
+                       "[ \"$TORCHELASTIC_RESTART_COUNT$RANK\" = 01 ] && exit 3; exit 0";
+  const char *args[] = {"--nproc_per_node", "2",    "--log_dir",      dir,
+                        "--redirects",      "1",    "--tee",          "0:2",
+                        "--rdzv_id",        "job9", "--max_restarts", "1",
+                        "/bin/sh",          "-c",   script,           NULL};
+  run_result_t res;
+  run_ddprun(args, NULL, &res);
+  assert_int_equal(res.exit_code, 0);
+  /* where: "rank logs in <dir>/job9_<pid> (" */
+  const char *at = strstr(res.err, "rank logs in ");
+  assert_non_null(at);
+  at += strlen("rank logs in ");
+  const char *end = strstr(at, " (");
+  assert_non_null(end);
+  char run[512];
+  snprintf(run, sizeof run, "%.*s", (int)(end - at), at);
+  char want_prefix[128];
+  snprintf(want_prefix, sizeof want_prefix, "%s/job9_", dir);
+  assert_int_equal(strncmp(run, want_prefix, strlen(want_prefix)), 0);
+  static const struct {
+    const char *file, *content; /* "" = must not exist */
+  } files[] = {
+      {"attempt_0/0/stdout.log", "out 0 0\n"}, {"attempt_0/0/stderr.log", "err 0\n"},
+      {"attempt_0/1/stdout.log", "out 1 0\n"}, {"attempt_0/1/stderr.log", ""},
+      {"attempt_1/0/stdout.log", "out 0 1\n"}, {"attempt_1/1/stdout.log", "out 1 1\n"},
+  };
+  char path[1024];
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+    snprintf(path, sizeof path, "%s/%s", run, files[i].file);
+    char *got = slurp(path);
+    if (strcmp(got, files[i].content) != 0 || (!files[i].content[0] && access(path, F_OK) == 0))
+      fail_msg("%s: got \"%s\", want \"%s\"", files[i].file, got, files[i].content);
+    free(got);
+  }
+  /* stdout redirected on both ranks: nothing of it on ddprun's; stderr teed on rank 0 and
+   * left alone on rank 1: both on ddprun's stderr */
+  assert_int_equal(count_of(res.out, "out "), 0);
+  assert_int_equal(count_of(res.err, "[rank0]: err 0\n"), 2);
+  assert_int_equal(count_of(res.err, "[rank1]: err 1\n"), 2);
+  run_free(&res);
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 /* ---------------------------------------------------------------- signals --------- */
 
 /* SIGTERM and SIGINT sent to ddprun reach every rank (which trap it and say so); ddprun
@@ -651,8 +718,9 @@ static void test_usage_errors(void **state) {
       {{"--rdzv_backend", "etcd", "true"}, "--rdzv_backend etcd"},
       {{"--no_python", "-m", "mod"}, "--no_python and -m/--module"},
       {{"--start_method", "thread", "true"}, "--start_method 'thread'"},
-      {{"--log_dir", "logs", "true"}, "--log_dir: ddprun writes no per-rank log files"},
-      {{"-t", "3", "true"}, "-t (torchrun's --tee): ddprun writes no per-rank log files"},
+      {{"--log_dir=", "true"}, "--log_dir: empty path"},
+      {{"-r", "9", "true"}, "--redirects '9': expected 0 (none)"},
+      {{"--nproc_per_node", "2", "--tee", "0:1,2:3", "true"}, "(local ranks 0..1)"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     run_result_t res;
@@ -682,6 +750,7 @@ int main(void) {
       cmocka_unit_test(test_grace_period_then_sigkill),
       cmocka_unit_test(test_exec_failure),
       cmocka_unit_test(test_python_programs),
+      cmocka_unit_test(test_log_files),
       cmocka_unit_test(test_signals_forwarded),
       cmocka_unit_test(test_usage_errors),
   };

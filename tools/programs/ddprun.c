@@ -24,6 +24,8 @@
  *   TORCHELASTIC_RESTART_COUNT one higher; else ddprun names the failed rank of every
  *   attempt and exits with the last attempt's status: the failed rank's exit code, or
  *   128 + its signal.
+ * - With --redirects or --tee, the streams they name are also (or only) written to
+ *   per-rank log files, torchrun's layout (ddprun_log.c).
  * - Usage errors exit 2; a launch that could not start every rank exits 1.
  *
  * Each rank runs in its own process group, so a signal sent to the group reaches whatever
@@ -128,6 +130,10 @@ static void print_help(void) {
       "  --rdzv_id ID         sets TORCHELASTIC_RUN_ID [none]\n"
       "  --role R             sets ROLE_NAME [default]\n"
       "  --rdzv_conf, --monitor_interval, --start_method: accepted, no effect\n"
+      "  -r, --redirects V    send streams to log files only: 0 none, 1 stdout, 2 stderr,\n"
+      "                       3 both, or per local rank 0:3,1:2 [0]\n"
+      "  -t, --tee V          also write streams to log files, the same values [0]\n"
+      "  --log_dir D          where the log files go [a new directory in $TMPDIR]\n"
       "  -h, --help           this text\n"
       "\n"
       "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
@@ -296,11 +302,6 @@ static int parse_nnodes(const char *v) {
   return a;
 }
 
-#define NO_LOG_FILES                                                                         \
-  "ddprun writes no per-rank log files: every rank's lines come out on ddprun's stdout "     \
-  "and stderr, prefixed [rankN]: (redirect or tee them in the shell: ddprun ... 2>&1 | tee " \
-  "job.log)"
-
 /* Parses argv up to the program. Options end at the first argument that does not start
  * with '-', or after "--". Any usage error exits 2 with a message naming the argument. */
 static void parse_args(int argc, char **argv, options_t *o) {
@@ -330,8 +331,12 @@ static void parse_args(int argc, char **argv, options_t *o) {
       i++;
       continue;
     }
-    if (strcmp(a, "-r") == 0 || strcmp(a, "-t") == 0)
-      usage_error("%s (torchrun's --%s): %s", a, a[1] == 'r' ? "redirects" : "tee", NO_LOG_FILES);
+    if (strcmp(a, "-r") == 0 || strcmp(a, "-t") == 0) { /* torchrun's short forms */
+      if (i + 1 >= argc) usage_error("%s needs a value", a);
+      *(a[1] == 'r' ? &o->redirects : &o->tee) = argv[i + 1];
+      i += 2;
+      continue;
+    }
     if (a[1] != '-' || a[2] == '\0') usage_error("unknown flag '%s'", a);
 
     /* Normalise the name: the part before '=', with '-' read as '_'. */
@@ -416,8 +421,11 @@ static void parse_args(int argc, char **argv, options_t *o) {
           usage_error("--start_method '%s': expected spawn, fork or forkserver", val);
         break; /* as with torchrun for a program: every rank is a new process either way */
       case F_LOG_DIR:
-      case F_REDIRECTS:
-      case F_TEE: usage_error("--%s: %s", name, NO_LOG_FILES);
+        if (*val == '\0') usage_error("--log_dir: empty path");
+        o->log_dir = val;
+        break;
+      case F_REDIRECTS: o->redirects = val; break;
+      case F_TEE: o->tee = val; break;
     }
   }
   if (i >= argc) usage_error("no program to run (usage: ddprun [options] prog [args...])");
@@ -425,6 +433,12 @@ static void parse_args(int argc, char **argv, options_t *o) {
   if (no_python && o->module)
     usage_error("--no_python and -m/--module: a module runs in Python; drop one of them");
   if (no_python && run_path) usage_error("--no_python and --run_path: drop one of them");
+  const char *specs[2][2] = {{"redirects", o->redirects}, {"tee", o->tee}};
+  for (int k = 0; k < 2; k++)
+    if (specs[k][1] && !parse_std_spec(specs[k][1], o->nproc_per_node, NULL))
+      usage_error("--%s '%s': expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every "
+                  "rank or per local rank as LOCAL:V,LOCAL:V (local ranks 0..%d)",
+                  specs[k][0], specs[k][1], o->nproc_per_node - 1);
   size_t plen = strlen(o->prog_argv[0]);
   bool py_file = plen > 3 && strcmp(o->prog_argv[0] + plen - 3, ".py") == 0;
   if (o->module || run_path || (py_file && !no_python)) {
@@ -633,14 +647,17 @@ int main(int argc, char **argv) {
     rank_proc_t *r = &L.ranks[i];
     r->rank = L.opt.node_rank * n + i;
     r->prefix_len = (size_t)snprintf(r->prefix, sizeof r->prefix, "[rank%d]: ", r->rank);
-    r->out = (line_stream_t){.fd = -1, .out_fd = STDOUT_FILENO, .buf = malloc(LINE_CAP)};
-    r->err = (line_stream_t){.fd = -1, .out_fd = STDERR_FILENO, .buf = malloc(LINE_CAP)};
+    r->out =
+        (line_stream_t){.fd = -1, .log_fd = -1, .out_fd = STDOUT_FILENO, .buf = malloc(LINE_CAP)};
+    r->err =
+        (line_stream_t){.fd = -1, .log_fd = -1, .out_fd = STDERR_FILENO, .buf = malloc(LINE_CAP)};
     if (!r->out.buf || !r->err.buf) {
       say("out of memory for the output buffers of %d ranks", n);
       rc = EXIT_LAUNCH;
       goto out;
     }
   }
+  if ((rc = prepare_logs(&L)) != 0) goto out;
   sigset_t orig_mask, wait_mask;
   install_signals(&orig_mask, &wait_mask);
 

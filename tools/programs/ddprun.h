@@ -1,7 +1,8 @@
 /* ddprun's parts, shared by tools/programs/ddprun.c (options, attempts, report), ddprun_proc.c (the
- * ranks of one attempt: start, relay output, watch, stop) and ddprun_net.c (the store's port,
- * the store, and leftovers of a job). ddprun's own loop is single-threaded; on node 0,
- * libddp's store server runs beside it in a thread of its own (docs/launcher.md). */
+ * ranks of one attempt: start, relay output, watch, stop), ddprun_net.c (the store's port,
+ * the store, and leftovers of a job) and ddprun_log.c (per-rank log files). ddprun's own loop is
+ * single-threaded; on node 0, libddp's store server runs beside it in a thread of its own
+ * (docs/launcher.md). */
 #ifndef DDPRUN_H
 #define DDPRUN_H
 
@@ -55,10 +56,13 @@ typedef struct options {
    * else DDPRUN_PYTHON, the torch backend's Python) for -m, --run_path or a prog named *.py
    * unless --no_python; else prog itself. NULL: prog itself. */
   const char *python;
-  bool module;         /* -m: prog is a module, run as `python -u -m prog` */
-  const char *role;    /* --role: ROLE_NAME ["default"] */
-  const char *run_id;  /* --rdzv_id: TORCHELASTIC_RUN_ID ["none"] */
-  char rdzv_host[256]; /* --rdzv_endpoint's host, master_addr points here when given */
+  bool module;           /* -m: prog is a module, run as `python -u -m prog` */
+  const char *role;      /* --role: ROLE_NAME ["default"] */
+  const char *run_id;    /* --rdzv_id: TORCHELASTIC_RUN_ID ["none"] */
+  const char *log_dir;   /* --log_dir, or NULL */
+  const char *redirects; /* --redirects, torchrun's spec ("3", "0:1,1:2"), or NULL */
+  const char *tee;       /* --tee, the same */
+  char rdzv_host[256];   /* --rdzv_endpoint's host, master_addr points here when given */
 } options_t;
 
 /* ------------------------------------------------------------------ state ----------- */
@@ -70,6 +74,8 @@ typedef struct line_stream {
   int out_fd; /* STDOUT_FILENO or STDERR_FILENO */
   size_t len; /* bytes held in buf */
   char *buf;  /* LINE_CAP bytes */
+  int log_fd; /* --redirects/--tee: the stream's log file (ddprun_log.c); -1: none */
+  bool quiet; /* redirected: to the log file only, not to ddprun's stream */
 } line_stream_t;
 
 typedef enum rank_state {
@@ -86,6 +92,7 @@ typedef struct rank_proc {
   int status;      /* exit code or signal */
   char prefix[32]; /* "[rankN]: " */
   size_t prefix_len;
+  uint8_t redirects, tee; /* this local rank's --redirects and --tee: 1 stdout, 2 stderr */
   line_stream_t out, err;
 } rank_proc_t;
 
@@ -111,6 +118,7 @@ typedef struct launcher {
   int64_t start_ns;          /* when this attempt started */
   int64_t failed_ns;         /* when its first failure was seen */
   bool out_dead[3];          /* writing to fd 1 or 2 failed: keep draining the ranks, drop output */
+  char log_run_dir[4096];    /* where the rank logs go (ddprun_log.c); "" when none */
   struct pollfd *pfds;       /* poll set, 2 per rank, rebuilt every wait */
   line_stream_t **pstreams;  /* the stream behind each pfds entry */
   rank_proc_t **pranks;      /* and its rank */
@@ -148,5 +156,16 @@ void remove_shm_leftovers(const rank_proc_t *r);
 int serve_store(launcher_t *L);
 /* Whether the ranks are told to connect to a store that a launcher serves. */
 bool agent_store(const launcher_t *L);
+
+/* ddprun_log.c: torchrun's --log_dir, --redirects, --tee */
+/* Reads a --redirects/--tee value, "0".."3" for every local rank or "LOCAL:V,..." (the
+ * others 0), into out[nproc] (NULL: only checks it). False when malformed. */
+bool parse_std_spec(const char *v, int nproc, uint8_t *out);
+/* Gives each rank its redirects and tee, and when any stream is logged makes the job's log
+ * directory and says where it is. Returns 0, or ddprun's exit code after saying why. */
+int prepare_logs(launcher_t *L);
+/* Opens the log files this attempt's rank writes (none when it logs nothing). */
+bool open_rank_logs(const launcher_t *L, rank_proc_t *r, int local_rank);
+void close_stream_log(line_stream_t *s);
 
 #endif

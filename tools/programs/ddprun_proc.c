@@ -150,6 +150,7 @@ static void emit_lines(launcher_t *L, rank_proc_t *r, line_stream_t *s, bool all
 }
 
 static void close_stream(launcher_t *L, rank_proc_t *r, line_stream_t *s) {
+  close_stream_log(s);
   if (s->fd < 0) return;
   emit_lines(L, r, s, true);
   close(s->fd);
@@ -161,6 +162,9 @@ static void pump_stream(launcher_t *L, rank_proc_t *r, line_stream_t *s) {
   if (s->len == LINE_CAP) emit_lines(L, r, s, true);
   ssize_t k = read(s->fd, s->buf + s->len, LINE_CAP - s->len);
   if (k > 0) {
+    /* the log file gets the bytes as written; a redirected stream goes nowhere else */
+    if (s->log_fd >= 0) write_all(s->log_fd, s->buf + s->len, (size_t)k);
+    if (s->quiet) return;
     s->len += (size_t)k;
     emit_lines(L, r, s, s->len == LINE_CAP);
   } else if (k == 0) {
@@ -436,6 +440,7 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
 static bool start_rank(launcher_t *L, int local_rank, const sigset_t *orig_mask) {
   rank_proc_t *r = &L->ranks[local_rank];
   int po[2] = {-1, -1}, pe[2] = {-1, -1};
+  if (!open_rank_logs(L, r, local_rank)) return false;
   if (pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) {
     say("cannot start rank %d: pipe2: %s (errno %d)", r->rank, strerror(errno), errno);
     goto fail;
@@ -464,6 +469,8 @@ fail:
     if (po[k] >= 0) close(po[k]);
     if (pe[k] >= 0) close(pe[k]);
   }
+  close_stream_log(&r->out);
+  close_stream_log(&r->err);
   return false;
 }
 
@@ -593,4 +600,8 @@ void run_attempt(launcher_t *L, const sigset_t *orig_mask, const sigset_t *wait_
   }
   supervise(L, wait_mask);
   finish(L, wait_mask);
+  for (int i = 0; i < n; i++) { /* a stream that never ended (a rank that outlived SIGKILL) */
+    close_stream_log(&L->ranks[i].out);
+    close_stream_log(&L->ranks[i].err);
+  }
 }
