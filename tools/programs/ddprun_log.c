@@ -73,7 +73,12 @@ int prepare_logs(launcher_t *L) {
     L->ranks[i].redirects = red[i];
     L->ranks[i].tee = tee[i];
   }
-  if (!wants_logs(L)) return 0;
+  if (!wants_logs(L)) {
+    if (o->log_dir)
+      say("--log_dir %s without --redirects or --tee: no log files are written (torchrun's rule)",
+          o->log_dir);
+    return 0;
+  }
   char base[PATH_MAX];
   if (o->log_dir) {
     int e = make_dirs(o->log_dir);
