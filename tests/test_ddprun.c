@@ -615,8 +615,15 @@ static void test_log_files(void **state) {
   (void)state;
   char dir[] = "/tmp/ddprun-test-logs-XXXXXX";
   assert_non_null(mkdtemp(dir));
-  const char *script = "echo \"out $RANK $TORCHELASTIC_RESTART_COUNT\"; echo \"err $RANK\" >&2; "
-                       "[ \"$TORCHELASTIC_RESTART_COUNT$RANK\" = 01 ] && exit 3; exit 0";
+  /* Rank 1 fails in attempt 0, once rank 0's stdout has reached its log file (ddprun's pid is
+   * the rank's parent): failing at once, it had ddprun stop rank 0 before rank 0 wrote. */
+  char script[1024];
+  snprintf(script, sizeof script,
+           "echo \"err $RANK\" >&2; echo \"out $RANK $TORCHELASTIC_RESTART_COUNT\"; "
+           "if [ \"$TORCHELASTIC_RESTART_COUNT$RANK\" = 01 ]; then "
+           "f=%s/job9_$PPID/attempt_0/0/stdout.log; i=0; "
+           "while [ ! -s $f ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; exit 3; fi",
+           dir);
   const char *args[] = {"--nproc_per_node", "2",    "--log_dir",      dir,
                         "--redirects",      "1",    "--tee",          "0:2",
                         "--rdzv_id",        "job9", "--max_restarts", "1",

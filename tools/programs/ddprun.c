@@ -46,7 +46,7 @@
 
 #include "ddp/backend.h" /* DDP_BACKEND_LIST */
 
-#ifndef DDPRUN_PYTHON /* tools/meson.build: the Python of the torch backend, or python3 */
+#ifndef DDPRUN_PYTHON /* tools/meson.build: a Python that imports torch, or python3 */
 #define DDPRUN_PYTHON "python3"
 #endif
 #include "ddprun.h"
@@ -108,7 +108,7 @@ static void print_help(void) {
       "Flags accept '-' or '_' (--nproc-per-node) and '--flag value' or '--flag=value'.\n"
       "prog is a program, or, as under torchrun, a *.py script or (-m) a module, which\n"
       "run as 'PYTHON -u [-m] prog args': PYTHON is $PYTHON_EXEC if set, else " DDPRUN_PYTHON "\n"
-      "(the Python libddp's torch backend was built for).\n"
+      "(found when ddprun was built: the Python that imports torch).\n"
       "\n"
       "  --nproc_per_node N   ranks on this node, 1..1024, or 'cpu'/'auto' (online CPUs) [1]\n"
       "  --nnodes K           nodes in the job [1]\n"

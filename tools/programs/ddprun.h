@@ -53,7 +53,7 @@ typedef struct options {
   const char *fr_prefix;
   char **prog_argv; /* NULL-terminated, points into argv */
   /* How prog runs, as torchrun runs it: through `python -u [-m]` (python: $PYTHON_EXEC,
-   * else DDPRUN_PYTHON, the torch backend's Python) for -m, --run_path or a prog named *.py
+   * else DDPRUN_PYTHON, a Python that imports torch) for -m, --run_path or a prog named *.py
    * unless --no_python; else prog itself. NULL: prog itself. */
   const char *python;
   bool module;           /* -m: prog is a module, run as `python -u -m prog` */
