@@ -24,7 +24,8 @@ enum {
   BATCH_LINES = 256,      /* lines per writev (two iovecs each, under IOV_MAX) */
   DRAIN_MS = 2000,        /* after the last rank exits: wait this long for pipe EOF */
   REAP_MS = 10000,        /* after SIGKILL: wait this long for ranks to go */
-  TOKEN_BYTES = 16
+  TOKEN_BYTES = 16,
+  MAX_RANK_VARS = 32 /* variables ddprun sets in a rank's environment (ddprun_proc.c) */
 };
 
 #define DEFAULT_MASTER_ADDR "127.0.0.1"

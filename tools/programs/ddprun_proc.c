@@ -347,11 +347,118 @@ static void handle_signals(launcher_t *L) {
   }
 }
 
-/* Child side of fork: becomes the rank and never returns. ddprun's only other thread is
- * the store server's, which takes no lock the child needs: the child calls setenv (glibc's
- * fork leaves malloc usable in the child), dup2, dprintf and exec, no stdio stream. */
-__attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_rank, int out_fd,
-                                                int err_fd, pid_t parent,
+/* What a rank executes: its argv and its whole environment, built in ddprun before the fork.
+ * The child of a multithreaded process (ddprun's store server runs in a thread) may not
+ * allocate: a lock the other thread held at the fork stays held in the child, and under
+ * AddressSanitizer's allocator a child that allocated hung before exec. */
+typedef struct rank_exec {
+  char **argv; /* prog and its arguments, after `python -u [-m]` when prog runs in Python */
+  char **envp; /* ddprun's environment with the rank's variables set and removed */
+  char *owned[MAX_RANK_VARS]; /* the "NAME=value" strings made here */
+  int nowned;
+} rank_exec_t;
+
+static void free_rank_exec(rank_exec_t *x) {
+  for (int i = 0; i < x->nowned; i++) free(x->owned[i]);
+  free(x->argv);
+  free(x->envp);
+  memset(x, 0, sizeof *x);
+}
+
+static bool build_rank_exec(const launcher_t *L, int local_rank, rank_exec_t *x) {
+  const options_t *o = &L->opt;
+  memset(x, 0, sizeof *x);
+  size_t nprog = 0;
+  while (o->prog_argv[nprog]) nprog++;
+  x->argv = malloc((nprog + 4) * sizeof *x->argv);
+  size_t c = 0;
+  if (x->argv && o->python) {
+    x->argv[c++] = (char *)o->python;
+    x->argv[c++] = (char *)"-u";
+    if (o->module) x->argv[c++] = (char *)"-m";
+  }
+  if (x->argv) memcpy(x->argv + c, o->prog_argv, (nprog + 1) * sizeof *x->argv);
+
+  char v[10][32];
+  snprintf(v[0], sizeof v[0], "%d", o->node_rank * o->nproc_per_node + local_rank);
+  snprintf(v[1], sizeof v[1], "%d", local_rank);
+  snprintf(v[2], sizeof v[2], "%d", o->nnodes * o->nproc_per_node);
+  snprintf(v[3], sizeof v[3], "%d", o->nproc_per_node);
+  snprintf(v[4], sizeof v[4], "%d", o->node_rank);
+  snprintf(v[5], sizeof v[5], "%d", o->master_port);
+  snprintf(v[6], sizeof v[6], "%ld", o->timeout_s);
+  snprintf(v[7], sizeof v[7], "%d", L->restart_count);
+  snprintf(v[8], sizeof v[8], "%d", o->max_restarts);
+  snprintf(v[9], sizeof v[9], "%d", o->nnodes);
+  /* ddprun (node 0) serves the store: every rank, rank 0 too, connects to it as to
+   * torchrun's agent store (ddprun_net.c). keep: an inherited value stays (and `value`, if
+   * any, is set only when there is none); else `value` replaces it, or NULL removes it. */
+  const struct {
+    const char *name, *value;
+    bool keep;
+  } vars[] = {
+      {"RANK", v[0], false},
+      {"LOCAL_RANK", v[1], false},
+      {"WORLD_SIZE", v[2], false},
+      {"LOCAL_WORLD_SIZE", v[3], false},
+      {"GROUP_RANK", v[4], false},
+      {"MASTER_ADDR", o->master_addr, false},
+      {"MASTER_PORT", v[5], false},
+      {"DDP_JOB_TOKEN", L->token, false},
+      {"DDP_BACKEND", o->backend, !o->backend}, /* inherited without --backend */
+      {"DDP_TIMEOUT", o->timeout_s ? v[6] : NULL, !o->timeout_s},
+      {"TORCHELASTIC_RESTART_COUNT", v[7], false},
+      {"TORCHELASTIC_MAX_RESTARTS", v[8], false},
+      /* the rest of what torchrun's agent gives a worker: one role */
+      {"ROLE_RANK", v[0], false},
+      {"ROLE_NAME", o->role, false},
+      {"ROLE_WORLD_SIZE", v[2], false},
+      {"GROUP_WORLD_SIZE", v[9], false},
+      {"TORCHELASTIC_RUN_ID", o->run_id, false},
+      {"NCCL_ASYNC_ERROR_HANDLING", "1", true},
+      {"DDP_STORE_LISTEN_FD", NULL, false},
+      {"TORCHELASTIC_USE_AGENT_STORE", agent_store(L) ? "True" : NULL, false},
+  };
+  enum { NVARS = sizeof vars / sizeof vars[0] };
+  _Static_assert((int)NVARS <= (int)MAX_RANK_VARS, "MAX_RANK_VARS");
+  bool present[NVARS] = {false};
+  size_t nenv = 0;
+  while (environ[nenv]) nenv++;
+  x->envp = malloc((nenv + NVARS + 1) * sizeof *x->envp);
+  if (!x->argv || !x->envp) goto oom;
+  size_t e = 0;
+  for (size_t i = 0; i < nenv; i++) {
+    const char *kv = environ[i], *eq = strchr(kv, '=');
+    size_t nlen = eq ? (size_t)(eq - kv) : strlen(kv);
+    int k = -1;
+    for (int j = 0; j < NVARS && k < 0; j++)
+      if (strlen(vars[j].name) == nlen && strncmp(kv, vars[j].name, nlen) == 0) k = j;
+    if (k >= 0 && !vars[k].keep) continue; /* ddprun sets or removes it */
+    if (k >= 0) present[k] = true;         /* kept as inherited */
+    x->envp[e++] = (char *)kv;
+  }
+  for (int j = 0; j < NVARS; j++) {
+    if (!vars[j].value || (vars[j].keep && present[j])) continue;
+    size_t len = strlen(vars[j].name) + strlen(vars[j].value) + 2;
+    char *kv = malloc(len);
+    if (!kv) goto oom;
+    snprintf(kv, len, "%s=%s", vars[j].name, vars[j].value);
+    x->owned[x->nowned++] = kv;
+    x->envp[e++] = kv;
+  }
+  x->envp[e] = NULL;
+  return true;
+oom:
+  say("cannot start rank %d: out of memory for its command and environment",
+      o->node_rank * o->nproc_per_node + local_rank);
+  free_rank_exec(x);
+  return false;
+}
+
+/* Child side of fork: becomes the rank and never returns. It allocates nothing (see
+ * rank_exec_t): setpgid, prctl, dup2, sigaction, exec, and on failure a message. */
+__attribute__((noreturn)) static void exec_rank(const launcher_t *L, const rank_exec_t *x,
+                                                int out_fd, int err_fd, pid_t parent,
                                                 const sigset_t *orig_mask) {
   const options_t *o = &L->opt;
   setpgid(0, 0);
@@ -375,56 +482,8 @@ __attribute__((noreturn)) static void exec_rank(const launcher_t *L, int local_r
   sigaction(SIGPIPE, &dfl, NULL);
   sigprocmask(SIG_SETMASK, orig_mask, NULL);
 
-  char v[10][32];
-  snprintf(v[0], sizeof v[0], "%d", o->node_rank * o->nproc_per_node + local_rank);
-  snprintf(v[1], sizeof v[1], "%d", local_rank);
-  snprintf(v[2], sizeof v[2], "%d", o->nnodes * o->nproc_per_node);
-  snprintf(v[3], sizeof v[3], "%d", o->nproc_per_node);
-  snprintf(v[4], sizeof v[4], "%d", o->node_rank);
-  snprintf(v[5], sizeof v[5], "%d", o->master_port);
-  snprintf(v[6], sizeof v[6], "%ld", o->timeout_s);
-  snprintf(v[7], sizeof v[7], "%d", L->restart_count);
-  snprintf(v[8], sizeof v[8], "%d", o->max_restarts);
-  snprintf(v[9], sizeof v[9], "%d", o->nnodes);
-  /* ddprun (node 0) serves the store: every rank, rank 0 too, connects to it as to
-   * torchrun's agent store (ddprun_net.c). */
-  bool agent = agent_store(L);
-  bool ok = setenv("RANK", v[0], 1) == 0 && setenv("LOCAL_RANK", v[1], 1) == 0 &&
-            setenv("WORLD_SIZE", v[2], 1) == 0 && setenv("LOCAL_WORLD_SIZE", v[3], 1) == 0 &&
-            setenv("GROUP_RANK", v[4], 1) == 0 && setenv("MASTER_ADDR", o->master_addr, 1) == 0 &&
-            setenv("MASTER_PORT", v[5], 1) == 0 && setenv("DDP_JOB_TOKEN", L->token, 1) == 0 &&
-            (!o->backend || setenv("DDP_BACKEND", o->backend, 1) == 0) &&
-            (o->timeout_s == 0 || setenv("DDP_TIMEOUT", v[6], 1) == 0) &&
-            setenv("TORCHELASTIC_RESTART_COUNT", v[7], 1) == 0 &&
-            setenv("TORCHELASTIC_MAX_RESTARTS", v[8], 1) == 0 &&
-            /* the rest of what torchrun's agent gives a worker: one role, "default" */
-            setenv("ROLE_RANK", v[0], 1) == 0 && setenv("ROLE_NAME", o->role, 1) == 0 &&
-            setenv("ROLE_WORLD_SIZE", v[2], 1) == 0 && setenv("GROUP_WORLD_SIZE", v[9], 1) == 0 &&
-            setenv("TORCHELASTIC_RUN_ID", o->run_id, 1) == 0 &&
-            setenv("NCCL_ASYNC_ERROR_HANDLING", "1", 0) == 0 &&
-            unsetenv("DDP_STORE_LISTEN_FD") == 0 &&
-            (agent ? setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1)
-                   : unsetenv("TORCHELASTIC_USE_AGENT_STORE")) == 0;
-  if (!ok) {
-    dprintf(STDERR_FILENO, "ddprun: setenv: %s\n", strerror(errno));
-    _exit(EXIT_LAUNCH);
-  }
-  /* The command: prog and its arguments, after `python -u [-m]` when prog runs in Python. */
-  size_t nprog = 0;
-  while (o->prog_argv[nprog]) nprog++;
-  char **cmd = malloc((nprog + 4) * sizeof *cmd); /* the child execs or _exits: never freed */
-  if (!cmd) {
-    dprintf(STDERR_FILENO, "ddprun: out of memory for the command line\n");
-    _exit(EXIT_LAUNCH);
-  }
-  size_t c = 0;
-  if (o->python) {
-    cmd[c++] = (char *)o->python;
-    cmd[c++] = (char *)"-u";
-    if (o->module) cmd[c++] = (char *)"-m";
-  }
-  memcpy(cmd + c, o->prog_argv, (nprog + 1) * sizeof *cmd);
-  execvp(cmd[0], cmd);
+  char *const *cmd = x->argv;
+  execvpe(cmd[0], cmd, x->envp);
   int e = errno;
   dprintf(STDERR_FILENO, "ddprun: cannot execute '%s': %s (errno %d)%s%s%s\n", cmd[0], strerror(e),
           e, o->python ? "; set PYTHON_EXEC to the Python that runs '" : "",
@@ -445,13 +504,17 @@ static bool start_rank(launcher_t *L, int local_rank, const sigset_t *orig_mask)
     say("cannot start rank %d: pipe2: %s (errno %d)", r->rank, strerror(errno), errno);
     goto fail;
   }
+  rank_exec_t x;
+  if (!build_rank_exec(L, local_rank, &x)) goto fail;
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     say("cannot start rank %d: fork: %s (errno %d)", r->rank, strerror(errno), errno);
+    free_rank_exec(&x);
     goto fail;
   }
-  if (pid == 0) exec_rank(L, local_rank, po[1], pe[1], parent, orig_mask);
+  if (pid == 0) exec_rank(L, &x, po[1], pe[1], parent, orig_mask);
+  free_rank_exec(&x);
   /* Also set here, so the group exists before ddprun might signal it. */
   setpgid(pid, pid);
   close(po[1]);
