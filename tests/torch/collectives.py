@@ -617,6 +617,12 @@ def bad_input():
                        ("send", lambda t: dist.send(t, dst=(R + 1) % W))]:
         raises(f"{name} of a cuda:0 tensor", lambda: call(ClaimsCuda((3,))),
                "the tensor is on cuda:0", "CPU tensors only", "nccl backend for CUDA tensors")
+    sp = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1), (3,))
+    raises("all_gather of a sparse tensor", lambda: dist.all_gather(
+        [torch.empty(3) for _ in range(W)], sp), "Sparse tensors are not supported here")
+    raises("gather of a sparse tensor", lambda: dist.gather(
+        sp, [torch.empty(3) for _ in range(W)] if R == 0 else None, dst=0),
+        "Sparse tensors are not supported here")
     raises("all_gather size", lambda: dist.all_gather([torch.empty(2) for _ in range(W)],
                                                       torch.ones(3)), "Float[2]", "Float[3]")
     import libddp_torch

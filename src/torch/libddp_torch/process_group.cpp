@@ -689,9 +689,10 @@ ProcessGroupLibddp::allgather(std::vector<std::vector<at::Tensor>> &outputs,
                               std::vector<at::Tensor> &inputs, const c10d::AllgatherOptions &opts) {
   at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "allgather");
-  at::Tensor in = Staging::in(inputs[0]);
+  at::Tensor in = inputs[0];
   std::string what = call_name("allgather", in);
   check_tensor(in, what);
+  in = Staging::in(in);
   TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
               "libddp ", what, ": expects one output list of world_size (", getSize(),
               ") tensors");
@@ -761,9 +762,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLibddp::gather(std::vector<std::vecto
                                                           const c10d::GatherOptions &opts) {
   at::NoGradGuard no_grad; // outputs are written as data: see make_work
   check_one(inputs, "gather");
-  at::Tensor in = Staging::in(inputs[0]);
+  at::Tensor in = inputs[0];
   std::string what = "gather of " + describe(in) + " to root " + std::to_string(opts.rootRank);
   check_tensor(in, what);
+  in = Staging::in(in);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "libddp ", what,
               ": root rank out of range [0, ", getSize(), ")");
   bool root = getRank() == opts.rootRank;
