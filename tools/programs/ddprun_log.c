@@ -89,10 +89,11 @@ int prepare_logs(launcher_t *L) {
     snprintf(base, sizeof base, "%s", o->log_dir);
   } else {
     const char *tmp = getenv("TMPDIR");
-    snprintf(base, sizeof base, "%s/ddprun_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!tmp || !*tmp) tmp = "/tmp";
+    snprintf(base, sizeof base, "%s/ddprun_XXXXXX", tmp);
     if (!mkdtemp(base)) {
-      say("cannot create a directory for the rank logs under %s: %s (errno %d)",
-          tmp && *tmp ? tmp : "/tmp", strerror(errno), errno);
+      say("cannot create a directory for the rank logs under %s: %s (errno %d)", tmp,
+          strerror(errno), errno);
       return EXIT_LAUNCH;
     }
   }
@@ -107,9 +108,8 @@ int prepare_logs(launcher_t *L) {
 }
 
 /* Opens one stream's file when the rank's redirects or tee name it (bit: 1 stdout, 2 stderr). */
-static bool open_stream_log(const launcher_t *L, const rank_proc_t *r, line_stream_t *s,
-                            const char *dir, int bit, const char *name) {
-  (void)L;
+static bool open_stream_log(const rank_proc_t *r, line_stream_t *s, const char *dir, int bit,
+                            const char *name) {
   s->log_fd = -1;
   s->quiet = (r->redirects & bit) && !(r->tee & bit);
   if (!((r->redirects | r->tee) & bit)) return true;
@@ -140,8 +140,8 @@ bool open_rank_logs(const launcher_t *L, rank_proc_t *r, int local_rank) {
     say("cannot start rank %d: cannot create %s: %s (errno %d)", r->rank, dir, strerror(e), e);
     return false;
   }
-  if (!open_stream_log(L, r, &r->out, dir, 1, "stdout.log")) return false;
-  if (!open_stream_log(L, r, &r->err, dir, 2, "stderr.log")) {
+  if (!open_stream_log(r, &r->out, dir, 1, "stdout.log")) return false;
+  if (!open_stream_log(r, &r->err, dir, 2, "stderr.log")) {
     close_stream_log(&r->out);
     return false;
   }
