@@ -68,9 +68,9 @@ int main(void) {
   return s == DDP_OK ? 0 : 1;
 }
 C
-# shellcheck disable=SC2086  # flags are words
 san=()
 [ "$sanitize" = none ] || san=("-fsanitize=$sanitize")
+# shellcheck disable=SC2086  # flags are words
 cc -std=c11 -Wall -Werror "${san[@]}" consumer.c -o consumer $flags >cc.log 2>&1 ||
   {
     cat cc.log
