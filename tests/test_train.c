@@ -304,7 +304,7 @@ static void test_defaults(void **state) {
   assert_int_equal(ddp_train_args_set(&a, "learning_rat", "1", &err), DDP_ERR_NOT_FOUND);
   assert_non_null(strstr(err.msg, "did you mean \"learning_rate\""));
   assert_int_equal(ddp_train_args_set(&a, "max_steps", "1.5", &err), DDP_ERR_INVALID_ARGUMENT);
-  assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "yes", &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", "maybe", &err), DDP_ERR_INVALID_ARGUMENT);
   /* Hooks are validated by name; they run inside the reducer, so the flat path refuses
    * them instead of ignoring them. */
   assert_int_equal(ddp_train_args_set(&a, "comm_hook", "power_sgd", &err), DDP_OK);
@@ -383,6 +383,81 @@ static void test_flags_and_optim_args(void **state) {
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
 }
 
+/* Hugging Face TrainingArguments with no field here: accepted where they change nothing or
+ * ask for what ddp-train does, refused naming the value and the reason otherwise; booleans
+ * as HfArgumentParser reads them; evaluation_strategy, eval_strategy's old name. */
+static void test_hf_arguments(void **state) {
+  ddp_train_args_t a = DDP_TRAIN_ARGS_INIT;
+  ddp_error_t err = {0};
+  struct {
+    const char *name, *value;
+  } ok[] = {{"do_train", "true"},
+            {"do_eval", "False"},
+            {"local_rank", "-1"},
+            {"use_cpu", "y"},
+            {"run_name", "exp 3"},
+            {"dataloader_num_workers", "4"},
+            {"dataloader_prefetch_factor", "none"},
+            {"fp16", "false"},
+            {"bf16", "no"},
+            {"report_to", "none"},
+            {"report_to", "all"},
+            {"report_to", ""},
+            {"logging_strategy", "steps"},
+            {"push_to_hub", "0"},
+            {"label_smoothing_factor", "0.0"},
+            {"neftune_noise_alpha", "null"},
+            {"lr_scheduler_kwargs", "{}"},
+            {"past_index", "-1"}};
+  ddp_train_args_t before = a;
+  for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+    ddp_status_t st = ddp_train_args_set(&a, ok[i].name, ok[i].value, &err);
+    if (st != DDP_OK)
+      fail_msg("%s=\"%s\": %s: %s", ok[i].name, ok[i].value, ddp_status_str(st), err.msg);
+  }
+  /* Accepted without a field: the arguments are as before. */
+  assert_memory_equal(&a, &before, sizeof a);
+  struct {
+    const char *name, *value, *expect;
+  } refused[] = {
+      {"fp16", "true", "fp16 \"true\" is not available in ddp-train: mixed precision"},
+      {"bf16", "1", "accepted here: false"},
+      {"report_to", "wandb", "metrics.jsonl"},
+      {"report_to", "wandb", "accepted here: none, all, \"\""},
+      {"logging_strategy", "epoch", "logging_strategy \"epoch\""},
+      {"label_smoothing_factor", "0.1", "no label smoothing"},
+      {"push_to_hub", "true", "uploads nothing"},
+      {"save_only_model", "true", "optimizer, scheduler and RNG states"},
+      {"neftune_noise_alpha", "5", "accepted here: none, 0"},
+      {"dataloader_num_workers", "four", "dataloader_num_workers expects an integer"},
+      {"do_train", "maybe", "do_train expects true or false"},
+      {"label_smoothing_factor", "none", "accepted here: 0"},
+  };
+  for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+    ddp_status_t st = ddp_train_args_set(&a, refused[i].name, refused[i].value, &err);
+    if (st != DDP_ERR_INVALID_ARGUMENT || !strstr(err.msg, refused[i].expect)) {
+      fail_msg("%s=\"%s\": %s \"%s\", expected INVALID_ARGUMENT with \"%s\"", refused[i].name,
+               refused[i].value, ddp_status_str(st), err.msg, refused[i].expect);
+    }
+  }
+  assert_int_equal(ddp_train_args_set(&a, "fp17", "true", &err), DDP_ERR_NOT_FOUND);
+  assert_non_null(strstr(err.msg, "unknown argument \"fp17\""));
+  assert_int_equal(ddp_train_args_set(&a, "evaluation_strategy", "steps", &err), DDP_OK);
+  assert_string_equal(a.eval_strategy, "steps");
+  const char *yes[] = {"true", "TRUE", "yes", "t", "Y", "1"},
+             *no[] = {"false", "No", "f", "n", "0"};
+  for (size_t i = 0; i < sizeof yes / sizeof *yes; i++) {
+    a.disable_tqdm = false;
+    assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", yes[i], &err), DDP_OK);
+    if (!a.disable_tqdm) fail_msg("disable_tqdm=\"%s\" read as false", yes[i]);
+  }
+  for (size_t i = 0; i < sizeof no / sizeof *no; i++) {
+    a.disable_tqdm = true;
+    assert_int_equal(ddp_train_args_set(&a, "disable_tqdm", no[i], &err), DDP_OK);
+    if (a.disable_tqdm) fail_msg("disable_tqdm=\"%s\" read as true", no[i]);
+  }
+}
+
 /* The tool: both spellings, a config file overridden by flags, bare booleans. */
 static void test_tool_parsing(void **state) {
   char dir[256], cfg[512];
@@ -390,8 +465,11 @@ static void test_tool_parsing(void **state) {
   snprintf(cfg, sizeof cfg, "%s/args.json", dir);
   FILE *f = fopen(cfg, "w");
   assert_non_null(f);
+  /* As TrainingArguments.to_json_string() writes some keys: lists, objects, HF-only names. */
   fprintf(f, "{\"learning_rate\": 0.25, \"max_steps\": 9, \"ddp_broadcast_buffers\": false, "
-             "\"optim\": \"sgd\", \"ddp_static_graph\": null, \"warmup_ratio\": 0.125}\n");
+             "\"optim\": \"sgd\", \"ddp_static_graph\": null, \"warmup_ratio\": 0.125, "
+             "\"report_to\": [], \"fsdp\": [], \"lr_scheduler_kwargs\": {}, \"fp16\": false, "
+             "\"do_train\": true, \"evaluation_strategy\": \"epoch\"}\n");
   fclose(f);
 
   const char *a1[] = {"--print_args", NULL};
@@ -411,6 +489,9 @@ static void test_tool_parsing(void **state) {
                       "false",
                       "--disable_tqdm",
                       "--ddp_backend=gloo",
+                      "--do_train",
+                      "--report_to",
+                      "none",
                       "--print_args",
                       NULL};
   o = print_args(a2);
@@ -424,6 +505,8 @@ static void test_tool_parsing(void **state) {
   assert_true(cJSON_IsTrue(cJSON_GetObjectItem(o, "disable_tqdm")));
   assert_string_equal(jstr(o, "optim"), "sgd");
   assert_string_equal(jstr(o, "ddp_backend"), "gloo");
+  assert_string_equal(jstr(o, "eval_strategy"), "epoch"); /* evaluation_strategy, in the file */
+  assert_string_equal(jstr(o, "fsdp"), "");
   cJSON_Delete(o);
   rm_tree(dir);
 }
@@ -435,6 +518,11 @@ static void test_tool_errors(void **state) {
     const char *expect;
   } cases[] = {
       {{"--no_such_flag", "1", NULL}, "unknown argument \"no_such_flag\""},
+      {{"--no_such_flag", NULL}, "unknown argument \"no_such_flag\""},
+      {{"--learning_rate", NULL}, "--learning_rate needs a value"},
+      {{"--data", NULL}, "--data needs a value"},
+      {{"--fp16", NULL}, "fp16 \"true\" is not available in ddp-train: mixed precision"},
+      {{"--report_to", "wandb", NULL}, "report_to \"wandb\" is not available"},
       {{"--learning_rate", "fast", NULL}, "learning_rate expects a number"},
       {{"--max_steps=2.5", NULL}, "max_steps expects an integer"},
       {{"--disable_tqdm", "maybe", NULL}, "disable_tqdm expects true or false"},
@@ -1348,15 +1436,25 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_defaults),         cmocka_unit_test(test_flags_and_optim_args),
-      cmocka_unit_test(test_tool_parsing),     cmocka_unit_test(test_tool_errors),
-      cmocka_unit_test(test_loss_falls),       cmocka_unit_test(test_equivalence),
-      cmocka_unit_test(test_reducer_vs_flat),  cmocka_unit_test(test_comm_hooks),
-      cmocka_unit_test(test_split_and_eval),   cmocka_unit_test(test_resume_bitwise),
-      cmocka_unit_test(test_powersgd_resume),  cmocka_unit_test(test_weight_decay_groups),
-      cmocka_unit_test(test_kill_during_save), cmocka_unit_test(test_metrics),
-      cmocka_unit_test(test_replica_check),    cmocka_unit_test(test_threads_vs_processes),
-      cmocka_unit_test(test_mpirun),           cmocka_unit_test(test_progress_output),
+      cmocka_unit_test(test_defaults),
+      cmocka_unit_test(test_flags_and_optim_args),
+      cmocka_unit_test(test_hf_arguments),
+      cmocka_unit_test(test_tool_parsing),
+      cmocka_unit_test(test_tool_errors),
+      cmocka_unit_test(test_loss_falls),
+      cmocka_unit_test(test_equivalence),
+      cmocka_unit_test(test_reducer_vs_flat),
+      cmocka_unit_test(test_comm_hooks),
+      cmocka_unit_test(test_split_and_eval),
+      cmocka_unit_test(test_resume_bitwise),
+      cmocka_unit_test(test_powersgd_resume),
+      cmocka_unit_test(test_weight_decay_groups),
+      cmocka_unit_test(test_kill_during_save),
+      cmocka_unit_test(test_metrics),
+      cmocka_unit_test(test_replica_check),
+      cmocka_unit_test(test_threads_vs_processes),
+      cmocka_unit_test(test_mpirun),
+      cmocka_unit_test(test_progress_output),
       cmocka_unit_test(test_dump_vs_torch),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -176,23 +176,15 @@ static ddp_train_args_t args_in(const ddp_train_args_t *a) {
   return c;
 }
 
-static bool parse_bool(const char *v, bool *out) {
-  if (!strcasecmp(v, "true") || !strcmp(v, "1")) {
-    *out = true;
-    return true;
-  }
-  if (!strcasecmp(v, "false") || !strcmp(v, "0")) {
-    *out = false;
-    return true;
-  }
-  return false;
-}
-
 ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const char *value,
                                 ddp_error_t *err) {
   DDP_REQUIRE(a && name && value);
+  /* HF's name for eval_strategy until Transformers 4.46 (TrainingArguments took both). */
+  if (!strcmp(name, "evaluation_strategy")) name = "eval_strategy";
   const arg_field_t *f = find_field(name);
   if (!f) {
+    ddp_status_t st = ddp__train_args_hf(name, value, err);
+    if (st != DDP_ERR_NOT_FOUND) return st;
     const char *best = NULL;
     size_t bd = 4;
     for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {
@@ -246,7 +238,7 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
     }
     case K_BOOL: {
       bool b;
-      if (!parse_bool(value, &b)) {
+      if (!ddp__train_parse_bool(value, &b)) {
         return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                                 "%s expects true or false, got \"%s\"", name, value);
       }
@@ -257,7 +249,7 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
       bool b;
       if (!strcasecmp(value, "none") || !strcasecmp(value, "null")) {
         *(ddp_tristate_t *)p = DDP_UNSET;
-      } else if (parse_bool(value, &b)) {
+      } else if (ddp__train_parse_bool(value, &b)) {
         *(ddp_tristate_t *)p = b ? DDP_TRUE : DDP_FALSE;
       } else {
         return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
@@ -309,9 +301,14 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
         snprintf(buf, sizeof buf, "%.17g", d);
       }
       v = buf;
-    } else if (cJSON_IsObject(it) && !strcmp(it->string, "comm_state_option")) {
+    } else if (cJSON_IsObject(it)) {
+      /* comm_state_option, fsdp_config, HF's *_kwargs: their JSON text. */
       printed = cJSON_PrintUnformatted(it);
       v = printed;
+    } else if (cJSON_IsArray(it) && cJSON_GetArraySize(it) <= 1 &&
+               (!it->child || cJSON_IsString(it->child))) {
+      /* HF's list-valued report_to, fsdp, debug: [] or one name. */
+      v = it->child ? it->child->valuestring : "";
     }
     if (!v) {
       st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
@@ -415,7 +412,7 @@ ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_
       o->momentum = x;
     } else if (sgd && !strcmp(key, "dampening") && num) {
       o->dampening = x;
-    } else if (sgd && !strcmp(key, "nesterov") && parse_bool(val, &b)) {
+    } else if (sgd && !strcmp(key, "nesterov") && ddp__train_parse_bool(val, &b)) {
       o->nesterov = b;
     } else if (sgd && (!strcmp(key, "momentum") || !strcmp(key, "dampening") ||
                        !strcmp(key, "nesterov"))) {

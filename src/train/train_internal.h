@@ -25,6 +25,17 @@ bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out);
  * even steps, 1 on odd ones). ddp__train_forward_flags is step 0. False when malformed. */
 bool ddp__train_forward_flags_at(const char *text, int rank, int64_t step, uint64_t *out);
 
+/* A boolean as HfArgumentParser reads one: true, yes, t, y, 1 or false, no, f, n, 0, in any
+ * case. False when v is none of them. (args_hf.c) */
+bool ddp__train_parse_bool(const char *v, bool *out);
+
+/* A Hugging Face TrainingArguments name that ddp_train_args_t has no field for (args_hf.c):
+ * DDP_OK when value is accepted (the argument changes nothing in ddp-train, or asks for
+ * what ddp-train does), DDP_ERR_INVALID_ARGUMENT (not logged) naming the argument, the
+ * value, why and the values accepted, DDP_ERR_NOT_FOUND (nothing written) for a name that
+ * is not one of them. */
+ddp_status_t ddp__train_args_hf(const char *name, const char *value, ddp_error_t *err);
+
 /* HF's optim_args ("key=value,key=value", spaces ignored) applied to o: optim sgd takes
  * momentum, dampening and nesterov (torch.optim.SGD's keywords); the other optimizers take
  * no key. DDP_ERR_INVALID_ARGUMENT (not logged) names a malformed item, an unknown key or

@@ -126,11 +126,31 @@ static int usage_error(const char *fmt, const char *a, const char *b) {
   return 2;
 }
 
-static bool is_bool_field(const char *name) {
+/* Whether a flag given with no value needs one: a field that is not boolean. A name with no
+ * field (a boolean of HF's that ddp-train accepts without a field, or an unknown name) is
+ * read as "true", and the setter accepts it, refuses it or names it unknown. */
+static bool needs_value(const char *name) {
+  static const char *const own[] = {"config",
+                                    "model",
+                                    "data",
+                                    "init",
+                                    "label_dtype",
+                                    "ddp_fault",
+                                    "label_column",
+                                    "threads",
+                                    "model_name_or_path",
+                                    "block_size",
+                                    "max_seq_length",
+                                    "sample_prompt",
+                                    "sample_top_k",
+                                    "sample_max_new_tokens"};
+  for (size_t i = 0; i < sizeof own / sizeof *own; i++) {
+    if (!strcmp(own[i], name)) return true;
+  }
   for (size_t i = 0; i < ddp_train_arg_count(); i++) {
     const char *n, *type;
     ddp_train_arg_info(i, &n, &type, NULL, NULL);
-    if (!strcmp(n, name)) return !strcmp(type, "bool") || !strcmp(type, "Optional[bool]");
+    if (!strcmp(n, name)) return strcmp(type, "bool") && strcmp(type, "Optional[bool]");
   }
   return false;
 }
@@ -173,7 +193,7 @@ static int parse_args(tool_t *t, int argc, char **argv) {
       value = eq + 1;
     } else if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
       value = argv[++i];
-    } else if (is_bool_field(name)) {
+    } else if (!needs_value(name)) {
       value = "true"; /* a bare boolean flag, as HfArgumentParser accepts */
     } else {
       return usage_error("--%s needs a value%s", name, "");
