@@ -441,7 +441,7 @@ static void test_hf_arguments(void **state) {
     }
   }
   assert_int_equal(ddp_train_args_set(&a, "fp17", "true", &err), DDP_ERR_NOT_FOUND);
-  assert_non_null(strstr(err.msg, "unknown argument \"fp17\""));
+  assert_non_null(strstr(err.msg, "unknown argument \"fp17\" (did you mean \"fp16\"?)"));
   assert_int_equal(ddp_train_args_set(&a, "evaluation_strategy", "steps", &err), DDP_OK);
   assert_string_equal(a.eval_strategy, "steps");
   const char *yes[] = {"true", "TRUE", "yes", "t", "Y", "1"},

@@ -186,12 +186,13 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
     ddp_status_t st = ddp__train_args_hf(name, value, err);
     if (st != DDP_ERR_NOT_FOUND) return st;
     const char *best = NULL;
-    size_t bd = 4;
-    for (size_t i = 0; i < DDP_ARRAY_LEN(fields); i++) {
-      size_t d = edit_distance(name, fields[i].name);
+    size_t bd = 4, nf = DDP_ARRAY_LEN(fields);
+    for (size_t i = 0; i < nf + ddp__train_args_hf_count(); i++) {
+      const char *n = i < nf ? fields[i].name : ddp__train_args_hf_name(i - nf);
+      size_t d = edit_distance(name, n);
       if (d < bd) {
         bd = d;
-        best = fields[i].name;
+        best = n;
       }
     }
     return ddp__error_quiet(err, DDP_ERR_NOT_FOUND, "unknown argument \"%s\"%s%s%s", name,

@@ -151,6 +151,13 @@ static bool listed(hf_kind_t kind, const char *list, const char *v, double num, 
   }
 }
 
+size_t ddp__train_args_hf_count(void) { return DDP_ARRAY_LEN(hf_args); }
+
+const char *ddp__train_args_hf_name(size_t i) {
+  DDP_REQUIRE(i < DDP_ARRAY_LEN(hf_args));
+  return hf_args[i].name;
+}
+
 ddp_status_t ddp__train_args_hf(const char *name, const char *value, ddp_error_t *err) {
   static const char *const kinds[] = {"true or false", "an integer", "a number", "a string"};
   const hf_arg_t *h = NULL;

@@ -35,6 +35,9 @@ bool ddp__train_parse_bool(const char *v, bool *out);
  * value, why and the values accepted, DDP_ERR_NOT_FOUND (nothing written) for a name that
  * is not one of them. */
 ddp_status_t ddp__train_args_hf(const char *name, const char *value, ddp_error_t *err);
+/* The names ddp__train_args_hf knows, i < ddp__train_args_hf_count() (for "did you mean"). */
+size_t ddp__train_args_hf_count(void);
+const char *ddp__train_args_hf_name(size_t i);
 
 /* HF's optim_args ("key=value,key=value", spaces ignored) applied to o: optim sgd takes
  * momentum, dampening and nesterov (torch.optim.SGD's keywords); the other optimizers take
