@@ -444,6 +444,36 @@ static void test_hf_arguments(void **state) {
   assert_non_null(strstr(err.msg, "unknown argument \"fp17\" (did you mean \"fp16\"?)"));
   assert_int_equal(ddp_train_args_set(&a, "evaluation_strategy", "steps", &err), DDP_OK);
   assert_string_equal(a.eval_strategy, "steps");
+  /* A config as TrainingArguments.to_json_string() writes one: every field of ours null
+   * (unset: the defaults), evaluation_strategy null beside eval_strategy, HF's own names at
+   * their defaults, lists and objects. */
+  char dir[256], cfg[512];
+  make_dir(dir, sizeof dir, "hfcfg");
+  snprintf(cfg, sizeof cfg, "%s/training_args.json", dir);
+  FILE *f = fopen(cfg, "w");
+  assert_non_null(f);
+  fprintf(f, "{");
+  for (size_t i = 0; i < ddp_train_arg_count(); i++) {
+    const char *n;
+    ddp_train_arg_info(i, &n, NULL, NULL, NULL);
+    fprintf(f, "\"%s\": null, ", n);
+  }
+  fprintf(f, "\"evaluation_strategy\": null, \"report_to\": [], \"lr_scheduler_kwargs\": {}, "
+             "\"label_names\": null, \"accelerator_config\": {\"split_batches\": false}, "
+             "\"per_gpu_train_batch_size\": null, \"fp16\": false, \"tf32\": null, "
+             "\"hub_token\": \"<HUB_TOKEN>\", \"dispatch_batches\": null}\n");
+  fclose(f);
+  ddp_train_args_t loaded = DDP_TRAIN_ARGS_INIT, defaults = DDP_TRAIN_ARGS_INIT;
+  ddp_status_t st = ddp_train_args_load_json(&loaded, cfg, &err);
+  if (st != DDP_OK) fail_msg("%s: %s", ddp_status_str(st), err.msg);
+  char *got = NULL, *want = NULL;
+  assert_int_equal(ddp_train_args_to_json(&loaded, &got), DDP_OK);
+  assert_int_equal(ddp_train_args_to_json(&defaults, &want), DDP_OK);
+  assert_string_equal(got, want);
+  ddp_free(got);
+  ddp_free(want);
+  rm_tree(dir);
+
   const char *yes[] = {"true", "TRUE", "yes", "t", "Y", "1"},
              *no[] = {"false", "No", "f", "n", "0"};
   for (size_t i = 0; i < sizeof yes / sizeof *yes; i++) {

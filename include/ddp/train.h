@@ -177,16 +177,22 @@ typedef struct ddp_train_args {
     .zero_parameters_as_bucket_view = false, .zero_comm_hook = "no", .zero_shard_buckets = false   \
   }
 
-/* Sets one field by its HF name from a string: integers, floats, booleans "true"/"false"
- * (also "1"/"0"), Optional[bool] fields also "none". An unknown name is DDP_ERR_NOT_FOUND,
- * a malformed or out-of-range value DDP_ERR_INVALID_ARGUMENT; both messages name the field
- * (an unknown name also suggests the closest known one). */
+/* Sets one field by its HF name from a string: integers, floats, booleans as
+ * HfArgumentParser reads them ("true"/"false", "yes"/"no", "t"/"f", "y"/"n", "1"/"0", any
+ * case), Optional[bool] fields also "none". HF's TrainingArguments names with no field here
+ * are accepted where they change nothing or ask for what ddp-train does, and refused
+ * (DDP_ERR_INVALID_ARGUMENT, naming why) otherwise (docs/train.md); "evaluation_strategy"
+ * sets eval_strategy. An unknown name is DDP_ERR_NOT_FOUND, a malformed or out-of-range
+ * value DDP_ERR_INVALID_ARGUMENT; both messages name the field (an unknown name also
+ * suggests the closest known one). */
 DDP_API ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const char *value,
                                         ddp_error_t *err);
 
-/* Reads a JSON object whose keys are field names (values: numbers, booleans, strings, null
- * for "unset"; comm_state_option may be an object). DDP_ERR_NOT_FOUND for a missing file,
- * DDP_ERR_INVALID_DATA for malformed JSON, else as ddp_train_args_set. */
+/* Reads a JSON object whose keys are field names, as TrainingArguments.to_json_string()
+ * writes them (values: numbers, booleans, strings; null for "unset": an Optional[bool]
+ * field's none, any other field's default; an object as its JSON text; a list of at most
+ * one string as that string). DDP_ERR_NOT_FOUND for a missing file, DDP_ERR_INVALID_DATA
+ * for malformed JSON, else as ddp_train_args_set. */
 DDP_API ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path,
                                               ddp_error_t *err);
 

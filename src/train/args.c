@@ -293,7 +293,13 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
     } else if (cJSON_IsBool(it)) {
       v = cJSON_IsTrue(it) ? "true" : "false";
     } else if (cJSON_IsNull(it)) {
-      v = "none";
+      /* Unset: an Optional[bool]'s none, else the field's default (HF writes null for an
+       * unset deepspeed, resume_from_checkpoint, ddp_bucket_cap_mb, ...; passing "none" on
+       * would name a file "none"). evaluation_strategy, unset beside eval_strategy in
+       * Transformers 4.41-4.45's dumps, leaves eval_strategy alone. */
+      if (!strcmp(it->string, "evaluation_strategy")) continue;
+      const arg_field_t *f = find_field(it->string);
+      v = f && f->kind != K_TRI ? f->def : "none";
     } else if (cJSON_IsNumber(it)) {
       double d = it->valuedouble;
       if (d == floor(d) && fabs(d) < 1e15) {
