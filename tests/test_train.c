@@ -420,7 +420,7 @@ static void test_hf_arguments(void **state) {
   struct {
     const char *name, *value, *expect;
   } refused[] = {
-      {"fp16", "true", "fp16 \"true\" is not available in ddp-train: mixed precision"},
+      {"fp16", "true", "fp16 \"true\" is not available: ddp-train has no mixed precision"},
       {"bf16", "1", "accepted here: false"},
       {"report_to", "wandb", "metrics.jsonl"},
       {"report_to", "wandb", "accepted here: none, all, \"\""},
@@ -551,7 +551,7 @@ static void test_tool_errors(void **state) {
       {{"--no_such_flag", NULL}, "unknown argument \"no_such_flag\""},
       {{"--learning_rate", NULL}, "--learning_rate needs a value"},
       {{"--data", NULL}, "--data needs a value"},
-      {{"--fp16", NULL}, "fp16 \"true\" is not available in ddp-train: mixed precision"},
+      {{"--fp16", NULL}, "fp16 \"true\" is not available: ddp-train has no mixed precision"},
       {{"--report_to", "wandb", NULL}, "report_to \"wandb\" is not available"},
       {{"--learning_rate", "fast", NULL}, "learning_rate expects a number"},
       {{"--max_steps=2.5", NULL}, "max_steps expects an integer"},

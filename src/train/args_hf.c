@@ -30,7 +30,7 @@ typedef struct hf_arg {
   const char *why; /* for accepted == NULL: why it changes nothing; else why not others */
 } hf_arg_t;
 
-#define MIXED "mixed precision is not implemented: the model trains in its dtype (docs/nn.md)"
+#define MIXED "ddp-train has no mixed precision: the model trains in its dtype (docs/nn.md)"
 static const hf_arg_t hf_args[] = {
     /* Nothing in a ddp-train run depends on these. */
     {"do_train", HB, NULL, "ddp-train always trains (HF's Trainer reads it neither)"},
@@ -220,7 +220,7 @@ ddp_status_t ddp__train_args_hf(const char *name, const char *value, ddp_error_t
     p = bar + 1;
   }
   return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
-                          "%s \"%s\" is not available in ddp-train: %s (HF's TrainingArguments "
+                          "%s \"%s\" is not available: %s (HF's TrainingArguments "
                           "name; accepted here: %s)",
                           name, value, h->why, shown);
 }
