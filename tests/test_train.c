@@ -498,7 +498,8 @@ static void test_tool_parsing(void **state) {
   /* As TrainingArguments.to_json_string() writes some keys: lists, objects, HF-only names. */
   fprintf(f, "{\"learning_rate\": 0.25, \"max_steps\": 9, \"ddp_broadcast_buffers\": false, "
              "\"optim\": \"sgd\", \"ddp_static_graph\": null, \"warmup_ratio\": 0.125, "
-             "\"report_to\": [], \"fsdp\": [], \"lr_scheduler_kwargs\": {}, \"fp16\": false, "
+             "\"report_to\": [\"none\"], \"fsdp\": [\"full_shard\", \"auto_wrap\"], "
+             "\"lr_scheduler_kwargs\": {}, \"fp16\": false, "
              "\"do_train\": true, \"evaluation_strategy\": \"epoch\"}\n");
   fclose(f);
 
@@ -536,7 +537,7 @@ static void test_tool_parsing(void **state) {
   assert_string_equal(jstr(o, "optim"), "sgd");
   assert_string_equal(jstr(o, "ddp_backend"), "gloo");
   assert_string_equal(jstr(o, "eval_strategy"), "epoch"); /* evaluation_strategy, in the file */
-  assert_string_equal(jstr(o, "fsdp"), "");
+  assert_string_equal(jstr(o, "fsdp"), "full_shard auto_wrap"); /* a list, in the file */
   cJSON_Delete(o);
   rm_tree(dir);
 }

@@ -190,9 +190,9 @@ DDP_API ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, c
 
 /* Reads a JSON object whose keys are field names, as TrainingArguments.to_json_string()
  * writes them (values: numbers, booleans, strings; null for "unset": an Optional[bool]
- * field's none, any other field's default; an object as its JSON text; a list of at most
- * one string as that string). DDP_ERR_NOT_FOUND for a missing file, DDP_ERR_INVALID_DATA
- * for malformed JSON, else as ddp_train_args_set. */
+ * field's none, any other field's default; an object as its JSON text; a list of
+ * strings as the strings joined by spaces). DDP_ERR_NOT_FOUND for a missing file,
+ * DDP_ERR_INVALID_DATA for malformed JSON, else as ddp_train_args_set. */
 DDP_API ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path,
                                               ddp_error_t *err);
 

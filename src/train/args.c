@@ -269,6 +269,28 @@ ddp_status_t ddp_train_args_set(ddp_train_args_t *a, const char *name, const cha
   return DDP_OK;
 }
 
+/* Whether every item of a JSON list is a string. */
+static bool all_strings(const cJSON *list) {
+  const cJSON *x;
+  cJSON_ArrayForEach(x, list) {
+    if (!cJSON_IsString(x)) return false;
+  }
+  return true;
+}
+
+/* A JSON list of strings as one string, the items joined by spaces (freed with
+ * cJSON_free); NULL when memory runs out. */
+static char *join_names(const cJSON *list) {
+  size_t n = 1;
+  const cJSON *x;
+  cJSON_ArrayForEach(x, list) n += strlen(x->valuestring) + 1;
+  char *s = cJSON_malloc(n), *p = s;
+  if (!s) return NULL;
+  *p = 0;
+  cJSON_ArrayForEach(x, list) { p += sprintf(p, "%s%s", p == s ? "" : " ", x->valuestring); }
+  return s;
+}
+
 ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp_error_t *err) {
   DDP_REQUIRE(a && path);
   char *text = NULL;
@@ -312,10 +334,15 @@ ddp_status_t ddp_train_args_load_json(ddp_train_args_t *a, const char *path, ddp
       /* comm_state_option, fsdp_config, HF's *_kwargs: their JSON text. */
       printed = cJSON_PrintUnformatted(it);
       v = printed;
-    } else if (cJSON_IsArray(it) && cJSON_GetArraySize(it) <= 1 &&
-               (!it->child || cJSON_IsString(it->child))) {
-      /* HF's list-valued report_to, fsdp, debug: [] or one name. */
-      v = it->child ? it->child->valuestring : "";
+    } else if (cJSON_IsArray(it) && all_strings(it)) {
+      /* HF's list-valued fsdp, report_to, debug: the names joined by spaces, as the
+       * command line gives them ("full_shard auto_wrap"). */
+      if (!(printed = join_names(it))) {
+        st = ddp__error_quiet(err, DDP_ERR_NO_MEMORY, "config file %s: key \"%s\": no memory", path,
+                              it->string);
+        goto out;
+      }
+      v = printed;
     }
     if (!v) {
       st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
