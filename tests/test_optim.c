@@ -395,7 +395,14 @@ static void test_schedules_vs_python(void **state) {
             {"cosine", 0, 30, 0.5},
             {"cosine", 7, 60, 1.5},
             {"cosine", 3, 3, 0.5},
-            {"linear", 1, 1, 0.5}};
+            {"linear", 1, 1, 0.5},
+            {"cosine_with_restarts", 10, 100, 1},
+            {"cosine_with_restarts", 0, 50, 3},
+            {"cosine_with_restarts", 5, 77, 2.5},
+            {"polynomial", 10, 100, 0},
+            {"polynomial", 0, 33, 0},
+            {"inverse_sqrt", 10, 0, 0},
+            {"inverse_sqrt", 0, 0, 0}};
   const int nsteps = 120;
   const double base = 3e-4;
   char in[128], out[128];
@@ -417,6 +424,8 @@ static void test_schedules_vs_python(void **state) {
     s.num_warmup_steps = sc[i].warmup;
     s.num_training_steps = sc[i].total;
     s.num_cycles = sc[i].cycles;
+    s.lr_init = base; /* polynomial: the optimizer's lr, as HF reads it */
+    assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_OK);
     for (int which = 0; which < 2; which++) {
       assert_true(getline(&line, &cap, f) > 0);
       DDP_ASSERT_PREFIX(line, which ? "lr " : "lam ");
@@ -444,10 +453,12 @@ static void test_schedule_errors(void **state) {
   (void)state;
   ddp_lr_kind_t k;
   ddp_error_t err = {0};
-  assert_int_equal(ddp_lr_kind_from_name("polynomial", &k, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ddp_lr_kind_from_name("reduce_lr_on_plateau", &k, &err),
+                   DDP_ERR_INVALID_ARGUMENT);
   assert_non_null(strstr(err.msg, "constant_with_warmup"));
-  assert_non_null(strstr(err.msg, "polynomial"));
-  for (int i = 0; i < 4; i++) {
+  assert_non_null(strstr(err.msg, "reduce_lr_on_plateau"));
+  assert_non_null(strstr(err.msg, "inverse_sqrt"));
+  for (int i = 0; i < 7; i++) {
     assert_int_equal(ddp_lr_kind_from_name(ddp_lr_kind_name((ddp_lr_kind_t)i), &k, &err), DDP_OK);
     assert_int_equal((int)k, i);
   }
@@ -461,6 +472,22 @@ static void test_schedule_errors(void **state) {
   assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_ERR_INVALID_ARGUMENT);
   s.num_warmup_steps = 2;
   assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_OK);
+  /* Polynomial: HF's ValueError when lr_end is not below the optimizer's lr, and a decay
+   * that would divide by zero steps. */
+  s.kind = DDP_LR_POLYNOMIAL;
+  s.lr_init = 1e-7;
+  assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "lr_end (1e-07) must be smaller than initial lr (1e-07)"));
+  s.lr_init = 1e-3;
+  assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_OK);
+  s.num_warmup_steps = 10;
+  assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "must exceed num_warmup_steps 10"));
+  s.num_warmup_steps = 2;
+  s.kind = DDP_LR_COSINE_WITH_RESTARTS;
+  s.num_cycles = -1;
+  assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_ERR_INVALID_ARGUMENT);
+  s.num_cycles = 0.5;
   /* Linear decays to exactly zero at num_training_steps and stays there. */
   s.kind = DDP_LR_LINEAR;
   DDP_ASSERT_EQ(ddp_lr_lambda(&s, 10), 0.0);

@@ -565,7 +565,7 @@ static void test_tool_errors(void **state) {
       {{"--comm_hook", "fp32", NULL}, "fp32"},
       {{"--comm_hook", "fp16", "--comm_wrapper", "int8"}, "int8"},
       {{"--optim", "lion", NULL}, "optim \"lion\""},
-      {{"--lr_scheduler_type", "cosine_with_restarts", NULL}, "lr_scheduler_type"},
+      {{"--lr_scheduler_type", "reduce_lr_on_plateau", NULL}, "lr_scheduler_type"},
       {{"--ddp_backend", "shm", NULL}, "run under ddprun"},
       {{"--threads", "0", NULL}, "--threads expects"},
       {{"--logging_steps", "2.5", NULL}, "logging_steps must be a whole number"},
@@ -1361,7 +1361,7 @@ static void test_progress_output(void **state) {
 }
 
 /* PyTorch oracle: tools/torch/torch_reference.py runs real DDP (gloo, 3 ranks) with AdamW, weight
- * decay, accumulation 2, clipping and a linear warmup schedule; ddp-train started from the
+ * decay, accumulation 2, clipping and each warmup schedule; ddp-train started from the
  * same weights with the same HF arguments dumps every step, and ddp-compare finds inputs,
  * averaged gradients and parameters within its default tolerance (rtol 1e-5, atol 1e-7). */
 static void test_dump_vs_torch(void **state) {
@@ -1384,36 +1384,48 @@ static void test_dump_vs_torch(void **state) {
         "{\"type\": \"linear\", \"in\": 32, \"out\": 10, \"bias\": false}]}",
         f);
   fclose(f);
-  const char *hf = "--max_grad_norm 1.0 --lr_scheduler_type linear --warmup_steps 2 --seed 3 "
-                   "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
-                   "--ddp_find_unused_parameters false";
-  snprintf(cmd, sizeof cmd,
-           "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' '%s/tools/torch/torch_reference.py' "
-           "--model '%s' --dump_dir '%s/torch' --world 3 --steps 6 --batch 4 --lr 1e-3 %s "
-           ">'%s/torch.log' 2>&1",
-           py, root, model, dir, hf, dir);
-  int rc = system(cmd);
-  if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) {
-    rm_tree(dir);
-    skip();
-    return;
+  /* Each of HF's schedules that ddp-train takes beyond linear's warmup and decay, with
+   * get_scheduler's defaults (cosine_with_restarts' one cycle, polynomial's lr_end, the
+   * inverse square root's timescale): the learning rate of every step feeds the
+   * parameters ddp-compare holds against PyTorch's. */
+  static const char *const schedules[] = {"linear", "cosine_with_restarts", "polynomial",
+                                          "inverse_sqrt"};
+  for (size_t k = 0; k < sizeof schedules / sizeof *schedules; k++) {
+    char hf[512];
+    snprintf(hf, sizeof hf,
+             "--max_grad_norm 1.0 --lr_scheduler_type %s --warmup_steps 2 --seed 3 "
+             "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
+             "--ddp_find_unused_parameters false",
+             schedules[k]);
+    print_message("lr_scheduler_type %s\n", schedules[k]);
+    snprintf(cmd, sizeof cmd,
+             "rm -rf '%s/torch' '%s/libddp' && OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' "
+             "'%s/tools/torch/torch_reference.py' --model '%s' --dump_dir '%s/torch' --world 3 "
+             "--steps 6 --batch 4 --lr 1e-3 %s >'%s/torch.log' 2>&1",
+             dir, dir, py, root, model, dir, hf, dir);
+    int rc = system(cmd);
+    if (WIFEXITED(rc) && WEXITSTATUS(rc) == 77) {
+      rm_tree(dir);
+      skip();
+      return;
+    }
+    if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) {
+      snprintf(cmd, sizeof cmd, "cat '%s/torch.log' >&2", dir);
+      if (system(cmd) != 0) print_error("(no torch.log)\n");
+      fail_msg("torch_reference.py failed (its output is above)");
+    }
+    snprintf(cmd, sizeof cmd,
+             "'%s/tools/ddp-train' --threads 3 --model '%s' --init '%s/torch/weights.safetensors' "
+             "--max_steps 6 --per_device_train_batch_size 4 --learning_rate 1e-3 %s --dump_dir "
+             "'%s/libddp' --save_strategy no --output_dir '%s/out'",
+             build, model, dir, hf, dir, dir);
+    char log[700];
+    snprintf(log, sizeof log, "%s/ddp-train.log", dir);
+    assert_int_equal(run_logged(cmd, log), 0);
+    snprintf(cmd, sizeof cmd, "'%s/tools/ddp-compare' '%s/torch' '%s/libddp'", build, dir, dir);
+    rc = system(cmd);
+    DDP_ASSERT_EXITED(rc, 0);
   }
-  if (!(WIFEXITED(rc) && WEXITSTATUS(rc) == 0)) {
-    snprintf(cmd, sizeof cmd, "cat '%s/torch.log' >&2", dir);
-    if (system(cmd) != 0) print_error("(no torch.log)\n");
-    fail_msg("torch_reference.py failed (its output is above)");
-  }
-  snprintf(cmd, sizeof cmd,
-           "'%s/tools/ddp-train' --threads 3 --model '%s' --init '%s/torch/weights.safetensors' "
-           "--max_steps 6 --per_device_train_batch_size 4 --learning_rate 1e-3 %s --dump_dir "
-           "'%s/libddp' --save_strategy no --output_dir '%s/out'",
-           build, model, dir, hf, dir, dir);
-  char log[700];
-  snprintf(log, sizeof log, "%s/ddp-train.log", dir);
-  assert_int_equal(run_logged(cmd, log), 0);
-  snprintf(cmd, sizeof cmd, "'%s/tools/ddp-compare' '%s/torch' '%s/libddp'", build, dir, dir);
-  rc = system(cmd);
-  DDP_ASSERT_EXITED(rc, 0);
   rm_tree(dir);
 }
 

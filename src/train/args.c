@@ -62,7 +62,9 @@ static const arg_field_t fields[] = {
     F_STR(optim, "adamw_torch", "optimizer: adamw_torch (= adamw), adam, sgd"),
     F_STR(optim_args, "", "key=value,...: sgd takes momentum, dampening, nesterov"),
     F_FLT(max_grad_norm, -1e9, 1e9, "1.0", "clip the global gradient norm; <= 0 disables"),
-    F_STR(lr_scheduler_type, "linear", "linear, cosine, constant, constant_with_warmup"),
+    F_STR(lr_scheduler_type, "linear",
+          "linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt, constant, "
+          "constant_with_warmup"),
     F_INT(warmup_steps, 0, 1e15, "0", "linear warmup steps (wins over warmup_ratio)"),
     F_FLT(warmup_ratio, 0, 1, "0.0", "warmup as a fraction of the training steps"),
     {"seed", K_U64, offsetof(ddp_train_args_t, seed), sizeof(uint64_t), 0, 4294967295.0, "42",

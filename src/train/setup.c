@@ -169,6 +169,10 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
   DDP_CHECK(ddp_lr_kind_from_name(a->lr_scheduler_type, &kind, t->err));
   t->sched = (ddp_lr_schedule_t)DDP_LR_SCHEDULE_INIT;
   t->sched.kind = kind;
+  /* get_scheduler's defaults: one cycle for the restarts; polynomial decays from the
+   * optimizer's learning rate. */
+  if (kind == DDP_LR_COSINE_WITH_RESTARTS) t->sched.num_cycles = 1.0;
+  t->sched.lr_init = a->learning_rate;
   t->sched.num_training_steps = t->max_steps;
   t->sched.num_warmup_steps = a->warmup_steps > 0
                                   ? a->warmup_steps

@@ -33,25 +33,13 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 sys.dont_write_bytecode = True
 
+import hf_schedules  # noqa: E402
 import safetensors as st  # noqa: E402
 
 
 def _group_file(ckpt, g):
     return os.path.join(ckpt, "optimizer.safetensors" if g == 0 else
                         "optimizer_group%d.safetensors" % g)
-
-
-def _lr_factor(sched, warmup, total, k):
-    """Hugging Face's schedules at step k (libddp's src/optim schedule, torch_reference's
-    lr_factor)."""
-    if sched != "constant" and k < warmup:
-        return float(k) / float(max(1, warmup))
-    if sched in ("constant", "constant_with_warmup"):
-        return 1.0
-    progress = float(k - warmup) / float(max(1, total - warmup))
-    if sched == "linear":
-        return max(0.0, float(total - k) / float(max(1, total - warmup)))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def read(ckpt):
@@ -65,7 +53,8 @@ def read(ckpt):
     warmup = args.get("warmup_steps", 0) or int(math.ceil(ts["max_steps"] *
                                                           args.get("warmup_ratio", 0.0)))
     lr0 = args["learning_rate"]
-    lr = lr0 * _lr_factor(args["lr_scheduler_type"], warmup, ts["max_steps"], ts["global_step"])
+    lr = lr0 * hf_schedules.lr_lambda(args["lr_scheduler_type"], ts["global_step"], warmup,
+                                      ts["max_steps"], lr0)
     groups, state = [], {}
     for g, og in enumerate(ts["optimizer_groups"]):
         path = _group_file(ckpt, g)

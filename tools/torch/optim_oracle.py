@@ -21,12 +21,15 @@ Output: for each case "case NAME", then per step "lr REPR", "norm HEX" (when cli
 one "p HEX..." line per parameter with the values after that step.
 
 Input of `sched`: lines "KIND WARMUP TOTAL CYCLES NSTEPS BASE_LR"; output per line the
-multipliers for steps 0..NSTEPS-1 computed from the Hugging Face formulas restated below,
+multipliers for steps 0..NSTEPS-1 computed from the Hugging Face formulas restated in
+hf_schedules.py,
 then the learning rates torch's LambdaLR produces with them ("lam ..." and "lr ...").
 """
-import math
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_schedules  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -39,32 +42,11 @@ except Exception:  # torch or numpy missing: let the test skip
 torch.set_num_threads(1)
 
 
-# Hugging Face transformers' schedule multipliers (optimization.py), restated.
-def lam_constant(step, warmup, total, cycles):
-    return 1.0
-
-
-def lam_constant_with_warmup(step, warmup, total, cycles):
-    if step < warmup:
-        return float(step) / float(max(1.0, warmup))
-    return 1.0
-
-
-def lam_linear(step, warmup, total, cycles):
-    if step < warmup:
-        return float(step) / float(max(1, warmup))
-    return max(0.0, float(total - step) / float(max(1, total - warmup)))
-
-
-def lam_cosine(step, warmup, total, cycles):
-    if step < warmup:
-        return float(step) / float(max(1, warmup))
-    progress = float(step - warmup) / float(max(1, total - warmup))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(cycles) * 2.0 * progress)))
-
-
-LAMBDAS = {"constant": lam_constant, "constant_with_warmup": lam_constant_with_warmup,
-           "linear": lam_linear, "cosine": lam_cosine}
+def lam(kind, w, t, c, base):
+    """Hugging Face's schedule multiplier (tools/torch/hf_schedules.py) as LambdaLR's
+    function of the step, with num_cycles c for the cosine kinds and the base lr for
+    polynomial's lr_init."""
+    return lambda s: hf_schedules.lr_lambda(kind, s, w, t, base, num_cycles=c)
 
 
 def decode(words, dtype):
@@ -104,9 +86,8 @@ def run_case(header, shapes, steps, pvals, gvals, out):
                   maximize=maximize)
     sched = None
     if kv.get("sched", "none") != "none":
-        fn = LAMBDAS[kv["sched"]]
-        w, t, c = int(kv["warmup"]), int(kv["total"]), float(kv["cycles"])
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: fn(s, w, t, c))
+        fn = lam(kv["sched"], int(kv["warmup"]), int(kv["total"]), float(kv["cycles"]), lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
     clip = float(kv["clip"]) if "clip" in kv else None
     out.write("case %s\n" % name)
     n = len(params)
@@ -152,11 +133,11 @@ def sched_mode(inp, outp):
             if not tok:
                 continue
             kind, w, t, c, n, base = tok[0], int(tok[1]), int(tok[2]), float(tok[3]), int(tok[4]), float(tok[5])
-            fn = LAMBDAS[kind]
-            out.write("lam %s\n" % " ".join(repr(fn(s, w, t, c)) for s in range(n)))
+            fn = lam(kind, w, t, c, base)
+            out.write("lam %s\n" % " ".join(repr(fn(s)) for s in range(n)))
             p = torch.zeros(1, requires_grad=True)
             opt = torch.optim.SGD([p], lr=base)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: fn(s, w, t, c))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
             lrs = []
             for _ in range(n):
                 lrs.append(opt.param_groups[0]["lr"])

@@ -98,7 +98,8 @@ def parse_args(argv):
     p.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=0.1)
     p.add_argument("--optim", choices=("sgd", "adamw", "adamw_torch", "adam"), default="sgd")
     p.add_argument("--lr_scheduler_type",
-                   choices=("constant", "constant_with_warmup", "linear", "cosine"),
+                   choices=("constant", "constant_with_warmup", "linear", "cosine",
+                            "cosine_with_restarts", "polynomial", "inverse_sqrt"),
                    default="constant", help="Hugging Face's schedules (default constant)")
     p.add_argument("--warmup_steps", type=int, default=0)
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
@@ -275,16 +276,8 @@ def config_dict(a):
 
 def lr_factor(a, k):
     """Hugging Face's schedules (transformers.get_scheduler) at step k, over --steps."""
-    import math
-    w, total = a.warmup_steps, a.steps
-    if a.lr_scheduler_type != "constant" and k < w:
-        return float(k) / float(max(1, w))
-    if a.lr_scheduler_type in ("constant", "constant_with_warmup"):
-        return 1.0
-    progress = float(k - w) / float(max(1, total - w))
-    if a.lr_scheduler_type == "linear":
-        return max(0.0, float(total - k) / float(max(1, total - w)))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    import hf_schedules
+    return hf_schedules.lr_lambda(a.lr_scheduler_type, k, a.warmup_steps, a.steps, a.lr)
 
 
 def reducer_params(module):
