@@ -381,28 +381,39 @@ static void test_optim_vs_torch(void **state) {
 /* HF schedule multipliers against the Python formulas, and LambdaLR's lr, exactly. */
 static void test_schedules_vs_python(void **state) {
   (void)state;
+  /* kwargs: the schedule's other lr_scheduler_kwargs, as the Python side reads them (JSON
+   * with no spaces; "" for none), and the same values set below. */
   static const struct {
     const char *kind;
     int warmup, total;
     double cycles;
-  } sc[] = {{"constant", 0, 0, 0.5},
-            {"constant_with_warmup", 5, 0, 0.5},
-            {"constant_with_warmup", 0, 0, 0.5},
-            {"linear", 10, 100, 0.5},
-            {"linear", 0, 37, 0.5},
-            {"linear", 50, 50, 0.5},
-            {"cosine", 10, 100, 0.5},
-            {"cosine", 0, 30, 0.5},
-            {"cosine", 7, 60, 1.5},
-            {"cosine", 3, 3, 0.5},
-            {"linear", 1, 1, 0.5},
-            {"cosine_with_restarts", 10, 100, 1},
-            {"cosine_with_restarts", 0, 50, 3},
-            {"cosine_with_restarts", 5, 77, 2.5},
-            {"polynomial", 10, 100, 0},
-            {"polynomial", 0, 33, 0},
-            {"inverse_sqrt", 10, 0, 0},
-            {"inverse_sqrt", 0, 0, 0}};
+    const char *kwargs;
+    double lr_end, power, rate;
+    int timescale;
+  } sc[] = {{"constant", 0, 0, 0.5, NULL, 0, 0, 0, 0},
+            {"constant_with_warmup", 5, 0, 0.5, NULL, 0, 0, 0, 0},
+            {"constant_with_warmup", 0, 0, 0.5, NULL, 0, 0, 0, 0},
+            {"linear", 10, 100, 0.5, NULL, 0, 0, 0, 0},
+            {"linear", 0, 37, 0.5, NULL, 0, 0, 0, 0},
+            {"linear", 50, 50, 0.5, NULL, 0, 0, 0, 0},
+            {"cosine", 10, 100, 0.5, NULL, 0, 0, 0, 0},
+            {"cosine", 0, 30, 0.5, NULL, 0, 0, 0, 0},
+            {"cosine", 7, 60, 1.5, NULL, 0, 0, 0, 0},
+            {"cosine", 3, 3, 0.5, NULL, 0, 0, 0, 0},
+            {"linear", 1, 1, 0.5, NULL, 0, 0, 0, 0},
+            {"cosine_with_restarts", 10, 100, 1, NULL, 0, 0, 0, 0},
+            {"cosine_with_restarts", 0, 50, 3, NULL, 0, 0, 0, 0},
+            {"cosine_with_restarts", 5, 77, 2.5, NULL, 0, 0, 0, 0},
+            {"polynomial", 10, 100, 0, NULL, 0, 0, 0, 0},
+            {"polynomial", 0, 33, 0, NULL, 0, 0, 0, 0},
+            {"inverse_sqrt", 10, 0, 0, NULL, 0, 0, 0, 0},
+            {"inverse_sqrt", 0, 0, 0, NULL, 0, 0, 0, 0},
+            {"polynomial", 5, 90, 0, "{\"lr_end\":1e-5,\"power\":2.5}", 1e-5, 2.5, 0, 0},
+            {"polynomial", 0, 40, 0, "{\"power\":0.5}", 1e-7, 0.5, 0, 0},
+            {"inverse_sqrt", 4, 0, 0, "{\"timescale\":30}", 0, 0, 0, 30},
+            {"cosine_with_min_lr", 10, 100, 0.5, "{\"min_lr_rate\":0.1}", 0, 0, 0.1, 0},
+            {"cosine_with_min_lr", 0, 60, 1.5, "{\"min_lr_rate\":0.25}", 0, 0, 0.25, 0},
+            {"cosine_with_min_lr", 3, 3, 0.5, "{\"min_lr_rate\":0.5}", 0, 0, 0.5, 0}};
   const int nsteps = 120;
   const double base = 3e-4;
   char in[128], out[128];
@@ -410,8 +421,8 @@ static void test_schedules_vs_python(void **state) {
   ddp_test_tmp_file(out, sizeof out, "optim", "sched_out");
   FILE *f = fopen(in, "w");
   for (size_t i = 0; i < sizeof sc / sizeof sc[0]; i++)
-    fprintf(f, "%s %d %d %.17g %d %.17g\n", sc[i].kind, sc[i].warmup, sc[i].total, sc[i].cycles,
-            nsteps, base);
+    fprintf(f, "%s %d %d %.17g %d %.17g %s\n", sc[i].kind, sc[i].warmup, sc[i].total, sc[i].cycles,
+            nsteps, base, sc[i].kwargs ? sc[i].kwargs : "");
   fclose(f);
   f = run_oracle("sched", in, out);
   if (!f) skip();
@@ -425,6 +436,12 @@ static void test_schedules_vs_python(void **state) {
     s.num_training_steps = sc[i].total;
     s.num_cycles = sc[i].cycles;
     s.lr_init = base; /* polynomial: the optimizer's lr, as HF reads it */
+    if (sc[i].kwargs) {
+      if (sc[i].lr_end) s.lr_end = sc[i].lr_end;
+      if (sc[i].power) s.power = sc[i].power;
+      s.min_lr_rate = sc[i].rate;
+      s.timescale = sc[i].timescale;
+    }
     assert_int_equal(ddp_lr_schedule_check(&s, &err), DDP_OK);
     for (int which = 0; which < 2; which++) {
       assert_true(getline(&line, &cap, f) > 0);
@@ -458,7 +475,7 @@ static void test_schedule_errors(void **state) {
   assert_non_null(strstr(err.msg, "constant_with_warmup"));
   assert_non_null(strstr(err.msg, "reduce_lr_on_plateau"));
   assert_non_null(strstr(err.msg, "inverse_sqrt"));
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < 8; i++) {
     assert_int_equal(ddp_lr_kind_from_name(ddp_lr_kind_name((ddp_lr_kind_t)i), &k, &err), DDP_OK);
     assert_int_equal((int)k, i);
   }

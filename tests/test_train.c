@@ -407,7 +407,6 @@ static void test_hf_arguments(void **state) {
             {"push_to_hub", "0"},
             {"label_smoothing_factor", "0.0"},
             {"neftune_noise_alpha", "null"},
-            {"lr_scheduler_kwargs", "{}"},
             {"past_index", "-1"}};
   ddp_train_args_t before = a;
   for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
@@ -458,7 +457,8 @@ static void test_hf_arguments(void **state) {
     ddp_train_arg_info(i, &n, NULL, NULL, NULL);
     fprintf(f, "\"%s\": null, ", n);
   }
-  fprintf(f, "\"evaluation_strategy\": null, \"report_to\": [], \"lr_scheduler_kwargs\": {}, "
+  fprintf(f, "\"evaluation_strategy\": null, \"report_to\": [], \"gradient_checkpointing_kwargs\": "
+             "{}, "
              "\"label_names\": null, \"accelerator_config\": {\"split_batches\": false}, "
              "\"per_gpu_train_batch_size\": null, \"fp16\": false, \"tf32\": null, "
              "\"hub_token\": \"<HUB_TOKEN>\", \"dispatch_batches\": null}\n");
@@ -473,6 +473,38 @@ static void test_hf_arguments(void **state) {
   ddp_free(got);
   ddp_free(want);
   rm_tree(dir);
+
+  /* lr_scheduler_kwargs: the schedule's own arguments, refused by name otherwise. */
+  struct {
+    const char *type, *kwargs, *expect;
+  } kw[] = {
+      {"polynomial", "{\"lr_end\": 1e-6, \"power\": 2}", NULL},
+      {"cosine_with_restarts", "{\"num_cycles\": 3}", NULL},
+      {"cosine_with_min_lr", "{\"min_lr\": 1e-6}", NULL},
+      {"inverse_sqrt", "{\"timescale\": 100}", NULL},
+      {"linear", "{}", NULL},
+      {"polynomial", "{\"num_cycles\": 2}",
+       "\"num_cycles\" is not an argument of the polynomial schedule (it takes lr_end, power)"},
+      {"linear", "{\"power\": 2}", "(it takes none)"},
+      {"cosine_with_min_lr", "", "one of min_lr or min_lr_rate should be set"},
+      {"cosine_with_min_lr", "{\"min_lr\": 1e-6, \"min_lr_rate\": 0.1}", "only one of min_lr"},
+      {"inverse_sqrt", "{\"timescale\": 2.5}", "timescale takes a positive integer, got 2.5"},
+      {"polynomial", "{\"power\": \"2\"}", "power takes a number, got \"2\""},
+      {"cosine", "{num_cycles: 1}", "lr_scheduler_kwargs: not JSON"},
+      {"cosine", "[1]", "a JSON object of the cosine schedule's arguments"},
+  };
+  for (size_t i = 0; i < sizeof kw / sizeof kw[0]; i++) {
+    ddp_train_args_t b = DDP_TRAIN_ARGS_INIT;
+    b.learning_rate = 1e-3;
+    assert_int_equal(ddp_train_args_set(&b, "lr_scheduler_type", kw[i].type, &err), DDP_OK);
+    assert_int_equal(ddp_train_args_set(&b, "lr_scheduler_kwargs", kw[i].kwargs, &err), DDP_OK);
+    ddp_status_t vs = ddp_train_args_validate(&b, &err);
+    if (kw[i].expect ? vs != DDP_ERR_INVALID_ARGUMENT || !strstr(err.msg, kw[i].expect)
+                     : vs != DDP_OK) {
+      fail_msg("%s %s: %s \"%s\", expected %s", kw[i].type, kw[i].kwargs, ddp_status_str(vs),
+               vs ? err.msg : "", kw[i].expect ? kw[i].expect : "OK");
+    }
+  }
 
   const char *yes[] = {"true", "TRUE", "yes", "t", "Y", "1"},
              *no[] = {"false", "No", "f", "n", "0"};
@@ -1388,16 +1420,21 @@ static void test_dump_vs_torch(void **state) {
    * get_scheduler's defaults (cosine_with_restarts' one cycle, polynomial's lr_end, the
    * inverse square root's timescale): the learning rate of every step feeds the
    * parameters ddp-compare holds against PyTorch's. */
-  static const char *const schedules[] = {"linear", "cosine_with_restarts", "polynomial",
-                                          "inverse_sqrt"};
+  static const char *const schedules[][2] = {{"linear", ""},
+                                             {"cosine_with_restarts", ""},
+                                             {"cosine_with_restarts", "{\"num_cycles\": 2}"},
+                                             {"polynomial", ""},
+                                             {"polynomial", "{\"lr_end\": 1e-4, \"power\": 2.0}"},
+                                             {"inverse_sqrt", ""},
+                                             {"cosine_with_min_lr", "{\"min_lr\": 2e-4}"}};
   for (size_t k = 0; k < sizeof schedules / sizeof *schedules; k++) {
     char hf[512];
     snprintf(hf, sizeof hf,
-             "--max_grad_norm 1.0 --lr_scheduler_type %s --warmup_steps 2 --seed 3 "
-             "--optim adamw --weight_decay 0.01 --gradient_accumulation_steps 2 "
-             "--ddp_find_unused_parameters false",
-             schedules[k]);
-    print_message("lr_scheduler_type %s\n", schedules[k]);
+             "--max_grad_norm 1.0 --lr_scheduler_type %s --lr_scheduler_kwargs '%s' "
+             "--warmup_steps 2 --seed 3 --optim adamw --weight_decay 0.01 "
+             "--gradient_accumulation_steps 2 --ddp_find_unused_parameters false",
+             schedules[k][0], schedules[k][1]);
+    print_message("lr_scheduler_type %s %s\n", schedules[k][0], schedules[k][1]);
     snprintf(cmd, sizeof cmd,
              "rm -rf '%s/torch' '%s/libddp' && OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 '%s' "
              "'%s/tools/torch/torch_reference.py' --model '%s' --dump_dir '%s/torch' --world 3 "

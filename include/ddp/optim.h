@@ -163,7 +163,8 @@ DDP_API size_t ddp_optim_state_bytes(const ddp_optim_t *opt);
 /* ---------------------------------------------------------------- LR schedules ---- */
 
 /* Hugging Face's SchedulerType names: "constant", "constant_with_warmup", "linear",
- * "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt". Each is a LambdaLR
+ * "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_with_min_lr".
+ * Each is a LambdaLR
  * multiplier of the base lr, evaluated at the scheduler's step count (0 before the first
  * optimizer step). */
 typedef enum ddp_lr_kind {
@@ -173,24 +174,27 @@ typedef enum ddp_lr_kind {
   DDP_LR_COSINE = 3,
   DDP_LR_COSINE_WITH_RESTARTS = 4,
   DDP_LR_POLYNOMIAL = 5,
-  DDP_LR_INVERSE_SQRT = 6
+  DDP_LR_INVERSE_SQRT = 6,
+  DDP_LR_COSINE_WITH_MIN_LR = 7
 } ddp_lr_kind_t;
 
 typedef struct ddp_lr_schedule {
   ddp_lr_kind_t kind;
   int64_t num_warmup_steps;   /* every kind but constant */
-  int64_t num_training_steps; /* linear, cosine, cosine_with_restarts, polynomial */
-  double num_cycles;          /* cosine (HF's default 0.5: half a wave to zero) and
-                               * cosine_with_restarts (HF's default 1: set it) */
+  int64_t num_training_steps; /* linear, the cosine kinds, polynomial */
+  double num_cycles;          /* cosine, cosine_with_min_lr (HF's default 0.5: half a wave)
+                               * and cosine_with_restarts (HF's default 1: set it) */
   double lr_init;             /* polynomial: the optimizer's learning rate (HF reads it from the
                                * optimizer's defaults); must exceed lr_end */
   double lr_end;              /* polynomial; HF's default 1e-7 */
   double power;               /* polynomial; HF's default 1.0 */
   int64_t timescale;          /* inverse_sqrt; 0: HF's default, num_warmup_steps or 10000 */
+  double min_lr_rate;         /* cosine_with_min_lr: the floor as a fraction of the base lr
+                               * (HF's min_lr_rate, or min_lr / lr) */
 } ddp_lr_schedule_t;
 
 #define DDP_LR_SCHEDULE_INIT \
-  { DDP_LR_LINEAR, 0, 0, 0.5, 0.0, 1e-7, 1.0, 0 }
+  { DDP_LR_LINEAR, 0, 0, 0.5, 0.0, 1e-7, 1.0, 0, 0.0 }
 
 /* Parses an HF name. DDP_ERR_INVALID_ARGUMENT lists the accepted names. */
 DDP_API ddp_status_t ddp_lr_kind_from_name(const char *name, ddp_lr_kind_t *out, ddp_error_t *err);

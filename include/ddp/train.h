@@ -64,7 +64,7 @@ typedef struct ddp_train_args {
                                        * dampening and nesterov (docs/train.md) */
   double max_grad_norm;               /* 1.0; <= 0 disables clipping, as in HF */
   /* schedule */
-  char lr_scheduler_type[32]; /* "linear" (constant, constant_with_warmup, linear, cosine) */
+  char lr_scheduler_type[32]; /* "linear" (docs/train.md: HF's schedules) */
   int64_t warmup_steps;       /* 0; when > 0 it wins over warmup_ratio */
   double warmup_ratio;        /* 0.0 */
   /* run control */
@@ -153,6 +153,10 @@ typedef struct ddp_train_args {
    * update nothing) */
   char zero_comm_hook[40];
   bool zero_shard_buckets; /* the hook's shard_buckets (false: bucket i to rank i % W) */
+  /* HF's lr_scheduler_kwargs: "" or a JSON object of the schedule's own arguments
+   * (cosine, cosine_with_restarts: num_cycles; polynomial: lr_end, power; inverse_sqrt:
+   * timescale; cosine_with_min_lr: num_cycles and min_lr or min_lr_rate) */
+  char lr_scheduler_kwargs[DDP_TRAIN_STR_MAX];
 } ddp_train_args_t;
 
 #define DDP_TRAIN_ARGS_INIT                                                                        \
@@ -174,7 +178,8 @@ typedef struct ddp_train_args {
     .comm_wrapper = "no", .comm_state_option = "", .power_sgd_init_q = "",                         \
     .world_size_invariant_shards = 0, .overwrite_output_dir = false, .halt_on_nonfinite = true,    \
     .sharding_arithmetic = "ddp", .save_safetensors = true, .max_shard_size = "5GB",               \
-    .zero_parameters_as_bucket_view = false, .zero_comm_hook = "no", .zero_shard_buckets = false   \
+    .zero_parameters_as_bucket_view = false, .zero_comm_hook = "no", .zero_shard_buckets = false,  \
+    .lr_scheduler_kwargs = ""                                                                      \
   }
 
 /* Sets one field by its HF name from a string: integers, floats, booleans as

@@ -11,6 +11,8 @@
  *   polynomial (lr_init L, lr_end E, power p): E / L after step T, else
  *                             ((L - E) * (1 - (step - W) / (T - W))^p + E) / L
  *   inverse_sqrt (timescale S): 1 / sqrt((step + S - W) / S)
+ *   cosine_with_min_lr (c, rate r): f = cosine's wave before the max;
+ *                             max(0, f * (1 - r) + r)
  * all in double, in the order Python evaluates them (Python's float % is C's fmod for the
  * non-negative operands here, ** is pow), so the values are bitwise those of the Python
  * lambdas on the same libm (tools/torch/hf_schedules.py; tests/test_optim.c). */
@@ -20,9 +22,9 @@
 #include "common/common.h"
 #include "ddp/optim.h"
 
-static const char *const lr_names[] = {"constant",    "constant_with_warmup", "linear",
-                                       "cosine",      "cosine_with_restarts", "polynomial",
-                                       "inverse_sqrt"};
+static const char *const lr_names[] = {"constant",     "constant_with_warmup", "linear",
+                                       "cosine",       "cosine_with_restarts", "polynomial",
+                                       "inverse_sqrt", "cosine_with_min_lr"};
 
 const char *ddp_lr_kind_name(ddp_lr_kind_t kind) {
   if ((int)kind < 0 || (size_t)kind >= DDP_ARRAY_LEN(lr_names)) return "?";
@@ -40,7 +42,7 @@ ddp_status_t ddp_lr_kind_from_name(const char *name, ddp_lr_kind_t *out, ddp_err
   return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                     "lr_scheduler_type '%s' is not supported; choose one of constant, "
                     "constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, "
-                    "inverse_sqrt",
+                    "inverse_sqrt, cosine_with_min_lr",
                     name);
 }
 
@@ -53,7 +55,8 @@ ddp_status_t ddp_lr_schedule_check(const ddp_lr_schedule_t *s, ddp_error_t *err)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "lr schedule %s: num_warmup_steps %lld is negative", lr_names[s->kind],
                       (long long)s->num_warmup_steps);
-  bool cos_kind = s->kind == DDP_LR_COSINE || s->kind == DDP_LR_COSINE_WITH_RESTARTS;
+  bool cos_kind = s->kind == DDP_LR_COSINE || s->kind == DDP_LR_COSINE_WITH_RESTARTS ||
+                  s->kind == DDP_LR_COSINE_WITH_MIN_LR;
   if ((s->kind == DDP_LR_LINEAR || cos_kind || s->kind == DDP_LR_POLYNOMIAL) &&
       s->num_training_steps < 1)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
@@ -75,6 +78,9 @@ ddp_status_t ddp_lr_schedule_check(const ddp_lr_schedule_t *s, ddp_error_t *err)
                         "(%g), power %g",
                         s->lr_end, s->lr_init, s->power);
   }
+  if (s->kind == DDP_LR_COSINE_WITH_MIN_LR && !isfinite(s->min_lr_rate))
+    return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
+                      "lr schedule cosine_with_min_lr: min_lr_rate %g", s->min_lr_rate);
   if (s->kind == DDP_LR_INVERSE_SQRT && s->timescale < 0)
     return ddp__error(err, -1, DDP_ERR_INVALID_ARGUMENT,
                       "lr schedule inverse_sqrt: timescale %lld is negative",
@@ -117,6 +123,13 @@ double ddp_lr_lambda(const ddp_lr_schedule_t *s, int64_t step) {
       double range = s->lr_init - s->lr_end;
       double remaining = 1.0 - (double)(step - w) / (double)(t - w);
       return (range * pow(remaining, s->power) + s->lr_end) / s->lr_init;
+    }
+    case DDP_LR_COSINE_WITH_MIN_LR: {
+      if (step < w) return (double)step / at_least_one(w);
+      double progress = (double)(step - w) / at_least_one(t - w);
+      double f = 0.5 * (1.0 + cos(M_PI * s->num_cycles * 2.0 * progress));
+      f = f * (1.0 - s->min_lr_rate) + s->min_lr_rate;
+      return f > 0.0 ? f : 0.0;
     }
     case DDP_LR_INVERSE_SQRT: {
       if (step < w) return (double)step / at_least_one(w);

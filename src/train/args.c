@@ -63,8 +63,11 @@ static const arg_field_t fields[] = {
     F_STR(optim_args, "", "key=value,...: sgd takes momentum, dampening, nesterov"),
     F_FLT(max_grad_norm, -1e9, 1e9, "1.0", "clip the global gradient norm; <= 0 disables"),
     F_STR(lr_scheduler_type, "linear",
-          "linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt, constant, "
-          "constant_with_warmup"),
+          "linear, cosine, cosine_with_restarts, polynomial, inverse_sqrt, "
+          "cosine_with_min_lr, constant, constant_with_warmup"),
+    F_STR(lr_scheduler_kwargs, "",
+          "JSON object: num_cycles (cosine kinds), lr_end and power (polynomial), "
+          "timescale (inverse_sqrt), min_lr or min_lr_rate (cosine_with_min_lr)"),
     F_INT(warmup_steps, 0, 1e15, "0", "linear warmup steps (wins over warmup_ratio)"),
     F_FLT(warmup_ratio, 0, 1, "0.0", "warmup as a fraction of the training steps"),
     {"seed", K_U64, offsetof(ddp_train_args_t, seed), sizeof(uint64_t), 0, 4294967295.0, "42",
@@ -419,6 +422,95 @@ bool ddp__train_forward_flags(const char *text, int rank, uint64_t *out) {
   return ddp__train_forward_flags_at(text, rank, 0, out);
 }
 
+/* One schedule argument of lr_scheduler_kwargs into s, by name. */
+static ddp_status_t lr_kwarg(const char *kind, const cJSON *it, ddp_lr_schedule_t *s,
+                             double *min_lr, ddp_error_t *err) {
+  static const struct {
+    ddp_lr_kind_t kind;
+    const char *takes;
+  } takes[] = {{DDP_LR_CONSTANT, "none"},
+               {DDP_LR_CONSTANT_WITH_WARMUP, "none"},
+               {DDP_LR_LINEAR, "none"},
+               {DDP_LR_COSINE, "num_cycles"},
+               {DDP_LR_COSINE_WITH_RESTARTS, "num_cycles"},
+               {DDP_LR_POLYNOMIAL, "lr_end, power"},
+               {DDP_LR_INVERSE_SQRT, "timescale"},
+               {DDP_LR_COSINE_WITH_MIN_LR, "num_cycles, min_lr, min_lr_rate"}};
+  const char *list = "none";
+  for (size_t i = 0; i < DDP_ARRAY_LEN(takes); i++) {
+    if (takes[i].kind == s->kind) list = takes[i].takes;
+  }
+  /* A name is taken when it is one of the list's comma-separated words. */
+  const char *n = it->string, *hit = strstr(list, n);
+  size_t len = strlen(n);
+  bool taken = hit && (hit == list || hit[-1] == ' ') && (hit[len] == 0 || hit[len] == ',');
+  if (!taken) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "lr_scheduler_kwargs: \"%s\" is not an argument of the %s "
+                            "schedule (it takes %s)",
+                            n, kind, list);
+  }
+  double x = it->valuedouble;
+  if (!cJSON_IsNumber(it) || !isfinite(x) ||
+      (!strcmp(n, "timescale") && (x != floor(x) || x < 1 || x > 1e15))) {
+    char *shown = cJSON_PrintUnformatted(it);
+    ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "lr_scheduler_kwargs: %s takes %s, got %s", n,
+                     strcmp(n, "timescale") ? "a number" : "a positive integer",
+                     shown ? shown : "?");
+    cJSON_free(shown);
+    return DDP_ERR_INVALID_ARGUMENT;
+  }
+  if (!strcmp(n, "num_cycles")) s->num_cycles = x;
+  if (!strcmp(n, "lr_end")) s->lr_end = x;
+  if (!strcmp(n, "power")) s->power = x;
+  if (!strcmp(n, "timescale")) s->timescale = (int64_t)x;
+  if (!strcmp(n, "min_lr_rate")) s->min_lr_rate = x;
+  if (!strcmp(n, "min_lr")) *min_lr = x;
+  return DDP_OK;
+}
+
+ddp_status_t ddp__train_lr_kwargs(const ddp_train_args_t *a, ddp_lr_schedule_t *s,
+                                  ddp_error_t *err) {
+  const char *kind = ddp_lr_kind_name(s->kind);
+  const char *text = a->lr_scheduler_kwargs;
+  cJSON *root = NULL;
+  if (text[strspn(text, " ")] && !(root = cJSON_Parse(text))) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "lr_scheduler_kwargs: not JSON: %s",
+                            text);
+  }
+  ddp_status_t st = DDP_OK;
+  if (root && !cJSON_IsObject(root)) {
+    st = ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                          "lr_scheduler_kwargs: a JSON object of the %s schedule's arguments, "
+                          "got %s",
+                          kind, text);
+  }
+  double min_lr = NAN;
+  bool rate = false;
+  const cJSON *it;
+  cJSON_ArrayForEach(it, root) {
+    if (st != DDP_OK) break;
+    st = lr_kwarg(kind, it, s, &min_lr, err);
+    rate = rate || !strcmp(it->string, "min_lr_rate");
+  }
+  cJSON_Delete(root);
+  if (st != DDP_OK || s->kind != DDP_LR_COSINE_WITH_MIN_LR) return st;
+  /* HF's get_cosine_with_min_lr_schedule_with_warmup: exactly one of the two, min_lr as a
+   * fraction of the optimizer's lr. */
+  if (rate && !isnan(min_lr)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "lr_scheduler_kwargs: only one of min_lr or min_lr_rate should be "
+                            "set (cosine_with_min_lr)");
+  }
+  if (!rate && isnan(min_lr)) {
+    return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
+                            "lr_scheduler_type cosine_with_min_lr: one of min_lr or min_lr_rate "
+                            "should be set through lr_scheduler_kwargs");
+  }
+  if (!rate) s->min_lr_rate = min_lr / s->lr_init;
+  return DDP_OK;
+}
+
 ddp_status_t ddp__train_optim_args(const ddp_train_args_t *a, ddp_optim_options_t *o,
                                    ddp_error_t *err) {
   char buf[DDP_TRAIN_STR_MAX];
@@ -523,11 +615,13 @@ ddp_status_t ddp_train_args_validate(const ddp_train_args_t *in, ddp_error_t *er
                             "adam, sgd",
                             a->optim);
   }
-  ddp_lr_kind_t k;
+  ddp_lr_schedule_t sched = DDP_LR_SCHEDULE_INIT;
   ddp_error_t e = {0};
-  if (ddp_lr_kind_from_name(a->lr_scheduler_type, &k, &e) != DDP_OK) {
+  if (ddp_lr_kind_from_name(a->lr_scheduler_type, &sched.kind, &e) != DDP_OK) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "lr_scheduler_type: %s", e.msg);
   }
+  sched.lr_init = a->learning_rate;
+  DDP_CHECK(ddp__train_lr_kwargs(a, &sched, err));
   if (!one_of(a->eval_strategy, strategies) || !one_of(a->save_strategy, strategies)) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT,
                             "eval_strategy \"%s\" / save_strategy \"%s\": the choices are no, "

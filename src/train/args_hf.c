@@ -98,7 +98,6 @@ static const hf_arg_t hf_args[] = {
     {"neftune_noise_alpha", HF, "none|0", "embeddings get no noise"},
     {"gradient_checkpointing_kwargs", HS, NULL,
      "gradient_checkpointing sets only ddp_find_unused_parameters' default here"},
-    {"lr_scheduler_kwargs", HS, "{}|", "the schedulers take no options"},
     {"eval_delay", HF, "0", "evaluation follows eval_strategy from step 0"},
     {"eval_on_start", HB, "false", "evaluation follows eval_strategy"},
     {"ignore_data_skip", HB, "false", "a resumed run skips the batches it has trained on"},

@@ -173,6 +173,7 @@ ddp_status_t ddp__trainer_setup(ddp__trainer_t *t) {
    * optimizer's learning rate. */
   if (kind == DDP_LR_COSINE_WITH_RESTARTS) t->sched.num_cycles = 1.0;
   t->sched.lr_init = a->learning_rate;
+  DDP_CHECK(ddp__train_lr_kwargs(a, &t->sched, t->err));
   t->sched.num_training_steps = t->max_steps;
   t->sched.num_warmup_steps = a->warmup_steps > 0
                                   ? a->warmup_steps

@@ -39,6 +39,13 @@ ddp_status_t ddp__train_args_hf(const char *name, const char *value, ddp_error_t
 size_t ddp__train_args_hf_count(void);
 const char *ddp__train_args_hf_name(size_t i);
 
+/* HF's lr_scheduler_kwargs applied to s (its kind and, for cosine_with_min_lr's min_lr,
+ * lr_init already set): each key must be an argument of s's kind, with a number (timescale:
+ * a positive integer); cosine_with_min_lr needs exactly one of min_lr and min_lr_rate.
+ * DDP_ERR_INVALID_ARGUMENT (not logged) names the key, the schedule and what it takes. */
+ddp_status_t ddp__train_lr_kwargs(const ddp_train_args_t *a, ddp_lr_schedule_t *s,
+                                  ddp_error_t *err);
+
 /* HF's optim_args ("key=value,key=value", spaces ignored) applied to o: optim sgd takes
  * momentum, dampening and nesterov (torch.optim.SGD's keywords); the other optimizers take
  * no key. DDP_ERR_INVALID_ARGUMENT (not logged) names a malformed item, an unknown key or

@@ -53,8 +53,9 @@ def read(ckpt):
     warmup = args.get("warmup_steps", 0) or int(math.ceil(ts["max_steps"] *
                                                           args.get("warmup_ratio", 0.0)))
     lr0 = args["learning_rate"]
+    kwargs = json.loads(args.get("lr_scheduler_kwargs") or "{}")
     lr = lr0 * hf_schedules.lr_lambda(args["lr_scheduler_type"], ts["global_step"], warmup,
-                                      ts["max_steps"], lr0)
+                                      ts["max_steps"], lr0, **kwargs)
     groups, state = [], {}
     for g, og in enumerate(ts["optimizer_groups"]):
         path = _group_file(ckpt, g)

@@ -20,11 +20,13 @@ f32, 16 for f64):
 Output: for each case "case NAME", then per step "lr REPR", "norm HEX" (when clipping) and
 one "p HEX..." line per parameter with the values after that step.
 
-Input of `sched`: lines "KIND WARMUP TOTAL CYCLES NSTEPS BASE_LR"; output per line the
+Input of `sched`: lines "KIND WARMUP TOTAL CYCLES NSTEPS BASE_LR [KWARGS]" (KWARGS: the
+schedule's other lr_scheduler_kwargs as JSON with no spaces); output per line the
 multipliers for steps 0..NSTEPS-1 computed from the Hugging Face formulas restated in
 hf_schedules.py,
 then the learning rates torch's LambdaLR produces with them ("lam ..." and "lr ...").
 """
+import json
 import os
 import sys
 
@@ -42,11 +44,14 @@ except Exception:  # torch or numpy missing: let the test skip
 torch.set_num_threads(1)
 
 
-def lam(kind, w, t, c, base):
+def lam(kind, w, t, c, base, kwargs=None):
     """Hugging Face's schedule multiplier (tools/torch/hf_schedules.py) as LambdaLR's
-    function of the step, with num_cycles c for the cosine kinds and the base lr for
-    polynomial's lr_init."""
-    return lambda s: hf_schedules.lr_lambda(kind, s, w, t, base, num_cycles=c)
+    function of the step, with num_cycles c for the cosine kinds, the base lr as the
+    optimizer's and lr_scheduler_kwargs (a dict) for the rest."""
+    kw = dict(kwargs or {})
+    if kind in ("cosine", "cosine_with_restarts", "cosine_with_min_lr"):
+        kw["num_cycles"] = c
+    return lambda s: hf_schedules.lr_lambda(kind, s, w, t, base, **kw)
 
 
 def decode(words, dtype):
@@ -133,7 +138,7 @@ def sched_mode(inp, outp):
             if not tok:
                 continue
             kind, w, t, c, n, base = tok[0], int(tok[1]), int(tok[2]), float(tok[3]), int(tok[4]), float(tok[5])
-            fn = lam(kind, w, t, c, base)
+            fn = lam(kind, w, t, c, base, json.loads(tok[6]) if len(tok) > 6 else None)
             out.write("lam %s\n" % " ".join(repr(fn(s)) for s in range(n)))
             p = torch.zeros(1, requires_grad=True)
             opt = torch.optim.SGD([p], lr=base)

@@ -99,9 +99,12 @@ def parse_args(argv):
     p.add_argument("--optim", choices=("sgd", "adamw", "adamw_torch", "adam"), default="sgd")
     p.add_argument("--lr_scheduler_type",
                    choices=("constant", "constant_with_warmup", "linear", "cosine",
-                            "cosine_with_restarts", "polynomial", "inverse_sqrt"),
+                            "cosine_with_restarts", "polynomial", "inverse_sqrt",
+                            "cosine_with_min_lr"),
                    default="constant", help="Hugging Face's schedules (default constant)")
     p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--lr_scheduler_kwargs", default="",
+                   help="Hugging Face's: a JSON object of the schedule's own arguments")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
     p.add_argument("--optim_args", default="",
                    help="Hugging Face's key=value,...: sgd takes momentum, dampening, nesterov "
@@ -277,7 +280,9 @@ def config_dict(a):
 def lr_factor(a, k):
     """Hugging Face's schedules (transformers.get_scheduler) at step k, over --steps."""
     import hf_schedules
-    return hf_schedules.lr_lambda(a.lr_scheduler_type, k, a.warmup_steps, a.steps, a.lr)
+    kwargs = json.loads(a.lr_scheduler_kwargs) if a.lr_scheduler_kwargs.strip() else {}
+    return hf_schedules.lr_lambda(a.lr_scheduler_type, k, a.warmup_steps, a.steps, a.lr,
+                                  **kwargs)
 
 
 def reducer_params(module):
