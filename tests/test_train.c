@@ -316,6 +316,12 @@ static void test_defaults(void **state) {
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_OK);
   assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "{\"rank\": 2}", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  /* Text after the object is an error, not ignored. */
+  assert_int_equal(ddp_train_args_set(&a, "comm_state_option",
+                                      "{\"matrix_approximation_rank\": 2} 4", &err),
+                   DDP_OK);
+  assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(err.msg, "must be a JSON object"));
   assert_int_equal(ddp_train_args_set(&a, "comm_state_option", "", &err), DDP_OK);
   assert_int_equal(ddp_train_args_set(&a, "ddp_reducer", "false", &err), DDP_OK);
   assert_int_equal(ddp_train_args_validate(&a, &err), DDP_ERR_UNSUPPORTED);
@@ -491,6 +497,7 @@ static void test_hf_arguments(void **state) {
       {"inverse_sqrt", "{\"timescale\": 2.5}", "timescale takes a positive integer, got 2.5"},
       {"polynomial", "{\"power\": \"2\"}", "power takes a number, got \"2\""},
       {"cosine", "{num_cycles: 1}", "lr_scheduler_kwargs: not JSON"},
+      {"cosine", "{\"num_cycles\": 1} x", "lr_scheduler_kwargs: not JSON"},
       {"cosine", "[1]", "a JSON object of the cosine schedule's arguments"},
   };
   for (size_t i = 0; i < sizeof kw / sizeof kw[0]; i++) {

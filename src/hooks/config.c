@@ -61,7 +61,7 @@ static ddp_status_t parse_state(const char *json, ddp_powersgd_options_t *o, boo
                                 ddp_error_t *err) {
   *nonempty = false;
   if (!json || !json[0]) return DDP_OK;
-  cJSON *root = cJSON_Parse(json);
+  cJSON *root = cJSON_ParseWithOpts(json, NULL, 1); /* nothing after the object */
   if (!cJSON_IsObject(root)) {
     cJSON_Delete(root);
     return bad(err,

@@ -474,7 +474,7 @@ ddp_status_t ddp__train_lr_kwargs(const ddp_train_args_t *a, ddp_lr_schedule_t *
   const char *kind = ddp_lr_kind_name(s->kind);
   const char *text = a->lr_scheduler_kwargs;
   cJSON *root = NULL;
-  if (text[strspn(text, " ")] && !(root = cJSON_Parse(text))) {
+  if (text[strspn(text, " ")] && !(root = cJSON_ParseWithOpts(text, NULL, 1))) {
     return ddp__error_quiet(err, DDP_ERR_INVALID_ARGUMENT, "lr_scheduler_kwargs: not JSON: %s",
                             text);
   }
